@@ -1,0 +1,48 @@
+"""Profiling pass and work planning.
+
+:func:`profile` measures a worker's train step on each local device (time per
+step against batch size, peak memory) and its transfer time to the server;
+:func:`plan` turns the workers' profiles into a :class:`WorkPlan` (per worker and
+device: batch size, local steps, step-size scale) under the H-PS, ASHL, ADSP or
+equal scheme; :class:`Replanner` revises a plan as measured speeds drift.
+"""
+
+from hpsjax.profiling._plan import (
+    LR_SCALINGS,
+    SCHEMES,
+    DevicePlan,
+    Replanner,
+    WorkerPlan,
+    WorkPlan,
+    plan,
+)
+from hpsjax.profiling._profile import (
+    DeviceProfile,
+    LinearFit,
+    Link,
+    TransferProfile,
+    WorkerProfile,
+    measure_transfer,
+    multi_device_grad,
+    profile,
+    tree_wire_nbytes,
+)
+
+__all__ = [
+    "LR_SCALINGS",
+    "SCHEMES",
+    "DevicePlan",
+    "DeviceProfile",
+    "LinearFit",
+    "Link",
+    "Replanner",
+    "TransferProfile",
+    "WorkPlan",
+    "WorkerPlan",
+    "WorkerProfile",
+    "measure_transfer",
+    "multi_device_grad",
+    "plan",
+    "profile",
+    "tree_wire_nbytes",
+]

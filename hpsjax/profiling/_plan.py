@@ -1,0 +1,922 @@
+r"""Work planning: batch sizes, local steps and step-size scales from profiles.
+
+A :class:`WorkPlan` tells every worker, and every device of a worker, how much to
+do per round. It is made by :func:`plan` from the profiles of
+:func:`hpsjax.profiling.profile` under one of four schemes:
+
+=========  ===============================================================
+``hps``    H-PS: batches so that all workers finish a round together
+``ashl``   ASHL: equal batches, local steps ``H_i`` so that ``H_i t_i + T_i``
+           is equal across workers
+``adsp``   ADSP: equal batches, steps per commit so that all workers commit
+           equally often in a check period
+``equal``  the baseline: equal batches, the same local steps everywhere
+=========  ===============================================================
+
+Notation: worker ``i`` has devices ``d``; device ``d`` takes ``t_d(b) = a_d + c_d b``
+seconds per step at batch ``b`` (the profile's fit); a worker's step takes
+``t_i = max_d t_d(b_d)`` as its devices run in parallel; ``T_i`` is its round trip to
+the server; ``H_i`` its local steps per round. A worker's round takes
+
+.. math::
+
+  R_i = H_i \, t_i + T_i,
+
+and the plan predicts the round time ``R = max_i R_i`` and the idle fraction of a
+barrier round, the share of device time spent waiting,
+``1 - sum_d R_{i(d)}^{(d)} / (D R)`` over all ``D`` devices, where a device's busy
+time is ``H_i t_d(b_d) + T_i``. For ``adsp`` the same is computed over the commit
+intervals.
+
+A running plan is revised by :class:`Replanner` when measured speeds drift.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from collections.abc import Sequence
+from typing import Any
+
+from hpsjax.profiling._profile import WorkerProfile
+
+__all__ = [
+    "LR_SCALINGS",
+    "SCHEMES",
+    "DevicePlan",
+    "Replanner",
+    "WorkPlan",
+    "WorkerPlan",
+    "plan",
+]
+
+SCHEMES = ("hps", "ashl", "adsp", "equal")
+LR_SCALINGS = ("linear", "sqrt", "none")
+
+PLAN_FORMAT = "hpsjax.WorkPlan"
+PLAN_FORMAT_VERSION = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class DevicePlan:
+    """What one device of a worker does per step.
+
+    Attributes:
+      device_id: ``jax.Device.id`` of the device.
+      batch_size: samples per step on this device.
+      step_time: predicted seconds per step at ``batch_size``.
+      time_intercept: ``a`` of the device's model ``t(b) = a + c b`` (seconds).
+      time_slope: ``c`` of the model (seconds per sample), positive.
+      max_batch: the largest batch that fits the device's memory, ``None`` for no
+        limit. The model is kept so that a plan can be revised on its own.
+    """
+
+    device_id: int
+    batch_size: int
+    step_time: float
+    time_intercept: float
+    time_slope: float
+    max_batch: int | None
+
+    def __post_init__(self):
+        if not isinstance(self.batch_size, int) or self.batch_size < 0:
+            raise ValueError(f"batch_size must be an int >= 0, got {self.batch_size}")
+        if not (self.time_slope > 0 and self.time_intercept >= 0):
+            raise ValueError("a device's time model needs slope > 0, intercept >= 0")
+        if self.max_batch is not None and self.batch_size > self.max_batch:
+            raise ValueError(
+                f"device {self.device_id}: batch {self.batch_size} exceeds its "
+                f"memory limit of {self.max_batch}"
+            )
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerPlan:
+    """What one worker does per round.
+
+    Attributes:
+      worker_id: the worker's id.
+      batch_size: samples per local step over all its devices.
+      local_steps: local steps per round (per commit for ``adsp``).
+      lr_scale: factor on the base step size (learning rate) for this worker.
+      step_time: predicted seconds per local step (its slowest device).
+      transfer_seconds: round-trip seconds to the server.
+      round_time: predicted seconds per round, ``local_steps * step_time +
+        transfer_seconds`` (for ``adsp``, the commit interval).
+      devices: one plan per device.
+    """
+
+    worker_id: int | str
+    batch_size: int
+    local_steps: int
+    lr_scale: float
+    step_time: float
+    transfer_seconds: float
+    round_time: float
+    devices: tuple[DevicePlan, ...]
+
+    def __post_init__(self):
+        if isinstance(self.worker_id, bool) or not isinstance(
+            self.worker_id, int | str
+        ):
+            raise ValueError(f"worker_id must be an int or a str: {self.worker_id!r}")
+        if not self.devices:
+            raise ValueError(f"worker {self.worker_id!r} has no devices")
+        if self.batch_size != sum(d.batch_size for d in self.devices):
+            raise ValueError(
+                f"worker {self.worker_id!r}: batch_size {self.batch_size} is not the "
+                "sum of its devices' batches"
+            )
+        if not isinstance(self.local_steps, int) or self.local_steps < 1:
+            raise ValueError(f"local_steps must be an int >= 1: {self.local_steps}")
+        if not self.lr_scale >= 0:
+            raise ValueError(f"lr_scale must be >= 0, got {self.lr_scale}")
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkPlan:
+    """Per-worker and per-device batch sizes, local steps and step-size scales.
+
+    Attributes:
+      scheme: one of :data:`SCHEMES`.
+      global_batch: samples per round-step over all workers, the sum of the
+        workers' batches.
+      workers: one plan per worker.
+      round_time: predicted seconds of the slowest worker's round.
+      idle_fraction: predicted share of device time spent waiting at a barrier
+        at the end of the round, in ``[0, 1)``.
+      lr_scaling: how ``lr_scale`` follows the batch, one of :data:`LR_SCALINGS`.
+      reference_batch: the batch with ``lr_scale == 1``.
+      local_steps: the ``local_steps`` argument of :func:`plan`.
+      min_device_batch: the smallest batch given to any device.
+      max_local_steps: the cap on local steps, ``None`` for none.
+      commit_interval: ``adsp`` only: target seconds between commits.
+      commits_per_period: ``adsp`` only: commits per check period.
+      revision: 0 for a fresh plan, one more for each revision by a
+        :class:`Replanner`.
+    """
+
+    scheme: str
+    global_batch: int
+    workers: tuple[WorkerPlan, ...]
+    round_time: float
+    idle_fraction: float
+    lr_scaling: str
+    reference_batch: float
+    local_steps: int = 1
+    min_device_batch: int = 1
+    max_local_steps: int | None = None
+    commit_interval: float | None = None
+    commits_per_period: int | None = None
+    revision: int = 0
+
+    def __post_init__(self):
+        _check_scheme(self.scheme)
+        _check_lr_scaling(self.lr_scaling)
+        if not self.workers:
+            raise ValueError("a WorkPlan needs at least one worker")
+        ids = [w.worker_id for w in self.workers]
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"worker ids repeat: {ids}")
+        if sum(w.batch_size for w in self.workers) != self.global_batch:
+            raise ValueError("the workers' batches do not sum to global_batch")
+        if not 0 <= self.idle_fraction < 1:
+            raise ValueError(f"idle_fraction must be in [0, 1): {self.idle_fraction}")
+
+    @property
+    def check_period(self) -> float | None:
+        """``adsp`` only: seconds per check period, ``commit_interval * commits``."""
+        if self.commit_interval is None or self.commits_per_period is None:
+            return None
+        return self.commit_interval * self.commits_per_period
+
+    def worker(self, worker_id: int | str) -> WorkerPlan:
+        """The plan of worker ``worker_id``."""
+        for w in self.workers:
+            if w.worker_id == worker_id:
+                return w
+        raise ValueError(f"no worker {worker_id!r} in this plan")
+
+    def to_json(self) -> str:
+        """Serialises the plan to a JSON string (see :meth:`from_json`)."""
+        return json.dumps(
+            {
+                "format": PLAN_FORMAT,
+                "version": PLAN_FORMAT_VERSION,
+                **dataclasses.asdict(self),
+            },
+            sort_keys=True,
+        )
+
+    @classmethod
+    def from_json(cls, text: str) -> WorkPlan:
+        """Reads a plan written by :meth:`to_json`.
+
+        Raises:
+          ValueError: the text is not a plan of a known format version, or the
+            plan in it is inconsistent.
+        """
+        try:
+            data = json.loads(text)
+        except (TypeError, json.JSONDecodeError) as e:
+            raise ValueError(f"not a JSON WorkPlan: {e}") from None
+        if not isinstance(data, dict) or data.get("format") != PLAN_FORMAT:
+            raise ValueError("not a JSON WorkPlan (format key missing)")
+        if data.get("version") != PLAN_FORMAT_VERSION:
+            raise ValueError(
+                f"WorkPlan format version {data.get('version')!r} is not supported "
+                f"(this hpsjax reads version {PLAN_FORMAT_VERSION})"
+            )
+        del data["format"], data["version"]
+        try:
+            workers = tuple(
+                WorkerPlan(
+                    **{
+                        **w,
+                        "devices": tuple(DevicePlan(**d) for d in w["devices"]),
+                    }
+                )
+                for w in data.pop("workers")
+            )
+            return cls(workers=workers, **data)
+        except (KeyError, TypeError) as e:
+            raise ValueError(f"malformed WorkPlan JSON: {e!r}") from None
+
+
+def _check_scheme(scheme: Any) -> None:
+    if scheme not in SCHEMES:
+        raise ValueError(f"unknown scheme {scheme!r}; valid schemes: {SCHEMES}")
+
+
+def _check_lr_scaling(lr_scaling: Any) -> None:
+    if lr_scaling not in LR_SCALINGS:
+        raise ValueError(
+            f"unknown lr_scaling {lr_scaling!r}; valid values: {LR_SCALINGS}"
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class _DeviceModel:
+    device_id: int
+    intercept: float
+    slope: float
+    max_batch: int | None
+
+    def time(self, b: float) -> float:
+        return self.intercept + self.slope * b
+
+
+@dataclasses.dataclass(frozen=True)
+class _WorkerModel:
+    worker_id: int | str
+    transfer: float
+    devices: tuple[_DeviceModel, ...]
+
+    def scaled(self, speed_ratio: float) -> _WorkerModel:
+        """This worker running at ``speed_ratio`` times its modelled speed."""
+        return dataclasses.replace(
+            self,
+            devices=tuple(
+                dataclasses.replace(
+                    d,
+                    intercept=d.intercept / speed_ratio,
+                    slope=d.slope / speed_ratio,
+                )
+                for d in self.devices
+            ),
+        )
+
+
+def _model_from_profile(profile: WorkerProfile, memory_fraction: float):
+    devices = []
+    for d in profile.devices:
+        fit = d.time_fit
+        intercept, slope = fit.intercept, fit.slope
+        if slope <= 0:
+            # Steps that did not get longer over the measured batches give no
+            # per-sample cost; the line through the largest measurement is the
+            # cautious stand-in, since the time must grow with the batch somewhere.
+            intercept = 0.0
+            slope = d.step_times[-1] / d.batch_sizes[-1]
+        if not (slope > 0 and math.isfinite(slope)):
+            raise ValueError(
+                f"worker {profile.worker_id!r} device {d.device_id}: non-positive speed"
+            )
+        devices.append(
+            _DeviceModel(
+                device_id=d.device_id,
+                intercept=intercept,
+                slope=slope,
+                max_batch=d.max_batch(memory_fraction=memory_fraction),
+            )
+        )
+    return _WorkerModel(profile.worker_id, profile.transfer_seconds, tuple(devices))
+
+
+def _model_from_plan(work_plan: WorkPlan):
+    return [
+        _WorkerModel(
+            w.worker_id,
+            w.transfer_seconds,
+            tuple(
+                _DeviceModel(d.device_id, d.time_intercept, d.time_slope, d.max_batch)
+                for d in w.devices
+            ),
+        )
+        for w in work_plan.workers
+    ]
+
+
+def _round_keeping_sum(
+    xs: Sequence[float], total: int, lo: Sequence[int], hi: Sequence[float]
+) -> list[int]:
+    """Integers near ``xs`` that sum to ``total`` within ``[lo, hi]``.
+
+    Largest remainder: floor everything, then hand the missing units to the
+    largest fractional parts (earlier entries first on ties).
+    """
+    ints = [
+        min(max(math.floor(x), low), high)
+        for x, low, high in zip(xs, lo, hi, strict=True)
+    ]
+    short = total - sum(ints)
+    order = sorted(range(len(xs)), key=lambda j: (-(xs[j] - ints[j]), j))
+    while short > 0:
+        for j in order:
+            if short > 0 and ints[j] < hi[j]:
+                ints[j] += 1
+                short -= 1
+    while short < 0:
+        for j in reversed(order):
+            if short < 0 and ints[j] > lo[j]:
+                ints[j] -= 1
+                short += 1
+    return [int(i) for i in ints]
+
+
+def _water_fill(
+    intercepts: Sequence[float],
+    slopes: Sequence[float],
+    lo: Sequence[int],
+    hi: Sequence[float],
+    total: int,
+) -> list[int]:
+    r"""Integer batches that make lanes of time ``alpha_j + beta_j b`` finish together.
+
+    Solves ``sum_j clip((tau - alpha_j) / beta_j, lo_j, hi_j) = total`` for the
+    finish time ``tau`` exactly (the sum is piecewise linear and non-decreasing in
+    ``tau``, so ``tau`` lies on the segment between two consecutive breakpoints),
+    then rounds keeping the sum. With ``alpha = 0`` this is ``b_j`` proportional to
+    ``1 / beta_j``, the throughput; caps that bind pass the rest to the others.
+    """
+
+    def batch(j, tau):
+        return min(max((tau - intercepts[j]) / slopes[j], lo[j]), hi[j])
+
+    def filled(tau):
+        return sum(batch(j, tau) for j in range(len(slopes)))
+
+    lanes = range(len(slopes))
+    points = sorted(
+        {intercepts[j] + slopes[j] * lo[j] for j in lanes}
+        | {intercepts[j] + slopes[j] * hi[j] for j in lanes if math.isfinite(hi[j])}
+    )
+    tau = points[0]
+    previous, level = points[0], filled(points[0])
+    if level < total:
+        for point in points[1:]:
+            next_level = filled(point)
+            if next_level >= total:
+                tau = previous + (total - level) * (point - previous) / (
+                    next_level - level
+                )
+                break
+            previous, level = point, next_level
+        else:
+            rate = sum(1 / slopes[j] for j in lanes if not math.isfinite(hi[j]))
+            tau = previous + (total - level) / rate
+    return _round_keeping_sum([batch(j, tau) for j in lanes], total, lo, hi)
+
+
+def _lr_scale(batch: int, reference: float, lr_scaling: str) -> float:
+    if lr_scaling == "linear":
+        return batch / reference
+    if lr_scaling == "sqrt":
+        return math.sqrt(batch / reference)
+    return 1.0
+
+
+def _limits(model: _WorkerModel, min_device_batch: int):
+    lo, hi = [], []
+    for d in model.devices:
+        cap = math.inf if d.max_batch is None else d.max_batch
+        if cap < min_device_batch:
+            raise ValueError(
+                f"worker {model.worker_id!r} device {d.device_id}: not even "
+                f"{min_device_batch} sample(s) fit its memory"
+            )
+        lo.append(min_device_batch)
+        hi.append(cap)
+    return lo, hi
+
+
+def _solve(
+    models: Sequence[_WorkerModel],
+    scheme: str,
+    *,
+    global_batch: int,
+    lr_scaling: str,
+    reference_batch: float,
+    local_steps: int,
+    min_device_batch: int,
+    max_local_steps: int | None,
+    check_period: float | None,
+    commits_per_period: int | None,
+    revision: int,
+) -> WorkPlan:
+    n_devices = sum(len(m.devices) for m in models)
+    if global_batch < n_devices * min_device_batch:
+        raise ValueError(
+            f"global batch {global_batch} is smaller than the {n_devices} devices "
+            f"times the minimum batch per device ({min_device_batch})"
+        )
+    limits = [_limits(m, min_device_batch) for m in models]
+    capacity = sum(sum(hi) for _, hi in limits)
+    if global_batch > capacity:
+        raise ValueError(
+            f"global batch {global_batch} does not fit the devices' memory "
+            f"(at most {capacity} samples)"
+        )
+
+    if scheme == "hps":
+        # Every device of worker i finishes its H local steps and the transfer at
+        # the same time: lane time H (a_d + c_d b) + T_i.
+        intercepts, slopes, lo, hi = [], [], [], []
+        for m, (m_lo, m_hi) in zip(models, limits, strict=True):
+            for d in m.devices:
+                intercepts.append(local_steps * d.intercept + m.transfer)
+                slopes.append(local_steps * d.slope)
+            lo += m_lo
+            hi += m_hi
+        flat = iter(_water_fill(intercepts, slopes, lo, hi, global_batch))
+        device_batches = [[next(flat) for _ in m.devices] for m in models]
+    else:
+        shares = _round_keeping_sum(
+            [global_batch / len(models)] * len(models),
+            global_batch,
+            [0] * len(models),
+            [math.inf] * len(models),
+        )
+        device_batches = []
+        for m, (m_lo, m_hi), share in zip(models, limits, shares, strict=True):
+            if share < sum(m_lo) or share > sum(m_hi):
+                raise ValueError(
+                    f"worker {m.worker_id!r}: an equal share of {share} samples "
+                    f"does not fit its {len(m.devices)} device(s) (between "
+                    f"{sum(m_lo)} and {sum(m_hi)}); scheme 'hps' balances by memory"
+                )
+            if scheme == "equal":
+                split = _round_keeping_sum(
+                    [share / len(m.devices)] * len(m.devices), share, m_lo, m_hi
+                )
+            else:
+                split = _water_fill(
+                    [d.intercept for d in m.devices],
+                    [d.slope for d in m.devices],
+                    m_lo,
+                    m_hi,
+                    share,
+                )
+            device_batches.append(split)
+
+    step_times = [
+        max(d.time(b) for d, b in zip(m.devices, batches, strict=True))
+        for m, batches in zip(models, device_batches, strict=True)
+    ]
+    steps = [local_steps] * len(models)
+    commit_interval = commits = None
+    if scheme == "ashl":
+        # The worker with the longest round at H_min local steps sets the round
+        # length L; every other worker runs as many steps as fit in L.
+        length = max(
+            local_steps * t + m.transfer
+            for m, t in zip(models, step_times, strict=True)
+        )
+        steps = [
+            max(local_steps, math.floor((length - m.transfer) / t + 0.5))
+            for m, t in zip(models, step_times, strict=True)
+        ]
+    elif scheme == "adsp":
+        slowest = max(step_times)
+        if check_period is None and commits_per_period is None:
+            commits = 1
+            commit_interval = local_steps * slowest
+        elif check_period is None:
+            commits = commits_per_period
+            commit_interval = local_steps * slowest
+        elif commits_per_period is None:
+            commits = max(1, math.floor(check_period / (local_steps * slowest)))
+            commit_interval = check_period / commits
+        else:
+            commits = commits_per_period
+            commit_interval = check_period / commits
+        steps = [max(1, math.floor(commit_interval / t + 0.5)) for t in step_times]
+    if max_local_steps is not None:
+        steps = [min(h, max_local_steps) for h in steps]
+
+    busy, workers = [], []
+    for m, batches, t, h in zip(models, device_batches, step_times, steps, strict=True):
+        if scheme == "adsp":
+            # Commits run in the background while training goes on, so a commit
+            # interval is the compute between commits, or the transfer if longer.
+            round_time = max(h * t, m.transfer)
+            busy += [
+                max(h * d.time(b), m.transfer)
+                for d, b in zip(m.devices, batches, strict=True)
+            ]
+        else:
+            round_time = h * t + m.transfer
+            busy += [
+                h * d.time(b) + m.transfer
+                for d, b in zip(m.devices, batches, strict=True)
+            ]
+        batch = sum(batches)
+        workers.append(
+            WorkerPlan(
+                worker_id=m.worker_id,
+                batch_size=batch,
+                local_steps=h,
+                lr_scale=_lr_scale(batch, reference_batch, lr_scaling),
+                step_time=t,
+                transfer_seconds=m.transfer,
+                round_time=round_time,
+                devices=tuple(
+                    DevicePlan(
+                        device_id=d.device_id,
+                        batch_size=b,
+                        step_time=d.time(b),
+                        time_intercept=d.intercept,
+                        time_slope=d.slope,
+                        max_batch=d.max_batch,
+                    )
+                    for d, b in zip(m.devices, batches, strict=True)
+                ),
+            )
+        )
+    round_time = max(w.round_time for w in workers)
+    idle = 1.0 - sum(busy) / (len(busy) * round_time) if round_time > 0 else 0.0
+    return WorkPlan(
+        scheme=scheme,
+        global_batch=global_batch,
+        workers=tuple(workers),
+        round_time=round_time,
+        idle_fraction=min(max(idle, 0.0), math.nextafter(1.0, 0.0)),
+        lr_scaling=lr_scaling,
+        reference_batch=reference_batch,
+        local_steps=local_steps,
+        min_device_batch=min_device_batch,
+        max_local_steps=max_local_steps,
+        commit_interval=commit_interval,
+        commits_per_period=commits,
+        revision=revision,
+    )
+
+
+def _check_int(name: str, value: Any, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+    return value
+
+
+def _check_positive(name: str, value: Any) -> float:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or not math.isfinite(value)
+        or value <= 0
+    ):
+        raise ValueError(f"{name} must be a positive finite number, got {value!r}")
+    return float(value)
+
+
+def plan(
+    profiles: Sequence[WorkerProfile],
+    scheme: str = "hps",
+    *,
+    global_batch: int,
+    lr_scaling: str = "linear",
+    reference_batch: float | None = None,
+    local_steps: int = 1,
+    min_device_batch: int = 1,
+    max_local_steps: int | None = None,
+    check_period: float | None = None,
+    commits_per_period: int | None = None,
+    memory_fraction: float = 0.9,
+) -> WorkPlan:
+    r"""Plans per-worker batches, local steps and step-size scales from profiles.
+
+    **hps** (H-PS). Every device gets the batch with which all workers finish a
+    round at the same time ``tau``:
+
+    .. math::
+
+      b_d = \mathrm{clip}\Big(\frac{(\tau - T_i)/H - a_d}{c_d},\;
+            b_\mathrm{min},\; b^\mathrm{mem}_d\Big), \qquad \sum_d b_d = B,
+
+    solved exactly for ``tau``; with no fixed cost (``a_d = T_i = 0``) this is
+    ``b_d`` proportional to throughput ``1 / c_d``. ``b^mem_d`` is the largest batch
+    whose profiled peak memory fits ``memory_fraction`` of the device's capacity;
+    where it binds, the rest goes to the other devices. Batches are rounded to
+    integers by largest remainder, which keeps ``sum_d b_d = B`` exact. Each worker
+    runs ``H = local_steps`` local steps.
+
+    **ashl** (ASHL). Equal batches ``B / n`` per worker (split over its devices
+    so that they finish together). The worker with the longest round at
+    ``H_min = local_steps`` steps sets the round length, and every worker runs as
+    many local steps as fit in it:
+
+    .. math::
+
+      L = \max_i (H_\mathrm{min} t_i + T_i), \qquad
+      H_i = \max\big(H_\mathrm{min}, \mathrm{round}((L - T_i) / t_i)\big),
+
+    so ``H_i t_i + T_i`` is about ``L`` for every worker. Plan the coarse AHL stage
+    with a large ``local_steps`` and the fine SHL stage with a small one.
+
+    **adsp** (ADSP). Equal batches as for ``ashl``. Time is cut into check
+    periods ``Gamma`` in which every worker commits ``C`` times, so commits are
+    ``I = Gamma / C`` seconds apart, and worker ``i`` runs
+
+    .. math::
+
+      H_i = \max\big(1, \mathrm{round}(I / t_i)\big)
+
+    local steps per commit; commits go out in the background, so ``T_i`` is not
+    part of ``I`` (a link slower than ``I`` stretches the worker's interval to
+    ``T_i``). Given ``check_period`` and ``commits_per_period``, ``I`` follows;
+    given only ``check_period``, ``C`` is the most commits per period at which the
+    slowest worker still runs ``local_steps`` steps per commit; otherwise
+    ``I = local_steps * max_i t_i`` and ``C`` is ``commits_per_period`` (1 when not
+    given). ADSP searches the global commit rate online; plan again with the
+    rate it settles on.
+
+    **equal**. ``B / n`` per worker and an equal split over its devices,
+    ``local_steps`` everywhere: the baseline the others are measured against.
+
+    **Step-size scale.** ``lr_scale_i`` follows the worker's batch ``b_i`` with
+    reference batch ``b_ref`` (``B / n`` by default): ``b_i / b_ref`` (``"linear"``,
+    the linear scaling rule), ``sqrt(b_i / b_ref)`` (``"sqrt"``), or 1 (``"none"``).
+    With the linear rule, a server that averages the n workers' scaled mean
+    gradients computes exactly the sample-weighted mean gradient
+    ``sum_i (b_i / B) g_i``. Local steps do not change the scale: each is an
+    ordinary step on ``b_i`` samples.
+
+    Args:
+      profiles: one :class:`WorkerProfile` per worker.
+      scheme: one of :data:`SCHEMES`.
+      global_batch: ``B``, samples per step over all workers.
+      lr_scaling: one of :data:`LR_SCALINGS`.
+      reference_batch: the batch with scale 1; ``B / n`` by default.
+      local_steps: ``H`` for ``hps`` and ``equal``, ``H_min`` for ``ashl``, the
+        slowest worker's steps per commit for ``adsp``.
+      min_device_batch: the smallest batch any device gets.
+      max_local_steps: a cap on any worker's local steps, ``None`` for none.
+      check_period: ``adsp`` only: seconds per check period.
+      commits_per_period: ``adsp`` only: commits per check period.
+      memory_fraction: share of a device's memory capacity a step may use.
+
+    Returns:
+      The :class:`WorkPlan`.
+
+    Raises:
+      ValueError: no profiles, repeated worker ids, a non-positive speed, a
+        global batch smaller than the devices times ``min_device_batch`` or larger
+        than their memory holds, an unknown scheme or ``lr_scaling``, or another
+        argument out of range.
+
+    Examples:
+      >>> workers = [WorkerProfile.synthetic(i, s) for i, s in enumerate([1, 1, 2, 4])]
+      >>> [w.batch_size for w in plan(workers, "hps", global_batch=256).workers]
+      [32, 32, 64, 128]
+
+    References:
+      Xian, Li, Liu, Guo, Du, "H-PS: A Heterogeneous-Aware Parameter Server With
+      Distributed Neural Network Training", IEEE Access, 2021,
+      https://doi.org/10.1109/ACCESS.2021.3060154
+
+      Shen, Tang, Zhou, Zhang, Jia, Yu, Zhang, Li, "ASHL: An Adaptive Multi-Stage
+      Distributed Deep Learning Training Scheme for Heterogeneous Environments",
+      IEEE Transactions on Computers, 2024,
+      https://doi.org/10.1109/TC.2023.3315847
+
+      Hu, Wang, Wu, "Distributed Machine Learning through Heterogeneous Edge
+      Systems" (ADSP), AAAI, 2020, https://arxiv.org/abs/1911.06949
+
+      Goyal, Dollar, Girshick, Noordhuis, Wesolowski, Kyrola, Tulloch, Jia, He,
+      "Accurate, Large Minibatch SGD: Training ImageNet in 1 Hour", 2017,
+      https://arxiv.org/abs/1706.02677
+    """
+    profiles = list(profiles)
+    if not profiles:
+        raise ValueError("profiles is empty: plan needs at least one worker")
+    if not all(isinstance(p, WorkerProfile) for p in profiles):
+        raise ValueError("profiles must be WorkerProfile objects")
+    ids = [p.worker_id for p in profiles]
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"worker ids repeat: {ids}")
+    _check_scheme(scheme)
+    _check_lr_scaling(lr_scaling)
+    _check_int("global_batch", global_batch, 1)
+    _check_int("local_steps", local_steps, 1)
+    _check_int("min_device_batch", min_device_batch, 1)
+    if max_local_steps is not None:
+        _check_int("max_local_steps", max_local_steps, local_steps)
+    if reference_batch is None:
+        reference_batch = global_batch / len(profiles)
+    reference_batch = _check_positive("reference_batch", reference_batch)
+    if check_period is not None:
+        check_period = _check_positive("check_period", check_period)
+    if commits_per_period is not None:
+        _check_int("commits_per_period", commits_per_period, 1)
+    if scheme != "adsp" and (check_period, commits_per_period) != (None, None):
+        raise ValueError("check_period and commits_per_period apply to 'adsp' only")
+    if (
+        isinstance(memory_fraction, bool)
+        or not isinstance(memory_fraction, int | float)
+        or not 0 < memory_fraction <= 1
+    ):
+        raise ValueError(f"memory_fraction must be in (0, 1], got {memory_fraction}")
+    models = [_model_from_profile(p, memory_fraction) for p in profiles]
+    return _solve(
+        models,
+        scheme,
+        global_batch=global_batch,
+        lr_scaling=lr_scaling,
+        reference_batch=reference_batch,
+        local_steps=local_steps,
+        min_device_batch=min_device_batch,
+        max_local_steps=max_local_steps,
+        check_period=check_period,
+        commits_per_period=commits_per_period,
+        revision=0,
+    )
+
+
+class Replanner:
+    r"""Revises a work plan when workers' measured speeds drift from the planned.
+
+    Workers report the time of each local step; the replanner keeps, per worker,
+    an exponentially weighted moving average of its *speed ratio*
+
+    .. math::
+
+      \rho_i \leftarrow (1 - \alpha)\,\rho_i + \alpha\,
+        \frac{\hat t_i(b)}{t_\mathrm{measured}}, \qquad \alpha = \frac{2}{w + 1},
+
+    where ``\hat t_i(b)`` is the plan's predicted step time at the reported batch
+    and ``w`` the window; ``rho_i = 1`` means the worker runs as planned, 0.5 at
+    half speed. Once a worker has ``min_observations`` reports and
+    ``|rho_i - 1| > threshold``, and at least ``cooldown`` seconds have passed since
+    the last revision, every observed worker's time model is divided by its
+    ``rho_i`` and the plan is made again with the same scheme and settings: a
+    worker that slowed down gets less work. The averages then restart against the
+    new plan.
+
+    The replanner does no I/O and reads no clock: callers pass ``now``.
+
+    Args:
+      plan: the plan in force.
+      threshold: relative speed drift that triggers a revision.
+      window: span ``w`` of the moving average, in observations.
+      cooldown: least seconds between two revisions.
+      min_observations: reports from a worker before its drift counts.
+
+    Examples:
+      >>> workers = [WorkerProfile.synthetic(i, 100.0) for i in range(2)]
+      >>> replanner = Replanner(plan(workers, global_batch=64), cooldown=0.0)
+      >>> new = None
+      >>> for k in range(5):
+      ...   new = replanner.observe(1, 32, 0.64, now=float(k)) or new
+      >>> [w.batch_size for w in new.workers]
+      [43, 21]
+
+    References:
+      Xian, Li, Liu, Guo, Du, "H-PS: A Heterogeneous-Aware Parameter Server With
+      Distributed Neural Network Training", IEEE Access, 2021,
+      https://doi.org/10.1109/ACCESS.2021.3060154
+    """
+
+    def __init__(
+        self,
+        plan: WorkPlan,
+        *,
+        threshold: float = 0.2,
+        window: int = 10,
+        cooldown: float = 30.0,
+        min_observations: int = 3,
+    ):
+        if not isinstance(plan, WorkPlan):
+            raise ValueError(f"plan must be a WorkPlan, got {type(plan).__name__}")
+        self._threshold = _check_positive("threshold", threshold)
+        _check_int("window", window, 1)
+        if (
+            isinstance(cooldown, bool)
+            or not isinstance(cooldown, int | float)
+            or not cooldown >= 0
+        ):
+            raise ValueError(f"cooldown must be a number >= 0, got {cooldown!r}")
+        self._cooldown = float(cooldown)
+        self._min_observations = _check_int("min_observations", min_observations, 1)
+        self._alpha = 2.0 / (window + 1)
+        self._plan = plan
+        self._last_revision: float | None = None
+        self._reset()
+
+    def _reset(self) -> None:
+        self._ratio = {w.worker_id: 1.0 for w in self._plan.workers}
+        self._count = {w.worker_id: 0 for w in self._plan.workers}
+
+    @property
+    def plan(self) -> WorkPlan:
+        """The plan in force."""
+        return self._plan
+
+    def speed_ratio(self, worker_id: int | str) -> float:
+        """The moving average of a worker's measured over planned speed."""
+        self._plan.worker(worker_id)
+        return self._ratio[worker_id]
+
+    def observe(
+        self, worker_id: int | str, batch_size: int, step_time: float, now: float
+    ) -> WorkPlan | None:
+        """Records one local step of a worker; returns a revised plan or ``None``.
+
+        Args:
+          worker_id: the worker that took the step.
+          batch_size: samples in the step over all the worker's devices.
+          step_time: measured seconds of the step, compute only.
+          now: the caller's clock, in seconds.
+
+        Returns:
+          A new plan (``revision`` one higher) when a revision is due, else
+          ``None``.
+
+        Raises:
+          ValueError: an unknown worker, or a non-positive batch size or step
+            time; nothing is recorded then.
+        """
+        worker = self._plan.worker(worker_id)
+        _check_int("batch_size", batch_size, 1)
+        step_time = _check_positive("step_time", step_time)
+        if isinstance(now, bool) or not isinstance(now, int | float):
+            raise ValueError(f"now must be a number, got {now!r}")
+        if not math.isfinite(now):
+            raise ValueError(f"now must be finite, got {now}")
+        # The plan's prediction at the reported batch, split over the devices as
+        # planned, so a report from before a revision is still judged fairly.
+        predicted = max(
+            d.time_intercept
+            + d.time_slope * batch_size * d.batch_size / worker.batch_size
+            for d in worker.devices
+        )
+        sample = predicted / step_time
+        if self._count[worker_id] == 0:
+            self._ratio[worker_id] = sample
+        else:
+            self._ratio[worker_id] += self._alpha * (sample - self._ratio[worker_id])
+        self._count[worker_id] += 1
+
+        drifted = any(
+            self._count[w] >= self._min_observations
+            and abs(self._ratio[w] - 1.0) > self._threshold
+            for w in self._ratio
+        )
+        cooled = (
+            self._last_revision is None or now - self._last_revision >= self._cooldown
+        )
+        if not (drifted and cooled):
+            return None
+        models = [
+            m.scaled(self._ratio[m.worker_id])
+            if self._count[m.worker_id] >= self._min_observations
+            else m
+            for m in _model_from_plan(self._plan)
+        ]
+        old = self._plan
+        self._plan = _solve(
+            models,
+            old.scheme,
+            global_batch=old.global_batch,
+            lr_scaling=old.lr_scaling,
+            reference_batch=old.reference_batch,
+            local_steps=old.local_steps,
+            min_device_batch=old.min_device_batch,
+            max_local_steps=old.max_local_steps,
+            check_period=old.check_period,
+            commits_per_period=old.commits_per_period,
+            revision=old.revision + 1,
+        )
+        self._last_revision = now
+        self._reset()
+        return self._plan

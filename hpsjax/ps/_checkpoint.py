@@ -1,0 +1,1025 @@
+"""Atomic tensorstore checkpoints of pytrees: parameters, optimizer state, metadata.
+
+A checkpoint is one directory per step. Every array leaf of the tree is a zarr v3
+array written by tensorstore (with a crc32c checksum per chunk); a small msgpack
+manifest holds the tree structure, each leaf's shape and dtype, the step and a
+msgpack-able metadata dict. Nothing is pickled, so restoring never executes code.
+
+On disk::
+
+    directory/
+      ckpt_<step>/                     a committed checkpoint
+        manifest.msgpack               magic + sha256 + msgpack body, written last
+        leaves/<i>/                    zarr v3 array of leaf i (flatten order)
+      .tmp-ckpt_<step>-<pid>-<hex>/    a save in progress, or left by a crash
+      .old-ckpt_<step>-<hex>/          a checkpoint being replaced (overwrite)
+      .del-ckpt_<step>-<hex>/          a checkpoint being pruned
+
+Commit protocol. A save writes every leaf and then the manifest into a fresh
+temporary directory, ``fsync`` s every file and directory in it, renames it to
+``ckpt_<step>`` and ``fsync`` s the parent directory. ``rename`` within a
+directory is atomic on POSIX file systems, so a crash at any point leaves either
+the previous checkpoints only or the new one complete: a directory named
+``ckpt_<step>`` always holds a complete checkpoint. Leftovers of a crash are
+recognised by their names and cleaned up when a manager opens the directory or
+restores from it. Old checkpoints are pruned after a successful commit by first
+renaming them out of the ``ckpt_`` namespace, so a crash mid-deletion never
+leaves a half-deleted directory that looks committed.
+
+Errors: bad arguments raise ``ValueError``; a checkpoint that cannot be read
+(missing or damaged manifest or leaf data) raises ``CheckpointError``, a
+``ValueError`` subclass. ``restore_latest`` logs such a checkpoint on the
+``hpsjax.ps._checkpoint`` logger and falls back to the next older one.
+
+One manager per directory: temporary directories of other live processes are left
+alone, but two processes saving into one directory is not supported.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import errno
+import hashlib
+import logging
+import math
+import operator
+import os
+import pathlib
+import re
+import shutil
+import threading
+import uuid
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import jax
+import msgpack
+import numpy as np
+import tensorstore as ts
+
+__all__ = ["Checkpoint", "CheckpointError", "CheckpointManager"]
+
+logger = logging.getLogger(__name__)
+
+_FORMAT = "hpsjax-checkpoint"
+_FORMAT_VERSION = 1
+_MAGIC = b"HPSJCKP1"
+_DIGEST_BYTES = 32
+_MANIFEST = "manifest.msgpack"
+_LEAVES = "leaves"
+_PREFIX = "ckpt_"
+_TMP_PREFIX = ".tmp-ckpt_"
+_OLD_PREFIX = ".old-ckpt_"
+_DEL_PREFIX = ".del-ckpt_"
+_FINAL_RE = re.compile(r"ckpt_(\d+)")
+_TMP_RE = re.compile(r"\.tmp-ckpt_(\d+)-(\d+)-[0-9a-f]+")
+_OLD_RE = re.compile(r"\.old-ckpt_(\d+)-[0-9a-f]+")
+_FSYNC_THREADS = 8
+_PY_SCALARS = {"bool": bool, "int": int, "float": float, "str": str}
+# Every chunk carries a checksum so that damaged leaf data is detected on read
+# instead of silently restoring wrong parameters.
+_CODECS = [
+    {"name": "bytes", "configuration": {"endian": "little"}},
+    {"name": "crc32c"},
+]
+
+
+class CheckpointError(ValueError):
+    """A checkpoint is missing, incomplete or damaged and cannot be restored."""
+
+
+class Checkpoint(NamedTuple):
+    """A restored checkpoint.
+
+    Attributes:
+      step: the step it was saved at.
+      tree: the restored pytree.
+      metadata: the metadata given to ``save`` (``None`` if none was given).
+    """
+
+    step: int
+    tree: Any
+    metadata: Any
+
+
+class _Plan(NamedTuple):
+    """A tree prepared for writing: validated, described, its arrays on the host."""
+
+    step: int
+    arrays: list[tuple[int, np.ndarray]]  # (leaf index, host array)
+    manifest: bytes  # the complete manifest file, checksum included
+
+
+# ---------------------------------------------------------------------------
+# Tree description (no pickle): nested msgpack maps, one per node.
+# ---------------------------------------------------------------------------
+
+
+def _key_of(entry: Any) -> Any:
+    for attr in ("key", "name", "idx"):
+        if hasattr(entry, attr):
+            return getattr(entry, attr)
+    return str(entry)
+
+
+def _type_name(node: Any) -> str:
+    cls = type(node)
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _is_namedtuple(node: Any) -> bool:
+    return isinstance(node, tuple) and hasattr(type(node), "_fields")
+
+
+def _children(node: Any) -> tuple[list[tuple[Any, Any]], bool]:
+    """Returns ``([(key, child), ...], is_leaf)`` for one level of ``node``."""
+    pairs, treedef = jax.tree_util.tree_flatten_with_path(
+        node, is_leaf=lambda x: x is not node
+    )
+    if treedef.num_leaves == 1 and treedef.num_nodes == 1:
+        return [], True
+    return [(_key_of(path[0]), child) for path, child in pairs], False
+
+
+def _describe(tree: Any, visit_leaf) -> Any:
+    """Describes ``tree`` as msgpack-able maps; ``visit_leaf(path, leaf)`` -> map.
+
+    Leaves are visited in ``jax.tree.leaves`` order, so a tree of the same
+    structure can be rebuilt with ``jax.tree.unflatten``.
+    """
+
+    def visit(node: Any, path: str) -> Any:
+        if node is None:
+            return {"k": "none"}
+        pairs, is_leaf = _children(node)
+        if is_leaf:
+            return visit_leaf(path, node)
+        keys = [k for k, _ in pairs]
+        if type(node) is dict:
+            kind = "dict"
+            for k in keys:
+                if not isinstance(k, str | int):
+                    raise ValueError(
+                        f"dict key {k!r} at {path or 'the root'} is not a str or "
+                        "int; a checkpoint stores only str and int keys"
+                    )
+        elif type(node) is list:
+            kind = "list"
+        elif type(node) is tuple:
+            kind = "tuple"
+        elif _is_namedtuple(node):
+            kind = "namedtuple"
+        else:
+            kind = "node"
+            keys = [k if isinstance(k, str | int) else str(k) for k in keys]
+        desc = {
+            "k": kind,
+            "keys": keys,
+            "c": [visit(child, f"{path}[{k!r}]") for k, child in pairs],
+        }
+        if kind in ("namedtuple", "node"):
+            desc["type"] = _type_name(node)
+        return desc
+
+    return visit(tree, "")
+
+
+def _leaf_spec(path: str, leaf: Any) -> dict:
+    """The manifest entry of one leaf (without its storage index)."""
+    if isinstance(leaf, bool | int | float | str):
+        return {"kind": "py", "type": type(leaf).__name__, "value": leaf, "path": path}
+    if isinstance(leaf, jax.ShapeDtypeStruct):
+        dtype, shape = np.dtype(leaf.dtype), tuple(leaf.shape)
+    elif isinstance(leaf, jax.Array | np.ndarray | np.generic):
+        dtype, shape = np.dtype(leaf.dtype), tuple(np.shape(leaf))
+    else:
+        raise ValueError(
+            f"leaf at {path or 'the root'} has unsupported type "
+            f"{_type_name(leaf)}; leaves must be arrays or bool/int/float/str"
+        )
+    try:
+        name = ts.dtype(dtype).name
+    except (TypeError, ValueError) as e:
+        raise ValueError(
+            f"leaf at {path or 'the root'} has dtype {dtype}, which tensorstore "
+            "cannot store"
+        ) from e
+    return {"kind": "array", "dtype": name, "shape": list(shape), "path": path}
+
+
+def _structure_of(desc: Any) -> Any:
+    """The part of a description that must match for ``like`` to apply."""
+    kind = desc["k"]
+    if kind == "leaf":
+        return "leaf"
+    if kind == "none":
+        return "none"
+    return (kind, tuple(desc["keys"]), tuple(_structure_of(c) for c in desc["c"]))
+
+
+def _first_difference(saved: Any, like: Any, path: str = "") -> str:
+    where = path or "the root"
+    if saved == like:
+        return ""
+    if isinstance(saved, str) or isinstance(like, str):
+        return f"at {where}: checkpoint has {_show(saved)}, like has {_show(like)}"
+    s_kind, s_keys, s_children = saved
+    l_kind, l_keys, l_children = like
+    if s_kind != l_kind or s_keys != l_keys:
+        return f"at {where}: checkpoint has {_show(saved)}, like has {_show(like)}"
+    for key, s, lk in zip(s_keys, s_children, l_children, strict=True):
+        found = _first_difference(s, lk, f"{path}[{key!r}]")
+        if found:
+            return found
+    return ""
+
+
+def _show(structure: Any) -> str:
+    if isinstance(structure, str):
+        return "a leaf" if structure == "leaf" else "None"
+    kind, keys, _ = structure
+    return f"a {kind} with keys {list(keys)}"
+
+
+# ---------------------------------------------------------------------------
+# Files.
+# ---------------------------------------------------------------------------
+
+
+def _fsync_path(path: pathlib.Path, *, directory: bool) -> None:
+    fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if directory else 0))
+    try:
+        os.fsync(fd)
+    except OSError as e:
+        # Some file systems cannot fsync a directory; the data files were synced.
+        if not (directory and e.errno in (errno.EINVAL, errno.ENOTSUP)):
+            raise
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(root: pathlib.Path) -> None:
+    """fsyncs every file and directory under ``root``.
+
+    The calls run in parallel: a checkpoint has several files per leaf, and
+    concurrent fsyncs share journal commits, which is about twice as fast as
+    one after the other. Only completion before the commit rename matters, not
+    the order.
+    """
+    paths = []
+    for dirpath, _, filenames in os.walk(root):
+        base = pathlib.Path(dirpath)
+        paths.append((base, True))
+        paths.extend((base / name, False) for name in filenames)
+    workers = min(_FSYNC_THREADS, len(paths))
+    if workers <= 1:
+        for path, is_dir in paths:
+            _fsync_path(path, directory=is_dir)
+        return
+    with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+        futures = [
+            pool.submit(_fsync_path, path, directory=is_dir) for path, is_dir in paths
+        ]
+        for future in futures:
+            future.result()
+
+
+def _pack_manifest(body: dict) -> bytes:
+    payload = msgpack.packb(body, use_bin_type=True)
+    return _MAGIC + hashlib.sha256(payload).digest() + payload
+
+
+def _unpack_manifest(data: bytes) -> dict:
+    header = len(_MAGIC) + _DIGEST_BYTES
+    if len(data) < header or not data.startswith(_MAGIC):
+        raise CheckpointError("manifest does not start with the checkpoint magic")
+    digest, payload = data[len(_MAGIC) : header], data[header:]
+    if hashlib.sha256(payload).digest() != digest:
+        raise CheckpointError("manifest checksum mismatch (file damaged)")
+    try:
+        body = msgpack.unpackb(payload, raw=False, strict_map_key=False)
+    except (ValueError, msgpack.UnpackException) as e:
+        raise CheckpointError(f"manifest is not valid msgpack: {e}") from e
+    if (
+        not isinstance(body, dict)
+        or body.get("format") != _FORMAT
+        or not {"step", "tree", "leaves", "metadata"} <= body.keys()
+    ):
+        raise CheckpointError("manifest is not an hpsjax checkpoint manifest")
+    if body.get("format_version") != _FORMAT_VERSION:
+        raise CheckpointError(
+            f"manifest format version {body.get('format_version')!r} is not "
+            f"supported (this version reads {_FORMAT_VERSION})"
+        )
+    _check_leaf_specs(body["leaves"])
+    _check_tree(body["tree"], len(body["leaves"]))
+    return body
+
+
+def _check_leaf_specs(leaves: Any) -> None:
+    if not isinstance(leaves, list):
+        raise CheckpointError("manifest leaves are not a list")
+    for i, spec in enumerate(leaves):
+        ok = isinstance(spec, dict) and isinstance(spec.get("path"), str)
+        if ok and spec.get("kind") == "array":
+            shape = spec.get("shape")
+            ok = (
+                isinstance(spec.get("dtype"), str)
+                and isinstance(shape, list)
+                and all(isinstance(n, int) and n >= 0 for n in shape)
+            )
+        elif ok and spec.get("kind") == "py":
+            ok = spec.get("type") in _PY_SCALARS and "value" in spec
+        else:
+            ok = False
+        if not ok:
+            raise CheckpointError(f"manifest entry of leaf {i} is malformed")
+
+
+def _check_tree(desc: Any, num_leaves: int) -> None:
+    """Checks a tree description; every leaf index used exactly once, in order."""
+    next_index = 0
+
+    def visit(node: Any) -> None:
+        nonlocal next_index
+        if not isinstance(node, dict):
+            raise CheckpointError("manifest tree node is not a map")
+        kind = node.get("k")
+        if kind == "leaf":
+            if node.get("i") != next_index:
+                raise CheckpointError("manifest tree leaf indices are out of order")
+            next_index += 1
+        elif kind in ("dict", "list", "tuple", "namedtuple", "node"):
+            keys, children = node.get("keys"), node.get("c")
+            if not (
+                isinstance(keys, list)
+                and isinstance(children, list)
+                and len(keys) == len(children)
+            ):
+                raise CheckpointError(f"manifest tree {kind} node is malformed")
+            for child in children:
+                visit(child)
+        elif kind != "none":
+            raise CheckpointError(f"unknown node kind {kind!r} in manifest tree")
+
+    visit(desc)
+    if next_index != num_leaves:
+        raise CheckpointError(
+            f"manifest tree has {next_index} leaves, leaf table {num_leaves}"
+        )
+
+
+def _write_manifest(path: pathlib.Path, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+
+
+def _leaf_spec_for_tensorstore(root: pathlib.Path, index: int) -> dict:
+    return {
+        "driver": "zarr3",
+        "kvstore": {"driver": "file", "path": str(root / _LEAVES / str(index))},
+    }
+
+
+def _open_leaf_for_write(
+    root: pathlib.Path, index: int, array: np.ndarray, context: ts.Context
+) -> ts.Future:
+    return ts.open(
+        _leaf_spec_for_tensorstore(root, index),
+        create=True,
+        dtype=ts.dtype(array.dtype),
+        shape=array.shape,
+        codec=ts.CodecSpec({"driver": "zarr3", "codecs": _CODECS}),
+        context=context,
+    )
+
+
+def _wait_quietly(futures: Sequence[Any]) -> None:
+    # The first error is already propagating; later ones add nothing.
+    for f in futures:
+        with contextlib.suppress(Exception):
+            f.result()
+
+
+def _write_leaves(
+    root: pathlib.Path,
+    arrays: Sequence[tuple[int, np.ndarray]],
+    context: ts.Context,
+) -> None:
+    """Writes all array leaves concurrently; returns once every write committed."""
+    opens: list[Any] = []
+    writes: list[Any] = []
+    try:
+        for index, array in arrays:
+            opens.append(_open_leaf_for_write(root, index, array, context))
+        stores = [f.result() for f in opens]
+        for store, (_, array) in zip(stores, arrays, strict=True):
+            writes.append(store.write(array))
+        for w in writes:
+            w.result()
+    except BaseException:
+        # tensorstore keeps writing in its own threads; let it finish before the
+        # caller deletes the directory, or it would re-create files inside it.
+        _wait_quietly(opens)
+        _wait_quietly([w.commit for w in writes])
+        raise
+
+
+def _read_leaves(
+    root: pathlib.Path, leaves: Sequence[dict], context: ts.Context
+) -> list[Any]:
+    opens = {}
+    for i, spec in enumerate(leaves):
+        if spec["kind"] == "array":
+            opens[i] = ts.open(
+                _leaf_spec_for_tensorstore(root, i), open=True, context=context
+            )
+    reads = {}
+    out: list[Any] = [None] * len(leaves)
+    try:
+        for i, f in opens.items():
+            store = f.result()
+            spec = leaves[i]
+            if store.dtype.name != spec["dtype"] or list(store.shape) != spec["shape"]:
+                raise CheckpointError(
+                    f"leaf {i} ({spec['path']}) holds {store.dtype.name}"
+                    f"{list(store.shape)}, manifest says "
+                    f"{spec['dtype']}{spec['shape']}"
+                )
+            reads[i] = store.read()
+        for i, f in reads.items():
+            out[i] = np.asarray(f.result())
+    except CheckpointError:
+        raise
+    except Exception as e:
+        _wait_quietly(list(reads.values()))
+        raise CheckpointError(f"cannot read leaf data in {root}: {e}") from e
+    for i, spec in enumerate(leaves):
+        if spec["kind"] == "py":
+            try:
+                out[i] = _PY_SCALARS[spec["type"]](spec["value"])
+            except (TypeError, ValueError) as e:
+                raise CheckpointError(f"leaf {i}: bad scalar value") from e
+    return out
+
+
+def _rebuild(desc: Any, leaves: list[Any]) -> Any:
+    """Rebuilds a tree from its description without a ``like`` tree."""
+    kind = desc["k"]
+    if kind == "leaf":
+        return leaves[desc["i"]]
+    if kind == "none":
+        return None
+    children = [_rebuild(c, leaves) for c in desc["c"]]
+    if kind == "list":
+        return children
+    if kind == "tuple":
+        return tuple(children)
+    return dict(zip(desc["keys"], children, strict=True))
+
+
+def _convert_like(value: Any, spec: dict, like_leaf: Any, path: str) -> Any:
+    """Converts a restored leaf to the type of ``like_leaf``, checking it fits."""
+    where = path or "the root"
+    if isinstance(like_leaf, bool | int | float | str):
+        if spec["kind"] != "py" or spec["type"] != type(like_leaf).__name__:
+            found = spec["type"] if spec["kind"] == "py" else "an array"
+            raise ValueError(
+                f"like has a Python {type(like_leaf).__name__} at {where}, the "
+                f"checkpoint has {found}"
+            )
+        return value
+    like_spec = _leaf_spec(path, like_leaf)
+    if spec["kind"] == "py":
+        # jax.eval_shape turns Python scalars into 0-d ShapeDtypeStructs, so an
+        # abstract ``like`` takes a saved scalar that its dtype holds exactly.
+        dtype = np.dtype(ts.dtype(like_spec["dtype"]).numpy_dtype)
+        if like_spec["shape"] or spec["type"] == "str":
+            raise ValueError(
+                f"like has an array of shape {like_spec['shape']} at {where}, the "
+                f"checkpoint has a Python {spec['type']}"
+            )
+        try:
+            converted = np.asarray(value, dtype=dtype)
+            exact = converted.item() == value or (
+                isinstance(value, float) and math.isnan(value) and np.isnan(converted)
+            )
+        except (OverflowError, TypeError, ValueError):
+            exact = False
+        if not exact:
+            raise ValueError(
+                f"leaf at {where}: saved Python {spec['type']} {value!r} does not "
+                f"fit like's dtype {dtype}"
+            )
+        value = converted
+    elif (like_spec["dtype"], like_spec["shape"]) != (spec["dtype"], spec["shape"]):
+        raise ValueError(
+            f"leaf at {where}: checkpoint has {spec['dtype']}{spec['shape']}, like "
+            f"has {like_spec['dtype']}{like_spec['shape']}"
+        )
+    if isinstance(like_leaf, jax.Array):
+        return jax.device_put(value, like_leaf.sharding)
+    if isinstance(like_leaf, jax.ShapeDtypeStruct):
+        sharding = getattr(like_leaf, "sharding", None)
+        return jax.device_put(value, sharding) if sharding else jax.device_put(value)
+    if isinstance(like_leaf, np.generic):
+        return value[()]
+    return value
+
+
+def _check_step(step: Any) -> int:
+    if isinstance(step, bool):
+        raise ValueError(f"step must be a non-negative int, got {step!r}")
+    try:
+        step = operator.index(step)
+    except TypeError:
+        raise ValueError(f"step must be a non-negative int, got {step!r}") from None
+    if step < 0:
+        raise ValueError(f"step must be a non-negative int, got {step}")
+    return step
+
+
+def _plan(step: int, tree: Any, metadata: Any, *, copy: bool) -> _Plan:
+    """Validates ``tree`` and ``metadata`` and prepares them; writes nothing."""
+    specs: list[dict] = []
+    values: list[Any] = []
+
+    def visit_leaf(path: str, leaf: Any) -> dict:
+        spec = _leaf_spec(path, leaf)
+        if isinstance(leaf, jax.ShapeDtypeStruct):
+            raise ValueError(
+                f"leaf at {path or 'the root'} is a ShapeDtypeStruct, which has no "
+                "data to save"
+            )
+        specs.append(spec)
+        values.append(leaf)
+        return {"k": "leaf", "i": len(specs) - 1}
+
+    desc = _describe(tree, visit_leaf)
+    arrays = []
+    for i, (spec, leaf) in enumerate(zip(specs, values, strict=True)):
+        if spec["kind"] == "array":
+            try:
+                # A copy makes the snapshot independent of later in-place changes
+                # of numpy leaves and of donated jax buffers.
+                array = np.array(leaf, copy=True) if copy else np.asarray(leaf)
+            except RuntimeError as e:
+                raise ValueError(f"cannot fetch leaf {spec['path']}: {e}") from e
+            arrays.append((i, array))
+    body = {
+        "format": _FORMAT,
+        "format_version": _FORMAT_VERSION,
+        "step": step,
+        "tree": desc,
+        "leaves": specs,
+        "metadata": metadata,
+    }
+    try:
+        manifest = _pack_manifest(body)
+    except (TypeError, ValueError, OverflowError) as e:
+        raise ValueError(
+            "metadata and Python scalar leaves must be msgpack-serialisable "
+            f"(dict/list/str/int/float/bool/None/bytes): {e}"
+        ) from e
+    return _Plan(step, arrays, manifest)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class CheckpointManager:
+    """Saves and restores pytrees as atomic tensorstore checkpoints in a directory.
+
+    Each ``save(step, tree, metadata)`` writes ``directory/ckpt_<step>`` by the
+    commit protocol in the module docstring, then deletes the oldest checkpoints
+    so that at most ``keep`` remain. Steps must not decrease: a step below the
+    latest saved one is refused, because it means the directory holds another
+    run; saving the latest step again needs ``overwrite=True``.
+
+    Saving blocks on disk I/O (each file is fsync'd). Code on an event loop
+    should use ``save_async``, which snapshots the tree at once and writes it in
+    a background thread, or call ``save`` through ``loop.run_in_executor``. All
+    methods are thread-safe.
+
+    The tree may hold jax or numpy arrays of any dtype tensorstore stores
+    (bfloat16 included, 0-d and empty arrays too), Python ``bool``/``int``/
+    ``float``/``str`` leaves (kept in the manifest) and any pytree nodes: dicts
+    with ``str``/``int`` keys, lists, tuples, ``NamedTuple`` s (optax states),
+    ``None`` and registered custom nodes.
+
+    Args:
+      directory: where checkpoints live; created if missing.
+      keep: how many of the newest checkpoints to keep; ``None`` keeps all.
+
+    Examples:
+      >>> import tempfile, jax.numpy as jnp, optax
+      >>> params = {"w": jnp.ones((2, 3)), "b": jnp.zeros(3)}
+      >>> opt_state = optax.adam(1e-3).init(params)
+      >>> with tempfile.TemporaryDirectory() as d:
+      ...     manager = CheckpointManager(d, keep=2)
+      ...     _ = manager.save(10, (params, opt_state), {"workers": {0: 5}})
+      ...     step, (p, s), meta = manager.restore_latest(like=(params, opt_state))
+      ...     manager.close()
+      >>> step, meta, type(s[0]).__name__, p["w"].shape
+      (10, {'workers': {0: 5}}, 'ScaleByAdamState', (2, 3))
+    """
+
+    def __init__(self, directory: str | os.PathLike, *, keep: int | None = 3):
+        if keep is not None and (
+            isinstance(keep, bool) or not isinstance(keep, int) or keep < 1
+        ):
+            raise ValueError(f"keep must be a positive int or None, got {keep!r}")
+        self._directory = pathlib.Path(directory)
+        if self._directory.exists() and not self._directory.is_dir():
+            raise ValueError(f"{self._directory} exists and is not a directory")
+        self._directory.mkdir(parents=True, exist_ok=True)
+        self._keep = keep
+        self._lock = threading.RLock()
+        self._active: set[str] = set()
+        # The newest step saved or queued; lets save_async refuse an old step at
+        # once instead of failing later in the background.
+        self._newest_requested: int | None = None
+        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+        self._pending: list[concurrent.futures.Future] = []
+        self._background_error: BaseException | None = None
+        self._context = ts.Context({"file_io_sync": False})
+        with self._lock:
+            self._cleanup()
+
+    @property
+    def directory(self) -> pathlib.Path:
+        """The checkpoint directory."""
+        return self._directory
+
+    @property
+    def keep(self) -> int | None:
+        """How many checkpoints are kept (``None``: all)."""
+        return self._keep
+
+    # -- listing -------------------------------------------------------------
+
+    def steps(self) -> list[int]:
+        """Steps of the committed checkpoints, oldest first.
+
+        Returns:
+          Sorted steps of the ``ckpt_<step>`` directories that hold a manifest
+          (not yet verified; ``restore`` verifies).
+        """
+        return [
+            step
+            for step in self._final_steps()
+            if (self._directory / f"{_PREFIX}{step}" / _MANIFEST).is_file()
+        ]
+
+    def latest_step(self) -> int | None:
+        """The newest committed step, or ``None`` when there is no checkpoint."""
+        steps = self.steps()
+        return steps[-1] if steps else None
+
+    # -- saving --------------------------------------------------------------
+
+    def save(
+        self,
+        step: int,
+        tree: Any,
+        metadata: Any = None,
+        *,
+        overwrite: bool = False,
+    ) -> pathlib.Path:
+        """Writes ``tree`` and ``metadata`` as checkpoint ``step`` and commits it.
+
+        Blocks until the checkpoint is durable on disk. Invalid input raises
+        before anything is written.
+
+        Args:
+          step: non-negative step, not below the latest checkpoint's.
+          tree: the pytree to save.
+          metadata: a msgpack-serialisable value, typically a dict (msgpack
+            turns tuples into lists; int dict keys are kept).
+          overwrite: replace an existing checkpoint of the same step.
+
+        Returns:
+          The committed checkpoint's directory.
+
+        Raises:
+          ValueError: a bad step, an unsupported leaf or metadata, or a step
+            already saved without ``overwrite``.
+        """
+        step = _check_step(step)
+        plan = _plan(step, tree, metadata, copy=False)
+        with self._lock:
+            self._check_order(step, overwrite, self._newest_committed())
+            self._note_requested(step)
+            return self._save_plan(plan, overwrite)
+
+    def save_async(
+        self,
+        step: int,
+        tree: Any,
+        metadata: Any = None,
+        *,
+        overwrite: bool = False,
+    ) -> concurrent.futures.Future:
+        """Snapshots ``tree`` now and writes it as checkpoint ``step`` in a thread.
+
+        The call validates the input and copies every array leaf to host memory
+        (so later in-place changes or buffer donation cannot alter the saved
+        values), then returns. Saves run one at a time in call order. From
+        asyncio, ``await asyncio.wrap_future(future)`` waits without blocking
+        the loop; cancelling that await does not stop the save.
+
+        A failed background save is also raised by the next call of
+        ``save_async``, ``wait_until_finished`` or ``close``, so it never goes
+        unnoticed.
+
+        Args:
+          step: as in ``save``.
+          tree: as in ``save``.
+          metadata: as in ``save``.
+          overwrite: as in ``save``.
+
+        Returns:
+          A ``concurrent.futures.Future`` resolving to the checkpoint directory.
+
+        Raises:
+          ValueError: invalid input (raised here, nothing is queued).
+        """
+        self._raise_background_error()
+        step = _check_step(step)
+        plan = _plan(step, tree, metadata, copy=True)
+        with self._lock:
+            newest = self._newest_committed()
+            if self._newest_requested is not None:
+                newest = max(self._newest_requested, newest or 0)
+            self._check_order(step, overwrite, newest)
+            self._note_requested(step)
+            if self._executor is None:
+                self._executor = concurrent.futures.ThreadPoolExecutor(
+                    max_workers=1, thread_name_prefix="hpsjax-checkpoint"
+                )
+            future = self._executor.submit(self._save_queued, plan, overwrite)
+            self._pending = [f for f in self._pending if not f.done()]
+            self._pending.append(future)
+        future.add_done_callback(self._record_error)
+        return future
+
+    def wait_until_finished(self) -> None:
+        """Blocks until every ``save_async`` so far has finished.
+
+        Raises:
+          Exception: the error of a failed background save, if any.
+        """
+        with self._lock:
+            pending = list(self._pending)
+        concurrent.futures.wait(pending)
+        self._raise_background_error()
+
+    def close(self) -> None:
+        """Waits for pending saves and stops the background thread."""
+        try:
+            self.wait_until_finished()
+        finally:
+            with self._lock:
+                executor, self._executor = self._executor, None
+            if executor is not None:
+                executor.shutdown(wait=True)
+
+    def __enter__(self) -> CheckpointManager:
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.close()
+
+    # -- restoring -----------------------------------------------------------
+
+    def restore(self, step: int, like: Any = None) -> Checkpoint:
+        """Restores checkpoint ``step``.
+
+        Args:
+          step: a step listed by ``steps()``.
+          like: optional tree of the saved structure (e.g. the initial params and
+            optimizer state, or ``jax.ShapeDtypeStruct`` leaves). With it, the
+            exact node types (``NamedTuple`` s, custom nodes) are rebuilt and
+            leaves take the kind of the matching ``like`` leaf: jax arrays (on
+            its sharding), numpy arrays or scalars, Python scalars. Without it,
+            ``NamedTuple`` s and custom nodes come back as dicts keyed by field
+            name and array leaves as numpy arrays.
+
+        Returns:
+          ``Checkpoint(step, tree, metadata)``.
+
+        Raises:
+          ValueError: no such step, or ``like`` does not match the saved
+            structure, shapes or dtypes (the message names the first mismatch).
+          CheckpointError: the checkpoint is damaged or incomplete.
+        """
+        step = _check_step(step)
+        with self._lock:
+            if step not in self._final_steps():
+                raise ValueError(
+                    f"no checkpoint for step {step} in {self._directory}; "
+                    f"available: {self.steps()}"
+                )
+            return self._restore(step, like)
+
+    def restore_latest(self, like: Any = None) -> Checkpoint | None:
+        """Restores the newest complete checkpoint.
+
+        Leftovers of interrupted saves are cleaned up first. A checkpoint whose
+        manifest or data is damaged is logged as a warning and skipped for the
+        next older one.
+
+        Args:
+          like: as in ``restore``.
+
+        Returns:
+          ``Checkpoint(step, tree, metadata)``, or ``None`` when the directory
+          holds no readable checkpoint.
+
+        Raises:
+          ValueError: ``like`` does not match the newest readable checkpoint.
+        """
+        with self._lock:
+            self._cleanup()
+            for step in reversed(self._final_steps()):
+                try:
+                    return self._restore(step, like)
+                except CheckpointError as e:
+                    logger.warning(
+                        "skipping damaged checkpoint %s: %s",
+                        self._directory / f"{_PREFIX}{step}",
+                        e,
+                    )
+            return None
+
+    # -- internals -----------------------------------------------------------
+
+    def _final_steps(self) -> list[int]:
+        """Steps of all ``ckpt_<step>`` directories, with a manifest or not."""
+        out = []
+        for entry in self._directory.iterdir():
+            m = _FINAL_RE.fullmatch(entry.name)
+            if m and entry.is_dir():
+                out.append(int(m.group(1)))
+        return sorted(out)
+
+    def _newest_committed(self) -> int | None:
+        return self.latest_step()
+
+    def _note_requested(self, step: int) -> None:
+        if self._newest_requested is None or step > self._newest_requested:
+            self._newest_requested = step
+
+    def _check_order(self, step: int, overwrite: bool, newest: int | None) -> None:
+        if newest is not None and step < newest:
+            raise ValueError(
+                f"step {step} is older than checkpoint step {newest} already in "
+                f"{self._directory}; use a fresh directory for a new run"
+            )
+        if (self._directory / f"{_PREFIX}{step}").exists() and not overwrite:
+            raise ValueError(
+                f"a checkpoint for step {step} already exists in "
+                f"{self._directory}; pass overwrite=True to replace it"
+            )
+
+    def _save_queued(self, plan: _Plan, overwrite: bool) -> pathlib.Path:
+        with self._lock:
+            self._check_order(plan.step, overwrite, self._newest_committed())
+            return self._save_plan(plan, overwrite)
+
+    def _save_plan(self, plan: _Plan, overwrite: bool) -> pathlib.Path:
+        final = self._directory / f"{_PREFIX}{plan.step}"
+        tmp = self._directory / (
+            f"{_TMP_PREFIX}{plan.step}-{os.getpid()}-{uuid.uuid4().hex}"
+        )
+        self._active.add(tmp.name)
+        try:
+            tmp.mkdir()
+            (tmp / _LEAVES).mkdir()
+            _write_leaves(tmp, plan.arrays, self._context)
+            _write_manifest(tmp / _MANIFEST, plan.manifest)
+            _fsync_tree(tmp)
+            self._commit(tmp, final, plan.step, overwrite)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        finally:
+            self._active.discard(tmp.name)
+        self._prune()
+        return final
+
+    def _commit(
+        self, tmp: pathlib.Path, final: pathlib.Path, step: int, overwrite: bool
+    ) -> None:
+        if not (overwrite and final.exists()):
+            os.rename(tmp, final)
+            _fsync_path(self._directory, directory=True)
+            return
+        # Two renames: a crash between them leaves the old checkpoint under its
+        # .old- name, and _cleanup puts it back.
+        old = self._directory / f"{_OLD_PREFIX}{step}-{uuid.uuid4().hex}"
+        os.rename(final, old)
+        try:
+            os.rename(tmp, final)
+        except BaseException:
+            os.rename(old, final)
+            raise
+        _fsync_path(self._directory, directory=True)
+        shutil.rmtree(old, ignore_errors=True)
+
+    def _prune(self) -> None:
+        if self._keep is None:
+            return
+        for step in self.steps()[: -self._keep]:
+            doomed = self._directory / f"{_DEL_PREFIX}{step}-{uuid.uuid4().hex}"
+            os.rename(self._directory / f"{_PREFIX}{step}", doomed)
+            shutil.rmtree(doomed, ignore_errors=True)
+        _fsync_path(self._directory, directory=True)
+
+    def _cleanup(self) -> None:
+        """Removes leftovers of interrupted saves and prunes; restores replaced."""
+        for entry in sorted(self._directory.iterdir()):
+            name = entry.name
+            if name.startswith(_TMP_PREFIX):
+                m = _TMP_RE.fullmatch(name)
+                pid = int(m.group(2)) if m else None
+                if name in self._active:
+                    continue
+                if pid is not None and pid != os.getpid() and _pid_alive(pid):
+                    continue
+                logger.info("removing interrupted checkpoint save %s", entry)
+                shutil.rmtree(entry, ignore_errors=True)
+            elif name.startswith(_DEL_PREFIX):
+                shutil.rmtree(entry, ignore_errors=True)
+            elif name.startswith(_OLD_PREFIX):
+                m = _OLD_RE.fullmatch(name)
+                final = self._directory / f"{_PREFIX}{m.group(1)}" if m else None
+                if final is not None and not final.exists():
+                    logger.warning(
+                        "putting back checkpoint %s from an interrupted overwrite",
+                        final,
+                    )
+                    os.rename(entry, final)
+                else:
+                    shutil.rmtree(entry, ignore_errors=True)
+        _fsync_path(self._directory, directory=True)
+
+    def _restore(self, step: int, like: Any) -> Checkpoint:
+        root = self._directory / f"{_PREFIX}{step}"
+        try:
+            data = (root / _MANIFEST).read_bytes()
+        except OSError as e:
+            raise CheckpointError(f"cannot read manifest of {root}: {e}") from e
+        body = _unpack_manifest(data)
+        if body["step"] != step:
+            raise CheckpointError(
+                f"{root} holds a manifest for step {body['step']}, not {step}"
+            )
+        leaf_specs = body["leaves"]
+        if like is not None:
+            saved = _structure_of(body["tree"])
+            like_desc = _describe(like, lambda path, leaf: {"k": "leaf"})
+            if saved != _structure_of(like_desc):
+                raise ValueError(
+                    "like does not match the checkpoint's tree structure "
+                    + _first_difference(saved, _structure_of(like_desc))
+                )
+        values = _read_leaves(root, leaf_specs, self._context)
+        if like is None:
+            try:
+                tree = _rebuild(body["tree"], values)
+            except TypeError as e:  # an unhashable dict key in a damaged manifest
+                raise CheckpointError(f"manifest tree of {root} is invalid") from e
+            return Checkpoint(step, tree, body["metadata"])
+        like_leaves, treedef = jax.tree_util.tree_flatten_with_path(like)
+        converted = [
+            _convert_like(value, spec, leaf, jax.tree_util.keystr(path))
+            for value, spec, (path, leaf) in zip(
+                values, leaf_specs, like_leaves, strict=True
+            )
+        ]
+        return Checkpoint(
+            step, jax.tree_util.tree_unflatten(treedef, converted), body["metadata"]
+        )
+
+    def _record_error(self, future: concurrent.futures.Future) -> None:
+        if not future.cancelled() and future.exception() is not None:
+            with self._lock:
+                if self._background_error is None:
+                    self._background_error = future.exception()
+
+    def _raise_background_error(self) -> None:
+        with self._lock:
+            error, self._background_error = self._background_error, None
+        if error is not None:
+            raise RuntimeError("an earlier background checkpoint save failed") from (
+                error
+            )

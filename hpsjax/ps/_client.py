@@ -1,0 +1,961 @@
+"""The asyncio parameter-server client, and the frame protocol both ends share.
+
+A :class:`Client` is one worker's connection to a :class:`~hpsjax.ps.Server`. It
+authenticates on connect (HMAC challenge-response, see PROTOCOL.md), then carries
+any number of concurrent requests: every request gets its own request id and the
+replies, which may arrive in any order, are matched to their callers by the
+protocol's receive callback, so a ``pull()`` can be awaited while a ``push()`` on
+the same connection is still in flight (PS+'s eager pull).
+
+Errors never vanish: a failure of the connection or an error the server reports
+unasked (for example :class:`~hpsjax.ps.WorkerDropped`) fails the requests in
+flight and is raised again by the next call.
+
+Cancellation and timeouts. Every awaitable takes ``timeout`` (seconds; ``None``
+waits forever; the default is the client's ``timeout``), and can also be wrapped
+in ``asyncio.timeout(...)``/``asyncio.wait_for``. A frame is handed to the
+transport whole, so cancelling never leaves half a frame on the connection: a
+cancelled request only stops waiting for its reply (a cancelled push that was
+already sent may still be applied by the server).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import os
+import ssl as ssl_lib
+from collections.abc import AsyncIterator, Callable, Mapping
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from hpsjax.ps import _wire as wire
+from hpsjax.ps._errors import (
+    AuthError,
+    ConnectionClosed,
+    HpsError,
+    ProtocolError,
+    UnexpectedMessage,
+    error_from_wire,
+    error_to_wire,
+)
+from hpsjax.ps._wire import Frame, FrameError, MsgType
+
+__all__ = ["Client", "PushResult", "ServerInfo", "Subscription"]
+
+_HANDSHAKE_TIMEOUT = 30.0
+
+
+class FrameProtocol(asyncio.BufferedProtocol):
+    """An ``asyncio.BufferedProtocol`` that reads and writes hpsjax frames.
+
+    Received bytes go straight into the buffers a :class:`~hpsjax.ps._wire.FrameDecoder`
+    hands out (payloads land in preallocated arrays); complete frames are given
+    to ``on_frame``. Writes are scatter lists passed to ``writelines`` whole, so
+    frames from concurrent coroutines never interleave. Flow control follows the
+    transport's ``pause_writing``/``resume_writing``.
+
+    Args:
+      on_frame: called with each :class:`Frame` or :class:`FrameError`.
+      on_lost: called once with the error that ended the connection
+        (:class:`ConnectionClosed` for a clean or abrupt close, a
+        :class:`ProtocolError` for a broken stream).
+      limits: frame limits.
+      allocate: payload allocator for the decoder.
+    """
+
+    def __init__(
+        self,
+        on_frame: Callable[[Frame | FrameError], None],
+        on_lost: Callable[[HpsError], None],
+        *,
+        limits: wire.WireLimits = wire.DEFAULT_LIMITS,
+        allocate: wire.Allocator | None = None,
+    ):
+        self._decoder = wire.FrameDecoder(limits=limits, allocate=allocate)
+        self._on_frame = on_frame
+        self._on_lost = on_lost
+        self.transport: asyncio.Transport | None = None
+        self._writable = asyncio.Event()
+        self._writable.set()
+        self._lost: HpsError | None = None
+        self._lost_reported = False
+        self.bytes_sent = 0
+        self.bytes_received = 0
+
+    # asyncio callbacks --------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        return self._decoder.get_buffer(sizehint)
+
+    def buffer_updated(self, nbytes: int) -> None:
+        self.bytes_received += nbytes
+        try:
+            events = self._decoder.buffer_updated(nbytes)
+        except ProtocolError as e:
+            self.fail(e)
+            return
+        for event in events:
+            if self._lost is not None:
+                return
+            self._on_frame(event)
+
+    def eof_received(self) -> bool:
+        try:
+            self._decoder.eof()
+        except ConnectionClosed as e:
+            self._lost = self._lost or e
+        return False
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._writable.set()
+        if self._lost is None:
+            detail = f" ({type(exc).__name__}: {exc})" if exc else ""
+            self._lost = ConnectionClosed(f"connection closed{detail}")
+        self._report_lost()
+
+    def pause_writing(self) -> None:
+        self._writable.clear()
+
+    def resume_writing(self) -> None:
+        self._writable.set()
+
+    # API ----------------------------------------------------------------
+
+    @property
+    def closed(self) -> bool:
+        """Whether the connection has ended or is ending."""
+        return self._lost is not None or self.transport is None or (
+            self.transport.is_closing()
+        )
+
+    def send(self, parts: list[bytes | memoryview]) -> None:
+        """Queues one frame (a scatter list) for writing.
+
+        Raises:
+          ConnectionClosed: the connection is closed.
+        """
+        if self.closed:
+            raise self._lost or ConnectionClosed("connection is closed")
+        self.transport.writelines(parts)
+        self.bytes_sent += sum(len(p) for p in parts)
+
+    async def drain(self) -> None:
+        """Waits until the transport's write buffer is below its high mark.
+
+        Cancelling is safe: queued frames stay queued.
+
+        Raises:
+          ConnectionClosed: the connection ended.
+        """
+        await self._writable.wait()
+        if self._lost is not None:
+            raise self._lost
+
+    @property
+    def write_buffer_size(self) -> int:
+        """Bytes queued in the transport."""
+        if self.transport is None or self.transport.is_closing():
+            return 0
+        return self.transport.get_write_buffer_size()
+
+    def fail(self, error: HpsError, *, request_id: int = 0) -> None:
+        """Reports ``error`` to the peer in an ERROR frame and closes."""
+        if self._lost is not None:
+            return
+        code, message = error_to_wire(error)
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.writelines(
+                wire.encode_frame(
+                    MsgType.ERROR, request_id, {"code": code, "message": message}
+                )
+            )
+        self._lost = error
+        self.close()
+
+    def close(self, error: HpsError | None = None) -> None:
+        """Closes the connection after the queued frames are written."""
+        if self._lost is None:
+            self._lost = error or ConnectionClosed("connection closed locally")
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.close()
+
+    def abort(self) -> None:
+        """Closes the connection at once, dropping queued frames."""
+        if self._lost is None:
+            self._lost = ConnectionClosed("connection aborted locally")
+        if self.transport is not None:
+            self.transport.abort()
+
+    def _report_lost(self) -> None:
+        if not self._lost_reported:
+            self._lost_reported = True
+            self._on_lost(self._lost)
+
+
+def error_frame(request_id: int, error: BaseException) -> list[bytes | memoryview]:
+    """An ERROR frame reporting ``error`` (code and short message only)."""
+    code, message = error_to_wire(error)
+    return wire.encode_frame(
+        MsgType.ERROR, request_id, {"code": code, "message": message}
+    )
+
+
+def _error_of(frame: Frame) -> HpsError:
+    meta = frame.metadata
+    code, message = meta.get("code"), meta.get("message", "")
+    if not isinstance(code, int) or not isinstance(message, str):
+        return ProtocolError("malformed ERROR frame")
+    return error_from_wire(code, message)
+
+
+class PushResult(NamedTuple):
+    """The server's answer to a push.
+
+    Attributes:
+      version: the server's version after handling the push.
+      staleness: :math:`\\tau = V - v`: the server version when the push arrived
+        minus the version it was computed on.
+      status: ``"applied"``, ``"buffered"`` (waiting to be aggregated with other
+        updates, e.g. a BSP round) or ``"dropped"``.
+      weight: the damping factor the update was scaled by (0 when dropped).
+      local_steps: hint: local steps to take before the next push, or ``None``.
+      reason: why the update was damped or dropped, else ``None``.
+      force_pull: the server asks to discard local work and pull.
+    """
+
+    version: int
+    staleness: int
+    status: str
+    weight: float
+    local_steps: int | None
+    reason: str | None
+    force_pull: bool
+
+    @property
+    def applied(self) -> bool:
+        """Whether a new version includes the update."""
+        return self.status == "applied"
+
+
+def _push_result(meta: Mapping[str, Any]) -> PushResult:
+    try:
+        return PushResult(
+            version=int(meta["version"]),
+            staleness=int(meta["staleness"]),
+            status=str(meta["status"]),
+            weight=float(meta.get("weight", 1.0)),
+            local_steps=meta.get("local_steps"),
+            reason=meta.get("reason"),
+            force_pull=bool(meta.get("force_pull", False)),
+        )
+    except (KeyError, TypeError, ValueError) as e:
+        raise ProtocolError(f"malformed push acknowledgement: {e}") from None
+
+
+class ServerInfo(NamedTuple):
+    """What the server told about itself on connect (or on ``info()``).
+
+    Attributes:
+      policy: the synchronisation policy's name.
+      version: the parameter version at the time.
+      stage: the policy's stage index (0 for single-stage policies).
+      spec: the model: a pytree of ``(shape, dtype)`` pairs (numpy dtypes).
+      layout: the model's wire layout (structure and leaf specs).
+      limits: the server's frame limits, as a dict.
+    """
+
+    policy: str
+    version: int
+    stage: int
+    spec: Any
+    layout: wire.TreeLayout
+    limits: dict[str, Any]
+
+
+def _server_info(meta: Mapping[str, Any]) -> ServerInfo:
+    try:
+        spec_meta = meta["spec"]
+        leaves, offset = [], 0
+        for entry in spec_meta["leaves"]:
+            name, shape = entry
+            dtype = wire.DTYPES[name]
+            nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+            leaves.append([name, list(shape), offset, nbytes])
+            offset += nbytes
+        layout = wire.tree_layout(
+            {"tree": spec_meta["tree"], "leaves": leaves, "codec": None}
+        )
+        spec = wire.unflatten_tree(
+            layout.structure, [(leaf.shape, leaf.dtype) for leaf in layout.leaves]
+        )
+        return ServerInfo(
+            policy=str(meta["policy"]),
+            version=int(meta["version"]),
+            stage=int(meta.get("stage", 0)),
+            spec=spec,
+            layout=layout,
+            limits=dict(meta.get("limits", {})),
+        )
+    except (KeyError, TypeError, ValueError, HpsError) as e:
+        raise ProtocolError(f"malformed server info: {e}") from None
+
+
+def _secret_bytes(secret: bytes | str | None) -> bytes | None:
+    if secret is None:
+        return None
+    if isinstance(secret, str):
+        secret = secret.encode()
+    if not isinstance(secret, bytes) or not secret:
+        raise ValueError("secret must be non-empty bytes or str")
+    return secret
+
+
+def _check_worker_id(worker_id: Any) -> None:
+    if isinstance(worker_id, bool) or not isinstance(worker_id, (str, int)):
+        raise ValueError(f"worker_id must be a str or int, got {worker_id!r}")
+    if isinstance(worker_id, str) and not 0 < len(worker_id.encode()) <= 256:
+        raise ValueError("worker_id must be 1 to 256 bytes of UTF-8")
+    if isinstance(worker_id, int) and not -(2**63) <= worker_id < 2**63:
+        raise ValueError("an int worker_id must fit in 64 bits")
+
+
+_UNSET: Any = object()
+
+
+@dataclasses.dataclass
+class _Latest:
+    params: Any = None
+    version: int = -1
+    changed: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
+
+
+class Subscription:
+    """Parameters the server sends after every applied update (PHub-style).
+
+    Holds only the newest parameters: a consumer slower than the server skips
+    versions instead of queueing them. Use :attr:`latest` for a non-blocking
+    read, or iterate::
+
+        sub = await client.subscribe()
+        async for params, version in sub:
+            ...
+
+    Iteration ends when the subscription or the client is closed; it raises the
+    client's error if the connection failed.
+    """
+
+    def __init__(self, client: Client, slot: _Latest):
+        self._client = client
+        self._slot = slot
+        self._seen = -1
+        self._closed = False
+
+    @property
+    def latest(self) -> tuple[Any, int] | None:
+        """``(params, version)`` last received, or ``None`` before the first."""
+        if self._slot.version < 0:
+            return None
+        return self._slot.params, self._slot.version
+
+    async def next(self, *, timeout: float | None = _UNSET) -> tuple[Any, int]:
+        """Waits for parameters newer than the last ones returned.
+
+        Cancelling is safe. ``timeout`` defaults to the client's.
+
+        Returns:
+          ``(params, version)``.
+
+        Raises:
+          TimeoutError: nothing newer within ``timeout``.
+          ConnectionClosed: the subscription or client was closed.
+        """
+        timeout = self._client._timeout if timeout is _UNSET else timeout
+        async with asyncio.timeout(timeout):
+            while True:
+                self._client._raise_pending_error(keep_unsolicited=True)
+                if self._closed:
+                    raise ConnectionClosed("subscription closed")
+                if self._slot.version > self._seen:
+                    self._seen = self._slot.version
+                    return self._slot.params, self._slot.version
+                self._slot.changed.clear()
+                await self._slot.changed.wait()
+
+    def __aiter__(self) -> AsyncIterator[tuple[Any, int]]:
+        return self._iterate()
+
+    async def _iterate(self):
+        while True:
+            try:
+                yield await self.next(timeout=None)
+            except ConnectionClosed:
+                if self._closed or self._client.closed:
+                    return
+                raise
+
+    async def close(self, *, timeout: float | None = _UNSET) -> None:
+        """Stops the server's sends. Safe to cancel; idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._slot.changed.set()
+        if not self._client.closed:
+            await self._client._request(
+                MsgType.SUBSCRIBE, {"on": False}, timeout=timeout
+            )
+        self._client._subscription = None
+
+
+class Client:
+    """One worker's asyncio connection to a parameter server.
+
+    Args:
+      host: server address.
+      port: server port.
+      worker_id: this worker's name (``str`` or ``int``), unique among workers;
+        connecting again under the same id replaces the old connection.
+      secret: the shared secret (bytes or str), or ``None`` for a server that
+        runs without authentication; it never crosses the wire.
+      ssl: an ``ssl.SSLContext`` for TLS, or ``None``.
+      server_hostname: the name to verify the server certificate against
+        (defaults to ``host``).
+      timeout: default timeout (s) of every call; ``None`` waits forever.
+      limits: limits on frames received from the server.
+      seed: seed of the PRNG used for stochastic rounding when the client
+        compresses a push itself.
+
+    Examples:
+      A worker loop (``grad_fn`` computes a gradient)::
+
+        async with Client("127.0.0.1", port, worker_id="w0", secret=key) as c:
+            params, version = await c.pull()
+            for batch in batches:
+                ack, params, version = await c.push_pull(
+                    grad_fn(params, batch), version=version)
+    """
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        *,
+        worker_id: str | int,
+        secret: bytes | str | None,
+        ssl: ssl_lib.SSLContext | None = None,
+        server_hostname: str | None = None,
+        timeout: float | None = 60.0,
+        limits: wire.WireLimits = wire.DEFAULT_LIMITS,
+        seed: int | None = None,
+    ):
+        _check_worker_id(worker_id)
+        if ssl is not None and not isinstance(ssl, ssl_lib.SSLContext):
+            raise ValueError("ssl must be an ssl.SSLContext or None")
+        if timeout is not None and not timeout > 0:
+            raise ValueError(f"timeout must be positive or None, got {timeout!r}")
+        if not isinstance(port, int) or not 0 < port < 65536:
+            raise ValueError(f"bad port {port!r}")
+        self._host = host
+        self._port = port
+        self._worker_id = worker_id
+        self._secret = _secret_bytes(secret)
+        self._ssl = ssl
+        self._server_hostname = server_hostname
+        self._timeout = timeout
+        self._limits = limits
+        self._seed = seed
+        self._key = None
+        self._protocol: FrameProtocol | None = None
+        self._pending: dict[int, asyncio.Future] = {}
+        self._next_id = 0
+        self._error: HpsError | None = None
+        self._unsolicited_error: HpsError | None = None
+        self._info: ServerInfo | None = None
+        self._subscription: Subscription | None = None
+        self._latest = None
+        self._hints: dict[str, Any] = {}
+
+    # ----------------------------------------------------------- properties
+
+    @property
+    def worker_id(self) -> str | int:
+        """This worker's id."""
+        return self._worker_id
+
+    @property
+    def info(self) -> ServerInfo:
+        """What the server reported on connect (see :meth:`refresh_info`)."""
+        if self._info is None:
+            raise ConnectionClosed("not connected")
+        return self._info
+
+    @property
+    def closed(self) -> bool:
+        """Whether the connection is closed (or was never opened)."""
+        return self._protocol is None or self._protocol.closed
+
+    @property
+    def hints(self) -> Mapping[str, Any]:
+        """The server's latest instructions to this worker.
+
+        Keys: ``local_steps`` (steps before the next push), ``stage``,
+        ``force_pull`` (reason to discard local work and pull, or absent).
+        """
+        return dict(self._hints)
+
+    @property
+    def bytes_sent(self) -> int:
+        """Bytes written on the current connection."""
+        return self._protocol.bytes_sent if self._protocol else 0
+
+    @property
+    def bytes_received(self) -> int:
+        """Bytes read on the current connection."""
+        return self._protocol.bytes_received if self._protocol else 0
+
+    # ----------------------------------------------------------- lifecycle
+
+    async def connect(self, *, timeout: float | None = _UNSET) -> ServerInfo:
+        """Opens the connection and authenticates (mutually).
+
+        Connecting again after a close or a failure starts a new connection.
+        Cancelling is safe: a half-open connection is closed.
+
+        Args:
+          timeout: seconds for connecting and the handshake (default: the
+            client's).
+
+        Returns:
+          The :class:`ServerInfo`.
+
+        Raises:
+          AuthError: wrong secret, or the server failed to prove it knows it.
+          ConnectionClosed, OSError: the server cannot be reached.
+          TimeoutError: no answer within ``timeout``.
+        """
+        timeout = self._timeout if timeout is _UNSET else timeout
+        if self._protocol is not None and not self._protocol.closed:
+            raise RuntimeError("already connected")
+        self._reset()
+        loop = asyncio.get_running_loop()
+        try:
+            async with asyncio.timeout(timeout):
+                _, protocol = await loop.create_connection(
+                    lambda: FrameProtocol(
+                        self._on_frame, self._on_lost, limits=self._limits
+                    ),
+                    self._host,
+                    self._port,
+                    ssl=self._ssl,
+                    server_hostname=(
+                        (self._server_hostname or self._host) if self._ssl else None
+                    ),
+                )
+                self._protocol = protocol
+                self._info = await self._handshake()
+        except BaseException:
+            if self._protocol is not None:
+                self._protocol.abort()
+            raise
+        return self._info
+
+    def _reset(self) -> None:
+        self._pending = {}
+        self._error = None
+        self._unsolicited_error = None
+        self._info = None
+        self._subscription = None
+        self._latest = None
+        self._hints = {}
+
+    async def _handshake(self) -> ServerInfo:
+        client_nonce = os.urandom(wire.NONCE_BYTES)
+        challenge = await self._request(
+            MsgType.HELLO,
+            {
+                "worker_id": self._worker_id,
+                "nonce": client_nonce,
+                "client": "hpsjax",
+            },
+            timeout=None,
+            expect=MsgType.CHALLENGE,
+        )
+        server_nonce = challenge.metadata.get("nonce")
+        scheme = challenge.metadata.get("auth")
+        if not isinstance(server_nonce, bytes) or len(server_nonce) != 32:
+            raise ProtocolError("malformed CHALLENGE")
+        if scheme is None and self._secret is not None:
+            raise AuthError("server does not authenticate; refusing to trust it")
+        if scheme is not None and scheme != wire.AUTH_SCHEME:
+            raise AuthError(f"unsupported auth scheme {scheme!r}")
+        if scheme is not None and self._secret is None:
+            raise AuthError("server requires a secret and none was given")
+        proof = b""
+        if self._secret is not None:
+            proof = wire.auth_proof(
+                self._secret, "client", server_nonce, client_nonce, self._worker_id
+            )
+        ok = await self._request(
+            MsgType.AUTH, {"proof": proof}, timeout=None, expect=MsgType.AUTH_OK
+        )
+        if self._secret is not None:
+            want = wire.auth_proof(
+                self._secret, "server", server_nonce, client_nonce, self._worker_id
+            )
+            got = ok.metadata.get("proof")
+            if not isinstance(got, bytes) or not _compare(got, want):
+                raise AuthError("server failed to prove it knows the secret")
+        return _server_info(ok.metadata.get("info", {}))
+
+    async def close(self, *, timeout: float | None = 5.0) -> None:
+        """Says goodbye and closes the connection; idempotent.
+
+        Requests still in flight fail with ConnectionClosed. Cancelling is safe
+        (the connection is then aborted).
+
+        Args:
+          timeout: seconds to wait for queued frames to be written.
+        """
+        protocol = self._protocol
+        if protocol is None or protocol.closed:
+            return
+        try:
+            protocol.send(
+                wire.encode_frame(MsgType.BYE, 0, {"reason": "client closing"})
+            )
+            async with asyncio.timeout(timeout):
+                await protocol.drain()
+        except (HpsError, TimeoutError, asyncio.CancelledError):
+            protocol.abort()
+            raise
+        finally:
+            protocol.close()
+
+    async def __aenter__(self) -> Client:
+        await self.connect()
+        return self
+
+    async def __aexit__(self, *exc_info: Any) -> None:
+        await self.close()
+
+    # ------------------------------------------------------------ requests
+
+    async def pull(self, *, timeout: float | None = _UNSET) -> tuple[Any, int]:
+        """Gets the current parameters.
+
+        The first pull joins the worker to the server's live set. Under a
+        synchronising policy (BSP, SSP) the answer waits until the policy lets
+        this worker proceed. May be awaited while a push is in flight.
+        Cancelling is safe (the reply is discarded when it comes).
+
+        Args:
+          timeout: seconds to wait (default: the client's).
+
+        Returns:
+          ``(params, version)``: a pytree of numpy arrays (freshly allocated,
+          owned by the caller) and its version.
+        """
+        frame = await self._request(
+            MsgType.PULL, {}, timeout=timeout, expect=MsgType.PARAMS
+        )
+        return self._params_of(frame)
+
+    async def push(
+        self,
+        update: Any = None,
+        *,
+        version: int,
+        codec: Any = None,
+        encoded: Any = None,
+        step_time: float | None = None,
+        num_samples: int | None = None,
+        local_steps: int | None = None,
+        loss: float | None = None,
+        timeout: float | None = _UNSET,
+    ) -> PushResult:
+        """Sends an update computed on parameters of ``version``.
+
+        Three forms: ``push(update, version=v)`` sends raw leaves;
+        ``push(update, version=v, codec=c)`` quantizes them here (no error
+        feedback); ``push(version=v, codec=c, encoded=e)`` sends the packed
+        bytes of an already encoded tree (the ``encoded`` kept by
+        ``hpsjax.quantize``, whose error feedback is then applied exactly once,
+        on this worker). The update's arrays are referenced, not copied, until
+        written: do not modify them before this returns.
+
+        Cancelling is safe for the connection, but a push already handed to the
+        transport may still be applied by the server.
+
+        Args:
+          update: pytree of the model's structure, shapes and dtypes.
+          version: the version the update was computed on.
+          codec: a ``hpsjax.transforms.Codec`` for a compressed push.
+          encoded: a pytree of ``Encoded`` (requires ``codec``).
+          step_time: compute seconds this update took (for adaptive deadlines).
+          num_samples: samples it was computed on (for weighted averaging).
+          local_steps: local steps it accumulates.
+          loss: the worker's latest training loss (for staged policies).
+          timeout: seconds to wait (default: the client's).
+
+        Returns:
+          A :class:`PushResult`.
+
+        Raises:
+          InvalidUpdate: the server refused the update (shape, dtype, NaN); its
+            parameters are unchanged.
+          WorkerDropped: this worker was dropped; pull to rejoin.
+        """
+        meta, buffers = self._push_message(
+            update,
+            version=version,
+            codec=codec,
+            encoded=encoded,
+            step_time=step_time,
+            num_samples=num_samples,
+            local_steps=local_steps,
+            loss=loss,
+        )
+        frame = await self._request(
+            MsgType.PUSH, meta, buffers, timeout=timeout, expect=MsgType.PUSH_ACK
+        )
+        result = _push_result(frame.metadata)
+        self._note_ack(result)
+        return result
+
+    async def push_pull(
+        self,
+        update: Any = None,
+        *,
+        version: int,
+        codec: Any = None,
+        encoded: Any = None,
+        step_time: float | None = None,
+        num_samples: int | None = None,
+        local_steps: int | None = None,
+        loss: float | None = None,
+        timeout: float | None = _UNSET,
+    ) -> tuple[PushResult, Any, int]:
+        """Pushes an update and pulls the parameters in one round trip.
+
+        Arguments, cancellation and errors are those of :meth:`push`; the reply
+        comes when the policy lets this worker proceed (as for :meth:`pull`).
+
+        Returns:
+          ``(result, params, version)``.
+        """
+        meta, buffers = self._push_message(
+            update,
+            version=version,
+            codec=codec,
+            encoded=encoded,
+            step_time=step_time,
+            num_samples=num_samples,
+            local_steps=local_steps,
+            loss=loss,
+        )
+        frame = await self._request(
+            MsgType.PUSH_PULL, meta, buffers, timeout=timeout, expect=MsgType.PARAMS
+        )
+        result = _push_result(frame.metadata.get("ack", {}))
+        self._note_ack(result)
+        params, new_version = self._params_of(frame)
+        return result, params, new_version
+
+    async def subscribe(self, *, timeout: float | None = _UNSET) -> Subscription:
+        """Asks the server to send the parameters after every applied update.
+
+        The current parameters come at once. Subscribing does not join the
+        worker (pull does). Cancelling is safe.
+
+        Returns:
+          The :class:`Subscription` (one per connection; subscribing again
+          returns the same one).
+        """
+        if self._subscription is not None:
+            return self._subscription
+        slot = _Latest()
+        self._latest = slot
+        await self._request(
+            MsgType.SUBSCRIBE, {"on": True}, timeout=timeout, expect=MsgType.SUBSCRIBE
+        )
+        self._subscription = Subscription(self, slot)
+        return self._subscription
+
+    async def refresh_info(self, *, timeout: float | None = _UNSET) -> ServerInfo:
+        """Asks the server for its current :class:`ServerInfo`. Safe to cancel."""
+        frame = await self._request(
+            MsgType.INFO, {}, timeout=timeout, expect=MsgType.INFO
+        )
+        self._info = _server_info(frame.metadata)
+        return self._info
+
+    # ------------------------------------------------------------ internals
+
+    def _push_message(self, update, *, version, codec, encoded, **fields):
+        if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+            raise ValueError(f"version must be a non-negative int, got {version!r}")
+        if encoded is not None:
+            if codec is None:
+                raise ValueError("encoded= needs the codec it was encoded with")
+            like = update if update is not None else self.info.spec_like()
+            meta, buffers, _ = wire.encoded_tree_to_wire(
+                encoded, like, codec, limits=self._limits
+            )
+        elif update is None:
+            raise ValueError("push needs an update (or encoded= and codec=)")
+        elif codec is not None:
+            from hpsjax.transforms import _quantize as q
+
+            import jax
+
+            if self._key is None:
+                seed = self._seed if self._seed is not None else hash(self._worker_id)
+                self._key = jax.random.key(seed % 2**32)
+            self._key, key = jax.random.split(self._key)
+            encoded = q.encode_tree(update, codec, key)
+            meta, buffers, _ = wire.encoded_tree_to_wire(
+                encoded, update, codec, limits=self._limits
+            )
+        else:
+            meta, buffers, _ = wire.tree_to_wire(update, limits=self._limits)
+        meta["version"] = version
+        for name, value in fields.items():
+            if value is not None:
+                meta[name] = value
+        return meta, buffers
+
+    def _params_of(self, frame: Frame) -> tuple[Any, int]:
+        version = frame.metadata.get("version")
+        if not isinstance(version, int) or not isinstance(
+            frame.payload, wire.WireTree
+        ):
+            raise ProtocolError("malformed PARAMS frame")
+        if frame.payload.layout.codec is not None:
+            raise ProtocolError("compressed PARAMS are not supported")
+        local_steps = frame.metadata.get("local_steps")
+        if local_steps is not None:
+            self._hints["local_steps"] = local_steps
+        return frame.payload.tree(), version
+
+    def _note_ack(self, result: PushResult) -> None:
+        if result.local_steps is not None:
+            self._hints["local_steps"] = result.local_steps
+        if result.force_pull:
+            self._hints["force_pull"] = result.reason or "requested by the server"
+
+    def _raise_pending_error(self, *, keep_unsolicited: bool = False) -> None:
+        if self._unsolicited_error is not None:
+            error = self._unsolicited_error
+            if not keep_unsolicited:
+                self._unsolicited_error = None
+            raise error
+        if self._error is not None:
+            raise self._error
+        if self._protocol is None:
+            raise ConnectionClosed("not connected")
+
+    async def _request(
+        self,
+        msg_type: MsgType,
+        meta: dict[str, Any],
+        buffers=(),
+        *,
+        timeout: float | None = _UNSET,
+        expect: MsgType | None = None,
+    ) -> Frame:
+        timeout = self._timeout if timeout is _UNSET else timeout
+        self._raise_pending_error()
+        protocol = self._protocol
+        self._next_id = self._next_id % (2**32 - 1) + 1
+        request_id = self._next_id
+        future = asyncio.get_running_loop().create_future()
+        self._pending[request_id] = future
+        try:
+            async with asyncio.timeout(timeout):
+                protocol.send(wire.encode_frame(msg_type, request_id, meta, buffers))
+                await protocol.drain()
+                frame = await future
+        finally:
+            self._pending.pop(request_id, None)
+        if expect is not None and frame.msg_type != expect:
+            raise UnexpectedMessage(
+                f"expected {expect.name} in reply to {msg_type.name}, got "
+                f"{frame.msg_type.name}"
+            )
+        return frame
+
+    def _on_frame(self, event: Frame | FrameError) -> None:
+        if isinstance(event, FrameError):
+            # A reply this side refused (over a limit, malformed): fail its
+            # request; unasked frames that fail are reported on the next call.
+            future = self._pending.pop(event.request_id, None)
+            if future is not None and not future.done():
+                future.set_exception(event.error)
+            elif event.request_id == 0:
+                self._unsolicited_error = event.error
+            return
+        if event.request_id == 0:
+            self._on_unsolicited(event)
+            return
+        future = self._pending.pop(event.request_id, None)
+        if future is None or future.done():
+            return  # the caller gave up (cancelled or timed out)
+        if event.msg_type == MsgType.ERROR:
+            future.set_exception(_error_of(event))
+        else:
+            future.set_result(event)
+
+    def _on_unsolicited(self, frame: Frame) -> None:
+        if frame.msg_type == MsgType.PARAMS:
+            slot = self._latest
+            version = frame.metadata.get("version")
+            if slot is None or not isinstance(version, int):
+                return
+            if version > slot.version and isinstance(frame.payload, wire.WireTree):
+                slot.params = frame.payload.tree()
+                slot.version = version
+                slot.changed.set()
+        elif frame.msg_type == MsgType.STAGE:
+            meta = frame.metadata
+            for key in ("stage", "local_steps"):
+                if key in meta:
+                    self._hints[key] = meta[key]
+            if meta.get("force_pull"):
+                self._hints["force_pull"] = meta.get("reason") or "requested"
+        elif frame.msg_type == MsgType.ERROR:
+            error = _error_of(frame)
+            self._unsolicited_error = error
+            for future in self._pending.values():
+                if not future.done():
+                    future.set_exception(error)
+            self._pending.clear()
+            if self._latest is not None:
+                self._latest.changed.set()
+        elif frame.msg_type == MsgType.BYE:
+            self._error = ConnectionClosed(
+                f"server said goodbye: {frame.metadata.get('reason', '')}"[:200]
+            )
+        else:
+            self._protocol.fail(
+                UnexpectedMessage(f"unexpected unasked {frame.msg_type.name}")
+            )
+
+    def _on_lost(self, error: HpsError) -> None:
+        if self._error is None or not isinstance(error, ConnectionClosed):
+            self._error = error
+        for future in self._pending.values():
+            if not future.done():
+                future.set_exception(self._error)
+        self._pending.clear()
+        if self._latest is not None:
+            self._latest.changed.set()
+
+
+def _compare(a: bytes, b: bytes) -> bool:
+    import hmac
+
+    return hmac.compare_digest(a, b)

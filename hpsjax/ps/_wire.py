@@ -1,0 +1,1137 @@
+"""The hpsjax wire format: frames, tree metadata and an incremental frame reader.
+
+Everything here is pure: functions turn messages into lists of buffers and back,
+and :class:`FrameDecoder` is a sans-I/O parser that an ``asyncio.BufferedProtocol``
+(or a test) feeds with bytes. No sockets, no event loop.
+
+A frame is a fixed 24-byte little-endian header, msgpack metadata, and a raw
+payload::
+
+    offset  size  field
+    0       4     magic            b"HPSJ"
+    4       1     protocol version 1
+    5       1     message type     MsgType
+    6       2     flags            0 (reserved)
+    8       4     request id       u32
+    12      4     metadata length  u32, bytes of msgpack
+    16      8     payload length   u64, bytes of raw buffers
+    24      ...   metadata, then payload
+
+Trees travel as metadata (structure, per-leaf dtype, shape, byte offset and
+length, codec) plus the leaves' bytes concatenated in leaf order. The sender
+writes the header and metadata followed by memoryviews of the leaves (a scatter
+list for ``writelines``), never joining the payload; the reader fills
+preallocated arrays in place. No pickle: nothing received can execute code.
+See PROTOCOL.md for the normative description.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import hmac
+import math
+import struct
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NamedTuple
+
+import ml_dtypes
+import msgpack
+import numpy as np
+
+from hpsjax.ps._errors import (
+    BadMagic,
+    ConnectionClosed,
+    HpsError,
+    MalformedMetadata,
+    PayloadTooBig,
+    ProtocolError,
+    ServerError,
+    SpecMismatch,
+    TooManyLeaves,
+    UnexpectedMessage,
+    UnsupportedDtype,
+    UnsupportedVersion,
+)
+
+__all__ = [
+    "DEFAULT_LIMITS",
+    "DTYPES",
+    "HEADER_SIZE",
+    "MAGIC",
+    "PROTOCOL_VERSION",
+    "Frame",
+    "FrameDecoder",
+    "FrameError",
+    "Header",
+    "LeafSpec",
+    "MsgType",
+    "TreeLayout",
+    "WireLimits",
+    "WireTree",
+    "auth_proof",
+    "check_same_spec",
+    "encode_frame",
+    "encoded_tree_to_wire",
+    "flatten_tree",
+    "pack_header",
+    "tree_layout",
+    "tree_to_wire",
+    "unflatten_tree",
+    "unpack_header",
+    "unpack_metadata",
+]
+
+MAGIC = b"HPSJ"
+PROTOCOL_VERSION = 1
+_HEADER = struct.Struct("<4sBBHIIQ")
+HEADER_SIZE = _HEADER.size
+_MAX_REQUEST_ID = 2**32 - 1
+
+
+class MsgType(enum.IntEnum):
+    """Message types; the value is the header's type byte."""
+
+    HELLO = 1
+    CHALLENGE = 2
+    AUTH = 3
+    AUTH_OK = 4
+    INFO = 5
+    STAGE = 6
+    PULL = 7
+    PARAMS = 8
+    PUSH = 9
+    PUSH_ACK = 10
+    PUSH_PULL = 11
+    SUBSCRIBE = 12
+    ERROR = 13
+    BYE = 14
+
+
+# Only these carry a payload; any other frame with a non-zero payload length is
+# refused from its header alone.
+PAYLOAD_TYPES = frozenset({MsgType.PARAMS, MsgType.PUSH, MsgType.PUSH_PULL})
+
+# Names on the wire -> numpy dtypes. Data are little-endian on the wire.
+DTYPES: dict[str, np.dtype] = {
+    name: np.dtype(t).newbyteorder("<")
+    for name, t in [
+        ("bool", np.bool_),
+        ("int8", np.int8),
+        ("uint8", np.uint8),
+        ("int16", np.int16),
+        ("uint16", np.uint16),
+        ("int32", np.int32),
+        ("uint32", np.uint32),
+        ("int64", np.int64),
+        ("uint64", np.uint64),
+        ("float16", np.float16),
+        ("bfloat16", ml_dtypes.bfloat16),
+        ("float32", np.float32),
+        ("float64", np.float64),
+    ]
+}
+
+
+class WireLimits(NamedTuple):
+    """Bounds checked on every frame before anything is allocated.
+
+    Attributes:
+      max_message_bytes: metadata plus payload bytes of one frame.
+      max_metadata_bytes: msgpack metadata bytes of one frame.
+      max_leaves: leaves of one tree.
+      max_depth: nesting depth of a tree's structure.
+      max_rank: dimensions of one leaf.
+      dtypes: dtype names accepted (a subset of :data:`DTYPES`).
+    """
+
+    max_message_bytes: int = 2**31
+    max_metadata_bytes: int = 16 * 2**20
+    max_leaves: int = 65536
+    max_depth: int = 64
+    max_rank: int = 32
+    dtypes: frozenset[str] = frozenset(DTYPES)
+
+
+DEFAULT_LIMITS = WireLimits()
+
+
+class Header(NamedTuple):
+    """A decoded frame header (all fields already validated)."""
+
+    msg_type: MsgType
+    flags: int
+    request_id: int
+    metadata_length: int
+    payload_length: int
+
+
+def pack_header(
+    msg_type: int,
+    request_id: int,
+    metadata_length: int,
+    payload_length: int,
+    *,
+    flags: int = 0,
+    version: int = PROTOCOL_VERSION,
+    magic: bytes = MAGIC,
+) -> bytes:
+    """Packs a 24-byte frame header.
+
+    ``version`` and ``magic`` exist so tests can forge bad frames.
+
+    Examples:
+      >>> pack_header(MsgType.PULL, 7, 0, 0).hex()
+      '4850534a0107000007000000000000000000000000000000'
+    """
+    if not 0 <= request_id <= _MAX_REQUEST_ID:
+        raise ValueError(f"request id {request_id} is outside [0, 2**32)")
+    return _HEADER.pack(
+        magic, version, int(msg_type), flags, request_id, metadata_length,
+        payload_length,
+    )  # fmt: skip
+
+
+def unpack_header(data: bytes | memoryview, limits: WireLimits = DEFAULT_LIMITS):
+    """Decodes and validates a frame header.
+
+    Args:
+      data: at least :data:`HEADER_SIZE` bytes.
+      limits: the bounds to enforce.
+
+    Returns:
+      A :class:`Header`.
+
+    Raises:
+      BadMagic, UnsupportedVersion, UnexpectedMessage, ProtocolError,
+      PayloadTooBig: the header is unusable and the stream cannot be resynced.
+
+    Examples:
+      >>> unpack_header(pack_header(MsgType.PARAMS, 3, 10, 400))
+      Header(msg_type=<MsgType.PARAMS: 8>, flags=0, request_id=3, \
+metadata_length=10, payload_length=400)
+    """
+    magic, version, msg_type, flags, request_id, meta_len, payload_len = (
+        _HEADER.unpack_from(data)
+    )
+    if magic != MAGIC:
+        raise BadMagic(f"bad magic {bytes(magic)!r}, expected {MAGIC!r}")
+    if version != PROTOCOL_VERSION:
+        raise UnsupportedVersion(
+            f"protocol version {version} not supported (this side speaks "
+            f"{PROTOCOL_VERSION})"
+        )
+    try:
+        msg_type = MsgType(msg_type)
+    except ValueError:
+        raise UnexpectedMessage(f"unknown message type {msg_type}") from None
+    if flags:
+        raise ProtocolError(f"unknown header flags {flags:#06x}")
+    if meta_len > limits.max_metadata_bytes:
+        raise PayloadTooBig(
+            f"metadata of {meta_len} bytes exceeds the limit of "
+            f"{limits.max_metadata_bytes}"
+        )
+    if payload_len and msg_type not in PAYLOAD_TYPES:
+        raise ProtocolError(f"{msg_type.name} frames carry no payload")
+    if meta_len + payload_len > limits.max_message_bytes:
+        raise PayloadTooBig(
+            f"message of {meta_len + payload_len} bytes exceeds the limit of "
+            f"{limits.max_message_bytes}"
+        )
+    return Header(msg_type, flags, request_id, meta_len, payload_len)
+
+
+def unpack_metadata(data: bytes | memoryview) -> dict[str, Any]:
+    """Decodes msgpack metadata; it must be a map with string keys.
+
+    Empty metadata decodes to ``{}``.
+
+    Raises:
+      MalformedMetadata: the bytes are not one msgpack map.
+    """
+    if not len(data):
+        return {}
+    try:
+        meta = msgpack.unpackb(data, raw=False, strict_map_key=True)
+    except Exception as e:  # msgpack raises several unrelated types
+        raise MalformedMetadata(f"undecodable metadata: {type(e).__name__}") from e
+    if not isinstance(meta, dict) or not all(isinstance(k, str) for k in meta):
+        raise MalformedMetadata("metadata must be a msgpack map with string keys")
+    return meta
+
+
+def encode_frame(
+    msg_type: int,
+    request_id: int,
+    metadata: Mapping[str, Any] | None = None,
+    buffers: Sequence[memoryview] = (),
+) -> list[bytes | memoryview]:
+    """Builds a frame as a scatter list for ``transport.writelines``.
+
+    Args:
+      msg_type: a :class:`MsgType`.
+      request_id: u32 request id (0 for messages the server sends unasked).
+      metadata: msgpack-able map, or ``None`` for no metadata.
+      buffers: the payload, as byte memoryviews; they are referenced, not
+        copied, so they must not change until written.
+
+    Returns:
+      ``[header + metadata, *buffers]``.
+
+    Examples:
+      >>> parts = encode_frame(MsgType.BYE, 1, {"reason": "done"})
+      >>> len(parts), len(parts[0])
+      (1, 37)
+    """
+    meta = b"" if metadata is None else msgpack.packb(metadata, use_bin_type=True)
+    payload_len = sum(b.nbytes for b in buffers)
+    header = pack_header(msg_type, request_id, len(meta), payload_len)
+    return [header + meta, *buffers]
+
+
+# --------------------------------------------------------------------------
+# Authentication
+# --------------------------------------------------------------------------
+
+NONCE_BYTES = 32
+AUTH_SCHEME = "hmac-sha256"
+_PROOF_LABELS = {
+    "client": b"hpsjax-v1 client proof",
+    "server": b"hpsjax-v1 server proof",
+}
+
+
+def auth_proof(
+    secret: bytes,
+    role: str,
+    server_nonce: bytes,
+    client_nonce: bytes,
+    worker_id: str | int,
+) -> bytes:
+    r"""The handshake proof of knowing ``secret``.
+
+    .. math::
+
+       \text{proof} = \operatorname{HMAC-SHA256}(\text{secret},\
+           \text{label} \,\|\, n_s \,\|\, n_c \,\|\,
+           \operatorname{msgpack}(\text{worker\_id}))
+
+    with the label ``b"hpsjax-v1 client proof"`` or ``b"hpsjax-v1 server
+    proof"``, and the 32-byte server and client nonces. Distinct labels keep a
+    proof from being reflected back to its sender; fresh nonces on both sides keep
+    it from being replayed.
+
+    Args:
+      secret: the shared secret.
+      role: ``"client"`` or ``"server"``: who proves.
+      server_nonce: the server's nonce.
+      client_nonce: the client's nonce.
+      worker_id: the worker id sent in HELLO.
+
+    Returns:
+      The 32-byte proof.
+
+    Examples:
+      >>> proof = auth_proof(b"k", "client", bytes(32), bytes(32), "w0")
+      >>> len(proof), proof == auth_proof(b"k", "server", bytes(32), bytes(32), "w0")
+      (32, False)
+    """
+    if len(server_nonce) != NONCE_BYTES or len(client_nonce) != NONCE_BYTES:
+        raise ValueError(f"nonces must be {NONCE_BYTES} bytes")
+    message = (
+        _PROOF_LABELS[role]
+        + bytes(server_nonce)
+        + bytes(client_nonce)
+        + msgpack.packb(worker_id, use_bin_type=True)
+    )
+    return hmac.new(secret, message, hashlib.sha256).digest()
+
+
+# --------------------------------------------------------------------------
+# Trees
+# --------------------------------------------------------------------------
+
+
+def _byte_view(array: np.ndarray) -> memoryview:
+    # A uint8 view sidesteps buffer formats numpy cannot export (bfloat16).
+    return memoryview(array.reshape(-1).view(np.uint8))
+
+
+def _wire_dtype_name(dtype: np.dtype, limits: WireLimits) -> str:
+    name = dtype.name
+    if name not in DTYPES or name not in limits.dtypes:
+        raise UnsupportedDtype(f"dtype {dtype} cannot be sent")
+    return name
+
+
+def _as_leaf(x: Any) -> np.ndarray:
+    array = np.asarray(x)
+    if array.dtype.byteorder == ">" or (
+        array.dtype.byteorder == "=" and sys.byteorder == "big"
+    ):
+        array = array.astype(array.dtype.newbyteorder("<"))
+    # Not np.ascontiguousarray: it turns 0-d arrays into 1-d ones.
+    return array if array.flags.c_contiguous else array.copy(order="C")
+
+
+def flatten_tree(
+    tree: Any,
+    *,
+    limits: WireLimits = DEFAULT_LIMITS,
+    is_leaf: Callable[[Any], bool] | None = None,
+) -> tuple[Any, list[Any]]:
+    """Splits a pytree into its wire structure and its leaves.
+
+    Containers are mappings with string keys (flattened in sorted key order, as
+    JAX does), lists, tuples (named tuples become plain tuples) and ``None``;
+    anything else is a leaf. The wire structure is msgpack-able:
+
+    - a leaf is its index ``i`` in the leaf list (0, 1, 2, ... in order),
+    - ``None`` is nil,
+    - a list is ``["l", [children]]``, a tuple ``["t", [children]]``,
+    - a mapping is ``["d", {key: child}]``.
+
+    Args:
+      tree: the pytree.
+      limits: leaf count and depth bounds.
+      is_leaf: optional predicate marking extra leaves (e.g. encoded pairs).
+
+    Returns:
+      ``(structure, leaves)``; leaves are returned unconverted.
+
+    Examples:
+      >>> flatten_tree({"b": [1.0, None], "a": (2.0,)})
+      (['d', {'a': ['t', [0]], 'b': ['l', [1, None]]}], [2.0, 1.0])
+    """
+    leaves: list[Any] = []
+
+    def walk(node, depth):
+        if depth > limits.max_depth:
+            raise TooManyLeaves(f"tree nesting exceeds {limits.max_depth}")
+        if is_leaf is not None and is_leaf(node):
+            pass
+        elif node is None:
+            return None
+        elif isinstance(node, Mapping):
+            keys = list(node)
+            if not all(isinstance(k, str) for k in keys):
+                raise ValueError("only string dictionary keys can be sent")
+            return ["d", {k: walk(node[k], depth + 1) for k in sorted(keys)}]
+        elif isinstance(node, list):
+            return ["l", [walk(c, depth + 1) for c in node]]
+        elif isinstance(node, tuple):
+            return ["t", [walk(c, depth + 1) for c in node]]
+        if len(leaves) >= limits.max_leaves:
+            raise TooManyLeaves(f"tree has more than {limits.max_leaves} leaves")
+        leaves.append(node)
+        return len(leaves) - 1
+
+    return walk(tree, 0), leaves
+
+
+def unflatten_tree(structure: Any, leaves: Sequence[Any]) -> Any:
+    """Rebuilds a pytree from a (validated) wire structure and its leaves.
+
+    Examples:
+      >>> s, l = flatten_tree({"w": [1, 2], "b": None})
+      >>> unflatten_tree(s, l)
+      {'b': None, 'w': [1, 2]}
+    """
+
+    def build(node):
+        if node is None:
+            return None
+        if isinstance(node, int):
+            return leaves[node]
+        tag, body = node
+        if tag == "d":
+            return {k: build(v) for k, v in body.items()}
+        children = [build(c) for c in body]
+        return children if tag == "l" else tuple(children)
+
+    return build(structure)
+
+
+def _check_structure(structure: Any, limits: WireLimits) -> int:
+    """Validates a received wire structure; returns its number of leaves."""
+    count = 0
+
+    def walk(node, depth):
+        nonlocal count
+        if depth > limits.max_depth:
+            raise TooManyLeaves(f"tree nesting exceeds {limits.max_depth}")
+        if node is None:
+            return
+        if isinstance(node, int) and not isinstance(node, bool):
+            if node != count:
+                raise MalformedMetadata(
+                    f"leaf index {node} out of order (expected {count})"
+                )
+            count += 1
+            if count > limits.max_leaves:
+                raise TooManyLeaves(f"tree has more than {limits.max_leaves} leaves")
+            return
+        if not (isinstance(node, list) and len(node) == 2):
+            raise MalformedMetadata(f"bad tree node of type {type(node).__name__}")
+        tag, body = node
+        if tag == "d":
+            if not isinstance(body, dict):
+                raise MalformedMetadata("a 'd' node needs a map")
+            for key in sorted(body):
+                walk(body[key], depth + 1)
+        elif tag in ("l", "t"):
+            if not isinstance(body, list):
+                raise MalformedMetadata(f"a {tag!r} node needs an array")
+            for child in body:
+                walk(child, depth + 1)
+        else:
+            raise MalformedMetadata(f"unknown tree node tag {tag!r}")
+
+    walk(structure, 0)
+    return count
+
+
+def _leaf_paths(structure: Any) -> list[str]:
+    paths: list[str] = []
+
+    def walk(node, path):
+        if node is None:
+            return
+        if isinstance(node, int):
+            paths.append(path or "<root>")
+            return
+        tag, body = node
+        if tag == "d":
+            for key in sorted(body):
+                walk(body[key], f"{path}[{key!r}]")
+        else:
+            for i, child in enumerate(body):
+                walk(child, f"{path}[{i}]")
+
+    walk(structure, "")
+    return paths
+
+
+class LeafSpec(NamedTuple):
+    """Where one leaf lies in a tree payload.
+
+    Attributes:
+      dtype: the leaf's (decoded) dtype.
+      shape: the leaf's (decoded) shape.
+      offset: byte offset of its buffer in the payload.
+      nbytes: byte length of its buffer.
+      code_nbytes: for a compressed leaf, bytes of packed codes at the start of
+        the buffer (float32 scales follow); ``None`` for a raw leaf.
+    """
+
+    dtype: np.dtype
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+    code_nbytes: int | None = None
+
+
+class TreeLayout(NamedTuple):
+    """A validated tree description: structure, leaf layouts and codec.
+
+    Attributes:
+      structure: the wire structure (see :func:`flatten_tree`).
+      leaves: one :class:`LeafSpec` per leaf, in leaf order.
+      codec: the codec dict of a compressed tree, else ``None``.
+      nbytes: total payload bytes.
+    """
+
+    structure: Any
+    leaves: tuple[LeafSpec, ...]
+    codec: dict[str, Any] | None
+    nbytes: int
+
+    def allocate(self) -> list[Any]:
+        """Allocates uninitialised leaves to receive this tree's payload.
+
+        Returns:
+          Per leaf, an array of its dtype and shape, or for a compressed leaf a
+          ``(codes uint8[code_nbytes], scales float32[n])`` pair.
+        """
+        out: list[Any] = []
+        for leaf in self.leaves:
+            if leaf.code_nbytes is None:
+                out.append(np.empty(leaf.shape, leaf.dtype))
+            else:
+                n_scales = (leaf.nbytes - leaf.code_nbytes) // 4
+                out.append(
+                    (
+                        np.empty(leaf.code_nbytes, np.uint8),
+                        np.empty(n_scales, DTYPES["float32"]),
+                    )
+                )
+        return out
+
+    def paths(self) -> list[str]:
+        """Readable paths of the leaves, for error messages."""
+        return _leaf_paths(self.structure)
+
+
+def leaf_buffers(arrays: Sequence[Any]) -> list[memoryview]:
+    """Byte views of allocated (or encoded) leaves, in payload order."""
+    out: list[memoryview] = []
+    for a in arrays:
+        if isinstance(a, tuple):
+            out.extend(_byte_view(part) for part in a)
+        else:
+            out.append(_byte_view(a))
+    return out
+
+
+def _spec_to_wire(leaf: LeafSpec) -> list[Any]:
+    entry = [leaf.dtype.name, list(leaf.shape), leaf.offset, leaf.nbytes]
+    if leaf.code_nbytes is not None:
+        entry.append(leaf.code_nbytes)
+    return entry
+
+
+def tree_to_wire(
+    tree: Any, *, limits: WireLimits = DEFAULT_LIMITS
+) -> tuple[dict[str, Any], list[memoryview], TreeLayout]:
+    """Describes an uncompressed tree for a PARAMS, PUSH or PUSH_PULL frame.
+
+    Args:
+      tree: a pytree of arrays (numpy, JAX on CPU, Python scalars).
+      limits: bounds and allowed dtypes.
+
+    Returns:
+      ``(metadata, buffers, layout)``: the tree fields of the metadata
+      (``tree``, ``leaves``, ``codec``), the leaves' bytes as memoryviews (no
+      copy for C-contiguous little-endian arrays), and the layout.
+
+    Examples:
+      >>> meta, bufs, _ = tree_to_wire({"w": np.ones((2, 3), np.float32)})
+      >>> meta["leaves"], [b.nbytes for b in bufs]
+      ([['float32', [2, 3], 0, 24]], [24])
+    """
+    structure, raw = flatten_tree(tree, limits=limits)
+    arrays = [_as_leaf(x) for x in raw]
+    leaves = []
+    offset = 0
+    for a in arrays:
+        _wire_dtype_name(a.dtype, limits)
+        leaves.append(LeafSpec(a.dtype, a.shape, offset, a.nbytes))
+        offset += a.nbytes
+    layout = TreeLayout(structure, tuple(leaves), None, offset)
+    meta = {
+        "tree": structure,
+        "leaves": [_spec_to_wire(s) for s in leaves],
+        "codec": None,
+    }
+    return meta, leaf_buffers(arrays), layout
+
+
+def _quantize_module():
+    # The quantizer imports JAX; raw-tree users of this module need not pay that.
+    from hpsjax.transforms import _quantize
+
+    return _quantize
+
+
+def _codec_from_dict(codec: Any):
+    q = _quantize_module()
+    if not isinstance(codec, dict):
+        raise MalformedMetadata("'codec' must be a map or nil")
+    try:
+        return q.Codec.from_dict(codec)
+    except (ValueError, TypeError, KeyError) as e:
+        raise MalformedMetadata(f"bad codec {codec!r}: {e}") from None
+
+
+def compressed_sizes(shape: Sequence[int], codec_dict: dict[str, Any]) -> tuple[int, int]:
+    """Bytes of packed codes and number of float32 scales of an encoded leaf.
+
+    Args:
+      shape: the decoded leaf's shape.
+      codec_dict: the codec, as in the frame metadata.
+
+    Returns:
+      ``(code_nbytes, n_scales)``.
+    """
+    q = _quantize_module()
+    codec = _codec_from_dict(codec_dict)
+    return q.encoded_sizes(tuple(shape), codec)
+
+
+def encoded_tree_to_wire(
+    encoded: Any,
+    like: Any,
+    codec: Any,
+    *,
+    limits: WireLimits = DEFAULT_LIMITS,
+) -> tuple[dict[str, Any], list[memoryview], TreeLayout]:
+    """Describes a compressed tree for a PUSH or PUSH_PULL frame.
+
+    Each leaf's buffer is its packed codes followed by its float32 scales, the
+    bytes of ``hpsjax.transforms.Encoded``; the receiver decodes them with
+    ``decode(encoded, codec, shape, dtype)``.
+
+    Args:
+      encoded: a pytree of ``Encoded(codes, scales)`` (as produced by
+        ``encode_tree`` or kept by the ``quantize`` transform).
+      like: a pytree of the same structure giving each leaf's decoded shape and
+        dtype (arrays or ``jax.ShapeDtypeStruct``).
+      codec: the ``Codec`` used to encode.
+      limits: bounds and allowed dtypes.
+
+    Returns:
+      ``(metadata, buffers, layout)`` as for :func:`tree_to_wire`.
+    """
+    q = _quantize_module()
+    structure, enc_leaves = flatten_tree(
+        encoded, limits=limits, is_leaf=lambda x: isinstance(x, q.Encoded)
+    )
+    like_structure, like_leaves = flatten_tree(
+        like, limits=limits, is_leaf=lambda x: hasattr(x, "shape")
+    )
+    if structure != like_structure:
+        raise SpecMismatch("encoded tree and reference tree differ in structure")
+    codec_dict = codec.to_dict()
+    leaves = []
+    arrays = []
+    offset = 0
+    for enc, ref in zip(enc_leaves, like_leaves, strict=True):
+        if not isinstance(enc, q.Encoded):
+            raise SpecMismatch("every leaf of an encoded tree must be an Encoded")
+        codes = _as_leaf(enc.codes).reshape(-1)
+        scales = _as_leaf(enc.scales).reshape(-1)
+        if codes.dtype != np.uint8 or scales.dtype != np.float32:
+            raise SpecMismatch("Encoded needs uint8 codes and float32 scales")
+        dtype = np.dtype(ref.dtype)
+        _wire_dtype_name(dtype, limits)
+        shape = tuple(int(d) for d in ref.shape)
+        want_codes, want_scales = q.encoded_sizes(shape, codec)
+        if codes.size != want_codes or scales.size != want_scales:
+            raise SpecMismatch(
+                f"Encoded sizes ({codes.size}, {scales.size}) do not match "
+                f"shape {shape} under {codec_dict} ({want_codes}, {want_scales})"
+            )
+        nbytes = codes.nbytes + scales.nbytes
+        leaves.append(LeafSpec(dtype, shape, offset, nbytes, codes.nbytes))
+        arrays.append((codes, scales))
+        offset += nbytes
+    layout = TreeLayout(structure, tuple(leaves), codec_dict, offset)
+    meta = {
+        "tree": structure,
+        "leaves": [_spec_to_wire(s) for s in leaves],
+        "codec": codec_dict,
+    }
+    return meta, leaf_buffers(arrays), layout
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def tree_layout(meta: Mapping[str, Any], limits: WireLimits = DEFAULT_LIMITS):
+    """Validates the tree fields of received metadata.
+
+    Nothing is allocated: every size is checked from the metadata alone.
+
+    Args:
+      meta: decoded metadata holding ``tree``, ``leaves`` and ``codec``.
+      limits: bounds and allowed dtypes.
+
+    Returns:
+      A :class:`TreeLayout`.
+
+    Raises:
+      MalformedMetadata, TooManyLeaves, UnsupportedDtype: the description is
+      invalid.
+    """
+    for field in ("tree", "leaves"):
+        if field not in meta:
+            raise MalformedMetadata(f"tree metadata misses {field!r}")
+    structure = meta["tree"]
+    count = _check_structure(structure, limits)
+    entries = meta["leaves"]
+    if not isinstance(entries, list) or len(entries) != count:
+        raise MalformedMetadata(f"'leaves' must list {count} entries")
+    codec = meta.get("codec")
+    if codec is not None:
+        _codec_from_dict(codec)
+    leaves = []
+    offset = 0
+    for i, entry in enumerate(entries):
+        if not isinstance(entry, list) or len(entry) != (4 if codec is None else 5):
+            raise MalformedMetadata(f"leaf {i}: bad entry {entry!r}"[:200])
+        name, shape, off, nbytes = entry[:4]
+        if not isinstance(name, str) or name not in DTYPES:
+            raise UnsupportedDtype(f"leaf {i}: unknown dtype {name!r}"[:200])
+        if name not in limits.dtypes:
+            raise UnsupportedDtype(f"leaf {i}: dtype {name} not allowed")
+        if (
+            not isinstance(shape, list)
+            or len(shape) > limits.max_rank
+            or not all(_is_int(d) and d >= 0 for d in shape)
+        ):
+            raise MalformedMetadata(f"leaf {i}: bad shape {shape!r}"[:200])
+        if not (_is_int(off) and _is_int(nbytes)) or off != offset:
+            raise MalformedMetadata(f"leaf {i}: offset {off!r} != {offset}")
+        dtype = DTYPES[name]
+        if codec is None:
+            code_nbytes = None
+            if nbytes != math.prod(shape) * dtype.itemsize:
+                raise MalformedMetadata(
+                    f"leaf {i}: {nbytes} bytes for shape {shape} of {name}"
+                )
+        else:
+            code_nbytes = entry[4]
+            want_codes, want_scales = compressed_sizes(shape, codec)
+            if code_nbytes != want_codes or nbytes != want_codes + 4 * want_scales:
+                raise MalformedMetadata(
+                    f"leaf {i}: encoded sizes ({code_nbytes}, {nbytes}) != "
+                    f"({want_codes}, {want_codes + 4 * want_scales})"
+                )
+        leaves.append(LeafSpec(dtype, tuple(shape), off, nbytes, code_nbytes))
+        offset += nbytes
+    return TreeLayout(structure, tuple(leaves), codec, offset)
+
+
+def check_same_spec(layout: TreeLayout, model: TreeLayout) -> None:
+    """Checks that a received tree has the model's structure, shapes and dtypes.
+
+    Args:
+      layout: the received tree's layout.
+      model: the model's layout.
+
+    Raises:
+      SpecMismatch: naming the first leaf that differs.
+    """
+    if layout.structure != model.structure:
+        raise SpecMismatch("tree structure differs from the model's")
+    paths = None
+    for i, (got, want) in enumerate(zip(layout.leaves, model.leaves, strict=True)):
+        if got.shape != want.shape or got.dtype != want.dtype:
+            paths = paths or model.paths()
+            raise SpecMismatch(
+                f"leaf {paths[i]}: got {got.dtype.name}{list(got.shape)}, "
+                f"model has {want.dtype.name}{list(want.shape)}"
+            )
+
+
+class WireTree(NamedTuple):
+    """A received tree: its layout and the arrays its payload was read into.
+
+    Attributes:
+      layout: the validated :class:`TreeLayout`.
+      arrays: per leaf an array, or a ``(codes, scales)`` pair if compressed.
+    """
+
+    layout: TreeLayout
+    arrays: list[Any]
+
+    def tree(self) -> Any:
+        """The pytree of received (raw) leaves."""
+        return unflatten_tree(self.layout.structure, self.arrays)
+
+
+# --------------------------------------------------------------------------
+# Incremental frame reader
+# --------------------------------------------------------------------------
+
+
+class Frame(NamedTuple):
+    """A complete frame.
+
+    Attributes:
+      msg_type: the message type.
+      request_id: the request id.
+      metadata: decoded metadata map.
+      payload: what the allocator returned for the payload (a
+        :class:`WireTree` by default), ``None`` for frames without one.
+      nbytes: bytes the frame took on the wire.
+    """
+
+    msg_type: MsgType
+    request_id: int
+    metadata: dict[str, Any]
+    payload: Any
+    nbytes: int
+
+
+class FrameError(NamedTuple):
+    """A well-delimited frame that was refused; its payload was skipped.
+
+    The stream stays in sync, so the connection can answer ``error`` for
+    ``request_id`` and carry on.
+    """
+
+    msg_type: MsgType
+    request_id: int
+    error: HpsError
+
+
+Allocator = Callable[[Header, dict[str, Any]], tuple[list[memoryview], Any]]
+
+
+def default_allocator(limits: WireLimits) -> Allocator:
+    """An allocator that validates tree metadata and allocates its leaves."""
+
+    def allocate(header: Header, meta: dict[str, Any]):
+        layout = tree_layout(meta, limits)
+        if layout.nbytes != header.payload_length:
+            raise MalformedMetadata(
+                f"leaves hold {layout.nbytes} bytes, header says "
+                f"{header.payload_length}"
+            )
+        arrays = layout.allocate()
+        return leaf_buffers(arrays), WireTree(layout, arrays)
+
+    return allocate
+
+
+_HEADER_STATE, _META_STATE, _PAYLOAD_STATE = range(3)
+
+
+class FrameDecoder:
+    """Sans-I/O incremental frame parser with zero-copy payload reads.
+
+    It follows ``asyncio.BufferedProtocol``: :meth:`get_buffer` says where the
+    next bytes go, :meth:`buffer_updated` says how many arrived and returns the
+    frames completed. Headers and metadata go to a small scratch buffer; once a
+    frame's metadata is known, ``allocate(header, metadata)`` returns the
+    memoryviews its payload is read into, and large stretches of payload are
+    received straight into them (only stretches shorter than the scratch buffer
+    are copied, so a large tree is never copied whole).
+
+    Limits are checked from the header before anything is allocated. A bad
+    header raises (the stream cannot be resynced); a frame whose metadata or
+    allocation is refused has its payload skipped and is reported as a
+    :class:`FrameError`.
+
+    Args:
+      limits: bounds checked on every frame.
+      allocate: ``(header, metadata) -> (buffers, payload)`` for frames with a
+        payload type; defaults to :func:`default_allocator`.
+      scratch_bytes: size of the scratch buffer.
+
+    Examples:
+      >>> dec = FrameDecoder()
+      >>> parts = encode_frame(MsgType.PULL, 5, {"x": 1})
+      >>> [(f.msg_type.name, f.request_id, f.metadata) for f in dec.feed(parts[0])]
+      [('PULL', 5, {'x': 1})]
+    """
+
+    def __init__(
+        self,
+        *,
+        limits: WireLimits = DEFAULT_LIMITS,
+        allocate: Allocator | None = None,
+        scratch_bytes: int = 1 << 16,
+    ):
+        if scratch_bytes < HEADER_SIZE:
+            raise ValueError(f"scratch_bytes must be >= {HEADER_SIZE}")
+        self._limits = limits
+        self._allocate = allocate or default_allocator(limits)
+        self._scratch = bytearray(scratch_bytes)
+        self._view = memoryview(self._scratch)
+        self._start = 0
+        self._end = 0
+        self._state = _HEADER_STATE
+        self._header: Header | None = None
+        self._meta_buf: bytearray | None = None
+        self._meta_filled = 0
+        self._meta: dict[str, Any] = {}
+        self._dest: list[memoryview] = []
+        self._dest_index = 0
+        self._dest_pos = 0
+        self._left = 0
+        self._payload: Any = None
+        self._error: HpsError | None = None
+        self._direct: str = ""
+        self._failed: HpsError | None = None
+        self._events: list[Frame | FrameError] = []
+
+    @property
+    def idle(self) -> bool:
+        """True between frames (no partial frame buffered)."""
+        return self._state == _HEADER_STATE and self._start == self._end
+
+    def get_buffer(self, sizehint: int = -1) -> memoryview:
+        """Where the next received bytes must be written."""
+        del sizehint
+        if self._state == _PAYLOAD_STATE and self._error is None and self._left:
+            dest = self._dest[self._dest_index]
+            room = len(dest) - self._dest_pos
+            if room >= len(self._scratch):
+                self._direct = "payload"
+                return dest[self._dest_pos :]
+        if self._state == _META_STATE and self._meta_buf is not None:
+            self._direct = "meta"
+            return memoryview(self._meta_buf)[self._meta_filled :]
+        self._direct = ""
+        if self._start:
+            n = self._end - self._start
+            self._scratch[:n] = self._scratch[self._start : self._end]
+            self._start, self._end = 0, n
+        return self._view[self._end :]
+
+    def buffer_updated(self, nbytes: int) -> list[Frame | FrameError]:
+        """Consumes ``nbytes`` written into the last buffer from get_buffer.
+
+        Returns:
+          The frames (and refused frames) completed by these bytes.
+
+        Raises:
+          ProtocolError (or a subclass): the stream is broken; close it.
+        """
+        if self._failed is not None:
+            raise self._failed
+        try:
+            if self._direct == "payload":
+                self._advance_dest(nbytes)
+                self._left -= nbytes
+                if not self._left:
+                    self._finish()
+            elif self._direct == "meta":
+                self._meta_filled += nbytes
+                if self._meta_filled == len(self._meta_buf):
+                    self._got_metadata(memoryview(self._meta_buf))
+            else:
+                self._end += nbytes
+                self._process()
+        except ProtocolError as e:
+            self._failed = e
+            raise
+        events, self._events = self._events, []
+        return events
+
+    def feed(self, data: bytes | bytearray | memoryview) -> list[Frame | FrameError]:
+        """Consumes ``data`` (copying it); convenient outside a protocol."""
+        data = memoryview(data).cast("B")
+        events = []
+        while len(data):
+            buf = self.get_buffer(len(data))
+            n = min(len(buf), len(data))
+            buf[:n] = data[:n]
+            data = data[n:]
+            events.extend(self.buffer_updated(n))
+        return events
+
+    def eof(self) -> None:
+        """Signals the end of the stream.
+
+        Raises:
+          ConnectionClosed: the stream ended inside a frame.
+        """
+        if not self.idle:
+            raise ConnectionClosed("connection closed in the middle of a frame")
+
+    def _process(self) -> None:
+        while True:
+            avail = self._end - self._start
+            if self._state == _HEADER_STATE:
+                if avail < HEADER_SIZE:
+                    return
+                header = unpack_header(
+                    self._view[self._start : self._start + HEADER_SIZE],
+                    self._limits,
+                )
+                self._start += HEADER_SIZE
+                self._header = header
+                self._state = _META_STATE
+                self._meta_filled = 0
+                if header.metadata_length > len(self._scratch):
+                    # Too large for scratch: read it into its own buffer, whose
+                    # size the header check already bounded.
+                    self._meta_buf = bytearray(header.metadata_length)
+                    n = min(avail - HEADER_SIZE, header.metadata_length)
+                    self._meta_buf[:n] = self._view[self._start : self._start + n]
+                    self._start += n
+                    self._meta_filled = n
+                    if n < header.metadata_length:
+                        return
+                    self._got_metadata(memoryview(self._meta_buf))
+            elif self._state == _META_STATE:
+                n = self._header.metadata_length
+                if avail < n:
+                    return
+                meta = self._view[self._start : self._start + n]
+                self._start += n
+                self._got_metadata(meta)
+            else:
+                if not avail:
+                    return
+                n = min(avail, self._left)
+                if self._error is None:
+                    self._copy_into_dest(self._view[self._start : self._start + n])
+                self._start += n
+                self._left -= n
+                if self._left:
+                    return
+                self._finish()
+            if self._start == self._end:
+                self._start = self._end = 0
+                if self._state == _HEADER_STATE:
+                    return
+
+    def _got_metadata(self, data: memoryview) -> None:
+        header = self._header
+        self._meta_buf = None
+        self._state = _PAYLOAD_STATE
+        self._left = header.payload_length
+        self._dest, self._dest_index, self._dest_pos = [], 0, 0
+        self._payload, self._error = None, None
+        try:
+            self._meta = unpack_metadata(data)
+            if header.msg_type in PAYLOAD_TYPES:
+                buffers, self._payload = self._allocate(header, self._meta)
+                if sum(len(b) for b in buffers) != header.payload_length:
+                    raise MalformedMetadata(
+                        "payload length does not match the tree metadata"
+                    )
+                self._dest = [b for b in buffers if len(b)]
+        except HpsError as e:
+            # The frame's extent is known from its header, so the stream stays
+            # in sync: skip the payload and report the error for this request.
+            self._error = e
+        except Exception as e:  # an allocator bug must not kill the stream
+            self._error = ServerError(f"cannot receive frame ({type(e).__name__})")
+        if not self._left:
+            self._finish()
+
+    def _advance_dest(self, n: int) -> None:
+        self._dest_pos += n
+        while (
+            self._dest_index < len(self._dest)
+            and self._dest_pos >= len(self._dest[self._dest_index])
+        ):
+            self._dest_pos -= len(self._dest[self._dest_index])
+            self._dest_index += 1
+
+    def _copy_into_dest(self, data: memoryview) -> None:
+        while len(data):
+            dest = self._dest[self._dest_index]
+            k = min(len(dest) - self._dest_pos, len(data))
+            dest[self._dest_pos : self._dest_pos + k] = data[:k]
+            data = data[k:]
+            self._advance_dest(k)
+
+    def _finish(self) -> None:
+        header = self._header
+        if self._error is not None:
+            self._events.append(
+                FrameError(header.msg_type, header.request_id, self._error)
+            )
+        else:
+            self._events.append(
+                Frame(
+                    header.msg_type,
+                    header.request_id,
+                    self._meta,
+                    self._payload,
+                    HEADER_SIZE + header.metadata_length + header.payload_length,
+                )
+            )
+        self._state = _HEADER_STATE
+        self._header = None
+        self._meta = {}
+        self._dest, self._payload, self._error = [], None, None

@@ -1,0 +1,470 @@
+"""Tests of work planning (H-PS, ASHL, ADSP, equal) and re-planning."""
+
+import dataclasses
+import json
+import math
+import random
+
+import pytest
+
+from hpsjax.profiling import (
+    LR_SCALINGS,
+    SCHEMES,
+    DeviceProfile,
+    LinearFit,
+    Replanner,
+    TransferProfile,
+    WorkerProfile,
+    WorkPlan,
+    plan,
+)
+
+W = WorkerProfile.synthetic
+
+
+def _speeds(*speeds, **kwargs):
+    return [W(i, s, **kwargs) for i, s in enumerate(speeds)]
+
+
+def _batches(work_plan):
+    return [w.batch_size for w in work_plan.workers]
+
+
+def _steps(work_plan):
+    return [w.local_steps for w in work_plan.workers]
+
+
+# --- hps -------------------------------------------------------------------------
+
+
+def test_hps_batches_follow_throughput():
+    p = plan(_speeds(1, 1, 2, 4), "hps", global_batch=256)
+    assert _batches(p) == [32, 32, 64, 128]
+    assert _steps(p) == [1, 1, 1, 1]
+    assert [w.lr_scale for w in p.workers] == [0.5, 0.5, 1.0, 2.0]
+    assert p.round_time == pytest.approx(32.0)
+    assert p.idle_fraction == pytest.approx(0.0, abs=1e-12)
+    assert p.reference_batch == 64.0
+
+
+def test_equal_baseline_idles_where_hps_does_not():
+    p = plan(_speeds(1, 1, 2, 4), "equal", global_batch=256)
+    assert _batches(p) == [64, 64, 64, 64]
+    assert _steps(p) == [1, 1, 1, 1]
+    assert [w.lr_scale for w in p.workers] == [1.0] * 4
+    assert p.round_time == pytest.approx(64.0)
+    # busy 64 + 64 + 32 + 16 of 4 * 64 device-seconds
+    assert p.idle_fraction == pytest.approx(1 - 176 / 256)
+
+
+def test_hps_counts_transfer_and_overhead():
+    workers = [
+        W("fast-link", 10.0, transfer_seconds=0.0),
+        W("slow-link", 10.0, transfer_seconds=1.0),
+    ]
+    p = plan(workers, global_batch=40)
+    # 10 tau + 10 (tau - 1) = 40  ->  tau = 2.5
+    assert _batches(p) == [25, 15]
+    assert p.round_time == pytest.approx(2.5)
+    workers = [W(0, 10.0, overhead=0.5), W(1, 10.0)]
+    assert _batches(plan(workers, global_batch=40)) == [18, 22]
+    # H local steps per round scale the compute but not the transfer.
+    workers = [W(0, 10.0, transfer_seconds=2.0), W(1, 10.0)]
+    p = plan(workers, global_batch=40, local_steps=2)
+    # 2 b0 / 10 + 2 = 2 b1 / 10, b0 + b1 = 40  ->  b0 = 15
+    assert _batches(p) == [15, 25]
+    assert _steps(p) == [2, 2]
+    assert p.round_time == pytest.approx(5.0)
+
+
+def test_hps_memory_cap_redistributes_the_rest():
+    workers = _speeds(1, 1, 2)
+    workers.append(W(3, 4, bytes_per_sample=10, memory_capacity=1000))
+    p = plan(workers, global_batch=256, memory_fraction=1.0)
+    # worker 3 holds at most 100; the other 156 go 1:1:2
+    assert _batches(p) == [39, 39, 78, 100]
+    assert p.workers[3].devices[0].max_batch == 100
+    p = plan(workers, global_batch=256)
+    # 90% of the capacity: 90 samples; 166 over 1:1:2 = 41.5, 41.5, 83
+    assert _batches(p) == [42, 41, 83, 90]
+    assert p.idle_fraction > 0
+
+
+def test_hps_fixed_memory_counts_against_the_cap():
+    w = W(0, 1.0, bytes_per_sample=10, base_bytes=500, memory_capacity=1000)
+    assert w.devices[0].max_batch(memory_fraction=1.0) == 50
+    p = plan([w, W(1, 1.0)], global_batch=200, memory_fraction=1.0)
+    assert _batches(p) == [50, 150]
+
+
+def test_batch_over_total_memory_is_an_error():
+    workers = [W(i, 1.0, bytes_per_sample=1, memory_capacity=100) for i in range(2)]
+    with pytest.raises(ValueError, match="does not fit the devices' memory"):
+        plan(workers, global_batch=181)
+    assert _batches(plan(workers, global_batch=180)) == [90, 90]
+    tiny = W(0, 1.0, bytes_per_sample=1, base_bytes=200, memory_capacity=100)
+    with pytest.raises(ValueError, match="not even 1 sample"):
+        plan([tiny, W(1, 1.0)], global_batch=10)
+
+
+def test_hps_splits_a_worker_over_its_devices():
+    workers = [W("a", [100.0, 300.0]), W("b", 200.0)]
+    p = plan(workers, global_batch=600)
+    assert [d.batch_size for d in p.workers[0].devices] == [100, 300]
+    assert [d.batch_size for d in p.workers[1].devices] == [200]
+    assert _batches(p) == [400, 200]
+    assert p.workers[0].step_time == pytest.approx(1.0)
+
+
+def test_hps_minimum_batch_per_device():
+    p = plan(_speeds(1, 1000), global_batch=100, min_device_batch=8)
+    assert _batches(p) == [8, 92]
+    with pytest.raises(ValueError, match="smaller than the 2 devices"):
+        plan(_speeds(1, 1000), global_batch=15, min_device_batch=8)
+
+
+def test_rounding_keeps_the_global_batch():
+    assert _batches(plan(_speeds(1, 1, 1), global_batch=100)) == [34, 33, 33]
+    rng = random.Random(0)
+    for _ in range(50):
+        speeds = [rng.uniform(0.1, 10.0) for _ in range(rng.randint(1, 9))]
+        batch = rng.randint(len(speeds), 5000)
+        p = plan(_speeds(*speeds), global_batch=batch)
+        assert sum(_batches(p)) == batch
+        assert min(_batches(p)) >= 1
+        # largest remainder: no worker is more than one sample from its share
+        exact = [batch * s / sum(speeds) for s in speeds]
+        assert all(abs(b - x) < 1 for b, x in zip(_batches(p), exact, strict=True))
+
+
+# --- ashl / adsp -----------------------------------------------------------------
+
+
+def _ashl_workers(transfer=0.5):
+    # one sample each: t_i = 1, 0.5, 0.25 seconds per step
+    return _speeds(1.0, 2.0, 4.0, transfer_seconds=transfer)
+
+
+def test_ashl_local_steps_equalise_rounds():
+    p = plan(_ashl_workers(), "ashl", global_batch=3, local_steps=2)
+    assert _batches(p) == [1, 1, 1]
+    assert [w.step_time for w in p.workers] == pytest.approx([1.0, 0.5, 0.25])
+    # L = 2 * 1 + 0.5 = 2.5; H_i = (2.5 - 0.5) / t_i
+    assert _steps(p) == [2, 4, 8]
+    assert [w.round_time for w in p.workers] == pytest.approx([2.5] * 3)
+    assert p.idle_fraction == pytest.approx(0.0, abs=1e-12)
+    assert [w.lr_scale for w in p.workers] == [1.0, 1.0, 1.0]
+
+
+def test_ashl_slowest_gets_h_min_and_rounds_to_nearest():
+    p = plan(_ashl_workers(), "ashl", global_batch=3, local_steps=1)
+    # L = 1.5: H = 1, 1 / 0.5, 1 / 0.25
+    assert _steps(p) == [1, 2, 4]
+    p = plan(_speeds(1.0, 3.0, transfer_seconds=0.0), "ashl", global_batch=2)
+    assert _steps(p) == [1, 3]
+    # (1 - 0.2) / 0.3 = 2.67 -> 3
+    workers = [W(0, 1.0, transfer_seconds=0.0), W(1, 1 / 0.3, transfer_seconds=0.2)]
+    assert _steps(plan(workers, "ashl", global_batch=2)) == [1, 3]
+    p = plan(_ashl_workers(), "ashl", global_batch=3, local_steps=2, max_local_steps=6)
+    assert _steps(p) == [2, 4, 6]
+
+
+def test_ashl_slowest_includes_its_transfer():
+    workers = [W(0, 1.0, transfer_seconds=0.0), W(1, 2.0, transfer_seconds=2.0)]
+    p = plan(workers, "ashl", global_batch=2)
+    # worker 1's round, 0.5 + 2, is the longest: it gets H_min
+    assert _steps(p) == [2, 1]
+
+
+def test_adsp_commit_intervals():
+    workers = _ashl_workers(transfer=0.1)
+    p = plan(workers, "adsp", global_batch=3, check_period=8.0, commits_per_period=4)
+    assert _steps(p) == [2, 4, 8]
+    assert p.commit_interval == pytest.approx(2.0)
+    assert p.check_period == pytest.approx(8.0)
+    assert [w.round_time for w in p.workers] == pytest.approx([2.0] * 3)
+    p = plan(workers, "adsp", global_batch=3, check_period=8.0)
+    assert p.commits_per_period == 8
+    assert _steps(p) == [1, 2, 4]
+    p = plan(workers, "adsp", global_batch=3, commits_per_period=5, local_steps=3)
+    assert p.commit_interval == pytest.approx(3.0)
+    assert p.check_period == pytest.approx(15.0)
+    assert _steps(p) == [3, 6, 12]
+    p = plan(workers, "adsp", global_batch=3)
+    assert (p.commits_per_period, _steps(p)) == (1, [1, 2, 4])
+
+
+def test_adsp_slow_link_stretches_the_interval():
+    workers = [W(0, 1.0, transfer_seconds=0.1), W(1, 2.0, transfer_seconds=3.0)]
+    p = plan(workers, "adsp", global_batch=2, check_period=8.0, commits_per_period=4)
+    assert _steps(p) == [2, 4]
+    assert [w.round_time for w in p.workers] == pytest.approx([2.0, 3.0])
+    assert p.idle_fraction == pytest.approx(1 - 5 / 6)
+
+
+def test_equal_share_must_fit_memory():
+    workers = [W(0, 1.0, bytes_per_sample=1, memory_capacity=10), W(1, 1.0)]
+    with pytest.raises(ValueError, match="equal share of 50"):
+        plan(workers, "equal", global_batch=100, memory_fraction=1.0)
+    assert _batches(plan(workers, "hps", global_batch=100, memory_fraction=1.0)) == [
+        10,
+        90,
+    ]
+
+
+# --- step-size scale -------------------------------------------------------------
+
+
+def test_lr_scaling_rules():
+    workers = _speeds(1, 1, 2, 4)
+    p = plan(workers, global_batch=256, lr_scaling="sqrt")
+    assert [w.lr_scale for w in p.workers] == pytest.approx(
+        [math.sqrt(0.5), math.sqrt(0.5), 1.0, math.sqrt(2.0)]
+    )
+    p = plan(workers, global_batch=256, lr_scaling="none")
+    assert [w.lr_scale for w in p.workers] == [1.0] * 4
+    p = plan(workers, global_batch=256, reference_batch=128)
+    assert [w.lr_scale for w in p.workers] == [0.25, 0.25, 0.5, 1.0]
+    # Averaging the n linearly scaled mean gradients gives sum_i (b_i / B) g_i.
+    assert sum(w.lr_scale for w in plan(workers, global_batch=256).workers) == 4
+
+
+# --- JSON and bad input ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_plan_json_round_trip(scheme):
+    workers = [
+        W("a", [100.0, 300.0], transfer_seconds=0.3, overhead=0.01),
+        W("b", 200.0, bytes_per_sample=4, memory_capacity=4000),
+        W(7, 50.0, transfer_seconds=0.1),
+    ]
+    p = plan(workers, scheme, global_batch=600, local_steps=2)
+    text = p.to_json()
+    assert json.loads(text)["version"] == 1
+    again = WorkPlan.from_json(text)
+    assert again == p
+    assert again.worker(7).worker_id == 7
+    assert again.worker("a").devices[1].batch_size == p.workers[0].devices[1].batch_size
+
+
+def test_plan_json_rejects_bad_text():
+    text = plan(_speeds(1, 2), global_batch=10).to_json()
+    data = json.loads(text)
+    with pytest.raises(ValueError, match="version 2 is not supported"):
+        WorkPlan.from_json(json.dumps({**data, "version": 2}))
+    with pytest.raises(ValueError, match="not a JSON WorkPlan"):
+        WorkPlan.from_json("{")
+    with pytest.raises(ValueError, match="format key"):
+        WorkPlan.from_json("[1, 2]")
+    with pytest.raises(ValueError, match="do not sum to global_batch"):
+        WorkPlan.from_json(json.dumps({**data, "global_batch": 11}))
+    broken = json.loads(text)
+    del broken["workers"][0]["local_steps"]
+    with pytest.raises(ValueError, match="malformed"):
+        WorkPlan.from_json(json.dumps(broken))
+    with pytest.raises(ValueError, match="unknown scheme"):
+        WorkPlan.from_json(json.dumps({**data, "scheme": "bsp"}))
+
+
+def test_profile_json_round_trip():
+    w = W("w", [10.0, 20.0], bytes_per_sample=8, base_bytes=100, memory_capacity=900)
+    w = dataclasses.replace(
+        w,
+        transfer=TransferProfile(
+            round_trip_seconds=0.25,
+            push_seconds=0.05,
+            pull_seconds=0.2,
+            push_bytes=100,
+            pull_bytes=400,
+            method="measured",
+        ),
+        param_count=100,
+        param_bytes=400,
+        profile_seconds=1.5,
+    )
+    again = WorkerProfile.from_json(w.to_json())
+    assert again == w
+    data = json.loads(w.to_json())
+    with pytest.raises(ValueError, match="version 9 is not supported"):
+        WorkerProfile.from_json(json.dumps({**data, "version": 9}))
+    data["devices"][0]["step_times"] = [1.0, -1.0]
+    with pytest.raises(ValueError, match="step time must be positive"):
+        WorkerProfile.from_json(json.dumps(data))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"scheme": "bsp"}, r"unknown scheme 'bsp'; valid schemes: \('hps', "),
+        ({"lr_scaling": "cubic"}, "unknown lr_scaling 'cubic'; valid values"),
+        ({"global_batch": 3}, "global batch 3 is smaller than the 4 devices"),
+        ({"global_batch": 0}, "global_batch must be an int >= 1"),
+        ({"global_batch": 8.0}, "global_batch must be an int"),
+        ({"local_steps": 0}, "local_steps must be an int >= 1"),
+        ({"min_device_batch": 0}, "min_device_batch must be an int >= 1"),
+        ({"max_local_steps": 0}, "max_local_steps must be an int >= 1"),
+        ({"reference_batch": -1.0}, "reference_batch must be a positive"),
+        ({"memory_fraction": 0.0}, r"memory_fraction must be in \(0, 1\]"),
+        ({"memory_fraction": 1.5}, r"memory_fraction must be in \(0, 1\]"),
+        ({"check_period": 1.0}, "apply to 'adsp' only"),
+        ({"scheme": "adsp", "check_period": 0.0}, "check_period must be a positive"),
+        ({"scheme": "adsp", "commits_per_period": 0}, "commits_per_period must"),
+    ],
+)
+def test_plan_bad_arguments(kwargs, message):
+    kwargs = {"scheme": "hps", "global_batch": 256, **kwargs}
+    with pytest.raises(ValueError, match=message):
+        plan(_speeds(1, 1, 2, 4), **kwargs)
+
+
+def test_plan_bad_profiles():
+    with pytest.raises(ValueError, match="profiles is empty"):
+        plan([], global_batch=8)
+    with pytest.raises(ValueError, match="worker ids repeat"):
+        plan([W(0, 1.0), W(0, 2.0)], global_batch=8)
+    with pytest.raises(ValueError, match="WorkerProfile objects"):
+        plan([{"worker_id": 0}], global_batch=8)
+    with pytest.raises(ValueError, match="samples_per_second must be positive"):
+        plan([W(0, 1.0), W(1, 0.0)], global_batch=8)
+    with pytest.raises(ValueError, match="samples_per_second must be positive"):
+        W(1, [1.0, -2.0])
+    with pytest.raises(ValueError, match="step time must be positive"):
+        DeviceProfile(0, "cpu", "cpu", (8, 16), (0.1, 0.0))
+    with pytest.raises(ValueError, match="step time must be finite"):
+        DeviceProfile(0, "cpu", "cpu", (8, 16), (0.1, math.inf))
+    with pytest.raises(ValueError, match="batch_sizes must be increasing"):
+        DeviceProfile(0, "cpu", "cpu", (16, 8), (0.1, 0.2))
+    with pytest.raises(ValueError, match="2 step times for 3 batch sizes"):
+        DeviceProfile(0, "cpu", "cpu", (8, 16, 32), (0.1, 0.2))
+    with pytest.raises(ValueError, match="device ids repeat"):
+        WorkerProfile(0, (W(0, 1.0).devices[0],) * 2)
+
+
+def test_flat_timings_plan_through_the_largest_measurement():
+    flat = DeviceProfile(0, "cpu", "cpu", (8, 64), (0.5, 0.5))
+    assert flat.time_fit == LinearFit(0.5, 0.0)
+    p = plan([WorkerProfile(0, (flat,)), W(1, 128.0)], global_batch=300)
+    # flat device planned as 64 samples per 0.5 s = 128 samples/s
+    assert _batches(p) == [150, 150]
+
+
+def test_linear_fit():
+    fit = LinearFit.fit([1, 2, 4], [3.0, 5.0, 9.0])
+    assert fit.intercept == pytest.approx(1.0)
+    assert fit.slope == pytest.approx(2.0)
+    # a negative intercept is not physical: the best line through the origin
+    fit = LinearFit.fit([1, 2, 3], [0.5, 2.5, 4.5])
+    assert fit.intercept == 0.0
+    assert fit.slope == pytest.approx((0.5 + 5 + 13.5) / 14)
+    # falling times: the best constant
+    assert LinearFit.fit([1, 2], [2.0, 1.0]) == LinearFit(1.5, 0.0)
+    assert LinearFit.fit([4, 4], [2.0, 2.0]) == LinearFit(0.0, 0.5)
+    with pytest.raises(ValueError, match="positive xs"):
+        LinearFit.fit([0, 1], [1.0, 2.0])
+    with pytest.raises(ValueError, match="equally long"):
+        LinearFit.fit([1, 2], [1.0])
+
+
+# --- re-planning -----------------------------------------------------------------
+
+
+def _feed(replanner, work_plan, rng, now, *, noise, slowdown=None):
+    """One step from every worker at its planned batch; returns revised plans."""
+    slowdown = slowdown or {}
+    revised = []
+    for w in work_plan.workers:
+        t = w.step_time * slowdown.get(w.worker_id, 1.0)
+        t *= 1 + rng.uniform(-noise, noise)
+        new = replanner.observe(w.worker_id, w.batch_size, t, now)
+        if new is not None:
+            revised.append(new)
+    return revised
+
+
+def test_replanner_ignores_noise_below_threshold():
+    p = plan(_speeds(1, 1, 2, 4), global_batch=256)
+    replanner = Replanner(p, threshold=0.2, window=10, cooldown=0.0)
+    rng = random.Random(1)
+    for k in range(200):
+        assert _feed(replanner, p, rng, float(k), noise=0.15) == []
+    assert replanner.plan is p
+    assert all(abs(replanner.speed_ratio(i) - 1) < 0.1 for i in range(4))
+
+
+def test_replanner_gives_a_slowed_worker_less_work():
+    p = plan(_speeds(1, 1, 2, 4), global_batch=256)
+    replanner = Replanner(p, threshold=0.2, window=4, cooldown=10.0)
+    rng = random.Random(2)
+    for k in range(20):
+        assert _feed(replanner, p, rng, float(k), noise=0.05) == []
+    revised = []
+    now = 20.0
+    while not revised:
+        revised = _feed(replanner, p, rng, now, noise=0.05, slowdown={3: 4.0})
+        now += 1
+        assert now < 30, "no revision after the fastest worker slowed 4x"
+    (new,) = revised
+    assert new.revision == 1 and replanner.plan is new
+    batches = _batches(new)
+    assert sum(batches) == 256
+    assert batches[3] < 128 and all(b > 32 for b in batches[:2])
+    # worker 3 now as fast as worker 2's half: about 1:1:2:1 of 256
+    assert batches[3] == pytest.approx(256 / 5, rel=0.15)
+    assert new.idle_fraction < 0.1
+    # Same slowness against the new plan is no drift: no further revision.
+    for k in range(20):
+        assert _feed(replanner, new, rng, now + k, noise=0.05) == []
+
+
+def test_replanner_cooldown():
+    p = plan(_speeds(1, 1), global_batch=64)
+    replanner = Replanner(p, threshold=0.2, window=1, cooldown=10.0, min_observations=1)
+    first = replanner.observe(0, 32, 64.0, now=0.0)
+    assert first is not None and _batches(first) == [21, 43]
+    # worker 1 slows too, but within the cooldown nothing changes
+    assert replanner.observe(1, 43, 86.0, now=5.0) is None
+    second = replanner.observe(1, 43, 86.0, now=10.0)
+    assert second is not None and second.revision == 2
+    assert _batches(second) == [32, 32]
+
+
+def test_replanner_keeps_scheme_and_settings():
+    workers = _ashl_workers()
+    p = plan(workers, "ashl", global_batch=3, local_steps=2)
+    replanner = Replanner(p, cooldown=0.0, min_observations=1, window=1)
+    # the fastest worker runs at half speed: 0.5 s per step
+    new = replanner.observe(2, 1, 0.5, now=0.0)
+    assert new.scheme == "ashl" and new.local_steps == 2
+    assert _steps(new) == [2, 4, 4]
+
+
+def test_replanner_bad_input_changes_nothing():
+    p = plan(_speeds(1, 2), global_batch=30)
+    replanner = Replanner(p, min_observations=1, window=1, cooldown=0.0)
+    for args, message in [
+        (("nobody", 10, 1.0, 0.0), "no worker 'nobody'"),
+        ((0, 0, 1.0, 0.0), "batch_size must be an int >= 1"),
+        ((0, 10, 0.0, 0.0), "step_time must be a positive"),
+        ((0, 10, math.nan, 0.0), "step_time must be a positive"),
+        ((0, 10, 1.0, math.inf), "now must be finite"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            replanner.observe(*args)
+        assert replanner.speed_ratio(0) == 1.0
+        assert replanner.plan is p
+    for kwargs, message in [
+        ({"threshold": 0.0}, "threshold"),
+        ({"window": 0}, "window"),
+        ({"cooldown": -1.0}, "cooldown"),
+        ({"min_observations": 0}, "min_observations"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            Replanner(p, **kwargs)
+    with pytest.raises(ValueError, match="must be a WorkPlan"):
+        Replanner("plan")
+
+
+def test_public_names():
+    assert SCHEMES == ("hps", "ashl", "adsp", "equal")
+    assert LR_SCALINGS == ("linear", "sqrt", "none")

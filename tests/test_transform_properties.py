@@ -1,0 +1,341 @@
+"""Properties every hpsjax optax transform must have, checked on each of them.
+
+Each transform is described by one :class:`Case` in ``CASES``: the factory, its
+keyword arguments and the extra arguments its ``update`` takes. Adding a transform
+to the suite is adding one line there.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from hpsjax.transforms._local_steps import local_steps
+from hpsjax.transforms._quantize import quantize
+from hpsjax.transforms._staleness import delay_compensation, scale_by_staleness
+from hpsjax.transforms._stages import Stage, hybrid_stages
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """A transform under test.
+
+    Attributes:
+      name: test id.
+      factory: the transform's factory.
+      kwargs: keyword arguments of the factory.
+      extra: extra arguments of ``update`` as a function of the params (some need
+        a tree like the params).
+      static_args: factory arguments ``inject_hyperparams`` must treat as static.
+      required: names of extra arguments whose absence raises ``ValueError``.
+    """
+
+    name: str
+    factory: Callable[..., optax.GradientTransformation]
+    kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
+    extra: Callable[[Any], dict[str, Any]] = lambda params: {}
+    static_args: tuple[str, ...] = ()
+    required: tuple[str, ...] = ()
+
+    def make(self) -> optax.GradientTransformationExtraArgs:
+        return optax.with_extra_args_support(self.factory(**self.kwargs))
+
+    def inject(self) -> optax.GradientTransformationExtraArgs:
+        return optax.inject_hyperparams(self.factory, static_args=self.static_args)(
+            **self.kwargs
+        )
+
+
+def _staleness(tau):
+    return lambda params: {"staleness": tau}
+
+
+def _stale_params(params):
+    return {"stale_params": jax.tree.map(lambda p: p - 0.25, params)}
+
+
+def _stages(*, loss_smoothing=0.0):
+    # The first stage ends after one update, so the wrappers below see a switch.
+    return hybrid_stages(
+        [
+            Stage(
+                optax.chain(scale_by_staleness("inverse"), optax.scale(0.5)),
+                mode="async",
+                local_steps=3,
+                until_step=1,
+                plateau_window=2,
+            ),
+            Stage(optax.scale_by_adam(), mode="semi_async", max_staleness=2),
+        ],
+        loss_smoothing=loss_smoothing,
+    )
+
+
+CASES = [
+    Case("quantize_8bit", quantize, {"bits": 8}),
+    Case("quantize_4bit_ef", quantize, {"bits": 4, "error_feedback": True}),
+    Case("quantize_1bit_ef", quantize, {"bits": 1, "error_feedback": True}),
+    Case(
+        "quantize_4bit_block",
+        quantize,
+        {"bits": 4, "stochastic": False, "block_size": 4},
+    ),
+    Case("quantize_qsgd", quantize, {"scheme": "qsgd", "levels": 4}),
+    *[
+        Case(
+            f"staleness_{policy}",
+            scale_by_staleness,
+            {"policy": policy, **kwargs},
+            _staleness(2),
+            required=("staleness",),
+        )
+        for policy, kwargs in [
+            ("inverse", {}),
+            ("inverse_plus_one", {}),
+            ("exponential", {"gamma": 0.8}),
+            ("polynomial", {"power": 0.7}),
+            ("drop", {"max_staleness": 3}),
+            ("inverse", {"max_staleness": 1}),
+        ]
+    ],
+    Case(
+        "staleness_callable",
+        scale_by_staleness,
+        {"policy": lambda tau: jnp.exp(-0.5 * tau)},
+        _staleness(3),
+        static_args=("policy",),
+        required=("staleness",),
+    ),
+    Case(
+        "delay_compensation",
+        delay_compensation,
+        {"lam": 0.5},
+        _stale_params,
+        required=("stale_params",),
+    ),
+    Case(
+        "delay_compensation_adaptive",
+        delay_compensation,
+        {"lam": 0.5, "adaptive": True},
+        _stale_params,
+        required=("stale_params",),
+    ),
+    Case("local_steps", local_steps, {"k": 2}),
+    Case("local_steps_f32_sum", local_steps, {"k": 3, "accumulator_dtype": "float32"}),
+    Case(
+        "hybrid_stages",
+        _stages,
+        {"loss_smoothing": 0.5},
+        lambda params: {"staleness": 1, "loss": 0.75},
+        required=("staleness", "loss"),
+    ),
+]
+
+IDS = [case.name for case in CASES]
+DTYPES = [jnp.float32, jnp.bfloat16]
+
+
+def _params(dtype=jnp.float32):
+    return {
+        "w": jnp.linspace(-1.0, 1.0, 12, dtype=jnp.float32).reshape(3, 4).astype(dtype),
+        "b": jnp.array([0.5, -0.25, 0.125, 1.0], dtype),
+    }
+
+
+def _grads(params, step=0):
+    return jax.tree.map(
+        lambda p: (jnp.cos(3.0 * p.astype(jnp.float32) + step) - 0.3).astype(p.dtype),
+        params,
+    )
+
+
+def _avals(tree):
+    """Tree of (shape, dtype, weak_type): what lax.cond needs to agree on."""
+    return jax.tree.map(
+        lambda x: (jnp.shape(x), jnp.result_type(x), getattr(x, "weak_type", False)),
+        tree,
+    )
+
+
+def _assert_trees_close(actual, expected, rtol=1e-6, atol=1e-6):
+    assert jax.tree.structure(actual) == jax.tree.structure(expected)
+    for a, e in zip(jax.tree.leaves(actual), jax.tree.leaves(expected), strict=True):
+        assert a.dtype == e.dtype
+        np.testing.assert_allclose(
+            np.asarray(a, np.float32), np.asarray(e, np.float32), rtol=rtol, atol=atol
+        )
+
+
+def _run(tx, params, steps, extra, *, jit=True):
+    """Applies ``steps`` updates; returns the list of updates and the last state."""
+    update = jax.jit(tx.update) if jit else tx.update
+    state = tx.init(params)
+    outs = []
+    for step in range(steps):
+        updates, state = update(_grads(params, step), state, params, **extra)
+        outs.append(updates)
+    return outs, state
+
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_jit_matches_eager_with_traced_extra_args(case):
+    params = _params()
+    extra = case.extra(params)
+    tx = case.make()
+
+    @jax.jit
+    def step(grads, state, params, extra):
+        return tx.update(grads, state, params, **extra)
+
+    state_eager = state_jit = tx.init(params)
+    for i in range(2):
+        grads = _grads(params, i)
+        eager, state_eager = tx.update(grads, state_eager, params, **extra)
+        jitted, state_jit = step(grads, state_jit, params, extra)
+        _assert_trees_close(jitted, eager, rtol=1e-5, atol=1e-6)
+    assert _avals(state_jit) == _avals(state_eager)
+
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_chain_with_sgd_and_adam(case):
+    params = _params()
+    extra = case.extra(params)
+    grads = _grads(params)
+    tx = case.make()
+    alone, _ = jax.jit(tx.update)(grads, tx.init(params), params, **extra)
+
+    sgd_chain = optax.chain(case.make(), optax.sgd(0.1))
+    sgd_out, _ = jax.jit(sgd_chain.update)(
+        grads, sgd_chain.init(params), params, **extra
+    )
+    _assert_trees_close(sgd_out, jax.tree.map(lambda u: -0.1 * u, alone))
+
+    adam = optax.adam(0.01)
+    adam_chain = optax.chain(case.make(), adam)
+    adam_out, adam_state = jax.jit(adam_chain.update)(
+        grads, adam_chain.init(params), params, **extra
+    )
+    expected, _ = adam.update(alone, adam.init(params), params)
+    _assert_trees_close(adam_out, expected)
+    assert _avals(adam_state) == _avals(adam_chain.init(params))
+
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_inject_hyperparams_matches_plain(case):
+    params = _params()
+    extra = case.extra(params)
+    injected = case.inject()
+    plain, _ = _run(case.make(), params, 2, extra)
+    wrapped, state = _run(injected, params, 2, extra)
+    for a, b in zip(wrapped, plain, strict=True):
+        _assert_trees_close(a, b, rtol=1e-5, atol=1e-6)
+    numeric = {
+        k for k, v in case.kwargs.items() if isinstance(v, int | float)
+    } - set(case.static_args)
+    numeric -= {k for k, v in case.kwargs.items() if isinstance(v, bool)}
+    assert numeric <= set(state.hyperparams)
+
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_inside_multisteps(case):
+    params = _params()
+    extra = case.extra(params)
+    multi = optax.MultiSteps(case.make(), every_k_schedule=2)
+    update = jax.jit(multi.update)
+    state = multi.init(params)
+    grads = _grads(params)
+    first, state = update(grads, state, params, **extra)
+    for leaf in jax.tree.leaves(first):
+        assert not np.any(np.asarray(leaf, np.float32))
+    second, state = update(grads, state, params, **extra)
+    assert bool(multi.has_updated(state))
+    tx = case.make()
+    expected, _ = jax.jit(tx.update)(grads, tx.init(params), params, **extra)
+    _assert_trees_close(second, expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_dtype_preserved(case, dtype):
+    params = _params(dtype)
+    extra = case.extra(params)
+    dtypes = jax.tree.map(lambda p: p.dtype, params)
+    outs, state = _run(case.make(), params, 2, extra)
+    for updates in outs:
+        assert jax.tree.map(lambda u: u.dtype, updates) == dtypes
+        assert all(bool(jnp.all(jnp.isfinite(u))) for u in jax.tree.leaves(updates))
+    assert _avals(state) == _avals(case.make().init(params))
+    # Wrapped, the hyperparameters take the params' dtype: checked abstractly.
+    injected = case.inject()
+    init = injected.init(params)
+    updates, state = jax.eval_shape(
+        functools.partial(injected.update, **extra), _grads(params), init, params
+    )
+    assert jax.tree.map(lambda u: u.dtype, updates) == dtypes
+    assert _avals(state) == _avals(init)
+
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_extra_args_forwarded_through_wrappers(case):
+    params = _params()
+    extra = {**case.extra(params), "unrelated": jnp.ones(2)}
+    grads = _grads(params)
+    tx = case.make()
+    expected, _ = jax.jit(tx.update)(grads, tx.init(params), params, **extra)
+    # A transform without extra-args support sits in front: chains must still
+    # forward the extra arguments past it.
+    plain_scale = optax.GradientTransformation(
+        optax.scale(1.0).init, optax.scale(1.0).update
+    )
+    # MultiSteps.gradient_transformation() drops extra arguments, so the wrapper
+    # object's own update is used.
+    multi = optax.MultiSteps(case.make(), 1)
+    wrappers = [
+        optax.chain(plain_scale, case.make()),
+        optax.named_chain(("scale", plain_scale), ("tx", case.make())),
+        case.inject(),
+        optax.GradientTransformationExtraArgs(multi.init, multi.update),
+    ]
+    for wrapper in wrappers:
+        state = wrapper.init(params)
+        out, _ = jax.jit(wrapper.update)(grads, state, params, **extra)
+        _assert_trees_close(out, expected, rtol=1e-5, atol=1e-6)
+        for missing in case.required:
+            without = {k: v for k, v in extra.items() if k != missing}
+            with pytest.raises(ValueError, match=missing):
+                jax.eval_shape(
+                    functools.partial(wrapper.update, **without), grads, state, params
+                )
+
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_state_structure_stable_under_cond(case):
+    params = _params()
+    extra = case.extra(params)
+    tx = case.make()
+    state = tx.init(params)
+
+    @jax.jit
+    def maybe_update(pred, state):
+        return jax.lax.cond(
+            pred,
+            lambda s: tx.update(_grads(params), s, params, **extra)[1],
+            lambda s: s,
+            state,
+        )
+
+    updated = maybe_update(True, state)
+    kept = maybe_update(False, state)
+    assert _avals(updated) == _avals(kept) == _avals(state)
+    for a, b in zip(jax.tree.leaves(kept), jax.tree.leaves(state), strict=True):
+        if jnp.issubdtype(a.dtype, jax.dtypes.prng_key):
+            a, b = jax.random.key_data(a), jax.random.key_data(b)
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -1,0 +1,367 @@
+"""Tests of the wire format: frames, tree metadata, limits and the frame reader."""
+
+import random
+import struct
+
+import ml_dtypes
+import msgpack
+import numpy as np
+import pytest
+
+from hpsjax.ps import _errors as errors
+from hpsjax.ps import _wire as wire
+from hpsjax.ps._wire import FrameDecoder, MsgType
+
+# Representative metadata of every message type (PROTOCOL.md).
+_TREE = {"w": np.arange(6, dtype=np.float32).reshape(2, 3)}
+_TREE_META, _TREE_BUFS, _ = wire.tree_to_wire(_TREE)
+MESSAGES = {
+    MsgType.HELLO: ({"worker_id": "w0", "nonce": b"\x01" * 32, "client": "x"}, []),
+    MsgType.CHALLENGE: ({"nonce": b"\x02" * 32, "auth": "hmac-sha256"}, []),
+    MsgType.AUTH: ({"proof": b"\x03" * 32}, []),
+    MsgType.AUTH_OK: ({"proof": b"\x04" * 32, "info": {"version": 3}}, []),
+    MsgType.INFO: ({"policy": "asp", "version": 3}, []),
+    MsgType.STAGE: ({"stage": "shl", "hints": {"local_steps": 2}}, []),
+    MsgType.PULL: ({}, []),
+    MsgType.PARAMS: ({"version": 3, **_TREE_META}, _TREE_BUFS),
+    MsgType.PUSH: ({"version": 2, **_TREE_META}, _TREE_BUFS),
+    MsgType.PUSH_ACK: ({"version": 4, "staleness": 1, "applied": True}, []),
+    MsgType.PUSH_PULL: ({"version": 2, **_TREE_META}, _TREE_BUFS),
+    MsgType.SUBSCRIBE: ({"on": True}, []),
+    MsgType.ERROR: ({"code": 31, "message": "shape"}, []),
+    MsgType.BYE: ({"reason": "done"}, []),
+}
+
+
+def _join(parts):
+    return b"".join(bytes(p) for p in parts)
+
+
+def _feed_chunked(decoder, data, rng, max_chunk=97):
+    events = []
+    i = 0
+    while i < len(data):
+        n = rng.randint(1, max_chunk)
+        events.extend(decoder.feed(data[i : i + n]))
+        i += n
+    return events
+
+
+def _assert_trees_equal(got, want):
+    assert type(got) is type(want) or (want is None and got is None)
+    if isinstance(want, dict):
+        assert sorted(got) == sorted(want)
+        for k in want:
+            _assert_trees_equal(got[k], want[k])
+    elif isinstance(want, (list, tuple)):
+        assert len(got) == len(want)
+        for g, w in zip(got, want, strict=True):
+            _assert_trees_equal(g, w)
+    elif want is not None:
+        assert got.dtype == want.dtype and got.shape == want.shape
+        np.testing.assert_array_equal(got, want)
+
+
+def test_every_message_type_round_trips():
+    assert set(MESSAGES) == set(MsgType)
+    stream = b""
+    for rid, (t, (meta, bufs)) in enumerate(MESSAGES.items(), start=1):
+        stream += _join(wire.encode_frame(t, rid, meta, bufs))
+    frames = _feed_chunked(FrameDecoder(), stream, random.Random(0))
+    assert [f.msg_type for f in frames] == list(MESSAGES)
+    assert [f.request_id for f in frames] == list(range(1, len(MESSAGES) + 1))
+    for f in frames:
+        meta, bufs = MESSAGES[f.msg_type]
+        assert f.metadata == meta
+        if bufs:
+            _assert_trees_equal(f.payload.tree(), _TREE)
+        else:
+            assert f.payload is None
+
+
+def test_header_layout_is_little_endian_24_bytes():
+    header = wire.pack_header(MsgType.PUSH, 0x01020304, 0x10, 0x0102030405)
+    assert len(header) == wire.HEADER_SIZE == 24
+    assert header[:4] == b"HPSJ" and header[4] == 1 and header[5] == 9
+    assert header[6:8] == b"\0\0"
+    assert header[8:12] == bytes([4, 3, 2, 1])
+    assert struct.unpack("<IQ", header[12:24]) == (0x10, 0x0102030405)
+
+
+@pytest.mark.parametrize(
+    "tree",
+    [
+        {"conv": {"kernel": np.ones((3, 3, 2, 4), np.float32), "bias": np.zeros(4)}},
+        [np.arange(5, dtype=np.int32), (np.float16(1.5), None), {"z": []}],
+        (np.array(True), np.zeros((0, 3), np.uint8), {"a": {"b": {"c": ()}}}),
+        {"bf": np.arange(4).astype(ml_dtypes.bfloat16), "i8": np.int8(-3)},
+        np.ones((2, 2), np.float64),
+    ],
+)
+def test_tree_round_trip(tree):
+    meta, bufs, layout = wire.tree_to_wire(tree)
+    packed = msgpack.packb(meta, use_bin_type=True)
+    received = wire.tree_layout(msgpack.unpackb(packed))
+    assert received.leaves == layout.leaves
+    frame_bytes = _join(wire.encode_frame(MsgType.PARAMS, 9, meta, bufs))
+    for scratch in (32, 1 << 16):
+        (frame,) = _feed_chunked(
+            FrameDecoder(scratch_bytes=scratch), frame_bytes, random.Random(1)
+        )
+        want = tree
+        if not isinstance(tree, (dict, list, tuple)):
+            want = np.asarray(tree)
+        _assert_trees_equal(frame.payload.tree(), _normalise(want))
+
+
+def _normalise(tree):
+    # Scalars become 0-d arrays on the wire; containers keep their type.
+    if isinstance(tree, dict):
+        return {k: _normalise(v) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [_normalise(v) for v in tree]
+    if isinstance(tree, tuple):
+        return tuple(_normalise(v) for v in tree)
+    return None if tree is None else np.asarray(tree)
+
+
+def test_flatten_order_matches_jax():
+    import jax
+
+    tree = {"b": [1.0, 2.0], "a": {"y": 3.0, "x": (4.0, 5.0)}, "c": None}
+    _, leaves = wire.flatten_tree(tree)
+    assert leaves == jax.tree.leaves(tree)
+
+
+def test_large_leaf_is_received_in_place():
+    big = np.arange(1 << 18, dtype=np.float32)
+    meta, bufs, _ = wire.tree_to_wire({"big": big, "small": np.ones(3)})
+    data = _join(wire.encode_frame(MsgType.PARAMS, 1, meta, bufs))
+    dec = FrameDecoder(scratch_bytes=4096)
+    header_len = wire.HEADER_SIZE + len(msgpack.packb(meta, use_bin_type=True))
+    assert dec.feed(data[:header_len]) == []
+    buf = dec.get_buffer()
+    # The reader hands out a view of the destination leaf, not of scratch.
+    assert len(buf) == big.nbytes
+    assert dec._direct == "payload"
+    buf[: big.nbytes] = data[header_len : header_len + big.nbytes]
+    assert dec.buffer_updated(big.nbytes) == []
+    (frame,) = dec.feed(data[header_len + big.nbytes :])
+    dest = frame.payload.arrays[0]
+    assert np.shares_memory(dest, np.frombuffer(buf, np.uint8))
+    np.testing.assert_array_equal(dest, big)
+
+
+def test_large_metadata_gets_its_own_buffer():
+    tree = {f"leaf_{i:05d}": np.float32(i) for i in range(3000)}
+    meta, bufs, _ = wire.tree_to_wire(tree)
+    data = _join(wire.encode_frame(MsgType.PARAMS, 1, meta, bufs))
+    (frame,) = _feed_chunked(
+        FrameDecoder(scratch_bytes=1024), data, random.Random(2), 5000
+    )
+    _assert_trees_equal(frame.payload.tree(), _normalise(tree))
+
+
+# ---------------------------------------------------------------- malformed
+
+
+def test_garbage_bytes_are_bad_magic():
+    dec = FrameDecoder()
+    with pytest.raises(errors.BadMagic):
+        dec.feed(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+    # A broken stream stays broken.
+    with pytest.raises(errors.BadMagic):
+        dec.buffer_updated(0)
+
+
+def test_wrong_version():
+    data = wire.pack_header(MsgType.PULL, 1, 0, 0, version=2)
+    with pytest.raises(errors.UnsupportedVersion, match="version 2"):
+        FrameDecoder().feed(data)
+
+
+def test_unknown_type_and_flags():
+    with pytest.raises(errors.UnexpectedMessage):
+        FrameDecoder().feed(wire.pack_header(200, 1, 0, 0))
+    with pytest.raises(errors.ProtocolError, match="flags"):
+        FrameDecoder().feed(wire.pack_header(MsgType.PULL, 1, 0, 0, flags=1))
+
+
+def test_payload_on_a_control_message():
+    with pytest.raises(errors.ProtocolError, match="no payload"):
+        FrameDecoder().feed(wire.pack_header(MsgType.PULL, 1, 0, 8))
+
+
+def test_huge_payload_length_refused_before_allocation():
+    calls = []
+
+    def allocate(header, meta):
+        calls.append(header)
+        raise AssertionError("must not be called")
+
+    dec = FrameDecoder(allocate=allocate)
+    with pytest.raises(errors.PayloadTooBig, match="exceeds"):
+        dec.feed(wire.pack_header(MsgType.PUSH, 1, 0, 2**60))
+    assert calls == []
+    limits = wire.WireLimits(max_metadata_bytes=100)
+    with pytest.raises(errors.PayloadTooBig, match="metadata"):
+        FrameDecoder(limits=limits).feed(wire.pack_header(MsgType.PUSH, 1, 101, 0))
+
+
+@pytest.mark.parametrize("cut", [3, 24, 30, 60])
+def test_truncated_frame_is_connection_closed(cut):
+    meta, bufs, _ = wire.tree_to_wire({"w": np.ones(8, np.float32)})
+    data = _join(wire.encode_frame(MsgType.PUSH, 1, meta, bufs))
+    assert cut < len(data)
+    dec = FrameDecoder()
+    assert dec.feed(data[:cut]) == []
+    with pytest.raises(errors.ConnectionClosed):
+        dec.eof()
+
+
+def test_eof_between_frames_is_clean():
+    dec = FrameDecoder()
+    dec.feed(_join(wire.encode_frame(MsgType.PULL, 1)))
+    dec.eof()
+
+
+def _tree_frame(meta, payload=b"", msg_type=MsgType.PUSH):
+    packed = msgpack.packb(meta, use_bin_type=True)
+    return wire.pack_header(msg_type, 7, len(packed), len(payload)) + packed + payload
+
+
+def _refusal(data, limits=wire.DEFAULT_LIMITS):
+    """Feeds a bad frame then a good one; returns the refusal's error."""
+    good = _join(wire.encode_frame(MsgType.PULL, 8))
+    events = FrameDecoder(limits=limits).feed(data + good)
+    assert len(events) == 2
+    assert isinstance(events[0], wire.FrameError) and events[0].request_id == 7
+    assert isinstance(events[1], wire.Frame) and events[1].request_id == 8
+    return events[0].error
+
+
+def test_too_many_leaves():
+    tree = [np.float32(0)] * 10
+    meta, bufs, _ = wire.tree_to_wire(tree)
+    payload = _join(bufs)
+    limits = wire.WireLimits(max_leaves=9)
+    err = _refusal(_tree_frame(meta, payload), limits)
+    assert isinstance(err, errors.TooManyLeaves)
+    with pytest.raises(errors.TooManyLeaves):
+        wire.tree_to_wire(tree, limits=limits)
+
+
+def test_deep_nesting_refused():
+    structure = 0
+    for _ in range(100):
+        structure = ["l", [structure]]
+    meta = {"tree": structure, "leaves": [["float32", [], 0, 4]], "codec": None}
+    assert isinstance(_refusal(_tree_frame(meta, b"\0" * 4)), errors.TooManyLeaves)
+
+
+@pytest.mark.parametrize("dtype", ["object", "float128", "<f4", "complex64", 5, ""])
+def test_bad_dtype_strings(dtype):
+    meta = {"tree": ["d", {"w": 0}], "leaves": [[dtype, [1], 0, 4]], "codec": None}
+    assert isinstance(_refusal(_tree_frame(meta, b"\0" * 4)), errors.UnsupportedDtype)
+
+
+def test_dtype_outside_configured_allow_list():
+    meta, bufs, _ = wire.tree_to_wire({"w": np.ones(2, np.float64)})
+    limits = wire.WireLimits(dtypes=frozenset({"float32"}))
+    err = _refusal(_tree_frame(meta, _join(bufs)), limits)
+    assert isinstance(err, errors.UnsupportedDtype)
+    with pytest.raises(errors.UnsupportedDtype):
+        wire.tree_to_wire({"w": np.array(["a"])})
+
+
+@pytest.mark.parametrize(
+    "meta",
+    [
+        {"leaves": []},
+        {"tree": ["d", {"w": 0}], "leaves": []},
+        {"tree": ["x", []], "leaves": []},
+        {"tree": ["d", {"w": 1}], "leaves": [["float32", [1], 0, 4]]},
+        {"tree": ["d", {"w": True}], "leaves": [["float32", [1], 0, 4]]},
+        {"tree": ["d", {"w": 0}], "leaves": [["float32", [2], 0, 4]]},
+        {"tree": ["d", {"w": 0}], "leaves": [["float32", [1], 4, 4]]},
+        {"tree": ["d", {"w": 0}], "leaves": [["float32", [-1], 0, 4]]},
+        {"tree": ["d", {"w": 0}], "leaves": [["float32", [True], 0, 4]]},
+        {"tree": ["d", {"w": 0}], "leaves": [["float32", [1], 0, 4, 9]]},
+        {"tree": ["d", {"w": 0}], "leaves": [["float32", [2**40, 2**40], 0, 4]]},
+        {"tree": ["d", {"w": 0}], "leaves": "nope"},
+    ],
+)
+def test_bad_tree_metadata(meta):
+    err = _refusal(_tree_frame(meta, b"\0" * 4))
+    assert isinstance(err, errors.MalformedMetadata)
+
+
+def test_payload_length_must_match_tree():
+    meta, bufs, _ = wire.tree_to_wire({"w": np.ones(2, np.float32)})
+    err = _refusal(_tree_frame(meta, _join(bufs) + b"\0" * 4))
+    assert isinstance(err, errors.MalformedMetadata)
+
+
+def test_undecodable_metadata():
+    bad = b"\xc1\xff\x00"
+    data = wire.pack_header(MsgType.PULL, 7, len(bad), 0) + bad
+    assert isinstance(_refusal(data), errors.MalformedMetadata)
+    not_a_map = msgpack.packb([1, 2])
+    data = wire.pack_header(MsgType.PULL, 7, len(not_a_map), 0) + not_a_map
+    assert isinstance(_refusal(data), errors.MalformedMetadata)
+
+
+def test_allocator_errors_are_reported_per_frame():
+    def allocate(header, meta):
+        raise errors.SpecMismatch("leaf ['w']: shape differs")
+
+    meta, bufs, _ = wire.tree_to_wire({"w": np.ones(1000, np.float32)})
+    data = _join(wire.encode_frame(MsgType.PUSH, 7, meta, bufs))
+    good = _join(wire.encode_frame(MsgType.PULL, 8))
+    events = FrameDecoder(allocate=allocate, scratch_bytes=64).feed(data + good)
+    assert isinstance(events[0].error, errors.SpecMismatch)
+    assert events[1].msg_type == MsgType.PULL
+
+
+def test_check_same_spec_names_the_leaf():
+    model = wire.tree_to_wire({"a": np.ones(3, np.float32), "b": np.ones(2)})[2]
+    same = wire.tree_to_wire({"a": np.zeros(3, np.float32), "b": np.zeros(2)})[2]
+    wire.check_same_spec(same, model)
+    shape = wire.tree_to_wire({"a": np.ones(4, np.float32), "b": np.ones(2)})[2]
+    with pytest.raises(errors.SpecMismatch, match=r"\['a'\].*float32\[4\]"):
+        wire.check_same_spec(shape, model)
+    dtype = wire.tree_to_wire({"a": np.ones(3, np.float64), "b": np.ones(2)})[2]
+    with pytest.raises(errors.SpecMismatch, match="float64"):
+        wire.check_same_spec(dtype, model)
+    with pytest.raises(errors.SpecMismatch, match="structure"):
+        wire.check_same_spec(wire.tree_to_wire({"a": np.ones(3)})[2], model)
+
+
+def test_flatten_rejects_non_string_keys():
+    with pytest.raises(ValueError, match="string"):
+        wire.tree_to_wire({1: np.ones(1)})
+
+
+def test_request_id_range():
+    with pytest.raises(ValueError):
+        wire.pack_header(MsgType.PULL, 2**32, 0, 0)
+
+
+# ------------------------------------------------------------------ errors
+
+
+def test_error_codes_are_unique_and_round_trip():
+    classes = [errors.HpsError, *errors._all_subclasses(errors.HpsError)]
+    codes = [c.code for c in classes]
+    assert len(codes) == len(set(codes))
+    for cls in classes:
+        code, message = errors.error_to_wire(cls("boom"))
+        back = errors.error_from_wire(code, message)
+        assert type(back) is cls and back.remote and back.message == "boom"
+
+
+def test_foreign_exceptions_leak_nothing():
+    code, message = errors.error_to_wire(RuntimeError("/secret/path line 3"))
+    assert code == errors.ServerError.code and "secret" not in message
+    long = errors.error_from_wire(31, "x" * 10_000)
+    assert len(long.message) == errors.MAX_ERROR_MESSAGE_CHARS
