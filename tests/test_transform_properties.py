@@ -20,8 +20,8 @@ import pytest
 
 from hpsjax.transforms._local_steps import local_steps
 from hpsjax.transforms._quantize import quantize
-from hpsjax.transforms._staleness import delay_compensation, scale_by_staleness
 from hpsjax.transforms._stages import Stage, hybrid_stages
+from hpsjax.transforms._staleness import delay_compensation, scale_by_staleness
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,16 +79,20 @@ def _stages(*, loss_smoothing=0.0):
     )
 
 
+# quantize's integer hyperparameters fix array shapes, so they stay static.
+QUANTIZE_STATIC = ("bits", "block_size", "levels")
+
 CASES = [
-    Case("quantize_8bit", quantize, {"bits": 8}),
-    Case("quantize_4bit_ef", quantize, {"bits": 4, "error_feedback": True}),
-    Case("quantize_1bit_ef", quantize, {"bits": 1, "error_feedback": True}),
-    Case(
-        "quantize_4bit_block",
-        quantize,
-        {"bits": 4, "stochastic": False, "block_size": 4},
-    ),
-    Case("quantize_qsgd", quantize, {"scheme": "qsgd", "levels": 4}),
+    *[
+        Case(f"quantize_{name}", quantize, kwargs, static_args=QUANTIZE_STATIC)
+        for name, kwargs in [
+            ("8bit", {"bits": 8}),
+            ("4bit_error_feedback", {"bits": 4, "error_feedback": True}),
+            ("sign_error_feedback", {"scheme": "sign", "error_feedback": True}),
+            ("4bit_nearest_blocks", {"bits": 4, "stochastic": False, "block_size": 4}),
+            ("qsgd", {"scheme": "qsgd", "levels": 4}),
+        ]
+    ],
     *[
         Case(
             f"staleness_{policy}",
@@ -237,9 +241,9 @@ def test_inject_hyperparams_matches_plain(case):
     wrapped, state = _run(injected, params, 2, extra)
     for a, b in zip(wrapped, plain, strict=True):
         _assert_trees_close(a, b, rtol=1e-5, atol=1e-6)
-    numeric = {
-        k for k, v in case.kwargs.items() if isinstance(v, int | float)
-    } - set(case.static_args)
+    numeric = {k for k, v in case.kwargs.items() if isinstance(v, int | float)} - set(
+        case.static_args
+    )
     numeric -= {k for k, v in case.kwargs.items() if isinstance(v, bool)}
     assert numeric <= set(state.hyperparams)
 

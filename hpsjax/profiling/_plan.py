@@ -66,8 +66,11 @@ class DevicePlan:
       device_id: ``jax.Device.id`` of the device.
       batch_size: samples per step on this device.
       step_time: predicted seconds per step at ``batch_size``.
-      time_intercept: ``a`` of the device's model ``t(b) = a + c b`` (seconds).
+      time_intercept: ``a`` of the device's model
+        ``t(b) = max(a + c b, r b)`` (seconds).
       time_slope: ``c`` of the model (seconds per sample), positive.
+      best_time_per_sample: ``r`` of the model, the fewest seconds per sample
+        measured, positive.
       max_batch: the largest batch that fits the device's memory, ``None`` for no
         limit. The model is kept so that a plan can be revised on its own.
     """
@@ -77,13 +80,21 @@ class DevicePlan:
     step_time: float
     time_intercept: float
     time_slope: float
+    best_time_per_sample: float
     max_batch: int | None
 
     def __post_init__(self):
         if not isinstance(self.batch_size, int) or self.batch_size < 0:
             raise ValueError(f"batch_size must be an int >= 0, got {self.batch_size}")
-        if not (self.time_slope > 0 and self.time_intercept >= 0):
-            raise ValueError("a device's time model needs slope > 0, intercept >= 0")
+        if not (
+            self.time_slope > 0
+            and self.best_time_per_sample > 0
+            and self.time_intercept >= 0
+        ):
+            raise ValueError(
+                "a device's time model needs a slope and a time per sample > 0 "
+                "and an intercept >= 0"
+            )
         if self.max_batch is not None and self.batch_size > self.max_batch:
             raise ValueError(
                 f"device {self.device_id}: batch {self.batch_size} exceeds its "
@@ -261,10 +272,11 @@ class _DeviceModel:
     device_id: int
     intercept: float
     slope: float
+    floor: float
     max_batch: int | None
 
     def time(self, b: float) -> float:
-        return self.intercept + self.slope * b
+        return max(self.intercept + self.slope * b, self.floor * b)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -282,6 +294,7 @@ class _WorkerModel:
                     d,
                     intercept=d.intercept / speed_ratio,
                     slope=d.slope / speed_ratio,
+                    floor=d.floor / speed_ratio,
                 )
                 for d in self.devices
             ),
@@ -308,24 +321,28 @@ def _model_from_profile(profile: WorkerProfile, memory_fraction: float):
                 device_id=d.device_id,
                 intercept=intercept,
                 slope=slope,
+                floor=d.best_time_per_sample,
                 max_batch=d.max_batch(memory_fraction=memory_fraction),
             )
         )
     return _WorkerModel(profile.worker_id, profile.transfer_seconds, tuple(devices))
 
 
-def _model_from_plan(work_plan: WorkPlan):
-    return [
-        _WorkerModel(
-            w.worker_id,
-            w.transfer_seconds,
-            tuple(
-                _DeviceModel(d.device_id, d.time_intercept, d.time_slope, d.max_batch)
-                for d in w.devices
-            ),
-        )
-        for w in work_plan.workers
-    ]
+def _model_from_worker_plan(w: WorkerPlan) -> _WorkerModel:
+    return _WorkerModel(
+        w.worker_id,
+        w.transfer_seconds,
+        tuple(
+            _DeviceModel(
+                d.device_id,
+                d.time_intercept,
+                d.time_slope,
+                d.best_time_per_sample,
+                d.max_batch,
+            )
+            for d in w.devices
+        ),
+    )
 
 
 def _round_keeping_sum(
@@ -355,33 +372,55 @@ def _round_keeping_sum(
     return [int(i) for i in ints]
 
 
-def _water_fill(
-    intercepts: Sequence[float],
-    slopes: Sequence[float],
-    lo: Sequence[int],
-    hi: Sequence[float],
-    total: int,
-) -> list[int]:
-    r"""Integer batches that make lanes of time ``alpha_j + beta_j b`` finish together.
+@dataclasses.dataclass(frozen=True)
+class _Lane:
+    """A device seen by the water-filling: ``offset + steps * t_d(b)`` seconds."""
 
-    Solves ``sum_j clip((tau - alpha_j) / beta_j, lo_j, hi_j) = total`` for the
-    finish time ``tau`` exactly (the sum is piecewise linear and non-decreasing in
-    ``tau``, so ``tau`` lies on the segment between two consecutive breakpoints),
-    then rounds keeping the sum. With ``alpha = 0`` this is ``b_j`` proportional to
-    ``1 / beta_j``, the throughput; caps that bind pass the rest to the others.
+    device: _DeviceModel
+    offset: float
+    steps: int
+    lo: int
+    hi: float
+
+    def time(self, b: float) -> float:
+        return self.offset + self.steps * self.device.time(b)
+
+    def batch(self, tau: float) -> float:
+        """The batch that finishes at ``tau``, within ``[lo, hi]``."""
+        u = (tau - self.offset) / self.steps
+        d = self.device
+        b = min((u - d.intercept) / d.slope, u / d.floor)
+        return min(max(b, self.lo), self.hi)
+
+    def breakpoints(self) -> list[float]:
+        """Finish times where ``batch`` changes slope."""
+        points = [self.time(self.lo)]
+        if math.isfinite(self.hi):
+            points.append(self.time(self.hi))
+        d = self.device
+        if d.floor > d.slope:
+            kink = d.intercept / (d.floor - d.slope)
+            if self.lo < kink < self.hi:
+                points.append(self.time(kink))
+        return points
+
+
+def _water_fill(lanes: Sequence[_Lane], total: int) -> list[int]:
+    r"""Integer batches with which all lanes finish together, summing to ``total``.
+
+    Solves ``sum_j b_j(tau) = total`` for the finish time ``tau``, where
+    ``b_j(tau)`` inverts lane ``j``'s time and is clipped to its limits. Each
+    ``b_j`` is continuous, non-decreasing and piecewise linear in ``tau``, so the
+    sum is too, and ``tau`` is found exactly on the segment between two
+    consecutive breakpoints; the batches are then rounded keeping the sum. For
+    lanes of time ``c_j b`` this gives ``b_j`` proportional to ``1 / c_j``, the
+    throughput; a lane at its cap passes the rest to the others.
     """
 
-    def batch(j, tau):
-        return min(max((tau - intercepts[j]) / slopes[j], lo[j]), hi[j])
-
     def filled(tau):
-        return sum(batch(j, tau) for j in range(len(slopes)))
+        return sum(lane.batch(tau) for lane in lanes)
 
-    lanes = range(len(slopes))
-    points = sorted(
-        {intercepts[j] + slopes[j] * lo[j] for j in lanes}
-        | {intercepts[j] + slopes[j] * hi[j] for j in lanes if math.isfinite(hi[j])}
-    )
+    points = sorted({p for lane in lanes for p in lane.breakpoints()})
     tau = points[0]
     previous, level = points[0], filled(points[0])
     if level < total:
@@ -394,9 +433,15 @@ def _water_fill(
                 break
             previous, level = point, next_level
         else:
-            rate = sum(1 / slopes[j] for j in lanes if not math.isfinite(hi[j]))
+            # Past the last breakpoint every uncapped lane grows linearly.
+            rate = filled(previous + 1.0) - level
             tau = previous + (total - level) / rate
-    return _round_keeping_sum([batch(j, tau) for j in lanes], total, lo, hi)
+    return _round_keeping_sum(
+        [lane.batch(tau) for lane in lanes],
+        total,
+        [lane.lo for lane in lanes],
+        [lane.hi for lane in lanes],
+    )
 
 
 def _lr_scale(batch: int, reference: float, lr_scaling: str) -> float:
@@ -451,15 +496,13 @@ def _solve(
 
     if scheme == "hps":
         # Every device of worker i finishes its H local steps and the transfer at
-        # the same time: lane time H (a_d + c_d b) + T_i.
-        intercepts, slopes, lo, hi = [], [], [], []
-        for m, (m_lo, m_hi) in zip(models, limits, strict=True):
-            for d in m.devices:
-                intercepts.append(local_steps * d.intercept + m.transfer)
-                slopes.append(local_steps * d.slope)
-            lo += m_lo
-            hi += m_hi
-        flat = iter(_water_fill(intercepts, slopes, lo, hi, global_batch))
+        # the same time: lane time H t_d(b) + T_i.
+        lanes = [
+            _Lane(d, m.transfer, local_steps, low, high)
+            for m, (m_lo, m_hi) in zip(models, limits, strict=True)
+            for d, low, high in zip(m.devices, m_lo, m_hi, strict=True)
+        ]
+        flat = iter(_water_fill(lanes, global_batch))
         device_batches = [[next(flat) for _ in m.devices] for m in models]
     else:
         shares = _round_keeping_sum(
@@ -481,13 +524,11 @@ def _solve(
                     [share / len(m.devices)] * len(m.devices), share, m_lo, m_hi
                 )
             else:
-                split = _water_fill(
-                    [d.intercept for d in m.devices],
-                    [d.slope for d in m.devices],
-                    m_lo,
-                    m_hi,
-                    share,
-                )
+                lanes = [
+                    _Lane(d, 0.0, 1, low, high)
+                    for d, low, high in zip(m.devices, m_lo, m_hi, strict=True)
+                ]
+                split = _water_fill(lanes, share)
             device_batches.append(split)
 
     step_times = [
@@ -558,6 +599,7 @@ def _solve(
                         step_time=d.time(b),
                         time_intercept=d.intercept,
                         time_slope=d.slope,
+                        best_time_per_sample=d.floor,
                         max_batch=d.max_batch,
                     )
                     for d, b in zip(m.devices, batches, strict=True)
@@ -875,10 +917,10 @@ class Replanner:
             raise ValueError(f"now must be finite, got {now}")
         # The plan's prediction at the reported batch, split over the devices as
         # planned, so a report from before a revision is still judged fairly.
+        model = _model_from_worker_plan(worker)
         predicted = max(
-            d.time_intercept
-            + d.time_slope * batch_size * d.batch_size / worker.batch_size
-            for d in worker.devices
+            d.time(batch_size * p.batch_size / worker.batch_size)
+            for d, p in zip(model.devices, worker.devices, strict=True)
         )
         sample = predicted / step_time
         if self._count[worker_id] == 0:
@@ -901,7 +943,7 @@ class Replanner:
             m.scaled(self._ratio[m.worker_id])
             if self._count[m.worker_id] >= self._min_observations
             else m
-            for m in _model_from_plan(self._plan)
+            for m in map(_model_from_worker_plan, self._plan.workers)
         ]
         old = self._plan
         self._plan = _solve(

@@ -271,9 +271,27 @@ class DeviceProfile:
             return None
         return LinearFit.fit(self.batch_sizes, self.peak_memory)
 
+    @property
+    def best_time_per_sample(self) -> float:
+        """The fewest seconds per sample measured, ``min_k t_k / b_k``."""
+        return min(
+            t / b for t, b in zip(self.step_times, self.batch_sizes, strict=True)
+        )
+
     def step_time(self, batch_size: float) -> float:
-        """Predicted seconds per step at ``batch_size``."""
-        return self.time_fit(batch_size)
+        r"""Predicted seconds per step at ``batch_size``.
+
+        The fitted line, but never faster per sample than the best measured:
+
+        .. math::
+
+          \hat t(b) = \max\big(a + c\,b,\; b \min_k t_k / b_k\big).
+
+        Within the profiled batch sizes the line is the larger; beyond them the
+        second term stops the fixed cost ``a`` from being spread over ever more
+        samples, a gain no measurement has shown.
+        """
+        return max(self.time_fit(batch_size), batch_size * self.best_time_per_sample)
 
     def throughput(self, batch_size: float) -> float:
         """Predicted samples per second at ``batch_size``: ``b / t(b)``."""
@@ -624,9 +642,10 @@ async def measure_transfer(
 ) -> TransferProfile:
     """Measures real transfer times between this worker and its server.
 
-    ``transfer`` is either a connected ``hpsjax.ps.Client``, whose ``pull()`` and
-    ``push(update, version=..., codec=...)`` are timed one after the other, or an
-    async callable ``transfer(update)`` that performs one whole round trip (push
+    ``transfer`` is either a ``hpsjax.ps.Client``, whose ``pull()`` and
+    ``push(update, version=..., codec=...)`` are timed one after the other (a
+    client not yet connected is connected first and closed after), or an async
+    callable ``transfer(update)`` that performs one whole round trip (push
     ``update``, pull the parameters) and is timed as one. The update pushed is a
     tree of zeros shaped like ``params``: it measures the wire and the server's
     handling of a real-sized message, and moves parameters only as far as the
@@ -657,28 +676,38 @@ async def measure_transfer(
             "transfer must be a connected Client, an async callable, a Link, a "
             f"TransferProfile or None; got {type(transfer).__name__}"
         )
-    update = jax.tree.map(jnp.zeros_like, params)
+    update = jax.tree.map(np.zeros_like, params)
     push_bytes = tree_wire_nbytes(params, codec)
     pull_bytes = tree_wire_nbytes(params)
     pushes, pulls, trips = [], [], []
-    for i in range(warmup + repeats):
-        t0 = time.perf_counter()
-        if is_client:
-            pulled = await transfer.pull()
-            t1 = time.perf_counter()
-            await transfer.push(update, version=_pulled_version(pulled), codec=codec)
-        else:
-            result = transfer(update)
-            if not inspect.isawaitable(result):
-                raise ValueError("a transfer callable must be async (return awaitable)")
-            await result
-            t1 = None
-        t2 = time.perf_counter()
-        if i >= warmup:
-            trips.append(t2 - t0)
-            if t1 is not None:
-                pulls.append(t1 - t0)
-                pushes.append(t2 - t1)
+    opened = is_client and getattr(transfer, "closed", False)
+    if opened:
+        await transfer.connect()
+    try:
+        for i in range(warmup + repeats):
+            t0 = time.perf_counter()
+            if is_client:
+                pulled = await transfer.pull()
+                t1 = time.perf_counter()
+                version = _pulled_version(pulled)
+                await transfer.push(update, version=version, codec=codec)
+            else:
+                result = transfer(update)
+                if not inspect.isawaitable(result):
+                    raise ValueError(
+                        "a transfer callable must be async (return an awaitable)"
+                    )
+                await result
+                t1 = None
+            t2 = time.perf_counter()
+            if i >= warmup:
+                trips.append(t2 - t0)
+                if t1 is not None:
+                    pulls.append(t1 - t0)
+                    pushes.append(t2 - t1)
+    finally:
+        if opened:
+            await transfer.close()
     return TransferProfile(
         round_trip_seconds=statistics.median(trips),
         push_seconds=statistics.median(pushes) if pushes else None,
@@ -709,7 +738,9 @@ def _compiled_peak_bytes(compiled: Any) -> int | None:
     return int(max(total, getattr(stats, "peak_memory_in_bytes", 0)))
 
 
-def _profile_device(step, params, make_batch, device, batch_sizes, repeats, warmup):
+def _profile_device(
+    step, params, make_batch, device, batch_sizes, repeats, warmup, time_budget
+):
     device_params = jax.device_put(params, device)
     stats = device.memory_stats()
     use_device_stats = bool(stats) and "peak_bytes_in_use" in stats
@@ -717,10 +748,15 @@ def _profile_device(step, params, make_batch, device, batch_sizes, repeats, warm
     for b in batch_sizes:
         batch = jax.device_put(make_batch(b), device)
         compiled = step.lower(device_params, batch).compile()
+        start = time.perf_counter()
         for _ in range(warmup):
             jax.block_until_ready(compiled(device_params, batch))
+            if time.perf_counter() - start > time_budget:
+                break
         samples = []
-        for _ in range(repeats):
+        while not samples or (
+            len(samples) < repeats and time.perf_counter() - start < time_budget
+        ):
             t0 = time.perf_counter()
             jax.block_until_ready(compiled(device_params, batch))
             samples.append(time.perf_counter() - t0)
@@ -760,6 +796,7 @@ def profile(
     devices: Sequence[jax.Device] | None = None,
     repeats: int = 5,
     warmup: int = 1,
+    time_budget: float = 1.0,
     transfer: Any = None,
     codec: Any = None,
     worker_id: int | str = 0,
@@ -789,14 +826,18 @@ def profile(
       batch_sizes: batch sizes to measure; a wide spread (here 16 to 256) fits the
         line well.
       devices: devices to profile; ``jax.local_devices()`` by default.
-      repeats: timed runs per batch size.
-      warmup: untimed runs after compiling.
+      repeats: timed runs per batch size, at most.
+      warmup: untimed runs after compiling, at most.
+      time_budget: seconds of running (compiling excluded) per batch size and
+        device; warm-up and timed runs stop once it is spent, after at least one
+        timed run, so that a big model's largest batch does not dominate the
+        cost of the pass.
       transfer: how to profile the link to the server: ``None`` (not profiled), a
         :class:`Link` (estimated from bandwidth and latency), a
         :class:`TransferProfile` (already measured, e.g. by awaiting
-        :func:`measure_transfer` inside a running event loop), or a connected
-        client / async round-trip callable, measured here with ``asyncio.run``
-        (see :func:`measure_transfer`).
+        :func:`measure_transfer` on the event loop of a connected client), or an
+        unconnected ``hpsjax.ps.Client`` or async round-trip callable, measured
+        here with ``asyncio.run`` (see :func:`measure_transfer`).
       codec: the push codec; the pushed bytes are ``encoded_nbytes`` of each leaf.
       worker_id: id of this worker.
       memory_capacity: bytes each device may use, overriding the backend's
@@ -837,6 +878,7 @@ def profile(
     repeats = _check_positive_int("repeats", repeats)
     if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
         raise ValueError(f"warmup must be a non-negative int, got {warmup!r}")
+    time_budget = _check_finite("time_budget", time_budget, positive=True)
     _check_worker_id(worker_id)
     devices = list(jax.local_devices() if devices is None else devices)
     if not devices:
@@ -861,12 +903,22 @@ def profile(
                 "profile() cannot measure the transfer inside a running event "
                 "loop; await measure_transfer(...) and pass its result as transfer="
             )
+        if _is_client(transfer) and not getattr(transfer, "closed", True):
+            # A connection lives on the event loop that opened it, and profile()
+            # would measure on a new one.
+            raise ValueError(
+                "a connected Client can only be measured on its own event loop: "
+                "await measure_transfer(client, ...) there and pass the result as "
+                "transfer=, or pass the Client unconnected"
+            )
 
     start = time.perf_counter()
     step = jax.jit(step_fn)
     device_profiles = []
     for device in devices:
-        prof = _profile_device(step, params, make_batch, device, sizes, repeats, warmup)
+        prof = _profile_device(
+            step, params, make_batch, device, sizes, repeats, warmup, time_budget
+        )
         if memory_capacity is not None:
             prof = dataclasses.replace(prof, memory_capacity=memory_capacity)
         device_profiles.append(prof)

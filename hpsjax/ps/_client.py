@@ -23,11 +23,13 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hmac
 import os
 import ssl as ssl_lib
 from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any, NamedTuple
 
+import jax
 import numpy as np
 
 from hpsjax.ps import _wire as wire
@@ -63,6 +65,8 @@ class FrameProtocol(asyncio.BufferedProtocol):
         :class:`ProtocolError` for a broken stream).
       limits: frame limits.
       allocate: payload allocator for the decoder.
+      on_made: called once the connection is established (after the TLS
+        handshake, with TLS); ``on_lost`` is only ever called after it.
     """
 
     def __init__(
@@ -72,10 +76,12 @@ class FrameProtocol(asyncio.BufferedProtocol):
         *,
         limits: wire.WireLimits = wire.DEFAULT_LIMITS,
         allocate: wire.Allocator | None = None,
+        on_made: Callable[[], None] | None = None,
     ):
         self._decoder = wire.FrameDecoder(limits=limits, allocate=allocate)
         self._on_frame = on_frame
         self._on_lost = on_lost
+        self._on_made = on_made
         self.transport: asyncio.Transport | None = None
         self._writable = asyncio.Event()
         self._writable.set()
@@ -88,6 +94,8 @@ class FrameProtocol(asyncio.BufferedProtocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport
+        if self._on_made is not None:
+            self._on_made()
 
     def get_buffer(self, sizehint: int) -> memoryview:
         return self._decoder.get_buffer(sizehint)
@@ -129,8 +137,10 @@ class FrameProtocol(asyncio.BufferedProtocol):
     @property
     def closed(self) -> bool:
         """Whether the connection has ended or is ending."""
-        return self._lost is not None or self.transport is None or (
-            self.transport.is_closing()
+        return (
+            self._lost is not None
+            or self.transport is None
+            or (self.transport.is_closing())
         )
 
     def send(self, parts: list[bytes | memoryview]) -> None:
@@ -155,6 +165,11 @@ class FrameProtocol(asyncio.BufferedProtocol):
         await self._writable.wait()
         if self._lost is not None:
             raise self._lost
+
+    @property
+    def paused(self) -> bool:
+        """Whether the transport asked to stop writing (its buffer is full)."""
+        return not self._writable.is_set()
 
     @property
     def write_buffer_size(self) -> int:
@@ -264,7 +279,7 @@ class ServerInfo(NamedTuple):
       policy: the synchronisation policy's name.
       version: the parameter version at the time.
       stage: the policy's stage index (0 for single-stage policies).
-      spec: the model: a pytree of ``(shape, dtype)`` pairs (numpy dtypes).
+      spec: the model: a pytree of ``jax.ShapeDtypeStruct``.
       layout: the model's wire layout (structure and leaf specs).
       limits: the server's frame limits, as a dict.
     """
@@ -291,7 +306,8 @@ def _server_info(meta: Mapping[str, Any]) -> ServerInfo:
             {"tree": spec_meta["tree"], "leaves": leaves, "codec": None}
         )
         spec = wire.unflatten_tree(
-            layout.structure, [(leaf.shape, leaf.dtype) for leaf in layout.leaves]
+            layout.structure,
+            [jax.ShapeDtypeStruct(leaf.shape, leaf.dtype) for leaf in layout.leaves],
         )
         return ServerInfo(
             policy=str(meta["policy"]),
@@ -377,7 +393,8 @@ class Subscription:
         timeout = self._client._timeout if timeout is _UNSET else timeout
         async with asyncio.timeout(timeout):
             while True:
-                self._client._raise_pending_error(keep_unsolicited=True)
+                if self._client._error is not None:
+                    raise self._client._error
                 if self._closed:
                     raise ConnectionClosed("subscription closed")
                 if self._slot.version > self._seen:
@@ -607,7 +624,7 @@ class Client:
                 self._secret, "server", server_nonce, client_nonce, self._worker_id
             )
             got = ok.metadata.get("proof")
-            if not isinstance(got, bytes) or not _compare(got, want):
+            if not isinstance(got, bytes) or not hmac.compare_digest(got, want):
                 raise AuthError("server failed to prove it knows the secret")
         return _server_info(ok.metadata.get("info", {}))
 
@@ -801,7 +818,7 @@ class Client:
         if encoded is not None:
             if codec is None:
                 raise ValueError("encoded= needs the codec it was encoded with")
-            like = update if update is not None else self.info.spec_like()
+            like = update if update is not None else self.info.spec
             meta, buffers, _ = wire.encoded_tree_to_wire(
                 encoded, like, codec, limits=self._limits
             )
@@ -809,8 +826,6 @@ class Client:
             raise ValueError("push needs an update (or encoded= and codec=)")
         elif codec is not None:
             from hpsjax.transforms import _quantize as q
-
-            import jax
 
             if self._key is None:
                 seed = self._seed if self._seed is not None else hash(self._worker_id)
@@ -830,9 +845,7 @@ class Client:
 
     def _params_of(self, frame: Frame) -> tuple[Any, int]:
         version = frame.metadata.get("version")
-        if not isinstance(version, int) or not isinstance(
-            frame.payload, wire.WireTree
-        ):
+        if not isinstance(version, int) or not isinstance(frame.payload, wire.WireTree):
             raise ProtocolError("malformed PARAMS frame")
         if frame.payload.layout.codec is not None:
             raise ProtocolError("compressed PARAMS are not supported")
@@ -847,11 +860,9 @@ class Client:
         if result.force_pull:
             self._hints["force_pull"] = result.reason or "requested by the server"
 
-    def _raise_pending_error(self, *, keep_unsolicited: bool = False) -> None:
+    def _raise_pending_error(self) -> None:
         if self._unsolicited_error is not None:
-            error = self._unsolicited_error
-            if not keep_unsolicited:
-                self._unsolicited_error = None
+            error, self._unsolicited_error = self._unsolicited_error, None
             raise error
         if self._error is not None:
             raise self._error
@@ -927,14 +938,9 @@ class Client:
             if meta.get("force_pull"):
                 self._hints["force_pull"] = meta.get("reason") or "requested"
         elif frame.msg_type == MsgType.ERROR:
-            error = _error_of(frame)
-            self._unsolicited_error = error
-            for future in self._pending.values():
-                if not future.done():
-                    future.set_exception(error)
-            self._pending.clear()
-            if self._latest is not None:
-                self._latest.changed.set()
+            # Requests in flight get their own replies; this notice (e.g. the
+            # worker was dropped) is raised by the next call.
+            self._unsolicited_error = _error_of(frame)
         elif frame.msg_type == MsgType.BYE:
             self._error = ConnectionClosed(
                 f"server said goodbye: {frame.metadata.get('reason', '')}"[:200]
@@ -953,9 +959,3 @@ class Client:
         self._pending.clear()
         if self._latest is not None:
             self._latest.changed.set()
-
-
-def _compare(a: bytes, b: bytes) -> bool:
-    import hmac
-
-    return hmac.compare_digest(a, b)

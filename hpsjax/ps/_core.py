@@ -80,6 +80,11 @@ virtual clock)::
         elif event.kind == "closed":
             carry_out(core.leave(event.worker, now))
 
+Workers block only in a pull (or join): a push is always answered at once, and a
+policy that makes a worker wait does so by holding its next pull. A worker that
+pushes again without pulling (local steps, or pulls decoupled from pushes) is
+never held, but its clock advances and it is judged by its staleness.
+
 ``SendParams`` carries the version only: the driver sends ``core.params`` as they
 are when it carries the action out, which is the version named, because actions
 are carried out before the next event is fed in.
@@ -97,7 +102,7 @@ from __future__ import annotations
 import dataclasses
 import heapq
 import math
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Hashable, Mapping
 from typing import Any, Literal
 
 import jax
@@ -112,6 +117,7 @@ from hpsjax.ps._errors import (
     UnexpectedMessage,
     WorkerDropped,
 )
+from hpsjax.ps._policies import Verdict, get_policy
 
 __all__ = [
     "Action",
@@ -177,9 +183,10 @@ class Wait:
 
     Attributes:
       worker_id: the worker.
-      until: the current deadline by which the workers it waits for must make
-        progress (they are dropped otherwise); it moves later as they do. ``None``
-        when no deadline applies.
+      until: the earliest deadline now pending (``core.next_deadline()``): when
+        a worker that has not made progress by then is dropped and the wait is
+        examined again; it moves later as workers make progress. ``None`` when no
+        deadline applies.
       reason: what it waits for.
     """
 
@@ -297,6 +304,142 @@ class WorkerInfo:
     dropped_reason: str | None
 
 
+class _Worker:
+    """Mutable bookkeeping of one worker (the public view is :class:`WorkerInfo`)."""
+
+    __slots__ = (
+        "applied",
+        "clock",
+        "deadline",
+        "dropped_reason",
+        "dropped_updates",
+        "interval",
+        "joins",
+        "last_loss",
+        "last_start",
+        "live",
+        "overhead",
+        "pulled_version",
+        "pushed_version",
+        "pushes",
+        "refs",
+        "step_time",
+        "time_per_step",
+        "worker_id",
+    )
+
+    def __init__(self, worker_id: WorkerId):
+        self.worker_id = worker_id
+        self.live = False
+        self.clock = 0
+        self.pulled_version = 0
+        self.pushed_version: int | None = None
+        self.pushes = 0
+        self.applied = 0
+        self.dropped_updates = 0
+        self.interval: float | None = None
+        self.step_time: float | None = None
+        self.time_per_step: float | None = None
+        self.overhead: float | None = None
+        self.last_start = 0.0
+        self.deadline: float | None = None
+        self.last_loss: float | None = None
+        self.joins = 0
+        self.dropped_reason: str | None = None
+        # Versions sent to this worker that it may still push against (sorted).
+        self.refs: list[int] = []
+
+
+# Fields of a worker record that a checkpoint keeps; times are the driver's clock
+# and do not survive a restart, so they are left out.
+_SAVED_FIELDS = (
+    "clock",
+    "pulled_version",
+    "pushed_version",
+    "pushes",
+    "applied",
+    "dropped_updates",
+    "interval",
+    "step_time",
+    "time_per_step",
+    "overhead",
+    "last_loss",
+    "joins",
+    "dropped_reason",
+)
+_STATE_FORMAT = 1
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int | np.integer) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float | np.integer | np.floating) and not (
+        isinstance(value, bool)
+    )
+
+
+def _check_worker_id(worker_id: Any) -> None:
+    if isinstance(worker_id, bool) or not isinstance(worker_id, str | int):
+        raise ValueError(
+            f"A worker id must be a str or an int, got {type(worker_id).__name__}."
+        )
+
+
+def _ewma(old: float | None, sample: float, alpha: float) -> float:
+    return sample if old is None else alpha * sample + (1.0 - alpha) * old
+
+
+def _dtype_compatible(update: np.dtype, param: np.dtype) -> bool:
+    """Whether an update leaf of dtype ``update`` may be cast to ``param``."""
+    if update == param:
+        return True
+    if jnp.issubdtype(param, jnp.floating):
+        return jnp.issubdtype(update, jnp.floating) or jnp.issubdtype(
+            update, jnp.integer
+        )
+    if jnp.issubdtype(param, jnp.complexfloating):
+        return jnp.issubdtype(update, jnp.number)
+    if jnp.issubdtype(param, jnp.integer):
+        return jnp.issubdtype(update, jnp.integer)
+    return False
+
+
+def _make_steps(optimizer: optax.GradientTransformation):
+    """Jitted apply, accumulate and check steps for one optimizer.
+
+    Each is traced once per tree structure and dtypes, so no event recompiles.
+    """
+    opt = optax.with_extra_args_support(optimizer)
+
+    def apply(params, opt_state, update, scale, staleness, stale_params):
+        update = jax.tree.map(lambda u: (u * scale).astype(u.dtype), update)
+        extra = {"staleness": staleness}
+        if stale_params is not None:
+            extra["stale_params"] = stale_params
+        deltas, opt_state = opt.update(update, opt_state, params, **extra)
+        return optax.apply_updates(params, deltas), opt_state
+
+    def scale(update, weight):
+        return jax.tree.map(lambda u: (u * weight).astype(u.dtype), update)
+
+    def accumulate(total, update, weight):
+        return jax.tree.map(
+            lambda t, u: t + (u * weight).astype(t.dtype), total, update
+        )
+
+    def all_finite(leaves):
+        checks = [
+            jnp.all(jnp.isfinite(x))
+            for x in leaves
+            if jnp.issubdtype(x.dtype, jnp.inexact)
+        ]
+        return jnp.all(jnp.stack(checks)) if checks else jnp.array(True)
+
+    return jax.jit(apply), jax.jit(scale), jax.jit(accumulate), jax.jit(all_finite)
+
+
 class ServerCore:
     r"""The parameter server's state machine: model, versions, workers, policy.
 
@@ -304,28 +447,44 @@ class ServerCore:
       params: the initial parameters, a pytree of arrays (version 0).
       optimizer: any optax ``GradientTransformation`` (extra args supported); it
         is called as ``optimizer.update(u, opt_state, params, staleness=tau)``
-        (plus ``stale_params=w_v`` with ``keep_stale_params``).
-      policy: a policy name (see :func:`hpsjax.ps.get_policy`) or a
-        :class:`~hpsjax.ps.Policy` object (one core per policy object).
-      policy_kwargs: keyword arguments for the policy when it is given by name.
+        (plus ``stale_params=w_v`` with ``keep_stale_params``), jitted once.
+      policy: a policy name (see :func:`hpsjax.ps.get_policy`), a policy class,
+        or a :class:`~hpsjax.ps.Policy` object (one core per policy object).
+      policy_kwargs: keyword arguments for the policy given by name or class.
       expected_workers: hold every pull until this many workers are live, or
         until ``start_timeout`` after the first join; ``None`` starts at once.
+        A core restored by :meth:`load_state_dict` holds again.
       start_timeout: seconds after the first join after which a start held for
         ``expected_workers`` begins with whoever joined.
       deadline_factor: :math:`k` in the deadline rule below, > 0.
-      min_timeout: lower bound of a deadline's timeout (s), > 0.
-      max_timeout: upper bound (s), or ``None``.
-      initial_timeout: timeout (s) for a worker with no measured step yet (its
+      min_timeout: :math:`T_{\min}` (s), > 0.
+      max_timeout: :math:`T_{\max}` (s), or ``None``.
+      initial_timeout: timeout (s) of a worker with no measured step yet (its
         first step may include compilation).
       ewma_alpha: weight of a new sample in every moving average, in (0, 1].
       straggler_factor: a live worker whose ``interval`` exceeds this many times
-        the median of the live workers' is reported in :attr:`stragglers`.
+        the median of the live workers' is listed in :attr:`stragglers`.
       keep_stale_params: keep the parameters of every version a live worker may
-        still push against, and pass them as ``stale_params``.
+        still push against, and pass them to the optimizer as ``stale_params``.
+        A worker may push against any version sent to it since its last push;
+        versions no live worker can push against are freed.
       max_stale_copies: bound on the number of kept copies (oldest evicted first;
         a push on an evicted version is dropped and its worker force-pulled), or
-        ``None`` for only the bound by live references.
+        ``None`` for no bound beyond the live references.
       check_finite: reject updates holding NaN or infinity.
+
+    Aggregation. Updates accepted by the policy are buffered with a weight
+    :math:`n_j d_j`, :math:`n_j` the ``num_samples`` of the push (1 when not
+    given) and :math:`d_j` the policy's damping factor; when the policy says
+    :meth:`~hpsjax.ps.Policy.ready`, their weighted average
+
+    .. math::
+
+       \bar u = \frac{\sum_j n_j d_j u_j}{\sum_j n_j}
+
+    is given to the optimizer with the largest staleness of the buffered updates
+    (and the parameters of the oldest version they were computed on), and the
+    version increases by one. A damped update thus moves the average less.
 
     Deadlines. While any pull is blocked, every live worker that is not blocked
     itself must make progress (a push, or getting parameters) within
@@ -335,14 +494,25 @@ class ServerCore:
        T = \operatorname{clip}\big(k \cdot \max_{j\ \text{live}} \bar t_j,\
            T_{\min},\ T_{\max}\big)
 
-    of its last progress, :math:`\bar t_j` the EWMA of worker :math:`j`'s measured
-    ``interval`` (``initial_timeout`` for a worker with no measurement yet). A worker
-    that misses its deadline is dropped (:class:`Drop`), the barriers proceed
-    without it, and it may join again. Deadlines are adaptive: they follow the
+    of its last progress, :math:`\bar t_j` the EWMA of worker :math:`j`'s
+    measured ``interval`` (``initial_timeout`` for a worker with no measurement
+    yet). A worker that misses its deadline is dropped (:class:`Drop`), the
+    barriers proceed without it, and it may join again. Deadlines thus follow the
     measured step times of the slowest live worker.
 
     Raises:
       ValueError: for bad arguments or an unknown policy name.
+
+    Examples:
+      >>> import jax.numpy as jnp, optax
+      >>> from hpsjax.ps._core import ServerCore
+      >>> core = ServerCore({"w": jnp.zeros(2)}, optax.sgd(0.5), "asp")
+      >>> core.join("a", now=0.0)
+      [SendParams(worker_id='a', version=0, local_steps=None)]
+      >>> core.push("a", {"w": jnp.ones(2)}, version=0, now=1.0)[0].status
+      'applied'
+      >>> core.version, core.params["w"].tolist()
+      (1, [-0.5, -0.5])
     """
 
     def __init__(
@@ -364,112 +534,366 @@ class ServerCore:
         max_stale_copies: int | None = None,
         check_finite: bool = True,
     ):
-        raise NotImplementedError
+        if not isinstance(optimizer, optax.GradientTransformation):
+            raise ValueError(
+                "optimizer must be an optax GradientTransformation, got "
+                f"{type(optimizer).__name__}."
+            )
+        if policy_kwargs is not None and not isinstance(policy_kwargs, Mapping):
+            raise ValueError("policy_kwargs must be a mapping or None.")
+        if expected_workers is not None and (
+            not _is_int(expected_workers) or expected_workers < 1
+        ):
+            raise ValueError(
+                f"expected_workers must be an int >= 1 or None, got "
+                f"{expected_workers!r}."
+            )
+        for name, value in (
+            ("start_timeout", start_timeout),
+            ("deadline_factor", deadline_factor),
+            ("min_timeout", min_timeout),
+            ("initial_timeout", initial_timeout),
+            ("straggler_factor", straggler_factor),
+        ):
+            if not _is_number(value) or not math.isfinite(value) or value <= 0:
+                raise ValueError(f"{name} must be a finite number > 0, got {value!r}.")
+        if max_timeout is not None and (
+            not _is_number(max_timeout)
+            or not math.isfinite(max_timeout)
+            or max_timeout < min_timeout
+        ):
+            raise ValueError(
+                f"max_timeout must be None or a number >= min_timeout "
+                f"({min_timeout}), got {max_timeout!r}."
+            )
+        if not _is_number(ewma_alpha) or not 0 < ewma_alpha <= 1:
+            raise ValueError(f"ewma_alpha must lie in (0, 1], got {ewma_alpha!r}.")
+        if max_stale_copies is not None and (
+            not _is_int(max_stale_copies) or max_stale_copies < 1
+        ):
+            raise ValueError(
+                f"max_stale_copies must be an int >= 1 or None, got "
+                f"{max_stale_copies!r}."
+            )
+        leaves, treedef = jax.tree.flatten(params)
+        if not leaves:
+            raise ValueError("params must hold at least one array.")
+        leaves = [jnp.asarray(x) for x in leaves]
+        for i, leaf in enumerate(leaves):
+            if not jnp.issubdtype(leaf.dtype, jnp.number):
+                raise ValueError(
+                    f"params leaf {i} has dtype {leaf.dtype}; only numbers train."
+                )
+        self._policy = get_policy(policy, **dict(policy_kwargs or {}))
+        self._treedef = treedef
+        self._shapes = tuple(x.shape for x in leaves)
+        self._dtypes = tuple(x.dtype for x in leaves)
+        self._params = jax.tree.unflatten(treedef, leaves)
+        self._opt_state = optimizer.init(self._params)
+        self._apply_fn, self._scale_fn, self._accumulate_fn, self._finite_fn = (
+            _make_steps(optimizer)
+        )
+        self._version = 0
+
+        self._expected_workers = expected_workers
+        self._start_timeout = float(start_timeout)
+        self._deadline_factor = float(deadline_factor)
+        self._min_timeout = float(min_timeout)
+        self._max_timeout = None if max_timeout is None else float(max_timeout)
+        self._initial_timeout = float(initial_timeout)
+        self._alpha = float(ewma_alpha)
+        self._straggler_factor = float(straggler_factor)
+        self._keep_stale = bool(keep_stale_params)
+        self._max_stale_copies = max_stale_copies
+        self._check_finite = bool(check_finite)
+
+        self._now = -math.inf
+        self._epoch = 0
+        self._workers: dict[WorkerId, _Worker] = {}
+        self._live: set[WorkerId] = set()
+        self._live_view: frozenset = frozenset()
+        self._waiting: dict[WorkerId, float] = {}
+        self._max_clock = 0
+        self._min_clock_cache: int | None = None
+        self._min_clock_valid = False
+        self._max_interval_cache: float | None = None
+        self._max_interval_valid = False
+        self._heap: list[tuple[float, int, WorkerId]] = []
+        self._heap_seq = 0
+        self._started = expected_workers is None
+        self._start_deadline: float | None = None
+        self._copies: dict[int, Any] = {}
+        self._refcount: dict[int, int] = {}
+        self._reset_buffer()
 
     # Read-only state.
 
     @property
     def params(self) -> Any:
         """The current parameters (pytree of jax arrays) at :attr:`version`."""
-        raise NotImplementedError
+        return self._params
 
     @property
     def opt_state(self) -> Any:
         """The optimizer state."""
-        raise NotImplementedError
+        return self._opt_state
 
     @property
     def version(self) -> int:
-        """Number of applied updates (aggregates) since version 0."""
-        raise NotImplementedError
+        """Number of versions applied since version 0."""
+        return self._version
 
     @property
     def policy(self) -> Any:
         """The policy object."""
-        raise NotImplementedError
+        return self._policy
 
     @property
     def live(self) -> frozenset:
         """Ids of the live workers."""
-        raise NotImplementedError
+        return self._live_view
 
     @property
     def waiting(self) -> tuple:
         """Ids of the workers whose pull is blocked, in the order they blocked."""
-        raise NotImplementedError
+        return tuple(self._waiting)
 
     @property
     def started(self) -> bool:
-        """Whether the start (``expected_workers``) is over."""
-        raise NotImplementedError
+        """Whether the start (held for ``expected_workers``) is over."""
+        return self._started
 
     @property
     def buffered(self) -> int:
         """Number of updates buffered and not yet applied."""
-        raise NotImplementedError
+        return len(self._buffer_contributors)
 
     @property
     def buffer_contributors(self) -> frozenset:
         """Ids of the workers with an update in the buffer."""
-        raise NotImplementedError
+        if self._buffer_contributor_view is None:
+            self._buffer_contributor_view = frozenset(self._buffer_contributors)
+        return self._buffer_contributor_view
 
     @property
     def min_clock(self) -> int | None:
         """The smallest clock among live workers, or ``None`` with none live."""
-        raise NotImplementedError
+        if not self._min_clock_valid:
+            workers = self._workers
+            self._min_clock_cache = min(
+                (workers[w].clock for w in self._live), default=None
+            )
+            self._min_clock_valid = True
+        return self._min_clock_cache
 
     @property
     def stragglers(self) -> tuple:
-        """Live workers slower than ``straggler_factor`` times the median."""
-        raise NotImplementedError
+        """Live workers whose ``interval`` exceeds ``straggler_factor`` x median."""
+        timed = [
+            (w, self._workers[w].interval)
+            for w in self._live
+            if self._workers[w].interval is not None
+        ]
+        if len(timed) < 2:
+            return ()
+        median = float(np.median([t for _, t in timed]))
+        return tuple(
+            sorted(
+                (w for w, t in timed if t > self._straggler_factor * median), key=str
+            )
+        )
 
     @property
     def stale_versions(self) -> tuple[int, ...]:
         """Versions whose parameters are kept for ``stale_params``."""
-        raise NotImplementedError
+        return tuple(sorted(self._copies))
 
     @property
     def epoch(self) -> int:
         """Counts the events handled; policies may key caches on it."""
-        raise NotImplementedError
+        return self._epoch
+
+    def _record(self, worker_id: WorkerId) -> _Worker:
+        try:
+            return self._workers[worker_id]
+        except (KeyError, TypeError):
+            raise UnexpectedMessage(
+                f"worker {worker_id!r} has not joined; join first"
+            ) from None
+
+    def _live_record(self, worker_id: WorkerId) -> _Worker:
+        rec = self._record(worker_id)
+        if not rec.live:
+            how = rec.dropped_reason or "left"
+            raise WorkerDropped(f"worker {worker_id!r} is not live ({how}); join again")
+        return rec
 
     def clock(self, worker_id: WorkerId) -> int:
-        """A worker's clock (iterations done)."""
-        raise NotImplementedError
+        """A worker's clock (iterations done); raises for an unknown worker."""
+        return self._record(worker_id).clock
 
     def pulled_version(self, worker_id: WorkerId) -> int:
-        """The version last sent to a worker."""
-        raise NotImplementedError
+        """The version last sent to a worker; raises for an unknown worker."""
+        return self._record(worker_id).pulled_version
 
     def is_waiting(self, worker_id: WorkerId) -> bool:
         """Whether a worker's pull is blocked."""
-        raise NotImplementedError
+        return worker_id in self._waiting
 
     def worker(self, worker_id: WorkerId) -> WorkerInfo:
-        """A snapshot of a (live or past) worker's bookkeeping."""
-        raise NotImplementedError
+        """A snapshot of a (live or past) worker's bookkeeping.
+
+        Raises:
+          UnexpectedMessage: for a worker that never joined.
+        """
+        rec = self._record(worker_id)
+        return WorkerInfo(
+            worker_id=rec.worker_id,
+            live=rec.live,
+            waiting=rec.worker_id in self._waiting,
+            clock=rec.clock,
+            pulled_version=rec.pulled_version,
+            pushed_version=rec.pushed_version,
+            pushes=rec.pushes,
+            applied=rec.applied,
+            dropped_updates=rec.dropped_updates,
+            interval=rec.interval,
+            step_time=rec.step_time,
+            time_per_step=rec.time_per_step,
+            overhead=rec.overhead,
+            deadline=rec.deadline if rec.live else None,
+            last_loss=rec.last_loss,
+            joins=rec.joins,
+            dropped_reason=rec.dropped_reason,
+        )
 
     def workers(self) -> dict:
         """Snapshots of every worker ever seen, by id."""
-        raise NotImplementedError
+        return {w: self.worker(w) for w in self._workers}
 
     def stale_params(self, version: int) -> Any:
-        """The kept parameters of ``version``."""
-        raise NotImplementedError
+        """The parameters of ``version`` (kept copy, or the current ones).
+
+        Raises:
+          KeyError: if that version is not kept.
+        """
+        if version == self._version:
+            return self._params
+        return self._copies[version]
 
     # Events.
 
+    def _check_now(self, now: Any) -> float:
+        if not _is_number(now) or not math.isfinite(now):
+            raise ValueError(f"now must be a finite number of seconds, got {now!r}.")
+        now = float(now)
+        if now < self._now:
+            raise ValueError(
+                f"Time went backwards: now={now} after an event at {self._now}."
+            )
+        return now
+
+    def _begin(self, now: float) -> None:
+        self._now = now
+        self._epoch += 1
+
     def join(self, worker_id: WorkerId, now: float) -> list[Action]:
-        """A worker joins (or rejoins); answered like a pull."""
-        raise NotImplementedError
+        """A worker joins, or joins again; it is answered like a pull.
+
+        A worker joins at the smallest clock among the live workers, so it never
+        holds the others back more than the slowest already does; a worker that
+        joins while live starts afresh (its blocked pull, if any, is cancelled;
+        its buffered update stays).
+
+        Args:
+          worker_id: a ``str`` or ``int``.
+          now: the time (s).
+
+        Returns:
+          ``[SendParams]`` or ``[Wait]`` for the worker, then any releases.
+
+        Raises:
+          ValueError: for a bad id or time.
+        """
+        now = self._check_now(now)
+        _check_worker_id(worker_id)
+        self._begin(now)
+        rec = self._workers.get(worker_id)
+        if rec is None:
+            rec = self._workers[worker_id] = _Worker(worker_id)
+        elif rec.live:
+            self._remove(rec, reason=None)
+        others = self.min_clock
+        rec.clock = self._max_clock if others is None else others
+        rec.live = True
+        rec.joins += 1
+        rec.dropped_reason = None
+        rec.pushed_version = None
+        rec.last_start = now
+        rec.deadline = None
+        self._live.add(worker_id)
+        self._live_changed()
+        if not self._started:
+            if self._start_deadline is None:
+                self._start_deadline = now + self._start_timeout
+            if len(self._live) >= self._expected_workers:
+                self._started = True
+        actions: list[Action] = []
+        self._pull(rec, now, actions)
+        self._settle(now, actions)
+        return actions
 
     def leave(self, worker_id: WorkerId, now: float) -> list[Action]:
-        """A worker leaves; the others' barriers proceed without it."""
-        raise NotImplementedError
+        """A worker leaves (or its connection closed).
+
+        Its buffered update stays; barriers proceed without it. Leaving a
+        worker that is no longer live does nothing.
+
+        Args:
+          worker_id: a worker that joined.
+          now: the time (s).
+
+        Returns:
+          Releases (and an apply) the departure allows.
+
+        Raises:
+          UnexpectedMessage: for a worker that never joined.
+        """
+        now = self._check_now(now)
+        rec = self._record(worker_id)
+        if not rec.live:
+            return []
+        self._begin(now)
+        self._remove(rec, reason=None)
+        actions: list[Action] = []
+        self._settle(now, actions)
+        return actions
 
     def pull(self, worker_id: WorkerId, now: float) -> list[Action]:
-        """A worker asks for parameters."""
-        raise NotImplementedError
+        """A worker asks for parameters.
+
+        Args:
+          worker_id: a live worker.
+          now: the time (s).
+
+        Returns:
+          ``[SendParams]`` if the policy admits it now, else ``[Wait]`` (and a
+          later event returns ``Release`` and ``SendParams`` for it); then any
+          releases of others the pull allows (a worker that refreshes its
+          parameters may unblock workers waiting on its staleness). A pull from
+          a worker already waiting is examined again like a new one.
+
+        Raises:
+          UnexpectedMessage: for a worker that never joined.
+          WorkerDropped: for a worker that left or was dropped.
+        """
+        now = self._check_now(now)
+        rec = self._live_record(worker_id)
+        self._begin(now)
+        actions: list[Action] = []
+        self._pull(rec, now, actions)
+        self._release(now, actions)
+        return actions
 
     def push(
         self,
@@ -483,29 +907,584 @@ class ServerCore:
         local_steps: int | None = None,
         loss: float | None = None,
     ) -> list[Action]:
-        """A worker pushes an update computed on parameters of ``version``."""
-        raise NotImplementedError
+        r"""A worker pushes an update computed on parameters of ``version``.
+
+        The update is gradient-like (see the module docstring). Its staleness is
+        :math:`\tau = V - v`; the policy weighs it, it is buffered, and the buffer
+        is applied when the policy says so.
+
+        Args:
+          worker_id: a live worker.
+          update: a pytree with the structure and shapes of the parameters.
+          version: the version :math:`v \le V` the update was computed on.
+          now: the time (s).
+          step_time: the compute time (s) the worker spent on this update, if it
+            measured it.
+          num_samples: samples behind the update (its weight in an average).
+          local_steps: local steps behind the update (default 1).
+          loss: the worker's training loss, for policies that search on it.
+
+        Returns:
+          ``[PushAck, ForcePull?, Applied?, Release/SendParams...]``.
+
+        Raises:
+          UnexpectedMessage: for a worker that never joined.
+          WorkerDropped: for a worker that left or was dropped.
+          InvalidUpdate: for a version out of range or a bad measurement.
+          SpecMismatch: tree structure, shape or dtype differs from the params.
+          NonFiniteUpdate: NaN or infinity in the update (``check_finite``).
+        """
+        now = self._check_now(now)
+        rec = self._live_record(worker_id)
+        if not _is_int(version) or not 0 <= version <= self._version:
+            raise InvalidUpdate(
+                f"push version must be an int in [0, {self._version}] (the server "
+                f"version), got {version!r}"
+            )
+        version = int(version)
+        if step_time is not None and (
+            not _is_number(step_time) or not math.isfinite(step_time) or step_time < 0
+        ):
+            raise InvalidUpdate(f"step_time must be a number >= 0, got {step_time!r}")
+        for name, value in (("num_samples", num_samples), ("local_steps", local_steps)):
+            if value is not None and (not _is_int(value) or value < 1):
+                raise InvalidUpdate(f"{name} must be an int >= 1, got {value!r}")
+        if loss is not None and (not _is_number(loss) or not math.isfinite(loss)):
+            raise InvalidUpdate(f"loss must be a finite number, got {loss!r}")
+        update = self._checked_update(update)
+        staleness = self._version - version
+        stale = None
+        if self._keep_stale:
+            stale = self._params if version == self._version else None
+            stale = self._copies.get(version, stale)
+        if self._keep_stale and stale is None:
+            verdict_weight, force_pull = 0.0, True
+            reason = f"no stale copy of version {version} is kept"
+        else:
+            verdict = self._policy.judge(self, worker_id, staleness)
+            if not isinstance(verdict, Verdict):
+                raise ValueError(
+                    f"Policy {self._policy.name!r}.judge returned "
+                    f"{type(verdict).__name__}, not a Verdict."
+                )
+            verdict_weight = verdict.weight
+            force_pull, reason = bool(verdict.force_pull), verdict.reason
+            if not _is_number(verdict_weight) or not (
+                math.isfinite(verdict_weight) and verdict_weight >= 0
+            ):
+                raise ValueError(
+                    f"Policy {self._policy.name!r} returned weight "
+                    f"{verdict_weight!r}; weights are finite and >= 0."
+                )
+        self._begin(now)
+
+        interval = now - rec.last_start
+        rec.interval = _ewma(rec.interval, interval, self._alpha)
+        compute = interval if step_time is None else float(step_time)
+        rec.step_time = _ewma(rec.step_time, compute, self._alpha)
+        rec.time_per_step = _ewma(
+            rec.time_per_step, compute / (local_steps or 1), self._alpha
+        )
+        if step_time is not None:
+            rec.overhead = _ewma(
+                rec.overhead, max(0.0, interval - float(step_time)), self._alpha
+            )
+        self._max_interval_valid = False
+        rec.clock += 1
+        self._max_clock = max(self._max_clock, rec.clock)
+        self._min_clock_valid = False
+        rec.pushes += 1
+        rec.pushed_version = version
+        rec.last_loss = None if loss is None else float(loss)
+        rec.last_start = now
+        refs = rec.refs
+        while refs and refs[0] < version:
+            self._unref(refs.pop(0))
+        self._progress(rec, now)
+
+        if verdict_weight > 0:
+            self._buffer_add(
+                rec, update, verdict_weight, num_samples or 1, staleness, version, stale
+            )
+            status = "buffered"
+        else:
+            rec.dropped_updates += 1
+            status = "dropped"
+        self._policy.on_push(self, worker_id, now)
+        tail: list[Action] = []
+        if self._buffer_contributors and self._policy.ready(self):
+            self._apply(now, tail)
+            if status == "buffered":
+                status = "applied"
+        self._release(now, tail)
+        actions: list[Action] = [
+            PushAck(
+                worker_id=worker_id,
+                version=self._version,
+                staleness=staleness,
+                status=status,
+                weight=float(verdict_weight),
+                local_steps=self._policy.local_steps(self, worker_id),
+                reason=reason,
+            )
+        ]
+        if force_pull:
+            actions.append(ForcePull(worker_id, reason or "pull fresh parameters"))
+        actions.extend(tail)
+        return actions
 
     def tick(self, now: float) -> list[Action]:
-        """Time passed: start or drop on expired deadlines."""
-        raise NotImplementedError
+        """Time passed: ends a held start, drops workers past their deadline.
+
+        Call it at :meth:`next_deadline` (calling it earlier or more often is
+        harmless).
+
+        Args:
+          now: the time (s).
+
+        Returns:
+          ``Drop`` actions, then the applies and releases they allow.
+        """
+        now = self._check_now(now)
+        self._begin(now)
+        actions: list[Action] = []
+        if (
+            not self._started
+            and self._start_deadline is not None
+            and now >= self._start_deadline
+        ):
+            self._started = True
+        if self._waiting:
+            expired = {}
+            while self._heap and self._heap[0][0] <= now:
+                deadline, _, w = heapq.heappop(self._heap)
+                rec = self._workers[w]
+                if self._deadline_valid(rec, deadline):
+                    expired[w] = (rec, deadline)
+            for rec, deadline in expired.values():
+                reason = f"no progress by its deadline t={deadline:.6g}s"
+                self._remove(rec, reason=reason)
+                actions.append(Drop(rec.worker_id, reason))
+        self._settle(now, actions)
+        return actions
 
     def next_deadline(self) -> float | None:
-        """When :meth:`tick` should be called next, or ``None``."""
-        raise NotImplementedError
+        """When :meth:`tick` should be called next, or ``None`` for never."""
+        candidates = []
+        if not self._started and self._start_deadline is not None:
+            candidates.append(self._start_deadline)
+        if self._waiting:
+            heap = self._heap
+            while heap and not self._deadline_valid(
+                self._workers[heap[0][2]], heap[0][0]
+            ):
+                heapq.heappop(heap)
+            if heap:
+                candidates.append(heap[0][0])
+        return min(candidates, default=None)
 
     def set_stage(self, index: int, now: float) -> list[Action]:
-        """Moves a staged policy (``"hybrid"``) to stage ``index``."""
-        raise NotImplementedError
+        """Moves a staged policy (``"hybrid"``) to stage ``index``.
+
+        Blocked workers and buffered updates are examined again under the new
+        stage.
+
+        Args:
+          index: the stage index.
+          now: the time (s).
+
+        Returns:
+          The applies and releases the new stage allows.
+
+        Raises:
+          ValueError: if the policy has no stages or the index is out of range.
+        """
+        now = self._check_now(now)
+        self._policy.set_stage(self, index)
+        self._begin(now)
+        actions: list[Action] = []
+        self._settle(now, actions)
+        return actions
+
+    # Internals.
+
+    def _live_changed(self) -> None:
+        self._live_view = frozenset(self._live)
+        self._min_clock_valid = False
+        self._max_interval_valid = False
+
+    def _timeout(self, rec: _Worker) -> float:
+        if rec.interval is None:
+            return self._initial_timeout
+        if not self._max_interval_valid:
+            workers = self._workers
+            self._max_interval_cache = max(
+                (
+                    workers[w].interval
+                    for w in self._live
+                    if workers[w].interval is not None
+                ),
+                default=None,
+            )
+            self._max_interval_valid = True
+        timeout = self._deadline_factor * (self._max_interval_cache or 0.0)
+        timeout = max(timeout, self._min_timeout)
+        if self._max_timeout is not None:
+            timeout = min(timeout, self._max_timeout)
+        return timeout
+
+    def _progress(self, rec: _Worker, now: float) -> None:
+        rec.deadline = now + self._timeout(rec)
+        self._heap_seq += 1
+        heapq.heappush(self._heap, (rec.deadline, self._heap_seq, rec.worker_id))
+        if len(self._heap) > 4 * len(self._live) + 64:
+            # Entries go stale as workers progress; rebuild rather than grow.
+            heap = []
+            for w in self._live:
+                r = self._workers[w]
+                if r.deadline is not None and w not in self._waiting:
+                    self._heap_seq += 1
+                    heap.append((r.deadline, self._heap_seq, w))
+            heapq.heapify(heap)
+            self._heap = heap
+
+    def _deadline_valid(self, rec: _Worker, deadline: float) -> bool:
+        return (
+            rec.live and rec.deadline == deadline and rec.worker_id not in self._waiting
+        )
+
+    def _pull(self, rec: _Worker, now: float, actions: list[Action]) -> None:
+        worker_id = rec.worker_id
+        since = self._waiting.get(worker_id)
+        if since is None:
+            # A worker counts as waiting while the policy judges its pull, so
+            # "the workers not waiting" never includes the one asking.
+            self._waiting[worker_id] = now
+        if self._started and self._policy.admit(self, worker_id):
+            del self._waiting[worker_id]
+            if since is not None:
+                actions.append(Release(worker_id, self._version, now - since))
+            self._send(rec, now, actions)
+            return
+        actions.append(
+            Wait(worker_id, until=self.next_deadline(), reason=self._wait_reason(rec))
+        )
+
+    def _wait_reason(self, rec: _Worker) -> str:
+        if not self._started:
+            return (
+                f"start: {len(self._live)} of {self._expected_workers} expected "
+                "workers live"
+            )
+        return self._policy.wait_reason(self, rec.worker_id)
+
+    def _send(self, rec: _Worker, now: float, actions: list[Action]) -> None:
+        version = self._version
+        rec.pulled_version = version
+        rec.last_start = now
+        if self._keep_stale and (not rec.refs or rec.refs[-1] != version):
+            rec.refs.append(version)
+            self._refcount[version] = self._refcount.get(version, 0) + 1
+            if version not in self._copies:
+                self._copies[version] = self._params
+                if (
+                    self._max_stale_copies is not None
+                    and len(self._copies) > self._max_stale_copies
+                ):
+                    del self._copies[min(self._copies)]
+        self._progress(rec, now)
+        actions.append(
+            SendParams(
+                rec.worker_id, version, self._policy.local_steps(self, rec.worker_id)
+            )
+        )
+
+    def _unref(self, version: int) -> None:
+        count = self._refcount.get(version, 0) - 1
+        if count > 0:
+            self._refcount[version] = count
+        else:
+            self._refcount.pop(version, None)
+            self._copies.pop(version, None)
+
+    def _remove(self, rec: _Worker, *, reason: str | None) -> None:
+        rec.live = False
+        rec.dropped_reason = reason
+        rec.deadline = None
+        self._waiting.pop(rec.worker_id, None)
+        self._live.discard(rec.worker_id)
+        for version in rec.refs:
+            self._unref(version)
+        rec.refs = []
+        self._live_changed()
+
+    def _release(self, now: float, actions: list[Action]) -> None:
+        if not self._waiting or not self._started:
+            return
+        policy = self._policy
+        for worker_id, since in list(self._waiting.items()):
+            if policy.admit(self, worker_id):
+                del self._waiting[worker_id]
+                actions.append(Release(worker_id, self._version, now - since))
+                self._send(self._workers[worker_id], now, actions)
+
+    def _settle(self, now: float, actions: list[Action]) -> None:
+        if self._buffer_contributors and self._policy.ready(self):
+            self._apply(now, actions)
+        self._release(now, actions)
+
+    def _reset_buffer(self) -> None:
+        self._buffer = None
+        self._buffer_samples = 0
+        self._buffer_contributors: list[WorkerId] = []
+        self._buffer_contributor_view: frozenset | None = None
+        self._buffer_staleness = 0
+        self._buffer_version: int | None = None
+        self._buffer_stale = None
+
+    def _buffer_add(
+        self,
+        rec: _Worker,
+        update: Any,
+        weight: float,
+        samples: int,
+        staleness: int,
+        version: int,
+        stale: Any,
+    ) -> None:
+        w = np.float32(weight * samples)
+        if self._buffer is None:
+            self._buffer = update if w == 1 else self._scale_fn(update, w)
+        else:
+            self._buffer = self._accumulate_fn(self._buffer, update, w)
+        self._buffer_samples += samples
+        self._buffer_contributors.append(rec.worker_id)
+        self._buffer_contributor_view = None
+        self._buffer_staleness = max(self._buffer_staleness, staleness)
+        if self._buffer_version is None or version < self._buffer_version:
+            self._buffer_version = version
+            self._buffer_stale = stale
+
+    def _apply(self, now: float, actions: list[Action]) -> None:
+        scale = np.float32(1.0 / self._buffer_samples)
+        self._params, self._opt_state = self._apply_fn(
+            self._params,
+            self._opt_state,
+            self._buffer,
+            scale,
+            np.int32(self._buffer_staleness),
+            self._buffer_stale,
+        )
+        self._version += 1
+        contributors = tuple(self._buffer_contributors)
+        for worker_id in contributors:
+            self._workers[worker_id].applied += 1
+        actions.append(
+            Applied(
+                version=self._version,
+                contributors=contributors,
+                staleness=self._buffer_staleness,
+                num_updates=len(contributors),
+            )
+        )
+        self._reset_buffer()
+        self._policy.on_apply(self, now)
+
+    def _checked_update(self, update: Any) -> Any:
+        leaves, treedef = jax.tree.flatten(update)
+        if treedef != self._treedef:
+            raise SpecMismatch(
+                f"update tree structure {treedef} differs from the parameters' "
+                f"{self._treedef}"
+            )
+        cast = []
+        for i, (leaf, shape, dtype) in enumerate(
+            zip(leaves, self._shapes, self._dtypes, strict=True)
+        ):
+            leaf_shape = np.shape(leaf)
+            if leaf_shape != shape:
+                raise SpecMismatch(
+                    f"update leaf {i}: shape {leaf_shape} != parameter shape {shape}"
+                )
+            leaf_dtype = getattr(leaf, "dtype", None)
+            if leaf_dtype is None:
+                leaf = np.asarray(leaf)
+                leaf_dtype = leaf.dtype
+            if leaf_dtype != dtype:
+                if not _dtype_compatible(np.dtype(leaf_dtype), dtype):
+                    raise SpecMismatch(
+                        f"update leaf {i}: dtype {leaf_dtype} cannot update a "
+                        f"parameter of dtype {dtype}"
+                    )
+                leaf = leaf.astype(dtype)
+            cast.append(leaf)
+        if self._check_finite and not self._all_finite(cast):
+            raise NonFiniteUpdate("update holds NaN or infinite values")
+        return jax.tree.unflatten(self._treedef, cast)
+
+    def _all_finite(self, leaves: list[Any]) -> bool:
+        # Host arrays (what the wire decodes) are checked in place; a device
+        # round trip would cost more than the check. Device arrays are checked
+        # on their device in one jitted call.
+        on_device = []
+        for leaf in leaves:
+            if isinstance(leaf, jax.Array):
+                on_device.append(leaf)
+                continue
+            kind = leaf.dtype.kind
+            if kind in "iub":
+                continue
+            # Extension floats (bfloat16) are checked through float32.
+            host = leaf if kind in "fc" else np.asarray(leaf, np.float32)
+            if not np.isfinite(host).all():
+                return False
+        return not on_device or bool(self._finite_fn(on_device))
 
     # Checkpoints.
 
     def state_dict(self) -> dict:
-        """The bookkeeping as plain Python values (msgpack-able)."""
-        raise NotImplementedError
+        """The bookkeeping as plain Python values (msgpack-able).
+
+        Holds the version, every worker's clock, counters and measured times, and
+        the policy's state. Parameters and optimizer state are arrays, saved
+        separately (``core.params``, ``core.opt_state``, e.g. with tensorstore)
+        at the same moment; buffered updates not yet applied and times of the
+        driver's clock (deadlines, start) are not saved.
+
+        Returns:
+          A dict of str keys and plain values.
+        """
+        return {
+            "format": _STATE_FORMAT,
+            "policy": self._policy.name,
+            "policy_state": self._policy.state_dict(),
+            "version": self._version,
+            "max_clock": self._max_clock,
+            "workers": [
+                {"worker_id": rec.worker_id}
+                | {name: getattr(rec, name) for name in _SAVED_FIELDS}
+                for rec in self._workers.values()
+            ],
+        }
 
     def load_state_dict(
         self, state: Mapping, *, params: Any = None, opt_state: Any = None
     ) -> None:
-        """Restores bookkeeping (and optionally params and optimizer state)."""
-        raise NotImplementedError
+        """Restores :meth:`state_dict` (and optionally params and optimizer state).
+
+        Every worker comes back not live: after a restart the workers join again
+        (and a core with ``expected_workers`` holds the start again). Their clocks,
+        counters and measured times are kept. Buffered updates are discarded.
+        Everything is checked before anything changes.
+
+        Args:
+          state: a dict from :meth:`state_dict` (possibly through msgpack).
+          params: parameters to restore, with the structure, shapes and dtypes of
+            the current ones, or ``None`` to keep the current ones.
+          opt_state: optimizer state to restore, with the structure of the
+            current one, or ``None`` to keep it.
+
+        Raises:
+          ValueError: for a malformed state, another policy, or params/opt_state
+            that do not match.
+        """
+        if not isinstance(state, Mapping):
+            raise ValueError(f"state must be a mapping, got {type(state).__name__}.")
+        expected = {
+            "format",
+            "policy",
+            "policy_state",
+            "version",
+            "max_clock",
+            "workers",
+        }
+        if set(state) != expected:
+            raise ValueError(
+                f"state needs exactly the keys {sorted(expected)}, got {sorted(state)}."
+            )
+        if state["format"] != _STATE_FORMAT:
+            raise ValueError(f"Unknown state format {state['format']!r}.")
+        if state["policy"] != self._policy.name:
+            raise ValueError(
+                f"state was saved with policy {state['policy']!r}, this core runs "
+                f"{self._policy.name!r}."
+            )
+        for key in ("version", "max_clock"):
+            if not _is_int(state[key]) or state[key] < 0:
+                raise ValueError(f"state[{key!r}] must be an int >= 0.")
+        records = {}
+        for entry in state["workers"]:
+            if not isinstance(entry, Mapping) or set(entry) != {
+                "worker_id",
+                *_SAVED_FIELDS,
+            }:
+                raise ValueError(f"Malformed worker entry in state: {entry!r}.")
+            worker_id = entry["worker_id"]
+            _check_worker_id(worker_id)
+            rec = _Worker(worker_id)
+            try:
+                for name in _SAVED_FIELDS:
+                    setattr(rec, name, _restore_field(name, entry[name]))
+            except (TypeError, ValueError) as err:
+                raise ValueError(
+                    f"Malformed worker entry for {worker_id!r}: {err}"
+                ) from None
+            records[worker_id] = rec
+        new_params = None
+        if params is not None:
+            leaves, treedef = jax.tree.flatten(params)
+            if treedef != self._treedef or tuple(
+                (np.shape(x), np.dtype(getattr(x, "dtype", np.asarray(x).dtype)))
+                for x in leaves
+            ) != tuple(zip(self._shapes, self._dtypes, strict=True)):
+                raise ValueError(
+                    "params to restore differ in structure, shape or dtype from the "
+                    "core's parameters."
+                )
+            new_params = jax.tree.unflatten(treedef, [jnp.asarray(x) for x in leaves])
+        new_opt_state = None
+        if opt_state is not None:
+            if jax.tree.structure(opt_state) != jax.tree.structure(self._opt_state):
+                raise ValueError(
+                    "opt_state to restore differs in structure from the optimizer's."
+                )
+            new_opt_state = jax.tree.map(jnp.asarray, opt_state)
+        # The policy checks its state before changing anything, and nothing
+        # after it can fail, so a bad state leaves the core as it was.
+        self._policy.load_state_dict(state["policy_state"])
+        self._epoch += 1
+        self._version = int(state["version"])
+        self._max_clock = int(state["max_clock"])
+        self._workers = records
+        self._live = set()
+        self._live_changed()
+        self._waiting = {}
+        self._heap = []
+        self._started = self._expected_workers is None
+        self._start_deadline = None
+        self._copies = {}
+        self._refcount = {}
+        self._reset_buffer()
+        if new_params is not None:
+            self._params = new_params
+        if new_opt_state is not None:
+            self._opt_state = new_opt_state
+
+
+def _restore_field(name: str, value: Any) -> Any:
+    if name in ("interval", "step_time", "time_per_step", "overhead", "last_loss"):
+        if value is None:
+            return None
+        value = float(value)
+        if not math.isfinite(value):
+            raise ValueError(f"{name} must be finite")
+        return value
+    if name == "dropped_reason":
+        if value is not None and not isinstance(value, str):
+            raise ValueError("dropped_reason must be a str or None")
+        return value
+    if name == "pushed_version" and value is None:
+        return None
+    if not _is_int(value) or value < 0:
+        raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+    return int(value)

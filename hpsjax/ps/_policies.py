@@ -60,6 +60,7 @@ aware rule of Zhang et al. (2016) does.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -498,8 +499,11 @@ class SemiAsync(Policy):
 
     def wait_reason(self, core, worker_id):
         del worker_id
+        oldest = self._oldest(core)
+        if oldest is None:
+            return "semi_async: waiting"
         return (
-            f"semi_async: a computing worker is {core.version - self._oldest(core)} "
+            f"semi_async: a computing worker is {core.version - oldest} "
             f"versions behind (bound {self.max_staleness})"
         )
 
@@ -556,9 +560,9 @@ class ADSP(Policy):
 
     Examples:
       >>> from hpsjax.ps._policies import ADSP
-      >>> ADSP(check_period=30.0)
-      ADSP(check_period=30.0, commits_per_period=None, search=True, \
-search_factor=1.5, max_local_steps=1000)
+      >>> policy = ADSP(check_period=30.0, commits_per_period=6)
+      >>> policy.target, policy.check_period
+      (6, 30.0)
 
     References:
       Hu, Wang, Wu, `Distributed Machine Learning through Heterogeneous Edge
@@ -640,9 +644,7 @@ search_factor=1.5, max_local_steps=1000)
                 if self._prev_gain is not None and gain < self._prev_gain:
                     self._direction = -self._direction
                 self._prev_gain = gain
-                self._target = round(
-                    self._target * self.search_factor**self._direction
-                )
+                self._target = round(self._target * self.search_factor**self._direction)
             self._prev_loss = mean_loss
         self._target = min(max(self._target, 1), c_max)
         self._loss_sum = 0.0
@@ -844,7 +846,7 @@ class Hybrid(Policy):
             raise ValueError("Hybrid needs at least one stage.")
         converted = tuple(_as_hybrid_stage(s, i) for i, s in enumerate(stages))
         untils = [s.until_version for s in converted if s.until_version is not None]
-        if any(b <= a for a, b in zip(untils, untils[1:], strict=False)):
+        if any(b <= a for a, b in itertools.pairwise(untils)):
             raise ValueError(f"until_version must increase along stages: {untils}.")
         self.stages = converted
         self.on_stale = on_stale
@@ -901,8 +903,7 @@ class Hybrid(Policy):
         del core
         if not _is_int(index) or not 0 <= index < len(self.stages):
             raise ValueError(
-                f"Stage index must be an int in [0, {len(self.stages)}), got "
-                f"{index!r}."
+                f"Stage index must be an int in [0, {len(self.stages)}), got {index!r}."
             )
         self._stage = int(index)
 

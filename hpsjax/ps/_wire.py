@@ -514,6 +514,25 @@ def _leaf_paths(structure: Any) -> list[str]:
     return paths
 
 
+ALIGNMENT = 64
+
+
+def aligned_empty(shape: Sequence[int], dtype: np.dtype) -> np.ndarray:
+    """An uninitialised array whose data start on a 64-byte boundary.
+
+    JAX on CPU can then take the array without copying it
+    (``jax.device_put``), and vector loads need no split.
+
+    Examples:
+      >>> aligned_empty((3, 5), np.dtype(np.float32)).ctypes.data % 64
+      0
+    """
+    nbytes = math.prod(shape) * dtype.itemsize
+    raw = np.empty(nbytes + ALIGNMENT, np.uint8)
+    start = -raw.ctypes.data % ALIGNMENT
+    return raw[start : start + nbytes].view(dtype).reshape(shape)
+
+
 class LeafSpec(NamedTuple):
     """Where one leaf lies in a tree payload.
 
@@ -558,13 +577,13 @@ class TreeLayout(NamedTuple):
         out: list[Any] = []
         for leaf in self.leaves:
             if leaf.code_nbytes is None:
-                out.append(np.empty(leaf.shape, leaf.dtype))
+                out.append(aligned_empty(leaf.shape, leaf.dtype))
             else:
                 n_scales = (leaf.nbytes - leaf.code_nbytes) // 4
                 out.append(
                     (
-                        np.empty(leaf.code_nbytes, np.uint8),
-                        np.empty(n_scales, DTYPES["float32"]),
+                        aligned_empty((leaf.code_nbytes,), np.dtype(np.uint8)),
+                        aligned_empty((n_scales,), DTYPES["float32"]),
                     )
                 )
         return out
@@ -645,23 +664,38 @@ def _codec_from_dict(codec: Any):
         raise MalformedMetadata(f"bad codec {codec!r}: {e}") from None
 
 
-def compressed_sizes(shape: Sequence[int], codec_dict: dict[str, Any]) -> tuple[int, int]:
+def compressed_sizes(shape: Sequence[int], codec: Any) -> tuple[int, int]:
     """Bytes of packed codes and number of float32 scales of an encoded leaf.
+
+    Follows the layout of ``hpsjax.transforms.Encoded``: no scale for the
+    ``none`` scheme, one per leaf without ``block_size``, else one per block of
+    ``block_size`` elements (the last one possibly partial).
 
     Args:
       shape: the decoded leaf's shape.
-      codec_dict: the codec, as in the frame metadata.
+      codec: a ``Codec``, or its dict as in frame metadata.
 
     Returns:
       ``(code_nbytes, n_scales)``.
+
+    Raises:
+      MalformedMetadata: the codec dict is invalid.
     """
     q = _quantize_module()
-    codec = _codec_from_dict(codec_dict)
-    return q.encoded_sizes(tuple(shape), codec)
+    if not isinstance(codec, q.Codec):
+        codec = _codec_from_dict(codec)
+    size = math.prod(shape)
+    if codec.scheme == "none":
+        n_scales = 0
+    elif codec.block_size is None:
+        n_scales = 1
+    else:
+        n_scales = -(-size // codec.block_size)
+    return q.encoded_nbytes(tuple(shape), codec) - 4 * n_scales, n_scales
 
 
 def encoded_tree_to_wire(
-    encoded: Any,
+    encoded: Sequence[Any],
     like: Any,
     codec: Any,
     *,
@@ -674,40 +708,43 @@ def encoded_tree_to_wire(
     ``decode(encoded, codec, shape, dtype)``.
 
     Args:
-      encoded: a pytree of ``Encoded(codes, scales)`` (as produced by
-        ``encode_tree`` or kept by the ``quantize`` transform).
-      like: a pytree of the same structure giving each leaf's decoded shape and
+      encoded: the ``Encoded(codes, scales)`` of each leaf in leaf order, as
+        returned by ``encode_tree`` or ``last_encoded(opt_state)``.
+      like: a pytree giving the structure and each leaf's decoded shape and
         dtype (arrays or ``jax.ShapeDtypeStruct``).
       codec: the ``Codec`` used to encode.
       limits: bounds and allowed dtypes.
 
     Returns:
       ``(metadata, buffers, layout)`` as for :func:`tree_to_wire`.
+
+    Raises:
+      SpecMismatch: ``encoded`` does not fit ``like`` and ``codec``.
     """
     q = _quantize_module()
-    structure, enc_leaves = flatten_tree(
-        encoded, limits=limits, is_leaf=lambda x: isinstance(x, q.Encoded)
-    )
-    like_structure, like_leaves = flatten_tree(
+    structure, like_leaves = flatten_tree(
         like, limits=limits, is_leaf=lambda x: hasattr(x, "shape")
     )
-    if structure != like_structure:
-        raise SpecMismatch("encoded tree and reference tree differ in structure")
+    encoded = list(encoded)
+    if len(encoded) != len(like_leaves):
+        raise SpecMismatch(
+            f"{len(encoded)} encoded leaves for a tree of {len(like_leaves)}"
+        )
     codec_dict = codec.to_dict()
     leaves = []
     arrays = []
     offset = 0
-    for enc, ref in zip(enc_leaves, like_leaves, strict=True):
+    for enc, ref in zip(encoded, like_leaves, strict=True):
         if not isinstance(enc, q.Encoded):
-            raise SpecMismatch("every leaf of an encoded tree must be an Encoded")
+            raise SpecMismatch("every encoded leaf must be an Encoded")
         codes = _as_leaf(enc.codes).reshape(-1)
         scales = _as_leaf(enc.scales).reshape(-1)
         if codes.dtype != np.uint8 or scales.dtype != np.float32:
             raise SpecMismatch("Encoded needs uint8 codes and float32 scales")
-        dtype = np.dtype(ref.dtype)
+        dtype = np.dtype(getattr(ref, "dtype", None) or np.asarray(ref).dtype)
         _wire_dtype_name(dtype, limits)
-        shape = tuple(int(d) for d in ref.shape)
-        want_codes, want_scales = q.encoded_sizes(shape, codec)
+        shape = tuple(int(d) for d in np.shape(ref))
+        want_codes, want_scales = compressed_sizes(shape, codec)
         if codes.size != want_codes or scales.size != want_scales:
             raise SpecMismatch(
                 f"Encoded sizes ({codes.size}, {scales.size}) do not match "
@@ -1100,9 +1137,8 @@ class FrameDecoder:
 
     def _advance_dest(self, n: int) -> None:
         self._dest_pos += n
-        while (
-            self._dest_index < len(self._dest)
-            and self._dest_pos >= len(self._dest[self._dest_index])
+        while self._dest_index < len(self._dest) and self._dest_pos >= len(
+            self._dest[self._dest_index]
         ):
             self._dest_pos -= len(self._dest[self._dest_index])
             self._dest_index += 1

@@ -14,6 +14,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 __all__ = [
@@ -40,10 +41,12 @@ class LocalStepsState(NamedTuple):
 
 
 def _check_k(k: Any) -> None:
-    if isinstance(k, bool) or jnp.ndim(k) != 0:
+    is_int = isinstance(k, int | np.integer) and not isinstance(k, bool)
+    is_int_array = isinstance(k, jax.Array | np.ndarray) and jnp.issubdtype(
+        k.dtype, jnp.integer
+    )
+    if not (is_int or is_int_array) or np.ndim(k) != 0:
         raise ValueError(f"k must be an integer scalar >= 1, got {k!r}.")
-    if not jnp.issubdtype(jnp.result_type(k), jnp.integer):
-        raise ValueError(f"k must be an integer >= 1, got {k!r}.")
     if not isinstance(k, jax.core.Tracer) and int(k) < 1:
         raise ValueError(f"k must be >= 1, got {int(k)}.")
 

@@ -14,6 +14,7 @@ each stage are static Python values, which the worker and the server read back w
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -197,10 +198,8 @@ def _check_stages(stages: Any) -> tuple[Stage, ...]:
                 "plateau_window), so the stages after it would never run."
             )
     untils = [s.until_step for s in stages if s.until_step is not None]
-    if any(b <= a for a, b in zip(untils, untils[1:], strict=False)):
-        raise ValueError(
-            f"until_step must increase from stage to stage, got {untils}."
-        )
+    if any(b <= a for a, b in itertools.pairwise(untils)):
+        raise ValueError(f"until_step must increase from stage to stage, got {untils}.")
     return stages
 
 
@@ -215,8 +214,9 @@ def hybrid_stages(
     :func:`~hpsjax.transforms._local_steps.push_due` and
     :func:`~hpsjax.transforms._local_steps.pending_update` read it as for
     :func:`~hpsjax.transforms._local_steps.local_steps`, so stage transforms should
-    not contain ``local_steps`` themselves. Updates come out of the stage transform
-    unchanged.
+    not contain ``local_steps`` themselves. The updates returned are the stage
+    transform's (the accumulation does not change them), so all stage transforms
+    must give updates of one dtype, as optax transforms do.
 
     After the update, stage :math:`c` ends when either rule it has fires:
 
@@ -226,7 +226,7 @@ def hybrid_stages(
       :math:`\beta` = ``loss_smoothing`` and :math:`n` the updates so far in the
       stage, the bias-corrected average
       :math:`\bar L = m_n / (1 - \beta^n)`, :math:`m_n = \beta m_{n-1} +
-      (1 - \beta) L_t`, *improves* when
+      (1 - \beta) L_t`, :math:`m_0 = 0`, *improves* when
       :math:`\bar L < b - \theta |b|` for the stage's best :math:`b` (any finite
       :math:`\bar L` improves on the initial :math:`b = +\infty`; NaN never
       improves) and :math:`\theta` = ``plateau_threshold``. An improvement sets
@@ -294,7 +294,11 @@ def hybrid_stages(
       Systems <https://arxiv.org/abs/1911.06949>`_ (ADSP), AAAI 2020.
     """
     stages = _check_stages(stages)
-    if isinstance(loss_smoothing, bool) or jnp.ndim(loss_smoothing) != 0:
+    if (
+        isinstance(loss_smoothing, bool)
+        or not isinstance(loss_smoothing, int | float | np.number | jax.Array)
+        or jnp.ndim(loss_smoothing) != 0
+    ):
         raise ValueError(
             f"loss_smoothing must be a scalar in [0, 1), got {loss_smoothing!r}."
         )
@@ -326,9 +330,7 @@ def hybrid_stages(
     def update_fn(updates, state, params=None, *, loss=None, **extra_args):
         if loss is not None:
             if jnp.ndim(loss) != 0:
-                raise ValueError(
-                    f"loss must be a scalar, got shape {jnp.shape(loss)}."
-                )
+                raise ValueError(f"loss must be a scalar, got shape {jnp.shape(loss)}.")
             extra_args["loss"] = loss
         elif uses_plateau:
             raise ValueError(
@@ -372,8 +374,10 @@ def hybrid_stages(
         plateau_count = state.plateau_count
         if uses_plateau:
             windows = table(
-                [_NEVER if s.plateau_window is None else s.plateau_window
-                 for s in stages],
+                [
+                    _NEVER if s.plateau_window is None else s.plateau_window
+                    for s in stages
+                ],
                 np.int32,
             )
             thresholds = table([s.plateau_threshold for s in stages], np.float32)
@@ -388,9 +392,7 @@ def hybrid_stages(
                 jnp.isfinite(smoothed),
             )
             best_loss = jnp.where(improved, smoothed, best_loss)
-            plateau_count = jnp.where(
-                improved, 0, optax.safe_increment(plateau_count)
-            )
+            plateau_count = jnp.where(improved, 0, optax.safe_increment(plateau_count))
             leave = jnp.logical_or(leave, plateau_count >= windows[stage])
 
         last = len(stages) - 1
@@ -481,14 +483,11 @@ def stage_settings(stages: Sequence[Stage], state_or_index: Any) -> StageInfo:
       StageInfo(index=1, mode='sync', local_steps=1, max_staleness=0)
     """
     stages = _check_stages(stages)
-    if _is_int(state_or_index):
-        index = state_or_index
-    elif isinstance(state_or_index, jax.Array | np.ndarray) and jnp.issubdtype(
-        state_or_index.dtype, jnp.integer
-    ):
-        index = state_or_index
-    else:
-        index = current_stage(state_or_index)
+    is_index = _is_int(state_or_index) or (
+        isinstance(state_or_index, jax.Array | np.ndarray)
+        and jnp.issubdtype(state_or_index.dtype, jnp.integer)
+    )
+    index = state_or_index if is_index else current_stage(state_or_index)
     if isinstance(index, jax.core.Tracer):
         raise ValueError(
             "stage_settings reads static settings and needs a concrete stage "
@@ -498,9 +497,7 @@ def stage_settings(stages: Sequence[Stage], state_or_index: Any) -> StageInfo:
         raise ValueError(f"A stage index must be a scalar, got {index!r}.")
     index = int(index)
     if not 0 <= index < len(stages):
-        raise ValueError(
-            f"Stage index {index} out of range for {len(stages)} stages."
-        )
+        raise ValueError(f"Stage index {index} out of range for {len(stages)} stages.")
     stage = stages[index]
     max_staleness = 0 if stage.mode == "sync" else stage.max_staleness
     return StageInfo(
@@ -509,4 +506,3 @@ def stage_settings(stages: Sequence[Stage], state_or_index: Any) -> StageInfo:
         local_steps=stage.local_steps,
         max_staleness=max_staleness,
     )
-

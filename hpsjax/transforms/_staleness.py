@@ -102,12 +102,14 @@ def _is_traced(value: Any) -> bool:
 
 
 def _check_scalar(name: str, value: Any) -> None:
-    if isinstance(value, bool) or np.ndim(value) != 0:
-        raise ValueError(f"{name} must be a real scalar, got {value!r}.")
-    dtype = jnp.result_type(value)
-    if not (
-        jnp.issubdtype(dtype, jnp.integer) or jnp.issubdtype(dtype, jnp.floating)
+    if isinstance(value, bool) or not isinstance(
+        value, int | float | np.number | np.ndarray | jax.Array
     ):
+        raise ValueError(f"{name} must be a real scalar, got {value!r}.")
+    if np.ndim(value) != 0:
+        raise ValueError(f"{name} must be a scalar, got shape {np.shape(value)}.")
+    dtype = jnp.result_type(value)
+    if not (jnp.issubdtype(dtype, jnp.integer) or jnp.issubdtype(dtype, jnp.floating)):
         raise ValueError(f"{name} must be a real scalar, got dtype {dtype}.")
 
 
@@ -142,8 +144,7 @@ def _check_policy(
             )
     elif not callable(policy):
         raise ValueError(
-            "policy must be a policy name or a callable tau -> factor, got "
-            f"{policy!r}."
+            f"policy must be a policy name or a callable tau -> factor, got {policy!r}."
         )
     _check_range("gamma", gamma, low=0.0, low_inclusive=False, high=1.0)
     _check_range("power", power, low=0.0, low_inclusive=True)
@@ -330,9 +331,7 @@ def scale_by_staleness(
         )
         dropped = factor == 0
         updates = jax.tree.map(
-            lambda u: jnp.where(dropped, jnp.zeros_like(u), u * factor).astype(
-                u.dtype
-            ),
+            lambda u: jnp.where(dropped, jnp.zeros_like(u), u * factor).astype(u.dtype),
             updates,
         )
         return updates, state

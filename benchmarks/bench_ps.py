@@ -1,0 +1,479 @@
+"""Parameter-server throughput and latency over loopback, as ratios to baselines.
+
+Every figure is compared with a baseline measured in the same run on the same
+machine, so the ratios (not the absolute numbers) are what carries over between
+machines:
+
+1. **big**: a push then a pull of a 64 MiB float32 pytree shaped like a small CNN
+   (many leaves), against sending the same bytes both ways through a plain
+   blocking socket to a thread echo server. Ratio = baseline time / PS time
+   (target >= 0.8). The PS time includes the server's optimizer step.
+2. **small**: round trips of a 1 KiB pytree (``pull`` and ``push_pull``), p50
+   and p99, against a bare asyncio echo of the same bytes (target: p50 <= 2x).
+3. **fan-in**: aggregate push throughput of 32 concurrent clients against 1.
+4. **compressed**: 8-bit pushes (``Codec("uniform", 8)``): effective float32
+   bytes per second (the update's fp32 size over the time per push) against
+   uncompressed pushes, and the bytes each push puts on the wire.
+
+The servers run in their own processes (``hpsjax-server`` from an ``.npz`` of the
+model, and an echo server), on uvloop when it is installed; the clients in this
+one. Run::
+
+  python benchmarks/bench_ps.py              # full sizes
+  python benchmarks/bench_ps.py --quick      # small sizes, a smoke test
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import math
+import os
+import pathlib
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import textwrap
+import threading
+import time
+
+import numpy as np
+
+from hpsjax.ps._client import Client
+from hpsjax.ps._wire import HEADER_SIZE
+
+SECRET = b"bench secret"
+
+
+def cnn_shapes(total_bytes: int) -> dict[str, tuple[int, ...]]:
+    """Leaf shapes of a VGG-like CNN whose float32 leaves hold ``total_bytes``.
+
+    Ten 3x3 conv layers (kernel, bias, batch-norm scale and offset each) and two
+    dense layers; the first dense layer's width absorbs the remaining size.
+    """
+    convs = [(3, 64), (64, 64), (64, 128), (128, 128), (128, 256), (256, 256),
+             (256, 256), (256, 512), (512, 512), (512, 512)]  # fmt: skip
+    shapes: dict[str, tuple[int, ...]] = {}
+    for i, (cin, cout) in enumerate(convs):
+        scale = max(1, round(math.sqrt(total_bytes / (64 * 2**20))))
+        cin, cout = (cin if i == 0 else cin // scale or 1), cout // scale or 1
+        shapes[f"conv{i}/kernel"] = (3, 3, cin, cout)
+        shapes[f"conv{i}/bias"] = (cout,)
+        shapes[f"conv{i}/bn_scale"] = (cout,)
+        shapes[f"conv{i}/bn_offset"] = (cout,)
+    flat_in = cout * 4 * 4
+    used = sum(math.prod(s) for s in shapes.values()) * 4
+    classes = 10
+    # Dense layers: flat_in x width, width, width x classes, classes.
+    width = max(1, (total_bytes // 4 - used // 4 - classes) // (flat_in + 1 + classes))
+    shapes["dense0/kernel"] = (flat_in, width)
+    shapes["dense0/bias"] = (width,)
+    shapes["dense1/kernel"] = (width, classes)
+    shapes["dense1/bias"] = (classes,)
+    return shapes
+
+
+def _nested(flat: dict[str, np.ndarray]) -> dict:
+    tree: dict = {}
+    for name, value in flat.items():
+        node = tree
+        *parents, leaf = name.split("/")
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = value
+    return tree
+
+
+def _tree(shapes, value=0.0):
+    return _nested({k: np.full(s, value, np.float32) for k, s in shapes.items()})
+
+
+def _nbytes(shapes) -> int:
+    return sum(math.prod(s) for s in shapes.values()) * 4
+
+
+# ------------------------------------------------------------------ servers
+
+
+class PsServer:
+    """``hpsjax-server`` in a subprocess, serving a model from an .npz file."""
+
+    def __init__(self, shapes, workdir: pathlib.Path, loop: str, policy="asp"):
+        init = workdir / f"init-{len(shapes)}-{_nbytes(shapes)}.npz"
+        np.savez(init, **{k: np.zeros(s, np.float32) for k, s in shapes.items()})
+        secret = workdir / "secret"
+        secret.write_bytes(SECRET)
+        self.proc = subprocess.Popen(
+            [
+                sys.executable, "-m", "hpsjax.ps._cli", "--init", str(init),
+                "--secret_file", str(secret), "--policy", policy,
+                "--optimizer", "sgd", "--learning_rate", "1e-6",
+                "--loop", loop, "--log_level", "WARNING",
+            ],
+            stdout=subprocess.PIPE,
+            text=True,
+        )  # fmt: skip
+        line = self.proc.stdout.readline()
+        if "listening on" not in line:
+            self.proc.kill()
+            raise RuntimeError(f"server failed to start: {line!r}")
+        self.port = int(line.rsplit(":", 1)[1])
+
+    def close(self):
+        self.proc.terminate()
+        self.proc.wait(60)
+
+
+_ECHO_SERVER = textwrap.dedent(
+    """
+    import asyncio, sys
+
+    class Echo(asyncio.Protocol):
+        def connection_made(self, transport):
+            self.transport = transport
+
+        def data_received(self, data):
+            self.transport.write(data)
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        server = await loop.create_server(Echo, "127.0.0.1", 0)
+        print(server.sockets[0].getsockname()[1], flush=True)
+        await asyncio.Event().wait()
+
+    if sys.argv[1] == "uvloop":
+        import uvloop
+        uvloop.run(main())
+    else:
+        asyncio.run(main())
+    """
+)
+
+
+class AsyncioEcho:
+    """A bare asyncio echo server (a Protocol writing back what it reads)."""
+
+    def __init__(self, loop: str):
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", _ECHO_SERVER, loop],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        self.port = int(self.proc.stdout.readline())
+
+    def close(self):
+        self.proc.terminate()
+        self.proc.wait(60)
+
+
+def _recv_into(sock, view):
+    while len(view):
+        n = sock.recv_into(view)
+        if not n:
+            raise ConnectionError("echo peer closed")
+        view = view[n:]
+
+
+class ThreadEcho:
+    """A blocking-socket echo server on a thread: reads n bytes, sends them back."""
+
+    def __init__(self, nbytes: int):
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.nbytes = nbytes
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self):
+        conn, _ = self.listener.accept()
+        buf = memoryview(bytearray(self.nbytes))
+        with conn:
+            while True:
+                try:
+                    _recv_into(conn, buf)
+                except ConnectionError:
+                    return
+                conn.sendall(buf)
+
+    def close(self):
+        self.listener.close()
+
+
+# ------------------------------------------------------------------ benches
+
+
+def bench_big(shapes, workdir, loop_name, repeats):
+    nbytes = _nbytes(shapes)
+    echo = ThreadEcho(nbytes)
+    payload = np.ones(nbytes, np.uint8)
+    back = memoryview(bytearray(nbytes))
+    base_times = []
+    with socket.create_connection(("127.0.0.1", echo.port)) as sock:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        for _ in range(repeats + 1):
+            t0 = time.perf_counter()
+            sock.sendall(payload)
+            _recv_into(sock, back)
+            base_times.append(time.perf_counter() - t0)
+    echo.close()
+
+    server = PsServer(shapes, workdir, loop_name)
+    update = _tree(shapes, 1e-3)
+
+    async def run():
+        async with Client(
+            "127.0.0.1", server.port, worker_id="big", secret=SECRET, timeout=120
+        ) as c:
+            _, version = await c.pull()
+            push_pull, sep = [], []
+            for _ in range(repeats + 1):
+                t0 = time.perf_counter()
+                ack = await c.push(update, version=version)
+                _, version = await c.pull()
+                t1 = time.perf_counter()
+                _, _, version = await c.push_pull(update, version=version)
+                t2 = time.perf_counter()
+                sep.append(t1 - t0)
+                push_pull.append(t2 - t1)
+                assert ack.applied
+            return sep, push_pull
+
+    try:
+        sep, push_pull = _run(run(), loop_name)
+    finally:
+        server.close()
+    # The first repeat of each includes warm-up (compilation, first touch).
+    base = statistics.median(base_times[1:])
+    ps_sep = statistics.median(sep[1:])
+    ps_pp = statistics.median(push_pull[1:])
+    return {
+        "tree_bytes": nbytes,
+        "leaves": len(shapes),
+        "baseline_echo_s": base,
+        "push_then_pull_s": ps_sep,
+        "push_pull_s": ps_pp,
+        "ratio_push_then_pull": base / ps_sep,
+        "ratio_push_pull": base / ps_pp,
+        "baseline_GBps": 2 * nbytes / base / 1e9,
+        "push_pull_GBps": 2 * nbytes / ps_pp / 1e9,
+    }
+
+
+def bench_small(workdir, loop_name, repeats):
+    shapes = {"w": (16, 16)}  # 1 KiB of float32
+    nbytes = _nbytes(shapes)
+    echo = AsyncioEcho(loop_name)
+    server = PsServer(shapes, workdir, loop_name)
+    update = _tree(shapes, 1e-3)
+    data = bytes(nbytes)
+
+    async def run():
+        reader, writer = await asyncio.open_connection("127.0.0.1", echo.port)
+        sock = writer.get_extra_info("socket")
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        echo_times = []
+        for _ in range(repeats + 50):
+            t0 = time.perf_counter()
+            writer.write(data)
+            await reader.readexactly(nbytes)
+            echo_times.append(time.perf_counter() - t0)
+        writer.close()
+        await writer.wait_closed()
+        pulls, push_pulls = [], []
+        async with Client(
+            "127.0.0.1", server.port, worker_id="small", secret=SECRET
+        ) as c:
+            _, version = await c.pull()
+            for _ in range(repeats + 50):
+                t0 = time.perf_counter()
+                _, version = await c.pull()
+                t1 = time.perf_counter()
+                _, _, version = await c.push_pull(update, version=version)
+                t2 = time.perf_counter()
+                pulls.append(t1 - t0)
+                push_pulls.append(t2 - t1)
+        return echo_times[50:], pulls[50:], push_pulls[50:]
+
+    try:
+        echo_t, pull_t, pp_t = _run(run(), loop_name)
+    finally:
+        server.close()
+        echo.close()
+
+    def pct(xs, q):
+        return float(np.percentile(np.asarray(xs), q))
+
+    out = {"tree_bytes": nbytes}
+    for name, xs in [("echo", echo_t), ("pull", pull_t), ("push_pull", pp_t)]:
+        out[f"{name}_p50_us"] = pct(xs, 50) * 1e6
+        out[f"{name}_p99_us"] = pct(xs, 99) * 1e6
+    out["pull_p50_vs_echo"] = out["pull_p50_us"] / out["echo_p50_us"]
+    out["push_pull_p50_vs_echo"] = out["push_pull_p50_us"] / out["echo_p50_us"]
+    return out
+
+
+def bench_fan_in(shapes, workdir, loop_name, seconds, clients):
+    server = PsServer(shapes, workdir, loop_name)
+    update = _tree(shapes, 1e-3)
+    nbytes = _nbytes(shapes)
+
+    async def pushes(n):
+        cs = [
+            Client("127.0.0.1", server.port, worker_id=f"c{i}", secret=SECRET,
+                   timeout=120)
+            for i in range(n)
+        ]  # fmt: skip
+        for c in cs:
+            await c.connect()
+        counts = [0] * n
+        stop = time.perf_counter() + seconds
+
+        async def one(i, c):
+            _, version = await c.pull()
+            while time.perf_counter() < stop:
+                ack = await c.push(update, version=version)
+                version = ack.version
+                counts[i] += 1
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(one(i, c) for i, c in enumerate(cs)))
+        elapsed = time.perf_counter() - t0
+        for c in cs:
+            await c.close()
+        return sum(counts) / elapsed
+
+    try:
+        _run(pushes(1), loop_name)  # warm-up: compilation
+        one = _run(pushes(1), loop_name)
+        many = _run(pushes(clients), loop_name)
+    finally:
+        server.close()
+    return {
+        "tree_bytes": nbytes,
+        "clients": clients,
+        "pushes_per_s_1": one,
+        "pushes_per_s_n": many,
+        "GBps_1": one * nbytes / 1e9,
+        "GBps_n": many * nbytes / 1e9,
+        "ratio_n_vs_1": many / one,
+    }
+
+
+def bench_compressed(shapes, workdir, loop_name, repeats):
+    from hpsjax.transforms._quantize import Codec
+
+    server = PsServer(shapes, workdir, loop_name)
+    update = _tree(shapes, 1e-3)
+    nbytes = _nbytes(shapes)
+    codec = Codec("uniform", 8)
+
+    async def run():
+        async with Client(
+            "127.0.0.1", server.port, worker_id="q", secret=SECRET, timeout=120
+        ) as c:
+            _, version = await c.pull()
+            times = {"raw": [], "q8": []}
+            wire = {}
+            for _ in range(repeats + 1):
+                for name, kwargs in [("raw", {}), ("q8", {"codec": codec})]:
+                    sent = c.bytes_sent
+                    t0 = time.perf_counter()
+                    ack = await c.push(update, version=version, **kwargs)
+                    times[name].append(time.perf_counter() - t0)
+                    wire[name] = c.bytes_sent - sent
+                    version = ack.version
+            return times, wire
+
+    try:
+        times, wire = _run(run(), loop_name)
+    finally:
+        server.close()
+    raw = statistics.median(times["raw"][1:])
+    q8 = statistics.median(times["q8"][1:])
+    return {
+        "tree_bytes": nbytes,
+        "raw_push_s": raw,
+        "q8_push_s": q8,
+        "raw_fp32_GBps": nbytes / raw / 1e9,
+        "q8_fp32_GBps": nbytes / q8 / 1e9,
+        "ratio_q8_vs_raw": raw / q8,
+        "raw_wire_bytes": wire["raw"],
+        "q8_wire_bytes": wire["q8"],
+        "q8_wire_fraction": wire["q8"] / wire["raw"],
+        "frame_overhead_bytes": wire["raw"] - nbytes,
+    }
+
+
+def _run(coro, loop_name):
+    if loop_name == "uvloop":
+        import uvloop
+
+        return uvloop.run(coro)
+    return asyncio.run(coro)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="small sizes")
+    parser.add_argument("--loop", choices=("uvloop", "asyncio"), default=None)
+    parser.add_argument("--repeats", type=int, default=None)
+    parser.add_argument("--json", help="also write the results to this file")
+    parser.add_argument(
+        "--only", default="big,small,fan_in,compressed", help="benches to run"
+    )
+    args = parser.parse_args()
+    loop_name = args.loop
+    if loop_name is None:
+        try:
+            import uvloop  # noqa: F401
+
+            loop_name = "uvloop"
+        except ImportError:
+            loop_name = "asyncio"
+    big = 4 * 2**20 if args.quick else 64 * 2**20
+    repeats = args.repeats or (3 if args.quick else 10)
+    only = set(args.only.split(","))
+    results = {"loop": loop_name, "cpus": os.cpu_count(), "header": HEADER_SIZE}
+    with tempfile.TemporaryDirectory() as d:
+        workdir = pathlib.Path(d)
+        if "big" in only:
+            results["big"] = bench_big(cnn_shapes(big), workdir, loop_name, repeats)
+            _show("big", results["big"])
+        if "small" in only:
+            results["small"] = bench_small(
+                workdir, loop_name, 200 if args.quick else 2000
+            )
+            _show("small", results["small"])
+        if "fan_in" in only:
+            results["fan_in"] = bench_fan_in(
+                cnn_shapes(2**20),
+                workdir,
+                loop_name,
+                1.0 if args.quick else 5.0,
+                32,
+            )
+            _show("fan_in", results["fan_in"])
+        if "compressed" in only:
+            results["compressed"] = bench_compressed(
+                cnn_shapes(big), workdir, loop_name, repeats
+            )
+            _show("compressed", results["compressed"])
+    if args.json:
+        pathlib.Path(args.json).write_text(json.dumps(results, indent=2))
+
+
+def _show(name, result):
+    print(f"[{name}]")
+    for k, v in result.items():
+        text = f"{v:.4g}" if isinstance(v, float) else str(v)
+        print(f"  {k:24s} {text}")
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    with contextlib.suppress(KeyboardInterrupt):
+        main()

@@ -1,0 +1,697 @@
+"""Offline data: generated digit images, a ``.npz`` loader and per-worker batches.
+
+Nothing here downloads. None of hpsjax's dependencies ships a labelled image
+dataset (scikit-learn's 8x8 ``digits`` would, but it is not a dependency), so the
+default data are **synthetic digits**: the ten digits drawn as strokes, each
+example with its own jittered stroke points, slant, scale, shift, stroke width
+and pixel noise, rendered anti-aliased at 8x8 (like the UCI digits) or 28x28
+(like MNIST). The classes overlap enough that a linear classifier plateaus well
+below 100% while a small MLP passes 90% within a few hundred SGD steps. For
+bigger benchmarks, :func:`load_npz` reads the user's own arrays.
+
+A :class:`Dataset` holds images ``x`` (float32, ``(n, height, width, channels)``
+or ``(n, features)``) and integer labels ``y``. ``split`` makes train/test sets,
+``shard`` gives each worker a disjoint part, and ``batches`` returns a
+:class:`BatchStream`: an endless, deterministic sequence of shuffled batches whose
+batch size may change from one call to the next, as a work plan requires.
+
+Examples:
+  >>> train, test = synthetic_digits(1000, seed=0).split(0.2, seed=0)
+  >>> len(train), len(test), train.input_shape, train.num_classes
+  (800, 200, (8, 8, 1), 10)
+  >>> stream = train.shard(4, 0).batches(32, seed=1)
+  >>> stream.next().x.shape, stream.next(batch_size=16).x.shape
+  ((32, 8, 8, 1), (16, 8, 8, 1))
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import zipfile
+from collections.abc import Callable, Iterator
+from typing import Any, NamedTuple
+
+import numpy as np
+
+__all__ = [
+    "DATASETS",
+    "Batch",
+    "BatchStream",
+    "Dataset",
+    "get_dataset",
+    "load_npz",
+    "synthetic_digits",
+]
+
+
+class Batch(NamedTuple):
+    """One batch; a pytree that jitted functions take as is.
+
+    Attributes:
+      x: inputs, ``(b, *input_shape)``, float32.
+      y: labels, ``(b,)``, int32.
+    """
+
+    x: np.ndarray  # shape=(b, *input_shape), float32
+    y: np.ndarray  # shape=(b,), int32
+
+
+def _check_positive_int(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int | np.integer):
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    if value <= 0:
+        raise ValueError(f"{name} must be a positive int, got {value}")
+    return int(value)
+
+
+def _check_seed(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int | np.integer):
+        raise ValueError(f"seed must be a non-negative int, got {value!r}")
+    if value < 0:
+        raise ValueError(f"seed must be a non-negative int, got {value}")
+    return int(value)
+
+
+def _readonly(a: np.ndarray) -> np.ndarray:
+    a = a.view()
+    a.flags.writeable = False
+    return a
+
+
+class Dataset:
+    """Labelled examples held in memory, immutable.
+
+    Args:
+      x: inputs with a leading example axis, at least 2-D; converted to float32
+        (``uint8`` images are scaled to ``[0, 1]``).
+      y: integer class labels, shape ``(n,)``, in ``[0, num_classes)``.
+      num_classes: number of classes; ``max(y) + 1`` when omitted.
+      name: a label for messages and reports.
+
+    Raises:
+      ValueError: empty data, lengths that differ, a non-numeric or non-finite
+        ``x``, labels that are not non-negative integers or not below
+        ``num_classes``.
+    """
+
+    def __init__(
+        self,
+        x: Any,
+        y: Any,
+        *,
+        num_classes: int | None = None,
+        name: str = "dataset",
+    ):
+        x = np.asarray(x)
+        y = np.asarray(y)
+        if x.ndim < 2:
+            raise ValueError(
+                f"{name}: x must have a leading example axis and at least one "
+                f"feature axis, got shape {x.shape}"
+            )
+        if y.ndim != 1:
+            raise ValueError(f"{name}: y must be 1-D, got shape {y.shape}")
+        if len(x) != len(y):
+            raise ValueError(
+                f"{name}: x has {len(x)} examples but y has {len(y)} labels"
+            )
+        if len(x) == 0:
+            raise ValueError(f"{name}: no examples")
+        if x.dtype == np.uint8:
+            x = x.astype(np.float32) / np.float32(255)
+        elif np.issubdtype(x.dtype, np.number) and not np.issubdtype(
+            x.dtype, np.complexfloating
+        ):
+            x = x.astype(np.float32)
+        elif x.dtype != np.bool_:
+            raise ValueError(f"{name}: x must be numeric, got dtype {x.dtype}")
+        else:
+            x = x.astype(np.float32)
+        if not np.isfinite(x).all():
+            raise ValueError(f"{name}: x holds NaN or infinite values")
+        if np.issubdtype(y.dtype, np.floating):
+            if not np.isfinite(y).all() or (y != np.round(y)).any():
+                raise ValueError(f"{name}: labels y must be integers")
+        elif not np.issubdtype(y.dtype, np.integer):
+            raise ValueError(f"{name}: labels y must be integers, got dtype {y.dtype}")
+        if y.min() < 0:
+            raise ValueError(f"{name}: labels must be non-negative, found {y.min()}")
+        top = int(y.max())
+        if num_classes is None:
+            num_classes = top + 1
+        num_classes = _check_positive_int("num_classes", num_classes)
+        if top >= num_classes:
+            raise ValueError(
+                f"{name}: label {top} is not below num_classes={num_classes}"
+            )
+        self._x = _readonly(x)
+        self._y = _readonly(y.astype(np.int32))
+        self._num_classes = num_classes
+        self._name = name
+
+    @property
+    def x(self) -> np.ndarray:
+        """Inputs, ``(n, *input_shape)`` float32, read-only."""
+        return self._x
+
+    @property
+    def y(self) -> np.ndarray:
+        """Labels, ``(n,)`` int32, read-only."""
+        return self._y
+
+    @property
+    def num_classes(self) -> int:
+        """Number of classes."""
+        return self._num_classes
+
+    @property
+    def input_shape(self) -> tuple[int, ...]:
+        """Shape of one example."""
+        return tuple(self._x.shape[1:])
+
+    @property
+    def name(self) -> str:
+        """The dataset's label."""
+        return self._name
+
+    def __len__(self) -> int:
+        return len(self._y)
+
+    def __repr__(self) -> str:
+        return (
+            f"Dataset({self._name!r}, n={len(self)}, input_shape={self.input_shape}, "
+            f"num_classes={self._num_classes})"
+        )
+
+    def _subset(self, index: np.ndarray, name: str) -> Dataset:
+        return Dataset(
+            self._x[index], self._y[index], num_classes=self._num_classes, name=name
+        )
+
+    def split(
+        self, test_fraction: float = 0.2, *, seed: int = 0
+    ) -> tuple[Dataset, Dataset]:
+        """Splits into a train and a test set after a seeded shuffle.
+
+        Args:
+          test_fraction: share of examples in the test set, in ``(0, 1)``; the
+            test set gets ``round(n * test_fraction)`` examples, at least one, and
+            the train set at least one.
+          seed: seed of the shuffle.
+
+        Returns:
+          ``(train, test)``, disjoint, together all examples.
+
+        Raises:
+          ValueError: a fraction outside ``(0, 1)``, or fewer than two examples.
+        """
+        if isinstance(test_fraction, bool) or not isinstance(
+            test_fraction, int | float
+        ):
+            raise ValueError(f"test_fraction must be a number, got {test_fraction!r}")
+        if not 0.0 < test_fraction < 1.0:
+            raise ValueError(f"test_fraction must be in (0, 1), got {test_fraction}")
+        seed = _check_seed(seed)
+        n = len(self)
+        if n < 2:
+            raise ValueError(f"{self._name}: cannot split {n} example(s)")
+        num_test = min(max(round(n * test_fraction), 1), n - 1)
+        order = np.random.default_rng(seed).permutation(n)
+        return (
+            self._subset(np.sort(order[num_test:]), f"{self._name}/train"),
+            self._subset(np.sort(order[:num_test]), f"{self._name}/test"),
+        )
+
+    def shard(self, num_shards: int, index: int) -> Dataset:
+        """The ``index``-th of ``num_shards`` disjoint shards, for one worker.
+
+        Shard ``i`` holds examples ``i, i + num_shards, i + 2 num_shards, ...``:
+        the shards are disjoint, together hold every example, differ in size by
+        at most one, and each sees every class even when the data are sorted by
+        label.
+
+        Args:
+          num_shards: number of shards (workers), at most ``len(self)``.
+          index: which shard, ``0 <= index < num_shards``.
+
+        Returns:
+          The shard as a :class:`Dataset`.
+
+        Raises:
+          ValueError: a bad count or index.
+        """
+        num_shards = _check_positive_int("num_shards", num_shards)
+        if num_shards > len(self):
+            raise ValueError(
+                f"{self._name}: cannot cut {len(self)} examples into {num_shards} "
+                "non-empty shards"
+            )
+        if isinstance(index, bool) or not isinstance(index, int | np.integer):
+            raise ValueError(f"shard index must be an int, got {index!r}")
+        if not 0 <= index < num_shards:
+            raise ValueError(f"shard index must be in [0, {num_shards}), got {index}")
+        return self._subset(
+            np.arange(int(index), len(self), num_shards),
+            f"{self._name}/shard{index}of{num_shards}",
+        )
+
+    def batches(
+        self, batch_size: int, *, seed: int, epoch: int = 0, offset: int = 0
+    ) -> BatchStream:
+        """An endless stream of shuffled batches; see :class:`BatchStream`."""
+        return BatchStream(self, batch_size, seed=seed, epoch=epoch, offset=offset)
+
+    def eval_batches(self, batch_size: int) -> Iterator[Batch]:
+        """All examples in order, in batches of ``batch_size`` (the last may be
+        smaller), for evaluation.
+
+        Raises:
+          ValueError: a non-positive batch size.
+        """
+        batch_size = _check_positive_int("batch_size", batch_size)
+
+        def generate() -> Iterator[Batch]:
+            for start in range(0, len(self), batch_size):
+                stop = start + batch_size
+                yield Batch(self._x[start:stop], self._y[start:stop])
+
+        return generate()
+
+
+class BatchStream:
+    r"""A deterministic, endless stream of shuffled batches of changing size.
+
+    The stream walks through epoch after epoch; epoch ``e`` visits every example
+    once in the order of a permutation drawn from ``(seed, e)``. A batch is the
+    next ``batch_size`` positions of that walk, so a batch may run across an
+    epoch boundary and the batch size may change at every call (a work plan
+    re-sized for a worker) without skipping or repeating an example within an
+    epoch. The stream is fully described by ``(seed, epoch, offset)``; saving
+    :meth:`position` and passing it back to :meth:`Dataset.batches` resumes it
+    exactly.
+
+    Args:
+      dataset: the examples.
+      batch_size: the default batch size of :meth:`next`.
+      seed: seed of the shuffles.
+      epoch: epoch to start in.
+      offset: position within that epoch, ``0 <= offset < len(dataset)``.
+
+    Raises:
+      ValueError: a non-positive batch size, or a negative seed, epoch or offset.
+
+    Examples:
+      >>> data = Dataset(np.arange(10.0).reshape(10, 1), np.arange(10) % 2)
+      >>> stream = data.batches(4, seed=0)
+      >>> [stream.next().y.shape[0] for _ in range(3)], stream.position()
+      ([4, 4, 4], {'seed': 0, 'epoch': 1, 'offset': 2})
+      >>> stream.batch_size = 7
+      >>> stream.next().y.shape
+      (7,)
+    """
+
+    def __init__(
+        self,
+        dataset: Dataset,
+        batch_size: int,
+        *,
+        seed: int,
+        epoch: int = 0,
+        offset: int = 0,
+    ):
+        if not isinstance(dataset, Dataset):
+            raise ValueError(f"dataset must be a Dataset, got {type(dataset).__name__}")
+        self._dataset = dataset
+        self._batch_size = _check_positive_int("batch_size", batch_size)
+        self._seed = _check_seed(seed)
+        if isinstance(epoch, bool) or not isinstance(epoch, int | np.integer):
+            raise ValueError(f"epoch must be a non-negative int, got {epoch!r}")
+        if epoch < 0:
+            raise ValueError(f"epoch must be a non-negative int, got {epoch}")
+        if isinstance(offset, bool) or not isinstance(offset, int | np.integer):
+            raise ValueError(f"offset must be an int, got {offset!r}")
+        if not 0 <= offset < len(dataset):
+            raise ValueError(f"offset must be in [0, {len(dataset)}), got {offset}")
+        self._epoch = int(epoch)
+        self._offset = int(offset)
+        self._order = self._permutation(self._epoch)
+
+    def _permutation(self, epoch: int) -> np.ndarray:
+        return np.random.default_rng([self._seed, epoch]).permutation(
+            len(self._dataset)
+        )
+
+    @property
+    def batch_size(self) -> int:
+        """The default batch size; assign to change it between rounds."""
+        return self._batch_size
+
+    @batch_size.setter
+    def batch_size(self, value: int) -> None:
+        self._batch_size = _check_positive_int("batch_size", value)
+
+    @property
+    def epoch(self) -> int:
+        """The epoch the next batch starts in."""
+        return self._epoch
+
+    def position(self) -> dict[str, int]:
+        """``{"seed", "epoch", "offset"}``: where the stream stands (msgpack-able)."""
+        return {"seed": self._seed, "epoch": self._epoch, "offset": self._offset}
+
+    def next(self, batch_size: int | None = None) -> Batch:
+        """The next batch.
+
+        Args:
+          batch_size: size of this batch only; the stream's ``batch_size`` when
+            omitted.
+
+        Returns:
+          A :class:`Batch` of exactly ``batch_size`` examples.
+        """
+        size = self._batch_size if batch_size is None else batch_size
+        size = _check_positive_int("batch_size", size)
+        n = len(self._dataset)
+        parts = []
+        while size > 0:
+            take = min(size, n - self._offset)
+            parts.append(self._order[self._offset : self._offset + take])
+            self._offset += take
+            size -= take
+            if self._offset == n:
+                self._epoch += 1
+                self._offset = 0
+                self._order = self._permutation(self._epoch)
+        index = parts[0] if len(parts) == 1 else np.concatenate(parts)
+        return Batch(self._dataset.x[index], self._dataset.y[index])
+
+    def __iter__(self) -> BatchStream:
+        return self
+
+    def __next__(self) -> Batch:
+        return self.next()
+
+
+# ---------------------------------------------------------------------------
+# Synthetic digits.
+# ---------------------------------------------------------------------------
+
+
+def _ellipse(cx: float, cy: float, rx: float, ry: float, n: int = 12) -> list:
+    angles = np.linspace(0.0, 2.0 * math.pi, n + 1)
+    return [(cx + rx * math.sin(a), cy - ry * math.cos(a)) for a in angles]
+
+
+# Each digit is a list of polylines in the unit square (x right, y down).
+_STROKES: tuple[list[list[tuple[float, float]]], ...] = (
+    [_ellipse(0.5, 0.5, 0.23, 0.34)],
+    [[(0.36, 0.3), (0.52, 0.15), (0.52, 0.85)]],
+    [
+        [
+            (0.27, 0.3),
+            (0.36, 0.18),
+            (0.52, 0.15),
+            (0.68, 0.2),
+            (0.72, 0.35),
+            (0.62, 0.5),
+            (0.28, 0.85),
+            (0.75, 0.85),
+        ]
+    ],
+    [
+        [
+            (0.28, 0.22),
+            (0.45, 0.15),
+            (0.66, 0.2),
+            (0.68, 0.36),
+            (0.46, 0.48),
+            (0.7, 0.6),
+            (0.7, 0.76),
+            (0.5, 0.86),
+            (0.28, 0.8),
+        ]
+    ],
+    [[(0.62, 0.86), (0.62, 0.15), (0.24, 0.62), (0.78, 0.62)]],
+    [
+        [
+            (0.72, 0.16),
+            (0.33, 0.16),
+            (0.3, 0.47),
+            (0.5, 0.41),
+            (0.7, 0.52),
+            (0.71, 0.72),
+            (0.52, 0.86),
+            (0.28, 0.8),
+        ]
+    ],
+    [
+        [
+            (0.68, 0.17),
+            (0.46, 0.24),
+            (0.32, 0.45),
+            (0.3, 0.7),
+            (0.46, 0.86),
+            (0.65, 0.8),
+            (0.7, 0.63),
+            (0.54, 0.5),
+            (0.31, 0.58),
+        ]
+    ],
+    [
+        [(0.26, 0.17), (0.74, 0.17), (0.56, 0.5), (0.44, 0.86)],
+        [(0.4, 0.5), (0.68, 0.5)],
+    ],
+    [_ellipse(0.5, 0.31, 0.17, 0.15), _ellipse(0.5, 0.67, 0.21, 0.19)],
+    [_ellipse(0.5, 0.34, 0.2, 0.18), [(0.7, 0.36), (0.66, 0.6), (0.58, 0.86)]],
+)
+
+
+def _digit_segments() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Vertices, segment endpoint indices and a segment mask for every digit."""
+    max_vertices = max(sum(len(p) for p in d) for d in _STROKES)
+    max_segments = max(sum(len(p) - 1 for p in d) for d in _STROKES)
+    vertices = np.zeros((10, max_vertices, 2), np.float32)
+    segments = np.zeros((10, max_segments, 2), np.int32)
+    mask = np.zeros((10, max_segments), bool)
+    for digit, polylines in enumerate(_STROKES):
+        v = s = 0
+        for line in polylines:
+            vertices[digit, v : v + len(line)] = line
+            for k in range(len(line) - 1):
+                segments[digit, s] = (v + k, v + k + 1)
+                mask[digit, s] = True
+                s += 1
+            v += len(line)
+    return vertices, segments, mask
+
+
+def _render(
+    points_a: np.ndarray,
+    points_b: np.ndarray,
+    mask: np.ndarray,
+    width: np.ndarray,
+    size: int,
+) -> np.ndarray:
+    """Anti-aliased strokes: a pixel's ink falls off linearly with its distance
+    to the nearest segment. ``points_*``: ``(n, s, 2)`` in pixels; ``mask``:
+    ``(n, s)``, which segments exist; ``width``: ``(n,)`` half-widths in pixels.
+    Returns ``(n, size, size)``."""
+    centers = np.arange(size, dtype=np.float32) + np.float32(0.5)
+    px = np.tile(centers, size)[None, :]  # x varies fastest
+    py = np.repeat(centers, size)[None, :]
+    nearest = np.full((points_a.shape[0], size * size), np.inf, np.float32)
+    # One segment at a time keeps the temporaries at (n, pixels).
+    for k in range(points_a.shape[1]):
+        ax, ay = points_a[:, k, 0:1], points_a[:, k, 1:2]
+        dx, dy = points_b[:, k, 0:1] - ax, points_b[:, k, 1:2] - ay
+        length2 = np.maximum(dx * dx + dy * dy, np.float32(1e-6))
+        t = np.clip(((px - ax) * dx + (py - ay) * dy) / length2, 0.0, 1.0)
+        ex, ey = px - ax - t * dx, py - ay - t * dy
+        dist = np.sqrt(ex * ex + ey * ey)
+        dist[~mask[:, k]] = np.inf
+        np.minimum(nearest, dist, out=nearest)
+    ink = np.clip(width[:, None] + np.float32(0.5) - nearest, 0.0, 1.0)
+    return ink.reshape(-1, size, size)
+
+
+def synthetic_digits(
+    num_examples: int = 6000,
+    *,
+    image_size: int = 8,
+    seed: int = 0,
+    noise: float = 0.1,
+    jitter: float = 0.03,
+) -> Dataset:
+    r"""Generated digit images, 10 balanced classes, reproducible from ``seed``.
+
+    Each example draws its digit's strokes with every stroke point moved by
+    :math:`\mathcal{N}(0, \sigma_j^2)` (``jitter``, in image widths), then an
+    affine map (rotation within +-15 degrees, shear within +-0.25, scale 0.8 to
+    1.1 per axis, shift within +-0.1 image widths), a stroke half-width of
+    0.045 to 0.09 image widths plus a quarter pixel, anti-aliased rendering,
+    additive Gaussian pixel noise of standard deviation ``noise`` and clipping
+    to ``[0, 1]``.
+
+    Measured with the defaults (6000 examples, 20% held out, SGD with learning
+    rate 0.1, momentum 0.9, batches of 64):
+
+    ==================  =========  ==========  ===========
+    model, 8x8          50 steps   300 steps   1000 steps
+    ==================  =========  ==========  ===========
+    linear softmax      0.72       0.86        0.86
+    MLP (64, 64)        0.76       0.93        0.95
+    SmallCNN            0.80       0.97        -
+    ==================  =========  ==========  ===========
+
+    At 28x28, after 300 steps: linear 0.88, MLP 0.96, SmallCNN 0.97.
+
+    Args:
+      num_examples: number of examples (at least 10).
+      image_size: height and width in pixels, 8 to 64 (8 and 28 are usual).
+      seed: seed of every random draw.
+      noise: standard deviation of the pixel noise, in ``[0, 1]``.
+      jitter: standard deviation of the stroke point jitter, in ``[0, 0.2]``.
+
+    Returns:
+      A :class:`Dataset` with ``x`` of shape ``(n, image_size, image_size, 1)``.
+
+    Raises:
+      ValueError: an argument out of range.
+    """
+    num_examples = _check_positive_int("num_examples", num_examples)
+    if num_examples < 10:
+        raise ValueError(f"num_examples must be at least 10, got {num_examples}")
+    image_size = _check_positive_int("image_size", image_size)
+    if not 8 <= image_size <= 64:
+        raise ValueError(f"image_size must be in [8, 64], got {image_size}")
+    seed = _check_seed(seed)
+    for name, value, high in (("noise", noise, 1.0), ("jitter", jitter, 0.2)):
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ValueError(f"{name} must be a number, got {value!r}")
+        if not 0.0 <= value <= high:
+            raise ValueError(f"{name} must be in [0, {high}], got {value}")
+
+    rng = np.random.default_rng(seed)
+    vertices, segments, seg_mask = _digit_segments()
+    labels = rng.permutation(np.arange(num_examples) % 10).astype(np.int32)
+    n = num_examples
+
+    v = vertices[labels] + rng.normal(0.0, jitter, (n, vertices.shape[1], 2))
+    angle = rng.uniform(-math.radians(15), math.radians(15), n)
+    shear = rng.uniform(-0.25, 0.25, n)
+    scale = rng.uniform(0.8, 1.1, (n, 2))
+    shift = rng.uniform(-0.1, 0.1, (n, 2))
+    cos, sin = np.cos(angle), np.sin(angle)
+    rotation = np.stack([np.stack([cos, -sin], -1), np.stack([sin, cos], -1)], -2)
+    shearing = np.zeros((n, 2, 2))
+    shearing[:, 0, 0] = shearing[:, 1, 1] = 1.0
+    shearing[:, 0, 1] = shear
+    linear = rotation @ shearing * scale[:, None, :]
+    v = np.einsum("nij,nvj->nvi", linear, v - 0.5) + 0.5 + shift[:, None, :]
+    v = (v * image_size).astype(np.float32)
+
+    seg = segments[labels]  # (n, s, 2)
+    rows = np.arange(n)[:, None]
+    points_a = v[rows, seg[..., 0]]
+    points_b = v[rows, seg[..., 1]]
+    width = (rng.uniform(0.045, 0.09, n) * image_size + 0.25).astype(np.float32)
+
+    images = np.empty((n, image_size, image_size), np.float32)
+    # Chunks keep each (examples x pixels) temporary to a few MB, in cache.
+    chunk = max(1, 2**18 // (image_size * image_size))
+    for start in range(0, n, chunk):
+        stop = start + chunk
+        images[start:stop] = _render(
+            points_a[start:stop],
+            points_b[start:stop],
+            seg_mask[labels[start:stop]],
+            width[start:stop],
+            image_size,
+        )
+    images += rng.normal(0.0, noise, images.shape).astype(np.float32)
+    np.clip(images, 0.0, 1.0, out=images)
+    return Dataset(
+        images[..., None], labels, num_classes=10, name=f"synthetic_digits{image_size}"
+    )
+
+
+# ---------------------------------------------------------------------------
+# User data.
+# ---------------------------------------------------------------------------
+
+
+def load_npz(
+    path: str | os.PathLike,
+    x_key: str = "x",
+    y_key: str = "y",
+    *,
+    num_classes: int | None = None,
+) -> Dataset:
+    """Loads a :class:`Dataset` from a ``.npz`` file of the user's arrays.
+
+    Write one with ``np.savez(path, x=images, y=labels)``: ``x`` with a leading
+    example axis (e.g. ``(n, 28, 28, 1)`` images or ``(n, d)`` features, any
+    real dtype; ``uint8`` is scaled to ``[0, 1]``, other dtypes are cast to
+    float32 unchanged), ``y`` integer labels ``(n,)``. Arrays are read without
+    pickle, so object arrays are refused.
+
+    Args:
+      path: the ``.npz`` file.
+      x_key: name of the input array in the file.
+      y_key: name of the label array in the file.
+      num_classes: number of classes; ``max(y) + 1`` when omitted.
+
+    Returns:
+      The dataset, named after the file.
+
+    Raises:
+      FileNotFoundError: no file at ``path``.
+      ValueError: not an ``.npz`` archive, a missing key (the message lists the
+        keys present), object arrays, or arrays that ``Dataset`` refuses
+        (lengths that differ, non-integer labels, ...).
+    """
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"no .npz file at {path!r}")
+    try:
+        archive = np.load(path, allow_pickle=False)
+    except (ValueError, OSError, zipfile.BadZipFile) as e:
+        raise ValueError(f"{path!r} is not a readable .npz archive: {e}") from e
+    if not isinstance(archive, np.lib.npyio.NpzFile):
+        raise ValueError(f"{path!r} holds a single array, not an .npz archive")
+    with archive:
+        keys = sorted(archive.files)
+        for key in (x_key, y_key):
+            if key not in keys:
+                raise ValueError(f"{path!r} has no array {key!r}; it holds {keys}")
+        try:
+            x, y = archive[x_key], archive[y_key]
+        except (ValueError, OSError, zipfile.BadZipFile) as e:
+            raise ValueError(f"cannot read arrays from {path!r}: {e}") from e
+    return Dataset(x, y, num_classes=num_classes, name=os.path.basename(path))
+
+
+DATASETS: dict[str, Callable[..., Dataset]] = {
+    "synthetic_digits": synthetic_digits,
+    "npz": load_npz,
+}
+
+
+def get_dataset(name: str, **kwargs: Any) -> Dataset:
+    """Builds a dataset by registry name (for configs).
+
+    Args:
+      name: a key of :data:`DATASETS`: ``"synthetic_digits"`` or ``"npz"``.
+      **kwargs: arguments of that loader (e.g. ``image_size=28`` or
+        ``path="data.npz"``).
+
+    Returns:
+      The dataset.
+
+    Raises:
+      ValueError: an unknown name (the message lists the valid ones).
+    """
+    if name not in DATASETS:
+        raise ValueError(f"unknown dataset {name!r}; valid names: {sorted(DATASETS)}")
+    return DATASETS[name](**kwargs)

@@ -1,0 +1,110 @@
+"""The parameter server: sans-I/O core, policies, wire, asyncio server and client.
+
+* :class:`ServerCore` makes every decision (versions, staleness, who waits, what is
+  applied) as a pure state machine; the asyncio :class:`Server` and the
+  virtual-clock simulator (:mod:`hpsjax.sim`) both drive it.
+* Policies (:data:`POLICIES`, :func:`get_policy`): BSP, ASP, SSP, SaPS, ADSP,
+  semi-async and hybrid; subclass :class:`Policy` to write your own.
+* :class:`Server` / :class:`Client` exchange pytrees over TCP (see PROTOCOL.md),
+  with authentication, optional TLS and compressed pushes.
+* :class:`CheckpointManager` writes tensorstore checkpoints, committed atomically.
+"""
+
+from hpsjax.ps._checkpoint import Checkpoint, CheckpointError, CheckpointManager
+from hpsjax.ps._client import Client, PushResult, ServerInfo, Subscription
+from hpsjax.ps._core import (
+    Action,
+    Applied,
+    Drop,
+    ForcePull,
+    PushAck,
+    Release,
+    SendParams,
+    ServerCore,
+    Wait,
+    WorkerInfo,
+)
+from hpsjax.ps._errors import (
+    AuthError,
+    BadMagic,
+    ConnectionClosed,
+    HpsError,
+    InvalidUpdate,
+    MalformedMetadata,
+    NonFiniteUpdate,
+    PayloadTooBig,
+    ProtocolError,
+    ServerError,
+    ShuttingDown,
+    SpecMismatch,
+    TooManyLeaves,
+    UnexpectedMessage,
+    UnsupportedDtype,
+    UnsupportedVersion,
+    WorkerDropped,
+)
+from hpsjax.ps._policies import (
+    ADSP,
+    ASP,
+    BSP,
+    POLICIES,
+    SSP,
+    Hybrid,
+    HybridStage,
+    Policy,
+    SaPS,
+    SemiAsync,
+    Verdict,
+    get_policy,
+)
+from hpsjax.ps._server import Server
+
+__all__ = [
+    "ADSP",
+    "ASP",
+    "BSP",
+    "POLICIES",
+    "SSP",
+    "Action",
+    "Applied",
+    "AuthError",
+    "BadMagic",
+    "Checkpoint",
+    "CheckpointError",
+    "CheckpointManager",
+    "Client",
+    "ConnectionClosed",
+    "Drop",
+    "ForcePull",
+    "HpsError",
+    "Hybrid",
+    "HybridStage",
+    "InvalidUpdate",
+    "MalformedMetadata",
+    "NonFiniteUpdate",
+    "PayloadTooBig",
+    "Policy",
+    "ProtocolError",
+    "PushAck",
+    "PushResult",
+    "Release",
+    "SaPS",
+    "SemiAsync",
+    "SendParams",
+    "Server",
+    "ServerCore",
+    "ServerError",
+    "ServerInfo",
+    "ShuttingDown",
+    "SpecMismatch",
+    "Subscription",
+    "TooManyLeaves",
+    "UnexpectedMessage",
+    "UnsupportedDtype",
+    "UnsupportedVersion",
+    "Verdict",
+    "Wait",
+    "WorkerDropped",
+    "WorkerInfo",
+    "get_policy",
+]

@@ -1,0 +1,279 @@
+"""``hpsjax-server``: run a parameter server from the command line.
+
+The server needs the model's initial parameters: pass them as an ``.npz`` file of
+named arrays (``numpy.savez``). A name with ``/`` in it makes nested
+dictionaries, so ``{"conv1/kernel": k, "conv1/bias": b, "dense/kernel": d}``
+serves ``{"conv1": {"kernel": k, "bias": b}, "dense": {"kernel": d}}``, the
+structure workers push and pull. Example::
+
+    python -c "import numpy as np; np.savez('init.npz', **{'w': np.zeros(10)})"
+    head -c 32 /dev/urandom | base64 > secret.txt
+    hpsjax-server --init init.npz --secret_file secret.txt --policy ssp \\
+        --policy_arg staleness_bound=2 --optimizer sgd --learning_rate 0.1 \\
+        --host 0.0.0.0 --port 5555 --checkpoint_dir ckpt --checkpoint_every_s 60
+
+It prints ``hpsjax-server listening on HOST:PORT`` once it accepts connections
+(with ``--port 0`` the port is picked by the system), and stops gracefully on
+SIGINT or SIGTERM, writing a final checkpoint. With ``--checkpoint_dir`` it
+resumes from the newest checkpoint there, so a restarted server continues where
+the last committed checkpoint left off.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import pathlib
+import signal
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import optax
+
+__all__ = ["load_npz_tree", "main", "make_optimizer", "parse_args"]
+
+OPTIMIZERS = ("sgd", "momentum", "adam")
+
+
+def load_npz_tree(path: str | pathlib.Path) -> dict[str, Any]:
+    """Loads an ``.npz`` file of named arrays as a nested dict.
+
+    Names are split on ``/`` into nested dictionaries. Object arrays are refused
+    (``allow_pickle=False``): loading never executes code.
+
+    Args:
+      path: the ``.npz`` file.
+
+    Returns:
+      The nested dict of numpy arrays.
+
+    Raises:
+      ValueError: the file holds no arrays, or two names clash (``a`` and
+        ``a/b``).
+
+    Examples:
+      >>> import tempfile, os
+      >>> with tempfile.TemporaryDirectory() as d:
+      ...     f = os.path.join(d, "p.npz")
+      ...     np.savez(f, **{"conv/w": np.ones(2), "b": np.zeros(1)})
+      ...     tree = load_npz_tree(f)
+      >>> sorted(tree), sorted(tree["conv"])
+      (['b', 'conv'], ['w'])
+    """
+    tree: dict[str, Any] = {}
+    with np.load(path, allow_pickle=False) as data:
+        names = list(data.files)
+        if not names:
+            raise ValueError(f"{path} holds no arrays")
+        for name in names:
+            parts = name.split("/")
+            if not all(parts):
+                raise ValueError(f"bad array name {name!r} in {path}")
+            node = tree
+            for part in parts[:-1]:
+                node = node.setdefault(part, {})
+                if not isinstance(node, dict):
+                    raise ValueError(f"array name {name!r} clashes with another")
+            if parts[-1] in node:
+                raise ValueError(f"array name {name!r} clashes with another")
+            node[parts[-1]] = data[name]
+    return tree
+
+
+def make_optimizer(
+    name: str, learning_rate: float, *, momentum: float = 0.9
+) -> optax.GradientTransformation:
+    """The server optimizer named on the command line.
+
+    Args:
+      name: ``"sgd"``, ``"momentum"`` (SGD with heavy-ball momentum) or
+        ``"adam"``.
+      learning_rate: the step size, > 0.
+      momentum: the momentum of ``"momentum"``, in [0, 1).
+
+    Returns:
+      An optax ``GradientTransformation``.
+
+    Raises:
+      ValueError: unknown name or bad values.
+    """
+    if not learning_rate > 0:
+        raise ValueError(f"learning rate must be > 0, got {learning_rate}")
+    if name == "sgd":
+        return optax.sgd(learning_rate)
+    if name == "momentum":
+        if not 0 <= momentum < 1:
+            raise ValueError(f"momentum must be in [0, 1), got {momentum}")
+        return optax.sgd(learning_rate, momentum=momentum)
+    if name == "adam":
+        return optax.adam(learning_rate)
+    raise ValueError(f"unknown optimizer {name!r}; choose from {OPTIMIZERS}")
+
+
+def _key_value(text: str) -> tuple[str, Any]:
+    name, sep, raw = text.partition("=")
+    if not sep or not name:
+        raise argparse.ArgumentTypeError(f"expected NAME=VALUE, got {text!r}")
+    try:
+        value = json.loads(raw)
+    except json.JSONDecodeError:
+        value = raw
+    return name, value
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """Parses the command line (see the module docstring)."""
+    p = argparse.ArgumentParser(
+        prog="hpsjax-server",
+        description="Run an hpsjax parameter server.",
+    )
+    p.add_argument("--init", required=True, help=".npz file of initial params")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    p.add_argument("--port", type=int, default=0, help="port (0: any free one)")
+    p.add_argument("--secret_file", help="file holding the shared secret")
+    p.add_argument(
+        "--insecure",
+        action="store_true",
+        help="allow serving without a secret on a non-loopback address",
+    )
+    p.add_argument("--policy", default="asp", help="synchronisation policy")
+    p.add_argument(
+        "--policy_arg",
+        type=_key_value,
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="policy keyword argument (JSON value), repeatable",
+    )
+    p.add_argument(
+        "--core_arg",
+        type=_key_value,
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="ServerCore keyword argument (e.g. expected_workers=4), repeatable",
+    )
+    p.add_argument("--optimizer", default="sgd", choices=OPTIMIZERS)
+    p.add_argument("--learning_rate", type=float, default=0.1)
+    p.add_argument("--momentum", type=float, default=0.9)
+    p.add_argument("--checkpoint_dir", help="checkpoint (and resume) directory")
+    p.add_argument("--checkpoint_every_s", type=float)
+    p.add_argument("--checkpoint_every_updates", type=int)
+    p.add_argument("--checkpoint_keep", type=int, default=3)
+    p.add_argument(
+        "--allow_nonfinite",
+        action="store_true",
+        help="accept updates holding NaN or infinity",
+    )
+    p.add_argument("--certfile", help="TLS certificate (PEM); enables TLS")
+    p.add_argument("--keyfile", help="TLS private key (PEM)")
+    p.add_argument(
+        "--loop", default="auto", choices=("auto", "uvloop", "asyncio"),
+        help="event loop (auto: uvloop when installed)",
+    )  # fmt: skip
+    p.add_argument("--log_level", default="INFO")
+    return p.parse_args(argv)
+
+
+def _read_secret(path: str | None) -> bytes | None:
+    if path is None:
+        return None
+    secret = pathlib.Path(path).read_bytes().strip()
+    if not secret:
+        raise ValueError(f"secret file {path} is empty")
+    return secret
+
+
+def _tls_context(certfile: str | None, keyfile: str | None):
+    if certfile is None:
+        if keyfile is not None:
+            raise ValueError("--keyfile needs --certfile")
+        return None
+    import ssl
+
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(certfile, keyfile)
+    return context
+
+
+async def serve(args: argparse.Namespace) -> None:
+    """Builds the server from parsed arguments and serves until a signal."""
+    from hpsjax.ps._server import Server
+
+    params = load_npz_tree(args.init)
+    policy_kwargs = dict(args.policy_arg)
+    if args.policy.lower() == "hybrid" and isinstance(policy_kwargs.get("stages"), list):
+        from hpsjax.ps._policies import HybridStage
+
+        # JSON has no HybridStage: stages come as objects of its fields.
+        try:
+            policy_kwargs["stages"] = [
+                s if not isinstance(s, dict) else HybridStage(**s)
+                for s in policy_kwargs["stages"]
+            ]
+        except TypeError as e:
+            raise ValueError(f"bad hybrid stage: {e}") from None
+    server = Server(
+        params,
+        make_optimizer(args.optimizer, args.learning_rate, momentum=args.momentum),
+        args.policy,
+        host=args.host,
+        port=args.port,
+        secret=_read_secret(args.secret_file),
+        insecure=args.insecure,
+        ssl=_tls_context(args.certfile, args.keyfile),
+        checkpoint_dir=args.checkpoint_dir,
+        checkpoint_every_s=args.checkpoint_every_s,
+        checkpoint_every_updates=args.checkpoint_every_updates,
+        checkpoint_keep=args.checkpoint_keep,
+        check_finite=not args.allow_nonfinite,
+        core_kwargs=dict(args.core_arg),
+        **policy_kwargs,
+    )
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError):
+            loop.add_signal_handler(sig, stop.set)
+    await server.start()
+    print(f"hpsjax-server listening on {args.host}:{server.port}", flush=True)
+    if server.resumed_from is not None:
+        print(f"hpsjax-server resumed from step {server.resumed_from}", flush=True)
+    try:
+        await stop.wait()
+    finally:
+        await server.close()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Console entry point ``hpsjax-server``; returns the exit status."""
+    args = parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    runner = asyncio.run
+    if args.loop in ("auto", "uvloop"):
+        try:
+            import uvloop
+
+            runner = uvloop.run
+        except ImportError:
+            if args.loop == "uvloop":
+                print("hpsjax-server: uvloop is not installed", file=sys.stderr)
+                return 2
+    try:
+        runner(serve(args))
+    except (ValueError, OSError) as e:
+        print(f"hpsjax-server: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

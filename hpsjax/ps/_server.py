@@ -1,0 +1,949 @@
+"""The asyncio parameter server: moves bytes, and lets ``ServerCore`` decide.
+
+:class:`Server` accepts worker connections, authenticates them, reads frames into
+preallocated arrays (see :mod:`hpsjax.ps._wire`) and turns every complete,
+validated request into an event of :class:`~hpsjax.ps.ServerCore`: the first
+``PULL`` of a connection joins its worker, ``PULL`` pulls, ``PUSH`` pushes, a
+closed connection leaves, and a timer ticks the core at ``core.next_deadline()``.
+It then carries out the actions the core returns (send parameters, acknowledge,
+notify, drop) on the right connections. All decisions (versions, staleness, who
+waits, what is applied, deadlines) are the core's.
+
+Guarantees:
+
+* a push is handed to the core only once fully received and validated (tree
+  structure, shapes and dtypes against the model before its payload is read;
+  NaN/inf by the core): a worker killed mid-push changes nothing;
+* a worker's pushes are applied in the order it sent them;
+* bad input gets an ``ERROR`` frame with a code and a short message; the
+  server's parameters are unchanged and other workers are unaffected; a broken
+  stream (bad magic, version, a length over the limits) is closed;
+* a dead or stalled worker never hangs the others: its connection's end is a
+  ``leave``, and the core's adaptive deadlines drop a worker that stops making
+  progress while others wait for it.
+
+Security: with a ``secret``, every connection proves it knows it (HMAC-SHA256
+challenge-response, both ways); the secret never crosses the wire. Without one,
+anyone who can reach the port can push updates, so ``secret=None`` is refused
+unless the server listens on a loopback address or ``insecure=True`` is passed.
+TLS is available through ``ssl=ssl.SSLContext(...)``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import dataclasses
+import hmac
+import ipaddress
+import logging
+import math
+import os
+import ssl as ssl_lib
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import optax
+
+from hpsjax.ps import _wire as wire
+from hpsjax.ps._checkpoint import CheckpointManager
+from hpsjax.ps._client import (
+    FrameProtocol,
+    _check_worker_id,
+    _secret_bytes,
+    error_frame,
+)
+from hpsjax.ps._core import (
+    Applied,
+    Drop,
+    ForcePull,
+    PushAck,
+    SendParams,
+    ServerCore,
+)
+from hpsjax.ps._errors import (
+    AuthError,
+    HpsError,
+    MalformedMetadata,
+    ServerError,
+    ShuttingDown,
+    UnexpectedMessage,
+    WorkerDropped,
+)
+from hpsjax.ps._wire import Frame, FrameError, MsgType
+
+__all__ = ["Server"]
+
+logger = logging.getLogger(__name__)
+
+_CHECKPOINT_FORMAT = "hpsjax-server"
+_CHECKPOINT_FORMAT_VERSION = 1
+
+# Fields of a PUSH besides the tree, with the types the core accepts.
+_PUSH_FIELDS = {
+    "step_time": float,
+    "num_samples": int,
+    "local_steps": int,
+    "loss": float,
+}
+
+
+def _is_loopback(host: str | None) -> bool:
+    if host in (None, ""):
+        return False
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+@dataclasses.dataclass(eq=False)
+class _Session:
+    """One connection: its handshake state and its requests waiting on the core."""
+
+    protocol: FrameProtocol
+    peer: str
+    state: str = "hello"  # hello -> auth -> ready -> closed
+    worker_id: Any = None
+    client_nonce: bytes = b""
+    server_nonce: bytes = b""
+    joined: bool = False
+    # Requests answered by the core's next SendParams for this worker, in
+    # order: (request id, push acknowledgement to embed or None).
+    pulls: collections.deque = dataclasses.field(default_factory=collections.deque)
+    subscribed: bool = False
+    sub_dirty: bool = False
+    sub_task: asyncio.Task | None = None
+    handshake_timer: asyncio.TimerHandle | None = None
+
+
+class Server:
+    r"""An asyncio TCP parameter server for one model.
+
+    Args:
+      params: the initial parameters (a pytree of arrays; dict keys must be
+        strings), version 0 unless a checkpoint is resumed.
+      optimizer: the server's optax optimizer (see ``ServerCore`` for how an
+        update :math:`u` is applied: :math:`w \leftarrow w +
+        \operatorname{opt.update}(u)`).
+      policy: a policy name (``"asp"``, ``"bsp"``, ``"ssp"``, ``"saps"``,
+        ``"adsp"``, ``"semi_async"``, ``"hybrid"``) or a ``Policy`` object.
+      host: address to listen on.
+      port: port to listen on; 0 picks a free one (see :attr:`port`).
+      secret: shared secret (bytes or str) workers must prove they know, or
+        ``None`` for no authentication (only on loopback, or with
+        ``insecure=True``).
+      ssl: an ``ssl.SSLContext`` (server side) for TLS, or ``None``.
+      insecure: allow ``secret=None`` on a non-loopback address.
+      checkpoint_dir: directory for tensorstore checkpoints; the server resumes
+        from the newest one on :meth:`start` and saves a final one on
+        :meth:`close`. ``None`` disables checkpoints.
+      checkpoint_every_s: also save every this many seconds (if the version
+        changed).
+      checkpoint_every_updates: also save every this many new versions.
+      checkpoint_keep: how many checkpoints to keep.
+      limits: frame limits (message bytes, metadata bytes, leaves, dtypes).
+      check_finite: refuse updates holding NaN or infinity.
+      handshake_timeout: seconds a new connection has to authenticate.
+      core_kwargs: more keyword arguments of ``ServerCore`` (for example
+        ``expected_workers``, ``deadline_factor``, ``min_timeout``,
+        ``initial_timeout``, ``keep_stale_params``).
+      **policy_kwargs: keyword arguments of the policy given by name (e.g.
+        ``staleness_bound=2`` for ``"ssp"``).
+
+    Raises:
+      ValueError: bad arguments (checked here, before anything starts).
+
+    Examples:
+      Serve until cancelled::
+
+        async def main():
+            async with Server(params, optax.sgd(0.1), "ssp", staleness_bound=2,
+                              secret=key, port=5555) as server:
+                await server.serve_forever()
+
+        asyncio.run(main())   # or uvloop.run(main()), faster for big models
+    """
+
+    def __init__(
+        self,
+        params: Any,
+        optimizer: optax.GradientTransformation,
+        policy: Any = "asp",
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        secret: bytes | str | None,
+        ssl: ssl_lib.SSLContext | None = None,
+        insecure: bool = False,
+        checkpoint_dir: str | os.PathLike | None = None,
+        checkpoint_every_s: float | None = None,
+        checkpoint_every_updates: int | None = None,
+        checkpoint_keep: int | None = 3,
+        limits: wire.WireLimits = wire.DEFAULT_LIMITS,
+        check_finite: bool = True,
+        handshake_timeout: float = 10.0,
+        core_kwargs: Mapping[str, Any] | None = None,
+        **policy_kwargs: Any,
+    ):
+        self._secret = _secret_bytes(secret)
+        if self._secret is None and not (insecure or _is_loopback(host)):
+            raise ValueError(
+                f"refusing to serve on {host!r} without a secret: anyone who can "
+                "reach the port could push updates; pass secret=... (or "
+                "insecure=True to accept that)"
+            )
+        if ssl is not None and not isinstance(ssl, ssl_lib.SSLContext):
+            raise ValueError("ssl must be an ssl.SSLContext or None")
+        if not isinstance(port, int) or not 0 <= port < 65536:
+            raise ValueError(f"bad port {port!r}")
+        for name, value in [
+            ("checkpoint_every_s", checkpoint_every_s),
+            ("handshake_timeout", handshake_timeout),
+        ]:
+            if value is not None and not (
+                isinstance(value, int | float) and math.isfinite(value) and value > 0
+            ):
+                raise ValueError(f"{name} must be a positive number, got {value!r}")
+        if checkpoint_every_updates is not None and (
+            isinstance(checkpoint_every_updates, bool)
+            or not isinstance(checkpoint_every_updates, int)
+            or checkpoint_every_updates < 1
+        ):
+            raise ValueError(
+                "checkpoint_every_updates must be a positive int, got "
+                f"{checkpoint_every_updates!r}"
+            )
+        if checkpoint_dir is None and (checkpoint_every_s or checkpoint_every_updates):
+            raise ValueError("checkpoint_every_* needs a checkpoint_dir")
+        if not isinstance(limits, wire.WireLimits):
+            raise ValueError("limits must be a WireLimits")
+        self._core = ServerCore(
+            params,
+            optimizer,
+            policy,
+            policy_kwargs=policy_kwargs,
+            check_finite=check_finite,
+            **dict(core_kwargs or {}),
+        )
+        self._host = host
+        self._requested_port = port
+        self._ssl = ssl
+        self._limits = limits
+        self._handshake_timeout = handshake_timeout
+        self._checkpoint_dir = checkpoint_dir
+        self._checkpoint_every_s = checkpoint_every_s
+        self._checkpoint_every_updates = checkpoint_every_updates
+        self._checkpoint_keep = checkpoint_keep
+        _, _, self._model = wire.tree_to_wire(self._core.params, limits=limits)
+        # Received leaves are put back into the parameters' own tree type, so
+        # the wire's leaf order must be JAX's.
+        _, wire_leaves = wire.flatten_tree(self._core.params, limits=limits)
+        jax_leaves, self._treedef = jax.tree.flatten(self._core.params)
+        if len(wire_leaves) != len(jax_leaves) or any(
+            a is not b for a, b in zip(wire_leaves, jax_leaves, strict=False)
+        ):
+            raise ValueError(
+                "params must be a pytree of dicts (str keys), lists, tuples and "
+                "arrays whose leaf order is JAX's"
+            )
+        self._spec_meta = {
+            "tree": self._model.structure,
+            "leaves": [[s.dtype.name, list(s.shape)] for s in self._model.leaves],
+        }
+        self._sessions: dict[Any, _Session] = {}
+        self._connections: set[_Session] = set()
+        self._server: asyncio.AbstractServer | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        self._last_tick_deadline: float | None = None
+        self._closing = False
+        self._closed: asyncio.Future | None = None
+        self._params_cache: tuple[int, dict, list[memoryview]] | None = None
+        self._manager: CheckpointManager | None = None
+        self._saved_version: int | None = None
+        self._checkpoint_task: asyncio.Task | None = None
+        self._checkpoint_error: BaseException | None = None
+        self._port: int | None = None
+
+    # ---------------------------------------------------------- properties
+
+    @property
+    def core(self) -> ServerCore:
+        """The server's core (read it; drive it only through the server)."""
+        return self._core
+
+    @property
+    def port(self) -> int:
+        """The port the server listens on (valid after :meth:`start`)."""
+        if self._port is None:
+            raise RuntimeError("the server is not started")
+        return self._port
+
+    @property
+    def params(self) -> Any:
+        """The current parameters."""
+        return self._core.params
+
+    @property
+    def version(self) -> int:
+        """The current parameter version."""
+        return self._core.version
+
+    @property
+    def resumed_from(self) -> int | None:
+        """The checkpoint step resumed from by :meth:`start`, or ``None``."""
+        return getattr(self, "_resumed_from", None)
+
+    # ---------------------------------------------------------- lifecycle
+
+    async def start(self) -> None:
+        """Resumes from the newest checkpoint (if any) and starts listening.
+
+        Raises:
+          OSError: the address cannot be bound.
+          ValueError: the checkpoint does not match the model.
+        """
+        if self._server is not None:
+            raise RuntimeError("the server is already started")
+        self._loop = asyncio.get_running_loop()
+        self._closed = self._loop.create_future()
+        self._resumed_from = None
+        if self._checkpoint_dir is not None:
+            self._manager = await self._loop.run_in_executor(
+                None,
+                lambda: CheckpointManager(
+                    self._checkpoint_dir, keep=self._checkpoint_keep
+                ),
+            )
+            await self._resume()
+        self._server = await self._loop.create_server(
+            self._new_protocol,
+            self._host,
+            self._requested_port,
+            ssl=self._ssl,
+            reuse_address=True,
+        )
+        self._port = self._server.sockets[0].getsockname()[1]
+        if self._checkpoint_every_s is not None:
+            self._checkpoint_task = self._loop.create_task(self._checkpoint_loop())
+        self._rearm()
+        logger.info(
+            "serving %s (%s) on %s:%d at version %d",
+            type(self._core.policy).__name__,
+            "tls" if self._ssl else "tcp",
+            self._host,
+            self._port,
+            self._core.version,
+        )
+
+    async def serve_forever(self) -> None:
+        """Waits until :meth:`close` is called (by another task or a signal).
+
+        Cancelling it does not close the server; use :meth:`close` (the async
+        context manager does).
+        """
+        if self._closed is None:
+            raise RuntimeError("the server is not started")
+        await asyncio.shield(self._closed)
+
+    async def close(self, *, timeout: float = 10.0) -> None:
+        """Closes gracefully; idempotent.
+
+        Stops accepting connections; fails the requests waiting on the policy
+        with :class:`ShuttingDown`; says BYE to every worker and closes the
+        connections (after at most ``timeout`` seconds of flushing); saves a final
+        checkpoint. A push still being received is never applied.
+
+        Raises:
+          Exception: the error of a failed checkpoint save, if any.
+        """
+        if self._closing or self._loop is None:
+            return
+        self._closing = True
+        if self._timer is not None:
+            self._timer.cancel()
+        if self._checkpoint_task is not None:
+            self._checkpoint_task.cancel()
+        self._server.close()
+        for session in list(self._connections):
+            for request_id, _ in session.pulls:
+                session.protocol.send(
+                    error_frame(request_id, ShuttingDown("server is closing"))
+                )
+            session.pulls.clear()
+            if session.sub_task is not None:
+                session.sub_task.cancel()
+            with contextlib.suppress(HpsError):
+                session.protocol.send(
+                    wire.encode_frame(MsgType.BYE, 0, {"reason": "server closing"})
+                )
+            session.protocol.close()
+        # Server.wait_closed() does not wait for connections on every Python
+        # this supports, so wait for them to end here.
+        deadline = self._loop.time() + timeout
+        while self._connections and self._loop.time() < deadline:
+            await asyncio.sleep(0.01)
+        for session in list(self._connections):
+            session.protocol.abort()
+        try:
+            if self._manager is not None:
+                await self._save(final=True)
+                await self._loop.run_in_executor(None, self._manager.close)
+        finally:
+            if not self._closed.done():
+                self._closed.set_result(None)
+        if self._checkpoint_error is not None:
+            raise self._checkpoint_error
+
+    async def __aenter__(self) -> Server:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc_info: Any) -> None:
+        await self.close()
+
+    def set_stage(self, index: int) -> None:
+        """Moves a staged policy (``"hybrid"``) to stage ``index``.
+
+        Workers learn of it through a ``STAGE`` notice and the new hints.
+
+        Raises:
+          ValueError: the policy has no such stage (nothing changes).
+        """
+        actions = self._core.set_stage(index, self._now())
+        self._carry_out(actions)
+        for session in self._connections:
+            if session.state == "ready":
+                with contextlib.suppress(HpsError):
+                    session.protocol.send(
+                        wire.encode_frame(MsgType.STAGE, 0, {"stage": index})
+                    )
+        self._rearm()
+
+    # ---------------------------------------------------------- checkpoints
+
+    async def _resume(self) -> None:
+        like = (self._core.params, self._core.opt_state)
+        restored = await self._loop.run_in_executor(
+            None, lambda: self._manager.restore_latest(like=like)
+        )
+        if restored is None:
+            return
+        meta = restored.metadata or {}
+        if meta.get("format") != _CHECKPOINT_FORMAT:
+            raise ValueError(
+                f"{self._checkpoint_dir} holds checkpoints of another kind"
+            )
+        params, opt_state = restored.tree
+        self._core.load_state_dict(meta["core"], params=params, opt_state=opt_state)
+        self._saved_version = self._core.version
+        self._resumed_from = restored.step
+        logger.info("resumed from checkpoint %d", restored.step)
+
+    def _checkpoint_metadata(self) -> dict:
+        return {
+            "format": _CHECKPOINT_FORMAT,
+            "format_version": _CHECKPOINT_FORMAT_VERSION,
+            "core": self._core.state_dict(),
+        }
+
+    def _save_async(self) -> None:
+        version = self._core.version
+        if version == self._saved_version:
+            return
+        try:
+            future = self._manager.save_async(
+                version,
+                (self._core.params, self._core.opt_state),
+                self._checkpoint_metadata(),
+            )
+        except Exception as e:  # a failed save must not stop the server
+            logger.error("checkpoint %d failed: %s", version, e)
+            self._checkpoint_error = e
+            return
+        self._saved_version = version
+        future.add_done_callback(self._note_save)
+
+    def _note_save(self, future) -> None:
+        error = future.exception()
+        if error is not None:
+            logger.error("checkpoint save failed: %s", error)
+            self._checkpoint_error = error
+
+    async def _save(self, *, final: bool = False) -> None:
+        del final
+        self._save_async()
+        await self._loop.run_in_executor(None, self._manager.wait_until_finished)
+
+    async def _checkpoint_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self._checkpoint_every_s)
+            self._save_async()
+
+    # ---------------------------------------------------------- connections
+
+    def _now(self) -> float:
+        return self._loop.time()
+
+    def _new_protocol(self) -> FrameProtocol:
+        session: _Session | None = None
+
+        def allocate(header: wire.Header, meta: dict) -> tuple:
+            return self._allocate(session, header, meta)
+
+        protocol = FrameProtocol(
+            lambda event: self._on_event(session, event),
+            lambda error: self._on_lost(session, error),
+            limits=self._limits,
+            allocate=allocate,
+            on_made=lambda: self._on_made(session),
+        )
+        session = _Session(protocol=protocol, peer="?")
+        return protocol
+
+    def _on_made(self, session: _Session) -> None:
+        # Only connections that got this far (past TLS) are ever "lost", so
+        # only they are tracked.
+        peer = session.protocol.transport.get_extra_info("peername")
+        session.peer = str(peer)
+        if self._closing:
+            session.protocol.close()
+            return
+        self._connections.add(session)
+        session.handshake_timer = self._loop.call_later(
+            self._handshake_timeout, self._handshake_expired, session
+        )
+
+    def _handshake_expired(self, session: _Session) -> None:
+        if session.state != "ready":
+            session.protocol.fail(AuthError("handshake timed out"))
+
+    def _allocate(self, session: _Session, header: wire.Header, meta: dict):
+        if session.state != "ready":
+            raise UnexpectedMessage(f"{header.msg_type.name} before authentication")
+        if header.msg_type not in (MsgType.PUSH, MsgType.PUSH_PULL):
+            raise UnexpectedMessage(f"clients do not send {header.msg_type.name}")
+        layout = wire.tree_layout(meta, self._limits)
+        if layout.nbytes != header.payload_length:
+            raise MalformedMetadata(
+                f"leaves hold {layout.nbytes} bytes, header says "
+                f"{header.payload_length}"
+            )
+        wire.check_same_spec(layout, self._model)
+        arrays = layout.allocate()
+        return wire.leaf_buffers(arrays), wire.WireTree(layout, arrays)
+
+    def _on_event(self, session: _Session, event: Frame | FrameError) -> None:
+        if self._closing:
+            return
+        request_id = event.request_id
+        try:
+            if isinstance(event, FrameError):
+                if session.state != "ready":
+                    session.protocol.fail(event.error, request_id=request_id)
+                else:
+                    session.protocol.send(error_frame(request_id, event.error))
+                return
+            if session.state != "ready":
+                self._handshake(session, event)
+            else:
+                self._request(session, event)
+        except HpsError as e:
+            if not session.protocol.closed:
+                session.protocol.send(error_frame(request_id, e))
+        except Exception as e:
+            logger.exception("failed to serve %s", event.msg_type.name)
+            if not session.protocol.closed:
+                session.protocol.send(error_frame(request_id, e))
+        finally:
+            self._rearm()
+
+    # ---------------------------------------------------------- handshake
+
+    def _handshake(self, session: _Session, frame: Frame) -> None:
+        meta = frame.metadata
+        if session.state == "hello" and frame.msg_type == MsgType.HELLO:
+            worker_id, nonce = meta.get("worker_id"), meta.get("nonce")
+            try:
+                _check_worker_id(worker_id)
+            except ValueError as e:
+                session.protocol.fail(
+                    MalformedMetadata(str(e)), request_id=frame.request_id
+                )
+                return
+            if not isinstance(nonce, bytes) or len(nonce) != wire.NONCE_BYTES:
+                session.protocol.fail(
+                    MalformedMetadata("HELLO needs a 32-byte nonce"),
+                    request_id=frame.request_id,
+                )
+                return
+            session.worker_id = worker_id
+            session.client_nonce = nonce
+            session.server_nonce = os.urandom(wire.NONCE_BYTES)
+            session.state = "auth"
+            session.protocol.send(
+                wire.encode_frame(
+                    MsgType.CHALLENGE,
+                    frame.request_id,
+                    {
+                        "nonce": session.server_nonce,
+                        "auth": wire.AUTH_SCHEME if self._secret else None,
+                    },
+                )
+            )
+        elif session.state == "auth" and frame.msg_type == MsgType.AUTH:
+            proof = meta.get("proof")
+            server_proof = b""
+            if self._secret is not None:
+                want = wire.auth_proof(
+                    self._secret,
+                    "client",
+                    session.server_nonce,
+                    session.client_nonce,
+                    session.worker_id,
+                )
+                if not isinstance(proof, bytes) or not hmac.compare_digest(proof, want):
+                    logger.warning("authentication failed for %r", session.worker_id)
+                    session.protocol.fail(
+                        AuthError("authentication failed"), request_id=frame.request_id
+                    )
+                    return
+                server_proof = wire.auth_proof(
+                    self._secret,
+                    "server",
+                    session.server_nonce,
+                    session.client_nonce,
+                    session.worker_id,
+                )
+            session.state = "ready"
+            if session.handshake_timer is not None:
+                session.handshake_timer.cancel()
+            old = self._sessions.get(session.worker_id)
+            if old is not None and old is not session:
+                self._replace(old)
+            self._sessions[session.worker_id] = session
+            session.protocol.send(
+                wire.encode_frame(
+                    MsgType.AUTH_OK,
+                    frame.request_id,
+                    {"proof": server_proof, "info": self._info()},
+                )
+            )
+        else:
+            session.protocol.fail(
+                UnexpectedMessage(
+                    f"{frame.msg_type.name} during the handshake (state "
+                    f"{session.state})"
+                ),
+                request_id=frame.request_id,
+            )
+
+    def _replace(self, old: _Session) -> None:
+        error = WorkerDropped("replaced by a newer connection of the same worker")
+        self._fail_pulls(old, error)
+        with contextlib.suppress(HpsError):
+            old.protocol.send(error_frame(0, error))
+        self._leave(old)
+        old.protocol.close()
+
+    def _info(self) -> dict[str, Any]:
+        policy = self._core.policy
+        limits = self._limits
+        return {
+            "policy": getattr(policy, "name", type(policy).__name__),
+            "version": self._core.version,
+            "stage": int(getattr(policy, "stage", 0) or 0),
+            "spec": self._spec_meta,
+            "limits": {
+                "max_message_bytes": limits.max_message_bytes,
+                "max_metadata_bytes": limits.max_metadata_bytes,
+                "max_leaves": limits.max_leaves,
+                "max_depth": limits.max_depth,
+                "max_rank": limits.max_rank,
+                "dtypes": sorted(limits.dtypes),
+            },
+            "workers": len(self._core.live),
+        }
+
+    # ---------------------------------------------------------- requests
+
+    def _request(self, session: _Session, frame: Frame) -> None:
+        t = frame.msg_type
+        rid = frame.request_id
+        if t == MsgType.PULL:
+            session.pulls.append((rid, None))
+            try:
+                self._pull(session)
+            except BaseException:
+                if (rid, None) in session.pulls:
+                    session.pulls.remove((rid, None))
+                raise
+        elif t in (MsgType.PUSH, MsgType.PUSH_PULL):
+            self._push(session, frame)
+        elif t == MsgType.SUBSCRIBE:
+            on = frame.metadata.get("on")
+            if not isinstance(on, bool):
+                raise MalformedMetadata("SUBSCRIBE needs a boolean 'on'")
+            session.subscribed = on
+            session.protocol.send(
+                wire.encode_frame(
+                    MsgType.SUBSCRIBE, rid, {"on": on, "version": self._core.version}
+                )
+            )
+            if on:
+                self._send_params(session, 0)
+        elif t == MsgType.INFO:
+            session.protocol.send(wire.encode_frame(MsgType.INFO, rid, self._info()))
+        elif t == MsgType.BYE:
+            self._leave(session)
+            session.protocol.close()
+        elif t == MsgType.ERROR:
+            logger.info(
+                "worker %r reported error %s: %s",
+                session.worker_id,
+                frame.metadata.get("code"),
+                str(frame.metadata.get("message"))[:200],
+            )
+        else:
+            raise UnexpectedMessage(f"clients do not send {t.name}")
+
+    def _pull(self, session: _Session) -> None:
+        now = self._now()
+        if session.joined:
+            actions = self._core.pull(session.worker_id, now)
+        else:
+            actions = self._core.join(session.worker_id, now)
+            session.joined = True
+        self._carry_out(actions)
+
+    def _push(self, session: _Session, frame: Frame) -> None:
+        meta = frame.metadata
+        version = meta.get("version")
+        if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+            raise MalformedMetadata("a push needs a non-negative int 'version'")
+        fields = {}
+        for name, kind in _PUSH_FIELDS.items():
+            value = meta.get(name)
+            if value is None:
+                continue
+            ok = (
+                isinstance(value, int | float)
+                and not isinstance(value, bool)
+                and math.isfinite(value)
+                and (kind is float or isinstance(value, int))
+            )
+            if not ok:
+                raise MalformedMetadata(f"bad {name!r}: {value!r}"[:200])
+            fields[name] = kind(value)
+        update = self._decode_update(frame.payload)
+        actions = self._core.push(
+            session.worker_id, update, version=version, now=self._now(), **fields
+        )
+        ack = None
+        force = None
+        for action in actions:
+            if isinstance(action, PushAck) and action.worker_id == session.worker_id:
+                ack = action
+            elif (
+                isinstance(action, ForcePull) and action.worker_id == session.worker_id
+            ):
+                force = action
+        if ack is None:
+            raise ServerError("the policy did not acknowledge the push")
+        ack_meta = {
+            "version": ack.version,
+            "staleness": ack.staleness,
+            "status": ack.status,
+            "weight": float(ack.weight),
+            "local_steps": ack.local_steps,
+            "reason": ack.reason,
+            "force_pull": force is not None,
+        }
+        if force is not None and ack.reason is None:
+            ack_meta["reason"] = force.reason
+        if frame.msg_type == MsgType.PUSH:
+            session.protocol.send(
+                wire.encode_frame(MsgType.PUSH_ACK, frame.request_id, ack_meta)
+            )
+            self._carry_out(actions, skip_force=session.worker_id)
+        else:
+            self._carry_out(actions, skip_force=session.worker_id)
+            entry = (frame.request_id, ack_meta)
+            session.pulls.append(entry)
+            try:
+                self._pull(session)
+            except HpsError as e:
+                # The push stands; only the pull half failed: report that.
+                if entry in session.pulls:
+                    session.pulls.remove(entry)
+                raise type(e)(f"update applied, pull failed: {e.message}") from e
+
+    def _decode_update(self, payload: wire.WireTree) -> Any:
+        layout = payload.layout
+        if layout.codec is None:
+            # The leaves were received 64-byte aligned, so this is no copy.
+            return jax.tree.unflatten(self._treedef, jax.device_put(payload.arrays))
+        from hpsjax.transforms import _quantize as q
+
+        codec = q.Codec.from_dict(layout.codec)
+        leaves = [
+            q.decode(q.Encoded(codes, scales), codec, spec.shape, spec.dtype)
+            for (codes, scales), spec in zip(
+                payload.arrays, self._model.leaves, strict=True
+            )
+        ]
+        return jax.tree.unflatten(self._treedef, leaves)
+
+    # ---------------------------------------------------------- actions
+
+    def _carry_out(self, actions, *, skip_force: Any = None) -> None:
+        applied = False
+        for action in actions:
+            if isinstance(action, SendParams):
+                session = self._sessions.get(action.worker_id)
+                if session is None or not session.pulls:
+                    continue
+                request_id, ack_meta = session.pulls.popleft()
+                extra = {"local_steps": action.local_steps}
+                if ack_meta is not None:
+                    extra["ack"] = ack_meta
+                self._send_params(session, request_id, extra)
+            elif isinstance(action, ForcePull):
+                if action.worker_id == skip_force:
+                    continue
+                session = self._sessions.get(action.worker_id)
+                if session is not None:
+                    self._notify(
+                        session,
+                        MsgType.STAGE,
+                        {"force_pull": True, "reason": action.reason},
+                    )
+            elif isinstance(action, Drop):
+                session = self._sessions.get(action.worker_id)
+                logger.info("dropped worker %r: %s", action.worker_id, action.reason)
+                if session is not None:
+                    session.joined = False
+                    error = WorkerDropped(action.reason)
+                    self._fail_pulls(session, error)
+                    self._notify(session, MsgType.ERROR, None, error=error)
+            elif isinstance(action, Applied):
+                applied = True
+        if applied:
+            self._publish()
+            every = self._checkpoint_every_updates
+            if every and self._core.version - (self._saved_version or 0) >= every:
+                self._save_async()
+
+    def _notify(self, session, msg_type, meta, *, error=None) -> None:
+        if session.protocol.closed:
+            return
+        if error is not None:
+            session.protocol.send(error_frame(0, error))
+        else:
+            session.protocol.send(wire.encode_frame(msg_type, 0, meta))
+
+    def _fail_pulls(self, session: _Session, error: HpsError) -> None:
+        while session.pulls:
+            request_id, _ = session.pulls.popleft()
+            if not session.protocol.closed:
+                session.protocol.send(error_frame(request_id, error))
+
+    def _params_parts(self) -> tuple[dict, list[memoryview]]:
+        version = self._core.version
+        if self._params_cache is None or self._params_cache[0] != version:
+            meta, buffers, _ = wire.tree_to_wire(self._core.params, limits=self._limits)
+            meta["version"] = version
+            self._params_cache = (version, meta, buffers)
+        return self._params_cache[1], self._params_cache[2]
+
+    def _send_params(self, session: _Session, request_id: int, extra=None) -> None:
+        if session.protocol.closed:
+            return
+        meta, buffers = self._params_parts()
+        if extra:
+            meta = {**meta, **extra}
+        session.protocol.send(
+            wire.encode_frame(MsgType.PARAMS, request_id, meta, buffers)
+        )
+
+    def _publish(self) -> None:
+        for session in self._connections:
+            if not session.subscribed or session.protocol.closed:
+                continue
+            if not session.protocol.paused:
+                self._send_params(session, 0)
+            else:
+                # The worker is still reading earlier bytes: send it only the
+                # newest parameters once it has caught up, never a backlog.
+                session.sub_dirty = True
+                if session.sub_task is None:
+                    session.sub_task = self._loop.create_task(self._flush_sub(session))
+
+    async def _flush_sub(self, session: _Session) -> None:
+        try:
+            while session.sub_dirty and not session.protocol.closed:
+                await session.protocol.drain()
+                session.sub_dirty = False
+                if session.subscribed:
+                    self._send_params(session, 0)
+        except HpsError:
+            pass
+        finally:
+            session.sub_task = None
+
+    # ---------------------------------------------------------- leaving
+
+    def _leave(self, session: _Session) -> None:
+        if session.joined and self._sessions.get(session.worker_id) is session:
+            session.joined = False
+            try:
+                actions = self._core.leave(session.worker_id, self._now())
+            except HpsError:
+                return
+            self._carry_out(actions)
+
+    def _on_lost(self, session: _Session, error: HpsError) -> None:
+        self._connections.discard(session)
+        if session.handshake_timer is not None:
+            session.handshake_timer.cancel()
+        if session.sub_task is not None:
+            session.sub_task.cancel()
+        session.pulls.clear()
+        if self._closing:
+            return
+        logger.debug("connection of %r ended: %s", session.worker_id, error)
+        self._leave(session)
+        if self._sessions.get(session.worker_id) is session:
+            del self._sessions[session.worker_id]
+        session.state = "closed"
+        self._rearm()
+
+    # ---------------------------------------------------------- timer
+
+    def _rearm(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if self._closing or self._loop is None:
+            return
+        deadline = self._core.next_deadline()
+        if deadline is not None:
+            # A deadline the last tick left in place is not retried in a tight
+            # loop: the clock must move on a little first.
+            if deadline == self._last_tick_deadline:
+                deadline = max(deadline, self._loop.time() + 1e-3)
+            self._timer = self._loop.call_at(deadline, self._on_tick)
+
+    def _on_tick(self) -> None:
+        self._timer = None
+        self._last_tick_deadline = self._core.next_deadline()
+        try:
+            self._carry_out(self._core.tick(self._now()))
+        except Exception:
+            logger.exception("core tick failed")
+        self._rearm()

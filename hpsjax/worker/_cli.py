@@ -1,0 +1,392 @@
+"""``hpsjax-worker``: run one training worker from the command line.
+
+The worker builds its model and its shard of the data from flags, pulls the
+parameters from an ``hpsjax-server``, and trains until ``--max_steps``,
+``--max_seconds`` or ``--until_version`` (or SIGINT/SIGTERM, after which it
+finishes its round and pushes it). The server's initial parameters must be the
+same model: ``--write_init`` writes them for ``hpsjax-server --init``::
+
+    hpsjax-worker --model mlp --write_init init.npz
+    hpsjax-server --init init.npz --secret_file secret.txt --policy bsp --port 5555
+    hpsjax-worker --host 127.0.0.1 --port 5555 --secret_file secret.txt \\
+        --worker_id 0 --shard_index 0 --shard_count 2 --batch_size 64 \\
+        --max_steps 300 --metrics w0.jsonl
+
+Heterogeneity is injected with ``--slowdown 4`` (or a schedule
+``--slowdown 0:1,60:4``: four times slower after a minute), ``--bandwidth 1e6``
+(bytes/s) and ``--latency 0.002``. ``--profile_out`` runs the profiling pass
+instead of training and writes the worker's profile (JSON, slowdown applied) for
+:func:`hpsjax.profiling.plan`; ``--work_plan`` then reads the plan.
+
+Exit status: 0 when the run ended normally (also when stopped by a signal or
+by the server shutting down), 1 when it failed, 2 for bad flags.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import pathlib
+import signal
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+__all__ = ["build_worker", "main", "parse_args", "write_init"]
+
+LOCAL_OPTIMIZERS = ("none", "sgd", "momentum", "adam")
+
+
+def _key_value(text: str) -> tuple[str, Any]:
+    name, sep, raw = text.partition("=")
+    if not sep or not name:
+        raise argparse.ArgumentTypeError(f"expected NAME=VALUE, got {text!r}")
+    try:
+        value = json.loads(raw)
+    except json.JSONDecodeError:
+        value = raw
+    return name, value
+
+
+def _worker_id(text: str) -> str | int:
+    try:
+        return int(text)
+    except ValueError:
+        return text
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """Parses the command line (see the module docstring)."""
+    p = argparse.ArgumentParser(
+        prog="hpsjax-worker", description="Run an hpsjax training worker."
+    )
+    g = p.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1", help="server address")
+    g.add_argument("--port", type=int, help="server port")
+    g.add_argument("--secret_file", help="file holding the shared secret")
+    g.add_argument("--cafile", help="CA certificates (PEM) to verify a TLS server")
+    g.add_argument("--server_hostname", help="name to check the certificate for")
+    g.add_argument("--worker_id", type=_worker_id, default=0, help="unique id")
+    g.add_argument("--timeout", type=float, default=600.0, help="request timeout (s)")
+
+    g = p.add_argument_group("model and data")
+    g.add_argument("--model", default="mlp", help="hpsjax.models registry name")
+    g.add_argument("--model_arg", type=_key_value, action="append", default=[],
+                   metavar="NAME=VALUE", help="model argument (JSON value)")
+    g.add_argument("--model_seed", type=int, default=0,
+                   help="seed of the initial weights (for --write_init)")
+    g.add_argument("--dataset", default="synthetic_digits",
+                   help="hpsjax.data registry name")
+    g.add_argument("--dataset_arg", type=_key_value, action="append", default=[],
+                   metavar="NAME=VALUE", help="dataset argument (JSON value)")
+    g.add_argument("--test_fraction", type=float, default=0.2,
+                   help="share held out from training (same split on every worker)")
+    g.add_argument("--shard_index", type=int, help="this worker's shard")
+    g.add_argument("--shard_count", type=int, default=1, help="number of shards")
+    g.add_argument("--data_seed", type=int, help="shuffle seed (default: shard)")
+
+    g = p.add_argument_group("work")
+    g.add_argument("--batch_size", type=int, default=32, help="samples per step")
+    g.add_argument("--work_plan", help="WorkPlan JSON file (sets batch, steps, lr)")
+    g.add_argument("--local_steps", type=int, default=1, help="local steps per push")
+    g.add_argument("--local_optimizer", default="none", choices=LOCAL_OPTIMIZERS,
+                   help="optimizer of local steps; none pushes gradients")
+    g.add_argument("--local_learning_rate", type=float, default=0.1)
+    g.add_argument("--lr_scale", type=float, default=1.0)
+    g.add_argument("--bits", type=int, help="quantize pushes (1, 2, 4, 8, 16 bits)")
+    g.add_argument("--no_error_feedback", action="store_true")
+    g.add_argument("--staleness_policy",
+                   help="scale updates by f(staleness) on the worker (PS+)")
+    g.add_argument("--no_pipeline", action="store_true",
+                   help="push and pull after compute instead of during it")
+    g.add_argument("--eager_pulls", type=int, default=1, help="pulls per round at most")
+    g.add_argument("--ignore_hints", action="store_true",
+                   help="ignore the server's local-step and plan hints")
+    g.add_argument("--max_steps", type=int, help="rounds to run")
+    g.add_argument("--max_seconds", type=float, help="seconds to run")
+    g.add_argument("--until_version", type=int, help="stop at this server version")
+    g.add_argument("--seed", type=int, default=0, help="quantizer seed")
+
+    g = p.add_argument_group("heterogeneity and faults")
+    g.add_argument("--slowdown", default="1",
+                   help="slowdown factor k >= 1, or a schedule 't0:k0,t1:k1'")
+    g.add_argument("--bandwidth", default="none",
+                   help="link cap in bytes/s (none: no cap), or a schedule")
+    g.add_argument("--latency", type=float, default=0.0, help="seconds per message")
+    g.add_argument("--fail_after_steps", type=int,
+                   help="raise after this many rounds (fault injection)")
+
+    g = p.add_argument_group("outputs")
+    g.add_argument("--metrics", help="append per-round metrics (JSON lines) here")
+    g.add_argument("--write_init", metavar="PATH",
+                   help="write the model's initial parameters (.npz) and exit")
+    g.add_argument("--profile_out", metavar="PATH",
+                   help="run the profiling pass, write the profile JSON and exit")
+    g.add_argument("--profile_batch_sizes", default="16,64,256",
+                   help="batch sizes the profiling pass measures")
+    g.add_argument("--loop", default="auto", choices=("auto", "uvloop", "asyncio"))
+    g.add_argument("--log_level", default="INFO")
+    return p.parse_args(argv)  # fmt: skip
+
+
+def _dataset(args: argparse.Namespace):
+    from hpsjax import data
+
+    dataset = data.get_dataset(args.dataset, **dict(args.dataset_arg))
+    train, _ = dataset.split(args.test_fraction, seed=0)
+    return train
+
+
+def _model(args: argparse.Namespace, train):
+    from hpsjax import models
+
+    return models.get_model(
+        args.model,
+        input_shape=train.input_shape,
+        num_classes=train.num_classes,
+        seed=args.model_seed,
+        **dict(args.model_arg),
+    )
+
+
+def write_init(args: argparse.Namespace, path: str | pathlib.Path) -> None:
+    """Writes the initial parameters of the flags' model for ``hpsjax-server``.
+
+    Nested keys are joined with ``/``, the form ``hpsjax-server --init`` reads.
+    """
+    import jax
+    import numpy as np
+
+    from hpsjax import models
+
+    _, params = models.split_model(_model(args, _dataset(args)))
+    flat = {
+        "/".join(str(getattr(k, "key", k)) for k in path_): np.asarray(leaf)
+        for path_, leaf in jax.tree_util.tree_leaves_with_path(params)
+    }
+    with open(path, "wb") as f:
+        np.savez(f, **flat)
+
+
+def _heterogeneity(args: argparse.Namespace):
+    from hpsjax.worker._hetero import Heterogeneity
+
+    return Heterogeneity(
+        slowdown=args.slowdown, bandwidth=args.bandwidth, latency=args.latency
+    )
+
+
+def _secret(path: str | None) -> bytes | None:
+    if path is None:
+        return None
+    secret = pathlib.Path(path).read_bytes().strip()
+    if not secret:
+        raise ValueError(f"secret file {path} is empty")
+    return secret
+
+
+def _ssl(args: argparse.Namespace):
+    if args.cafile is None:
+        if args.server_hostname is not None:
+            raise ValueError("--server_hostname needs --cafile (TLS)")
+        return None
+    import ssl
+
+    return ssl.create_default_context(cafile=args.cafile)
+
+
+def _local_optimizer(args: argparse.Namespace):
+    import optax
+
+    lr = args.local_learning_rate
+    if not lr > 0:
+        raise ValueError(f"--local_learning_rate must be > 0, got {lr}")
+    return {
+        "none": lambda: None,
+        "sgd": lambda: optax.sgd(lr),
+        "momentum": lambda: optax.sgd(lr, momentum=0.9),
+        "adam": lambda: optax.adam(lr),
+    }[args.local_optimizer]()
+
+
+def _shard(args: argparse.Namespace) -> tuple[int, int]:
+    index = args.shard_index
+    if index is None:
+        index = args.worker_id if isinstance(args.worker_id, int) else 0
+    count = args.shard_count
+    if not (isinstance(index, int) and 0 <= index < count):
+        raise ValueError(f"--shard_index must be in [0, {count}), got {index}")
+    return index, count
+
+
+def build_worker(args: argparse.Namespace, *, metrics=None):
+    """The :class:`~hpsjax.worker.Worker` the parsed flags describe.
+
+    Raises:
+      ValueError: bad or inconsistent flags.
+    """
+    from hpsjax import models
+    from hpsjax.profiling import WorkPlan
+    from hpsjax.worker._runtime import Worker, WorkerConfig
+
+    if args.port is None:
+        raise ValueError("--port is required to train")
+    index, count = _shard(args)
+    train = _dataset(args).shard(count, index)
+    graphdef, _ = models.split_model(_model(args, train))
+    work_plan = None
+    if args.work_plan is not None:
+        work_plan = WorkPlan.from_json(pathlib.Path(args.work_plan).read_text())
+    config = WorkerConfig(
+        host=args.host,
+        port=args.port,
+        worker_id=args.worker_id,
+        secret=_secret(args.secret_file),
+        batch_size=args.batch_size,
+        local_steps=args.local_steps,
+        lr_scale=args.lr_scale,
+        work_plan=work_plan,
+        bits=args.bits,
+        error_feedback=not args.no_error_feedback,
+        staleness_policy=args.staleness_policy,
+        pipeline=not args.no_pipeline,
+        eager_pulls=args.eager_pulls,
+        follow_hints=not args.ignore_hints,
+        max_steps=args.max_steps,
+        max_seconds=args.max_seconds,
+        until_version=args.until_version,
+        heterogeneity=_heterogeneity(args),
+        timeout=args.timeout,
+        seed=args.seed,
+        fail_after_steps=args.fail_after_steps,
+    )
+    _, batch_size, _, _ = config.planned()
+    seed = index if args.data_seed is None else args.data_seed
+    stream = train.batches(batch_size, seed=seed)
+
+    def loss_fn(params, batch):
+        return models.per_example_loss(params, graphdef, batch)
+
+    return Worker(
+        config,
+        loss_fn=loss_fn,
+        batches=stream.next,
+        local_optimizer=_local_optimizer(args),
+        metrics=metrics,
+        ssl=_ssl(args),
+    )
+
+
+def write_profile(args: argparse.Namespace, path: str | pathlib.Path) -> None:
+    """Profiles the flags' train step on this machine and writes the profile.
+
+    The injected slowdown in force at the start is applied to the measured step
+    times (``WorkerProfile.with_slowdown``), and an injected link cap or latency
+    gives the transfer estimate, so the plan sees the worker as it will train.
+    """
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    from hpsjax import models
+    from hpsjax.profiling import Link, TransferProfile, profile, tree_wire_nbytes
+
+    index, count = _shard(args)
+    train = _dataset(args).shard(count, index)
+    graphdef, params = models.split_model(_model(args, train))
+    stream = train.batches(1, seed=index)
+    optimizer = _local_optimizer(args) or optax.sgd(1.0)
+
+    def step(params, batch):
+        grads = jax.grad(lambda p: models.loss_fn(p, graphdef, batch))(params)
+        updates, _ = optimizer.update(grads, optimizer.init(params), params)
+        return optax.apply_updates(params, updates)
+
+    sizes = [int(s) for s in args.profile_batch_sizes.split(",") if s.strip()]
+    het = _heterogeneity(args)
+    bandwidth = het.bandwidth_at(0.0)
+    if bandwidth is not None:
+        transfer = Link(bandwidth=bandwidth, latency=het.latency)
+    elif het.latency > 0:
+        nbytes = tree_wire_nbytes(params)
+        transfer = TransferProfile(
+            round_trip_seconds=2 * het.latency,
+            push_seconds=het.latency,
+            pull_seconds=het.latency,
+            push_bytes=nbytes,
+            pull_bytes=nbytes,
+            method="estimated",
+        )
+    else:
+        transfer = None
+    measured = profile(
+        step,
+        params,
+        lambda b: jax.tree.map(jnp.asarray, stream.next(b)),
+        batch_sizes=sizes,
+        worker_id=args.worker_id,
+        transfer=transfer,
+    )
+    measured = measured.with_slowdown(het.slowdown_at(0.0))
+    pathlib.Path(path).write_text(measured.to_json())
+
+
+async def _serve(worker) -> Any:
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError):
+            loop.add_signal_handler(sig, worker.stop)
+    return await worker.run()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Console entry point ``hpsjax-worker``; returns the exit status."""
+    args = parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    log = logging.getLogger("hpsjax.worker")
+    try:
+        if args.write_init is not None:
+            write_init(args, args.write_init)
+            return 0
+        if args.profile_out is not None:
+            write_profile(args, args.profile_out)
+            return 0
+        sink = None
+        if args.metrics is not None:
+            from hpsjax.worker._runtime import JsonLinesSink
+
+            sink = JsonLinesSink(args.metrics)
+        worker = build_worker(args, metrics=sink)
+    except (ValueError, OSError) as e:
+        print(f"hpsjax-worker: {e}", file=sys.stderr)
+        return 2
+    runner = asyncio.run
+    if args.loop in ("auto", "uvloop"):
+        try:
+            import uvloop
+
+            runner = uvloop.run
+        except ImportError:
+            if args.loop == "uvloop":
+                print("hpsjax-worker: uvloop is not installed", file=sys.stderr)
+                return 2
+    try:
+        summary = runner(_serve(worker))
+    except Exception as e:
+        log.error("worker %s failed: %s: %s", args.worker_id, type(e).__name__, e)
+        return 1
+    finally:
+        if sink is not None:
+            sink.close()
+    print(f"hpsjax-worker done: {json.dumps(summary._asdict())}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

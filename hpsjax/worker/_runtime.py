@@ -1,0 +1,1329 @@
+r"""The worker runtime: pull, compute local steps, push, with transfers hidden.
+
+A worker trains one model against a parameter server (:class:`hpsjax.ps.Server`).
+Each **round** it takes :math:`H` local steps on the parameters of the version
+:math:`v` it pulled, then pushes a gradient-like update (the sign convention of
+:mod:`hpsjax.ps`):
+
+* without a local optimizer (``H = 1``) the update is the mean gradient
+  :math:`u = s \nabla \bar\ell(w_v)`, which the server's optimizer applies;
+* with one, the worker runs it for :math:`H` steps from :math:`w_v` and pushes the
+  pseudo-gradient :math:`u = w_v - w_H`, the negated sum that
+  :func:`hpsjax.transforms.local_steps` (or :func:`hpsjax.transforms.hybrid_stages`)
+  accumulates; the local steps are scaled by the plan's step-size scale
+  :math:`s`.
+
+**Pipeline (H-PS, PS+).** With ``pipeline=True`` the transfers of round
+:math:`r` travel while round :math:`r` computes: the push of round
+:math:`r - 1`'s update and, right behind it on the same connection, the pull of
+the parameters round :math:`r + 1` starts from (PS+'s *eager pull*: the worker
+starts its next round on the freshest parameters that arrived). Compute runs in a
+thread (JAX releases the GIL while it computes), so the event loop keeps moving
+bytes. An update is thus pushed one round after it was computed, and its staleness
+is at least 1; under BSP the round barrier becomes the wait for the pull, and
+round time is :math:`\max(\text{compute}, \text{transfer} + \text{barrier})`
+rather than their sum. With ``pipeline=False`` the worker computes, then pushes
+and pulls in one round trip (``push_pull``), all transfer time exposed.
+
+**Staleness-modulated step size (PS+).** With ``staleness_policy``, an update
+computed on version :math:`v` is scaled, when it is sent, by
+:math:`f(\hat\tau)` (:func:`hpsjax.transforms.staleness_factor`), where
+:math:`\hat\tau = V_\text{known} - v` and :math:`V_\text{known}` is the newest
+version the worker has heard of (from pulls and push acknowledgements), e.g.
+:math:`f(\hat\tau) = 1 / (1 + \hat\tau)` for ``"inverse_plus_one"``.
+
+**Compression.** With ``bits``, the update goes through
+:func:`hpsjax.transforms.quantize` with error feedback on the worker, and the
+push carries exactly the encoded bytes it kept (``last_encoded``), so the wire
+moves about ``bits / 32`` of the float32 bytes and the residual is applied once.
+
+**Following the server.** The worker reads the answers it gets: a
+``local_steps`` hint (ADSP, the hybrid policy's stages) sets :math:`H`; a
+``force_pull`` (SaPS) discards the round computed meanwhile and restarts the
+local accumulation on the fresh parameters; a ``plan`` hint (a re-planned
+:class:`~hpsjax.profiling.WorkPlan` entry: batch per device, local steps,
+step-size scale) changes its work from the next round. Barrier waits (BSP,
+SSP) need nothing: the server holds the pull's answer.
+
+**Heterogeneity.** A :class:`~hpsjax.worker.Heterogeneity` makes the worker
+slower (sleep :math:`(k-1) c` after a step that computed for :math:`c` s) and its
+link narrower (hold each message of :math:`n` bytes for :math:`\ell + n/B`).
+
+**Metrics.** After each round the worker hands one record (a flat dict of JSON
+values) to its metrics sink, e.g. :class:`JsonLinesSink`. Times are seconds;
+``time`` fields count from the start of :meth:`Worker.run`:
+
+================== ==========================================================
+``step``           round index (0, 1, ...)
+``time``           when the round started computing
+``version``        version of the parameters it computed on
+``batch_size``     samples per local step, ``device_batches`` per device
+``local_steps``    local steps taken; ``lr_scale`` the step-size scale
+``loss``           mean training loss over the round's local steps
+``compute_s``      seconds of real compute; ``compile_s`` of compiling
+``slowdown_s``     seconds slept to inject the slowdown
+``wait_s``         idle seconds: from the end of compute until the parameters
+                   for the next round were there
+``round_s``        seconds from the round's start until the next could start
+``transfer_s``     seconds the round's transfers took (push, pull, link delays,
+                   and any barrier wait in the pull), overlapped or not
+``link_delay_s``   of which injected by the bandwidth cap and latency
+``pull_start``,    when the pull for the next round was issued and answered
+``pull_end``
+``pushed_step``    the round whose update was pushed in this round's transfers
+                   (``step - 1`` with the pipeline), ``None`` if none
+``staleness``      its staleness as the server computed it; ``status``,
+                   ``weight`` and ``force_pull`` from its acknowledgement
+``staleness_estimate``, ``lr_factor``: :math:`\hat\tau` and :math:`f(\hat\tau)`
+``bytes_sent``,    bytes on the connection during the round's transfers
+``bytes_received``
+``pulled_version`` version of the parameters pulled for the next round
+``plan_revision``  revision of the plan hint in force, or ``None``
+================== ==========================================================
+
+The last record (``event: "final"``) carries the flush of the last update.
+
+References:
+  Xian, Li, Liu, Guo, Du, "H-PS: A Heterogeneous-Aware Parameter Server With
+  Distributed Neural Network Training", IEEE Access, 2021,
+  https://doi.org/10.1109/ACCESS.2021.3060154
+
+  Jin, Li, Liu, Yang, Yu, Li, "PS+: A Simple yet Effective Framework for Fast
+  Training on Parameter Server", IEEE TPDS 33(12), 2022,
+  https://doi.org/10.1109/TPDS.2022.3200518
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import dataclasses
+import io
+import json
+import logging
+import math
+import os
+import ssl as ssl_lib
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from hpsjax.worker._hetero import Heterogeneity, Injector
+
+__all__ = [
+    "JsonLinesSink",
+    "Worker",
+    "WorkerConfig",
+    "WorkerSummary",
+    "run_worker",
+    "summarize",
+]
+
+logger = logging.getLogger("hpsjax.worker")
+
+# Smoothing of the worker's own estimates of its compute and pull times, used to
+# decide whether another eager pull still fits inside the running compute.
+_EWMA_ALPHA = 0.3
+
+
+def _check_int(name: str, value: Any, low: int, *, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, int | np.integer):
+        raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+    if value < low:
+        raise ValueError(f"{name} must be an int >= {low}, got {value}")
+
+
+def _check_positive(name: str, value: Any, *, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or not math.isfinite(value)
+        or value <= 0
+    ):
+        raise ValueError(f"{name} must be a positive finite number, got {value!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerConfig:
+    """Settings of one worker (plain values; the command line makes one).
+
+    Args:
+      host: the parameter server's address.
+      port: its port.
+      worker_id: this worker's name (``str`` or ``int``), unique among workers.
+      secret: the shared secret (``str`` or ``bytes``), ``None`` for a server
+        without authentication.
+      batch_size: samples per local step, over all local devices; ignored when
+        ``work_plan`` has an entry for this worker.
+      device_batches: samples per local step on each local device (sums to the
+        batch), ``None`` to split ``batch_size`` evenly.
+      local_steps: :math:`H`, local steps per push (needs a local optimizer
+        when > 1); the server's hints override it.
+      lr_scale: factor on the step size of this worker's updates.
+      work_plan: a :class:`~hpsjax.profiling.WorkPlan` whose entry for
+        ``worker_id`` sets the batch per device, local steps and step-size scale.
+      bits: quantize pushes to this many bits: 1 (scaled sign), 2, 4, 8 or 16
+        (uniform levels), ``None`` to push float32.
+      stochastic: stochastic rounding in the quantizer; ``None`` for the
+        scheme's default (stochastic for 2 to 16 bits, nearest for the sign).
+      error_feedback: carry the quantization residual to the next push.
+      staleness_policy: a :data:`hpsjax.transforms.STALENESS_POLICIES` name
+        (e.g. ``"inverse_plus_one"``) to scale each update by :math:`f(\\hat\\tau)`
+        on this side (PS+), ``None`` for no scaling.
+      pipeline: overlap the previous push and the next pull with compute.
+      eager_pulls: pulls per round at most: with more than 1, the worker pulls
+        again while a pull answered early leaves time before compute ends, so it
+        starts the next round on fresher parameters.
+      follow_hints: obey the server's ``local_steps`` and ``plan`` hints.
+      max_steps: rounds to run (each ends with a push), ``None`` for no limit.
+      max_seconds: stop starting rounds after this many seconds.
+      until_version: stop once pulled parameters reach this version.
+      heterogeneity: injected slowdown and link limits.
+      timeout: seconds any single request may take (``None``: no limit). Under
+        BSP the pull waits for the slowest worker, so keep it above a round.
+      seed: seed of the quantizer's random rounding.
+      fail_after_steps: fault injection: raise ``RuntimeError`` after this many
+        rounds (to exercise how the server and launcher handle a dying worker).
+
+    Raises:
+      ValueError: a bad value (checked here, before anything runs).
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 0
+    worker_id: str | int = 0
+    secret: str | bytes | None = None
+    batch_size: int = 32
+    device_batches: tuple[int, ...] | None = None
+    local_steps: int = 1
+    lr_scale: float = 1.0
+    work_plan: Any = None
+    bits: int | None = None
+    stochastic: bool | None = None
+    error_feedback: bool = True
+    staleness_policy: str | None = None
+    pipeline: bool = True
+    eager_pulls: int = 1
+    follow_hints: bool = True
+    max_steps: int | None = None
+    max_seconds: float | None = None
+    until_version: int | None = None
+    heterogeneity: Heterogeneity = dataclasses.field(default_factory=Heterogeneity)
+    timeout: float | None = 600.0
+    seed: int = 0
+    fail_after_steps: int | None = None
+
+    def __post_init__(self):
+        if not isinstance(self.host, str) or not self.host:
+            raise ValueError(f"host must be a non-empty str, got {self.host!r}")
+        _check_int("port", self.port, 0)
+        if self.port > 65535:
+            raise ValueError(f"port must be below 65536, got {self.port}")
+        if isinstance(self.worker_id, bool) or not isinstance(
+            self.worker_id, str | int
+        ):
+            raise ValueError(f"worker_id must be a str or int, got {self.worker_id!r}")
+        _check_int("batch_size", self.batch_size, 1)
+        if self.device_batches is not None:
+            batches = tuple(self.device_batches)
+            for b in batches:
+                _check_int("device_batches entry", b, 1)
+            if not batches:
+                raise ValueError("device_batches is empty")
+            object.__setattr__(self, "device_batches", batches)
+        _check_int("local_steps", self.local_steps, 1)
+        _check_positive("lr_scale", self.lr_scale)
+        if self.work_plan is not None:
+            from hpsjax.profiling import WorkPlan
+
+            if not isinstance(self.work_plan, WorkPlan):
+                raise ValueError(
+                    f"work_plan must be a WorkPlan, got {type(self.work_plan).__name__}"
+                )
+            self.work_plan.worker(self.worker_id)
+        if self.bits is not None and (
+            isinstance(self.bits, bool) or self.bits not in (1, 2, 4, 8, 16)
+        ):
+            raise ValueError(f"bits must be 1, 2, 4, 8, 16 or None, got {self.bits!r}")
+        if self.stochastic is not None and not isinstance(self.stochastic, bool):
+            raise ValueError(f"stochastic must be a bool or None: {self.stochastic!r}")
+        if self.staleness_policy is not None:
+            from hpsjax.transforms import STALENESS_POLICIES
+
+            if self.staleness_policy not in STALENESS_POLICIES:
+                raise ValueError(
+                    f"unknown staleness_policy {self.staleness_policy!r}; valid: "
+                    f"{sorted(STALENESS_POLICIES)}"
+                )
+        _check_int("eager_pulls", self.eager_pulls, 1)
+        _check_int("max_steps", self.max_steps, 1, allow_none=True)
+        _check_positive("max_seconds", self.max_seconds, allow_none=True)
+        _check_int("until_version", self.until_version, 1, allow_none=True)
+        if not isinstance(self.heterogeneity, Heterogeneity):
+            raise ValueError("heterogeneity must be a Heterogeneity")
+        _check_positive("timeout", self.timeout, allow_none=True)
+        _check_int("seed", self.seed, 0)
+        _check_int("fail_after_steps", self.fail_after_steps, 1, allow_none=True)
+
+    def planned(self) -> tuple[tuple[int, ...] | None, int, int, float]:
+        """``(device_batches, batch_size, local_steps, lr_scale)`` to start with."""
+        if self.work_plan is not None:
+            entry = self.work_plan.worker(self.worker_id)
+            return (
+                tuple(d.batch_size for d in entry.devices),
+                entry.batch_size,
+                entry.local_steps,
+                entry.lr_scale,
+            )
+        return self.device_batches, self.batch_size, self.local_steps, self.lr_scale
+
+
+class WorkerSummary(NamedTuple):
+    """What a worker did, returned by :meth:`Worker.run`.
+
+    Attributes:
+      worker_id: the worker.
+      steps: rounds computed.
+      pushes: updates pushed.
+      local_steps: local steps taken in all.
+      version: the newest server version the worker heard of.
+      loss: the mean training loss of its last round, or ``None``.
+      elapsed: seconds the run took.
+      compute_s: seconds of real compute.
+      slowdown_s: seconds slept to inject slowness.
+      wait_s: seconds idle, waiting for parameters.
+      transfer_s: seconds of transfers, overlapped or not.
+      bytes_sent: bytes written to the server.
+      bytes_received: bytes read from it.
+      discarded: rounds whose update was discarded on the server's request.
+      rejoins: times the worker was dropped by the server and joined again.
+      ended_by: why it stopped: ``"max_steps"``, ``"max_seconds"``,
+        ``"until_version"``, ``"stopped"`` or ``"server"`` (the server shut down).
+    """
+
+    worker_id: str | int
+    steps: int
+    pushes: int
+    local_steps: int
+    version: int
+    loss: float | None
+    elapsed: float
+    compute_s: float
+    slowdown_s: float
+    wait_s: float
+    transfer_s: float
+    bytes_sent: int
+    bytes_received: int
+    discarded: int
+    rejoins: int
+    ended_by: str
+
+
+class JsonLinesSink:
+    """A metrics sink writing one JSON object per line, flushed at once.
+
+    Args:
+      target: a path (the file is created, or appended to), or a text file
+        object (not closed by :meth:`close`).
+
+    Examples:
+      >>> import io
+      >>> out = io.StringIO()
+      >>> sink = JsonLinesSink(out)
+      >>> sink({"step": 0, "loss": 2.3})
+      >>> out.getvalue()
+      '{"step": 0, "loss": 2.3}\\n'
+    """
+
+    def __init__(self, target: str | os.PathLike | io.TextIOBase):
+        if isinstance(target, str | os.PathLike):
+            self._file = open(target, "a", encoding="utf-8")  # noqa: SIM115
+            self._owned = True
+        elif hasattr(target, "write"):
+            self._file = target
+            self._owned = False
+        else:
+            raise ValueError(
+                f"target must be a path or a text file, got {type(target).__name__}"
+            )
+
+    def __call__(self, record: Mapping[str, Any]) -> None:
+        self._file.write(json.dumps(record, allow_nan=False) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        """Closes the file if this sink opened it; idempotent."""
+        if self._owned and not self._file.closed:
+            self._file.close()
+
+    def __enter__(self) -> JsonLinesSink:
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.close()
+
+
+def summarize(records: Sequence[Mapping[str, Any]]) -> dict[str, float]:
+    r"""Idle fraction and transfer overlap of a worker's (or workers') rounds.
+
+    .. math::
+
+      \text{idle} = \frac{\sum_r \text{wait}_r}{\sum_r \text{round}_r}, \qquad
+      \text{overlap} = 1 - \frac{\sum_r \text{wait}_r}{\sum_r \text{transfer}_r},
+
+    the overlap being the share of transfer time hidden behind compute (clipped to
+    ``[0, 1]``; meaningful without barrier waits, which also count as transfer).
+
+    Args:
+      records: metrics records of :class:`Worker` (``"round"`` events are used).
+
+    Returns:
+      ``{"rounds", "idle_fraction", "overlap", "compute_s", "slowdown_s",
+      "wait_s", "transfer_s", "round_s"}``.
+
+    Raises:
+      ValueError: no round records.
+    """
+    rounds = [r for r in records if r.get("event") == "round"]
+    if not rounds:
+        raise ValueError("no round records to summarize")
+    total = {
+        k: float(sum(r[k] for r in rounds))
+        for k in ("compute_s", "slowdown_s", "wait_s", "transfer_s", "round_s")
+    }
+    idle = total["wait_s"] / total["round_s"] if total["round_s"] > 0 else 0.0
+    overlap = (
+        min(max(1.0 - total["wait_s"] / total["transfer_s"], 0.0), 1.0)
+        if total["transfer_s"] > 0
+        else 1.0
+    )
+    return {
+        "rounds": float(len(rounds)),
+        "idle_fraction": idle,
+        "overlap": overlap,
+        **total,
+    }
+
+
+class _Settings(NamedTuple):
+    device_batches: tuple[int, ...]
+    local_steps: int
+    lr_scale: float
+    plan_revision: int | None
+
+
+class _Computed(NamedTuple):
+    update: Any  # tree like params, float (device arrays)
+    version: int
+    loss: float
+    local_steps: int
+    batch_size: int
+    compute_s: float
+    slowdown_s: float
+    compile_s: float
+
+
+class _Prepared(NamedTuple):
+    update: Any  # numpy tree, or a ShapeDtypeStruct tree when `encoded` is set
+    encoded: Any  # tree of Encoded, or None
+    nbytes: int
+    staleness_estimate: int
+    lr_factor: float
+
+
+class _Comm(NamedTuple):
+    params: Any
+    version: int
+    ack: Any  # PushResult or None
+    transfer_s: float
+    link_delay_s: float
+    pull_start: float | None
+    pull_end: float | None
+    pulls: int
+    bytes_sent: int
+    bytes_received: int
+    rejoined: bool
+
+
+def _scale_by_lr_scale() -> optax.GradientTransformationExtraArgs:
+    """Scales updates by the keyword extra argument ``lr_scale`` (default 1)."""
+
+    def init_fn(params):
+        del params
+        return optax.EmptyState()
+
+    def update_fn(updates, state, params=None, *, lr_scale=None, **extra_args):
+        del params, extra_args
+        if lr_scale is not None:
+            updates = jax.tree.map(
+                lambda u: u * jnp.asarray(lr_scale, u.dtype), updates
+            )
+        return updates, state
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _split_evenly(total: int, parts: int) -> tuple[int, ...]:
+    base, extra = divmod(total, parts)
+    return tuple(base + (1 if i < extra else 0) for i in range(parts))
+
+
+def _tree_nbytes(tree: Any) -> int:
+    return int(sum(np.asarray(x).nbytes for x in jax.tree.leaves(tree)))
+
+
+class Worker:
+    """One worker: connects, trains in rounds, pushes, and reports metrics.
+
+    Args:
+      config: the :class:`WorkerConfig`.
+      loss_fn: ``loss_fn(params, batch)`` returning the per-example losses, shape
+        ``(b,)`` (e.g. ``functools.partial(hpsjax.models.per_example_loss,
+        graphdef=g)`` with the arguments reordered); the worker minimises their
+        mean.
+      batches: ``batches(n)`` returning the next batch of ``n`` examples (a
+        pytree with a leading axis of ``n``), e.g. ``stream.next`` of a
+        :class:`hpsjax.data.BatchStream`. Called from the compute thread.
+      local_optimizer: an optax transform for local steps, in which case the
+        worker pushes pseudo-gradients; ``None`` to push gradients (``H = 1``).
+      stages: ``hpsjax.transforms.Stage`` s for a staged local optimizer
+        (:func:`hpsjax.transforms.hybrid_stages`, ASHL); excludes
+        ``local_optimizer``. The current stage sets :math:`H`.
+      metrics: a callable taking each record (a dict), e.g.
+        :class:`JsonLinesSink`, or ``None``.
+      devices: local JAX devices to compute on, one per entry of the batch
+        split; the first ``len(device_batches)`` local devices by default.
+      ssl: an ``ssl.SSLContext`` for a TLS connection, or ``None``.
+      client: a ``hpsjax.ps.Client`` to use instead of making one from the
+        config (it is connected by :meth:`run` if it is not yet).
+
+    Raises:
+      ValueError: inconsistent arguments (for example local steps without a
+        local optimizer, or more device batches than devices).
+
+    Examples:
+      Train against a server on this machine::
+
+        worker = Worker(WorkerConfig(port=port, worker_id="w0", max_steps=100),
+                        loss_fn=loss_fn, batches=stream.next,
+                        local_optimizer=optax.sgd(0.1),
+                        metrics=JsonLinesSink("w0.jsonl"))
+        summary = asyncio.run(worker.run())
+    """
+
+    def __init__(
+        self,
+        config: WorkerConfig,
+        *,
+        loss_fn: Callable[[Any, Any], jax.Array],
+        batches: Callable[[int], Any],
+        local_optimizer: optax.GradientTransformation | None = None,
+        stages: Sequence[Any] | None = None,
+        metrics: Callable[[dict], None] | None = None,
+        devices: Sequence[jax.Device] | None = None,
+        ssl: ssl_lib.SSLContext | None = None,
+        client: Any = None,
+    ):
+        if not isinstance(config, WorkerConfig):
+            raise ValueError(f"config must be a WorkerConfig, got {type(config)}")
+        if not callable(loss_fn) or not callable(batches):
+            raise ValueError("loss_fn and batches must be callable")
+        if metrics is not None and not callable(metrics):
+            raise ValueError("metrics must be callable or None")
+        if local_optimizer is not None and stages is not None:
+            raise ValueError("give local_optimizer or stages, not both")
+        device_batches, batch_size, local_steps, lr_scale = config.planned()
+        if device_batches is None:
+            n = 1 if devices is None else len(devices)
+            device_batches = _split_evenly(batch_size, n)
+        if sum(device_batches) != batch_size:
+            raise ValueError(
+                f"device_batches {device_batches} do not sum to batch_size "
+                f"{batch_size}"
+            )
+        local = jax.local_devices()
+        if devices is None:
+            if len(device_batches) > len(local):
+                raise ValueError(
+                    f"{len(device_batches)} device batches but only {len(local)} "
+                    "local devices"
+                )
+            devices = local[: len(device_batches)]
+        devices = list(devices)
+        if len(devices) != len(device_batches):
+            raise ValueError(
+                f"{len(device_batches)} device batches for {len(devices)} devices"
+            )
+        self._pushes_gradients = local_optimizer is None and stages is None
+        if self._pushes_gradients and local_steps != 1:
+            raise ValueError(
+                f"local_steps={local_steps} needs a local optimizer (or stages): "
+                "a worker without one pushes one gradient per round"
+            )
+        self._config = config
+        self._loss_fn = loss_fn
+        self._batches = batches
+        self._metrics = metrics
+        self._devices = devices
+        self._ssl = ssl
+        self._client = client
+        self._stages = None if stages is None else tuple(stages)
+        self._tx = self._make_transform(local_optimizer, self._stages)
+        self._injector = Injector(config.heterogeneity)
+        self._device_batches = tuple(int(b) for b in device_batches)
+        self._local_steps = int(local_steps)
+        self._lr_scale = float(lr_scale)
+        self._plan_revision: int | None = None
+        self._hinted_steps: int | None = None
+        self._round_start = time.monotonic()
+        self._apply = None
+        self._known_version = 0
+        self._opt_state = None
+        self._quantizer = None
+        self._q_state = None
+        self._codec = None
+        self._spec_like = None
+        self._compiled: dict[tuple, Any] = {}
+        self._stop = asyncio.Event()
+        self._compute_ewma: float | None = None
+        self._pull_ewma: float | None = None
+        self._t0 = time.monotonic()
+
+    # ------------------------------------------------------------ set-up
+
+    @staticmethod
+    def _make_transform(local_optimizer, stages):
+        from hpsjax.transforms import Stage, hybrid_stages, local_steps
+
+        if stages is not None:
+            if not stages or not all(isinstance(s, Stage) for s in stages):
+                raise ValueError("stages must be a non-empty list of Stage")
+            scaled = [
+                dataclasses.replace(
+                    s, transform=optax.chain(s.transform, _scale_by_lr_scale())
+                )
+                for s in stages
+            ]
+            return hybrid_stages(scaled)
+        if local_optimizer is None:
+            return None
+        if not isinstance(local_optimizer, optax.GradientTransformation):
+            raise ValueError("local_optimizer must be an optax GradientTransformation")
+        return optax.chain(local_optimizer, _scale_by_lr_scale(), local_steps(1))
+
+    def _make_quantizer(self):
+        from hpsjax.transforms import Codec, quantize
+
+        bits = self._config.bits
+        scheme = "sign" if bits == 1 else "uniform"
+        # The transform builds its codec from the same arguments; the wire needs
+        # it to describe the bytes the transform kept.
+        self._codec = Codec(scheme, bits, stochastic=self._config.stochastic)
+        self._quantizer = quantize(
+            bits,
+            scheme=scheme,
+            stochastic=self._config.stochastic,
+            error_feedback=self._config.error_feedback,
+            seed=self._config.seed,
+        )
+        self._quantize_update = jax.jit(self._quantizer.update)
+
+    @property
+    def config(self) -> WorkerConfig:
+        """The configuration."""
+        return self._config
+
+    def stop(self) -> None:
+        """Asks :meth:`run` to end after the current round (thread-unsafe; call
+        it on the worker's event loop, e.g. from a signal handler)."""
+        self._stop.set()
+
+    def _elapsed(self) -> float:
+        return time.monotonic() - self._t0
+
+    # ------------------------------------------------------------ settings
+
+    def _follow_hints(self, hints: Mapping[str, Any]) -> None:
+        if not self._config.follow_hints:
+            return
+        plan = hints.get("plan")
+        if plan is not None:
+            self._apply_plan_hint(plan)
+        steps = hints.get("local_steps")
+        if steps is not None and self._stages is None:
+            if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+                from hpsjax.ps import ProtocolError
+
+                raise ProtocolError(f"bad local_steps hint from the server: {steps!r}")
+            if self._pushes_gradients:
+                if steps != 1 and steps != self._local_steps:
+                    logger.warning(
+                        "worker %s pushes gradients and ignores the server's hint "
+                        "of %d local steps (give it a local optimizer)",
+                        self._config.worker_id,
+                        steps,
+                    )
+            self._hinted_steps = steps
+
+    def _apply_plan_hint(self, plan: Any) -> None:
+        from hpsjax.ps import ProtocolError
+
+        if not isinstance(plan, Mapping):
+            raise ProtocolError(f"bad plan hint from the server: {plan!r}")
+        revision = plan.get("revision")
+        if isinstance(revision, bool) or not isinstance(revision, int):
+            raise ProtocolError(f"plan hint without an int revision: {plan!r}")
+        if self._plan_revision is not None and revision <= self._plan_revision:
+            return
+        batches = plan.get("device_batches")
+        if batches is None and "batch_size" in plan:
+            size = plan["batch_size"]
+            if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+                raise ProtocolError(f"bad batch_size in plan hint: {size!r}")
+            batches = _split_evenly(size, len(self._devices))
+        if batches is not None:
+            if (
+                not isinstance(batches, Sequence)
+                or len(batches) != len(self._devices)
+                or not all(
+                    isinstance(b, int) and not isinstance(b, bool) and b >= 1
+                    for b in batches
+                )
+            ):
+                raise ProtocolError(
+                    f"plan hint's device_batches {batches!r} do not fit this "
+                    f"worker's {len(self._devices)} device(s)"
+                )
+            self._device_batches = tuple(batches)
+        scale = plan.get("lr_scale")
+        if scale is not None:
+            if (
+                isinstance(scale, bool)
+                or not isinstance(scale, int | float)
+                or not (math.isfinite(scale) and scale > 0)
+            ):
+                raise ProtocolError(f"bad lr_scale in plan hint: {scale!r}")
+            self._lr_scale = float(scale)
+        steps = plan.get("local_steps")
+        if steps is not None and not self._pushes_gradients and self._stages is None:
+            if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+                raise ProtocolError(f"bad local_steps in plan hint: {steps!r}")
+            self._local_steps = steps
+        self._plan_revision = revision
+        logger.info(
+            "worker %s follows plan revision %d: batches %s, lr scale %.3g",
+            self._config.worker_id,
+            revision,
+            self._device_batches,
+            self._lr_scale,
+        )
+
+    def _settings(self) -> _Settings:
+        steps = self._local_steps
+        if self._hinted_steps is not None:
+            steps = self._hinted_steps
+        if self._pushes_gradients:
+            steps = 1
+        return _Settings(self._device_batches, steps, self._lr_scale, self._plan_revision)
+
+    # ------------------------------------------------------------ compute
+
+    def _step_fn(self):
+        loss_fn, tx = self._loss_fn, self._tx
+
+        def mean_loss(params, batch):
+            return jnp.mean(loss_fn(params, batch))
+
+        if tx is None:
+
+            def grad_step(params, batch, lr_scale):
+                loss, grads = jax.value_and_grad(mean_loss)(params, batch)
+                return jax.tree.map(lambda g: g * lr_scale.astype(g.dtype), grads), loss
+
+            return grad_step
+
+        def local_step(params, opt_state, batch, lr_scale, local_steps):
+            loss, grads = jax.value_and_grad(mean_loss)(params, batch)
+            updates, opt_state = tx.update(
+                grads,
+                opt_state,
+                params,
+                lr_scale=lr_scale,
+                local_steps=local_steps,
+                loss=loss,
+            )
+            return optax.apply_updates(params, updates), opt_state, loss
+
+        return local_step
+
+    def _apply_fn(self):
+        tx = self._tx
+
+        def apply(params, opt_state, grads, loss, lr_scale, local_steps):
+            updates, opt_state = tx.update(
+                grads,
+                opt_state,
+                params,
+                lr_scale=lr_scale,
+                local_steps=local_steps,
+                loss=loss,
+            )
+            return optax.apply_updates(params, updates), opt_state
+
+        return jax.jit(apply)
+
+    def _compiled_step(self, args: tuple) -> tuple[Any, float]:
+        """The AOT-compiled step for these argument shapes, and seconds compiling.
+
+        Compiling ahead keeps compile time out of ``compute_s``, so a slowdown
+        factor never multiplies it.
+        """
+        key = tuple(
+            (tuple(x.shape), str(x.dtype)) for x in jax.tree.leaves(args[-3:])
+        )
+        compiled = self._compiled.get(key)
+        if compiled is not None:
+            return compiled, 0.0
+        t = time.perf_counter()
+        compiled = jax.jit(self._step_fn()).lower(*args).compile()
+        self._compiled[key] = compiled
+        return compiled, time.perf_counter() - t
+
+    def _next_batches(self, settings: _Settings) -> list[Any]:
+        total = sum(settings.device_batches)
+        batch = self._batches(total)
+        if len(settings.device_batches) == 1:
+            return [batch]
+        bounds = np.cumsum((0, *settings.device_batches))
+        return [
+            jax.tree.map(lambda x, a=a, b=b: x[a:b], batch)
+            for a, b in zip(bounds[:-1], bounds[1:], strict=True)
+        ]
+
+    def _compute_round(self, params: Any, version: int, settings: _Settings):
+        """Runs one round of local steps; called in the compute thread."""
+        from hpsjax.profiling import multi_device_grad
+        from hpsjax.transforms import pending_update, push_due
+
+        home = self._devices[0]
+        local = jax.device_put(params, home)
+        lr_scale = jnp.asarray(settings.lr_scale, jnp.float32)
+        steps_arg = jnp.asarray(settings.local_steps, jnp.int32)
+        compute = slowdown = compile_s = 0.0
+        losses = []
+        steps = 0
+        multi = len(self._devices) > 1
+        while True:
+            batches = self._next_batches(settings)
+            if multi:
+                t = time.perf_counter()
+                loss, grads = multi_device_grad(
+                    self._loss_fn, local, batches, self._devices
+                )
+                if self._tx is None:
+                    update = jax.tree.map(lambda g: g * settings.lr_scale, grads)
+                else:
+                    local, self._opt_state = self._apply(
+                        local, self._opt_state, grads, loss, lr_scale, steps_arg
+                    )
+                jax.block_until_ready((local, loss))
+            else:
+                batch = jax.device_put(batches[0], home)
+                if self._tx is None:
+                    args = (local, batch, lr_scale)
+                else:
+                    args = (local, self._opt_state, batch, lr_scale, steps_arg)
+                step, compile_time = self._compiled_step(args)
+                compile_s += compile_time
+                t = time.perf_counter()
+                if self._tx is None:
+                    update, loss = step(*args)
+                    jax.block_until_ready(update)
+                else:
+                    local, self._opt_state, loss = step(*args)
+                    jax.block_until_ready(local)
+            spent = time.perf_counter() - t
+            compute += spent
+            slowdown += self._injector.after_compute(spent)
+            losses.append(float(loss))
+            steps += 1
+            if self._tx is None or bool(push_due(self._opt_state)):
+                break
+        if self._tx is not None:
+            update = jax.tree.map(jnp.negative, pending_update(self._opt_state))
+        return _Computed(
+            update=update,
+            version=version,
+            loss=float(np.mean(losses)),
+            local_steps=steps,
+            batch_size=sum(settings.device_batches),
+            compute_s=compute,
+            slowdown_s=slowdown,
+            compile_s=compile_s,
+        )
+
+    def _prepare(self, computed: _Computed) -> _Prepared:
+        """Scales an update by its staleness estimate and encodes it for the wire.
+
+        Runs in the encoding thread right before the push, so the estimate uses
+        the newest version heard of, and the quantizer's residual is updated only
+        for an update that is sent.
+        """
+        from hpsjax.transforms import last_encoded, staleness_factor
+
+        update = computed.update
+        tau = max(0, self._known_version - computed.version)
+        factor = 1.0
+        if self._config.staleness_policy is not None:
+            factor = float(staleness_factor(self._config.staleness_policy, tau))
+            update = jax.tree.map(lambda u: u * jnp.asarray(factor, u.dtype), update)
+        if self._quantizer is None:
+            host = jax.device_get(update)
+            host = jax.tree.map(np.asarray, host)
+            return _Prepared(host, None, _tree_nbytes(host), tau, factor)
+        _, self._q_state = self._quantize_update(update, self._q_state)
+        leaves = jax.device_get(last_encoded(self._q_state))
+        encoded = jax.tree.unflatten(jax.tree.structure(self._spec_like), leaves)
+        nbytes = sum(e.codes.nbytes + e.scales.nbytes for e in leaves)
+        return _Prepared(self._spec_like, encoded, int(nbytes), tau, factor)
+
+    # ------------------------------------------------------------ transfers
+
+    def _note_version(self, version: int) -> None:
+        self._known_version = max(self._known_version, int(version))
+
+    async def _push(self, method, computed: _Computed, prepared: _Prepared):
+        """Calls ``method`` (``client.push`` or ``client.push_pull``) on an update."""
+        fields = dict(
+            version=computed.version,
+            step_time=computed.compute_s + computed.slowdown_s,
+            num_samples=computed.batch_size * computed.local_steps,
+            local_steps=computed.local_steps,
+            loss=computed.loss,
+        )
+        if prepared.encoded is not None:
+            fields.update(codec=self._codec, encoded=prepared.encoded)
+        return await method(prepared.update, **fields)
+
+    async def _communicate(
+        self,
+        client,
+        computed: _Computed | None,
+        *,
+        pull: bool,
+        compute_done: asyncio.Event | None,
+        encoder: concurrent.futures.Executor,
+        record: dict,
+    ) -> _Comm:
+        """Pushes ``computed`` (if any), then pulls; one round's transfers."""
+        from hpsjax.ps import WorkerDropped
+
+        loop = asyncio.get_running_loop()
+        start = time.monotonic()
+        sent0, received0 = client.bytes_sent, client.bytes_received
+        link = 0.0
+        ack = None
+        params = version = None
+        pull_start = pull_end = None
+        pulls = 0
+        rejoined = False
+        try:
+            if computed is not None:
+                prepared = await loop.run_in_executor(
+                    encoder, self._prepare, computed
+                )
+                record["staleness_estimate"] = prepared.staleness_estimate
+                record["lr_factor"] = prepared.lr_factor
+                link += await self._injector.transfer(prepared.nbytes)
+                if pull and not self._config.pipeline:
+                    pull_start = self._elapsed()
+                    ack, params, version = await self._push(
+                        client.push_pull, computed, prepared
+                    )
+                    pulls = 1
+                    pull_end = self._elapsed()
+                elif pull:
+                    # The push frame goes out first on the connection, so the
+                    # server sees the update before the pull that follows it.
+                    push_task = asyncio.ensure_future(
+                        self._push(client.push, computed, prepared)
+                    )
+                    pull_start = self._elapsed()
+                    pull_task = asyncio.ensure_future(client.pull())
+                    try:
+                        ack = await push_task
+                        params, version = await pull_task
+                    finally:
+                        for task in (push_task, pull_task):
+                            if not task.done():
+                                task.cancel()
+                        await asyncio.gather(push_task, pull_task, return_exceptions=True)
+                    pulls = 1
+                    pull_end = self._elapsed()
+                else:
+                    ack = await self._push(client.push, computed, prepared)
+                if ack is not None:
+                    self._note_version(ack.version)
+            elif pull:
+                pull_start = self._elapsed()
+                params, version = await client.pull()
+                pulls = 1
+                pull_end = self._elapsed()
+            if pull:
+                self._note_version(version)
+                link += await self._injector.transfer(_tree_nbytes(params))
+                pulls, params, version, extra = await self._pull_again(
+                    client, pulls, params, version, compute_done
+                )
+                link += extra
+                pull_end = self._elapsed()
+        except WorkerDropped as error:
+            logger.warning(
+                "worker %s was dropped by the server (%s); joining again",
+                self._config.worker_id,
+                error,
+            )
+            rejoined = True
+            ack = None
+            pull_start = self._elapsed()
+            params, version = await client.pull()
+            self._note_version(version)
+            pulls += 1
+            pull_end = self._elapsed()
+        return _Comm(
+            params=params,
+            version=version,
+            ack=ack,
+            transfer_s=time.monotonic() - start,
+            link_delay_s=link,
+            pull_start=pull_start,
+            pull_end=pull_end,
+            pulls=pulls,
+            bytes_sent=client.bytes_sent - sent0,
+            bytes_received=client.bytes_received - received0,
+            rejoined=rejoined,
+        )
+
+    async def _pull_again(self, client, pulls, params, version, compute_done):
+        """Pulls again while the running compute leaves time for a round trip."""
+        link = 0.0
+        while (
+            pulls < self._config.eager_pulls
+            and compute_done is not None
+            and not compute_done.is_set()
+            and self._pull_ewma is not None
+            and self._compute_ewma is not None
+        ):
+            remaining = self._compute_ewma - (time.monotonic() - self._round_start)
+            if remaining < 2.0 * self._pull_ewma:
+                break
+            t = time.monotonic()
+            fresh, fresh_version = await client.pull()
+            self._pull_ewma += _EWMA_ALPHA * (time.monotonic() - t - self._pull_ewma)
+            pulls += 1
+            link += await self._injector.transfer(_tree_nbytes(fresh))
+            if fresh_version >= version:
+                params, version = fresh, fresh_version
+                self._note_version(version)
+        return pulls, params, version, link
+
+    # ------------------------------------------------------------ the loop
+
+    def _make_client(self):
+        from hpsjax.ps import Client
+
+        return Client(
+            self._config.host,
+            self._config.port,
+            worker_id=self._config.worker_id,
+            secret=self._config.secret,
+            ssl=self._ssl,
+            timeout=self._config.timeout,
+            seed=self._config.seed,
+        )
+
+    def _emit(self, record: dict) -> None:
+        if self._metrics is not None:
+            self._metrics(record)
+
+    def _ended_by(self, steps: int, version: int) -> str | None:
+        config = self._config
+        if self._stop.is_set():
+            return "stopped"
+        if config.max_steps is not None and steps >= config.max_steps:
+            return "max_steps"
+        if config.max_seconds is not None and self._elapsed() >= config.max_seconds:
+            return "max_seconds"
+        if config.until_version is not None and version >= config.until_version:
+            return "until_version"
+        return None
+
+    async def run(self) -> WorkerSummary:
+        """Connects, trains until a stop condition, flushes the last push, closes.
+
+        Cancelling is safe: the connection is closed and the compute threads
+        are left to finish their current step.
+
+        Returns:
+          A :class:`WorkerSummary`.
+
+        Raises:
+          hpsjax.ps.HpsError: the connection failed or the server refused an
+            update (ShuttingDown ends the run normally instead).
+          RuntimeError: ``fail_after_steps`` was reached.
+        """
+        from hpsjax.ps import ShuttingDown
+
+        self._stop.clear()
+        self._t0 = time.monotonic()
+        self._injector.start()
+        client = self._client if self._client is not None else self._make_client()
+        if client.closed:
+            await client.connect()
+        computer = concurrent.futures.ThreadPoolExecutor(1, "hpsjax-compute")
+        encoder = concurrent.futures.ThreadPoolExecutor(1, "hpsjax-encode")
+        totals = dict(
+            steps=0, pushes=0, local_steps=0, compute_s=0.0, slowdown_s=0.0,
+            wait_s=0.0, transfer_s=0.0, bytes_sent=0, bytes_received=0,
+            discarded=0, rejoins=0,
+        )  # fmt: skip
+        loss = None
+        ended_by = "stopped"
+        try:
+            ended_by, loss = await self._train(client, computer, encoder, totals)
+        except ShuttingDown:
+            ended_by = "server"
+            logger.info("worker %s: the server shut down", self._config.worker_id)
+        finally:
+            computer.shutdown(wait=False, cancel_futures=True)
+            encoder.shutdown(wait=False, cancel_futures=True)
+            with contextlib.suppress(Exception):
+                await client.close()
+        return WorkerSummary(
+            worker_id=self._config.worker_id,
+            version=self._known_version,
+            loss=loss,
+            elapsed=self._elapsed(),
+            ended_by=ended_by,
+            **totals,
+        )
+
+    def _initialise(self, params: Any) -> None:
+        home = self._devices[0]
+        device_params = jax.device_put(params, home)
+        self._spec_like = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params
+        )
+        if self._tx is not None:
+            self._opt_state = self._tx.init(device_params)
+            if len(self._devices) > 1:
+                self._apply = self._apply_fn()
+        if self._config.bits is not None:
+            self._make_quantizer()
+            self._q_state = self._quantizer.init(device_params)
+
+    async def _train(self, client, computer, encoder, totals):
+        loop = asyncio.get_running_loop()
+        config = self._config
+        join_start = self._elapsed()
+        params, version = await client.pull()
+        self._note_version(version)
+        await self._injector.transfer(_tree_nbytes(params))
+        logger.info(
+            "worker %s joined at version %d after %.2fs",
+            config.worker_id,
+            version,
+            self._elapsed() - join_start,
+        )
+        self._initialise(params)
+        self._follow_hints(client.hints)
+        pending: _Computed | None = None
+        loss = None
+        step = 0
+        while True:
+            ended_by = self._ended_by(step, version)
+            if ended_by is not None:
+                break
+            settings = self._settings()
+            record: dict[str, Any] = {
+                "event": "round",
+                "worker": config.worker_id,
+                "step": step,
+                "time": self._elapsed(),
+                "version": version,
+                "batch_size": sum(settings.device_batches),
+                "device_batches": list(settings.device_batches),
+                "lr_scale": settings.lr_scale,
+                "plan_revision": settings.plan_revision,
+                "staleness_estimate": None,
+                "lr_factor": None,
+            }
+            self._round_start = time.monotonic()
+            compute_done = asyncio.Event()
+            comm_task = None
+            if config.pipeline:
+                comm_task = asyncio.ensure_future(
+                    self._communicate(
+                        client,
+                        pending,
+                        pull=True,
+                        compute_done=compute_done,
+                        encoder=encoder,
+                        record=record,
+                    )
+                )
+            try:
+                computed = await loop.run_in_executor(
+                    computer, self._compute_round, params, version, settings
+                )
+            except BaseException:
+                if comm_task is not None:
+                    comm_task.cancel()
+                    await asyncio.gather(comm_task, return_exceptions=True)
+                raise
+            compute_done.set()
+            compute_end = time.monotonic()
+            compute_total = computed.compute_s + computed.slowdown_s
+            self._compute_ewma = (
+                compute_total
+                if self._compute_ewma is None
+                else self._compute_ewma
+                + _EWMA_ALPHA * (compute_total - self._compute_ewma)
+            )
+            if config.pipeline:
+                comm = await comm_task
+                pushed_step = step - 1 if pending is not None else None
+            else:
+                comm = await self._communicate(
+                    client,
+                    computed,
+                    pull=True,
+                    compute_done=None,
+                    encoder=encoder,
+                    record=record,
+                )
+                pushed_step = step
+            ready = time.monotonic()
+            wait = ready - compute_end
+            if comm.pull_start is not None and comm.pull_end is not None:
+                pull_s = comm.pull_end - comm.pull_start
+                self._pull_ewma = (
+                    pull_s
+                    if self._pull_ewma is None
+                    else self._pull_ewma + _EWMA_ALPHA * (pull_s - self._pull_ewma)
+                )
+            ack = comm.ack
+            force_pull = bool(ack is not None and ack.force_pull)
+            if comm.rejoined:
+                totals["rejoins"] += 1
+            discard = force_pull or comm.rejoined
+            if config.pipeline:
+                if discard:
+                    # The round just computed started from parameters the server
+                    # asked to give up: drop it and start over on the fresh pull.
+                    totals["discarded"] += 1
+                    pending = None
+                else:
+                    pending = computed
+            if pushed_step is not None and ack is not None:
+                totals["pushes"] += 1
+            loss = computed.loss
+            record.update(
+                compute_end=compute_end - self._t0,
+                local_steps=computed.local_steps,
+                loss=computed.loss,
+                compute_s=computed.compute_s,
+                compile_s=computed.compile_s,
+                slowdown_s=computed.slowdown_s,
+                wait_s=wait,
+                round_s=ready - self._round_start,
+                transfer_s=comm.transfer_s,
+                link_delay_s=comm.link_delay_s,
+                pull_start=comm.pull_start,
+                pull_end=comm.pull_end,
+                pulls=comm.pulls,
+                pushed_step=pushed_step if ack is not None else None,
+                staleness=None if ack is None else ack.staleness,
+                status=None if ack is None else ack.status,
+                weight=None if ack is None else ack.weight,
+                force_pull=force_pull,
+                discarded=discard,
+                rejoined=comm.rejoined,
+                bytes_sent=comm.bytes_sent,
+                bytes_received=comm.bytes_received,
+                pulled_version=comm.version,
+            )
+            self._emit(record)
+            for key in ("compute_s", "slowdown_s", "transfer_s"):
+                totals[key] += record[key]
+            totals["wait_s"] += wait
+            totals["bytes_sent"] += comm.bytes_sent
+            totals["bytes_received"] += comm.bytes_received
+            totals["local_steps"] += computed.local_steps
+            totals["steps"] += 1
+            params, version = comm.params, comm.version
+            self._follow_hints(client.hints)
+            step += 1
+            if config.fail_after_steps is not None and step >= config.fail_after_steps:
+                raise RuntimeError(
+                    f"worker {config.worker_id}: fault injected after {step} rounds "
+                    "(fail_after_steps)"
+                )
+        if pending is not None:
+            record = {
+                "event": "final",
+                "worker": config.worker_id,
+                "step": step,
+                "time": self._elapsed(),
+                "staleness_estimate": None,
+                "lr_factor": None,
+            }
+            comm = await self._communicate(
+                client,
+                pending,
+                pull=False,
+                compute_done=None,
+                encoder=encoder,
+                record=record,
+            )
+            if comm.ack is not None:
+                totals["pushes"] += 1
+            record.update(
+                pushed_step=step - 1,
+                staleness=None if comm.ack is None else comm.ack.staleness,
+                status=None if comm.ack is None else comm.ack.status,
+                transfer_s=comm.transfer_s,
+                link_delay_s=comm.link_delay_s,
+                bytes_sent=comm.bytes_sent,
+                bytes_received=comm.bytes_received,
+            )
+            totals["transfer_s"] += comm.transfer_s
+            totals["bytes_sent"] += comm.bytes_sent
+            totals["bytes_received"] += comm.bytes_received
+            self._emit(record)
+        return ended_by, loss
+
+
+def run_worker(config: WorkerConfig, **kwargs: Any) -> WorkerSummary:
+    """Runs a :class:`Worker` to the end on a fresh event loop.
+
+    Args:
+      config: the :class:`WorkerConfig`.
+      **kwargs: the other arguments of :class:`Worker` (``loss_fn`` and
+        ``batches`` are required).
+
+    Returns:
+      The :class:`WorkerSummary`.
+    """
+    worker = Worker(config, **kwargs)
+    return asyncio.run(worker.run())

@@ -1,0 +1,427 @@
+"""The server against bad input, killed workers and a killed server."""
+
+import asyncio
+import math
+import os
+import pathlib
+import signal
+import sys
+import textwrap
+
+import msgpack
+import numpy as np
+import pytest
+from test_server import SECRET, Raw, _client, _run, _server, _server_params, _update
+
+from hpsjax.ps import _errors as errors
+from hpsjax.ps import _wire as wire
+from hpsjax.ps._wire import MsgType
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+
+
+async def _assert_still_serving(server, before, version):
+    """Parameters and version unchanged, and a good worker is served."""
+    assert server.version == version
+    for k, v in _server_params(server).items():
+        np.testing.assert_array_equal(v, before[k])
+    good = _client(server, f"good-{os.urandom(4).hex()}")
+    await good.connect()
+    _, v = await good.pull()
+    ack = await good.push(_update(0.0), version=v)
+    assert ack.applied and ack.version == version + 1
+    await good.close()
+
+
+def _push_frame(tree, request_id=5, **meta):
+    tree_meta, buffers, _ = wire.tree_to_wire(tree)
+    meta = {"version": 0, **tree_meta, **meta}
+    return b"".join(
+        bytes(p) for p in wire.encode_frame(MsgType.PUSH, request_id, meta, buffers)
+    )
+
+
+# Each case: (name, bytes to send after the handshake, expected code, whether
+# the server closes the connection).
+def _fatal_cases():
+    good_pull = wire.pack_header(MsgType.PULL, 3, 0, 0)
+    return [
+        ("garbage", b"\x00GARBAGE" * 8, errors.BadMagic.code),
+        ("wrong_magic", b"HPSX" + good_pull[4:], errors.BadMagic.code),
+        (
+            "wrong_version",
+            wire.pack_header(MsgType.PULL, 3, 0, 0, version=9),
+            errors.UnsupportedVersion.code,
+        ),
+        (
+            "huge_length",
+            wire.pack_header(MsgType.PUSH, 3, 0, 2**60),
+            errors.PayloadTooBig.code,
+        ),
+        ("unknown_type", wire.pack_header(99, 3, 0, 0), errors.UnexpectedMessage.code),
+        (
+            "payload_on_pull",
+            wire.pack_header(MsgType.PULL, 3, 0, 16) + bytes(16),
+            errors.ProtocolError.code,
+        ),
+    ]
+
+
+@pytest.mark.parametrize("handshake", [True, False], ids=["after_auth", "before_auth"])
+def test_broken_streams_get_an_error_and_are_closed(handshake):
+    async def main():
+        async with _server("asp") as server:
+            before, version = _server_params(server), server.version
+            for name, data, code in _fatal_cases():
+                raw = await Raw.open(server.port, worker_id=name, handshake=handshake)
+                if handshake:
+                    raw.send(MsgType.PULL, 2)
+                    assert (await raw.recv()).msg_type == MsgType.PARAMS
+                raw.send_bytes(data)
+                message = await raw.expect_error(code)
+                assert "Traceback" not in message
+                await raw.expect_closed()
+                await raw.close()
+            await asyncio.sleep(0.05)
+            assert not server.core.live
+            await _assert_still_serving(server, before, version)
+
+    _run(main)
+
+
+def _refused_cases():
+    params = {"b": np.zeros(3, np.float32), "w": np.zeros((4, 3), np.float32)}
+    nan = {"b": np.zeros(3, np.float32), "w": np.zeros((4, 3), np.float32)}
+    nan["w"][1, 2] = np.nan
+    inf = {"b": np.array([0, np.inf, 0], np.float32), "w": params["w"]}
+    bad_dtype_meta, bufs, _ = wire.tree_to_wire(params)
+    bad_dtype_meta["leaves"][0][0] = "object"
+    payload = b"".join(bytes(b) for b in bufs)
+    packed = msgpack.packb({"version": 0, **bad_dtype_meta}, use_bin_type=True)
+    bad_dtype = wire.pack_header(MsgType.PUSH, 5, len(packed), len(payload)) + packed
+    bad_dtype += payload
+    return [
+        (
+            "shape",
+            _push_frame(
+                {"b": np.zeros(3, np.float32), "w": np.zeros((3, 4), np.float32)}
+            ),
+            errors.SpecMismatch.code,
+        ),  # noqa: E501
+        (
+            "dtype",
+            _push_frame({"b": np.zeros(3, np.float64), "w": params["w"]}),
+            errors.SpecMismatch.code,
+        ),  # noqa: E501
+        ("structure", _push_frame({"w": params["w"]}), errors.SpecMismatch.code),
+        (
+            "extra_leaf",
+            _push_frame({**params, "c": np.zeros(1, np.float32)}),
+            errors.SpecMismatch.code,
+        ),  # noqa: E501
+        ("nan", _push_frame(nan), errors.NonFiniteUpdate.code),
+        ("inf", _push_frame(inf), errors.NonFiniteUpdate.code),
+        (
+            "future_version",
+            _push_frame(params, version=10**6),
+            errors.InvalidUpdate.code,
+        ),  # noqa: E501
+        (
+            "negative_version",
+            _push_frame(params, version=-1),
+            errors.MalformedMetadata.code,
+        ),  # noqa: E501
+        (
+            "string_version",
+            _push_frame(params, version="0"),
+            errors.MalformedMetadata.code,
+        ),  # noqa: E501
+        ("bad_loss", _push_frame(params, loss="low"), errors.MalformedMetadata.code),
+        (
+            "nan_step_time",
+            _push_frame(params, step_time=math.nan),
+            errors.MalformedMetadata.code,
+        ),  # noqa: E501
+        ("bad_dtype_string", bad_dtype, errors.UnsupportedDtype.code),
+        (
+            "params_from_client",
+            _push_frame(params)[:5] + bytes([MsgType.PARAMS]) + _push_frame(params)[6:],
+            errors.UnexpectedMessage.code,
+        ),  # noqa: E501
+        (
+            "subscribe_no_flag",
+            b"".join(
+                bytes(p) for p in wire.encode_frame(MsgType.SUBSCRIBE, 5, {"on": "yes"})
+            ),
+            errors.MalformedMetadata.code,
+        ),  # noqa: E501
+        (
+            "undecodable_metadata",
+            wire.pack_header(MsgType.PULL, 5, 3, 0) + b"\xc1\xc1\xc1",
+            errors.MalformedMetadata.code,
+        ),  # noqa: E501
+    ]
+
+
+def test_refused_requests_change_nothing_and_keep_the_connection():
+    async def main():
+        async with _server("asp") as server:
+            raw = await Raw.open(server.port, worker_id="raw")
+            raw.send(MsgType.PULL, 2)
+            assert (await raw.recv()).msg_type == MsgType.PARAMS
+            before, version = _server_params(server), server.version
+            for name, data, code in _refused_cases():
+                raw.send_bytes(data)
+                message = await raw.expect_error(code, request_id=5)
+                assert message and "Traceback" not in message, name
+                assert server.version == version, name
+                # The same connection still works.
+                raw.send(MsgType.PULL, 6)
+                frame = await raw.recv()
+                assert frame.msg_type == MsgType.PARAMS and frame.request_id == 6, name
+            assert "raw" in server.core.live
+            await _assert_still_serving(server, before, version)
+            await raw.close()
+
+    _run(main)
+
+
+def test_push_before_joining_is_refused():
+    async def main():
+        async with _server("asp") as server:
+            raw = await Raw.open(server.port, worker_id="early")
+            raw.send_bytes(_push_frame(_update(1.0)))
+            await raw.expect_error(errors.UnexpectedMessage.code, request_id=5)
+            assert server.version == 0
+            await raw.close()
+
+    _run(main)
+
+
+def test_too_many_leaves_refused_before_reading_the_payload():
+    async def main():
+        limits = wire.WireLimits(max_leaves=2)
+        async with _server("asp", limits=limits) as server:
+            raw = await Raw.open(server.port)
+            raw.send(MsgType.PULL, 2)
+            await raw.recv()
+            tree = {f"x{i}": np.zeros(1, np.float32) for i in range(3)}
+            raw.send_bytes(_push_frame(tree))
+            await raw.expect_error(errors.TooManyLeaves.code, request_id=5)
+            raw.send(MsgType.PULL, 6)
+            assert (await raw.recv()).request_id == 6
+            await raw.close()
+
+    _run(main)
+
+
+def test_truncated_push_is_never_applied():
+    async def main():
+        async with _server("asp") as server:
+            before = _server_params(server)
+            raw = await Raw.open(server.port, worker_id="cut")
+            raw.send(MsgType.PULL, 2)
+            await raw.recv()
+            frame = _push_frame(_update(7.0))
+            raw.send_bytes(frame[:-10])
+            await asyncio.sleep(0.1)
+            await raw.close()
+            await asyncio.sleep(0.1)
+            assert "cut" not in server.core.live
+            await _assert_still_serving(server, before, 0)
+
+    _run(main)
+
+
+# A worker written with the standard library and msgpack only, from
+# PROTOCOL.md: it joins, starts a push, sends half of it and waits to be killed.
+_PARTIAL_PUSH_WORKER = textwrap.dedent(
+    """
+    import hashlib, hmac, os, socket, struct, sys, time
+    import msgpack
+
+    HEADER = struct.Struct("<4sBBHIIQ")
+    port, secret = int(sys.argv[1]), sys.argv[2].encode()
+    sock = socket.create_connection(("127.0.0.1", port))
+
+    def send(mtype, rid, meta, payload=b""):
+        m = msgpack.packb(meta, use_bin_type=True)
+        sock.sendall(HEADER.pack(b"HPSJ", 1, mtype, 0, rid, len(m), len(payload)))
+        sock.sendall(m + payload)
+
+    def recv_exact(n):
+        buf = b""
+        while len(buf) < n:
+            chunk = sock.recv(n - len(buf))
+            if not chunk:
+                raise SystemExit("closed")
+            buf += chunk
+        return buf
+
+    def recv():
+        magic, ver, mtype, flags, rid, mlen, plen = HEADER.unpack(recv_exact(24))
+        meta = msgpack.unpackb(recv_exact(mlen), raw=False)
+        return mtype, rid, meta, recv_exact(plen)
+
+    wid, nc = "doomed", os.urandom(32)
+    send(1, 1, {"worker_id": wid, "nonce": nc})
+    _, _, challenge, _ = recv()
+    ns = challenge["nonce"]
+    msg = b"hpsjax-v1 client proof" + ns + nc + msgpack.packb(wid)
+    send(3, 2, {"proof": hmac.new(secret, msg, hashlib.sha256).digest()})
+    mtype, _, ok, _ = recv()
+    assert mtype == 4, ok
+    send(7, 3, {})
+    mtype, _, params, _ = recv()
+    assert mtype == 8, params
+    leaves = [[d, s, o, n] for d, s, o, n in params["leaves"]]
+    size = sum(n for _, _, _, n in leaves)
+    meta = {"version": params["version"], "tree": params["tree"],
+            "leaves": leaves, "codec": None}
+    m = msgpack.packb(meta, use_bin_type=True)
+    payload = struct.pack("<f", 5.0) * (size // 4)
+    sock.sendall(HEADER.pack(b"HPSJ", 1, 9, 0, 4, len(m), size) + m)
+    sock.sendall(payload[: size // 2])
+    print("partial", flush=True)
+    time.sleep(60)
+    """
+)
+
+
+def test_worker_killed_mid_push_changes_nothing():
+    async def main():
+        async with _server("asp") as server:
+            before = _server_params(server)
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable,
+                "-c",
+                _PARTIAL_PUSH_WORKER,
+                str(server.port),
+                SECRET.decode(),
+                stdout=asyncio.subprocess.PIPE,
+            )
+            try:
+                line = await asyncio.wait_for(proc.stdout.readline(), 20)
+                assert line.strip() == b"partial"
+                # The server holds half a frame from it.
+                async with asyncio.timeout(5):
+                    while not any(
+                        not s.protocol._decoder.idle for s in server._connections
+                    ):
+                        await asyncio.sleep(0.01)
+                assert "doomed" in server.core.live
+            finally:
+                proc.send_signal(signal.SIGKILL)
+                await proc.wait()
+            async with asyncio.timeout(5):
+                while "doomed" in server.core.live:
+                    await asyncio.sleep(0.01)
+            await _assert_still_serving(server, before, 0)
+
+    # uvloop starts subprocesses with a plain fork(), which JAX warns against.
+    _run(main, loop="asyncio")
+
+
+# ------------------------------------------------------- killed server
+
+
+async def _start_cli(args):
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "hpsjax.ps._cli",
+        *args,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        cwd=REPO,
+    )
+    lines = []
+    async with asyncio.timeout(60):
+        while True:
+            line = (await proc.stdout.readline()).decode()
+            if not line:
+                err = (await proc.stderr.read()).decode()
+                raise AssertionError(f"server exited: {err[-2000:]}")
+            lines.append(line)
+            if "listening on" in line:
+                port = int(line.rsplit(":", 1)[1])
+                break
+    # Read the rest of stdout as it comes, so the pipe never fills.
+    drain = asyncio.create_task(_collect(proc.stdout, lines))
+    return proc, port, lines, drain
+
+
+async def _collect(stream, lines):
+    while line := await stream.readline():
+        lines.append(line.decode())
+
+
+def test_server_killed_and_restarted_resumes_from_its_checkpoint(tmp_path):
+    from hpsjax.ps._checkpoint import CheckpointManager
+
+    init = tmp_path / "init.npz"
+    np.savez(
+        init,
+        **{"layer/w": np.zeros((4, 3), np.float32), "layer/b": np.zeros(3, np.float32)},
+    )
+    (tmp_path / "secret").write_bytes(SECRET + b"\n")
+    ckpt = tmp_path / "ckpt"
+    args = [
+        "--init", str(init), "--secret_file", str(tmp_path / "secret"),
+        "--checkpoint_dir", str(ckpt), "--checkpoint_every_updates", "2",
+        "--optimizer", "sgd", "--learning_rate", "0.5", "--log_level", "WARNING",
+    ]  # fmt: skip
+    like = {"layer": {"b": np.zeros(3, np.float32), "w": np.zeros((4, 3), np.float32)}}
+
+    async def first_life():
+        proc, port, _, drain = await _start_cli(args)
+        try:
+            from hpsjax.ps._client import Client
+
+            c = Client("127.0.0.1", port, worker_id="w", secret=SECRET, timeout=20)
+            await c.connect()
+            _, v = await c.pull()
+            for i in range(5):
+                update = {"layer": _update(i + 1.0, like["layer"])}
+                ack = await c.push(update, version=v)
+                v = ack.version
+            # Versions 2 and 4 are checkpointed; wait for the commit of 4.
+            async with asyncio.timeout(30):
+                while CheckpointManager(ckpt).latest_step() != 4:
+                    await asyncio.sleep(0.05)
+            await c.close()
+        finally:
+            proc.send_signal(signal.SIGKILL)
+            await proc.wait()
+            drain.cancel()
+        assert proc.returncode == -signal.SIGKILL
+
+    _run(first_life, timeout=120, loop="asyncio")
+    with CheckpointManager(ckpt) as manager:
+        step, tree, _ = manager.restore_latest()
+    assert step == 4
+    params, _ = tree
+    # sgd(0.5) of the updates 1, 2, 3 and 4; the fifth was never committed.
+    np.testing.assert_allclose(params["layer"]["w"], -0.5 * (1 + 2 + 3 + 4))
+
+    async def second_life():
+        proc, port, lines, drain = await _start_cli(args)
+        try:
+            from hpsjax.ps._client import Client
+
+            c = Client("127.0.0.1", port, worker_id="w", secret=SECRET, timeout=20)
+            info = await c.connect()
+            assert info.version == 4
+            params, version = await c.pull()
+            assert version == 4
+            np.testing.assert_allclose(params["layer"]["w"], -5.0)
+            np.testing.assert_allclose(params["layer"]["b"], -5.0)
+            await c.close()
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            await asyncio.wait_for(proc.wait(), 60)
+            await drain
+        assert proc.returncode == 0
+        assert any("resumed from step 4" in line for line in lines)
+
+    _run(second_life, timeout=120, loop="asyncio")
