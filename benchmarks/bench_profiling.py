@@ -8,7 +8,8 @@ Prints:
    compiling and running its train step once;
 2. the predicted idle fraction of a barrier (BSP) round for four workers whose
    speeds are 1:1:2:4 (the profiled MLP slowed 4x, 4x, 2x, 1x), under the H-PS
-   plan against equal batches, and the other schemes for reference.
+   plan against equal batches, and the other schemes for reference; once for
+   compute alone and once with every worker's transfer over a 1 Gb/s link.
 
 Run::
 
@@ -113,7 +114,8 @@ def main():
     print(f"jax {jax.__version__}, devices: {jax.local_devices()}")
     print("\n1. Profiling cost (defaults: batch sizes 16, 64, 256; 5 repeats)")
     print(
-        f"{'model':6} {'profile s':>10} {'of 5 min':>9} {'baseline s':>11} {'ratio':>6}"
+        f"{'model':6} {'profile s':>10} {'compiling':>10} {'of 5 min':>9} "
+        f"{'baseline s':>11} {'ratio':>6}"
     )
     profiles = {}
     for name, build in (("mlp", mlp), ("cnn", cnn)):
@@ -128,8 +130,8 @@ def main():
         cost = time.perf_counter() - start
         profiles[name] = prof
         print(
-            f"{name:6} {cost:10.2f} {cost / RUN_SECONDS:9.2%} {base:11.2f} "
-            f"{cost / base:6.1f}"
+            f"{name:6} {cost:10.2f} {prof.compile_seconds:10.2f} "
+            f"{cost / RUN_SECONDS:9.2%} {base:11.2f} {cost / base:6.1f}"
         )
         d = prof.devices[0]
         print(
@@ -139,34 +141,41 @@ def main():
             f"transfer {prof.transfer_seconds * 1e3:.2f} ms"
         )
 
-    print(
-        f"\n2. Predicted BSP round, speeds {':'.join(map(str, SPEEDS))}, "
-        f"global batch {GLOBAL_BATCH} (profiled MLP, 1 Gb/s link)"
-    )
     base = profiles["mlp"]
-    workers = [
-        dataclasses.replace(base.with_slowdown(max(SPEEDS) / s), worker_id=i)
-        for i, s in enumerate(SPEEDS)
-    ]
-    print(
-        f"{'scheme':6} {'batches':>20} {'local steps':>14} {'round ms':>9} {'idle':>6}"
-    )
-    plans = {}
-    for scheme in ("equal", "hps", "ashl", "adsp"):
-        p = plan(workers, scheme, global_batch=GLOBAL_BATCH)
-        plans[scheme] = p
-        batches = ",".join(str(w.batch_size) for w in p.workers)
-        steps = ",".join(str(w.local_steps) for w in p.workers)
+    for title, transfer in (
+        ("compute only", None),
+        ("with a 1 Gb/s link", base.transfer),
+    ):
         print(
-            f"{scheme:6} {batches:>20} {steps:>14} {p.round_time * 1e3:9.2f} "
-            f"{p.idle_fraction:6.1%}"
+            f"\n2. Predicted BSP round, speeds {':'.join(map(str, SPEEDS))}, "
+            f"global batch {GLOBAL_BATCH}, profiled MLP, {title}"
         )
-    equal, hps = plans["equal"], plans["hps"]
-    print(
-        f"\nidle fraction: H-PS {hps.idle_fraction:.1%} vs equal "
-        f"{equal.idle_fraction:.1%}; predicted round time ratio equal/H-PS "
-        f"{equal.round_time / hps.round_time:.2f}x"
-    )
+        workers = [
+            dataclasses.replace(
+                base.with_slowdown(max(SPEEDS) / s), worker_id=i, transfer=transfer
+            )
+            for i, s in enumerate(SPEEDS)
+        ]
+        print(
+            f"{'scheme':6} {'batches':>20} {'local steps':>14} {'round ms':>9} "
+            f"{'idle':>6}"
+        )
+        plans = {}
+        for scheme in ("equal", "hps", "ashl", "adsp"):
+            p = plan(workers, scheme, global_batch=GLOBAL_BATCH)
+            plans[scheme] = p
+            batches = ",".join(str(w.batch_size) for w in p.workers)
+            steps = ",".join(str(w.local_steps) for w in p.workers)
+            print(
+                f"{scheme:6} {batches:>20} {steps:>14} {p.round_time * 1e3:9.2f} "
+                f"{p.idle_fraction:6.1%}"
+            )
+        equal, hps = plans["equal"], plans["hps"]
+        print(
+            f"idle fraction: H-PS {hps.idle_fraction:.1%} vs equal "
+            f"{equal.idle_fraction:.1%}; round time equal / H-PS "
+            f"{equal.round_time / hps.round_time:.2f}x"
+        )
 
 
 if __name__ == "__main__":

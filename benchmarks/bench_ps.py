@@ -50,27 +50,30 @@ SECRET = b"bench secret"
 
 
 def cnn_shapes(total_bytes: int) -> dict[str, tuple[int, ...]]:
-    """Leaf shapes of a VGG-like CNN whose float32 leaves hold ``total_bytes``.
+    """Leaf shapes of a VGG-16-like CIFAR CNN with ``total_bytes`` of float32.
 
-    Ten 3x3 conv layers (kernel, bias, batch-norm scale and offset each) and two
-    dense layers; the first dense layer's width absorbs the remaining size.
+    Thirteen 3x3 conv layers (kernel, bias, batch-norm scale and offset each)
+    and two dense layers after global pooling: 56 leaves, the largest 9 MiB at
+    full size. Channel widths shrink with the square root of the size below
+    64 MiB, and the first dense layer's width absorbs the rest.
     """
     convs = [(3, 64), (64, 64), (64, 128), (128, 128), (128, 256), (256, 256),
-             (256, 256), (256, 512), (512, 512), (512, 512)]  # fmt: skip
+             (256, 256), (256, 512), (512, 512), (512, 512), (512, 512),
+             (512, 512), (512, 512)]  # fmt: skip
+    shrink = min(1.0, math.sqrt(total_bytes / (64 * 2**20)))
     shapes: dict[str, tuple[int, ...]] = {}
     for i, (cin, cout) in enumerate(convs):
-        scale = max(1, round(math.sqrt(total_bytes / (64 * 2**20))))
-        cin, cout = (cin if i == 0 else cin // scale or 1), cout // scale or 1
-        shapes[f"conv{i}/kernel"] = (3, 3, cin, cout)
-        shapes[f"conv{i}/bias"] = (cout,)
-        shapes[f"conv{i}/bn_scale"] = (cout,)
-        shapes[f"conv{i}/bn_offset"] = (cout,)
-    flat_in = cout * 4 * 4
-    used = sum(math.prod(s) for s in shapes.values()) * 4
+        cin = cin if i == 0 else max(1, int(cin * shrink))
+        cout = max(1, int(cout * shrink))
+        shapes[f"conv{i:02d}/kernel"] = (3, 3, cin, cout)
+        shapes[f"conv{i:02d}/bias"] = (cout,)
+        shapes[f"conv{i:02d}/bn_scale"] = (cout,)
+        shapes[f"conv{i:02d}/bn_offset"] = (cout,)
+    used = sum(math.prod(s) for s in shapes.values())
     classes = 10
-    # Dense layers: flat_in x width, width, width x classes, classes.
-    width = max(1, (total_bytes // 4 - used // 4 - classes) // (flat_in + 1 + classes))
-    shapes["dense0/kernel"] = (flat_in, width)
+    # Dense layers: cout x width + width + width x classes + classes floats.
+    width = max(1, (total_bytes // 4 - used - classes) // (cout + 1 + classes))
+    shapes["dense0/kernel"] = (cout, width)
     shapes["dense0/bias"] = (width,)
     shapes["dense1/kernel"] = (width, classes)
     shapes["dense1/bias"] = (classes,)
@@ -211,45 +214,43 @@ def bench_big(shapes, workdir, loop_name, repeats):
     echo = ThreadEcho(nbytes)
     payload = np.ones(nbytes, np.uint8)
     back = memoryview(bytearray(nbytes))
-    base_times = []
-    with socket.create_connection(("127.0.0.1", echo.port)) as sock:
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        for _ in range(repeats + 1):
-            t0 = time.perf_counter()
-            sock.sendall(payload)
-            _recv_into(sock, back)
-            base_times.append(time.perf_counter() - t0)
-    echo.close()
-
     server = PsServer(shapes, workdir, loop_name)
     update = _tree(shapes, 1e-3)
 
     async def run():
-        async with Client(
-            "127.0.0.1", server.port, worker_id="big", secret=SECRET, timeout=120
-        ) as c:
-            _, version = await c.pull()
-            push_pull, sep = [], []
-            for _ in range(repeats + 1):
-                t0 = time.perf_counter()
-                ack = await c.push(update, version=version)
+        base, sep, push_pull = [], [], []
+        with socket.create_connection(("127.0.0.1", echo.port)) as sock:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            async with Client(
+                "127.0.0.1", server.port, worker_id="big", secret=SECRET, timeout=120
+            ) as c:
                 _, version = await c.pull()
-                t1 = time.perf_counter()
-                _, _, version = await c.push_pull(update, version=version)
-                t2 = time.perf_counter()
-                sep.append(t1 - t0)
-                push_pull.append(t2 - t1)
-                assert ack.applied
-            return sep, push_pull
+                # Interleaved, so that baseline and server see the same load.
+                for _ in range(repeats + 1):
+                    t0 = time.perf_counter()
+                    sock.sendall(payload)
+                    _recv_into(sock, back)
+                    t1 = time.perf_counter()
+                    ack = await c.push(update, version=version)
+                    _, version = await c.pull()
+                    t2 = time.perf_counter()
+                    _, _, version = await c.push_pull(update, version=version)
+                    t3 = time.perf_counter()
+                    assert ack.applied
+                    base.append(t1 - t0)
+                    sep.append(t2 - t1)
+                    push_pull.append(t3 - t2)
+        return base, sep, push_pull
 
     try:
-        sep, push_pull = _run(run(), loop_name)
+        base_t, sep_t, pp_t = _run(run(), loop_name)
     finally:
         server.close()
-    # The first repeat of each includes warm-up (compilation, first touch).
-    base = statistics.median(base_times[1:])
-    ps_sep = statistics.median(sep[1:])
-    ps_pp = statistics.median(push_pull[1:])
+        echo.close()
+    # The first repeat includes warm-up (compilation, first touch of memory).
+    base = statistics.median(base_t[1:])
+    ps_sep = statistics.median(sep_t[1:])
+    ps_pp = statistics.median(pp_t[1:])
     return {
         "tree_bytes": nbytes,
         "leaves": len(shapes),
@@ -259,7 +260,7 @@ def bench_big(shapes, workdir, loop_name, repeats):
         "ratio_push_then_pull": base / ps_sep,
         "ratio_push_pull": base / ps_pp,
         "baseline_GBps": 2 * nbytes / base / 1e9,
-        "push_pull_GBps": 2 * nbytes / ps_pp / 1e9,
+        "push_then_pull_GBps": 2 * nbytes / ps_sep / 1e9,
     }
 
 
@@ -270,33 +271,33 @@ def bench_small(workdir, loop_name, repeats):
     server = PsServer(shapes, workdir, loop_name)
     update = _tree(shapes, 1e-3)
     data = bytes(nbytes)
+    warmup = 100
 
     async def run():
         reader, writer = await asyncio.open_connection("127.0.0.1", echo.port)
-        sock = writer.get_extra_info("socket")
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        echo_times = []
-        for _ in range(repeats + 50):
-            t0 = time.perf_counter()
-            writer.write(data)
-            await reader.readexactly(nbytes)
-            echo_times.append(time.perf_counter() - t0)
-        writer.close()
-        await writer.wait_closed()
-        pulls, push_pulls = [], []
+        writer.get_extra_info("socket").setsockopt(
+            socket.IPPROTO_TCP, socket.TCP_NODELAY, 1
+        )
+        echo_t, pull_t, pp_t = [], [], []
         async with Client(
             "127.0.0.1", server.port, worker_id="small", secret=SECRET
         ) as c:
             _, version = await c.pull()
-            for _ in range(repeats + 50):
+            for _ in range(repeats + warmup):
                 t0 = time.perf_counter()
-                _, version = await c.pull()
+                writer.write(data)
+                await reader.readexactly(nbytes)
                 t1 = time.perf_counter()
-                _, _, version = await c.push_pull(update, version=version)
+                _, version = await c.pull()
                 t2 = time.perf_counter()
-                pulls.append(t1 - t0)
-                push_pulls.append(t2 - t1)
-        return echo_times[50:], pulls[50:], push_pulls[50:]
+                _, _, version = await c.push_pull(update, version=version)
+                t3 = time.perf_counter()
+                echo_t.append(t1 - t0)
+                pull_t.append(t2 - t1)
+                pp_t.append(t3 - t2)
+        writer.close()
+        await writer.wait_closed()
+        return echo_t[warmup:], pull_t[warmup:], pp_t[warmup:]
 
     try:
         echo_t, pull_t, pp_t = _run(run(), loop_name)
@@ -329,11 +330,12 @@ def bench_fan_in(shapes, workdir, loop_name, seconds, clients):
         ]  # fmt: skip
         for c in cs:
             await c.connect()
+        versions = [v for _, v in await asyncio.gather(*(c.pull() for c in cs))]
         counts = [0] * n
         stop = time.perf_counter() + seconds
 
         async def one(i, c):
-            _, version = await c.pull()
+            version = versions[i]
             while time.perf_counter() < stop:
                 ack = await c.push(update, version=version)
                 version = ack.version

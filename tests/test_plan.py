@@ -5,6 +5,7 @@ import json
 import math
 import random
 
+import numpy as np
 import pytest
 
 from hpsjax.profiling import (
@@ -282,6 +283,7 @@ def test_profile_json_round_trip():
         param_count=100,
         param_bytes=400,
         profile_seconds=1.5,
+        compile_seconds=0.5,
     )
     again = WorkerProfile.from_json(w.to_json())
     assert again == w
@@ -467,6 +469,17 @@ def test_replanner_bad_input_changes_nothing():
             Replanner(p, **kwargs)
     with pytest.raises(ValueError, match="must be a WorkPlan"):
         Replanner("plan")
+
+
+def test_numpy_numbers_are_accepted():
+    p = plan(
+        [W(0, np.float32(1.0)), W(1, np.float64(3.0))],
+        global_batch=np.int64(64),
+        local_steps=np.int32(2),
+    )
+    assert _batches(p) == [16, 48] and _steps(p) == [2, 2]
+    assert type(p.global_batch) is int
+    assert WorkPlan.from_json(p.to_json()) == p
 
 
 def test_public_names():

@@ -107,59 +107,59 @@ def _refused_cases():
                 {"b": np.zeros(3, np.float32), "w": np.zeros((3, 4), np.float32)}
             ),
             errors.SpecMismatch.code,
-        ),  # noqa: E501
+        ),
         (
             "dtype",
             _push_frame({"b": np.zeros(3, np.float64), "w": params["w"]}),
             errors.SpecMismatch.code,
-        ),  # noqa: E501
+        ),
         ("structure", _push_frame({"w": params["w"]}), errors.SpecMismatch.code),
         (
             "extra_leaf",
             _push_frame({**params, "c": np.zeros(1, np.float32)}),
             errors.SpecMismatch.code,
-        ),  # noqa: E501
+        ),
         ("nan", _push_frame(nan), errors.NonFiniteUpdate.code),
         ("inf", _push_frame(inf), errors.NonFiniteUpdate.code),
         (
             "future_version",
             _push_frame(params, version=10**6),
             errors.InvalidUpdate.code,
-        ),  # noqa: E501
+        ),
         (
             "negative_version",
             _push_frame(params, version=-1),
             errors.MalformedMetadata.code,
-        ),  # noqa: E501
+        ),
         (
             "string_version",
             _push_frame(params, version="0"),
             errors.MalformedMetadata.code,
-        ),  # noqa: E501
+        ),
         ("bad_loss", _push_frame(params, loss="low"), errors.MalformedMetadata.code),
         (
             "nan_step_time",
             _push_frame(params, step_time=math.nan),
             errors.MalformedMetadata.code,
-        ),  # noqa: E501
+        ),
         ("bad_dtype_string", bad_dtype, errors.UnsupportedDtype.code),
         (
             "params_from_client",
             _push_frame(params)[:5] + bytes([MsgType.PARAMS]) + _push_frame(params)[6:],
             errors.UnexpectedMessage.code,
-        ),  # noqa: E501
+        ),
         (
             "subscribe_no_flag",
             b"".join(
                 bytes(p) for p in wire.encode_frame(MsgType.SUBSCRIBE, 5, {"on": "yes"})
             ),
             errors.MalformedMetadata.code,
-        ),  # noqa: E501
+        ),
         (
             "undecodable_metadata",
             wire.pack_header(MsgType.PULL, 5, 3, 0) + b"\xc1\xc1\xc1",
             errors.MalformedMetadata.code,
-        ),  # noqa: E501
+        ),
     ]
 
 

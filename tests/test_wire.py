@@ -365,3 +365,92 @@ def test_foreign_exceptions_leak_nothing():
     assert code == errors.ServerError.code and "secret" not in message
     long = errors.error_from_wire(31, "x" * 10_000)
     assert len(long.message) == errors.MAX_ERROR_MESSAGE_CHARS
+
+
+# -------------------------------------------------------------- compressed
+
+
+def _cnn_like():
+    rng = np.random.default_rng(0)
+    return {
+        "conv": {"kernel": rng.normal(size=(3, 3, 16, 32)).astype(np.float32)},
+        "dense": [rng.normal(size=(512, 64)).astype(np.float32), np.zeros(64, np.float32)],
+        "scalar": np.float32(0.5),
+    }
+
+
+@pytest.mark.parametrize(
+    "codec_args,fraction",
+    [
+        ({"scheme": "uniform", "bits": 8}, 1 / 4),
+        ({"scheme": "uniform", "bits": 4}, 1 / 8),
+        ({"scheme": "sign", "block_size": 4096}, 1 / 32),
+        ({"scheme": "qsgd", "levels": 127, "block_size": 256}, 1 / 4),
+    ],
+)
+def test_compressed_payload_is_the_packed_size(codec_args, fraction):
+    import jax
+
+    from hpsjax.ps._client import _encode_tree
+    from hpsjax.transforms._quantize import Codec, encoded_nbytes
+
+    codec = Codec(**codec_args)
+    tree = _cnn_like()
+    encoded = _encode_tree(tree, codec, jax.random.key(0))
+    meta, bufs, layout = wire.encoded_tree_to_wire(encoded, tree, codec)
+    raw = sum(np.asarray(x).nbytes for x in jax.tree.leaves(tree))
+    packed = sum(encoded_nbytes(np.shape(x), codec) for x in jax.tree.leaves(tree))
+    assert layout.nbytes == sum(b.nbytes for b in bufs) == packed
+    # Codes are exactly the fraction; scales add a little.
+    assert fraction <= packed / raw < fraction * 1.05
+    frame = _join(wire.encode_frame(MsgType.PUSH, 3, {"version": 1, **meta}, bufs))
+    assert len(frame) - packed < 1024  # header and metadata
+    (received,) = _feed_chunked(FrameDecoder(), frame, random.Random(3), 4000)
+    assert received.payload.layout.codec == codec.to_dict()
+    for (codes, scales), enc in zip(received.payload.arrays, encoded, strict=True):
+        np.testing.assert_array_equal(codes, np.asarray(enc.codes))
+        np.testing.assert_array_equal(scales, np.asarray(enc.scales))
+
+
+def test_compressed_metadata_is_validated():
+    import jax
+
+    from hpsjax.ps._client import _encode_tree
+    from hpsjax.transforms._quantize import Codec
+
+    codec = Codec("uniform", 8, block_size=64)
+    tree = {"w": np.ones(1000, np.float32)}
+    encoded = _encode_tree(tree, codec, jax.random.key(0))
+    meta, bufs, _ = wire.encoded_tree_to_wire(encoded, tree, codec)
+    payload = _join(bufs)
+    bad_codes = {**meta, "leaves": [meta["leaves"][0][:4] + [999]]}
+    assert isinstance(_refusal(_tree_frame(bad_codes, payload)), errors.MalformedMetadata)
+    bad_codec = {**meta, "codec": {"scheme": "zip", "bits": 8}}
+    assert isinstance(_refusal(_tree_frame(bad_codec, payload)), errors.MalformedMetadata)
+    not_a_map = {**meta, "codec": [1, 2]}
+    assert isinstance(_refusal(_tree_frame(not_a_map, payload)), errors.MalformedMetadata)
+    short_entry = {**meta, "leaves": [meta["leaves"][0][:4]]}
+    assert isinstance(
+        _refusal(_tree_frame(short_entry, payload)), errors.MalformedMetadata
+    )
+    with pytest.raises(errors.SpecMismatch):
+        wire.encoded_tree_to_wire(encoded, {"w": np.ones(999, np.float32)}, codec)
+    with pytest.raises(errors.SpecMismatch):
+        wire.encoded_tree_to_wire(encoded + encoded, tree, codec)
+
+
+def test_buffer_pool_reuses_only_released_blocks():
+    pool = wire.BufferPool(max_blocks=2)
+    layout = wire.tree_to_wire({"a": np.ones(100, np.float32), "b": np.ones(3)})[2]
+    first = layout.allocate(pool)
+    second = layout.allocate(pool)
+    assert not np.shares_memory(first[0], second[0])
+    for leaf in first + second:
+        assert leaf.ctypes.data % wire.ALIGNMENT == 0
+    address = first[0].ctypes.data
+    del first
+    third = layout.allocate(pool)
+    assert third[0].ctypes.data == address
+    # Over max_blocks in use: a fresh block, not kept.
+    fourth = layout.allocate(pool)
+    assert not any(np.shares_memory(fourth[0], x[0]) for x in (second, third))

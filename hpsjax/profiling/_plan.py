@@ -13,20 +13,26 @@ do per round. It is made by :func:`plan` from the profiles of
 ``equal``  the baseline: equal batches, the same local steps everywhere
 =========  ===============================================================
 
-Notation: worker ``i`` has devices ``d``; device ``d`` takes ``t_d(b) = a_d + c_d b``
-seconds per step at batch ``b`` (the profile's fit); a worker's step takes
-``t_i = max_d t_d(b_d)`` as its devices run in parallel; ``T_i`` is its round trip to
-the server; ``H_i`` its local steps per round. A worker's round takes
+Notation: worker ``i`` has devices ``d``; device ``d`` takes
+``t_d(b) = max(a_d + c_d b, r_d b)`` seconds per step at batch ``b`` (the
+profile's linear fit, never faster per sample than measured, see
+:meth:`hpsjax.profiling.DeviceProfile.step_time`); a worker's step takes
+``t_i = max_d t_d(b_d)`` as its devices run in parallel; ``T_i`` is its round trip
+to the server; ``H_i`` its local steps per round. A worker's round takes
 
 .. math::
 
   R_i = H_i \, t_i + T_i,
 
 and the plan predicts the round time ``R = max_i R_i`` and the idle fraction of a
-barrier round, the share of device time spent waiting,
-``1 - sum_d R_{i(d)}^{(d)} / (D R)`` over all ``D`` devices, where a device's busy
-time is ``H_i t_d(b_d) + T_i``. For ``adsp`` the same is computed over the commit
-intervals.
+barrier round, the share of device time spent waiting for the slowest:
+
+.. math::
+
+  \text{idle} = 1 - \frac{1}{D R} \sum_d \big(H_{i(d)}\, t_d(b_d) + T_{i(d)}\big)
+
+over all ``D`` devices, ``i(d)`` the worker of device ``d``. For ``adsp`` the same
+is computed over the commit intervals.
 
 A running plan is revised by :class:`Replanner` when measured speeds drift.
 """
@@ -36,6 +42,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import numbers
 from collections.abc import Sequence
 from typing import Any
 
@@ -626,15 +633,19 @@ def _solve(
 
 
 def _check_int(name: str, value: Any, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, numbers.Integral)
+        or value < minimum
+    ):
         raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
-    return value
+    return int(value)
 
 
 def _check_positive(name: str, value: Any) -> float:
     if (
         isinstance(value, bool)
-        or not isinstance(value, int | float)
+        or not isinstance(value, numbers.Real)
         or not math.isfinite(value)
         or value <= 0
     ):
@@ -663,10 +674,13 @@ def plan(
 
     .. math::
 
-      b_d = \mathrm{clip}\Big(\frac{(\tau - T_i)/H - a_d}{c_d},\;
+      b_d = \mathrm{clip}\Big(t_d^{-1}\big((\tau - T_i)/H\big),\;
             b_\mathrm{min},\; b^\mathrm{mem}_d\Big), \qquad \sum_d b_d = B,
 
-    solved exactly for ``tau``; with no fixed cost (``a_d = T_i = 0``) this is
+    solved exactly for ``tau``, where ``t_d(b) = max(a_d + c_d b, r_d b)`` is the
+    device's profiled step time
+    (:meth:`hpsjax.profiling.DeviceProfile.step_time`; ``r_d`` the fewest
+    seconds per sample measured); with no fixed cost (``a_d = T_i = 0``) this is
     ``b_d`` proportional to throughput ``1 / c_d``. ``b^mem_d`` is the largest batch
     whose profiled peak memory fits ``memory_fraction`` of the device's capacity;
     where it binds, the rest goes to the other devices. Batches are rounded to
@@ -758,6 +772,9 @@ def plan(
       Goyal, Dollar, Girshick, Noordhuis, Wesolowski, Kyrola, Tulloch, Jia, He,
       "Accurate, Large Minibatch SGD: Training ImageNet in 1 Hour", 2017,
       https://arxiv.org/abs/1706.02677
+
+      Krizhevsky, "One weird trick for parallelizing convolutional neural
+      networks" (square-root scaling), 2014, https://arxiv.org/abs/1404.5997
     """
     profiles = list(profiles)
     if not profiles:
@@ -769,23 +786,23 @@ def plan(
         raise ValueError(f"worker ids repeat: {ids}")
     _check_scheme(scheme)
     _check_lr_scaling(lr_scaling)
-    _check_int("global_batch", global_batch, 1)
-    _check_int("local_steps", local_steps, 1)
-    _check_int("min_device_batch", min_device_batch, 1)
+    global_batch = _check_int("global_batch", global_batch, 1)
+    local_steps = _check_int("local_steps", local_steps, 1)
+    min_device_batch = _check_int("min_device_batch", min_device_batch, 1)
     if max_local_steps is not None:
-        _check_int("max_local_steps", max_local_steps, local_steps)
+        max_local_steps = _check_int("max_local_steps", max_local_steps, local_steps)
     if reference_batch is None:
         reference_batch = global_batch / len(profiles)
     reference_batch = _check_positive("reference_batch", reference_batch)
     if check_period is not None:
         check_period = _check_positive("check_period", check_period)
     if commits_per_period is not None:
-        _check_int("commits_per_period", commits_per_period, 1)
+        commits_per_period = _check_int("commits_per_period", commits_per_period, 1)
     if scheme != "adsp" and (check_period, commits_per_period) != (None, None):
         raise ValueError("check_period and commits_per_period apply to 'adsp' only")
     if (
         isinstance(memory_fraction, bool)
-        or not isinstance(memory_fraction, int | float)
+        or not isinstance(memory_fraction, numbers.Real)
         or not 0 < memory_fraction <= 1
     ):
         raise ValueError(f"memory_fraction must be in (0, 1], got {memory_fraction}")
@@ -864,7 +881,7 @@ class Replanner:
         _check_int("window", window, 1)
         if (
             isinstance(cooldown, bool)
-            or not isinstance(cooldown, int | float)
+            or not isinstance(cooldown, numbers.Real)
             or not cooldown >= 0
         ):
             raise ValueError(f"cooldown must be a number >= 0, got {cooldown!r}")
@@ -909,9 +926,9 @@ class Replanner:
             time; nothing is recorded then.
         """
         worker = self._plan.worker(worker_id)
-        _check_int("batch_size", batch_size, 1)
+        batch_size = _check_int("batch_size", batch_size, 1)
         step_time = _check_positive("step_time", step_time)
-        if isinstance(now, bool) or not isinstance(now, int | float):
+        if isinstance(now, bool) or not isinstance(now, numbers.Real):
             raise ValueError(f"now must be a number, got {now!r}")
         if not math.isfinite(now):
             raise ValueError(f"now must be finite, got {now}")

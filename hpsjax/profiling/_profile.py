@@ -38,6 +38,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from hpsjax.transforms._quantize import encoded_nbytes
+
 __all__ = [
     "DeviceProfile",
     "LinearFit",
@@ -414,6 +416,7 @@ class WorkerProfile:
       param_count: number of model parameters.
       param_bytes: bytes of the parameters as held on the device.
       profile_seconds: wall seconds the profiling pass took, compiles included.
+      compile_seconds: the part of ``profile_seconds`` spent compiling the step.
     """
 
     worker_id: int | str
@@ -422,6 +425,7 @@ class WorkerProfile:
     param_count: int = 0
     param_bytes: int = 0
     profile_seconds: float = 0.0
+    compile_seconds: float = 0.0
 
     def __post_init__(self):
         _check_worker_id(self.worker_id)
@@ -441,6 +445,7 @@ class WorkerProfile:
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name} must be a non-negative int, got {value!r}")
         _check_finite("profile_seconds", self.profile_seconds, positive=False)
+        _check_finite("compile_seconds", self.compile_seconds, positive=False)
 
     @classmethod
     def synthetic(
@@ -476,7 +481,7 @@ class WorkerProfile:
         """
         speeds = (
             [samples_per_second]
-            if isinstance(samples_per_second, int | float)
+            if np.ndim(samples_per_second) == 0
             else list(samples_per_second)
         )
         devices = tuple(
@@ -586,6 +591,7 @@ class WorkerProfile:
                 param_count=data["param_count"],
                 param_bytes=data["param_bytes"],
                 profile_seconds=data["profile_seconds"],
+                compile_seconds=data["compile_seconds"],
             )
         except (KeyError, TypeError) as e:
             raise ValueError(f"malformed WorkerProfile JSON: {e!r}") from None
@@ -595,8 +601,8 @@ def tree_wire_nbytes(tree: Any, codec: Any = None) -> int:
     """Payload bytes of ``tree`` on the wire, after ``codec`` where one is given.
 
     Without a codec every leaf travels as its raw buffer. With one, each leaf's
-    size is ``hpsjax.transforms.encoded_nbytes(shape, codec)``, the same count the
-    wire codec produces.
+    size is ``encoded_nbytes(shape, codec)`` of ``hpsjax.transforms``, the same
+    count the wire codec produces.
 
     Args:
       tree: a pytree of arrays (or ``jax.ShapeDtypeStruct``).
@@ -608,8 +614,6 @@ def tree_wire_nbytes(tree: Any, codec: Any = None) -> int:
     leaves = jax.tree.leaves(tree)
     if codec is None:
         return int(sum(np.dtype(x.dtype).itemsize * math.prod(x.shape) for x in leaves))
-    from hpsjax.transforms import encoded_nbytes
-
     return int(sum(encoded_nbytes(tuple(x.shape), codec) for x in leaves))
 
 
@@ -658,7 +662,7 @@ async def measure_transfer(
     cancellation rules apply); bound it with ``asyncio.wait_for``.
 
     Args:
-      transfer: a connected client or an async round-trip callable.
+      transfer: a client or an async round-trip callable.
       params: the model parameters (their shapes and dtypes set the message size).
       codec: the push codec, ``None`` for raw buffers.
       repeats: timed round trips; the median is reported.
@@ -673,8 +677,8 @@ async def measure_transfer(
     is_client = _is_client(transfer)
     if not is_client and not callable(transfer):
         raise ValueError(
-            "transfer must be a connected Client, an async callable, a Link, a "
-            f"TransferProfile or None; got {type(transfer).__name__}"
+            "transfer must be a parameter-server Client or an async callable; "
+            f"got {type(transfer).__name__}"
         )
     update = jax.tree.map(np.zeros_like, params)
     push_bytes = tree_wire_nbytes(params, codec)
@@ -745,9 +749,12 @@ def _profile_device(
     stats = device.memory_stats()
     use_device_stats = bool(stats) and "peak_bytes_in_use" in stats
     times, memory = [], []
+    compile_seconds = 0.0
     for b in batch_sizes:
         batch = jax.device_put(make_batch(b), device)
+        start = time.perf_counter()
         compiled = step.lower(device_params, batch).compile()
+        compile_seconds += time.perf_counter() - start
         start = time.perf_counter()
         for _ in range(warmup):
             jax.block_until_ready(compiled(device_params, batch))
@@ -775,7 +782,7 @@ def _profile_device(
     capacity = None
     if stats and stats.get("bytes_limit"):
         capacity = int(stats["bytes_limit"])
-    return DeviceProfile(
+    device_profile = DeviceProfile(
         device_id=device.id,
         platform=device.platform,
         device_kind=device.device_kind,
@@ -785,6 +792,7 @@ def _profile_device(
         memory_source=source,
         memory_capacity=capacity,
     )
+    return device_profile, compile_seconds
 
 
 def profile(
@@ -915,13 +923,15 @@ def profile(
     start = time.perf_counter()
     step = jax.jit(step_fn)
     device_profiles = []
+    compile_seconds = 0.0
     for device in devices:
-        prof = _profile_device(
+        prof, seconds = _profile_device(
             step, params, make_batch, device, sizes, repeats, warmup, time_budget
         )
         if memory_capacity is not None:
             prof = dataclasses.replace(prof, memory_capacity=memory_capacity)
         device_profiles.append(prof)
+        compile_seconds += seconds
 
     if transfer is None or isinstance(transfer, TransferProfile):
         transfer_profile = transfer
@@ -940,6 +950,7 @@ def profile(
         param_count=int(sum(math.prod(x.shape) for x in leaves)),
         param_bytes=tree_wire_nbytes(params),
         profile_seconds=time.perf_counter() - start,
+        compile_seconds=compile_seconds,
     )
 
 

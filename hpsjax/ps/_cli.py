@@ -207,7 +207,9 @@ async def serve(args: argparse.Namespace) -> None:
 
     params = load_npz_tree(args.init)
     policy_kwargs = dict(args.policy_arg)
-    if args.policy.lower() == "hybrid" and isinstance(policy_kwargs.get("stages"), list):
+    if args.policy.lower() == "hybrid" and isinstance(
+        policy_kwargs.get("stages"), list
+    ):
         from hpsjax.ps._policies import HybridStage
 
         # JSON has no HybridStage: stages come as objects of its fields.

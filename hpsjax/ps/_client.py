@@ -23,13 +23,16 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import hmac
 import os
 import ssl as ssl_lib
+import zlib
 from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any, NamedTuple
 
 import jax
+import msgpack
 import numpy as np
 
 from hpsjax.ps import _wire as wire
@@ -49,6 +52,14 @@ __all__ = ["Client", "PushResult", "ServerInfo", "Subscription"]
 _HANDSHAKE_TIMEOUT = 30.0
 
 
+@functools.partial(jax.jit, static_argnums=1)
+def _encode_tree(tree, codec, key):
+    """Encodes a push in one compiled program (one per tree structure/codec)."""
+    from hpsjax.transforms import _quantize as q
+
+    return q.encode_tree(tree, codec, key)
+
+
 class FrameProtocol(asyncio.BufferedProtocol):
     """An ``asyncio.BufferedProtocol`` that reads and writes hpsjax frames.
 
@@ -64,7 +75,8 @@ class FrameProtocol(asyncio.BufferedProtocol):
         (:class:`ConnectionClosed` for a clean or abrupt close, a
         :class:`ProtocolError` for a broken stream).
       limits: frame limits.
-      allocate: payload allocator for the decoder.
+      allocate: payload allocator for the decoder (default: validate tree
+        metadata, and receive into blocks of a :class:`~hpsjax.ps._wire.BufferPool`).
       on_made: called once the connection is established (after the TLS
         handshake, with TLS); ``on_lost`` is only ever called after it.
     """
@@ -78,6 +90,8 @@ class FrameProtocol(asyncio.BufferedProtocol):
         allocate: wire.Allocator | None = None,
         on_made: Callable[[], None] | None = None,
     ):
+        if allocate is None:
+            allocate = wire.default_allocator(limits, wire.BufferPool())
         self._decoder = wire.FrameDecoder(limits=limits, allocate=allocate)
         self._on_frame = on_frame
         self._on_lost = on_lost
@@ -825,13 +839,14 @@ class Client:
         elif update is None:
             raise ValueError("push needs an update (or encoded= and codec=)")
         elif codec is not None:
-            from hpsjax.transforms import _quantize as q
-
             if self._key is None:
-                seed = self._seed if self._seed is not None else hash(self._worker_id)
+                seed = self._seed
+                if seed is None:
+                    # Stable across processes, unlike hash() of a str.
+                    seed = zlib.crc32(msgpack.packb(self._worker_id))
                 self._key = jax.random.key(seed % 2**32)
             self._key, key = jax.random.split(self._key)
-            encoded = q.encode_tree(update, codec, key)
+            encoded = _encode_tree(update, codec, key)
             meta, buffers, _ = wire.encoded_tree_to_wire(
                 encoded, update, codec, limits=self._limits
             )

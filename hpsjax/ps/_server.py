@@ -35,6 +35,7 @@ import asyncio
 import collections
 import contextlib
 import dataclasses
+import functools
 import hmac
 import ipaddress
 import logging
@@ -88,6 +89,17 @@ _PUSH_FIELDS = {
     "local_steps": int,
     "loss": float,
 }
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _decode_leaves(encoded, codec, specs):
+    """Decodes a compressed push in one compiled program (one per model/codec)."""
+    from hpsjax.transforms import _quantize as q
+
+    return [
+        q.decode(enc, codec, shape, dtype)
+        for enc, (shape, dtype) in zip(encoded, specs, strict=True)
+    ]
 
 
 def _is_loopback(host: str | None) -> bool:
@@ -255,6 +267,9 @@ class Server:
             "tree": self._model.structure,
             "leaves": [[s.dtype.name, list(s.shape)] for s in self._model.leaves],
         }
+        # Pushes are received into reused blocks (PHub's pre-registered
+        # buffers); a block returns once the core and JAX let go of it.
+        self._pool = wire.BufferPool(max_blocks=8)
         self._sessions: dict[Any, _Session] = {}
         self._connections: set[_Session] = set()
         self._server: asyncio.AbstractServer | None = None
@@ -535,7 +550,7 @@ class Server:
                 f"{header.payload_length}"
             )
         wire.check_same_spec(layout, self._model)
-        arrays = layout.allocate()
+        arrays = layout.allocate(self._pool)
         return wire.leaf_buffers(arrays), wire.WireTree(layout, arrays)
 
     def _on_event(self, session: _Session, event: Frame | FrameError) -> None:
@@ -791,12 +806,9 @@ class Server:
         from hpsjax.transforms import _quantize as q
 
         codec = q.Codec.from_dict(layout.codec)
-        leaves = [
-            q.decode(q.Encoded(codes, scales), codec, spec.shape, spec.dtype)
-            for (codes, scales), spec in zip(
-                payload.arrays, self._model.leaves, strict=True
-            )
-        ]
+        specs = tuple((s.shape, s.dtype.name) for s in self._model.leaves)
+        encoded = [q.Encoded(codes, scales) for codes, scales in payload.arrays]
+        leaves = _decode_leaves(encoded, codec, specs)
         return jax.tree.unflatten(self._treedef, leaves)
 
     # ---------------------------------------------------------- actions

@@ -69,7 +69,9 @@ __all__ = [
     "MsgType",
     "TreeLayout",
     "WireLimits",
+    "BufferPool",
     "WireTree",
+    "aligned_empty",
     "auth_proof",
     "check_same_spec",
     "encode_frame",
@@ -517,20 +519,76 @@ def _leaf_paths(structure: Any) -> list[str]:
 ALIGNMENT = 64
 
 
-def aligned_empty(shape: Sequence[int], dtype: np.dtype) -> np.ndarray:
+def _aligned_view(owner: np.ndarray, nbytes: int) -> np.ndarray:
+    start = -owner.ctypes.data % ALIGNMENT
+    return owner[start : start + nbytes]
+
+
+def aligned_empty(shape: Sequence[int], dtype: Any = np.uint8) -> np.ndarray:
     """An uninitialised array whose data start on a 64-byte boundary.
 
     JAX on CPU can then take the array without copying it
     (``jax.device_put``), and vector loads need no split.
 
     Examples:
-      >>> aligned_empty((3, 5), np.dtype(np.float32)).ctypes.data % 64
+      >>> aligned_empty((3, 5), np.float32).ctypes.data % 64
       0
     """
+    dtype = np.dtype(dtype)
     nbytes = math.prod(shape) * dtype.itemsize
-    raw = np.empty(nbytes + ALIGNMENT, np.uint8)
-    start = -raw.ctypes.data % ALIGNMENT
-    return raw[start : start + nbytes].view(dtype).reshape(shape)
+    owner = np.empty(nbytes + ALIGNMENT, np.uint8)
+    return _aligned_view(owner, nbytes).view(dtype).reshape(shape)
+
+
+class BufferPool:
+    """Receive buffers that are reused once nothing references them any more.
+
+    PHub registers its receive buffers once and reuses them; here a block handed
+    out by :meth:`take` returns to service as soon as every array viewing it
+    has been dropped (by the caller, and by JAX, which holds arrays it took
+    without copying). Reuse skips the cost of fresh memory (page faults), which
+    on some machines exceeds the cost of moving the bytes.
+
+    Args:
+      max_blocks: blocks kept per size; beyond that, blocks are allocated and
+        not kept.
+
+    Examples:
+      >>> pool = BufferPool()
+      >>> a = pool.take(1024)
+      >>> pool.take(1024) is a  # still referenced by `a`
+      False
+      >>> address = a.ctypes.data
+      >>> del a
+      >>> pool.take(1024).ctypes.data == address
+      True
+    """
+
+    # References to a free block's memory owner: its slot in the pool's list,
+    # the loop variable, and getrefcount's own argument. Every view of the
+    # block (leaves, and arrays JAX took without copying) refers to the owner.
+    _FREE_REFS = 3
+
+    def __init__(self, max_blocks: int = 4):
+        if max_blocks < 1:
+            raise ValueError(f"max_blocks must be >= 1, got {max_blocks}")
+        self._max_blocks = max_blocks
+        self._owners: dict[int, list[np.ndarray]] = {}
+
+    def take(self, nbytes: int) -> np.ndarray:
+        """A 64-byte aligned ``uint8`` block of ``nbytes`` nobody else uses."""
+        owners = self._owners.setdefault(nbytes, [])
+        for owner in owners:
+            if sys.getrefcount(owner) <= self._FREE_REFS:
+                return _aligned_view(owner, nbytes)
+        owner = np.empty(nbytes + ALIGNMENT, np.uint8)
+        if len(owners) < self._max_blocks:
+            owners.append(owner)
+        return _aligned_view(owner, nbytes)
+
+    def clear(self) -> None:
+        """Forgets every block (blocks in use stay valid)."""
+        self._owners.clear()
 
 
 class LeafSpec(NamedTuple):
@@ -567,25 +625,40 @@ class TreeLayout(NamedTuple):
     codec: dict[str, Any] | None
     nbytes: int
 
-    def allocate(self) -> list[Any]:
+    def allocate(self, pool: BufferPool | None = None) -> list[Any]:
         """Allocates uninitialised leaves to receive this tree's payload.
+
+        All leaves are views of one 64-byte aligned block (each leaf starting on
+        a 64-byte boundary), taken from ``pool`` when one is given.
+
+        Args:
+          pool: where to take the block from; ``None`` allocates a new one.
 
         Returns:
           Per leaf, an array of its dtype and shape, or for a compressed leaf a
           ``(codes uint8[code_nbytes], scales float32[n])`` pair.
         """
-        out: list[Any] = []
+        parts: list[tuple[tuple[int, ...], np.dtype]] = []
         for leaf in self.leaves:
             if leaf.code_nbytes is None:
-                out.append(aligned_empty(leaf.shape, leaf.dtype))
+                parts.append((leaf.shape, leaf.dtype))
             else:
                 n_scales = (leaf.nbytes - leaf.code_nbytes) // 4
-                out.append(
-                    (
-                        aligned_empty((leaf.code_nbytes,), np.dtype(np.uint8)),
-                        aligned_empty((n_scales,), DTYPES["float32"]),
-                    )
-                )
+                parts.append(((leaf.code_nbytes,), np.dtype(np.uint8)))
+                parts.append(((n_scales,), DTYPES["float32"]))
+        offsets, total = [], 0
+        for shape, dtype in parts:
+            offsets.append(total)
+            total += -(-math.prod(shape) * dtype.itemsize // ALIGNMENT) * ALIGNMENT
+        block = pool.take(total) if pool is not None else aligned_empty((total,))
+        views = [
+            block[o : o + math.prod(shape) * dtype.itemsize].view(dtype).reshape(shape)
+            for o, (shape, dtype) in zip(offsets, parts, strict=True)
+        ]
+        out: list[Any] = []
+        it = iter(views)
+        for leaf in self.leaves:
+            out.append(next(it) if leaf.code_nbytes is None else (next(it), next(it)))
         return out
 
     def paths(self) -> list[str]:
@@ -909,8 +982,13 @@ class FrameError(NamedTuple):
 Allocator = Callable[[Header, dict[str, Any]], tuple[list[memoryview], Any]]
 
 
-def default_allocator(limits: WireLimits) -> Allocator:
-    """An allocator that validates tree metadata and allocates its leaves."""
+def default_allocator(limits: WireLimits, pool: BufferPool | None = None) -> Allocator:
+    """An allocator that validates tree metadata and allocates its leaves.
+
+    Args:
+      limits: bounds the metadata is checked against.
+      pool: where leaf memory comes from (``None``: fresh memory each time).
+    """
 
     def allocate(header: Header, meta: dict[str, Any]):
         layout = tree_layout(meta, limits)
@@ -919,7 +997,7 @@ def default_allocator(limits: WireLimits) -> Allocator:
                 f"leaves hold {layout.nbytes} bytes, header says "
                 f"{header.payload_length}"
             )
-        arrays = layout.allocate()
+        arrays = layout.allocate(pool)
         return leaf_buffers(arrays), WireTree(layout, arrays)
 
     return allocate

@@ -22,6 +22,7 @@ most :math:`\log_2 n` shapes, each once.
 
 from __future__ import annotations
 
+import collections
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -58,6 +59,7 @@ class FlatSpec:
         self.sizes = tuple(math.prod(s) for s in self.shapes)
         self.offsets = tuple(np.cumsum((0, *self.sizes[:-1])).tolist())
         self.size = int(sum(self.sizes))
+        self.signature = (self.treedef, self.shapes, self.dtypes)
 
     def ravel_host(self, tree: Any) -> np.ndarray:
         """A read-only host vector of a tree's leaves (jax or numpy arrays)."""
@@ -211,6 +213,103 @@ class Round:
         self.done = False
 
 
+class Kernels:
+    """The jitted batched functions for one loss, parameter layout and transforms.
+
+    Built once per combination and kept (see :func:`kernels`), so that repeated
+    simulations of the same model reuse their compiled code.
+    """
+
+    def __init__(self, loss_fn, flat, worker_optimizer, push_transform, init_params):
+        self.flat = flat
+        value_and_grad = jax.value_and_grad(loss_fn)
+
+        def gather(data, idx):
+            return jax.tree.map(lambda a: a[idx], data)
+
+        self.has_stages = False
+        self.opt = None
+        if worker_optimizer is None:
+
+            def grad_rows(params, idx, scale, data, *, shared):
+                def one(p, ix, s):
+                    loss, g = value_and_grad(flat.unravel(p), gather(data, ix))
+                    return flat.ravel(g) * s.astype(flat.dtype), loss
+
+                return jax.vmap(one, in_axes=(None if shared else 0, 0, 0))(
+                    params, idx, scale
+                )
+
+            self.grad = jax.jit(grad_rows, static_argnames=("shared",))
+        else:
+            opt = self.opt = optax.with_extra_args_support(worker_optimizer)
+            has_stages = self.has_stages = _has_stages(opt.init(init_params))
+
+            def local_rows(params, idx, scale, data, states, rows, *, shared):
+                picked = jax.tree.map(lambda s: s[rows], states)
+
+                def one(p, ix, s, st):
+                    tree = flat.unravel(p)
+                    loss, g = value_and_grad(tree, gather(data, ix))
+                    updates, st = opt.update(g, st, tree, loss=loss)
+                    updates = jax.tree.map(lambda u: (u * s).astype(u.dtype), updates)
+                    tree = optax.apply_updates(tree, updates)
+                    return flat.ravel(tree), loss, st
+
+                new_params, loss, new_states = jax.vmap(
+                    one, in_axes=(None if shared else 0, 0, 0, 0)
+                )(params, idx, scale, picked)
+                states = jax.tree.map(
+                    lambda s, n: s.at[rows].set(n), states, new_states
+                )
+                stage = _current_stage(new_states) if has_stages else None
+                return new_params, loss, states, stage
+
+            self.local = jax.jit(
+                local_rows, static_argnames=("shared",), donate_argnames=("states",)
+            )
+
+        self.ptx = None
+        if push_transform is not None:
+            ptx = self.ptx = optax.with_extra_args_support(push_transform)
+
+            def push_rows(updates, states, rows):
+                picked = jax.tree.map(lambda s: s[rows], states)
+
+                def one(u, st):
+                    out, st = ptx.update(flat.unravel(u), st)
+                    return flat.ravel(out), st
+
+                out, new_states = jax.vmap(one)(updates, picked)
+                states = jax.tree.map(
+                    lambda s, n: s.at[rows].set(n), states, new_states
+                )
+                return out, states
+
+            self.push = jax.jit(push_rows, donate_argnames=("states",))
+
+
+_KERNELS: collections.OrderedDict = collections.OrderedDict()
+_KERNELS_KEPT = 8
+
+
+def kernels(loss_fn, flat, worker_optimizer, push_transform, init_params) -> Kernels:
+    """The :class:`Kernels` of a combination, from a small cache when possible."""
+    key = (loss_fn, flat.signature, worker_optimizer, push_transform)
+    try:
+        hit = _KERNELS.get(key)
+    except TypeError:  # an unhashable loss or transform: build afresh
+        return Kernels(loss_fn, flat, worker_optimizer, push_transform, init_params)
+    if hit is None:
+        hit = Kernels(loss_fn, flat, worker_optimizer, push_transform, init_params)
+        _KERNELS[key] = hit
+        while len(_KERNELS) > _KERNELS_KEPT:
+            _KERNELS.popitem(last=False)
+    else:
+        _KERNELS.move_to_end(key)
+    return hit
+
+
 class Engine:
     """Evaluates submitted rounds in batches (see the module docstring).
 
@@ -250,79 +349,16 @@ class Engine:
         self.evaluations = 0
         self.padded_evaluations = 0
         self._dummy = num_slots  # padding rows read and write this extra slot
-
-        def gather(data, idx):
-            return jax.tree.map(lambda a: a[idx], data)
-
-        value_and_grad = jax.value_and_grad(loss_fn)
-
-        if worker_optimizer is None:
-            self.has_stages = False
-
-            def grad_rows(params, idx, scale, data, *, shared):
-                def one(p, ix, s):
-                    loss, g = value_and_grad(flat.unravel(p), gather(data, ix))
-                    return flat.ravel(g) * s.astype(flat.dtype), loss
-
-                return jax.vmap(one, in_axes=(None if shared else 0, 0, 0))(
-                    params, idx, scale
-                )
-
-            self._grad = jax.jit(grad_rows, static_argnames=("shared",))
-            self.states = None
-        else:
-            opt = optax.with_extra_args_support(worker_optimizer)
-            state0 = opt.init(init_params)
-            self.has_stages = _has_stages(state0)
-            self.states = _stack(state0, num_slots + 1)
-
-            def local_rows(params, idx, scale, data, states, rows, *, shared):
-                picked = jax.tree.map(lambda s: s[rows], states)
-
-                def one(p, ix, s, st):
-                    tree = flat.unravel(p)
-                    loss, g = value_and_grad(tree, gather(data, ix))
-                    updates, st = opt.update(g, st, tree, loss=loss)
-                    updates = jax.tree.map(lambda u: (u * s).astype(u.dtype), updates)
-                    tree = optax.apply_updates(tree, updates)
-                    return flat.ravel(tree), loss, st
-
-                new_params, loss, new_states = jax.vmap(
-                    one, in_axes=(None if shared else 0, 0, 0, 0)
-                )(params, idx, scale, picked)
-                states = jax.tree.map(
-                    lambda s, n: s.at[rows].set(n), states, new_states
-                )
-                stage = _current_stage(new_states) if self.has_stages else None
-                return new_params, loss, states, stage
-
-            self._local = jax.jit(
-                local_rows, static_argnames=("shared",), donate_argnames=("states",)
-            )
-
-        if push_transform is None:
-            self.push_states = None
-        else:
-            ptx = optax.with_extra_args_support(push_transform)
-            keys = jax.random.split(jax.random.key(seed), num_slots + 1)
+        self.k = kernels(loss_fn, flat, worker_optimizer, push_transform, init_params)
+        self.has_stages = self.k.has_stages
+        self.states = None
+        if self.k.opt is not None:
+            self.states = _stack(self.k.opt.init(init_params), num_slots + 1)
+        self.push_states = None
+        if self.k.ptx is not None:
             self.push_states = _decorrelate(
-                _stack(ptx.init(init_params), num_slots + 1), keys
+                _stack(self.k.ptx.init(init_params), num_slots + 1), seed
             )
-
-            def push_rows(updates, states, rows):
-                picked = jax.tree.map(lambda s: s[rows], states)
-
-                def one(u, st):
-                    out, st = ptx.update(flat.unravel(u), st)
-                    return flat.ravel(out), st
-
-                out, new_states = jax.vmap(one)(updates, picked)
-                states = jax.tree.map(
-                    lambda s, n: s.at[rows].set(n), states, new_states
-                )
-                return out, states
-
-            self._push = jax.jit(push_rows, donate_argnames=("states",))
 
     def submit(self, round_: Round) -> Round:
         """Queues a round for evaluation."""
@@ -369,12 +405,12 @@ class Engine:
         if self.local:
             slots = np.full(padded, self._dummy, np.int32)
             slots[: len(rows)] = [r.slot for r in rows]
-            out, loss, self.states, stage = self._local(
+            out, loss, self.states, stage = self.k.local(
                 params, idx, scale, self.data, self.states, slots, shared=shared
             )
             stage = None if stage is None else np.asarray(stage)
         else:
-            out, loss = self._grad(params, idx, scale, self.data, shared=shared)
+            out, loss = self.k.grad(params, idx, scale, self.data, shared=shared)
             stage = None
         out = np.asarray(out)
         loss = np.asarray(loss).tolist()
@@ -404,7 +440,7 @@ class Engine:
                 pad = padded - rows
                 slots = np.full(padded, self._dummy, np.int32)
                 slots[:rows] = [r.slot for r in chunk]
-                out, self.push_states = self._push(
+                out, self.push_states = self.k.push(
                     _stack_rows([r.update for r in chunk], pad),
                     self.push_states,
                     slots,
@@ -438,17 +474,15 @@ def _is_key(x: Any) -> bool:
     )
 
 
-def _decorrelate(stacked: Any, keys: jax.Array) -> Any:
+def _decorrelate(stacked: Any, seed: int) -> Any:
     """Gives every worker's row its own random key (typed key leaves only)."""
 
     def fix(x):
         if not _is_key(x):
             return x
-        folded = jax.vmap(lambda k, j: jax.random.fold_in(k, j))(
-            x, jnp.arange(x.shape[0])
-        )
-        del keys
-        return folded
+        return jax.vmap(
+            lambda k, j: jax.random.fold_in(jax.random.fold_in(k, seed), j)
+        )(x, jnp.arange(x.shape[0]))
 
     return jax.tree.map(fix, stacked)
 

@@ -337,17 +337,16 @@ def _mix32(h: jax.Array) -> jax.Array:
     return h ^ (h >> 16)
 
 
-def _uniform(index: jax.Array, seeds: jax.Array) -> jax.Array:
-    """U[0, 1) float32 with 24 random bits, one per uint32 element index.
+def _random_bits(index: jax.Array, seeds: jax.Array, bits: int) -> jax.Array:
+    """``bits`` (at most 31) random bits per uint32 element index, as int32.
 
     ``seeds[1]`` is uniform over all 2^32 values and the map index -> hash is a
-    bijection, so every element's draw is exactly uniform over the 2^24 values
+    bijection, so every element's draw is exactly uniform over its 2^bits values
     whatever the hash's quality; the odd multiplier ``seeds[0]`` decorrelates the
     streams of successive keys.
     """
     h = _mix32(index * seeds[0] + seeds[1])
-    # Through int32: the unsigned-to-float conversion has no vector instruction.
-    return lax.convert_element_type(h >> 8, jnp.int32).astype(_F32) * _F32(2.0**-24)
+    return lax.convert_element_type(h >> (32 - bits), jnp.int32)
 
 
 def _seeds(key: jax.Array) -> jax.Array:
@@ -380,7 +379,7 @@ def _block_stats(flat: jax.Array, codec: Codec) -> jax.Array:
             return jnp.max(jnp.abs(x))
         if stat == "l2":
             return jnp.sqrt(jnp.sum(x * x))
-        return jnp.sum(jnp.abs(x)) / x.shape[0]
+        return jnp.sum(jnp.abs(x)) * _F32(1 / x.shape[0])
 
     def rows(x):
         if stat == "max":
@@ -389,7 +388,7 @@ def _block_stats(flat: jax.Array, codec: Codec) -> jax.Array:
             return jnp.maximum(jnp.max(x, axis=1), -jnp.min(x, axis=1))
         if stat == "l2":
             return jnp.sqrt(jnp.sum(x * x, axis=1))
-        return jnp.sum(jnp.abs(x), axis=1) / x.shape[1]
+        return jnp.sum(jnp.abs(x), axis=1) * _F32(1 / x.shape[1])
 
     if codec.block_size is None:
         if size == 0:
@@ -408,7 +407,9 @@ def _block_stats(flat: jax.Array, codec: Codec) -> jax.Array:
         stats = jnp.concatenate(parts) if len(parts) > 1 else parts[0]
     if scheme == "sign":
         return stats
-    return stats / _F32(levels)
+    # A multiply, not a division by a constant: XLA rewrites the latter into a
+    # multiply under jit but not op by op, and the step must not depend on that.
+    return stats * _F32(1 / levels)
 
 
 def _block_codes(
@@ -424,21 +425,30 @@ def _block_codes(
     the flat index of ``x[0, 0]`` in the whole array, so that every element draws
     its own random bits wherever the block boundaries fall.
     """
-    inv = jnp.minimum(jnp.where(step > 0, 1 / step, 0), _F32_MAX)
-    y = x * inv
-    if codec.stochastic:
-        u = _uniform(_index(x.shape, offset), seeds)
-    if codec.scheme == "sign":
-        if codec.stochastic:
-            # P(code = 1) = (1 + x / max|x|) / 2, so E[(2 code - 1) max|x|] = x.
-            bit = u < _F32(0.5) + _F32(0.5) * y
-        else:
-            bit = x >= 0
-        return bit.astype(jnp.int32)
-    levels = _half_range(codec)
-    # floor(y + u) rounds up with probability frac(y): unbiased.
-    q = jnp.floor(y + u) if codec.stochastic else jnp.round(y)
-    return (jnp.clip(q, -levels, levels) + levels).astype(jnp.int32)
+    if codec.scheme == "sign" and not codec.stochastic:
+        return (x >= 0).astype(jnp.int32)
+    sign = codec.scheme == "sign"
+    # Stochastic rounding works on y in fixed point with `frac` fractional bits,
+    # Y = round(y 2^frac), as (Y + r) >> frac with r uniform on [0, 2^frac): it
+    # rounds up with probability exactly (Y mod 2^frac) / 2^frac. Integer
+    # arithmetic after one multiply and one round leaves XLA no float rewrite
+    # (contraction into fused multiply-adds) that could change a code between
+    # compilations. (levels + 1) 2^frac must fit in int32.
+    frac = min(24, 32 - codec.bits) if codec.stochastic else 0
+    # The stochastic sign's y is (x / max|x|) 2^(frac - 1), in [-top, top].
+    top = 2 ** (frac - 1) if sign else _half_range(codec) * 2**frac
+    scale = top if sign else 2**frac
+    inv = jnp.minimum(jnp.where(step > 0, _F32(scale) / step, 0), _F32_MAX)
+    y = jnp.clip(jnp.round(x * inv), -top, top)
+    if not codec.stochastic:
+        return (y + top).astype(jnp.int32)
+    r = _random_bits(_index(x.shape, offset), seeds, frac)
+    y = y.astype(jnp.int32)
+    if sign:
+        # P(code = 1) = (top + y) / 2^frac = (1 + x / max|x|) / 2, so that
+        # E[(2 code - 1) max|x|] = x.
+        return (r < y + top).astype(jnp.int32)
+    return ((y + r) >> frac) + _half_range(codec)
 
 
 def _codes(flat, steps, codec, seeds):

@@ -74,16 +74,37 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
     g = p.add_argument_group("model and data")
     g.add_argument("--model", default="mlp", help="hpsjax.models registry name")
-    g.add_argument("--model_arg", type=_key_value, action="append", default=[],
-                   metavar="NAME=VALUE", help="model argument (JSON value)")
-    g.add_argument("--model_seed", type=int, default=0,
-                   help="seed of the initial weights (for --write_init)")
-    g.add_argument("--dataset", default="synthetic_digits",
-                   help="hpsjax.data registry name")
-    g.add_argument("--dataset_arg", type=_key_value, action="append", default=[],
-                   metavar="NAME=VALUE", help="dataset argument (JSON value)")
-    g.add_argument("--test_fraction", type=float, default=0.2,
-                   help="share held out from training (same split on every worker)")
+    g.add_argument(
+        "--model_arg",
+        type=_key_value,
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="model argument (JSON value)",
+    )
+    g.add_argument(
+        "--model_seed",
+        type=int,
+        default=0,
+        help="seed of the initial weights (for --write_init)",
+    )
+    g.add_argument(
+        "--dataset", default="synthetic_digits", help="hpsjax.data registry name"
+    )
+    g.add_argument(
+        "--dataset_arg",
+        type=_key_value,
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="dataset argument (JSON value)",
+    )
+    g.add_argument(
+        "--test_fraction",
+        type=float,
+        default=0.2,
+        help="share held out from training (same split on every worker)",
+    )
     g.add_argument("--shard_index", type=int, help="this worker's shard")
     g.add_argument("--shard_count", type=int, default=1, help="number of shards")
     g.add_argument("--data_seed", type=int, help="shuffle seed (default: shard)")
@@ -92,44 +113,73 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     g.add_argument("--batch_size", type=int, default=32, help="samples per step")
     g.add_argument("--work_plan", help="WorkPlan JSON file (sets batch, steps, lr)")
     g.add_argument("--local_steps", type=int, default=1, help="local steps per push")
-    g.add_argument("--local_optimizer", default="none", choices=LOCAL_OPTIMIZERS,
-                   help="optimizer of local steps; none pushes gradients")
+    g.add_argument(
+        "--local_optimizer",
+        default="none",
+        choices=LOCAL_OPTIMIZERS,
+        help="optimizer of local steps; none pushes gradients",
+    )
     g.add_argument("--local_learning_rate", type=float, default=0.1)
     g.add_argument("--lr_scale", type=float, default=1.0)
     g.add_argument("--bits", type=int, help="quantize pushes (1, 2, 4, 8, 16 bits)")
     g.add_argument("--no_error_feedback", action="store_true")
-    g.add_argument("--staleness_policy",
-                   help="scale updates by f(staleness) on the worker (PS+)")
-    g.add_argument("--no_pipeline", action="store_true",
-                   help="push and pull after compute instead of during it")
+    g.add_argument(
+        "--staleness_policy", help="scale updates by f(staleness) on the worker (PS+)"
+    )
+    g.add_argument(
+        "--no_pipeline",
+        action="store_true",
+        help="push and pull after compute instead of during it",
+    )
     g.add_argument("--eager_pulls", type=int, default=1, help="pulls per round at most")
-    g.add_argument("--ignore_hints", action="store_true",
-                   help="ignore the server's local-step and plan hints")
+    g.add_argument(
+        "--ignore_hints",
+        action="store_true",
+        help="ignore the server's local-step and plan hints",
+    )
     g.add_argument("--max_steps", type=int, help="rounds to run")
     g.add_argument("--max_seconds", type=float, help="seconds to run")
     g.add_argument("--until_version", type=int, help="stop at this server version")
     g.add_argument("--seed", type=int, default=0, help="quantizer seed")
 
     g = p.add_argument_group("heterogeneity and faults")
-    g.add_argument("--slowdown", default="1",
-                   help="slowdown factor k >= 1, or a schedule 't0:k0,t1:k1'")
-    g.add_argument("--bandwidth", default="none",
-                   help="link cap in bytes/s (none: no cap), or a schedule")
+    g.add_argument(
+        "--slowdown",
+        default="1",
+        help="slowdown factor k >= 1, or a schedule 't0:k0,t1:k1'",
+    )
+    g.add_argument(
+        "--bandwidth",
+        default="none",
+        help="link cap in bytes/s (none: no cap), or a schedule",
+    )
     g.add_argument("--latency", type=float, default=0.0, help="seconds per message")
-    g.add_argument("--fail_after_steps", type=int,
-                   help="raise after this many rounds (fault injection)")
+    g.add_argument(
+        "--fail_after_steps",
+        type=int,
+        help="raise after this many rounds (fault injection)",
+    )
 
     g = p.add_argument_group("outputs")
     g.add_argument("--metrics", help="append per-round metrics (JSON lines) here")
-    g.add_argument("--write_init", metavar="PATH",
-                   help="write the model's initial parameters (.npz) and exit")
-    g.add_argument("--profile_out", metavar="PATH",
-                   help="run the profiling pass, write the profile JSON and exit")
-    g.add_argument("--profile_batch_sizes", default="16,64,256",
-                   help="batch sizes the profiling pass measures")
+    g.add_argument(
+        "--write_init",
+        metavar="PATH",
+        help="write the model's initial parameters (.npz) and exit",
+    )
+    g.add_argument(
+        "--profile_out",
+        metavar="PATH",
+        help="run the profiling pass, write the profile JSON and exit",
+    )
+    g.add_argument(
+        "--profile_batch_sizes",
+        default="16,64,256",
+        help="batch sizes the profiling pass measures",
+    )
     g.add_argument("--loop", default="auto", choices=("auto", "uvloop", "asyncio"))
     g.add_argument("--log_level", default="INFO")
-    return p.parse_args(argv)  # fmt: skip
+    return p.parse_args(argv)
 
 
 def _dataset(args: argparse.Namespace):
@@ -164,8 +214,8 @@ def write_init(args: argparse.Namespace, path: str | pathlib.Path) -> None:
 
     _, params = models.split_model(_model(args, _dataset(args)))
     flat = {
-        "/".join(str(getattr(k, "key", k)) for k in path_): np.asarray(leaf)
-        for path_, leaf in jax.tree_util.tree_leaves_with_path(params)
+        "/".join(str(getattr(k, "key", k)) for k in key_path): np.asarray(leaf)
+        for key_path, leaf in jax.tree_util.tree_leaves_with_path(params)
     }
     with open(path, "wb") as f:
         np.savez(f, **flat)
@@ -378,8 +428,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 return 2
     try:
         summary = runner(_serve(worker))
-    except Exception as e:
-        log.error("worker %s failed: %s: %s", args.worker_id, type(e).__name__, e)
+    except Exception:
+        log.exception("worker %s failed", args.worker_id)
         return 1
     finally:
         if sink is not None:

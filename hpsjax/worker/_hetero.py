@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 import math
 import threading
 import time
@@ -75,7 +76,7 @@ def _schedule(
     if not points:
         raise ValueError(f"{name} schedule is empty")
     times = [t for t, _ in points]
-    if any(b <= a for a, b in zip(times, times[1:], strict=False)):
+    if any(b <= a for a, b in itertools.pairwise(times)):
         raise ValueError(f"{name} schedule times must increase, got {times}")
     if times[0] != 0.0:
         raise ValueError(
@@ -104,7 +105,9 @@ def _bandwidth(name: str, value: Any) -> float | None:
     if value == math.inf:
         return None
     if not value > 0:
-        raise ValueError(f"{name} must be > 0 bytes/s (or None for no cap), got {value}")
+        raise ValueError(
+            f"{name} must be > 0 bytes/s (or None for no cap), got {value}"
+        )
     return value
 
 
@@ -341,7 +344,7 @@ class Injector:
         return self._het.slowdown_at(self.elapsed())
 
     def after_compute(self, compute_seconds: float) -> float:
-        """Sleeps :math:`(k - 1)` times ``compute_seconds``; returns the seconds slept."""
+        """Sleeps :math:`(k - 1)` times ``compute_seconds``; returns seconds slept."""
         delay = self._het.compute_delay(compute_seconds, now=self.elapsed())
         if delay > 0:
             self._sleep(delay)

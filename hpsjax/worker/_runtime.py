@@ -100,6 +100,7 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import io
+import itertools
 import json
 import logging
 import math
@@ -435,7 +436,7 @@ class _Computed(NamedTuple):
 
 class _Prepared(NamedTuple):
     update: Any  # numpy tree, or a ShapeDtypeStruct tree when `encoded` is set
-    encoded: Any  # tree of Encoded, or None
+    encoded: Any  # list of Encoded in leaf order, or None
     nbytes: int
     staleness_estimate: int
     lr_factor: float
@@ -548,8 +549,7 @@ class Worker:
             device_batches = _split_evenly(batch_size, n)
         if sum(device_batches) != batch_size:
             raise ValueError(
-                f"device_batches {device_batches} do not sum to batch_size "
-                f"{batch_size}"
+                f"device_batches {device_batches} do not sum to batch_size {batch_size}"
             )
         local = jax.local_devices()
         if devices is None:
@@ -665,14 +665,13 @@ class Worker:
                 from hpsjax.ps import ProtocolError
 
                 raise ProtocolError(f"bad local_steps hint from the server: {steps!r}")
-            if self._pushes_gradients:
-                if steps != 1 and steps != self._local_steps:
-                    logger.warning(
-                        "worker %s pushes gradients and ignores the server's hint "
-                        "of %d local steps (give it a local optimizer)",
-                        self._config.worker_id,
-                        steps,
-                    )
+            if self._pushes_gradients and steps not in (1, self._local_steps):
+                logger.warning(
+                    "worker %s pushes gradients and ignores the server's hint "
+                    "of %d local steps (give it a local optimizer)",
+                    self._config.worker_id,
+                    steps,
+                )
             self._hinted_steps = steps
 
     def _apply_plan_hint(self, plan: Any) -> None:
@@ -734,7 +733,9 @@ class Worker:
             steps = self._hinted_steps
         if self._pushes_gradients:
             steps = 1
-        return _Settings(self._device_batches, steps, self._lr_scale, self._plan_revision)
+        return _Settings(
+            self._device_batches, steps, self._lr_scale, self._plan_revision
+        )
 
     # ------------------------------------------------------------ compute
 
@@ -782,15 +783,13 @@ class Worker:
 
         return jax.jit(apply)
 
-    def _compiled_step(self, args: tuple) -> tuple[Any, float]:
-        """The AOT-compiled step for these argument shapes, and seconds compiling.
+    def _compiled_step(self, args: tuple, batch: Any) -> tuple[Any, float]:
+        """The AOT-compiled step for this batch's shapes, and seconds compiling.
 
         Compiling ahead keeps compile time out of ``compute_s``, so a slowdown
         factor never multiplies it.
         """
-        key = tuple(
-            (tuple(x.shape), str(x.dtype)) for x in jax.tree.leaves(args[-3:])
-        )
+        key = tuple((tuple(x.shape), str(x.dtype)) for x in jax.tree.leaves(batch))
         compiled = self._compiled.get(key)
         if compiled is not None:
             return compiled, 0.0
@@ -807,7 +806,7 @@ class Worker:
         bounds = np.cumsum((0, *settings.device_batches))
         return [
             jax.tree.map(lambda x, a=a, b=b: x[a:b], batch)
-            for a, b in zip(bounds[:-1], bounds[1:], strict=True)
+            for a, b in itertools.pairwise(bounds)
         ]
 
     def _compute_round(self, params: Any, version: int, settings: _Settings):
@@ -843,7 +842,7 @@ class Worker:
                     args = (local, batch, lr_scale)
                 else:
                     args = (local, self._opt_state, batch, lr_scale, steps_arg)
-                step, compile_time = self._compiled_step(args)
+                step, compile_time = self._compiled_step(args, batch)
                 compile_s += compile_time
                 t = time.perf_counter()
                 if self._tx is None:
@@ -892,9 +891,8 @@ class Worker:
             host = jax.tree.map(np.asarray, host)
             return _Prepared(host, None, _tree_nbytes(host), tau, factor)
         _, self._q_state = self._quantize_update(update, self._q_state)
-        leaves = jax.device_get(last_encoded(self._q_state))
-        encoded = jax.tree.unflatten(jax.tree.structure(self._spec_like), leaves)
-        nbytes = sum(e.codes.nbytes + e.scales.nbytes for e in leaves)
+        encoded = jax.device_get(last_encoded(self._q_state))
+        nbytes = sum(e.codes.nbytes + e.scales.nbytes for e in encoded)
         return _Prepared(self._spec_like, encoded, int(nbytes), tau, factor)
 
     # ------------------------------------------------------------ transfers
@@ -939,9 +937,7 @@ class Worker:
         rejoined = False
         try:
             if computed is not None:
-                prepared = await loop.run_in_executor(
-                    encoder, self._prepare, computed
-                )
+                prepared = await loop.run_in_executor(encoder, self._prepare, computed)
                 record["staleness_estimate"] = prepared.staleness_estimate
                 record["lr_factor"] = prepared.lr_factor
                 link += await self._injector.transfer(prepared.nbytes)
@@ -967,7 +963,9 @@ class Worker:
                         for task in (push_task, pull_task):
                             if not task.done():
                                 task.cancel()
-                        await asyncio.gather(push_task, pull_task, return_exceptions=True)
+                        await asyncio.gather(
+                            push_task, pull_task, return_exceptions=True
+                        )
                     pulls = 1
                     pull_end = self._elapsed()
                 else:

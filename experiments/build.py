@@ -1,0 +1,504 @@
+r"""From a config to hpsjax objects: data, model, optimizers, policy, workers, plan.
+
+Both backends (the simulator and real processes) build a scheme from the same
+functions here, so a config means the same thing on either:
+
+* :func:`setup`: the dataset (split into train and test), the model's graph and
+  initial parameters, and the jitted loss and evaluation functions;
+* :func:`server_optimizer`: the server's optax chain, with
+  ``scale_by_staleness`` (staleness-aware ASP) or ``delay_compensation``
+  (DC-ASGD) ahead of the optimizer;
+* :func:`local_optimizer`: the workers' optimizer of local steps, or ``None``
+  for workers that push gradients;
+* :func:`policy`: the server policy (by name, or ASHL's :class:`PlannedHybrid`);
+* :func:`worker_specs` and :func:`simulated_profiles`: simulated workers and the
+  profiling pass run on them;
+* :func:`work_plan`: the plan of ``config.plan.scheme`` from profiles.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import ml_collections
+import numpy as np
+import optax
+
+from hpsjax.ps import Hybrid, HybridStage
+
+from experiments import registry
+
+__all__ = [
+    "PlannedHybrid",
+    "Setup",
+    "hybrid_stages",
+    "local_optimizer",
+    "policy",
+    "server_optimizer",
+    "setup",
+    "simulated_profiles",
+    "slowdown_schedule",
+    "work_plan",
+    "worker_specs",
+]
+
+
+class Setup(NamedTuple):
+    """What every backend trains and evaluates.
+
+    Attributes:
+      train: the training set (workers shard it).
+      test: the held-out set the accuracy is measured on.
+      graphdef: the model's graph (``hpsjax.models.split_model``).
+      params: the initial parameters, a dict of arrays.
+      loss_fn: ``(params, batch) -> scalar`` mean training loss.
+      eval_fn: ``(params, batch) -> {"loss", "accuracy"}``, jitted.
+    """
+
+    train: Any
+    test: Any
+    graphdef: Any
+    params: Any
+    loss_fn: Any
+    eval_fn: Any
+
+
+def dataset_kwargs(config: ml_collections.ConfigDict) -> dict[str, Any]:
+    """Keyword arguments of ``hpsjax.data.get_dataset`` for the config's data."""
+    data = config.data
+    if data.name == "npz":
+        return {"path": data.path, "x_key": data.x_key, "y_key": data.y_key}
+    if data.name == "synthetic_digits":
+        return {
+            "num_examples": int(data.num_examples),
+            "image_size": int(data.image_size),
+            "seed": int(config.seed),
+        }
+    return {}
+
+
+def model_kwargs(config: ml_collections.ConfigDict) -> dict[str, Any]:
+    """Keyword arguments of ``hpsjax.models.get_model`` beyond shapes and seed."""
+    if config.model.name == "mlp":
+        return {"hidden": tuple(int(h) for h in config.model.hidden)}
+    return {}
+
+
+def setup(config: ml_collections.ConfigDict) -> Setup:
+    """Loads the data and builds the model of ``config``.
+
+    The train/test split uses seed 0, as the worker command line does, so both
+    backends hold out the same examples.
+
+    Raises:
+      FileNotFoundError: ``data.name="npz"`` and no file at ``data.path``.
+      ValueError: an unreadable ``.npz`` file, or bad data or model settings.
+    """
+    from hpsjax import data, models
+
+    dataset = data.get_dataset(config.data.name, **dataset_kwargs(config))
+    train, test = dataset.split(float(config.data.test_fraction), seed=0)
+    model = models.get_model(
+        config.model.name,
+        input_shape=train.input_shape,
+        num_classes=train.num_classes,
+        seed=int(config.model.seed),
+        **model_kwargs(config),
+    )
+    graphdef, params = models.split_model(model)
+
+    def loss_fn(params, batch):
+        return models.loss_fn(params, graphdef, batch)
+
+    @jax.jit
+    def eval_fn(params, batch):
+        return {
+            "loss": models.loss_fn(params, graphdef, batch),
+            "accuracy": models.accuracy(params, graphdef, batch),
+        }
+
+    return Setup(train, test, graphdef, params, loss_fn, eval_fn)
+
+
+def server_optimizer(config: ml_collections.ConfigDict) -> optax.GradientTransformation:
+    r"""The server's optax chain for ``config.server``.
+
+    ``[scale_by_staleness(policy)] + [delay_compensation(lam)] + optimizer``: the
+    damping and the compensation see the raw update, the optimizer the result.
+    """
+    from hpsjax.transforms import delay_compensation, scale_by_staleness
+
+    server = config.server
+    make = registry.lookup("optimizer", server.optimizer)
+    chain = []
+    if server.staleness_policy is not None:
+        registry.lookup("staleness policy", server.staleness_policy)
+        chain.append(scale_by_staleness(server.staleness_policy))
+    if server.dc_lambda is not None:
+        chain.append(
+            delay_compensation(float(server.dc_lambda), adaptive=server.dc_adaptive)
+        )
+    chain.append(make(float(server.learning_rate), momentum=float(server.momentum)))
+    return chain[0] if len(chain) == 1 else optax.chain(*chain)
+
+
+def core_kwargs(config: ml_collections.ConfigDict) -> dict[str, Any]:
+    """Keyword arguments of ``hpsjax.ps.ServerCore`` for the config."""
+    kwargs: dict[str, Any] = {"deadline_factor": float(config.server.deadline_factor)}
+    if config.server.dc_lambda is not None:
+        # DC-ASGD needs the parameters each push was computed on.
+        kwargs["keep_stale_params"] = True
+    return kwargs
+
+
+def local_optimizer(
+    config: ml_collections.ConfigDict,
+) -> optax.GradientTransformation | None:
+    """The workers' optimizer of local steps, or ``None`` (push gradients)."""
+    worker = config.worker
+    if worker.local_optimizer == "none":
+        return None
+    make = registry.lookup("optimizer", worker.local_optimizer)
+    return make(float(worker.local_learning_rate), momentum=float(worker.local_momentum))
+
+
+def stage_list(config: ml_collections.ConfigDict, *, until_version: bool):
+    """ASHL's two stages as ``hpsjax.ps.HybridStage`` (server side)."""
+    stages = config.stages
+    return [
+        HybridStage(
+            "async",
+            local_steps=int(stages.ahl_local_steps),
+            max_staleness=int(stages.ahl_max_staleness),
+            until_version=int(stages.switch_version) if until_version else None,
+        ),
+        HybridStage(
+            "semi_async",
+            local_steps=int(stages.shl_local_steps),
+            max_staleness=int(stages.shl_max_staleness),
+        ),
+    ]
+
+
+def hybrid_stages(config: ml_collections.ConfigDict) -> optax.GradientTransformation:
+    """The workers' staged optimizer for ASHL's plateau switch.
+
+    Both stages step with the local optimizer; the first ends when the smoothed
+    training loss has not improved by ``plateau_threshold`` for
+    ``plateau_window`` local steps, and the worker's push then carries the new
+    stage to the server.
+    """
+    from hpsjax.transforms import Stage
+    from hpsjax.transforms import hybrid_stages as make_stages
+
+    stages = config.stages
+    inner = local_optimizer(config)
+    if inner is None:
+        raise ValueError("ASHL's stages need worker.local_optimizer (local steps)")
+    return make_stages(
+        [
+            Stage(
+                inner,
+                mode="async",
+                local_steps=int(stages.ahl_local_steps),
+                max_staleness=int(stages.ahl_max_staleness),
+                plateau_window=int(stages.plateau_window),
+                plateau_threshold=float(stages.plateau_threshold),
+            ),
+            Stage(
+                inner,
+                mode="semi_async",
+                local_steps=int(stages.shl_local_steps),
+                max_staleness=int(stages.shl_max_staleness),
+            ),
+        ],
+        loss_smoothing=0.9,
+    )
+
+
+class PlannedHybrid(Hybrid):
+    r"""ASHL's staged policy with each worker's planned local steps.
+
+    :class:`hpsjax.ps.Hybrid` hints the same local step count to every worker of
+    a stage. ASHL plans :math:`H_i` per worker so that :math:`H_i t_i + T_i` is
+    equal for all; this policy hints worker :math:`i` its planned :math:`H_i` of
+    the current stage (the stage's own count for a worker the plan does not
+    name).
+
+    Args:
+      stages: the stages, as for :class:`hpsjax.ps.Hybrid`.
+      local_steps: per stage, a mapping worker id -> :math:`H_i`.
+      on_stale: as for :class:`hpsjax.ps.Hybrid`.
+
+    Examples:
+      >>> from hpsjax.ps import HybridStage
+      >>> policy = PlannedHybrid(
+      ...     [HybridStage("async", 8, 32, until_version=10),
+      ...      HybridStage("semi_async", 2, 4)],
+      ...     [{0: 8, 1: 32}, {0: 2, 1: 8}])
+      >>> policy.planned_steps[1][1]
+      8
+
+    References:
+      Shen, Tang, Zhou, Zhang, Jia, Yu, Zhang, Li, "ASHL: An Adaptive
+      Multi-Stage Distributed Deep Learning Training Scheme for Heterogeneous
+      Environments", IEEE Trans. Computers 73(1), 2024,
+      https://doi.org/10.1109/TC.2023.3315847
+    """
+
+    name = "hybrid"
+
+    def __init__(
+        self,
+        stages: Sequence[Any],
+        local_steps: Sequence[Mapping[Any, int]],
+        *,
+        on_stale: str = "damp",
+    ):
+        super().__init__(stages, on_stale=on_stale)
+        if len(local_steps) != len(self.stages):
+            raise ValueError(
+                f"{len(local_steps)} local-step plans for {len(self.stages)} stages"
+            )
+        self.planned_steps = tuple(dict(p) for p in local_steps)
+
+    def local_steps(self, core, worker_id):
+        del core
+        return self.planned_steps[self.stage].get(
+            worker_id, self.current.local_steps
+        )
+
+
+def policy(
+    config: ml_collections.ConfigDict,
+    plans: Sequence[Any] = (),
+    *,
+    until_version: bool = True,
+) -> tuple[Any, dict[str, Any]]:
+    """The server policy and its keyword arguments.
+
+    Args:
+      config: the experiment config.
+      plans: for ASHL, one ``WorkPlan`` per stage (AHL, SHL) whose local steps
+        the policy hints per worker; empty otherwise.
+      until_version: ASHL leaves AHL at ``stages.switch_version`` (else only
+        when a worker reports a new stage).
+
+    Returns:
+      ``(policy, policy_kwargs)``: a name and its arguments, or a policy object
+      and ``{}``.
+    """
+    registry.lookup("policy", config.server.policy)
+    if not config.stages.enabled:
+        return config.server.policy, dict(config.server.policy_kwargs)
+    stages = stage_list(config, until_version=until_version)
+    if plans:
+        per_stage = [{w.worker_id: w.local_steps for w in p.workers} for p in plans]
+        return PlannedHybrid(stages, per_stage), {}
+    return Hybrid(stages), {}
+
+
+def slowdown_schedule(
+    config: ml_collections.ConfigDict, index: int
+) -> tuple[tuple[float, float], ...]:
+    """Worker ``index``'s slowdown over time: ``((0, k), (t, k * f), ...)``."""
+    k = float(config.workers.slowdowns[index])
+    schedule = [(0.0, k)]
+    for worker, at, factor in sorted(
+        (tuple(c) for c in config.workers.speed_changes), key=lambda c: c[1]
+    ):
+        if int(worker) == index:
+            schedule.append((float(at), schedule[-1][1] * float(factor)))
+    return tuple(schedule)
+
+
+def _check_speed_changes(config: ml_collections.ConfigDict) -> None:
+    n = len(config.workers.slowdowns)
+    for change in config.workers.speed_changes:
+        if len(change) != 3:
+            raise ValueError(
+                f"workers.speed_changes entries are (worker, seconds, factor), got "
+                f"{change!r}"
+            )
+        worker, at, factor = change
+        if not (isinstance(worker, int) and 0 <= worker < n):
+            raise ValueError(f"speed change for worker {worker!r}, not in 0..{n - 1}")
+        if not (at > 0 and factor >= 1 / float(config.workers.slowdowns[worker])):
+            raise ValueError(
+                f"speed change {change!r}: the time must be > 0 and the slowdown "
+                "must stay >= 1"
+            )
+
+
+def worker_specs(config: ml_collections.ConfigDict) -> list[Any]:
+    """The simulated workers of ``config.workers`` (ids ``0 .. n-1``)."""
+    from hpsjax.sim import ComputeModel, WorkerSpec
+    from hpsjax.worker import Heterogeneity
+
+    _check_speed_changes(config)
+    w = config.workers
+    specs = []
+    for i in range(len(w.slowdowns)):
+        specs.append(
+            WorkerSpec(
+                compute=ComputeModel(
+                    step_time=float(w.step_time),
+                    reference_batch=int(config.batch_size),
+                    overhead=float(w.step_overhead),
+                    sigma=float(w.jitter),
+                    straggle_probability=float(w.straggle_probability),
+                    straggle_slowdown=float(w.straggle_slowdown),
+                ),
+                heterogeneity=Heterogeneity(
+                    slowdown=slowdown_schedule(config, i),
+                    bandwidth=None if w.bandwidth is None else float(w.bandwidth),
+                    latency=float(w.latency),
+                ),
+                batch_size=int(config.batch_size),
+                local_steps=int(config.worker.local_steps),
+                worker_id=i,
+            )
+        )
+    return specs
+
+
+def transfer_profile(
+    bandwidth: float | None, latency: float, push_bytes: int, pull_bytes: int
+) -> Any:
+    """The estimated push/pull time of a link (``None`` for an instant link)."""
+    from hpsjax.profiling import Link, TransferProfile
+
+    if bandwidth is not None:
+        return Link(bandwidth=float(bandwidth), latency=float(latency)).estimate(
+            push_bytes, pull_bytes
+        )
+    if latency > 0:
+        return TransferProfile(
+            round_trip_seconds=2 * latency,
+            push_seconds=latency,
+            pull_seconds=latency,
+            push_bytes=int(push_bytes),
+            pull_bytes=int(pull_bytes),
+            method="estimated",
+        )
+    return None
+
+
+def simulated_profiles(
+    config: ml_collections.ConfigDict,
+    specs: Sequence[Any],
+    *,
+    push_bytes: int,
+    pull_bytes: int,
+) -> tuple[list[Any], float]:
+    """The profiling pass, run on simulated workers.
+
+    Each worker times ``profile_repeats`` steps at each of
+    ``plan.profile_batch_sizes`` (drawn from its compute model, jitter and
+    stragglers included, at its slowdown at time 0) and keeps the median per
+    batch size; its link is estimated from its bandwidth and latency. The pass
+    costs each worker the time of the steps it ran plus one round trip; the
+    workers profile at once, so it costs the slowest worker's time.
+
+    Returns:
+      ``(profiles, seconds)``: one ``WorkerProfile`` per worker, and the virtual
+      seconds the pass took.
+    """
+    from hpsjax.profiling import DeviceProfile, WorkerProfile
+
+    sizes = sorted({int(b) for b in config.plan.profile_batch_sizes})
+    repeats = int(config.plan.profile_repeats)
+    if not sizes or sizes[0] < 1 or repeats < 1:
+        raise ValueError(
+            "plan.profile_batch_sizes must hold positive sizes and "
+            "plan.profile_repeats must be >= 1"
+        )
+    rng = np.random.default_rng([int(config.seed), 7])
+    profiles, cost = [], 0.0
+    for spec in specs:
+        het = spec.heterogeneity
+        k = 1.0 if het is None else float(het.slowdown_at(0.0))
+        times, spent = [], 0.0
+        for b in sizes:
+            draws = spec.compute.draw(rng, b, repeats) * k
+            times.append(float(np.median(draws)))
+            spent += float(draws.sum())
+        bandwidth = None if het is None else het.bandwidth_at(0.0)
+        latency = 0.0 if het is None else float(het.latency)
+        transfer = transfer_profile(bandwidth, latency, push_bytes, pull_bytes)
+        if transfer is not None:
+            spent += transfer.round_trip_seconds
+        cost = max(cost, spent)
+        profiles.append(
+            WorkerProfile(
+                worker_id=spec.worker_id,
+                devices=(
+                    DeviceProfile(
+                        device_id=0,
+                        platform="synthetic",
+                        device_kind="simulated",
+                        batch_sizes=tuple(sizes),
+                        step_times=tuple(times),
+                    ),
+                ),
+                transfer=transfer,
+            )
+        )
+    return profiles, cost
+
+
+def work_plan(
+    config: ml_collections.ConfigDict,
+    profiles: Sequence[Any],
+    *,
+    local_steps: int | None = None,
+) -> Any:
+    """The work plan of ``config.plan`` for these profiles.
+
+    Args:
+      config: the experiment config.
+      profiles: one ``WorkerProfile`` per worker.
+      local_steps: ``local_steps`` of the plan (``H`` for ``hps``/``equal``,
+        the slowest worker's ``H`` for ``ashl``); ``plan.local_steps`` by default.
+
+    Returns:
+      A ``hpsjax.profiling.WorkPlan``.
+    """
+    from hpsjax.profiling import plan
+
+    scheme = registry.lookup("plan scheme", config.plan.scheme)
+    if scheme == "none":
+        raise ValueError("plan.scheme is 'none': there is no plan to make")
+    steps = int(config.plan.local_steps if local_steps is None else local_steps)
+    return plan(
+        profiles,
+        scheme,
+        global_batch=int(config.batch_size) * len(profiles),
+        lr_scaling=registry.lookup("lr scaling", config.plan.lr_scaling),
+        local_steps=steps,
+        max_local_steps=int(config.plan.max_local_steps),
+    )
+
+
+def plan_to_dict(work_plan: Any) -> dict[str, Any]:
+    """A compact, JSON-friendly summary of a work plan."""
+    return {
+        "scheme": work_plan.scheme,
+        "revision": work_plan.revision,
+        "batch_sizes": [w.batch_size for w in work_plan.workers],
+        "local_steps": [w.local_steps for w in work_plan.workers],
+        "lr_scales": [round(float(w.lr_scale), 6) for w in work_plan.workers],
+        "round_time": float(work_plan.round_time),
+        "idle_fraction": float(work_plan.idle_fraction),
+    }
+
+
+def finite_or_none(value: Any) -> float | None:
+    """``value`` as a float, or ``None`` when it is not finite (for JSON)."""
+    if value is None:
+        return None
+    value = float(value)
+    return value if math.isfinite(value) else None

@@ -1,0 +1,22 @@
+"""ASP: every gradient is applied the moment it arrives; nobody waits.
+
+Fast workers push more often; every push is applied with SGD (momentum 0.5), so
+updates carry the staleness of however many versions arrived meanwhile.
+
+Launch::
+
+  python -m experiments.run --config=experiments/configs/asp.py:sim8 \\
+      --workdir=/tmp/hpsjax/asp
+"""
+
+from experiments.configs import common
+
+
+def get_config(arg=None):
+    """ASP for setting ``arg`` (see ``common.SETTINGS``)."""
+    config = common.get_config(arg)
+    config.scheme = "asp"
+    config.server.policy = "asp"
+    config.server.optimizer = "sgd"
+    config.server.learning_rate = common.pick(config, {"default": 0.1})
+    return config

@@ -1,0 +1,233 @@
+r"""Settings every scheme shares: data, model, evaluation, workers, budget.
+
+Each scheme's config (``bsp.py``, ``hps.py``, ...) starts from :func:`get_config`
+and changes only what makes the scheme. The variant after ``:`` on the command
+line picks one of :data:`SETTINGS`:
+
+=========  ===================================================================
+``quick``  smoke-test size: 3 workers (slowdowns 1, 2, 4), 1200 examples,
+           seconds of compute on either backend
+``demo``   the README quick start: 4 simulated workers with speeds 1:1:2:4,
+           transient stragglers, a 4 MB/s link
+``sim8``   8 simulated workers, step times spread 6x (1, 1, 1.5, 2, 2, 3, 4,
+           6), 5% transient stragglers (4x slower steps), worker 1 three times
+           slower from t = 20 s on, a 4 MB/s link with 2 ms latency (default)
+``proc4``  4 real worker processes with speeds 1:1:2:4 (slowdowns 4, 4, 2, 1)
+           against a real server on loopback, a 20 MB/s link cap each
+=========  ===================================================================
+
+A simulated worker :math:`i` with slowdown :math:`k_i(t)` takes
+:math:`k_i(t)\,(o + (T - o)\,b / b_0)` virtual seconds per local step of
+:math:`b` samples (:math:`T` = ``workers.step_time`` at :math:`b_0` =
+``batch_size``, :math:`o` = ``workers.step_overhead``), times a mean-one lognormal
+jitter and, with probability ``workers.straggle_probability``, times
+``workers.straggle_slowdown``. A real worker sleeps :math:`(k_i(t) - 1)\,c` after
+each step that computed for :math:`c` seconds. Every message of :math:`n` bytes
+takes ``latency`` + :math:`n` / ``bandwidth`` on a worker's link.
+
+Data: the offline ``synthetic_digits`` (8x8) by default. To train on your own
+arrays, save them with ``numpy.savez(path, x=images, y=labels)`` and run with
+``--config.data.name=npz --config.data.path=/path/to/file.npz`` (optionally
+``--config.data.x_key`` / ``--config.data.y_key``); ``data.num_examples`` and
+``data.image_size`` then do not apply.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import ml_collections
+from ml_collections import config_dict
+
+__all__ = ["SETTINGS", "get_config", "pick"]
+
+SETTINGS: dict[str, dict[str, Any]] = {
+    "quick": {
+        "backend": "sim",
+        "budget_seconds": 6.0,
+        "num_examples": 1200,
+        "slowdowns": (1.0, 2.0, 4.0),
+        "jitter": 0.1,
+        "straggle_probability": 0.0,
+        "bandwidth": 4e6,
+        "latency": 0.002,
+        "speed_changes": (),
+        "eval_every": 0.5,
+        "target_accuracy": 0.5,
+        "hidden": (32,),
+    },
+    "demo": {
+        "backend": "sim",
+        "budget_seconds": 30.0,
+        "num_examples": 4000,
+        "slowdowns": (1.0, 1.0, 2.0, 4.0),
+        "jitter": 0.1,
+        "straggle_probability": 0.05,
+        "bandwidth": 4e6,
+        "latency": 0.002,
+        "speed_changes": (),
+        "eval_every": 0.5,
+        "target_accuracy": 0.85,
+        "hidden": (64, 64),
+    },
+    "sim8": {
+        "backend": "sim",
+        "budget_seconds": 60.0,
+        "num_examples": 6000,
+        "slowdowns": (1.0, 1.0, 1.5, 2.0, 2.0, 3.0, 4.0, 6.0),
+        "jitter": 0.1,
+        "straggle_probability": 0.05,
+        "bandwidth": 4e6,
+        "latency": 0.002,
+        "speed_changes": ((1, 20.0, 3.0),),
+        "eval_every": 0.5,
+        "target_accuracy": 0.9,
+        "hidden": (64, 64),
+    },
+    "proc4": {
+        "backend": "processes",
+        "budget_seconds": 20.0,
+        "num_examples": 6000,
+        "slowdowns": (4.0, 4.0, 2.0, 1.0),
+        "jitter": 0.0,
+        "straggle_probability": 0.0,
+        "bandwidth": 2e7,
+        "latency": 0.0,
+        "speed_changes": (),
+        "eval_every": 0.5,
+        "target_accuracy": 0.85,
+        "hidden": (64, 64),
+    },
+}
+"""Heterogeneity settings by name (see the module docstring)."""
+
+DEFAULT_SETTING = "sim8"
+
+
+def pick(config: ml_collections.ConfigDict, values: dict[str, Any]) -> Any:
+    """The value of ``values`` for the config's setting (``values["default"]``
+    when the setting has no entry): per-setting tuning in scheme files."""
+    return values.get(config.setting, values.get("default"))
+
+
+def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
+    """The shared part of every scheme's config, for setting ``arg``.
+
+    Args:
+      arg: a name of :data:`SETTINGS`, or ``None`` for ``"sim8"``.
+
+    Returns:
+      An unlocked ``ConfigDict``; the scheme's file fills ``scheme`` and changes
+      the server, worker, plan and stage fields.
+
+    Raises:
+      ValueError: an unknown setting (the message lists the valid names).
+    """
+    setting = DEFAULT_SETTING if arg in (None, "") else arg
+    if setting not in SETTINGS:
+        raise ValueError(
+            f"unknown setting {setting!r}; valid names: {', '.join(sorted(SETTINGS))}"
+        )
+    s = SETTINGS[setting]
+    config = ml_collections.ConfigDict()
+    config.scheme = ""
+    config.setting = setting
+    config.backend = s["backend"]
+    config.seed = 0
+    # Virtual seconds (sim) or wall seconds after every worker joined
+    # (processes); the same budget for every scheme of a setting.
+    config.budget_seconds = s["budget_seconds"]
+    # Samples per local step of each worker; a work plan re-divides
+    # batch_size * num_workers among the workers.
+    config.batch_size = 32
+
+    config.data = ml_collections.ConfigDict()
+    config.data.name = "synthetic_digits"
+    config.data.num_examples = s["num_examples"]
+    config.data.image_size = 8
+    config.data.path = ""
+    config.data.x_key = "x"
+    config.data.y_key = "y"
+    config.data.test_fraction = 0.2
+
+    config.model = ml_collections.ConfigDict()
+    config.model.name = "mlp"
+    config.model.hidden = s["hidden"]
+    config.model.seed = 0
+
+    config.eval = ml_collections.ConfigDict()
+    config.eval.every_seconds = s["eval_every"]
+    config.eval.target_accuracy = s["target_accuracy"]
+    config.eval.batch_size = 2048
+
+    config.workers = ml_collections.ConfigDict()
+    config.workers.slowdowns = s["slowdowns"]
+    # Simulator only: seconds per local step of a slowdown-1 worker at
+    # batch_size samples, and the part of it that does not grow with the batch.
+    config.workers.step_time = 0.05
+    config.workers.step_overhead = 0.01
+    config.workers.jitter = s["jitter"]
+    config.workers.straggle_probability = s["straggle_probability"]
+    config.workers.straggle_slowdown = 4.0
+    config.workers.bandwidth = s["bandwidth"]
+    config.workers.latency = s["latency"]
+    # (worker index, seconds, factor): from then on that worker's slowdown is
+    # multiplied by the factor.
+    config.workers.speed_changes = s["speed_changes"]
+
+    config.server = ml_collections.ConfigDict()
+    config.server.policy = "bsp"
+    config.server.policy_kwargs = ml_collections.ConfigDict()
+    config.server.optimizer = "sgd"
+    config.server.learning_rate = 0.1
+    config.server.momentum = 0.0
+    # scale_by_staleness on the server (staleness-aware ASP), or None.
+    config.server.staleness_policy = config_dict.placeholder(str)
+    # delay_compensation's lambda on the server (DC-ASGD), or None.
+    config.server.dc_lambda = config_dict.placeholder(float)
+    config.server.dc_adaptive = False
+    # Deadlines drop workers that stopped making progress; far above a round so
+    # that a transient straggler is never taken for a dead worker.
+    config.server.deadline_factor = 10.0
+
+    config.worker = ml_collections.ConfigDict()
+    # "none" pushes gradients; an optimizer name runs local steps with it and
+    # pushes pseudo-gradients (the server then applies them with sgd(1.0)).
+    config.worker.local_optimizer = "none"
+    config.worker.local_learning_rate = 0.1
+    config.worker.local_momentum = 0.0
+    config.worker.local_steps = 1
+    config.worker.bits = config_dict.placeholder(int)
+    config.worker.error_feedback = True
+    config.worker.overlap = "none"
+    config.worker.eager_pulls = 1
+    # PS+: scale each push by f(staleness) on the worker, or None.
+    config.worker.staleness_policy = config_dict.placeholder(str)
+
+    config.plan = ml_collections.ConfigDict()
+    config.plan.scheme = "none"
+    config.plan.lr_scaling = "none"
+    config.plan.local_steps = 1
+    config.plan.max_local_steps = 64
+    config.plan.replan = False
+    config.plan.replan_threshold = 0.2
+    config.plan.replan_cooldown = 5.0
+    config.plan.replan_window = 10
+    config.plan.profile_batch_sizes = (16, 32, 64)
+    config.plan.profile_repeats = 3
+
+    config.stages = ml_collections.ConfigDict()
+    config.stages.enabled = False
+    config.stages.switch = "version"
+    config.stages.switch_version = 100
+    config.stages.plateau_window = 20
+    config.stages.plateau_threshold = 0.01
+    config.stages.ahl_local_steps = 8
+    config.stages.ahl_max_staleness = 32
+    config.stages.shl_local_steps = 2
+    config.stages.shl_max_staleness = 4
+
+    config.processes = ml_collections.ConfigDict()
+    config.processes.start_timeout = 300.0
+    config.processes.shutdown_timeout = 30.0
+    return config

@@ -1,0 +1,33 @@
+"""SaPS: asynchronous; stragglers are found by the version they computed on.
+
+A push whose staleness exceeds the threshold comes from a straggler: the server
+damps it by ``(1 + theta) / (1 + tau)`` and makes the worker pull fresh
+parameters, so no worker works far behind; fast workers never wait.
+
+Launch::
+
+  python -m experiments.run --config=experiments/configs/saps.py:sim8 \\
+      --workdir=/tmp/hpsjax/saps
+
+References:
+  Yu, Chen, Xu, Wang, Li, "Accelerating Distributed Training in Heterogeneous
+  Clusters via a Straggler-Aware Parameter Server", IEEE HPCC 2019,
+  https://doi.org/10.1109/HPCC/SmartCity/DSS.2019.00042
+"""
+
+from ml_collections import config_dict
+
+from experiments.configs import common
+
+
+def get_config(arg=None):
+    """SaPS for setting ``arg`` (see ``common.SETTINGS``)."""
+    config = common.get_config(arg)
+    config.scheme = "saps"
+    config.server.policy = "saps"
+    # None: theta = 2 (n - 1), about twice the staleness of a steady ASP push.
+    config.server.policy_kwargs.threshold = config_dict.placeholder(int)
+    config.server.policy_kwargs.on_straggler = "damp"
+    config.server.optimizer = "sgd"
+    config.server.learning_rate = common.pick(config, {"default": 0.1})
+    return config

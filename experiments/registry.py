@@ -1,0 +1,228 @@
+"""Registries: the strings in experiment configs and the code they pick.
+
+Every string a config holds that selects code (a scheme, a backend, an
+optimizer, a worker setting, a stage switch rule, a suite) is looked up here with
+:func:`lookup`, which raises one clear ``ValueError`` that lists the valid names.
+Configs are checked with :func:`check_config` before anything runs, so a typo
+fails in a second rather than after a compile.
+
+Examples:
+  >>> lookup("optimizer", "sgd")(0.1, momentum=0.0) is not None
+  True
+  >>> lookup("optimizer", "sgdd")
+  Traceback (most recent call last):
+  ...
+  ValueError: unknown optimizer 'sgdd'; valid names: adam, momentum, sgd
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import ml_collections
+import optax
+
+__all__ = [
+    "BACKENDS",
+    "OPTIMIZERS",
+    "OVERLAPS",
+    "SCHEMES",
+    "STAGE_SWITCHES",
+    "check_config",
+    "load_config",
+    "lookup",
+]
+
+
+def _sgd(learning_rate: float, *, momentum: float = 0.0) -> optax.GradientTransformation:
+    return optax.sgd(learning_rate, momentum=momentum or None)
+
+
+def _momentum(
+    learning_rate: float, *, momentum: float = 0.9
+) -> optax.GradientTransformation:
+    return optax.sgd(learning_rate, momentum=momentum or 0.9)
+
+
+def _adam(learning_rate: float, *, momentum: float = 0.0) -> optax.GradientTransformation:
+    del momentum
+    return optax.adam(learning_rate)
+
+
+OPTIMIZERS: Mapping[str, Callable[..., optax.GradientTransformation]] = {
+    "sgd": _sgd,
+    "momentum": _momentum,
+    "adam": _adam,
+}
+"""Server and local optimizers by name: ``f(learning_rate, *, momentum)``."""
+
+SCHEMES: tuple[str, ...] = (
+    "bsp",
+    "asp",
+    "ssp",
+    "staleness_aware_asp",
+    "dc_asgd",
+    "local_sgd",
+    "saps",
+    "hps",
+    "adsp",
+    "ashl",
+    "ps_plus",
+)
+"""Schemes with a config file ``experiments/configs/<scheme>.py``, in table order."""
+
+BACKENDS: tuple[str, ...] = ("sim", "processes")
+"""``sim``: the virtual-clock simulator; ``processes``: a real server and workers."""
+
+OVERLAPS: tuple[str, ...] = ("none", "pipeline", "eager")
+"""How workers overlap communication with compute (``hpsjax.sim.OVERLAP_MODES``)."""
+
+STAGE_SWITCHES: tuple[str, ...] = ("version", "plateau")
+"""ASHL's rule to leave the AHL stage: a server version, or a flat loss."""
+
+PLAN_SCHEMES: tuple[str, ...] = ("none", "hps", "ashl", "adsp", "equal")
+"""Work plans (``hpsjax.profiling.SCHEMES``) or ``none`` for equal batches."""
+
+LR_SCALINGS: tuple[str, ...] = ("linear", "sqrt", "none")
+"""Step-size scale of a planned batch (``hpsjax.profiling.LR_SCALINGS``)."""
+
+_REGISTRIES: dict[str, Any] = {
+    "optimizer": OPTIMIZERS,
+    "scheme": SCHEMES,
+    "backend": BACKENDS,
+    "overlap": OVERLAPS,
+    "stage switch": STAGE_SWITCHES,
+    "plan scheme": PLAN_SCHEMES,
+    "lr scaling": LR_SCALINGS,
+}
+
+
+def _registry(kind: str) -> Any:
+    if kind == "policy":
+        from hpsjax.ps import POLICIES
+
+        return POLICIES
+    if kind == "model":
+        from hpsjax.models import MODELS
+
+        return MODELS
+    if kind == "dataset":
+        from hpsjax.data import DATASETS
+
+        return DATASETS
+    if kind == "staleness policy":
+        from hpsjax.transforms import STALENESS_POLICIES
+
+        return STALENESS_POLICIES
+    if kind == "suite":
+        from experiments.configs.suites import SUITES
+
+        return SUITES
+    if kind == "setting":
+        from experiments.configs.common import SETTINGS
+
+        return SETTINGS
+    try:
+        return _REGISTRIES[kind]
+    except KeyError:
+        raise ValueError(
+            f"unknown registry {kind!r}; valid registries: "
+            f"{', '.join(sorted([*_REGISTRIES, *_LAZY]))}"
+        ) from None
+
+
+_LAZY = ("policy", "model", "dataset", "staleness policy", "suite", "setting")
+
+
+def lookup(kind: str, name: Any) -> Any:
+    """Returns the entry ``name`` of the registry ``kind``.
+
+    Args:
+      kind: ``"optimizer"``, ``"scheme"``, ``"backend"``, ``"overlap"``,
+        ``"stage switch"``, ``"plan scheme"``, ``"lr scaling"``, ``"policy"``,
+        ``"model"``, ``"dataset"``, ``"staleness policy"``, ``"suite"`` or
+        ``"setting"``.
+      name: the name to look up.
+
+    Returns:
+      The registered object (for name-only registries, the name itself).
+
+    Raises:
+      ValueError: an unknown name; the message lists the valid ones.
+    """
+    registry = _registry(kind)
+    if not isinstance(name, str) or name not in registry:
+        raise ValueError(
+            f"unknown {kind} {name!r}; valid names: {', '.join(sorted(registry))}"
+        )
+    if isinstance(registry, Mapping):
+        return registry[name]
+    return name
+
+
+def load_config(scheme: str, variant: str | None = None) -> ml_collections.ConfigDict:
+    """The config of ``experiments/configs/<scheme>.py`` for ``variant``.
+
+    Args:
+      scheme: a name of :data:`SCHEMES`.
+      variant: the part after ``:`` on the command line (``"quick"``,
+        ``"sim8"``, ...), or ``None`` for the default.
+
+    Returns:
+      The scheme's ``ConfigDict`` (unlocked).
+
+    Raises:
+      ValueError: an unknown scheme or variant (the message lists the valid
+        names).
+    """
+    lookup("scheme", scheme)
+    module = importlib.import_module(f"experiments.configs.{scheme}")
+    return module.get_config(variant)
+
+
+def check_config(config: ml_collections.ConfigDict) -> None:
+    """Checks every registry name in a config, before anything runs.
+
+    Raises:
+      ValueError: the first unknown name (the message lists the valid ones), or
+        a setting that cannot run (e.g. local steps without a local optimizer).
+    """
+    lookup("scheme", config.scheme)
+    lookup("backend", config.backend)
+    lookup("dataset", config.data.name)
+    lookup("model", config.model.name)
+    lookup("policy", config.server.policy)
+    lookup("optimizer", config.server.optimizer)
+    lookup("overlap", config.worker.overlap)
+    lookup("plan scheme", config.plan.scheme)
+    lookup("lr scaling", config.plan.lr_scaling)
+    if config.worker.local_optimizer != "none":
+        lookup("optimizer", config.worker.local_optimizer)
+    elif config.worker.local_steps != 1:
+        raise ValueError(
+            f"worker.local_steps={config.worker.local_steps} needs a "
+            "worker.local_optimizer (the worker pushes one gradient per round "
+            "without one)"
+        )
+    for field in ("staleness_policy",):
+        value = config.server[field]
+        if value is not None:
+            lookup("staleness policy", value)
+    if config.worker.staleness_policy is not None:
+        lookup("staleness policy", config.worker.staleness_policy)
+    if config.stages.enabled:
+        lookup("stage switch", config.stages.switch)
+    if config.worker.bits is not None and config.worker.bits not in (1, 2, 4, 8, 16):
+        raise ValueError(
+            f"worker.bits must be one of 1, 2, 4, 8, 16 or None, got "
+            f"{config.worker.bits!r}"
+        )
+    if config.data.name == "npz" and not config.data.path:
+        raise ValueError("data.name='npz' needs data.path (the .npz file)")
+    speeds = tuple(config.workers.slowdowns)
+    if not speeds or any(not s >= 1 for s in speeds):
+        raise ValueError(
+            f"workers.slowdowns must be a non-empty list of factors >= 1, got {speeds}"
+        )

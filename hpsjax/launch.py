@@ -1,0 +1,599 @@
+"""Local launcher: one parameter server and N workers as processes on this machine.
+
+``python -m hpsjax.launch --workers 4 --policy bsp --steps 200`` writes the
+model's initial parameters and a fresh secret into a work directory, starts
+``hpsjax-server`` and N ``hpsjax-worker`` processes (each in its own process
+group), streams their output with a ``[server]`` / ``[worker i]`` prefix, shows
+the server's version on a progress bar, and stops the server once every worker
+has finished. Arguments after ``--server`` / ``--worker`` go to every server /
+worker command line; ``--worker_flags i "..."`` to worker ``i`` only::
+
+    python -m hpsjax.launch --workers 4 --policy bsp --steps 300 --plan hps \\
+        --worker_flags 0 "--slowdown 4" --worker_flags 1 "--slowdown 4" \\
+        --worker_flags 2 "--slowdown 2" -- --batch_size 64
+
+With ``--plan SCHEME`` every worker is profiled first (one after the other, so
+they do not compete for the machine), :func:`hpsjax.profiling.plan` makes the
+work plan, and the workers train with it (``--work_plan``).
+
+Shutdown is clean whatever happens: when a worker fails, the server exits early,
+the time limit passes or Ctrl-C is pressed, every process group is sent SIGTERM,
+given ``shutdown_timeout`` seconds, then SIGKILL; no process outlives the
+launcher (on Linux the children are also tied to the launcher's life with
+``PR_SET_PDEATHSIG``, so they get SIGTERM even if it is killed).
+
+For several hosts, see LAUNCH.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import dataclasses
+import os
+import pathlib
+import re
+import secrets
+import shlex
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import TextIO
+
+__all__ = ["LaunchError", "LaunchResult", "launch", "main"]
+
+PerWorkerArgs = Mapping[int, Sequence[str]] | Sequence[Sequence[str]]
+
+_LISTENING = re.compile(r"hpsjax-server listening on (\S+):(\d+)")
+
+# Versions the progress bar expects per worker round: one per round for a
+# barrier policy, one per push otherwise.
+_ROUND_POLICIES = ("bsp",)
+
+
+class LaunchError(RuntimeError):
+    """The launch could not start (bad arguments, the server did not come up)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchResult:
+    """How a launch ended.
+
+    Attributes:
+      returncode: 0 when every worker finished with 0; otherwise non-zero.
+      reason: ``"completed"``, or what ended the run early (the first process
+        that failed, ``"timeout"``, ``"interrupted"``).
+      server_returncode: the server's exit status (``None`` if never started).
+      worker_returncodes: each worker's exit status, in worker order.
+      pids: process ids of everything started (server first), for checks.
+      port: the server's port.
+      workdir: directory holding ``secret.txt``, ``init.npz``, the plan and the
+        workers' ``metrics_<i>.jsonl``.
+      version: the last server version seen, or ``None``.
+      elapsed: seconds from start to the end of shutdown.
+      profile_seconds: seconds each worker's profiling pass took (``--plan``),
+        else empty.
+    """
+
+    returncode: int
+    reason: str
+    server_returncode: int | None
+    worker_returncodes: tuple[int | None, ...]
+    pids: tuple[int, ...]
+    port: int | None
+    workdir: str
+    version: int | None
+    elapsed: float
+    profile_seconds: tuple[float, ...] = ()
+
+
+# Started in front of every child: on Linux it asks the kernel to send the child
+# SIGTERM when the launcher dies (PR_SET_PDEATHSIG survives exec), then execs the
+# real command line. Setting it here rather than in a preexec_fn keeps Popen off
+# fork() (JAX refuses to be forked once it has started threads).
+_TRAMPOLINE = """
+import ctypes, os, signal, sys
+parent = int(sys.argv[1])
+if sys.platform.startswith("linux"):
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)
+    except (OSError, AttributeError):
+        pass
+if os.getppid() != parent:
+    sys.exit(143)
+os.execv(sys.argv[2], sys.argv[2:])
+"""
+
+
+class _Process:
+    """One child in its own process group, with its output streamed."""
+
+    def __init__(
+        self,
+        name: str,
+        argv: list[str],
+        emit: Callable[[str], None],
+        env: Mapping[str, str],
+        on_line: Callable[[str], None] | None = None,
+    ):
+        self.name = name
+        self.argv = argv
+        self.popen = subprocess.Popen(
+            [sys.executable, "-c", _TRAMPOLINE, str(os.getpid()), *argv],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env=env,
+            text=True,
+            bufsize=1,
+        )
+        self._on_line = on_line
+        self._reader = threading.Thread(
+            target=self._read, args=(emit,), name=f"log-{name}", daemon=True
+        )
+        self._reader.start()
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def _read(self, emit: Callable[[str], None]) -> None:
+        with self.popen.stdout:
+            for line in self.popen.stdout:
+                line = line.rstrip("\n")
+                if self._on_line is not None:
+                    self._on_line(line)
+                emit(f"[{self.name}] {line}")
+
+    def poll(self) -> int | None:
+        return self.popen.poll()
+
+    def signal(self, sig: int) -> None:
+        # The whole group: a child's own children go too.
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.popen.pid, sig)
+
+    def join_output(self, timeout: float) -> None:
+        self._reader.join(timeout)
+
+
+def _shutdown(processes: Sequence[_Process], timeout: float) -> None:
+    """SIGTERM every group, wait up to ``timeout``, then SIGKILL what is left."""
+    for p in processes:
+        p.signal(signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    for p in processes:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            p.popen.wait(max(0.0, deadline - time.monotonic()))
+    for p in processes:
+        # Also reaches members that outlived a group leader that exited.
+        p.signal(signal.SIGKILL)
+        p.popen.wait()
+        p.join_output(2.0)
+
+
+class _Monitor:
+    """Polls the server's version from a background thread (for the bar)."""
+
+    def __init__(self, port: int, secret: bytes, interval: float = 0.5):
+        self._port = port
+        self._secret = secret
+        self._interval = interval
+        self._stop = threading.Event()
+        self.version: int | None = None
+        self._thread = threading.Thread(target=self._run, name="monitor", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        asyncio.run(self._poll())
+
+    async def _poll(self) -> None:
+        from hpsjax.ps import Client, HpsError
+
+        client = Client(
+            "127.0.0.1",
+            self._port,
+            worker_id="hpsjax-launch-monitor",
+            secret=self._secret,
+            timeout=5.0,
+        )
+        with contextlib.suppress(HpsError, OSError, TimeoutError):
+            info = await client.connect()
+            self.version = info.version
+            while not self._stop.is_set():
+                self.version = (await client.refresh_info()).version
+                await asyncio.sleep(self._interval)
+        with contextlib.suppress(HpsError, OSError, TimeoutError):
+            await client.close(timeout=1.0)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(self._interval + 6.0)
+
+
+def _worker_flags(
+    per_worker_args: PerWorkerArgs | None,
+    num_workers: int,
+) -> list[list[str]]:
+    flags: list[list[str]] = [[] for _ in range(num_workers)]
+    if per_worker_args is None:
+        return flags
+    items = (
+        per_worker_args.items()
+        if isinstance(per_worker_args, Mapping)
+        else enumerate(per_worker_args)
+    )
+    for index, extra in items:
+        if not (isinstance(index, int) and 0 <= index < num_workers):
+            raise LaunchError(
+                f"per-worker flags for worker {index!r}, not in 0..{num_workers - 1}"
+            )
+        if isinstance(extra, str):
+            raise LaunchError(
+                f"per-worker flags for worker {index} must be a list of arguments, "
+                f"got the string {extra!r} (split it with shlex.split)"
+            )
+        flags[index] = [str(a) for a in extra]
+    return flags
+
+
+def _profile_and_plan(
+    scheme: str,
+    num_workers: int,
+    shared: list[str],
+    flags: list[list[str]],
+    workdir: pathlib.Path,
+    global_batch: int | None,
+    emit: Callable[[str], None],
+) -> tuple[pathlib.Path, tuple[float, ...]]:
+    from hpsjax.profiling import WorkerProfile, plan
+    from hpsjax.worker._cli import parse_args, write_profile
+
+    profiles = []
+    for i in range(num_workers):
+        path = workdir / f"profile_{i}.json"
+        args = parse_args(
+            [*shared, "--worker_id", str(i), "--shard_index", str(i),
+             "--shard_count", str(num_workers), *flags[i]]
+        )  # fmt: skip
+        write_profile(args, path)
+        profiles.append(WorkerProfile.from_json(path.read_text()))
+        emit(
+            f"[launch] profiled worker {i} in {profiles[-1].profile_seconds:.2f}s: "
+            f"{profiles[-1].devices[0].throughput(args.batch_size):.0f} samples/s"
+        )
+    if global_batch is None:
+        global_batch = parse_args(shared).batch_size * num_workers
+    work_plan = plan(profiles, scheme, global_batch=global_batch)
+    path = workdir / "plan.json"
+    path.write_text(work_plan.to_json())
+    emit(
+        f"[launch] {scheme} plan: batches "
+        f"{[w.batch_size for w in work_plan.workers]}, local steps "
+        f"{[w.local_steps for w in work_plan.workers]}, predicted idle "
+        f"{work_plan.idle_fraction:.1%}"
+    )
+    return path, tuple(p.profile_seconds for p in profiles)
+
+
+def launch(
+    num_workers: int,
+    *,
+    policy: str = "bsp",
+    steps: int | None = 100,
+    worker_args: Sequence[str] = (),
+    per_worker_args: PerWorkerArgs | None = None,
+    server_args: Sequence[str] = (),
+    plan: str | None = None,
+    global_batch: int | None = None,
+    workdir: str | os.PathLike | None = None,
+    timeout: float | None = None,
+    start_timeout: float = 120.0,
+    shutdown_timeout: float = 10.0,
+    progress: bool = True,
+    log: TextIO | None = None,
+    python: str = sys.executable,
+) -> LaunchResult:
+    """Runs a server and ``num_workers`` workers to completion on this machine.
+
+    Model and data flags (``--model``, ``--dataset_arg``, ...) go in
+    ``worker_args``; the initial parameters for the server are written from them.
+
+    Args:
+      num_workers: how many worker processes, >= 1.
+      policy: the server's synchronisation policy.
+      steps: rounds per worker (``--max_steps``), ``None`` to leave it to
+        ``worker_args``.
+      worker_args: flags for every ``hpsjax-worker``.
+      per_worker_args: more flags for some workers, by index (a mapping or a
+        list of lists).
+      server_args: more flags for ``hpsjax-server`` (e.g. ``["--optimizer",
+        "adam"]``).
+      plan: a :data:`hpsjax.profiling.SCHEMES` name to profile the workers and
+        train with the resulting work plan, or ``None``.
+      global_batch: the plan's global batch; ``--batch_size`` times the
+        workers by default.
+      workdir: where to keep the secret, initial parameters, plan and metrics;
+        a fresh temporary directory (kept) by default.
+      timeout: seconds the whole run may take, ``None`` for no limit.
+      start_timeout: seconds the server has to start listening.
+      shutdown_timeout: seconds processes get after SIGTERM before SIGKILL.
+      progress: show a tqdm progress bar of the server version (stderr).
+      log: where the processes' prefixed output goes (stdout by default).
+      python: the Python interpreter for the children.
+
+    Returns:
+      A :class:`LaunchResult`; ``returncode`` 0 when every worker exited with 0.
+
+    Raises:
+      LaunchError: bad arguments, or the server failed to start (everything
+        started is stopped first).
+      KeyboardInterrupt: after a clean shutdown, when interrupted.
+
+    Examples:
+      >>> result = launch(2, policy="asp", steps=20, progress=False,
+      ...                 worker_args=["--batch_size", "16"])  # doctest: +SKIP
+      >>> result.returncode  # doctest: +SKIP
+      0
+    """
+    if (
+        isinstance(num_workers, bool)
+        or not isinstance(num_workers, int)
+        or num_workers < 1
+    ):
+        raise LaunchError(f"num_workers must be an int >= 1, got {num_workers!r}")
+    if steps is not None and (
+        isinstance(steps, bool) or not isinstance(steps, int) or steps < 1
+    ):
+        raise LaunchError(f"steps must be an int >= 1 or None, got {steps!r}")
+    for name, value in (("worker_args", worker_args), ("server_args", server_args)):
+        if isinstance(value, str):
+            raise LaunchError(f"{name} must be a list of arguments, not a string")
+    if timeout is not None and not timeout > 0:
+        raise LaunchError(f"timeout must be > 0 or None, got {timeout!r}")
+    if plan is not None:
+        from hpsjax.profiling import SCHEMES
+
+        if plan not in SCHEMES:
+            raise LaunchError(f"unknown plan scheme {plan!r}; valid: {SCHEMES}")
+    flags = _worker_flags(per_worker_args, num_workers)
+    shared = [str(a) for a in worker_args]
+    from hpsjax.worker._cli import parse_args
+
+    try:
+        parse_args(shared)
+        for extra in flags:
+            parse_args([*shared, *extra])
+    except SystemExit:
+        raise LaunchError("bad worker flags (see the message above)") from None
+
+    out = log if log is not None else sys.stdout
+    lock = threading.Lock()
+    bar = None
+
+    def emit(line: str) -> None:
+        with lock:
+            if bar is not None:
+                bar.write(line, file=out)
+            else:
+                print(line, file=out, flush=True)
+
+    start = time.monotonic()
+    work = (
+        pathlib.Path(workdir)
+        if workdir is not None
+        else pathlib.Path(tempfile.mkdtemp(prefix="hpsjax-launch-"))
+    )
+    work.mkdir(parents=True, exist_ok=True)
+    secret = secrets.token_urlsafe(32).encode()
+    secret_file = work / "secret.txt"
+    secret_file.touch(mode=0o600)
+    secret_file.write_bytes(secret)
+    init = work / "init.npz"
+    from hpsjax.worker._cli import write_init
+
+    write_init(parse_args(shared), init)
+    profile_seconds: tuple[float, ...] = ()
+    if plan is not None:
+        plan_file, profile_seconds = _profile_and_plan(
+            plan, num_workers, shared, flags, work, global_batch, emit
+        )
+        shared = [*shared, "--work_plan", str(plan_file)]
+
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    processes: list[_Process] = []
+    server: _Process | None = None
+    workers: list[_Process] = []
+    monitor: _Monitor | None = None
+    port: int | None = None
+    reason = "completed"
+    try:
+        listening = threading.Event()
+        found: list[int] = []
+
+        def on_server_line(line: str) -> None:
+            match = _LISTENING.search(line)
+            if match and not listening.is_set():
+                found.append(int(match.group(2)))
+                listening.set()
+
+        server_argv = [
+            python, "-m", "hpsjax.ps._cli", "--init", str(init),
+            "--secret_file", str(secret_file), "--policy", policy,
+            "--host", "127.0.0.1", "--port", "0", *[str(a) for a in server_args],
+        ]  # fmt: skip
+        server = _Process("server", server_argv, emit, env, on_server_line)
+        processes.append(server)
+        deadline = time.monotonic() + start_timeout
+        while not listening.wait(0.1):
+            if server.poll() is not None or time.monotonic() > deadline:
+                what = (
+                    f"exited with status {server.poll()}"
+                    if server.poll() is not None
+                    else f"did not listen within {start_timeout}s"
+                )
+                raise LaunchError(f"the server {what}")
+        port = found[0]
+        emit(f"[launch] server on port {port}, starting {num_workers} worker(s)")
+        for i in range(num_workers):
+            argv = [
+                python, "-m", "hpsjax.worker._cli", "--host", "127.0.0.1",
+                "--port", str(port), "--secret_file", str(secret_file),
+                "--worker_id", str(i), "--shard_index", str(i),
+                "--shard_count", str(num_workers),
+                "--metrics", str(work / f"metrics_{i}.jsonl"),
+                *([] if steps is None else ["--max_steps", str(steps)]),
+                *shared, *flags[i],
+            ]  # fmt: skip
+            worker = _Process(f"worker {i}", argv, emit, env)
+            workers.append(worker)
+            processes.append(worker)
+        monitor = _Monitor(port, secret)
+        if progress:
+            from tqdm import tqdm
+
+            total = None
+            if steps is not None:
+                total = steps if policy in _ROUND_POLICIES else steps * num_workers
+            with lock:
+                bar = tqdm(total=total, desc="versions", unit="v", file=sys.stderr)
+        end = None if timeout is None else start + timeout
+        while True:
+            codes = [w.poll() for w in workers]
+            failed = [(i, c) for i, c in enumerate(codes) if c is not None and c != 0]
+            if failed:
+                i, code = failed[0]
+                reason = f"worker {i} exited with status {code}"
+                break
+            if all(c == 0 for c in codes):
+                break
+            if server.poll() is not None:
+                reason = f"server exited early with status {server.poll()}"
+                break
+            if end is not None and time.monotonic() > end:
+                reason = "timeout"
+                break
+            if bar is not None and monitor.version is not None:
+                with lock:
+                    bar.update(monitor.version - bar.n)
+            time.sleep(0.1)
+    except KeyboardInterrupt:
+        reason = "interrupted"
+        raise
+    except BaseException as e:
+        reason = f"launcher error: {e}"
+        raise
+    finally:
+        if monitor is not None:
+            monitor.close()
+        if reason == "completed" and server is not None:
+            # The workers are done; the server gets SIGTERM (a graceful stop
+            # with a final checkpoint) before everything is reaped.
+            _shutdown([server], shutdown_timeout)
+        if reason != "completed":
+            emit(f"[launch] stopping everything: {reason}")
+        _shutdown(processes, shutdown_timeout)
+        if bar is not None:
+            with lock:
+                if monitor is not None and monitor.version is not None:
+                    bar.update(monitor.version - bar.n)
+                bar.close()
+                bar = None
+    worker_codes = tuple(w.poll() for w in workers)
+    server_code = None if server is None else server.poll()
+    if reason == "completed" and server_code != 0:
+        reason = f"server did not stop cleanly (status {server_code})"
+    returncode = 0 if reason == "completed" else 1
+    emit(f"[launch] {reason} in {time.monotonic() - start:.1f}s; workdir {work}")
+    return LaunchResult(
+        returncode=returncode,
+        reason=reason,
+        server_returncode=server_code,
+        worker_returncodes=worker_codes,
+        pids=tuple(p.pid for p in processes),
+        port=port,
+        workdir=str(work),
+        version=None if monitor is None else monitor.version,
+        elapsed=time.monotonic() - start,
+        profile_seconds=profile_seconds,
+    )
+
+
+def _split_argv(argv: Sequence[str]) -> tuple[list[str], list[str], list[str]]:
+    """Splits ``[own] [--server ...] [-- worker...]`` style command lines."""
+    own, server, worker = [], [], []
+    target = own
+    for arg in argv:
+        if arg == "--" and target is not worker:
+            target = worker
+        elif arg == "--server" and target is own:
+            target = server
+        else:
+            target.append(arg)
+    return own, server, worker
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m hpsjax.launch``; returns the exit status.
+
+    Usage: ``python -m hpsjax.launch [launcher flags] [--server SERVER FLAGS]
+    [-- WORKER FLAGS]``.
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    own, server_args, worker_args = _split_argv(argv)
+    p = argparse.ArgumentParser(
+        prog="python -m hpsjax.launch",
+        description="Run a parameter server and N workers on this machine.",
+        epilog="Flags after --server go to hpsjax-server, flags after -- to every "
+        "hpsjax-worker.",
+    )
+    p.add_argument("--workers", type=int, required=True, help="number of workers")
+    p.add_argument("--policy", default="bsp", help="server synchronisation policy")
+    p.add_argument("--steps", type=int, default=100, help="rounds per worker")
+    p.add_argument("--plan", help="profile and plan with this scheme (hps, ...)")
+    p.add_argument("--global_batch", type=int, help="the plan's global batch")
+    p.add_argument(
+        "--worker_flags",
+        nargs=2,
+        action="append",
+        default=[],
+        metavar=("INDEX", "FLAGS"),
+        help="extra flags (one quoted string) for worker INDEX, repeatable",
+    )
+    p.add_argument("--workdir", help="directory for secret, init, plan, metrics")
+    p.add_argument("--timeout", type=float, help="seconds the run may take")
+    p.add_argument("--no_progress", action="store_true", help="no progress bar")
+    args = p.parse_args(own)
+    per_worker: dict[int, list[str]] = {}
+    try:
+        for index, text in args.worker_flags:
+            per_worker.setdefault(int(index), []).extend(shlex.split(text))
+        result = launch(
+            args.workers,
+            policy=args.policy,
+            steps=args.steps,
+            worker_args=worker_args,
+            per_worker_args=per_worker,
+            server_args=server_args,
+            plan=args.plan,
+            global_batch=args.global_batch,
+            workdir=args.workdir,
+            timeout=args.timeout,
+            progress=not args.no_progress,
+        )
+    except (LaunchError, ValueError) as e:
+        print(f"hpsjax.launch: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    return result.returncode
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1398 @@
+r"""A virtual-clock simulator of parameter-server training with unequal workers.
+
+:func:`simulate` trains one model with :math:`n` simulated workers through the
+same :class:`~hpsjax.ps.ServerCore` that the asyncio server drives: the same
+policies (BSP, ASP, SSP, SaPS, ADSP, semi-async, hybrid), the same server
+optimizer and staleness handling. The gradients are real JAX computations on real
+data; only the clock is simulated. A discrete-event loop pops ``(time, seq,
+event)`` from a heap; a worker's compute takes the time its
+:class:`~hpsjax.sim.ComputeModel` draws (scaled by its slowdown schedule), a
+message of :math:`n` bytes takes :math:`\ell + n/B` on its link, and the server
+reacts the moment a message arrives.
+
+A worker's round (``overlap="none"``)::
+
+    params arrive -> H local steps (compute) -> push + pull -> [server: apply,
+    maybe Wait until Release] -> params arrive -> ...
+
+with ``overlap="pipeline"`` (H-PS) the push and its pull travel while the next
+round computes on the freshest parameters the worker holds (it waits only for the
+answer to its previous pull), and with ``overlap="eager"`` (PS+) the worker sends a
+pull as it starts computing, independent of its pushes, so the next round starts
+on the newest parameters that arrived meanwhile.
+
+Worker-side transforms: local steps with ``worker_optimizer`` (the pushed
+update is the pseudo-gradient :math:`w_\text{pulled} - w_\text{local}`; plain
+gradients without one), the step-size scale of the work plan, PS+'s modulation of
+the pushed update by :math:`f(\hat\tau)` (:func:`~hpsjax.transforms.staleness_factor`
+of the staleness the server reported for the worker's previous push), and a
+``push_transform`` such as quantization with error feedback, whose bytes on the
+wire set the push transfer time. Policies' hints (``local_steps`` of ADSP and of
+hybrid stages) and :class:`~hpsjax.ps.ForcePull` (SaPS) are obeyed; work plans
+set per-worker batch sizes, local steps and step-size scales, and a
+:class:`~hpsjax.profiling.Replanner` revises them as measured speeds drift.
+
+Speed: rounds are evaluated lazily and in batches with ``jax.vmap`` (see
+``hpsjax/sim/_engine.py``), parameters travel as flat host vectors, and every
+shape compiles once.
+
+Determinism: every random draw (compute times, batches, quantization) comes from
+generators seeded by ``SimConfig.seed``; the same seed gives identical metrics.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import math
+import time
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import numpy as np
+import optax
+
+from hpsjax.profiling import Replanner, WorkPlan, tree_wire_nbytes
+from hpsjax.ps._core import (
+    Applied,
+    Drop,
+    ForcePull,
+    PushAck,
+    Release,
+    SendParams,
+    ServerCore,
+    Wait,
+)
+from hpsjax.ps._errors import HpsError, WorkerDropped
+from hpsjax.ps._policies import ADSP, Hybrid, Policy, get_policy
+from hpsjax.sim._engine import Engine, FlatSpec, IndexStream, Round
+from hpsjax.sim._workers import WorkerSpec, finish_time
+from hpsjax.transforms._staleness import STALENESS_POLICIES, staleness_factor
+
+__all__ = [
+    "OVERLAP_MODES",
+    "ApplyRecord",
+    "Interval",
+    "PushRecord",
+    "SendRecord",
+    "SimConfig",
+    "SimResult",
+    "simulate",
+]
+
+OVERLAP_MODES = ("none", "pipeline", "eager")
+"""How a worker overlaps communication with compute (see :class:`SimConfig`)."""
+
+_DATA_SHARDINGS = ("disjoint", "shared")
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float | np.integer | np.floating) and not isinstance(
+        value, bool
+    )
+
+
+def _check_optional(name: str, value: Any, *, integer: bool = False) -> None:
+    if value is None:
+        return
+    if integer:
+        if isinstance(value, bool) or not isinstance(value, int | np.integer):
+            raise ValueError(f"{name} must be an int >= 1 or None, got {value!r}.")
+        if value < 1:
+            raise ValueError(f"{name} must be an int >= 1 or None, got {value}.")
+    elif not _is_number(value) or not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{name} must be a finite number > 0 or None, got {value!r}.")
+
+
+@dataclasses.dataclass(frozen=True)
+class SimConfig:
+    r"""How a simulation runs: policy, optimizers, worker behaviour, stop, eval.
+
+    Attributes:
+      policy: a policy name (``"bsp"``, ``"asp"``, ``"ssp"``, ``"saps"``,
+        ``"adsp"``, ``"semi_async"``, ``"hybrid"``), class or object, as for
+        :class:`~hpsjax.ps.ServerCore`. An object belongs to one simulation.
+      policy_kwargs: keyword arguments of a policy given by name or class.
+      learning_rate: step size of the default server optimizer
+        ``optax.sgd(learning_rate)`` when workers push gradients (no
+        ``worker_optimizer``); with local steps the default is ``optax.sgd(1.0)``,
+        which moves the server by exactly the workers' local deltas.
+      server_optimizer: the server's optax transform (extra args ``staleness``
+        and ``stale_params`` reach it: ``scale_by_staleness``,
+        ``delay_compensation``), or ``None`` for the default above.
+      worker_optimizer: optax transform of a worker's local steps (possibly
+        :func:`~hpsjax.transforms.hybrid_stages`), or ``None``: each round is one
+        gradient, pushed as it is. Needed for more than one local step.
+      push_transform: optax transform applied by each worker to every pushed
+        update, with its own state per worker (quantization with error feedback),
+        or ``None``.
+      codec: the wire codec of the pushes (a ``hpsjax.transforms.Codec``) for
+        their byte count, or ``None`` for uncompressed pushes. Pulls are never
+        compressed.
+      overlap: ``"none"`` (push and pull, then wait for the parameters),
+        ``"pipeline"`` (H-PS: the push and its pull travel while the next round
+        computes) or ``"eager"`` (PS+: a pull is sent as each round starts,
+        decoupled from the pushes).
+      staleness_lr: PS+'s worker-side modulation: a policy name of
+        :data:`~hpsjax.transforms.STALENESS_POLICIES` or a callable ``tau ->
+        factor``; each pushed update is scaled by :math:`f(\hat\tau)`,
+        :math:`\hat\tau` the staleness the server acknowledged for the worker's
+        previous push. ``None`` for no modulation.
+      duration: stop at this virtual time (s), or ``None``.
+      max_updates: stop once the server made this many versions, or ``None``.
+      max_gradients: stop once this many local steps were pushed, or ``None``.
+        At least one of the three stops must be given.
+      eval_every: evaluate every this many virtual seconds, or ``None``.
+      eval_every_updates: evaluate every this many server versions, or ``None``.
+        The first evaluation is at time 0 and the last at the end whenever
+        evaluation data are given.
+      eval_batch_size: examples per evaluation call.
+      data_sharding: ``"disjoint"`` (worker :math:`i` of :math:`n` draws from
+        examples :math:`i, i+n, \ldots`, like :meth:`hpsjax.data.Dataset.shard`)
+        or ``"shared"`` (every worker draws from all examples).
+      core_kwargs: keyword arguments of :class:`~hpsjax.ps.ServerCore`
+        (``keep_stale_params``, deadlines, ``expected_workers``, ...).
+      max_rows: the most worker steps evaluated in one batched call.
+      seed: seed of every random draw.
+
+    Raises:
+      ValueError: for a value out of range, an unknown name, or no stop.
+    """
+
+    policy: Any = "asp"
+    policy_kwargs: Mapping[str, Any] | None = None
+    learning_rate: float = 0.1
+    server_optimizer: optax.GradientTransformation | None = None
+    worker_optimizer: optax.GradientTransformation | None = None
+    push_transform: optax.GradientTransformation | None = None
+    codec: Any = None
+    overlap: str = "none"
+    staleness_lr: Any = None
+    duration: float | None = None
+    max_updates: int | None = None
+    max_gradients: int | None = None
+    eval_every: float | None = None
+    eval_every_updates: int | None = None
+    eval_batch_size: int = 4096
+    data_sharding: str = "disjoint"
+    core_kwargs: Mapping[str, Any] | None = None
+    max_rows: int = 256
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.policy_kwargs is not None and not isinstance(
+            self.policy_kwargs, Mapping
+        ):
+            raise ValueError("policy_kwargs must be a mapping or None.")
+        if not _is_number(self.learning_rate) or not math.isfinite(self.learning_rate):
+            raise ValueError(
+                f"learning_rate must be a finite number, got {self.learning_rate!r}."
+            )
+        for name in ("server_optimizer", "worker_optimizer", "push_transform"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(
+                value, optax.GradientTransformation
+            ):
+                raise ValueError(
+                    f"{name} must be an optax GradientTransformation or None, got "
+                    f"{type(value).__name__}."
+                )
+        if self.overlap not in OVERLAP_MODES:
+            raise ValueError(
+                f"Unknown overlap {self.overlap!r}; valid modes are "
+                f"{', '.join(OVERLAP_MODES)}."
+            )
+        if self.staleness_lr is not None and not callable(self.staleness_lr):
+            if self.staleness_lr not in STALENESS_POLICIES:
+                raise ValueError(
+                    f"Unknown staleness_lr {self.staleness_lr!r}; valid names are "
+                    f"{', '.join(sorted(STALENESS_POLICIES))}, or a callable."
+                )
+            if self.staleness_lr == "drop":
+                raise ValueError(
+                    "staleness_lr='drop' needs a cut-off; use the server policy's "
+                    "max_staleness to drop stale updates."
+                )
+        _check_optional("duration", self.duration)
+        _check_optional("max_updates", self.max_updates, integer=True)
+        _check_optional("max_gradients", self.max_gradients, integer=True)
+        if self.duration is None and self.max_updates is None and (
+            self.max_gradients is None
+        ):
+            raise ValueError(
+                "Give at least one of duration, max_updates and max_gradients, "
+                "or the simulation never ends."
+            )
+        _check_optional("eval_every", self.eval_every)
+        _check_optional("eval_every_updates", self.eval_every_updates, integer=True)
+        _check_optional("eval_batch_size", self.eval_batch_size, integer=True)
+        _check_optional("max_rows", self.max_rows, integer=True)
+        if self.data_sharding not in _DATA_SHARDINGS:
+            raise ValueError(
+                f"Unknown data_sharding {self.data_sharding!r}; valid values are "
+                f"{', '.join(_DATA_SHARDINGS)}."
+            )
+        if self.core_kwargs is not None and not isinstance(self.core_kwargs, Mapping):
+            raise ValueError("core_kwargs must be a mapping or None.")
+        if self.push_transform is None and self.codec is not None:
+            raise ValueError(
+                "codec counts the bytes of compressed pushes; give the "
+                "push_transform that compresses them too."
+            )
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int | np.integer):
+            raise ValueError(f"seed must be an int >= 0, got {self.seed!r}.")
+        if self.seed < 0:
+            raise ValueError(f"seed must be an int >= 0, got {self.seed}.")
+
+
+class Interval(NamedTuple):
+    """A span of virtual time.
+
+    Attributes:
+      start: seconds.
+      end: seconds, ``>= start``.
+      kind: for worker timelines ``"compute"``, ``"discarded"`` (compute thrown
+        away on a force-pull or drop), ``"transfer"`` (blocked on its own
+        messages) or ``"wait"`` (blocked by the server: a barrier); for link
+        transfers ``"push"`` or ``"pull"``.
+    """
+
+    start: float
+    end: float
+    kind: str
+
+
+class PushRecord(NamedTuple):
+    """One push as the server handled it.
+
+    Attributes:
+      time: arrival at the server (s).
+      sent: when the worker sent it (s).
+      worker_id: the worker.
+      version: the version it was computed on.
+      staleness: server version at arrival minus ``version``.
+      status: ``"applied"``, ``"buffered"``, ``"dropped"`` or ``"rejected"`` (the
+        server refused it: an error, see ``SimResult.errors``).
+      weight: the policy's damping factor.
+      local_steps: local steps behind it.
+      batch_size: samples per local step.
+      loss: mean training loss of its local steps.
+    """
+
+    time: float
+    sent: float
+    worker_id: Any
+    version: int
+    staleness: int
+    status: str
+    weight: float
+    local_steps: int
+    batch_size: int
+    loss: float
+
+
+class SendRecord(NamedTuple):
+    """Parameters sent to a worker (the answer to a pull or join).
+
+    Attributes:
+      time: seconds.
+      worker_id: the worker.
+      version: the version sent.
+      clock: the worker's clock (pushes) at that moment.
+      min_clock: the smallest clock among live workers at that moment.
+    """
+
+    time: float
+    worker_id: Any
+    version: int
+    clock: int
+    min_clock: int
+
+
+class ApplyRecord(NamedTuple):
+    """A new server version.
+
+    Attributes:
+      time: seconds.
+      version: the new version.
+      num_updates: updates averaged into it.
+      staleness: the staleness passed to the server optimizer.
+      contributors: the workers whose updates it holds.
+    """
+
+    time: float
+    version: int
+    num_updates: int
+    staleness: int
+    contributors: tuple
+
+
+@dataclasses.dataclass(frozen=True)
+class SimResult:
+    """What a simulation produced.
+
+    Attributes:
+      metrics: columns over virtual time, each a numpy array of one entry per
+        evaluation: ``"time"``, ``"version"``, ``"gradients"`` (local steps
+        pushed so far), ``"train_loss"`` (mean loss of the pushes since the
+        previous entry, NaN if none), and every metric of ``eval_fn``.
+      timelines: per worker id, its time from joining to the end (or leaving)
+        cut into :class:`Interval` of kind ``"compute"``, ``"discarded"``,
+        ``"transfer"`` and ``"wait"``, in order, without gaps or overlaps.
+      transfers: per worker id, its link's busy spans (``"push"``, ``"pull"``),
+        which may overlap its compute.
+      bytes_sent: per worker id, bytes of its pushes.
+      bytes_received: per worker id, bytes of the parameters it received.
+      pushes: every push handled by the server, in order.
+      applies: every new version, in order.
+      sends: every parameter send, in order.
+      staleness: histogram ``{staleness: pushes}`` of the handled pushes.
+      num_updates: server versions made.
+      num_gradients: local steps in pushed rounds.
+      evaluated_gradients: local steps evaluated (pushed, in flight at the end
+        or discarded), without padding.
+      padded_gradients: padding rows evaluated to keep shapes fixed.
+      drops: times a worker was dropped by a deadline (or refused) and rejoined.
+      errors: messages of the errors the server answered pushes or pulls with.
+      work_plans: the work plans in force, the initial one first, then each
+        revision (empty without a plan).
+      params: the server's final parameters.
+      end_time: the virtual time the simulation stopped at (s).
+      wall_seconds: wall-clock seconds it took.
+    """
+
+    metrics: Mapping[str, np.ndarray]
+    timelines: Mapping[Any, tuple[Interval, ...]]
+    transfers: Mapping[Any, tuple[Interval, ...]]
+    bytes_sent: Mapping[Any, int]
+    bytes_received: Mapping[Any, int]
+    pushes: tuple[PushRecord, ...]
+    applies: tuple[ApplyRecord, ...]
+    sends: tuple[SendRecord, ...]
+    staleness: Mapping[int, int]
+    num_updates: int
+    num_gradients: int
+    evaluated_gradients: int
+    padded_gradients: int
+    drops: int
+    errors: tuple[str, ...]
+    work_plans: tuple[WorkPlan, ...]
+    params: Any
+    end_time: float
+    wall_seconds: float
+
+    def time_in(self, worker_id: Any) -> dict[str, float]:
+        """Seconds a worker spent in each timeline kind.
+
+        Raises:
+          KeyError: for an unknown worker.
+        """
+        totals = dict.fromkeys(("compute", "discarded", "transfer", "wait"), 0.0)
+        for iv in self.timelines[worker_id]:
+            totals[iv.kind] += iv.end - iv.start
+        return totals
+
+    def idle_fraction(self, worker_id: Any = None) -> float:
+        """Share of a worker's time (or all workers' time) not spent on kept work.
+
+        Everything but ``"compute"`` counts as idle: waiting for the server or
+        the link, and compute that was thrown away.
+
+        Args:
+          worker_id: a worker, or ``None`` for all workers together.
+
+        Returns:
+          A number in ``[0, 1]`` (0 for a worker that spent no time).
+        """
+        ids = list(self.timelines) if worker_id is None else [worker_id]
+        total = busy = 0.0
+        for w in ids:
+            for iv in self.timelines[w]:
+                total += iv.end - iv.start
+                if iv.kind == "compute":
+                    busy += iv.end - iv.start
+        return 0.0 if total <= 0 else 1.0 - busy / total
+
+
+_IDLE, _BLOCKED, _COMPUTING, _GONE = range(4)
+
+
+class _Worker:
+    """A simulated worker's mutable state."""
+
+    __slots__ = (
+        "batch_size",
+        "blocked_since",
+        "blocked_spans",
+        "bytes_received",
+        "bytes_sent",
+        "compute_spans",
+        "down_free",
+        "eager_sent",
+        "epoch",
+        "force_time",
+        "het",
+        "hint",
+        "id",
+        "index",
+        "join_time",
+        "last_compute",
+        "last_staleness",
+        "latency",
+        "local_steps",
+        "lr_scale",
+        "params",
+        "pull_after_arrival",
+        "pull_in_flight",
+        "rng",
+        "round",
+        "round_start",
+        "round_version",
+        "server_wait_since",
+        "server_waits",
+        "session",
+        "slowdown",
+        "spec",
+        "state",
+        "stream",
+        "transfer_spans",
+        "up_free",
+        "version",
+    )
+
+    def __init__(self, index, worker_id, spec, rng, stream):
+        self.index = index
+        self.id = worker_id
+        self.spec = spec
+        self.het = spec.heterogeneity
+        self.latency = 0.0 if self.het is None else self.het.latency
+        self.slowdown = ((0.0, 1.0),) if self.het is None else self.het.slowdown
+        self.join_time = float(spec.join_time)
+        self.rng = rng
+        self.stream = stream
+        self.batch_size = spec.batch_size
+        self.local_steps = spec.local_steps
+        self.lr_scale = float(spec.lr_scale)
+        self.hint = None
+        self.params = None
+        self.version = -1
+        self.state = _IDLE
+        self.session = 0
+        self.epoch = 0
+        self.round = None
+        self.round_start = 0.0
+        self.round_version = 0
+        self.pull_in_flight = False
+        self.pull_after_arrival = False
+        self.force_time = None
+        self.last_staleness = 0
+        self.last_compute = 0.0
+        self.eager_sent = True
+        self.blocked_since = None
+        self.server_wait_since = None
+        self.up_free = 0.0
+        self.down_free = 0.0
+        self.bytes_sent = 0
+        self.bytes_received = 0
+        self.compute_spans: list[tuple[float, float, str]] = []
+        self.blocked_spans: list[tuple[float, float]] = []
+        self.server_waits: list[tuple[float, float]] = []
+        self.transfer_spans: list[Interval] = []
+
+    def bandwidth(self, now: float) -> float | None:
+        if self.het is None:
+            return None
+        return self.het.bandwidth_at(now - self.join_time)
+
+
+def _is_dataset(data: Any) -> bool:
+    from hpsjax.data import Dataset
+
+    return isinstance(data, Dataset)
+
+
+def _as_arrays(data: Any, name: str) -> tuple[Any, int]:
+    """A pytree of host arrays with a common leading axis, and its length."""
+    if _is_dataset(data):
+        from hpsjax.data import Batch
+
+        data = Batch(data.x, data.y)
+    leaves = jax.tree.leaves(data)
+    if not leaves:
+        raise ValueError(f"{name} holds no arrays.")
+    lengths = {int(np.shape(x)[0]) if np.ndim(x) else -1 for x in leaves}
+    if len(lengths) != 1 or -1 in lengths:
+        raise ValueError(
+            f"{name} must be a Dataset or a pytree of arrays with one common "
+            f"leading (example) axis, got leading sizes {sorted(lengths)}."
+        )
+    n = lengths.pop()
+    if n == 0:
+        raise ValueError(f"{name} holds no examples.")
+    return data, n
+
+
+class _Simulation:
+    """One run of :func:`simulate`; see there."""
+
+    def __init__(
+        self,
+        loss_fn,
+        params,
+        train_data,
+        workers,
+        config: SimConfig,
+        eval_data,
+        eval_fn,
+        work_plan,
+        callback,
+    ):
+        self.config = config
+        self.callback = callback
+        specs = _check_workers(workers)
+        self.flat = FlatSpec(params)
+
+        policy = get_policy(config.policy, **dict(config.policy_kwargs or {}))
+        local = config.worker_optimizer is not None
+        self.local = local
+        if not local:
+            _check_policy_without_local_steps(policy)
+        server_optimizer = config.server_optimizer
+        if server_optimizer is None:
+            server_optimizer = optax.sgd(1.0 if local else config.learning_rate)
+        core_kwargs = dict(config.core_kwargs or {})
+        self.core = ServerCore(params, server_optimizer, policy, **core_kwargs)
+        self.policy = self.core.policy
+
+        data, n_examples = _as_arrays(train_data, "train_data")
+        ids = [s.worker_id if s.worker_id is not None else i
+               for i, s in enumerate(specs)]
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"worker ids repeat: {ids}")
+        if config.data_sharding == "disjoint" and len(specs) > n_examples:
+            raise ValueError(
+                f"{len(specs)} workers cannot get disjoint shards of "
+                f"{n_examples} examples; use data_sharding='shared'."
+            )
+
+        self.replanner = None
+        self.plans: list[WorkPlan] = []
+        if isinstance(work_plan, Replanner):
+            self.replanner = work_plan
+            work_plan = work_plan.plan
+        if work_plan is not None and not isinstance(work_plan, WorkPlan):
+            raise ValueError(
+                "work_plan must be a WorkPlan, a Replanner or None, got "
+                f"{type(work_plan).__name__}."
+            )
+
+        seed = int(config.seed)
+        self.workers: list[_Worker] = []
+        for i, (spec, worker_id) in enumerate(zip(specs, ids, strict=True)):
+            if config.data_sharding == "disjoint":
+                indices = np.arange(i, n_examples, len(specs), dtype=np.int32)
+            else:
+                indices = np.arange(n_examples, dtype=np.int32)
+            self.workers.append(
+                _Worker(
+                    i,
+                    worker_id,
+                    spec,
+                    np.random.default_rng([seed, 0, i]),
+                    IndexStream(indices, (seed, 1, i)),
+                )
+            )
+        self.by_id = {w.id: w for w in self.workers}
+        if work_plan is not None:
+            self._apply_plan(work_plan)
+        if not local:
+            for w in self.workers:
+                if w.local_steps > 1:
+                    raise ValueError(
+                        f"worker {w.id!r} takes {w.local_steps} local steps; more "
+                        "than one local step needs a worker_optimizer."
+                    )
+
+        self.engine = Engine(
+            loss_fn,
+            self.flat,
+            jax.device_put(data),
+            len(self.workers),
+            worker_optimizer=config.worker_optimizer,
+            push_transform=config.push_transform,
+            init_params=params,
+            max_rows=config.max_rows,
+            seed=seed,
+        )
+        self.pull_bytes = tree_wire_nbytes(params)
+        self.push_bytes = (
+            self.pull_bytes
+            if config.codec is None
+            else tree_wire_nbytes(params, config.codec)
+        )
+        self._factors: dict[int, float] = {}
+        # The server averages buffered updates weighted by their samples. When
+        # every push carries the same number, the weights cancel; leaving them
+        # out then gives the same average and spares the server a rescaling of
+        # every update.
+        self.weigh_samples = (
+            self.replanner is not None
+            or type(policy).local_steps is not Policy.local_steps
+            or len({w.batch_size * w.local_steps for w in self.workers}) > 1
+        )
+
+        self.eval_sets = None
+        self.eval_fn = None
+        if eval_data is not None:
+            eval_arrays, n_eval = _as_arrays(eval_data, "eval_data")
+            size = config.eval_batch_size
+            self.eval_sets = [
+                (
+                    jax.device_put(
+                        jax.tree.map(lambda a, s=start: a[s : s + size], eval_arrays)
+                    ),
+                    min(size, n_eval - start),
+                )
+                for start in range(0, n_eval, size)
+            ]
+            if eval_fn is None:
+
+                def eval_fn(p, batch):
+                    return {"loss": loss_fn(p, batch)}
+
+            self.eval_fn = jax.jit(eval_fn)
+        elif eval_fn is not None:
+            raise ValueError("eval_fn was given without eval_data.")
+
+        self.heap: list = []
+        self.seq = 0
+        self.now = 0.0
+        self.stop = False
+        self.tick_at: float | None = None
+        self.ticked_at = -math.inf
+        self.flat_version = -1
+        self.flat_params = None
+        self.gradients = 0
+        self.drops = 0
+        self.errors: list[str] = []
+        self.pushes: list[PushRecord] = []
+        self.applies: list[ApplyRecord] = []
+        self.sends: list[SendRecord] = []
+        self.staleness: Counter = Counter()
+        self.metrics: dict[str, list] = {}
+        self.loss_sum = 0.0
+        self.loss_count = 0
+        self.last_eval: tuple[float, int] | None = None
+
+    # ------------------------------------------------------------ plumbing
+
+    def schedule(self, t: float, fn, *args) -> None:
+        self.seq += 1
+        heapq.heappush(self.heap, (t, 0, self.seq, fn, args))
+
+    def run(self) -> SimResult:
+        wall = time.perf_counter()
+        config = self.config
+        for w in self.workers:
+            self.schedule(w.join_time, self._worker_join, w)
+            if w.spec.leave_time is not None:
+                self.schedule(float(w.spec.leave_time), self._worker_leave, w)
+        if self.eval_sets is not None:
+            self._evaluate()
+            if config.eval_every is not None:
+                self.seq += 1
+                heapq.heappush(
+                    self.heap, (config.eval_every, 1, self.seq, self._timed_eval, ())
+                )
+        horizon = math.inf if config.duration is None else float(config.duration)
+        heap = self.heap
+        end = 0.0
+        while heap and not self.stop:
+            if heap[0][0] > horizon:
+                break
+            t, _, _, fn, args = heapq.heappop(heap)
+            self.now = end = t
+            fn(*args)
+        if not self.stop and config.duration is not None:
+            end = horizon
+        self.now = end
+        if self.eval_sets is not None and self.last_eval != (end, self.core.version):
+            self._evaluate()
+        return self._result(end, time.perf_counter() - wall)
+
+    # ------------------------------------------------------------ worker side
+
+    def _worker_join(self, w: _Worker) -> None:
+        w.session += 1
+        w.state = _BLOCKED
+        w.blocked_since = self.now
+        w.pull_in_flight = True
+        self.schedule(self.now + w.latency, self._server_join, w, w.session)
+
+    def _worker_leave(self, w: _Worker) -> None:
+        if w.state == _GONE:
+            return
+        self._abandon(w)
+        w.state = _GONE
+        w.session += 1
+        self.schedule(self.now + w.latency, self._server_leave, w)
+
+    def _abandon(self, w: _Worker) -> None:
+        """Throws away the worker's compute in progress; closes a blocked span."""
+        now = self.now
+        if w.state == _COMPUTING:
+            self.engine.cancel(w.round)
+            w.compute_spans.append((w.round_start, now, "discarded"))
+            w.round = None
+            w.epoch += 1
+        elif w.state == _BLOCKED and w.blocked_since is not None:
+            w.blocked_spans.append((w.blocked_since, now))
+            w.blocked_since = None
+
+    def _block(self, w: _Worker) -> None:
+        w.state = _BLOCKED
+        w.blocked_since = self.now
+
+    def _start_compute(self, w: _Worker) -> None:
+        now = self.now
+        if w.blocked_since is not None:
+            w.blocked_spans.append((w.blocked_since, now))
+            w.blocked_since = None
+        steps = w.hint if w.hint is not None else w.local_steps
+        if steps > 1 and not self.local:
+            raise ValueError(
+                f"worker {w.id!r} was asked for {steps} local steps per push; that "
+                "needs a worker_optimizer."
+            )
+        batch = w.batch_size
+        durations = w.spec.compute.draw(w.rng, batch, steps)
+        end = w.join_time + finish_time(w.slowdown, now - w.join_time, durations)
+        push_scale = 1.0
+        if self.config.staleness_lr is not None:
+            push_scale = self._factor(w.last_staleness)
+        w.round = self.engine.submit(
+            Round(w.index, w.params, steps, batch, w.lr_scale, push_scale, w.stream)
+        )
+        w.round_start = now
+        w.round_version = w.version
+        w.state = _COMPUTING
+        w.epoch += 1
+        self.schedule(end, self._compute_done, w, w.epoch)
+        if self.config.overlap == "eager":
+            # PS+ pulls during the compute, late enough that the newest
+            # parameters arrive just as it ends: the worker expects this round
+            # to last as long as its last one, and the pull a round trip.
+            w.eager_sent = False
+            bandwidth = w.bandwidth(now)
+            trip = 2 * w.latency + (
+                0.0 if bandwidth is None else self.pull_bytes / bandwidth
+            )
+            lead = max(0.0, w.last_compute - trip)
+            if lead == 0.0:
+                self._eager_pull(w, w.epoch)
+            else:
+                self.schedule(now + lead, self._eager_pull, w, w.epoch)
+
+    def _eager_pull(self, w: _Worker, epoch: int) -> None:
+        if epoch != w.epoch or w.eager_sent:
+            return
+        w.eager_sent = True
+        if not w.pull_in_flight:
+            self._send_pull(w)
+
+    def _factor(self, tau: int) -> float:
+        factor = self._factors.get(tau)
+        if factor is None:
+            factor = self._factors[tau] = float(
+                staleness_factor(self.config.staleness_lr, tau)
+            )
+        return factor
+
+    def _compute_done(self, w: _Worker, epoch: int) -> None:
+        if epoch != w.epoch:
+            return
+        now = self.now
+        r = w.round
+        if not r.done:
+            self.engine.flush()
+        w.compute_spans.append((w.round_start, now, "compute"))
+        step_time = w.last_compute = now - w.round_start
+        self.gradients += r.steps
+        if self.replanner is not None:
+            revised = self.replanner.observe(
+                w.id, r.batch_size, max(step_time / r.steps, 1e-12), now
+            )
+            if revised is not None:
+                self._apply_plan(revised)
+        arrival = self._send_up(w, self.push_bytes, "push")
+        mode = self.config.overlap
+        with_pull = False
+        if mode == "none" or (mode == "pipeline" and not w.pull_in_flight):
+            with_pull = True
+            w.pull_in_flight = True
+        self.schedule(
+            arrival,
+            self._server_push,
+            w,
+            w.session,
+            r,
+            w.round_version,
+            step_time,
+            with_pull,
+            now,
+        )
+        w.round = None
+        if mode == "none":
+            self._block(w)
+        elif mode == "pipeline":
+            if with_pull:
+                self._start_compute(w)
+            else:
+                w.pull_after_arrival = True
+                self._block(w)
+        else:
+            if not w.eager_sent:
+                w.eager_sent = True
+                self._send_pull(w)
+            if w.pull_in_flight:
+                self._block(w)
+            else:
+                self._start_compute(w)
+        if self.config.max_gradients is not None and (
+            self.gradients >= self.config.max_gradients
+        ):
+            self.stop = True
+
+    def _params_arrive(self, w, session, flat, version, hint, sent) -> None:
+        if session != w.session:
+            return
+        w.pull_in_flight = False
+        w.params = flat
+        w.version = version
+        if hint is not None:
+            w.hint = hint
+        if w.state != _BLOCKED:
+            return
+        if w.force_time is not None:
+            if sent < w.force_time:
+                # Sent before the server asked for a fresh pull: pull again.
+                self._send_pull(w)
+                return
+            w.force_time = None
+        if w.pull_after_arrival:
+            w.pull_after_arrival = False
+            self._send_pull(w)
+        self._start_compute(w)
+
+    def _ack_arrive(self, w, session, staleness, hint) -> None:
+        if session != w.session:
+            return
+        w.last_staleness = staleness
+        if hint is not None:
+            w.hint = hint
+
+    def _force_arrive(self, w, session, sent) -> None:
+        if session != w.session or w.state == _GONE:
+            return
+        w.force_time = sent
+        if w.state == _COMPUTING:
+            self._abandon(w)
+            self._block(w)
+        if not w.pull_in_flight:
+            self._send_pull(w)
+
+    def _dropped_arrive(self, w, session) -> None:
+        if session != w.session or w.state == _GONE:
+            return
+        self._abandon(w)
+        self.drops += 1
+        w.session += 1
+        w.pull_in_flight = True
+        w.pull_after_arrival = False
+        w.force_time = None
+        w.hint = None
+        w.state = _BLOCKED
+        if w.blocked_since is None:
+            w.blocked_since = self.now
+        self.schedule(self.now + w.latency, self._server_join, w, w.session)
+
+    def _send_pull(self, w: _Worker) -> None:
+        w.pull_in_flight = True
+        start = self.now
+        if self.config.overlap != "eager":
+            # On one connection a request queues behind the push being sent.
+            start = max(start, w.up_free)
+        self.schedule(start + w.latency, self._server_pull, w, w.session)
+
+    def _send_up(self, w: _Worker, nbytes: int, kind: str) -> float:
+        now = self.now
+        start = max(now, w.up_free)
+        bandwidth = w.bandwidth(start)
+        end = start if bandwidth is None else start + nbytes / bandwidth
+        w.up_free = end
+        arrival = end + w.latency
+        w.bytes_sent += nbytes
+        w.transfer_spans.append(Interval(start, arrival, kind))
+        return arrival
+
+    def _send_down(self, w: _Worker, nbytes: int) -> float:
+        now = self.now
+        start = max(now, w.down_free)
+        bandwidth = w.bandwidth(start)
+        end = start if bandwidth is None else start + nbytes / bandwidth
+        w.down_free = end
+        arrival = end + w.latency
+        w.bytes_received += nbytes
+        w.transfer_spans.append(Interval(start, arrival, "pull"))
+        return arrival
+
+    # ------------------------------------------------------------ server side
+
+    def _server_join(self, w: _Worker, session: int) -> None:
+        if session != w.session:
+            return
+        self._carry_out(self.core.join(w.id, self.now))
+
+    def _server_leave(self, w: _Worker) -> None:
+        try:
+            actions = self.core.leave(w.id, self.now)
+        except HpsError as err:
+            self.errors.append(f"leave of worker {w.id!r}: {err}")
+            return
+        self._close_server_wait(w)
+        self._carry_out(actions)
+
+    def _server_pull(self, w: _Worker, session: int) -> None:
+        if session != w.session:
+            return
+        try:
+            actions = self.core.pull(w.id, self.now)
+        except HpsError as err:
+            self._refused(w, "pull", err)
+            return
+        self._carry_out(actions)
+
+    def _server_push(
+        self, w, session, r, version, step_time, with_pull, sent
+    ) -> None:
+        if session != w.session:
+            return
+        now = self.now
+        core = self.core
+        try:
+            actions = core.push(
+                w.id,
+                self.flat.unravel_host(r.update),
+                version=version,
+                now=now,
+                step_time=step_time,
+                num_samples=r.batch_size * r.steps if self.weigh_samples else None,
+                local_steps=r.steps,
+                loss=r.loss if math.isfinite(r.loss) else None,
+            )
+        except HpsError as err:
+            self.pushes.append(
+                PushRecord(now, sent, w.id, version, core.version - version,
+                           "rejected", 0.0, r.steps, r.batch_size, r.loss)
+            )
+            self._refused(w, "push", err)
+            return
+        ack = actions[0]
+        self.pushes.append(
+            PushRecord(now, sent, w.id, version, ack.staleness, ack.status,
+                       ack.weight, r.steps, r.batch_size, r.loss)
+        )
+        self.staleness[ack.staleness] += 1
+        self.loss_sum += r.loss
+        self.loss_count += 1
+        if self.config.staleness_lr is not None or ack.local_steps is not None:
+            self.schedule(
+                now + w.latency, self._ack_arrive, w, session, ack.staleness,
+                ack.local_steps,
+            )
+        self._carry_out(actions)
+        if r.stage is not None and isinstance(self.policy, Hybrid) and (
+            r.stage > self.policy.stage
+        ):
+            # The worker's staged optimizer moved on (a flat loss): it reports
+            # its stage with the push and the server follows.
+            self._carry_out(core.set_stage(r.stage, now))
+        if with_pull and session == w.session:
+            try:
+                actions = core.pull(w.id, now)
+            except HpsError as err:
+                self._refused(w, "pull", err)
+                return
+            self._carry_out(actions)
+
+    def _refused(self, w: _Worker, what: str, err: HpsError) -> None:
+        self.errors.append(f"{what} of worker {w.id!r}: {type(err).__name__}: {err}")
+        if isinstance(err, WorkerDropped):
+            self.schedule(self.now + w.latency, self._dropped_arrive, w, w.session)
+        elif what == "pull":
+            # The request failed for good; the worker cannot go on without
+            # parameters, so it starts afresh as a dropped one would.
+            self.schedule(self.now + w.latency, self._dropped_arrive, w, w.session)
+
+    def _tick(self) -> None:
+        self.tick_at = None
+        self.ticked_at = self.now
+        self._carry_out(self.core.tick(self.now))
+
+    def _carry_out(self, actions: list) -> None:
+        now = self.now
+        core = self.core
+        for action in actions:
+            kind = type(action)
+            if kind is SendParams:
+                w = self.by_id[action.worker_id]
+                if self.flat_version != action.version:
+                    self.flat_params = self.flat.ravel_host(core.params)
+                    self.flat_version = action.version
+                self.sends.append(
+                    SendRecord(now, w.id, action.version, core.clock(w.id),
+                               core.min_clock)
+                )
+                arrival = self._send_down(w, self.pull_bytes)
+                self.schedule(
+                    arrival,
+                    self._params_arrive,
+                    w,
+                    w.session,
+                    self.flat_params,
+                    action.version,
+                    action.local_steps,
+                    now,
+                )
+            elif kind is Applied:
+                self.applies.append(
+                    ApplyRecord(now, action.version, action.num_updates,
+                                action.staleness, action.contributors)
+                )
+                every = self.config.eval_every_updates
+                if (
+                    every is not None
+                    and self.eval_sets is not None
+                    and action.version % every == 0
+                ):
+                    self._evaluate()
+                if (
+                    self.config.max_updates is not None
+                    and action.version >= self.config.max_updates
+                ):
+                    self.stop = True
+            elif kind is Wait:
+                w = self.by_id[action.worker_id]
+                if w.server_wait_since is None:
+                    w.server_wait_since = now
+            elif kind is Release:
+                self._close_server_wait(self.by_id[action.worker_id])
+            elif kind is ForcePull:
+                w = self.by_id[action.worker_id]
+                self.schedule(now + w.latency, self._force_arrive, w, w.session, now)
+            elif kind is Drop:
+                w = self.by_id[action.worker_id]
+                self._close_server_wait(w)
+                self.errors.append(f"worker {w.id!r} dropped: {action.reason}")
+                self.schedule(now + w.latency, self._dropped_arrive, w, w.session)
+            elif kind is not PushAck:
+                raise TypeError(f"unexpected action {action!r}")
+        deadline = core.next_deadline()
+        if (
+            deadline is not None
+            and deadline > self.ticked_at
+            and (self.tick_at is None or deadline < self.tick_at)
+        ):
+            self.tick_at = deadline
+            self.schedule(max(deadline, now), self._tick)
+
+    def _close_server_wait(self, w: _Worker) -> None:
+        if w.server_wait_since is not None:
+            w.server_waits.append((w.server_wait_since, self.now))
+            w.server_wait_since = None
+
+    # ------------------------------------------------------------ plans
+
+    def _apply_plan(self, work_plan: WorkPlan) -> None:
+        for w in self.workers:
+            try:
+                p = work_plan.worker(w.id)
+            except ValueError:
+                raise ValueError(
+                    f"the work plan has no worker {w.id!r}; its workers are "
+                    f"{[x.worker_id for x in work_plan.workers]}."
+                ) from None
+            if p.batch_size < 1:
+                raise ValueError(
+                    f"the work plan gives worker {w.id!r} an empty batch."
+                )
+            w.batch_size = p.batch_size
+            w.local_steps = p.local_steps
+            w.lr_scale = float(p.lr_scale)
+        self.plans.append(work_plan)
+
+    # ------------------------------------------------------------ evaluation
+
+    def _timed_eval(self) -> None:
+        self._evaluate()
+        if self.heap:
+            # Only while anything else can still happen: evaluations alone
+            # would go on for ever.
+            self.seq += 1
+            heapq.heappush(
+                self.heap,
+                (self.now + self.config.eval_every, 1, self.seq, self._timed_eval, ()),
+            )
+
+    def _evaluate(self) -> None:
+        params = self.core.params
+        totals: dict[str, float] = {}
+        count = 0
+        for batch, size in self.eval_sets:
+            values = self.eval_fn(params, batch)
+            if not isinstance(values, Mapping):
+                raise ValueError(
+                    "eval_fn must return a dict of scalar metrics, got "
+                    f"{type(values).__name__}."
+                )
+            for key, value in jax.device_get(values).items():
+                totals[key] = totals.get(key, 0.0) + float(value) * size
+            count += size
+        record = {
+            "time": self.now,
+            "version": self.core.version,
+            "gradients": self.gradients,
+            "train_loss": (
+                self.loss_sum / self.loss_count if self.loss_count else math.nan
+            ),
+        }
+        for key, value in totals.items():
+            if key in record:
+                raise ValueError(f"eval_fn metric name {key!r} is reserved.")
+            record[key] = value / count
+        self.loss_sum = 0.0
+        self.loss_count = 0
+        for key, value in record.items():
+            self.metrics.setdefault(key, []).append(value)
+        self.last_eval = (self.now, self.core.version)
+        if self.callback is not None and self.callback(dict(record)):
+            self.stop = True
+
+    # ------------------------------------------------------------ result
+
+    def _result(self, end: float, wall: float) -> SimResult:
+        for w in self.workers:
+            if w.state == _COMPUTING:
+                w.compute_spans.append((w.round_start, end, "compute"))
+            elif w.state == _BLOCKED and w.blocked_since is not None:
+                w.blocked_spans.append((w.blocked_since, end))
+            if w.server_wait_since is not None:
+                w.server_waits.append((w.server_wait_since, end))
+        metrics = {k: np.asarray(v) for k, v in self.metrics.items()}
+        return SimResult(
+            metrics=metrics,
+            timelines={w.id: _timeline(w, end) for w in self.workers},
+            transfers={w.id: tuple(w.transfer_spans) for w in self.workers},
+            bytes_sent={w.id: w.bytes_sent for w in self.workers},
+            bytes_received={w.id: w.bytes_received for w in self.workers},
+            pushes=tuple(self.pushes),
+            applies=tuple(self.applies),
+            sends=tuple(self.sends),
+            staleness=dict(sorted(self.staleness.items())),
+            num_updates=self.core.version,
+            num_gradients=self.gradients,
+            evaluated_gradients=self.engine.evaluations,
+            padded_gradients=self.engine.padded_evaluations,
+            drops=self.drops,
+            errors=tuple(self.errors),
+            work_plans=tuple(self.plans),
+            params=self.core.params,
+            end_time=end,
+            wall_seconds=wall,
+        )
+
+
+def _timeline(w: _Worker, end: float) -> tuple[Interval, ...]:
+    """Compute spans plus blocked spans split into server waits and transfers."""
+    out = [Interval(s, min(e, end), k) for s, e, k in w.compute_spans if s < end]
+    waits = [(s, e) for s, e in w.server_waits if e > s]
+    j = 0
+    for start, stop in w.blocked_spans:
+        stop = min(stop, end)
+        if stop <= start:
+            continue
+        t = start
+        while j < len(waits) and waits[j][1] <= t:
+            j += 1
+        k = j
+        while k < len(waits) and waits[k][0] < stop:
+            ws, we = max(waits[k][0], t), min(waits[k][1], stop)
+            if ws > t:
+                out.append(Interval(t, ws, "transfer"))
+            if we > ws:
+                out.append(Interval(ws, we, "wait"))
+                t = we
+            if waits[k][1] > stop:
+                break
+            k += 1
+        if t < stop:
+            out.append(Interval(t, stop, "transfer"))
+    out.sort()
+    return tuple(iv for iv in out if iv.end > iv.start)
+
+
+def _check_workers(workers: Any) -> list[WorkerSpec]:
+    if isinstance(workers, bool):
+        raise ValueError(f"workers must be an int or WorkerSpecs, got {workers!r}.")
+    if isinstance(workers, int | np.integer):
+        if workers < 1:
+            raise ValueError(f"workers must be >= 1, got {workers}.")
+        return [WorkerSpec() for _ in range(int(workers))]
+    if isinstance(workers, WorkerSpec) or not isinstance(workers, Sequence):
+        raise ValueError(
+            "workers must be a number of workers or a sequence of WorkerSpec, got "
+            f"{type(workers).__name__}."
+        )
+    specs = list(workers)
+    if not specs:
+        raise ValueError("workers is empty: a simulation needs at least one worker.")
+    for i, spec in enumerate(specs):
+        if not isinstance(spec, WorkerSpec):
+            raise ValueError(
+                f"workers[{i}] must be a WorkerSpec, got {type(spec).__name__}."
+            )
+    return specs
+
+
+def _check_policy_without_local_steps(policy: Any) -> None:
+    if isinstance(policy, ADSP):
+        raise ValueError(
+            "The 'adsp' policy sets local steps per commit; give a "
+            "worker_optimizer for the local steps."
+        )
+    if isinstance(policy, Hybrid) and any(s.local_steps > 1 for s in policy.stages):
+        raise ValueError(
+            "A hybrid stage takes more than one local step; give a "
+            "worker_optimizer for the local steps."
+        )
+
+
+def simulate(
+    loss_fn: Callable[[Any, Any], jax.Array],
+    params: Any,
+    train_data: Any,
+    workers: Sequence[WorkerSpec] | int,
+    config: SimConfig,
+    *,
+    eval_data: Any = None,
+    eval_fn: Callable[[Any, Any], Mapping[str, jax.Array]] | None = None,
+    work_plan: WorkPlan | Replanner | None = None,
+    callback: Callable[[dict], bool | None] | None = None,
+) -> SimResult:
+    r"""Simulates parameter-server training of one model on unequal workers.
+
+    The server is a :class:`~hpsjax.ps.ServerCore` driven with a virtual clock;
+    the workers compute real gradients of ``loss_fn`` on their own batches and
+    spend the virtual time their :class:`~hpsjax.sim.WorkerSpec` gives. With
+    worker :math:`i` pulling version :math:`v_i` and the server at :math:`V` when
+    its push arrives, the push has staleness :math:`\tau = V - v_i` and the server
+    applies (per its policy's aggregation)
+
+    .. math::
+
+       w \leftarrow w + \operatorname{opt}\big(\bar u;\ \tau\big), \qquad
+       u_i = \begin{cases}
+         s_i\, f(\hat\tau_i)\, \nabla \ell(w_{v_i}; B_i) & \text{(gradients)} \\
+         f(\hat\tau_i)\,\big(w_{v_i} - w_i^{(H_i)}\big) & \text{(local steps)}
+       \end{cases}
+
+    where :math:`s_i` is the worker's step-size scale (it also scales each local
+    step), :math:`w_i^{(H_i)}` its parameters after :math:`H_i` local steps with
+    ``worker_optimizer``, :math:`f(\hat\tau_i)` PS+'s modulation (1 without
+    ``staleness_lr``) and :math:`\bar u` the sample-weighted average of the
+    buffered updates (``num_samples`` = batch size times local steps), after the
+    worker's ``push_transform`` (e.g. quantization) where one is given.
+
+    Args:
+      loss_fn: ``(params, batch) -> scalar``, the mean training loss of a batch
+        (``batch`` has the structure of ``train_data``: a
+        :class:`hpsjax.data.Batch` for a :class:`hpsjax.data.Dataset`).
+      params: the initial parameters, a pytree of floating arrays.
+      train_data: a :class:`hpsjax.data.Dataset`, or a pytree of arrays with a
+        common leading example axis.
+      workers: a list of :class:`~hpsjax.sim.WorkerSpec`, or a number of default
+        workers.
+      config: the :class:`SimConfig`.
+      eval_data: held-out data like ``train_data``, or ``None`` (no evaluation).
+      eval_fn: ``(params, batch) -> {name: scalar}``, metrics averaged over the
+        held-out set; ``None`` uses ``{"loss": loss_fn}``.
+      work_plan: a :class:`~hpsjax.profiling.WorkPlan` (per worker batch size,
+        local steps and step-size scale; its worker ids are the workers'), or a
+        :class:`~hpsjax.profiling.Replanner` that is fed every round's measured
+        step time and revises the plan as speeds drift, or ``None``.
+      callback: called with each evaluation's record (a dict of the metric
+        columns' values); returning ``True`` stops the simulation.
+
+    Returns:
+      A :class:`SimResult`.
+
+    Raises:
+      ValueError: for bad arguments (nothing runs), or when a worker is asked for
+        local steps without a ``worker_optimizer``.
+
+    Examples:
+      >>> import jax.numpy as jnp, numpy as np
+      >>> from hpsjax.sim import ComputeModel, SimConfig, WorkerSpec, simulate
+      >>> x = np.random.default_rng(0).normal(size=(256, 4)).astype(np.float32)
+      >>> data = (x, x @ np.arange(1.0, 5.0, dtype=np.float32))
+      >>> def loss(w, batch):
+      ...     return jnp.mean((batch[0] @ w - batch[1]) ** 2)
+      >>> workers = [WorkerSpec(ComputeModel(step_time=t)) for t in (1.0, 4.0)]
+      >>> result = simulate(loss, jnp.zeros(4), data, workers,
+      ...                   SimConfig(policy="asp", learning_rate=0.05,
+      ...                             duration=40.0))
+      >>> [result.bytes_sent[i] // 16 for i in (0, 1)]   # pushes of 16 bytes
+      [40, 10]
+      >>> result.metrics == {}   # no eval_data
+      True
+
+    References:
+      Ho, Cipar, Cui, Lee, Kim, Gibbons, Gibson, Ganger, Xing, `More Effective
+      Distributed ML via a Stale Synchronous Parallel Parameter Server
+      <https://papers.nips.cc/paper/4894>`_, NIPS 2013.
+
+      Yu et al., `Accelerating Distributed Training in Heterogeneous Clusters via
+      a Straggler-Aware Parameter Server
+      <https://doi.org/10.1109/HPCC/SmartCity/DSS.2019.00042>`_ (SaPS), IEEE HPCC
+      2019.
+
+      Xian, Li, Liu, Guo, Du, `H-PS: A Heterogeneous-Aware Parameter Server With
+      Distributed Neural Network Training
+      <https://doi.org/10.1109/ACCESS.2021.3060154>`_, IEEE Access, 2021.
+
+      Jin et al., `PS+: A Simple yet Effective Framework for Fast Training on
+      Parameter Server <https://doi.org/10.1109/TPDS.2022.3200518>`_, IEEE TPDS
+      33(12), 2022.
+
+      Shen et al., `ASHL: An Adaptive Multi-Stage Distributed Deep Learning
+      Training Scheme for Heterogeneous Environments
+      <https://doi.org/10.1109/TC.2023.3315847>`_, IEEE Trans. Computers 73(1),
+      2024.
+
+      Hu, Wang, Wu, `Distributed Machine Learning through Heterogeneous Edge
+      Systems <https://arxiv.org/abs/1911.06949>`_ (ADSP), AAAI 2020.
+    """
+    if not callable(loss_fn):
+        raise ValueError(f"loss_fn must be callable, got {type(loss_fn).__name__}.")
+    if not isinstance(config, SimConfig):
+        raise ValueError(f"config must be a SimConfig, got {type(config).__name__}.")
+    if eval_fn is not None and not callable(eval_fn):
+        raise ValueError(f"eval_fn must be callable, got {type(eval_fn).__name__}.")
+    if callback is not None and not callable(callback):
+        raise ValueError(f"callback must be callable, got {type(callback).__name__}.")
+    return _Simulation(
+        loss_fn, params, train_data, workers, config, eval_data, eval_fn, work_plan,
+        callback,
+    ).run()

@@ -1,0 +1,276 @@
+"""Tests of the local launcher and the ``hpsjax-worker`` command line.
+
+End-to-end launches start real processes (a server and workers on loopback) and
+check that every process started is gone afterwards, whatever happened.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import pathlib
+import signal
+import sys
+import textwrap
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from hpsjax import launch as launch_module
+from hpsjax.launch import LaunchError, launch
+from hpsjax.worker import _cli
+
+SMALL_MODEL = [
+    "--dataset_arg",
+    "num_examples=600",
+    "--model_arg",
+    "hidden=[16]",
+    "--batch_size",
+    "16",
+    "--log_level",
+    "WARNING",
+]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def _children() -> set[int]:
+    """Live (non-zombie) child processes of this process, from /proc."""
+    found = set()
+    for entry in pathlib.Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == os.getpid() and fields[0] != "Z":
+            found.add(int(entry.name))
+    return found
+
+
+def _rounds(path: pathlib.Path) -> list[dict]:
+    lines = path.read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r["event"] == "round"]
+
+
+# ---------------------------------------------------------------- fast checks
+
+
+def test_argument_errors_are_clear():
+    with pytest.raises(LaunchError, match="num_workers"):
+        launch(0, progress=False)
+    with pytest.raises(LaunchError, match="steps"):
+        launch(1, steps=0, progress=False)
+    with pytest.raises(LaunchError, match="string"):
+        launch(1, worker_args="--batch_size 8", progress=False)
+    with pytest.raises(LaunchError, match="worker 5"):
+        launch(2, per_worker_args={5: ["--slowdown", "2"]}, progress=False)
+    with pytest.raises(LaunchError, match="plan scheme"):
+        launch(2, plan="fastest", progress=False)
+    with pytest.raises(LaunchError, match="bad worker flags"):
+        launch(1, worker_args=["--no_such_flag"], progress=False)
+
+
+def test_main_splits_server_and_worker_flags():
+    own, server, worker = launch_module._split_argv(
+        ["--workers", "2", "--server", "--optimizer", "adam", "--", "--bits", "8"]
+    )
+    assert own == ["--workers", "2"]
+    assert server == ["--optimizer", "adam"]
+    assert worker == ["--bits", "8"]
+    assert launch_module.main(["--workers", "0", "--no_progress"]) == 2
+
+
+_STUBBORN = textwrap.dedent(
+    """
+    import signal, subprocess, sys, time
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    print(child.pid, flush=True)
+    time.sleep(60)
+    """
+)
+
+
+def test_shutdown_kills_process_groups_that_ignore_sigterm():
+    lines = []
+    process = launch_module._Process(
+        "stubborn",
+        [sys.executable, "-c", _STUBBORN],
+        lines.append,
+        dict(os.environ),
+    )
+    deadline = time.monotonic() + 30
+    while not lines and time.monotonic() < deadline:
+        time.sleep(0.05)
+    grandchild = int(lines[0].split()[-1])
+    start = time.monotonic()
+    launch_module._shutdown([process], timeout=0.5)
+    assert time.monotonic() - start < 10
+    assert process.poll() == -signal.SIGKILL
+    assert not _alive(process.pid)
+    # The grandchild was in the same group; it got SIGKILL too (reaped by init).
+    deadline = time.monotonic() + 5
+    while _alive(grandchild) and time.monotonic() < deadline:
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(grandchild, os.WNOHANG)
+        time.sleep(0.05)
+    state = pathlib.Path(f"/proc/{grandchild}/stat")
+    assert not _alive(grandchild) or (
+        state.exists() and state.read_text().split()[2] == "Z"
+    )
+
+
+# ---------------------------------------------------------------- worker CLI
+
+
+def test_write_init_matches_the_model(tmp_path):
+    from hpsjax import data, models
+    from hpsjax.ps._cli import load_npz_tree
+
+    path = tmp_path / "init.npz"
+    assert _cli.main([*SMALL_MODEL, "--write_init", str(path)]) == 0
+    loaded = load_npz_tree(path)
+    train, _ = data.synthetic_digits(600).split(0.2, seed=0)
+    _, params = models.split_model(
+        models.get_model(
+            "mlp", input_shape=train.input_shape, num_classes=10, hidden=(16,)
+        )
+    )
+    assert jax.tree.structure(loaded) == jax.tree.structure(params)
+    for a, b in zip(jax.tree.leaves(loaded), jax.tree.leaves(params), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_profile_out_writes_a_profile_with_the_slowdown(tmp_path):
+    from hpsjax.profiling import WorkerProfile
+
+    fast, slow = tmp_path / "fast.json", tmp_path / "slow.json"
+    flags = [*SMALL_MODEL, "--profile_batch_sizes", "8,64"]
+    assert _cli.main([*flags, "--profile_out", str(fast)]) == 0
+    assert _cli.main([*flags, "--slowdown", "3", "--profile_out", str(slow)]) == 0
+    fast_p = WorkerProfile.from_json(fast.read_text())
+    slow_p = WorkerProfile.from_json(slow.read_text())
+    assert fast_p.devices[0].batch_sizes == (8, 64)
+    # Measured separately, so only roughly three times slower.
+    ratio = slow_p.devices[0].step_time(64) / fast_p.devices[0].step_time(64)
+    assert 1.5 < ratio < 6
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ["--slowdown", "0.5"],
+        ["--bandwidth", "-1"],
+        ["--bits", "3"],
+        ["--shard_index", "3", "--shard_count", "2"],
+        ["--local_steps", "2"],
+    ],
+)
+def test_worker_cli_refuses_bad_flags(flags, capsys):
+    assert _cli.main([*SMALL_MODEL, "--port", "1", *flags]) == 2
+    assert "hpsjax-worker:" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- end to end
+
+
+@pytest.mark.slow
+def test_launch_runs_to_completion(tmp_path):
+    log = io.StringIO()
+    result = launch(
+        2,
+        policy="bsp",
+        steps=4,
+        worker_args=SMALL_MODEL,
+        workdir=tmp_path,
+        progress=False,
+        log=log,
+        timeout=240,
+    )
+    assert result.returncode == 0, log.getvalue()
+    assert result.reason == "completed"
+    assert result.worker_returncodes == (0, 0)
+    assert result.server_returncode == 0
+    assert len(result.pids) == 3
+    assert not any(_alive(pid) for pid in result.pids)
+    for i in range(2):
+        rounds = _rounds(tmp_path / f"metrics_{i}.jsonl")
+        assert [r["step"] for r in rounds] == [0, 1, 2, 3]
+    text = log.getvalue()
+    assert "[server] hpsjax-server listening" in text
+    assert "[worker 1] hpsjax-worker done" in text
+
+
+@pytest.mark.slow
+def test_a_crashing_worker_stops_everything(tmp_path):
+    log = io.StringIO()
+    start = time.monotonic()
+    result = launch(
+        3,
+        policy="asp",
+        steps=100000,
+        worker_args=SMALL_MODEL,
+        per_worker_args={1: ["--fail_after_steps", "3"]},
+        workdir=tmp_path,
+        progress=False,
+        log=log,
+        timeout=240,
+        shutdown_timeout=5.0,
+    )
+    assert result.returncode != 0
+    assert result.reason == "worker 1 exited with status 1", log.getvalue()
+    assert result.worker_returncodes[1] == 1
+    assert len(result.pids) == 4
+    assert not any(_alive(pid) for pid in result.pids)
+    assert time.monotonic() - start < 200
+    assert "fault injected after 3 rounds" in log.getvalue()
+
+
+@pytest.mark.slow
+def test_launch_with_a_profiled_plan(tmp_path):
+    result = launch(
+        2,
+        policy="bsp",
+        steps=3,
+        worker_args=SMALL_MODEL,
+        per_worker_args={0: ["--slowdown", "3"]},
+        plan="hps",
+        workdir=tmp_path,
+        progress=False,
+        log=io.StringIO(),
+        timeout=240,
+    )
+    assert result.returncode == 0
+    assert len(result.profile_seconds) == 2
+    plan = json.loads((tmp_path / "plan.json").read_text())
+    batches = [w["batch_size"] for w in plan["workers"]]
+    assert sum(batches) == 32 and batches[0] < batches[1]
+    assert _rounds(tmp_path / "metrics_0.jsonl")[0]["batch_size"] == batches[0]
+    assert not any(_alive(pid) for pid in result.pids)
+
+
+def test_server_that_cannot_start_is_reported(tmp_path):
+    before = _children()
+    with pytest.raises(LaunchError, match="the server exited with status 2"):
+        launch(
+            1,
+            worker_args=SMALL_MODEL,
+            server_args=["--optimizer", "nonsense"],
+            workdir=tmp_path,
+            progress=False,
+            log=io.StringIO(),
+            start_timeout=60,
+        )
+    assert _children() <= before

@@ -1,0 +1,655 @@
+"""Tests of the quantization codec (encode/decode) and the quantize transform."""
+
+import json
+import math
+
+import jax
+import jax.numpy as jnp
+import msgpack
+import numpy as np
+import optax
+import pytest
+
+from hpsjax.transforms._quantize import (
+    Codec,
+    Encoded,
+    QuantizeState,
+    decode,
+    decode_tree,
+    encode,
+    encode_tree,
+    encoded_nbytes,
+    last_encoded,
+    quantize,
+)
+
+UNIFORM = [
+    Codec("uniform", bits, block_size=block, stochastic=stochastic)
+    for bits in (2, 4, 8, 16)
+    for block in (None, 5)
+    for stochastic in (True, False)
+]
+OTHERS = [
+    Codec("qsgd", levels=1),
+    Codec("qsgd", levels=127, block_size=5),
+    Codec("qsgd", levels=300, stochastic=False),
+    Codec("sign"),
+    Codec("sign", block_size=5),
+    Codec("sign", stochastic=True),
+    Codec("sign", block_size=5, stochastic=True),
+    Codec("none"),
+]
+CODECS = UNIFORM + OTHERS
+STOCHASTIC = [c for c in CODECS if c.stochastic]
+
+
+def _id(codec):
+    block = "leaf" if codec.block_size is None else f"block{codec.block_size}"
+    rounding = "stoch" if codec.stochastic else "near"
+    return f"{codec.scheme}{codec.bits}-{block}-{rounding}"
+
+
+@jax.jit
+def _normal(key, x):
+    return jax.random.normal(key, x.shape, x.dtype)
+
+
+def _data(shape, dtype=jnp.float32, seed=0):
+    return _normal(jax.random.key(seed), jnp.zeros(shape, dtype))
+
+
+def _roundtrip(x, codec, key):
+    encoded = jax.jit(encode, static_argnums=1)(x, codec, key)
+    return encoded, jax.jit(decode, static_argnums=(1, 2, 3))(
+        encoded, codec, x.shape, x.dtype
+    )
+
+
+def _steps_per_element(encoded, codec, size):
+    """Each element's step, from the scales, as float64."""
+    scales = np.asarray(encoded.scales, np.float64)
+    if codec.block_size is None:
+        return np.full(size, scales[0])
+    return np.repeat(scales, codec.block_size)[:size]
+
+
+def _unpack_reference(codes, bits, size):
+    """Reads the documented byte layout with numpy, independently of decode."""
+    codes = np.asarray(codes)
+    if bits == 16:
+        return codes.view("<u2")[:size].astype(np.int64)
+    if bits == 8:
+        return codes.astype(np.int64)
+    bitstream = np.unpackbits(codes, bitorder="little").reshape(-1, bits)
+    weights = 2 ** np.arange(bits)
+    return (bitstream * weights).sum(axis=1)[:size]
+
+
+# Round trips
+
+
+@pytest.mark.parametrize("codec", CODECS, ids=_id)
+@pytest.mark.parametrize("shape", [(3, 7), (1,), (13, 5), (0,), (2, 0, 3), ()])
+def test_roundtrip_shape_dtype_size_and_error(codec, shape):
+    x = _data(shape, seed=len(shape))
+    encoded, y = _roundtrip(x, codec, jax.random.key(3))
+    size = math.prod(shape)
+    assert isinstance(encoded, Encoded)
+    assert encoded.codes.dtype == jnp.uint8 and encoded.codes.ndim == 1
+    assert encoded.scales.dtype == jnp.float32 and encoded.scales.ndim == 1
+    assert encoded.codes.nbytes + encoded.scales.nbytes == encoded_nbytes(shape, codec)
+    assert encoded.codes.shape == (math.ceil(size * codec.bits / 8),)
+    assert y.shape == x.shape and y.dtype == x.dtype
+    assert np.all(np.isfinite(np.asarray(y)))
+    if size == 0:
+        return
+    xs, ys = np.asarray(x, np.float64).ravel(), np.asarray(y, np.float64).ravel()
+    if codec.scheme == "none":
+        np.testing.assert_array_equal(ys, xs)
+        return
+    step = _steps_per_element(encoded, codec, size)
+    if codec.scheme == "sign":
+        np.testing.assert_allclose(np.abs(ys), step, rtol=1e-6)
+        if not codec.stochastic:
+            np.testing.assert_array_equal(np.sign(ys), np.where(xs >= 0, 1, -1))
+        return
+    # Nearest rounding is off by at most half a step, stochastic by at most one.
+    bound = step * (0.5 if not codec.stochastic else 1.0) * (1 + 1e-5) + 1e-30
+    assert np.all(np.abs(ys - xs) <= bound)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("codec", [CODECS[4], CODECS[9], OTHERS[1], OTHERS[4]], ids=_id)
+def test_roundtrip_keeps_dtype(codec, dtype):
+    x = _data((6, 9), dtype)
+    encoded, y = _roundtrip(x, codec, jax.random.key(0))
+    assert y.dtype == dtype and y.shape == x.shape
+    assert encoded.codes.nbytes + encoded.scales.nbytes == encoded_nbytes(x.shape, codec)
+    # The result is the float32 decode rounded once to the dtype.
+    want = decode(encoded, codec, x.shape, jnp.float32).astype(dtype)
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(want))
+
+
+@pytest.mark.parametrize("codec", CODECS, ids=_id)
+def test_zeros_decode_to_zeros(codec):
+    x = jnp.zeros((4, 11), jnp.float32)
+    encoded, y = _roundtrip(x, codec, jax.random.key(0))
+    np.testing.assert_array_equal(np.asarray(y), 0.0)
+    if codec.scheme != "none":
+        np.testing.assert_array_equal(np.asarray(encoded.scales), 0.0)
+
+
+@pytest.mark.parametrize("codec", [CODECS[0], CODECS[7], OTHERS[0], OTHERS[3]], ids=_id)
+def test_tiny_and_subnormal_values_give_no_nan(codec):
+    x = jnp.array([1e-40, 0.0, -3e-39, 1e-45], jnp.float32)
+    _, y = _roundtrip(x, codec, jax.random.key(0))
+    assert np.all(np.isfinite(np.asarray(y)))
+    assert np.all(np.abs(np.asarray(y)) <= 1e-37)
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8, 16])
+def test_byte_layout_matches_the_documented_packing(bits):
+    codec = Codec("uniform", bits, stochastic=False)
+    levels = 2 ** (bits - 1) - 1
+    x = _data((37,), seed=bits)
+    encoded = encode(x, codec)
+    step = np.float32(encoded.scales[0])
+    assert step == np.float32(np.max(np.abs(np.asarray(x)))) / np.float32(levels)
+    y = np.asarray(x) * (np.float32(1) / step)
+    want = np.clip(np.round(y), -levels, levels).astype(np.int64) + levels
+    got = _unpack_reference(encoded.codes, bits, 37)
+    np.testing.assert_array_equal(got, want)
+    # Unused high bits of the last byte are zero.
+    pad_bits = len(encoded.codes) * 8 - 37 * bits
+    if pad_bits:
+        assert int(encoded.codes[-1]) >> (8 - pad_bits) == 0
+
+
+def test_sign_bits_are_little_endian_within_bytes():
+    x = jnp.array([1.0, -2.0, 3.0, -4.0, 5.0, 6.0, -7.0, 8.0, -9.0, 10.0])
+    encoded = encode(x, Codec("sign"))
+    assert encoded.codes.tolist() == [0b10110101, 0b10]
+    np.testing.assert_allclose(np.asarray(encoded.scales), [5.5])
+
+
+def test_none_codes_are_little_endian_float32_bytes():
+    x = _data((5,))
+    encoded = encode(x, Codec("none"))
+    assert encoded.codes.tobytes() == np.asarray(x, "<f4").tobytes()
+    assert encoded.scales.shape == (0,)
+
+
+def test_blocks_have_their_own_scales():
+    x = jnp.concatenate([jnp.full(4, 100.0), jnp.full(4, 0.01), jnp.array([-3.0])])
+    codec = Codec("uniform", 8, block_size=4, stochastic=False)
+    encoded, y = _roundtrip(x, codec, None)
+    np.testing.assert_allclose(
+        np.asarray(encoded.scales), np.array([100.0, 0.01, 3.0]) / 127, rtol=1e-6
+    )
+    np.testing.assert_allclose(np.asarray(y), np.asarray(x), rtol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "codec, shape, want",
+    [
+        (Codec("uniform", 8), (1000, 1000), 10**6 + 4),
+        (Codec("uniform", 4, block_size=4096), (1000, 1000), 500000 + 4 * 245),
+        (Codec("uniform", 2), (7,), 2 + 4),
+        (Codec("uniform", 16, block_size=3), (7,), 14 + 12),
+        (Codec("qsgd", levels=5), (10,), 5 + 4),
+        (Codec("sign"), (9,), 2 + 4),
+        (Codec("none"), (3, 3), 36),
+        (Codec("uniform", 8), (0,), 4),
+        (Codec("uniform", 8, block_size=8), (0,), 0),
+    ],
+)
+def test_encoded_nbytes_formula(codec, shape, want):
+    assert encoded_nbytes(shape, codec) == want
+
+
+@pytest.mark.parametrize(
+    "codec, fraction",
+    [
+        (Codec("uniform", 2), 2 / 32),
+        (Codec("uniform", 4), 4 / 32),
+        (Codec("uniform", 8), 8 / 32),
+        (Codec("uniform", 16), 16 / 32),
+        (Codec("sign"), 1 / 32),
+        (Codec("qsgd", levels=7), 4 / 32),
+    ],
+)
+def test_compression_is_bits_over_32_plus_scales(codec, fraction):
+    n = 2**20
+    for block in (None, 4096):
+        c = Codec(codec.scheme, codec.bits, block, codec.stochastic, codec.levels)
+        scales = 1 if block is None else n // block
+        assert encoded_nbytes((n,), c) == n * 4 * fraction + 4 * scales
+        assert encoded_nbytes((n,), c) / (4 * n) == pytest.approx(fraction, rel=0.02)
+
+
+# Statistics of stochastic rounding
+
+
+def _draws(x, codec, n_draws, seed=0):
+    keys = jax.random.split(jax.random.key(seed), n_draws)
+
+    @jax.jit
+    @jax.vmap
+    def roundtrip(key):
+        encoded = encode(x, codec, key)
+        return decode(encoded, codec, x.shape, jnp.float32), encoded.scales
+
+    return roundtrip(keys)
+
+
+@pytest.mark.parametrize("codec", STOCHASTIC, ids=_id)
+def test_stochastic_rounding_is_unbiased(codec):
+    x = _data((3, 17), seed=7)
+    n_draws = 4000
+    y, scales = _draws(x, codec, n_draws)
+    y = np.asarray(y, np.float64)
+    xs = np.asarray(x, np.float64)
+    encoded = encode(x, codec, jax.random.key(0))
+    step = _steps_per_element(encoded, codec, x.size).reshape(x.shape)
+    # Per-element standard deviation of one draw: at most half a step, and
+    # max|x| for the stochastic sign (values are +-max|x|).
+    sd = step if codec.scheme == "sign" else step / 2
+    se = sd / math.sqrt(n_draws)
+    err = y.mean(axis=0) - xs
+    assert np.all(np.abs(err) <= 5 * se + 1e-7 * np.abs(xs)), np.max(np.abs(err) / se)
+    # The check has power: nearest rounding's bias fails it.
+    if codec.scheme != "sign":
+        nearest = Codec(codec.scheme, codec.bits, codec.block_size, False, codec.levels)
+        _, y_near = _roundtrip(x, nearest, None)
+        bias = np.abs(np.asarray(y_near, np.float64) - xs)
+        assert np.any(bias > 5 * se)
+
+
+def test_stochastic_rounding_probability_is_the_fraction():
+    # Every element sits at 0.3 of a step above a level: 30% round up.
+    codec = Codec("uniform", 8)
+    x = jnp.concatenate([jnp.array([127.0]), jnp.full((2047,), 10.3)])
+    y, _ = _draws(x, codec, 200)
+    up = np.asarray(y)[:, 1:] > 10.5
+    n = up.size
+    assert abs(up.mean() - 0.3) < 5 * math.sqrt(0.21 / n)
+
+
+def test_rounding_decisions_are_uncorrelated():
+    codec = Codec("uniform", 8)
+    x = jnp.concatenate([jnp.array([127.0]), jnp.full((2**16 - 1,), 10.5)])
+    (y1, y2), _ = _draws(x, codec, 2, seed=11)
+    d1 = (np.asarray(y1)[1:] > 10.5).astype(np.float64)
+    d2 = (np.asarray(y2)[1:] > 10.5).astype(np.float64)
+    n = d1.size
+    assert abs(d1.mean() - 0.5) < 5 * 0.5 / math.sqrt(n)
+    tol = 5 / math.sqrt(n)
+    for lag in (1, 2, 3, 4, 8, 256):
+        assert abs(np.corrcoef(d1[:-lag], d1[lag:])[0, 1]) < tol, lag
+    # Successive keys draw independent decisions.
+    assert abs(np.corrcoef(d1, d2)[0, 1]) < tol
+
+
+@pytest.mark.parametrize("levels", [1, 2, 4, 16])
+def test_qsgd_variance_matches_theory_and_bound(levels):
+    codec = Codec("qsgd", levels=levels)
+    v = _data((64,), seed=levels)
+    n_draws = 3000
+    q, _ = _draws(v, codec, n_draws, seed=levels)
+    vs = np.asarray(v, np.float64)
+    sq_err = ((np.asarray(q, np.float64) - vs) ** 2).sum(axis=1)
+    norm2 = (vs**2).sum()
+    # Exact: each element rounds between levels l/s and (l+1)/s of ||v||.
+    y = np.abs(vs) * levels / math.sqrt(norm2)
+    frac = y - np.floor(y)
+    exact = norm2 / levels**2 * (frac * (1 - frac)).sum()
+    se = sq_err.std() / math.sqrt(n_draws)
+    assert abs(sq_err.mean() - exact) < 5 * se
+    n = v.size
+    assert exact <= min(n / levels**2, math.sqrt(n) / levels) * norm2
+
+
+def test_qsgd_levels_are_multiples_of_norm_over_s():
+    codec = Codec("qsgd", levels=3)
+    v = _data((50,), seed=4)
+    q, _ = _draws(v, codec, 8)
+    norm = float(jnp.linalg.norm(v))
+    k = np.asarray(q, np.float64) / (norm / 3)
+    np.testing.assert_allclose(k, np.round(k), atol=1e-4)
+    assert np.all(np.abs(k) <= 3 + 1e-4)
+
+
+def test_nearest_sign_is_scaled_sign():
+    x = _data((5, 8), seed=9)
+    for block in (None, 16):
+        codec = Codec("sign", block_size=block)
+        _, y = _roundtrip(x, codec, None)
+        flat = np.asarray(x, np.float64).ravel()
+        blocks = [flat] if block is None else np.split(flat, [16, 32])
+        want = np.concatenate([np.abs(b).mean() * np.where(b >= 0, 1, -1) for b in blocks])
+        np.testing.assert_allclose(np.asarray(y).ravel(), want, rtol=1e-6)
+
+
+def test_stochastic_without_key_raises_and_nearest_needs_none():
+    with pytest.raises(ValueError, match="key"):
+        encode(jnp.ones(3), Codec("uniform", 8))
+    encode(jnp.ones(3), Codec("uniform", 8, stochastic=False))
+
+
+def test_same_key_same_codes_other_key_other_codes():
+    x = _data((1000,))
+    codec = Codec("uniform", 4)
+    a = encode(x, codec, jax.random.key(1)).codes
+    b = encode(x, codec, jax.random.key(1)).codes
+    c = encode(x, codec, jax.random.key(2)).codes
+    raw = encode(x, codec, jax.random.key_data(jax.random.key(1))).codes
+    assert np.array_equal(a, b) and np.array_equal(a, raw)
+    assert not np.array_equal(a, c)
+
+
+# Bad input
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"bits": 3}, r"\(2, 4, 8, 16\)"),
+        ({"bits": True}, "bits"),
+        ({"bits": 8.0}, "bits"),
+        ({"scheme": "ternary"}, "'none', 'uniform', 'qsgd', 'sign'"),
+        ({"block_size": 0}, "block_size"),
+        ({"block_size": -4}, "block_size"),
+        ({"block_size": 2.5}, "block_size"),
+        ({"scheme": "qsgd", "levels": 0}, "levels"),
+        ({"scheme": "qsgd", "levels": 40000}, "levels"),
+        ({"scheme": "qsgd", "levels": 127, "bits": 4}, r"\(8, 16\)"),
+        ({"scheme": "uniform", "levels": 7}, "levels"),
+        ({"scheme": "sign", "bits": 8}, "1"),
+        ({"scheme": "none", "stochastic": True}, "stochastic"),
+        ({"scheme": "none", "block_size": 8}, "block_size"),
+        ({"stochastic": "yes"}, "stochastic"),
+    ],
+)
+def test_bad_codec_raises(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        Codec(**kwargs)
+    kwargs = dict(kwargs)
+    with pytest.raises(ValueError, match=match):
+        quantize(**kwargs)
+
+
+@pytest.mark.parametrize(
+    "kwargs", [{"error_feedback": 1}, {"seed": 1.5}, {"seed": True}, {"seed": "0"}]
+)
+def test_bad_quantize_arguments_raise(kwargs):
+    with pytest.raises(ValueError):
+        quantize(8, **kwargs)
+
+
+@pytest.mark.parametrize("codec", CODECS, ids=_id)
+def test_codec_dict_roundtrips_through_json_and_msgpack(codec):
+    d = codec.to_dict()
+    assert Codec.from_dict(json.loads(json.dumps(d))) == codec
+    assert Codec.from_dict(msgpack.unpackb(msgpack.packb(d))) == codec
+
+
+@pytest.mark.parametrize(
+    "junk, match",
+    [
+        ({"scheme": "uniform", "bits": 8, "extra": 1}, "unknown codec keys 'extra'"),
+        ({"scheme": "uniform", "bits": "8"}, "bits"),
+        ({"scheme": "uniform", "bits": 7}, "bits"),
+        ({"scheme": b"uniform"}, "scheme"),
+        ({"scheme": None}, "scheme"),
+        ({"block_size": [4]}, "block_size"),
+        ({"stochastic": 1}, "stochastic"),
+        ({1: 2}, "unknown"),
+        ([("scheme", "uniform")], "mapping"),
+        ("uniform", "mapping"),
+    ],
+)
+def test_codec_from_dict_rejects_junk(junk, match):
+    with pytest.raises(ValueError, match=match):
+        Codec.from_dict(junk)
+
+
+def test_codec_is_frozen_and_hashable():
+    codec = Codec("uniform", 4)
+    with pytest.raises(AttributeError):
+        codec.bits = 8
+    assert {codec: 1}[Codec("uniform", 4, None, True)] == 1
+
+
+def test_decode_rejects_mismatched_input():
+    codec = Codec("uniform", 4, block_size=4)
+    good = encode(jnp.ones(10), codec, jax.random.key(0))
+    assert decode(good, codec, (10,)).shape == (10,)
+    with pytest.raises(ValueError, match=r"uint8\[5\]"):
+        decode(good, codec, (11,))
+    with pytest.raises(ValueError, match=r"float32\[3\]"):
+        decode(Encoded(good.codes, good.scales[:2]), codec, (10,))
+    with pytest.raises(ValueError, match="uint8"):
+        decode(Encoded(good.codes.astype(jnp.int32), good.scales), codec, (10,))
+    with pytest.raises(ValueError, match="float32"):
+        decode(Encoded(good.codes, good.scales.astype(jnp.float16)), codec, (10,))
+    with pytest.raises(ValueError, match="floating"):
+        decode(good, codec, (10,), jnp.int32)
+    with pytest.raises(ValueError, match="shape"):
+        decode(good, codec, (-10,))
+    with pytest.raises(ValueError, match="Codec"):
+        decode(good, codec.to_dict(), (10,))
+    with pytest.raises(ValueError, match="Encoded"):
+        decode((good.codes, good.scales), codec, (10,))
+
+
+def test_encode_rejects_non_floating():
+    with pytest.raises(ValueError, match="floating"):
+        encode(jnp.arange(4), Codec("uniform", 8, stochastic=False))
+    with pytest.raises(ValueError, match="shape"):
+        encoded_nbytes(5, Codec())
+
+
+# Trees
+
+
+def test_encode_tree_folds_the_leaf_index_into_the_key():
+    tree = {"a": _data((4, 5)), "b": [_data((3,), jnp.bfloat16, 1), _data((0,))]}
+    codec = Codec("uniform", 4)
+    key = jax.random.key(5)
+    encoded = encode_tree(tree, codec, key)
+    leaves = jax.tree.leaves(tree)
+    assert len(encoded) == 3
+    for i, (leaf, enc) in enumerate(zip(leaves, encoded, strict=True)):
+        want = encode(leaf, codec, jax.random.fold_in(key, i))
+        np.testing.assert_array_equal(np.asarray(enc.codes), np.asarray(want.codes))
+    out = decode_tree(encoded, codec, tree)
+    assert jax.tree.structure(out) == jax.tree.structure(tree)
+    assert [o.dtype for o in jax.tree.leaves(out)] == [x.dtype for x in leaves]
+    like = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)
+    out2 = decode_tree(encoded, codec, like)
+    for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(out2), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    with pytest.raises(ValueError, match="2 encoded leaves for a tree of 3"):
+        decode_tree(encoded[:2], codec, tree)
+    with pytest.raises(ValueError, match="key"):
+        encode_tree(tree, codec)
+
+
+# The transform
+
+
+def _grads(step, tree):
+    key = jax.random.fold_in(jax.random.key(100), step)
+    leaves, treedef = jax.tree.flatten(tree)
+    keys = jax.random.split(key, len(leaves))
+    return treedef.unflatten(
+        [jax.random.normal(k, x.shape, x.dtype) for k, x in zip(keys, leaves, strict=True)]
+    )
+
+
+PARAMS = {"w": jnp.zeros((5, 7)), "b": jnp.zeros((3,), jnp.bfloat16), "s": jnp.zeros(())}
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {},
+        {"bits": 2, "error_feedback": True},
+        {"scheme": "qsgd", "levels": 3, "block_size": 4, "error_feedback": True},
+        {"scheme": "sign", "error_feedback": True},
+        {"bits": 16, "stochastic": False},
+    ],
+)
+def test_output_is_decode_of_encode_and_last_encoded_holds_its_codes(kwargs):
+    opt = quantize(**kwargs)
+    codec = Codec(
+        scheme=kwargs.get("scheme", "uniform"),
+        bits=kwargs.get("bits"),
+        block_size=kwargs.get("block_size"),
+        stochastic=kwargs.get("stochastic"),
+        levels=kwargs.get("levels"),
+    )
+    state = opt.init(PARAMS)
+    update = jax.jit(opt.update)
+    for step in range(3):
+        grads = _grads(step, PARAMS)
+        _, step_key = jax.random.split(state.key)
+        if kwargs.get("error_feedback"):
+            sent = jax.tree.map(lambda g, e: g.astype(jnp.float32) + e, grads, state.error)
+        else:
+            sent = grads
+        want_encoded = encode_tree(sent, codec, step_key)
+        want = decode_tree(want_encoded, codec, grads)
+        out, new_state = update(grads, state)
+        assert int(new_state.count) == step + 1
+        assert not np.array_equal(np.asarray(new_state.key), np.asarray(state.key))
+        for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(want), strict=True):
+            assert a.dtype == b.dtype
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        got_encoded = last_encoded(new_state)
+        for a, b in zip(got_encoded, want_encoded, strict=True):
+            np.testing.assert_array_equal(np.asarray(a.codes), np.asarray(b.codes))
+            np.testing.assert_array_equal(np.asarray(a.scales), np.asarray(b.scales))
+        # What the wire carries decodes to exactly what the optimizer applied.
+        wire = decode_tree(got_encoded, codec, grads)
+        for a, b in zip(jax.tree.leaves(wire), jax.tree.leaves(out), strict=True):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        state = new_state
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"bits": 2},
+        {"bits": 8, "block_size": 4},
+        {"scheme": "sign"},
+        {"scheme": "qsgd", "levels": 1},
+        {"scheme": "sign", "stochastic": True},
+    ],
+)
+def test_error_feedback_conserves_mass(kwargs):
+    opt = quantize(error_feedback=True, **kwargs)
+    params = {"w": jnp.zeros((6, 5)), "b": jnp.zeros((7,))}
+    state = opt.init(params)
+    update = jax.jit(opt.update)
+    total_in = jax.tree.map(lambda p: np.zeros(p.shape), params)
+    total_out = jax.tree.map(lambda p: np.zeros(p.shape), params)
+    for step in range(20):
+        grads = _grads(step, params)
+        out, state = update(grads, state)
+        total_in = jax.tree.map(lambda t, g: t + np.asarray(g, np.float64), total_in, grads)
+        total_out = jax.tree.map(lambda t, o: t + np.asarray(o, np.float64), total_out, out)
+    residual = jax.tree.map(lambda e: np.asarray(e, np.float64), state.error)
+    assert any(np.abs(r).max() > 1e-3 for r in jax.tree.leaves(residual))
+    for t_in, t_out, e in zip(
+        jax.tree.leaves(total_in),
+        jax.tree.leaves(total_out),
+        jax.tree.leaves(residual),
+        strict=True,
+    ):
+        np.testing.assert_allclose(t_out + e, t_in, atol=2e-5 * 20)
+
+
+def test_without_error_feedback_the_state_has_no_residual():
+    opt = quantize(4)
+    state = opt.init(PARAMS)
+    assert state.error == optax.EmptyState()
+    assert jax.tree.leaves(state.error) == []
+    _, new_state = jax.jit(opt.update)(_grads(0, PARAMS), state)
+    assert jax.tree.structure(new_state) == jax.tree.structure(state)
+
+
+def test_state_structure_is_fixed_under_cond_and_jit():
+    opt = quantize(4, error_feedback=True, block_size=8)
+    state = opt.init(PARAMS)
+
+    @jax.jit
+    def maybe_update(flag, grads, state):
+        return jax.lax.cond(
+            flag, lambda s: opt.update(grads, s)[1], lambda s: s, state
+        )
+
+    grads = _grads(0, PARAMS)
+    skipped = maybe_update(False, grads, state)
+    taken = maybe_update(True, grads, state)
+    assert jax.tree.structure(skipped) == jax.tree.structure(state)
+    assert int(skipped.count) == 0 and int(taken.count) == 1
+
+
+def test_inject_hyperparams_needs_static_int_args():
+    with pytest.raises(ValueError, match="static_args"):
+        optax.inject_hyperparams(quantize)(bits=4).init(PARAMS)
+    opt = optax.inject_hyperparams(quantize, static_args=("bits", "block_size"))(
+        bits=4, block_size=8, error_feedback=True, seed=3
+    )
+    state = opt.init(PARAMS)
+    update = jax.jit(opt.update)
+    out, state = update(_grads(0, PARAMS), state)
+    assert [o.dtype for o in jax.tree.leaves(out)] == [
+        p.dtype for p in jax.tree.leaves(PARAMS)
+    ]
+    assert last_encoded(state)[2].codes.shape == (18,)
+    # With every int left at None, only the seed is injected, and it works.
+    default = optax.inject_hyperparams(quantize)()
+    out, _ = jax.jit(default.update)(_grads(0, PARAMS), default.init(PARAMS))
+    assert jax.tree.structure(out) == jax.tree.structure(PARAMS)
+
+
+def test_last_encoded_finds_the_state_in_nested_wrappers():
+    grads = _grads(0, PARAMS)
+    wrappers = [
+        quantize(8),
+        optax.chain(optax.clip(1.0), quantize(8), optax.adam(1e-2)),
+        optax.named_chain(("q", quantize(8)), ("sgd", optax.sgd(0.1))),
+        optax.MultiSteps(optax.chain(quantize(8), optax.sgd(0.1)), 1),
+        optax.inject_hyperparams(optax.sgd)(learning_rate=0.1),
+    ]
+    for opt in wrappers[:-1]:
+        state = opt.init(PARAMS)
+        _, state = jax.jit(opt.update)(grads, state, PARAMS)
+        encoded = last_encoded(state)
+        assert len(encoded) == 3
+        assert any(np.any(np.asarray(e.codes) != 0) for e in encoded)
+    with pytest.raises(ValueError, match="no QuantizeState"):
+        last_encoded(wrappers[-1].init(PARAMS))
+    two = optax.chain(quantize(8), quantize(4))
+    with pytest.raises(ValueError, match="2 QuantizeStates"):
+        last_encoded(two.init(PARAMS))
+
+
+def test_chain_with_adam_trains_a_quadratic():
+    target = _data((20,), seed=3)
+    params = jnp.zeros((20,))
+    opt = optax.chain(quantize(2, error_feedback=True), optax.adam(0.05))
+    state = opt.init(params)
+    assert isinstance(state[0], QuantizeState)
+
+    @jax.jit
+    def step(params, state):
+        grads = params - target
+        updates, state = opt.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    for _ in range(300):
+        params, state = step(params, state)
+    assert float(jnp.max(jnp.abs(params - target))) < 0.05

@@ -1,0 +1,611 @@
+"""Tests of the worker runtime and heterogeneity injection.
+
+Workers run against a real in-process ``hpsjax.ps.Server`` on loopback (port 0),
+or against a scripted stand-in client where a test needs to control exactly what
+the server answers (versions, hints, forced pulls).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import math
+import statistics
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from hpsjax import data, models
+from hpsjax.ps import ProtocolError, PushResult, Server, WorkerDropped
+from hpsjax.transforms import staleness_factor
+from hpsjax.worker import (
+    Heterogeneity,
+    Injector,
+    JsonLinesSink,
+    Worker,
+    WorkerConfig,
+    parse_schedule,
+    summarize,
+)
+
+SECRET = "test-secret"
+LIMIT = 90.0  # seconds any one async test may take
+
+
+@pytest.fixture(scope="module")
+def setup():
+    train = data.synthetic_digits(1200, seed=0)
+    model = models.get_model(
+        "mlp", input_shape=train.input_shape, num_classes=10, hidden=(32,)
+    )
+    graphdef, params = models.split_model(model)
+    params = jax.tree.map(np.asarray, params)
+
+    def loss_fn(p, batch):
+        return models.per_example_loss(p, graphdef, batch)
+
+    return train, params, loss_fn
+
+
+def _run(coro):
+    return asyncio.run(asyncio.wait_for(coro, LIMIT))
+
+
+async def _train(
+    setup,
+    configs: list[dict[str, Any]],
+    *,
+    policy: str = "asp",
+    optimizer=None,
+    local_optimizer=None,
+    batch_size: int = 32,
+    **server_kwargs,
+):
+    """Runs workers (one per config) against a fresh server; returns records."""
+    train, params, loss_fn = setup
+    records: list[dict] = []
+    async with Server(
+        params,
+        optimizer or optax.sgd(0.1),
+        policy,
+        secret=SECRET,
+        port=0,
+        **server_kwargs,
+    ) as server:
+        workers = []
+        for i, extra in enumerate(configs):
+            stream = train.shard(len(configs), i).batches(batch_size, seed=i)
+            config = WorkerConfig(
+                port=server.port,
+                worker_id=f"w{i}",
+                secret=SECRET,
+                batch_size=batch_size,
+                **extra,
+            )
+            workers.append(
+                Worker(
+                    config,
+                    loss_fn=loss_fn,
+                    batches=stream.next,
+                    local_optimizer=local_optimizer,
+                    metrics=records.append,
+                )
+            )
+        summaries = await asyncio.gather(*(w.run() for w in workers))
+        pushes = {w: server.core.worker(w).pushes for w in server.core.workers()}
+        version = server.version
+    return records, summaries, pushes, version
+
+
+def _rounds(records, worker=None):
+    return [
+        r
+        for r in records
+        if r["event"] == "round" and (worker is None or r["worker"] == worker)
+    ]
+
+
+# ---------------------------------------------------------------- heterogeneity
+
+
+def test_schedule_parsing_and_lookup():
+    assert parse_schedule("3") == ((0.0, 3.0),)
+    het = Heterogeneity(slowdown="0:1,10:4,20:2", bandwidth="0:inf,5:1000")
+    assert [het.slowdown_at(t) for t in (0, 9.9, 10, 15, 25)] == [1, 1, 4, 4, 2]
+    assert het.bandwidth_at(1.0) is None
+    assert het.bandwidth_at(6.0) == 1000.0
+    assert het.compute_delay(0.5, now=12.0) == pytest.approx(1.5)
+    assert het.transfer_delay(500, now=6.0) == pytest.approx(0.5)
+    assert Heterogeneity.from_dict(json.loads(json.dumps(het.to_dict()))) == het
+    assert Heterogeneity().is_identity and not het.is_identity
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"slowdown": 0.5},
+        {"slowdown": math.nan},
+        {"slowdown": "0:1,0:2"},
+        {"slowdown": "5:2"},
+        {"slowdown": "fast"},
+        {"slowdown": [(0, 1), (10,)]},
+        {"bandwidth": 0},
+        {"bandwidth": -5.0},
+        {"latency": -1.0},
+    ],
+)
+def test_heterogeneity_rejects_bad_values(kwargs):
+    with pytest.raises(ValueError):
+        Heterogeneity(**kwargs)
+
+
+def test_injector_follows_the_schedule():
+    now = [0.0]
+    slept = []
+    injector = Injector(
+        Heterogeneity(slowdown=[(0, 1), (10, 3)], bandwidth=1000.0, latency=0.01),
+        clock=lambda: now[0],
+        sleep=slept.append,
+    )
+    injector.start()
+    assert injector.after_compute(0.2) == 0.0
+    now[0] = 11.0
+    assert injector.after_compute(0.2) == pytest.approx(0.4)
+    assert slept == [pytest.approx(0.4)]
+    delay = asyncio.run(injector.transfer(100))
+    assert delay == pytest.approx(0.01 + 0.1)
+    assert injector.total_compute_delay == pytest.approx(0.4)
+    assert injector.total_transfer_delay == pytest.approx(0.11)
+    with pytest.raises(ValueError):
+        Injector(Heterogeneity()).after_compute(-1.0)
+
+
+# ---------------------------------------------------------------- configuration
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"bits": 3},
+        {"bits": True},
+        {"lr_scale": 0.0},
+        {"batch_size": 0},
+        {"local_steps": 0},
+        {"staleness_policy": "nope"},
+        {"eager_pulls": 0},
+        {"port": 70000},
+        {"worker_id": 1.5},
+        {"device_batches": ()},
+        {"timeout": -1.0},
+    ],
+)
+def test_config_rejects_bad_values(kwargs):
+    with pytest.raises(ValueError):
+        WorkerConfig(**kwargs)
+
+
+def test_worker_rejects_inconsistent_arguments(setup):
+    _, _, loss_fn = setup
+    with pytest.raises(ValueError, match="local optimizer"):
+        Worker(WorkerConfig(local_steps=2), loss_fn=loss_fn, batches=lambda n: None)
+    with pytest.raises(ValueError, match="sum"):
+        Worker(
+            WorkerConfig(batch_size=8, device_batches=(3, 4)),
+            loss_fn=loss_fn,
+            batches=lambda n: None,
+        )
+    with pytest.raises(ValueError, match="not both"):
+        Worker(
+            WorkerConfig(),
+            loss_fn=loss_fn,
+            batches=lambda n: None,
+            local_optimizer=optax.sgd(0.1),
+            stages=[],
+        )
+
+
+def test_work_plan_sets_the_workers_share():
+    from hpsjax.profiling import WorkerProfile, plan
+
+    profiles = [WorkerProfile.synthetic(f"w{i}", s) for i, s in enumerate([1, 3])]
+    work_plan = plan(profiles, "hps", global_batch=64)
+    config = WorkerConfig(worker_id="w1", work_plan=work_plan)
+    batches, batch, steps, scale = config.planned()
+    assert batch == 48 and batches == (48,) and steps == 1
+    assert scale == pytest.approx(48 / 32)
+    with pytest.raises(ValueError):
+        WorkerConfig(worker_id="w9", work_plan=work_plan)
+
+
+# ---------------------------------------------------------------- real server
+
+
+def test_training_lowers_the_loss_and_records_metrics(setup):
+    records, summaries, pushes, version = _run(
+        _train(setup, [{"max_steps": 30}, {"max_steps": 30}], policy="asp")
+    )
+    for worker in ("w0", "w1"):
+        rounds = _rounds(records, worker)
+        assert len(rounds) == 30
+        first = statistics.mean(r["loss"] for r in rounds[:5])
+        last = statistics.mean(r["loss"] for r in rounds[-5:])
+        assert last < first - 0.1
+        for r in rounds:
+            for key in (
+                "compute_s",
+                "slowdown_s",
+                "transfer_s",
+                "wait_s",
+                "round_s",
+                "bytes_sent",
+                "bytes_received",
+                "staleness",
+                "version",
+            ):
+                assert key in r
+            assert r["compute_s"] > 0 and r["wait_s"] >= 0 and r["bytes_received"] > 0
+        assert all(r["staleness"] is not None for r in rounds[1:])
+        assert pushes[worker] == 30
+    assert [s.pushes for s in summaries] == [30, 30]
+    assert version == 60
+    out = io.StringIO()
+    JsonLinesSink(out)(records[-1])
+    assert json.loads(out.getvalue()) == records[-1]
+    stats = summarize(records)
+    assert 0 <= stats["idle_fraction"] < 1 and 0 <= stats["overlap"] <= 1
+
+
+def test_quantized_pushes_send_the_encoded_bytes(setup):
+    sent = {}
+    for bits in (None, 8):
+        records, _, pushes, _ = _run(
+            _train(setup, [{"max_steps": 6, "bits": bits}], policy="asp")
+        )
+        assert pushes["w0"] == 6
+        rounds = [r for r in _rounds(records) if r["pushed_step"] is not None]
+        # A round's bytes_sent holds one push and one (tiny) pull request.
+        sent[bits] = statistics.median(r["bytes_sent"] for r in rounds)
+    assert 0.2 < sent[8] / sent[None] < 0.32
+
+
+def test_local_steps_push_every_h_steps(setup):
+    records, summaries, pushes, version = _run(
+        _train(
+            setup,
+            [{"max_steps": 4, "local_steps": 3}],
+            optimizer=optax.sgd(1.0),
+            local_optimizer=optax.sgd(0.1),
+        )
+    )
+    assert [r["local_steps"] for r in _rounds(records)] == [3, 3, 3, 3]
+    assert summaries[0].local_steps == 12
+    assert pushes["w0"] == 4 and version == 4
+
+
+def test_bsp_rounds_and_idle_time_of_a_slow_peer(setup):
+    records, _, pushes, version = _run(
+        _train(
+            setup,
+            [
+                {"max_steps": 6, "heterogeneity": Heterogeneity(slowdown=8)},
+                {"max_steps": 6},
+            ],
+            policy="bsp",
+            batch_size=128,
+        )
+    )
+    assert version == 6 and pushes == {"w0": 6, "w1": 6}
+    slow, fast = summarize(_rounds(records, "w0")), summarize(_rounds(records, "w1"))
+    assert fast["wait_s"] > slow["wait_s"]
+
+
+# ---------------------------------------------------------------- heterogeneity
+
+
+def _heavy_loss():
+    """A loss whose step costs milliseconds, so timing ratios are measurable."""
+
+    def loss_fn(w, batch):
+        h = batch
+        for _ in range(4):
+            h = jnp.tanh(h @ w["m"])
+        return jnp.mean(h**2, axis=-1)
+
+    params = {"m": np.eye(256, dtype=np.float32) * 0.5}
+    rng = np.random.default_rng(0)
+    pool = rng.normal(size=(4096, 256)).astype(np.float32)
+    return loss_fn, params, lambda n: pool[rng.integers(0, len(pool), n)]
+
+
+async def _solo(
+    config: WorkerConfig, *, steps: int | None = 8, seconds: float | None = None
+):
+    loss_fn, params, batches = _heavy_loss()
+    records: list[dict] = []
+    async with Server(params, optax.sgd(0.01), "asp", secret=SECRET) as server:
+        config = WorkerConfig(
+            **{
+                **{f: getattr(config, f) for f in config.__dataclass_fields__},
+                "port": server.port,
+                "secret": SECRET,
+                "max_steps": steps,
+                "max_seconds": seconds,
+            }
+        )
+        worker = Worker(
+            config, loss_fn=loss_fn, batches=batches, metrics=records.append
+        )
+        await worker.run()
+    return _rounds(records)
+
+
+def _compute_wall(record):
+    """Wall seconds from a round's start until its compute (and sleep) ended."""
+    return record["compute_end"] - record["time"]
+
+
+def test_eager_pull_starts_before_compute_ends():
+    rounds = _run(_solo(WorkerConfig(batch_size=256), steps=6))
+    # The pull for round r + 1 is issued (right behind round r - 1's push)
+    # while round r still computes.
+    assert all(r["pull_start"] < r["compute_end"] for r in rounds)
+    assert all(r["pushed_step"] == r["step"] - 1 for r in rounds[1:])
+    rounds = _run(_solo(WorkerConfig(batch_size=256, pipeline=False), steps=3))
+    assert all(r["pull_start"] >= r["compute_end"] for r in rounds)
+    assert all(r["pushed_step"] == r["step"] for r in rounds)
+
+
+def test_slowdown_makes_steps_k_times_longer():
+    base = _run(_solo(WorkerConfig(batch_size=256, pipeline=False)))
+    slow = _run(
+        _solo(
+            WorkerConfig(
+                batch_size=256,
+                pipeline=False,
+                heterogeneity=Heterogeneity(slowdown=4),
+            )
+        )
+    )
+    ratio = statistics.median(map(_compute_wall, slow[1:])) / statistics.median(
+        map(_compute_wall, base[1:])
+    )
+    assert 2.5 < ratio < 6.0
+    assert all(
+        r["slowdown_s"] == pytest.approx(3 * r["compute_s"], rel=1e-6) for r in slow
+    )
+
+
+def test_slowdown_schedule_changes_mid_run():
+    rounds = _run(
+        _solo(
+            WorkerConfig(
+                batch_size=256,
+                pipeline=False,
+                heterogeneity=Heterogeneity(slowdown=[(0, 1), (2.0, 5)]),
+            ),
+            steps=None,
+            seconds=3.0,
+        )
+    )
+    # Round 0 compiles; the schedule's clock runs from the start of the run.
+    before = [r for r in rounds[1:] if r["compute_end"] < 2.0]
+    after = [r for r in rounds if r["time"] > 2.0]
+    assert before and after
+    assert all(r["slowdown_s"] == 0 for r in before)
+    assert all(r["slowdown_s"] == pytest.approx(4 * r["compute_s"]) for r in after)
+    wall = [_compute_wall(r) / r["compute_s"] for r in after]
+    assert statistics.median(wall) > 3.5
+
+
+def test_bandwidth_cap_delays_transfers():
+    nbytes = 256 * 256 * 4
+    base = _run(_solo(WorkerConfig(batch_size=16, pipeline=False), steps=5))
+    capped = _run(
+        _solo(
+            WorkerConfig(
+                batch_size=16,
+                pipeline=False,
+                heterogeneity=Heterogeneity(bandwidth=nbytes / 0.05),
+            ),
+            steps=5,
+        )
+    )
+    for r in capped:
+        # One push and one pull of the model: 0.05 s each.
+        assert r["link_delay_s"] == pytest.approx(0.1, rel=0.05)
+        assert r["transfer_s"] >= r["link_delay_s"]
+    extra = statistics.median(r["transfer_s"] for r in capped) - statistics.median(
+        r["transfer_s"] for r in base
+    )
+    assert extra > 0.08
+
+
+# ---------------------------------------------------------------- scripted server
+
+
+class ScriptedClient:
+    """Stands in for ``hpsjax.ps.Client``: serves fixed parameters, records pushes.
+
+    Every pull answers a version ``advance`` higher than the last (as if other
+    workers pushed meanwhile); ``acks`` is a list of dicts merged into the next
+    push acknowledgements; ``hints`` can be set by the test.
+    """
+
+    def __init__(self, params, *, advance: int = 1, acks=(), drop_after: int = -1):
+        self.params = params
+        self.version = 0
+        self.advance = advance
+        self.acks = list(acks)
+        self.pushes: list[dict] = []
+        self.pulls = 0
+        self.hints: dict[str, Any] = {}
+        self.closed = True
+        self.bytes_sent = 0
+        self.bytes_received = 0
+        self._drop_after = drop_after
+
+    async def connect(self):
+        self.closed = False
+
+    async def close(self, *, timeout=None):
+        self.closed = True
+
+    async def pull(self, *, timeout=None):
+        await asyncio.sleep(0)
+        self.pulls += 1
+        if self.pulls > 1:
+            self.version += self.advance
+        self.bytes_received += 1000
+        return jax.tree.map(np.copy, self.params), self.version
+
+    async def push(self, update=None, *, version, **fields):
+        await asyncio.sleep(0)
+        if len(self.pushes) == self._drop_after:
+            self._drop_after = -1
+            raise WorkerDropped("dropped for the test")
+        self.pushes.append({"update": update, "version": version, **fields})
+        self.bytes_sent += 1000
+        ack = dict(
+            version=self.version,
+            staleness=self.version - version,
+            status="applied",
+            weight=1.0,
+            local_steps=None,
+            reason=None,
+            force_pull=False,
+        )
+        if self.acks:
+            ack.update(self.acks.pop(0))
+        return PushResult(**ack)
+
+
+def _scripted_worker(setup, client, *, records, local_optimizer=None, **config):
+    train, _, loss_fn = setup
+    stream = train.batches(16, seed=0)
+    return Worker(
+        WorkerConfig(worker_id="w0", batch_size=16, **config),
+        loss_fn=loss_fn,
+        batches=stream.next,
+        local_optimizer=local_optimizer,
+        metrics=records.append,
+        client=client,
+    )
+
+
+def test_ps_plus_scales_updates_by_the_staleness_factor(setup):
+    train, params, loss_fn = setup
+    client = ScriptedClient(params, advance=3)
+    records: list[dict] = []
+    worker = _scripted_worker(
+        setup,
+        client,
+        records=records,
+        max_steps=5,
+        staleness_policy="inverse_plus_one",
+    )
+    _run(worker.run())
+    stream = train.batches(16, seed=0)
+    grad = jax.jit(jax.grad(lambda p, b: jnp.mean(loss_fn(p, b))))
+    estimates = {
+        r["pushed_step"]: r for r in records if r.get("pushed_step") is not None
+    }
+    assert len(client.pushes) == 5
+    taus = []
+    for step, push in enumerate(client.pushes):
+        expected = grad(params, stream.next(16))
+        tau = estimates[step]["staleness_estimate"]
+        factor = float(staleness_factor("inverse_plus_one", tau))
+        assert estimates[step]["lr_factor"] == pytest.approx(factor)
+        assert factor == pytest.approx(1 / (1 + tau))
+        for got, want in zip(
+            jax.tree.leaves(push["update"]), jax.tree.leaves(expected), strict=True
+        ):
+            np.testing.assert_allclose(
+                got, factor * np.asarray(want), rtol=1e-4, atol=1e-7
+            )
+        taus.append(tau)
+    assert max(taus) >= 3
+
+
+def test_force_pull_discards_the_round_computed_meanwhile(setup):
+    _, params, _ = setup
+    client = ScriptedClient(params, acks=[{}, {"force_pull": True, "reason": "saps"}])
+    records: list[dict] = []
+    worker = _scripted_worker(setup, client, records=records, max_steps=5)
+    summary = _run(worker.run())
+    rounds = _rounds(records)
+    # Round 2 carried the forced pull (for round 1's push); round 2's own update
+    # was computed on parameters the server gave up, so it is never pushed.
+    assert [r["discarded"] for r in rounds] == [False, False, True, False, False]
+    assert [p["version"] for p in client.pushes] == [
+        rounds[i]["version"] for i in (0, 1, 3, 4)
+    ]
+    assert summary.discarded == 1 and summary.pushes == 4
+
+
+def test_server_hints_set_local_steps_and_plan(setup):
+    _, params, _ = setup
+    client = ScriptedClient(params)
+    records: list[dict] = []
+    worker = _scripted_worker(
+        setup,
+        client,
+        records=records,
+        max_steps=4,
+        local_optimizer=optax.sgd(0.05),
+    )
+
+    async def go():
+        task = asyncio.ensure_future(worker.run())
+        while len(records) < 1:
+            await asyncio.sleep(0.001)
+        client.hints["local_steps"] = 3
+        client.hints["plan"] = {"revision": 1, "batch_size": 8, "lr_scale": 0.5}
+        return await task
+
+    _run(go())
+    rounds = _rounds(records)
+    assert rounds[0]["local_steps"] == 1 and rounds[-1]["local_steps"] == 3
+    assert rounds[-1]["batch_size"] == 8 and rounds[-1]["lr_scale"] == 0.5
+    assert rounds[-1]["plan_revision"] == 1
+    assert [p["local_steps"] for p in client.pushes][-1] == 3
+    assert client.pushes[-1]["num_samples"] == 24
+
+
+def test_bad_plan_hint_is_refused(setup):
+    _, params, _ = setup
+    client = ScriptedClient(params)
+    client.hints["plan"] = {"revision": 1, "device_batches": [4, 4]}
+    worker = _scripted_worker(setup, client, records=[], max_steps=2)
+    with pytest.raises(ProtocolError, match="device_batches"):
+        _run(worker.run())
+    assert client.pushes == [] and client.closed
+
+
+def test_dropped_worker_joins_again(setup):
+    _, params, _ = setup
+    client = ScriptedClient(params, drop_after=1)
+    records: list[dict] = []
+    worker = _scripted_worker(setup, client, records=records, max_steps=4)
+    summary = _run(worker.run())
+    assert summary.rejoins == 1
+    assert [r["rejoined"] for r in _rounds(records)] == [False, False, True, False]
+    # Round 0's update went through; round 1's was lost with the drop, round 2's
+    # was computed before the rejoin and is discarded; round 3's is flushed.
+    assert [p["version"] for p in client.pushes] == [
+        r["version"] for r in _rounds(records) if r["step"] in (0, 3)
+    ]
+
+
+def test_fault_injection_raises_after_n_rounds(setup):
+    _, params, _ = setup
+    client = ScriptedClient(params)
+    worker = _scripted_worker(setup, client, records=[], fail_after_steps=2)
+    with pytest.raises(RuntimeError, match="fault injected after 2 rounds"):
+        _run(worker.run())
+    assert client.closed
