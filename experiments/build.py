@@ -27,15 +27,15 @@ import ml_collections
 import numpy as np
 import optax
 
-from hpsjax.ps import Hybrid, HybridStage
-
 from experiments import registry
+from hpsjax.ps import Hybrid, HybridStage
 
 __all__ = [
     "PlannedHybrid",
     "Setup",
     "hybrid_stages",
     "local_optimizer",
+    "plans",
     "policy",
     "server_optimizer",
     "setup",
@@ -162,7 +162,9 @@ def local_optimizer(
     if worker.local_optimizer == "none":
         return None
     make = registry.lookup("optimizer", worker.local_optimizer)
-    return make(float(worker.local_learning_rate), momentum=float(worker.local_momentum))
+    return make(
+        float(worker.local_learning_rate), momentum=float(worker.local_momentum)
+    )
 
 
 def stage_list(config: ml_collections.ConfigDict, *, until_version: bool):
@@ -267,9 +269,7 @@ class PlannedHybrid(Hybrid):
 
     def local_steps(self, core, worker_id):
         del core
-        return self.planned_steps[self.stage].get(
-            worker_id, self.current.local_steps
-        )
+        return self.planned_steps[self.stage].get(worker_id, self.current.local_steps)
 
 
 def policy(
@@ -293,7 +293,7 @@ def policy(
     """
     registry.lookup("policy", config.server.policy)
     if not config.stages.enabled:
-        return config.server.policy, dict(config.server.policy_kwargs)
+        return config.server.policy, config.server.policy_kwargs.to_dict()
     stages = stage_list(config, until_version=until_version)
     if plans:
         per_stage = [{w.worker_id: w.local_steps for w in p.workers} for p in plans]
@@ -481,6 +481,26 @@ def work_plan(
         local_steps=steps,
         max_local_steps=int(config.plan.max_local_steps),
     )
+
+
+def plans(
+    config: ml_collections.ConfigDict, profiles: Sequence[Any]
+) -> tuple[Any, list[Any]]:
+    """The work plan to start with, and for ASHL one plan per stage.
+
+    Returns:
+      ``(plan, stage_plans)``: without stages, the plan of ``plan.local_steps``
+      and ``[]``; with stages, the AHL plan and ``[AHL plan, SHL plan]``, made
+      with ``stages.ahl_local_steps`` and ``stages.shl_local_steps`` local steps
+      for the slowest worker.
+    """
+    if not config.stages.enabled:
+        return work_plan(config, profiles), []
+    stage_plans = [
+        work_plan(config, profiles, local_steps=int(steps))
+        for steps in (config.stages.ahl_local_steps, config.stages.shl_local_steps)
+    ]
+    return stage_plans[0], stage_plans
 
 
 def plan_to_dict(work_plan: Any) -> dict[str, Any]:

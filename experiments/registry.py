@@ -36,7 +36,9 @@ __all__ = [
 ]
 
 
-def _sgd(learning_rate: float, *, momentum: float = 0.0) -> optax.GradientTransformation:
+def _sgd(
+    learning_rate: float, *, momentum: float = 0.0
+) -> optax.GradientTransformation:
     return optax.sgd(learning_rate, momentum=momentum or None)
 
 
@@ -46,7 +48,9 @@ def _momentum(
     return optax.sgd(learning_rate, momentum=momentum or 0.9)
 
 
-def _adam(learning_rate: float, *, momentum: float = 0.0) -> optax.GradientTransformation:
+def _adam(
+    learning_rate: float, *, momentum: float = 0.0
+) -> optax.GradientTransformation:
     del momentum
     return optax.adam(learning_rate)
 

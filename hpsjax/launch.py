@@ -106,7 +106,7 @@ if sys.platform.startswith("linux"):
         pass
 if os.getppid() != parent:
     sys.exit(143)
-os.execv(sys.argv[2], sys.argv[2:])
+os.execvp(sys.argv[2], sys.argv[2:])
 """
 
 

@@ -411,12 +411,30 @@ _LOOP_CHILD = textwrap.dedent(
 )
 
 
+def _newest_on_disk(directory: pathlib.Path) -> int:
+    """Newest committed step, read without opening a manager (which cleans up)."""
+    steps = [
+        int(p.name.removeprefix("ckpt_"))
+        for p in directory.glob("ckpt_*")
+        if (p / "manifest.msgpack").exists()
+    ]
+    return max(steps, default=0)
+
+
 @pytest.mark.slow
 def test_random_sigkills_never_leave_a_broken_latest(tmp_path):
     rng = np.random.default_rng(1)
     for _ in range(4):
+        before = _newest_on_disk(tmp_path)
         proc = _start_child([_LOOP_CHILD, str(tmp_path)])
-        time.sleep(2.5 + rng.uniform(0.0, 1.5))
+        # Kill at a random moment once the child is saving (its start-up time
+        # depends on the machine's load).
+        deadline = time.monotonic() + 120
+        while _newest_on_disk(tmp_path) <= before:
+            assert proc.poll() is None, proc.stderr.read().decode()
+            assert time.monotonic() < deadline, "child never saved"
+            time.sleep(0.05)
+        time.sleep(rng.uniform(0.0, 0.5))
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=30)
         proc.stderr.close()

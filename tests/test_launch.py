@@ -153,19 +153,37 @@ def test_write_init_matches_the_model(tmp_path):
         np.testing.assert_array_equal(a, b)
 
 
-def test_profile_out_writes_a_profile_with_the_slowdown(tmp_path):
+def test_profile_out_writes_a_profile_with_the_slowdown(tmp_path, monkeypatch):
+    import hpsjax.profiling
     from hpsjax.profiling import WorkerProfile
 
-    fast, slow = tmp_path / "fast.json", tmp_path / "slow.json"
-    flags = [*SMALL_MODEL, "--profile_batch_sizes", "8,64"]
-    assert _cli.main([*flags, "--profile_out", str(fast)]) == 0
-    assert _cli.main([*flags, "--slowdown", "3", "--profile_out", str(slow)]) == 0
-    fast_p = WorkerProfile.from_json(fast.read_text())
-    slow_p = WorkerProfile.from_json(slow.read_text())
-    assert fast_p.devices[0].batch_sizes == (8, 64)
-    # Measured separately, so only roughly three times slower.
-    ratio = slow_p.devices[0].step_time(64) / fast_p.devices[0].step_time(64)
-    assert 1.5 < ratio < 6
+    measured = tmp_path / "measured.json"
+    flags = [*SMALL_MODEL, "--profile_batch_sizes", "8,64", "--worker_id", "3"]
+    flags += ["--shard_count", "4"]
+    assert _cli.main([*flags, "--profile_out", str(measured)]) == 0
+    real = WorkerProfile.from_json(measured.read_text())
+    assert real.worker_id == 3 and real.devices[0].batch_sizes == (8, 64)
+    assert real.transfer is None
+
+    # The slowdown and link cap in force at the start shape the profile.
+    calls = []
+
+    def fake_profile(step, params, make_batch, **kwargs):
+        calls.append(kwargs)
+        return WorkerProfile.synthetic(kwargs["worker_id"], 1000.0)
+
+    monkeypatch.setattr(hpsjax.profiling, "profile", fake_profile)
+    slow = tmp_path / "slow.json"
+    args = ["--slowdown", "0:3,10:1", "--bandwidth", "1e6", "--latency", "0.01"]
+    assert _cli.main([*flags, *args, "--profile_out", str(slow)]) == 0
+    got = WorkerProfile.from_json(slow.read_text())
+    base = WorkerProfile.synthetic(3, 1000.0)
+    assert got.devices[0].step_time(64) == pytest.approx(
+        3 * base.devices[0].step_time(64)
+    )
+    link = calls[0]["transfer"]
+    assert (link.bandwidth, link.latency) == (1e6, 0.01)
+    assert calls[0]["batch_sizes"] == [8, 64]
 
 
 @pytest.mark.parametrize(

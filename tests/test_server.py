@@ -1,6 +1,7 @@
 """End-to-end tests of the asyncio server and client over loopback."""
 
 import asyncio
+import contextlib
 import os
 import shutil
 import ssl
@@ -17,6 +18,7 @@ from hpsjax.ps._errors import (
     AuthError,
     ConnectionClosed,
     ShuttingDown,
+    SpecMismatch,
     WorkerDropped,
 )
 from hpsjax.ps._policies import HybridStage
@@ -135,10 +137,8 @@ class Raw:
 
     async def close(self):
         self.writer.close()
-        try:
+        with contextlib.suppress(ConnectionResetError, BrokenPipeError):
             await self.writer.wait_closed()
-        except (ConnectionResetError, BrokenPipeError):
-            pass
 
 
 # ------------------------------------------------------------------ basics
@@ -155,12 +155,12 @@ def test_asp_several_clients(loop):
                 assert info.spec["w"].shape == (4, 3)
 
             async def work(c, value):
-                params, version = await c.pull()
+                _, version = await c.pull()
                 acks = []
                 for _ in range(4):
                     ack = await c.push(_update(value), version=version)
                     acks.append(ack)
-                    params, version = await c.pull()
+                    _, version = await c.pull()
                     assert version >= ack.version
                 return acks
 
@@ -193,25 +193,20 @@ def test_bsp_rounds_wait_for_everyone():
             starts = await asyncio.gather(*(c.pull() for c in clients))
             assert {v for _, v in starts} == {0}
 
-            async def round_(c, value, version):
-                ack, params, new_version = await c.push_pull(
-                    _update(value), version=version
-                )
-                return ack, params, new_version
-
-            version = 0
-            for r in range(3):
+            for version in range(3):
                 results = await asyncio.gather(
-                    *(round_(c, i + 1, version) for i, c in enumerate(clients))
+                    *(
+                        c.push_pull(_update(i + 1), version=version)
+                        for i, c in enumerate(clients)
+                    )
                 )
                 versions = {v for _, _, v in results}
                 assert versions == {version + 1}, versions
-                version += 1
                 statuses = sorted(a.status for a, _, _ in results)
                 assert statuses == ["applied", "buffered", "buffered"]
                 # BSP applies the average of the round's updates.
                 for _, params, _ in results:
-                    np.testing.assert_allclose(params["w"], -2.0 * (r + 1))
+                    np.testing.assert_allclose(params["w"], -2.0 * (version + 1))
             for c in clients:
                 await c.close()
 
@@ -516,7 +511,7 @@ def test_bsp_barrier_proceeds_after_the_deadline_of_a_stalled_worker():
             loop = asyncio.get_running_loop()
             t0 = loop.time()
             # "stalled" never pushes: the round waits for it until its deadline.
-            ack, params, version = await live.push_pull(_update(1), version=v)
+            ack, _, version = await live.push_pull(_update(1), version=v)
             waited = loop.time() - t0
             assert 0.3 < waited < 5, waited
             assert version == 1 and ack.status == "buffered"
@@ -545,7 +540,7 @@ def test_cancelled_pull_leaves_the_connection_usable():
                 await a.pull(timeout=0.2)  # waits for b's push
             await b.push(_update(1), version=0)
             # The late reply to the cancelled pull is discarded; a new one works.
-            params, v = await a.pull()
+            _, v = await a.pull()
             assert v == 1
             await a.close()
             await b.close()
@@ -636,5 +631,105 @@ def test_handshake_timeout_closes_silent_connections():
             await raw.expect_error(AuthError.code)
             await raw.expect_closed()
             await raw.close()
+
+    _run(main)
+
+
+# ------------------------------------------------------------- compressed
+
+
+def test_compressed_push_is_decoded_on_the_server_exactly():
+    import jax
+
+    from hpsjax.ps._client import _encode_tree
+    from hpsjax.transforms._quantize import Codec, decode_tree
+
+    codec = Codec("uniform", 8, block_size=64)
+    rng = np.random.default_rng(0)
+    update = {
+        "b": rng.normal(size=3).astype(np.float32),
+        "w": rng.normal(size=(4, 3)).astype(np.float32),
+    }
+    encoded = _encode_tree(update, codec, jax.random.key(7))
+    expected = decode_tree(encoded, codec, update)
+
+    async def main():
+        async with _server("asp") as server:
+            c = _client(server, "q")
+            await c.connect()
+            _, v = await c.pull()
+            sent = c.bytes_sent
+            # The bytes kept by the transform (or encode_tree) go out as they are.
+            ack = await c.push(encoded=encoded, codec=codec, version=v)
+            assert ack.applied
+            wire_bytes = c.bytes_sent - sent
+            params = _server_params(server)
+            for k in update:
+                # sgd(1.0) from zero: the parameters are minus the decoded update.
+                np.testing.assert_array_equal(params[k], -np.asarray(expected[k]))
+            # The client can also encode itself; the result is within a step.
+            ack = await c.push(update, codec=Codec("uniform", 8), version=ack.version)
+            after = _server_params(server)
+            for k in update:
+                step = np.abs(update[k]).max() / 127
+                np.testing.assert_allclose(
+                    after[k] - params[k], -update[k], atol=1.01 * step
+                )
+            await c.close()
+            return wire_bytes
+
+    wire_bytes = _run(main)
+    raw = sum(v.nbytes for v in update.values())
+    assert wire_bytes < raw + 1024  # 8-bit codes + one scale per block + framing
+
+
+def test_quantize_transform_bytes_are_pushed_as_they_are():
+    from hpsjax.transforms._quantize import Codec, last_encoded, quantize
+
+    import jax
+
+    opt = optax.chain(quantize(4, error_feedback=True, seed=3))
+    grads = {"b": jnp.arange(3.0), "w": jnp.ones((4, 3)) * 0.25}
+    state = opt.init(grads)
+    sent, state = jax.jit(opt.update)(grads, state)
+    encoded = last_encoded(state)
+    codec = Codec("uniform", 4)
+
+    async def main():
+        async with _server("asp") as server:
+            c = _client(server, "transform")
+            await c.connect()
+            _, v = await c.pull()
+            ack = await c.push(encoded=encoded, codec=codec, version=v)
+            assert ack.applied
+            params = _server_params(server)
+            for k in grads:
+                np.testing.assert_array_equal(params[k], -np.asarray(sent[k]))
+            # A codec that does not match the bytes is refused locally.
+            with pytest.raises(SpecMismatch):
+                await c.push(encoded=encoded, codec=Codec("uniform", 8), version=1)
+            await c.close()
+
+    _run(main)
+
+
+def test_periodic_checkpoints_and_a_mismatched_resume(tmp_path):
+    async def main():
+        server = _server("asp", checkpoint_dir=tmp_path, checkpoint_every_s=0.05)
+        async with server:
+            c = _client(server, "w")
+            await c.connect()
+            _, v = await c.pull()
+            for _ in range(3):
+                v = (await c.push(_update(1), version=v)).version
+            # Polled on disk: a second manager in this process would treat the
+            # server's save in progress as a crash leftover.
+            async with asyncio.timeout(10):
+                while not (tmp_path / "ckpt_3" / "manifest.msgpack").exists():
+                    await asyncio.sleep(0.02)
+            await c.close()
+        other = {"w": jnp.zeros((2, 2), jnp.float32)}
+        with pytest.raises(ValueError):
+            await _server("asp", params=other, checkpoint_dir=tmp_path).start()
 
     _run(main)

@@ -8,6 +8,7 @@ import signal
 import sys
 import textwrap
 
+import jax.numpy as jnp
 import msgpack
 import numpy as np
 import pytest
@@ -425,3 +426,36 @@ def test_server_killed_and_restarted_resumes_from_its_checkpoint(tmp_path):
         assert any("resumed from step 4" in line for line in lines)
 
     _run(second_life, timeout=120, loop="asyncio")
+
+
+def test_compressed_push_to_an_integer_model_is_refused():
+    from hpsjax.transforms._quantize import Codec
+
+    params = {"count": jnp.zeros(4, jnp.int32), "w": jnp.zeros(4, jnp.float32)}
+    codec = Codec("uniform", 8, stochastic=False)
+    leaves, offset = [], 0
+    for name in ("int32", "float32"):
+        codes, scales = wire.compressed_sizes((4,), codec)
+        leaves.append([name, [4], offset, codes + 4 * scales, codes])
+        offset += codes + 4 * scales
+    meta = {
+        "version": 0,
+        "tree": ["d", {"count": 0, "w": 1}],
+        "leaves": leaves,
+        "codec": codec.to_dict(),
+    }
+    packed = msgpack.packb(meta, use_bin_type=True)
+    frame = wire.pack_header(MsgType.PUSH, 5, len(packed), offset) + packed
+    frame += bytes(offset)
+
+    async def main():
+        async with _server("asp", params=params) as server:
+            raw = await Raw.open(server.port)
+            raw.send(MsgType.PULL, 2)
+            await raw.recv()
+            raw.send_bytes(frame)
+            assert "floating" in await raw.expect_error(errors.SpecMismatch.code, 5)
+            assert server.version == 0
+            await raw.close()
+
+    _run(main)

@@ -374,7 +374,10 @@ def _cnn_like():
     rng = np.random.default_rng(0)
     return {
         "conv": {"kernel": rng.normal(size=(3, 3, 16, 32)).astype(np.float32)},
-        "dense": [rng.normal(size=(512, 64)).astype(np.float32), np.zeros(64, np.float32)],
+        "dense": [
+            rng.normal(size=(512, 64)).astype(np.float32),
+            np.zeros(64, np.float32),
+        ],
         "scalar": np.float32(0.5),
     }
 
@@ -423,12 +426,18 @@ def test_compressed_metadata_is_validated():
     encoded = _encode_tree(tree, codec, jax.random.key(0))
     meta, bufs, _ = wire.encoded_tree_to_wire(encoded, tree, codec)
     payload = _join(bufs)
-    bad_codes = {**meta, "leaves": [meta["leaves"][0][:4] + [999]]}
-    assert isinstance(_refusal(_tree_frame(bad_codes, payload)), errors.MalformedMetadata)
+    bad_codes = {**meta, "leaves": [[*meta["leaves"][0][:4], 999]]}
+    assert isinstance(
+        _refusal(_tree_frame(bad_codes, payload)), errors.MalformedMetadata
+    )
     bad_codec = {**meta, "codec": {"scheme": "zip", "bits": 8}}
-    assert isinstance(_refusal(_tree_frame(bad_codec, payload)), errors.MalformedMetadata)
+    assert isinstance(
+        _refusal(_tree_frame(bad_codec, payload)), errors.MalformedMetadata
+    )
     not_a_map = {**meta, "codec": [1, 2]}
-    assert isinstance(_refusal(_tree_frame(not_a_map, payload)), errors.MalformedMetadata)
+    assert isinstance(
+        _refusal(_tree_frame(not_a_map, payload)), errors.MalformedMetadata
+    )
     short_entry = {**meta, "leaves": [meta["leaves"][0][:4]]}
     assert isinstance(
         _refusal(_tree_frame(short_entry, payload)), errors.MalformedMetadata
@@ -454,3 +463,28 @@ def test_buffer_pool_reuses_only_released_blocks():
     # Over max_blocks in use: a fresh block, not kept.
     fourth = layout.allocate(pool)
     assert not any(np.shares_memory(fourth[0], x[0]) for x in (second, third))
+
+
+def test_layout_cache_validates_once_and_never_remembers_refusals():
+    checked = []
+
+    def check(layout):
+        checked.append(layout)
+        if layout.leaves[0].shape == (5,):
+            raise errors.SpecMismatch("wrong shape")
+
+    cache = wire.LayoutCache(check=check, size=2)
+    meta = wire.tree_to_wire({"w": np.ones(3, np.float32)})[0]
+    first = cache.get({**meta, "version": 1})
+    assert cache.get({**meta, "version": 2}) is first
+    assert len(checked) == 1
+    bad = wire.tree_to_wire({"w": np.ones(5, np.float32)})[0]
+    for _ in range(2):
+        with pytest.raises(errors.SpecMismatch):
+            cache.get(bad)
+    assert len(checked) == 3
+    for n in (6, 7, 8):
+        cache.get(wire.tree_to_wire({"w": np.ones(n, np.float32)})[0])
+    assert cache.get(meta) is not first  # evicted, validated again
+    with pytest.raises(errors.MalformedMetadata):
+        cache.get({"tree": ["d", {"w": 0}], "leaves": []})

@@ -7,9 +7,10 @@ replies, which may arrive in any order, are matched to their callers by the
 protocol's receive callback, so a ``pull()`` can be awaited while a ``push()`` on
 the same connection is still in flight (PS+'s eager pull).
 
-Errors never vanish: a failure of the connection or an error the server reports
-unasked (for example :class:`~hpsjax.ps.WorkerDropped`) fails the requests in
-flight and is raised again by the next call.
+Errors never vanish: a failure of the connection (or of its stream) fails the
+requests in flight and is raised by every later call; an error the server reports
+unasked (for example :class:`~hpsjax.ps.WorkerDropped`) is raised by the next
+call.
 
 Cancellation and timeouts. Every awaitable takes ``timeout`` (seconds; ``None``
 waits forever; the default is the client's ``timeout``), and can also be wrapped
@@ -25,6 +26,7 @@ import asyncio
 import dataclasses
 import functools
 import hmac
+import math
 import os
 import ssl as ssl_lib
 import zlib
@@ -33,7 +35,6 @@ from typing import Any, NamedTuple
 
 import jax
 import msgpack
-import numpy as np
 
 from hpsjax.ps import _wire as wire
 from hpsjax.ps._errors import (
@@ -48,8 +49,6 @@ from hpsjax.ps._errors import (
 from hpsjax.ps._wire import Frame, FrameError, MsgType
 
 __all__ = ["Client", "PushResult", "ServerInfo", "Subscription"]
-
-_HANDSHAKE_TIMEOUT = 30.0
 
 
 @functools.partial(jax.jit, static_argnums=1)
@@ -154,7 +153,7 @@ class FrameProtocol(asyncio.BufferedProtocol):
         return (
             self._lost is not None
             or self.transport is None
-            or (self.transport.is_closing())
+            or self.transport.is_closing()
         )
 
     def send(self, parts: list[bytes | memoryview]) -> None:
@@ -287,7 +286,7 @@ def _push_result(meta: Mapping[str, Any]) -> PushResult:
 
 
 class ServerInfo(NamedTuple):
-    """What the server told about itself on connect (or on ``info()``).
+    """What the server told about itself on connect (or on ``refresh_info()``).
 
     Attributes:
       policy: the synchronisation policy's name.
@@ -313,7 +312,7 @@ def _server_info(meta: Mapping[str, Any]) -> ServerInfo:
         for entry in spec_meta["leaves"]:
             name, shape = entry
             dtype = wire.DTYPES[name]
-            nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+            nbytes = math.prod(shape) * dtype.itemsize
             leaves.append([name, list(shape), offset, nbytes])
             offset += nbytes
         layout = wire.tree_layout(
@@ -501,6 +500,7 @@ class Client:
         self._seed = seed
         self._key = None
         self._protocol: FrameProtocol | None = None
+        self._generation = 0
         self._pending: dict[int, asyncio.Future] = {}
         self._next_id = 0
         self._error: HpsError | None = None
@@ -572,13 +572,24 @@ class Client:
         if self._protocol is not None and not self._protocol.closed:
             raise RuntimeError("already connected")
         self._reset()
+        self._generation += 1
+        generation = self._generation
+
+        # Callbacks of an earlier connection (a late connection_lost) must not
+        # touch the state of this one.
+        def on_frame(event):
+            if generation == self._generation:
+                self._on_frame(event)
+
+        def on_lost(error):
+            if generation == self._generation:
+                self._on_lost(error)
+
         loop = asyncio.get_running_loop()
         try:
             async with asyncio.timeout(timeout):
                 _, protocol = await loop.create_connection(
-                    lambda: FrameProtocol(
-                        self._on_frame, self._on_lost, limits=self._limits
-                    ),
+                    lambda: FrameProtocol(on_frame, on_lost, limits=self._limits),
                     self._host,
                     self._port,
                     ssl=self._ssl,
@@ -645,8 +656,10 @@ class Client:
     async def close(self, *, timeout: float | None = 5.0) -> None:
         """Says goodbye and closes the connection; idempotent.
 
-        Requests still in flight fail with ConnectionClosed. Cancelling is safe
-        (the connection is then aborted).
+        Requests still in flight fail with ConnectionClosed. Never raises for a
+        server that is gone or stalled: after ``timeout`` seconds of waiting for
+        queued frames to be written, the connection is aborted. Cancelling is
+        safe (the connection is then aborted).
 
         Args:
           timeout: seconds to wait for queued frames to be written.
@@ -660,10 +673,12 @@ class Client:
             )
             async with asyncio.timeout(timeout):
                 await protocol.drain()
-        except (HpsError, TimeoutError, asyncio.CancelledError):
+        except (HpsError, TimeoutError):
+            protocol.abort()
+        except asyncio.CancelledError:
             protocol.abort()
             raise
-        finally:
+        else:
             protocol.close()
 
     async def __aenter__(self) -> Client:
@@ -687,8 +702,9 @@ class Client:
           timeout: seconds to wait (default: the client's).
 
         Returns:
-          ``(params, version)``: a pytree of numpy arrays (freshly allocated,
-          owned by the caller) and its version.
+          ``(params, version)``: a pytree of numpy arrays owned by the caller
+          (their memory serves a later pull only once they are all dropped)
+          and its version.
         """
         frame = await self._request(
             MsgType.PULL, {}, timeout=timeout, expect=MsgType.PARAMS
@@ -725,7 +741,8 @@ class Client:
           update: pytree of the model's structure, shapes and dtypes.
           version: the version the update was computed on.
           codec: a ``hpsjax.transforms.Codec`` for a compressed push.
-          encoded: a pytree of ``Encoded`` (requires ``codec``).
+          encoded: the ``Encoded`` of each leaf in leaf order, as returned by
+            ``encode_tree`` or ``last_encoded(opt_state)`` (requires ``codec``).
           step_time: compute seconds this update took (for adaptive deadlines).
           num_samples: samples it was computed on (for weighted averaging).
           local_steps: local steps it accumulates.
@@ -867,6 +884,8 @@ class Client:
         local_steps = frame.metadata.get("local_steps")
         if local_steps is not None:
             self._hints["local_steps"] = local_steps
+        # Fresh parameters are what a forced pull asked for.
+        self._hints.pop("force_pull", None)
         return frame.payload.tree(), version
 
     def _note_ack(self, result: PushResult) -> None:

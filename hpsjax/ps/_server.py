@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import contextlib
 import dataclasses
 import functools
@@ -46,6 +47,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import optax
 
 from hpsjax.ps import _wire as wire
@@ -70,6 +72,7 @@ from hpsjax.ps._errors import (
     MalformedMetadata,
     ServerError,
     ShuttingDown,
+    SpecMismatch,
     UnexpectedMessage,
     WorkerDropped,
 )
@@ -263,6 +266,9 @@ class Server:
                 "params must be a pytree of dicts (str keys), lists, tuples and "
                 "arrays whose leaf order is JAX's"
             )
+        self._model_floating = all(
+            jnp.issubdtype(leaf.dtype, jnp.floating) for leaf in self._model.leaves
+        )
         self._spec_meta = {
             "tree": self._model.structure,
             "leaves": [[s.dtype.name, list(s.shape)] for s in self._model.leaves],
@@ -270,6 +276,9 @@ class Server:
         # Pushes are received into reused blocks (PHub's pre-registered
         # buffers); a block returns once the core and JAX let go of it.
         self._pool = wire.BufferPool(max_blocks=8)
+        self._layouts = wire.LayoutCache(
+            limits, check=lambda layout: wire.check_same_spec(layout, self._model)
+        )
         self._sessions: dict[Any, _Session] = {}
         self._connections: set[_Session] = set()
         self._server: asyncio.AbstractServer | None = None
@@ -278,11 +287,13 @@ class Server:
         self._last_tick_deadline: float | None = None
         self._closing = False
         self._closed: asyncio.Future | None = None
-        self._params_cache: tuple[int, dict, list[memoryview]] | None = None
+        self._params_cache: tuple[int, wire.PackedFields, list] | None = None
         self._manager: CheckpointManager | None = None
         self._saved_version: int | None = None
         self._checkpoint_task: asyncio.Task | None = None
         self._checkpoint_error: BaseException | None = None
+        self._checkpoint_executor: concurrent.futures.ThreadPoolExecutor | None = None
+        self._checkpoint_futures: list[concurrent.futures.Future] = []
         self._port: int | None = None
 
     # ---------------------------------------------------------- properties
@@ -329,13 +340,22 @@ class Server:
         self._closed = self._loop.create_future()
         self._resumed_from = None
         if self._checkpoint_dir is not None:
-            self._manager = await self._loop.run_in_executor(
-                None,
-                lambda: CheckpointManager(
-                    self._checkpoint_dir, keep=self._checkpoint_keep
-                ),
+            # One thread, so checkpoints are written in version order.
+            self._checkpoint_executor = concurrent.futures.ThreadPoolExecutor(
+                max_workers=1, thread_name_prefix="hpsjax-server-checkpoint"
             )
-            await self._resume()
+            try:
+                self._manager = await self._loop.run_in_executor(
+                    self._checkpoint_executor,
+                    lambda: CheckpointManager(
+                        self._checkpoint_dir, keep=self._checkpoint_keep
+                    ),
+                )
+                await self._resume()
+            except BaseException:
+                self._checkpoint_executor.shutdown(wait=False)
+                self._server = None
+                raise
         self._server = await self._loop.create_server(
             self._new_protocol,
             self._host,
@@ -377,7 +397,7 @@ class Server:
         Raises:
           Exception: the error of a failed checkpoint save, if any.
         """
-        if self._closing or self._loop is None:
+        if self._closing or self._server is None:
             return
         self._closing = True
         if self._timer is not None:
@@ -407,8 +427,7 @@ class Server:
             session.protocol.abort()
         try:
             if self._manager is not None:
-                await self._save(final=True)
-                await self._loop.run_in_executor(None, self._manager.close)
+                await self._finish_checkpoints()
         finally:
             if not self._closed.done():
                 self._closed.set_result(None)
@@ -445,7 +464,7 @@ class Server:
     async def _resume(self) -> None:
         like = (self._core.params, self._core.opt_state)
         restored = await self._loop.run_in_executor(
-            None, lambda: self._manager.restore_latest(like=like)
+            self._checkpoint_executor, lambda: self._manager.restore_latest(like=like)
         )
         if restored is None:
             return
@@ -468,32 +487,39 @@ class Server:
         }
 
     def _save_async(self) -> None:
+        """Queues a checkpoint of the current version on the checkpoint thread.
+
+        Parameters and optimizer state are immutable JAX arrays, so handing
+        their references to the thread is a consistent snapshot; the
+        bookkeeping is captured here, at the same moment.
+        """
         version = self._core.version
-        if version == self._saved_version:
+        if self._manager is None or version == self._saved_version:
             return
-        try:
-            future = self._manager.save_async(
-                version,
-                (self._core.params, self._core.opt_state),
-                self._checkpoint_metadata(),
-            )
-        except Exception as e:  # a failed save must not stop the server
-            logger.error("checkpoint %d failed: %s", version, e)
-            self._checkpoint_error = e
-            return
+        tree = (self._core.params, self._core.opt_state)
+        metadata = self._checkpoint_metadata()
         self._saved_version = version
+        future = self._checkpoint_executor.submit(
+            self._manager.save, version, tree, metadata
+        )
+        self._checkpoint_futures = [
+            f for f in self._checkpoint_futures if not f.done()
+        ] + [future]
         future.add_done_callback(self._note_save)
 
-    def _note_save(self, future) -> None:
+    def _note_save(self, future: concurrent.futures.Future) -> None:
         error = future.exception()
         if error is not None:
             logger.error("checkpoint save failed: %s", error)
             self._checkpoint_error = error
 
-    async def _save(self, *, final: bool = False) -> None:
-        del final
+    async def _finish_checkpoints(self) -> None:
         self._save_async()
-        await self._loop.run_in_executor(None, self._manager.wait_until_finished)
+        for future in self._checkpoint_futures:
+            with contextlib.suppress(Exception):  # recorded by _note_save
+                await asyncio.wrap_future(future)
+        await self._loop.run_in_executor(self._checkpoint_executor, self._manager.close)
+        self._checkpoint_executor.shutdown(wait=True)
 
     async def _checkpoint_loop(self) -> None:
         while True:
@@ -543,13 +569,14 @@ class Server:
             raise UnexpectedMessage(f"{header.msg_type.name} before authentication")
         if header.msg_type not in (MsgType.PUSH, MsgType.PUSH_PULL):
             raise UnexpectedMessage(f"clients do not send {header.msg_type.name}")
-        layout = wire.tree_layout(meta, self._limits)
+        layout = self._layouts.get(meta)
         if layout.nbytes != header.payload_length:
             raise MalformedMetadata(
                 f"leaves hold {layout.nbytes} bytes, header says "
                 f"{header.payload_length}"
             )
-        wire.check_same_spec(layout, self._model)
+        if layout.codec is not None and not self._model_floating:
+            raise SpecMismatch("only models of floating leaves take compressed pushes")
         arrays = layout.allocate(self._pool)
         return wire.leaf_buffers(arrays), wire.WireTree(layout, arrays)
 
@@ -865,22 +892,21 @@ class Server:
             if not session.protocol.closed:
                 session.protocol.send(error_frame(request_id, error))
 
-    def _params_parts(self) -> tuple[dict, list[memoryview]]:
+    def _params_parts(self) -> tuple[wire.PackedFields, list[memoryview]]:
         version = self._core.version
         if self._params_cache is None or self._params_cache[0] != version:
             meta, buffers, _ = wire.tree_to_wire(self._core.params, limits=self._limits)
             meta["version"] = version
-            self._params_cache = (version, meta, buffers)
+            self._params_cache = (version, wire.pack_fields(meta), buffers)
         return self._params_cache[1], self._params_cache[2]
 
     def _send_params(self, session: _Session, request_id: int, extra=None) -> None:
         if session.protocol.closed:
             return
-        meta, buffers = self._params_parts()
-        if extra:
-            meta = {**meta, **extra}
+        packed, buffers = self._params_parts()
+        fields = [packed, wire.pack_fields(extra)] if extra else [packed]
         session.protocol.send(
-            wire.encode_frame(MsgType.PARAMS, request_id, meta, buffers)
+            wire.encode_frame_packed(MsgType.PARAMS, request_id, fields, buffers)
         )
 
     def _publish(self) -> None:

@@ -65,8 +65,10 @@ __all__ = [
     "FrameDecoder",
     "FrameError",
     "Header",
+    "LayoutCache",
     "LeafSpec",
     "MsgType",
+    "PackedFields",
     "TreeLayout",
     "WireLimits",
     "BufferPool",
@@ -75,8 +77,10 @@ __all__ = [
     "auth_proof",
     "check_same_spec",
     "encode_frame",
+    "encode_frame_packed",
     "encoded_tree_to_wire",
     "flatten_tree",
+    "pack_fields",
     "pack_header",
     "tree_layout",
     "tree_to_wire",
@@ -109,6 +113,15 @@ class MsgType(enum.IntEnum):
     SUBSCRIBE = 12
     ERROR = 13
     BYE = 14
+
+
+# A dict lookup is several times cheaper than calling the enum.
+_MSG_TYPES = {t.value: t for t in MsgType}
+
+
+def header_type(data: bytes | memoryview) -> int:
+    """The raw message-type byte of a header."""
+    return data[5]
 
 
 # Only these carry a payload; any other frame with a non-zero payload length is
@@ -224,10 +237,9 @@ metadata_length=10, payload_length=400)
             f"protocol version {version} not supported (this side speaks "
             f"{PROTOCOL_VERSION})"
         )
-    try:
-        msg_type = MsgType(msg_type)
-    except ValueError:
-        raise UnexpectedMessage(f"unknown message type {msg_type}") from None
+    msg_type = _MSG_TYPES.get(msg_type)
+    if msg_type is None:
+        raise UnexpectedMessage(f"unknown message type {header_type(data)}")
     if flags:
         raise ProtocolError(f"unknown header flags {flags:#06x}")
     if meta_len > limits.max_metadata_bytes:
@@ -291,6 +303,54 @@ def encode_frame(
     payload_len = sum(b.nbytes for b in buffers)
     header = pack_header(msg_type, request_id, len(meta), payload_len)
     return [header + meta, *buffers]
+
+
+class PackedFields(NamedTuple):
+    """Metadata map entries packed once, to be sent in many frames.
+
+    msgpack maps are a count followed by key/value pairs, so packed entries
+    concatenate into a map; the server packs the description of its
+    parameters once per version instead of once per reply.
+    """
+
+    count: int
+    data: bytes
+
+
+def pack_fields(fields: Mapping[str, Any]) -> PackedFields:
+    """Packs map entries for :func:`encode_frame_packed`.
+
+    Examples:
+      >>> parts = encode_frame_packed(
+      ...     MsgType.INFO, 1, [pack_fields({"a": 1}), pack_fields({"b": 2})])
+      >>> unpack_metadata(parts[0][HEADER_SIZE:])
+      {'a': 1, 'b': 2}
+    """
+    data = b"".join(
+        msgpack.packb(k, use_bin_type=True) + msgpack.packb(v, use_bin_type=True)
+        for k, v in fields.items()
+    )
+    return PackedFields(len(fields), data)
+
+
+def _map_header(count: int) -> bytes:
+    if count < 16:
+        return bytes([0x80 | count])
+    if count < 2**16:
+        return b"\xde" + count.to_bytes(2, "big")
+    return b"\xdf" + count.to_bytes(4, "big")
+
+
+def encode_frame_packed(
+    msg_type: int,
+    request_id: int,
+    fields: Sequence[PackedFields],
+    buffers: Sequence[memoryview] = (),
+) -> list[bytes | memoryview]:
+    """:func:`encode_frame` with metadata given as packed entries (no key twice)."""
+    meta = _map_header(sum(f.count for f in fields)) + b"".join(f.data for f in fields)
+    payload_len = sum(b.nbytes for b in buffers)
+    return [pack_header(msg_type, request_id, len(meta), payload_len) + meta, *buffers]
 
 
 # --------------------------------------------------------------------------
@@ -905,6 +965,54 @@ def tree_layout(meta: Mapping[str, Any], limits: WireLimits = DEFAULT_LIMITS):
     return TreeLayout(structure, tuple(leaves), codec, offset)
 
 
+class LayoutCache:
+    """Remembers the validated layouts of recently received tree descriptions.
+
+    A worker sends the same description with every push and a server with every
+    reply, so validating it once per distinct description (keyed by its exact
+    msgpack bytes) takes that cost off the round trip.
+
+    Args:
+      limits: bounds descriptions are validated against.
+      check: extra validation of a layout (for example against the model); a
+        layout it rejects is not remembered.
+      size: descriptions remembered (least recently used ones are forgotten).
+    """
+
+    def __init__(
+        self,
+        limits: WireLimits = DEFAULT_LIMITS,
+        *,
+        check: Callable[[TreeLayout], None] | None = None,
+        size: int = 16,
+    ):
+        self._limits = limits
+        self._check = check
+        self._size = size
+        self._layouts: dict[bytes, TreeLayout] = {}
+
+    def get(self, meta: Mapping[str, Any]) -> TreeLayout:
+        """The validated layout of ``meta``'s tree fields (see :func:`tree_layout`)."""
+        try:
+            key = msgpack.packb(
+                [meta.get("tree"), meta.get("leaves"), meta.get("codec")],
+                use_bin_type=True,
+            )
+        except (ValueError, TypeError):  # too deep to pack: tree_layout says why
+            key = None
+        layout = self._layouts.pop(key, None) if key is not None else None
+        if layout is None:
+            layout = tree_layout(meta, self._limits)
+            if self._check is not None:
+                self._check(layout)
+            if key is None:
+                return layout
+            if len(self._layouts) >= self._size:
+                del self._layouts[next(iter(self._layouts))]
+        self._layouts[key] = layout
+        return layout
+
+
 def check_same_spec(layout: TreeLayout, model: TreeLayout) -> None:
     """Checks that a received tree has the model's structure, shapes and dtypes.
 
@@ -990,8 +1098,10 @@ def default_allocator(limits: WireLimits, pool: BufferPool | None = None) -> All
       pool: where leaf memory comes from (``None``: fresh memory each time).
     """
 
+    layouts = LayoutCache(limits)
+
     def allocate(header: Header, meta: dict[str, Any]):
-        layout = tree_layout(meta, limits)
+        layout = layouts.get(meta)
         if layout.nbytes != header.payload_length:
             raise MalformedMetadata(
                 f"leaves hold {layout.nbytes} bytes, header says "

@@ -20,7 +20,7 @@ none      no scale                          the float32 bits of ``x_i``
 ========= ================================= ============================================
 
 ``round`` is to the nearest integer (ties to even) or, with ``stochastic=True``,
-the unbiased stochastic rounding ``floor(y + u)``, ``u ~ U[0, 1)``. Decoding is
+unbiased stochastic rounding: up with probability ``y - floor(y)``. Decoding is
 ``(code - L) * step`` (``sign``: ``(2 code - 1) * step``), so every scheme but
 nearest ``sign`` is unbiased with stochastic rounding, and nearest rounding is off
 by at most ``step / 2``.
@@ -529,21 +529,28 @@ def encode(x: jax.Array, codec: Codec, key: jax.Array | None = None) -> Encoded:
     """Quantizes one array into wire bytes: codes and float32 scales.
 
     Per block (or the whole array) with step ``Δ`` and ``L`` as in the module
-    table, ``y = x / Δ`` and the code is ``clip(r(y), -L, L) + L`` with
+    table, ``y = x / Δ`` and the code is ``r(y) + L``, ``r(y)`` in ``[-L, L]``:
 
     .. math::
 
-      r(y) = \\lfloor y + u \\rfloor,\\ u \\sim U[0, 1)
-      \\quad\\text{(stochastic)},\\qquad r(y) = \\mathrm{round}(y)
-      \\quad\\text{(nearest)},
+      r(y) = \\left\\lfloor \\frac{Y + R}{2^k} \\right\\rfloor,\\
+      Y = \\mathrm{round}(2^k y),\\ R \\sim U\\{0, \\dots, 2^k - 1\\}
+      \\quad\\text{(stochastic)},\\qquad
+      r(y) = \\mathrm{round}(y) \\quad\\text{(nearest)},
 
-    so ``E[r(y)] = y``. ``u`` has 24 random bits; with float32 rounding of
-    ``y + u`` the bias per element is at most about ``2^-23 max|x|``, the float32
-    resolution of the scale. The bits come from a counter-based hash of the
-    element index (the ``lowbias32`` avalanche mix of ``index * m + s``, with an
-    odd ``m`` and a uniform ``s`` drawn once from ``key``): each element's ``u``
-    is exactly uniform over its 2^24 values, and no full-size array of random
-    numbers is ever built. Arrays are computed in float32.
+    with ``k = min(24, 32 - bits)`` fractional bits, so ``E[r(y)] = Y / 2^k``:
+    unbiased up to the float32 rounding of ``y`` (at most about
+    ``2^-24 max|x|`` per element). The stochastic ``sign`` sends 1 with
+    probability ``(1 + x / max|x|) / 2`` in the same fixed point. ``R`` comes from
+    a counter-based hash of the element index (the ``lowbias32`` avalanche mix of
+    ``index * m + s``, with an odd ``m`` and a uniform ``s`` drawn once from
+    ``key``): each element's ``R`` is exactly uniform, and no full-size array of
+    random numbers is ever built, so scaling, rounding and packing fuse into one
+    XLA kernel. After one float multiply and one rounding the arithmetic is on
+    integers, so given the scales the codes are the same however XLA compiles the
+    call (jitted or not, fused into a larger program or not); max-abs scales are
+    exact too, while the sums behind ``qsgd`` and nearest ``sign`` scales may round
+    differently in different programs. Arrays are computed in float32.
 
     Args:
       x: a floating array of any shape (float32, bfloat16, float16, ...).

@@ -263,12 +263,15 @@ def _local_optimizer(args: argparse.Namespace):
 
 
 def _shard(args: argparse.Namespace) -> tuple[int, int]:
-    index = args.shard_index
-    if index is None:
+    index, count = args.shard_index, args.shard_count
+    if count < 1:
+        raise ValueError(f"--shard_count must be >= 1, got {count}")
+    derived = index is None
+    if derived:
         index = args.worker_id if isinstance(args.worker_id, int) else 0
-    count = args.shard_count
-    if not (isinstance(index, int) and 0 <= index < count):
-        raise ValueError(f"--shard_index must be in [0, {count}), got {index}")
+    if not 0 <= index < count:
+        source = " (taken from --worker_id; pass --shard_index)" if derived else ""
+        raise ValueError(f"--shard_index must be in [0, {count}), got {index}{source}")
     return index, count
 
 

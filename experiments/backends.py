@@ -1,0 +1,741 @@
+"""Backends: run one scheme's config and report what happened, in one shape.
+
+* ``sim``: :func:`hpsjax.sim.simulate` on simulated workers (virtual time);
+* ``processes``: a real :class:`hpsjax.ps.Server` in this process and one
+  ``hpsjax-worker`` process per worker on loopback (wall time).
+
+Both return a :class:`RunOutput`: evaluations over time, per-worker totals,
+per-worker timelines (compute, transfer, wait, discarded), and raw records.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple
+
+import jax
+import ml_collections
+import numpy as np
+
+from experiments import build, registry
+
+__all__ = ["BACKENDS", "RunOutput", "run_processes", "run_sim"]
+
+TIMELINE_KINDS = ("profile", "compute", "transfer", "wait", "discarded")
+"""Kinds of time in a worker's timeline (everything but compute is idle)."""
+
+
+class RunOutput(NamedTuple):
+    """What a backend reports.
+
+    Attributes:
+      evals: one dict per evaluation, in time order: ``time`` (seconds since
+        the start, profiling included), ``version``, ``accuracy``, ``loss``
+        (on the test set), and where known ``train_loss`` and ``gradients``.
+      workers: per worker id, totals: ``compute_s``, ``transfer_s``,
+        ``wait_s``, ``discarded_s``, ``idle_fraction``, ``bytes_sent``,
+        ``bytes_received``, ``pushes``, ``local_steps``.
+      timelines: per worker id, ``(start, end, kind)`` spans in time order,
+        ``kind`` one of :data:`TIMELINE_KINDS`.
+      records: raw per-push (sim) or per-round (processes) records.
+      info: anything else worth keeping (plans, wall seconds, errors, ...).
+    """
+
+    evals: list[dict[str, Any]]
+    workers: dict[Any, dict[str, Any]]
+    timelines: dict[Any, list[tuple[float, float, str]]]
+    records: list[dict[str, Any]]
+    info: dict[str, Any]
+
+
+def _evaluate(setup: build.Setup, params: Any, batch_size: int) -> dict[str, float]:
+    """Test-set loss and accuracy of ``params``, averaged over examples."""
+    totals = {"loss": 0.0, "accuracy": 0.0}
+    count = 0
+    for batch in setup.test.eval_batches(batch_size):
+        values = jax.device_get(setup.eval_fn(params, batch))
+        n = len(batch.y)
+        for key in totals:
+            totals[key] += float(values[key]) * n
+        count += n
+    return {key: value / count for key, value in totals.items()}
+
+
+def _push_codec(config: ml_collections.ConfigDict) -> tuple[Any, Any]:
+    """The push transform (quantization with error feedback) and its codec."""
+    bits = config.worker.bits
+    if bits is None:
+        return None, None
+    from hpsjax.transforms import Codec, quantize
+
+    scheme = "sign" if bits == 1 else "uniform"
+    codec = Codec(scheme, bits)
+    transform = quantize(
+        bits,
+        scheme=scheme,
+        error_feedback=bool(config.worker.error_feedback),
+        seed=int(config.seed),
+    )
+    return transform, codec
+
+
+# ---------------------------------------------------------------------------
+# The simulator.
+# ---------------------------------------------------------------------------
+
+
+def run_sim(
+    config: ml_collections.ConfigDict,
+    setup: build.Setup,
+    *,
+    workdir: pathlib.Path,
+    progress: bool = True,
+) -> RunOutput:
+    """Runs ``config`` in the virtual-clock simulator.
+
+    Schemes with a work plan first run the profiling pass on the simulated
+    workers (:func:`experiments.build.simulated_profiles`); its virtual time is
+    charged to the scheme: training starts after it, within the same budget.
+
+    Args:
+      config: the experiment config (``backend="sim"``).
+      setup: data and model from :func:`experiments.build.setup`.
+      workdir: the output directory (unused; the caller writes the outputs).
+      progress: show a progress bar of virtual time.
+
+    Returns:
+      The :class:`RunOutput`; times are virtual seconds.
+    """
+    del workdir
+    from hpsjax.profiling import Replanner, tree_wire_nbytes
+    from hpsjax.sim import SimConfig, simulate
+
+    specs = build.worker_specs(config)
+    push_transform, codec = _push_codec(config)
+    pull_bytes = tree_wire_nbytes(setup.params)
+    push_bytes = tree_wire_nbytes(setup.params, codec)
+
+    plan_scheme = registry.lookup("plan scheme", config.plan.scheme)
+    profile_seconds = 0.0
+    work_plan = None
+    stage_plans: list[Any] = []
+    info: dict[str, Any] = {"backend": "sim"}
+    if plan_scheme != "none":
+        profiles, profile_seconds = build.simulated_profiles(
+            config, specs, push_bytes=push_bytes, pull_bytes=pull_bytes
+        )
+        work_plan, stage_plans = build.plans(config, profiles)
+        info["profile_seconds"] = profile_seconds
+    duration = float(config.budget_seconds) - profile_seconds
+    if duration <= 0:
+        raise ValueError(
+            f"the profiling pass takes {profile_seconds:.3g}s of the "
+            f"{config.budget_seconds}s budget; raise budget_seconds"
+        )
+
+    worker_optimizer = build.local_optimizer(config)
+    plateau = config.stages.enabled and config.stages.switch == "plateau"
+    if plateau:
+        worker_optimizer = build.hybrid_stages(config)
+    policy, policy_kwargs = build.policy(config, stage_plans, until_version=not plateau)
+    plan_arg: Any = work_plan
+    if work_plan is not None and config.plan.replan:
+        plan_arg = Replanner(
+            work_plan,
+            threshold=float(config.plan.replan_threshold),
+            window=int(config.plan.replan_window),
+            cooldown=float(config.plan.replan_cooldown),
+        )
+    sim_config = SimConfig(
+        policy=policy,
+        policy_kwargs=policy_kwargs or None,
+        server_optimizer=build.server_optimizer(config),
+        worker_optimizer=worker_optimizer,
+        push_transform=push_transform,
+        codec=codec,
+        overlap=registry.lookup("overlap", config.worker.overlap),
+        staleness_lr=config.worker.staleness_policy,
+        duration=duration,
+        eval_every=float(config.eval.every_seconds),
+        eval_batch_size=int(config.eval.batch_size),
+        core_kwargs=build.core_kwargs(config),
+        seed=int(config.seed),
+    )
+
+    bar = _progress_bar(progress, float(config.budget_seconds), "virtual s")
+
+    def callback(record: dict) -> None:
+        if bar is not None:
+            bar.update(round(profile_seconds + record["time"] - bar.n, 6))
+            bar.set_postfix(acc=f"{record['accuracy']:.3f}", v=record["version"])
+
+    def eval_fn(params, batch):
+        return setup.eval_fn(params, batch)
+
+    try:
+        result = simulate(
+            setup.loss_fn,
+            setup.params,
+            setup.train,
+            specs,
+            sim_config,
+            eval_data=setup.test,
+            eval_fn=eval_fn,
+            work_plan=plan_arg,
+            callback=callback,
+        )
+    finally:
+        if bar is not None:
+            bar.close()
+
+    metrics = result.metrics
+    evals = []
+    for j in range(len(metrics["time"])):
+        evals.append(
+            {
+                "time": profile_seconds + float(metrics["time"][j]),
+                "version": int(metrics["version"][j]),
+                "accuracy": float(metrics["accuracy"][j]),
+                "loss": float(metrics["loss"][j]),
+                "train_loss": build.finite_or_none(metrics["train_loss"][j]),
+                "gradients": int(metrics["gradients"][j]),
+            }
+        )
+    pushes: dict[Any, int] = {}
+    steps: dict[Any, int] = {}
+    records = []
+    for p in result.pushes:
+        pushes[p.worker_id] = pushes.get(p.worker_id, 0) + 1
+        steps[p.worker_id] = steps.get(p.worker_id, 0) + p.local_steps
+        records.append(
+            {
+                "event": "push",
+                "time": profile_seconds + p.time,
+                "sent": profile_seconds + p.sent,
+                "worker": p.worker_id,
+                "version": p.version,
+                "staleness": p.staleness,
+                "status": p.status,
+                "weight": p.weight,
+                "local_steps": p.local_steps,
+                "batch_size": p.batch_size,
+                "loss": build.finite_or_none(p.loss),
+            }
+        )
+    workers = {}
+    timelines = {}
+    for w, spans in result.timelines.items():
+        t = result.time_in(w)
+        total = sum(t.values()) + profile_seconds
+        workers[w] = {
+            "compute_s": t["compute"],
+            "transfer_s": t["transfer"],
+            "wait_s": t["wait"],
+            "discarded_s": t["discarded"],
+            "profile_s": profile_seconds,
+            "idle_fraction": 0.0 if total <= 0 else 1.0 - t["compute"] / total,
+            "bytes_sent": int(result.bytes_sent[w]),
+            "bytes_received": int(result.bytes_received[w]),
+            "pushes": pushes.get(w, 0),
+            "local_steps": steps.get(w, 0),
+        }
+        line = [(0.0, profile_seconds, "profile")] if profile_seconds > 0 else []
+        line += [
+            (profile_seconds + s.start, profile_seconds + s.end, s.kind) for s in spans
+        ]
+        timelines[w] = line
+    info.update(
+        wall_seconds=result.wall_seconds,
+        end_time=profile_seconds + result.end_time,
+        num_updates=result.num_updates,
+        num_gradients=result.num_gradients,
+        staleness_histogram={str(k): v for k, v in result.staleness.items()},
+        drops=result.drops,
+        errors=list(result.errors[:20]),
+        plans=[build.plan_to_dict(p) for p in result.work_plans],
+    )
+    if stage_plans:
+        info["stage_plans"] = [build.plan_to_dict(p) for p in stage_plans]
+    if config.stages.enabled:
+        info["final_stage"] = int(getattr(policy, "stage", -1))
+    return RunOutput(evals, workers, timelines, records, info)
+
+
+def _progress_bar(enabled: bool, total: float, unit: str) -> Any:
+    if not enabled:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(
+        total=total,
+        unit=unit,
+        bar_format="{l_bar}{bar}| {n:.1f}/{total:.1f} {unit} [{elapsed}{postfix}]",
+        file=sys.stderr,
+    )
+
+
+# ---------------------------------------------------------------------------
+# Real processes.
+# ---------------------------------------------------------------------------
+
+
+def _worker_flags(
+    config: ml_collections.ConfigDict, index: int, *, plan_file: pathlib.Path | None
+) -> list[str]:
+    """The ``hpsjax-worker`` flags of worker ``index`` (without server flags)."""
+    from experiments.build import dataset_kwargs, model_kwargs, slowdown_schedule
+
+    n = len(config.workers.slowdowns)
+    flags = [
+        "--worker_id", str(index), "--shard_index", str(index),
+        "--shard_count", str(n),
+        "--model", config.model.name, "--model_seed", str(config.model.seed),
+        "--dataset", config.data.name,
+        "--test_fraction", repr(float(config.data.test_fraction)),
+        "--batch_size", str(int(config.batch_size)),
+        "--local_steps", str(int(config.worker.local_steps)),
+        "--seed", str(int(config.seed) * 1000 + index),
+    ]  # fmt: skip
+    for key, value in model_kwargs(config).items():
+        flags += ["--model_arg", f"{key}={json.dumps(_plain(value))}"]
+    for key, value in dataset_kwargs(config).items():
+        flags += ["--dataset_arg", f"{key}={json.dumps(_plain(value))}"]
+    worker = config.worker
+    if worker.local_optimizer != "none":
+        name = registry.lookup("optimizer", worker.local_optimizer)
+        if name == "sgd" and float(worker.local_momentum) > 0:
+            if float(worker.local_momentum) != 0.9:
+                raise ValueError(
+                    "the processes backend runs local momentum 0.9 only "
+                    f"(hpsjax-worker --local_optimizer momentum), got "
+                    f"{worker.local_momentum}"
+                )
+            name = "momentum"
+        flags += [
+            "--local_optimizer", name,
+            "--local_learning_rate", repr(float(worker.local_learning_rate)),
+        ]  # fmt: skip
+    if worker.bits is not None:
+        flags += ["--bits", str(int(worker.bits))]
+        if not worker.error_feedback:
+            flags.append("--no_error_feedback")
+    if worker.staleness_policy is not None:
+        registry.lookup("staleness policy", worker.staleness_policy)
+        flags += ["--staleness_policy", worker.staleness_policy]
+    overlap = registry.lookup("overlap", worker.overlap)
+    if overlap == "none":
+        flags.append("--no_pipeline")
+    elif overlap == "eager":
+        flags += ["--eager_pulls", str(int(worker.eager_pulls))]
+    if plan_file is not None:
+        flags += ["--work_plan", str(plan_file)]
+    schedule = slowdown_schedule(config, index)
+    flags += ["--slowdown", ",".join(f"{t:g}:{k:g}" for t, k in schedule)]
+    if config.workers.bandwidth is not None:
+        flags += ["--bandwidth", repr(float(config.workers.bandwidth))]
+    flags += ["--latency", repr(float(config.workers.latency))]
+    return flags
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, tuple | list):
+        return [_plain(v) for v in value]
+    return value
+
+
+def _measured_profiles(
+    config: ml_collections.ConfigDict, setup: build.Setup, *, push_bytes: int
+) -> tuple[list[Any], float]:
+    """The profiling pass on this machine, one profile per worker.
+
+    The workers share this machine, so the train step is profiled once and each
+    worker's profile is that one slowed down by its injected slowdown, with its
+    link estimated from its bandwidth and latency. The pass is charged at what
+    the slowest worker would spend on it: its compiles, plus its timed steps
+    stretched by its slowdown.
+    """
+    import dataclasses
+
+    import optax
+
+    from hpsjax.profiling import profile
+
+    optimizer = build.local_optimizer(config) or optax.sgd(1.0)
+    stream = setup.train.batches(1, seed=int(config.seed))
+
+    def step(params, batch):
+        grads = jax.grad(setup.loss_fn)(params, batch)
+        updates, _ = optimizer.update(grads, optimizer.init(params), params)
+        return optax.apply_updates(params, updates)
+
+    sizes = sorted({int(b) for b in config.plan.profile_batch_sizes})
+    repeats = int(config.plan.profile_repeats)
+    start = time.perf_counter()
+    base = profile(
+        step,
+        setup.params,
+        lambda b: jax.tree.map(np.asarray, stream.next(b)),
+        batch_sizes=sizes,
+        repeats=repeats,
+        devices=jax.local_devices()[:1],
+    )
+    wall = time.perf_counter() - start
+    timed = sum((1 + repeats) * t for d in base.devices for t in d.step_times)
+    slowest = max(float(k) for k in config.workers.slowdowns)
+    cost = max(wall - timed, 0.0) + timed * slowest
+    profiles = []
+    pull_bytes = base.param_bytes
+    for i, k in enumerate(config.workers.slowdowns):
+        transfer = build.transfer_profile(
+            config.workers.bandwidth,
+            float(config.workers.latency),
+            push_bytes,
+            pull_bytes,
+        )
+        profiles.append(
+            dataclasses.replace(
+                base.with_slowdown(float(k)), worker_id=i, transfer=transfer
+            )
+        )
+    return profiles, cost
+
+
+class _Children:
+    """Worker processes, each in its own session, stopped for sure on exit."""
+
+    def __init__(self):
+        self.procs: list[subprocess.Popen] = []
+        self.logs: list[Any] = []
+
+    def spawn(self, argv: list[str], log_path: pathlib.Path) -> subprocess.Popen:
+        log = open(log_path, "w", encoding="utf-8")  # noqa: SIM115
+        self.logs.append(log)
+        proc = subprocess.Popen(
+            argv,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env=dict(os.environ, PYTHONUNBUFFERED="1"),
+        )
+        self.procs.append(proc)
+        return proc
+
+    def signal(self, sig: int) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(proc.pid, sig)
+
+    async def wait(self, timeout: float) -> bool:
+        """Waits for every child to exit; ``False`` if some are still running."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if all(p.poll() is not None for p in self.procs):
+                return True
+            await asyncio.sleep(0.05)
+        return all(p.poll() is not None for p in self.procs)
+
+    def kill(self) -> None:
+        self.signal(signal.SIGKILL)
+        for proc in self.procs:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(5.0)
+        for log in self.logs:
+            log.close()
+
+
+async def _serve_and_train(
+    config: ml_collections.ConfigDict,
+    setup: build.Setup,
+    *,
+    policy: Any,
+    policy_kwargs: dict[str, Any],
+    plan_file: pathlib.Path | None,
+    duration: float,
+    offset: float,
+    workdir: pathlib.Path,
+    progress: bool,
+) -> tuple[list[tuple[float, int, Any]], dict[str, Any]]:
+    """Runs the server and the workers; returns parameter snapshots over time."""
+    import secrets
+
+    from hpsjax.ps import Server
+
+    n = len(config.workers.slowdowns)
+    secret = secrets.token_urlsafe(32)
+    secret_file = workdir / "secret.txt"
+    secret_file.touch(mode=0o600)
+    secret_file.write_text(secret)
+    logs = workdir / "workers"
+    logs.mkdir(exist_ok=True)
+    for stale in logs.glob("metrics_*.jsonl"):
+        stale.unlink()
+    server = Server(
+        setup.params,
+        build.server_optimizer(config),
+        policy,
+        host="127.0.0.1",
+        port=0,
+        secret=secret,
+        core_kwargs={**build.core_kwargs(config), "expected_workers": n},
+        **policy_kwargs,
+    )
+    await server.start()
+    children = _Children()
+    info: dict[str, Any] = {}
+    snapshots: list[tuple[float, int, Any]] = []
+    bar = None
+    try:
+        for i in range(n):
+            argv = [
+                sys.executable, "-m", "hpsjax.worker._cli",
+                "--host", "127.0.0.1", "--port", str(server.port),
+                "--secret_file", str(secret_file),
+                "--metrics", str(logs / f"metrics_{i}.jsonl"),
+                "--max_seconds",
+                repr(float(config.processes.start_timeout) + duration),
+                *_worker_flags(config, i, plan_file=plan_file),
+            ]  # fmt: skip
+            children.spawn(argv, logs / f"worker_{i}.log")
+        start_deadline = time.monotonic() + float(config.processes.start_timeout)
+        while not server.core.started:
+            _check_children(children, logs)
+            if time.monotonic() > start_deadline:
+                raise RuntimeError(
+                    f"the workers did not all join within "
+                    f"{config.processes.start_timeout}s; see {logs}"
+                )
+            await asyncio.sleep(0.02)
+        t0 = time.monotonic()
+        bar = _progress_bar(progress, offset + duration, "s")
+        every = float(config.eval.every_seconds)
+        snapshots.append((0.0, server.core.version, server.core.params))
+        next_eval = every
+        while True:
+            elapsed = time.monotonic() - t0
+            if elapsed >= next_eval or elapsed >= duration:
+                # Parameters are immutable arrays replaced at each update, so a
+                # reference is a snapshot; evaluation waits until the end.
+                snapshots.append(
+                    (min(elapsed, duration), server.core.version, server.core.params)
+                )
+                next_eval += every
+                if bar is not None:
+                    bar.update(round(offset + min(elapsed, duration) - bar.n, 6))
+                    bar.set_postfix(v=server.core.version)
+            if elapsed >= duration:
+                break
+            _check_children(children, logs)
+            await asyncio.sleep(min(0.02, max(0.0, next_eval - elapsed)))
+        children.signal(signal.SIGTERM)
+        shutdown = float(config.processes.shutdown_timeout)
+        if not await children.wait(shutdown):
+            # Workers blocked on a barrier end when the server says goodbye.
+            await server.close()
+            await children.wait(5.0)
+        info["worker_returncodes"] = [p.poll() for p in children.procs]
+        info["final_version"] = server.core.version
+    finally:
+        if bar is not None:
+            bar.close()
+        children.kill()
+        await server.close()
+    failed = [
+        (i, code)
+        for i, code in enumerate(info["worker_returncodes"])
+        if code not in (0, -signal.SIGTERM)
+    ]
+    if failed:
+        raise RuntimeError(
+            f"worker {failed[0][0]} exited with status {failed[0][1]}; see "
+            f"{logs / f'worker_{failed[0][0]}.log'}"
+        )
+    return snapshots, info
+
+
+def _check_children(children: _Children, logs: pathlib.Path) -> None:
+    for i, proc in enumerate(children.procs):
+        code = proc.poll()
+        if code is not None:
+            raise RuntimeError(
+                f"worker {i} exited early with status {code}; see "
+                f"{logs / f'worker_{i}.log'}"
+            )
+
+
+def _read_worker_records(path: pathlib.Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def _worker_timeline(
+    records: list[dict[str, Any]], offset: float
+) -> tuple[dict[str, Any], list[tuple[float, float, str]]]:
+    """Totals and a timeline from one worker's round records.
+
+    A round computes from ``time`` to ``compute_end`` (compile, compute and the
+    injected slowdown), then the worker is idle for ``wait_s`` until the
+    parameters of the next round are there: the first ``link_delay_s`` of that
+    is its link (transfer), the rest waiting for the server. Times are shifted so
+    that the worker's first round starts at ``offset``: every worker is released
+    at once when the last one joins, a few milliseconds before its first round.
+    """
+    rounds = [r for r in records if r.get("event") == "round"]
+    totals = dict.fromkeys(("compute_s", "transfer_s", "wait_s", "discarded_s"), 0.0)
+    totals.update(bytes_sent=0, bytes_received=0, pushes=0, local_steps=0)
+    spans: list[tuple[float, float, str]] = []
+    if not rounds:
+        return totals, spans
+    shift = offset - float(rounds[0]["time"])
+    for r in rounds:
+        start = float(r["time"]) + shift
+        busy = float(r["compute_end"]) + shift - start
+        kind = "discarded" if r.get("discarded") else "compute"
+        totals["discarded_s" if kind == "discarded" else "compute_s"] += busy
+        spans.append((start, start + busy, kind))
+        idle = max(float(r["wait_s"]), 0.0)
+        link = min(idle, max(float(r.get("link_delay_s") or 0.0), 0.0))
+        if link > 0:
+            spans.append((start + busy, start + busy + link, "transfer"))
+        if idle > link:
+            spans.append((start + busy + link, start + busy + idle, "wait"))
+        totals["transfer_s"] += link
+        totals["wait_s"] += idle - link
+        totals["local_steps"] += int(r.get("local_steps") or 0)
+    for r in records:
+        totals["bytes_sent"] += int(r.get("bytes_sent") or 0)
+        totals["bytes_received"] += int(r.get("bytes_received") or 0)
+        if r.get("status") is not None:
+            totals["pushes"] += 1
+    return totals, spans
+
+
+def run_processes(
+    config: ml_collections.ConfigDict,
+    setup: build.Setup,
+    *,
+    workdir: pathlib.Path,
+    progress: bool = True,
+) -> RunOutput:
+    """Runs ``config`` with a real server and one worker process per worker.
+
+    The server (:class:`hpsjax.ps.Server`, so that any optax chain and policy
+    object can be served) runs in this process on loopback; each worker is an
+    ``hpsjax-worker`` process (``python -m hpsjax.worker._cli``) with its
+    slowdown and link cap injected. The server holds every pull until all
+    workers joined; time 0 is that moment. The parameters are snapshot every
+    ``eval.every_seconds`` and evaluated on the test set after the run, so
+    evaluation takes no time from training. After ``budget_seconds`` the workers
+    get SIGTERM, finish their round and push it.
+
+    Schemes with a work plan are profiled first on this machine (see
+    :func:`_measured_profiles`); its cost is charged as in the simulator. The
+    server does not re-plan during a run (``plan.replan`` applies to the
+    simulator only), and ASHL's stage switch is the server version.
+
+    Outputs besides the returned ones: ``workers/worker_<i>.log`` and
+    ``workers/metrics_<i>.jsonl`` (the workers' own round records) in
+    ``workdir``.
+
+    Returns:
+      The :class:`RunOutput`; times are wall seconds.
+
+    Raises:
+      ValueError: a setting the processes backend cannot run.
+      RuntimeError: a worker failed or did not join in time (its log is named).
+    """
+    from hpsjax.profiling import tree_wire_nbytes
+
+    if config.stages.enabled and config.stages.switch != "version":
+        raise ValueError(
+            "the processes backend switches ASHL's stages at a server version "
+            f"only; stages.switch={config.stages.switch!r} runs in the simulator"
+        )
+    _, codec = _push_codec(config)
+    push_bytes = tree_wire_nbytes(setup.params, codec)
+    plan_scheme = registry.lookup("plan scheme", config.plan.scheme)
+    info: dict[str, Any] = {"backend": "processes"}
+    offset = 0.0
+    plan_file = None
+    stage_plans: list[Any] = []
+    plans: list[Any] = []
+    if plan_scheme != "none":
+        profiles, offset = _measured_profiles(config, setup, push_bytes=push_bytes)
+        info["profile_seconds"] = offset
+        first, stage_plans = build.plans(config, profiles)
+        plans = [first]
+        plan_file = workdir / "plan.json"
+        plan_file.write_text(plans[0].to_json())
+        info["plans"] = [build.plan_to_dict(p) for p in plans]
+        if stage_plans:
+            info["stage_plans"] = [build.plan_to_dict(p) for p in stage_plans]
+        if config.plan.replan:
+            info["replan"] = "not done: the server does not re-plan"
+    duration = float(config.budget_seconds) - offset
+    if duration <= 0:
+        raise ValueError(
+            f"the profiling pass takes {offset:.3g}s of the "
+            f"{config.budget_seconds}s budget; raise budget_seconds"
+        )
+    policy, policy_kwargs = build.policy(config, stage_plans)
+    wall = time.perf_counter()
+    coroutine = _serve_and_train(
+        config,
+        setup,
+        policy=policy,
+        policy_kwargs=policy_kwargs,
+        plan_file=plan_file,
+        duration=duration,
+        offset=offset,
+        workdir=workdir,
+        progress=progress,
+    )
+    try:
+        import uvloop
+
+        snapshots, run_info = uvloop.run(coroutine)
+    except ImportError:
+        snapshots, run_info = asyncio.run(coroutine)
+    info.update(run_info)
+    info["wall_seconds"] = time.perf_counter() - wall
+    if config.stages.enabled:
+        info["final_stage"] = int(policy.stage)
+
+    evals, seen = [], {}
+    for t, version, params in snapshots:
+        if version not in seen:
+            seen[version] = _evaluate(setup, params, int(config.eval.batch_size))
+        evals.append({"time": offset + t, "version": version, **seen[version]})
+
+    workers, timelines, records = {}, {}, []
+    for i in range(len(config.workers.slowdowns)):
+        own = _read_worker_records(workdir / "workers" / f"metrics_{i}.jsonl")
+        totals, spans = _worker_timeline(own, offset)
+        total = sum(totals[k] for k in ("compute_s", "transfer_s", "wait_s")) + (
+            totals["discarded_s"] + offset
+        )
+        totals["profile_s"] = offset
+        totals["idle_fraction"] = 0.0 if total <= 0 else 1 - totals["compute_s"] / total
+        workers[i] = totals
+        timelines[i] = ([(0.0, offset, "profile")] if offset > 0 else []) + spans
+        records.extend({**r, "worker": i} for r in own)
+    info["num_updates"] = run_info["final_version"]
+    return RunOutput(evals, workers, timelines, records, info)
+
+
+BACKENDS: Mapping[str, Callable[..., RunOutput]] = {
+    "sim": run_sim,
+    "processes": run_processes,
+}

@@ -1,0 +1,214 @@
+r"""Train one scheme from its config and write what happened to a work directory.
+
+:func:`train_and_evaluate` is what ``python -m experiments.run`` calls, and what
+tests and notebooks call directly. It checks the config, runs it on its backend
+(``config.backend``: ``"sim"`` or ``"processes"``), and writes to ``workdir``:
+
+=================  ==========================================================
+``config.json``    the config used
+``metrics.jsonl``  one JSON object per line: ``{"event": "eval", ...}`` (test
+                   accuracy and loss over time), ``"push"`` (sim) or
+                   ``"round"`` (processes) records, one ``"worker"`` record per
+                   worker (compute, transfer, wait and idle time, bytes sent
+                   and received) and a final ``"summary"``
+``timeline.json``  every worker's time cut into compute, transfer, wait,
+                   discarded and profiling spans
+``summary.json``   the summary alone (see :func:`summarize`)
+``accuracy.png``   test accuracy against time, the target as a line
+``timeline.png``   per-worker timeline of compute, transfer and idle time
+=================  ==========================================================
+
+Time is virtual seconds in the simulator and wall seconds after every worker
+joined for real processes; profiling, where a scheme profiles, is part of it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import pathlib
+from typing import Any
+
+import ml_collections
+
+from experiments import backends, build, plots, registry
+
+__all__ = ["summarize", "time_to_target", "train_and_evaluate"]
+
+logger = logging.getLogger("experiments")
+
+
+def time_to_target(evals: list[dict[str, Any]], target: float) -> float | None:
+    """The first evaluation time at which the test accuracy reached ``target``.
+
+    Returns:
+      Seconds, or ``None`` when the run never reached it.
+    """
+    for record in evals:
+        if record["accuracy"] >= target:
+            return float(record["time"])
+    return None
+
+
+def summarize(
+    config: ml_collections.ConfigDict, output: backends.RunOutput
+) -> dict[str, Any]:
+    r"""The figures a comparison table shows, from a backend's output.
+
+    ``idle_fraction`` is the share of all workers' time not spent on compute
+    that was kept (waiting for the server or the link, discarded work and
+    profiling):
+
+    .. math::
+
+      \text{idle} = 1 - \frac{\sum_i \text{compute}_i}{\sum_i \text{time}_i}.
+
+    Returns:
+      A JSON-serialisable dict: ``scheme``, ``setting``, ``backend``,
+      ``target_accuracy``, ``time_to_target`` (``None`` if not reached),
+      ``final_accuracy``, ``best_accuracy``, ``final_loss``, ``end_time``,
+      ``bytes_sent``, ``bytes_received``, ``idle_fraction``, ``pushes``,
+      ``updates``, and the backend's ``info``.
+    """
+    evals = output.evals
+    if not evals:
+        raise ValueError("the run made no evaluation; is the budget too short?")
+    target = float(config.eval.target_accuracy)
+    compute = sum(w["compute_s"] for w in output.workers.values())
+    total = 0.0
+    for w in output.workers.values():
+        total += sum(
+            w.get(k, 0.0)
+            for k in ("compute_s", "transfer_s", "wait_s", "discarded_s", "profile_s")
+        )
+    return {
+        "scheme": config.scheme,
+        "setting": config.setting,
+        "backend": config.backend,
+        "num_workers": len(config.workers.slowdowns),
+        "target_accuracy": target,
+        "time_to_target": time_to_target(evals, target),
+        "final_accuracy": evals[-1]["accuracy"],
+        "best_accuracy": max(e["accuracy"] for e in evals),
+        "final_loss": build.finite_or_none(evals[-1]["loss"]),
+        "end_time": evals[-1]["time"],
+        "bytes_sent": int(sum(w["bytes_sent"] for w in output.workers.values())),
+        "bytes_received": int(
+            sum(w["bytes_received"] for w in output.workers.values())
+        ),
+        "idle_fraction": 0.0 if total <= 0 else 1.0 - compute / total,
+        "pushes": int(sum(w["pushes"] for w in output.workers.values())),
+        "updates": int(evals[-1]["version"]),
+        "info": output.info,
+    }
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_jsonable(v) for v in value]
+    if hasattr(value, "item") and callable(value.item):
+        return _jsonable(value.item())
+    return value
+
+
+def _dump(record: dict[str, Any]) -> str:
+    return json.dumps(_jsonable(record), allow_nan=False)
+
+
+def write_outputs(
+    config: ml_collections.ConfigDict,
+    output: backends.RunOutput,
+    summary: dict[str, Any],
+    workdir: pathlib.Path,
+) -> dict[str, pathlib.Path]:
+    """Writes metrics, timelines, summary and plots; returns their paths."""
+    paths = {
+        "metrics": workdir / "metrics.jsonl",
+        "timeline": workdir / "timeline.json",
+        "summary": workdir / "summary.json",
+        "accuracy_plot": workdir / "accuracy.png",
+        "timeline_plot": workdir / "timeline.png",
+    }
+    with open(paths["metrics"], "w", encoding="utf-8") as f:
+        for record in output.evals:
+            f.write(_dump({"event": "eval", **record}) + "\n")
+        for record in output.records:
+            f.write(_dump(record) + "\n")
+        for worker, totals in output.workers.items():
+            f.write(_dump({"event": "worker", "worker": worker, **totals}) + "\n")
+        f.write(_dump({"event": "summary", **summary}) + "\n")
+    paths["timeline"].write_text(
+        _dump(
+            {
+                "kinds": list(backends.TIMELINE_KINDS),
+                "workers": {
+                    str(w): [list(span) for span in spans]
+                    for w, spans in output.timelines.items()
+                },
+            }
+        )
+    )
+    paths["summary"].write_text(json.dumps(_jsonable(summary), indent=2) + "\n")
+    time_unit = "virtual s" if config.backend == "sim" else "s"
+    plots.plot_accuracy(
+        {config.scheme: output.evals},
+        paths["accuracy_plot"],
+        target=float(config.eval.target_accuracy),
+        title=f"{config.scheme} ({config.setting}, {config.backend})",
+        time_unit=time_unit,
+    )
+    plots.plot_timeline(
+        output.timelines,
+        paths["timeline_plot"],
+        title=f"{config.scheme}: worker timelines ({config.setting})",
+        time_unit=time_unit,
+    )
+    return paths
+
+
+def train_and_evaluate(
+    config: ml_collections.ConfigDict,
+    workdir: str | pathlib.Path,
+    *,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Runs one scheme's config and writes its outputs to ``workdir``.
+
+    Args:
+      config: a scheme's config (``experiments/configs/<scheme>.py``).
+      workdir: the output directory (created if missing; files in it are
+        overwritten).
+      progress: show a tqdm progress bar while it runs.
+
+    Returns:
+      The summary (see :func:`summarize`).
+
+    Raises:
+      ValueError: an unknown registry name or an impossible setting (nothing
+        is written), or a run that failed.
+      FileNotFoundError: ``data.name="npz"`` and no file at ``data.path``.
+    """
+    registry.check_config(config)
+    setup = build.setup(config)
+    workdir = pathlib.Path(workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    (workdir / "config.json").write_text(config.to_json_best_effort(indent=2) + "\n")
+    backend = backends.BACKENDS[config.backend]
+    output = backend(config, setup, workdir=workdir, progress=progress)
+    summary = summarize(config, output)
+    write_outputs(config, output, summary, workdir)
+    logger.info(
+        "%s: time to %.2f accuracy %s, final accuracy %.4f",
+        config.scheme,
+        config.eval.target_accuracy,
+        "not reached"
+        if summary["time_to_target"] is None
+        else f"{summary['time_to_target']:.2f}s",
+        summary["final_accuracy"],
+    )
+    return summary
