@@ -47,6 +47,8 @@ from hpsjax.ps._client import Client
 from hpsjax.ps._wire import HEADER_SIZE
 
 SECRET = b"bench secret"
+# Extra hpsjax-server arguments (--server_args), e.g. "--no-malloc_tuning".
+SERVER_ARGS: list[str] = []
 
 
 def cnn_shapes(total_bytes: int) -> dict[str, tuple[int, ...]]:
@@ -115,7 +117,7 @@ class PsServer:
                 sys.executable, "-m", "hpsjax.ps._cli", "--init", str(init),
                 "--secret_file", str(secret), "--policy", policy,
                 "--optimizer", "sgd", "--learning_rate", "1e-6",
-                "--loop", loop, "--log_level", "WARNING",
+                "--loop", loop, "--log_level", "WARNING", *SERVER_ARGS,
             ],
             stdout=subprocess.PIPE,
             text=True,
@@ -425,9 +427,13 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=None)
     parser.add_argument("--json", help="also write the results to this file")
     parser.add_argument(
+        "--server_args", default="", help="extra hpsjax-server arguments"
+    )
+    parser.add_argument(
         "--only", default="big,small,fan_in,compressed", help="benches to run"
     )
     args = parser.parse_args()
+    SERVER_ARGS.extend(args.server_args.split())
     loop_name = args.loop
     if loop_name is None:
         try:
@@ -439,7 +445,12 @@ def main() -> None:
     big = 4 * 2**20 if args.quick else 64 * 2**20
     repeats = args.repeats or (3 if args.quick else 10)
     only = set(args.only.split(","))
-    results = {"loop": loop_name, "cpus": os.cpu_count(), "header": HEADER_SIZE}
+    results = {
+        "loop": loop_name,
+        "cpus": os.cpu_count(),
+        "load_average": os.getloadavg()[0],
+        "header": HEADER_SIZE,
+    }
     with tempfile.TemporaryDirectory() as d:
         workdir = pathlib.Path(d)
         if "big" in only:

@@ -30,7 +30,7 @@ from experiments import build, registry
 
 __all__ = ["BACKENDS", "RunOutput", "run_processes", "run_sim"]
 
-TIMELINE_KINDS = ("profile", "compute", "transfer", "wait", "discarded")
+TIMELINE_KINDS = ("profile", "compile", "compute", "transfer", "wait", "discarded")
 """Kinds of time in a worker's timeline (everything but compute is idle)."""
 
 
@@ -311,7 +311,8 @@ def _worker_flags(
         flags += ["--dataset_arg", f"{key}={json.dumps(_plain(value))}"]
     worker = config.worker
     if worker.local_optimizer != "none":
-        name = registry.lookup("optimizer", worker.local_optimizer)
+        registry.lookup("optimizer", worker.local_optimizer)
+        name = worker.local_optimizer
         if name == "sgd" and float(worker.local_momentum) > 0:
             if float(worker.local_momentum) != 0.9:
                 raise ValueError(
@@ -416,7 +417,9 @@ class _Children:
         self.procs: list[subprocess.Popen] = []
         self.logs: list[Any] = []
 
-    def spawn(self, argv: list[str], log_path: pathlib.Path) -> subprocess.Popen:
+    def spawn(
+        self, argv: list[str], log_path: pathlib.Path, env: Mapping[str, str]
+    ) -> subprocess.Popen:
         log = open(log_path, "w", encoding="utf-8")  # noqa: SIM115
         self.logs.append(log)
         proc = subprocess.Popen(
@@ -425,7 +428,7 @@ class _Children:
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
-            env=dict(os.environ, PYTHONUNBUFFERED="1"),
+            env=dict(env),
         )
         self.procs.append(proc)
         return proc
@@ -480,6 +483,14 @@ async def _serve_and_train(
     logs.mkdir(exist_ok=True)
     for stale in logs.glob("metrics_*.jsonl"):
         stale.unlink()
+    env = dict(
+        os.environ,
+        PYTHONUNBUFFERED="1",
+        JAX_COMPILATION_CACHE_DIR=str(logs / "jax_cache"),
+        JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+    )
+    if config.processes.warmup:
+        await _warm_up(config, setup, plan_file, secret, secret_file, logs, env)
     server = Server(
         setup.params,
         build.server_optimizer(config),
@@ -506,7 +517,7 @@ async def _serve_and_train(
                 repr(float(config.processes.start_timeout) + duration),
                 *_worker_flags(config, i, plan_file=plan_file),
             ]  # fmt: skip
-            children.spawn(argv, logs / f"worker_{i}.log")
+            children.spawn(argv, logs / f"worker_{i}.log", env)
         start_deadline = time.monotonic() + float(config.processes.start_timeout)
         while not server.core.started:
             _check_children(children, logs)
@@ -563,6 +574,60 @@ async def _serve_and_train(
     return snapshots, info
 
 
+async def _warm_up(
+    config: ml_collections.ConfigDict,
+    setup: build.Setup,
+    plan_file: pathlib.Path | None,
+    secret: str,
+    secret_file: pathlib.Path,
+    logs: pathlib.Path,
+    env: Mapping[str, str],
+) -> None:
+    """Runs every worker for two rounds against a throwaway server.
+
+    The workers compile their train step in the first round; with the
+    persistent compilation cache in ``env``, the timed run then loads it instead
+    of compiling while the clock runs.
+    """
+    import optax
+
+    from hpsjax.ps import Server
+
+    server = Server(
+        setup.params,
+        optax.sgd(0.0),
+        "asp",
+        host="127.0.0.1",
+        port=0,
+        secret=secret,
+    )
+    await server.start()
+    children = _Children()
+    try:
+        for i in range(len(config.workers.slowdowns)):
+            argv = [
+                sys.executable, "-m", "hpsjax.worker._cli",
+                "--host", "127.0.0.1", "--port", str(server.port),
+                "--secret_file", str(secret_file), "--max_steps", "2",
+                *_worker_flags(config, i, plan_file=plan_file),
+            ]  # fmt: skip
+            children.spawn(argv, logs / f"warmup_{i}.log", env)
+        if not await children.wait(float(config.processes.start_timeout)):
+            raise RuntimeError(
+                f"the warm-up workers did not finish within "
+                f"{config.processes.start_timeout}s; see {logs}/warmup_*.log"
+            )
+        codes = [p.poll() for p in children.procs]
+        if any(code != 0 for code in codes):
+            raise RuntimeError(
+                f"a warm-up worker failed (exit statuses {codes}); see "
+                f"{logs}/warmup_*.log"
+            )
+    finally:
+        children.kill()
+        await server.close()
+
+
 def _check_children(children: _Children, logs: pathlib.Path) -> None:
     for i, proc in enumerate(children.procs):
         code = proc.poll()
@@ -593,7 +658,9 @@ def _worker_timeline(
     at once when the last one joins, a few milliseconds before its first round.
     """
     rounds = [r for r in records if r.get("event") == "round"]
-    totals = dict.fromkeys(("compute_s", "transfer_s", "wait_s", "discarded_s"), 0.0)
+    totals = dict.fromkeys(
+        ("compute_s", "compile_s", "transfer_s", "wait_s", "discarded_s"), 0.0
+    )
     totals.update(bytes_sent=0, bytes_received=0, pushes=0, local_steps=0)
     spans: list[tuple[float, float, str]] = []
     if not rounds:
@@ -602,15 +669,22 @@ def _worker_timeline(
     for r in rounds:
         start = float(r["time"]) + shift
         busy = float(r["compute_end"]) + shift - start
+        compile_s = min(max(float(r.get("compile_s") or 0.0), 0.0), busy)
+        if compile_s > 0:
+            spans.append((start, start + compile_s, "compile"))
+            totals["compile_s"] += compile_s
         kind = "discarded" if r.get("discarded") else "compute"
-        totals["discarded_s" if kind == "discarded" else "compute_s"] += busy
-        spans.append((start, start + busy, kind))
+        totals["discarded_s" if kind == "discarded" else "compute_s"] += (
+            busy - compile_s
+        )
+        spans.append((start + compile_s, start + busy, kind))
+        start += busy
         idle = max(float(r["wait_s"]), 0.0)
         link = min(idle, max(float(r.get("link_delay_s") or 0.0), 0.0))
         if link > 0:
-            spans.append((start + busy, start + busy + link, "transfer"))
+            spans.append((start, start + link, "transfer"))
         if idle > link:
-            spans.append((start + busy + link, start + busy + idle, "wait"))
+            spans.append((start + link, start + idle, "wait"))
         totals["transfer_s"] += link
         totals["wait_s"] += idle - link
         totals["local_steps"] += int(r.get("local_steps") or 0)
@@ -723,8 +797,9 @@ def run_processes(
     for i in range(len(config.workers.slowdowns)):
         own = _read_worker_records(workdir / "workers" / f"metrics_{i}.jsonl")
         totals, spans = _worker_timeline(own, offset)
-        total = sum(totals[k] for k in ("compute_s", "transfer_s", "wait_s")) + (
-            totals["discarded_s"] + offset
+        total = offset + sum(
+            totals[k]
+            for k in ("compute_s", "compile_s", "transfer_s", "wait_s", "discarded_s")
         )
         totals["profile_s"] = offset
         totals["idle_fraction"] = 0.0 if total <= 0 else 1 - totals["compute_s"] / total

@@ -24,6 +24,7 @@ TIMELINE_COLORS: Mapping[str, str] = {
     "wait": "#e76f51",
     "discarded": "#8d99ae",
     "profile": "#6c5b7b",
+    "compile": "#264653",
 }
 """Colour of each kind of time in a timeline."""
 
@@ -33,6 +34,7 @@ _LABELS = {
     "wait": "idle (waiting for the server)",
     "discarded": "discarded compute",
     "profile": "profiling",
+    "compile": "compiling",
 }
 
 

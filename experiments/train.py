@@ -80,7 +80,14 @@ def summarize(
     for w in output.workers.values():
         total += sum(
             w.get(k, 0.0)
-            for k in ("compute_s", "transfer_s", "wait_s", "discarded_s", "profile_s")
+            for k in (
+                "compute_s",
+                "compile_s",
+                "transfer_s",
+                "wait_s",
+                "discarded_s",
+                "profile_s",
+            )
         )
     return {
         "scheme": config.scheme,

@@ -12,9 +12,10 @@ worker command line; ``--worker_flags i "..."`` to worker ``i`` only::
         --worker_flags 0 "--slowdown 4" --worker_flags 1 "--slowdown 4" \\
         --worker_flags 2 "--slowdown 2" -- --batch_size 64
 
-With ``--plan SCHEME`` every worker is profiled first (one after the other, so
-they do not compete for the machine), :func:`hpsjax.profiling.plan` makes the
-work plan, and the workers train with it (``--work_plan``).
+With ``--plan SCHEME`` the train step is profiled first (once: the workers share
+this machine; each worker's profile is that measurement with its own injected
+slowdown and link), :func:`hpsjax.profiling.plan` makes the work plan, and the
+workers train with it (``--work_plan``).
 
 Shutdown is clean whatever happens: when a worker fails, the server exits early,
 the time limit passes or Ctrl-C is pressed, every process group is sent SIGTERM,
@@ -76,8 +77,9 @@ class LaunchResult:
         workers' ``metrics_<i>.jsonl``.
       version: the last server version seen, or ``None``.
       elapsed: seconds from start to the end of shutdown.
-      profile_seconds: seconds each worker's profiling pass took (``--plan``),
-        else empty.
+      profile_seconds: seconds the profiling pass took (``plan``; the workers
+        share this machine, so the step is measured once for all), else
+        ``None``.
     """
 
     returncode: int
@@ -89,7 +91,7 @@ class LaunchResult:
     workdir: str
     version: int | None
     elapsed: float
-    profile_seconds: tuple[float, ...] = ()
+    profile_seconds: float | None = None
 
 
 # Started in front of every child: on Linux it asks the kernel to send the child
@@ -251,23 +253,33 @@ def _profile_and_plan(
     workdir: pathlib.Path,
     global_batch: int | None,
     emit: Callable[[str], None],
-) -> tuple[pathlib.Path, tuple[float, ...]]:
-    from hpsjax.profiling import WorkerProfile, plan
-    from hpsjax.worker._cli import parse_args, write_profile
+) -> tuple[pathlib.Path, float]:
+    """Profiles the train step once and plans; returns the plan file and cost.
 
-    profiles = []
-    for i in range(num_workers):
-        path = workdir / f"profile_{i}.json"
-        args = parse_args(
+    The workers share this machine, so one measurement of the step serves all
+    of them; each worker's profile is that one with its own injected slowdown
+    and link (see ``hpsjax.worker._cli.with_injection``).
+    """
+    from hpsjax.profiling import plan
+    from hpsjax.worker._cli import measure_step, parse_args, with_injection
+
+    def worker_args(i: int):
+        return parse_args(
             [*shared, "--worker_id", str(i), "--shard_index", str(i),
              "--shard_count", str(num_workers), *flags[i]]
         )  # fmt: skip
-        write_profile(args, path)
-        profiles.append(WorkerProfile.from_json(path.read_text()))
-        emit(
-            f"[launch] profiled worker {i} in {profiles[-1].profile_seconds:.2f}s: "
-            f"{profiles[-1].devices[0].throughput(args.batch_size):.0f} samples/s"
-        )
+
+    measured, spec = measure_step(worker_args(0))
+    profiles = []
+    for i in range(num_workers):
+        profile = with_injection(measured, worker_args(i), spec)
+        (workdir / f"profile_{i}.json").write_text(profile.to_json())
+        profiles.append(profile)
+    emit(
+        f"[launch] profiled the step in {measured.profile_seconds:.2f}s: "
+        f"{[round(p.devices[0].throughput(64)) for p in profiles]} samples/s "
+        "at batch 64"
+    )
     if global_batch is None:
         global_batch = parse_args(shared).batch_size * num_workers
     work_plan = plan(profiles, scheme, global_batch=global_batch)
@@ -279,7 +291,7 @@ def _profile_and_plan(
         f"{[w.local_steps for w in work_plan.workers]}, predicted idle "
         f"{work_plan.idle_fraction:.1%}"
     )
-    return path, tuple(p.profile_seconds for p in profiles)
+    return path, measured.profile_seconds
 
 
 def launch(
@@ -399,7 +411,7 @@ def launch(
     from hpsjax.worker._cli import write_init
 
     write_init(parse_args(shared), init)
-    profile_seconds: tuple[float, ...] = ()
+    profile_seconds = None
     if plan is not None:
         plan_file, profile_seconds = _profile_and_plan(
             plan, num_workers, shared, flags, work, global_batch, emit

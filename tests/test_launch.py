@@ -181,8 +181,10 @@ def test_profile_out_writes_a_profile_with_the_slowdown(tmp_path, monkeypatch):
     assert got.devices[0].step_time(64) == pytest.approx(
         3 * base.devices[0].step_time(64)
     )
-    link = calls[0]["transfer"]
-    assert (link.bandwidth, link.latency) == (1e6, 0.01)
+    nbytes = real.param_bytes
+    assert got.transfer.method == "estimated"
+    assert got.transfer.push_bytes == got.transfer.pull_bytes == nbytes
+    assert got.transfer.round_trip_seconds == pytest.approx(2 * 0.01 + 2 * nbytes / 1e6)
     assert calls[0]["batch_sizes"] == [8, 64]
 
 
@@ -271,7 +273,7 @@ def test_launch_with_a_profiled_plan(tmp_path):
         timeout=240,
     )
     assert result.returncode == 0
-    assert len(result.profile_seconds) == 2
+    assert result.profile_seconds > 0
     plan = json.loads((tmp_path / "plan.json").read_text())
     batches = [w["batch_size"] for w in plan["workers"]]
     assert sum(batches) == 32 and batches[0] < batches[1]

@@ -684,9 +684,9 @@ def test_compressed_push_is_decoded_on_the_server_exactly():
 
 
 def test_quantize_transform_bytes_are_pushed_as_they_are():
-    from hpsjax.transforms._quantize import Codec, last_encoded, quantize
-
     import jax
+
+    from hpsjax.transforms._quantize import Codec, last_encoded, quantize
 
     opt = optax.chain(quantize(4, error_feedback=True, seed=3))
     grads = {"b": jnp.arange(3.0), "w": jnp.ones((4, 3)) * 0.25}

@@ -459,3 +459,21 @@ def test_compressed_push_to_an_integer_model_is_refused():
             await raw.close()
 
     _run(main)
+
+
+def test_strangers_cannot_make_the_server_allocate():
+    async def main():
+        async with _server("asp") as server:
+            raw = await Raw.open(server.port, handshake=False)
+            # 100 KiB is fine once authenticated, not before.
+            raw.send_bytes(wire.pack_header(MsgType.PUSH, 1, 0, 100 * 1024))
+            await raw.expect_error(errors.PayloadTooBig.code)
+            await raw.expect_closed()
+            await raw.close()
+            raw = await Raw.open(server.port, handshake=False)
+            raw.send(MsgType.PULL, 1)
+            await raw.expect_error(errors.UnexpectedMessage.code, 1)
+            await raw.expect_closed()
+            await raw.close()
+
+    _run(main)

@@ -271,17 +271,17 @@ def test_training_lowers_the_loss_and_records_metrics(setup):
     assert 0 <= stats["idle_fraction"] < 1 and 0 <= stats["overlap"] <= 1
 
 
-def test_quantized_pushes_send_the_encoded_bytes(setup):
+def test_quantized_pushes_send_the_encoded_bytes():
     sent = {}
     for bits in (None, 8):
-        records, _, pushes, _ = _run(
-            _train(setup, [{"max_steps": 4, "bits": bits}], policy="asp")
+        records, version = _run(
+            _heavy_run([WorkerConfig(batch_size=8, bits=bits)], steps=4)
         )
-        assert pushes["w0"] == 4
+        assert version == 4
         rounds = [r for r in _rounds(records) if r["pushed_step"] is not None]
         # A round's bytes_sent holds one push and one (tiny) pull request.
         sent[bits] = statistics.median(r["bytes_sent"] for r in rounds)
-    assert 0.2 < sent[8] / sent[None] < 0.32
+    assert 0.2 < sent[8] / sent[None] < 0.3
 
 
 def test_local_steps_push_every_h_steps(setup):

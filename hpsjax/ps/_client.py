@@ -180,6 +180,11 @@ class FrameProtocol(asyncio.BufferedProtocol):
             raise self._lost
 
     @property
+    def decoder(self) -> wire.FrameDecoder:
+        """The frame decoder (for instance to change its limits)."""
+        return self._decoder
+
+    @property
     def paused(self) -> bool:
         """Whether the transport asked to stop writing (its buffer is full)."""
         return not self._writable.is_set()
@@ -467,6 +472,15 @@ class Client:
             for batch in batches:
                 ack, params, version = await c.push_pull(
                     grad_fn(params, batch), version=version)
+
+    References:
+      Jin, Xu, Guo, Hu, Yeung, "PS+: A Simple yet Effective Framework for Fast
+      Training on Parameter Server", IEEE TPDS 33(12), 2022,
+      https://doi.org/10.1109/TPDS.2022.3200518 (eager pulls beside pushes).
+
+      Luo, Nelson, Ceze, Phanishayee, Krishnamurthy, "Parameter Hub: a
+      Rack-Scale Parameter Server for Distributed Deep Neural Network Training",
+      SoCC 2018, https://arxiv.org/abs/1801.09805 (subscriptions).
     """
 
     def __init__(

@@ -85,6 +85,10 @@ logger = logging.getLogger(__name__)
 _CHECKPOINT_FORMAT = "hpsjax-server"
 _CHECKPOINT_FORMAT_VERSION = 1
 
+# Until a connection has authenticated, its frames are small handshake messages:
+# nothing larger is read, so a stranger cannot make the server allocate much.
+_HANDSHAKE_LIMITS = wire.WireLimits(max_message_bytes=4096, max_metadata_bytes=4096)
+
 # Fields of a PUSH besides the tree, with the types the core accepts.
 _PUSH_FIELDS = {
     "step_time": float,
@@ -182,6 +186,17 @@ class Server:
                 await server.serve_forever()
 
         asyncio.run(main())   # or uvloop.run(main()), faster for big models
+
+    References:
+      Luo, Nelson, Ceze, Phanishayee, Krishnamurthy, "Parameter Hub: a
+      Rack-Scale Parameter Server for Distributed Deep Neural Network Training",
+      SoCC 2018, https://arxiv.org/abs/1801.09805 (reused receive buffers;
+      parameters sent to subscribers right after each update).
+
+      Jin, Xu, Guo, Hu, Yeung, "PS+: A Simple yet Effective Framework for Fast
+      Training on Parameter Server", IEEE TPDS 33(12), 2022,
+      https://doi.org/10.1109/TPDS.2022.3200518 (pulls answered while pushes
+      are in flight).
     """
 
     def __init__(
@@ -330,6 +345,9 @@ class Server:
     async def start(self) -> None:
         """Resumes from the newest checkpoint (if any) and starts listening.
 
+        Bound it with ``asyncio.timeout`` if reading a checkpoint may be slow.
+        Cancelling is safe: a cancelled start leaves nothing listening.
+
         Raises:
           OSError: the address cannot be bound.
           ValueError: the checkpoint does not match the model.
@@ -356,13 +374,18 @@ class Server:
                 self._checkpoint_executor.shutdown(wait=False)
                 self._server = None
                 raise
-        self._server = await self._loop.create_server(
-            self._new_protocol,
-            self._host,
-            self._requested_port,
-            ssl=self._ssl,
-            reuse_address=True,
-        )
+        try:
+            self._server = await self._loop.create_server(
+                self._new_protocol,
+                self._host,
+                self._requested_port,
+                ssl=self._ssl,
+                reuse_address=True,
+            )
+        except BaseException:
+            if self._checkpoint_executor is not None:
+                self._checkpoint_executor.shutdown(wait=False)
+            raise
         self._port = self._server.sockets[0].getsockname()[1]
         if self._checkpoint_every_s is not None:
             self._checkpoint_task = self._loop.create_task(self._checkpoint_loop())
@@ -379,8 +402,8 @@ class Server:
     async def serve_forever(self) -> None:
         """Waits until :meth:`close` is called (by another task or a signal).
 
-        Cancelling it does not close the server; use :meth:`close` (the async
-        context manager does).
+        Cancelling it is safe and does not close the server; use :meth:`close`
+        (the async context manager does).
         """
         if self._closed is None:
             raise RuntimeError("the server is not started")
@@ -393,6 +416,14 @@ class Server:
         with :class:`ShuttingDown`; says BYE to every worker and closes the
         connections (after at most ``timeout`` seconds of flushing); saves a final
         checkpoint. A push still being received is never applied.
+
+        ``timeout`` bounds the wait for connections to close; writing the final
+        checkpoint is not bounded (a half-written checkpoint is never committed,
+        so cancelling then loses only that checkpoint). Cancelling the close
+        otherwise leaves connections to be aborted by the event loop's shutdown.
+
+        Args:
+          timeout: seconds to let workers read their last frames.
 
         Raises:
           Exception: the error of a failed checkpoint save, if any.
@@ -540,7 +571,7 @@ class Server:
         protocol = FrameProtocol(
             lambda event: self._on_event(session, event),
             lambda error: self._on_lost(session, error),
-            limits=self._limits,
+            limits=_HANDSHAKE_LIMITS,
             allocate=allocate,
             on_made=lambda: self._on_made(session),
         )
@@ -650,7 +681,11 @@ class Server:
                     session.worker_id,
                 )
                 if not isinstance(proof, bytes) or not hmac.compare_digest(proof, want):
-                    logger.warning("authentication failed for %r", session.worker_id)
+                    logger.warning(
+                        "authentication failed for %r from %s",
+                        session.worker_id,
+                        session.peer,
+                    )
                     session.protocol.fail(
                         AuthError("authentication failed"), request_id=frame.request_id
                     )
@@ -663,6 +698,7 @@ class Server:
                     session.worker_id,
                 )
             session.state = "ready"
+            session.protocol.decoder.limits = self._limits
             if session.handshake_timer is not None:
                 session.handshake_timer.cancel()
             old = self._sessions.get(session.worker_id)

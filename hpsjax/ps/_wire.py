@@ -57,6 +57,7 @@ from hpsjax.ps._errors import (
 
 __all__ = [
     "DEFAULT_LIMITS",
+    "BufferPool",
     "DTYPES",
     "HEADER_SIZE",
     "MAGIC",
@@ -71,7 +72,6 @@ __all__ = [
     "PackedFields",
     "TreeLayout",
     "WireLimits",
-    "BufferPool",
     "WireTree",
     "aligned_empty",
     "auth_proof",
@@ -117,11 +117,6 @@ class MsgType(enum.IntEnum):
 
 # A dict lookup is several times cheaper than calling the enum.
 _MSG_TYPES = {t.value: t for t in MsgType}
-
-
-def header_type(data: bytes | memoryview) -> int:
-    """The raw message-type byte of a header."""
-    return data[5]
 
 
 # Only these carry a payload; any other frame with a non-zero payload length is
@@ -227,7 +222,7 @@ def unpack_header(data: bytes | memoryview, limits: WireLimits = DEFAULT_LIMITS)
       Header(msg_type=<MsgType.PARAMS: 8>, flags=0, request_id=3, \
 metadata_length=10, payload_length=400)
     """
-    magic, version, msg_type, flags, request_id, meta_len, payload_len = (
+    magic, version, raw_type, flags, request_id, meta_len, payload_len = (
         _HEADER.unpack_from(data)
     )
     if magic != MAGIC:
@@ -237,9 +232,9 @@ metadata_length=10, payload_length=400)
             f"protocol version {version} not supported (this side speaks "
             f"{PROTOCOL_VERSION})"
         )
-    msg_type = _MSG_TYPES.get(msg_type)
+    msg_type = _MSG_TYPES.get(raw_type)
     if msg_type is None:
-        raise UnexpectedMessage(f"unknown message type {header_type(data)}")
+        raise UnexpectedMessage(f"unknown message type {raw_type}")
     if flags:
         raise ProtocolError(f"unknown header flags {flags:#06x}")
     if meta_len > limits.max_metadata_bytes:
@@ -600,6 +595,22 @@ def aligned_empty(shape: Sequence[int], dtype: Any = np.uint8) -> np.ndarray:
     return _aligned_view(owner, nbytes).view(dtype).reshape(shape)
 
 
+def _free_refs() -> int:
+    # References to a free block's memory owner as BufferPool.take sees it: its
+    # entry in the pool, the aligned view kept beside it, the loop variable and
+    # getrefcount's argument. Measured in the same code shape rather than
+    # assumed, since interpreters differ in how they count them. Every view of
+    # a block handed out (leaves, arrays JAX took without copying) adds one.
+    probe = np.empty(1, np.uint8)
+    blocks = [(probe, probe[:])]
+    del probe
+    owner, _ = blocks[0]
+    return sys.getrefcount(owner)
+
+
+_FREE_REFS = _free_refs()
+
+
 class BufferPool:
     """Receive buffers that are reused once nothing references them any more.
 
@@ -624,31 +635,27 @@ class BufferPool:
       True
     """
 
-    # References to a free block's memory owner: its slot in the pool's list,
-    # the loop variable, and getrefcount's own argument. Every view of the
-    # block (leaves, and arrays JAX took without copying) refers to the owner.
-    _FREE_REFS = 3
-
     def __init__(self, max_blocks: int = 4):
         if max_blocks < 1:
             raise ValueError(f"max_blocks must be >= 1, got {max_blocks}")
         self._max_blocks = max_blocks
-        self._owners: dict[int, list[np.ndarray]] = {}
+        self._blocks: dict[int, list[tuple[np.ndarray, np.ndarray]]] = {}
 
     def take(self, nbytes: int) -> np.ndarray:
         """A 64-byte aligned ``uint8`` block of ``nbytes`` nobody else uses."""
-        owners = self._owners.setdefault(nbytes, [])
-        for owner in owners:
-            if sys.getrefcount(owner) <= self._FREE_REFS:
-                return _aligned_view(owner, nbytes)
+        blocks = self._blocks.setdefault(nbytes, [])
+        for owner, block in blocks:
+            if sys.getrefcount(owner) <= _FREE_REFS:
+                return block[:]
         owner = np.empty(nbytes + ALIGNMENT, np.uint8)
-        if len(owners) < self._max_blocks:
-            owners.append(owner)
-        return _aligned_view(owner, nbytes)
+        block = _aligned_view(owner, nbytes)
+        if len(blocks) < self._max_blocks:
+            blocks.append((owner, block))
+        return block[:]
 
     def clear(self) -> None:
         """Forgets every block (blocks in use stay valid)."""
-        self._owners.clear()
+        self._blocks.clear()
 
 
 class LeafSpec(NamedTuple):
@@ -1174,6 +1181,17 @@ class FrameDecoder:
         self._direct: str = ""
         self._failed: HpsError | None = None
         self._events: list[Frame | FrameError] = []
+
+    @property
+    def limits(self) -> WireLimits:
+        """The limits the next frame headers are checked against."""
+        return self._limits
+
+    @limits.setter
+    def limits(self, limits: WireLimits) -> None:
+        if not isinstance(limits, WireLimits):
+            raise ValueError("limits must be a WireLimits")
+        self._limits = limits
 
     @property
     def idle(self) -> bool:

@@ -5,26 +5,33 @@ moment it starts: the parameters it holds, the batches it will draw, its step-si
 scale. The result is needed only when its compute ends (its push). So a round is
 *submitted* when it starts and *evaluated* when some worker's result is first
 needed: then every submitted round is evaluated together, one local step at a
-time, each step of all of them in one ``jax.vmap``-ed call (per batch size). With
-:math:`n` workers in flight this turns :math:`n` small dispatches into one.
+time, the same step of many workers in one ``jax.vmap``-ed call (per batch size).
+With :math:`n` workers in flight this turns :math:`n` small dispatches into one.
 
-Parameters travel as flat host vectors (one per version; a worker's local copy is
-a row of the last step's output), so stacking them for a batched call is one
-``numpy`` copy and a pushed update is a zero-copy view. Per-worker state that must
-persist across rounds (the worker optimizer's, the push transform's error
-feedback and random key) stays on the device, stacked over workers, and is read
-and written by row inside the same jitted call.
+Batching pays while a gradient is cheap next to a dispatch. For a gradient of
+many FLOPs a batch of per-worker parameters turns each matrix product into a
+batched one, which XLA's CPU backend runs slower than the same products one by
+one; such models are evaluated one worker-step per call. The choice is made per
+batch size from XLA's FLOP count of one gradient (:data:`BATCH_FLOPS_LIMIT`).
+
+Parameters live on the host as tuples of numpy leaves: a version's leaves are
+zero-copy views of the server's arrays, stacking rows for a batched call is one
+copy per leaf, and a pushed update is a zero-copy view of the call's output.
+Per-worker state that must persist across rounds (the worker optimizer's, the
+push transform's error feedback and random key) stays on the device, stacked over
+workers, read and written by row inside the same jitted call (the buffers are
+donated, so in place).
 
 Fixed shapes keep compilation bounded: a call evaluates a power-of-two number of
 rows (padded, or split into power-of-two chunks), so each batch size compiles at
-most :math:`\log_2 n` shapes, each once.
+most :math:`\log_2 n` shapes, each once; the jitted functions are kept between
+simulations of the same loss and transforms.
 """
 
 from __future__ import annotations
 
 import collections
-import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -34,69 +41,10 @@ import optax
 
 __all__: list[str] = []
 
+BATCH_FLOPS_LIMIT = 1e7
+"""FLOPs of one gradient above which workers' steps are evaluated one per call."""
 
-class FlatSpec:
-    """Flattens a parameter pytree into one vector and back.
-
-    All leaves must be floating point; the vector has their common dtype and is
-    cast back to each leaf's dtype when unflattened.
-    """
-
-    def __init__(self, params: Any):
-        leaves, self.treedef = jax.tree.flatten(params)
-        if not leaves:
-            raise ValueError("params must hold at least one array.")
-        self.shapes = tuple(tuple(np.shape(x)) for x in leaves)
-        self.dtypes = tuple(np.dtype(getattr(x, "dtype", np.asarray(x).dtype))
-                            for x in leaves)
-        for i, dtype in enumerate(self.dtypes):
-            if not jnp.issubdtype(dtype, jnp.floating):
-                raise ValueError(
-                    f"params leaf {i} has dtype {dtype}; the simulator trains "
-                    "floating-point parameters only."
-                )
-        self.dtype = np.dtype(jnp.result_type(*self.dtypes))
-        self.sizes = tuple(math.prod(s) for s in self.shapes)
-        self.offsets = tuple(np.cumsum((0, *self.sizes[:-1])).tolist())
-        self.size = int(sum(self.sizes))
-        self.signature = (self.treedef, self.shapes, self.dtypes)
-
-    def ravel_host(self, tree: Any) -> np.ndarray:
-        """A read-only host vector of a tree's leaves (jax or numpy arrays)."""
-        leaves = jax.tree.leaves(tree)
-        flat = np.concatenate(
-            [np.asarray(x, dtype=self.dtype).reshape(-1) for x in leaves]
-        )
-        flat.flags.writeable = False
-        return flat
-
-    def unravel_host(self, flat: np.ndarray) -> Any:
-        """The tree of a host vector, as zero-copy numpy views where dtypes agree."""
-        leaves = []
-        for offset, size, shape, dtype in zip(
-            self.offsets, self.sizes, self.shapes, self.dtypes, strict=True
-        ):
-            leaf = flat[offset : offset + size].reshape(shape)
-            if dtype != flat.dtype:
-                leaf = leaf.astype(dtype)
-            leaves.append(leaf)
-        return jax.tree.unflatten(self.treedef, leaves)
-
-    def ravel(self, tree: Any) -> jax.Array:
-        """Traceable flattening (inside ``jit``)."""
-        return jnp.concatenate(
-            [jnp.ravel(x).astype(self.dtype) for x in jax.tree.leaves(tree)]
-        )
-
-    def unravel(self, flat: jax.Array) -> Any:
-        """Traceable unflattening (inside ``jit``)."""
-        leaves = [
-            flat[offset : offset + size].reshape(shape).astype(dtype)
-            for offset, size, shape, dtype in zip(
-                self.offsets, self.sizes, self.shapes, self.dtypes, strict=True
-            )
-        ]
-        return jax.tree.unflatten(self.treedef, leaves)
+Leaves = tuple  # tuple of the parameters' leaves (numpy or jax arrays)
 
 
 class IndexStream:
@@ -110,7 +58,7 @@ class IndexStream:
 
     __slots__ = ("_epoch", "_indices", "_offset", "_order", "_seed")
 
-    def __init__(self, indices: np.ndarray, seed: Sequence[int]):
+    def __init__(self, indices: np.ndarray, seed: tuple[int, ...]):
         self._indices = indices
         self._seed = tuple(seed)
         self._epoch = 0
@@ -122,15 +70,8 @@ class IndexStream:
         return self._indices[rng.permutation(len(self._indices))]
 
     def next(self, size: int) -> np.ndarray:
+        """The next ``size`` example indices."""
         n = len(self._order)
-        if self._offset + size <= n:
-            out = self._order[self._offset : self._offset + size]
-            self._offset += size
-            if self._offset == n:
-                self._epoch += 1
-                self._offset = 0
-                self._order = self._permutation()
-            return out
         parts = []
         while size > 0:
             take = min(size, n - self._offset)
@@ -141,7 +82,7 @@ class IndexStream:
                 self._epoch += 1
                 self._offset = 0
                 self._order = self._permutation()
-        return np.concatenate(parts)
+        return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
 
 def chunk_sizes(n: int, max_rows: int) -> list[tuple[int, int]]:
@@ -170,13 +111,13 @@ def chunk_sizes(n: int, max_rows: int) -> list[tuple[int, int]]:
 class Round:
     """One submitted round of one worker: ``steps`` local steps from ``base``.
 
-    Attributes set at submission: ``slot`` (the worker's row in the stacked
-    states), ``base`` (flat parameters it starts from), ``steps``, ``batch_size``,
+    Set at submission: ``slot`` (the worker's row in the stacked states),
+    ``base`` (the parameter leaves it starts from), ``steps``, ``batch_size``,
     ``scale`` (step-size scale of its local steps, or of its gradient),
     ``push_scale`` (factor on the pushed update), ``stream`` (its batch indices).
-    Set by evaluation: ``update`` (flat pushed update, decoded if compressed),
-    ``loss`` (mean training loss over its steps), ``stage`` (the worker
-    optimizer's stage after it, or ``None``), ``done``.
+    Set by evaluation: ``update`` (leaves of the pushed update, after the push
+    transform), ``loss`` (mean training loss over its steps), ``stage`` (the
+    worker optimizer's stage after it, or ``None``), ``done``.
     """
 
     __slots__ = (
@@ -220,12 +161,16 @@ class Kernels:
     simulations of the same model reuse their compiled code.
     """
 
-    def __init__(self, loss_fn, flat, worker_optimizer, push_transform, init_params):
-        self.flat = flat
-        value_and_grad = jax.value_and_grad(loss_fn)
+    def __init__(self, loss_fn, treedef, worker_optimizer, push_transform, params):
+        self.treedef = treedef
+        self.value_and_grad = value_and_grad = jax.value_and_grad(loss_fn)
+        self.flops: dict[Any, float | None] = {}
 
         def gather(data, idx):
             return jax.tree.map(lambda a: a[idx], data)
+
+        def unflatten(leaves):
+            return jax.tree.unflatten(treedef, list(leaves))
 
         self.has_stages = False
         self.opt = None
@@ -233,8 +178,8 @@ class Kernels:
 
             def grad_rows(params, idx, scale, data, *, shared):
                 def one(p, ix, s):
-                    loss, g = value_and_grad(flat.unravel(p), gather(data, ix))
-                    return flat.ravel(g) * s.astype(flat.dtype), loss
+                    loss, g = value_and_grad(unflatten(p), gather(data, ix))
+                    return [(x * s).astype(x.dtype) for x in jax.tree.leaves(g)], loss
 
                 return jax.vmap(one, in_axes=(None if shared else 0, 0, 0))(
                     params, idx, scale
@@ -243,18 +188,17 @@ class Kernels:
             self.grad = jax.jit(grad_rows, static_argnames=("shared",))
         else:
             opt = self.opt = optax.with_extra_args_support(worker_optimizer)
-            has_stages = self.has_stages = _has_stages(opt.init(init_params))
+            has_stages = self.has_stages = _has_stages(opt.init(params))
 
             def local_rows(params, idx, scale, data, states, rows, *, shared):
                 picked = jax.tree.map(lambda s: s[rows], states)
 
                 def one(p, ix, s, st):
-                    tree = flat.unravel(p)
+                    tree = unflatten(p)
                     loss, g = value_and_grad(tree, gather(data, ix))
                     updates, st = opt.update(g, st, tree, loss=loss)
                     updates = jax.tree.map(lambda u: (u * s).astype(u.dtype), updates)
-                    tree = optax.apply_updates(tree, updates)
-                    return flat.ravel(tree), loss, st
+                    return jax.tree.leaves(optax.apply_updates(tree, updates)), loss, st
 
                 new_params, loss, new_states = jax.vmap(
                     one, in_axes=(None if shared else 0, 0, 0, 0)
@@ -277,8 +221,8 @@ class Kernels:
                 picked = jax.tree.map(lambda s: s[rows], states)
 
                 def one(u, st):
-                    out, st = ptx.update(flat.unravel(u), st)
-                    return flat.ravel(out), st
+                    out, st = ptx.update(unflatten(u), st)
+                    return jax.tree.leaves(out), st
 
                 out, new_states = jax.vmap(one)(updates, picked)
                 states = jax.tree.map(
@@ -288,20 +232,39 @@ class Kernels:
 
             self.push = jax.jit(push_rows, donate_argnames=("states",))
 
+    def gradient_flops(self, params: Any, data: Any, batch_size: int) -> float | None:
+        """XLA's FLOP count of one gradient on ``batch_size`` examples."""
+        batch = jax.tree.map(
+            lambda a: jax.ShapeDtypeStruct((batch_size, *a.shape[1:]), a.dtype), data
+        )
+        specs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
+        key = (batch_size, tuple((a.shape, a.dtype) for a in jax.tree.leaves(batch)))
+        if key in self.flops:
+            return self.flops[key]
+        try:
+            cost = jax.jit(self.value_and_grad).lower(specs, batch).cost_analysis()
+            flops = float(cost["flops"]) if cost and "flops" in cost else None
+        except Exception:  # a backend without cost analysis: batch as usual
+            flops = None
+        self.flops[key] = flops
+        return flops
+
 
 _KERNELS: collections.OrderedDict = collections.OrderedDict()
 _KERNELS_KEPT = 8
 
 
-def kernels(loss_fn, flat, worker_optimizer, push_transform, init_params) -> Kernels:
+def kernels(loss_fn, params, worker_optimizer, push_transform) -> Kernels:
     """The :class:`Kernels` of a combination, from a small cache when possible."""
-    key = (loss_fn, flat.signature, worker_optimizer, push_transform)
+    leaves, treedef = jax.tree.flatten(params)
+    signature = tuple((np.shape(x), np.dtype(x.dtype)) for x in leaves)
+    key = (loss_fn, treedef, signature, worker_optimizer, push_transform)
     try:
         hit = _KERNELS.get(key)
     except TypeError:  # an unhashable loss or transform: build afresh
-        return Kernels(loss_fn, flat, worker_optimizer, push_transform, init_params)
+        return Kernels(loss_fn, treedef, worker_optimizer, push_transform, params)
     if hit is None:
-        hit = Kernels(loss_fn, flat, worker_optimizer, push_transform, init_params)
+        hit = Kernels(loss_fn, treedef, worker_optimizer, push_transform, params)
         _KERNELS[key] = hit
         while len(_KERNELS) > _KERNELS_KEPT:
             _KERNELS.popitem(last=False)
@@ -315,7 +278,7 @@ class Engine:
 
     Args:
       loss_fn: ``(params, batch) -> scalar`` mean loss of a batch.
-      flat: the :class:`FlatSpec` of the parameters.
+      params: the initial parameters (a pytree of floating arrays).
       data: the training data on the device, a pytree of arrays with a leading
         example axis.
       num_slots: number of workers (one persistent state row each).
@@ -323,42 +286,58 @@ class Engine:
         plain gradients (one step per round).
       push_transform: optax transform applied, per worker, to every pushed update
         (quantization with error feedback), or ``None``.
-      init_params: parameters to initialise the per-worker states with.
-      max_rows: the most rows evaluated in one call.
+      batch_rows: rows per call, or ``None`` to choose from the FLOPs of a
+        gradient (up to 256).
       seed: seed of the per-worker random keys of ``push_transform``.
     """
 
     def __init__(
         self,
         loss_fn: Callable[[Any, Any], jax.Array],
-        flat: FlatSpec,
+        params: Any,
         data: Any,
         num_slots: int,
         *,
         worker_optimizer: optax.GradientTransformation | None,
         push_transform: optax.GradientTransformation | None,
-        init_params: Any,
-        max_rows: int,
+        batch_rows: int | None,
         seed: int,
     ):
-        self.flat = flat
+        leaves, self.treedef = jax.tree.flatten(params)
+        for i, x in enumerate(leaves):
+            if not jnp.issubdtype(x.dtype, jnp.floating):
+                raise ValueError(
+                    f"params leaf {i} has dtype {x.dtype}; the simulator trains "
+                    "floating-point parameters only."
+                )
+        self.params = params
         self.data = data
-        self.max_rows = max_rows
+        self.batch_rows = batch_rows
         self.local = worker_optimizer is not None
         self.pending: list[Round] = []
         self.evaluations = 0
         self.padded_evaluations = 0
+        self._rows: dict[int, int] = {}
         self._dummy = num_slots  # padding rows read and write this extra slot
-        self.k = kernels(loss_fn, flat, worker_optimizer, push_transform, init_params)
+        self.k = kernels(loss_fn, params, worker_optimizer, push_transform)
         self.has_stages = self.k.has_stages
         self.states = None
         if self.k.opt is not None:
-            self.states = _stack(self.k.opt.init(init_params), num_slots + 1)
+            self.states = _stack(self.k.opt.init(params), num_slots + 1)
         self.push_states = None
         if self.k.ptx is not None:
             self.push_states = _decorrelate(
-                _stack(self.k.ptx.init(init_params), num_slots + 1), seed
+                _stack(self.k.ptx.init(params), num_slots + 1), seed
             )
+
+    @staticmethod
+    def host_leaves(tree: Any) -> Leaves:
+        """A version's leaves as read-only host arrays (zero-copy on the CPU)."""
+        return tuple(np.asarray(x) for x in jax.tree.leaves(tree))
+
+    def tree(self, leaves: Leaves) -> Any:
+        """The pytree of a tuple of leaves."""
+        return jax.tree.unflatten(self.treedef, list(leaves))
 
     def submit(self, round_: Round) -> Round:
         """Queues a round for evaluation."""
@@ -369,6 +348,18 @@ class Engine:
         """Forgets a round not evaluated yet (its worker discarded it)."""
         if not round_.done:
             self.pending.remove(round_)
+
+    def rows_per_call(self, batch_size: int) -> int:
+        """How many worker-steps of this batch size one call evaluates."""
+        rows = self._rows.get(batch_size)
+        if rows is None:
+            if self.batch_rows is not None:
+                rows = self.batch_rows
+            else:
+                flops = self.k.gradient_flops(self.params, self.data, batch_size)
+                rows = 256 if flops is None or flops <= BATCH_FLOPS_LIMIT else 1
+            self._rows[batch_size] = rows
+        return rows
 
     def flush(self) -> None:
         """Evaluates every pending round."""
@@ -381,7 +372,9 @@ class Engine:
                 groups.setdefault(r.batch_size, []).append(r)
             for batch_size, group in groups.items():
                 start = 0
-                for rows, padded in chunk_sizes(len(group), self.max_rows):
+                for rows, padded in chunk_sizes(
+                    len(group), self.rows_per_call(batch_size)
+                ):
                     self._step(group[start : start + rows], batch_size, padded)
                     start += rows
             still = []
@@ -408,58 +401,59 @@ class Engine:
             out, loss, self.states, stage = self.k.local(
                 params, idx, scale, self.data, self.states, slots, shared=shared
             )
-            stage = None if stage is None else np.asarray(stage)
+            stage = None if stage is None else np.asarray(stage).tolist()
         else:
             out, loss = self.k.grad(params, idx, scale, self.data, shared=shared)
             stage = None
-        out = np.asarray(out)
+        out = [np.asarray(x) for x in out]
         loss = np.asarray(loss).tolist()
         for j, r in enumerate(rows):
-            r.params = out[j]
+            r.params = tuple(x[j] for x in out)
             r.loss_sum += loss[j]
             r.done_steps += 1
             if stage is not None:
-                r.stage = int(stage[j])
+                r.stage = stage[j]
         self.evaluations += len(rows)
         self.padded_evaluations += pad
 
     def _finish(self, finished: list[Round]) -> None:
         for r in finished:
-            # Gradient mode: the row is the scaled gradient itself. Local mode:
-            # the pseudo-gradient w_start - w_end, what the local steps moved.
-            update = r.params if not self.local else r.base - r.params
+            # Gradient mode: the leaves are the scaled gradient itself. Local
+            # mode: the pseudo-gradient w_start - w_end, what the steps moved.
+            update = (
+                r.params
+                if not self.local
+                else tuple(b - p for b, p in zip(r.base, r.params, strict=True))
+            )
             if r.push_scale != 1.0:
-                update = update * update.dtype.type(r.push_scale)
+                update = tuple(x * x.dtype.type(r.push_scale) for x in update)
             r.update = update
             r.loss = r.loss_sum / r.steps
         if self.push_states is not None and finished:
             start = 0
-            for rows, padded in chunk_sizes(len(finished), self.max_rows):
+            limit = max(self.rows_per_call(r.batch_size) for r in finished)
+            for rows, padded in chunk_sizes(len(finished), limit):
                 chunk = finished[start : start + rows]
                 start += rows
-                pad = padded - rows
                 slots = np.full(padded, self._dummy, np.int32)
                 slots[:rows] = [r.slot for r in chunk]
                 out, self.push_states = self.k.push(
-                    _stack_rows([r.update for r in chunk], pad),
+                    _stack_rows([r.update for r in chunk], padded - rows),
                     self.push_states,
                     slots,
                 )
-                out = np.asarray(out)
+                out = [np.asarray(x) for x in out]
                 for j, r in enumerate(chunk):
-                    r.update = out[j]
+                    r.update = tuple(x[j] for x in out)
         for r in finished:
             r.done = True
             r.params = None
 
 
-def _stack_rows(rows: list[np.ndarray], pad: int) -> np.ndarray:
-    out = np.empty((len(rows) + pad, rows[0].shape[0]), rows[0].dtype)
-    for j, row in enumerate(rows):
-        out[j] = row
+def _stack_rows(rows: list[Leaves], pad: int) -> list[np.ndarray]:
     if pad:
-        out[len(rows) :] = rows[0]
-    return out
+        rows = rows + [rows[0]] * pad
+    return [np.stack(leaf) for leaf in zip(*rows, strict=True)]
 
 
 def _stack(state: Any, n: int) -> Any:

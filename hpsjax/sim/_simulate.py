@@ -67,7 +67,7 @@ from hpsjax.ps._core import (
 )
 from hpsjax.ps._errors import HpsError, WorkerDropped
 from hpsjax.ps._policies import ADSP, Hybrid, Policy, get_policy
-from hpsjax.sim._engine import Engine, FlatSpec, IndexStream, Round
+from hpsjax.sim._engine import Engine, IndexStream, Round
 from hpsjax.sim._workers import WorkerSpec, finish_time
 from hpsjax.transforms._staleness import STALENESS_POLICIES, staleness_factor
 
@@ -154,7 +154,9 @@ class SimConfig:
         or ``"shared"`` (every worker draws from all examples).
       core_kwargs: keyword arguments of :class:`~hpsjax.ps.ServerCore`
         (``keep_stale_params``, deadlines, ``expected_workers``, ...).
-      max_rows: the most worker steps evaluated in one batched call.
+      batch_rows: the most worker steps evaluated in one batched call, or
+        ``None`` to choose from the FLOPs of one gradient: up to 256 for a cheap
+        gradient, one for an expensive one (see ``hpsjax/sim/_engine.py``).
       seed: seed of every random draw.
 
     Raises:
@@ -178,7 +180,7 @@ class SimConfig:
     eval_batch_size: int = 4096
     data_sharding: str = "disjoint"
     core_kwargs: Mapping[str, Any] | None = None
-    max_rows: int = 256
+    batch_rows: int | None = None
     seed: int = 0
 
     def __post_init__(self):
@@ -218,8 +220,10 @@ class SimConfig:
         _check_optional("duration", self.duration)
         _check_optional("max_updates", self.max_updates, integer=True)
         _check_optional("max_gradients", self.max_gradients, integer=True)
-        if self.duration is None and self.max_updates is None and (
-            self.max_gradients is None
+        if (
+            self.duration is None
+            and self.max_updates is None
+            and (self.max_gradients is None)
         ):
             raise ValueError(
                 "Give at least one of duration, max_updates and max_gradients, "
@@ -228,7 +232,7 @@ class SimConfig:
         _check_optional("eval_every", self.eval_every)
         _check_optional("eval_every_updates", self.eval_every_updates, integer=True)
         _check_optional("eval_batch_size", self.eval_batch_size, integer=True)
-        _check_optional("max_rows", self.max_rows, integer=True)
+        _check_optional("batch_rows", self.batch_rows, integer=True)
         if self.data_sharding not in _DATA_SHARDINGS:
             raise ValueError(
                 f"Unknown data_sharding {self.data_sharding!r}; valid values are "
@@ -552,7 +556,6 @@ class _Simulation:
         self.config = config
         self.callback = callback
         specs = _check_workers(workers)
-        self.flat = FlatSpec(params)
 
         policy = get_policy(config.policy, **dict(config.policy_kwargs or {}))
         local = config.worker_optimizer is not None
@@ -567,8 +570,9 @@ class _Simulation:
         self.policy = self.core.policy
 
         data, n_examples = _as_arrays(train_data, "train_data")
-        ids = [s.worker_id if s.worker_id is not None else i
-               for i, s in enumerate(specs)]
+        ids = [
+            s.worker_id if s.worker_id is not None else i for i, s in enumerate(specs)
+        ]
         if len(set(ids)) != len(ids):
             raise ValueError(f"worker ids repeat: {ids}")
         if config.data_sharding == "disjoint" and len(specs) > n_examples:
@@ -617,13 +621,12 @@ class _Simulation:
 
         self.engine = Engine(
             loss_fn,
-            self.flat,
+            params,
             jax.device_put(data),
             len(self.workers),
             worker_optimizer=config.worker_optimizer,
             push_transform=config.push_transform,
-            init_params=params,
-            max_rows=config.max_rows,
+            batch_rows=config.batch_rows,
             seed=seed,
         )
         self.pull_bytes = tree_wire_nbytes(params)
@@ -672,8 +675,8 @@ class _Simulation:
         self.stop = False
         self.tick_at: float | None = None
         self.ticked_at = -math.inf
-        self.flat_version = -1
-        self.flat_params = None
+        self.leaves_version = -1
+        self.version_leaves = None
         self.gradients = 0
         self.drops = 0
         self.errors: list[str] = []
@@ -974,9 +977,7 @@ class _Simulation:
             return
         self._carry_out(actions)
 
-    def _server_push(
-        self, w, session, r, version, step_time, with_pull, sent
-    ) -> None:
+    def _server_push(self, w, session, r, version, step_time, with_pull, sent) -> None:
         if session != w.session:
             return
         now = self.now
@@ -984,7 +985,7 @@ class _Simulation:
         try:
             actions = core.push(
                 w.id,
-                self.flat.unravel_host(r.update),
+                self.engine.tree(r.update),
                 version=version,
                 now=now,
                 step_time=step_time,
@@ -994,27 +995,53 @@ class _Simulation:
             )
         except HpsError as err:
             self.pushes.append(
-                PushRecord(now, sent, w.id, version, core.version - version,
-                           "rejected", 0.0, r.steps, r.batch_size, r.loss)
+                PushRecord(
+                    now,
+                    sent,
+                    w.id,
+                    version,
+                    core.version - version,
+                    "rejected",
+                    0.0,
+                    r.steps,
+                    r.batch_size,
+                    r.loss,
+                )
             )
             self._refused(w, "push", err)
             return
         ack = actions[0]
         self.pushes.append(
-            PushRecord(now, sent, w.id, version, ack.staleness, ack.status,
-                       ack.weight, r.steps, r.batch_size, r.loss)
+            PushRecord(
+                now,
+                sent,
+                w.id,
+                version,
+                ack.staleness,
+                ack.status,
+                ack.weight,
+                r.steps,
+                r.batch_size,
+                r.loss,
+            )
         )
         self.staleness[ack.staleness] += 1
         self.loss_sum += r.loss
         self.loss_count += 1
         if self.config.staleness_lr is not None or ack.local_steps is not None:
             self.schedule(
-                now + w.latency, self._ack_arrive, w, session, ack.staleness,
+                now + w.latency,
+                self._ack_arrive,
+                w,
+                session,
+                ack.staleness,
                 ack.local_steps,
             )
         self._carry_out(actions)
-        if r.stage is not None and isinstance(self.policy, Hybrid) and (
-            r.stage > self.policy.stage
+        if (
+            r.stage is not None
+            and isinstance(self.policy, Hybrid)
+            and (r.stage > self.policy.stage)
         ):
             # The worker's staged optimizer moved on (a flat loss): it reports
             # its stage with the push and the server follows.
@@ -1048,12 +1075,13 @@ class _Simulation:
             kind = type(action)
             if kind is SendParams:
                 w = self.by_id[action.worker_id]
-                if self.flat_version != action.version:
-                    self.flat_params = self.flat.ravel_host(core.params)
-                    self.flat_version = action.version
+                if self.leaves_version != action.version:
+                    self.version_leaves = self.engine.host_leaves(core.params)
+                    self.leaves_version = action.version
                 self.sends.append(
-                    SendRecord(now, w.id, action.version, core.clock(w.id),
-                               core.min_clock)
+                    SendRecord(
+                        now, w.id, action.version, core.clock(w.id), core.min_clock
+                    )
                 )
                 arrival = self._send_down(w, self.pull_bytes)
                 self.schedule(
@@ -1061,15 +1089,20 @@ class _Simulation:
                     self._params_arrive,
                     w,
                     w.session,
-                    self.flat_params,
+                    self.version_leaves,
                     action.version,
                     action.local_steps,
                     now,
                 )
             elif kind is Applied:
                 self.applies.append(
-                    ApplyRecord(now, action.version, action.num_updates,
-                                action.staleness, action.contributors)
+                    ApplyRecord(
+                        now,
+                        action.version,
+                        action.num_updates,
+                        action.staleness,
+                        action.contributors,
+                    )
                 )
                 every = self.config.eval_every_updates
                 if (
@@ -1125,9 +1158,7 @@ class _Simulation:
                     f"{[x.worker_id for x in work_plan.workers]}."
                 ) from None
             if p.batch_size < 1:
-                raise ValueError(
-                    f"the work plan gives worker {w.id!r} an empty batch."
-                )
+                raise ValueError(f"the work plan gives worker {w.id!r} an empty batch.")
             w.batch_size = p.batch_size
             w.local_steps = p.local_steps
             w.lr_scale = float(p.lr_scale)
@@ -1393,6 +1424,13 @@ def simulate(
     if callback is not None and not callable(callback):
         raise ValueError(f"callback must be callable, got {type(callback).__name__}.")
     return _Simulation(
-        loss_fn, params, train_data, workers, config, eval_data, eval_fn, work_plan,
+        loss_fn,
+        params,
+        train_data,
+        workers,
+        config,
+        eval_data,
+        eval_fn,
+        work_plan,
         callback,
     ).run()

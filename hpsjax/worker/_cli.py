@@ -35,7 +35,15 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["build_worker", "main", "parse_args", "write_init"]
+__all__ = [
+    "build_worker",
+    "main",
+    "measure_step",
+    "parse_args",
+    "with_injection",
+    "write_init",
+    "write_profile",
+]
 
 LOCAL_OPTIMIZERS = ("none", "sgd", "momentum", "adam")
 
@@ -176,6 +184,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--profile_batch_sizes",
         default="16,64,256",
         help="batch sizes the profiling pass measures",
+    )
+    g.add_argument(
+        "--profile_repeats",
+        type=int,
+        default=10,
+        help="timed steps per batch size (the median is kept)",
     )
     g.add_argument("--loop", default="auto", choices=("auto", "uvloop", "asyncio"))
     g.add_argument("--log_level", default="INFO")
@@ -333,19 +347,19 @@ def build_worker(args: argparse.Namespace, *, metrics=None):
     )
 
 
-def write_profile(args: argparse.Namespace, path: str | pathlib.Path) -> None:
-    """Profiles the flags' train step on this machine and writes the profile.
+def measure_step(args: argparse.Namespace):
+    """Profiles the flags' train step on this machine, nothing injected.
 
-    The injected slowdown in force at the start is applied to the measured step
-    times (``WorkerProfile.with_slowdown``), and an injected link cap or latency
-    gives the transfer estimate, so the plan sees the worker as it will train.
+    Returns:
+      ``(profile, spec)``: the :class:`~hpsjax.profiling.WorkerProfile` (no
+      transfer) and the parameters' shapes and dtypes.
     """
     import jax
     import jax.numpy as jnp
     import optax
 
     from hpsjax import models
-    from hpsjax.profiling import Link, TransferProfile, profile, tree_wire_nbytes
+    from hpsjax.profiling import profile
 
     index, count = _shard(args)
     train = _dataset(args).shard(count, index)
@@ -358,33 +372,78 @@ def write_profile(args: argparse.Namespace, path: str | pathlib.Path) -> None:
         updates, _ = optimizer.update(grads, optimizer.init(params), params)
         return optax.apply_updates(params, updates)
 
-    sizes = [int(s) for s in args.profile_batch_sizes.split(",") if s.strip()]
-    het = _heterogeneity(args)
-    bandwidth = het.bandwidth_at(0.0)
-    if bandwidth is not None:
-        transfer = Link(bandwidth=bandwidth, latency=het.latency)
-    elif het.latency > 0:
-        nbytes = tree_wire_nbytes(params)
-        transfer = TransferProfile(
-            round_trip_seconds=2 * het.latency,
-            push_seconds=het.latency,
-            pull_seconds=het.latency,
-            push_bytes=nbytes,
-            pull_bytes=nbytes,
-            method="estimated",
-        )
-    else:
-        transfer = None
+    try:
+        sizes = [int(s) for s in args.profile_batch_sizes.split(",") if s.strip()]
+    except ValueError:
+        raise ValueError(
+            f"--profile_batch_sizes must be integers, got {args.profile_batch_sizes!r}"
+        ) from None
     measured = profile(
         step,
         params,
         lambda b: jax.tree.map(jnp.asarray, stream.next(b)),
         batch_sizes=sizes,
+        repeats=args.profile_repeats,
+        worker_id=args.worker_id,
+    )
+    spec = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
+    return measured, spec
+
+
+def with_injection(measured, args: argparse.Namespace, spec):
+    """A measured profile as the flags' worker will train: slowed, linked.
+
+    The slowdown in force at the start multiplies the step times
+    (``WorkerProfile.with_slowdown``); an injected link cap or latency gives the
+    transfer estimate, for pushes encoded with ``--bits``.
+
+    Args:
+      measured: a :class:`~hpsjax.profiling.WorkerProfile` from
+        :func:`measure_step`.
+      args: the worker's parsed flags.
+      spec: the parameters' shapes and dtypes.
+
+    Returns:
+      The profile, with ``worker_id`` from the flags.
+    """
+    import dataclasses
+
+    from hpsjax.profiling import Link, TransferProfile, tree_wire_nbytes
+    from hpsjax.transforms import Codec
+
+    het = _heterogeneity(args)
+    codec = None
+    if args.bits is not None:
+        codec = Codec("sign" if args.bits == 1 else "uniform", args.bits)
+    push_bytes = tree_wire_nbytes(spec, codec)
+    pull_bytes = tree_wire_nbytes(spec)
+    bandwidth = het.bandwidth_at(0.0)
+    if bandwidth is not None:
+        transfer = Link(bandwidth=bandwidth, latency=het.latency).estimate(
+            push_bytes, pull_bytes
+        )
+    elif het.latency > 0:
+        transfer = TransferProfile(
+            round_trip_seconds=2 * het.latency,
+            push_seconds=het.latency,
+            pull_seconds=het.latency,
+            push_bytes=push_bytes,
+            pull_bytes=pull_bytes,
+            method="estimated",
+        )
+    else:
+        transfer = None
+    return dataclasses.replace(
+        measured.with_slowdown(het.slowdown_at(0.0)),
         worker_id=args.worker_id,
         transfer=transfer,
     )
-    measured = measured.with_slowdown(het.slowdown_at(0.0))
-    pathlib.Path(path).write_text(measured.to_json())
+
+
+def write_profile(args: argparse.Namespace, path: str | pathlib.Path) -> None:
+    """Profiles the flags' worker on this machine and writes its profile (JSON)."""
+    measured, spec = measure_step(args)
+    pathlib.Path(path).write_text(with_injection(measured, args, spec).to_json())
 
 
 async def _serve(worker) -> Any:

@@ -1,0 +1,124 @@
+"""The ``hpsjax-server`` command line: arguments, model files, optimizers."""
+
+import asyncio
+import platform
+import subprocess
+import sys
+
+import numpy as np
+import optax
+import pytest
+from test_server import SECRET, _run, _update
+
+from hpsjax.ps import _cli
+from hpsjax.ps._client import Client
+
+
+def test_npz_names_make_nested_dicts(tmp_path):
+    path = tmp_path / "p.npz"
+    np.savez(
+        path, **{"conv/kernel": np.ones((3, 3)), "conv/bias": np.zeros(3), "b": 1.0}
+    )
+    tree = _cli.load_npz_tree(path)
+    assert sorted(tree) == ["b", "conv"]
+    assert tree["conv"]["kernel"].shape == (3, 3)
+    np.testing.assert_array_equal(tree["b"], 1.0)
+
+
+@pytest.mark.parametrize(
+    "arrays,match",
+    [
+        ({"a": np.ones(1), "a/b": np.ones(1)}, "clashes"),
+        ({"a//b": np.ones(1)}, "bad array name"),
+        ({}, "no arrays"),
+    ],
+)
+def test_bad_npz_files(tmp_path, arrays, match):
+    path = tmp_path / "bad.npz"
+    np.savez(path, **arrays)
+    with pytest.raises(ValueError, match=match):
+        _cli.load_npz_tree(path)
+
+
+def test_object_arrays_are_never_unpickled(tmp_path):
+    path = tmp_path / "obj.npz"
+    np.savez(path, x=np.array([{"a": 1}], dtype=object))
+    with pytest.raises(ValueError, match="pickle"):
+        _cli.load_npz_tree(path)
+
+
+def test_optimizers():
+    assert isinstance(_cli.make_optimizer("adam", 1e-3), optax.GradientTransformation)
+    assert isinstance(_cli.make_optimizer("momentum", 0.1, momentum=0.5), tuple)
+    for args, kwargs in [(("rmsprop", 0.1), {}), (("sgd", 0.0), {}),
+                         (("momentum", 0.1), {"momentum": 1.0})]:  # fmt: skip
+        with pytest.raises(ValueError):
+            _cli.make_optimizer(*args, **kwargs)
+
+
+def test_arguments_parse_json_values():
+    args = _cli.parse_args(
+        ["--init", "x.npz", "--policy", "ssp", "--policy_arg", "staleness_bound=2",
+         "--policy_arg", "name=text", "--core_arg", "expected_workers=3"]
+    )  # fmt: skip
+    assert dict(args.policy_arg) == {"staleness_bound": 2, "name": "text"}
+    assert dict(args.core_arg) == {"expected_workers": 3}
+    with pytest.raises(SystemExit):
+        _cli.parse_args(["--init", "x.npz", "--policy_arg", "novalue"])
+
+
+def test_main_reports_bad_input_and_exits_2(tmp_path, capsys):
+    path = tmp_path / "p.npz"
+    np.savez(path, w=np.zeros(2, np.float32))
+    secret = tmp_path / "secret"
+    secret.write_bytes(b"\n")
+    assert _cli.main(["--init", str(path), "--secret_file", str(secret)]) == 2
+    assert "empty" in capsys.readouterr().err
+    assert (
+        _cli.main(["--init", str(path), "--policy", "nope", "--loop", "asyncio"]) == 2
+    )
+    assert "Unknown policy" in capsys.readouterr().err
+    code = _cli.main(["--init", str(path), "--host", "0.0.0.0", "--loop", "asyncio"])
+    assert code == 2 and "without a secret" in capsys.readouterr().err
+
+
+def test_serve_hybrid_from_json_stages(tmp_path, capsys):
+    path = tmp_path / "p.npz"
+    np.savez(path, **{"b": np.zeros(3, np.float32), "w": np.zeros((4, 3), np.float32)})
+    (tmp_path / "secret").write_bytes(SECRET)
+    args = _cli.parse_args(
+        ["--init", str(path), "--secret_file", str(tmp_path / "secret"),
+         "--policy", "hybrid", "--policy_arg",
+         'stages=[{"mode": "async", "local_steps": 4}, {"mode": "sync"}]',
+         "--learning_rate", "1.0", "--log_level", "WARNING"]
+    )  # fmt: skip
+
+    async def main():
+        task = asyncio.create_task(_cli.serve(args))
+        out = ""
+        async with asyncio.timeout(20):
+            while "listening on" not in out:
+                await asyncio.sleep(0.05)
+                out += capsys.readouterr().out
+        port = int(out.split("listening on ")[1].split()[0].rsplit(":", 1)[1])
+        async with Client("127.0.0.1", port, worker_id="w", secret=SECRET) as c:
+            assert c.info.policy == "hybrid"
+            _, v = await c.pull()
+            ack = await c.push(_update(1.0), version=v)
+            assert ack.applied and ack.local_steps == 4
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    _run(main, loop="asyncio")
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc only")
+def test_malloc_tuning_applies_in_a_fresh_process():
+    # In a subprocess: the setting is process-wide.
+    out = subprocess.run(
+        [sys.executable, "-c",
+         "from hpsjax.ps._cli import keep_freed_memory; print(keep_freed_memory())"],
+        capture_output=True, text=True, timeout=120, check=True,
+    )  # fmt: skip
+    assert out.stdout.strip() == "True"
