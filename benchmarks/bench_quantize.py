@@ -34,11 +34,16 @@ def _codecs(block_size: int) -> list[tuple[str, Codec]]:
                 where = "leaf" if block is None else f"block {block}"
                 name = f"uniform {bits:2d}b {rounding} {where}"
                 codecs.append(
-                    (name, Codec("uniform", bits, block_size=block, stochastic=stochastic))
+                    (
+                        name,
+                        Codec("uniform", bits, block_size=block, stochastic=stochastic),
+                    )
                 )
     for block in (None, block_size):
         where = "leaf" if block is None else f"block {block}"
-        codecs.append((f"qsgd s=127 stoch {where}", Codec("qsgd", levels=127, block_size=block)))
+        codecs.append(
+            (f"qsgd s=127 stoch {where}", Codec("qsgd", levels=127, block_size=block))
+        )
         codecs.append((f"sign 1b near {where}", Codec("sign", block_size=block)))
         codecs.append(
             (f"sign 1b stoch {where}", Codec("sign", block_size=block, stochastic=True))

@@ -1,17 +1,19 @@
 """Benchmark of the worker runtime: idle time, pipeline overlap, profiling cost.
 
 Three measurements, each against a baseline taken in the same run, on worker
-*processes* started by :func:`hpsjax.launch.launch` (an MLP 784-256-256-10 on
-28x28 generated digits, 269k parameters, about 1 MB per push or pull):
+*processes* started by :func:`hpsjax.launch.launch` (``hpsjax.models.SmallCNN``
+on 28x28 generated digits, 106k parameters, 0.42 MB per push or pull; one XLA
+thread per process):
 
 1. **Idle fraction under BSP.** Four workers with injected speeds 1 : 1 : 2 : 4
    (slowdown factors 4, 4, 2, 1) train under BSP with a global batch of 512,
    once with equal batches (128 each) and once with the profiled H-PS plan
-   (batches proportional to measured speed). The idle fraction is the share of
+   (batches from measured speed). The idle fraction is the share of
    round time a worker spends waiting for the next parameters, averaged over the
    workers (rounds after the warm-up).
-2. **Pipeline overlap.** Two workers under ASP with a capped link, with and
-   without the pipeline (previous push and next pull travelling during compute):
+2. **Pipeline overlap.** Two workers under ASP with a 10 MB/s link (about 40 ms
+   per message), with and without the pipeline (previous push and next pull
+   travelling during compute):
    the share of transfer time hidden behind compute,
    ``1 - sum(wait) / sum(transfer)``, and the round-time ratio.
 3. **Profiling cost.** Seconds the profiling pass takes on the slowest worker
@@ -47,14 +49,14 @@ from hpsjax.launch import launch
 from hpsjax.worker import summarize
 
 MODEL = [
+    "--model", "cnn",
     "--dataset_arg", "image_size=28",
     "--dataset_arg", "num_examples=4000",
-    "--model_arg", "hidden=[256, 256]",
     "--log_level", "WARNING",
 ]  # fmt: skip
-PROFILE_REPEATS = 20
+PROFILE_REPEATS = 5
 PROFILE = [
-    "--profile_batch_sizes", "32,128,256",
+    "--profile_batch_sizes", "16,64",
     "--profile_repeats", str(PROFILE_REPEATS),
 ]  # fmt: skip
 SPEEDS = (1, 1, 2, 4)
@@ -122,7 +124,7 @@ def bsp_idle(root: pathlib.Path, *, steps: int, warmup: int) -> dict:
 
 def overlap(root: pathlib.Path, *, steps: int, warmup: int) -> dict:
     """Transfer hidden behind compute, pipeline on versus off."""
-    flags = [*MODEL, "--batch_size", "128", "--slowdown", "4", "--bandwidth", "5e7"]
+    flags = [*MODEL, "--batch_size", "64", "--bandwidth", "1e7"]
     out = {}
     for name, extra in (("pipelined", []), ("sequential", ["--no_pipeline"])):
         workdir = root / f"overlap_{name}"
@@ -150,7 +152,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", help="write the figures as JSON here")
     p.add_argument("--workdir", help="keep the runs' files here")
     args = p.parse_args(argv)
-    steps, warmup = (15, 3) if args.quick else (40, 5)
+    steps, warmup = (10, 3) if args.quick else (30, 5)
     root = pathlib.Path(args.workdir or tempfile.mkdtemp(prefix="bench-worker-"))
     idle = bsp_idle(root, steps=steps, warmup=warmup)
     hidden = overlap(root, steps=steps, warmup=warmup)
@@ -186,7 +188,7 @@ def main(argv=None) -> int:
             f"median round {f['median_round_s'] * 1e3:.0f} ms"
         )
     print(f"  throughput H-PS / equal: {idle['speedup']:.2f}x")
-    print("Pipeline, ASP, 2 workers, 1 MB messages on a 50 MB/s link")
+    print("Pipeline, ASP, 2 workers, 0.42 MB messages on a 10 MB/s link")
     for name in ("pipelined", "sequential"):
         f = hidden[name]
         print(

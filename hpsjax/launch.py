@@ -5,8 +5,9 @@ model's initial parameters and a fresh secret into a work directory, starts
 ``hpsjax-server`` and N ``hpsjax-worker`` processes (each in its own process
 group), streams their output with a ``[server]`` / ``[worker i]`` prefix, shows
 the server's version on a progress bar, and stops the server once every worker
-has finished. Arguments after ``--server`` / ``--worker`` go to every server /
-worker command line; ``--worker_flags i "..."`` to worker ``i`` only::
+has finished. Arguments after ``--server`` go to the server's command line, those
+after ``--`` to every worker's, and ``--worker_flags i "..."`` to worker ``i``
+only::
 
     python -m hpsjax.launch --workers 4 --policy bsp --steps 300 --plan hps \\
         --worker_flags 0 "--slowdown 4" --worker_flags 1 "--slowdown 4" \\
@@ -18,10 +19,10 @@ slowdown and link), :func:`hpsjax.profiling.plan` makes the work plan, and the
 workers train with it (``--work_plan``).
 
 Shutdown is clean whatever happens: when a worker fails, the server exits early,
-the time limit passes or Ctrl-C is pressed, every process group is sent SIGTERM,
-given ``shutdown_timeout`` seconds, then SIGKILL; no process outlives the
-launcher (on Linux the children are also tied to the launcher's life with
-``PR_SET_PDEATHSIG``, so they get SIGTERM even if it is killed).
+the time limit passes, or Ctrl-C (or SIGTERM) arrives, every process group is
+sent SIGTERM, given ``shutdown_timeout`` seconds, then SIGKILL; no process
+outlives the launcher (on Linux the children are also tied to the launcher's
+life with ``PR_SET_PDEATHSIG``, so they get SIGTERM even if it is killed).
 
 For several hosts, see LAUNCH.md.
 """
@@ -344,8 +345,9 @@ def launch(
       A :class:`LaunchResult`; ``returncode`` 0 when every worker exited with 0.
 
     Raises:
-      LaunchError: bad arguments, or the server failed to start (everything
-        started is stopped first).
+      LaunchError: bad arguments or worker flags, a model the flags cannot
+        build, or a server that failed to start (everything started is stopped
+        first).
       KeyboardInterrupt: after a clean shutdown, when interrupted.
 
     Examples:
@@ -376,14 +378,16 @@ def launch(
             raise LaunchError(f"unknown plan scheme {plan!r}; valid: {SCHEMES}")
     flags = _worker_flags(per_worker_args, num_workers)
     shared = [str(a) for a in worker_args]
-    from hpsjax.worker._cli import parse_args
+    from hpsjax.worker._cli import _heterogeneity, parse_args, write_init
 
     try:
         parse_args(shared)
         for extra in flags:
-            parse_args([*shared, *extra])
+            _heterogeneity(parse_args([*shared, *extra]))
     except SystemExit:
         raise LaunchError("bad worker flags (see the message above)") from None
+    except ValueError as e:
+        raise LaunchError(f"bad worker flags: {e}") from None
 
     out = log if log is not None else sys.stdout
     lock = threading.Lock()
@@ -408,9 +412,10 @@ def launch(
     secret_file.touch(mode=0o600)
     secret_file.write_bytes(secret)
     init = work / "init.npz"
-    from hpsjax.worker._cli import write_init
-
-    write_init(parse_args(shared), init)
+    try:
+        write_init(parse_args(shared), init)
+    except ValueError as e:
+        raise LaunchError(f"cannot build the model from the worker flags: {e}") from e
     profile_seconds = None
     if plan is not None:
         plan_file, profile_seconds = _profile_and_plan(
@@ -582,6 +587,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, help="seconds the run may take")
     p.add_argument("--no_progress", action="store_true", help="no progress bar")
     args = p.parse_args(own)
+
+    def terminate(signum, frame):
+        del signum, frame
+        raise KeyboardInterrupt
+
+    # SIGTERM (a scheduler stopping the job) shuts down like Ctrl-C.
+    signal.signal(signal.SIGTERM, terminate)
     per_worker: dict[int, list[str]] = {}
     try:
         for index, text in args.worker_flags:

@@ -733,3 +733,44 @@ def test_periodic_checkpoints_and_a_mismatched_resume(tmp_path):
             await _server("asp", params=other, checkpoint_dir=tmp_path).start()
 
     _run(main)
+
+
+def test_work_plans_reach_workers_now_and_on_joining():
+    async def main():
+        async with _server("asp") as server:
+            with pytest.raises(ValueError, match="revision"):
+                server.send_plan("late", {"batch_size": 8})
+            with pytest.raises(ValueError, match="cannot be sent"):
+                server.send_plan("late", {"revision": 1, "x": object()})
+            server.send_plan("late", {"revision": 1, "batch_size": 8})
+            c = _client(server, "late")
+            await c.connect()
+            await c.pull()  # the plan comes before the answer to the join
+            assert c.hints["plan"] == {"revision": 1, "batch_size": 8}
+            server.send_plan("late", {"revision": 2, "batch_size": 16})
+            await c.refresh_info()  # a round trip after the notice
+            assert c.hints["plan"]["batch_size"] == 16
+            await c.close()
+
+    _run(main)
+
+
+def test_reused_receive_buffers_never_corrupt_updates():
+    # Pushes follow each other faster than the server's steps finish, so a
+    # receive buffer still read by a step must not take the next push.
+    big = {"w": jnp.zeros((1024, 1024), jnp.float32)}
+
+    async def main():
+        async with _server("asp", params=big) as server:
+            c = _client(server, "fast")
+            await c.connect()
+            _, v = await c.pull()
+            for i in range(30):
+                update = {"w": np.full((1024, 1024), i + 1.0, np.float32)}
+                v = (await c.push(update, version=v)).version
+            params, v = await c.pull()
+            assert v == 30
+            np.testing.assert_array_equal(params["w"], -465.0)
+            await c.close()
+
+    _run(main)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -370,95 +369,3 @@ def test_state_structure_stable_under_cond(case):
         if jnp.issubdtype(a.dtype, jax.dtypes.prng_key):
             a, b = jax.random.key_data(a), jax.random.key_data(b)
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-
-
-def _step_seconds(runs, *, rounds=15, steps=10):
-    """Best time per step of each jitted train step, measured interleaved."""
-    best = dict.fromkeys(runs, float("inf"))
-    for _ in range(rounds):
-        for name, run in runs.items():
-            start = time.perf_counter()
-            run(steps)
-            best[name] = min(best[name], (time.perf_counter() - start) / steps)
-    return best
-
-
-def _train_step(tx, params, grads, extra):
-    @functools.partial(jax.jit, donate_argnums=(0, 1))
-    def step(params, state, grads, extra):
-        updates, state = tx.update(grads, state, params, **extra)
-        return optax.apply_updates(params, updates), state
-
-    carry = [jax.tree.map(jnp.copy, params), tx.init(params)]
-
-    def run(steps):
-        params, state = carry
-        for _ in range(steps):
-            params, state = step(params, state, grads, extra)
-        jax.block_until_ready((params, state))
-        carry[:] = [params, state]
-
-    run(1)
-    return run
-
-
-@pytest.mark.slow
-def test_step_overhead_against_plain_optax():
-    """Time per train step as a ratio to the plain optax step it extends.
-
-    Run with ``-s`` to see the table; the bounds are loose so that a loaded
-    machine does not fail it.
-    """
-    keys = jax.random.split(jax.random.key(0), 4)
-    params = {f"l{i}": jax.random.normal(k, (512, 512)) for i, k in enumerate(keys)}
-    grads = jax.tree.map(lambda p: 0.01 * p, params)
-    stale = {"stale_params": jax.tree.map(lambda p: p - 1e-3, params)}
-    tau = {"staleness": jnp.asarray(3)}
-    adam_stages = [
-        Stage(optax.adam(1e-3), local_steps=8, until_step=10**6),
-        Stage(optax.adam(1e-3)),
-    ]
-    # name -> (transform, extra args, baseline name, largest ratio accepted)
-    cases = {
-        "sgd": (optax.sgd(0.1), {}, None, None),
-        "sgd(momentum)": (optax.sgd(0.1, momentum=0.9), {}, None, None),
-        "adam": (optax.adam(1e-3), {}, None, None),
-        "scale_by_staleness+sgd": (
-            optax.chain(
-                scale_by_staleness("polynomial", max_staleness=5), optax.sgd(0.1)
-            ),
-            tau,
-            "sgd",
-            2.0,
-        ),
-        "delay_compensation+sgd": (
-            optax.chain(delay_compensation(), optax.sgd(0.1)),
-            stale,
-            "sgd",
-            3.0,
-        ),
-        "delay_compensation(adaptive)+sgd": (
-            optax.chain(delay_compensation(adaptive=True), optax.sgd(0.1)),
-            stale,
-            "sgd(momentum)",
-            4.0,
-        ),
-        "sgd+local_steps": (
-            optax.chain(optax.sgd(0.1), local_steps(8)),
-            {},
-            "sgd(momentum)",
-            2.0,
-        ),
-        "hybrid_stages(adam, adam)": (hybrid_stages(adam_stages), {}, "adam", 4.0),
-    }
-    runs = {
-        name: _train_step(tx, params, grads, extra)
-        for name, (tx, extra, _, _) in cases.items()
-    }
-    best = _step_seconds(runs)
-    print(f"\n{'step (1M float32 params)':34s} {'ms':>7s}  ratio")
-    for name, (_, _, baseline, bound) in cases.items():
-        ratio = best[name] / best[baseline or name]
-        print(f"{name:34s} {best[name] * 1e3:7.3f}  {ratio:.2f}x {baseline or name}")
-        if bound is not None:
-            assert ratio < bound, (name, ratio)

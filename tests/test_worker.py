@@ -607,6 +607,27 @@ def test_bad_plan_hint_is_refused(setup):
     assert client.pushes == [] and client.closed
 
 
+@pytest.mark.parametrize(
+    "plan",
+    [
+        {"revision": 2, "batch_size": 8, "lr_scale": -1.0},
+        {"revision": 2, "batch_size": 8, "local_steps": 0},
+        {"revision": 2, "device_batches": "8"},
+        {"revision": "2", "batch_size": 8},
+        ["batch_size", 8],
+    ],
+)
+def test_a_bad_plan_hint_changes_nothing(setup, plan):
+    _, params, _ = setup
+    worker = _scripted_worker(
+        setup, ScriptedClient(params), records=[], local_optimizer=optax.sgd(0.1)
+    )
+    before = worker._settings()
+    with pytest.raises(ProtocolError):
+        worker._follow_hints({"plan": plan})
+    assert worker._settings() == before
+
+
 def test_dropped_worker_joins_again(setup):
     _, params, _ = setup
     client = ScriptedClient(params, drop_after=1)

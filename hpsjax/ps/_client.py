@@ -548,7 +548,9 @@ class Client:
         """The server's latest instructions to this worker.
 
         Keys: ``local_steps`` (steps before the next push), ``stage``,
-        ``force_pull`` (reason to discard local work and pull, or absent).
+        ``plan`` (the latest work plan the server sent, see
+        ``Server.send_plan``), ``force_pull`` (reason to discard local work and
+        pull; absent once fresh parameters arrived).
         """
         return dict(self._hints)
 
@@ -980,7 +982,7 @@ class Client:
                 slot.changed.set()
         elif frame.msg_type == MsgType.STAGE:
             meta = frame.metadata
-            for key in ("stage", "local_steps"):
+            for key in ("stage", "local_steps", "plan"):
                 if key in meta:
                     self._hints[key] = meta[key]
             if meta.get("force_pull"):

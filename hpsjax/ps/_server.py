@@ -48,6 +48,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import msgpack
 import optax
 
 from hpsjax.ps import _wire as wire
@@ -269,7 +270,10 @@ class Server:
         self._checkpoint_every_s = checkpoint_every_s
         self._checkpoint_every_updates = checkpoint_every_updates
         self._checkpoint_keep = checkpoint_keep
-        _, _, self._model = wire.tree_to_wire(self._core.params, limits=limits)
+        meta, _, self._model = wire.tree_to_wire(self._core.params, limits=limits)
+        # Shapes and dtypes never change, so the parameters' description is
+        # packed once; each version adds only its number.
+        self._params_description = wire.pack_fields(meta)
         # Received leaves are put back into the parameters' own tree type, so
         # the wire's leaf order must be JAX's.
         _, wire_leaves = wire.flatten_tree(self._core.params, limits=limits)
@@ -295,6 +299,7 @@ class Server:
             limits, check=lambda layout: wire.check_same_spec(layout, self._model)
         )
         self._sessions: dict[Any, _Session] = {}
+        self._plans: dict[Any, dict[str, Any]] = {}
         self._connections: set[_Session] = set()
         self._server: asyncio.AbstractServer | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -302,7 +307,7 @@ class Server:
         self._last_tick_deadline: float | None = None
         self._closing = False
         self._closed: asyncio.Future | None = None
-        self._params_cache: tuple[int, wire.PackedFields, list] | None = None
+        self._params_cache: tuple[int, list, list] | None = None
         self._manager: CheckpointManager | None = None
         self._saved_version: int | None = None
         self._checkpoint_task: asyncio.Task | None = None
@@ -489,6 +494,35 @@ class Server:
                         wire.encode_frame(MsgType.STAGE, 0, {"stage": index})
                     )
         self._rearm()
+
+    def send_plan(self, worker_id: Any, plan: Mapping[str, Any]) -> None:
+        """Sends a worker a new work plan (H-PS re-planning), now or on joining.
+
+        The plan reaches the worker in a ``STAGE`` notice (field ``plan``) and
+        shows in its client's ``hints["plan"]``; a worker that is not connected
+        gets the latest one before the answer to its next join.
+
+        Args:
+          worker_id: the worker.
+          plan: a msgpack-able map with an int ``revision`` (higher revisions
+            replace lower ones), e.g. ``{"revision": 2, "batch_size": 48,
+            "local_steps": 4, "lr_scale": 0.5}``.
+
+        Raises:
+          ValueError: the plan is not a map with an int ``revision``, or cannot
+            be packed (nothing is sent or kept).
+        """
+        revision = plan.get("revision") if isinstance(plan, Mapping) else None
+        if isinstance(revision, bool) or not isinstance(revision, int):
+            raise ValueError(f"a plan needs an int 'revision', got {plan!r}"[:300])
+        try:
+            msgpack.packb(dict(plan), use_bin_type=True)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"plan cannot be sent: {e}") from None
+        self._plans[worker_id] = dict(plan)
+        session = self._sessions.get(worker_id)
+        if session is not None and session.state == "ready":
+            self._notify(session, MsgType.STAGE, {"plan": self._plans[worker_id]})
 
     # ---------------------------------------------------------- checkpoints
 
@@ -795,6 +829,11 @@ class Server:
         if session.joined:
             actions = self._core.pull(session.worker_id, now)
         else:
+            plan = self._plans.get(session.worker_id)
+            if plan is not None:
+                # Before the answer to the join, so the plan is in force for
+                # the worker's first round.
+                self._notify(session, MsgType.STAGE, {"plan": plan})
             actions = self._core.join(session.worker_id, now)
             session.joined = True
         self._carry_out(actions)
@@ -864,8 +903,10 @@ class Server:
     def _decode_update(self, payload: wire.WireTree) -> Any:
         layout = payload.layout
         if layout.codec is None:
-            # The leaves were received 64-byte aligned, so this is no copy.
-            return jax.tree.unflatten(self._treedef, jax.device_put(payload.arrays))
+            # Received 64-byte aligned, so JAX takes them without a copy when the
+            # core's compiled steps are called on them (cheaper than device_put
+            # for small leaves, as fast for big ones).
+            return jax.tree.unflatten(self._treedef, payload.arrays)
         from hpsjax.transforms import _quantize as q
 
         codec = q.Codec.from_dict(layout.codec)
@@ -928,19 +969,20 @@ class Server:
             if not session.protocol.closed:
                 session.protocol.send(error_frame(request_id, error))
 
-    def _params_parts(self) -> tuple[wire.PackedFields, list[memoryview]]:
+    def _params_parts(self) -> tuple[list[wire.PackedFields], list[memoryview]]:
         version = self._core.version
         if self._params_cache is None or self._params_cache[0] != version:
-            meta, buffers, _ = wire.tree_to_wire(self._core.params, limits=self._limits)
-            meta["version"] = version
-            self._params_cache = (version, wire.pack_fields(meta), buffers)
+            _, buffers, _ = wire.tree_to_wire(self._core.params, limits=self._limits)
+            fields = [self._params_description, wire.pack_fields({"version": version})]
+            self._params_cache = (version, fields, buffers)
         return self._params_cache[1], self._params_cache[2]
 
     def _send_params(self, session: _Session, request_id: int, extra=None) -> None:
         if session.protocol.closed:
             return
-        packed, buffers = self._params_parts()
-        fields = [packed, wire.pack_fields(extra)] if extra else [packed]
+        fields, buffers = self._params_parts()
+        if extra:
+            fields = [*fields, wire.pack_fields(extra)]
         session.protocol.send(
             wire.encode_frame_packed(MsgType.PARAMS, request_id, fields, buffers)
         )

@@ -114,10 +114,10 @@ class Round:
     Set at submission: ``slot`` (the worker's row in the stacked states),
     ``base`` (the parameter leaves it starts from), ``steps``, ``batch_size``,
     ``scale`` (step-size scale of its local steps, or of its gradient),
-    ``push_scale`` (factor on the pushed update), ``stream`` (its batch indices).
-    Set by evaluation: ``update`` (leaves of the pushed update, after the push
-    transform), ``loss`` (mean training loss over its steps), ``stage`` (the
-    worker optimizer's stage after it, or ``None``), ``done``.
+    ``stream`` (its batch indices). Set by evaluation: ``update`` (leaves of the
+    update it pushes, before any push transform), ``loss`` (mean training loss
+    over its steps), ``stage`` (the worker optimizer's stage after it, or
+    ``None``), ``done``.
     """
 
     __slots__ = (
@@ -128,7 +128,6 @@ class Round:
         "loss",
         "loss_sum",
         "params",
-        "push_scale",
         "scale",
         "slot",
         "stage",
@@ -137,14 +136,13 @@ class Round:
         "update",
     )
 
-    def __init__(self, slot, base, steps, batch_size, scale, push_scale, stream):
+    def __init__(self, slot, base, steps, batch_size, scale, stream):
         self.slot = slot
         self.base = base
         self.params = base
         self.steps = steps
         self.batch_size = batch_size
         self.scale = scale
-        self.push_scale = push_scale
         self.stream = stream
         self.done_steps = 0
         self.loss_sum = 0.0
@@ -152,6 +150,21 @@ class Round:
         self.loss = None
         self.stage = None
         self.done = False
+
+
+class PushJob:
+    """One update on its way out: scaled, then through the push transform.
+
+    ``update`` holds the leaves to send; with a push transform they are replaced
+    by its output (what the server decodes) when ``done``.
+    """
+
+    __slots__ = ("done", "slot", "update")
+
+    def __init__(self, slot: int, update: Leaves, done: bool):
+        self.slot = slot
+        self.update = update
+        self.done = done
 
 
 class Kernels:
@@ -315,6 +328,7 @@ class Engine:
         self.batch_rows = batch_rows
         self.local = worker_optimizer is not None
         self.pending: list[Round] = []
+        self.push_pending: list[PushJob] = []
         self.evaluations = 0
         self.padded_evaluations = 0
         self._rows: dict[int, int] = {}
@@ -329,6 +343,8 @@ class Engine:
             self.push_states = _decorrelate(
                 _stack(self.k.ptx.init(params), num_slots + 1), seed
             )
+        # Push transforms are cheap next to a gradient: batch them as small ones.
+        self.push_rows = 256 if batch_rows is None else batch_rows
 
     @staticmethod
     def host_leaves(tree: Any) -> Leaves:
@@ -420,34 +436,52 @@ class Engine:
         for r in finished:
             # Gradient mode: the leaves are the scaled gradient itself. Local
             # mode: the pseudo-gradient w_start - w_end, what the steps moved.
-            update = (
-                r.params
-                if not self.local
-                else tuple(b - p for b, p in zip(r.base, r.params, strict=True))
-            )
-            if r.push_scale != 1.0:
-                update = tuple(x * x.dtype.type(r.push_scale) for x in update)
-            r.update = update
+            if self.local:
+                r.update = tuple(b - p for b, p in zip(r.base, r.params, strict=True))
+            else:
+                r.update = r.params
             r.loss = r.loss_sum / r.steps
-        if self.push_states is not None and finished:
+            r.done = True
+            r.params = None
+
+    def prepare_push(self, slot: int, update: Leaves, factor: float) -> PushJob:
+        """Scales an update by ``factor`` and queues it for the push transform."""
+        if factor != 1.0:
+            update = tuple(x * x.dtype.type(factor) for x in update)
+        job = PushJob(slot, update, self.push_states is None)
+        if not job.done:
+            self.push_pending.append(job)
+        return job
+
+    def finish_pushes(self) -> None:
+        """Runs every queued update through its worker's push transform.
+
+        A worker's updates go through in the order they were queued (its error
+        feedback and key are sequential): one call never holds two of them.
+        """
+        pending = self.push_pending
+        self.push_pending = []
+        while pending:
+            seen, now, later = set(), [], []
+            for job in pending:
+                (later if job.slot in seen else now).append(job)
+                seen.add(job.slot)
+            pending = later
             start = 0
-            limit = max(self.rows_per_call(r.batch_size) for r in finished)
-            for rows, padded in chunk_sizes(len(finished), limit):
-                chunk = finished[start : start + rows]
+            for rows, padded in chunk_sizes(len(now), self.push_rows):
+                chunk = now[start : start + rows]
                 start += rows
                 slots = np.full(padded, self._dummy, np.int32)
-                slots[:rows] = [r.slot for r in chunk]
+                slots[:rows] = [job.slot for job in chunk]
                 out, self.push_states = self.k.push(
-                    _stack_rows([r.update for r in chunk], padded - rows),
+                    _stack_rows([job.update for job in chunk], padded - rows),
                     self.push_states,
                     slots,
                 )
                 out = [np.asarray(x) for x in out]
-                for j, r in enumerate(chunk):
-                    r.update = tuple(x[j] for x in out)
-        for r in finished:
-            r.done = True
-            r.params = None
+                for j, job in enumerate(chunk):
+                    job.update = tuple(x[j] for x in out)
+                    job.done = True
 
 
 def _stack_rows(rows: list[Leaves], pad: int) -> list[np.ndarray]:
@@ -468,17 +502,38 @@ def _is_key(x: Any) -> bool:
     )
 
 
+def _fold_rows(keys: jax.Array, seed: int) -> jax.Array:
+    """Row ``j`` of stacked keys (typed or raw ``uint32`` data) folded with
+    ``(seed, j)``."""
+    typed = jax.dtypes.issubdtype(keys.dtype, jax.dtypes.prng_key)
+
+    def fold(k, j):
+        k = k if typed else jax.random.wrap_key_data(k)
+        k = jax.random.fold_in(jax.random.fold_in(k, seed), j)
+        return k if typed else jax.random.key_data(k)
+
+    return jax.vmap(fold)(keys, jnp.arange(keys.shape[0]))
+
+
 def _decorrelate(stacked: Any, seed: int) -> Any:
-    """Gives every worker's row its own random key (typed key leaves only)."""
+    """Gives every worker's row its own random key.
 
-    def fix(x):
-        if not _is_key(x):
-            return x
-        return jax.vmap(
-            lambda k, j: jax.random.fold_in(jax.random.fold_in(k, seed), j)
-        )(x, jnp.arange(x.shape[0]))
+    Every row starts as a copy of one initial state, so without this all
+    workers would round their quantized pushes with the same random bits.
+    Typed key leaves and the raw key of a ``QuantizeState`` are folded.
+    """
+    from hpsjax.transforms._quantize import QuantizeState
 
-    return jax.tree.map(fix, stacked)
+    def fix(node):
+        if isinstance(node, QuantizeState):
+            return node._replace(key=_fold_rows(node.key, seed))
+        if _is_key(node):
+            return _fold_rows(node, seed)
+        return node
+
+    return jax.tree.map(
+        fix, stacked, is_leaf=lambda node: isinstance(node, QuantizeState)
+    )
 
 
 def _has_stages(state: Any) -> bool:

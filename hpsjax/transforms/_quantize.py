@@ -165,8 +165,7 @@ class Codec:
                 bits = 8 if bits is None else bits
                 if bits not in CODE_BITS:
                     raise ValueError(
-                        f"bits for scheme 'qsgd' must be one of {CODE_BITS}, "
-                        f"got {bits}"
+                        f"bits for scheme 'qsgd' must be one of {CODE_BITS}, got {bits}"
                     )
                 levels = 2 ** (bits - 1) - 1
             else:
@@ -466,9 +465,7 @@ def _codes(flat, steps, codec, seeds):
     if rest:
         tail = flat[n_full * block :][None]
         parts.append(
-            _block_codes(tail, steps[n_full], codec, seeds, n_full * block).reshape(
-                -1
-            )
+            _block_codes(tail, steps[n_full], codec, seeds, n_full * block).reshape(-1)
         )
     return jnp.concatenate(parts) if len(parts) > 1 else parts[0]
 

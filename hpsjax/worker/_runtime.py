@@ -675,7 +675,11 @@ class Worker:
             self._hinted_steps = steps
 
     def _apply_plan_hint(self, plan: Any) -> None:
+        """Takes a newer plan revision from the server; a bad one changes nothing."""
         from hpsjax.ps import ProtocolError
+
+        def positive_int(value: Any) -> bool:
+            return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
         if not isinstance(plan, Mapping):
             raise ProtocolError(f"bad plan hint from the server: {plan!r}")
@@ -685,38 +689,35 @@ class Worker:
         if self._plan_revision is not None and revision <= self._plan_revision:
             return
         batches = plan.get("device_batches")
-        if batches is None and "batch_size" in plan:
-            size = plan["batch_size"]
-            if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-                raise ProtocolError(f"bad batch_size in plan hint: {size!r}")
-            batches = _split_evenly(size, len(self._devices))
-        if batches is not None:
-            if (
-                not isinstance(batches, Sequence)
-                or len(batches) != len(self._devices)
-                or not all(
-                    isinstance(b, int) and not isinstance(b, bool) and b >= 1
-                    for b in batches
-                )
-            ):
-                raise ProtocolError(
-                    f"plan hint's device_batches {batches!r} do not fit this "
-                    f"worker's {len(self._devices)} device(s)"
-                )
-            self._device_batches = tuple(batches)
+        if batches is None and plan.get("batch_size") is not None:
+            if not positive_int(plan["batch_size"]):
+                raise ProtocolError(f"bad batch_size in plan hint: {plan!r}")
+            batches = _split_evenly(plan["batch_size"], len(self._devices))
+        if batches is not None and (
+            isinstance(batches, str | bytes)
+            or not isinstance(batches, Sequence)
+            or len(batches) != len(self._devices)
+            or not all(positive_int(b) for b in batches)
+        ):
+            raise ProtocolError(
+                f"plan hint's device_batches {batches!r} do not fit this worker's "
+                f"{len(self._devices)} device(s)"
+            )
         scale = plan.get("lr_scale")
-        if scale is not None:
-            if (
-                isinstance(scale, bool)
-                or not isinstance(scale, int | float)
-                or not (math.isfinite(scale) and scale > 0)
-            ):
-                raise ProtocolError(f"bad lr_scale in plan hint: {scale!r}")
-            self._lr_scale = float(scale)
+        if scale is not None and (
+            isinstance(scale, bool)
+            or not isinstance(scale, int | float)
+            or not (math.isfinite(scale) and scale > 0)
+        ):
+            raise ProtocolError(f"bad lr_scale in plan hint: {plan!r}")
         steps = plan.get("local_steps")
-        if steps is not None and not self._pushes_gradients and self._stages is None:
-            if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-                raise ProtocolError(f"bad local_steps in plan hint: {steps!r}")
+        if steps is not None and not positive_int(steps):
+            raise ProtocolError(f"bad local_steps in plan hint: {plan!r}")
+        if batches is not None:
+            self._device_batches = tuple(batches)
+        if scale is not None:
+            self._lr_scale = float(scale)
+        if steps is not None and not self._pushes_gradients:
             self._local_steps = steps
         self._plan_revision = revision
         logger.info(
@@ -986,18 +987,26 @@ class Worker:
                 link += extra
                 pull_end = self._elapsed()
         except WorkerDropped as error:
-            logger.warning(
-                "worker %s was dropped by the server (%s); joining again",
-                self._config.worker_id,
-                error,
-            )
-            rejoined = True
             ack = None
-            pull_start = self._elapsed()
-            params, version = await client.pull()
-            self._note_version(version)
-            pulls += 1
-            pull_end = self._elapsed()
+            if not pull:
+                # The last push of a run: nothing follows it to rejoin for.
+                logger.warning(
+                    "worker %s was dropped by the server (%s); its last update is lost",
+                    self._config.worker_id,
+                    error,
+                )
+            else:
+                logger.warning(
+                    "worker %s was dropped by the server (%s); joining again",
+                    self._config.worker_id,
+                    error,
+                )
+                rejoined = True
+                pull_start = self._elapsed()
+                params, version = await client.pull()
+                self._note_version(version)
+                pulls += 1
+                pull_end = self._elapsed()
         return _Comm(
             params=params,
             version=version,
