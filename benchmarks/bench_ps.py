@@ -10,7 +10,8 @@ machines:
    (target >= 0.8). The PS time includes the server's optimizer step.
 2. **small**: round trips of a 1 KiB pytree (``pull`` and ``push_pull``), p50
    and p99, against a bare asyncio echo of the same bytes (target: p50 <= 2x).
-3. **fan-in**: aggregate push throughput of 32 concurrent clients against 1.
+3. **fan-in**: aggregate push throughput of 32 concurrent clients against 1
+   (a 1 MiB CNN-shaped tree, ASP).
 4. **compressed**: 8-bit pushes (``Codec("uniform", 8)``): effective float32
    bytes per second (the update's fp32 size over the time per push) against
    uncompressed pushes, and the bytes each push puts on the wire.
@@ -451,6 +452,11 @@ def main() -> None:
         "load_average": os.getloadavg()[0],
         "header": HEADER_SIZE,
     }
+    print(
+        f"loop {loop_name}, {results['cpus']} cpus, load average "
+        f"{results['load_average']:.2f} (ratios are against baselines timed "
+        "alongside)"
+    )
     with tempfile.TemporaryDirectory() as d:
         workdir = pathlib.Path(d)
         if "big" in only:

@@ -163,6 +163,7 @@ def run_sim(
         push_transform=push_transform,
         codec=codec,
         overlap=registry.lookup("overlap", config.worker.overlap),
+        eager_pulls=int(config.worker.eager_pulls),
         staleness_lr=config.worker.staleness_policy,
         duration=duration,
         eval_every=float(config.eval.every_seconds),

@@ -75,7 +75,7 @@ def dataset_kwargs(config: ml_collections.ConfigDict) -> dict[str, Any]:
         return {
             "num_examples": int(data.num_examples),
             "image_size": int(data.image_size),
-            "seed": int(config.seed),
+            "seed": int(config.data.seed),
         }
     return {}
 

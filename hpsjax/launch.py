@@ -496,9 +496,10 @@ def launch(
             if end is not None and time.monotonic() > end:
                 reason = "timeout"
                 break
-            if bar is not None and monitor.version is not None:
+            version = monitor.version
+            if bar is not None and version is not None and version > bar.n:
                 with lock:
-                    bar.update(monitor.version - bar.n)
+                    bar.update(version - bar.n)
             time.sleep(0.1)
     except KeyboardInterrupt:
         reason = "interrupted"
@@ -518,7 +519,7 @@ def launch(
         _shutdown(processes, shutdown_timeout)
         if bar is not None:
             with lock:
-                if monitor is not None and monitor.version is not None:
+                if monitor is not None and (monitor.version or 0) > bar.n:
                     bar.update(monitor.version - bar.n)
                 bar.close()
                 bar = None

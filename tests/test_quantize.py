@@ -24,23 +24,31 @@ from hpsjax.transforms._quantize import (
     quantize,
 )
 
-UNIFORM = [
-    Codec("uniform", bits, block_size=block, stochastic=stochastic)
-    for bits in (2, 4, 8, 16)
-    for block in (None, 5)
-    for stochastic in (True, False)
-]
-OTHERS = [
-    Codec("qsgd", levels=1),
-    Codec("qsgd", levels=127, block_size=5),
-    Codec("qsgd", levels=300, stochastic=False),
-    Codec("sign"),
-    Codec("sign", block_size=5),
-    Codec("sign", stochastic=True),
-    Codec("sign", block_size=5, stochastic=True),
-    Codec("none"),
-]
-CODECS = UNIFORM + OTHERS
+# Grouped so that each group compiles as one program.
+CODEC_GROUPS = {
+    "uniform_stochastic": (
+        *[Codec("uniform", bits) for bits in (2, 4, 8, 16)],
+        Codec("uniform", 2, block_size=5),
+    ),
+    "uniform_nearest": (
+        *[Codec("uniform", bits, block_size=5, stochastic=False) for bits in (2, 4, 8)],
+        Codec("uniform", 16, block_size=5, stochastic=False),
+        Codec("uniform", 16, stochastic=False),
+    ),
+    "qsgd": (
+        Codec("qsgd", levels=1),
+        Codec("qsgd", levels=127, block_size=5),
+        Codec("qsgd", levels=300, stochastic=False),
+    ),
+    "sign_none": (
+        Codec("sign"),
+        Codec("sign", block_size=5),
+        Codec("sign", stochastic=True),
+        Codec("sign", block_size=5, stochastic=True),
+        Codec("none"),
+    ),
+}
+CODECS = [codec for group in CODEC_GROUPS.values() for codec in group]
 
 
 def _id(codec):
@@ -68,12 +76,7 @@ def _roundtrip(x, codec, key):
 @functools.partial(jax.jit, static_argnums=1)
 def _roundtrip_tree(tree, codec, key):
     encoded = encode_tree(tree, codec, key)
-    like32 = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.float32), tree)
-    return (
-        encoded,
-        decode_tree(encoded, codec, tree),
-        decode_tree(encoded, codec, like32),
-    )
+    return encoded, decode_tree(encoded, codec, tree)
 
 
 def _steps_per_element(scales, codec, size):
@@ -99,22 +102,41 @@ def _unpack_reference(codes, bits, size):
 # Round trips
 
 
-def _check_roundtrip(x, codec, encoded, y, y32):
+def _decode_reference(encoded, codec, size):
+    """Decodes with numpy from the documented layout, as float32."""
+    if codec.scheme == "none":
+        return np.asarray(encoded.codes).view("<f4")
+    q = _unpack_reference(encoded.codes, codec.bits, size)
+    step = np.repeat(
+        np.asarray(encoded.scales),
+        size if codec.block_size is None else codec.block_size,
+    )[:size]
+    if codec.scheme == "sign":
+        return (2 * q - 1).astype(np.float32) * step
+    levels = codec.levels if codec.scheme == "qsgd" else 2 ** (codec.bits - 1) - 1
+    return (q - levels).astype(np.float32) * step
+
+
+def _check_roundtrip(x, codec, encoded, y):
     size = x.size
     assert isinstance(encoded, Encoded)
     assert encoded.codes.dtype == jnp.uint8 and encoded.codes.ndim == 1
     assert encoded.scales.dtype == jnp.float32 and encoded.scales.ndim == 1
-    assert encoded.codes.nbytes + encoded.scales.nbytes == encoded_nbytes(
-        x.shape, codec
-    )
+    nbytes = encoded.codes.nbytes + encoded.scales.nbytes
+    assert nbytes == encoded_nbytes(x.shape, codec)
     assert encoded.codes.shape == (math.ceil(size * codec.bits / 8),)
     assert y.shape == x.shape and y.dtype == x.dtype
     assert np.all(np.isfinite(np.asarray(y)))
     if size == 0:
         return
-    # The result is the float32 decode rounded once to the dtype.
-    np.testing.assert_array_equal(np.asarray(y), np.asarray(y32.astype(x.dtype)))
-    xs, ys = np.asarray(x, np.float64).ravel(), np.asarray(y32, np.float64).ravel()
+    # decode is the float32 value of the documented layout, rounded once to the
+    # dtype (up to subnormals, which the CPU may flush to zero).
+    ref32 = _decode_reference(encoded, codec, size)
+    ref = ref32.astype(x.dtype).astype(np.float64)
+    np.testing.assert_allclose(
+        np.asarray(y, np.float64).ravel(), ref, rtol=0, atol=1e-37
+    )
+    xs, ys = np.asarray(x, np.float64).ravel(), ref32.astype(np.float64)
     if codec.scheme == "none":
         np.testing.assert_array_equal(ys, xs)
         return
@@ -132,35 +154,50 @@ def _check_roundtrip(x, codec, encoded, y, y32):
     assert np.all(np.abs(ys - xs) <= bound)
 
 
-@pytest.mark.parametrize("codec", CODECS, ids=_id)
-def test_roundtrip_shape_dtype_size_and_error(codec):
+@functools.partial(jax.jit, static_argnums=1)
+def _roundtrip_trees(tree, codecs, key):
+    return [_roundtrip_tree(tree, codec, key) for codec in codecs]
+
+
+@pytest.mark.parametrize("group", CODEC_GROUPS)
+def test_roundtrip_shape_dtype_size_and_error(group):
+    tiny = np.zeros((2, 5), np.float32)
+    tiny[0, :4] = [1e-40, -3e-39, 1e-45, -1e-45]
     tree = {
         # 21 elements: odd, not a multiple of any packing factor, a partial block.
         "odd": _data((3, 7), seed=1),
-        "even": _data((4, 4), seed=2),
-        "bf16": _data((2, 9), jnp.bfloat16, seed=3),
-        "f16": _data((11,), np.float16, seed=4),
-        "scalar": _data((), seed=5),
-        "empty": jnp.zeros((0,)),
-        "empty2d": jnp.zeros((2, 0, 3)),
-        "zeros": jnp.zeros((3, 7)),
-        "tiny": jnp.array([1e-40, 0.0, -3e-39, 1e-45], jnp.float32),
+        "bf16": _data((4, 4), jnp.bfloat16, seed=2),
+        "f16": _data((), np.float16, seed=3),
+        "empty": jnp.asarray(np.zeros((0,), np.float32)),
+        "empty2d": jnp.asarray(np.zeros((2, 0, 3), np.float32)),
+        # Zeros, and subnormals that must not turn into 0 * inf = NaN.
+        "tiny": jnp.asarray(tiny),
+        "zeros": jnp.asarray(np.zeros((3,), np.float32)),
     }
-    encoded, out, out32 = _roundtrip_tree(tree, codec, jax.random.key(0))
-    for leaf, enc, y, y32 in zip(
-        jax.tree.leaves(tree),
-        encoded,
-        jax.tree.leaves(out),
-        jax.tree.leaves(out32),
-        strict=True,
+    codecs = CODEC_GROUPS[group]
+    results = _roundtrip_trees(tree, codecs, jax.random.key(0))
+    for codec, (encoded, out) in zip(codecs, results, strict=True):
+        try:
+            _check_roundtrip_tree(tree, codec, encoded, out)
+        except AssertionError as e:
+            raise AssertionError(f"{codec}: {e}") from e
+
+
+def _check_roundtrip_tree(tree, codec, encoded, out):
+    for leaf, enc, y in zip(
+        jax.tree.leaves(tree), encoded, jax.tree.leaves(out), strict=True
     ):
-        _check_roundtrip(leaf, codec, enc, y, y32)
-    # Zero arrays, even with subnormal neighbours, decode without NaN.
+        _check_roundtrip(leaf, codec, enc, y)
     np.testing.assert_array_equal(np.asarray(out["zeros"]), 0.0)
-    assert np.all(np.abs(np.asarray(out["tiny"])) <= 1e-37)
     if codec.scheme != "none":
         zeros = encoded[sorted(tree).index("zeros")]
         np.testing.assert_array_equal(np.asarray(zeros.scales), 0.0)
+    tiny_out = np.asarray(out["tiny"])
+    assert np.all(np.abs(tiny_out) <= 1e-37)
+    np.testing.assert_array_equal(tiny_out[1], 0.0)
+    if codec.scheme != "none" and codec.block_size is not None:
+        scales = np.asarray(encoded[sorted(tree).index("tiny")].scales)
+        np.testing.assert_array_equal(scales[1], 0.0)
 
 
 @pytest.mark.parametrize("bits", [2, 4, 8, 16])
@@ -182,7 +219,7 @@ def test_byte_layout_matches_the_documented_packing(bits):
 
 
 def test_sign_bits_are_little_endian_within_bytes():
-    x = jnp.array([1.0, -2.0, 3.0, -4.0, 5.0, 6.0, -7.0, 8.0, -9.0, 10.0])
+    x = jnp.asarray(np.array([1, -2, 3, -4, 5, 6, -7, 8, -9, 10], np.float32))
     encoded = _encode(x, Codec("sign"), None)
     assert encoded.codes.tolist() == [0b10110101, 0b10]
     np.testing.assert_allclose(np.asarray(encoded.scales), [5.5])
@@ -196,7 +233,7 @@ def test_none_codes_are_little_endian_float32_bytes():
 
 
 def test_blocks_have_their_own_scales():
-    x = jnp.concatenate([jnp.full(4, 100.0), jnp.full(4, 0.01), jnp.array([-3.0])])
+    x = jnp.asarray(np.array([100.0] * 4 + [0.01] * 4 + [-3.0], np.float32))
     codec = Codec("uniform", 8, block_size=4, stochastic=False)
     encoded, y = _roundtrip(x, codec, None)
     np.testing.assert_allclose(
@@ -261,8 +298,9 @@ def _draws(x, codec, n_draws, seed=0):
 @pytest.mark.parametrize(
     "codec",
     [
-        *[Codec("uniform", bits) for bits in (2, 4, 8, 16)],
-        Codec("uniform", 2, block_size=5),
+        Codec("uniform", 2),
+        Codec("uniform", 4, block_size=5),
+        Codec("uniform", 8),
         Codec("uniform", 16, block_size=5),
         Codec("qsgd", levels=1),
         Codec("qsgd", levels=127, block_size=5),
@@ -295,7 +333,7 @@ def test_stochastic_rounding_is_unbiased(codec):
 def test_stochastic_rounding_probability_is_the_fraction():
     # Every element sits at 0.3 of a step above a level: 30% round up.
     codec = Codec("uniform", 8)
-    x = jnp.concatenate([jnp.array([127.0]), jnp.full((2047,), 10.3)])
+    x = jnp.asarray(np.array([127.0] + [10.3] * 2047, np.float32))
     y, _ = _draws(x, codec, 200)
     up = np.asarray(y)[:, 1:] > 10.5
     n = up.size
@@ -304,7 +342,7 @@ def test_stochastic_rounding_probability_is_the_fraction():
 
 def test_rounding_decisions_are_uncorrelated():
     codec = Codec("uniform", 8)
-    x = jnp.concatenate([jnp.array([127.0]), jnp.full((2**16 - 1,), 10.5)])
+    x = jnp.asarray(np.array([127.0] + [10.5] * (2**16 - 1), np.float32))
     (y1, y2), _ = _draws(x, codec, 2, seed=11)
     d1 = (np.asarray(y1)[1:] > 10.5).astype(np.float64)
     d2 = (np.asarray(y2)[1:] > 10.5).astype(np.float64)
@@ -340,7 +378,7 @@ def test_qsgd_levels_are_multiples_of_norm_over_s():
     codec = Codec("qsgd", levels=3)
     v = _data((50,), seed=4)
     q, _ = _draws(v, codec, 8)
-    norm = float(jnp.linalg.norm(v))
+    norm = float(np.linalg.norm(np.asarray(v, np.float64)))
     k = np.asarray(q, np.float64) / (norm / 3)
     np.testing.assert_allclose(k, np.round(k), atol=1e-4)
     assert np.all(np.abs(k) <= 3 + 1e-4)
@@ -361,8 +399,8 @@ def test_nearest_sign_is_scaled_sign():
 
 def test_stochastic_without_key_raises_and_nearest_needs_none():
     with pytest.raises(ValueError, match="key"):
-        _encode(jnp.ones(3), Codec("uniform", 8), None)
-    _encode(jnp.ones(3), Codec("uniform", 8, stochastic=False), None)
+        _encode(np.ones(3, np.float32), Codec("uniform", 8), None)
+    _encode(np.ones(3, np.float32), Codec("uniform", 8, stochastic=False), None)
 
 
 def test_same_key_same_codes_other_key_other_codes():
@@ -372,8 +410,6 @@ def test_same_key_same_codes_other_key_other_codes():
     b = _encode(x, codec, jax.random.key(1)).codes
     c = _encode(x, codec, jax.random.key(2)).codes
     raw = _encode(x, codec, jax.random.key_data(jax.random.key(1))).codes
-    # Not jitted, the same codes.
-    np.testing.assert_array_equal(encode(x, codec, jax.random.key(1)).codes, a)
     assert np.array_equal(a, b) and np.array_equal(a, raw)
     assert not np.array_equal(a, c)
 
@@ -453,16 +489,16 @@ def test_codec_is_frozen_and_hashable():
 
 def test_decode_rejects_mismatched_input():
     codec = Codec("uniform", 4, block_size=4)
-    good = _encode(jnp.ones(10), codec, jax.random.key(0))
+    good = _encode(np.ones(10, np.float32), codec, jax.random.key(0))
     assert _decode(good, codec, (10,), jnp.float32).shape == (10,)
     with pytest.raises(ValueError, match=r"uint8\[5\]"):
         decode(good, codec, (11,))
     with pytest.raises(ValueError, match=r"float32\[3\]"):
         decode(Encoded(good.codes, good.scales[:2]), codec, (10,))
     with pytest.raises(ValueError, match="uint8"):
-        decode(Encoded(good.codes.astype(jnp.int32), good.scales), codec, (10,))
+        decode(Encoded(np.asarray(good.codes, np.int32), good.scales), codec, (10,))
     with pytest.raises(ValueError, match="float32"):
-        decode(Encoded(good.codes, good.scales.astype(jnp.float16)), codec, (10,))
+        decode(Encoded(good.codes, np.asarray(good.scales, np.float16)), codec, (10,))
     with pytest.raises(ValueError, match="floating"):
         decode(good, codec, (10,), jnp.int32)
     with pytest.raises(ValueError, match="shape"):
@@ -475,7 +511,7 @@ def test_decode_rejects_mismatched_input():
 
 def test_encode_rejects_non_floating():
     with pytest.raises(ValueError, match="floating"):
-        _encode(jnp.arange(4), Codec("uniform", 8, stochastic=False), None)
+        _encode(np.arange(4), Codec("uniform", 8, stochastic=False), None)
     with pytest.raises(ValueError, match="shape"):
         encoded_nbytes(5, Codec())
 
@@ -487,7 +523,7 @@ def test_encode_tree_folds_the_leaf_index_into_the_key():
     tree = {"a": _data((4, 5)), "b": [_data((3,), jnp.bfloat16, 1), _data((0,))]}
     codec = Codec("uniform", 4)
     key = jax.random.key(5)
-    encoded, out, _ = _roundtrip_tree(tree, codec, key)
+    encoded, out = _roundtrip_tree(tree, codec, key)
     leaves = jax.tree.leaves(tree)
     assert len(encoded) == 3
     for i, (leaf, enc) in enumerate(zip(leaves, encoded, strict=True)):
@@ -496,7 +532,7 @@ def test_encode_tree_folds_the_leaf_index_into_the_key():
     assert jax.tree.structure(out) == jax.tree.structure(tree)
     assert [o.dtype for o in jax.tree.leaves(out)] == [x.dtype for x in leaves]
     like = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)
-    out2 = jax.jit(decode_tree, static_argnums=(1, 2))(encoded, codec, like)
+    out2 = jax.jit(lambda e: decode_tree(e, codec, like))(encoded)
     for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(out2), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     with pytest.raises(ValueError, match="2 encoded leaves for a tree of 3"):
@@ -509,27 +545,28 @@ def test_encode_tree_folds_the_leaf_index_into_the_key():
 
 
 def _grads(step, tree):
-    key = jax.random.fold_in(jax.random.key(100), step)
-    leaves, treedef = jax.tree.flatten(tree)
-    keys = jax.random.split(key, len(leaves))
-    return treedef.unflatten(
-        [
-            jax.random.normal(k, x.shape, x.dtype)
-            for k, x in zip(keys, leaves, strict=True)
-        ]
+    rng = np.random.default_rng(100 + step)
+    return jax.tree.map(
+        lambda x: jnp.asarray(rng.standard_normal(x.shape).astype(x.dtype)), tree
     )
 
 
-@functools.partial(jax.jit, static_argnums=2)
-def _reference(sent, grads, codec, key):
-    encoded = encode_tree(sent, codec, key)
+@functools.partial(jax.jit, static_argnums=(2, 4))
+def _reference(grads, error, codec, key, error_feedback):
+    """decode(encode(p)) as the transform should compute it, in its own program."""
+    _, step_key = jax.random.split(key)
+    if error_feedback:
+        sent = jax.tree.map(lambda g, e: g.astype(jnp.float32) + e, grads, error)
+    else:
+        sent = grads
+    encoded = encode_tree(sent, codec, step_key)
     return encoded, decode_tree(encoded, codec, grads)
 
 
 PARAMS = {
-    "w": jnp.zeros((5, 7)),
-    "b": jnp.zeros((3,), jnp.bfloat16),
-    "s": jnp.zeros(()),
+    "w": jnp.asarray(np.zeros((5, 7), np.float32)),
+    "b": jnp.asarray(np.zeros((3,), jnp.bfloat16)),
+    "s": jnp.asarray(np.zeros((), np.float32)),
 }
 
 
@@ -553,16 +590,11 @@ def test_output_is_decode_of_encode_and_last_encoded_holds_its_codes(kwargs):
     )
     state = opt.init(PARAMS)
     update = jax.jit(opt.update)
-    for step in range(3):
+    for step in range(2):
         grads = _grads(step, PARAMS)
-        _, step_key = jax.random.split(state.key)
-        if kwargs.get("error_feedback"):
-            sent = jax.tree.map(
-                lambda g, e: g.astype(jnp.float32) + e, grads, state.error
-            )
-        else:
-            sent = grads
-        want_encoded, want = _reference(sent, grads, codec, step_key)
+        want_encoded, want = _reference(
+            grads, state.error, codec, state.key, bool(kwargs.get("error_feedback"))
+        )
         out, new_state = update(grads, state)
         assert int(new_state.count) == step + 1
         assert not np.array_equal(np.asarray(new_state.key), np.asarray(state.key))
@@ -574,9 +606,9 @@ def test_output_is_decode_of_encode_and_last_encoded_holds_its_codes(kwargs):
             np.testing.assert_array_equal(np.asarray(a.codes), np.asarray(b.codes))
             np.testing.assert_array_equal(np.asarray(a.scales), np.asarray(b.scales))
         # What the wire carries decodes to exactly what the optimizer applied.
-        wire = decode_tree(got_encoded, codec, grads)
-        for a, b in zip(jax.tree.leaves(wire), jax.tree.leaves(out), strict=True):
-            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        for enc, o in zip(got_encoded, jax.tree.leaves(out), strict=True):
+            wire = _decode_reference(enc, codec, o.size).astype(o.dtype)
+            np.testing.assert_array_equal(wire, np.asarray(o).ravel())
         state = new_state
 
 
@@ -591,7 +623,7 @@ def test_output_is_decode_of_encode_and_last_encoded_holds_its_codes(kwargs):
 )
 def test_error_feedback_conserves_mass(kwargs):
     opt = quantize(error_feedback=True, **kwargs)
-    params = {"w": jnp.zeros((6, 5)), "b": jnp.zeros((7,))}
+    params = {"w": np.zeros((6, 5), np.float32), "b": np.zeros((7,), np.float32)}
     state = opt.init(params)
     update = jax.jit(opt.update)
     total_in = jax.tree.map(lambda p: np.zeros(p.shape), params)
@@ -607,9 +639,8 @@ def test_error_feedback_conserves_mass(kwargs):
         total_out = jax.tree.map(
             lambda t, o: t + np.asarray(o, np.float64), total_out, out
         )
-        largest = max(
-            [largest] + [float(jnp.max(jnp.abs(o))) for o in jax.tree.leaves(out)]
-        )
+        for o in jax.tree.leaves(out):
+            largest = max(largest, float(np.abs(np.asarray(o)).max()))
     residual = jax.tree.map(lambda e: np.asarray(e, np.float64), state.error)
     assert any(np.abs(r).max() > 1e-3 for r in jax.tree.leaves(residual))
     # Each step rounds g + e and p - C(p) once in float32.
@@ -667,22 +698,22 @@ def test_inject_hyperparams_needs_static_int_args():
 
 
 def test_last_encoded_finds_the_state_in_nested_wrappers():
-    grads = _grads(0, PARAMS)
     wrappers = [
         quantize(8),
         optax.chain(optax.clip(1.0), quantize(8), optax.adam(1e-2)),
         optax.named_chain(("q", quantize(8)), ("sgd", optax.sgd(0.1))),
-        optax.MultiSteps(optax.chain(quantize(8), optax.sgd(0.1)), 1),
-        optax.inject_hyperparams(optax.sgd)(learning_rate=0.1),
+        optax.MultiSteps(optax.chain(quantize(8), optax.sgd(0.1)), 2),
+        optax.inject_hyperparams(quantize, static_args="bits")(bits=4),
     ]
-    for opt in wrappers[:-1]:
-        state = opt.init(PARAMS)
-        _, state = jax.jit(opt.update)(grads, state, PARAMS)
-        encoded = last_encoded(state)
-        assert len(encoded) == 3
-        assert any(np.any(np.asarray(e.codes) != 0) for e in encoded)
+    for opt in wrappers:
+        encoded = last_encoded(opt.init(PARAMS))
+        assert [e.codes.shape for e in encoded] == [(3,), (1,), (35,)] or [
+            e.codes.shape for e in encoded
+        ] == [(2,), (1,), (18,)]
     with pytest.raises(ValueError, match="no QuantizeState"):
-        last_encoded(wrappers[-1].init(PARAMS))
+        last_encoded(
+            optax.inject_hyperparams(optax.sgd)(learning_rate=0.1).init(PARAMS)
+        )
     two = optax.chain(quantize(8), quantize(4))
     with pytest.raises(ValueError, match="2 QuantizeStates"):
         last_encoded(two.init(PARAMS))
@@ -690,7 +721,7 @@ def test_last_encoded_finds_the_state_in_nested_wrappers():
 
 def test_chain_with_adam_trains_a_quadratic():
     target = _data((20,), seed=3)
-    params = jnp.zeros((20,))
+    params = jnp.asarray(np.zeros((20,), np.float32))
     opt = optax.chain(quantize(2, error_feedback=True), optax.adam(0.05))
     state = opt.init(params)
     assert isinstance(state[0], QuantizeState)
@@ -703,4 +734,4 @@ def test_chain_with_adam_trains_a_quadratic():
 
     for _ in range(300):
         params, state = step(params, state)
-    assert float(jnp.max(jnp.abs(params - target))) < 0.05
+    assert np.max(np.abs(np.asarray(params) - np.asarray(target))) < 0.05

@@ -51,7 +51,7 @@ SUITES: dict[str, Suite] = {
     "sim8": Suite(
         "sim8",
         description=(
-            "8 simulated workers, step times 1, 1, 1.5, 2, 2, 3, 4, 6, 5% "
+            "8 simulated workers, step times 1, 1, 1.5, 2, 2, 3, 4, 6, 2% "
             "transient 4x stragglers, worker 1 3x slower from t = 20 s"
         ),
     ),

@@ -939,7 +939,10 @@ class Client:
             async with asyncio.timeout(timeout):
                 protocol.send(wire.encode_frame(msg_type, request_id, meta, buffers))
                 await protocol.drain()
-                frame = await future
+                # The future holds the frame in a box that is emptied here: the
+                # loop may keep the finished future (and what it holds) alive
+                # for a while, and a frame pins its receive buffer.
+                frame = (await future).pop()
         finally:
             self._pending.pop(request_id, None)
         if expect is not None and frame.msg_type != expect:
@@ -968,7 +971,7 @@ class Client:
         if event.msg_type == MsgType.ERROR:
             future.set_exception(_error_of(event))
         else:
-            future.set_result(event)
+            future.set_result([event])
 
     def _on_unsolicited(self, frame: Frame) -> None:
         if frame.msg_type == MsgType.PARAMS:

@@ -13,7 +13,7 @@ Guarantees:
 
 * a push is handed to the core only once fully received and validated (tree
   structure, shapes and dtypes against the model before its payload is read;
-  NaN/inf by the core): a worker killed mid-push changes nothing;
+  NaN and infinity once it is in): a worker killed mid-push changes nothing;
 * a worker's pushes are applied in the order it sent them;
 * bad input gets an ``ERROR`` frame with a code and a short message; the
   server's parameters are unchanged and other workers are unaffected; a broken
@@ -49,6 +49,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import msgpack
+import numpy as np
 import optax
 
 from hpsjax.ps import _wire as wire
@@ -71,6 +72,7 @@ from hpsjax.ps._errors import (
     AuthError,
     HpsError,
     MalformedMetadata,
+    NonFiniteUpdate,
     ServerError,
     ShuttingDown,
     SpecMismatch,
@@ -258,7 +260,9 @@ class Server:
             optimizer,
             policy,
             policy_kwargs=policy_kwargs,
-            check_finite=check_finite,
+            # Checked here on the received arrays instead (numpy, one pass,
+            # naming the leaf), before the core ever sees the update.
+            check_finite=False,
             **dict(core_kwargs or {}),
         )
         self._host = host
@@ -266,6 +270,7 @@ class Server:
         self._ssl = ssl
         self._limits = limits
         self._handshake_timeout = handshake_timeout
+        self._check_finite = bool(check_finite)
         self._checkpoint_dir = checkpoint_dir
         self._checkpoint_every_s = checkpoint_every_s
         self._checkpoint_every_updates = checkpoint_every_updates
@@ -857,7 +862,10 @@ class Server:
             if not ok:
                 raise MalformedMetadata(f"bad {name!r}: {value!r}"[:200])
             fields[name] = kind(value)
-        update = self._decode_update(frame.payload)
+        leaves = self._decode_update(frame.payload)
+        if self._check_finite:
+            self._require_finite(leaves)
+        update = jax.tree.unflatten(self._treedef, leaves)
         actions = self._core.push(
             session.worker_id, update, version=version, now=self._now(), **fields
         )
@@ -900,20 +908,29 @@ class Server:
                     session.pulls.remove(entry)
                 raise type(e)(f"update applied, pull failed: {e.message}") from e
 
-    def _decode_update(self, payload: wire.WireTree) -> Any:
+    def _decode_update(self, payload: wire.WireTree) -> list[Any]:
+        """The update's leaves, in the parameters' leaf order."""
         layout = payload.layout
         if layout.codec is None:
             # Received 64-byte aligned, so JAX takes them without a copy when the
             # core's compiled steps are called on them (cheaper than device_put
             # for small leaves, as fast for big ones).
-            return jax.tree.unflatten(self._treedef, payload.arrays)
+            return payload.arrays
         from hpsjax.transforms import _quantize as q
 
         codec = q.Codec.from_dict(layout.codec)
         specs = tuple((s.shape, s.dtype.name) for s in self._model.leaves)
         encoded = [q.Encoded(codes, scales) for codes, scales in payload.arrays]
-        leaves = _decode_leaves(encoded, codec, specs)
-        return jax.tree.unflatten(self._treedef, leaves)
+        return _decode_leaves(encoded, codec, specs)
+
+    def _require_finite(self, leaves: list[Any]) -> None:
+        paths = None
+        for i, (leaf, spec) in enumerate(zip(leaves, self._model.leaves, strict=True)):
+            if spec.dtype.kind in "biu":
+                continue
+            if not np.isfinite(np.asarray(leaf)).all():
+                paths = paths or self._model.paths()
+                raise NonFiniteUpdate(f"leaf {paths[i]} holds NaN or infinity")
 
     # ---------------------------------------------------------- actions
 

@@ -463,29 +463,40 @@ def flatten_tree(
       (['d', {'a': ['t', [0]], 'b': ['l', [1, None]]}], [2.0, 1.0])
     """
     leaves: list[Any] = []
+    return _flatten(tree, 0, leaves, limits, is_leaf), leaves
 
-    def walk(node, depth):
-        if depth > limits.max_depth:
-            raise TooManyLeaves(f"tree nesting exceeds {limits.max_depth}")
-        if is_leaf is not None and is_leaf(node):
-            pass
-        elif node is None:
-            return None
-        elif isinstance(node, Mapping):
-            keys = list(node)
-            if not all(isinstance(k, str) for k in keys):
-                raise ValueError("only string dictionary keys can be sent")
-            return ["d", {k: walk(node[k], depth + 1) for k in sorted(keys)}]
-        elif isinstance(node, list):
-            return ["l", [walk(c, depth + 1) for c in node]]
-        elif isinstance(node, tuple):
-            return ["t", [walk(c, depth + 1) for c in node]]
-        if len(leaves) >= limits.max_leaves:
-            raise TooManyLeaves(f"tree has more than {limits.max_leaves} leaves")
-        leaves.append(node)
-        return len(leaves) - 1
 
-    return walk(tree, 0), leaves
+# The tree walks are module-level functions, not nested closures: a closure that
+# calls itself is a reference cycle, which would keep the arrays it saw (a
+# received tree, a pushed update) alive until the garbage collector runs.
+
+
+def _flatten(node, depth, leaves, limits, is_leaf):
+    if depth > limits.max_depth:
+        raise TooManyLeaves(f"tree nesting exceeds {limits.max_depth}")
+    if is_leaf is not None and is_leaf(node):
+        pass
+    elif node is None:
+        return None
+    elif isinstance(node, Mapping):
+        keys = list(node)
+        if not all(isinstance(k, str) for k in keys):
+            raise ValueError("only string dictionary keys can be sent")
+        return [
+            "d",
+            {
+                k: _flatten(node[k], depth + 1, leaves, limits, is_leaf)
+                for k in sorted(keys)
+            },
+        ]
+    elif isinstance(node, list):
+        return ["l", [_flatten(c, depth + 1, leaves, limits, is_leaf) for c in node]]
+    elif isinstance(node, tuple):
+        return ["t", [_flatten(c, depth + 1, leaves, limits, is_leaf) for c in node]]
+    if len(leaves) >= limits.max_leaves:
+        raise TooManyLeaves(f"tree has more than {limits.max_leaves} leaves")
+    leaves.append(node)
+    return len(leaves) - 1
 
 
 def unflatten_tree(structure: Any, leaves: Sequence[Any]) -> Any:
@@ -496,79 +507,65 @@ def unflatten_tree(structure: Any, leaves: Sequence[Any]) -> Any:
       >>> unflatten_tree(s, l)
       {'b': None, 'w': [1, 2]}
     """
-
-    def build(node):
-        if node is None:
-            return None
-        if isinstance(node, int):
-            return leaves[node]
-        tag, body = node
-        if tag == "d":
-            return {k: build(v) for k, v in body.items()}
-        children = [build(c) for c in body]
-        return children if tag == "l" else tuple(children)
-
-    return build(structure)
+    if structure is None:
+        return None
+    if isinstance(structure, int):
+        return leaves[structure]
+    tag, body = structure
+    if tag == "d":
+        return {k: unflatten_tree(v, leaves) for k, v in body.items()}
+    children = [unflatten_tree(c, leaves) for c in body]
+    return children if tag == "l" else tuple(children)
 
 
 def _check_structure(structure: Any, limits: WireLimits) -> int:
     """Validates a received wire structure; returns its number of leaves."""
-    count = 0
+    return _check_node(structure, 0, 0, limits)
 
-    def walk(node, depth):
-        nonlocal count
-        if depth > limits.max_depth:
-            raise TooManyLeaves(f"tree nesting exceeds {limits.max_depth}")
-        if node is None:
-            return
-        if isinstance(node, int) and not isinstance(node, bool):
-            if node != count:
-                raise MalformedMetadata(
-                    f"leaf index {node} out of order (expected {count})"
-                )
-            count += 1
-            if count > limits.max_leaves:
-                raise TooManyLeaves(f"tree has more than {limits.max_leaves} leaves")
-            return
-        if not (isinstance(node, list) and len(node) == 2):
-            raise MalformedMetadata(f"bad tree node of type {type(node).__name__}")
-        tag, body = node
-        if tag == "d":
-            if not isinstance(body, dict):
-                raise MalformedMetadata("a 'd' node needs a map")
-            for key in sorted(body):
-                walk(body[key], depth + 1)
-        elif tag in ("l", "t"):
-            if not isinstance(body, list):
-                raise MalformedMetadata(f"a {tag!r} node needs an array")
-            for child in body:
-                walk(child, depth + 1)
-        else:
-            raise MalformedMetadata(f"unknown tree node tag {tag!r}")
 
-    walk(structure, 0)
+def _check_node(node: Any, depth: int, count: int, limits: WireLimits) -> int:
+    """Checks ``node`` whose first leaf must be ``count``; returns the next."""
+    if depth > limits.max_depth:
+        raise TooManyLeaves(f"tree nesting exceeds {limits.max_depth}")
+    if node is None:
+        return count
+    if isinstance(node, int) and not isinstance(node, bool):
+        if node != count:
+            raise MalformedMetadata(
+                f"leaf index {node} out of order (expected {count})"
+            )
+        if count + 1 > limits.max_leaves:
+            raise TooManyLeaves(f"tree has more than {limits.max_leaves} leaves")
+        return count + 1
+    if not (isinstance(node, list) and len(node) == 2):
+        raise MalformedMetadata(f"bad tree node of type {type(node).__name__}")
+    tag, body = node
+    if tag == "d":
+        if not isinstance(body, dict):
+            raise MalformedMetadata("a 'd' node needs a map")
+        children = [body[key] for key in sorted(body)]
+    elif tag in ("l", "t"):
+        if not isinstance(body, list):
+            raise MalformedMetadata(f"a {tag!r} node needs an array")
+        children = body
+    else:
+        raise MalformedMetadata(f"unknown tree node tag {tag!r}")
+    for child in children:
+        count = _check_node(child, depth + 1, count, limits)
     return count
 
 
-def _leaf_paths(structure: Any) -> list[str]:
-    paths: list[str] = []
-
-    def walk(node, path):
-        if node is None:
-            return
-        if isinstance(node, int):
-            paths.append(path or "<root>")
-            return
-        tag, body = node
-        if tag == "d":
-            for key in sorted(body):
-                walk(body[key], f"{path}[{key!r}]")
-        else:
-            for i, child in enumerate(body):
-                walk(child, f"{path}[{i}]")
-
-    walk(structure, "")
-    return paths
+def _leaf_paths(structure: Any, path: str = "") -> list[str]:
+    if structure is None:
+        return []
+    if isinstance(structure, int):
+        return [path or "<root>"]
+    tag, body = structure
+    if tag == "d":
+        items = [(f"{path}[{key!r}]", body[key]) for key in sorted(body)]
+    else:
+        items = [(f"{path}[{i}]", child) for i, child in enumerate(body)]
+    return [p for sub, child in items for p in _leaf_paths(child, sub)]
 
 
 ALIGNMENT = 64

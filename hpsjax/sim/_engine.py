@@ -31,6 +31,7 @@ simulations of the same loss and transforms.
 from __future__ import annotations
 
 import collections
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -43,6 +44,9 @@ __all__: list[str] = []
 
 BATCH_FLOPS_LIMIT = 1e7
 """FLOPs of one gradient above which workers' steps are evaluated one per call."""
+
+# Parameters above which a push call holds one row (no padding).
+_PUSH_PAD_LIMIT = 100_000
 
 Leaves = tuple  # tuple of the parameters' leaves (numpy or jax arrays)
 
@@ -167,6 +171,31 @@ class PushJob:
         self.done = done
 
 
+class PushKernel:
+    """The jitted push transform over rows of updates, for one parameter layout.
+
+    The rows go through ``lax.map`` rather than ``vmap``: a quantizer is costly
+    to compile and cheap to run, and mapping compiles its body once.
+    """
+
+    def __init__(self, treedef, push_transform):
+        ptx = self.ptx = optax.with_extra_args_support(push_transform)
+
+        def push_rows(updates, states, rows):
+            picked = jax.tree.map(lambda s: s[rows], states)
+
+            def one(operands):
+                u, st = operands
+                out, st = ptx.update(jax.tree.unflatten(treedef, list(u)), st)
+                return jax.tree.leaves(out), st
+
+            out, new_states = jax.lax.map(one, (updates, picked))
+            states = jax.tree.map(lambda s, n: s.at[rows].set(n), states, new_states)
+            return out, states
+
+        self.push = jax.jit(push_rows, donate_argnames=("states",))
+
+
 class Kernels:
     """The jitted batched functions for one loss, parameter layout and transforms.
 
@@ -174,7 +203,7 @@ class Kernels:
     simulations of the same model reuse their compiled code.
     """
 
-    def __init__(self, loss_fn, treedef, worker_optimizer, push_transform, params):
+    def __init__(self, loss_fn, treedef, worker_optimizer, params):
         self.treedef = treedef
         self.value_and_grad = value_and_grad = jax.value_and_grad(loss_fn)
         self.flops: dict[Any, float | None] = {}
@@ -226,25 +255,6 @@ class Kernels:
                 local_rows, static_argnames=("shared",), donate_argnames=("states",)
             )
 
-        self.ptx = None
-        if push_transform is not None:
-            ptx = self.ptx = optax.with_extra_args_support(push_transform)
-
-            def push_rows(updates, states, rows):
-                picked = jax.tree.map(lambda s: s[rows], states)
-
-                def one(u, st):
-                    out, st = ptx.update(unflatten(u), st)
-                    return jax.tree.leaves(out), st
-
-                out, new_states = jax.vmap(one)(updates, picked)
-                states = jax.tree.map(
-                    lambda s, n: s.at[rows].set(n), states, new_states
-                )
-                return out, states
-
-            self.push = jax.jit(push_rows, donate_argnames=("states",))
-
     def gradient_flops(self, params: Any, data: Any, batch_size: int) -> float | None:
         """XLA's FLOP count of one gradient on ``batch_size`` examples."""
         batch = jax.tree.map(
@@ -267,23 +277,42 @@ _KERNELS: collections.OrderedDict = collections.OrderedDict()
 _KERNELS_KEPT = 8
 
 
-def kernels(loss_fn, params, worker_optimizer, push_transform) -> Kernels:
-    """The :class:`Kernels` of a combination, from a small cache when possible."""
-    leaves, treedef = jax.tree.flatten(params)
-    signature = tuple((np.shape(x), np.dtype(x.dtype)) for x in leaves)
-    key = (loss_fn, treedef, signature, worker_optimizer, push_transform)
+def _cached(key: Any, build: Callable[[], Any]) -> Any:
+    """``build()``, kept in a small cache under ``key`` when it is hashable."""
     try:
         hit = _KERNELS.get(key)
     except TypeError:  # an unhashable loss or transform: build afresh
-        return Kernels(loss_fn, treedef, worker_optimizer, push_transform, params)
+        return build()
     if hit is None:
-        hit = Kernels(loss_fn, treedef, worker_optimizer, push_transform, params)
-        _KERNELS[key] = hit
+        hit = _KERNELS[key] = build()
         while len(_KERNELS) > _KERNELS_KEPT:
             _KERNELS.popitem(last=False)
     else:
         _KERNELS.move_to_end(key)
     return hit
+
+
+def _layout(params: Any) -> tuple:
+    leaves, treedef = jax.tree.flatten(params)
+    return treedef, tuple((np.shape(x), np.dtype(x.dtype)) for x in leaves)
+
+
+def kernels(loss_fn, params, worker_optimizer) -> Kernels:
+    """The :class:`Kernels` of a combination, from a small cache when possible."""
+    treedef, signature = _layout(params)
+    return _cached(
+        ("grad", loss_fn, treedef, signature, worker_optimizer),
+        lambda: Kernels(loss_fn, treedef, worker_optimizer, params),
+    )
+
+
+def push_kernel(params, push_transform) -> PushKernel:
+    """The :class:`PushKernel` of a layout and transform, cached likewise."""
+    treedef, signature = _layout(params)
+    return _cached(
+        ("push", treedef, signature, push_transform),
+        lambda: PushKernel(treedef, push_transform),
+    )
 
 
 class Engine:
@@ -333,18 +362,22 @@ class Engine:
         self.padded_evaluations = 0
         self._rows: dict[int, int] = {}
         self._dummy = num_slots  # padding rows read and write this extra slot
-        self.k = kernels(loss_fn, params, worker_optimizer, push_transform)
+        self.k = kernels(loss_fn, params, worker_optimizer)
         self.has_stages = self.k.has_stages
         self.states = None
         if self.k.opt is not None:
             self.states = _stack(self.k.opt.init(params), num_slots + 1)
         self.push_states = None
-        if self.k.ptx is not None:
+        if push_transform is not None:
+            self.pk = push_kernel(params, push_transform)
             self.push_states = _decorrelate(
-                _stack(self.k.ptx.init(params), num_slots + 1), seed
+                _stack(self.pk.ptx.init(params), num_slots + 1), seed
             )
-        # Push transforms are cheap next to a gradient: batch them as small ones.
-        self.push_rows = 256 if batch_rows is None else batch_rows
+        # One row count for every push call, so the quantizer compiles once:
+        # a few rows for a small model, one row for a large one (padding rows
+        # would cost real work).
+        size = sum(math.prod(np.shape(x)) for x in leaves)
+        self.push_rows = 1 if batch_rows == 1 or size > _PUSH_PAD_LIMIT else 8
 
     @staticmethod
     def host_leaves(tree: Any) -> Leaves:
@@ -468,12 +501,13 @@ class Engine:
                 seen.add(job.slot)
             pending = later
             start = 0
-            for rows, padded in chunk_sizes(len(now), self.push_rows):
+            for rows in _fixed_chunks(len(now), self.push_rows):
+                padded = self.push_rows
                 chunk = now[start : start + rows]
                 start += rows
                 slots = np.full(padded, self._dummy, np.int32)
                 slots[:rows] = [job.slot for job in chunk]
-                out, self.push_states = self.k.push(
+                out, self.push_states = self.pk.push(
                     _stack_rows([job.update for job in chunk], padded - rows),
                     self.push_states,
                     slots,
@@ -482,6 +516,10 @@ class Engine:
                 for j, job in enumerate(chunk):
                     job.update = tuple(x[j] for x in out)
                     job.done = True
+
+
+def _fixed_chunks(n: int, size: int) -> list[int]:
+    return [min(size, n - start) for start in range(0, n, size)]
 
 
 def _stack_rows(rows: list[Leaves], pad: int) -> list[np.ndarray]:

@@ -10,22 +10,26 @@ event)`` from a heap; a worker's compute takes the time its
 message of :math:`n` bytes takes :math:`\ell + n/B` on its link, and the server
 reacts the moment a message arrives.
 
-A worker's round (``overlap="none"``)::
+A worker's round follows the worker runtime (:mod:`hpsjax.worker`). With
+``overlap="none"``::
 
     params arrive -> H local steps (compute) -> push + pull -> [server: apply,
     maybe Wait until Release] -> params arrive -> ...
 
-with ``overlap="pipeline"`` (H-PS) the push and its pull travel while the next
-round computes on the freshest parameters the worker holds (it waits only for the
-answer to its previous pull), and with ``overlap="eager"`` (PS+) the worker sends a
-pull as it starts computing, independent of its pushes, so the next round starts
-on the newest parameters that arrived meanwhile.
+With ``overlap="pipeline"`` (H-PS, PS+) a round starts by sending the previous
+round's update and, right behind it on the connection, a pull; both travel while
+the round computes, and the next round starts once the compute is done and the
+pull answered (an update is pushed one round after it was computed). With
+``overlap="eager"`` the worker also pulls again while the running compute leaves
+time for another round trip (at most ``eager_pulls`` pulls a round), so the next
+round starts on fresher parameters.
 
 Worker-side transforms: local steps with ``worker_optimizer`` (the pushed
 update is the pseudo-gradient :math:`w_\text{pulled} - w_\text{local}`; plain
 gradients without one), the step-size scale of the work plan, PS+'s modulation of
 the pushed update by :math:`f(\hat\tau)` (:func:`~hpsjax.transforms.staleness_factor`
-of the staleness the server reported for the worker's previous push), and a
+of :math:`\hat\tau = V_\text{known} - v`, the newest version the worker heard of
+minus the one it computed on), and a
 ``push_transform`` such as quantization with error feedback, whose bytes on the
 wire set the push transfer time. Policies' hints (``local_steps`` of ADSP and of
 hybrid stages) and :class:`~hpsjax.ps.ForcePull` (SaPS) are obeyed; work plans
@@ -33,8 +37,8 @@ set per-worker batch sizes, local steps and step-size scales, and a
 :class:`~hpsjax.profiling.Replanner` revises them as measured speeds drift.
 
 Speed: rounds are evaluated lazily and in batches with ``jax.vmap`` (see
-``hpsjax/sim/_engine.py``), parameters travel as flat host vectors, and every
-shape compiles once.
+``hpsjax/sim/_engine.py``), parameters travel as host arrays (zero-copy views),
+and every shape compiles once.
 
 Determinism: every random draw (compute times, batches, quantization) comes from
 generators seeded by ``SimConfig.seed``; the same seed gives identical metrics.
@@ -129,17 +133,22 @@ class SimConfig:
         update, with its own state per worker (quantization with error feedback),
         or ``None``.
       codec: the wire codec of the pushes (a ``hpsjax.transforms.Codec``) for
-        their byte count, or ``None`` for uncompressed pushes. Pulls are never
+        their byte count, or ``None``: the bytes that a
+        :func:`~hpsjax.transforms.quantize` in ``push_transform`` keeps for the
+        wire, else float32-size (uncompressed) pushes. Pulls are never
         compressed.
-      overlap: ``"none"`` (push and pull, then wait for the parameters),
-        ``"pipeline"`` (H-PS: the push and its pull travel while the next round
-        computes) or ``"eager"`` (PS+: a pull is sent as each round starts,
-        decoupled from the pushes).
+      overlap: ``"none"`` (compute, then push and pull in one round trip),
+        ``"pipeline"`` (H-PS, PS+: the previous round's push and the next pull
+        travel while a round computes) or ``"eager"`` (``"pipeline"`` with up to
+        ``eager_pulls`` pulls a round while compute time is left), as the worker
+        runtime's ``pipeline`` and ``eager_pulls``.
+      eager_pulls: the most pulls per round with ``overlap="eager"``, >= 1.
       staleness_lr: PS+'s worker-side modulation: a policy name of
         :data:`~hpsjax.transforms.STALENESS_POLICIES` or a callable ``tau ->
-        factor``; each pushed update is scaled by :math:`f(\hat\tau)`,
-        :math:`\hat\tau` the staleness the server acknowledged for the worker's
-        previous push. ``None`` for no modulation.
+        factor``; each update is scaled, when sent, by :math:`f(\hat\tau)` with
+        :math:`\hat\tau = V_\text{known} - v`, the newest version the worker
+        heard of (from pulls and push acknowledgements) minus the version it
+        computed on. ``None`` for no modulation.
       duration: stop at this virtual time (s), or ``None``.
       max_updates: stop once the server made this many versions, or ``None``.
       max_gradients: stop once this many local steps were pushed, or ``None``.
@@ -171,6 +180,7 @@ class SimConfig:
     push_transform: optax.GradientTransformation | None = None
     codec: Any = None
     overlap: str = "none"
+    eager_pulls: int = 3
     staleness_lr: Any = None
     duration: float | None = None
     max_updates: int | None = None
@@ -206,6 +216,7 @@ class SimConfig:
                 f"Unknown overlap {self.overlap!r}; valid modes are "
                 f"{', '.join(OVERLAP_MODES)}."
             )
+        _check_optional("eager_pulls", self.eager_pulls, integer=True)
         if self.staleness_lr is not None and not callable(self.staleness_lr):
             if self.staleness_lr not in STALENESS_POLICIES:
                 raise ValueError(
@@ -422,6 +433,10 @@ class SimResult:
 
 _IDLE, _BLOCKED, _COMPUTING, _GONE = range(4)
 
+# Smoothing of a worker's estimates of its compute and pull times, as the
+# worker runtime keeps them to decide whether another eager pull fits.
+_EWMA_ALPHA = 0.3
+
 
 class _Worker:
     """A simulated worker's mutable state."""
@@ -432,26 +447,29 @@ class _Worker:
         "blocked_spans",
         "bytes_received",
         "bytes_sent",
+        "compute_ewma",
         "compute_spans",
+        "discard",
         "down_free",
-        "eager_sent",
         "epoch",
-        "force_time",
         "het",
         "hint",
         "id",
         "index",
         "join_time",
-        "last_compute",
-        "last_staleness",
+        "known_version",
         "latency",
         "local_steps",
         "lr_scale",
         "params",
-        "pull_after_arrival",
+        "pending",
+        "pull_ewma",
         "pull_in_flight",
+        "pull_sent",
+        "pulls",
         "rng",
         "round",
+        "round_span",
         "round_start",
         "round_version",
         "server_wait_since",
@@ -482,25 +500,28 @@ class _Worker:
         self.hint = None
         self.params = None
         self.version = -1
+        self.known_version = 0
         self.state = _IDLE
         self.session = 0
         self.epoch = 0
         self.round = None
         self.round_start = 0.0
         self.round_version = 0
+        self.round_span = None
+        self.discard = False
+        self.pending = None
         self.pull_in_flight = False
-        self.pull_after_arrival = False
-        self.force_time = None
-        self.last_staleness = 0
-        self.last_compute = 0.0
-        self.eager_sent = True
+        self.pull_sent = 0.0
+        self.pulls = 0
+        self.compute_ewma = None
+        self.pull_ewma = None
         self.blocked_since = None
         self.server_wait_since = None
         self.up_free = 0.0
         self.down_free = 0.0
         self.bytes_sent = 0
         self.bytes_received = 0
-        self.compute_spans: list[tuple[float, float, str]] = []
+        self.compute_spans: list[list] = []
         self.blocked_spans: list[tuple[float, float]] = []
         self.server_waits: list[tuple[float, float]] = []
         self.transfer_spans: list[Interval] = []
@@ -630,11 +651,9 @@ class _Simulation:
             seed=seed,
         )
         self.pull_bytes = tree_wire_nbytes(params)
-        self.push_bytes = (
-            self.pull_bytes
-            if config.codec is None
-            else tree_wire_nbytes(params, config.codec)
-        )
+        self.push_bytes = _push_bytes(params, config, self.pull_bytes)
+        self.overlap = config.overlap != "none"
+        self.eager_pulls = config.eager_pulls if config.overlap == "eager" else 1
         self._factors: dict[int, float] = {}
         # The server averages buffered updates weighted by their samples. When
         # every push carries the same number, the weights cancel; leaving them
@@ -726,43 +745,57 @@ class _Simulation:
         return self._result(end, time.perf_counter() - wall)
 
     # ------------------------------------------------------------ worker side
+    #
+    # The worker follows hpsjax.worker's runtime. Without overlap a round is
+    # compute, then push and pull in one round trip. With overlap ("pipeline",
+    # "eager") a round starts by sending the previous round's update and, right
+    # behind it on the connection, a pull; both travel while the round computes,
+    # and the next round starts once the compute is done and the pull answered.
+    # "eager" pulls again while the running compute leaves time for another
+    # round trip, so the next round starts on fresher parameters.
 
     def _worker_join(self, w: _Worker) -> None:
         w.session += 1
         w.state = _BLOCKED
         w.blocked_since = self.now
         w.pull_in_flight = True
+        w.pull_sent = self.now
         self.schedule(self.now + w.latency, self._server_join, w, w.session)
 
     def _worker_leave(self, w: _Worker) -> None:
         if w.state == _GONE:
             return
-        self._abandon(w)
-        w.state = _GONE
-        w.session += 1
-        self.schedule(self.now + w.latency, self._server_leave, w)
-
-    def _abandon(self, w: _Worker) -> None:
-        """Throws away the worker's compute in progress; closes a blocked span."""
         now = self.now
         if w.state == _COMPUTING:
             self.engine.cancel(w.round)
-            w.compute_spans.append((w.round_start, now, "discarded"))
+            w.round_span[1] = now
+            w.round_span[2] = "discarded"
             w.round = None
             w.epoch += 1
-        elif w.state == _BLOCKED and w.blocked_since is not None:
+        elif w.blocked_since is not None:
             w.blocked_spans.append((w.blocked_since, now))
             w.blocked_since = None
+        w.pending = None
+        w.state = _GONE
+        w.session += 1
+        self.schedule(now + w.latency, self._server_leave, w)
 
     def _block(self, w: _Worker) -> None:
         w.state = _BLOCKED
         w.blocked_since = self.now
 
-    def _start_compute(self, w: _Worker) -> None:
+    def _start_round(self, w: _Worker) -> None:
         now = self.now
         if w.blocked_since is not None:
             w.blocked_spans.append((w.blocked_since, now))
             w.blocked_since = None
+        if self.overlap:
+            w.pulls = 0
+            if w.pending is not None:
+                r, version, step_time = w.pending
+                w.pending = None
+                self._send_push(w, r, version, step_time, with_pull=False)
+            self._send_pull(w)
         steps = w.hint if w.hint is not None else w.local_steps
         if steps > 1 and not self.local:
             raise ValueError(
@@ -772,38 +805,54 @@ class _Simulation:
         batch = w.batch_size
         durations = w.spec.compute.draw(w.rng, batch, steps)
         end = w.join_time + finish_time(w.slowdown, now - w.join_time, durations)
-        push_scale = 1.0
-        if self.config.staleness_lr is not None:
-            push_scale = self._factor(w.last_staleness)
         w.round = self.engine.submit(
-            Round(w.index, w.params, steps, batch, w.lr_scale, push_scale, w.stream)
+            Round(w.index, w.params, steps, batch, w.lr_scale, w.stream)
         )
         w.round_start = now
         w.round_version = w.version
+        w.round_span = [now, end, "compute"]
+        w.compute_spans.append(w.round_span)
+        w.discard = False
         w.state = _COMPUTING
         w.epoch += 1
         self.schedule(end, self._compute_done, w, w.epoch)
-        if self.config.overlap == "eager":
-            # PS+ pulls during the compute, late enough that the newest
-            # parameters arrive just as it ends: the worker expects this round
-            # to last as long as its last one, and the pull a round trip.
-            w.eager_sent = False
-            bandwidth = w.bandwidth(now)
-            trip = 2 * w.latency + (
-                0.0 if bandwidth is None else self.pull_bytes / bandwidth
-            )
-            lead = max(0.0, w.last_compute - trip)
-            if lead == 0.0:
-                self._eager_pull(w, w.epoch)
-            else:
-                self.schedule(now + lead, self._eager_pull, w, w.epoch)
 
-    def _eager_pull(self, w: _Worker, epoch: int) -> None:
-        if epoch != w.epoch or w.eager_sent:
+    def _compute_done(self, w: _Worker, epoch: int) -> None:
+        if epoch != w.epoch:
             return
-        w.eager_sent = True
-        if not w.pull_in_flight:
-            self._send_pull(w)
+        now = self.now
+        r = w.round
+        w.round = None
+        step_time = now - w.round_start
+        w.compute_ewma = (
+            step_time
+            if w.compute_ewma is None
+            else w.compute_ewma + _EWMA_ALPHA * (step_time - w.compute_ewma)
+        )
+        if w.discard:
+            # The server asked for fresh parameters (or dropped the worker)
+            # while this round computed on old ones: it is thrown away.
+            w.discard = False
+            w.round_span[2] = "discarded"
+            self.engine.cancel(r)
+            r = None
+        elif self.replanner is not None:
+            revised = self.replanner.observe(
+                w.id, r.batch_size, max(step_time / r.steps, 1e-12), now
+            )
+            if revised is not None:
+                self._apply_plan(revised)
+        if not self.overlap:
+            if r is not None:
+                self._send_push(w, r, w.round_version, step_time, with_pull=True)
+            self._block(w)
+            return
+        if r is not None:
+            w.pending = (r, w.round_version, step_time)
+        if w.pull_in_flight:
+            self._block(w)
+        else:
+            self._start_round(w)
 
     def _factor(self, tau: int) -> float:
         factor = self._factors.get(tau)
@@ -813,121 +862,108 @@ class _Simulation:
             )
         return factor
 
-    def _compute_done(self, w: _Worker, epoch: int) -> None:
-        if epoch != w.epoch:
-            return
-        now = self.now
-        r = w.round
+    def _send_push(self, w, r, version, step_time, *, with_pull) -> None:
         if not r.done:
             self.engine.flush()
-        w.compute_spans.append((w.round_start, now, "compute"))
-        step_time = w.last_compute = now - w.round_start
-        self.gradients += r.steps
-        if self.replanner is not None:
-            revised = self.replanner.observe(
-                w.id, r.batch_size, max(step_time / r.steps, 1e-12), now
-            )
-            if revised is not None:
-                self._apply_plan(revised)
+        factor = 1.0
+        if self.config.staleness_lr is not None:
+            # PS+: scaled when sent, by the staleness the worker can tell from
+            # the newest version it heard of.
+            factor = self._factor(max(0, w.known_version - version))
+        job = self.engine.prepare_push(w.index, r.update, factor)
         arrival = self._send_up(w, self.push_bytes, "push")
-        mode = self.config.overlap
-        with_pull = False
-        if mode == "none" or (mode == "pipeline" and not w.pull_in_flight):
-            with_pull = True
+        if with_pull:
             w.pull_in_flight = True
+            w.pull_sent = self.now
         self.schedule(
             arrival,
             self._server_push,
             w,
             w.session,
             r,
-            w.round_version,
+            job,
+            version,
             step_time,
             with_pull,
-            now,
+            self.now,
         )
-        w.round = None
-        if mode == "none":
-            self._block(w)
-        elif mode == "pipeline":
-            if with_pull:
-                self._start_compute(w)
-            else:
-                w.pull_after_arrival = True
-                self._block(w)
-        else:
-            if not w.eager_sent:
-                w.eager_sent = True
-                self._send_pull(w)
-            if w.pull_in_flight:
-                self._block(w)
-            else:
-                self._start_compute(w)
+        self.gradients += r.steps
         if self.config.max_gradients is not None and (
             self.gradients >= self.config.max_gradients
         ):
             self.stop = True
 
-    def _params_arrive(self, w, session, flat, version, hint, sent) -> None:
+    def _send_pull(self, w: _Worker) -> None:
+        w.pull_in_flight = True
+        w.pull_sent = self.now
+        w.pulls += 1
+        # On one connection a request queues behind the push being sent.
+        start = max(self.now, w.up_free)
+        self.schedule(start + w.latency, self._server_pull, w, w.session)
+
+    def _params_arrive(self, w, session, leaves, version, hint) -> None:
         if session != w.session:
             return
+        now = self.now
         w.pull_in_flight = False
-        w.params = flat
-        w.version = version
+        took = now - w.pull_sent
+        w.pull_ewma = (
+            took
+            if w.pull_ewma is None
+            else w.pull_ewma + _EWMA_ALPHA * (took - w.pull_ewma)
+        )
+        if version >= w.version:
+            w.params = leaves
+            w.version = version
+            w.known_version = max(w.known_version, version)
         if hint is not None:
             w.hint = hint
-        if w.state != _BLOCKED:
-            return
-        if w.force_time is not None:
-            if sent < w.force_time:
-                # Sent before the server asked for a fresh pull: pull again.
-                self._send_pull(w)
-                return
-            w.force_time = None
-        if w.pull_after_arrival:
-            w.pull_after_arrival = False
+        if w.state == _BLOCKED:
+            self._start_round(w)
+        elif (
+            w.state == _COMPUTING
+            and w.pulls < self.eager_pulls
+            and w.compute_ewma is not None
+            and w.compute_ewma - (now - w.round_start) >= 2.0 * w.pull_ewma
+        ):
             self._send_pull(w)
-        self._start_compute(w)
 
-    def _ack_arrive(self, w, session, staleness, hint) -> None:
+    def _ack_arrive(self, w, session, version, hint) -> None:
         if session != w.session:
             return
-        w.last_staleness = staleness
+        w.known_version = max(w.known_version, version)
         if hint is not None:
             w.hint = hint
 
-    def _force_arrive(self, w, session, sent) -> None:
-        if session != w.session or w.state == _GONE:
+    def _force_arrive(self, w, session) -> None:
+        if session != w.session or not self.overlap:
+            # Without overlap the pull that follows the push brings fresh
+            # parameters and nothing was computed meanwhile.
             return
-        w.force_time = sent
+        self._discard_current(w)
+
+    def _discard_current(self, w: _Worker) -> None:
+        """Throws away the round computing now, or the one waiting to be pushed."""
         if w.state == _COMPUTING:
-            self._abandon(w)
-            self._block(w)
-        if not w.pull_in_flight:
-            self._send_pull(w)
+            w.discard = True
+        elif w.pending is not None:
+            self.engine.cancel(w.pending[0])
+            w.pending = None
+            for span in reversed(w.compute_spans):
+                if span[2] == "compute":
+                    span[2] = "discarded"
+                    break
 
     def _dropped_arrive(self, w, session) -> None:
         if session != w.session or w.state == _GONE:
             return
-        self._abandon(w)
         self.drops += 1
+        self._discard_current(w)
         w.session += 1
-        w.pull_in_flight = True
-        w.pull_after_arrival = False
-        w.force_time = None
         w.hint = None
-        w.state = _BLOCKED
-        if w.blocked_since is None:
-            w.blocked_since = self.now
-        self.schedule(self.now + w.latency, self._server_join, w, w.session)
-
-    def _send_pull(self, w: _Worker) -> None:
         w.pull_in_flight = True
-        start = self.now
-        if self.config.overlap != "eager":
-            # On one connection a request queues behind the push being sent.
-            start = max(start, w.up_free)
-        self.schedule(start + w.latency, self._server_pull, w, w.session)
+        w.pull_sent = self.now
+        self.schedule(self.now + w.latency, self._server_join, w, w.session)
 
     def _send_up(self, w: _Worker, nbytes: int, kind: str) -> float:
         now = self.now
@@ -977,21 +1013,26 @@ class _Simulation:
             return
         self._carry_out(actions)
 
-    def _server_push(self, w, session, r, version, step_time, with_pull, sent) -> None:
+    def _server_push(
+        self, w, session, r, job, version, step_time, with_pull, sent
+    ) -> None:
         if session != w.session:
             return
         now = self.now
         core = self.core
+        if not job.done:
+            self.engine.finish_pushes()
+        loss = r.loss if math.isfinite(r.loss) else None
         try:
             actions = core.push(
                 w.id,
-                self.engine.tree(r.update),
+                self.engine.tree(job.update),
                 version=version,
                 now=now,
                 step_time=step_time,
                 num_samples=r.batch_size * r.steps if self.weigh_samples else None,
                 local_steps=r.steps,
-                loss=r.loss if math.isfinite(r.loss) else None,
+                loss=loss,
             )
         except HpsError as err:
             self.pushes.append(
@@ -1034,7 +1075,7 @@ class _Simulation:
                 self._ack_arrive,
                 w,
                 session,
-                ack.staleness,
+                ack.version,
                 ack.local_steps,
             )
         self._carry_out(actions)
@@ -1058,10 +1099,10 @@ class _Simulation:
         self.errors.append(f"{what} of worker {w.id!r}: {type(err).__name__}: {err}")
         if isinstance(err, WorkerDropped):
             self.schedule(self.now + w.latency, self._dropped_arrive, w, w.session)
-        elif what == "pull":
-            # The request failed for good; the worker cannot go on without
-            # parameters, so it starts afresh as a dropped one would.
-            self.schedule(self.now + w.latency, self._dropped_arrive, w, w.session)
+        else:
+            # The worker runtime stops on any other refusal (a bad update, a
+            # protocol error): its connection closes and the server lets it go.
+            self.schedule(self.now + w.latency, self._worker_leave, w)
 
     def _tick(self) -> None:
         self.tick_at = None
@@ -1092,7 +1133,6 @@ class _Simulation:
                     self.version_leaves,
                     action.version,
                     action.local_steps,
-                    now,
                 )
             elif kind is Applied:
                 self.applies.append(
@@ -1124,7 +1164,7 @@ class _Simulation:
                 self._close_server_wait(self.by_id[action.worker_id])
             elif kind is ForcePull:
                 w = self.by_id[action.worker_id]
-                self.schedule(now + w.latency, self._force_arrive, w, w.session, now)
+                self.schedule(now + w.latency, self._force_arrive, w, w.session)
             elif kind is Drop:
                 w = self.by_id[action.worker_id]
                 self._close_server_wait(w)
@@ -1215,9 +1255,7 @@ class _Simulation:
 
     def _result(self, end: float, wall: float) -> SimResult:
         for w in self.workers:
-            if w.state == _COMPUTING:
-                w.compute_spans.append((w.round_start, end, "compute"))
-            elif w.state == _BLOCKED and w.blocked_since is not None:
+            if w.state == _BLOCKED and w.blocked_since is not None:
                 w.blocked_spans.append((w.blocked_since, end))
             if w.server_wait_since is not None:
                 w.server_waits.append((w.server_wait_since, end))
@@ -1272,6 +1310,21 @@ def _timeline(w: _Worker, end: float) -> tuple[Interval, ...]:
             out.append(Interval(t, stop, "transfer"))
     out.sort()
     return tuple(iv for iv in out if iv.end > iv.start)
+
+
+def _push_bytes(params: Any, config: SimConfig, raw: int) -> int:
+    """Bytes of one push on the wire (headers excluded)."""
+    if config.codec is not None:
+        return tree_wire_nbytes(params, config.codec)
+    if config.push_transform is None:
+        return raw
+    from hpsjax.transforms import last_encoded
+
+    try:
+        encoded = last_encoded(config.push_transform.init(params))
+    except ValueError:  # no quantizer in it: the update goes out uncompressed
+        return raw
+    return int(sum(e.codes.nbytes + e.scales.nbytes for e in encoded))
 
 
 def _check_workers(workers: Any) -> list[WorkerSpec]:

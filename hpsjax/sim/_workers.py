@@ -113,8 +113,9 @@ class ComputeModel:
     straggle_slowdown: float = 1.0
 
     def __post_init__(self):
-        step_time = _check_number("step_time", self.step_time, low=0.0,
-                                  low_inclusive=False)
+        step_time = _check_number(
+            "step_time", self.step_time, low=0.0, low_inclusive=False
+        )
         if self.reference_batch is not None:
             _check_int("reference_batch", self.reference_batch, low=1)
         overhead = _check_number("overhead", self.overhead, low=0.0)
@@ -213,7 +214,9 @@ class ComputeModel:
         """
         times = np.full(steps, self.mean_step_time(batch_size))
         if self.sigma > 0:
-            times *= np.exp(self.sigma * rng.standard_normal(steps) - 0.5 * self.sigma**2)
+            times *= np.exp(
+                self.sigma * rng.standard_normal(steps) - 0.5 * self.sigma**2
+            )
         if self.straggle_probability > 0 and self.straggle_slowdown > 1:
             straggle = rng.random(steps) < self.straggle_probability
             times = np.where(straggle, times * self.straggle_slowdown, times)
@@ -274,7 +277,8 @@ class WorkerSpec:
         _check_int("local_steps", self.local_steps, low=1)
         _check_number("lr_scale", self.lr_scale, low=0.0)
         if self.worker_id is not None and (
-            isinstance(self.worker_id, bool) or not isinstance(self.worker_id, int | str)
+            isinstance(self.worker_id, bool)
+            or not isinstance(self.worker_id, int | str)
         ):
             raise ValueError(
                 f"worker_id must be an int, a str or None, got {self.worker_id!r}."

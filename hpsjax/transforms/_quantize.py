@@ -7,23 +7,22 @@ exactly what travels on the wire, and :func:`decode` turns it back. The transfor
 leaves in its state (see :func:`last_encoded`), so a worker sends the very bytes
 its optimizer applied, and error feedback is applied exactly once.
 
-Schemes, for an array (or a block of it) ``x`` of ``d`` elements:
+Schemes, for an array (or a block of it) ``x`` of ``d`` elements, each with one
+float32 scale, the step ``Δ``:
 
-========= ================================= ============================================
-scheme    step (the one float32 scale)      code of element ``x_i``
-========= ================================= ============================================
-uniform   ``max|x| / L``, ``L = 2^(b-1)-1`` ``round(x_i / step)`` in ``[-L, L]``, + ``L``
-qsgd      ``||x||_2 / s``                   ``round(x_i / step)`` in ``[-s, s]``, + ``s``
-sign      ``||x||_1 / d`` (nearest),        ``1`` if ``x_i >= 0`` (nearest) or with
-          ``max|x|`` (stochastic)           probability ``(1 + x_i / step) / 2``, else ``0``
-none      no scale                          the float32 bits of ``x_i``
-========= ================================= ============================================
+* ``uniform`` (``b`` bits): ``Δ = max|x| / L`` with ``L = 2^(b-1) - 1``; code
+  ``round(x_i / Δ) + L`` in ``[0, 2L]``.
+* ``qsgd`` (``s`` levels): ``Δ = ||x||_2 / s``; code ``round(x_i / Δ) + s`` in
+  ``[0, 2s]``, i.e. ``L = s``.
+* ``sign`` (1 bit): nearest, ``Δ = ||x||_1 / d`` and code 1 iff ``x_i >= 0``;
+  stochastic, ``Δ = max|x|`` and code 1 with probability ``(1 + x_i / Δ) / 2``.
+* ``none`` (32 bits): no scale; the float32 bits of ``x_i``.
 
 ``round`` is to the nearest integer (ties to even) or, with ``stochastic=True``,
 unbiased stochastic rounding: up with probability ``y - floor(y)``. Decoding is
-``(code - L) * step`` (``sign``: ``(2 code - 1) * step``), so every scheme but
-nearest ``sign`` is unbiased with stochastic rounding, and nearest rounding is off
-by at most ``step / 2``.
+``(code - L) Δ`` (``sign``: ``(2 code - 1) Δ``), so every scheme but nearest
+``sign`` is unbiased with stochastic rounding, and nearest rounding is off by at
+most ``Δ / 2``.
 
 Wire layout of ``Encoded.codes`` (a 1-D ``uint8`` array, codes in element order of
 the row-major flattened array):
@@ -586,22 +585,31 @@ def encode(x: jax.Array, codec: Codec, key: jax.Array | None = None) -> Encoded:
       Gradient Compression Schemes", ICML 2019, https://arxiv.org/abs/1901.09847
     """
     codec = _check_codec(codec)
-    x = jnp.asarray(x)
-    _check_float(x.dtype, "encode's input dtype")
-    size = x.size
-    flat = x.reshape(size).astype(_F32)
-    if codec.scheme == "none":
-        return Encoded(_float_bytes(flat), jnp.zeros((0,), _F32))
+    x = _check_input(x, codec)
     seeds = None
     if codec.stochastic:
         if key is None:
             raise ValueError("stochastic rounding needs a PRNG key, got key=None")
-        if size >= 2**32:
-            raise ValueError(
-                f"stochastic rounding counts elements in 32 bits; split arrays of "
-                f"{size} >= 2**32 elements"
-            )
         seeds = _seeds(jnp.asarray(key))
+    return _encode(x, codec, seeds)
+
+
+def _check_input(x: Any, codec: Codec) -> jax.Array:
+    x = jnp.asarray(x)
+    _check_float(x.dtype, "encode's input dtype")
+    if codec.stochastic and x.size >= 2**32:
+        raise ValueError(
+            f"stochastic rounding counts elements in 32 bits; split arrays of "
+            f"{x.size} >= 2**32 elements"
+        )
+    return x
+
+
+def _encode(x: jax.Array, codec: Codec, seeds: jax.Array | None) -> Encoded:
+    size = x.size
+    flat = x.reshape(size).astype(_F32)
+    if codec.scheme == "none":
+        return Encoded(_float_bytes(flat), jnp.zeros((0,), _F32))
     steps = _block_stats(flat, codec)
     if size == 0:
         return Encoded(jnp.zeros((0,), jnp.uint8), steps)
@@ -714,13 +722,17 @@ def encode_tree(tree: Any, codec: Codec, key: jax.Array | None = None) -> list[E
              [1., 1., 1.]], dtype=float32)
     """
     codec = _check_codec(codec)
-    leaves = jax.tree.leaves(tree)
-    if codec.stochastic and key is None:
+    leaves = [_check_input(leaf, codec) for leaf in jax.tree.leaves(tree)]
+    if not codec.stochastic or not leaves:
+        return [_encode(leaf, codec, None) for leaf in leaves]
+    if key is None:
         raise ValueError("stochastic rounding needs a PRNG key, got key=None")
-    return [
-        encode(leaf, codec, None if key is None else jax.random.fold_in(key, i))
-        for i, leaf in enumerate(leaves)
-    ]
+    # The same keys as fold_in(key, i) leaf by leaf, derived in two batched
+    # hash calls rather than two per leaf: much less to compile for big trees.
+    index = jnp.arange(len(leaves), dtype=jnp.uint32)
+    keys = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(jnp.asarray(key), index)
+    seeds = jax.vmap(_seeds)(keys)
+    return [_encode(leaf, codec, seeds[i]) for i, leaf in enumerate(leaves)]
 
 
 def decode_tree(encoded_leaves: Sequence[Encoded], codec: Codec, like_tree: Any) -> Any:
@@ -786,7 +798,12 @@ def quantize(
       e_{t+1} = p_t - C(p_t),
 
     so everything not yet sent is carried over and ``sum_t C(p_t) + e_T`` equals
-    ``sum_t g_t``. The state keeps the :class:`Encoded` leaves of the output
+    ``sum_t g_t``. The analysis of Karimireddy et al. bounds the residual for
+    contractive compressors, ``E||C(p) - p||^2 <= (1 - δ) ||p||^2``, such as the
+    scaled sign; with coarse stochastic ones (the stochastic sign, QSGD with few
+    levels on long vectors) the residual can grow.
+
+    The state keeps the :class:`Encoded` leaves of the output
     (:func:`last_encoded`), which the wire sends as they are. The key is split at
     every update; leaf ``i`` is encoded with ``fold_in(step_key, i)`` as in
     :func:`encode_tree`.

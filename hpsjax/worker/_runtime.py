@@ -45,6 +45,15 @@ local accumulation on the fresh parameters; a ``plan`` hint (a re-planned
 step-size scale) changes its work from the next round. Barrier waits (BSP,
 SSP) need nothing: the server holds the pull's answer.
 
+**Re-planning on the worker (H-PS).** With ``replan_threshold`` and a
+``work_plan``, the worker also compares its measured time per step with the
+plan's prediction (:class:`~hpsjax.profiling.Replanner`, an exponential moving
+average of the speed ratio :math:`\rho`); when :math:`|\rho - 1|` exceeds the
+threshold it re-plans with its own model scaled by :math:`\rho` and the other
+workers as planned, and takes its new entry: a worker that slowed down takes a
+smaller batch (and step-size scale). The other workers do not learn of it, so
+the global batch shrinks by what this worker gave up.
+
 **Heterogeneity.** A :class:`~hpsjax.worker.Heterogeneity` makes the worker
 slower (sleep :math:`(k-1) c` after a step that computed for :math:`c` s) and its
 link narrower (hold each message of :math:`n` bytes for :math:`\ell + n/B`).
@@ -193,6 +202,12 @@ class WorkerConfig:
       timeout: seconds any single request may take (``None``: no limit). Under
         BSP the pull waits for the slowest worker, so keep it above a round.
       seed: seed of the quantizer's random rounding.
+      replan_threshold: re-plan this worker's share when its measured speed
+        drifts from ``work_plan``'s by more than this (relative), ``None`` to
+        keep the plan (see :class:`~hpsjax.profiling.Replanner`; needs
+        ``work_plan``).
+      replan_cooldown: least seconds between two re-plans.
+      replan_window: span, in rounds, of the moving average of the speed.
       fail_after_steps: fault injection: raise ``RuntimeError`` after this many
         rounds (to exercise how the server and launcher handle a dying worker).
 
@@ -222,6 +237,9 @@ class WorkerConfig:
     heterogeneity: Heterogeneity = dataclasses.field(default_factory=Heterogeneity)
     timeout: float | None = 600.0
     seed: int = 0
+    replan_threshold: float | None = None
+    replan_cooldown: float = 10.0
+    replan_window: int = 5
     fail_after_steps: int | None = None
 
     def __post_init__(self):
@@ -274,6 +292,18 @@ class WorkerConfig:
             raise ValueError("heterogeneity must be a Heterogeneity")
         _check_positive("timeout", self.timeout, allow_none=True)
         _check_int("seed", self.seed, 0)
+        _check_positive("replan_threshold", self.replan_threshold, allow_none=True)
+        if self.replan_threshold is not None and self.work_plan is None:
+            raise ValueError("replan_threshold needs a work_plan to re-plan")
+        if (
+            isinstance(self.replan_cooldown, bool)
+            or not isinstance(self.replan_cooldown, int | float)
+            or not self.replan_cooldown >= 0
+        ):
+            raise ValueError(
+                f"replan_cooldown must be a number >= 0, got {self.replan_cooldown!r}"
+            )
+        _check_int("replan_window", self.replan_window, 1)
         _check_int("fail_after_steps", self.fail_after_steps, 1, allow_none=True)
 
     def planned(self) -> tuple[tuple[int, ...] | None, int, int, float]:
@@ -520,6 +550,19 @@ class Worker:
                         local_optimizer=optax.sgd(0.1),
                         metrics=JsonLinesSink("w0.jsonl"))
         summary = asyncio.run(worker.run())
+
+    References:
+      Xian, Li, Liu, Guo, Du, "H-PS: A Heterogeneous-Aware Parameter Server With
+      Distributed Neural Network Training", IEEE Access, 2021,
+      https://doi.org/10.1109/ACCESS.2021.3060154
+
+      Jin, Li, Liu, Yang, Yu, Li, "PS+: A Simple yet Effective Framework for
+      Fast Training on Parameter Server", IEEE TPDS 33(12), 2022,
+      https://doi.org/10.1109/TPDS.2022.3200518
+
+      Yu, Zhou, Chen, Chen, Wang, Wang, "SaPS: Straggler-aware Parameter
+      Server" (our reading), IEEE HPCC 2019,
+      https://doi.org/10.1109/HPCC/SmartCity/DSS.2019.00042
     """
 
     def __init__(
@@ -585,6 +628,16 @@ class Worker:
         self._lr_scale = float(lr_scale)
         self._plan_revision: int | None = None
         self._hinted_steps: int | None = None
+        self._replanner = None
+        if config.replan_threshold is not None:
+            from hpsjax.profiling import Replanner
+
+            self._replanner = Replanner(
+                config.work_plan,
+                threshold=config.replan_threshold,
+                window=config.replan_window,
+                cooldown=config.replan_cooldown,
+            )
         self._round_start = time.monotonic()
         self._apply = None
         self._known_version = 0
@@ -726,6 +779,34 @@ class Worker:
             revision,
             self._device_batches,
             self._lr_scale,
+        )
+
+    def _observe_speed(self, computed: _Computed) -> None:
+        """Re-plans this worker's share when its measured speed drifted.
+
+        The worker judges only itself: the revised plan assumes the others run
+        as planned, and the worker takes its own new entry (a smaller batch
+        when it slowed down), so the global batch is kept only if the others
+        re-plan too.
+        """
+        if self._replanner is None or computed.local_steps < 1:
+            return
+        per_step = (computed.compute_s + computed.slowdown_s) / computed.local_steps
+        if not per_step > 0:
+            return
+        revised = self._replanner.observe(
+            self._config.worker_id, computed.batch_size, per_step, self._elapsed()
+        )
+        if revised is None:
+            return
+        entry = revised.worker(self._config.worker_id)
+        self._apply_plan_hint(
+            {
+                "revision": revised.revision,
+                "device_batches": [d.batch_size for d in entry.devices],
+                "local_steps": entry.local_steps,
+                "lr_scale": entry.lr_scale,
+            }
         )
 
     def _settings(self) -> _Settings:
@@ -950,11 +1031,14 @@ class Worker:
                     pulls = 1
                     pull_end = self._elapsed()
                 elif pull:
-                    # The push frame goes out first on the connection, so the
-                    # server sees the update before the pull that follows it.
+                    # The push frame must go out first on the connection, so
+                    # that the server (BSP) counts the update before the pull
+                    # behind it: the client hands a frame to the transport
+                    # before its first suspension, which one loop pass allows.
                     push_task = asyncio.ensure_future(
                         self._push(client.push, computed, prepared)
                     )
+                    await asyncio.sleep(0)
                     pull_start = self._elapsed()
                     pull_task = asyncio.ensure_future(client.pull())
                     try:
@@ -1279,6 +1363,7 @@ class Worker:
             totals["local_steps"] += computed.local_steps
             totals["steps"] += 1
             params, version = comm.params, comm.version
+            self._observe_speed(computed)
             self._follow_hints(client.hints)
             step += 1
             if config.fail_after_steps is not None and step >= config.fail_after_steps:

@@ -1,0 +1,401 @@
+"""Tests of the experiments: every scheme's config end to end, compare, errors.
+
+The smoke tests run each scheme's ``quick`` setting (three workers, seconds of
+virtual or wall time) in a temporary directory and check the outputs. They share
+a persistent compilation cache, so that the schemes' identical programs compile
+once; the cache is switched off again after this module.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import optax
+import pytest
+from jax.experimental.compilation_cache import compilation_cache
+
+from experiments import build, compare, registry, train
+from experiments.configs import common
+from experiments.configs.suites import SUITES, Suite
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+# The processes smoke test kept in the fast default set: it profiles, plans,
+# pipelines and quantizes, so it runs the most of the processes backend.
+FAST_PROCESS_SCHEME = "hps"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _compilation_cache(tmp_path_factory):
+    options = (
+        "jax_compilation_cache_dir",
+        "jax_persistent_cache_min_compile_time_secs",
+        "jax_persistent_cache_min_entry_size_bytes",
+    )
+    saved = {name: getattr(jax.config, name) for name in options}
+    compilation_cache.reset_cache()
+    jax.config.update(options[0], str(tmp_path_factory.mktemp("jax_cache")))
+    jax.config.update(options[1], 0.0)
+    jax.config.update(options[2], 0)
+    yield
+    for name, value in saved.items():
+        jax.config.update(name, value)
+    compilation_cache.reset_cache()
+
+
+def _quick(scheme: str, backend: str = "sim"):
+    config = registry.load_config(scheme, "quick")
+    config.backend = backend
+    return config
+
+
+def _read_jsonl(path: pathlib.Path) -> list[dict]:
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f]
+
+
+def _check_outputs(workdir: pathlib.Path, config, summary: dict) -> None:
+    for name in ("config.json", "metrics.jsonl", "summary.json", "timeline.json"):
+        assert (workdir / name).is_file(), name
+    for name in ("accuracy.png", "timeline.png"):
+        data = (workdir / name).read_bytes()
+        assert data.startswith(PNG_MAGIC) and len(data) > 2000, name
+    saved = json.loads((workdir / "config.json").read_text())
+    assert saved["scheme"] == config.scheme
+    assert saved["backend"] == config.backend
+    assert saved["server"]["policy"] == config.server.policy
+
+    records = _read_jsonl(workdir / "metrics.jsonl")
+    evals = [r for r in records if r["event"] == "eval"]
+    workers = [r for r in records if r["event"] == "worker"]
+    summaries = [r for r in records if r["event"] == "summary"]
+    assert len(summaries) == 1 and records[-1]["event"] == "summary"
+    assert len(workers) == len(config.workers.slowdowns)
+    assert len(evals) >= 3
+    times = [e["time"] for e in evals]
+    assert times == sorted(times)
+    assert times[-1] <= config.budget_seconds + 1e-6
+    for e in evals:
+        assert 0.0 <= e["accuracy"] <= 1.0
+    # Training reduced the held-out loss and made updates.
+    assert evals[-1]["loss"] < evals[0]["loss"]
+    assert summary["updates"] > 0
+    for w in workers:
+        assert w["compute_s"] > 0 and w["bytes_sent"] > 0 and w["pushes"] > 0
+        assert 0.0 <= w["idle_fraction"] <= 1.0
+
+    timeline = json.loads((workdir / "timeline.json").read_text())
+    assert set(timeline["workers"]) == {
+        str(i) for i in range(len(config.workers.slowdowns))
+    }
+    for spans in timeline["workers"].values():
+        assert spans and all(s[0] <= s[1] for s in spans)
+        assert {s[2] for s in spans} <= set(timeline["kinds"])
+        assert "compute" in {s[2] for s in spans}
+
+    on_disk = json.loads((workdir / "summary.json").read_text())
+    assert on_disk["scheme"] == summary["scheme"] == config.scheme
+    assert on_disk["final_accuracy"] == pytest.approx(evals[-1]["accuracy"])
+    reached = train.time_to_target(evals, config.eval.target_accuracy)
+    assert summary["time_to_target"] == reached
+
+
+# ---------------------------------------------------------------------------
+# Configs and registries.
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("scheme", registry.SCHEMES)
+def test_every_scheme_config_loads_in_every_setting(scheme):
+    path = REPO / "experiments" / "configs" / f"{scheme}.py"
+    assert path.is_file()
+    for setting in common.SETTINGS:
+        config = registry.load_config(scheme, setting)
+        registry.check_config(config)
+        assert config.scheme == scheme and config.setting == setting
+    module = __import__(f"experiments.configs.{scheme}", fromlist=["get_config"])
+    command = f"python -m experiments.run --config=experiments/configs/{scheme}.py"
+    assert command in " ".join(module.__doc__.split()).replace("\\ ", "")
+
+
+def test_config_defaults_to_sim8_and_unknown_setting_lists_names():
+    assert registry.load_config("bsp").setting == "sim8"
+    with pytest.raises(ValueError, match=r"unknown setting 'huge'.*demo.*proc4"):
+        registry.load_config("bsp", "huge")
+
+
+def test_unknown_scheme_lists_valid_names():
+    with pytest.raises(ValueError, match=r"unknown scheme 'bspp'; valid names: ") as e:
+        registry.load_config("bspp")
+    for scheme in registry.SCHEMES:
+        assert scheme in str(e.value)
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "kind"),
+    [
+        ("server.policy", "bulk", "policy"),
+        ("server.optimizer", "sgdd", "optimizer"),
+        ("backend", "cluster", "backend"),
+        ("worker.overlap", "sometimes", "overlap"),
+        ("worker.local_optimizer", "lion", "optimizer"),
+        ("model.name", "resnet", "model"),
+        ("data.name", "mnist", "dataset"),
+        ("plan.scheme", "fastest", "plan scheme"),
+        ("server.staleness_policy", "inverted", "staleness policy"),
+    ],
+)
+def test_bad_registry_name_is_a_clear_error_and_writes_nothing(
+    tmp_path, field, value, kind
+):
+    config = _quick("bsp")
+    node = config
+    *parents, leaf = field.split(".")
+    for name in parents:
+        node = node[name]
+    node[leaf] = value
+    with pytest.raises(ValueError, match=rf"unknown {kind} '{value}'; valid names: "):
+        train.train_and_evaluate(config, tmp_path / "out", progress=False)
+    assert not (tmp_path / "out").exists()
+
+
+def test_lookup_of_an_unknown_registry_lists_the_registries():
+    with pytest.raises(ValueError, match=r"unknown registry 'colour'.*optimizer"):
+        registry.lookup("colour", "red")
+
+
+def test_local_steps_without_local_optimizer_is_refused():
+    config = _quick("bsp")
+    config.worker.local_steps = 4
+    with pytest.raises(ValueError, match=r"needs a worker\.local_optimizer"):
+        registry.check_config(config)
+
+
+def test_bad_slowdowns_and_speed_changes_are_refused():
+    config = _quick("asp")
+    config.workers.slowdowns = (1.0, 0.5)
+    with pytest.raises(ValueError, match="factors >= 1"):
+        registry.check_config(config)
+    config = _quick("asp")
+    config.workers.speed_changes = ((7, 1.0, 2.0),)
+    with pytest.raises(ValueError, match="speed change for worker 7"):
+        build.worker_specs(config)
+
+
+def test_bad_npz_path_is_a_clear_error_and_writes_nothing(tmp_path):
+    config = _quick("bsp")
+    config.data.name = "npz"
+    config.data.path = str(tmp_path / "missing.npz")
+    with pytest.raises(FileNotFoundError, match=r"no \.npz file at"):
+        train.train_and_evaluate(config, tmp_path / "out", progress=False)
+    not_npz = tmp_path / "data.npz"
+    not_npz.write_text("not an archive")
+    config.data.path = str(not_npz)
+    with pytest.raises(ValueError, match=r"not a readable \.npz archive"):
+        train.train_and_evaluate(config, tmp_path / "out", progress=False)
+    config.data.path = ""
+    with pytest.raises(ValueError, match=r"needs data\.path"):
+        train.train_and_evaluate(config, tmp_path / "out", progress=False)
+    assert not (tmp_path / "out").exists()
+
+
+def test_time_to_target_is_the_first_evaluation_at_the_target():
+    evals = [
+        {"time": 0.0, "accuracy": 0.1},
+        {"time": 1.0, "accuracy": 0.8},
+        {"time": 2.0, "accuracy": 0.7},
+        {"time": 3.0, "accuracy": 0.9},
+    ]
+    assert train.time_to_target(evals, 0.75) == 1.0
+    assert train.time_to_target(evals, 0.9) == 3.0
+    assert train.time_to_target(evals, 0.95) is None
+
+
+def test_slowdown_schedule_follows_speed_changes():
+    config = _quick("asp")
+    config.workers.slowdowns = (1.0, 2.0)
+    config.workers.speed_changes = ((1, 5.0, 3.0), (1, 2.0, 0.75))
+    assert build.slowdown_schedule(config, 0) == ((0.0, 1.0),)
+    assert build.slowdown_schedule(config, 1) == ((0.0, 2.0), (2.0, 1.5), (5.0, 4.5))
+
+
+def test_planned_hybrid_hints_each_worker_its_planned_steps():
+    from hpsjax.ps import HybridStage, ServerCore
+
+    policy = build.PlannedHybrid(
+        [
+            HybridStage("async", 4, 8, until_version=2),
+            HybridStage("semi_async", 1, 2),
+        ],
+        [{"a": 4, "b": 16}, {"a": 1, "b": 4}],
+    )
+    core = ServerCore({"w": np.zeros(2, np.float32)}, optax.sgd(1.0), policy)
+    assert core.join("a", now=0.0)[0].local_steps == 4
+    assert core.join("b", now=0.0)[0].local_steps == 16
+    update = {"w": np.ones(2, np.float32)}
+    core.push("a", update, version=0, now=1.0)
+    acks = core.push("b", update, version=0, now=1.0)
+    assert policy.stage == 1
+    assert acks[0].local_steps == 4
+    with pytest.raises(ValueError, match="2 local-step plans for 1 stages"):
+        build.PlannedHybrid([HybridStage("async", 1)], [{}, {}])
+
+
+def test_format_table_speedups_and_missing_targets():
+    def summary(scheme, ttt, end=10.0):
+        return {
+            "scheme": scheme,
+            "backend": "sim",
+            "target_accuracy": 0.9,
+            "time_to_target": ttt,
+            "end_time": end,
+            "final_accuracy": 0.91,
+            "best_accuracy": 0.92,
+            "bytes_sent": 2_000_000,
+            "idle_fraction": 0.25,
+            "updates": 7,
+        }
+
+    table = compare.format_table(
+        [summary("bsp", 8.0), summary("hps", 4.0), summary("asp", None)]
+    )
+    lines = table.strip().splitlines()
+    assert len(lines) == 5
+    assert "time to 0.9 accuracy (virtual s)" in lines[0]
+    assert lines[2].startswith("| bsp | 8.0 | 1.00x | 0.910 | 0.920 | 2.0 | 0.25 | 7 |")
+    assert lines[3].startswith("| hps | 4.0 | 2.00x |")
+    assert lines[4].startswith("| asp | not reached | - |")
+    no_base = compare.format_table([summary("bsp", None), summary("hps", 4.0)])
+    assert "| hps | 4.0 | > 2.50x |" in no_base
+    with pytest.raises(ValueError, match="different target accuracies"):
+        compare.format_table(
+            [summary("bsp", 1.0), {**summary("a", 1.0), "target_accuracy": 0.5}]
+        )
+
+
+# ---------------------------------------------------------------------------
+# End to end.
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("scheme", registry.SCHEMES)
+def test_sim_smoke(tmp_path, scheme):
+    config = _quick(scheme)
+    summary = train.train_and_evaluate(config, tmp_path, progress=False)
+    _check_outputs(tmp_path, config, summary)
+    if config.plan.scheme != "none":
+        assert summary["info"]["profile_seconds"] > 0
+        assert summary["info"]["plans"]
+
+
+def test_sim_smoke_on_user_npz_data(tmp_path):
+    from hpsjax.data import synthetic_digits
+
+    data = synthetic_digits(600, seed=3)
+    path = tmp_path / "mine.npz"
+    np.savez(path, images=(data.x * 255).astype(np.uint8), labels=data.y)
+    config = _quick("asp")
+    config.data.name = "npz"
+    config.data.path = str(path)
+    config.data.x_key = "images"
+    config.data.y_key = "labels"
+    summary = train.train_and_evaluate(config, tmp_path / "out", progress=False)
+    _check_outputs(tmp_path / "out", config, summary)
+
+
+def test_sim_runs_are_reproducible(tmp_path):
+    config = _quick("ssp")
+    first = train.train_and_evaluate(config, tmp_path / "a", progress=False)
+    second = train.train_and_evaluate(config, tmp_path / "b", progress=False)
+    assert first["final_accuracy"] == second["final_accuracy"]
+    assert first["updates"] == second["updates"]
+
+
+@pytest.mark.parametrize(
+    "scheme",
+    [
+        pytest.param(s, marks=() if s == FAST_PROCESS_SCHEME else pytest.mark.slow)
+        for s in registry.SCHEMES
+    ],
+)
+def test_processes_smoke(tmp_path, scheme):
+    config = _quick(scheme, backend="processes")
+    summary = train.train_and_evaluate(config, tmp_path, progress=False)
+    _check_outputs(tmp_path, config, summary)
+    for i in range(len(config.workers.slowdowns)):
+        own = _read_jsonl(tmp_path / "workers" / f"metrics_{i}.jsonl")
+        assert any(r["event"] == "round" for r in own)
+    assert summary["info"]["worker_returncodes"] == [0] * len(config.workers.slowdowns)
+
+
+def test_processes_refuse_a_plateau_stage_switch(tmp_path):
+    config = _quick("ashl", backend="processes")
+    config.stages.switch = "plateau"
+    with pytest.raises(ValueError, match="switches ASHL's stages at a server version"):
+        train.train_and_evaluate(config, tmp_path, progress=False)
+
+
+def test_compare_writes_a_row_per_scheme(tmp_path):
+    suite = Suite("quick", schemes=("bsp", "asp", "local_sgd"))
+    result = compare.run_suite(suite, tmp_path, progress=False)
+    text = result["table_path"].read_text()
+    rows = [line for line in text.splitlines() if line.startswith("| ")]
+    assert [r.split("|")[1].strip() for r in rows[1:]] == ["bsp", "asp", "local_sgd"]
+    assert rows[1].split("|")[3].strip() in ("1.00x", "-")
+    assert result["plot_path"].read_bytes().startswith(PNG_MAGIC)
+    saved = json.loads((tmp_path / "results.json").read_text())
+    assert [s["scheme"] for s in saved["summaries"]] == ["bsp", "asp", "local_sgd"]
+    again = compare.run_suite(suite, tmp_path, render_only=True, progress=False)
+    assert again["table"] == result["table"]
+
+
+def test_compare_rejects_unknown_suites_and_schemes(tmp_path):
+    with pytest.raises(ValueError, match=r"unknown suite 'huge'; valid names: .*sim8"):
+        compare.run_suite("huge", tmp_path)
+    with pytest.raises(ValueError, match=r"unknown scheme 'bspp'"):
+        compare.run_suite("quick", tmp_path, schemes=["bspp"])
+    assert not any(tmp_path.iterdir())
+    assert {"quick", "sim8", "proc4"} <= set(SUITES)
+
+
+@pytest.mark.slow
+def test_run_and_compare_commands(tmp_path):
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    run = subprocess.run(
+        [
+            sys.executable, "-m", "experiments.run",
+            "--config=experiments/configs/asp.py:quick",
+            "--config.budget_seconds=4", f"--workdir={tmp_path / 'run'}",
+        ],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "asp: time to 0.5 accuracy" in run.stdout
+    assert (tmp_path / "run" / "accuracy.png").is_file()
+    bad = subprocess.run(
+        [
+            sys.executable, "-m", "experiments.run",
+            "--config=experiments/configs/asp.py:quick",
+            "--config.server.policy=bulk", f"--workdir={tmp_path / 'bad'}",
+        ],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert bad.returncode != 0
+    assert "unknown policy 'bulk'; valid names:" in bad.stderr
+    out = subprocess.run(
+        [
+            sys.executable, "-m", "experiments.compare", "--suite=smoke",
+            "--schemes=bsp,asp", f"--workdir={tmp_path / 'cmp'}",
+        ],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "| bsp |" in out.stdout and "| asp |" in out.stdout
+    assert f"plot: {tmp_path / 'cmp' / 'accuracy.png'}" in out.stdout

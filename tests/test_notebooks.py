@@ -1,0 +1,209 @@
+"""The Colab tutorials in ``colab/``: how they are committed, and that they run.
+
+Every tutorial must open with an "Open in Colab" badge that points at itself, hold
+exactly one install cell that is a no-op where hpsjax is importable (so executing
+it here never reaches the network), read ``HPSJAX_TUTORIAL_SMALL`` for its small
+settings, and be committed without outputs or execution counts. Those checks are
+fast. Executing each notebook top to bottom in a fresh ``python3`` kernel of this
+interpreter, with ``HPSJAX_TUTORIAL_SMALL=1`` and a timeout on every cell, takes
+tens of seconds (mostly compiling), so those tests are marked slow.
+"""
+
+from __future__ import annotations
+
+import copy
+import pathlib
+import re
+
+import nbformat
+import pytest
+from nbclient import NotebookClient
+
+COLAB = pathlib.Path(__file__).resolve().parent.parent / "colab"
+TUTORIALS = (
+    "01_transforms.ipynb",
+    "02_parameter_server.ipynb",
+    "03_heterogeneity.ipynb",
+    "04_custom_scheme.ipynb",
+)
+BADGE = (
+    "[![Open In Colab](https://colab.research.google.com/assets/colab-badge.svg)]"
+    "(https://colab.research.google.com/github/hpsjax/hpsjax/blob/main/colab/{name})"
+)
+SMALL_VARIABLE = "HPSJAX_TUTORIAL_SMALL"
+# Per cell, on a busy 2-core machine; the longest cell of a small run takes about
+# 20 seconds there.
+CELL_TIMEOUT_S = 300
+KERNEL_START_TIMEOUT_S = 120
+
+_INSTALL = re.compile(r"\bpip\s+install\b")
+# The guard that makes the install cell safe: try importing first, install only
+# on ImportError.
+_GUARD = re.compile(r"^try:\n\s+import hpsjax\nexcept ImportError:\n", re.MULTILINE)
+
+
+def _load(path: pathlib.Path) -> nbformat.NotebookNode:
+    return nbformat.read(path, as_version=nbformat.NO_CONVERT)
+
+
+def committed_problems(nb: nbformat.NotebookNode, name: str) -> list[str]:
+    """What is wrong with how notebook ``name`` is committed (empty: nothing)."""
+    problems = []
+    try:
+        nbformat.validate(nb)
+    except nbformat.ValidationError as e:
+        problems.append(f"invalid notebook: {e.message}")
+    cells = nb.cells
+    if not cells or cells[0].cell_type != "markdown":
+        problems.append("the first cell is not a markdown cell")
+    elif BADGE.format(name=name) not in cells[0].source:
+        problems.append(f"the first cell lacks the Open in Colab badge for {name}")
+    code = [i for i, c in enumerate(cells) if c.cell_type == "code"]
+    installs = [i for i in code if _INSTALL.search(cells[i].source)]
+    if len(installs) != 1:
+        problems.append(f"{len(installs)} cells install packages, expected one")
+    else:
+        (index,) = installs
+        if index != code[0]:
+            problems.append("the install cell is not the first code cell")
+        elif not _GUARD.search(cells[index].source):
+            problems.append(
+                "the install cell does not try `import hpsjax` before installing"
+            )
+    if not any(SMALL_VARIABLE in cells[i].source for i in code):
+        problems.append(f"no code cell reads {SMALL_VARIABLE}")
+    for i in code:
+        cell = cells[i]
+        if cell.outputs:
+            problems.append(f"cell {i} has stored outputs")
+        if cell.execution_count is not None:
+            problems.append(f"cell {i} has an execution count")
+        if "execution" in cell.metadata:
+            problems.append(f"cell {i} has execution timings in its metadata")
+    return problems
+
+
+def test_every_tutorial_is_present():
+    assert sorted(p.name for p in COLAB.glob("*.ipynb")) == sorted(TUTORIALS)
+
+
+@pytest.mark.parametrize("name", TUTORIALS)
+def test_tutorial_is_committed_clean(name):
+    assert committed_problems(_load(COLAB / name), name) == []
+
+
+def _good_notebook(name: str) -> nbformat.NotebookNode:
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [
+        nbformat.v4.new_markdown_cell(BADGE.format(name=name) + "\n# Title"),
+        nbformat.v4.new_code_cell(
+            "try:\n    import hpsjax\nexcept ImportError:\n"
+            '    %pip install -q "hpsjax @ git+https://github.com/hpsjax/hpsjax"\n'
+            "    import hpsjax"
+        ),
+        nbformat.v4.new_code_cell(
+            f'import os\nSMALL = os.environ.get("{SMALL_VARIABLE}") == "1"'
+        ),
+    ]
+    return nb
+
+
+def test_checks_accept_a_clean_notebook():
+    assert committed_problems(_good_notebook("x.ipynb"), "x.ipynb") == []
+
+
+@pytest.mark.parametrize(
+    ("spoil", "problem"),
+    [
+        (lambda nb: nb.cells.pop(0), "not a markdown cell"),
+        (
+            lambda nb: setattr(nb.cells[0], "source", "# No badge"),
+            "lacks the Open in Colab badge",
+        ),
+        (
+            lambda nb: nb.cells.append(nbformat.v4.new_code_cell("!pip install x")),
+            "2 cells install packages",
+        ),
+        (
+            lambda nb: nb.cells.pop(1),
+            "0 cells install packages",
+        ),
+        (
+            lambda nb: setattr(nb.cells[1], "source", "%pip install hpsjax"),
+            "does not try `import hpsjax`",
+        ),
+        (
+            lambda nb: nb.cells.insert(1, nbformat.v4.new_code_cell("x = 1")),
+            "not the first code cell",
+        ),
+        (
+            lambda nb: setattr(nb.cells[2], "source", "SMALL = True"),
+            f"no code cell reads {SMALL_VARIABLE}",
+        ),
+        (
+            lambda nb: nb.cells[2].outputs.append(
+                nbformat.v4.new_output("stream", name="stdout", text="hi\n")
+            ),
+            "has stored outputs",
+        ),
+        (
+            lambda nb: setattr(nb.cells[2], "execution_count", 3),
+            "has an execution count",
+        ),
+        (
+            lambda nb: nb.cells[2].metadata.update(execution={"a": 1}),
+            "execution timings",
+        ),
+    ],
+)
+def test_checks_catch_a_badly_committed_notebook(spoil, problem):
+    nb = _good_notebook("x.ipynb")
+    spoil(nb)
+    problems = committed_problems(nb, "x.ipynb")
+    assert any(problem in p for p in problems), problems
+
+
+def test_badge_must_point_at_the_notebook_itself():
+    problems = committed_problems(_good_notebook("x.ipynb"), "y.ipynb")
+    assert any("badge for y.ipynb" in p for p in problems), problems
+
+
+def _outputs(nb: nbformat.NotebookNode, output_type: str) -> list:
+    return [
+        o
+        for c in nb.cells
+        if c.cell_type == "code"
+        for o in c.outputs
+        if o.output_type == output_type
+    ]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", TUTORIALS)
+def test_tutorial_runs_top_to_bottom(name, tmp_path, monkeypatch):
+    import hpsjax  # the kernel runs this interpreter: its install cell is a no-op
+
+    del hpsjax
+    monkeypatch.setenv(SMALL_VARIABLE, "1")
+    # Were the install cell ever to run pip, it would fail here instead of
+    # reaching the network.
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    nb = copy.deepcopy(_load(COLAB / name))
+    client = NotebookClient(
+        nb,
+        timeout=CELL_TIMEOUT_S,
+        startup_timeout=KERNEL_START_TIMEOUT_S,
+        kernel_name="python3",
+        resources={"metadata": {"path": str(tmp_path)}},
+    )
+    # Raises CellExecutionError, with the failing cell and its traceback, on
+    # any error; a cell over the timeout raises as well.
+    client.execute()
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    assert all(c.execution_count is not None for c in code)
+    assert _outputs(nb, "error") == []
+    install = next(c for c in code if _INSTALL.search(c.source))
+    assert not install.outputs, "the install cell printed something: did pip run?"
+    assert any("image/png" in o.data for o in _outputs(nb, "display_data")), (
+        "the tutorial drew no plot"
+    )
