@@ -176,6 +176,29 @@ def test_injector_follows_the_schedule():
         Injector(Heterogeneity()).after_compute(-1.0)
 
 
+def test_metrics_sink_and_summary(tmp_path):
+    path = tmp_path / "m.jsonl"
+    with JsonLinesSink(path) as sink:
+        sink({"event": "round", "step": 0})
+    with JsonLinesSink(path) as sink:
+        sink({"event": "round", "step": 1})
+    assert [json.loads(x)["step"] for x in path.read_text().splitlines()] == [0, 1]
+    with pytest.raises(ValueError):
+        JsonLinesSink(42)
+    with pytest.raises(ValueError, match="not JSON compliant"):
+        JsonLinesSink(io.StringIO())({"loss": math.nan})
+    rounds = [
+        {"event": "round", "compute_s": 3.0, "slowdown_s": 0.0, "wait_s": 1.0,
+         "transfer_s": 2.0, "round_s": 4.0},
+        {"event": "final", "transfer_s": 9.0},
+    ]  # fmt: skip
+    stats = summarize(rounds)
+    assert stats["idle_fraction"] == 0.25 and stats["overlap"] == 0.5
+    assert stats["rounds"] == 1
+    with pytest.raises(ValueError, match="no round records"):
+        summarize([{"event": "final"}])
+
+
 # ---------------------------------------------------------------- configuration
 
 

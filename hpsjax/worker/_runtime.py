@@ -97,8 +97,8 @@ References:
   Distributed Neural Network Training", IEEE Access, 2021,
   https://doi.org/10.1109/ACCESS.2021.3060154
 
-  Jin, Li, Liu, Yang, Yu, Li, "PS+: A Simple yet Effective Framework for Fast
-  Training on Parameter Server", IEEE TPDS 33(12), 2022,
+  Jin et al., "PS+: A Simple yet Effective Framework for Fast Training on
+  Parameter Server", IEEE TPDS 33(12), 2022,
   https://doi.org/10.1109/TPDS.2022.3200518
 """
 
@@ -556,12 +556,12 @@ class Worker:
       Distributed Neural Network Training", IEEE Access, 2021,
       https://doi.org/10.1109/ACCESS.2021.3060154
 
-      Jin, Li, Liu, Yang, Yu, Li, "PS+: A Simple yet Effective Framework for
-      Fast Training on Parameter Server", IEEE TPDS 33(12), 2022,
+      Jin et al., "PS+: A Simple yet Effective Framework for Fast Training on
+      Parameter Server", IEEE TPDS 33(12), 2022,
       https://doi.org/10.1109/TPDS.2022.3200518
 
-      Yu, Zhou, Chen, Chen, Wang, Wang, "SaPS: Straggler-aware Parameter
-      Server" (our reading), IEEE HPCC 2019,
+      Yu et al., "Accelerating Distributed Training in Heterogeneous Clusters
+      via a Straggler-Aware Parameter Server" (SaPS), IEEE HPCC 2019,
       https://doi.org/10.1109/HPCC/SmartCity/DSS.2019.00042
     """
 
