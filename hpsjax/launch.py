@@ -305,6 +305,7 @@ def launch(
     server_args: Sequence[str] = (),
     plan: str | None = None,
     global_batch: int | None = None,
+    replan: float | None = None,
     workdir: str | os.PathLike | None = None,
     timeout: float | None = None,
     start_timeout: float = 120.0,
@@ -332,6 +333,10 @@ def launch(
         train with the resulting work plan, or ``None``.
       global_batch: the plan's global batch; ``--batch_size`` times the
         workers by default.
+      replan: with ``plan``, also give the plan to the server, which re-plans
+        (H-PS) when a worker's measured speed drifts by more than this
+        fraction (``hpsjax-server --work_plan --replan_threshold``); ``None``
+        keeps the plan fixed.
       workdir: where to keep the secret, initial parameters, plan and metrics;
         a fresh temporary directory (kept) by default.
       timeout: seconds the whole run may take, ``None`` for no limit.
@@ -376,6 +381,8 @@ def launch(
 
         if plan not in SCHEMES:
             raise LaunchError(f"unknown plan scheme {plan!r}; valid: {SCHEMES}")
+    if replan is not None and (plan is None or not replan > 0):
+        raise LaunchError(f"replan needs a plan and a threshold > 0, got {replan!r}")
     flags = _worker_flags(per_worker_args, num_workers)
     shared = [str(a) for a in worker_args]
     from hpsjax.worker._cli import _heterogeneity, parse_args, write_init
@@ -422,6 +429,14 @@ def launch(
             plan, num_workers, shared, flags, work, global_batch, emit
         )
         shared = [*shared, "--work_plan", str(plan_file)]
+        if replan is not None:
+            server_args = [
+                *server_args,
+                "--work_plan",
+                str(plan_file),
+                "--replan_threshold",
+                repr(float(replan)),
+            ]
 
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     processes: list[_Process] = []
@@ -577,6 +592,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--plan", help="profile and plan with this scheme (hps, ...)")
     p.add_argument("--global_batch", type=int, help="the plan's global batch")
     p.add_argument(
+        "--replan",
+        type=float,
+        help="with --plan: the server re-plans when a worker's speed drifts by "
+        "more than this fraction",
+    )
+    p.add_argument(
         "--worker_flags",
         nargs=2,
         action="append",
@@ -608,6 +629,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             server_args=server_args,
             plan=args.plan,
             global_batch=args.global_batch,
+            replan=args.replan,
             workdir=args.workdir,
             timeout=args.timeout,
             progress=not args.no_progress,

@@ -78,6 +78,8 @@ def test_argument_errors_are_clear():
         launch(2, per_worker_args={5: ["--slowdown", "2"]}, progress=False)
     with pytest.raises(LaunchError, match="plan scheme"):
         launch(2, plan="fastest", progress=False)
+    with pytest.raises(LaunchError, match="replan"):
+        launch(2, replan=0.2, progress=False)
     with pytest.raises(LaunchError, match="bad worker flags"):
         launch(1, worker_args=["--no_such_flag"], progress=False)
 
@@ -203,6 +205,18 @@ def test_worker_cli_refuses_bad_flags(flags, capsys):
     assert "hpsjax-worker:" in capsys.readouterr().err
 
 
+def test_server_cli_refuses_a_bad_work_plan(tmp_path, capsys):
+    from hpsjax.ps import _cli as server_cli
+
+    init = tmp_path / "init.npz"
+    np.savez(init, w=np.zeros(3, np.float32))
+    plan = tmp_path / "plan.json"
+    plan.write_text('{"format": "something else"}')
+    argv = ["--init", str(init), "--work_plan", str(plan), "--no-malloc_tuning"]
+    assert server_cli.main(argv) == 2
+    assert "WorkPlan" in capsys.readouterr().err
+
+
 # ---------------------------------------------------------------- end to end
 
 
@@ -267,6 +281,7 @@ def test_launch_with_a_profiled_plan(tmp_path):
         worker_args=SMALL_MODEL,
         per_worker_args={0: ["--slowdown", "3"]},
         plan="hps",
+        replan=0.5,
         workdir=tmp_path,
         progress=False,
         log=io.StringIO(),
@@ -277,7 +292,10 @@ def test_launch_with_a_profiled_plan(tmp_path):
     plan = json.loads((tmp_path / "plan.json").read_text())
     batches = [w["batch_size"] for w in plan["workers"]]
     assert sum(batches) == 32 and batches[0] < batches[1]
-    assert _rounds(tmp_path / "metrics_0.jsonl")[0]["batch_size"] == batches[0]
+    first = _rounds(tmp_path / "metrics_0.jsonl")[0]
+    assert first["batch_size"] == batches[0]
+    # The server holds the plan too, and sent it on joining.
+    assert first["plan_revision"] == 0
     assert not any(_alive(pid) for pid in result.pids)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import jax
@@ -87,7 +88,9 @@ CODEC8 = Codec("uniform", 8)
 
 def constant_workers(step_times, *, batch_size=16, **spec):
     return [
-        WorkerSpec(ComputeModel(step_time=t), batch_size=batch_size, worker_id=i, **spec)
+        WorkerSpec(
+            ComputeModel(step_time=t), batch_size=batch_size, worker_id=i, **spec
+        )
         for i, t in enumerate(step_times)
     ]
 
@@ -116,8 +119,12 @@ def test_same_seed_same_metrics_other_seed_differs():
     config = SimConfig(policy="asp", learning_rate=0.1, duration=2.0, eval_every=1.0)
     first = run(workers, config)
     again = run(workers, config)
-    other = run(workers, SimConfig(policy="asp", learning_rate=0.1, duration=2.0,
-                                   eval_every=1.0, seed=1))
+    other = run(
+        workers,
+        SimConfig(
+            policy="asp", learning_rate=0.1, duration=2.0, eval_every=1.0, seed=1
+        ),
+    )
     for key in first.metrics:
         np.testing.assert_array_equal(first.metrics[key], again.metrics[key])
     assert first.pushes == again.pushes
@@ -255,7 +262,7 @@ def test_replanner_moves_work_off_a_worker_that_slowed_down():
     result = run(
         workers,
         SimConfig(policy="bsp", learning_rate=0.1, duration=8.0),
-        work_plan=Replanner(work_plan, cooldown=1.0, min_observations=2),
+        work_plan=Replanner(work_plan, cooldown=4.0, min_observations=2),
     )
     first, last = result.work_plans[0], result.work_plans[-1]
     assert len(result.work_plans) >= 2
@@ -312,8 +319,9 @@ def test_compressed_pushes_shorten_transfer_by_the_codec_ratio():
     # The codec is read from the quantizer when not given.
     inferred = run(
         workers,
-        SimConfig(policy="asp", learning_rate=0.1, duration=1.0,
-                  push_transform=QUANTIZE8),
+        SimConfig(
+            policy="asp", learning_rate=0.1, duration=1.0, push_transform=QUANTIZE8
+        ),
     )
     assert inferred.bytes_sent[0] == packed_bytes * len(inferred.pushes)
 
@@ -358,7 +366,7 @@ def test_eager_pulls_start_rounds_on_fresher_parameters():
     piped = run(workers, SimConfig(overlap="pipeline", **common))
     eager = run(workers, SimConfig(overlap="eager", eager_pulls=3, **common))
     assert len(eager.sends) > 1.5 * len(piped.sends)
-    mean = lambda r: np.mean([p.staleness for p in r.pushes])  # noqa: E731
+    mean = lambda r: np.mean([p.staleness for p in r.pushes])
     assert mean(eager) < mean(piped)
 
 
@@ -375,7 +383,7 @@ def test_ps_plus_scales_stale_updates_down():
         workers,
         SimConfig(staleness_lr=lambda tau: jnp.where(tau > 0, 0.0, 1.0), **common),
     )
-    assert np.array_equal(frozen.metrics["loss"], plain.metrics["loss"]) is False
+    assert not np.array_equal(frozen.metrics["loss"], plain.metrics["loss"])
 
 
 # ---------------------------------------------------------------------------
@@ -450,7 +458,7 @@ def test_timelines_cover_each_worker_without_gaps():
     for w, line in result.timelines.items():
         assert line[0].start == pytest.approx(0.0)
         assert line[-1].end == pytest.approx(3.0)
-        for a, b in zip(line, line[1:], strict=False):
+        for a, b in itertools.pairwise(line):
             assert a.end == pytest.approx(b.start)
         assert {iv.kind for iv in line} <= {"compute", "transfer", "wait", "discarded"}
         assert sum(result.time_in(w).values()) == pytest.approx(3.0)
@@ -471,16 +479,23 @@ def test_callback_sees_every_evaluation_and_can_stop():
     )
     assert [r["time"] for r in seen] == [0.0, 0.5, 1.0, 1.5, 2.0]
     assert result.end_time == 2.0
-    assert set(seen[0]) == {"time", "version", "gradients", "train_loss", "loss",
-                            "accuracy"}
+    assert set(seen[0]) == {
+        "time",
+        "version",
+        "gradients",
+        "train_loss",
+        "loss",
+        "accuracy",
+    }
     np.testing.assert_array_equal(result.metrics["time"], [r["time"] for r in seen])
 
 
 def test_eval_every_updates_and_max_updates():
     result = run(
         constant_workers((0.1, 0.3)),
-        SimConfig(policy="asp", learning_rate=0.1, max_updates=40,
-                  eval_every_updates=10),
+        SimConfig(
+            policy="asp", learning_rate=0.1, max_updates=40, eval_every_updates=10
+        ),
     )
     assert result.num_updates == 40
     assert list(result.metrics["version"]) == [0, 10, 20, 30, 40]
@@ -612,7 +627,7 @@ def test_hybrid_policy_moves_to_the_second_stage():
 # ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("policy", ["asp", "bsp"])
+@pytest.mark.parametrize("policy", [pytest.param("asp", marks=pytest.mark.slow), "bsp"])
 def test_256_workers(policy):
     workers = make_workers(256, step_time=0.1, speed_sigma=0.3, batch_size=8, seed=0)
     result = run(
@@ -687,11 +702,18 @@ def test_bad_simulation_arguments_are_refused_before_running():
         (dict(config=SimConfig(duration=1.0, policy="adsp")), "worker_optimizer"),
         (dict(config=SimConfig(duration=1.0, policy="nope")), "Unknown policy"),
         (dict(eval_fn=eval_fn, eval_data=None), "eval_fn"),
-        (dict(train_data=(TRAIN[0][:2], TRAIN[1][:2]),
-              workers=constant_workers((0.1,) * 3)), "disjoint"),
+        (
+            dict(
+                train_data=(TRAIN[0][:2], TRAIN[1][:2]),
+                workers=constant_workers((0.1,) * 3),
+            ),
+            "disjoint",
+        ),
         (dict(train_data=(TRAIN[0], TRAIN[1][:5])), "leading"),
-        (dict(work_plan=_hps_plan(), workers=constant_workers((0.1,) * 5)),
-         "no worker 4"),
+        (
+            dict(work_plan=_hps_plan(), workers=constant_workers((0.1,) * 5)),
+            "no worker 4",
+        ),
         (dict(params={"w": jnp.zeros(3, jnp.int32)}), "floating"),
     ]
     for overrides, message in cases:

@@ -216,8 +216,6 @@ def test_metrics_sink_and_summary(tmp_path):
         {"worker_id": 1.5},
         {"device_batches": ()},
         {"timeout": -1.0},
-        {"replan_threshold": 0.2},
-        {"replan_window": 0},
     ],
 )
 def test_config_rejects_bad_values(kwargs):
@@ -347,11 +345,14 @@ async def _heavy_run(
     policy: str = "asp",
     steps: int | None = 8,
     seconds: float | None = None,
+    server_kwargs: dict | None = None,
 ):
     """Runs workers with a compute-heavy step against a fresh server."""
     loss_fn, params, batches = _heavy_loss()
     records: list[dict] = []
-    async with Server(params, optax.sgd(0.01), policy, secret=SECRET) as server:
+    async with Server(
+        params, optax.sgd(0.01), policy, secret=SECRET, **(server_kwargs or {})
+    ) as server:
         workers = [
             Worker(
                 dataclasses.replace(
@@ -472,44 +473,110 @@ def test_bandwidth_cap_delays_transfers():
     assert extra > 0.08
 
 
-def _heavy_plan(global_batch: int):
-    """An H-PS plan for two workers running the heavy step at its measured speed."""
-    from hpsjax.profiling import WorkerProfile, plan, profile
+def _two_worker_plan(global_batch: int = 256):
+    from hpsjax.profiling import WorkerProfile, plan
 
-    loss_fn, params, batches = _heavy_loss()
-
-    def step(w, batch):
-        return jax.grad(lambda w: jnp.mean(loss_fn(w, batch)))(w)
-
-    measured = profile(step, params, batches, batch_sizes=(32, 128), repeats=5)
-    profiles = [dataclasses.replace(measured, worker_id=w) for w in ("w0", "w1")]
-    assert isinstance(profiles[0], WorkerProfile)
+    profiles = [WorkerProfile.synthetic(w, 1000.0) for w in ("w0", "w1")]
     return plan(profiles, "hps", global_batch=global_batch)
 
 
-def test_replanning_shrinks_the_share_of_a_worker_that_slows_down():
-    work_plan = _heavy_plan(256)
-    assert [w.batch_size for w in work_plan.workers] == [128, 128]
-    config = WorkerConfig(
-        worker_id="w0",
-        work_plan=work_plan,
+def test_server_replans_from_the_reported_step_times():
+    from hpsjax.profiling import Replanner
+    from hpsjax.ps import Client
+
+    _, params, _ = _heavy_loss()
+    zeros = jax.tree.map(np.zeros_like, params)
+    settings = dict(threshold=0.5, window=3, cooldown=0.0)
+    replanner = Replanner(_two_worker_plan(), **settings)
+    # What the server should see: each push of 2 local steps on 256 samples is
+    # two steps of 128 samples; w0 becomes four times slower from its 3rd push.
+    pushes = [
+        (w, 0.128 * (4.0 if w == "w0" and step >= 2 else 1.0))
+        for step in range(6)
+        for w in ("w0", "w1")
+    ]
+
+    async def go():
+        async with Server(
+            params, optax.sgd(0.1), "asp", secret=SECRET, replanner=replanner
+        ) as server:
+            clients = {
+                w: Client("127.0.0.1", server.port, worker_id=w, secret=SECRET)
+                for w in ("w0", "w1")
+            }
+            for client in clients.values():
+                await client.connect()
+                await client.pull()
+                # The plan in force comes with the join.
+                assert client.hints["plan"]["batch_size"] == 128
+                assert client.hints["plan"]["revision"] == 0
+            for w, step_time in pushes:
+                await clients[w].push(
+                    zeros,
+                    version=server.version,
+                    step_time=2 * step_time,
+                    num_samples=256,
+                    local_steps=2,
+                )
+            final = server.work_plan
+            async with asyncio.timeout(10):
+                while any(
+                    c.hints["plan"]["revision"] < final.revision
+                    for c in clients.values()
+                ):
+                    await asyncio.sleep(0.01)
+            plans = {w: c.hints["plan"] for w, c in clients.items()}
+            for client in clients.values():
+                await client.close()
+            return plans, final
+
+    plans, final = _run(go())
+    expected = Replanner(_two_worker_plan(), **settings)
+    for i, (w, step_time) in enumerate(pushes):
+        expected.observe(w, 128, step_time, now=float(i))
+    assert final == expected.plan and final.revision >= 1
+    for entry in final.workers:
+        assert plans[entry.worker_id] == {
+            "revision": final.revision,
+            "batch_size": entry.batch_size,
+            "device_batches": [entry.batch_size],
+            "local_steps": 1,
+            "lr_scale": pytest.approx(entry.batch_size / 128),
+        }
+    assert plans["w0"]["batch_size"] < 100 < plans["w1"]["batch_size"]
+
+
+def test_a_worker_made_slow_mid_run_gets_less_work():
+    from hpsjax.profiling import Replanner
+
+    # Planned equal; w0 becomes four times slower after 2 s. The plan's speed
+    # is not this machine's, so the first re-plans also correct it; the one
+    # after the slowdown must move work from w0 to w1.
+    replanner = Replanner(_two_worker_plan(), threshold=0.5, window=4, cooldown=0.5)
+    slow = WorkerConfig(
+        batch_size=16,  # replaced by the server's plan on joining
         pipeline=False,
         heterogeneity=Heterogeneity(slowdown=[(0, 1), (2.0, 4)]),
-        replan_threshold=0.5,
-        replan_cooldown=0.2,
-        replan_window=3,
     )
-    rounds = _run(_solo(config, steps=None, seconds=4.0))
-    before = [r for r in rounds if r["compute_end"] < 2.0]
-    after = [r for r in rounds if r["time"] > 2.0]
-    assert before and after
-    last = after[-1]
-    # Four times slower against a peer planned as unchanged: its share of the
-    # 256 samples goes from about half to about a fifth.
-    assert last["plan_revision"] >= 1
-    assert last["batch_size"] < 0.7 * before[-1]["batch_size"]
-    assert last["batch_size"] < 90
-    assert last["lr_scale"] == pytest.approx(last["batch_size"] / 128)
+    fast = WorkerConfig(batch_size=16, pipeline=False)
+    records, _ = _run(
+        _heavy_run([slow, fast], seconds=5.0, server_kwargs={"replanner": replanner})
+    )
+    w0, w1 = _rounds(records, "w0"), _rounds(records, "w1")
+    assert w0[0]["batch_size"] == w1[0]["batch_size"] == 128
+    assert w0[0]["plan_revision"] == 0
+    final = {entry.worker_id: entry.batch_size for entry in replanner.plan.workers}
+    assert replanner.plan.revision >= 1 and final["w0"] < final["w1"]
+    last0 = w0[-1]
+    assert last0["time"] > 2.5 and last0["plan_revision"] >= 1
+    assert last0["batch_size"] < 128
+    assert last0["lr_scale"] == pytest.approx(last0["batch_size"] / 128)
+
+
+def test_server_rejects_a_bad_replanner():
+    _, params, _ = _heavy_loss()
+    with pytest.raises(ValueError, match="Replanner"):
+        Server(params, optax.sgd(0.1), secret=SECRET, replanner="hps")
 
 
 # ---------------------------------------------------------------- scripted server

@@ -17,6 +17,11 @@ It prints ``hpsjax-server listening on HOST:PORT`` once it accepts connections
 SIGINT or SIGTERM, writing a final checkpoint. With ``--checkpoint_dir`` it
 resumes from the newest checkpoint there, so a restarted server continues where
 the last committed checkpoint left off.
+
+With ``--work_plan plan.json`` (a :class:`hpsjax.profiling.WorkPlan`) the server
+sends each worker its share of the plan when it joins and re-plans (H-PS) when a
+worker's reported step times drift from the plan by more than
+``--replan_threshold``: a worker that slows down gets a smaller batch.
 """
 
 from __future__ import annotations
@@ -176,6 +181,29 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="accept updates holding NaN or infinity",
     )
+    p.add_argument(
+        "--work_plan",
+        help="WorkPlan JSON (hpsjax.profiling.plan): sent to the workers and "
+        "re-planned as their measured speeds drift (H-PS)",
+    )
+    p.add_argument(
+        "--replan_threshold",
+        type=float,
+        default=0.2,
+        help="relative speed drift that triggers a re-plan",
+    )
+    p.add_argument(
+        "--replan_cooldown",
+        type=float,
+        default=30.0,
+        help="least seconds between two re-plans",
+    )
+    p.add_argument(
+        "--replan_window",
+        type=int,
+        default=10,
+        help="pushes the speed average spans",
+    )
     p.add_argument("--certfile", help="TLS certificate (PEM); enables TLS")
     p.add_argument("--keyfile", help="TLS private key (PEM)")
     p.add_argument(
@@ -268,6 +296,16 @@ async def serve(args: argparse.Namespace) -> None:
             ]
         except TypeError as e:
             raise ValueError(f"bad hybrid stage: {e}") from None
+    replanner = None
+    if args.work_plan is not None:
+        from hpsjax.profiling import Replanner, WorkPlan
+
+        replanner = Replanner(
+            WorkPlan.from_json(pathlib.Path(args.work_plan).read_text()),
+            threshold=args.replan_threshold,
+            window=args.replan_window,
+            cooldown=args.replan_cooldown,
+        )
     server = Server(
         params,
         make_optimizer(args.optimizer, args.learning_rate, momentum=args.momentum),
@@ -283,6 +321,7 @@ async def serve(args: argparse.Namespace) -> None:
         checkpoint_keep=args.checkpoint_keep,
         check_finite=not args.allow_nonfinite,
         core_kwargs=dict(args.core_arg),
+        replanner=replanner,
         **policy_kwargs,
     )
     loop = asyncio.get_running_loop()

@@ -123,6 +123,17 @@ def _is_loopback(host: str | None) -> bool:
         return False
 
 
+def _plan_hint(entry: Any, revision: int) -> dict[str, Any]:
+    """A ``WorkerPlan`` as the ``plan`` a worker receives (see :meth:`send_plan`)."""
+    return {
+        "revision": int(revision),
+        "batch_size": int(entry.batch_size),
+        "device_batches": [int(d.batch_size) for d in entry.devices],
+        "local_steps": int(entry.local_steps),
+        "lr_scale": float(entry.lr_scale),
+    }
+
+
 @dataclasses.dataclass(eq=False)
 class _Session:
     """One connection: its handshake state and its requests waiting on the core."""
@@ -174,6 +185,15 @@ class Server:
       core_kwargs: more keyword arguments of ``ServerCore`` (for example
         ``expected_workers``, ``deadline_factor``, ``min_timeout``,
         ``initial_timeout``, ``keep_stale_params``).
+      replanner: a :class:`hpsjax.profiling.Replanner` for H-PS dynamic
+        scheduling, or ``None``. Each worker of its plan gets its entry
+        (``batch_size``, ``device_batches``, ``local_steps``, ``lr_scale``)
+        when it joins; every push's ``step_time``, ``num_samples`` and
+        ``local_steps`` feed it as one local step of ``num_samples /
+        local_steps`` samples taking ``step_time / local_steps`` seconds; and
+        when the measured speeds drift it revises the plan, whose entries go
+        to the workers at once (:meth:`send_plan`). The replanner's state is
+        not checkpointed: a restarted server starts again from its plan.
       **policy_kwargs: keyword arguments of the policy given by name (e.g.
         ``staleness_bound=2`` for ``"ssp"``).
 
@@ -221,6 +241,7 @@ class Server:
         check_finite: bool = True,
         handshake_timeout: float = 10.0,
         core_kwargs: Mapping[str, Any] | None = None,
+        replanner: Any = None,
         **policy_kwargs: Any,
     ):
         self._secret = _secret_bytes(secret)
@@ -255,6 +276,13 @@ class Server:
             raise ValueError("checkpoint_every_* needs a checkpoint_dir")
         if not isinstance(limits, wire.WireLimits):
             raise ValueError("limits must be a WireLimits")
+        if replanner is not None:
+            from hpsjax.profiling import Replanner
+
+            if not isinstance(replanner, Replanner):
+                raise ValueError(
+                    f"replanner must be a Replanner, got {type(replanner).__name__}"
+                )
         self._core = ServerCore(
             params,
             optimizer,
@@ -305,6 +333,11 @@ class Server:
         )
         self._sessions: dict[Any, _Session] = {}
         self._plans: dict[Any, dict[str, Any]] = {}
+        self._replanner = replanner
+        if replanner is not None:
+            work_plan = replanner.plan
+            for entry in work_plan.workers:
+                self._plans[entry.worker_id] = _plan_hint(entry, work_plan.revision)
         self._connections: set[_Session] = set()
         self._server: asyncio.AbstractServer | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -528,6 +561,33 @@ class Server:
         session = self._sessions.get(worker_id)
         if session is not None and session.state == "ready":
             self._notify(session, MsgType.STAGE, {"plan": self._plans[worker_id]})
+
+    @property
+    def work_plan(self) -> Any:
+        """The work plan in force (``replanner``'s), or ``None`` without one."""
+        return None if self._replanner is None else self._replanner.plan
+
+    def _observe_speed(self, worker_id: Any, fields: Mapping[str, Any]) -> None:
+        """Feeds one push's timing to the replanner; sends a revised plan out."""
+        step_time = fields.get("step_time")
+        samples = fields.get("num_samples")
+        steps = fields.get("local_steps") or 1
+        plan_ids = {entry.worker_id for entry in self._replanner.plan.workers}
+        if not step_time or not samples or worker_id not in plan_ids:
+            return
+        revised = self._replanner.observe(
+            worker_id, max(1, samples // steps), step_time / steps, self._now()
+        )
+        if revised is None:
+            return
+        logger.info(
+            "re-planned (revision %d) after %r drifted: batches %s",
+            revised.revision,
+            worker_id,
+            {entry.worker_id: entry.batch_size for entry in revised.workers},
+        )
+        for entry in revised.workers:
+            self.send_plan(entry.worker_id, _plan_hint(entry, revised.revision))
 
     # ---------------------------------------------------------- checkpoints
 
@@ -869,6 +929,8 @@ class Server:
         actions = self._core.push(
             session.worker_id, update, version=version, now=self._now(), **fields
         )
+        if self._replanner is not None:
+            self._observe_speed(session.worker_id, fields)
         ack = None
         force = None
         for action in actions:

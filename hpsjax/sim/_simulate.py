@@ -47,6 +47,7 @@ generators seeded by ``SimConfig.seed``; the same seed gives identical metrics.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import heapq
 import math
 import time
@@ -585,7 +586,9 @@ class _Simulation:
             _check_policy_without_local_steps(policy)
         server_optimizer = config.server_optimizer
         if server_optimizer is None:
-            server_optimizer = optax.sgd(1.0 if local else config.learning_rate)
+            server_optimizer = _default_optimizer(
+                1.0 if local else float(config.learning_rate)
+            )
         core_kwargs = dict(config.core_kwargs or {})
         self.core = ServerCore(params, server_optimizer, policy, **core_kwargs)
         self.policy = self.core.policy
@@ -1310,6 +1313,12 @@ def _timeline(w: _Worker, end: float) -> tuple[Interval, ...]:
             out.append(Interval(t, stop, "transfer"))
     out.sort()
     return tuple(iv for iv in out if iv.end > iv.start)
+
+
+@functools.lru_cache(maxsize=16)
+def _default_optimizer(learning_rate: float) -> optax.GradientTransformation:
+    # One object per step size, so that code compiled for it can be reused.
+    return optax.sgd(learning_rate)
 
 
 def _push_bytes(params: Any, config: SimConfig, raw: int) -> int:

@@ -50,6 +50,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
+import sys
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -472,8 +473,7 @@ def _codes(flat, steps, codec, seeds):
 def _pack(q: jax.Array, bits: int) -> jax.Array:
     """Packs int32 codes in [0, 2^bits) into bytes (layout in the module doc)."""
     if bits == 16:
-        q = q.astype(jnp.uint32)
-        return jnp.stack([q & 0xFF, q >> 8], axis=-1).astype(jnp.uint8).reshape(-1)
+        return _little_endian_bytes(q.astype(jnp.uint16))
     q = q.astype(jnp.uint8)
     if bits == 8:
         return q
@@ -499,10 +499,20 @@ def _unpack(codes: jax.Array, bits: int, size: int) -> jax.Array:
     return q.reshape(-1)[:size].astype(jnp.int32)
 
 
+def _little_endian_bytes(words: jax.Array) -> jax.Array:
+    """The bytes of 1-D uint16 or uint32 words, least significant first."""
+    if sys.byteorder == "little" and jax.default_backend() == "cpu":
+        # On the CPU a bitcast splits words in the host's byte order, and packs
+        # blocks about twice as fast as the shifts below, which are portable:
+        # StableHLO leaves the byte order of a narrowing bitcast to the backend.
+        return lax.bitcast_convert_type(words, jnp.uint8).reshape(-1)
+    width = words.dtype.itemsize
+    parts = [(words >> (8 * i)).astype(jnp.uint8) for i in range(width)]
+    return jnp.stack(parts, axis=-1).reshape(-1)
+
+
 def _float_bytes(flat: jax.Array) -> jax.Array:
-    word = lax.bitcast_convert_type(flat, jnp.uint32)
-    parts = [(word >> jnp.uint32(8 * i)) & 0xFF for i in range(4)]
-    return jnp.stack(parts, axis=-1).astype(jnp.uint8).reshape(-1)
+    return _little_endian_bytes(lax.bitcast_convert_type(flat, jnp.uint32))
 
 
 def _bytes_float(codes: jax.Array) -> jax.Array:

@@ -145,15 +145,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="ignore the server's local-step and plan hints",
     )
-    g.add_argument(
-        "--replan_threshold",
-        type=float,
-        help="re-plan this worker's share (needs --work_plan) when its speed "
-        "drifts by more than this fraction",
-    )
-    g.add_argument(
-        "--replan_cooldown", type=float, default=10.0, help="seconds between re-plans"
-    )
     g.add_argument("--max_steps", type=int, help="rounds to run")
     g.add_argument("--max_seconds", type=float, help="seconds to run")
     g.add_argument("--until_version", type=int, help="stop at this server version")
@@ -337,8 +328,6 @@ def build_worker(args: argparse.Namespace, *, metrics=None):
         heterogeneity=_heterogeneity(args),
         timeout=args.timeout,
         seed=args.seed,
-        replan_threshold=args.replan_threshold,
-        replan_cooldown=args.replan_cooldown,
         fail_after_steps=args.fail_after_steps,
     )
     _, batch_size, _, _ = config.planned()

@@ -40,19 +40,12 @@ moves about ``bits / 32`` of the float32 bytes and the residual is applied once.
 **Following the server.** The worker reads the answers it gets: a
 ``local_steps`` hint (ADSP, the hybrid policy's stages) sets :math:`H`; a
 ``force_pull`` (SaPS) discards the round computed meanwhile and restarts the
-local accumulation on the fresh parameters; a ``plan`` hint (a re-planned
-:class:`~hpsjax.profiling.WorkPlan` entry: batch per device, local steps,
-step-size scale) changes its work from the next round. Barrier waits (BSP,
-SSP) need nothing: the server holds the pull's answer.
-
-**Re-planning on the worker (H-PS).** With ``replan_threshold`` and a
-``work_plan``, the worker also compares its measured time per step with the
-plan's prediction (:class:`~hpsjax.profiling.Replanner`, an exponential moving
-average of the speed ratio :math:`\rho`); when :math:`|\rho - 1|` exceeds the
-threshold it re-plans with its own model scaled by :math:`\rho` and the other
-workers as planned, and takes its new entry: a worker that slowed down takes a
-smaller batch (and step-size scale). The other workers do not learn of it, so
-the global batch shrinks by what this worker gave up.
+local accumulation on the fresh parameters; a ``plan`` hint (its entry of the
+server's :class:`~hpsjax.profiling.WorkPlan`, sent on joining and after each
+re-plan: batch per device, local steps, step-size scale; see
+``hpsjax.ps.Server(replanner=...)``) changes its work from the next round, so a
+worker that slowed down gets less. Barrier waits (BSP, SSP) need nothing: the
+server holds the pull's answer.
 
 **Heterogeneity.** A :class:`~hpsjax.worker.Heterogeneity` makes the worker
 slower (sleep :math:`(k-1) c` after a step that computed for :math:`c` s) and its
@@ -202,12 +195,6 @@ class WorkerConfig:
       timeout: seconds any single request may take (``None``: no limit). Under
         BSP the pull waits for the slowest worker, so keep it above a round.
       seed: seed of the quantizer's random rounding.
-      replan_threshold: re-plan this worker's share when its measured speed
-        drifts from ``work_plan``'s by more than this (relative), ``None`` to
-        keep the plan (see :class:`~hpsjax.profiling.Replanner`; needs
-        ``work_plan``).
-      replan_cooldown: least seconds between two re-plans.
-      replan_window: span, in rounds, of the moving average of the speed.
       fail_after_steps: fault injection: raise ``RuntimeError`` after this many
         rounds (to exercise how the server and launcher handle a dying worker).
 
@@ -237,9 +224,6 @@ class WorkerConfig:
     heterogeneity: Heterogeneity = dataclasses.field(default_factory=Heterogeneity)
     timeout: float | None = 600.0
     seed: int = 0
-    replan_threshold: float | None = None
-    replan_cooldown: float = 10.0
-    replan_window: int = 5
     fail_after_steps: int | None = None
 
     def __post_init__(self):
@@ -292,18 +276,6 @@ class WorkerConfig:
             raise ValueError("heterogeneity must be a Heterogeneity")
         _check_positive("timeout", self.timeout, allow_none=True)
         _check_int("seed", self.seed, 0)
-        _check_positive("replan_threshold", self.replan_threshold, allow_none=True)
-        if self.replan_threshold is not None and self.work_plan is None:
-            raise ValueError("replan_threshold needs a work_plan to re-plan")
-        if (
-            isinstance(self.replan_cooldown, bool)
-            or not isinstance(self.replan_cooldown, int | float)
-            or not self.replan_cooldown >= 0
-        ):
-            raise ValueError(
-                f"replan_cooldown must be a number >= 0, got {self.replan_cooldown!r}"
-            )
-        _check_int("replan_window", self.replan_window, 1)
         _check_int("fail_after_steps", self.fail_after_steps, 1, allow_none=True)
 
     def planned(self) -> tuple[tuple[int, ...] | None, int, int, float]:
@@ -628,16 +600,6 @@ class Worker:
         self._lr_scale = float(lr_scale)
         self._plan_revision: int | None = None
         self._hinted_steps: int | None = None
-        self._replanner = None
-        if config.replan_threshold is not None:
-            from hpsjax.profiling import Replanner
-
-            self._replanner = Replanner(
-                config.work_plan,
-                threshold=config.replan_threshold,
-                window=config.replan_window,
-                cooldown=config.replan_cooldown,
-            )
         self._round_start = time.monotonic()
         self._apply = None
         self._known_version = 0
@@ -779,34 +741,6 @@ class Worker:
             revision,
             self._device_batches,
             self._lr_scale,
-        )
-
-    def _observe_speed(self, computed: _Computed) -> None:
-        """Re-plans this worker's share when its measured speed drifted.
-
-        The worker judges only itself: the revised plan assumes the others run
-        as planned, and the worker takes its own new entry (a smaller batch
-        when it slowed down), so the global batch is kept only if the others
-        re-plan too.
-        """
-        if self._replanner is None or computed.local_steps < 1:
-            return
-        per_step = (computed.compute_s + computed.slowdown_s) / computed.local_steps
-        if not per_step > 0:
-            return
-        revised = self._replanner.observe(
-            self._config.worker_id, computed.batch_size, per_step, self._elapsed()
-        )
-        if revised is None:
-            return
-        entry = revised.worker(self._config.worker_id)
-        self._apply_plan_hint(
-            {
-                "revision": revised.revision,
-                "device_batches": [d.batch_size for d in entry.devices],
-                "local_steps": entry.local_steps,
-                "lr_scale": entry.lr_scale,
-            }
         )
 
     def _settings(self) -> _Settings:
@@ -1363,7 +1297,6 @@ class Worker:
             totals["local_steps"] += computed.local_steps
             totals["steps"] += 1
             params, version = comm.params, comm.version
-            self._observe_speed(computed)
             self._follow_hints(client.hints)
             step += 1
             if config.fail_after_steps is not None and step >= config.fail_after_steps:
