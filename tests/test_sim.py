@@ -51,11 +51,11 @@ TEST = _make_data(256, 1)
 
 
 def _init_params():
-    k1, k2 = jax.random.split(jax.random.key(0))
+    rng = np.random.default_rng(0)
     return {
-        "w1": jax.random.normal(k1, (_DIM, _HIDDEN)) * 0.3,
+        "w1": jnp.asarray(rng.normal(size=(_DIM, _HIDDEN)) * 0.3, jnp.float32),
         "b1": jnp.zeros(_HIDDEN),
-        "w2": jax.random.normal(k2, (_HIDDEN, _CLASSES)) * 0.3,
+        "w2": jnp.asarray(rng.normal(size=(_HIDDEN, _CLASSES)) * 0.3, jnp.float32),
         "b2": jnp.zeros(_CLASSES),
     }
 

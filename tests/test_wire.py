@@ -323,6 +323,52 @@ def test_allocator_errors_are_reported_per_frame():
     assert events[1].msg_type == MsgType.PULL
 
 
+@pytest.mark.parametrize("scratch_bytes", [64, 4096, 1 << 16])
+def test_on_filled_sees_each_leaf_as_it_arrives(scratch_bytes):
+    tree = {
+        "a": np.arange(5000, dtype=np.float32),
+        "b": np.zeros(0, np.float32),
+        "c": np.ones(3, np.int32),
+    }
+    meta, bufs, _ = wire.tree_to_wire(tree)
+    data = _join(wire.encode_frame(MsgType.PUSH, 3, meta, bufs))
+    seen = []
+
+    def on_filled(payload, index):
+        # The leaf is complete when announced, though the frame is not.
+        seen.append((index, payload.arrays[index].copy()))
+
+    dec = FrameDecoder(scratch_bytes=scratch_bytes, on_filled=on_filled)
+    events = []
+    for i in range(0, len(data), 1000):
+        events += dec.feed(data[i : i + 1000])
+    (frame,) = events
+    assert [i for i, _ in seen] == [0, 2]  # the empty leaf has no bytes
+    np.testing.assert_array_equal(seen[0][1], tree["a"])
+    np.testing.assert_array_equal(seen[1][1], tree["c"])
+    assert frame.request_id == 3
+
+
+def test_on_filled_refusal_skips_the_rest_of_the_frame():
+    calls = []
+
+    def on_filled(payload, index):
+        calls.append(index)
+        raise errors.NonFiniteUpdate(f"leaf {index} holds NaN")
+
+    meta, bufs, _ = wire.tree_to_wire(
+        {"a": np.ones(100, np.float32), "b": np.ones(100, np.float32)}
+    )
+    data = _join(wire.encode_frame(MsgType.PUSH, 4, meta, bufs))
+    good = _join(wire.encode_frame(MsgType.PULL, 5))
+    events = FrameDecoder(scratch_bytes=64, on_filled=on_filled).feed(data + good)
+    assert calls == [0]
+    assert isinstance(events[0], wire.FrameError)
+    assert isinstance(events[0].error, errors.NonFiniteUpdate)
+    assert events[0].request_id == 4
+    assert events[1].msg_type == MsgType.PULL
+
+
 def test_check_same_spec_names_the_leaf():
     model = wire.tree_to_wire({"a": np.ones(3, np.float32), "b": np.ones(2)})[2]
     same = wire.tree_to_wire({"a": np.zeros(3, np.float32), "b": np.zeros(2)})[2]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import io
+import itertools
 import json
 import math
 import statistics
@@ -546,6 +547,7 @@ def test_server_replans_from_the_reported_step_times():
     assert plans["w0"]["batch_size"] < 100 < plans["w1"]["batch_size"]
 
 
+@pytest.mark.slow
 def test_a_worker_made_slow_mid_run_gets_less_work():
     from hpsjax.profiling import Replanner
 
@@ -684,6 +686,29 @@ def test_ps_plus_scales_updates_by_the_staleness_factor(setup):
             )
         taus.append(tau)
     assert max(taus) >= 3
+
+
+def test_eager_pulls_fetch_fresher_parameters_while_compute_runs(setup):
+    _, params, _ = setup
+    client = ScriptedClient(params)
+    records: list[dict] = []
+    worker = _scripted_worker(
+        setup,
+        client,
+        records=records,
+        max_steps=4,
+        eager_pulls=3,
+        # Long compute (sleeping) leaves room for several round trips.
+        heterogeneity=Heterogeneity(slowdown=40),
+    )
+    _run(worker.run())
+    rounds = _rounds(records)
+    assert rounds[0]["pulls"] == 1  # no estimates yet
+    assert max(r["pulls"] for r in rounds[1:]) == 3
+    # Each round starts on the newest parameters its pulls brought.
+    for previous, current in itertools.pairwise(rounds):
+        assert current["version"] == previous["pulled_version"]
+    assert rounds[-1]["pulled_version"] == client.version
 
 
 def test_force_pull_discards_the_round_computed_meanwhile(setup):

@@ -78,6 +78,8 @@ class FrameProtocol(asyncio.BufferedProtocol):
         metadata, and receive into blocks of a :class:`~hpsjax.ps._wire.BufferPool`).
       on_made: called once the connection is established (after the TLS
         handshake, with TLS); ``on_lost`` is only ever called after it.
+      on_filled: the decoder's per-buffer hook (see
+        :class:`~hpsjax.ps._wire.FrameDecoder`), or ``None``.
     """
 
     def __init__(
@@ -88,10 +90,13 @@ class FrameProtocol(asyncio.BufferedProtocol):
         limits: wire.WireLimits = wire.DEFAULT_LIMITS,
         allocate: wire.Allocator | None = None,
         on_made: Callable[[], None] | None = None,
+        on_filled: Callable[[Any, int], None] | None = None,
     ):
         if allocate is None:
             allocate = wire.default_allocator(limits, wire.BufferPool())
-        self._decoder = wire.FrameDecoder(limits=limits, allocate=allocate)
+        self._decoder = wire.FrameDecoder(
+            limits=limits, allocate=allocate, on_filled=on_filled
+        )
         self._on_frame = on_frame
         self._on_lost = on_lost
         self._on_made = on_made

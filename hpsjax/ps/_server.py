@@ -673,6 +673,7 @@ class Server:
             limits=_HANDSHAKE_LIMITS,
             allocate=allocate,
             on_made=lambda: self._on_made(session),
+            on_filled=self._check_received if self._check_finite else None,
         )
         session = _Session(protocol=protocol, peer="?")
         return protocol
@@ -923,9 +924,13 @@ class Server:
                 raise MalformedMetadata(f"bad {name!r}: {value!r}"[:200])
             fields[name] = kind(value)
         leaves = self._decode_update(frame.payload)
-        if self._check_finite:
+        if self._check_finite and frame.payload.layout.codec is not None:
+            # Raw leaves were checked as they arrived (_check_received).
             self._require_finite(leaves)
         update = jax.tree.unflatten(self._treedef, leaves)
+        # Byte views of the parameters would keep the core from reusing their
+        # memory for the next version (JAX never donates arrays numpy reads).
+        self._params_cache = None
         actions = self._core.push(
             session.worker_id, update, version=version, now=self._now(), **fields
         )
@@ -984,6 +989,20 @@ class Server:
         specs = tuple((s.shape, s.dtype.name) for s in self._model.leaves)
         encoded = [q.Encoded(codes, scales) for codes, scales in payload.arrays]
         return _decode_leaves(encoded, codec, specs)
+
+    def _check_received(self, payload: wire.WireTree, index: int) -> None:
+        """Refuses a raw push as soon as a leaf holding NaN or infinity is in.
+
+        Called by the decoder for each leaf once its bytes have arrived, so
+        the check overlaps the transfer of the following leaves.
+        """
+        if payload.layout.codec is not None:
+            return  # checked once decoded
+        leaf = payload.arrays[index]
+        if leaf.dtype.kind not in "biu" and not np.isfinite(leaf).all():
+            raise NonFiniteUpdate(
+                f"leaf {self._model.paths()[index]} holds NaN or infinity"
+            )
 
     def _require_finite(self, leaves: list[Any]) -> None:
         paths = None
@@ -1051,7 +1070,12 @@ class Server:
     def _params_parts(self) -> tuple[list[wire.PackedFields], list[memoryview]]:
         version = self._core.version
         if self._params_cache is None or self._params_cache[0] != version:
-            _, buffers, _ = wire.tree_to_wire(self._core.params, limits=self._limits)
+            # The model's description was checked once; its leaves are the
+            # wire's in order, little-endian and contiguous (numpy views of
+            # JAX's CPU buffers, no copy).
+            buffers = wire.leaf_buffers(
+                [np.asarray(leaf) for leaf in jax.tree.leaves(self._core.params)]
+            )
             fields = [self._params_description, wire.pack_fields({"version": version})]
             self._params_cache = (version, fields, buffers)
         return self._params_cache[1], self._params_cache[2]

@@ -1136,11 +1136,18 @@ class FrameDecoder:
     allocation is refused has its payload skipped and is reported as a
     :class:`FrameError`.
 
+    ``on_filled(payload, index)`` is called as soon as the ``index``-th buffer
+    the allocator returned is full, while the rest of the frame may still be
+    arriving: a receiver checks each part (for example that it is finite)
+    during the transfer instead of after it. An :class:`HpsError` it raises
+    refuses the frame like a bad allocation (the rest is skipped).
+
     Args:
       limits: bounds checked on every frame.
       allocate: ``(header, metadata) -> (buffers, payload)`` for frames with a
         payload type; defaults to :func:`default_allocator`.
       scratch_bytes: size of the scratch buffer.
+      on_filled: ``(payload, buffer index) -> None``, or ``None``.
 
     Examples:
       >>> dec = FrameDecoder()
@@ -1155,11 +1162,14 @@ class FrameDecoder:
         limits: WireLimits = DEFAULT_LIMITS,
         allocate: Allocator | None = None,
         scratch_bytes: int = 1 << 16,
+        on_filled: Callable[[Any, int], None] | None = None,
     ):
         if scratch_bytes < HEADER_SIZE:
             raise ValueError(f"scratch_bytes must be >= {HEADER_SIZE}")
         self._limits = limits
         self._allocate = allocate or default_allocator(limits)
+        self._on_filled = on_filled
+        self._dest_ids: list[int] = []
         self._scratch = bytearray(scratch_bytes)
         self._view = memoryview(self._scratch)
         self._start = 0
@@ -1328,7 +1338,8 @@ class FrameDecoder:
                     raise MalformedMetadata(
                         "payload length does not match the tree metadata"
                     )
-                self._dest = [b for b in buffers if len(b)]
+                self._dest_ids = [i for i, b in enumerate(buffers) if len(b)]
+                self._dest = [buffers[i] for i in self._dest_ids]
         except HpsError as e:
             # The frame's extent is known from its header, so the stream stays
             # in sync: skip the payload and report the error for this request.
@@ -1344,7 +1355,19 @@ class FrameDecoder:
             self._dest[self._dest_index]
         ):
             self._dest_pos -= len(self._dest[self._dest_index])
+            if self._on_filled is not None and self._error is None:
+                self._filled(self._dest_ids[self._dest_index])
             self._dest_index += 1
+
+    def _filled(self, index: int) -> None:
+        try:
+            self._on_filled(self._payload, index)
+        except HpsError as e:
+            # Refused mid-frame: the rest of the payload is skipped, the
+            # stream stays in sync.
+            self._error = e
+        except Exception as e:  # a checker bug must not kill the stream
+            self._error = ServerError(f"cannot check frame ({type(e).__name__})")
 
     def _copy_into_dest(self, data: memoryview) -> None:
         while len(data):

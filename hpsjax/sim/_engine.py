@@ -45,6 +45,10 @@ __all__: list[str] = []
 BATCH_FLOPS_LIMIT = 1e7
 """FLOPs of one gradient above which workers' steps are evaluated one per call."""
 
+# Batched calls of cheap gradients hold at least this many rows (fewer workers:
+# as many as there are), so that few shapes compile.
+_MIN_ROWS = 8
+
 # Parameters above which a push call holds one row (no padding).
 _PUSH_PAD_LIMIT = 100_000
 
@@ -89,13 +93,16 @@ class IndexStream:
         return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
 
-def chunk_sizes(n: int, max_rows: int) -> list[tuple[int, int]]:
+def chunk_sizes(n: int, max_rows: int, min_rows: int = 1) -> list[tuple[int, int]]:
     """Splits ``n`` rows into calls of ``(rows, padded rows)``.
 
     Padded sizes are powers of two (or ``max_rows``); a call is padded when that
     wastes at most a quarter of it, else split, so few shapes ever compile and
-    little work is thrown away.
+    little work is thrown away. Calls of fewer than ``min_rows`` rows are padded
+    to ``min_rows``: for cheap rows a compile costs more than the padding.
     """
+    if n <= min_rows:
+        return [(n, min_rows)]
     out = []
     while n > 0:
         if n >= max_rows:
@@ -274,7 +281,7 @@ class Kernels:
 
 
 _KERNELS: collections.OrderedDict = collections.OrderedDict()
-_KERNELS_KEPT = 8
+_KERNELS_KEPT = 32
 
 
 def _cached(key: Any, build: Callable[[], Any]) -> Any:
@@ -362,6 +369,8 @@ class Engine:
         self.padded_evaluations = 0
         self._rows: dict[int, int] = {}
         self._dummy = num_slots  # padding rows read and write this extra slot
+        # Batched calls hold at least this many rows (a power of two).
+        self.min_rows = min(1 << (num_slots - 1).bit_length(), _MIN_ROWS)
         self.k = kernels(loss_fn, params, worker_optimizer)
         self.has_stages = self.k.has_stages
         self.states = None
@@ -421,8 +430,9 @@ class Engine:
                 groups.setdefault(r.batch_size, []).append(r)
             for batch_size, group in groups.items():
                 start = 0
+                limit = self.rows_per_call(batch_size)
                 for rows, padded in chunk_sizes(
-                    len(group), self.rows_per_call(batch_size)
+                    len(group), limit, min(limit, self.min_rows)
                 ):
                     self._step(group[start : start + rows], batch_size, padded)
                     start += rows
