@@ -9,7 +9,6 @@ import numpy as np
 import optax
 import pytest
 
-from hpsjax.ps import _core as core_module
 from hpsjax.ps._core import (
     Applied,
     Drop,
@@ -45,10 +44,6 @@ def make(policy="asp", *, lr=1.0, params=None, **kwargs):
 
 def w_of(core):
     return np.asarray(core.params["w"]).tolist()
-
-
-def params_of(core):
-    return jax.tree.map(lambda x: np.asarray(x).tolist(), core.params)
 
 
 def only(actions, cls):
@@ -683,55 +678,8 @@ def test_no_recompilation_across_events():
         core.push(w, update, version=core.pulled_version(w), now=1.0 + step)
         core.pull(w, 1.0 + step)
     assert core.version == 20
-    # Nothing else holds the parameters, so every step donates them.
-    for fn in (core._apply_donating_fn, core._accumulate_fn, core._finite_fn):
+    for fn in (core._apply_fn, core._accumulate_fn, core._finite_fn):
         assert fn._cache_size() == 1
-    assert core._apply_fn._cache_size() == 0
-
-
-def test_apply_donates_only_parameters_nobody_else_holds():
-    core = make("asp")
-    core.join("a", 0.0)
-    kept = core.params  # a caller's reference: these must stay readable
-    kept_w = np.asarray(kept["w"]).copy()
-    core.push("a", upd(1.0), version=0, now=1.0)
-    np.testing.assert_array_equal(np.asarray(kept["w"]), kept_w)
-    assert not any(x.is_deleted() for x in jax.tree.leaves(kept))
-    del kept
-    leaf = core.params["b"]  # a reference to one leaf counts too
-    core.push("a", upd(1.0), version=1, now=2.0)
-    assert not leaf.is_deleted()
-    del leaf
-    view = np.asarray(core.params["w"])  # e.g. parameters still being sent
-    sent = view.copy()
-    core.push("a", upd(1.0), version=2, now=3.0)
-    np.testing.assert_array_equal(view, sent)
-    assert core._apply_fn._cache_size() == 1
-    # Donated or not, every step computes the same parameters.
-    reference = make("asp")
-    reference.join("a", 0.0)
-    for v in range(3):
-        reference.push("a", upd(1.0), version=v, now=1.0 + v)
-    held = reference.params
-    reference.push("a", upd(1.0), version=3, now=4.0)
-    core.push("a", upd(1.0), version=3, now=4.0)
-    assert core._apply_donating_fn._cache_size() == 1
-    assert params_of(core) == params_of(reference)
-    del held
-
-
-def test_sole_owner():
-    tree = {"a": {"w": jnp.zeros(3)}, "b": (jnp.ones(2), None)}
-    assert core_module._sole_owner(tree)
-    sub = tree["a"]
-    assert not core_module._sole_owner(tree)
-    del sub
-    leaf = tree["b"][0]
-    assert not core_module._sole_owner(tree)
-    del leaf
-    assert core_module._sole_owner(tree)
-    assert not core_module._sole_owner({"w": np.zeros(3)})
-    assert core_module._sole_owner(optax.adam(0.1).init(tree))
 
 
 def test_deadline_bookkeeping_stays_bounded():

@@ -102,7 +102,6 @@ from __future__ import annotations
 import dataclasses
 import heapq
 import math
-import sys
 from collections.abc import Hashable, Mapping
 from typing import Any, Literal
 
@@ -411,9 +410,6 @@ def _make_steps(optimizer: optax.GradientTransformation):
     """Jitted apply, accumulate and check steps for one optimizer.
 
     Each is traced once per tree structure and dtypes, so no event recompiles.
-    The apply step comes twice: as is, and donating the parameters and optimizer
-    state, whose memory XLA then reuses for the new ones (for a large model
-    this halves the step's memory traffic); see :func:`_sole_owner`.
     """
     opt = optax.with_extra_args_support(optimizer)
 
@@ -441,73 +437,7 @@ def _make_steps(optimizer: optax.GradientTransformation):
         ]
         return jnp.all(jnp.stack(checks)) if checks else jnp.array(True)
 
-    return (
-        jax.jit(apply),
-        jax.jit(apply, donate_argnums=(0, 1)),
-        jax.jit(scale),
-        jax.jit(accumulate),
-        jax.jit(all_finite),
-    )
-
-
-def _tree_refs(node: Any) -> tuple[int, int]:
-    """References to a tree's root and to a child node, as seen by _sole_owner.
-
-    Measured on a probe in the same code shape rather than assumed, since
-    interpreters differ in how they count them.
-    """
-    refs = []
-    stack = [node]
-    del node
-    while stack:
-        current = stack.pop()
-        refs.append(sys.getrefcount(current))
-        if isinstance(current, dict):
-            stack.extend(current.values())
-    return refs[0], refs[1]
-
-
-def _probe_refs() -> tuple[int, int]:
-    # The probe's root is held by one variable, as the core holds its trees by
-    # one attribute.
-    probe = {"leaf": {}}
-    return _tree_refs(probe)
-
-
-_ROOT_REFS, _CHILD_REFS = _probe_refs()
-
-
-def _sole_owner(root: Any) -> bool:
-    """Whether nothing but the tree itself references its containers and arrays.
-
-    The caller holds ``root`` in one place (an attribute). A tree of dicts,
-    lists, tuples, ``None`` and ``jax.Array`` leaves qualifies when no other
-    object holds the root, a sub-tree or a leaf: then donating its arrays to a
-    compiled step cannot invalidate anything a caller kept (``core.params``,
-    a checkpoint being written, a stale copy). Arrays that numpy views still
-    read (parameters being sent) are not donated by JAX itself. Any other node
-    type answers ``False``.
-    """
-    stack = [root]
-    del root
-    first = True
-    while stack:
-        node = stack.pop()
-        if node is None:  # shared by everyone, and holds nothing
-            continue
-        if sys.getrefcount(node) > (_ROOT_REFS if first else _CHILD_REFS):
-            return False
-        first = False
-        if isinstance(node, jax.Array):
-            if node.is_deleted():
-                return False
-        elif isinstance(node, dict):
-            stack.extend(node.values())
-        elif isinstance(node, list | tuple):
-            stack.extend(node)
-        else:
-            return False
-    return True
+    return jax.jit(apply), jax.jit(scale), jax.jit(accumulate), jax.jit(all_finite)
 
 
 class ServerCore:
@@ -660,13 +590,9 @@ class ServerCore:
         self._dtypes = tuple(x.dtype for x in leaves)
         self._params = jax.tree.unflatten(treedef, leaves)
         self._opt_state = optimizer.init(self._params)
-        (
-            self._apply_fn,
-            self._apply_donating_fn,
-            self._scale_fn,
-            self._accumulate_fn,
-            self._finite_fn,
-        ) = _make_steps(optimizer)
+        self._apply_fn, self._scale_fn, self._accumulate_fn, self._finite_fn = (
+            _make_steps(optimizer)
+        )
         self._version = 0
 
         self._expected_workers = expected_workers
@@ -1341,14 +1267,7 @@ class ServerCore:
 
     def _apply(self, now: float, actions: list[Action]) -> None:
         scale = np.float32(1.0 / self._buffer_samples)
-        apply_fn = self._apply_fn
-        if (
-            self._buffer_stale is None
-            and _sole_owner(self._params)
-            and _sole_owner(self._opt_state)
-        ):
-            apply_fn = self._apply_donating_fn
-        self._params, self._opt_state = apply_fn(
+        self._params, self._opt_state = self._apply_fn(
             self._params,
             self._opt_state,
             self._buffer,

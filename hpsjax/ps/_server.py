@@ -928,9 +928,6 @@ class Server:
             # Raw leaves were checked as they arrived (_check_received).
             self._require_finite(leaves)
         update = jax.tree.unflatten(self._treedef, leaves)
-        # Byte views of the parameters would keep the core from reusing their
-        # memory for the next version (JAX never donates arrays numpy reads).
-        self._params_cache = None
         actions = self._core.push(
             session.worker_id, update, version=version, now=self._now(), **fields
         )

@@ -200,7 +200,14 @@ class PushKernel:
             states = jax.tree.map(lambda s, n: s.at[rows].set(n), states, new_states)
             return out, states
 
+        def push_one(update, states, slot):
+            picked = jax.tree.map(lambda s: s[slot], states)
+            out, new = ptx.update(jax.tree.unflatten(treedef, list(update)), picked)
+            states = jax.tree.map(lambda s, n: s.at[slot].set(n), states, new)
+            return jax.tree.leaves(out), states
+
         self.push = jax.jit(push_rows, donate_argnames=("states",))
+        self.push_one = jax.jit(push_one, donate_argnames=("states",))
 
 
 class Kernels:
@@ -234,33 +241,54 @@ class Kernels:
                     params, idx, scale
                 )
 
+            def grad_one(params, idx, scale, data):
+                loss, g = value_and_grad(unflatten(params), gather(data, idx))
+                return [(x * scale).astype(x.dtype) for x in jax.tree.leaves(g)], loss
+
             self.grad = jax.jit(grad_rows, static_argnames=("shared",))
+            self.grad_one = jax.jit(grad_one)
         else:
             opt = self.opt = optax.with_extra_args_support(worker_optimizer)
             has_stages = self.has_stages = _has_stages(opt.init(params))
 
+            def one(p, ix, s, st, data):
+                tree = unflatten(p)
+                loss, g = value_and_grad(tree, gather(data, ix))
+                updates, st = opt.update(g, st, tree, loss=loss)
+                updates = jax.tree.map(lambda u: (u * s).astype(u.dtype), updates)
+                return jax.tree.leaves(optax.apply_updates(tree, updates)), loss, st
+
             def local_rows(params, idx, scale, data, states, rows, *, shared):
                 picked = jax.tree.map(lambda s: s[rows], states)
-
-                def one(p, ix, s, st):
-                    tree = unflatten(p)
-                    loss, g = value_and_grad(tree, gather(data, ix))
-                    updates, st = opt.update(g, st, tree, loss=loss)
-                    updates = jax.tree.map(lambda u: (u * s).astype(u.dtype), updates)
-                    return jax.tree.leaves(optax.apply_updates(tree, updates)), loss, st
-
                 new_params, loss, new_states = jax.vmap(
-                    one, in_axes=(None if shared else 0, 0, 0, 0)
-                )(params, idx, scale, picked)
+                    one, in_axes=(None if shared else 0, 0, 0, 0, None)
+                )(params, idx, scale, picked, data)
                 states = jax.tree.map(
                     lambda s, n: s.at[rows].set(n), states, new_states
                 )
                 stage = _current_stage(new_states) if has_stages else None
                 return new_params, loss, states, stage
 
+            def local_one(params, idx, scale, data, states, slot):
+                picked = jax.tree.map(lambda s: s[slot], states)
+                new_params, loss, new = one(params, idx, scale, picked, data)
+                states = jax.tree.map(lambda s, n: s.at[slot].set(n), states, new)
+                stage = _current_stage(new) if has_stages else None
+                return new_params, loss, states, stage
+
             self.local = jax.jit(
                 local_rows, static_argnames=("shared",), donate_argnames=("states",)
             )
+            self.local_one = jax.jit(local_one, donate_argnames=("states",))
+
+        def subtract(a, b):
+            return [x - y for x, y in zip(a, b, strict=True)]
+
+        def scale_leaves(leaves, factor):
+            return [(x * factor).astype(x.dtype) for x in leaves]
+
+        self.subtract = jax.jit(subtract)
+        self.scale_leaves = jax.jit(scale_leaves)
 
     def gradient_flops(self, params: Any, data: Any, batch_size: int) -> float | None:
         """XLA's FLOP count of one gradient on ``batch_size`` examples."""
@@ -337,6 +365,10 @@ class Engine:
         (quantization with error feedback), or ``None``.
       batch_rows: rows per call, or ``None`` to choose from the FLOPs of a
         gradient (up to 256).
+      batch_sizes: the workers' batch sizes at the start; when even the
+        smallest makes an expensive gradient (or ``batch_rows`` is 1) the engine
+        runs *sequentially*: one worker-step per call, parameters and updates
+        kept on the device.
       seed: seed of the per-worker random keys of ``push_transform``.
     """
 
@@ -350,6 +382,7 @@ class Engine:
         worker_optimizer: optax.GradientTransformation | None,
         push_transform: optax.GradientTransformation | None,
         batch_rows: int | None,
+        batch_sizes: tuple[int, ...],
         seed: int,
     ):
         leaves, self.treedef = jax.tree.flatten(params)
@@ -373,6 +406,11 @@ class Engine:
         self.min_rows = min(1 << (num_slots - 1).bit_length(), _MIN_ROWS)
         self.k = kernels(loss_fn, params, worker_optimizer)
         self.has_stages = self.k.has_stages
+        if batch_rows is not None:
+            self.sequential = batch_rows == 1
+        else:
+            flops = self.k.gradient_flops(params, data, min(batch_sizes))
+            self.sequential = flops is not None and flops > BATCH_FLOPS_LIMIT
         self.states = None
         if self.k.opt is not None:
             self.states = _stack(self.k.opt.init(params), num_slots + 1)
@@ -388,9 +426,14 @@ class Engine:
         size = sum(math.prod(np.shape(x)) for x in leaves)
         self.push_rows = 1 if batch_rows == 1 or size > _PUSH_PAD_LIMIT else 8
 
-    @staticmethod
-    def host_leaves(tree: Any) -> Leaves:
-        """A version's leaves as read-only host arrays (zero-copy on the CPU)."""
+    def version_leaves(self, tree: Any) -> Leaves:
+        """A version's leaves as the engine keeps them.
+
+        Read-only host arrays (zero-copy on the CPU) for batched calls, which
+        stack them; the device arrays themselves when sequential.
+        """
+        if self.sequential:
+            return tuple(jax.tree.leaves(tree))
         return tuple(np.asarray(x) for x in jax.tree.leaves(tree))
 
     def tree(self, leaves: Leaves) -> Any:
@@ -411,7 +454,9 @@ class Engine:
         """How many worker-steps of this batch size one call evaluates."""
         rows = self._rows.get(batch_size)
         if rows is None:
-            if self.batch_rows is not None:
+            if self.sequential:
+                rows = 1
+            elif self.batch_rows is not None:
                 rows = self.batch_rows
             else:
                 flops = self.k.gradient_flops(self.params, self.data, batch_size)
@@ -443,6 +488,9 @@ class Engine:
         self._finish(finished)
 
     def _step(self, rows: list[Round], batch_size: int, padded: int) -> None:
+        if self.sequential:
+            self._step_one(rows[0], batch_size)
+            return
         pad = padded - len(rows)
         first = rows[0].params
         shared = all(r.params is first for r in rows)
@@ -475,22 +523,45 @@ class Engine:
         self.evaluations += len(rows)
         self.padded_evaluations += pad
 
+    def _step_one(self, r: Round, batch_size: int) -> None:
+        """One step of one worker, on the device, without host round trips."""
+        idx = r.stream.next(batch_size)
+        scale = np.float32(r.scale)
+        if self.local:
+            out, loss, self.states, stage = self.k.local_one(
+                r.params, idx, scale, self.data, self.states, np.int32(r.slot)
+            )
+            if stage is not None:
+                r.stage = int(stage)
+        else:
+            out, loss = self.k.grad_one(r.params, idx, scale, self.data)
+        r.params = tuple(out)
+        # Kept on the device: summing it here would wait for the step.
+        r.loss_sum = loss if r.done_steps == 0 else r.loss_sum + loss
+        r.done_steps += 1
+        self.evaluations += 1
+
     def _finish(self, finished: list[Round]) -> None:
         for r in finished:
             # Gradient mode: the leaves are the scaled gradient itself. Local
             # mode: the pseudo-gradient w_start - w_end, what the steps moved.
-            if self.local:
-                r.update = tuple(b - p for b, p in zip(r.base, r.params, strict=True))
-            else:
+            if not self.local:
                 r.update = r.params
-            r.loss = r.loss_sum / r.steps
+            elif self.sequential:
+                r.update = tuple(self.k.subtract(r.base, r.params))
+            else:
+                r.update = tuple(b - p for b, p in zip(r.base, r.params, strict=True))
+            r.loss = float(r.loss_sum) / r.steps
             r.done = True
             r.params = None
 
     def prepare_push(self, slot: int, update: Leaves, factor: float) -> PushJob:
         """Scales an update by ``factor`` and queues it for the push transform."""
         if factor != 1.0:
-            update = tuple(x * x.dtype.type(factor) for x in update)
+            if self.sequential:
+                update = tuple(self.k.scale_leaves(update, np.float32(factor)))
+            else:
+                update = tuple(x * x.dtype.type(factor) for x in update)
         job = PushJob(slot, update, self.push_states is None)
         if not job.done:
             self.push_pending.append(job)
@@ -504,6 +575,14 @@ class Engine:
         """
         pending = self.push_pending
         self.push_pending = []
+        if self.sequential:
+            for job in pending:
+                out, self.push_states = self.pk.push_one(
+                    job.update, self.push_states, np.int32(job.slot)
+                )
+                job.update = tuple(out)
+                job.done = True
+            return
         while pending:
             seen, now, later = set(), [], []
             for job in pending:

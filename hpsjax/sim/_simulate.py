@@ -651,6 +651,7 @@ class _Simulation:
             worker_optimizer=config.worker_optimizer,
             push_transform=config.push_transform,
             batch_rows=config.batch_rows,
+            batch_sizes=tuple(w.batch_size for w in self.workers),
             seed=seed,
         )
         self.pull_bytes = tree_wire_nbytes(params)
@@ -1120,7 +1121,7 @@ class _Simulation:
             if kind is SendParams:
                 w = self.by_id[action.worker_id]
                 if self.leaves_version != action.version:
-                    self.version_leaves = self.engine.host_leaves(core.params)
+                    self.version_leaves = self.engine.version_leaves(core.params)
                     self.leaves_version = action.version
                 self.sends.append(
                     SendRecord(
