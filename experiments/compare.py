@@ -12,8 +12,9 @@ setting, one work directory each (``DIR/<scheme>``, see
 * ``DIR/accuracy.png``: test accuracy against time of every scheme;
 
 and prints the table and the plot's path. ``--schemes=bsp,hps`` runs a subset;
-``--render_only`` rebuilds the table and plot from the work directories of an
-earlier run. Example::
+``--seeds=1,2,3`` runs every scheme once per seed and reports the mean (and
+standard deviation) of the time to target; ``--render_only`` rebuilds the table
+and plot from the work directories of an earlier run. Example::
 
   python -m experiments.compare --suite=quick --workdir=/tmp/hpsjax/quick
 """
@@ -25,32 +26,104 @@ import pathlib
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 from absl import app, flags, logging
 
 from experiments import plots, registry, train
 from experiments.configs.suites import Suite
 
-__all__ = ["format_table", "load_run", "run_suite"]
+__all__ = ["aggregate", "format_table", "load_run", "mean_curve", "run_suite"]
 
 
-def _fmt(value: float | None, spec: str, missing: str = "not reached") -> str:
-    return missing if value is None else format(value, spec)
+def _mean(values: Sequence[float]) -> float:
+    return float(sum(values) / len(values))
 
 
-def _speedup(base: float | None, ttt: float | None, budget: float) -> str:
-    if ttt is None or ttt <= 0:
+def _std(values: Sequence[float]) -> float:
+    mean = _mean(values)
+    return float((sum((v - mean) ** 2 for v in values) / len(values)) ** 0.5)
+
+
+def aggregate(summaries: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """One table row from one scheme's runs (one per seed).
+
+    Returns:
+      ``scheme``, ``backend``, ``target_accuracy``, ``runs``, ``reached`` (runs
+      that reached the target), ``time_to_target`` (the mean over the runs when
+      all reached it, else ``None``), ``time_to_target_std``,
+      ``time_to_target_reached`` (the mean over those that reached it, or
+      ``None``), ``end_time`` (the longest), and the means of
+      ``final_accuracy``, ``best_accuracy``, ``bytes_sent``, ``idle_fraction``
+      and ``updates``.
+
+    Raises:
+      ValueError: no summaries, or summaries of several schemes.
+    """
+    if not summaries:
+        raise ValueError("aggregate needs at least one summary")
+    schemes = {s["scheme"] for s in summaries}
+    if len(schemes) != 1:
+        raise ValueError(f"aggregate takes one scheme's runs, got {sorted(schemes)}")
+    times = [s["time_to_target"] for s in summaries if s["time_to_target"] is not None]
+    first = summaries[0]
+    return {
+        "scheme": first["scheme"],
+        "backend": first["backend"],
+        "target_accuracy": first["target_accuracy"],
+        "runs": len(summaries),
+        "reached": len(times),
+        "time_to_target": _mean(times) if len(times) == len(summaries) else None,
+        "time_to_target_std": _std(times) if times else None,
+        "time_to_target_reached": _mean(times) if times else None,
+        "end_time": max(s["end_time"] for s in summaries),
+        **{
+            key: _mean([s[key] for s in summaries])
+            for key in (
+                "final_accuracy",
+                "best_accuracy",
+                "bytes_sent",
+                "idle_fraction",
+                "updates",
+            )
+        },
+    }
+
+
+def _time_cell(row: dict[str, Any]) -> str:
+    runs, reached = row["runs"], row["reached"]
+    if reached == 0:
+        return "not reached" if runs == 1 else f"not reached (0/{runs})"
+    if reached < runs:
+        return f"{row['time_to_target_reached']:.1f} ({reached}/{runs} runs)"
+    if runs == 1:
+        return f"{row['time_to_target']:.1f}"
+    return f"{row['time_to_target']:.1f} ± {row['time_to_target_std']:.1f}"
+
+
+def _speedup(base: dict[str, Any] | None, row: dict[str, Any]) -> str:
+    ttt = row["time_to_target"]
+    if base is None or ttt is None or ttt <= 0:
         return "-"
-    if base is None:
+    if base["time_to_target"] is None:
+        if base["reached"] > 0:
+            return "-"
         # The baseline never got there within the budget: at least this much.
-        return f"> {budget / ttt:.2f}x"
-    return f"{base / ttt:.2f}x"
+        return f"> {base['end_time'] / ttt:.2f}x"
+    return f"{base['time_to_target'] / ttt:.2f}x"
 
 
 def format_table(summaries: Sequence[dict[str, Any]], *, baseline: str = "bsp") -> str:
     """The markdown comparison table of some runs' summaries.
 
+    Runs of the same scheme (several seeds) make one row: the time to the
+    target is their mean ± standard deviation when every run reached it, and
+    the other columns are means. The speedup is the baseline's mean time over
+    the scheme's; when the baseline never reached the target within its
+    budget, the speedup is at least the budget over the scheme's time.
+
     Args:
-      summaries: :func:`experiments.train.summarize` results, one per scheme.
+      summaries: :func:`experiments.train.summarize` results; rows follow the
+        order in which schemes first appear.
       baseline: the scheme speedups are measured against (its row reads
         ``1.00x``); without it the speedup column shows ``-``.
 
@@ -66,28 +139,51 @@ def format_table(summaries: Sequence[dict[str, Any]], *, baseline: str = "bsp") 
     if len(targets) != 1:
         raise ValueError(f"the runs have different target accuracies: {targets}")
     target = targets.pop()
-    base_row = next((s for s in summaries if s["scheme"] == baseline), None)
+    groups: dict[str, list[dict[str, Any]]] = {}
+    for s in summaries:
+        groups.setdefault(s["scheme"], []).append(s)
+    rows = [aggregate(g) for g in groups.values()]
+    base = next((r for r in rows if r["scheme"] == baseline), None)
+    runs = max(r["runs"] for r in rows)
     unit = "virtual s" if all(s["backend"] == "sim" for s in summaries) else "s"
+    mean = f", mean of {runs} runs" if runs > 1 else ""
     header = (
-        f"| scheme | time to {target:g} accuracy ({unit}) | speedup vs "
+        f"| scheme | time to {target:g} accuracy ({unit}{mean}) | speedup vs "
         f"{baseline.upper()} | final accuracy | best accuracy | MB pushed | "
         "idle fraction | updates |\n"
         "|---|---:|---:|---:|---:|---:|---:|---:|\n"
     )
-    rows = []
-    for s in summaries:
-        speedup = "-"
-        if base_row is not None:
-            speedup = _speedup(
-                base_row["time_to_target"], s["time_to_target"], s["end_time"]
-            )
-        rows.append(
-            f"| {s['scheme']} | {_fmt(s['time_to_target'], '.1f')} | {speedup} | "
-            f"{s['final_accuracy']:.3f} | {s['best_accuracy']:.3f} | "
-            f"{s['bytes_sent'] / 1e6:.1f} | {s['idle_fraction']:.2f} | "
-            f"{s['updates']} |"
-        )
-    return header + "\n".join(rows) + "\n"
+    lines = [
+        f"| {r['scheme']} | {_time_cell(r)} | {_speedup(base, r)} | "
+        f"{r['final_accuracy']:.3f} | {r['best_accuracy']:.3f} | "
+        f"{r['bytes_sent'] / 1e6:.1f} | {r['idle_fraction']:.2f} | "
+        f"{r['updates']:.0f} |"
+        for r in rows
+    ]
+    return header + "\n".join(lines) + "\n"
+
+
+def mean_curve(
+    runs: Sequence[Sequence[dict[str, Any]]], *, points: int = 241
+) -> list[dict[str, float]]:
+    """The mean test accuracy of several runs on a common time grid.
+
+    Each run's accuracy is interpolated linearly between its evaluations (held
+    at its last value after its end); the grid spans the longest run.
+    """
+    if not runs or any(not r for r in runs):
+        raise ValueError("mean_curve needs runs with evaluations")
+    end = max(r[-1]["time"] for r in runs)
+    grid = np.linspace(0.0, end, points)
+    curves = [
+        np.interp(grid, [e["time"] for e in r], [e["accuracy"] for e in r])
+        for r in runs
+    ]
+    mean = np.mean(curves, axis=0)
+    return [
+        {"time": float(t), "accuracy": float(a)}
+        for t, a in zip(grid, mean, strict=True)
+    ]
 
 
 def load_run(workdir: str | pathlib.Path) -> tuple[dict[str, Any], list[dict]]:
@@ -117,6 +213,7 @@ def run_suite(
     workdir: str | pathlib.Path,
     *,
     schemes: Sequence[str] | None = None,
+    seeds: Sequence[int] | None = None,
     render_only: bool = False,
     progress: bool = True,
 ) -> dict[str, Any]:
@@ -124,8 +221,12 @@ def run_suite(
 
     Args:
       suite: a name of ``SUITES`` or a :class:`Suite`.
-      workdir: the output directory (one subdirectory per scheme).
+      workdir: the output directory: ``workdir/<scheme>`` per scheme, or
+        ``workdir/<scheme>/seed_<s>`` per scheme and seed.
       schemes: a subset of the suite's schemes, or ``None`` for all.
+      seeds: run every scheme once per seed (``config.seed`` and
+        ``config.model.seed``; the data stay the same) and report means, or
+        ``None`` for one run with the configs' seeds.
       render_only: read earlier outputs instead of running.
       progress: show progress bars.
 
@@ -134,7 +235,7 @@ def run_suite(
 
     Raises:
       ValueError: an unknown suite or scheme (the message lists valid names),
-        before anything runs.
+        or a bad seed, before anything runs.
     """
     if isinstance(suite, str):
         name = suite
@@ -153,47 +254,71 @@ def run_suite(
             )
     if not chosen:
         raise ValueError("no schemes to run")
-    configs = {}
-    for scheme in chosen:
-        config = registry.load_config(scheme, suite.setting)
-        if suite.backend is not None:
-            config.backend = suite.backend
-        registry.check_config(config)
-        configs[scheme] = config
+    if seeds is not None:
+        seeds = [int(s) for s in seeds]
+        if not seeds or any(s < 0 for s in seeds) or len(set(seeds)) != len(seeds):
+            raise ValueError(f"seeds must be distinct ints >= 0, got {seeds}")
     workdir = pathlib.Path(workdir)
+    jobs = []
+    for scheme in chosen:
+        for seed in [None] if seeds is None else seeds:
+            config = registry.load_config(scheme, suite.setting)
+            if suite.backend is not None:
+                config.backend = suite.backend
+            where = workdir / scheme
+            if seed is not None:
+                config.seed = seed
+                config.model.seed = seed
+                where = where / f"seed_{seed}"
+            registry.check_config(config)
+            jobs.append((scheme, config, where))
     workdir.mkdir(parents=True, exist_ok=True)
 
     summaries, runs = [], {}
-    for scheme, config in configs.items():
+    for scheme, config, where in jobs:
         if not render_only:
-            logging.info("running %s (%s, %s)", scheme, suite.setting, config.backend)
-            train.train_and_evaluate(config, workdir / scheme, progress=progress)
-        summary, evals = load_run(workdir / scheme)
+            logging.info(
+                "running %s (%s, %s, seed %d)",
+                scheme,
+                suite.setting,
+                config.backend,
+                config.seed,
+            )
+            train.train_and_evaluate(config, where, progress=progress)
+        summary, evals = load_run(where)
         summaries.append(summary)
-        runs[scheme] = evals
+        runs.setdefault(scheme, []).append(evals)
 
-    first = next(iter(configs.values()))
+    first = jobs[0][1]
     table = format_table(summaries)
     unit = "virtual s" if first.backend == "sim" else "s"
+    curves = {
+        scheme: evals[0] if len(evals) == 1 else mean_curve(evals)
+        for scheme, evals in runs.items()
+    }
     plot_path = plots.plot_accuracy(
-        runs,
+        curves,
         workdir / "accuracy.png",
         target=float(first.eval.target_accuracy),
-        title=f"suite {name}: {suite.setting} ({first.backend})",
+        title=f"suite {name}: {suite.setting} ({first.backend})"
+        + (f", mean of {len(seeds)} seeds" if seeds and len(seeds) > 1 else ""),
         time_unit=unit,
     )
     command = f"python -m experiments.compare --suite={name} --workdir={workdir}"
+    if seeds is not None:
+        command += f" --seeds={','.join(map(str, seeds))}"
     text = (
         f"# Suite `{name}`\n\n{suite.description}\n\n"
         f"Setting `{suite.setting}`, backend `{first.backend}`, budget "
-        f"{first.budget_seconds:g} {unit} per scheme, target accuracy "
+        f"{first.budget_seconds:g} {unit} per run, target accuracy "
         f"{first.eval.target_accuracy:g}.\n\n{table}\n"
         f"Accuracy against time: `{plot_path.name}`.\n\nCommand: `{command}`\n"
     )
     table_path = workdir / "results.md"
     table_path.write_text(text)
     (workdir / "results.json").write_text(
-        json.dumps({"suite": name, "summaries": summaries}, indent=2) + "\n"
+        json.dumps({"suite": name, "seeds": seeds, "summaries": summaries}, indent=2)
+        + "\n"
     )
     return {
         "table": table,
@@ -211,6 +336,7 @@ def _define_flags() -> None:
     flags.DEFINE_list(
         "schemes", None, "Run only these schemes of the suite (comma-separated)."
     )
+    flags.DEFINE_list("seeds", None, "Run every scheme once per seed and report means.")
     flags.DEFINE_bool(
         "render_only", False, "Rebuild table and plot from existing outputs."
     )
@@ -226,6 +352,7 @@ def main(argv):
         values.suite,
         values.workdir,
         schemes=values.schemes,
+        seeds=None if values.seeds is None else [int(s) for s in values.seeds],
         render_only=values.render_only,
     )
     print(result["table"])

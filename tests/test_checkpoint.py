@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import os
 import pathlib
 import signal
 import subprocess
@@ -701,64 +700,3 @@ def test_restores_from_another_thread_see_only_complete_checkpoints(tmp_path):
         manager.close()
     assert not errors
     assert manager.steps() == [6, 7]
-
-
-# -- speed ---------------------------------------------------------------------
-
-
-def _baseline_save(directory: pathlib.Path, arrays: list[np.ndarray]) -> None:
-    directory.mkdir()
-    for i, a in enumerate(arrays):
-        path = directory / f"{i}.npy"
-        with open(path, "wb") as f:
-            np.save(f, a)
-            f.flush()
-            os.fsync(f.fileno())
-
-
-@pytest.mark.slow
-def test_benchmark_save_against_np_save_with_fsync(tmp_path):
-    """Prints save/restore/snapshot times against np.save + fsync of the same data."""
-    rng = np.random.default_rng(0)
-    arrays = [rng.normal(size=(1024, 1024)).astype(np.float32) for _ in range(16)]
-    arrays += [rng.normal(size=(1024,)).astype(np.float32) for _ in range(16)]
-    tree = {"params": arrays}
-    nbytes = sum(a.nbytes for a in arrays)
-    manager = CheckpointManager(tmp_path / "ckpts", keep=1)
-
-    def best(fn, repeats=3):
-        times = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - start)
-        return min(times)
-
-    counter = iter(range(1000))
-    t_base = best(lambda: _baseline_save(tmp_path / f"base{next(counter)}", arrays))
-    steps = iter(range(1000))
-    t_save = best(lambda: manager.save(next(steps), tree))
-    t_restore = best(lambda: manager.restore_latest())
-    t_base_load = best(
-        lambda: [np.load(tmp_path / "base0" / f"{i}.npy") for i in range(len(arrays))]
-    )
-
-    async_times = []
-    for _ in range(3):
-        start = time.perf_counter()
-        manager.save_async(next(steps), tree)
-        async_times.append(time.perf_counter() - start)
-        manager.wait_until_finished()
-    t_async = min(async_times)
-    manager.close()
-
-    mib = nbytes / 2**20
-    print(
-        f"\n{mib:.0f} MiB in {len(arrays)} leaves: save {t_save * 1e3:.0f} ms "
-        f"({t_save / t_base:.2f}x np.save+fsync at {t_base * 1e3:.0f} ms), "
-        f"restore {t_restore * 1e3:.0f} ms ({t_restore / t_base_load:.2f}x np.load "
-        f"at {t_base_load * 1e3:.0f} ms), save_async returns in "
-        f"{t_async * 1e3:.0f} ms ({t_async / t_save:.2f}x a blocking save)"
-    )
-    assert t_save < 10 * t_base + 0.5
-    assert t_async < t_save

@@ -28,9 +28,11 @@ def get_config(arg=None):
         config, {"quick": 1.0, "default": 3.0}
     )
     config.server.policy_kwargs.search = True
-    config.server.policy_kwargs.max_local_steps = 64
+    config.server.policy_kwargs.max_local_steps = 2
     config.server.optimizer = "sgd"
-    config.server.learning_rate = 1.0
+    # Commits are applied one at a time, as they come, so each moves the server
+    # by a quarter of the worker's local progress.
+    config.server.learning_rate = 0.25
     config.worker.local_optimizer = "sgd"
-    config.worker.local_learning_rate = common.pick(config, {"default": 0.1})
+    config.worker.local_learning_rate = common.pick(config, {"default": 0.4})
     return config

@@ -29,17 +29,20 @@ def get_config(arg=None):
     config.scheme = "ashl"
     config.server.policy = "hybrid"
     config.server.optimizer = "sgd"
-    config.server.learning_rate = 1.0
+    # Pushes are applied as they come (async and semi-async stages), so each
+    # moves the server by a quarter of the worker's local progress.
+    config.server.learning_rate = 0.25
     config.worker.local_optimizer = "sgd"
-    config.worker.local_learning_rate = common.pick(config, {"default": 0.1})
+    config.worker.local_learning_rate = common.pick(config, {"default": 0.4})
     config.worker.bits = 8
     config.worker.error_feedback = True
     config.plan.scheme = "ashl"
     config.plan.lr_scaling = "none"
+    config.plan.max_local_steps = 8
     config.stages.enabled = True
     config.stages.switch = "version"
     config.stages.switch_version = common.pick(config, {"quick": 20, "default": 100})
-    config.stages.ahl_local_steps = 8
+    config.stages.ahl_local_steps = 4
     config.stages.ahl_max_staleness = 32
     config.stages.shl_local_steps = 2
     config.stages.shl_max_staleness = 4

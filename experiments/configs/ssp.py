@@ -24,5 +24,5 @@ def get_config(arg=None):
     config.server.policy = "ssp"
     config.server.policy_kwargs.staleness_bound = 3
     config.server.optimizer = "sgd"
-    config.server.learning_rate = common.pick(config, {"default": 0.1})
+    config.server.learning_rate = common.pick(config, {"default": 0.05})
     return config
