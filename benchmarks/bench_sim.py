@@ -9,14 +9,15 @@ heterogeneous workers (lognormal speeds) for ``R`` gradients per worker (32 for
 the small model, 6 for the medium one), then runs a plain single-process loop of
 jitted SGD steps (gradient and update in one call, batches gathered on the device
 from host indices, like the simulator's) on the same model and batch size for as
-many gradient evaluations as the simulator made, in the same process. It prints both wall times, their ratio (the target is
-under 1.5), and the share of the simulator's time spent inside the server core
-(``ServerCore`` calls, the very code the asyncio server runs, each call waited
-for), which bounds how low the ratio can go: the core applies every version in a
-call of its own, which the fused loop does not pay. Each configuration runs once
-before it is timed, so the simulator's own kernels are compiled (a new
-``ServerCore`` is built, and may compile, in every run); the best of ``repeats``
-timed runs is kept, as the machines are shared and noisy.
+many gradient evaluations as the simulator made, in the same process. It prints
+both wall times, their ratio (the target is under 1.5), and the share of the
+simulator's time spent inside the server core (``ServerCore`` calls, the very
+code the asyncio server runs, each call waited for), which bounds how low the
+ratio can go: the core applies every version in a call of its own, which the
+fused loop does not pay. Each configuration runs once before it is timed, so the
+simulator's own kernels are compiled; a new ``ServerCore`` is built, and compiles
+its jitted steps, in every run, which dominates the short runs (8 workers). The
+best of ``repeats`` timed runs is kept, as the machines are shared and noisy.
 
 Models: ``small`` is an MLP (64, 64) on 8x8 synthetic digits, batch 32 (a
 gradient of about 1.5 MFLOP: dispatch-bound, evaluated in vmapped batches);

@@ -622,6 +622,32 @@ def test_hybrid_policy_moves_to_the_second_stage():
     assert result.applies[-1].version > 40
 
 
+@pytest.mark.parametrize("scheme", ["asp", "local_sgd", "hps"])
+def test_sequential_evaluation_matches_batched(scheme):
+    settings = dict(SCHEMES[scheme])
+    local_steps = settings.pop("local_steps", 1)
+    with_plan = settings.pop("plan", False)
+    workers = constant_workers(
+        (0.05, 0.05, 0.1, 0.2),
+        local_steps=local_steps,
+        heterogeneity=Heterogeneity(latency=0.005),
+    )
+    results = [
+        run(
+            workers,
+            SimConfig(learning_rate=0.1, duration=1.0, batch_rows=rows, **settings),
+            work_plan=_hps_plan() if with_plan else None,
+        )
+        for rows in (None, 1)
+    ]
+    batched, sequential = results
+    assert batched.padded_gradients > 0 and sequential.padded_gradients == 0
+    assert [p.time for p in batched.pushes] == [p.time for p in sequential.pushes]
+    np.testing.assert_allclose(
+        batched.metrics["loss"], sequential.metrics["loss"], rtol=1e-4
+    )
+
+
 # ---------------------------------------------------------------------------
 # Many workers.
 # ---------------------------------------------------------------------------

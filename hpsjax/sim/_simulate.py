@@ -643,6 +643,29 @@ class _Simulation:
                         "than one local step needs a worker_optimizer."
                     )
 
+        self.eval_sets = None
+        self.eval_fn = None
+        if eval_data is not None:
+            eval_arrays, n_eval = _as_arrays(eval_data, "eval_data")
+            size = config.eval_batch_size
+            self.eval_sets = [
+                (
+                    jax.device_put(
+                        jax.tree.map(lambda a, s=start: a[s : s + size], eval_arrays)
+                    ),
+                    min(size, n_eval - start),
+                )
+                for start in range(0, n_eval, size)
+            ]
+            if eval_fn is None:
+
+                def eval_fn(p, batch):
+                    return {"loss": loss_fn(p, batch)}
+
+            self.eval_fn = jax.jit(eval_fn)
+        elif eval_fn is not None:
+            raise ValueError("eval_fn was given without eval_data.")
+
         self.engine = Engine(
             loss_fn,
             params,
@@ -668,29 +691,6 @@ class _Simulation:
             or type(policy).local_steps is not Policy.local_steps
             or len({w.batch_size * w.local_steps for w in self.workers}) > 1
         )
-
-        self.eval_sets = None
-        self.eval_fn = None
-        if eval_data is not None:
-            eval_arrays, n_eval = _as_arrays(eval_data, "eval_data")
-            size = config.eval_batch_size
-            self.eval_sets = [
-                (
-                    jax.device_put(
-                        jax.tree.map(lambda a, s=start: a[s : s + size], eval_arrays)
-                    ),
-                    min(size, n_eval - start),
-                )
-                for start in range(0, n_eval, size)
-            ]
-            if eval_fn is None:
-
-                def eval_fn(p, batch):
-                    return {"loss": loss_fn(p, batch)}
-
-            self.eval_fn = jax.jit(eval_fn)
-        elif eval_fn is not None:
-            raise ValueError("eval_fn was given without eval_data.")
 
         self.heap: list = []
         self.seq = 0
