@@ -369,6 +369,25 @@ def test_on_filled_refusal_skips_the_rest_of_the_frame():
     assert events[1].msg_type == MsgType.PULL
 
 
+@pytest.mark.parametrize("count", [0, 1, 15, 16, 70000])
+def test_packed_fields_concatenate_into_one_map(count):
+    # Map headers of each size class (fixmap, map 16, map 32) are cut off.
+    fields = {f"k{i}": i for i in range(count)}
+    extra = {"ack": {"version": 3, "reason": None}, "blob": b"\x00\x01"}
+    parts = wire.encode_frame_packed(
+        MsgType.PARAMS, 9, [wire.pack_fields(fields), wire.pack_fields(extra)]
+    )
+    assert wire.unpack_metadata(parts[0][wire.HEADER_SIZE :]) == fields | extra
+
+
+def test_metadata_keys_must_be_strings():
+    for bad in ({b"k": 1}, {"a": 1, b"k": 2}):
+        with pytest.raises(errors.MalformedMetadata, match="string keys"):
+            wire.unpack_metadata(msgpack.packb(bad, use_bin_type=True))
+    with pytest.raises(errors.MalformedMetadata, match="string keys"):
+        wire.unpack_metadata(msgpack.packb([1, 2]))
+
+
 def test_check_same_spec_names_the_leaf():
     model = wire.tree_to_wire({"a": np.ones(3, np.float32), "b": np.ones(2)})[2]
     same = wire.tree_to_wire({"a": np.zeros(3, np.float32), "b": np.zeros(2)})[2]

@@ -100,6 +100,7 @@ shape or dtype differs from the parameters) and ``NonFiniteUpdate``.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import heapq
 import math
 from collections.abc import Hashable, Mapping
@@ -406,10 +407,13 @@ def _dtype_compatible(update: np.dtype, param: np.dtype) -> bool:
     return False
 
 
+@functools.lru_cache(maxsize=32)
 def _make_steps(optimizer: optax.GradientTransformation):
     """Jitted apply, accumulate and check steps for one optimizer.
 
-    Each is traced once per tree structure and dtypes, so no event recompiles.
+    Each is traced once per tree structure and dtypes, so no event recompiles;
+    cached per optimizer object, so that cores built again on the same optimizer
+    (every run of the simulator) reuse the compiled steps.
     """
     opt = optax.with_extra_args_support(optimizer)
 
@@ -594,6 +598,7 @@ class ServerCore:
             _make_steps(optimizer)
         )
         self._version = 0
+        self._scalars: dict[tuple[float, type], jax.Array] = {}
 
         self._expected_workers = expected_workers
         self._start_timeout = float(start_timeout)
@@ -1266,13 +1271,12 @@ class ServerCore:
             self._buffer_stale = stale
 
     def _apply(self, now: float, actions: list[Action]) -> None:
-        scale = np.float32(1.0 / self._buffer_samples)
         self._params, self._opt_state = self._apply_fn(
             self._params,
             self._opt_state,
             self._buffer,
-            scale,
-            np.int32(self._buffer_staleness),
+            self._device_scalar(1.0 / self._buffer_samples, np.float32),
+            self._device_scalar(self._buffer_staleness, np.int32),
             self._buffer_stale,
         )
         self._version += 1
@@ -1289,6 +1293,21 @@ class ServerCore:
         )
         self._reset_buffer()
         self._policy.on_apply(self, now)
+
+    def _device_scalar(self, value: float, dtype: type) -> jax.Array:
+        """``value`` as a 0-d device array, made once per distinct value.
+
+        A host scalar given to a compiled step is copied to the device on every
+        call, which for a small model costs as much as the step itself; the
+        scale and staleness of an apply take few distinct values.
+        """
+        key = (value, dtype)
+        scalar = self._scalars.get(key)
+        if scalar is None:
+            if len(self._scalars) >= 256:
+                self._scalars.clear()
+            scalar = self._scalars[key] = jnp.asarray(dtype(value))
+        return scalar
 
     def _checked_update(self, update: Any) -> Any:
         leaves, treedef = jax.tree.flatten(update)

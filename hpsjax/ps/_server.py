@@ -13,7 +13,8 @@ Guarantees:
 
 * a push is handed to the core only once fully received and validated (tree
   structure, shapes and dtypes against the model before its payload is read;
-  NaN and infinity once it is in): a worker killed mid-push changes nothing;
+  NaN and infinity in each leaf as soon as its bytes are in): a worker killed
+  mid-push changes nothing;
 * a worker's pushes are applied in the order it sent them;
 * bad input gets an ``ERROR`` frame with a code and a short message; the
   server's parameters are unchanged and other workers are unaffected; a broken
@@ -346,6 +347,7 @@ class Server:
         self._closing = False
         self._closed: asyncio.Future | None = None
         self._params_cache: tuple[int, list, list] | None = None
+        self._local_steps_fields: dict[Any, wire.PackedFields] = {}
         self._manager: CheckpointManager | None = None
         self._saved_version: int | None = None
         self._checkpoint_task: asyncio.Task | None = None
@@ -1077,12 +1079,29 @@ class Server:
             self._params_cache = (version, fields, buffers)
         return self._params_cache[1], self._params_cache[2]
 
+    def _pack_extra(self, extra: dict[str, Any]) -> wire.PackedFields:
+        # A pull's answer adds only the policy's local-steps hint, which takes
+        # few values: pack each once.
+        steps = extra.get("local_steps")
+        if (
+            len(extra) != 1
+            or "local_steps" not in extra
+            or not (steps is None or type(steps) is int)
+        ):
+            return wire.pack_fields(extra)
+        packed = self._local_steps_fields.get(steps)
+        if packed is None:
+            if len(self._local_steps_fields) >= 256:
+                self._local_steps_fields.clear()
+            packed = self._local_steps_fields[steps] = wire.pack_fields(extra)
+        return packed
+
     def _send_params(self, session: _Session, request_id: int, extra=None) -> None:
         if session.protocol.closed:
             return
         fields, buffers = self._params_parts()
         if extra:
-            fields = [*fields, wire.pack_fields(extra)]
+            fields = [*fields, self._pack_extra(extra)]
         session.protocol.send(
             wire.encode_frame_packed(MsgType.PARAMS, request_id, fields, buffers)
         )
