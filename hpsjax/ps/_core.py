@@ -136,6 +136,9 @@ __all__ = [
 WorkerId = Hashable
 """A worker's name: a ``str`` or an ``int`` (msgpack-able)."""
 
+# Equal to no admission key: blocked workers must be examined again.
+_UNKNOWN_KEY = object()
+
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class SendParams:
@@ -618,6 +621,9 @@ class ServerCore:
         self._live: set[WorkerId] = set()
         self._live_view: frozenset = frozenset()
         self._waiting: dict[WorkerId, float] = {}
+        # The policy's admission key at which every blocked worker was last
+        # refused; while it holds, re-examining them cannot release anyone.
+        self._admit_key: Any = _UNKNOWN_KEY
         self._max_clock = 0
         self._min_clock_cache: int | None = None
         self._min_clock_valid = False
@@ -995,6 +1001,9 @@ class ServerCore:
                 rec.overhead, max(0.0, interval - float(step_time)), self._alpha
             )
         self._max_interval_valid = False
+        if worker_id in self._waiting:
+            # Its own clock, which admission reads, changes while it is blocked.
+            self._admit_key = _UNKNOWN_KEY
         rec.clock += 1
         self._max_clock = max(self._max_clock, rec.clock)
         self._min_clock_valid = False
@@ -1107,6 +1116,7 @@ class ServerCore:
         now = self._check_now(now)
         self._policy.set_stage(self, index)
         self._begin(now)
+        self._admit_key = _UNKNOWN_KEY
         actions: list[Action] = []
         self._settle(now, actions)
         return actions
@@ -1171,6 +1181,14 @@ class ServerCore:
                 actions.append(Release(worker_id, self._version, now - since))
             self._send(rec, now, actions)
             return
+        if not self._started:
+            self._admit_key = _UNKNOWN_KEY
+        else:
+            key = self._policy.admit_key(self)
+            if key is None or (len(self._waiting) > 1 and key != self._admit_key):
+                self._admit_key = _UNKNOWN_KEY
+            else:
+                self._admit_key = key
         actions.append(
             Wait(worker_id, until=self.next_deadline(), reason=self._wait_reason(rec))
         )
@@ -1218,6 +1236,7 @@ class ServerCore:
         rec.deadline = None
         self._waiting.pop(rec.worker_id, None)
         self._live.discard(rec.worker_id)
+        self._admit_key = _UNKNOWN_KEY
         for version in rec.refs:
             self._unref(version)
         rec.refs = []
@@ -1227,11 +1246,19 @@ class ServerCore:
         if not self._waiting or not self._started:
             return
         policy = self._policy
+        key = policy.admit_key(self)
+        if key is not None and key == self._admit_key:
+            return
         for worker_id, since in list(self._waiting.items()):
             if policy.admit(self, worker_id):
                 del self._waiting[worker_id]
                 actions.append(Release(worker_id, self._version, now - since))
                 self._send(self._workers[worker_id], now, actions)
+        # Releases may have moved the key; then the refusals say nothing.
+        if key is not None and policy.admit_key(self) == key:
+            self._admit_key = key
+        else:
+            self._admit_key = _UNKNOWN_KEY
 
     def _settle(self, now: float, actions: list[Action]) -> None:
         if self._buffer_contributors and self._policy.ready(self):
@@ -1478,6 +1505,7 @@ class ServerCore:
         self._live = set()
         self._live_changed()
         self._waiting = {}
+        self._admit_key = _UNKNOWN_KEY
         self._heap = []
         self._started = self._expected_workers is None
         self._start_deadline = None

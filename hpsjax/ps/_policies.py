@@ -163,7 +163,8 @@ class Policy:
 
     Override any of the hooks below. Each receives the
     :class:`~hpsjax.ps.ServerCore` (read it, never change it) and must be cheap:
-    the core calls ``admit`` for every blocked worker after every event.
+    the core calls ``admit`` for every blocked worker after every event (after
+    every event that changes :meth:`admit_key`, for a policy that defines it).
 
     Attributes:
       name: the policy's name, used in reasons, reprs and checkpoints.
@@ -176,7 +177,8 @@ class Policy:
 
         Called when the worker pulls (it already counts as waiting, so it is
         excluded from "the workers that are not waiting") and, while it waits,
-        after every later event, in the order the workers began to wait.
+        after every later event (every one that changes :meth:`admit_key`, or
+        the worker's own record), in the order the workers began to wait.
 
         Args:
           core: the server core.
@@ -187,6 +189,25 @@ class Policy:
         """
         del core, worker_id
         return True
+
+    def admit_key(self, core: ServerCore) -> Any:
+        """What :meth:`admit` depends on, beyond the asking worker's own record.
+
+        A hashable value such that, as long as it stays equal and a blocked
+        worker's own record (its clock, its membership) is unchanged,
+        :meth:`admit` gives that worker the same answer. The core then re-examines
+        blocked workers only when the key changes, which keeps an event O(1) in
+        the number of blocked workers instead of O(n). ``None`` (the default)
+        means unknown: every blocked worker is re-examined after every event.
+
+        Args:
+          core: the server core.
+
+        Returns:
+          A hashable value, or ``None``.
+        """
+        del core
+        return None
 
     def wait_reason(self, core: ServerCore, worker_id: Any) -> str:
         """A short text saying what a blocked worker waits for."""
@@ -331,6 +352,9 @@ class BSP(Policy):
     def admit(self, core, worker_id):
         return core.min_clock >= core.clock(worker_id)
 
+    def admit_key(self, core):
+        return core.min_clock
+
     def wait_reason(self, core, worker_id):
         return f"bsp: round {core.clock(worker_id)} not complete"
 
@@ -368,6 +392,9 @@ class SSP(Policy):
 
     def admit(self, core, worker_id):
         return core.min_clock >= core.clock(worker_id) - self.staleness_bound
+
+    def admit_key(self, core):
+        return core.min_clock
 
     def wait_reason(self, core, worker_id):
         return (
@@ -496,6 +523,10 @@ class SemiAsync(Policy):
         del worker_id
         oldest = self._oldest(core)
         return oldest is None or core.version - oldest <= self.max_staleness
+
+    def admit_key(self, core):
+        # The answer is the same for every worker, so it is its own key.
+        return self.admit(core, None)
 
     def wait_reason(self, core, worker_id):
         del worker_id
@@ -872,6 +903,10 @@ class Hybrid(Policy):
 
     def admit(self, core, worker_id):
         return self._delegates[self._stage].admit(core, worker_id)
+
+    def admit_key(self, core):
+        inner = self._delegates[self._stage].admit_key(core)
+        return None if inner is None else (self._stage, inner)
 
     def wait_reason(self, core, worker_id):
         inner = self._delegates[self._stage].wait_reason(core, worker_id)
