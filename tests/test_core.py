@@ -27,7 +27,7 @@ from hpsjax.ps._errors import (
     UnexpectedMessage,
     WorkerDropped,
 )
-from hpsjax.ps._policies import ASP, Policy, Verdict
+from hpsjax.ps._policies import ASP, BSP, SSP, Policy, SemiAsync, Verdict
 
 
 def params0():
@@ -691,3 +691,56 @@ def test_deadline_bookkeeping_stays_bounded():
         core.push(w, upd(0.0), version=core.pulled_version(w), now=1.0 + step)
         core.pull(w, 1.0 + step)
     assert len(core._heap) <= 4 * 3 + 64 + 1
+
+
+@pytest.mark.parametrize(
+    "policy_cls, kwargs",
+    [
+        (BSP, {}),
+        (SSP, {"staleness_bound": 1}),
+        (SemiAsync, {"max_staleness": 2}),
+    ],
+)
+def test_admit_key_skips_change_nothing(policy_cls, kwargs):
+    """A core that skips re-checks by ``admit_key`` acts as one that always scans."""
+
+    class AlwaysScan(policy_cls):
+        def admit_key(self, core):
+            return None
+
+    rng = np.random.default_rng(0)
+    fast = ServerCore(params0(), optax.sgd(1.0), policy_cls(**kwargs))
+    slow = ServerCore(params0(), optax.sgd(1.0), AlwaysScan(**kwargs))
+    workers = list(range(5))
+    joined, now = set(), 0.0
+    for _ in range(400):
+        now += float(rng.uniform(0.0, 0.05))
+        w = int(rng.choice(workers))
+        event = rng.choice(["pull", "push", "push", "leave", "tick"])
+        if w not in joined:
+            calls = [(core.join, (w, now), {}) for core in (fast, slow)]
+            joined.add(w)
+        elif event == "pull":
+            calls = [(core.pull, (w, now), {}) for core in (fast, slow)]
+        elif event == "push" and not fast.is_waiting(w):
+            calls = [
+                (
+                    core.push,
+                    (w, upd(0.01)),
+                    {"version": core.pulled_version(w), "now": now},
+                )
+                for core in (fast, slow)
+            ]
+        elif event == "leave":
+            calls = [(core.leave, (w, now), {}) for core in (fast, slow)]
+            joined.discard(w)
+        else:
+            calls = [(core.tick, (now,), {}) for core in (fast, slow)]
+        results = []
+        for fn, args, kw in calls:
+            try:
+                results.append(fn(*args, **kw))
+            except HpsError as err:
+                results.append(type(err))
+        assert results[0] == results[1]
+    assert fast.version == slow.version and fast.version > 0
