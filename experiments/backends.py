@@ -179,9 +179,6 @@ def run_sim(
             bar.update(round(profile_seconds + record["time"] - bar.n, 6))
             bar.set_postfix(acc=f"{record['accuracy']:.3f}", v=record["version"])
 
-    def eval_fn(params, batch):
-        return setup.eval_fn(params, batch)
-
     try:
         result = simulate(
             setup.loss_fn,
@@ -190,7 +187,7 @@ def run_sim(
             specs,
             sim_config,
             eval_data=setup.test,
-            eval_fn=eval_fn,
+            eval_fn=setup.eval_fn,
             work_plan=plan_arg,
             callback=callback,
         )
@@ -362,8 +359,9 @@ def _measured_profiles(
     The workers share this machine, so the train step is profiled once and each
     worker's profile is that one slowed down by its injected slowdown, with its
     link estimated from its bandwidth and latency. The pass is charged at what
-    the slowest worker would spend on it: its compiles, plus its timed steps
-    stretched by its slowdown.
+    the slowest worker would spend running it: its warm-up and timed steps
+    stretched by its slowdown, plus one round trip. Compiling is not charged,
+    as no scheme's compiling is (the workers compile before the clock starts).
     """
     import dataclasses
 
@@ -381,19 +379,17 @@ def _measured_profiles(
 
     sizes = sorted({int(b) for b in config.plan.profile_batch_sizes})
     repeats = int(config.plan.profile_repeats)
-    start = time.perf_counter()
     base = profile(
         step,
         setup.params,
         lambda b: jax.tree.map(np.asarray, stream.next(b)),
         batch_sizes=sizes,
         repeats=repeats,
+        warmup=1,
         devices=jax.local_devices()[:1],
     )
-    wall = time.perf_counter() - start
-    timed = sum((1 + repeats) * t for d in base.devices for t in d.step_times)
-    slowest = max(float(k) for k in config.workers.slowdowns)
-    cost = max(wall - timed, 0.0) + timed * slowest
+    steps = sum((1 + repeats) * t for d in base.devices for t in d.step_times)
+    cost = 0.0
     profiles = []
     pull_bytes = base.param_bytes
     for i, k in enumerate(config.workers.slowdowns):
@@ -408,6 +404,8 @@ def _measured_profiles(
                 base.with_slowdown(float(k)), worker_id=i, transfer=transfer
             )
         )
+        trip = 0.0 if transfer is None else transfer.round_trip_seconds
+        cost = max(cost, steps * float(k) + trip)
     return profiles, cost
 
 

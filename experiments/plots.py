@@ -64,7 +64,7 @@ def plot_accuracy(
     if not runs:
         raise ValueError("plot_accuracy needs at least one run")
     fig, ax = plt.subplots(figsize=(7.5, 4.5), dpi=110)
-    cmap = plt.get_cmap("tab20" if len(runs) > 10 else "tab10")
+    cmap = plt.get_cmap("tab10")
     for i, (label, evals) in enumerate(runs.items()):
         if not evals:
             raise ValueError(f"run {label!r} has no evaluations to plot")
@@ -72,8 +72,10 @@ def plot_accuracy(
             [e["time"] for e in evals],
             [e["accuracy"] for e in evals],
             label=label,
-            color=cmap(i % cmap.N),
-            linewidth=1.6,
+            color=cmap(i % 10),
+            # Past ten runs the colours repeat; the line style tells them apart.
+            linestyle=("-", "--", ":")[(i // 10) % 3],
+            linewidth=1.5,
         )
     if target is not None:
         ax.axhline(target, color="black", linestyle="--", linewidth=0.9)

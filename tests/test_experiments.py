@@ -344,16 +344,76 @@ def test_processes_refuse_a_plateau_stage_switch(tmp_path):
 
 def test_compare_writes_a_row_per_scheme(tmp_path):
     suite = Suite("quick", schemes=("bsp", "asp", "local_sgd"))
-    result = compare.run_suite(suite, tmp_path, progress=False)
+    result = compare.run_suite(suite, tmp_path, seeds=[0, 1], progress=False)
     text = result["table_path"].read_text()
     rows = [line for line in text.splitlines() if line.startswith("| ")]
+    assert "mean of 2 runs" in rows[0]
     assert [r.split("|")[1].strip() for r in rows[1:]] == ["bsp", "asp", "local_sgd"]
     assert rows[1].split("|")[3].strip() in ("1.00x", "-")
+    assert "--seeds=0,1" in text
+    for scheme in suite.schemes:
+        for seed in (0, 1):
+            config = json.loads(
+                (tmp_path / scheme / f"seed_{seed}" / "config.json").read_text()
+            )
+            assert config["seed"] == seed and config["model"]["seed"] == seed
     assert result["plot_path"].read_bytes().startswith(PNG_MAGIC)
     saved = json.loads((tmp_path / "results.json").read_text())
-    assert [s["scheme"] for s in saved["summaries"]] == ["bsp", "asp", "local_sgd"]
-    again = compare.run_suite(suite, tmp_path, render_only=True, progress=False)
+    assert saved["seeds"] == [0, 1]
+    assert [s["scheme"] for s in saved["summaries"]] == [
+        "bsp", "bsp", "asp", "asp", "local_sgd", "local_sgd"
+    ]  # fmt: skip
+    again = compare.run_suite(
+        suite, tmp_path, seeds=[0, 1], render_only=True, progress=False
+    )
     assert again["table"] == result["table"]
+
+
+def test_aggregate_means_and_partial_runs():
+    def summary(scheme, ttt, final):
+        return {
+            "scheme": scheme,
+            "backend": "sim",
+            "target_accuracy": 0.9,
+            "time_to_target": ttt,
+            "end_time": 60.0,
+            "final_accuracy": final,
+            "best_accuracy": final,
+            "bytes_sent": 1e6,
+            "idle_fraction": 0.5,
+            "updates": 10,
+        }
+
+    row = compare.aggregate([summary("a", 10.0, 0.9), summary("a", 14.0, 0.95)])
+    assert row["runs"] == 2 and row["reached"] == 2
+    assert row["time_to_target"] == 12.0 and row["time_to_target_std"] == 2.0
+    assert row["final_accuracy"] == pytest.approx(0.925)
+    table = compare.format_table(
+        [
+            summary("bsp", 24.0, 0.9),
+            summary("bsp", 24.0, 0.9),
+            summary("a", 10.0, 0.9),
+            summary("a", 14.0, 0.9),
+            summary("b", 30.0, 0.9),
+            summary("b", None, 0.8),
+        ]
+    )
+    assert "| a | 12.0 ± 2.0 | 2.00x |" in table
+    assert "| b | 30.0 (1/2 runs) | - |" in table
+    with pytest.raises(ValueError, match="one scheme's runs"):
+        compare.aggregate([summary("a", 1.0, 0.9), summary("b", 1.0, 0.9)])
+
+
+def test_mean_curve_interpolates_runs_on_one_grid():
+    runs = [
+        [{"time": 0.0, "accuracy": 0.0}, {"time": 2.0, "accuracy": 1.0}],
+        [{"time": 0.0, "accuracy": 0.5}, {"time": 1.0, "accuracy": 0.5}],
+    ]
+    curve = compare.mean_curve(runs, points=3)
+    assert [p["time"] for p in curve] == [0.0, 1.0, 2.0]
+    assert [p["accuracy"] for p in curve] == pytest.approx([0.25, 0.5, 0.75])
+    with pytest.raises(ValueError, match="runs with evaluations"):
+        compare.mean_curve([[]])
 
 
 def test_compare_rejects_unknown_suites_and_schemes(tmp_path):
@@ -361,6 +421,8 @@ def test_compare_rejects_unknown_suites_and_schemes(tmp_path):
         compare.run_suite("huge", tmp_path)
     with pytest.raises(ValueError, match=r"unknown scheme 'bspp'"):
         compare.run_suite("quick", tmp_path, schemes=["bspp"])
+    with pytest.raises(ValueError, match="seeds must be distinct ints"):
+        compare.run_suite("quick", tmp_path, seeds=[1, 1])
     assert not any(tmp_path.iterdir())
     assert {"quick", "sim8", "proc4"} <= set(SUITES)
 

@@ -3,8 +3,8 @@
 Workers run local SGD steps and commit (push their accumulated update) at a rate
 the ``adsp`` policy sets: in each check period of ``check_period`` seconds all
 workers commit about ``C`` times, so a worker 4x faster takes 4x the local steps
-per commit; ``C`` is searched online from the loss. Commits are applied at once
-with ``sgd(1.0)``.
+per commit (at most ``max_local_steps``); ``C`` is searched online from the
+loss. Commits are applied as they come with ``sgd(0.25)``.
 
 Launch::
 

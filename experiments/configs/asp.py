@@ -1,7 +1,7 @@
 """ASP: every gradient is applied the moment it arrives; nobody waits.
 
-Fast workers push more often; every push is applied with SGD (momentum 0.5), so
-updates carry the staleness of however many versions arrived meanwhile.
+Fast workers push more often; every push is applied with plain SGD, so updates
+carry the staleness of however many versions arrived meanwhile.
 
 Launch::
 

@@ -20,5 +20,5 @@ def get_config(arg=None):
     config.server.policy = "bsp"
     config.server.optimizer = "momentum"
     config.server.momentum = 0.9
-    config.server.learning_rate = common.pick(config, {"default": 0.2})
+    config.server.learning_rate = common.pick(config, {"proc4": 0.05, "default": 0.2})
     return config

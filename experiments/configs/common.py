@@ -4,19 +4,20 @@ Each scheme's config (``bsp.py``, ``hps.py``, ...) starts from :func:`get_config
 and changes only what makes the scheme. The variant after ``:`` on the command
 line picks one of :data:`SETTINGS`:
 
-=========  ===================================================================
-``quick``  smoke-test size: 3 workers (slowdowns 1, 2, 4), 1200 examples,
-           seconds of compute on either backend
-``demo``   the README quick start: 4 simulated workers with speeds 1:1:2:4,
-           transient stragglers, a 4 MB/s link
-``sim8``   8 simulated workers, step times spread 6x (1, 1, 1.5, 2, 2, 3, 4,
-           6), 2% transient stragglers (4x slower steps), worker 1 three times
-           slower from t = 20 s on, a 4 MB/s link with 2 ms latency (default)
-``proc4``  4 real worker processes with speeds 1:1:2:4 (slowdowns 8, 8, 4, 2)
-           against a real server on loopback, a 50 MB/s link cap each; a
-           SmallCNN on 28x28 digits, so that compute (about 10 ms per step of
-           32 samples on one core) outweighs the per-message overheads
-=========  ===================================================================
+* ``quick``: smoke-test size: 3 workers (slowdowns 1, 2, 4), 1200 examples,
+  seconds of compute on either backend.
+* ``demo``: the README quick start: 4 simulated workers with speeds 1:1:2:4,
+  transient stragglers, a 4 MB/s link.
+* ``sim8`` (default): 8 simulated workers, step times spread 6x (1, 1, 1.5, 2,
+  2, 3, 4, 6), 2% transient stragglers (4x slower steps), worker 1 three times
+  slower from t = 20 s on, a 4 MB/s link with 2 ms latency.
+* ``sim8_slowlink``: ``sim8`` with links 8 times slower (0.5 MB/s, 10 ms
+  latency): a float32 pull of the MLP takes 82 ms, more than a fast worker's
+  step, so communication matters as much as compute.
+* ``proc4``: 4 real worker processes with speeds 1:1:2:4 (slowdowns 8, 8, 4,
+  2) against a real server on loopback, a 50 MB/s link cap each; a SmallCNN on
+  28x28 digits, so that compute (10 to 30 ms per step of 32 samples on a
+  shared core) outweighs the per-message overheads.
 
 A simulated worker :math:`i` with slowdown :math:`k_i(t)` takes
 :math:`k_i(t)\,(o + (T - o)\,b / b_0)` virtual seconds per local step of
@@ -81,6 +82,20 @@ SETTINGS: dict[str, dict[str, Any]] = {
         "straggle_probability": 0.02,
         "bandwidth": 4e6,
         "latency": 0.002,
+        "speed_changes": ((1, 20.0, 3.0),),
+        "eval_every": 0.5,
+        "target_accuracy": 0.9,
+        "hidden": (64, 64),
+    },
+    "sim8_slowlink": {
+        "backend": "sim",
+        "budget_seconds": 60.0,
+        "num_examples": 6000,
+        "slowdowns": (1.0, 1.0, 1.5, 2.0, 2.0, 3.0, 4.0, 6.0),
+        "jitter": 0.1,
+        "straggle_probability": 0.02,
+        "bandwidth": 5e5,
+        "latency": 0.01,
         "speed_changes": ((1, 20.0, 3.0),),
         "eval_every": 0.5,
         "target_accuracy": 0.9,

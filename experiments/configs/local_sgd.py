@@ -25,6 +25,8 @@ def get_config(arg=None):
     config.server.optimizer = "sgd"
     config.server.learning_rate = 1.0
     config.worker.local_optimizer = "sgd"
-    config.worker.local_learning_rate = common.pick(config, {"default": 0.8})
+    config.worker.local_learning_rate = common.pick(
+        config, {"proc4": 0.2, "default": 0.8}
+    )
     config.worker.local_steps = 4
     return config

@@ -15,8 +15,6 @@ References:
   https://doi.org/10.1109/HPCC/SmartCity/DSS.2019.00042
 """
 
-from ml_collections import config_dict
-
 from experiments.configs import common
 
 
@@ -25,9 +23,10 @@ def get_config(arg=None):
     config = common.get_config(arg)
     config.scheme = "saps"
     config.server.policy = "saps"
-    # None: theta = 2 (n - 1), about twice the staleness of a steady ASP push.
-    config.server.policy_kwargs.threshold = config_dict.placeholder(int)
+    # theta = 8 was chosen on sim8 from {4, 8, None}; None means 2 (n - 1),
+    # about twice the staleness of a steady ASP push, which never fired there.
+    config.server.policy_kwargs.threshold = 8
     config.server.policy_kwargs.on_straggler = "damp"
     config.server.optimizer = "sgd"
-    config.server.learning_rate = common.pick(config, {"default": 0.1})
+    config.server.learning_rate = common.pick(config, {"proc4": 0.05, "default": 0.1})
     return config

@@ -22,7 +22,7 @@ def get_config(arg=None):
     config = common.get_config(arg)
     config.scheme = "ssp"
     config.server.policy = "ssp"
-    config.server.policy_kwargs.staleness_bound = 3
+    config.server.policy_kwargs.staleness_bound = 8
     config.server.optimizer = "sgd"
-    config.server.learning_rate = common.pick(config, {"default": 0.05})
+    config.server.learning_rate = common.pick(config, {"proc4": 0.025, "default": 0.05})
     return config

@@ -25,5 +25,5 @@ def get_config(arg=None):
     config.server.policy = "asp"
     config.server.staleness_policy = "inverse"
     config.server.optimizer = "sgd"
-    config.server.learning_rate = common.pick(config, {"default": 0.4})
+    config.server.learning_rate = common.pick(config, {"proc4": 0.2, "default": 0.4})
     return config
