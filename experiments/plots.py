@@ -1,7 +1,8 @@
 """Plots: test accuracy against time, and per-worker timelines.
 
-Both write a PNG with matplotlib's non-interactive ``Agg`` backend, so they work
-without a display.
+Both draw on a :class:`matplotlib.figure.Figure` of their own and write a PNG
+with the Agg renderer, so they work without a display and leave pyplot's state
+(and a notebook's inline backend) alone.
 """
 
 from __future__ import annotations
@@ -11,10 +12,9 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import matplotlib
-
-matplotlib.use("Agg")
-
-import matplotlib.pyplot as plt
+from matplotlib import patches
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
 
 __all__ = ["TIMELINE_COLORS", "plot_accuracy", "plot_timeline"]
 
@@ -63,8 +63,10 @@ def plot_accuracy(
     """
     if not runs:
         raise ValueError("plot_accuracy needs at least one run")
-    fig, ax = plt.subplots(figsize=(7.5, 4.5), dpi=110)
-    cmap = plt.get_cmap("tab10")
+    fig = Figure(figsize=(7.5, 4.5), dpi=110)
+    FigureCanvasAgg(fig)
+    ax = fig.subplots()
+    cmap = matplotlib.colormaps["tab10"]
     for i, (label, evals) in enumerate(runs.items()):
         if not evals:
             raise ValueError(f"run {label!r} has no evaluations to plot")
@@ -98,7 +100,6 @@ def plot_accuracy(
     fig.tight_layout()
     path = pathlib.Path(path)
     fig.savefig(path)
-    plt.close(fig)
     return path
 
 
@@ -129,9 +130,9 @@ def plot_timeline(
     if not timelines:
         raise ValueError("plot_timeline needs at least one worker")
     workers = list(timelines)
-    fig, ax = plt.subplots(
-        figsize=(9.0, 1.2 + 0.45 * len(workers)), dpi=110, squeeze=True
-    )
+    fig = Figure(figsize=(9.0, 1.2 + 0.45 * len(workers)), dpi=110)
+    FigureCanvasAgg(fig)
+    ax = fig.subplots()
     used = set()
     for row, worker in enumerate(workers):
         bars: dict[str, list[tuple[float, float]]] = {}
@@ -154,7 +155,7 @@ def plot_timeline(
     if window is not None:
         ax.set_xlim(*window)
     handles = [
-        matplotlib.patches.Patch(color=TIMELINE_COLORS[k], label=_LABELS[k])
+        patches.Patch(color=TIMELINE_COLORS[k], label=_LABELS[k])
         for k in TIMELINE_COLORS
         if k in used
     ]
@@ -171,5 +172,4 @@ def plot_timeline(
     fig.tight_layout()
     path = pathlib.Path(path)
     fig.savefig(path, bbox_inches="tight")
-    plt.close(fig)
     return path

@@ -435,6 +435,25 @@ def test_replanner_cooldown():
     assert _batches(second) == [32, 32]
 
 
+def test_replanner_waits_until_every_reporting_worker_has_settled():
+    # The whole machine runs 10x faster than planned; worker 0's reports come
+    # in first. Re-planning on them alone would keep worker 1's planned speed
+    # and hand worker 0 nearly all the work.
+    p = plan(_speeds(1, 1), global_batch=64)
+    replanner = Replanner(p, threshold=0.2, window=2, cooldown=0.0, min_observations=3)
+    assert replanner.observe(1, 32, 3.2, now=0.0) is None
+    for k in range(3):
+        assert replanner.observe(0, 32, 3.2, now=1.0 + k) is None
+    assert replanner.observe(1, 32, 3.2, now=4.0) is None
+    revised = replanner.observe(1, 32, 3.2, now=5.0)
+    assert revised is not None and _batches(revised) == [32, 32]
+    # A worker never heard from does not hold a revision back.
+    q = plan(_speeds(1, 1), global_batch=64)
+    alone = Replanner(q, threshold=0.2, window=1, cooldown=0.0, min_observations=2)
+    assert alone.observe(0, 32, 64.0, now=0.0) is None
+    assert _batches(alone.observe(0, 32, 64.0, now=1.0)) == [21, 43]
+
+
 def test_replanner_keeps_scheme_and_settings():
     workers = _ashl_workers()
     p = plan(workers, "ashl", global_batch=3, local_steps=2)

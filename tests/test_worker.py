@@ -562,7 +562,12 @@ def test_a_worker_made_slow_mid_run_gets_less_work():
     )
     fast = WorkerConfig(batch_size=16, pipeline=False)
     records, _ = _run(
-        _heavy_run([slow, fast], seconds=5.0, server_kwargs={"replanner": replanner})
+        _heavy_run(
+            [slow, fast],
+            steps=None,
+            seconds=5.0,
+            server_kwargs={"replanner": replanner},
+        )
     )
     w0, w1 = _rounds(records, "w0"), _rounds(records, "w1")
     assert w0[0]["batch_size"] == w1[0]["batch_size"] == 128

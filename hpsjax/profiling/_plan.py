@@ -836,9 +836,11 @@ class Replanner:
     where ``\hat t_i(b)`` is the plan's predicted step time at the reported batch
     and ``w`` the window; ``rho_i = 1`` means the worker runs as planned, 0.5 at
     half speed. Once a worker has ``min_observations`` reports and
-    ``|rho_i - 1| > threshold``, and at least ``cooldown`` seconds have passed since
-    the last revision, every observed worker's time model is divided by its
-    ``rho_i`` and the plan is made again with the same scheme and settings: a
+    ``|rho_i - 1| > threshold``, every other worker that has reported at all has
+    ``min_observations`` reports too, and at least ``cooldown`` seconds have
+    passed since the last revision, every observed worker's time model is
+    divided by its ``rho_i`` and the plan is made again with the same scheme and
+    settings (a worker never heard from keeps its planned speed): a
     worker that slowed down gets less work. The averages then restart against the
     new plan.
 
@@ -946,7 +948,13 @@ class Replanner:
             self._ratio[worker_id] += self._alpha * (sample - self._ratio[worker_id])
         self._count[worker_id] += 1
 
-        drifted = any(
+        # Every worker heard from must have a settled average before the plan
+        # changes: revising on one worker's measurements while another's are
+        # half in would keep the other's (possibly far off) planned speed.
+        settled = all(
+            c == 0 or c >= self._min_observations for c in self._count.values()
+        )
+        drifted = settled and any(
             self._count[w] >= self._min_observations
             and abs(self._ratio[w] - 1.0) > self._threshold
             for w in self._ratio

@@ -1,0 +1,65 @@
+"""The docs stay true to the repository: CI's command, links, tutorials."""
+
+import pathlib
+import re
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+DOCS = [
+    "README.md",
+    "CONTRIBUTING.md",
+    "PROTOCOL.md",
+    "LAUNCH.md",
+    "BENCHMARKS.md",
+    "experiments/RESULTS.md",
+    "colab/README.md",
+]
+# [text](target) and ![alt](target); targets without a scheme are files here.
+LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)")
+
+
+def _quick_start_commands() -> list[str]:
+    text = (ROOT / "README.md").read_text()
+    block = re.search(r"## Quick start\n.*?```sh\n(.*?)```", text, re.S)
+    assert block, "README.md has no Quick start shell block"
+    return [
+        line.strip()
+        for line in block.group(1).splitlines()
+        if line.strip() and not line.lstrip().startswith("#")
+    ]
+
+
+def test_quick_start_has_a_main_job_and_a_test_command():
+    commands = _quick_start_commands()
+    assert len(commands) == 2, commands
+    assert "experiments.compare" in commands[0]
+    assert "-m pytest" in commands[1]
+
+
+def test_ci_runs_the_readme_test_command_verbatim():
+    test_command = _quick_start_commands()[1]
+    ci = (ROOT / ".ci" / "run").read_text().splitlines()
+    assert test_command in [line.strip() for line in ci], (
+        f".ci/run must run README's test command as written: {test_command!r}"
+    )
+
+
+@pytest.mark.parametrize("doc", DOCS)
+def test_relative_links_point_at_files_that_exist(doc):
+    path = ROOT / doc
+    broken = []
+    for target in LINK.findall(path.read_text()):
+        if re.match(r"[a-z]+:", target) or target.startswith("#"):
+            continue
+        if not (path.parent / target.split("#")[0]).exists():
+            broken.append(target)
+    assert not broken, f"{doc} links to missing files: {broken}"
+
+
+def test_readme_links_every_tutorial():
+    readme = (ROOT / "README.md").read_text()
+    tutorials = sorted(p.name for p in (ROOT / "colab").glob("*.ipynb"))
+    assert tutorials
+    missing = [t for t in tutorials if f"(colab/{t})" not in readme]
+    assert not missing, f"README.md does not link {missing}"
