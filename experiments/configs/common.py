@@ -87,20 +87,6 @@ SETTINGS: dict[str, dict[str, Any]] = {
         "target_accuracy": 0.9,
         "hidden": (64, 64),
     },
-    "sim8_slowlink": {
-        "backend": "sim",
-        "budget_seconds": 60.0,
-        "num_examples": 6000,
-        "slowdowns": (1.0, 1.0, 1.5, 2.0, 2.0, 3.0, 4.0, 6.0),
-        "jitter": 0.1,
-        "straggle_probability": 0.02,
-        "bandwidth": 5e5,
-        "latency": 0.01,
-        "speed_changes": ((1, 20.0, 3.0),),
-        "eval_every": 0.5,
-        "target_accuracy": 0.9,
-        "hidden": (64, 64),
-    },
     "proc4": {
         "backend": "processes",
         "budget_seconds": 30.0,
@@ -119,6 +105,7 @@ SETTINGS: dict[str, dict[str, Any]] = {
     },
 }
 """Heterogeneity settings by name (see the module docstring)."""
+SETTINGS["sim8_slowlink"] = dict(SETTINGS["sim8"], bandwidth=5e5, latency=0.01)
 
 DEFAULT_SETTING = "sim8"
 
