@@ -8,6 +8,8 @@
 * :class:`Server` / :class:`Client` exchange pytrees over TCP (see PROTOCOL.md),
   with authentication, optional TLS and compressed pushes.
 * :class:`CheckpointManager` writes tensorstore checkpoints, committed atomically.
+* :class:`KeyRangePartition` splits a model by key range over several server
+  shards (ps-lite, PHub); :class:`ShardedClient` talks to all of them at once.
 """
 
 from hpsjax.ps._checkpoint import Checkpoint, CheckpointError, CheckpointManager
@@ -58,6 +60,12 @@ from hpsjax.ps._policies import (
     get_policy,
 )
 from hpsjax.ps._server import Server
+from hpsjax.ps._shards import (
+    KeyRangePartition,
+    ShardedClient,
+    ShardedPushResult,
+    ShardedVersion,
+)
 
 __all__ = [
     "ADSP",
@@ -80,6 +88,7 @@ __all__ = [
     "Hybrid",
     "HybridStage",
     "InvalidUpdate",
+    "KeyRangePartition",
     "MalformedMetadata",
     "NonFiniteUpdate",
     "PayloadTooBig",
@@ -95,6 +104,9 @@ __all__ = [
     "ServerCore",
     "ServerError",
     "ServerInfo",
+    "ShardedClient",
+    "ShardedPushResult",
+    "ShardedVersion",
     "ShuttingDown",
     "SpecMismatch",
     "Subscription",

@@ -22,6 +22,15 @@ With ``--work_plan plan.json`` (a :class:`hpsjax.profiling.WorkPlan`) the server
 sends each worker its share of the plan when it joins and re-plans (H-PS) when a
 worker's reported step times drift from the plan by more than
 ``--replan_threshold``: a worker that slows down gets a smaller batch.
+
+A model too big for one server is split by key range over several server
+processes (:class:`hpsjax.ps.KeyRangePartition`): start one per shard from the
+same ``--init`` file with ``--server_shard I --server_shards N``; each reads only
+its own arrays (or rows, with ``--split_leaves``), checkpoints under
+``CHECKPOINT_DIR/shard_I_of_N``, and prints which keys it holds. Workers then
+take every shard's address in order, ``hpsjax-worker --servers
+hostA:5555,hostB:5555``. Give ``--work_plan`` to shard 0 only: its plan is the
+one the workers follow.
 """
 
 from __future__ import annotations
@@ -31,24 +40,61 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import pathlib
 import signal
 import sys
-from collections.abc import Sequence
+import zipfile
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
+import numpy.lib.format as npy_format
 import optax
 
 __all__ = [
     "keep_freed_memory",
+    "load_npz_shard",
     "load_npz_tree",
     "main",
     "make_optimizer",
+    "nest_named_arrays",
     "parse_args",
 ]
 
 OPTIMIZERS = ("sgd", "momentum", "adam")
+
+
+def nest_named_arrays(named: Mapping[str, Any], source: Any = "the file") -> dict:
+    """Nests ``{"a/b": x, "c": y}`` into ``{"a": {"b": x}, "c": y}``.
+
+    The structure ``hpsjax-server --init`` serves from an ``.npz`` file's
+    names, and the one ``hpsjax-worker`` partitions for server shards.
+
+    Raises:
+      ValueError: no names, an empty part (``a//b``), or two names that clash
+        (``a`` and ``a/b``).
+
+    Examples:
+      >>> nest_named_arrays({"conv/w": 1, "b": 2})
+      {'conv': {'w': 1}, 'b': 2}
+    """
+    if not named:
+        raise ValueError(f"{source} holds no arrays")
+    tree: dict[str, Any] = {}
+    for name, value in named.items():
+        parts = name.split("/")
+        if not all(parts):
+            raise ValueError(f"bad array name {name!r} in {source}")
+        node = tree
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ValueError(f"array name {name!r} clashes with another")
+        if parts[-1] in node:
+            raise ValueError(f"array name {name!r} clashes with another")
+        node[parts[-1]] = value
+    return tree
 
 
 def load_npz_tree(path: str | pathlib.Path) -> dict[str, Any]:
@@ -76,24 +122,118 @@ def load_npz_tree(path: str | pathlib.Path) -> dict[str, Any]:
       >>> sorted(tree), sorted(tree["conv"])
       (['b', 'conv'], ['w'])
     """
-    tree: dict[str, Any] = {}
     with np.load(path, allow_pickle=False) as data:
-        names = list(data.files)
-        if not names:
-            raise ValueError(f"{path} holds no arrays")
-        for name in names:
-            parts = name.split("/")
-            if not all(parts):
-                raise ValueError(f"bad array name {name!r} in {path}")
-            node = tree
-            for part in parts[:-1]:
-                node = node.setdefault(part, {})
-                if not isinstance(node, dict):
-                    raise ValueError(f"array name {name!r} clashes with another")
-            if parts[-1] in node:
-                raise ValueError(f"array name {name!r} clashes with another")
-            node[parts[-1]] = data[name]
-    return tree
+        return nest_named_arrays({name: data[name] for name in data.files}, path)
+
+
+class _NpzMember:
+    """One array of an ``.npz`` file, read when asked: whole, or some rows.
+
+    Has the ``shape`` and ``dtype`` a :class:`~hpsjax.ps.KeyRangePartition`
+    reads, and slicing by rows, so a server shard reads only its rows.
+    """
+
+    def __init__(self, path, member, shape, dtype, fortran_order, offset):
+        self._path = path
+        self._member = member
+        self.shape = shape
+        self.dtype = dtype
+        self._fortran_order = fortran_order
+        self._offset = offset
+
+    def load(self) -> np.ndarray:
+        with np.load(self._path, allow_pickle=False) as data:
+            return data[self._member[: -len(".npy")]]
+
+    def __getitem__(self, rows: slice) -> np.ndarray:
+        start, stop, step = rows.indices(self.shape[0])
+        if step != 1 or self._fortran_order:
+            return np.ascontiguousarray(self.load()[rows])
+        row_bytes = math.prod(self.shape[1:]) * self.dtype.itemsize
+        out = np.empty((max(stop - start, 0), *self.shape[1:]), self.dtype)
+        view = memoryview(out).cast("B")
+        with zipfile.ZipFile(self._path) as archive, archive.open(self._member) as f:
+            f.seek(self._offset + start * row_bytes)
+            done = 0
+            while done < len(view):
+                n = f.readinto(view[done:])
+                if not n:
+                    raise ValueError(f"{self._path}: {self._member} is truncated")
+                done += n
+        return out
+
+
+def _read_npz_members(path: str | pathlib.Path) -> dict[str, _NpzMember]:
+    members = {}
+    with zipfile.ZipFile(path) as archive:
+        for info in archive.infolist():
+            if not info.filename.endswith(".npy"):
+                continue
+            with archive.open(info) as f:
+                version = npy_format.read_magic(f)
+                if version == (1, 0):
+                    header = npy_format.read_array_header_1_0(f)
+                elif version == (2, 0):
+                    header = npy_format.read_array_header_2_0(f)
+                else:
+                    raise ValueError(
+                        f"{path}: {info.filename} has .npy version {version}; "
+                        "write it with numpy.savez"
+                    )
+                shape, fortran_order, dtype = header
+                if dtype.hasobject:
+                    raise ValueError(
+                        f"{path}: {info.filename} holds objects, which are never "
+                        "unpickled (allow_pickle=False)"
+                    )
+                members[info.filename[: -len(".npy")]] = _NpzMember(
+                    path, info.filename, shape, dtype, fortran_order, f.tell()
+                )
+    return members
+
+
+def load_npz_shard(
+    path: str | pathlib.Path,
+    shard: int,
+    num_shards: int,
+    *,
+    split_leaves: bool = False,
+):
+    """Loads one server shard's key range of an ``.npz`` file of named arrays.
+
+    The partition (:class:`~hpsjax.ps.KeyRangePartition`) is computed from the
+    arrays' names, shapes and dtypes alone (read from the file's headers), the
+    same for every shard and every worker; then only the shard's arrays, or rows
+    of them, are read.
+
+    Args:
+      path: the ``.npz`` file (as for :func:`load_npz_tree`).
+      shard: this shard's index, in ``[0, num_shards)``.
+      num_shards: the number of server shards.
+      split_leaves: make rows the keys, so a big array may be cut by rows.
+
+    Returns:
+      ``(sub_tree, partition)``: the shard's nested dict of arrays and the
+      :class:`~hpsjax.ps.KeyRangePartition`.
+
+    Raises:
+      ValueError: bad names (as :func:`load_npz_tree`), object arrays, a bad
+        shard index, or more shards than arrays (or rows).
+    """
+    from hpsjax.ps._shards import KeyRangePartition
+
+    lazy = nest_named_arrays(_read_npz_members(path), path)
+    partition = KeyRangePartition.from_tree(lazy, num_shards, split_leaves=split_leaves)
+    if not 0 <= shard < num_shards:
+        raise ValueError(f"--server_shard must be in [0, {num_shards}), got {shard}")
+    sub_tree = partition.split(lazy)[shard]
+    return _load_members(sub_tree), partition
+
+
+def _load_members(node: Any) -> Any:
+    if isinstance(node, dict):
+        return {key: _load_members(child) for key, child in node.items()}
+    return node.load() if isinstance(node, _NpzMember) else node
 
 
 def make_optimizer(
@@ -144,6 +284,23 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         description="Run an hpsjax parameter server.",
     )
     p.add_argument("--init", required=True, help=".npz file of initial params")
+    p.add_argument(
+        "--server_shard",
+        type=int,
+        help="serve only this shard's key range of the model (0-based)",
+    )
+    p.add_argument(
+        "--server_shards",
+        type=int,
+        default=1,
+        help="number of server shards the model is split over by key range",
+    )
+    p.add_argument(
+        "--split_leaves",
+        action="store_true",
+        help="with --server_shards: cut arrays by rows to balance the shards "
+        "(the workers need the same flag)",
+    )
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--port", type=int, default=0, help="port (0: any free one)")
     p.add_argument("--secret_file", help="file holding the shared secret")
@@ -277,11 +434,37 @@ def _tls_context(certfile: str | None, keyfile: str | None):
     return context
 
 
+def _server_shard(args: argparse.Namespace) -> tuple[int, int]:
+    shard, count = args.server_shard, args.server_shards
+    if count < 1:
+        raise ValueError(f"--server_shards must be >= 1, got {count}")
+    if shard is None:
+        if count > 1:
+            raise ValueError(f"--server_shards {count} needs --server_shard")
+        return 0, 1
+    if not 0 <= shard < count:
+        raise ValueError(f"--server_shard must be in [0, {count}), got {shard}")
+    return shard, count
+
+
 async def serve(args: argparse.Namespace) -> None:
     """Builds the server from parsed arguments and serves until a signal."""
     from hpsjax.ps._server import Server
 
-    params = load_npz_tree(args.init)
+    shard, num_shards = _server_shard(args)
+    checkpoint_dir = args.checkpoint_dir
+    if num_shards == 1:
+        params = load_npz_tree(args.init)
+    else:
+        params, partition = load_npz_shard(
+            args.init, shard, num_shards, split_leaves=args.split_leaves
+        )
+        if checkpoint_dir is not None:
+            # Shards may share a file system: each keeps its own checkpoints.
+            checkpoint_dir = str(
+                pathlib.Path(checkpoint_dir) / f"shard_{shard}_of_{num_shards}"
+            )
+        print(f"hpsjax-server {partition.describe(shard)}", flush=True)
     policy_kwargs = dict(args.policy_arg)
     if args.policy.lower() == "hybrid" and isinstance(
         policy_kwargs.get("stages"), list
@@ -315,7 +498,7 @@ async def serve(args: argparse.Namespace) -> None:
         secret=_read_secret(args.secret_file),
         insecure=args.insecure,
         ssl=_tls_context(args.certfile, args.keyfile),
-        checkpoint_dir=args.checkpoint_dir,
+        checkpoint_dir=checkpoint_dir,
         checkpoint_every_s=args.checkpoint_every_s,
         checkpoint_every_updates=args.checkpoint_every_updates,
         checkpoint_keep=args.checkpoint_keep,

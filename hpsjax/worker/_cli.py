@@ -12,6 +12,12 @@ same model: ``--write_init`` writes them for ``hpsjax-server --init``::
         --worker_id 0 --shard_index 0 --shard_count 2 --batch_size 64 \\
         --max_steps 300 --metrics w0.jsonl
 
+A model split over several server shards (``hpsjax-server --server_shard I
+--server_shards N``) takes every shard's address, in shard order, instead of
+``--host``/``--port``: ``--servers hostA:5555,hostB:5555`` (and
+``--split_leaves`` when the servers have it). The worker then talks to all
+shards at once through a :class:`hpsjax.ps.ShardedClient`.
+
 Heterogeneity is injected with ``--slowdown 4`` (or a schedule
 ``--slowdown 0:1,60:4``: four times slower after a minute), ``--bandwidth 1e6``
 (bytes/s) and ``--latency 0.002``. ``--profile_out`` runs the profiling pass
@@ -59,6 +65,18 @@ def _key_value(text: str) -> tuple[str, Any]:
     return name, value
 
 
+def _addresses(text: str) -> list[tuple[str, int]]:
+    """``"hostA:5555,[::1]:5556"`` as ``[("hostA", 5555), ("::1", 5556)]``."""
+    out = []
+    for item in text.split(","):
+        host, sep, port = item.strip().rpartition(":")
+        host = host.removeprefix("[").removesuffix("]")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise argparse.ArgumentTypeError(f"expected HOST:PORT, got {item!r}")
+        out.append((host, int(port)))
+    return out
+
+
 def _worker_id(text: str) -> str | int:
     try:
         return int(text)
@@ -74,6 +92,19 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     g = p.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="server address")
     g.add_argument("--port", type=int, help="server port")
+    g.add_argument(
+        "--servers",
+        type=_addresses,
+        metavar="HOST:PORT,...",
+        help="the server shards' addresses in shard order (instead of "
+        "--host/--port): the model is split over them by key range",
+    )
+    g.add_argument(
+        "--split_leaves",
+        action="store_true",
+        help="with --servers: the shards cut arrays by rows (as the servers' "
+        "--split_leaves)",
+    )
     g.add_argument("--secret_file", help="file holding the shared secret")
     g.add_argument("--cafile", help="CA certificates (PEM) to verify a TLS server")
     g.add_argument("--server_hostname", help="name to check the certificate for")
@@ -299,17 +330,27 @@ def build_worker(args: argparse.Namespace, *, metrics=None):
     from hpsjax.profiling import WorkPlan
     from hpsjax.worker._runtime import Worker, WorkerConfig
 
-    if args.port is None:
-        raise ValueError("--port is required to train")
+    servers = args.servers
+    if servers is not None and args.port is not None:
+        raise ValueError("give --servers or --host/--port, not both")
+    if servers is None:
+        if args.port is None:
+            raise ValueError("--port (or --servers) is required to train")
+        servers = [(args.host, args.port)]
+    if args.split_leaves and len(servers) == 1:
+        raise ValueError("--split_leaves needs several --servers")
     index, count = _shard(args)
     train = _dataset(args).shard(count, index)
-    graphdef, _ = models.split_model(_model(args, train))
+    graphdef, params = models.split_model(_model(args, train))
+    client = None
+    if len(servers) > 1:
+        client = _sharded_client(args, servers, params)
     work_plan = None
     if args.work_plan is not None:
         work_plan = WorkPlan.from_json(pathlib.Path(args.work_plan).read_text())
     config = WorkerConfig(
-        host=args.host,
-        port=args.port,
+        host=servers[0][0],
+        port=servers[0][1],
         worker_id=args.worker_id,
         secret=_secret(args.secret_file),
         batch_size=args.batch_size,
@@ -344,6 +385,50 @@ def build_worker(args: argparse.Namespace, *, metrics=None):
         local_optimizer=_local_optimizer(args),
         metrics=metrics,
         ssl=_ssl(args),
+        client=client,
+    )
+
+
+def _server_tree(params):
+    """``params`` in the structure ``hpsjax-server --init`` serves them in."""
+    import jax
+
+    from hpsjax.ps._cli import nest_named_arrays
+
+    return nest_named_arrays(
+        {
+            "/".join(str(getattr(k, "key", k)) for k in key_path): leaf
+            for key_path, leaf in jax.tree_util.tree_leaves_with_path(params)
+        }
+    )
+
+
+def _sharded_client(args: argparse.Namespace, servers, params):
+    """A :class:`~hpsjax.ps.ShardedClient` over the server shards."""
+    import jax
+
+    from hpsjax.ps import KeyRangePartition, ShardedClient
+
+    spec = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), _server_tree(params)
+    )
+    partition = KeyRangePartition.from_tree(
+        spec, len(servers), split_leaves=args.split_leaves
+    )
+    if args.bits is not None and partition.cuts_leaves:
+        raise ValueError(
+            "--bits encodes whole arrays, but with --split_leaves the shards cut "
+            "some by rows: drop one of the two"
+        )
+    return ShardedClient(
+        servers,
+        partition,
+        worker_id=args.worker_id,
+        secret=_secret(args.secret_file),
+        ssl=_ssl(args),
+        server_hostname=args.server_hostname,
+        timeout=args.timeout,
+        seed=args.seed,
     )
 
 
