@@ -311,14 +311,18 @@ def test_undecodable_metadata():
     assert isinstance(_refusal(data), errors.MalformedMetadata)
 
 
-def test_allocator_errors_are_reported_per_frame():
+# 64 bytes of scratch receive a frame in pieces; 64 KiB holds small frames whole.
+@pytest.mark.parametrize("scratch_bytes", [64, 1 << 16])
+def test_allocator_errors_are_reported_per_frame(scratch_bytes):
     def allocate(header, meta):
         raise errors.SpecMismatch("leaf ['w']: shape differs")
 
     meta, bufs, _ = wire.tree_to_wire({"w": np.ones(1000, np.float32)})
     data = _join(wire.encode_frame(MsgType.PUSH, 7, meta, bufs))
     good = _join(wire.encode_frame(MsgType.PULL, 8))
-    events = FrameDecoder(allocate=allocate, scratch_bytes=64).feed(data + good)
+    events = FrameDecoder(allocate=allocate, scratch_bytes=scratch_bytes).feed(
+        data + good
+    )
     assert isinstance(events[0].error, errors.SpecMismatch)
     assert events[1].msg_type == MsgType.PULL
 
@@ -349,7 +353,8 @@ def test_on_filled_sees_each_leaf_as_it_arrives(scratch_bytes):
     assert frame.request_id == 3
 
 
-def test_on_filled_refusal_skips_the_rest_of_the_frame():
+@pytest.mark.parametrize("scratch_bytes", [64, 1 << 16])
+def test_on_filled_refusal_skips_the_rest_of_the_frame(scratch_bytes):
     calls = []
 
     def on_filled(payload, index):
@@ -361,12 +366,64 @@ def test_on_filled_refusal_skips_the_rest_of_the_frame():
     )
     data = _join(wire.encode_frame(MsgType.PUSH, 4, meta, bufs))
     good = _join(wire.encode_frame(MsgType.PULL, 5))
-    events = FrameDecoder(scratch_bytes=64, on_filled=on_filled).feed(data + good)
+    events = FrameDecoder(scratch_bytes=scratch_bytes, on_filled=on_filled).feed(
+        data + good
+    )
     assert calls == [0]
     assert isinstance(events[0], wire.FrameError)
     assert isinstance(events[0].error, errors.NonFiniteUpdate)
     assert events[0].request_id == 4
     assert events[1].msg_type == MsgType.PULL
+
+
+def test_whole_and_piecewise_frames_decode_alike():
+    """Frames lying whole in the scratch buffer take a shorter path."""
+    tree = {"a": np.arange(300, dtype=np.float32), "b": np.zeros(0, np.int8)}
+    meta, bufs, _ = wire.tree_to_wire(tree)
+    stream = b"".join(
+        [
+            _join(wire.encode_frame(MsgType.PUSH, 1, meta, bufs)),
+            _join(wire.encode_frame(MsgType.PULL, 2)),
+            _join(
+                wire.encode_frame(MsgType.PUSH_PULL, 3, {**meta, "version": 4}, bufs)
+            ),
+            _join(wire.encode_frame(MsgType.PUSH, 5, {"tree": 0}, bufs)),  # refused
+            _join(wire.encode_frame(MsgType.BYE, 6, {"reason": "done"})),
+        ]
+    )
+    whole = FrameDecoder().feed(stream)
+    piecewise = []
+    dec = FrameDecoder(scratch_bytes=64)
+    for i in range(0, len(stream), 7):
+        piecewise += dec.feed(stream[i : i + 7])
+    assert dec.idle
+    assert len(whole) == len(piecewise) == 5
+    for a, b in zip(whole, piecewise, strict=True):
+        assert type(a) is type(b) and a.request_id == b.request_id
+        if isinstance(a, wire.FrameError):
+            assert type(a.error) is type(b.error)
+            continue
+        assert a.metadata == b.metadata and a.nbytes == b.nbytes
+        if a.payload is not None:
+            for x, y in zip(a.payload.arrays, b.payload.arrays, strict=True):
+                np.testing.assert_array_equal(x, y)
+    np.testing.assert_array_equal(whole[0].payload.tree()["a"], tree["a"])
+
+
+@pytest.mark.parametrize("size", [16, wire.JOIN_PAYLOAD_BYTES // 4 + 1])
+def test_prepared_frame_is_the_encoded_frame(size):
+    tree = {"w": np.arange(size, dtype=np.float32), "b": np.ones(3, np.int32)}
+    meta, bufs, _ = wire.tree_to_wire(tree)
+    fields = [wire.pack_fields(meta), wire.pack_fields({"version": 7})]
+    prepared = wire.prepare_frame(MsgType.PARAMS, fields, bufs)
+    for rid in (1, 2**32 - 1):
+        want = _join(wire.encode_frame_packed(MsgType.PARAMS, rid, fields, bufs))
+        parts = prepared.parts(rid)
+        assert _join(parts) == want and prepared.nbytes == len(want)
+        # Small payloads travel in one buffer with the header and metadata.
+        assert (len(parts) == 1) == (prepared.payload_length <= wire.JOIN_PAYLOAD_BYTES)
+    with pytest.raises(ValueError):
+        prepared.parts(2**32)
 
 
 @pytest.mark.parametrize("count", [0, 1, 15, 16, 70000])

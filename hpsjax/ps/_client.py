@@ -161,16 +161,25 @@ class FrameProtocol(asyncio.BufferedProtocol):
             or self.transport.is_closing()
         )
 
-    def send(self, parts: list[bytes | memoryview]) -> None:
+    def send(self, parts: list[bytes | memoryview], nbytes: int | None = None) -> None:
         """Queues one frame (a scatter list) for writing.
+
+        Args:
+          parts: the frame's buffers.
+          nbytes: their total length, if known.
 
         Raises:
           ConnectionClosed: the connection is closed.
         """
-        if self.closed:
+        transport = self.transport
+        if self._lost is not None or transport is None or transport.is_closing():
             raise self._lost or ConnectionClosed("connection is closed")
-        self.transport.writelines(parts)
-        self.bytes_sent += sum(map(len, parts))
+        if len(parts) == 1:
+            # One buffer is one write; writelines would go through a list.
+            transport.write(parts[0])
+        else:
+            transport.writelines(parts)
+        self.bytes_sent += sum(map(len, parts)) if nbytes is None else nbytes
 
     async def drain(self) -> None:
         """Waits until the transport's write buffer is below its high mark.

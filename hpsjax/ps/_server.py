@@ -347,7 +347,8 @@ class Server:
         self._closing = False
         self._closed: asyncio.Future | None = None
         self._params_cache: tuple[int, list, list] | None = None
-        self._local_steps_fields: dict[Any, wire.PackedFields] = {}
+        # (version, {(has extra, local steps): PARAMS frame}), see _params_frame.
+        self._params_frames: tuple[int, dict[tuple, wire.PreparedFrame]] = (-1, {})
         self._manager: CheckpointManager | None = None
         self._saved_version: int | None = None
         self._checkpoint_task: asyncio.Task | None = None
@@ -710,8 +711,8 @@ class Server:
             )
         if layout.codec is not None and not self._model_floating:
             raise SpecMismatch("only models of floating leaves take compressed pushes")
-        arrays = layout.allocate(self._pool)
-        return wire.leaf_buffers(arrays), wire.WireTree(layout, arrays)
+        arrays, buffers = layout.receive_buffers(self._pool)
+        return buffers, wire.WireTree(layout, arrays)
 
     def _on_event(self, session: _Session, event: Frame | FrameError) -> None:
         if self._closing:
@@ -1079,32 +1080,41 @@ class Server:
             self._params_cache = (version, fields, buffers)
         return self._params_cache[1], self._params_cache[2]
 
-    def _pack_extra(self, extra: dict[str, Any]) -> wire.PackedFields:
-        # A pull's answer adds only the policy's local-steps hint, which takes
-        # few values: pack each once.
-        steps = extra.get("local_steps")
-        if (
+    def _params_frame(self, extra: dict[str, Any] | None) -> wire.PreparedFrame:
+        """The PARAMS frame of the current version with ``extra`` fields.
+
+        A pull's answer adds nothing or only the policy's local-steps hint,
+        which takes few values: each such frame is encoded once per version
+        and every reply packs only its header.
+        """
+        fields, buffers = self._params_parts()
+        steps = None if extra is None else extra.get("local_steps")
+        if extra is not None and (
             len(extra) != 1
             or "local_steps" not in extra
             or not (steps is None or type(steps) is int)
         ):
-            return wire.pack_fields(extra)
-        packed = self._local_steps_fields.get(steps)
-        if packed is None:
-            if len(self._local_steps_fields) >= 256:
-                self._local_steps_fields.clear()
-            packed = self._local_steps_fields[steps] = wire.pack_fields(extra)
-        return packed
+            return wire.prepare_frame(
+                MsgType.PARAMS, [*fields, wire.pack_fields(extra)], buffers
+            )
+        key = (extra is not None, steps)
+        frames = self._params_frames
+        if frames[0] != self._params_cache[0]:
+            frames = self._params_frames = (self._params_cache[0], {})
+        frame = frames[1].get(key)
+        if frame is None:
+            if extra is not None:
+                fields = [*fields, wire.pack_fields(extra)]
+            if len(frames[1]) >= 256:
+                frames[1].clear()
+            frame = frames[1][key] = wire.prepare_frame(MsgType.PARAMS, fields, buffers)
+        return frame
 
     def _send_params(self, session: _Session, request_id: int, extra=None) -> None:
         if session.protocol.closed:
             return
-        fields, buffers = self._params_parts()
-        if extra:
-            fields = [*fields, self._pack_extra(extra)]
-        session.protocol.send(
-            wire.encode_frame_packed(MsgType.PARAMS, request_id, fields, buffers)
-        )
+        frame = self._params_frame(extra)
+        session.protocol.send(frame.parts(request_id), frame.nbytes)
 
     def _publish(self) -> None:
         for session in self._connections:

@@ -70,6 +70,7 @@ __all__ = [
     "LeafSpec",
     "MsgType",
     "PackedFields",
+    "PreparedFrame",
     "TreeLayout",
     "WireLimits",
     "WireTree",
@@ -82,6 +83,7 @@ __all__ = [
     "flatten_tree",
     "pack_fields",
     "pack_header",
+    "prepare_frame",
     "tree_layout",
     "tree_to_wire",
     "unflatten_tree",
@@ -297,10 +299,20 @@ def encode_frame(
       >>> len(parts), len(parts[0])
       (1, 37)
     """
-    meta = b"" if metadata is None else msgpack.packb(metadata, use_bin_type=True)
+    if metadata is None:
+        meta = b""
+    elif not metadata:
+        meta = _EMPTY_MAP  # most requests: PULL, INFO
+    else:
+        meta = msgpack.packb(metadata, use_bin_type=True)
+    if not buffers:
+        return [pack_header(msg_type, request_id, len(meta), 0) + meta]
     payload_len = sum(b.nbytes for b in buffers)
     header = pack_header(msg_type, request_id, len(meta), payload_len)
     return [header + meta, *buffers]
+
+
+_EMPTY_MAP = b"\x80"
 
 
 class PackedFields(NamedTuple):
@@ -354,6 +366,71 @@ def encode_frame_packed(
     meta = _map_header(sum(f.count for f in fields)) + b"".join(f.data for f in fields)
     payload_len = sum(b.nbytes for b in buffers)
     return [pack_header(msg_type, request_id, len(meta), payload_len) + meta, *buffers]
+
+
+# Payloads up to this size are copied behind their metadata when a frame is
+# prepared, so that each send is one buffer (one write, no scatter list).
+JOIN_PAYLOAD_BYTES = 1 << 16
+
+
+class PreparedFrame(NamedTuple):
+    """A frame encoded once, to be sent under many request ids.
+
+    The server answers every pull of a version with the same PARAMS frame but
+    for its request id: only the 24-byte header is packed per reply.
+
+    Attributes:
+      msg_type: the message type.
+      body: the metadata, followed by the payload when that is small (at most
+        :data:`JOIN_PAYLOAD_BYTES`).
+      metadata_length: bytes of metadata at the start of ``body``.
+      payload_length: bytes of payload.
+      buffers: the payload when it is not in ``body``; referenced, not copied.
+      nbytes: bytes of the whole frame on the wire.
+    """
+
+    msg_type: int
+    body: bytes
+    metadata_length: int
+    payload_length: int
+    buffers: tuple[memoryview, ...]
+    nbytes: int
+
+    def parts(self, request_id: int) -> list[bytes | memoryview]:
+        """The frame for ``request_id``, as a scatter list for ``writelines``."""
+        if not 0 <= request_id <= _MAX_REQUEST_ID:
+            raise ValueError(f"request id {request_id} is outside [0, 2**32)")
+        header = _HEADER.pack(
+            MAGIC, PROTOCOL_VERSION, self.msg_type, 0, request_id,
+            self.metadata_length, self.payload_length,
+        )  # fmt: skip
+        return [header + self.body, *self.buffers]
+
+
+def prepare_frame(
+    msg_type: int,
+    fields: Sequence[PackedFields],
+    buffers: Sequence[memoryview] = (),
+) -> PreparedFrame:
+    """Encodes a frame's metadata (given as packed entries) and payload once.
+
+    The buffers must not change while the frame is in use.
+
+    Examples:
+      >>> f = prepare_frame(MsgType.INFO, [pack_fields({"a": 1})])
+      >>> f.parts(3)[0] == encode_frame(MsgType.INFO, 3, {"a": 1})[0]
+      True
+    """
+    meta = _map_header(sum(f.count for f in fields)) + b"".join(f.data for f in fields)
+    payload_len = sum(b.nbytes for b in buffers)
+    if payload_len <= JOIN_PAYLOAD_BYTES:
+        body, buffers = b"".join([meta, *buffers]), ()
+    else:
+        body, buffers = meta, tuple(buffers)
+    return PreparedFrame(
+        int(msg_type), body, len(meta), payload_len, buffers,
+        HEADER_SIZE + len(meta) + payload_len,
+    )  # fmt: skip
 
 
 # --------------------------------------------------------------------------
@@ -716,20 +793,7 @@ class TreeLayout(NamedTuple):
           ``(codes uint8[code_nbytes], scales float32[n])`` pair.
         """
         if self.codec is None:
-            # Raw leaves (every pull): one view per leaf, sizes known.
-            sizes = [-(-leaf.nbytes // ALIGNMENT) * ALIGNMENT for leaf in self.leaves]
-            block = pool.take(sum(sizes)) if pool is not None else None
-            if block is None:
-                block = aligned_empty((sum(sizes),))
-            raw, start = [], 0
-            for leaf, size in zip(self.leaves, sizes, strict=True):
-                raw.append(
-                    block[start : start + leaf.nbytes]
-                    .view(leaf.dtype)
-                    .reshape(leaf.shape)
-                )
-                start += size
-            return raw
+            return self._allocate_raw(pool, None)
         parts: list[tuple[tuple[int, ...], np.dtype]] = []
         for leaf in self.leaves:
             if leaf.code_nbytes is None:
@@ -752,6 +816,36 @@ class TreeLayout(NamedTuple):
         for leaf in self.leaves:
             out.append(next(it) if leaf.code_nbytes is None else (next(it), next(it)))
         return out
+
+    def receive_buffers(
+        self, pool: BufferPool | None = None
+    ) -> tuple[list[Any], list[memoryview]]:
+        """:meth:`allocate`, and the byte views the payload is received into.
+
+        Returns:
+          ``(arrays, buffers)``: the leaves as :meth:`allocate` returns them,
+          and their bytes in payload order (as :func:`leaf_buffers`).
+        """
+        if self.codec is not None:
+            arrays = self.allocate(pool)
+            return arrays, leaf_buffers(arrays)
+        buffers: list[memoryview] = []
+        return self._allocate_raw(pool, buffers), buffers
+
+    def _allocate_raw(self, pool, buffers: list[memoryview] | None) -> list[Any]:
+        # Raw leaves (every pull): one view per leaf, each 64-byte aligned.
+        total = 0
+        for leaf in self.leaves:
+            total += -(-leaf.nbytes // ALIGNMENT) * ALIGNMENT
+        block = pool.take(total) if pool is not None else aligned_empty((total,))
+        raw, start = [], 0
+        for leaf in self.leaves:
+            part = block[start : start + leaf.nbytes]
+            if buffers is not None:
+                buffers.append(memoryview(part))
+            raw.append(part.view(leaf.dtype).reshape(leaf.shape))
+            start += -(-leaf.nbytes // ALIGNMENT) * ALIGNMENT
+        return raw
 
     def paths(self) -> list[str]:
         """Readable paths of the leaves, for error messages."""
@@ -1137,8 +1231,8 @@ def default_allocator(limits: WireLimits, pool: BufferPool | None = None) -> All
                 f"leaves hold {layout.nbytes} bytes, header says "
                 f"{header.payload_length}"
             )
-        arrays = layout.allocate(pool)
-        return leaf_buffers(arrays), WireTree(layout, arrays)
+        arrays, buffers = layout.receive_buffers(pool)
+        return buffers, WireTree(layout, arrays)
 
     return allocate
 
@@ -1311,6 +1405,20 @@ class FrameDecoder:
                     self._view[self._start : self._start + HEADER_SIZE],
                     self._limits,
                 )
+                end = (
+                    self._start
+                    + HEADER_SIZE
+                    + header.metadata_length
+                    + header.payload_length
+                )
+                if end <= self._end:
+                    # The whole frame is here (a small one): no state to keep.
+                    self._whole_frame(header, self._start + HEADER_SIZE)
+                    self._start = end
+                    if end == self._end:
+                        self._start = self._end = 0
+                        return
+                    continue
                 self._start += HEADER_SIZE
                 self._header = header
                 self._state = _META_STATE
@@ -1348,6 +1456,53 @@ class FrameDecoder:
                 self._start = self._end = 0
                 if self._state == _HEADER_STATE:
                     return
+
+    def _whole_frame(self, header: Header, meta_start: int) -> None:
+        """Handles a frame lying whole in the scratch buffer, from ``meta_start``."""
+        view = self._view
+        pos = meta_start + header.metadata_length
+        payload = None
+        try:
+            meta = unpack_metadata(view[meta_start:pos])
+            if header.msg_type in PAYLOAD_TYPES:
+                buffers, payload = self._allocate(header, meta)
+                if sum(map(len, buffers)) != header.payload_length:
+                    raise MalformedMetadata(
+                        "payload length does not match the tree metadata"
+                    )
+        except HpsError as e:
+            self._events.append(FrameError(header.msg_type, header.request_id, e))
+            return
+        except Exception as e:  # an allocator bug must not kill the stream
+            error = ServerError(f"cannot receive frame ({type(e).__name__})")
+            self._events.append(FrameError(header.msg_type, header.request_id, error))
+            return
+        if payload is not None:
+            on_filled = self._on_filled
+            for index, buffer in enumerate(buffers):
+                n = len(buffer)
+                if not n:
+                    continue
+                buffer[:] = view[pos : pos + n]
+                pos += n
+                if on_filled is not None:
+                    self._payload, self._error = payload, None
+                    self._filled(index)
+                    error, self._payload, self._error = self._error, None, None
+                    if error is not None:
+                        self._events.append(
+                            FrameError(header.msg_type, header.request_id, error)
+                        )
+                        return
+        self._events.append(
+            Frame(
+                header.msg_type,
+                header.request_id,
+                meta,
+                payload,
+                HEADER_SIZE + header.metadata_length + header.payload_length,
+            )
+        )
 
     def _got_metadata(self, data: memoryview) -> None:
         header = self._header
