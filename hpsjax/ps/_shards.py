@@ -294,7 +294,8 @@ class KeyRangePartition:
       \max_s \sum_{\text{keys } i \in [K_s, K_{s+1})} \text{bytes}(i),
 
     which is at most :math:`\lceil B / N \rceil + \max_j b_j` for a model of
-    :math:`B` bytes (a binary search on the bound with a greedy packing). The
+    :math:`B` bytes (a binary search on the bound with a greedy packing; of the
+    cuts that reach it, the one filling earlier shards first). The
     biggest shard can be no smaller than the biggest key: with whole leaves, a
     leaf bigger than a fair share is a shard of its own; ``split_leaves=True``
     cuts it by rows instead.
@@ -591,7 +592,8 @@ class KeyRangePartition:
         first, last = paths[0], paths[-1]
         span = first if len(paths) == 1 else f"{first} .. {last}"
         return (
-            f"shard {s} of {self.num_shards}: {len(paths)} leaves ({span}), "
+            f"shard {s} of {self.num_shards}: {len(paths)} "
+            f"{'leaf' if len(paths) == 1 else 'leaves'} ({span}), "
             f"{_format_bytes(self.shard_nbytes()[s])} of "
             f"{_format_bytes(sum(self.shard_nbytes()))}"
         )
