@@ -24,6 +24,12 @@ sent SIGTERM, given ``shutdown_timeout`` seconds, then SIGKILL; no process
 outlives the launcher (on Linux the children are also tied to the launcher's
 life with ``PR_SET_PDEATHSIG``, so they get SIGTERM even if it is killed).
 
+With ``--server_shards N`` the model is split by key range over N server
+processes (:class:`hpsjax.ps.KeyRangePartition`), each holding its own share of
+the parameters, and the workers talk to all of them
+(:class:`hpsjax.ps.ShardedClient`); a work plan goes to shard 0, whose plan the
+workers follow.
+
 For several hosts, see LAUNCH.md.
 """
 
@@ -73,7 +79,7 @@ class LaunchResult:
       server_returncode: the server's exit status (``None`` if never started).
       worker_returncodes: each worker's exit status, in worker order.
       pids: process ids of everything started (server first), for checks.
-      port: the server's port.
+      port: the server's port (shard 0's with several shards).
       workdir: directory holding ``secret.txt``, ``init.npz``, the plan and the
         workers' ``metrics_<i>.jsonl``.
       version: the last server version seen, or ``None``.
@@ -81,6 +87,8 @@ class LaunchResult:
       profile_seconds: seconds the profiling pass took (``plan``; the workers
         share this machine, so the step is measured once for all), else
         ``None``.
+      ports: every server shard's port, in shard order.
+      server_returncodes: every server shard's exit status, in shard order.
     """
 
     returncode: int
@@ -93,6 +101,8 @@ class LaunchResult:
     version: int | None
     elapsed: float
     profile_seconds: float | None = None
+    ports: tuple[int, ...] = ()
+    server_returncodes: tuple[int | None, ...] = ()
 
 
 # Started in front of every child: on Linux it asks the kernel to send the child
@@ -295,6 +305,38 @@ def _profile_and_plan(
     return path, measured.profile_seconds
 
 
+def _start_server(
+    name: str,
+    argv: list[str],
+    emit: Callable[[str], None],
+    env: Mapping[str, str],
+    processes: list[_Process],
+    start_timeout: float,
+) -> int:
+    """Starts one server process (appended to ``processes``); returns its port."""
+    listening = threading.Event()
+    found: list[int] = []
+
+    def on_line(line: str) -> None:
+        match = _LISTENING.search(line)
+        if match and not listening.is_set():
+            found.append(int(match.group(2)))
+            listening.set()
+
+    server = _Process(name, argv, emit, env, on_line)
+    processes.append(server)
+    deadline = time.monotonic() + start_timeout
+    while not listening.wait(0.1):
+        if server.poll() is not None or time.monotonic() > deadline:
+            what = (
+                f"exited with status {server.poll()}"
+                if server.poll() is not None
+                else f"did not listen within {start_timeout}s"
+            )
+            raise LaunchError(f"the {name} {what}")
+    return found[0]
+
+
 def launch(
     num_workers: int,
     *,
@@ -306,6 +348,8 @@ def launch(
     plan: str | None = None,
     global_batch: int | None = None,
     replan: float | None = None,
+    server_shards: int = 1,
+    split_leaves: bool = False,
     workdir: str | os.PathLike | None = None,
     timeout: float | None = None,
     start_timeout: float = 120.0,
@@ -337,6 +381,11 @@ def launch(
         (H-PS) when a worker's measured speed drifts by more than this
         fraction (``hpsjax-server --work_plan --replan_threshold``); ``None``
         keeps the plan fixed.
+      server_shards: how many server processes to split the model over, by
+        key range (``hpsjax-server --server_shard I --server_shards N``);
+        the work plan (``replan``) goes to shard 0.
+      split_leaves: with ``server_shards > 1``, cut arrays by rows between
+        shards too (``--split_leaves``), for models with a few huge arrays.
       workdir: where to keep the secret, initial parameters, plan and metrics;
         a fresh temporary directory (kept) by default.
       timeout: seconds the whole run may take, ``None`` for no limit.
@@ -383,6 +432,14 @@ def launch(
             raise LaunchError(f"unknown plan scheme {plan!r}; valid: {SCHEMES}")
     if replan is not None and (plan is None or not replan > 0):
         raise LaunchError(f"replan needs a plan and a threshold > 0, got {replan!r}")
+    if (
+        isinstance(server_shards, bool)
+        or not isinstance(server_shards, int)
+        or server_shards < 1
+    ):
+        raise LaunchError(f"server_shards must be an int >= 1, got {server_shards!r}")
+    if split_leaves and server_shards == 1:
+        raise LaunchError("split_leaves needs server_shards > 1")
     flags = _worker_flags(per_worker_args, num_workers)
     shared = [str(a) for a in worker_args]
     from hpsjax.worker._cli import _heterogeneity, parse_args, write_init
@@ -424,59 +481,63 @@ def launch(
     except ValueError as e:
         raise LaunchError(f"cannot build the model from the worker flags: {e}") from e
     profile_seconds = None
+    # Flags for shard 0 only: the plan the workers follow comes from it.
+    plan_server_args: list[str] = []
     if plan is not None:
         plan_file, profile_seconds = _profile_and_plan(
             plan, num_workers, shared, flags, work, global_batch, emit
         )
         shared = [*shared, "--work_plan", str(plan_file)]
         if replan is not None:
-            server_args = [
-                *server_args,
+            plan_server_args = [
                 "--work_plan",
                 str(plan_file),
                 "--replan_threshold",
                 repr(float(replan)),
             ]
+    shard_args = ["--split_leaves"] if split_leaves else []
 
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     processes: list[_Process] = []
-    server: _Process | None = None
+    servers: list[_Process] = []
     workers: list[_Process] = []
     monitor: _Monitor | None = None
-    port: int | None = None
+    ports: list[int] = []
     reason = "completed"
     try:
-        listening = threading.Event()
-        found: list[int] = []
-
-        def on_server_line(line: str) -> None:
-            match = _LISTENING.search(line)
-            if match and not listening.is_set():
-                found.append(int(match.group(2)))
-                listening.set()
-
-        server_argv = [
-            python, "-m", "hpsjax.ps._cli", "--init", str(init),
-            "--secret_file", str(secret_file), "--policy", policy,
-            "--host", "127.0.0.1", "--port", "0", *[str(a) for a in server_args],
-        ]  # fmt: skip
-        server = _Process("server", server_argv, emit, env, on_server_line)
-        processes.append(server)
-        deadline = time.monotonic() + start_timeout
-        while not listening.wait(0.1):
-            if server.poll() is not None or time.monotonic() > deadline:
-                what = (
-                    f"exited with status {server.poll()}"
-                    if server.poll() is not None
-                    else f"did not listen within {start_timeout}s"
-                )
-                raise LaunchError(f"the server {what}")
-        port = found[0]
-        emit(f"[launch] server on port {port}, starting {num_workers} worker(s)")
+        for shard in range(server_shards):
+            server_argv = [
+                python, "-m", "hpsjax.ps._cli", "--init", str(init),
+                "--secret_file", str(secret_file), "--policy", policy,
+                "--host", "127.0.0.1", "--port", "0", *[str(a) for a in server_args],
+                *(plan_server_args if shard == 0 else []),
+            ]  # fmt: skip
+            name = "server"
+            if server_shards > 1:
+                server_argv += [
+                    "--server_shard", str(shard), "--server_shards",
+                    str(server_shards), *shard_args,
+                ]  # fmt: skip
+                name = f"server {shard}"
+            ports.append(
+                _start_server(name, server_argv, emit, env, processes, start_timeout)
+            )
+            servers.append(processes[-1])
+        port = ports[0]
+        if server_shards > 1:
+            where = ["--servers", ",".join(f"127.0.0.1:{p}" for p in ports)]
+            where += shard_args
+            emit(
+                f"[launch] {server_shards} server shards on ports "
+                f"{', '.join(map(str, ports))}, starting {num_workers} worker(s)"
+            )
+        else:
+            where = ["--host", "127.0.0.1", "--port", str(port)]
+            emit(f"[launch] server on port {port}, starting {num_workers} worker(s)")
         for i in range(num_workers):
             argv = [
-                python, "-m", "hpsjax.worker._cli", "--host", "127.0.0.1",
-                "--port", str(port), "--secret_file", str(secret_file),
+                python, "-m", "hpsjax.worker._cli", *where,
+                "--secret_file", str(secret_file),
                 "--worker_id", str(i), "--shard_index", str(i),
                 "--shard_count", str(num_workers),
                 "--metrics", str(work / f"metrics_{i}.jsonl"),
@@ -505,8 +566,9 @@ def launch(
                 break
             if all(c == 0 for c in codes):
                 break
-            if server.poll() is not None:
-                reason = f"server exited early with status {server.poll()}"
+            exited = [(s.name, s.poll()) for s in servers if s.poll() is not None]
+            if exited:
+                reason = f"{exited[0][0]} exited early with status {exited[0][1]}"
                 break
             if end is not None and time.monotonic() > end:
                 reason = "timeout"
@@ -525,10 +587,10 @@ def launch(
     finally:
         if monitor is not None:
             monitor.close()
-        if reason == "completed" and server is not None:
-            # The workers are done; the server gets SIGTERM (a graceful stop
+        if reason == "completed" and servers:
+            # The workers are done; the servers get SIGTERM (a graceful stop
             # with a final checkpoint) before everything is reaped.
-            _shutdown([server], shutdown_timeout)
+            _shutdown(servers, shutdown_timeout)
         if reason != "completed":
             emit(f"[launch] stopping everything: {reason}")
         _shutdown(processes, shutdown_timeout)
@@ -539,9 +601,13 @@ def launch(
                 bar.close()
                 bar = None
     worker_codes = tuple(w.poll() for w in workers)
-    server_code = None if server is None else server.poll()
-    if reason == "completed" and server_code != 0:
-        reason = f"server did not stop cleanly (status {server_code})"
+    server_codes = tuple(s.poll() for s in servers)
+    server_code = server_codes[0] if server_codes else None
+    unclean = [
+        (s.name, c) for s, c in zip(servers, server_codes, strict=True) if c != 0
+    ]
+    if reason == "completed" and unclean:
+        reason = f"{unclean[0][0]} did not stop cleanly (status {unclean[0][1]})"
     returncode = 0 if reason == "completed" else 1
     emit(f"[launch] {reason} in {time.monotonic() - start:.1f}s; workdir {work}")
     return LaunchResult(
@@ -550,11 +616,13 @@ def launch(
         server_returncode=server_code,
         worker_returncodes=worker_codes,
         pids=tuple(p.pid for p in processes),
-        port=port,
+        port=ports[0] if ports else None,
         workdir=str(work),
         version=None if monitor is None else monitor.version,
         elapsed=time.monotonic() - start,
         profile_seconds=profile_seconds,
+        ports=tuple(ports),
+        server_returncodes=server_codes,
     )
 
 
@@ -605,6 +673,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         metavar=("INDEX", "FLAGS"),
         help="extra flags (one quoted string) for worker INDEX, repeatable",
     )
+    p.add_argument(
+        "--server_shards",
+        type=int,
+        default=1,
+        help="split the model by key range over this many server processes",
+    )
+    p.add_argument(
+        "--split_leaves",
+        action="store_true",
+        help="with --server_shards: cut arrays by rows between shards too",
+    )
     p.add_argument("--workdir", help="directory for secret, init, plan, metrics")
     p.add_argument("--timeout", type=float, help="seconds the run may take")
     p.add_argument("--no_progress", action="store_true", help="no progress bar")
@@ -630,6 +709,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             plan=args.plan,
             global_batch=args.global_batch,
             replan=args.replan,
+            server_shards=args.server_shards,
+            split_leaves=args.split_leaves,
             workdir=args.workdir,
             timeout=args.timeout,
             progress=not args.no_progress,

@@ -82,6 +82,10 @@ def test_argument_errors_are_clear():
         launch(2, replan=0.2, progress=False)
     with pytest.raises(LaunchError, match="bad worker flags"):
         launch(1, worker_args=["--no_such_flag"], progress=False)
+    with pytest.raises(LaunchError, match="server_shards"):
+        launch(1, server_shards=0, progress=False)
+    with pytest.raises(LaunchError, match="split_leaves needs server_shards"):
+        launch(1, split_leaves=True, progress=False)
 
 
 def test_main_splits_server_and_worker_flags():
@@ -297,6 +301,41 @@ def test_launch_with_a_profiled_plan(tmp_path):
     # The server holds the plan too, and sent it on joining.
     assert first["plan_revision"] == 0
     assert not any(_alive(pid) for pid in result.pids)
+
+
+@pytest.mark.slow
+def test_launch_over_server_shards_with_a_plan(tmp_path):
+    log = io.StringIO()
+    result = launch(
+        2,
+        policy="bsp",
+        steps=3,
+        worker_args=SMALL_MODEL,
+        per_worker_args={0: ["--slowdown", "3"]},
+        plan="hps",
+        replan=0.5,
+        server_shards=2,
+        workdir=tmp_path,
+        progress=False,
+        log=log,
+        timeout=240,
+    )
+    assert result.returncode == 0, log.getvalue()
+    assert len(result.ports) == 2 and result.port == result.ports[0]
+    assert result.server_returncodes == (0, 0)
+    assert len(result.pids) == 4
+    assert not any(_alive(pid) for pid in result.pids)
+    text = log.getvalue()
+    for shard in range(2):
+        assert f"[server {shard}] hpsjax-server listening" in text
+    plan = json.loads((tmp_path / "plan.json").read_text())
+    batches = [w["batch_size"] for w in plan["workers"]]
+    for i in range(2):
+        rounds = _rounds(tmp_path / f"metrics_{i}.jsonl")
+        assert [r["step"] for r in rounds] == [0, 1, 2]
+        # Shard 0 holds the plan and sent each worker its share on joining.
+        assert rounds[0]["batch_size"] == batches[i]
+        assert rounds[0]["plan_revision"] == 0
 
 
 def test_server_that_cannot_start_is_reported(tmp_path):
