@@ -744,3 +744,58 @@ def test_admit_key_skips_change_nothing(policy_cls, kwargs):
                 results.append(type(err))
         assert results[0] == results[1]
     assert fast.version == slow.version and fast.version > 0
+
+
+@pytest.mark.parametrize(
+    "policy,kwargs", [("asp", {}), ("bsp", {}), ("ssp", {"staleness_bound": 2})]
+)
+@pytest.mark.parametrize("optimizer", [optax.sgd(0.1), optax.adam(1e-2)])
+def test_deferred_applies_match_applying_at_once(policy, kwargs, optimizer):
+    rng = np.random.default_rng(0)
+    params = {"a": jnp.asarray(rng.normal(size=(5, 3)), jnp.float32)}
+    cores = [
+        ServerCore(params, optimizer, policy, policy_kwargs=kwargs, defer_applies=d)
+        for d in (False, True)
+    ]
+    for core in cores:
+        for w in range(3):
+            core.join(w, 0.0)
+    for i in range(40):
+        w = int(rng.integers(3))
+        update = {"a": rng.normal(size=(5, 3)).astype(np.float32)}
+        samples = int(rng.integers(1, 4))
+        answers = []
+        for core in cores:
+            version = core.pulled_version(w)
+            answers.append(
+                core.push(w, update, version=version, now=i + 1.0, num_samples=samples)
+                + core.pull(w, i + 1.0)
+            )
+        assert answers[0] == answers[1]
+        if i % 9 == 0:
+            np.testing.assert_allclose(
+                cores[1].params["a"], cores[0].params["a"], rtol=1e-6, atol=1e-7
+            )
+    assert cores[1].deferred_applies > 0 or cores[1].version == cores[0].version
+    rows, history = cores[1].apply_deferred()
+    for version, row in rows.items():
+        assert 0 < version <= cores[1].version and 0 <= row < len(history[0])
+    np.testing.assert_allclose(
+        cores[1].params["a"], cores[0].params["a"], rtol=1e-6, atol=1e-7
+    )
+    for deferred, at_once in zip(
+        jax.tree.leaves(cores[1].opt_state),
+        jax.tree.leaves(cores[0].opt_state),
+        strict=True,
+    ):
+        np.testing.assert_allclose(deferred, at_once, rtol=1e-6, atol=1e-7)
+
+
+def test_deferred_applies_refuse_stale_copies():
+    with pytest.raises(ValueError, match="keep_stale_params"):
+        ServerCore(
+            {"a": jnp.zeros(2)},
+            optax.sgd(0.1),
+            defer_applies=True,
+            keep_stale_params=True,
+        )

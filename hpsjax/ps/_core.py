@@ -436,6 +436,47 @@ def _make_steps(optimizer: optax.GradientTransformation):
             lambda t, u: t + (u * weight).astype(t.dtype), total, update
         )
 
+    def apply_chain(
+        params, opt_state, updates, weights, first, close, scales, staleness
+    ):
+        """Deferred pushes, in order: buffer each; apply where a buffer closes.
+
+        Row ``j`` of ``updates`` is buffered with ``weights[j]`` (a new buffer
+        where ``first[j]``), and where ``close[j]`` the buffer is applied with
+        ``scales[j]`` and ``staleness[j]``: the operations of ``scale``,
+        ``accumulate`` and ``apply`` in the same order, selected rather than
+        branched. Returns the parameters after every row (a version where
+        ``close``).
+        """
+
+        def step(carry, row):
+            params, opt_state, total = carry
+            u, w, is_first, is_close, s, tau = row
+            # The barriers keep XLA from fusing across the boundaries of the
+            # separate steps, which would round differently.
+            u, w, s, tau = jax.lax.optimization_barrier((u, w, s, tau))
+            total = jax.tree.map(
+                lambda a, b: jnp.where(is_first, a, b),
+                scale(u, w),
+                accumulate(total, u, w),
+            )
+            total = jax.lax.optimization_barrier(total)
+            new_params, new_state = apply(params, opt_state, total, s, tau, None)
+            params, opt_state = jax.tree.map(
+                lambda n, o: jnp.where(is_close, n, o),
+                (new_params, new_state),
+                (params, opt_state),
+            )
+            return (params, opt_state, total), params
+
+        total = jax.tree.map(lambda p: jnp.zeros(p.shape, p.dtype), params)
+        (params, opt_state, _), history = jax.lax.scan(
+            step,
+            (params, opt_state, total),
+            (updates, weights, first, close, scales, staleness),
+        )
+        return params, opt_state, history
+
     def all_finite(leaves):
         checks = [
             jnp.all(jnp.isfinite(x))
@@ -444,7 +485,13 @@ def _make_steps(optimizer: optax.GradientTransformation):
         ]
         return jnp.all(jnp.stack(checks)) if checks else jnp.array(True)
 
-    return jax.jit(apply), jax.jit(scale), jax.jit(accumulate), jax.jit(all_finite)
+    return (
+        jax.jit(apply),
+        jax.jit(scale),
+        jax.jit(accumulate),
+        jax.jit(all_finite),
+        jax.jit(apply_chain),
+    )
 
 
 class ServerCore:
@@ -479,6 +526,15 @@ class ServerCore:
         a push on an evicted version is dropped and its worker force-pulled), or
         ``None`` for no bound beyond the live references.
       check_finite: reject updates holding NaN or infinity.
+      defer_applies: keep the updates of new versions and carry them out, all
+        in one compiled call, when the parameters are next read
+        (:attr:`params`, :attr:`opt_state`, :meth:`apply_deferred`). Every
+        decision (versions, staleness, acks, waits) is the same; the values are
+        those of applying each version at once, the same operations in the
+        same order, up to the last bit of rounding where XLA compiles the
+        fused loop differently. A driver that reads the parameters less often
+        than it pushes saves a call per version. Not with
+        ``keep_stale_params``.
 
     Aggregation. Updates accepted by the policy are buffered with a weight
     :math:`n_j d_j`, :math:`n_j` the ``num_samples`` of the push (1 when not
@@ -540,6 +596,7 @@ class ServerCore:
         keep_stale_params: bool = False,
         max_stale_copies: int | None = None,
         check_finite: bool = True,
+        defer_applies: bool = False,
     ):
         if not isinstance(optimizer, optax.GradientTransformation):
             raise ValueError(
@@ -582,6 +639,11 @@ class ServerCore:
                 f"max_stale_copies must be an int >= 1 or None, got "
                 f"{max_stale_copies!r}."
             )
+        if defer_applies and keep_stale_params:
+            raise ValueError(
+                "defer_applies cannot be combined with keep_stale_params: stale "
+                "copies are the parameters of every version as it is made."
+            )
         leaves, treedef = jax.tree.flatten(params)
         if not leaves:
             raise ValueError("params must hold at least one array.")
@@ -597,9 +659,13 @@ class ServerCore:
         self._dtypes = tuple(x.dtype for x in leaves)
         self._params = jax.tree.unflatten(treedef, leaves)
         self._opt_state = optimizer.init(self._params)
-        self._apply_fn, self._scale_fn, self._accumulate_fn, self._finite_fn = (
-            _make_steps(optimizer)
-        )
+        (
+            self._apply_fn,
+            self._scale_fn,
+            self._accumulate_fn,
+            self._finite_fn,
+            self._chain_fn,
+        ) = _make_steps(optimizer)
         self._version = 0
         self._scalars: dict[tuple[float, type], jax.Array] = {}
 
@@ -614,6 +680,11 @@ class ServerCore:
         self._keep_stale = bool(keep_stale_params)
         self._max_stale_copies = max_stale_copies
         self._check_finite = bool(check_finite)
+        self._defer = bool(defer_applies)
+        # Deferred applies (defer_applies): per version, the buffered
+        # (update, weight) pairs, the scale and the staleness it was made with;
+        # self._params is the version before the first of them.
+        self._deferred: list[tuple[list, float, int]] = []
 
         self._now = -math.inf
         self._epoch = 0
@@ -625,6 +696,8 @@ class ServerCore:
         # refused; while it holds, re-examining them cannot release anyone.
         self._admit_key: Any = _UNKNOWN_KEY
         self._max_clock = 0
+        # How many live workers are at each clock.
+        self._clock_counts: dict[int, int] = {}
         self._min_clock_cache: int | None = None
         self._min_clock_valid = False
         self._max_interval_cache: float | None = None
@@ -642,11 +715,15 @@ class ServerCore:
     @property
     def params(self) -> Any:
         """The current parameters (pytree of jax arrays) at :attr:`version`."""
+        if self._deferred:
+            self.apply_deferred()
         return self._params
 
     @property
     def opt_state(self) -> Any:
         """The optimizer state."""
+        if self._deferred:
+            self.apply_deferred()
         return self._opt_state
 
     @property
@@ -675,6 +752,11 @@ class ServerCore:
         return self._started
 
     @property
+    def deferred_applies(self) -> int:
+        """Number of versions made but not yet carried out (``defer_applies``)."""
+        return len(self._deferred)
+
+    @property
     def buffered(self) -> int:
         """Number of updates buffered and not yet applied."""
         return len(self._buffer_contributors)
@@ -690,10 +772,7 @@ class ServerCore:
     def min_clock(self) -> int | None:
         """The smallest clock among live workers, or ``None`` with none live."""
         if not self._min_clock_valid:
-            workers = self._workers
-            self._min_clock_cache = min(
-                (workers[w].clock for w in self._live), default=None
-            )
+            self._min_clock_cache = min(self._clock_counts, default=None)
             self._min_clock_valid = True
         return self._min_clock_cache
 
@@ -789,7 +868,7 @@ class ServerCore:
           KeyError: if that version is not kept.
         """
         if version == self._version:
-            return self._params
+            return self.params
         return self._copies[version]
 
     # Events.
@@ -843,6 +922,7 @@ class ServerCore:
         rec.last_start = now
         rec.deadline = None
         self._live.add(worker_id)
+        self._clock_counts[rec.clock] = self._clock_counts.get(rec.clock, 0) + 1
         self._live_changed()
         if not self._started:
             if self._start_deadline is None:
@@ -917,6 +997,7 @@ class ServerCore:
         num_samples: int | None = None,
         local_steps: int | None = None,
         loss: float | None = None,
+        checked: bool = False,
     ) -> list[Action]:
         r"""A worker pushes an update computed on parameters of ``version``.
 
@@ -934,6 +1015,10 @@ class ServerCore:
           num_samples: samples behind the update (its weight in an average).
           local_steps: local steps behind the update (default 1).
           loss: the worker's training loss, for policies that search on it.
+          checked: the driver vouches that ``update`` has the parameters' tree
+            structure, shapes and dtypes and (with ``check_finite``) only finite
+            values, having checked them itself (for many updates at once); the
+            core then skips those checks.
 
         Returns:
           ``[PushAck, ForcePull?, Applied?, Release/SendParams...]``.
@@ -962,7 +1047,8 @@ class ServerCore:
                 raise InvalidUpdate(f"{name} must be an int >= 1, got {value!r}")
         if loss is not None and (not _is_number(loss) or not math.isfinite(loss)):
             raise InvalidUpdate(f"loss must be a finite number, got {loss!r}")
-        update = self._checked_update(update)
+        if not checked:
+            update = self._checked_update(update)
         staleness = self._version - version
         stale = None
         if self._keep_stale:
@@ -990,7 +1076,16 @@ class ServerCore:
         self._begin(now)
 
         interval = now - rec.last_start
-        rec.interval = _ewma(rec.interval, interval, self._alpha)
+        old_interval = rec.interval
+        rec.interval = _ewma(old_interval, interval, self._alpha)
+        if self._max_interval_valid:
+            # The largest interval of the live workers, kept without a pass
+            # over them unless the largest one shrank.
+            largest = self._max_interval_cache
+            if largest is None or rec.interval >= largest:
+                self._max_interval_cache = rec.interval
+            elif old_interval is not None and old_interval >= largest:
+                self._max_interval_valid = False
         compute = interval if step_time is None else float(step_time)
         rec.step_time = _ewma(rec.step_time, compute, self._alpha)
         rec.time_per_step = _ewma(
@@ -1000,13 +1095,20 @@ class ServerCore:
             rec.overhead = _ewma(
                 rec.overhead, max(0.0, interval - float(step_time)), self._alpha
             )
-        self._max_interval_valid = False
         if worker_id in self._waiting:
             # Its own clock, which admission reads, changes while it is blocked.
             self._admit_key = _UNKNOWN_KEY
-        rec.clock += 1
-        self._max_clock = max(self._max_clock, rec.clock)
-        self._min_clock_valid = False
+        counts = self._clock_counts
+        clock = rec.clock
+        if counts[clock] == 1:
+            del counts[clock]
+            if clock == self._min_clock_cache:
+                self._min_clock_valid = False
+        else:
+            counts[clock] -= 1
+        rec.clock = clock = clock + 1
+        counts[clock] = counts.get(clock, 0) + 1
+        self._max_clock = max(self._max_clock, clock)
         rec.pushes += 1
         rec.pushed_version = version
         rec.last_loss = None if loss is None else float(loss)
@@ -1236,6 +1338,9 @@ class ServerCore:
         rec.deadline = None
         self._waiting.pop(rec.worker_id, None)
         self._live.discard(rec.worker_id)
+        count = self._clock_counts.pop(rec.clock) - 1
+        if count:
+            self._clock_counts[rec.clock] = count
         self._admit_key = _UNKNOWN_KEY
         for version in rec.refs:
             self._unref(version)
@@ -1285,7 +1390,11 @@ class ServerCore:
         stale: Any,
     ) -> None:
         w = np.float32(weight * samples)
-        if self._buffer is None:
+        if self._defer:
+            if self._buffer is None:
+                self._buffer = []
+            self._buffer.append((update, w))
+        elif self._buffer is None:
             self._buffer = update if w == 1 else self._scale_fn(update, w)
         else:
             self._buffer = self._accumulate_fn(self._buffer, update, w)
@@ -1298,14 +1407,19 @@ class ServerCore:
             self._buffer_stale = stale
 
     def _apply(self, now: float, actions: list[Action]) -> None:
-        self._params, self._opt_state = self._apply_fn(
-            self._params,
-            self._opt_state,
-            self._buffer,
-            self._device_scalar(1.0 / self._buffer_samples, np.float32),
-            self._device_scalar(self._buffer_staleness, np.int32),
-            self._buffer_stale,
-        )
+        if self._defer:
+            self._deferred.append(
+                (self._buffer, 1.0 / self._buffer_samples, self._buffer_staleness)
+            )
+        else:
+            self._params, self._opt_state = self._apply_fn(
+                self._params,
+                self._opt_state,
+                self._buffer,
+                self._device_scalar(1.0 / self._buffer_samples, np.float32),
+                self._device_scalar(self._buffer_staleness, np.int32),
+                self._buffer_stale,
+            )
         self._version += 1
         contributors = tuple(self._buffer_contributors)
         for worker_id in contributors:
@@ -1320,6 +1434,69 @@ class ServerCore:
         )
         self._reset_buffer()
         self._policy.on_apply(self, now)
+
+    def apply_deferred(self) -> tuple[dict[int, int], list[jax.Array]]:
+        """Carries out the deferred applies (``defer_applies``) in one call.
+
+        Every update buffered for a deferred version goes through the same
+        weighting, averaging and optimizer step as without deferral, in push
+        order (see ``defer_applies``). Reading :attr:`params` or
+        :attr:`opt_state` does this too.
+
+        Returns:
+          ``(rows, history)``: ``history`` holds, per parameter leaf (in
+          ``jax.tree.leaves`` order), the parameters after every update stacked
+          on a leading axis, and ``rows`` maps each version made to its row, so
+          leaf ``i`` of version ``v`` is ``history[i][rows[v]]``. Both are
+          empty when nothing was deferred.
+        """
+        deferred = self._deferred
+        if not deferred:
+            return {}, []
+        self._deferred = []
+        updates, weights, first, close, scale, staleness = [], [], [], [], [], []
+        rows = {}
+        version = self._version - len(deferred)
+        for items, s, tau in deferred:
+            for j, (update, w) in enumerate(items):
+                updates.append(jax.tree.leaves(update))
+                weights.append(w)
+                first.append(j == 0)
+                close.append(j == len(items) - 1)
+                scale.append(s)
+                staleness.append(tau)
+            version += 1
+            rows[version] = len(updates) - 1
+        n = len(updates)
+        # A power-of-two number of rows (at least 8), so few shapes compile;
+        # padding rows neither buffer nor apply anything.
+        padded = max(8, 1 << (n - 1).bit_length())
+        pad = padded - n
+        stacked = []
+        for i, column in enumerate(zip(*updates, strict=True)):
+            if all(isinstance(x, np.ndarray) for x in column):
+                column_rows = np.empty((padded, *self._shapes[i]), self._dtypes[i])
+                for j, x in enumerate(column):
+                    column_rows[j] = x
+                column_rows[n:] = 0
+            else:
+                zeros = [jnp.zeros(self._shapes[i], self._dtypes[i])] * pad
+                column_rows = jnp.stack([*column, *zeros])
+            stacked.append(column_rows)
+        flags = np.zeros((4, padded), np.bool_)
+        flags[0, :n] = first
+        flags[1, :n] = close
+        self._params, self._opt_state, history = self._chain_fn(
+            self._params,
+            self._opt_state,
+            jax.tree.unflatten(self._treedef, stacked),
+            np.asarray(weights + [0.0] * pad, np.float32),
+            flags[0],
+            flags[1],
+            np.asarray(scale + [0.0] * pad, np.float32),
+            np.asarray(staleness + [0] * pad, np.int32),
+        )
+        return rows, jax.tree.leaves(history)
 
     def _device_scalar(self, value: float, dtype: type) -> jax.Array:
         """``value`` as a 0-d device array, made once per distinct value.
@@ -1498,11 +1675,13 @@ class ServerCore:
         # The policy checks its state before changing anything, and nothing
         # after it can fail, so a bad state leaves the core as it was.
         self._policy.load_state_dict(state["policy_state"])
+        self.apply_deferred()
         self._epoch += 1
         self._version = int(state["version"])
         self._max_clock = int(state["max_clock"])
         self._workers = records
         self._live = set()
+        self._clock_counts = {}
         self._live_changed()
         self._waiting = {}
         self._admit_key = _UNKNOWN_KEY

@@ -128,7 +128,10 @@ class Round:
     ``stream`` (its batch indices). Set by evaluation: ``update`` (leaves of the
     update it pushes, before any push transform), ``loss`` (mean training loss
     over its steps), ``stage`` (the worker optimizer's stage after it, or
-    ``None``), ``done``.
+    ``None``), ``finite`` (whether the update was checked to hold only finite
+    values: plain gradients only; else ``None``), ``done``.
+
+    ``base`` may be a :class:`DeferredLeaves` until the round is evaluated.
     """
 
     __slots__ = (
@@ -136,6 +139,7 @@ class Round:
         "batch_size",
         "done",
         "done_steps",
+        "finite",
         "loss",
         "loss_sum",
         "params",
@@ -160,7 +164,22 @@ class Round:
         self.update = None
         self.loss = None
         self.stage = None
+        self.finite = None
         self.done = False
+
+
+class DeferredLeaves:
+    """The leaves of a version the server core has not carried out yet.
+
+    ``leaves`` is ``None`` until the driver fills it in; the engine asks the
+    driver to (its ``resolve``) before it evaluates rounds.
+    """
+
+    __slots__ = ("leaves", "version")
+
+    def __init__(self, version: int):
+        self.version = version
+        self.leaves: Leaves | None = None
 
 
 class PushJob:
@@ -232,18 +251,21 @@ class Kernels:
         self.opt = None
         if worker_optimizer is None:
 
-            def grad_rows(params, idx, scale, data, *, shared):
-                def one(p, ix, s):
-                    loss, g = value_and_grad(unflatten(p), gather(data, ix))
-                    return [(x * s).astype(x.dtype) for x in jax.tree.leaves(g)], loss
+            def scaled(p, ix, s, data):
+                loss, g = value_and_grad(unflatten(p), gather(data, ix))
+                g = [(x * s).astype(x.dtype) for x in jax.tree.leaves(g)]
+                # Checked here, with the gradient, rather than by the server
+                # core one push at a time.
+                finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in g]))
+                return g, loss, finite
 
-                return jax.vmap(one, in_axes=(None if shared else 0, 0, 0))(
-                    params, idx, scale
+            def grad_rows(params, idx, scale, data, *, shared):
+                return jax.vmap(scaled, in_axes=(None if shared else 0, 0, 0, None))(
+                    params, idx, scale, data
                 )
 
             def grad_one(params, idx, scale, data):
-                loss, g = value_and_grad(unflatten(params), gather(data, idx))
-                return [(x * scale).astype(x.dtype) for x in jax.tree.leaves(g)], loss
+                return scaled(params, idx, scale, data)
 
             self.grad = jax.jit(grad_rows, static_argnames=("shared",))
             self.grad_one = jax.jit(grad_one)
@@ -398,6 +420,8 @@ class Engine:
         self.local = worker_optimizer is not None
         self.pending: list[Round] = []
         self.push_pending: list[PushJob] = []
+        # Called before rounds are evaluated, to fill in DeferredLeaves.
+        self.resolve: Callable[[], None] | None = None
         self.evaluations = 0
         self.padded_evaluations = 0
         self._rows: dict[int, int] = {}
@@ -469,6 +493,11 @@ class Engine:
         active = self.pending
         self.pending = []
         finished = []
+        if self.resolve is not None:
+            self.resolve()
+        for r in active:
+            if type(r.base) is DeferredLeaves:
+                r.base = r.params = r.base.leaves
         while active:
             groups: dict[int, list[Round]] = {}
             for r in active:
@@ -509,8 +538,12 @@ class Engine:
                 params, idx, scale, self.data, self.states, slots, shared=shared
             )
             stage = None if stage is None else np.asarray(stage).tolist()
+            finite = None
         else:
-            out, loss = self.k.grad(params, idx, scale, self.data, shared=shared)
+            out, loss, finite = self.k.grad(
+                params, idx, scale, self.data, shared=shared
+            )
+            finite = np.asarray(finite).tolist()
             stage = None
         out = [np.asarray(x) for x in out]
         loss = np.asarray(loss).tolist()
@@ -520,6 +553,8 @@ class Engine:
             r.done_steps += 1
             if stage is not None:
                 r.stage = stage[j]
+            if finite is not None:
+                r.finite = finite[j]
         self.evaluations += len(rows)
         self.padded_evaluations += pad
 
@@ -534,7 +569,7 @@ class Engine:
             if stage is not None:
                 r.stage = int(stage)
         else:
-            out, loss = self.k.grad_one(r.params, idx, scale, self.data)
+            out, loss, r.finite = self.k.grad_one(r.params, idx, scale, self.data)
         r.params = tuple(out)
         # Kept on the device: summing it here would wait for the step.
         r.loss_sum = loss if r.done_steps == 0 else r.loss_sum + loss

@@ -72,7 +72,7 @@ from hpsjax.ps._core import (
 )
 from hpsjax.ps._errors import HpsError, WorkerDropped
 from hpsjax.ps._policies import ADSP, Hybrid, Policy, get_policy
-from hpsjax.sim._engine import Engine, IndexStream, Round
+from hpsjax.sim._engine import DeferredLeaves, Engine, IndexStream, Round
 from hpsjax.sim._workers import WorkerSpec, finish_time
 from hpsjax.transforms._staleness import STALENESS_POLICIES, staleness_factor
 
@@ -590,8 +590,6 @@ class _Simulation:
                 1.0 if local else float(config.learning_rate)
             )
         core_kwargs = dict(config.core_kwargs or {})
-        self.core = ServerCore(params, server_optimizer, policy, **core_kwargs)
-        self.policy = self.core.policy
 
         data, n_examples = _as_arrays(train_data, "train_data")
         ids = [
@@ -676,6 +674,28 @@ class _Simulation:
             batch_rows=config.batch_rows,
             batch_sizes=tuple(w.batch_size for w in self.workers),
             seed=seed,
+        )
+        # Workers compute on a version only when the engine evaluates their
+        # rounds, so with batched rounds the server core may defer its applies
+        # until then and carry many out in one call: the same decisions and,
+        # up to rounding, the same parameters (see ServerCore's
+        # defer_applies). Each deferral keeps the
+        # parameters of every version it makes, so it is bounded in bytes.
+        param_bytes = sum(np.asarray(x).nbytes for x in jax.tree.leaves(params))
+        self.max_deferred = min(256, (64 << 20) // max(1, param_bytes))
+        if (
+            not self.engine.sequential
+            and self.max_deferred > 1
+            and not core_kwargs.get("keep_stale_params", False)
+        ):
+            core_kwargs.setdefault("defer_applies", True)
+        self.core = ServerCore(params, server_optimizer, policy, **core_kwargs)
+        self.policy = self.core.policy
+        self.deferred: dict[int, DeferredLeaves] = {}
+        self.engine.resolve = self._resolve
+        # Updates the engine checked itself need no second check by the core.
+        self.prechecked = config.push_transform is None and (
+            config.staleness_lr is None
         )
         self.pull_bytes = tree_wire_nbytes(params)
         self.push_bytes = _push_bytes(params, config, self.pull_bytes)
@@ -1037,6 +1057,7 @@ class _Simulation:
                 num_samples=r.batch_size * r.steps if self.weigh_samples else None,
                 local_steps=r.steps,
                 loss=loss,
+                checked=self.prechecked and bool(r.finite),
             )
         except HpsError as err:
             self.pushes.append(
@@ -1055,6 +1076,8 @@ class _Simulation:
             )
             self._refused(w, "push", err)
             return
+        if core.deferred_applies >= self.max_deferred:
+            self._resolve()
         ack = actions[0]
         self.pushes.append(
             PushRecord(
@@ -1121,7 +1144,12 @@ class _Simulation:
             if kind is SendParams:
                 w = self.by_id[action.worker_id]
                 if self.leaves_version != action.version:
-                    self.version_leaves = self.engine.version_leaves(core.params)
+                    if core.deferred_applies:
+                        self.version_leaves = self.deferred[action.version] = (
+                            DeferredLeaves(action.version)
+                        )
+                    else:
+                        self.version_leaves = self.engine.version_leaves(core.params)
                     self.leaves_version = action.version
                 self.sends.append(
                     SendRecord(
@@ -1221,7 +1249,19 @@ class _Simulation:
                 (self.now + self.config.eval_every, 1, self.seq, self._timed_eval, ()),
             )
 
+    def _resolve(self) -> None:
+        """Carries out the core's deferred applies; fills in deferred leaves."""
+        if not self.core.deferred_applies:
+            return
+        rows, history = self.core.apply_deferred()
+        history = [np.asarray(x) for x in history]
+        for version, deferred in self.deferred.items():
+            row = rows[version]
+            deferred.leaves = tuple(x[row] for x in history)
+        self.deferred = {}
+
     def _evaluate(self) -> None:
+        self._resolve()
         params = self.core.params
         totals: dict[str, float] = {}
         count = 0
@@ -1258,6 +1298,7 @@ class _Simulation:
     # ------------------------------------------------------------ result
 
     def _result(self, end: float, wall: float) -> SimResult:
+        self._resolve()
         for w in self.workers:
             if w.state == _BLOCKED and w.blocked_since is not None:
                 w.blocked_spans.append((w.blocked_since, end))
