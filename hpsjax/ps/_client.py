@@ -97,6 +97,9 @@ class FrameProtocol(asyncio.BufferedProtocol):
         self._decoder = wire.FrameDecoder(
             limits=limits, allocate=allocate, on_filled=on_filled
         )
+        # The event loop asks for a buffer before every read: straight to the
+        # decoder, without a call in between.
+        self.get_buffer = self._decoder.get_buffer
         self._on_frame = on_frame
         self._on_lost = on_lost
         self._on_made = on_made
@@ -115,7 +118,7 @@ class FrameProtocol(asyncio.BufferedProtocol):
         if self._on_made is not None:
             self._on_made()
 
-    def get_buffer(self, sizehint: int) -> memoryview:
+    def get_buffer(self, sizehint: int) -> memoryview:  # replaced in __init__
         return self._decoder.get_buffer(sizehint)
 
     def buffer_updated(self, nbytes: int) -> None:
@@ -533,6 +536,7 @@ class Client:
         self._seed = seed
         self._key = None
         self._protocol: FrameProtocol | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._generation = 0
         self._pending: dict[int, asyncio.Future] = {}
         self._next_id = 0
@@ -620,7 +624,7 @@ class Client:
             if generation == self._generation:
                 self._on_lost(error)
 
-        loop = asyncio.get_running_loop()
+        loop = self._loop = asyncio.get_running_loop()
         try:
             async with asyncio.timeout(timeout):
                 _, protocol = await loop.create_connection(
@@ -952,7 +956,8 @@ class Client:
         protocol = self._protocol
         self._next_id = self._next_id % (2**32 - 1) + 1
         request_id = self._next_id
-        loop = asyncio.get_running_loop()
+        # The connection's loop (asking for the running one costs a syscall).
+        loop = self._loop
         future = loop.create_future()
         self._pending[request_id] = future
         try:

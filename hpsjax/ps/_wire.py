@@ -254,6 +254,26 @@ metadata_length=10, payload_length=400)
     return Header(msg_type, flags, request_id, meta_len, payload_len)
 
 
+def _header_at(buffer: bytearray, offset: int, limits: WireLimits) -> Header:
+    """:func:`unpack_header` of the header at ``offset``, the valid case first."""
+    magic, version, raw_type, flags, request_id, meta_len, payload_len = (
+        _HEADER.unpack_from(buffer, offset)
+    )
+    msg_type = _MSG_TYPES.get(raw_type)
+    if (
+        magic == MAGIC
+        and version == PROTOCOL_VERSION
+        and msg_type is not None
+        and not flags
+        and meta_len <= limits.max_metadata_bytes
+        and (not payload_len or msg_type in PAYLOAD_TYPES)
+        and meta_len + payload_len <= limits.max_message_bytes
+    ):
+        return Header(msg_type, 0, request_id, meta_len, payload_len)
+    # Some check fails: unpack_header raises the error it names.
+    return unpack_header(memoryview(buffer)[offset : offset + HEADER_SIZE], limits)
+
+
 def unpack_metadata(data: bytes | memoryview) -> dict[str, Any]:
     """Decodes msgpack metadata; it must be a map with string keys.
 
@@ -1328,6 +1348,10 @@ class FrameDecoder:
     def get_buffer(self, sizehint: int = -1) -> memoryview:
         """Where the next received bytes must be written."""
         del sizehint
+        if not self._end and self._state == _HEADER_STATE:
+            # Between frames with nothing buffered (a reply is awaited).
+            self._direct = ""
+            return self._view
         if self._state == _PAYLOAD_STATE and self._error is None and self._left:
             dest = self._dest[self._dest_index]
             room = len(dest) - self._dest_pos
@@ -1401,10 +1425,7 @@ class FrameDecoder:
             if self._state == _HEADER_STATE:
                 if avail < HEADER_SIZE:
                     return
-                header = unpack_header(
-                    self._view[self._start : self._start + HEADER_SIZE],
-                    self._limits,
-                )
+                header = _header_at(self._scratch, self._start, self._limits)
                 end = (
                     self._start
                     + HEADER_SIZE
@@ -1463,7 +1484,10 @@ class FrameDecoder:
         pos = meta_start + header.metadata_length
         payload = None
         try:
-            meta = unpack_metadata(view[meta_start:pos])
+            if pos - meta_start == 1 and view[meta_start] == 0x80:
+                meta = {}  # an empty map: PULL, INFO
+            else:
+                meta = unpack_metadata(view[meta_start:pos])
             if header.msg_type in PAYLOAD_TYPES:
                 buffers, payload = self._allocate(header, meta)
                 if sum(map(len, buffers)) != header.payload_length:
