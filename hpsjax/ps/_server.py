@@ -931,8 +931,16 @@ class Server:
             # Raw leaves were checked as they arrived (_check_received).
             self._require_finite(leaves)
         update = jax.tree.unflatten(self._treedef, leaves)
+        # The layout was checked against the model before the payload was read
+        # (a compressed one decodes to the model's shapes and dtypes), and the
+        # values as they arrived: the core need not check them again.
         actions = self._core.push(
-            session.worker_id, update, version=version, now=self._now(), **fields
+            session.worker_id,
+            update,
+            version=version,
+            now=self._now(),
+            checked=True,
+            **fields,
         )
         if self._replanner is not None:
             self._observe_speed(session.worker_id, fields)
