@@ -84,6 +84,7 @@ import numpy as np
 
 from hpsjax.ps._client import Client, PushResult, ServerInfo
 from hpsjax.ps._errors import HpsError, SpecMismatch
+from hpsjax.ps._wire import unflatten_tree as _unflatten
 
 __all__ = [
     "KeyRangePartition",
@@ -133,18 +134,6 @@ def _flatten(node: Any, path: str, leaves: list, paths: list) -> Any:
     leaves.append(node)
     paths.append(path or "<root>")
     return len(leaves) - 1
-
-
-def _unflatten(structure: Any, leaves: Sequence[Any]) -> Any:
-    if structure is None:
-        return None
-    if isinstance(structure, int):
-        return leaves[structure]
-    tag, body = structure
-    if tag == "d":
-        return {key: _unflatten(child, leaves) for key, child in body.items()}
-    children = [_unflatten(child, leaves) for child in body]
-    return children if tag == "l" else tuple(children)
 
 
 _DROP: Any = object()
@@ -1037,6 +1026,20 @@ class ShardedClient:
     def _timeout_kw(timeout: Any) -> dict[str, Any]:
         return {} if timeout is _UNSET else {"timeout": timeout}
 
+    async def _push_to_shards(
+        self, method: str, update: Any, *, version, encoded, timeout, **fields
+    ) -> list[Any]:
+        """Calls ``Client.<method>`` on every shard with its part of an update."""
+        versions = self._versions(version)
+        updates, encodeds = self._split_update(update, encoded)
+        kw = self._timeout_kw(timeout)
+        return await self._fan_out(
+            method,
+            lambda i, c: getattr(c, method)(
+                updates[i], version=versions[i], encoded=encodeds[i], **fields, **kw
+            ),
+        )
+
     def _versions(self, version: Any) -> tuple[int, ...]:
         n = len(self._clients)
         if isinstance(version, ShardedVersion):
@@ -1186,21 +1189,17 @@ class ShardedClient:
             shard that failed; ``shard_results`` on the error holds the
             acknowledgements of the shards that took their part.
         """
-        versions = self._versions(version)
-        updates, encodeds = self._split_update(update, encoded)
-        kw = self._timeout_kw(timeout)
-        fields = dict(
+        results = await self._push_to_shards(
+            "push",
+            update,
+            version=version,
+            encoded=encoded,
+            timeout=timeout,
             codec=codec,
             step_time=step_time,
             num_samples=num_samples,
             local_steps=local_steps,
             loss=loss,
-        )
-        results = await self._fan_out(
-            "push",
-            lambda i, c: c.push(
-                updates[i], version=versions[i], encoded=encodeds[i], **fields, **kw
-            ),
         )
         return _combine(results)
 
@@ -1225,21 +1224,17 @@ class ShardedClient:
         Returns:
           ``(result, params, version)``.
         """
-        versions = self._versions(version)
-        updates, encodeds = self._split_update(update, encoded)
-        kw = self._timeout_kw(timeout)
-        fields = dict(
+        results = await self._push_to_shards(
+            "push_pull",
+            update,
+            version=version,
+            encoded=encoded,
+            timeout=timeout,
             codec=codec,
             step_time=step_time,
             num_samples=num_samples,
             local_steps=local_steps,
             loss=loss,
-        )
-        results = await self._fan_out(
-            "push_pull",
-            lambda i, c: c.push_pull(
-                updates[i], version=versions[i], encoded=encodeds[i], **fields, **kw
-            ),
         )
         params = self._partition.merge([p for _, p, _ in results])
         return (
