@@ -286,6 +286,9 @@ def test_launch_with_a_profiled_plan(tmp_path):
         per_worker_args={0: ["--slowdown", "3"]},
         plan="hps",
         replan=0.5,
+        # Both workers join before either computes, so the re-planner has
+        # reports from both before it may revise the plan.
+        server_args=["--core_arg", "expected_workers=2"],
         workdir=tmp_path,
         progress=False,
         log=io.StringIO(),
@@ -314,6 +317,9 @@ def test_launch_over_server_shards_with_a_plan(tmp_path):
         per_worker_args={0: ["--slowdown", "3"]},
         plan="hps",
         replan=0.5,
+        # Both workers join before either computes, so the re-planner has
+        # reports from both before it may revise the plan.
+        server_args=["--core_arg", "expected_workers=2"],
         server_shards=2,
         workdir=tmp_path,
         progress=False,
