@@ -11,6 +11,7 @@ and worker processes.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import doctest
 import itertools
 import json
@@ -321,6 +322,19 @@ def _servers(partition, tree, optimizer, policy="asp", **kwargs):
     ]
 
 
+@contextlib.asynccontextmanager
+async def _running(partition, tree, optimizer, policy="asp", **kwargs):
+    """One started server per shard of ``tree``; all closed on the way out."""
+    servers = _servers(partition, tree, optimizer, policy, **kwargs)
+    try:
+        for s in servers:
+            await s.start()
+        yield servers
+    finally:
+        for s in servers:
+            await s.close()
+
+
 def _sharded(servers, partition, worker_id="w0", **kwargs):
     kwargs.setdefault("timeout", 20.0)
     return ShardedClient(
@@ -354,48 +368,44 @@ def test_sharded_servers_train_as_one_server(num_shards, split_leaves, optimizer
         return optax.sgd(0.1) if optimizer == "sgd" else optax.adam(0.01)
 
     async def main():
-        servers = _servers(partition, params, make_optimizer())
-        async with Server(params, make_optimizer(), "asp", secret=SECRET) as single:
-            for s in servers:
-                await s.start()
-            try:
-                async with (
-                    _sharded(servers, partition) as sharded,
-                    _sharded([single], KeyRangePartition.from_tree(params, 1)) as one,
-                ):
-                    assert len(sharded.info) == num_shards
-                    pulled, version = await sharded.pull()
-                    _assert_trees_equal(pulled, params)
-                    assert version.shards == (0,) * num_shards
-                    _, v1 = await one.pull()
-                    for i, update in enumerate(updates):
-                        if i % 2:
-                            ack, pulled, version = await sharded.push_pull(
-                                update, version=version, num_samples=8
-                            )
-                        else:
-                            ack = await sharded.push(update, version=version)
-                            pulled, version = await sharded.pull()
-                        ack1 = await one.push(update, version=v1)
-                        got1, v1 = await one.pull()
-                        assert ack.applied and ack1.applied
-                        assert ack.version.shards == (i + 1,) * num_shards
-                        assert version == v1 == i + 1
-                        assert ack.staleness == ack1.staleness == 0
-                        if optimizer == "sgd":
-                            _assert_trees_equal(pulled, got1)
-                        else:
-                            for x, y in zip(
-                                jax.tree.leaves(pulled),
-                                jax.tree.leaves(got1),
-                                strict=True,
-                            ):
-                                np.testing.assert_allclose(x, y, rtol=1e-6, atol=1e-7)
-                    assert sharded.bytes_sent > 0 and sharded.bytes_received > 0
-                    assert sharded.hints == {}
-            finally:
-                for s in servers:
-                    await s.close()
+        async with (
+            Server(params, make_optimizer(), "asp", secret=SECRET) as single,
+            _running(partition, params, make_optimizer()) as servers,
+        ):
+            async with (
+                _sharded(servers, partition) as sharded,
+                _sharded([single], KeyRangePartition.from_tree(params, 1)) as one,
+            ):
+                assert len(sharded.info) == num_shards
+                pulled, version = await sharded.pull()
+                _assert_trees_equal(pulled, params)
+                assert version.shards == (0,) * num_shards
+                _, v1 = await one.pull()
+                for i, update in enumerate(updates):
+                    if i % 2:
+                        ack, pulled, version = await sharded.push_pull(
+                            update, version=version, num_samples=8
+                        )
+                    else:
+                        ack = await sharded.push(update, version=version)
+                        pulled, version = await sharded.pull()
+                    ack1 = await one.push(update, version=v1)
+                    got1, v1 = await one.pull()
+                    assert ack.applied and ack1.applied
+                    assert ack.version.shards == (i + 1,) * num_shards
+                    assert version == v1 == i + 1
+                    assert ack.staleness == ack1.staleness == 0
+                    if optimizer == "sgd":
+                        _assert_trees_equal(pulled, got1)
+                    else:
+                        for x, y in zip(
+                            jax.tree.leaves(pulled),
+                            jax.tree.leaves(got1),
+                            strict=True,
+                        ):
+                            np.testing.assert_allclose(x, y, rtol=1e-6, atol=1e-7)
+                assert sharded.bytes_sent > 0 and sharded.bytes_received > 0
+                assert sharded.hints == {}
             for s, part in zip(servers, partition.split(pulled), strict=True):
                 _assert_trees_equal(s.params, part)
 
@@ -410,42 +420,36 @@ def test_encoded_and_stale_pushes():
     spec = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
 
     async def main():
-        servers = _servers(partition, params, optax.sgd(1.0))
-        async with Server(params, optax.sgd(1.0), "asp", secret=SECRET) as single:
-            for s in servers:
-                await s.start()
-            try:
-                async with (
-                    _sharded(servers, partition, "a") as a,
-                    _sharded(servers, partition, "b") as b,
-                    _sharded([single], KeyRangePartition.from_tree(params, 1)) as one,
-                ):
-                    _, va = await a.pull()
-                    _, vb = await b.pull()
-                    _, v1 = await one.pull()
-                    update = jax.tree.map(lambda x: np.ones_like(x), params)
-                    encoded = encode_tree(update, codec, jax.random.key(1))
-                    ack = await a.push(spec, version=va, codec=codec, encoded=encoded)
-                    await one.push(spec, version=v1, codec=codec, encoded=encoded)
-                    assert ack.applied
-                    # b computed on version 0; the shards are at 1 now.
-                    ack = await b.push(update, version=vb)
-                    assert ack.staleness == 1 and ack.version.shards == (2, 2)
-                    ack = await b.push(update, version=[2, 0])
-                    assert ack.staleness == 2
-                    assert [r.staleness for r in ack.shards] == [0, 2]
-                    with pytest.raises(ValueError, match="versions for 2 shards"):
-                        await b.push(update, version=(1, 1, 1))
-                    with pytest.raises(ValueError, match="structure"):
-                        await b.push({"w": np.zeros(2)}, version=2)
-                    merged, _ = await a.pull()
-                    await one.push(update, version=0)
-                    await one.push(update, version=0)
-                    expected, _ = await one.pull()
-                    _assert_trees_equal(merged, expected)
-            finally:
-                for s in servers:
-                    await s.close()
+        async with (
+            Server(params, optax.sgd(1.0), "asp", secret=SECRET) as single,
+            _running(partition, params, optax.sgd(1.0)) as servers,
+            _sharded(servers, partition, "a") as a,
+            _sharded(servers, partition, "b") as b,
+            _sharded([single], KeyRangePartition.from_tree(params, 1)) as one,
+        ):
+            _, va = await a.pull()
+            _, vb = await b.pull()
+            _, v1 = await one.pull()
+            update = jax.tree.map(lambda x: np.ones_like(x), params)
+            encoded = encode_tree(update, codec, jax.random.key(1))
+            ack = await a.push(spec, version=va, codec=codec, encoded=encoded)
+            await one.push(spec, version=v1, codec=codec, encoded=encoded)
+            assert ack.applied
+            # b computed on version 0; the shards are at 1 now.
+            ack = await b.push(update, version=vb)
+            assert ack.staleness == 1 and ack.version.shards == (2, 2)
+            ack = await b.push(update, version=[2, 0])
+            assert ack.staleness == 2
+            assert [r.staleness for r in ack.shards] == [0, 2]
+            with pytest.raises(ValueError, match="versions for 2 shards"):
+                await b.push(update, version=(1, 1, 1))
+            with pytest.raises(ValueError, match="structure"):
+                await b.push({"w": np.zeros(2)}, version=2)
+            merged, _ = await a.pull()
+            await one.push(update, version=0)
+            await one.push(update, version=0)
+            expected, _ = await one.pull()
+            _assert_trees_equal(merged, expected)
 
     _run(main)
 
@@ -455,10 +459,7 @@ def test_a_failing_shard_fails_the_call_and_says_what_happened():
     partition = KeyRangePartition.from_tree(params, 2)
 
     async def main():
-        servers = _servers(partition, params, optax.sgd(0.1))
-        for s in servers:
-            await s.start()
-        try:
+        async with _running(partition, params, optax.sgd(0.1)) as servers:
             client = _sharded(servers, partition)
             async with client:
                 _, version = await client.pull()
@@ -478,9 +479,6 @@ def test_a_failing_shard_fails_the_call_and_says_what_happened():
                 with pytest.raises((ConnectionClosed, ServerError), match="shard 1"):
                     await client.pull()
                 assert client.closed
-        finally:
-            for s in servers:
-                await s.close()
 
     _run(main)
 
@@ -490,31 +488,25 @@ def test_a_dead_shard_does_not_hang_a_barrier_wait():
     partition = KeyRangePartition.from_tree(params, 2)
 
     async def main():
-        servers = _servers(partition, params, optax.sgd(0.1), "bsp")
-        for s in servers:
-            await s.start()
-        try:
-            async with (
-                _sharded(servers, partition, "w0", timeout=None) as w0,
-                _sharded(servers, partition, "w1", timeout=None) as w1,
-            ):
-                _, v0 = await w0.pull()
-                await w1.pull()
-                update = jax.tree.map(np.ones_like, params)
-                # w0's pull waits for w1's push on both shards (BSP)...
-                waiting = asyncio.ensure_future(w0.push_pull(update, version=v0))
-                await asyncio.sleep(0.2)
-                assert not waiting.done()
-                # ... until shard 0 goes away: the call fails at once.
-                await servers[0].close()
-                async with asyncio.timeout(10):
-                    with pytest.raises(
-                        (ConnectionClosed, ServerError), match="shard 0 of 2"
-                    ):
-                        await waiting
-        finally:
-            for s in servers:
-                await s.close()
+        async with (
+            _running(partition, params, optax.sgd(0.1), "bsp") as servers,
+            _sharded(servers, partition, "w0", timeout=None) as w0,
+            _sharded(servers, partition, "w1", timeout=None) as w1,
+        ):
+            _, v0 = await w0.pull()
+            await w1.pull()
+            update = jax.tree.map(np.ones_like, params)
+            # w0's pull waits for w1's push on both shards (BSP)...
+            waiting = asyncio.ensure_future(w0.push_pull(update, version=v0))
+            await asyncio.sleep(0.2)
+            assert not waiting.done()
+            # ... until shard 0 goes away: the call fails at once.
+            await servers[0].close()
+            async with asyncio.timeout(10):
+                with pytest.raises(
+                    (ConnectionClosed, ServerError), match="shard 0 of 2"
+                ):
+                    await waiting
 
     _run(main)
 
@@ -524,10 +516,7 @@ def test_connect_checks_each_shard_serves_its_key_range():
     partition = KeyRangePartition.from_tree(params, 2)
 
     async def main():
-        servers = _servers(partition, params, optax.sgd(0.1))
-        for s in servers:
-            await s.start()
-        try:
+        async with _running(partition, params, optax.sgd(0.1)) as servers:
             swapped = _sharded(servers[::-1], partition)
             with pytest.raises(SpecMismatch, match="shard 0 of 2"):
                 await swapped.connect()
@@ -542,9 +531,6 @@ def test_connect_checks_each_shard_serves_its_key_range():
             with pytest.raises(AuthError, match=r"shard [01] of 2"):
                 await wrong.connect()
             assert all(c.closed for c in wrong.clients)
-        finally:
-            for s in servers:
-                await s.close()
 
     _run(main)
     with pytest.raises(ValueError, match="3 server addresses"):
@@ -575,10 +561,7 @@ def test_worker_runtime_trains_against_shards():
     records = []
 
     async def main():
-        servers = _servers(partition, params, optax.sgd(0.2), "bsp")
-        for s in servers:
-            await s.start()
-        try:
+        async with _running(partition, params, optax.sgd(0.2), "bsp") as servers:
             workers = []
             for i, extra in enumerate(
                 [dict(staleness_policy="inverse_plus_one"), dict(bits=8)]
@@ -597,9 +580,6 @@ def test_worker_runtime_trains_against_shards():
                 )
             summaries = await asyncio.gather(*(w.run() for w in workers))
             versions = [s.version for s in servers]
-        finally:
-            for s in servers:
-                await s.close()
         return summaries, versions
 
     summaries, versions = _run(main)
