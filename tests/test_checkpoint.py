@@ -483,9 +483,44 @@ def test_damaged_manifest_is_skipped_with_a_warning(tmp_path, damage, caplog):
     assert restored.step == 2 and restored.metadata == {"s": 2}
     assert "skipping damaged checkpoint" in caplog.text
     assert "ckpt_3" in caplog.text
-    with pytest.raises(CheckpointError):
+    assert manager.steps() == [1, 2]
+    aside = tmp_path / "ckpt_3.damaged-1"
+    assert aside.is_dir(), "damaged checkpoints are kept for a look"
+    assert "ckpt_3.damaged-1" in caplog.text
+    with pytest.raises(ValueError, match="no checkpoint for step 3"):
         manager.restore(3)
-    assert (tmp_path / "ckpt_3").exists(), "damaged checkpoints are kept for a look"
+
+
+def _damage_leaf(root: pathlib.Path) -> None:
+    chunks = [p for p in (root / "leaves").rglob("*") if p.is_file()]
+    chunk = next(p for p in chunks if p.name != "zarr.json")
+    data = bytearray(chunk.read_bytes())
+    data[10] ^= 0x01
+    chunk.write_bytes(bytes(data))
+
+
+def test_saving_goes_on_after_falling_back_from_a_damaged_checkpoint(tmp_path):
+    manager = _three_checkpoints(tmp_path)
+    manager.close()
+    _damage_leaf(tmp_path / "ckpt_3")
+    # A restarted run resumes from step 2 and saves its next steps, older
+    # than the damaged one; a clean close raises nothing.
+    manager = CheckpointManager(tmp_path)
+    assert manager.restore_latest().step == 2
+    manager.save(3, {"w": np.full((8, 8), 30, np.float32)}, {"s": 30})
+    manager.save_async(4, {"w": np.full((8, 8), 40, np.float32)})
+    manager.close()
+    assert manager.steps() == [2, 3, 4]
+    assert manager.restore(3).metadata == {"s": 30}
+    assert (tmp_path / "ckpt_3.damaged-1" / "manifest.msgpack").is_file()
+    # Damaged again: moved aside under the next free name, the first kept.
+    _damage_leaf(tmp_path / "ckpt_4")
+    assert CheckpointManager(tmp_path).restore_latest().step == 3
+    _damage_leaf(tmp_path / "ckpt_3")
+    assert CheckpointManager(tmp_path).restore_latest().step == 2
+    assert (tmp_path / "ckpt_3.damaged-2").is_dir()
+    assert (tmp_path / "ckpt_4.damaged-1").is_dir()
+    assert (tmp_path / "ckpt_3.damaged-1").is_dir()
 
 
 def test_damaged_leaf_data_is_detected(tmp_path, caplog):

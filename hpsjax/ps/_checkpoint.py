@@ -14,6 +14,7 @@ On disk::
       .tmp-ckpt_<step>-<pid>-<hex>/    a save in progress, or left by a crash
       .old-ckpt_<step>-<hex>/          a checkpoint being replaced (overwrite)
       .del-ckpt_<step>-<hex>/          a checkpoint being pruned
+      ckpt_<step>.damaged-<n>/         a damaged checkpoint moved aside, kept
 
 Commit protocol. A save writes every leaf and then the manifest into a fresh
 temporary directory, ``fsync`` s every file and directory in it, renames it to
@@ -29,7 +30,8 @@ leaves a half-deleted directory that looks committed.
 Errors: bad arguments raise ``ValueError``; a checkpoint that cannot be read
 (missing or damaged manifest or leaf data) raises ``CheckpointError``, a
 ``ValueError`` subclass. ``restore_latest`` logs such a checkpoint on the
-``hpsjax.ps._checkpoint`` logger and falls back to the next older one.
+``hpsjax.ps._checkpoint`` logger, moves it aside (renamed, never deleted) so
+that saving goes on, and falls back to the next older one.
 
 One manager per directory: temporary directories of other live processes are left
 alone, but two processes saving into one directory is not supported.
@@ -72,6 +74,7 @@ _PREFIX = "ckpt_"
 _TMP_PREFIX = ".tmp-ckpt_"
 _OLD_PREFIX = ".old-ckpt_"
 _DEL_PREFIX = ".del-ckpt_"
+_DAMAGED_INFIX = ".damaged-"
 _FINAL_RE = re.compile(r"ckpt_(\d+)")
 _TMP_RE = re.compile(r"\.tmp-ckpt_(\d+)-(\d+)-[0-9a-f]+")
 _OLD_RE = re.compile(r"\.old-ckpt_(\d+)-[0-9a-f]+")
@@ -834,8 +837,9 @@ class CheckpointManager:
         """Restores the newest complete checkpoint.
 
         Leftovers of interrupted saves are cleaned up first. A checkpoint whose
-        manifest or data is damaged is logged as a warning and skipped for the
-        next older one.
+        manifest or data is damaged is logged as a warning, moved aside to
+        ``ckpt_<step>.damaged-<n>`` (kept, never deleted) and skipped for the
+        next older one; later saves then follow the restored step.
 
         Args:
           like: as in ``restore``.
@@ -853,11 +857,9 @@ class CheckpointManager:
                 try:
                     return self._restore(step, like)
                 except CheckpointError as e:
-                    logger.warning(
-                        "skipping damaged checkpoint %s: %s",
-                        self._directory / f"{_PREFIX}{step}",
-                        e,
-                    )
+                    root = self._directory / f"{_PREFIX}{step}"
+                    logger.warning("skipping damaged checkpoint %s: %s", root, e)
+                    self._move_aside(root)
             return None
 
     # -- internals -----------------------------------------------------------
@@ -943,6 +945,24 @@ class CheckpointManager:
             os.rename(self._directory / f"{_PREFIX}{step}", doomed)
             shutil.rmtree(doomed, ignore_errors=True)
         _fsync_path(self._directory, directory=True)
+
+    def _move_aside(self, root: pathlib.Path) -> None:
+        """Renames a damaged checkpoint out of the ``ckpt_`` namespace.
+
+        Kept (never deleted) for a look, as ``<name>.damaged-<n>``; saving goes
+        on as if it were not there, so the run's next steps are not refused as
+        older than it.
+        """
+        n = 1
+        while (aside := root.with_name(f"{root.name}{_DAMAGED_INFIX}{n}")).exists():
+            n += 1
+        try:
+            os.rename(root, aside)
+            _fsync_path(self._directory, directory=True)
+        except OSError as e:
+            logger.warning("cannot move damaged checkpoint %s aside: %s", root, e)
+            return
+        logger.warning("moved damaged checkpoint %s aside to %s", root, aside.name)
 
     def _cleanup(self) -> None:
         """Removes leftovers of interrupted saves and prunes; restores replaced."""
