@@ -1,0 +1,509 @@
+"""One metrics schema for workers, server, simulator and experiments.
+
+A **record** is a flat JSON object, one per event, as the workers
+(``hpsjax.worker``), the simulator and ``experiments`` have always written to
+their ``.jsonl`` files:
+
+=============  ===============================================================
+``event``      what happened: ``"round"`` and ``"final"`` (a worker),
+               ``"push"`` (a simulated push), ``"eval"`` (test accuracy),
+               ``"worker"`` (per-worker totals), ``"summary"``, ...
+``worker``     the worker's id, when the record is about one worker
+``step``       the worker's step; ``version`` the server's model version
+``time``       seconds since the run started (virtual seconds in the simulator)
+others         numbers (``loss``, ``staleness``, ``batch_size``, ...), strings,
+               lists; ``null`` where a number is not finite
+=============  ===============================================================
+
+:class:`MetricsWriter` writes such records to a JSON-lines file, byte for byte
+as before, and to TensorBoard event files, and :func:`read_jsonl` and
+:func:`read_tensorboard` read both back. TensorBoard events are written with
+tensorboardX: it needs only numpy and protobuf (no TensorFlow, no PyTorch), is
+maintained, and its files are the ones TensorBoard itself reads.
+
+:class:`ServerMetrics` exports a parameter server's counters to Prometheus
+(prometheus-client). Events are counted in plain Python numbers, a few
+nanoseconds per push, and turned into metric families only when ``/metrics``
+is scraped; the server's gauges (version, live workers) are read from a
+callable at scrape time.
+
+Examples:
+  >>> import os, tempfile
+  >>> with tempfile.TemporaryDirectory() as d:
+  ...     with MetricsWriter(os.path.join(d, "m.jsonl"), tensorboard_dir=d) as w:
+  ...         w({"event": "round", "worker": 0, "step": 3, "loss": 0.5})
+  ...     records = read_jsonl(os.path.join(d, "m.jsonl"))
+  ...     scalars = read_tensorboard(d)
+  >>> records
+  [{'event': 'round', 'worker': 0, 'step': 3, 'loss': 0.5}]
+  >>> scalars["worker0"]["round/loss"]
+  [(3, 0.5)]
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import math
+import os
+import pathlib
+import struct
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+__all__ = [
+    "MetricsWriter",
+    "ServerMetrics",
+    "jsonable",
+    "read_jsonl",
+    "read_tensorboard",
+]
+
+
+def jsonable(value: Any) -> Any:
+    """``value`` with non-finite floats as ``None`` and numpy scalars as Python
+    numbers, so that ``json.dumps(..., allow_nan=False)`` takes it."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, Mapping):
+        return {str(k): jsonable(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [jsonable(v) for v in value]
+    if hasattr(value, "item") and callable(value.item):
+        return jsonable(value.item())
+    return value
+
+
+# Fields that identify a record rather than measure something.
+_NOT_SCALARS = frozenset({"event", "worker", "step"})
+
+
+def _scalar(value: Any) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    value = float(value)
+    return value if math.isfinite(value) else None
+
+
+class MetricsWriter:
+    """Writes metrics records to a JSON-lines file and TensorBoard event files.
+
+    A callable sink: pass it wherever a ``metrics`` callable is taken (e.g.
+    ``hpsjax.worker.Worker(..., metrics=MetricsWriter(...))``).
+
+    Every record is appended to ``jsonl`` as one line, flushed at once, exactly
+    as ``json.dumps(record)`` writes it (non-finite numbers become ``null``).
+    Its numeric fields go to TensorBoard as scalars tagged ``"<event>/<field>"``
+    (``"<field>"`` without an event). Records of one worker go to the run
+    ``<tensorboard_dir>/worker<id>``, so TensorBoard overlays the workers of a
+    run; the others to ``<tensorboard_dir>`` itself. A scalar's step is the
+    record's ``step``, else its ``version``, else the number of earlier records
+    of that event in that run.
+
+    Args:
+      jsonl: path of the JSON-lines file (created, or appended to), or None.
+      tensorboard_dir: directory of the event files (created), or None.
+      flush_secs: how often the event files are flushed, in seconds.
+
+    Raises:
+      ValueError: neither output given, or a bad ``flush_secs``.
+    """
+
+    def __init__(
+        self,
+        jsonl: str | os.PathLike | None = None,
+        *,
+        tensorboard_dir: str | os.PathLike | None = None,
+        flush_secs: float = 10.0,
+    ):
+        if jsonl is None and tensorboard_dir is None:
+            raise ValueError("MetricsWriter needs a jsonl path or a tensorboard_dir")
+        if isinstance(flush_secs, bool) or not isinstance(flush_secs, int | float):
+            raise ValueError(f"flush_secs must be a number, got {flush_secs!r}")
+        if not flush_secs > 0:
+            raise ValueError(f"flush_secs must be positive, got {flush_secs}")
+        self._file = None
+        if jsonl is not None:
+            self._file = open(jsonl, "a", encoding="utf-8")  # noqa: SIM115
+        self._tb_dir = (
+            None if tensorboard_dir is None else pathlib.Path(tensorboard_dir)
+        )
+        self._flush_secs = flush_secs
+        self._writers: dict[str, Any] = {}
+        self._counts: dict[tuple[str, str], int] = {}
+
+    def _writer(self, run: str):
+        writer = self._writers.get(run)
+        if writer is None:
+            from tensorboardX import SummaryWriter
+
+            assert self._tb_dir is not None
+            logdir = self._tb_dir / run if run else self._tb_dir
+            writer = SummaryWriter(str(logdir), flush_secs=self._flush_secs)
+            self._writers[run] = writer
+        return writer
+
+    def __call__(self, record: Mapping[str, Any]) -> None:
+        """Writes one record.
+
+        Raises:
+          ValueError: ``record`` is not a mapping, or the writer is closed.
+        """
+        if not isinstance(record, Mapping):
+            raise ValueError(f"a record must be a mapping, got {type(record).__name__}")
+        if self._writers is None:
+            raise ValueError("MetricsWriter is closed")
+        record = jsonable(record)
+        if self._file is not None:
+            self._file.write(json.dumps(record, allow_nan=False) + "\n")
+            self._file.flush()
+        if self._tb_dir is not None:
+            self._write_scalars(record)
+
+    def _write_scalars(self, record: dict[str, Any]) -> None:
+        event = record.get("event")
+        prefix = f"{event}/" if isinstance(event, str) and event else ""
+        worker = record.get("worker")
+        run = (
+            ""
+            if worker is None or isinstance(worker, dict | list)
+            else f"worker{worker}"
+        )
+        key = (run, prefix)
+        count = self._counts.get(key, 0)
+        self._counts[key] = count + 1
+        step = record.get("step", record.get("version"))
+        if isinstance(step, bool) or not isinstance(step, int):
+            step = count
+        writer = None
+        for field, value in record.items():
+            value = None if field in _NOT_SCALARS else _scalar(value)
+            if value is None:
+                continue
+            writer = writer or self._writer(run)
+            writer.add_scalar(prefix + field, value, step)
+
+    def flush(self) -> None:
+        """Flushes the event files (the JSON lines are flushed per record)."""
+        for writer in (self._writers or {}).values():
+            writer.flush()
+
+    def close(self) -> None:
+        """Flushes and closes every file; idempotent."""
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        for writer in (self._writers or {}).values():
+            writer.close()
+        self._writers = None
+
+    def __enter__(self) -> MetricsWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
+    """Reads a JSON-lines metrics file; blank lines are skipped.
+
+    Raises:
+      FileNotFoundError: no file at ``path``.
+      ValueError: a line that is not a JSON object (the message gives its number).
+    """
+    records = []
+    with open(path, encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{number}: not JSON: {e}") from e
+            if not isinstance(record, dict):
+                raise ValueError(f"{path}:{number}: not a JSON object")
+            records.append(record)
+    return records
+
+
+def _read_events(path: pathlib.Path) -> Iterable[Any]:
+    """The events of one event file; a truncated last record (a writer killed
+    mid-write) ends the file. Record framing: length (u64), its masked CRC32C
+    (u32), the data, the data's masked CRC32C (u32), little-endian."""
+    from tensorboardX.proto import event_pb2
+    from tensorboardX.record_writer import masked_crc32c
+
+    data = path.read_bytes()
+    offset = 0
+    while offset + 12 <= len(data):
+        header = data[offset : offset + 8]
+        (length,) = struct.unpack("<Q", header)
+        (header_crc,) = struct.unpack("<I", data[offset + 8 : offset + 12])
+        if header_crc != masked_crc32c(header):
+            raise ValueError(f"{path}: corrupt record header at byte {offset}")
+        end = offset + 12 + length + 4
+        if end > len(data):
+            return
+        yield event_pb2.Event.FromString(data[offset + 12 : end - 4])
+        offset = end
+
+
+def read_tensorboard(
+    logdir: str | os.PathLike,
+) -> dict[str, dict[str, list[tuple[int, float]]]]:
+    """Reads back the scalars of the TensorBoard event files under ``logdir``.
+
+    Args:
+      logdir: a directory as given to :class:`MetricsWriter` (or any
+        TensorBoard log directory of scalar summaries).
+
+    Returns:
+      ``{run: {tag: [(step, value), ...]}}``, runs named by their directory
+      relative to ``logdir`` (``""`` for ``logdir`` itself), points in the order
+      written.
+
+    Raises:
+      FileNotFoundError: ``logdir`` is not a directory.
+      ValueError: a corrupt event file.
+    """
+    root = pathlib.Path(logdir)
+    if not root.is_dir():
+        raise FileNotFoundError(f"no directory {str(root)!r}")
+    runs: dict[str, dict[str, list[tuple[int, float]]]] = {}
+    for path in sorted(root.rglob("events.out.tfevents.*")):
+        run = path.parent.relative_to(root).as_posix()
+        tags = runs.setdefault("" if run == "." else run, {})
+        for event in _read_events(path):
+            for value in event.summary.value:
+                if value.WhichOneof("value") == "simple_value":
+                    point = (int(event.step), float(value.simple_value))
+                    tags.setdefault(value.tag, []).append(point)
+    return runs
+
+
+# ---------------------------------------------------------------------------
+# Prometheus.
+# ---------------------------------------------------------------------------
+
+_STALENESS_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128)
+_SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
+
+
+def _check_buckets(name: str, buckets: Iterable[float]) -> tuple[float, ...]:
+    buckets = tuple(buckets)
+    if not buckets or any(
+        isinstance(b, bool) or not isinstance(b, int | float) or not math.isfinite(b)
+        for b in buckets
+    ):
+        raise ValueError(f"{name} must be finite numbers, got {buckets!r}")
+    if list(buckets) != sorted(set(buckets)):
+        raise ValueError(f"{name} must be strictly increasing, got {buckets!r}")
+    return tuple(float(b) for b in buckets)
+
+
+class _Histogram:
+    """Bucket counts kept as plain numbers; one writer thread."""
+
+    def __init__(self, bounds: tuple[float, ...]):
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
+        self.sum += value
+
+    def family(self, name: str, documentation: str):
+        from prometheus_client.core import HistogramMetricFamily
+
+        counts = list(self.counts)
+        cumulative, total = [], 0
+        for bound, count in zip((*self.bounds, math.inf), counts, strict=True):
+            total += count
+            cumulative.append(("+Inf" if bound == math.inf else repr(bound), total))
+        return HistogramMetricFamily(
+            name, documentation, buckets=cumulative, sum_value=self.sum
+        )
+
+
+def _check_count(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{name} must be a non-negative int, got {value!r}")
+    return value
+
+
+class ServerMetrics:
+    """A parameter server's metrics, served to Prometheus on ``/metrics``.
+
+    The server calls the event methods (:meth:`push`, :meth:`pull`,
+    :meth:`barrier_wait`, :meth:`apply`, :meth:`worker_dropped`,
+    :meth:`checkpoint_saved`) from its event loop, one thread; each adds to a
+    few Python numbers. Gauges of the server's state come from ``state``, called
+    at each scrape from the HTTP thread. Exported (prefix ``hpsjax_server_``):
+
+    ==============================  ===========================================
+    ``version``                     gauge: the model version
+    ``live_workers``                gauge: workers joined and not gone
+    ``dropped_workers_total``       counter: workers dropped (left or timed out)
+    ``pushes_total``                counter: pushes received (``rate()`` gives
+                                    pushes per second)
+    ``pulls_total``                 counter: pulls served
+    ``received_bytes_total``        counter: bytes in
+    ``sent_bytes_total``            counter: bytes out
+    ``staleness``                   histogram: staleness of each push
+    ``barrier_wait_seconds``        histogram: time a worker waited at a barrier
+    ``apply_seconds``               histogram: time to apply an update
+    ``checkpoint_age_seconds``      gauge: seconds since the last checkpoint
+                                    (absent before the first)
+    ==============================  ===========================================
+
+    Args:
+      state: a callable returning a mapping with ``"version"`` and
+        ``"live_workers"`` (either may be missing), or None.
+      staleness_buckets: upper bounds of the staleness histogram.
+      seconds_buckets: upper bounds of the wait and apply histograms.
+
+    Examples:
+      >>> m = ServerMetrics(state=lambda: {"version": 7, "live_workers": 2})
+      >>> m.push(staleness=1, received_bytes=4096)
+      >>> b"hpsjax_server_pushes_total 1.0" in m.exposition()
+      True
+    """
+
+    def __init__(
+        self,
+        state: Callable[[], Mapping[str, Any]] | None = None,
+        *,
+        staleness_buckets: Iterable[float] = _STALENESS_BUCKETS,
+        seconds_buckets: Iterable[float] = _SECONDS_BUCKETS,
+    ):
+        from prometheus_client import CollectorRegistry
+
+        if state is not None and not callable(state):
+            raise ValueError("state must be callable or None")
+        self._state = state
+        self._staleness = _Histogram(
+            _check_buckets("staleness_buckets", staleness_buckets)
+        )
+        seconds = _check_buckets("seconds_buckets", seconds_buckets)
+        self._barrier_wait = _Histogram(seconds)
+        self._apply = _Histogram(seconds)
+        self._pushes = self._pulls = self._dropped = 0
+        self._received = self._sent = 0
+        self._checkpoint_time: float | None = None
+        self._http = None
+        self._lock = threading.Lock()
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(self)
+
+    # -- events (the server's event loop) ------------------------------------
+
+    def push(self, *, staleness: int, received_bytes: int = 0) -> None:
+        """Counts one push of ``staleness`` and ``received_bytes`` bytes in."""
+        self._pushes += 1
+        self._staleness.observe(staleness)
+        self._received += received_bytes
+
+    def pull(self, *, sent_bytes: int = 0) -> None:
+        """Counts one pull of ``sent_bytes`` bytes out."""
+        self._pulls += 1
+        self._sent += sent_bytes
+
+    def transfer(self, *, received_bytes: int = 0, sent_bytes: int = 0) -> None:
+        """Counts bytes of other messages (joins, plans, errors)."""
+        self._received += received_bytes
+        self._sent += sent_bytes
+
+    def barrier_wait(self, seconds: float) -> None:
+        """Records how long one worker waited at a barrier."""
+        self._barrier_wait.observe(seconds)
+
+    def apply(self, seconds: float) -> None:
+        """Records how long applying one update took."""
+        self._apply.observe(seconds)
+
+    def worker_dropped(self, count: int = 1) -> None:
+        """Counts workers dropped (left, timed out or refused)."""
+        self._dropped += _check_count("count", count)
+
+    def checkpoint_saved(self, timestamp: float | None = None) -> None:
+        """Notes a checkpoint written at ``timestamp`` (``time.time()``; now
+        when omitted), e.g. the one resumed from."""
+        self._checkpoint_time = time.time() if timestamp is None else timestamp
+
+    # -- scrape (the HTTP thread) --------------------------------------------
+
+    def collect(self):
+        """The metric families, built now (the prometheus-client collector API)."""
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        p = "hpsjax_server_"
+        state = dict(self._state()) if self._state is not None else {}
+        for key, doc in (
+            ("version", "The model version."),
+            ("live_workers", "Workers joined and not gone."),
+        ):
+            if state.get(key) is not None:
+                yield GaugeMetricFamily(p + key, doc, value=float(state[key]))
+        for name, doc, value in (
+            ("dropped_workers", "Workers dropped.", self._dropped),
+            ("pushes", "Pushes received.", self._pushes),
+            ("pulls", "Pulls served.", self._pulls),
+            ("received_bytes", "Bytes received.", self._received),
+            ("sent_bytes", "Bytes sent.", self._sent),
+        ):
+            yield CounterMetricFamily(p + name, doc, value=float(value))
+        yield self._staleness.family(p + "staleness", "Staleness of each push.")
+        yield self._barrier_wait.family(
+            p + "barrier_wait_seconds", "Time a worker waited at a barrier."
+        )
+        yield self._apply.family(p + "apply_seconds", "Time to apply an update.")
+        if self._checkpoint_time is not None:
+            yield GaugeMetricFamily(
+                p + "checkpoint_age_seconds",
+                "Seconds since the last checkpoint.",
+                value=max(0.0, time.time() - self._checkpoint_time),
+            )
+
+    def exposition(self) -> bytes:
+        """The text ``/metrics`` serves."""
+        from prometheus_client import generate_latest
+
+        return generate_latest(self.registry)
+
+    def serve(self, port: int = 0, host: str = "127.0.0.1") -> int:
+        """Serves ``/metrics`` over HTTP from a daemon thread.
+
+        Args:
+          port: TCP port; 0 picks a free one.
+          host: address to bind, loopback by default.
+
+        Returns:
+          The bound port.
+
+        Raises:
+          ValueError: a bad port, or already serving.
+          OSError: the address cannot be bound.
+        """
+        from prometheus_client import start_http_server
+
+        if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port < 65536:
+            raise ValueError(f"port must be an int in [0, 65536), got {port!r}")
+        with self._lock:
+            if self._http is not None:
+                raise ValueError("ServerMetrics is already serving")
+            server, thread = start_http_server(port, addr=host, registry=self.registry)
+            self._http = (server, thread)
+        return server.server_port
+
+    def stop(self) -> None:
+        """Stops serving and joins the thread; idempotent."""
+        with self._lock:
+            http, self._http = self._http, None
+        if http is not None:
+            server, thread = http
+            server.shutdown()
+            server.server_close()
+            thread.join()
