@@ -27,6 +27,11 @@ def _speeds(*speeds, **kwargs):
     return [W(i, s, **kwargs) for i, s in enumerate(speeds)]
 
 
+def _fixed_cost_workers():
+    """Steps of 50 or 100 ms fixed cost and 0.1 ms per sample, alternating."""
+    return [W(i, 1e4, overhead=0.1 if i % 2 == 0 else 0.05) for i in range(4)]
+
+
 def _batches(work_plan):
     return [w.batch_size for w in work_plan.workers]
 
@@ -42,7 +47,7 @@ def test_hps_batches_follow_throughput():
     p = plan(_speeds(1, 1, 2, 4), "hps", global_batch=256)
     assert _batches(p) == [32, 32, 64, 128]
     assert _steps(p) == [1, 1, 1, 1]
-    assert [w.lr_scale for w in p.workers] == [0.5, 0.5, 1.0, 2.0]
+    assert [w.lr_scale for w in p.workers] == [1.0] * 4
     assert p.round_time == pytest.approx(32.0)
     assert p.idle_fraction == pytest.approx(0.0, abs=1e-12)
     assert p.reference_batch == 64.0
@@ -124,13 +129,46 @@ def test_hps_minimum_batch_per_device():
         plan(_speeds(1, 1000), global_batch=15, min_device_batch=8)
 
 
+def test_fixed_cost_plan_keeps_a_minimum_batch_and_warns(caplog):
+    # Finishing together alone gives the slow-overhead workers one sample each.
+    assert _batches(plan(_fixed_cost_workers(), global_batch=256, min_batch=1)) == [
+        1,
+        127,
+        1,
+        127,
+    ]
+    with caplog.at_level("WARNING", logger="hpsjax.profiling"):
+        p = plan(_fixed_cost_workers(), global_batch=256)
+    assert p.min_batch == 8 and min(_batches(p)) >= 8
+    assert _batches(p) == [8, 120, 8, 120]
+    (record,) = caplog.records
+    assert record.levelname == "WARNING"
+    assert "[1, 127, 1, 127]" in record.getMessage()
+    assert "workers [0, 2] get min_batch=8" in record.getMessage()
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="hpsjax.profiling"):
+        p = plan(_fixed_cost_workers(), global_batch=256, min_batch=40)
+    assert _batches(p) == [40, 88, 40, 88] and len(caplog.records) == 1
+    # A balanced plan above the minimum logs nothing.
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="hpsjax.profiling"):
+        plan(_speeds(1, 1, 2, 4), global_batch=256)
+    assert caplog.records == []
+    # The minimum of a worker is spread over its devices.
+    two = [W(0, [1e4, 1e4], overhead=0.1), W(1, 1e4, overhead=0.01)]
+    p = plan(two, global_batch=256, min_batch=30)
+    assert [d.batch_size for d in p.workers[0].devices] == [15, 15]
+    with pytest.raises(ValueError, match="smaller than the 4 workers times min_batch"):
+        plan(_fixed_cost_workers(), global_batch=256, min_batch=65)
+
+
 def test_rounding_keeps_the_global_batch():
     assert _batches(plan(_speeds(1, 1, 1), global_batch=100)) == [34, 33, 33]
     rng = random.Random(0)
     for _ in range(50):
         speeds = [rng.uniform(0.1, 10.0) for _ in range(rng.randint(1, 9))]
         batch = rng.randint(len(speeds), 5000)
-        p = plan(_speeds(*speeds), global_batch=batch)
+        p = plan(_speeds(*speeds), global_batch=batch, min_batch=1)
         assert sum(_batches(p)) == batch
         assert min(_batches(p)) >= 1
         # largest remainder: no worker is more than one sample from its share
@@ -218,16 +256,56 @@ def test_equal_share_must_fit_memory():
 
 def test_lr_scaling_rules():
     workers = _speeds(1, 1, 2, 4)
+    # One factor for all workers, from the global batch and the reference.
     p = plan(workers, global_batch=256, lr_scaling="sqrt")
-    assert [w.lr_scale for w in p.workers] == pytest.approx(
-        [math.sqrt(0.5), math.sqrt(0.5), 1.0, math.sqrt(2.0)]
-    )
-    p = plan(workers, global_batch=256, lr_scaling="none")
-    assert [w.lr_scale for w in p.workers] == [1.0] * 4
-    p = plan(workers, global_batch=256, reference_batch=128)
-    assert [w.lr_scale for w in p.workers] == [0.25, 0.25, 0.5, 1.0]
-    # Averaging the n linearly scaled mean gradients gives sum_i (b_i / B) g_i.
-    assert sum(w.lr_scale for w in plan(workers, global_batch=256).workers) == 4
+    assert [w.lr_scale for w in p.workers] == pytest.approx([2.0] * 4)
+    p = plan(workers, global_batch=256)
+    assert p.lr_scaling == "none" and [w.lr_scale for w in p.workers] == [1.0] * 4
+    p = plan(workers, global_batch=256, lr_scaling="linear", reference_batch=128)
+    assert [w.lr_scale for w in p.workers] == [2.0] * 4
+    p = plan(workers, global_batch=256, lr_scaling="linear")
+    assert [w.lr_scale for w in p.workers] == [4.0] * 4
+
+
+def _bsp_step(work_plan, gradient=1.0):
+    """The step of one BSP round of sgd(1.0) on equal gradients under a plan.
+
+    Each worker pushes ``lr_scale * gradient`` with its samples, as the worker
+    runtime and the simulator do; the server weighs the pushes by the samples.
+    """
+    import jax.numpy as jnp
+    import optax
+
+    from hpsjax.ps import ServerCore
+
+    core = ServerCore({"w": jnp.zeros(())}, optax.sgd(1.0), "bsp")
+    for w in work_plan.workers:
+        core.join(w.worker_id, now=0.0)
+    for w in work_plan.workers:
+        update = {"w": jnp.asarray(w.lr_scale * gradient, jnp.float32)}
+        core.push(
+            w.worker_id,
+            update,
+            version=0,
+            now=1.0,
+            num_samples=w.batch_size * w.local_steps,
+        )
+    assert core.version == 1
+    return -float(core.params["w"])
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_no_plan_changes_the_step_for_equal_gradients(scheme):
+    # Unequal speeds, and a fixed-cost-dominated pair, give unequal batches.
+    for workers, batch in [
+        (_speeds(1, 3.34), 256),
+        (_speeds(1, 1, 2, 4), 256),
+        (_fixed_cost_workers(), 256),
+    ]:
+        p = plan(workers, scheme, global_batch=batch)
+        assert _bsp_step(p) == pytest.approx(1.0, rel=1e-6)
+        p = plan(workers, scheme, global_batch=batch, lr_scaling="linear")
+        assert _bsp_step(p) == pytest.approx(len(workers), rel=1e-6)
 
 
 # --- JSON and bad input ----------------------------------------------------------
@@ -266,6 +344,11 @@ def test_plan_json_rejects_bad_text():
         WorkPlan.from_json(json.dumps(broken))
     with pytest.raises(ValueError, match="unknown scheme"):
         WorkPlan.from_json(json.dumps({**data, "scheme": "bsp"}))
+    # A plan that scales workers by their batches would weight them twice.
+    twice = json.loads(text)
+    twice["workers"][0]["lr_scale"] = 0.5
+    with pytest.raises(ValueError, match="would weight batches twice"):
+        WorkPlan.from_json(json.dumps(twice))
 
 
 def test_profile_json_round_trip():
@@ -305,6 +388,7 @@ def test_profile_json_round_trip():
         ({"global_batch": 8.0}, "global_batch must be an int"),
         ({"local_steps": 0}, "local_steps must be an int >= 1"),
         ({"min_device_batch": 0}, "min_device_batch must be an int >= 1"),
+        ({"min_batch": 0}, "min_batch must be an int >= 1"),
         ({"max_local_steps": 0}, "max_local_steps must be an int >= 1"),
         ({"reference_batch": -1.0}, "reference_batch must be a positive"),
         ({"memory_fraction": 0.0}, r"memory_fraction must be in \(0, 1\]"),

@@ -9,6 +9,7 @@ equal scheme; :class:`Replanner` revises a plan as measured speeds drift.
 
 from hpsjax.profiling._plan import (
     LR_SCALINGS,
+    MIN_BATCH_SHARE,
     SCHEMES,
     DevicePlan,
     Replanner,
@@ -30,6 +31,7 @@ from hpsjax.profiling._profile import (
 
 __all__ = [
     "LR_SCALINGS",
+    "MIN_BATCH_SHARE",
     "SCHEMES",
     "DevicePlan",
     "DeviceProfile",

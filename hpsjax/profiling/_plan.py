@@ -35,12 +35,19 @@ over all ``D`` devices, ``i(d)`` the worker of device ``d``. For ``adsp`` the sa
 is computed over the commit intervals.
 
 A running plan is revised by :class:`Replanner` when measured speeds drift.
+
+Batch weighting has one owner, the server: it averages the pushes of a round
+weighted by their ``num_samples`` (:class:`hpsjax.ps.ServerCore`), so a round of
+unequal batches is one step on the mean gradient of all their samples. A plan's
+``lr_scale`` is therefore the same for every worker: it never weights a worker by
+its batch, and for equal gradients no split of the global batch changes the step.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
 import numbers
 from collections.abc import Sequence
@@ -50,6 +57,7 @@ from hpsjax.profiling._profile import WorkerProfile
 
 __all__ = [
     "LR_SCALINGS",
+    "MIN_BATCH_SHARE",
     "SCHEMES",
     "DevicePlan",
     "Replanner",
@@ -60,6 +68,10 @@ __all__ = [
 
 SCHEMES = ("hps", "ashl", "adsp", "equal")
 LR_SCALINGS = ("linear", "sqrt", "none")
+# The default smallest batch of a worker, as a share of the equal share B / n.
+MIN_BATCH_SHARE = 1 / 8
+
+_log = logging.getLogger(__name__)
 
 PLAN_FORMAT = "hpsjax.WorkPlan"
 PLAN_FORMAT_VERSION = 1
@@ -117,7 +129,8 @@ class WorkerPlan:
       worker_id: the worker's id.
       batch_size: samples per local step over all its devices.
       local_steps: local steps per round (per commit for ``adsp``).
-      lr_scale: factor on the base step size (learning rate) for this worker.
+      lr_scale: factor on the base step size (learning rate); the same for every
+        worker of a plan (the server weights pushes by their samples).
       step_time: predicted seconds per local step (its slowest device).
       transfer_seconds: round-trip seconds to the server.
       round_time: predicted seconds per round, ``local_steps * step_time +
@@ -164,10 +177,12 @@ class WorkPlan:
       round_time: predicted seconds of the slowest worker's round.
       idle_fraction: predicted share of device time spent waiting at a barrier
         at the end of the round, in ``[0, 1)``.
-      lr_scaling: how ``lr_scale`` follows the batch, one of :data:`LR_SCALINGS`.
-      reference_batch: the batch with ``lr_scale == 1``.
+      lr_scaling: how ``lr_scale`` follows the global batch, one of
+        :data:`LR_SCALINGS`.
+      reference_batch: the global batch with ``lr_scale == 1``.
       local_steps: the ``local_steps`` argument of :func:`plan`.
       min_device_batch: the smallest batch given to any device.
+      min_batch: the smallest batch given to any worker.
       max_local_steps: the cap on local steps, ``None`` for none.
       commit_interval: ``adsp`` only: target seconds between commits.
       commits_per_period: ``adsp`` only: commits per check period.
@@ -184,6 +199,7 @@ class WorkPlan:
     reference_batch: float
     local_steps: int = 1
     min_device_batch: int = 1
+    min_batch: int = 1
     max_local_steps: int | None = None
     commit_interval: float | None = None
     commits_per_period: int | None = None
@@ -201,6 +217,13 @@ class WorkPlan:
             raise ValueError("the workers' batches do not sum to global_batch")
         if not 0 <= self.idle_fraction < 1:
             raise ValueError(f"idle_fraction must be in [0, 1): {self.idle_fraction}")
+        scales = {w.lr_scale for w in self.workers}
+        if len(scales) > 1:
+            raise ValueError(
+                f"the workers' lr_scale differ ({sorted(scales)}): the server "
+                "already weights each push by its samples, so a per-worker scale "
+                "would weight batches twice; plan again with this hpsjax"
+            )
 
     @property
     def check_period(self) -> float | None:
@@ -451,26 +474,63 @@ def _water_fill(lanes: Sequence[_Lane], total: int) -> list[int]:
     )
 
 
-def _lr_scale(batch: int, reference: float, lr_scaling: str) -> float:
+def _lr_scale(global_batch: int, reference: float, lr_scaling: str) -> float:
     if lr_scaling == "linear":
-        return batch / reference
+        return global_batch / reference
     if lr_scaling == "sqrt":
-        return math.sqrt(batch / reference)
+        return math.sqrt(global_batch / reference)
     return 1.0
 
 
-def _limits(model: _WorkerModel, min_device_batch: int):
+def _limits(model: _WorkerModel, min_device_batch: int, min_batch: int):
+    # The worker's minimum is spread over its devices, so their sum reaches it.
+    low = max(min_device_batch, -(-min_batch // len(model.devices)))
     lo, hi = [], []
     for d in model.devices:
         cap = math.inf if d.max_batch is None else d.max_batch
-        if cap < min_device_batch:
+        if cap < low:
             raise ValueError(
                 f"worker {model.worker_id!r} device {d.device_id}: not even "
-                f"{min_device_batch} sample(s) fit its memory"
+                f"{low} sample(s) fit its memory"
             )
-        lo.append(min_device_batch)
+        lo.append(low)
         hi.append(cap)
     return lo, hi
+
+
+def _hps_batches(models, limits, global_batch: int, local_steps: int):
+    """Per worker, its devices' batches with which all finish a round together."""
+    # Every device of worker i finishes its H local steps and the transfer at
+    # the same time: lane time H t_d(b) + T_i.
+    lanes = [
+        _Lane(d, m.transfer, local_steps, low, high)
+        for m, (m_lo, m_hi) in zip(models, limits, strict=True)
+        for d, low, high in zip(m.devices, m_lo, m_hi, strict=True)
+    ]
+    flat = iter(_water_fill(lanes, global_batch))
+    return [[next(flat) for _ in m.devices] for m in models]
+
+
+def _warn_min_batch(models, global_batch, local_steps, min_device_batch, min_batch):
+    """Logs the workers that only ``min_batch`` keeps from a smaller batch."""
+    free = _hps_batches(
+        models,
+        [_limits(m, min_device_batch, 1) for m in models],
+        global_batch,
+        local_steps,
+    )
+    held = [
+        m.worker_id for m, b in zip(models, free, strict=True) if sum(b) < min_batch
+    ]
+    if held:
+        _log.warning(
+            "plan: finishing together would give batches %s; workers %s get "
+            "min_batch=%d instead (their step time is mostly fixed cost, or they "
+            "are far slower than the rest)",
+            [sum(b) for b in free],
+            held,
+            min_batch,
+        )
 
 
 def _solve(
@@ -482,6 +542,7 @@ def _solve(
     reference_batch: float,
     local_steps: int,
     min_device_batch: int,
+    min_batch: int,
     max_local_steps: int | None,
     check_period: float | None,
     commits_per_period: int | None,
@@ -493,7 +554,12 @@ def _solve(
             f"global batch {global_batch} is smaller than the {n_devices} devices "
             f"times the minimum batch per device ({min_device_batch})"
         )
-    limits = [_limits(m, min_device_batch) for m in models]
+    limits = [_limits(m, min_device_batch, min_batch) for m in models]
+    if global_batch < sum(sum(lo) for lo, _ in limits):
+        raise ValueError(
+            f"global batch {global_batch} is smaller than the {len(models)} "
+            f"workers times min_batch ({min_batch})"
+        )
     capacity = sum(sum(hi) for _, hi in limits)
     if global_batch > capacity:
         raise ValueError(
@@ -502,15 +568,13 @@ def _solve(
         )
 
     if scheme == "hps":
-        # Every device of worker i finishes its H local steps and the transfer at
-        # the same time: lane time H t_d(b) + T_i.
-        lanes = [
-            _Lane(d, m.transfer, local_steps, low, high)
-            for m, (m_lo, m_hi) in zip(models, limits, strict=True)
-            for d, low, high in zip(m.devices, m_lo, m_hi, strict=True)
-        ]
-        flat = iter(_water_fill(lanes, global_batch))
-        device_batches = [[next(flat) for _ in m.devices] for m in models]
+        device_batches = _hps_batches(models, limits, global_batch, local_steps)
+        if min_batch > 1 and any(
+            sum(b) == sum(lo) for b, (lo, _) in zip(device_batches, limits, strict=True)
+        ):
+            _warn_min_batch(
+                models, global_batch, local_steps, min_device_batch, min_batch
+            )
     else:
         shares = _round_keeping_sum(
             [global_batch / len(models)] * len(models),
@@ -595,7 +659,7 @@ def _solve(
                 worker_id=m.worker_id,
                 batch_size=batch,
                 local_steps=h,
-                lr_scale=_lr_scale(batch, reference_batch, lr_scaling),
+                lr_scale=_lr_scale(global_batch, reference_batch, lr_scaling),
                 step_time=t,
                 transfer_seconds=m.transfer,
                 round_time=round_time,
@@ -625,6 +689,7 @@ def _solve(
         reference_batch=reference_batch,
         local_steps=local_steps,
         min_device_batch=min_device_batch,
+        min_batch=min_batch,
         max_local_steps=max_local_steps,
         commit_interval=commit_interval,
         commits_per_period=commits,
@@ -658,10 +723,11 @@ def plan(
     scheme: str = "hps",
     *,
     global_batch: int,
-    lr_scaling: str = "linear",
+    lr_scaling: str = "none",
     reference_batch: float | None = None,
     local_steps: int = 1,
     min_device_batch: int = 1,
+    min_batch: int | None = None,
     max_local_steps: int | None = None,
     check_period: float | None = None,
     commits_per_period: int | None = None,
@@ -681,7 +747,12 @@ def plan(
     device's profiled step time
     (:meth:`hpsjax.profiling.DeviceProfile.step_time`; ``r_d`` the fewest
     seconds per sample measured); with no fixed cost (``a_d = T_i = 0``) this is
-    ``b_d`` proportional to throughput ``1 / c_d``. ``b^mem_d`` is the largest batch
+    ``b_d`` proportional to throughput ``1 / c_d``. ``b_min`` is the larger of
+    ``min_device_batch`` and the device's part of ``min_batch``: where a step is
+    mostly fixed cost (``a_d`` large against ``c_d b``), finishing together would
+    hand a slow worker a batch of one or two, a worker that then costs a round but
+    hardly adds samples; ``min_batch`` holds it up and a warning is logged.
+    ``b^mem_d`` is the largest batch
     whose profiled peak memory fits ``memory_fraction`` of the device's capacity;
     where it binds, the rest goes to the other devices. Batches are rounded to
     integers by largest remainder, which keeps ``sum_d b_d = B`` exact. Each worker
@@ -720,23 +791,29 @@ def plan(
     **equal**. ``B / n`` per worker and an equal split over its devices,
     ``local_steps`` everywhere: the baseline the others are measured against.
 
-    **Step-size scale.** ``lr_scale_i`` follows the worker's batch ``b_i`` with
-    reference batch ``b_ref`` (``B / n`` by default): ``b_i / b_ref`` (``"linear"``,
-    the linear scaling rule), ``sqrt(b_i / b_ref)`` (``"sqrt"``), or 1 (``"none"``).
-    With the linear rule, a server that averages the n workers' scaled mean
-    gradients computes exactly the sample-weighted mean gradient
-    ``sum_i (b_i / B) g_i``. Local steps do not change the scale: each is an
-    ordinary step on ``b_i`` samples.
+    **Step-size scale.** Batch weighting belongs to the server alone: it averages
+    a round's pushes weighted by their samples, which gives the mean gradient of
+    all ``B`` samples, ``sum_i (b_i / B) g_i``, however ``B`` is split. So
+    ``lr_scale`` is one factor for every worker and depends only on the global
+    batch: 1 (``"none"``, the default), ``B / b_ref`` (``"linear"``, the linear
+    scaling rule) or ``sqrt(B / b_ref)`` (``"sqrt"``), ``b_ref`` the global batch
+    the base step size was tuned for (``B / n`` by default: one worker's equal
+    share). ``"linear"`` and ``"sqrt"`` are a deliberate change of the global step
+    size; for equal gradients no plan changes the step. Local steps do not change
+    the scale: each is an ordinary step on ``b_i`` samples.
 
     Args:
       profiles: one :class:`WorkerProfile` per worker.
       scheme: one of :data:`SCHEMES`.
       global_batch: ``B``, samples per step over all workers.
       lr_scaling: one of :data:`LR_SCALINGS`.
-      reference_batch: the batch with scale 1; ``B / n`` by default.
+      reference_batch: the global batch with scale 1; ``B / n`` by default.
       local_steps: ``H`` for ``hps`` and ``equal``, ``H_min`` for ``ashl``, the
         slowest worker's steps per commit for ``adsp``.
       min_device_batch: the smallest batch any device gets.
+      min_batch: the smallest batch any worker gets; by default
+        :data:`MIN_BATCH_SHARE` of the equal share, ``max(1, floor(B / (8 n)))``.
+        Pass 1 to let ``hps`` balance finish times alone.
       max_local_steps: a cap on any worker's local steps, ``None`` for none.
       check_period: ``adsp`` only: seconds per check period.
       commits_per_period: ``adsp`` only: commits per check period.
@@ -747,9 +824,9 @@ def plan(
 
     Raises:
       ValueError: no profiles, repeated worker ids, a non-positive speed, a
-        global batch smaller than the devices times ``min_device_batch`` or larger
-        than their memory holds, an unknown scheme or ``lr_scaling``, or another
-        argument out of range.
+        global batch smaller than the devices times ``min_device_batch`` (the
+        workers times ``min_batch``) or larger than their memory holds, an
+        unknown scheme or ``lr_scaling``, or another argument out of range.
 
     Examples:
       >>> workers = [WorkerProfile.synthetic(i, s) for i, s in enumerate([1, 1, 2, 4])]
@@ -789,6 +866,9 @@ def plan(
     global_batch = _check_int("global_batch", global_batch, 1)
     local_steps = _check_int("local_steps", local_steps, 1)
     min_device_batch = _check_int("min_device_batch", min_device_batch, 1)
+    if min_batch is None:
+        min_batch = max(1, math.floor(global_batch * MIN_BATCH_SHARE / len(profiles)))
+    min_batch = _check_int("min_batch", min_batch, 1)
     if max_local_steps is not None:
         max_local_steps = _check_int("max_local_steps", max_local_steps, local_steps)
     if reference_batch is None:
@@ -815,6 +895,7 @@ def plan(
         reference_batch=reference_batch,
         local_steps=local_steps,
         min_device_batch=min_device_batch,
+        min_batch=min_batch,
         max_local_steps=max_local_steps,
         check_period=check_period,
         commits_per_period=commits_per_period,
@@ -979,6 +1060,7 @@ class Replanner:
             reference_batch=old.reference_batch,
             local_steps=old.local_steps,
             min_device_batch=old.min_device_batch,
+            min_batch=old.min_batch,
             max_local_steps=old.max_local_steps,
             check_period=old.check_period,
             commits_per_period=old.commits_per_period,
