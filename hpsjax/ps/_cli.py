@@ -52,6 +52,8 @@ import numpy as np
 import numpy.lib.format as npy_format
 import optax
 
+from hpsjax._logs import quiet_backend_probe
+
 __all__ = [
     "keep_freed_memory",
     "load_npz_shard",
@@ -531,6 +533,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         level=args.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    quiet_backend_probe()
     runner = asyncio.run
     if args.loop in ("auto", "uvloop"):
         try:

@@ -41,6 +41,8 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from hpsjax._logs import quiet_backend_probe
+
 __all__ = [
     "build_worker",
     "main",
@@ -110,6 +112,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     g.add_argument("--server_hostname", help="name to check the certificate for")
     g.add_argument("--worker_id", type=_worker_id, default=0, help="unique id")
     g.add_argument("--timeout", type=float, default=600.0, help="request timeout (s)")
+    g.add_argument(
+        "--connect_timeout",
+        type=float,
+        default=30.0,
+        help="seconds to keep retrying (with backoff) a server that is not up yet",
+    )
 
     g = p.add_argument_group("model and data")
     g.add_argument("--model", default="mlp", help="hpsjax.models registry name")
@@ -323,9 +331,18 @@ def _shard(args: argparse.Namespace) -> tuple[int, int]:
 def build_worker(args: argparse.Namespace, *, metrics=None):
     """The :class:`~hpsjax.worker.Worker` the parsed flags describe.
 
+    Its client (a :class:`~hpsjax.ps.Client`, or a
+    :class:`~hpsjax.ps.ShardedClient` with ``--servers``) is built here, TLS
+    name included, and not connected yet.
+
     Raises:
       ValueError: bad or inconsistent flags.
     """
+    return _build(args, metrics=metrics)[0]
+
+
+def _build(args: argparse.Namespace, *, metrics=None):
+    """``(worker, client, params)``: :func:`build_worker`, its client and model."""
     from hpsjax import models
     from hpsjax.profiling import WorkPlan
     from hpsjax.worker._runtime import Worker, WorkerConfig
@@ -337,14 +354,17 @@ def build_worker(args: argparse.Namespace, *, metrics=None):
         if args.port is None:
             raise ValueError("--port (or --servers) is required to train")
         servers = [(args.host, args.port)]
+    if not args.connect_timeout >= 0:
+        raise ValueError(f"--connect_timeout must be >= 0, got {args.connect_timeout}")
     if args.split_leaves and len(servers) == 1:
         raise ValueError("--split_leaves needs several --servers")
     index, count = _shard(args)
     train = _dataset(args).shard(count, index)
     graphdef, params = models.split_model(_model(args, train))
-    client = None
     if len(servers) > 1:
         client = _sharded_client(args, servers, params)
+    else:
+        client = _client(args, servers[0])
     work_plan = None
     if args.work_plan is not None:
         work_plan = WorkPlan.from_json(pathlib.Path(args.work_plan).read_text())
@@ -378,7 +398,7 @@ def build_worker(args: argparse.Namespace, *, metrics=None):
     def loss_fn(params, batch):
         return models.per_example_loss(params, graphdef, batch)
 
-    return Worker(
+    worker = Worker(
         config,
         loss_fn=loss_fn,
         batches=stream.next,
@@ -387,6 +407,7 @@ def build_worker(args: argparse.Namespace, *, metrics=None):
         ssl=_ssl(args),
         client=client,
     )
+    return worker, client, params
 
 
 def _server_tree(params):
@@ -401,6 +422,61 @@ def _server_tree(params):
             for key_path, leaf in jax.tree_util.tree_leaves_with_path(params)
         }
     )
+
+
+def _client(args: argparse.Namespace, server: tuple[str, int]):
+    """The :class:`~hpsjax.ps.Client` of one server, TLS name included."""
+    from hpsjax.ps import Client
+
+    return Client(
+        server[0],
+        server[1],
+        worker_id=args.worker_id,
+        secret=_secret(args.secret_file),
+        ssl=_ssl(args),
+        server_hostname=args.server_hostname,
+        timeout=args.timeout,
+        seed=args.seed,
+    )
+
+
+def _path_name(key_path) -> str:
+    return "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in key_path)
+
+
+def _leaf_specs(tree) -> dict[str, str]:
+    """``{"a/b": "float32[784,256]"}`` of a tree of arrays or shape structs."""
+    import jax
+    import numpy as np
+
+    return {
+        _path_name(key_path): f"{np.dtype(leaf.dtype).name}{list(leaf.shape)}"
+        for key_path, leaf in jax.tree_util.tree_leaves_with_path(tree)
+    }
+
+
+def spec_mismatch(params, server_spec) -> str | None:
+    """The first leaf where this worker's model and the server's differ.
+
+    Args:
+      params: the worker's own parameters (its model as built from the flags).
+      server_spec: the server's model, ``ServerInfo.spec``.
+
+    Returns:
+      ``None`` when paths, shapes and dtypes all agree; else one line naming
+      the first differing leaf, with its shape and dtype on both sides.
+    """
+    mine = _leaf_specs(_server_tree(params))
+    theirs = _leaf_specs(server_spec)
+    for path in [*mine, *(p for p in theirs if p not in mine)]:
+        here, there = mine.get(path, "nothing"), theirs.get(path, "nothing")
+        if here != there:
+            return (
+                f"this worker's model does not match the server's at {path!r}: "
+                f"the worker has {here}, the server has {there} (check --model, "
+                "--model_arg and --dataset_arg against the server's --init)"
+            )
+    return None
 
 
 def _sharded_client(args: argparse.Namespace, servers, params):
@@ -531,12 +607,81 @@ def write_profile(args: argparse.Namespace, path: str | pathlib.Path) -> None:
     pathlib.Path(path).write_text(with_injection(measured, args, spec).to_json())
 
 
-async def _serve(worker) -> Any:
+class JoinError(Exception):
+    """The worker could not join: the server is unreachable, refuses it, or
+    serves another model (one line, for the user)."""
+
+
+async def connect(client, params, *, connect_timeout: float, where: str) -> None:
+    """Connects ``client``, retrying with backoff, and checks the server's model.
+
+    Connection failures (refused, reset, timed out) are retried, 0.1 s apart
+    doubling up to 2 s, for ``connect_timeout`` seconds; authentication
+    failures are not. Cancelling is safe.
+
+    Args:
+      client: a :class:`~hpsjax.ps.Client` or :class:`~hpsjax.ps.ShardedClient`.
+      params: this worker's own parameters, to compare with the server's model.
+      connect_timeout: seconds to keep retrying.
+      where: the server's address, for messages.
+
+    Raises:
+      JoinError: one line saying why the worker cannot join.
+    """
+    import ssl
+
+    from hpsjax.ps import AuthError, ConnectionClosed, SpecMismatch
+
     loop = asyncio.get_running_loop()
+    deadline = loop.time() + connect_timeout
+    delay = 0.1
+    while True:
+        try:
+            info = await client.connect()
+            break
+        except AuthError as e:
+            raise JoinError(
+                f"the server at {where} refused the secret ({e}); pass the "
+                "server's --secret_file"
+            ) from None
+        except SpecMismatch as e:
+            raise JoinError(str(e)) from None
+        except ssl.SSLError as e:
+            raise JoinError(f"TLS with the server at {where} failed: {e}") from None
+        except (OSError, ConnectionClosed, TimeoutError) as e:
+            if loop.time() + delay > deadline:
+                reason = str(e) or type(e).__name__
+                raise JoinError(
+                    f"no server answered at {where} within --connect_timeout="
+                    f"{connect_timeout:g}s ({reason})"
+                ) from None
+            await asyncio.sleep(delay)
+            delay = min(2 * delay, 2.0)
+    if hasattr(info, "spec"):  # a ShardedClient checks each shard itself
+        problem = spec_mismatch(params, info.spec)
+        if problem is not None:
+            await client.close()
+            raise JoinError(problem)
+
+
+async def _serve(worker, client, params, args: argparse.Namespace) -> Any:
+    loop = asyncio.get_running_loop()
+    await connect(
+        client,
+        params,
+        connect_timeout=args.connect_timeout,
+        where=_where(args),
+    )
     for sig in (signal.SIGINT, signal.SIGTERM):
         with contextlib.suppress(NotImplementedError):
             loop.add_signal_handler(sig, worker.stop)
     return await worker.run()
+
+
+def _where(args: argparse.Namespace) -> str:
+    if args.servers is not None:
+        return ",".join(f"{h}:{p}" for h, p in args.servers)
+    return f"{args.host}:{args.port}"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -546,6 +691,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         level=args.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    quiet_backend_probe()
     log = logging.getLogger("hpsjax.worker")
     try:
         if args.write_init is not None:
@@ -559,7 +705,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             from hpsjax.worker._runtime import JsonLinesSink
 
             sink = JsonLinesSink(args.metrics)
-        worker = build_worker(args, metrics=sink)
+        worker, client, params = _build(args, metrics=sink)
     except (ValueError, OSError) as e:
         print(f"hpsjax-worker: {e}", file=sys.stderr)
         return 2
@@ -574,7 +720,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print("hpsjax-worker: uvloop is not installed", file=sys.stderr)
                 return 2
     try:
-        summary = runner(_serve(worker))
+        summary = runner(_serve(worker, client, params, args))
+    except JoinError as e:
+        print(f"hpsjax-worker: {e}", file=sys.stderr)
+        return 1
     except Exception:
         log.exception("worker %s failed", args.worker_id)
         return 1

@@ -1,0 +1,130 @@
+"""The ``hpsjax-worker`` command line: joining a server, one-line errors."""
+
+import asyncio
+import shutil
+import socket
+import ssl
+import subprocess
+import sys
+
+import optax
+import pytest
+
+from hpsjax import ps
+from hpsjax.ps import _cli as server_cli
+from hpsjax.worker import _cli as worker_cli
+
+SMALL = ["--dataset_arg", "num_examples=64"]
+MAIN = "import sys; from hpsjax.worker._cli import main; sys.exit(main())"
+
+
+def _args(*argv: str, port: int = 1):
+    return worker_cli.parse_args([*SMALL, "--port", str(port), *argv])
+
+
+def _server_params(tmp_path, *argv: str):
+    """The parameters ``hpsjax-server --init`` serves for these model flags."""
+    path = tmp_path / "init.npz"
+    worker_cli.write_init(worker_cli.parse_args([*SMALL, *argv]), path)
+    return server_cli.load_npz_tree(path)
+
+
+async def _join(server_params, args, **server_kw):
+    """Joins a worker of ``args`` to a server of ``server_params``."""
+    _, _, params = worker_cli._build(args)
+    server_kw.setdefault("secret", None)
+    async with ps.Server(server_params, optax.sgd(0.1), "asp", **server_kw) as s:
+        client = worker_cli._client(args, (args.host, s.port))
+        try:
+            await worker_cli.connect(client, params, connect_timeout=2, where="here")
+        finally:
+            await client.close()
+
+
+def test_the_same_model_joins(tmp_path):
+    server = _server_params(tmp_path, "--model_arg", "hidden=[32]")
+    asyncio.run(_join(server, _args("--model_arg", "hidden=[32]")))
+
+
+@pytest.mark.parametrize(
+    "server_flags,worker_flags,match",
+    [
+        (
+            ["--model_arg", "hidden=[256,256]"],
+            ["--model_arg", "hidden=[128,128]"],
+            r"at 'layers/0/bias': the worker has float32\[128\], "
+            r"the server has float32\[256\]",
+        ),
+        (
+            ["--dataset_arg", "image_size=28"],
+            ["--dataset_arg", "image_size=8"],
+            r"at 'layers/0/kernel': the worker has float32\[64, 64\], "
+            r"the server has float32\[784, 64\]",
+        ),
+        (
+            ["--model", "mlp"],
+            ["--model", "cnn"],
+            r"at 'conv1/bias': the worker has float32\[16\], the server has nothing",
+        ),
+    ],
+)
+def test_another_model_is_refused_naming_the_first_differing_leaf(
+    tmp_path, server_flags, worker_flags, match
+):
+    server = _server_params(tmp_path, *server_flags)
+    with pytest.raises(worker_cli.JoinError, match=match) as e:
+        asyncio.run(_join(server, _args(*worker_flags)))
+    assert "\n" not in str(e.value) and "does not match the server's at" in str(e.value)
+
+
+def test_a_wrong_secret_is_one_line(tmp_path):
+    (tmp_path / "secret").write_text("wrong")
+    server = _server_params(tmp_path)
+    args = _args("--secret_file", str(tmp_path / "secret"))
+    with pytest.raises(worker_cli.JoinError, match="refused the secret"):
+        asyncio.run(_join(server, args, secret=b"right"))
+    with pytest.raises(worker_cli.JoinError, match="--secret_file"):
+        asyncio.run(_join(server, _args(), secret=b"right"))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_a_server_that_is_not_up_is_retried_then_one_line():
+    port = _free_port()
+    proc = subprocess.run(
+        [sys.executable, "-c", MAIN, *SMALL, "--port", str(port),
+         "--connect_timeout", "0.5"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert proc.returncode == 1
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert (
+        f"no server answered at 127.0.0.1:{port} within --connect_timeout=0.5s"
+        in (lines[0])
+    )
+
+
+def test_server_hostname_reaches_a_single_server(tmp_path):
+    """TLS to 127.0.0.1 with a certificate for another name (LAUNCH.md's recipe)."""
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is not installed")
+    cert, key = tmp_path / "server.pem", tmp_path / "key.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+         "-keyout", str(key), "-out", str(cert), "-subj", "/CN=hostA",
+         "-addext", "subjectAltName=DNS:hostA"],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(cert, key)
+    server = _server_params(tmp_path)
+    args = _args("--cafile", str(cert), "--server_hostname", "hostA")
+    asyncio.run(_join(server, args, ssl=context))
+    # Without the name, the certificate is checked for 127.0.0.1 and refused.
+    with pytest.raises(worker_cli.JoinError, match=r"not valid for '127\.0\.0\.1'"):
+        asyncio.run(_join(server, _args("--cafile", str(cert)), ssl=context))
