@@ -610,3 +610,46 @@ def test_layout_cache_validates_once_and_never_remembers_refusals():
     assert cache.get(meta) is not first  # evicted, validated again
     with pytest.raises(errors.MalformedMetadata):
         cache.get({"tree": ["d", {"w": 0}], "leaves": []})
+
+
+# ---------------------------------------------------------------- memory
+
+
+def test_default_metadata_limit_is_small_and_configurable():
+    assert wire.DEFAULT_LIMITS.max_metadata_bytes == 2**20
+    header = wire.pack_header(MsgType.PUSH, 1, 2**20 + 1, 0)
+    with pytest.raises(errors.PayloadTooBig):
+        FrameDecoder().feed(header)
+    limits = wire.WireLimits(max_metadata_bytes=4 * 2**20)
+    assert FrameDecoder(limits=limits).feed(header) == []
+
+
+def test_metadata_memory_grows_only_as_bytes_arrive():
+    import tracemalloc
+
+    dec = FrameDecoder(scratch_bytes=1024)
+    tracemalloc.start()
+    try:
+        dec.feed(wire.pack_header(MsgType.PUSH, 1, 2**20, 0) + bytes(5000))
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 2**16  # not the 1 MiB declared
+    assert not dec.idle
+
+
+def test_released_decoder_holds_no_buffers():
+    import weakref
+
+    def allocate(header, meta):
+        return wire.default_allocator(wire.DEFAULT_LIMITS)(header, meta)
+
+    dec = FrameDecoder(allocate=allocate)
+    dec.feed(wire.pack_header(MsgType.PUSH, 1, 100_000, 0) + bytes(70_000))
+    ref = weakref.ref(allocate)
+    del allocate
+    dec.release()
+    assert ref() is None
+    assert dec.idle
+    with pytest.raises(errors.ConnectionClosed):
+        dec.feed(b"HPSJ")

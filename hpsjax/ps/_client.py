@@ -126,7 +126,9 @@ class FrameProtocol(asyncio.BufferedProtocol):
         try:
             events = self._decoder.buffer_updated(nbytes)
         except ProtocolError as e:
-            self.fail(e)
+            # Without its traceback: the frames in it reach back to this
+            # protocol, a cycle that would outlive the connection.
+            self.fail(e.with_traceback(None))
             return
         for event in events:
             if self._lost is not None:
@@ -137,7 +139,7 @@ class FrameProtocol(asyncio.BufferedProtocol):
         try:
             self._decoder.eof()
         except ConnectionClosed as e:
-            self._lost = self._lost or e
+            self._lost = self._lost or e.with_traceback(None)
         return False
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -146,6 +148,11 @@ class FrameProtocol(asyncio.BufferedProtocol):
             detail = f" ({type(exc).__name__}: {exc})" if exc else ""
             self._lost = ConnectionClosed(f"connection closed{detail}")
         self._report_lost()
+        # The callbacks reach back to whoever owns this protocol (a server's
+        # session, a client): cutting them leaves no reference cycle, so the
+        # buffers of a closed connection are freed now, not by the collector.
+        self._decoder.release()
+        self._on_frame = self._on_made = self._on_lost = None
 
     def pause_writing(self) -> None:
         self._writable.clear()

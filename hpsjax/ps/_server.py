@@ -69,11 +69,14 @@ from hpsjax.ps._core import (
     SendParams,
     ServerCore,
 )
+from hpsjax.ps._decoders import DecoderCache
 from hpsjax.ps._errors import (
     AuthError,
     HpsError,
+    InvalidUpdate,
     MalformedMetadata,
     NonFiniteUpdate,
+    ProtocolError,
     ServerError,
     ShuttingDown,
     SpecMismatch,
@@ -93,6 +96,9 @@ _CHECKPOINT_FORMAT_VERSION = 1
 # nothing larger is read, so a stranger cannot make the server allocate much.
 _HANDSHAKE_LIMITS = wire.WireLimits(max_message_bytes=4096, max_metadata_bytes=4096)
 
+# Frames a client may send under request id 0: they expect no reply.
+_NOTICE_TYPES = frozenset({MsgType.ERROR, MsgType.BYE})
+
 # Fields of a PUSH besides the tree, with the types the core accepts.
 _PUSH_FIELDS = {
     "step_time": float,
@@ -102,15 +108,11 @@ _PUSH_FIELDS = {
 }
 
 
-@functools.partial(jax.jit, static_argnums=(1, 2))
-def _decode_leaves(encoded, codec, specs):
-    """Decodes a compressed push in one compiled program (one per model/codec)."""
-    from hpsjax.transforms import _quantize as q
-
-    return [
-        q.decode(enc, codec, shape, dtype)
-        for enc, (shape, dtype) in zip(encoded, specs, strict=True)
-    ]
+# Decoders of compressed pushes are compiled here, one at a time, so that
+# compiling never holds up the event loop (see DecoderCache).
+_COMPILER = concurrent.futures.ThreadPoolExecutor(
+    max_workers=1, thread_name_prefix="hpsjax-server-compile"
+)
 
 
 def _is_loopback(host: str | None) -> bool:
@@ -153,6 +155,9 @@ class _Session:
     sub_dirty: bool = False
     sub_task: asyncio.Task | None = None
     handshake_timer: asyncio.TimerHandle | None = None
+    # Frames received while a decoder this connection needs is compiled,
+    # handled in order once it is ready; None when none is being compiled.
+    backlog: collections.deque | None = None
 
 
 class Server:
@@ -331,6 +336,9 @@ class Server:
         self._pool = wire.BufferPool(max_blocks=8)
         self._layouts = wire.LayoutCache(
             limits, check=lambda layout: wire.check_same_spec(layout, self._model)
+        )
+        self._decoders = DecoderCache(
+            [(s.shape, s.dtype.name) for s in self._model.leaves], size=8
         )
         self._sessions: dict[Any, _Session] = {}
         self._plans: dict[Any, dict[str, Any]] = {}
@@ -717,7 +725,16 @@ class Server:
     def _on_event(self, session: _Session, event: Frame | FrameError) -> None:
         if self._closing:
             return
+        if session.backlog is not None:
+            session.backlog.append(event)
+            return
         request_id = event.request_id
+        if not request_id and event.msg_type not in _NOTICE_TYPES:
+            # Id 0 marks notices; a request under it could not be answered.
+            session.protocol.fail(
+                ProtocolError(f"{event.msg_type.name} with request id 0")
+            )
+            return
         try:
             if isinstance(event, FrameError):
                 if session.state != "ready":
@@ -926,6 +943,15 @@ class Server:
             if not ok:
                 raise MalformedMetadata(f"bad {name!r}: {value!r}"[:200])
             fields[name] = kind(value)
+        self._check_pusher(session, version)
+        codec = frame.payload.layout.codec
+        if codec is not None:
+            from hpsjax.transforms import _quantize as q
+
+            codec = q.Codec.from_dict(codec)
+            if self._decoders.get(codec) is None:
+                self._compile_then_serve(session, frame, codec)
+                return
         leaves = self._decode_update(frame.payload)
         if self._check_finite and frame.payload.layout.codec is not None:
             # Raw leaves were checked as they arrived (_check_received).
@@ -983,6 +1009,57 @@ class Server:
                     session.pulls.remove(entry)
                 raise type(e)(f"update applied, pull failed: {e.message}") from e
 
+    def _check_pusher(self, session: _Session, version: int) -> None:
+        """Refuses a push the core would refuse, before anything is decoded."""
+        if not session.joined:
+            raise UnexpectedMessage("push before pull: pull first to join")
+        if session.worker_id not in self._core.live:
+            raise WorkerDropped(
+                f"worker {session.worker_id!r} is not live; pull to join again"
+            )
+        if version > self._core.version:
+            raise InvalidUpdate(
+                f"push version must be an int in [0, {self._core.version}] (the "
+                f"server version), got {version}"
+            )
+
+    def _compile_then_serve(self, session: _Session, frame: Frame, codec) -> None:
+        """Compiles ``codec``'s decoder off the loop, then serves ``frame``.
+
+        The connection's later frames wait in its backlog (and its reading
+        pauses), so its pushes are still handled in the order sent; other
+        connections are served meanwhile.
+        """
+        session.backlog = collections.deque([frame])
+        transport = session.protocol.transport
+        if transport is not None and not transport.is_closing():
+            transport.pause_reading()
+        future = self._loop.run_in_executor(_COMPILER, self._decoders.compile, codec)
+        future.add_done_callback(
+            functools.partial(self._compiled, session, codec, transport)
+        )
+
+    def _compiled(self, session: _Session, codec, transport, future) -> None:
+        backlog, session.backlog = session.backlog, None
+        if self._closing or session.protocol.closed:
+            return
+        if not future.cancelled() and future.exception() is None:
+            self._decoders.put(codec, future.result())
+        else:
+            logger.error("cannot compile a decoder for %s", codec)
+            frame = backlog.popleft()
+            with contextlib.suppress(HpsError):
+                session.protocol.send(
+                    error_frame(frame.request_id, ServerError("cannot decode push"))
+                )
+        with contextlib.suppress(RuntimeError):
+            transport.resume_reading()
+        while backlog:
+            if session.backlog is not None:  # another compile began
+                session.backlog.extend(backlog)
+                return
+            self._on_event(session, backlog.popleft())
+
     def _decode_update(self, payload: wire.WireTree) -> list[Any]:
         """The update's leaves, in the parameters' leaf order."""
         layout = payload.layout
@@ -994,9 +1071,8 @@ class Server:
         from hpsjax.transforms import _quantize as q
 
         codec = q.Codec.from_dict(layout.codec)
-        specs = tuple((s.shape, s.dtype.name) for s in self._model.leaves)
         encoded = [q.Encoded(codes, scales) for codes, scales in payload.arrays]
-        return _decode_leaves(encoded, codec, specs)
+        return self._decoders.get(codec)(encoded)
 
     def _check_received(self, payload: wire.WireTree, index: int) -> None:
         """Refuses a raw push as soon as a leaf holding NaN or infinity is in.

@@ -159,7 +159,7 @@ class WireLimits(NamedTuple):
     """
 
     max_message_bytes: int = 2**31
-    max_metadata_bytes: int = 16 * 2**20
+    max_metadata_bytes: int = 2**20
     max_leaves: int = 65536
     max_depth: int = 64
     max_rank: int = 32
@@ -1317,7 +1317,6 @@ class FrameDecoder:
         self._state = _HEADER_STATE
         self._header: Header | None = None
         self._meta_buf: bytearray | None = None
-        self._meta_filled = 0
         self._meta: dict[str, Any] = {}
         self._dest: list[memoryview] = []
         self._dest_index = 0
@@ -1358,9 +1357,6 @@ class FrameDecoder:
             if room >= len(self._scratch):
                 self._direct = "payload"
                 return dest[self._dest_pos :]
-        if self._state == _META_STATE and self._meta_buf is not None:
-            self._direct = "meta"
-            return memoryview(self._meta_buf)[self._meta_filled :]
         self._direct = ""
         if self._start:
             n = self._end - self._start
@@ -1385,10 +1381,6 @@ class FrameDecoder:
                 self._left -= nbytes
                 if not self._left:
                     self._finish()
-            elif self._direct == "meta":
-                self._meta_filled += nbytes
-                if self._meta_filled == len(self._meta_buf):
-                    self._got_metadata(memoryview(self._meta_buf))
             else:
                 self._end += nbytes
                 self._process()
@@ -1419,6 +1411,23 @@ class FrameDecoder:
         if not self.idle:
             raise ConnectionClosed("connection closed in the middle of a frame")
 
+    def release(self) -> None:
+        """Lets go of every buffer and callback once the stream has ended.
+
+        The callbacks usually reach back to the connection that owns this
+        decoder: dropping them leaves no reference cycle, so a closed
+        connection's memory is freed at once rather than by the garbage
+        collector. Later bytes raise :class:`ConnectionClosed`.
+        """
+        self._failed = ConnectionClosed("the stream has ended")
+        self._allocate = self._on_filled = None
+        self._scratch = bytearray(HEADER_SIZE)
+        self._view = memoryview(self._scratch)
+        self._start = self._end = 0
+        self._state = _HEADER_STATE
+        self._header = self._meta_buf = self._payload = self._error = None
+        self._meta, self._dest, self._dest_ids, self._events = {}, [], [], []
+
     def _process(self) -> None:
         while True:
             avail = self._end - self._start
@@ -1443,25 +1452,26 @@ class FrameDecoder:
                 self._start += HEADER_SIZE
                 self._header = header
                 self._state = _META_STATE
-                self._meta_filled = 0
                 if header.metadata_length > len(self._scratch):
-                    # Too large for scratch: read it into its own buffer, whose
-                    # size the header check already bounded.
-                    self._meta_buf = bytearray(header.metadata_length)
-                    n = min(avail - HEADER_SIZE, header.metadata_length)
-                    self._meta_buf[:n] = self._view[self._start : self._start + n]
-                    self._start += n
-                    self._meta_filled = n
-                    if n < header.metadata_length:
-                        return
-                    self._got_metadata(memoryview(self._meta_buf))
+                    # Too large for scratch: collected in a buffer that grows
+                    # as the bytes arrive, so a header declaring much metadata
+                    # and sending little costs only what was sent.
+                    self._meta_buf = bytearray()
             elif self._state == _META_STATE:
                 n = self._header.metadata_length
-                if avail < n:
-                    return
-                meta = self._view[self._start : self._start + n]
-                self._start += n
-                self._got_metadata(meta)
+                if self._meta_buf is not None:
+                    k = min(avail, n - len(self._meta_buf))
+                    self._meta_buf += self._view[self._start : self._start + k]
+                    self._start += k
+                    if len(self._meta_buf) < n:
+                        return
+                    self._got_metadata(memoryview(self._meta_buf))
+                else:
+                    if avail < n:
+                        return
+                    meta = self._view[self._start : self._start + n]
+                    self._start += n
+                    self._got_metadata(meta)
             else:
                 if not avail:
                     return

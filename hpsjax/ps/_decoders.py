@@ -1,0 +1,97 @@
+"""Compiled decoders of compressed pushes, kept in a bounded cache.
+
+A compressed push is decoded by one compiled program per codec (the model's
+shapes and dtypes are fixed). Compiling takes tens of milliseconds and holds
+about two MiB, so the server compiles off its event loop
+(:meth:`DecoderCache.compile` runs in a worker thread) and keeps only the
+``size`` codecs used last: whatever codecs clients send, memory stays bounded.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+__all__ = ["DecoderCache"]
+
+
+def _leaf_decoder(codec: Any, specs: tuple[tuple[tuple[int, ...], str], ...]):
+    # A fresh function per codec: JAX's tracing caches hold it weakly, so a
+    # decoder the cache forgets leaves nothing behind.
+    from hpsjax.transforms import _quantize as q
+
+    def decode_leaves(encoded):
+        return [
+            q.decode(enc, codec, shape, dtype)
+            for enc, (shape, dtype) in zip(encoded, specs, strict=True)
+        ]
+
+    return decode_leaves
+
+
+class DecoderCache:
+    """The compiled decoders of the codecs used last, at most ``size`` of them.
+
+    Args:
+      specs: per model leaf, ``(shape, dtype name)`` of the decoded leaf.
+      size: decoders kept; the least recently used one is forgotten first.
+
+    Examples:
+      >>> from hpsjax.transforms._quantize import Codec, encode
+      >>> cache = DecoderCache([((4,), "float32")], size=2)
+      >>> codec = Codec("uniform", bits=8, stochastic=False)
+      >>> cache.get(codec) is None
+      True
+      >>> cache.put(codec, cache.compile(codec))
+      >>> x = np.array([1.0, -2.0, 0.5, 0.0], np.float32)
+      >>> enc = encode(x, codec)
+      >>> [float(v) for v in cache.get(codec)([enc])[0]]
+      [1.0, -2.0, 0.5, 0.0]
+    """
+
+    def __init__(self, specs: Sequence[tuple[Sequence[int], str]], size: int = 8):
+        if size < 1:
+            raise ValueError(f"size must be >= 1, got {size}")
+        self._specs = tuple((tuple(shape), str(dtype)) for shape, dtype in specs)
+        self._size = size
+        self._compiled: collections.OrderedDict[Any, Callable] = (
+            collections.OrderedDict()
+        )
+
+    def __len__(self) -> int:
+        return len(self._compiled)
+
+    def get(self, codec: Any) -> Callable | None:
+        """The decoder of ``codec`` (``encoded leaves -> leaves``), or ``None``."""
+        decoder = self._compiled.get(codec)
+        if decoder is not None:
+            self._compiled.move_to_end(codec)
+        return decoder
+
+    def compile(self, codec: Any) -> Callable:
+        """Compiles the decoder of ``codec``; thread-safe, stores nothing."""
+        from hpsjax.ps._wire import compressed_sizes
+        from hpsjax.transforms import _quantize as q
+
+        args = []
+        for shape, _ in self._specs:
+            n_codes, n_scales = compressed_sizes(shape, codec)
+            args.append(
+                q.Encoded(
+                    jax.ShapeDtypeStruct((n_codes,), np.uint8),
+                    jax.ShapeDtypeStruct((n_scales,), np.float32),
+                )
+            )
+        decode_leaves = _leaf_decoder(codec, self._specs)
+        return jax.jit(decode_leaves).lower(args).compile()
+
+    def put(self, codec: Any, decoder: Callable) -> None:
+        """Keeps ``decoder`` for ``codec``, forgetting the least recently used."""
+        self._compiled[codec] = decoder
+        self._compiled.move_to_end(codec)
+        while len(self._compiled) > self._size:
+            self._compiled.popitem(last=False)
