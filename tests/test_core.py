@@ -678,7 +678,7 @@ def test_no_recompilation_across_events():
         core.push(w, update, version=core.pulled_version(w), now=1.0 + step)
         core.pull(w, 1.0 + step)
     assert core.version == 20
-    for fn in (core._apply_fn, core._accumulate_fn, core._finite_fn):
+    for fn in (core._checked_apply_fn, core._accumulate_fn, core._finite_fn):
         assert fn._cache_size() == 1
 
 
@@ -799,3 +799,106 @@ def test_deferred_applies_refuse_stale_copies():
             defer_applies=True,
             keep_stale_params=True,
         )
+
+
+# Finite pushes never make the parameters non-finite.
+
+
+@pytest.mark.parametrize(
+    ("dtype", "value", "num_samples"),
+    [
+        (jnp.float16, 1.0, 100_000),
+        (jnp.float32, 1e20, 2**63),
+        (jnp.bfloat16, 1e30, 2**62),
+    ],
+)
+def test_num_samples_never_overflows_the_weighted_update(dtype, value, num_samples):
+    params = {"w": jnp.zeros(3, dtype)}
+    core = ServerCore(params, optax.sgd(1.0), ASP(aggregate=2))
+    core.join("a", 0.0)
+    core.join("b", 0.0)
+    core.push(
+        "a",
+        {"w": jnp.full(3, value, dtype)},
+        version=0,
+        now=1.0,
+        num_samples=num_samples,
+    )
+    acts = core.push(
+        "b", {"w": jnp.full(3, value, dtype)}, version=0, now=2.0, num_samples=3
+    )
+    assert only(acts, Applied)
+    w = np.asarray(core.params["w"], np.float32)
+    assert np.isfinite(w).all()
+    # The average of equal updates is that update, whatever the weights.
+    np.testing.assert_allclose(w, -np.float32(jnp.asarray(value, dtype)), rtol=1e-2)
+
+
+def test_num_samples_weights_stay_exact_for_small_counts():
+    core = make(ASP(aggregate=2))
+    core.join("a", 0.0)
+    core.join("b", 0.0)
+    core.push("a", upd(1.0), version=0, now=1.0, num_samples=3)
+    core.push("b", upd(5.0), version=0, now=2.0, num_samples=1)
+    np.testing.assert_allclose(w_of(core), [-2.0] * 3, rtol=1e-6)
+
+
+@pytest.mark.parametrize("defer", [False, True])
+def test_deferred_weights_are_bounded_too(defer):
+    params = {"w": jnp.zeros(3, jnp.float16)}
+    core = ServerCore(params, optax.sgd(1.0), "asp", defer_applies=defer)
+    core.join("a", 0.0)
+    core.push(
+        "a", {"w": jnp.ones(3, jnp.float16)}, version=0, now=1.0, num_samples=100_000
+    )
+    assert np.asarray(core.params["w"]).tolist() == [-1.0] * 3
+
+
+def test_push_whose_apply_overflows_is_refused_and_changes_nothing():
+    params = {"w": jnp.full(3, -1e38, jnp.float32), "b": jnp.zeros((), jnp.float32)}
+    core = ServerCore(params, optax.sgd(1.0), "asp")
+    core.join("a", 0.0)
+    before = snapshot(core)
+    update = {"w": np.full(3, 3.3e38, np.float32), "b": np.float32(0)}
+    with pytest.raises(NonFiniteUpdate, match=r"parameter \['w'\] non-finite"):
+        core.push("a", update, version=0, now=1.0, num_samples=32)
+    assert_same(snapshot(core), before)
+    assert core.worker("a").pushes == 0
+    # The worker goes on with a sound update.
+    acts = core.push("a", upd(1.0), version=0, now=2.0)
+    assert only(acts, PushAck)[0].status == "applied"
+    assert np.isfinite(w_of(core)).all()
+
+
+def test_push_that_overflows_the_optimizer_state_is_refused():
+    params = {"w": jnp.zeros(3, jnp.float32)}
+    core = ServerCore(params, optax.adam(1e-3), "asp")
+    core.join("a", 0.0)
+    state = jax.tree.map(np.asarray, core.opt_state)
+    with pytest.raises(NonFiniteUpdate, match="the optimizer state"):
+        core.push("a", {"w": np.full(3, 3.3e38, np.float32)}, version=0, now=1.0)
+    assert core.version == 0
+    jax.tree.map(np.testing.assert_array_equal, core.opt_state, state)
+
+
+def test_buffered_push_whose_aggregate_overflows_is_refused():
+    params = {"w": jnp.full(3, 2e38, jnp.float32)}
+    core = ServerCore(params, optax.sgd(-1.0), BSP())
+    core.join("a", 0.0)
+    core.join("b", 0.0)
+    core.push("a", {"w": np.full(3, 1e38, np.float32)}, version=0, now=1.0)
+    with pytest.raises(NonFiniteUpdate):
+        core.push("b", {"w": np.full(3, 3e38, np.float32)}, version=0, now=2.0)
+    assert core.version == 0 and core.buffered == 1
+    # The buffered update is applied when b pushes a sound one.
+    core.push("b", {"w": np.zeros(3, np.float32)}, version=0, now=3.0)
+    assert core.version == 1
+    np.testing.assert_allclose(w_of(core), [2.5e38] * 3, rtol=1e-6)
+
+
+def test_result_check_can_be_turned_off():
+    params = {"w": jnp.full(3, -1e38, jnp.float32)}
+    core = ServerCore(params, optax.sgd(1.0), "asp", check_result=False)
+    core.join("a", 0.0)
+    core.push("a", {"w": np.full(3, 3.3e38, np.float32)}, version=0, now=1.0)
+    assert np.isinf(w_of(core)).all()

@@ -477,3 +477,29 @@ def test_strangers_cannot_make_the_server_allocate():
             await raw.close()
 
     _run(main)
+
+
+def test_finite_pushes_that_would_overflow_the_parameters_are_refused():
+    async def main():
+        params = {"b": jnp.zeros(3, jnp.float16), "w": jnp.full(2, -1e38, jnp.float32)}
+        async with _server("asp", params=params) as server:
+            client = _client(server, "hostile")
+            await client.connect()
+            _, v = await client.pull()
+            # A huge sample count weighs the update, never multiplies it.
+            ones = {"b": np.ones(3, np.float16), "w": np.zeros(2, np.float32)}
+            ack = await client.push(ones, version=v, num_samples=100_000)
+            assert ack.applied
+            assert np.asarray(server.params["b"]).tolist() == [-1.0] * 3
+            before, version = _server_params(server), server.version
+            huge = {"b": np.zeros(3, np.float16), "w": np.full(2, 3.3e38, np.float32)}
+            with pytest.raises(errors.NonFiniteUpdate, match=r"\['w'\] non-finite"):
+                await client.push(huge, version=version, num_samples=32)
+            assert server.version == version
+            for k, value in _server_params(server).items():
+                np.testing.assert_array_equal(value, before[k])
+            ack = await client.push(ones, version=version, num_samples=2**63 - 1)
+            assert ack.applied and server.version == version + 1
+            await client.close()
+
+    _run(main)

@@ -104,7 +104,7 @@ import functools
 import heapq
 import math
 from collections.abc import Hashable, Mapping
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -410,6 +410,18 @@ def _dtype_compatible(update: np.dtype, param: np.dtype) -> bool:
     return False
 
 
+def _wide(dtype: Any) -> Any:
+    """The dtype weights are applied in: ``dtype``, at least float32."""
+    return jnp.result_type(dtype, jnp.float32)
+
+
+def _finite(x: Any) -> jax.Array:
+    """Whether an array (any dtype) holds only finite values."""
+    if not jnp.issubdtype(jnp.result_type(x), jnp.inexact):
+        return jnp.array(True)
+    return jnp.all(jnp.isfinite(x))
+
+
 @functools.lru_cache(maxsize=32)
 def _make_steps(optimizer: optax.GradientTransformation):
     """Jitted apply, accumulate and check steps for one optimizer.
@@ -420,48 +432,62 @@ def _make_steps(optimizer: optax.GradientTransformation):
     """
     opt = optax.with_extra_args_support(optimizer)
 
-    def apply(params, opt_state, update, scale, staleness, stale_params):
-        update = jax.tree.map(lambda u: (u * scale).astype(u.dtype), update)
+    def apply(params, opt_state, update, staleness, stale_params):
         extra = {"staleness": staleness}
         if stale_params is not None:
             extra["stale_params"] = stale_params
         deltas, opt_state = opt.update(update, opt_state, params, **extra)
         return optax.apply_updates(params, deltas), opt_state
 
-    def scale(update, weight):
-        return jax.tree.map(lambda u: (u * weight).astype(u.dtype), update)
+    def checked_apply(params, opt_state, update, staleness, stale_params):
+        """``apply``, and per parameter leaf (then the optimizer state) whether
+        the result is finite."""
+        params, opt_state = apply(params, opt_state, update, staleness, stale_params)
+        flags = [_finite(x) for x in jax.tree.leaves(params)]
+        flags.append(all_finite(jax.tree.leaves(opt_state)))
+        return params, opt_state, jnp.stack(flags)
 
-    def accumulate(total, update, weight):
+    def scale(update, weight):
+        # In float32 at least, so a weight never overflows a narrow dtype.
         return jax.tree.map(
-            lambda t, u: t + (u * weight).astype(t.dtype), total, update
+            lambda u: (u.astype(_wide(u.dtype)) * weight).astype(u.dtype), update
         )
 
+    def accumulate(total, update, keep, weight):
+        """The running weighted mean ``keep * total + weight * update``."""
+
+        def mix(t, u):
+            wide = _wide(t.dtype)
+            return (t.astype(wide) * keep + u.astype(wide) * weight).astype(t.dtype)
+
+        return jax.tree.map(mix, total, update)
+
     def apply_chain(
-        params, opt_state, updates, weights, first, close, scales, staleness
+        params, opt_state, updates, keeps, weights, first, close, staleness
     ):
         """Deferred pushes, in order: buffer each; apply where a buffer closes.
 
-        Row ``j`` of ``updates`` is buffered with ``weights[j]`` (a new buffer
-        where ``first[j]``), and where ``close[j]`` the buffer is applied with
-        ``scales[j]`` and ``staleness[j]``: the operations of ``scale``,
-        ``accumulate`` and ``apply`` in the same order, selected rather than
-        branched. Returns the parameters after every row (a version where
-        ``close``).
+        Row ``j`` of ``updates`` is buffered with ``keeps[j]`` and
+        ``weights[j]`` (a new buffer where ``first[j]``), and where ``close[j]``
+        the buffer is applied with ``staleness[j]``: the operations of
+        ``scale``, ``accumulate`` and ``apply`` in the same order, selected
+        rather than branched. Returns the parameters after every row (a
+        version where ``close``).
         """
 
         def step(carry, row):
             params, opt_state, total = carry
-            u, w, is_first, is_close, s, tau = row
+            u, k, w, is_first, is_close, tau = row
             # The barriers keep XLA from fusing across the boundaries of the
             # separate steps, which would round differently.
-            u, w, s, tau = jax.lax.optimization_barrier((u, w, s, tau))
+            u, k, w, tau = jax.lax.optimization_barrier((u, k, w, tau))
             total = jax.tree.map(
                 lambda a, b: jnp.where(is_first, a, b),
                 scale(u, w),
-                accumulate(total, u, w),
+                accumulate(total, u, k, w),
             )
             total = jax.lax.optimization_barrier(total)
-            new_params, new_state = apply(params, opt_state, total, s, tau, None)
+            new_params, new_state = apply(params, opt_state, total, tau, None)
             params, opt_state = jax.tree.map(
                 lambda n, o: jnp.where(is_close, n, o),
                 (new_params, new_state),
@@ -473,20 +499,17 @@ def _make_steps(optimizer: optax.GradientTransformation):
         (params, opt_state, _), history = jax.lax.scan(
             step,
             (params, opt_state, total),
-            (updates, weights, first, close, scales, staleness),
+            (updates, keeps, weights, first, close, staleness),
         )
         return params, opt_state, history
 
     def all_finite(leaves):
-        checks = [
-            jnp.all(jnp.isfinite(x))
-            for x in leaves
-            if jnp.issubdtype(x.dtype, jnp.inexact)
-        ]
+        checks = [_finite(x) for x in leaves]
         return jnp.all(jnp.stack(checks)) if checks else jnp.array(True)
 
     return (
         jax.jit(apply),
+        jax.jit(checked_apply),
         jax.jit(scale),
         jax.jit(accumulate),
         jax.jit(all_finite),
@@ -526,6 +549,11 @@ class ServerCore:
         a push on an evicted version is dropped and its worker force-pulled), or
         ``None`` for no bound beyond the live references.
       check_finite: reject updates holding NaN or infinity.
+      check_result: reject a push whose update, applied, would make the
+        parameters or the optimizer state non-finite (``NonFiniteUpdate``,
+        nothing changes). The buffer with the push is applied on trial when
+        the push arrives; the apply that follows commits that result. Not
+        with ``defer_applies`` (deferred applies are not checked).
       defer_applies: keep the updates of new versions and carry them out, all
         in one compiled call, when the parameters are next read
         (:attr:`params`, :attr:`opt_state`, :meth:`apply_deferred`). Every
@@ -545,9 +573,12 @@ class ServerCore:
 
        \bar u = \frac{\sum_j n_j d_j u_j}{\sum_j n_j}
 
-    is given to the optimizer with the largest staleness of the buffered updates
-    (and the parameters of the oldest version they were computed on), and the
-    version increases by one. A damped update thus moves the average less.
+    (kept as a running mean with the normalised weights :math:`n_j / \sum n`,
+    computed in float32 at least, so no count of samples overflows a leaf's
+    dtype) is given to the optimizer with the largest staleness of the
+    buffered updates (and the parameters of the oldest version they were
+    computed on), and the version increases by one. A damped update thus
+    moves the average less.
 
     Deadlines. While any pull is blocked, every live worker that is not blocked
     itself must make progress (a push, or getting parameters) within
@@ -596,6 +627,7 @@ class ServerCore:
         keep_stale_params: bool = False,
         max_stale_copies: int | None = None,
         check_finite: bool = True,
+        check_result: bool = True,
         defer_applies: bool = False,
     ):
         if not isinstance(optimizer, optax.GradientTransformation):
@@ -661,6 +693,7 @@ class ServerCore:
         self._opt_state = optimizer.init(self._params)
         (
             self._apply_fn,
+            self._checked_apply_fn,
             self._scale_fn,
             self._accumulate_fn,
             self._finite_fn,
@@ -680,11 +713,16 @@ class ServerCore:
         self._keep_stale = bool(keep_stale_params)
         self._max_stale_copies = max_stale_copies
         self._check_finite = bool(check_finite)
+        self._check_result = bool(check_result) and not defer_applies
+        self._leaf_paths = tuple(
+            jax.tree_util.keystr(path)
+            for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]
+        )
         self._defer = bool(defer_applies)
         # Deferred applies (defer_applies): per version, the buffered
-        # (update, weight) pairs, the scale and the staleness it was made with;
+        # (update, keep, weight) rows and the staleness it was made with;
         # self._params is the version before the first of them.
-        self._deferred: list[tuple[list, float, int]] = []
+        self._deferred: list[tuple[list, int]] = []
 
         self._now = -math.inf
         self._epoch = 0
@@ -1073,6 +1111,11 @@ class ServerCore:
                     f"Policy {self._policy.name!r} returned weight "
                     f"{verdict_weight!r}; weights are finite and >= 0."
                 )
+        pending = None
+        if verdict_weight > 0:
+            pending = self._buffer_candidate(
+                update, verdict_weight, num_samples or 1, staleness, version, stale
+            )
         self._begin(now)
 
         interval = now - rec.last_start
@@ -1118,10 +1161,8 @@ class ServerCore:
             self._unref(refs.pop(0))
         self._progress(rec, now)
 
-        if verdict_weight > 0:
-            self._buffer_add(
-                rec, update, verdict_weight, num_samples or 1, staleness, version, stale
-            )
+        if pending is not None:
+            self._buffer_add(rec, pending)
             status = "buffered"
         else:
             rec.dropped_updates += 1
@@ -1372,6 +1413,8 @@ class ServerCore:
 
     def _reset_buffer(self) -> None:
         self._buffer = None
+        # The buffer applied (checked), when check_result: what _apply commits.
+        self._buffer_result: tuple[Any, Any] | None = None
         self._buffer_samples = 0
         self._buffer_contributors: list[WorkerId] = []
         self._buffer_contributor_view: frozenset | None = None
@@ -1379,44 +1422,83 @@ class ServerCore:
         self._buffer_version: int | None = None
         self._buffer_stale = None
 
-    def _buffer_add(
+    def _buffer_candidate(
         self,
-        rec: _Worker,
         update: Any,
         weight: float,
         samples: int,
         staleness: int,
         version: int,
         stale: Any,
-    ) -> None:
-        w = np.float32(weight * samples)
+    ) -> _Pending:
+        """The buffer with one more update, and (``check_result``) its apply.
+
+        Changes nothing: the push commits it with :meth:`_buffer_add`.
+
+        Raises:
+          NonFiniteUpdate: the apply would make parameters or optimizer state
+            non-finite.
+        """
+        total = self._buffer_samples + samples
+        # The running mean's weights, each in [0, weight]: a count of samples
+        # never multiplies a value.
+        keep = np.float32(self._buffer_samples / total)
+        w = np.float32(weight * (samples / total))
         if self._defer:
-            if self._buffer is None:
-                self._buffer = []
-            self._buffer.append((update, w))
+            buffer = [*(self._buffer or []), (update, keep, w)]
         elif self._buffer is None:
-            self._buffer = update if w == 1 else self._scale_fn(update, w)
+            buffer = update if w == 1 else self._scale_fn(update, w)
         else:
-            self._buffer = self._accumulate_fn(self._buffer, update, w)
-        self._buffer_samples += samples
+            buffer = self._accumulate_fn(self._buffer, update, keep, w)
+        tau = max(self._buffer_staleness, staleness)
+        if self._buffer_version is None or version < self._buffer_version:
+            first_version, first_stale = version, stale
+        else:
+            first_version, first_stale = self._buffer_version, self._buffer_stale
+        result = None
+        if self._check_result:
+            params, opt_state, flags = self._checked_apply_fn(
+                self._params,
+                self._opt_state,
+                buffer,
+                self._device_scalar(tau, np.int32),
+                first_stale,
+            )
+            flags = np.asarray(flags)
+            if not flags.all():
+                bad = int(np.argmin(flags))
+                what = (
+                    f"parameter {self._leaf_paths[bad] or 'leaf'}"
+                    if bad < len(self._leaf_paths)
+                    else "the optimizer state"
+                )
+                raise NonFiniteUpdate(
+                    f"update refused: applied, it would make {what} non-finite "
+                    "(NaN or infinity); nothing changed"
+                )
+            result = (params, opt_state)
+        return _Pending(buffer, samples, tau, first_version, first_stale, result)
+
+    def _buffer_add(self, rec: _Worker, pending: _Pending) -> None:
+        self._buffer = pending.buffer
+        self._buffer_result = pending.result
+        self._buffer_samples += pending.samples
         self._buffer_contributors.append(rec.worker_id)
         self._buffer_contributor_view = None
-        self._buffer_staleness = max(self._buffer_staleness, staleness)
-        if self._buffer_version is None or version < self._buffer_version:
-            self._buffer_version = version
-            self._buffer_stale = stale
+        self._buffer_staleness = pending.staleness
+        self._buffer_version = pending.version
+        self._buffer_stale = pending.stale
 
     def _apply(self, now: float, actions: list[Action]) -> None:
         if self._defer:
-            self._deferred.append(
-                (self._buffer, 1.0 / self._buffer_samples, self._buffer_staleness)
-            )
+            self._deferred.append((self._buffer, self._buffer_staleness))
+        elif self._buffer_result is not None:
+            self._params, self._opt_state = self._buffer_result
         else:
             self._params, self._opt_state = self._apply_fn(
                 self._params,
                 self._opt_state,
                 self._buffer,
-                self._device_scalar(1.0 / self._buffer_samples, np.float32),
                 self._device_scalar(self._buffer_staleness, np.int32),
                 self._buffer_stale,
             )
@@ -1454,16 +1536,16 @@ class ServerCore:
         if not deferred:
             return {}, []
         self._deferred = []
-        updates, weights, first, close, scale, staleness = [], [], [], [], [], []
+        updates, keeps, weights, first, close, staleness = [], [], [], [], [], []
         rows = {}
         version = self._version - len(deferred)
-        for items, s, tau in deferred:
-            for j, (update, w) in enumerate(items):
+        for items, tau in deferred:
+            for j, (update, k, w) in enumerate(items):
                 updates.append(jax.tree.leaves(update))
+                keeps.append(k)
                 weights.append(w)
                 first.append(j == 0)
                 close.append(j == len(items) - 1)
-                scale.append(s)
                 staleness.append(tau)
             version += 1
             rows[version] = len(updates) - 1
@@ -1490,10 +1572,10 @@ class ServerCore:
             self._params,
             self._opt_state,
             jax.tree.unflatten(self._treedef, stacked),
+            np.asarray(keeps + [0.0] * pad, np.float32),
             np.asarray(weights + [0.0] * pad, np.float32),
             flags[0],
             flags[1],
-            np.asarray(scale + [0.0] * pad, np.float32),
             np.asarray(staleness + [0] * pad, np.int32),
         )
         return rows, jax.tree.leaves(history)
@@ -1695,6 +1777,17 @@ class ServerCore:
             self._params = new_params
         if new_opt_state is not None:
             self._opt_state = new_opt_state
+
+
+class _Pending(NamedTuple):
+    """A push's contribution to the buffer, worked out before it is committed."""
+
+    buffer: Any  # the buffer with the push (a list of rows when deferred)
+    samples: int  # the push's num_samples
+    staleness: int  # the buffer's largest staleness with the push
+    version: int  # the oldest version the buffered updates were computed on
+    stale: Any  # that version's parameters (keep_stale_params), or None
+    result: tuple[Any, Any] | None  # (params, opt_state) the buffer applies to
 
 
 def _restore_field(name: str, value: Any) -> Any:

@@ -186,7 +186,8 @@ class Server:
       checkpoint_every_updates: also save every this many new versions.
       checkpoint_keep: how many checkpoints to keep.
       limits: frame limits (message bytes, metadata bytes, leaves, dtypes).
-      check_finite: refuse updates holding NaN or infinity.
+      check_finite: refuse updates holding NaN or infinity, and updates
+        that, applied, would make the parameters non-finite.
       handshake_timeout: seconds a new connection has to authenticate.
       core_kwargs: more keyword arguments of ``ServerCore`` (for example
         ``expected_workers``, ``deadline_factor``, ``min_timeout``,
@@ -297,7 +298,7 @@ class Server:
             # Checked here on the received arrays instead (numpy, one pass,
             # naming the leaf), before the core ever sees the update.
             check_finite=False,
-            **dict(core_kwargs or {}),
+            **({"check_result": bool(check_finite)} | dict(core_kwargs or {})),
         )
         self._host = host
         self._requested_port = port
@@ -1080,8 +1081,19 @@ class Server:
         Called by the decoder for each leaf once its bytes have arrived, so
         the check overlaps the transfer of the following leaves.
         """
-        if payload.layout.codec is not None:
-            return  # checked once decoded
+        layout = payload.layout
+        if layout.codec is not None:
+            # Codes and scales are checked once both are in (NaN and infinity
+            # once decoded): "none" sends no scales, other schemes always do.
+            codec_none = layout.codec["scheme"] == "none"
+            if index % 2 or codec_none:
+                from hpsjax.transforms import _quantize as q
+
+                codes, scales = payload.arrays[index // 2]
+                size = math.prod(layout.leaves[index // 2].shape)
+                codec = q.Codec.from_dict(layout.codec)
+                wire.check_encoded_leaf(codes, scales, size, codec)
+            return
         leaf = payload.arrays[index]
         if leaf.dtype.kind not in "biu" and not np.isfinite(leaf).all():
             raise NonFiniteUpdate(
