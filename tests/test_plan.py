@@ -507,6 +507,41 @@ def test_replanner_gives_a_slowed_worker_less_work():
     assert final.idle_fraction < 0.05
 
 
+def test_replanner_fits_intercept_and_slope():
+    # Planned as 0.1 s + 0.1 ms per sample; in fact 20 ms + 0.3 ms per sample.
+    p = plan(_fixed_cost_workers()[:2], global_batch=128)
+    replanner = Replanner(p, window=8, cooldown=0.0, min_observations=8)
+    rng = random.Random(3)
+    revised = None
+    for k, batch in enumerate([4, 8, 16, 24, 32, 48, 64, 96]):
+        t = (0.02 + 3e-4 * batch) * (1 + rng.uniform(-0.01, 0.01))
+        revised = replanner.observe(0, batch, t, now=float(k))
+    assert revised is not None
+    (device,) = revised.worker(0).devices
+    assert device.time_intercept == pytest.approx(0.02, rel=0.1)
+    assert device.time_slope == pytest.approx(3e-4, rel=0.05)
+    # The unobserved worker keeps its model.
+    assert revised.worker(1).devices[0].time_intercept == pytest.approx(0.05)
+
+
+def test_replanner_keeps_a_batch_one_worker_from_the_biggest_batch():
+    # Worker 0's fixed cost was profiled at 0.1 s; it is 0.05 s like workers 1
+    # and 3, with the same cost per sample. Its reports all come at batch 1.
+    p = plan(_fixed_cost_workers(), global_batch=256, min_batch=1)
+    assert _batches(p) == [1, 127, 1, 127]
+    replanner = Replanner(p, cooldown=0.0, min_observations=3)
+    revised = None
+    for k in range(3):
+        revised = replanner.observe(0, 1, 0.05 + 1e-4, now=float(k))
+    assert revised is not None
+    (device,) = revised.worker(0).devices
+    assert device.time_intercept == pytest.approx(0.05)
+    assert device.time_slope == pytest.approx(1e-4)
+    # Now as fast as workers 1 and 3, not twice as fast per sample.
+    b = _batches(revised)
+    assert b[2] == 1 and max(b) - min(b[0], b[1], b[3]) <= 1
+
+
 def test_replanner_cooldown():
     p = plan(_speeds(1, 1), global_batch=64)
     replanner = Replanner(p, threshold=0.2, window=1, cooldown=10.0, min_observations=1)

@@ -45,6 +45,7 @@ its batch, and for equal gradients no split of the global batch changes the step
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import logging
@@ -315,16 +316,16 @@ class _WorkerModel:
     transfer: float
     devices: tuple[_DeviceModel, ...]
 
-    def scaled(self, speed_ratio: float) -> _WorkerModel:
-        """This worker running at ``speed_ratio`` times its modelled speed."""
+    def refitted(self, intercept_shift: float, slope_factor: float) -> _WorkerModel:
+        """This worker with its fixed cost shifted and its per-sample cost scaled."""
         return dataclasses.replace(
             self,
             devices=tuple(
                 dataclasses.replace(
                     d,
-                    intercept=d.intercept / speed_ratio,
-                    slope=d.slope / speed_ratio,
-                    floor=d.floor / speed_ratio,
+                    intercept=max(d.intercept + intercept_shift, 0.0),
+                    slope=d.slope * slope_factor,
+                    floor=d.floor * slope_factor,
                 )
                 for d in self.devices
             ),
@@ -373,6 +374,72 @@ def _model_from_worker_plan(w: WorkerPlan) -> _WorkerModel:
             for d in w.devices
         ),
     )
+
+
+def _weighted_line(xs, ys, weights) -> tuple[float, float] | None:
+    """Weighted least squares ``y = a + c x``; ``None`` for fewer than two x."""
+    total = sum(weights)
+    mx = sum(w * x for w, x in zip(weights, xs, strict=True)) / total
+    my = sum(w * y for w, y in zip(weights, ys, strict=True)) / total
+    sxx = sum(w * (x - mx) ** 2 for w, x in zip(weights, xs, strict=True))
+    if sxx <= 1e-12 * max(mx * mx, 1.0) * total:
+        return None
+    sxy = sum(w * (x - mx) * (y - my) for w, x, y in zip(weights, xs, ys, strict=True))
+    slope = sxy / sxx
+    return my - slope * mx, slope
+
+
+def _refit(model: _WorkerModel, plan: WorkerPlan, reports, alpha: float):
+    r"""``model`` refitted to a worker's reports ``(batch, seconds)``, oldest first.
+
+    The worker's time is fitted as ``A + C b`` by least squares over its reports,
+    weighted ``(1 - alpha)^age`` so that recent ones count most, and set against
+    the same fit of the model's predictions (``A_0 + C_0 b``): every device's
+    fixed cost moves by ``A - A_0`` and its per-sample cost is scaled by
+    ``C / C_0``. Reports at a single batch fix only one point of the line; it
+    then corrects the term that dominates the predicted time there, and keeps
+    the other, so a worker measured at batch 1 keeps its per-sample cost and is
+    not extrapolated to a large batch.
+    """
+    batches = [b for b, _ in reports]
+    times = [t for _, t in reports]
+    weights = [(1.0 - alpha) ** k for k in range(len(reports) - 1, -1, -1)]
+
+    def predicted(b: float) -> float:
+        return max(
+            d.time(b * p.batch_size / plan.batch_size)
+            for d, p in zip(model.devices, plan.devices, strict=True)
+        )
+
+    line = _weighted_line(batches, times, weights)
+    if line is not None and line[1] > 0:
+        fixed, per_sample = line
+        if fixed < 0:
+            fixed = 0.0
+            per_sample = sum(
+                w * b * t for w, b, t in zip(weights, batches, times, strict=True)
+            ) / sum(w * b * b for w, b in zip(weights, batches, strict=True))
+        fixed0, per_sample0 = _weighted_line(
+            batches, [predicted(b) for b in batches], weights
+        )
+        return model.refitted(fixed - fixed0, per_sample / per_sample0)
+    total = sum(weights)
+    b = sum(w * x for w, x in zip(weights, batches, strict=True)) / total
+    t = sum(w * y for w, y in zip(weights, times, strict=True)) / total
+    p0 = predicted(b)
+    # The bottleneck device's fixed cost, and the rest of the predicted time.
+    fixed0 = max(
+        (d.time(b * p.batch_size / plan.batch_size), d.intercept)
+        for d, p in zip(model.devices, plan.devices, strict=True)
+    )[1]
+    fixed0 = min(fixed0, p0)
+    rest0 = p0 - fixed0
+    if fixed0 >= rest0 and t >= rest0:
+        return model.refitted(t - p0, 1.0)
+    if fixed0 < rest0 and t > fixed0:
+        return model.refitted(0.0, (t - fixed0) / rest0)
+    # The time contradicts the dominant term alone: scale both.
+    return model.refitted(fixed0 * (t / p0 - 1.0), t / p0)
 
 
 def _round_keeping_sum(
@@ -920,10 +987,19 @@ class Replanner:
     ``|rho_i - 1| > threshold``, every other worker that has reported at all has
     ``min_observations`` reports too, and at least ``cooldown`` seconds have
     passed since the last revision, every observed worker's time model is
-    divided by its ``rho_i`` and the plan is made again with the same scheme and
-    settings (a worker never heard from keeps its planned speed): a
-    worker that slowed down gets less work. The averages then restart against the
-    new plan.
+    fitted again and the plan is made again with the same scheme and settings (a
+    worker never heard from keeps its planned speed): a worker that slowed down
+    gets less work. The averages then restart against the new plan.
+
+    The fit keeps both terms of the model, the fixed cost per step and the cost
+    per sample: a least-squares line ``A + C b`` through the worker's last
+    ``max(w, min_observations)`` reports (weighted ``(1 - alpha)^age``, kept
+    across revisions), against the same line through the plan's predictions
+    ``A_0 + C_0 b``, moves every device's fixed cost by ``A - A_0`` and scales its
+    cost per sample by ``C / C_0``. Reports at one batch only fix one point; then
+    the term that dominates the predicted time there is corrected and the other
+    kept, so a batch-1 worker whose fixed cost was overestimated is not taken to
+    be fast per sample and handed the biggest batch.
 
     The replanner does no I/O and reads no clock: callers pass ``now``.
 
@@ -973,6 +1049,12 @@ class Replanner:
         self._alpha = 2.0 / (window + 1)
         self._plan = plan
         self._last_revision: float | None = None
+        # Reports outlive a revision: those at the old batch and the new one
+        # together pin down both terms of a worker's time.
+        self._reports = {
+            w.worker_id: collections.deque(maxlen=max(window, min_observations))
+            for w in plan.workers
+        }
         self._reset()
 
     def _reset(self) -> None:
@@ -1028,6 +1110,7 @@ class Replanner:
         else:
             self._ratio[worker_id] += self._alpha * (sample - self._ratio[worker_id])
         self._count[worker_id] += 1
+        self._reports[worker_id].append((batch_size, step_time))
 
         # Every worker heard from must have a settled average before the plan
         # changes: revising on one worker's measurements while another's are
@@ -1046,10 +1129,15 @@ class Replanner:
         if not (drifted and cooled):
             return None
         models = [
-            m.scaled(self._ratio[m.worker_id])
-            if self._count[m.worker_id] >= self._min_observations
-            else m
-            for m in map(_model_from_worker_plan, self._plan.workers)
+            _refit(
+                _model_from_worker_plan(w),
+                w,
+                self._reports[w.worker_id],
+                self._alpha,
+            )
+            if self._count[w.worker_id] >= self._min_observations
+            else _model_from_worker_plan(w)
+            for w in self._plan.workers
         ]
         old = self._plan
         self._plan = _solve(
