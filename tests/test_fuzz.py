@@ -126,3 +126,28 @@ def test_decoders_of_many_codecs_stay_bounded_and_pushes_keep_their_order():
             await c.close()
 
     _run(main)
+
+
+def test_compressed_push_with_an_invalid_code_is_refused_before_compiling():
+    from hpsjax.transforms._quantize import Encoded
+
+    async def main():
+        async with _server("asp") as server:
+            raw = await Raw.open(server.port, worker_id="bad-code")
+            raw.send(MsgType.PULL, 3)
+            assert (await raw.recv()).msg_type == MsgType.PARAMS
+            like = _update(0.0)
+            encoded = [
+                Encoded(np.full(x.size, 255, np.uint8), np.ones(1, np.float32))
+                for x in (like["b"], like["w"])
+            ]
+            meta, buffers, _ = wire.encoded_tree_to_wire(
+                encoded, like, Codec("uniform", 8)
+            )
+            raw.send(MsgType.PUSH, 4, {"version": 0, **meta}, buffers)
+            message = await raw.expect_error(errors.InvalidUpdate.code, request_id=4)
+            assert "255" in message
+            assert server.version == 0 and len(server._decoders) == 0
+            await raw.close()
+
+    _run(main)

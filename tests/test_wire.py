@@ -653,3 +653,66 @@ def test_released_decoder_holds_no_buffers():
     assert dec.idle
     with pytest.raises(errors.ConnectionClosed):
         dec.feed(b"HPSJ")
+
+
+def _codec(*args, **kwargs):
+    from hpsjax.transforms._quantize import Codec
+
+    return Codec(*args, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "codec_args, codes, scales, size, message",
+    [
+        (("uniform", 8), [0, 254, 255], [1.0], 3, "code 255"),
+        (("uniform", 4), [0xE0, 0x0F], [1.0], 4, "code 15"),
+        (("uniform", 4), [0xEE, 0x10], [1.0], 3, "padding"),
+        (("sign",), [0b1000_0001], [1.0], 3, "padding"),
+        (("uniform", 2), [0b11], [1.0], 1, "code 3"),
+        (("qsgd", 8), [2 * 5 + 1], [1.0], 1, "code 11"),
+        (("uniform", 8), [1], [-1.0], 1, "scales"),
+        (("uniform", 8), [1], [np.nan], 1, "scales"),
+    ],
+)
+def test_encoded_leaf_values_are_checked(codec_args, codes, scales, size, message):
+    kwargs = {"levels": 5} if codec_args[0] == "qsgd" else {}
+    codec = _codec(*codec_args, **kwargs)
+    codes = np.array(codes, np.uint8)
+    scales = np.array(scales, np.float32)
+    with pytest.raises(errors.InvalidUpdate, match=message):
+        wire.check_encoded_leaf(codes, scales, size, codec)
+
+
+def test_valid_encoded_leaves_pass_the_check():
+    import jax
+
+    from hpsjax.transforms._quantize import encode
+
+    x = np.linspace(-3, 3, 37, dtype=np.float32)
+    for codec in [
+        _codec("uniform", 8),
+        _codec("uniform", 4, block_size=5),
+        _codec("uniform", 2),
+        _codec("uniform", 16),
+        _codec("qsgd", 8, levels=5),
+        _codec("sign"),
+        _codec("none"),
+    ]:
+        enc = encode(x, codec, key=jax.random.key(0))
+        codes, scales = np.asarray(enc.codes), np.asarray(enc.scales)
+        wire.check_encoded_leaf(codes, scales, x.size, codec)
+
+
+def test_codec_must_list_every_key():
+    meta, _, _ = wire.encoded_tree_to_wire(
+        [_encoded_ones()], {"w": np.zeros(4, np.float32)}, _codec("uniform", 8)
+    )
+    del meta["codec"]["levels"]
+    with pytest.raises(errors.MalformedMetadata, match="levels"):
+        wire.tree_layout(meta)
+
+
+def _encoded_ones():
+    from hpsjax.transforms._quantize import Encoded
+
+    return Encoded(np.ones(4, np.uint8), np.ones(1, np.float32))

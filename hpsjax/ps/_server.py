@@ -685,7 +685,7 @@ class Server:
             limits=_HANDSHAKE_LIMITS,
             allocate=allocate,
             on_made=lambda: self._on_made(session),
-            on_filled=self._check_received if self._check_finite else None,
+            on_filled=self._check_received,
         )
         session = _Session(protocol=protocol, peer="?")
         return protocol
@@ -1095,6 +1095,8 @@ class Server:
                 wire.check_encoded_leaf(codes, scales, size, codec)
             return
         leaf = payload.arrays[index]
+        if not self._check_finite:
+            return
         if leaf.dtype.kind not in "biu" and not np.isfinite(leaf).all():
             raise NonFiniteUpdate(
                 f"leaf {self._model.paths()[index]} holds NaN or infinity"

@@ -44,6 +44,7 @@ from hpsjax.ps._errors import (
     BadMagic,
     ConnectionClosed,
     HpsError,
+    InvalidUpdate,
     MalformedMetadata,
     PayloadTooBig,
     ProtocolError,
@@ -76,6 +77,7 @@ __all__ = [
     "WireTree",
     "aligned_empty",
     "auth_proof",
+    "check_encoded_leaf",
     "check_same_spec",
     "encode_frame",
     "encode_frame_packed",
@@ -931,10 +933,17 @@ def _quantize_module():
     return _quantize
 
 
+_CODEC_KEYS = ("scheme", "bits", "block_size", "stochastic", "levels")
+
+
 def _codec_from_dict(codec: Any):
     q = _quantize_module()
     if not isinstance(codec, dict):
         raise MalformedMetadata("'codec' must be a map or nil")
+    missing = [key for key in _CODEC_KEYS if key not in codec]
+    if missing:
+        # Every key is sent (nil where unused): no default is ever guessed.
+        raise MalformedMetadata(f"codec misses {', '.join(map(repr, missing))}")
     try:
         return q.Codec.from_dict(codec)
     except (ValueError, TypeError, KeyError) as e:
@@ -969,6 +978,45 @@ def compressed_sizes(shape: Sequence[int], codec: Any) -> tuple[int, int]:
     else:
         n_scales = -(-size // codec.block_size)
     return q.encoded_nbytes(tuple(shape), codec) - 4 * n_scales, n_scales
+
+
+def check_encoded_leaf(codes: np.ndarray, scales: np.ndarray, size: int, codec) -> None:
+    """Checks the values of one received compressed leaf before it is decoded.
+
+    Every code must name a level (``0 .. 2L`` for ``uniform`` and ``qsgd``, so
+    ``255`` at 8 bits is refused), the unused high bits of the last code byte
+    must be zero, and scales must be finite and non-negative.
+
+    Args:
+      codes: the leaf's packed codes (``uint8``).
+      scales: its float32 scales.
+      size: elements of the decoded leaf.
+      codec: the ``Codec``.
+
+    Raises:
+      InvalidUpdate: naming what is wrong.
+    """
+    if codec.scheme == "none":
+        return  # float32 values: checked for NaN and infinity once decoded
+    if not np.isfinite(scales).all() or (scales < 0).any():
+        raise InvalidUpdate("scales must be finite and >= 0")
+    bits = codec.bits
+    if bits < 8 and size * bits % 8 and codes.size and codes[-1] >> (size * bits % 8):
+        raise InvalidUpdate("padding bits of the last code byte are not zero")
+    if codec.scheme == "sign":
+        return
+    top = 2 * (codec.levels if codec.scheme == "qsgd" else 2 ** (bits - 1) - 1)
+    if bits == 16:
+        largest = int(codes.view("<u2").max(initial=0))
+    elif bits == 8:
+        largest = int(codes.max(initial=0))
+    else:
+        mask = (1 << bits) - 1
+        largest = max(
+            int(((codes >> shift) & mask).max(initial=0)) for shift in range(0, 8, bits)
+        )
+    if largest > top:
+        raise InvalidUpdate(f"code {largest} is over the largest level code {top}")
 
 
 def encoded_tree_to_wire(
