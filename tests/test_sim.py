@@ -766,3 +766,38 @@ def test_bad_simulation_arguments_are_refused_before_running():
             )
     assert calls == []
     assert math.isfinite(float(loss_fn(PARAMS, TRAIN)))
+
+
+# ---------------------------------------------------------------------------
+# Batch weighting: the server owns it.
+# ---------------------------------------------------------------------------
+
+
+def _sum_loss(p, batch):
+    del batch
+    return jnp.sum(p["w"])
+
+
+@pytest.mark.parametrize(
+    "overheads", [(0.0, 0.0), (0.1, 0.05, 0.1, 0.05)], ids=["speeds", "fixed_cost"]
+)
+def test_a_plan_does_not_change_the_step_of_equal_gradients(overheads):
+    # Unequal batches from unequal speeds or fixed costs; every gradient is 1.
+    profiles = [
+        WorkerProfile.synthetic(i, 1e4 / (1 + 2.34 * (i % 2)), overhead=a)
+        for i, a in enumerate(overheads)
+    ]
+    work_plan = plan(profiles, "hps", global_batch=256)
+    assert len({w.batch_size for w in work_plan.workers}) > 1
+    workers = constant_workers([0.1] * len(profiles), batch_size=1)
+    result = simulate(
+        _sum_loss,
+        {"w": jnp.zeros(())},
+        TRAIN,
+        workers,
+        SimConfig(policy="bsp", learning_rate=1.0, max_updates=1),
+        work_plan=work_plan,
+    )
+    (apply,) = result.applies
+    assert apply.num_updates == len(profiles)
+    assert float(result.params["w"]) == pytest.approx(-1.0, rel=1e-6)
