@@ -579,6 +579,10 @@ class ServerCore:
     buffered updates (and the parameters of the oldest version they were
     computed on), and the version increases by one. A damped update thus
     moves the average less.
+    This average is the one place where batches are weighted: a BSP round of
+    unequal batches is one step on the mean gradient of all their samples, and
+    a work plan's ``lr_scale`` (:func:`hpsjax.profiling.plan`) is the same for
+    every worker, so no split of the batch changes the step.
 
     Deadlines. While any pull is blocked, every live worker that is not blocked
     itself must make progress (a push, or getting parameters) within
