@@ -122,3 +122,31 @@ def test_malloc_tuning_applies_in_a_fresh_process():
         capture_output=True, text=True, timeout=120, check=True,
     )  # fmt: skip
     assert out.stdout.strip() == "True"
+
+
+def test_bad_flags_are_one_line_naming_flags(tmp_path, capsys):
+    path = tmp_path / "p.npz"
+    np.savez(path, w=np.zeros(2, np.float32))
+    # A text file given as --init is not "pickled data".
+    secret = tmp_path / "secret.txt"
+    secret.write_text("s3cret\n")
+    assert _cli.main(["--init", str(secret), "--loop", "asyncio"]) == 2
+    err = capsys.readouterr().err
+    assert "is not an .npz file" in err and "pickle" not in err
+    assert len(err.strip().splitlines()) == 1
+    # Unknown --core_arg keys list the valid ones.
+    argv = ["--init", str(path), "--loop", "asyncio", "--core_arg", "expected=3"]
+    assert _cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert "--core_arg expected: ServerCore has no such argument" in err
+    assert "valid names: expected_workers, start_timeout," in err
+    # The refusal to listen without a secret names the flags, not Python args.
+    code = _cli.main(["--init", str(path), "--host", "0.0.0.0", "--loop", "asyncio"])
+    err = capsys.readouterr().err
+    assert code == 2 and "--secret_file" in err and "--insecure" in err
+    assert "secret=" not in err and "insecure=True" not in err
+
+
+def test_a_list_without_brackets_is_refused_with_the_json_form():
+    with pytest.raises(SystemExit):
+        _cli.parse_args(["--init", "x.npz", "--policy_arg", "stages=1,2"])

@@ -128,3 +128,33 @@ def test_server_hostname_reaches_a_single_server(tmp_path):
     # Without the name, the certificate is checked for 127.0.0.1 and refused.
     with pytest.raises(worker_cli.JoinError, match=r"not valid for '127\.0\.0\.1'"):
         asyncio.run(_join(server, _args("--cafile", str(cert)), ssl=context))
+
+
+def test_flag_mistakes_are_one_line(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        worker_cli.parse_args(["--model_arg", "hidden=128,128"])
+    assert "hidden=[128,128]" in capsys.readouterr().err
+    init = str(tmp_path / "init.npz")
+    code = worker_cli.main([*SMALL, "--model_arg", "hiden=[8]", "--write_init", init])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert err.strip() == (
+        "hpsjax-worker: --model_arg hiden: model 'mlp' has no such argument; "
+        "valid names: hidden"
+    )
+    code = worker_cli.main(["--dataset_arg", "size=8", "--write_init", init])
+    assert code == 2 and "--dataset_arg size:" in capsys.readouterr().err
+
+
+def test_write_init_and_profile_out_say_where_they_wrote(tmp_path, capsys):
+    init, profile = tmp_path / "init.npz", tmp_path / "profile.json"
+    small = [*SMALL, "--model_arg", "hidden=[8]"]
+    assert worker_cli.main([*small, "--write_init", str(init)]) == 0
+    assert capsys.readouterr().out.strip() == (
+        f"hpsjax-worker: wrote the initial parameters to {init}"
+    )
+    argv = [*small, "--profile_out", str(profile), "--profile_batch_sizes", "2,4",
+            "--profile_repeats", "2"]  # fmt: skip
+    assert worker_cli.main(argv) == 0
+    assert f"wrote the profile to {profile}" in capsys.readouterr().out
+    assert init.exists() and profile.exists()

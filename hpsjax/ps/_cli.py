@@ -38,7 +38,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import logging
 import math
 import pathlib
@@ -52,6 +51,7 @@ import numpy as np
 import numpy.lib.format as npy_format
 import optax
 
+from hpsjax._flags import check_kwargs, key_value
 from hpsjax._logs import quiet_backend_probe
 
 __all__ = [
@@ -124,8 +124,17 @@ def load_npz_tree(path: str | pathlib.Path) -> dict[str, Any]:
       >>> sorted(tree), sorted(tree["conv"])
       (['b', 'conv'], ['w'])
     """
+    _check_is_npz(path)
     with np.load(path, allow_pickle=False) as data:
         return nest_named_arrays({name: data[name] for name in data.files}, path)
+
+
+def _check_is_npz(path: str | pathlib.Path) -> None:
+    if not zipfile.is_zipfile(path):
+        raise ValueError(
+            f"{path} is not an .npz file of arrays (write one with "
+            "hpsjax-worker --write_init)"
+        )
 
 
 class _NpzMember:
@@ -224,6 +233,7 @@ def load_npz_shard(
     """
     from hpsjax.ps._shards import KeyRangePartition
 
+    _check_is_npz(path)
     lazy = nest_named_arrays(_read_npz_members(path), path)
     partition = KeyRangePartition.from_tree(lazy, num_shards, split_leaves=split_leaves)
     if not 0 <= shard < num_shards:
@@ -268,15 +278,7 @@ def make_optimizer(
     raise ValueError(f"unknown optimizer {name!r}; choose from {OPTIMIZERS}")
 
 
-def _key_value(text: str) -> tuple[str, Any]:
-    name, sep, raw = text.partition("=")
-    if not sep or not name:
-        raise argparse.ArgumentTypeError(f"expected NAME=VALUE, got {text!r}")
-    try:
-        value = json.loads(raw)
-    except json.JSONDecodeError:
-        value = raw
-    return name, value
+_key_value = key_value
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -451,10 +453,25 @@ def _server_shard(args: argparse.Namespace) -> tuple[int, int]:
 
 async def serve(args: argparse.Namespace) -> None:
     """Builds the server from parsed arguments and serves until a signal."""
-    from hpsjax.ps._server import Server
+    from hpsjax.ps._core import ServerCore
+    from hpsjax.ps._server import Server, _is_loopback
 
     shard, num_shards = _server_shard(args)
     checkpoint_dir = args.checkpoint_dir
+    core_kwargs = dict(args.core_arg)
+    check_kwargs(
+        ServerCore,
+        core_kwargs,
+        "--core_arg",
+        what="ServerCore",
+        skip=("params", "optimizer", "policy", "policy_kwargs", "check_finite"),
+    )
+    if args.secret_file is None and not (args.insecure or _is_loopback(args.host)):
+        raise ValueError(
+            f"refusing to serve on {args.host!r} without a secret: anyone who can "
+            "reach the port could push updates; pass --secret_file (or --insecure "
+            "to accept that)"
+        )
     if num_shards == 1:
         params = load_npz_tree(args.init)
     else:
@@ -505,7 +522,7 @@ async def serve(args: argparse.Namespace) -> None:
         checkpoint_every_updates=args.checkpoint_every_updates,
         checkpoint_keep=args.checkpoint_keep,
         check_finite=not args.allow_nonfinite,
-        core_kwargs=dict(args.core_arg),
+        core_kwargs=core_kwargs,
         replanner=replanner,
         **policy_kwargs,
     )

@@ -38,9 +38,11 @@ import logging
 import pathlib
 import signal
 import sys
+import typing
 from collections.abc import Sequence
 from typing import Any
 
+from hpsjax._flags import check_kwargs, key_value
 from hpsjax._logs import quiet_backend_probe
 
 __all__ = [
@@ -54,17 +56,14 @@ __all__ = [
 ]
 
 LOCAL_OPTIMIZERS = ("none", "sgd", "momentum", "adam")
+# Model arguments the registry's factories set from the data, not from flags.
+_MODEL_SHAPE_ARGS = (
+    "self", "input_shape", "in_features", "in_channels", "image_size",
+    "num_classes", "rngs",
+)  # fmt: skip
 
 
-def _key_value(text: str) -> tuple[str, Any]:
-    name, sep, raw = text.partition("=")
-    if not sep or not name:
-        raise argparse.ArgumentTypeError(f"expected NAME=VALUE, got {text!r}")
-    try:
-        value = json.loads(raw)
-    except json.JSONDecodeError:
-        value = raw
-    return name, value
+_key_value = key_value
 
 
 def _addresses(text: str) -> list[tuple[str, int]]:
@@ -238,7 +237,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def _dataset(args: argparse.Namespace):
     from hpsjax import data
 
-    dataset = data.get_dataset(args.dataset, **dict(args.dataset_arg))
+    kwargs = dict(args.dataset_arg)
+    if args.dataset in data.DATASETS:
+        loader = data.DATASETS[args.dataset]
+        check_kwargs(loader, kwargs, "--dataset_arg", what=f"dataset {args.dataset!r}")
+    dataset = data.get_dataset(args.dataset, **kwargs)
     train, _ = dataset.split(args.test_fraction, seed=0)
     return train
 
@@ -246,6 +249,18 @@ def _dataset(args: argparse.Namespace):
 def _model(args: argparse.Namespace, train):
     from hpsjax import models
 
+    if args.model in models.MODELS:
+        # The registry's factories build a class from the data's shapes; the
+        # flags give the class's other arguments.
+        factory = models.MODELS[args.model]
+        built = typing.get_type_hints(factory).get("return", factory)
+        check_kwargs(
+            built.__init__ if isinstance(built, type) else built,
+            dict(args.model_arg),
+            "--model_arg",
+            what=f"model {args.model!r}",
+            skip=_MODEL_SHAPE_ARGS,
+        )
     return models.get_model(
         args.model,
         input_shape=train.input_shape,
@@ -696,9 +711,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.write_init is not None:
             write_init(args, args.write_init)
+            print(
+                f"hpsjax-worker: wrote the initial parameters to {args.write_init}",
+                flush=True,
+            )
             return 0
         if args.profile_out is not None:
             write_profile(args, args.profile_out)
+            print(f"hpsjax-worker: wrote the profile to {args.profile_out}", flush=True)
             return 0
         sink = None
         if args.metrics is not None:
