@@ -151,3 +151,50 @@ def test_compressed_push_with_an_invalid_code_is_refused_before_compiling():
             await raw.close()
 
     _run(main)
+
+
+# ------------------------------------------------------------------ fuzzer
+
+
+def _mutants(rng, count):
+    meta, buffers, _ = wire.tree_to_wire(_update(0.5))
+    seeds = [
+        b"".join(bytes(p) for p in wire.encode_frame(t, 7, m, b))
+        for t, m, b in [
+            (MsgType.PULL, {}, ()),
+            (MsgType.INFO, {}, ()),
+            (MsgType.PUSH, {"version": 0, **meta}, buffers),
+        ]
+    ]
+    for _ in range(count):
+        frame = bytearray(seeds[rng.integers(len(seeds))])
+        for _ in range(rng.integers(1, 4)):
+            frame[rng.integers(len(frame))] = rng.integers(256)
+        yield bytes(frame)
+
+
+def test_mutated_frames_never_hurt_a_healthy_worker():
+    rng = np.random.default_rng(11)
+
+    async def main():
+        async with _server("asp") as server:
+            good = _client(server, "good")
+            await good.connect()
+            _, v = await good.pull()
+            for i, data in enumerate(_mutants(rng, 200)):
+                raw = await Raw.open(server.port, worker_id=f"fuzz-{i % 4}")
+                raw.send_bytes(data)
+                await asyncio.sleep(0)
+                await raw.close()
+                if i % 20 == 0:
+                    async with asyncio.timeout(2.0):
+                        _, v = await good.pull()
+            # Mutated pushes may be applied only with the values they carry;
+            # the good worker's view stays consistent with the server's.
+            _, v = await good.pull()
+            assert v == server.version
+            for x in server.params.values():
+                assert np.isfinite(np.asarray(x)).all()
+            await good.close()
+
+    _run(main, timeout=60.0)
