@@ -387,7 +387,7 @@ def launch(
       split_leaves: with ``server_shards > 1``, cut arrays by rows between
         shards too (``--split_leaves``), for models with a few huge arrays.
       workdir: where to keep the secret, initial parameters, plan and metrics;
-        a fresh temporary directory (kept) by default.
+        by default a temporary directory, removed when the run ends.
       timeout: seconds the whole run may take, ``None`` for no limit.
       start_timeout: seconds the server has to start listening.
       shutdown_timeout: seconds processes get after SIGTERM before SIGKILL.
@@ -410,6 +410,12 @@ def launch(
       >>> result.returncode  # doctest: +SKIP
       0
     """
+    if workdir is None:
+        # The directory holds the secret: it goes when the run ends, failed
+        # and interrupted runs included.
+        arguments = dict(locals())
+        with tempfile.TemporaryDirectory(prefix="hpsjax-launch-") as tmp:
+            return launch(**{**arguments, "workdir": tmp})
     if (
         isinstance(num_workers, bool)
         or not isinstance(num_workers, int)
@@ -548,9 +554,12 @@ def launch(
             workers.append(worker)
             processes.append(worker)
         monitor = _Monitor(port, secret)
+        tqdm = None
         if progress:
-            from tqdm import tqdm
-
+            # tqdm comes with the experiments extra only: no bar without it.
+            with contextlib.suppress(ImportError):
+                from tqdm import tqdm
+        if tqdm is not None:
             total = None
             if steps is not None:
                 total = steps if policy in _ROUND_POLICIES else steps * num_workers

@@ -357,3 +357,24 @@ def test_server_that_cannot_start_is_reported(tmp_path):
             start_timeout=60,
         )
     assert _children() <= before
+
+
+def test_a_temporary_workdir_is_removed_when_a_launch_fails(tmp_path, monkeypatch):
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    with pytest.raises(LaunchError, match="cannot build the model"):
+        launch(1, worker_args=["--model", "nope"], progress=False, log=io.StringIO())
+    assert list(tmp_path.glob("hpsjax-launch-*")) == []
+
+
+@pytest.mark.slow
+def test_a_launch_without_tqdm_removes_its_temporary_workdir(tmp_path, monkeypatch):
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setitem(sys.modules, "tqdm", None)  # not installed
+    log = io.StringIO()
+    result = launch(1, steps=2, worker_args=SMALL_MODEL, log=log, timeout=240)
+    assert result.returncode == 0, log.getvalue()
+    assert list(tmp_path.glob("hpsjax-launch-*")) == []
