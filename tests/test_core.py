@@ -902,3 +902,69 @@ def test_result_check_can_be_turned_off():
     core.join("a", 0.0)
     core.push("a", {"w": np.full(3, 3.3e38, np.float32)}, version=0, now=1.0)
     assert np.isinf(w_of(core)).all()
+
+
+# Joining a running or resumed server.
+
+
+def test_worker_joining_a_running_server_gets_slack_for_its_first_round():
+    core = make("bsp", deadline_factor=2.0, min_timeout=0.5, initial_timeout=60.0)
+    core.join("a", 0.0)
+    core.join("b", 0.0)
+    now = run_bsp_rounds(core, "ab", rounds=50, start=0.0, step=0.1)
+    assert core.version == 50 and core.min_clock == 50
+    # "b" leaves; a new process of "b" joins at clock 50 and compiles for
+    # 20 s while "a" waits for it (its 0.1 s rounds were another process').
+    core.leave("b", now)
+    assert only(core.join("b", now), SendParams)
+    assert core.worker("b").clock == 50
+    core.push("a", upd(1.0), version=50, now=now + 0.1)
+    assert only(core.pull("a", now + 0.1), Wait)
+    assert core.tick(now + 20.0) == []
+    acts = core.push("b", upd(1.0), version=50, now=now + 20.0)
+    assert only(acts, Applied) and not only(acts, Drop)
+    assert core.live == {"a", "b"}
+    # From its first measured round on, its deadline follows measured times
+    # (2 x its measured interval, not the initial 60 s).
+    info = core.worker("b")
+    assert info.deadline == pytest.approx(now + 20.0 + 2 * info.interval)
+
+
+def test_worker_rejoining_a_resumed_core_is_judged_by_its_own_rounds():
+    core = make("bsp", deadline_factor=2.0, min_timeout=0.5, initial_timeout=60.0)
+    core.join("a", 0.0)
+    core.join("b", 0.0)
+    run_bsp_rounds(core, "ab", rounds=5, start=0.0, step=0.1)
+    state = core.state_dict()
+    assert state["workers"][1]["interval"] == pytest.approx(0.1)
+    resumed = make("bsp", deadline_factor=2.0, min_timeout=0.5, initial_timeout=60.0)
+    resumed.load_state_dict(state)
+    t = 1000.0
+    resumed.join("a", t)
+    resumed.join("b", t + 0.5)
+    # Both compile; "a" is done at once, "b" (slower) takes 10 s: not dropped,
+    # though 0.1 s rounds were measured before the restart.
+    resumed.push("a", upd(1.0), version=5, now=t + 3.0)
+    assert only(resumed.pull("a", t + 3.0), Wait)
+    assert resumed.next_deadline() == pytest.approx(t + 60.5)
+    assert resumed.tick(t + 10.0) == []
+    assert only(resumed.push("b", upd(1.0), version=5, now=t + 10.5), Applied)
+    assert resumed.version == 6 and resumed.live == {"a", "b"}
+
+
+def test_drop_reason_names_durations_not_clock_values():
+    core = make("bsp", deadline_factor=2.0, min_timeout=0.5, initial_timeout=10.0)
+    core.join(3, 2000.0)
+    core.join(4, 2000.0)
+    core.push(4, upd(1.0), version=0, now=2001.0)
+    core.pull(4, 2001.0)
+    drop = only(core.tick(2010.0), Drop)[0]
+    assert drop.reason == "worker 3 made no progress for 10.0 s (deadline 10.0 s)"
+    assert "2010" not in drop.reason and "t=" not in drop.reason
+    # The dropped worker rejoins and carries on at the live workers' clock.
+    assert only(core.join(3, 2011.0), SendParams)
+    assert core.worker(3).clock == core.min_clock == 1
+    acts = core.push(3, upd(1.0), version=1, now=2012.0)
+    assert only(acts, PushAck)[0].status == "buffered"
+    acts = core.push(4, upd(1.0), version=1, now=2012.5)
+    assert only(acts, Applied) and core.version == 2

@@ -323,12 +323,15 @@ class _Worker:
         "last_start",
         "live",
         "overhead",
+        "progress_at",
         "pulled_version",
         "pushed_version",
         "pushes",
         "refs",
+        "rounds",
         "step_time",
         "time_per_step",
+        "timeout",
         "worker_id",
     )
 
@@ -347,6 +350,12 @@ class _Worker:
         self.overhead: float | None = None
         self.last_start = 0.0
         self.deadline: float | None = None
+        # When the deadline was set (its last progress) and the timeout it got.
+        self.progress_at = 0.0
+        self.timeout = 0.0
+        # Pushes since it last joined: until one is measured, its timeout is
+        # the initial one (its first round may compile).
+        self.rounds = 0
         self.last_loss: float | None = None
         self.joins = 0
         self.dropped_reason: str | None = None
@@ -536,8 +545,8 @@ class ServerCore:
       deadline_factor: :math:`k` in the deadline rule below, > 0.
       min_timeout: :math:`T_{\min}` (s), > 0.
       max_timeout: :math:`T_{\max}` (s), or ``None``.
-      initial_timeout: timeout (s) of a worker with no measured step yet (its
-        first step may include compilation).
+      initial_timeout: timeout (s) of a worker that has not pushed since it
+        (re)joined (its first step may include compilation).
       ewma_alpha: weight of a new sample in every moving average, in (0, 1].
       straggler_factor: a live worker whose ``interval`` exceeds this many times
         the median of the live workers' is listed in :attr:`stragglers`.
@@ -593,9 +602,11 @@ class ServerCore:
            T_{\min},\ T_{\max}\big)
 
     of its last progress, :math:`\bar t_j` the EWMA of worker :math:`j`'s
-    measured ``interval`` (``initial_timeout`` for a worker with no measurement
-    yet). A worker that misses its deadline is dropped (:class:`Drop`), the
-    barriers proceed without it, and it may join again. Deadlines thus follow the
+    measured ``interval`` (``initial_timeout`` for a worker that has not
+    pushed since it joined: its first round may compile, and a worker joining
+    a running or restarted server is judged by its own rounds). A worker that
+    misses its deadline is dropped (:class:`Drop`), the barriers proceed
+    without it, and it may join again. Deadlines thus follow the
     measured step times of the slowest live worker.
 
     Raises:
@@ -963,6 +974,7 @@ class ServerCore:
         rec.pushed_version = None
         rec.last_start = now
         rec.deadline = None
+        rec.rounds = 0
         self._live.add(worker_id)
         self._clock_counts[rec.clock] = self._clock_counts.get(rec.clock, 0) + 1
         self._live_changed()
@@ -1157,6 +1169,7 @@ class ServerCore:
         counts[clock] = counts.get(clock, 0) + 1
         self._max_clock = max(self._max_clock, clock)
         rec.pushes += 1
+        rec.rounds += 1
         rec.pushed_version = version
         rec.last_loss = None if loss is None else float(loss)
         rec.last_start = now
@@ -1222,8 +1235,11 @@ class ServerCore:
                 rec = self._workers[w]
                 if self._deadline_valid(rec, deadline):
                     expired[w] = (rec, deadline)
-            for rec, deadline in expired.values():
-                reason = f"no progress by its deadline t={deadline:.6g}s"
+            for rec, _ in expired.values():
+                reason = (
+                    f"worker {rec.worker_id!r} made no progress for "
+                    f"{now - rec.progress_at:.1f} s (deadline {rec.timeout:.1f} s)"
+                )
                 self._remove(rec, reason=reason)
                 actions.append(Drop(rec.worker_id, reason))
         self._settle(now, actions)
@@ -1276,7 +1292,10 @@ class ServerCore:
         self._max_interval_valid = False
 
     def _timeout(self, rec: _Worker) -> float:
-        if rec.interval is None:
+        if rec.interval is None or not rec.rounds:
+            # Nothing measured since it joined: its first round may compile,
+            # and what was measured before (another process, before a
+            # restart) says nothing of this one.
             return self._initial_timeout
         if not self._max_interval_valid:
             workers = self._workers
@@ -1296,7 +1315,9 @@ class ServerCore:
         return timeout
 
     def _progress(self, rec: _Worker, now: float) -> None:
-        rec.deadline = now + self._timeout(rec)
+        rec.timeout = self._timeout(rec)
+        rec.progress_at = now
+        rec.deadline = now + rec.timeout
         self._heap_seq += 1
         heapq.heappush(self._heap, (rec.deadline, self._heap_seq, rec.worker_id))
         if len(self._heap) > 4 * len(self._live) + 64:
