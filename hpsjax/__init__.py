@@ -2,8 +2,9 @@
 
 The optax transforms are re-exported here; the rest lives in subpackages:
 
-* :mod:`hpsjax.transforms`: quantization with error feedback, staleness damping,
-  delay compensation, local steps, hybrid stages (optax transforms);
+* :mod:`hpsjax.transforms`: quantization, top-k and PowerSGD compression with
+  error feedback, staleness damping, delay compensation, local steps, hybrid
+  stages, outer optimizers (Delayed Nesterov, DiLoCo) (optax transforms);
 * :mod:`hpsjax.ps`: the sans-I/O server core, sync policies, asyncio server and
   client, wire codec and checkpoints;
 * :mod:`hpsjax.profiling`: the profiling pass and work plans;
@@ -17,16 +18,20 @@ from hpsjax.transforms import (
     current_stage,
     decode,
     delay_compensation,
+    delayed_nesterov,
+    diloco_outer,
     encode,
     hybrid_stages,
     last_encoded,
     local_steps,
     pending_update,
+    power_sgd,
     push_due,
     quantize,
     scale_by_staleness,
     stage_settings,
     staleness_factor,
+    top_k,
 )
 
 __version__ = "0.1.0"
@@ -37,14 +42,18 @@ __all__ = [
     "current_stage",
     "decode",
     "delay_compensation",
+    "delayed_nesterov",
+    "diloco_outer",
     "encode",
     "hybrid_stages",
     "last_encoded",
     "local_steps",
     "pending_update",
+    "power_sgd",
     "push_due",
     "quantize",
     "scale_by_staleness",
     "stage_settings",
     "staleness_factor",
+    "top_k",
 ]

@@ -12,6 +12,13 @@ any optax optimizer.
   ``stale_params``).
 * :func:`local_steps`: accumulate k local updates and say when a push is due.
 * :func:`hybrid_stages`: ASHL's stage machine (async, then semi-async, ...).
+* :func:`top_k`: top-k sparsification with error feedback (Deep Gradient
+  Compression); :func:`topk_encode` / :func:`topk_decode` are its wire codec of
+  indices and values.
+* :func:`power_sgd`: PowerSGD's rank-r compression with warm start and error
+  feedback; :func:`powersgd_encode` / :func:`powersgd_decode` send the factors.
+* :func:`delayed_nesterov` and :func:`diloco_outer`: outer optimizers for the
+  server's step on pseudo-gradients (async local SGD, DiLoCo).
 """
 
 from hpsjax.transforms._local_steps import (
@@ -19,6 +26,22 @@ from hpsjax.transforms._local_steps import (
     local_steps,
     pending_update,
     push_due,
+)
+from hpsjax.transforms._outer import (
+    DelayedNesterovState,
+    delayed_nesterov,
+    diloco_outer,
+)
+from hpsjax.transforms._powersgd import (
+    PowerSGDEncoded,
+    PowerSGDState,
+    last_powersgd_encoded,
+    power_sgd,
+    powersgd_decode,
+    powersgd_decode_tree,
+    powersgd_encode,
+    powersgd_matrix_shape,
+    powersgd_nbytes,
 )
 from hpsjax.transforms._quantize import (
     SCHEMES,
@@ -50,6 +73,19 @@ from hpsjax.transforms._staleness import (
     scale_by_staleness,
     staleness_factor,
 )
+from hpsjax.transforms._topk import (
+    TopKEncoded,
+    TopKState,
+    last_topk_encoded,
+    top_k,
+    topk_count,
+    topk_decode,
+    topk_decode_tree,
+    topk_encode,
+    topk_encode_tree,
+    topk_index_dtype,
+    topk_nbytes,
+)
 
 __all__ = [
     "SCHEMES",
@@ -57,27 +93,50 @@ __all__ = [
     "STALENESS_POLICIES",
     "Codec",
     "DelayCompensationState",
+    "DelayedNesterovState",
     "Encoded",
     "HybridStagesState",
     "LocalStepsState",
+    "PowerSGDEncoded",
+    "PowerSGDState",
     "QuantizeState",
     "ScaleByStalenessState",
     "Stage",
     "StageInfo",
+    "TopKEncoded",
+    "TopKState",
     "current_stage",
     "decode",
     "decode_tree",
     "delay_compensation",
+    "delayed_nesterov",
+    "diloco_outer",
     "encode",
     "encode_tree",
     "encoded_nbytes",
     "hybrid_stages",
     "last_encoded",
+    "last_powersgd_encoded",
+    "last_topk_encoded",
     "local_steps",
     "pending_update",
+    "power_sgd",
+    "powersgd_decode",
+    "powersgd_decode_tree",
+    "powersgd_encode",
+    "powersgd_matrix_shape",
+    "powersgd_nbytes",
     "push_due",
     "quantize",
     "scale_by_staleness",
     "stage_settings",
     "staleness_factor",
+    "top_k",
+    "topk_count",
+    "topk_decode",
+    "topk_decode_tree",
+    "topk_encode",
+    "topk_encode_tree",
+    "topk_index_dtype",
+    "topk_nbytes",
 ]
