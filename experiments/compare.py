@@ -9,19 +9,26 @@ setting, one work directory each (``DIR/<scheme>``, see
   test accuracy, the megabytes the workers pushed, the idle fraction of the
   workers' time and the server versions made;
 * ``DIR/results.json``: the same figures and each scheme's summary;
-* ``DIR/accuracy.png``: test accuracy against time of every scheme;
+* ``DIR/accuracy.png`` (and ``.pdf``, ``.svg``): test accuracy against time
+  and against updates of every scheme, the mean and a band over seeds;
 
 and prints the table and the plot's path. ``--schemes=bsp,hps`` runs a subset;
 ``--seeds=1,2,3`` runs every scheme once per seed and reports the mean (and
 standard deviation) of the time to target; ``--render_only`` rebuilds the table
-and plot from the work directories of an earlier run. Example::
+and plot from the work directories of an earlier run. Runs already finished in
+``DIR`` are kept, so an interrupted comparison resumes where it stopped
+(``--overwrite`` runs them again); ``--jobs=N`` runs N simulated runs at once.
+Example::
 
   python -m experiments.compare --suite=quick --workdir=/tmp/hpsjax/quick
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
+import multiprocessing
+import os
 import pathlib
 from collections.abc import Sequence
 from typing import Any
@@ -32,7 +39,14 @@ from absl import app, flags, logging
 from experiments import plots, registry, train
 from experiments.configs.suites import Suite
 
-__all__ = ["aggregate", "format_table", "load_run", "mean_curve", "run_suite"]
+__all__ = [
+    "aggregate",
+    "format_table",
+    "load_run",
+    "mean_curve",
+    "run_finished",
+    "run_suite",
+]
 
 
 def _mean(values: Sequence[float]) -> float:
@@ -208,6 +222,60 @@ def load_run(workdir: str | pathlib.Path) -> tuple[dict[str, Any], list[dict]]:
     return summary, evals
 
 
+def run_finished(workdir: str | pathlib.Path) -> bool:
+    """Whether ``workdir`` holds a finished run (a summary in ``metrics.jsonl``)."""
+    path = pathlib.Path(workdir) / "metrics.jsonl"
+    if not path.is_file():
+        return False
+    with open(path, encoding="utf-8") as f:
+        return any('"event": "summary"' in line for line in f)
+
+
+def _config_text(config) -> str:
+    # What train.train_and_evaluate writes to config.json.
+    return config.to_json_best_effort(indent=2) + "\n"
+
+
+def _keep_finished(config, where: pathlib.Path, label: str) -> bool:
+    """True: ``where`` already holds this run; False: it must run.
+
+    A finished run of another config is refused rather than replaced.
+    """
+    if not run_finished(where):
+        return False
+    saved = where / "config.json"
+    if saved.is_file() and saved.read_text(encoding="utf-8") == _config_text(config):
+        return True
+    raise ValueError(
+        f"{where} holds a finished run ({label}) of a different config; pass "
+        "--overwrite to replace it, or choose another --workdir"
+    )
+
+
+def _train_quietly(config, where: pathlib.Path) -> None:
+    # The body of a worker process of --jobs: no progress bars from several
+    # processes on one terminal.
+    train.train_and_evaluate(config, where, progress=False)
+
+
+def _progress_label(
+    scheme: str, seed: int | None, chosen: Sequence[str], seeds: Sequence[int] | None
+) -> str:
+    label = f"scheme {chosen.index(scheme) + 1}/{len(chosen)} ({scheme})"
+    if seeds is not None:
+        label += f", seed {seeds.index(seed) + 1}/{len(seeds)} ({seed})"
+    return label
+
+
+def _check_jobs(jobs: int) -> int:
+    if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
+        raise ValueError(f"jobs must be an int >= 1, got {jobs!r}")
+    cores = os.cpu_count() or 1
+    if jobs > cores:
+        logging.info("--jobs=%d lowered to the %d cores of this machine", jobs, cores)
+    return min(jobs, cores)
+
+
 def run_suite(
     suite: str | Suite,
     workdir: str | pathlib.Path,
@@ -216,6 +284,8 @@ def run_suite(
     seeds: Sequence[int] | None = None,
     render_only: bool = False,
     progress: bool = True,
+    jobs: int = 1,
+    overwrite: bool = False,
 ) -> dict[str, Any]:
     """Runs a suite's schemes and writes the comparison.
 
@@ -228,14 +298,22 @@ def run_suite(
         ``config.model.seed``; the data stay the same) and report means, or
         ``None`` for one run with the configs' seeds.
       render_only: read earlier outputs instead of running.
-      progress: show progress bars.
+      progress: show progress bars (with ``jobs=1``).
+      jobs: simulated runs to run at once, each in a process of its own (at
+        most ``os.cpu_count()``); runs of real processes always run one at a
+        time, since they time the wall clock.
+      overwrite: run again the runs that ``workdir`` already holds. Without
+        it a finished run of the same config is kept (so an interrupted
+        comparison resumes where it stopped) and a finished run of another
+        config is an error.
 
     Returns:
       ``{"table": markdown, "table_path", "plot_path", "summaries"}``.
 
     Raises:
       ValueError: an unknown suite or scheme (the message lists valid names),
-        or a bad seed, before anything runs.
+        a bad seed or ``jobs``, or a finished run of another config in
+        ``workdir`` without ``overwrite``, before anything runs.
     """
     if isinstance(suite, str):
         name = suite
@@ -258,8 +336,9 @@ def run_suite(
         seeds = [int(s) for s in seeds]
         if not seeds or any(s < 0 for s in seeds) or len(set(seeds)) != len(seeds):
             raise ValueError(f"seeds must be distinct ints >= 0, got {seeds}")
+    jobs = _check_jobs(jobs)
     workdir = pathlib.Path(workdir)
-    jobs = []
+    planned = []
     for scheme in chosen:
         for seed in [None] if seeds is None else seeds:
             config = registry.load_config(scheme, suite.setting)
@@ -271,37 +350,31 @@ def run_suite(
                 config.model.seed = seed
                 where = where / f"seed_{seed}"
             registry.check_config(config)
-            jobs.append((scheme, config, where))
-    workdir.mkdir(parents=True, exist_ok=True)
+            label = _progress_label(scheme, seed, chosen, seeds)
+            planned.append((scheme, config, where, label))
+    if not render_only:
+        todo = [
+            (config, where, label)
+            for _, config, where, label in planned
+            if overwrite or not _keep_finished(config, where, label)
+        ]
+        workdir.mkdir(parents=True, exist_ok=True)
+        _run_all(todo, total=len(planned), jobs=jobs, progress=progress)
 
     summaries, runs = [], {}
-    for scheme, config, where in jobs:
-        if not render_only:
-            logging.info(
-                "running %s (%s, %s, seed %d)",
-                scheme,
-                suite.setting,
-                config.backend,
-                config.seed,
-            )
-            train.train_and_evaluate(config, where, progress=progress)
+    for scheme, _, where, _ in planned:
         summary, evals = load_run(where)
         summaries.append(summary)
         runs.setdefault(scheme, []).append(evals)
 
-    first = jobs[0][1]
+    first = planned[0][1]
     table = format_table(summaries)
     unit = "virtual s" if first.backend == "sim" else "s"
-    curves = {
-        scheme: evals[0] if len(evals) == 1 else mean_curve(evals)
-        for scheme, evals in runs.items()
-    }
-    plot_path = plots.plot_accuracy(
-        curves,
+    plot_path = plots.plot_comparison(
+        runs,
         workdir / "accuracy.png",
         target=float(first.eval.target_accuracy),
-        title=f"suite {name}: {suite.setting} ({first.backend})"
-        + (f", mean of {len(seeds)} seeds" if seeds and len(seeds) > 1 else ""),
+        title=f"suite {name}: {suite.description or suite.setting} ({first.backend})",
         time_unit=unit,
     )
     command = f"python -m experiments.compare --suite={name} --workdir={workdir}"
@@ -312,12 +385,21 @@ def run_suite(
         f"Setting `{suite.setting}`, backend `{first.backend}`, budget "
         f"{first.budget_seconds:g} {unit} per run, target accuracy "
         f"{first.eval.target_accuracy:g}.\n\n{table}\n"
-        f"Accuracy against time: `{plot_path.name}`.\n\nCommand: `{command}`\n"
+        f"Accuracy against time and updates: `{plot_path.name}` (and PDF, SVG)."
+        f"\n\nCommand: `{command}`\n"
     )
     table_path = workdir / "results.md"
     table_path.write_text(text)
     (workdir / "results.json").write_text(
-        json.dumps({"suite": name, "seeds": seeds, "summaries": summaries}, indent=2)
+        json.dumps(
+            {
+                "suite": name,
+                "seeds": seeds,
+                "summaries": summaries,
+                "curves": _curves(runs),
+            },
+            indent=2,
+        )
         + "\n"
     )
     return {
@@ -326,6 +408,56 @@ def run_suite(
         "plot_path": plot_path,
         "summaries": summaries,
     }
+
+
+def _curves(runs: dict[str, list[list[dict]]]) -> dict[str, list[list[list]]]:
+    """Per scheme and seed, ``[time, version, accuracy]`` of each evaluation.
+
+    What :func:`experiments.plots.plot_comparison` needs to draw the
+    comparison again from ``results.json`` alone.
+    """
+    return {
+        scheme: [
+            [[e["time"], e["version"], round(e["accuracy"], 5)] for e in evals]
+            for evals in seeds
+        ]
+        for scheme, seeds in runs.items()
+    }
+
+
+def _run_all(
+    todo: Sequence[tuple[Any, pathlib.Path, str]],
+    *,
+    total: int,
+    jobs: int,
+    progress: bool,
+) -> None:
+    """Runs ``(config, where, label)`` runs, logging each start and end."""
+    if len(todo) < total:
+        logging.info("%d of %d runs already finished: kept", total - len(todo), total)
+    for _, where, _ in todo:
+        # A stale summary must not pass for this run's should it be interrupted.
+        (where / "metrics.jsonl").unlink(missing_ok=True)
+    parallel = [t for t in todo if t[0].backend == "sim"] if jobs > 1 else []
+    serial = [t for t in todo if not any(t is p for p in parallel)]
+    done = 0
+    if parallel:
+        context = multiprocessing.get_context("spawn")  # jax is not fork-safe
+        with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=context) as pool:
+            logging.info("%d simulated runs, %d at a time", len(parallel), jobs)
+            futures = {
+                pool.submit(_train_quietly, config, where): label
+                for config, where, label in parallel
+            }
+            for future in concurrent.futures.as_completed(futures):
+                future.result()
+                done += 1
+                logging.info("%s: done (%d/%d runs)", futures[future], done, len(todo))
+    for config, where, label in serial:
+        logging.info("%s: running (%s, %s)", label, config.setting, config.backend)
+        train.train_and_evaluate(config, where, progress=progress)
+        done += 1
+        logging.info("%s: done (%d/%d runs)", label, done, len(todo))
 
 
 def _define_flags() -> None:
@@ -339,6 +471,12 @@ def _define_flags() -> None:
     flags.DEFINE_list("seeds", None, "Run every scheme once per seed and report means.")
     flags.DEFINE_bool(
         "render_only", False, "Rebuild table and plot from existing outputs."
+    )
+    flags.DEFINE_integer(
+        "jobs", 1, "Simulated runs at once, one process each (at most the cores)."
+    )
+    flags.DEFINE_bool(
+        "overwrite", False, "Run again the runs already finished in --workdir."
     )
     flags.mark_flags_as_required(["suite", "workdir"])
 
@@ -354,6 +492,8 @@ def main(argv):
         schemes=values.schemes,
         seeds=None if values.seeds is None else [int(s) for s in values.seeds],
         render_only=values.render_only,
+        jobs=values.jobs,
+        overwrite=values.overwrite,
     )
     print(result["table"])
     print(f"table: {result['table_path']}")

@@ -1,0 +1,101 @@
+"""``experiments.compare`` over a long study: progress, resuming, --jobs, overwrite."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+
+import pytest
+
+from experiments import compare
+from experiments.configs.suites import Suite
+
+SMALLEST = Suite("quick", schemes=("bsp", "asp"))
+
+
+def _mtimes(workdir):
+    return {
+        p.parent.relative_to(workdir).as_posix(): p.stat().st_mtime_ns
+        for p in workdir.glob("**/metrics.jsonl")
+    }
+
+
+def test_progress_then_resume_runs_only_what_is_missing(tmp_path, caplog):
+    caplog.set_level(logging.INFO)
+    suite = Suite("quick", schemes=("asp",))
+    compare.run_suite(suite, tmp_path, seeds=[0, 1], progress=False)
+    log = caplog.text
+    assert "scheme 1/1 (asp), seed 1/2 (0): done (1/2 runs)" in log
+    assert "scheme 1/1 (asp), seed 2/2 (1): done (2/2 runs)" in log
+    before = _mtimes(tmp_path)
+    assert sorted(before) == ["asp/seed_0", "asp/seed_1"]
+
+    # An interrupted study: one run never finished (no summary yet).
+    metrics = tmp_path / "asp" / "seed_1" / "metrics.jsonl"
+    metrics.write_text(
+        "".join(
+            line + "\n"
+            for line in metrics.read_text().splitlines()
+            if '"event": "summary"' not in line
+        )
+    )
+    caplog.clear()
+    result = compare.run_suite(suite, tmp_path, seeds=[0, 1], progress=False)
+    assert "1 of 2 runs already finished: kept" in caplog.text
+    assert "scheme 1/1 (asp), seed 2/2 (1): done (1/1 runs)" in caplog.text
+    after = _mtimes(tmp_path)
+    assert {k for k in after if after[k] != before[k]} == {"asp/seed_1"}
+    assert compare.run_finished(tmp_path / "asp" / "seed_1")
+    assert len(result["summaries"]) == 2
+
+
+def test_a_finished_run_of_another_config_is_never_overwritten_silently(tmp_path):
+    compare.run_suite(Suite("quick", schemes=("bsp",)), tmp_path, progress=False)
+    before = _mtimes(tmp_path)
+    other = Suite("demo", schemes=("bsp",))
+    with pytest.raises(ValueError, match=r"finished run .* pass --overwrite"):
+        compare.run_suite(other, tmp_path, progress=False)
+    assert _mtimes(tmp_path) == before
+    config = json.loads((tmp_path / "bsp" / "config.json").read_text())
+    assert config["setting"] == "quick"
+
+    # --overwrite runs it again (here with the first suite, seconds long).
+    compare.run_suite(
+        Suite("quick", schemes=("bsp",)), tmp_path, progress=False, overwrite=True
+    )
+    assert _mtimes(tmp_path)["bsp"] != before["bsp"]
+
+
+@pytest.mark.parametrize("jobs", [0, -1, 1.5, True])
+def test_bad_jobs_are_refused_before_anything_runs(tmp_path, jobs):
+    with pytest.raises(ValueError, match="jobs must be an int >= 1"):
+        compare.run_suite(SMALLEST, tmp_path, jobs=jobs, progress=False)
+    assert not any(tmp_path.iterdir())
+
+
+def test_progress_names_scheme_and_seed_positions():
+    label = compare._progress_label("hps", 2, ["bsp", "asp", "hps"], [1, 2, 3])
+    assert label == "scheme 3/3 (hps), seed 2/3 (2)"
+    assert compare._progress_label("asp", None, ["bsp", "asp"], None) == (
+        "scheme 2/2 (asp)"
+    )
+
+
+def test_jobs_are_bounded_by_the_cores(monkeypatch):
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    assert compare._check_jobs(64) == 2
+    assert compare._check_jobs(1) == 1
+
+
+@pytest.mark.slow
+def test_parallel_runs_match_serial_ones(tmp_path, caplog):
+    caplog.set_level(logging.INFO)
+    serial = compare.run_suite(SMALLEST, tmp_path / "serial", progress=False)
+    parallel = compare.run_suite(
+        SMALLEST, tmp_path / "parallel", progress=False, jobs=2
+    )
+    assert "2 simulated runs, 2 at a time" in caplog.text
+    # The simulator is deterministic: the same runs in other processes give
+    # the same table.
+    assert parallel["table"] == serial["table"]
