@@ -481,7 +481,8 @@ def _two_worker_plan(global_batch: int = 256):
     return plan(profiles, "hps", global_batch=global_batch)
 
 
-def test_server_replans_from_the_reported_step_times():
+def test_server_replans_from_the_reported_step_times(caplog):
+    caplog.set_level("INFO")
     from hpsjax.profiling import Replanner
     from hpsjax.ps import Client
 
@@ -545,6 +546,7 @@ def test_server_replans_from_the_reported_step_times():
             "lr_scale": 1.0,
         }
     assert plans["w0"]["batch_size"] < 100 < plans["w1"]["batch_size"]
+    assert "after worker w0's speed drifted" in caplog.text
 
 
 @pytest.mark.slow

@@ -593,7 +593,7 @@ class Server:
         if revised is None:
             return
         logger.info(
-            "re-planned (revision %d) after %r drifted: batches %s",
+            "re-planned (revision %d) after worker %s's speed drifted: batches %s",
             revised.revision,
             worker_id,
             {entry.worker_id: entry.batch_size for entry in revised.workers},
