@@ -19,9 +19,12 @@ import optax
 import pytest
 
 from hpsjax.transforms._local_steps import local_steps
+from hpsjax.transforms._outer import delayed_nesterov, diloco_outer
+from hpsjax.transforms._powersgd import power_sgd
 from hpsjax.transforms._quantize import quantize
 from hpsjax.transforms._stages import Stage, hybrid_stages
 from hpsjax.transforms._staleness import delay_compensation, scale_by_staleness
+from hpsjax.transforms._topk import top_k
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,6 +137,32 @@ CASES = [
         _stale_params,
         required=("stale_params",),
     ),
+    # top_k's ratio and power_sgd's rank fix array shapes, so they stay static.
+    Case("top_k_error_feedback", top_k, {"ratio": 0.25}, static_args=("ratio",)),
+    Case(
+        "top_k_plain",
+        top_k,
+        {"ratio": 0.5, "error_feedback": False},
+        static_args=("ratio",),
+    ),
+    Case("power_sgd", power_sgd, {"rank": 1}, static_args=("rank",)),
+    Case(
+        "power_sgd_cold_start",
+        power_sgd,
+        {"rank": 1, "warm_start": False, "error_feedback": False},
+        static_args=("rank",),
+    ),
+    Case(
+        "delayed_nesterov",
+        delayed_nesterov,
+        {"learning_rate": 0.5, "momentum": 0.9, "delay": 2},
+    ),
+    Case(
+        "delayed_nesterov_fraction",
+        delayed_nesterov,
+        {"learning_rate": 0.5, "delay": 3, "momentum_fraction": 0.2},
+    ),
+    Case("diloco_outer", diloco_outer, {"learning_rate": 0.7, "momentum": 0.9}),
     Case("local_steps", local_steps, {"k": 2}),
     Case("local_steps_f32_sum", local_steps, {"k": 3, "accumulator_dtype": "float32"}),
     Case(
