@@ -1,13 +1,14 @@
 """Offline data: generated digit images, a ``.npz`` loader and per-worker batches.
 
-Nothing here downloads. None of hpsjax's dependencies ships a labelled image
-dataset (scikit-learn's 8x8 ``digits`` would, but it is not a dependency), so the
-default data are **synthetic digits**: the ten digits drawn as strokes, each
+Nothing here downloads. The core dependencies ship no labelled image dataset,
+so the default data are **synthetic digits**: the ten digits drawn as strokes, each
 example with its own jittered stroke points, slant, scale, shift, stroke width
 and pixel noise, rendered anti-aliased at 8x8 (like the UCI digits) or 28x28
 (like MNIST). The classes overlap enough that a linear classifier plateaus well
-below 100% while a small MLP passes 90% within a few hundred SGD steps. For
-bigger benchmarks, :func:`load_npz` reads the user's own arrays.
+below 100% while a small MLP passes 90% within a few hundred SGD steps. With the
+``experiments`` extra, :func:`sklearn_digits` gives the 1,797 real 8x8
+handwritten digits bundled with scikit-learn. For bigger benchmarks,
+:func:`load_npz` reads the user's own arrays.
 
 A :class:`Dataset` holds images ``x`` (float32, ``(n, height, width, channels)``
 or ``(n, features)``) and integer labels ``y``. ``split`` makes train/test sets,
@@ -41,6 +42,7 @@ __all__ = [
     "Dataset",
     "get_dataset",
     "load_npz",
+    "sklearn_digits",
     "synthetic_digits",
 ]
 
@@ -626,6 +628,52 @@ def synthetic_digits(
 
 
 # ---------------------------------------------------------------------------
+# Real digits shipped with scikit-learn.
+# ---------------------------------------------------------------------------
+
+
+def sklearn_digits(*, image_size: int = 8) -> Dataset:
+    """The UCI handwritten digits bundled with scikit-learn: 1,797 real images.
+
+    ``sklearn.datasets.load_digits`` reads a file inside the scikit-learn
+    wheel, so nothing is downloaded (install the ``experiments`` extra, or
+    ``pip install scikit-learn``). Each 8x8 image counts the ink of a 4x4 block
+    of a 32x32 scan, 0 to 16, scaled here to ``[0, 1]``; the classes are about
+    balanced (174 to 183 examples each). The order is the file's; ``split``
+    with a seed makes a deterministic train/test split, as for
+    :func:`synthetic_digits`.
+
+    References:
+      Alpaydin, Kaynak, "Optical Recognition of Handwritten Digits", UCI Machine
+      Learning Repository, https://doi.org/10.24432/C50P49, 1998.
+
+    Args:
+      image_size: 8, the only size of the data (taken so configs can pass it
+        as for :func:`synthetic_digits`).
+
+    Returns:
+      A :class:`Dataset` named ``"sklearn_digits"`` with ``x`` of shape
+      ``(1797, 8, 8, 1)`` and 10 classes.
+
+    Raises:
+      ValueError: another ``image_size``, or scikit-learn not installed.
+    """
+    if image_size != 8:
+        raise ValueError(f"sklearn_digits are 8x8 images, got image_size={image_size}")
+    try:
+        from sklearn.datasets import load_digits
+    except ImportError as e:
+        raise ValueError(
+            "sklearn_digits needs scikit-learn: pip install 'hpsjax[experiments]'"
+        ) from e
+    digits = load_digits()
+    images = np.asarray(digits.images, np.float32) / np.float32(16)
+    return Dataset(
+        images[..., None], digits.target, num_classes=10, name="sklearn_digits"
+    )
+
+
+# ---------------------------------------------------------------------------
 # User data.
 # ---------------------------------------------------------------------------
 
@@ -683,6 +731,7 @@ def load_npz(
 
 DATASETS: dict[str, Callable[..., Dataset]] = {
     "synthetic_digits": synthetic_digits,
+    "sklearn_digits": sklearn_digits,
     "npz": load_npz,
 }
 
@@ -691,7 +740,8 @@ def get_dataset(name: str, **kwargs: Any) -> Dataset:
     """Builds a dataset by registry name (for configs).
 
     Args:
-      name: a key of :data:`DATASETS`: ``"synthetic_digits"`` or ``"npz"``.
+      name: a key of :data:`DATASETS`: ``"synthetic_digits"``,
+        ``"sklearn_digits"`` or ``"npz"``.
       **kwargs: arguments of that loader (e.g. ``image_size=28`` or
         ``path="data.npz"``).
 

@@ -32,28 +32,41 @@ Examples:
 
 from __future__ import annotations
 
+import functools
+import importlib
 import itertools
 import math
+import os
+import zipfile
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
 
 __all__ = [
     "MODELS",
     "MLP",
+    "ResolvedModel",
     "SmallCNN",
+    "SmallResNet",
+    "StatefulTrainFunctions",
     "TrainFunctions",
     "accuracy",
     "get_model",
+    "load_params_npz",
     "loss_fn",
+    "make_stateful_train_functions",
     "make_train_functions",
     "merge_model",
     "per_example_loss",
+    "resolve_model",
+    "save_params_npz",
     "split_model",
+    "split_with_batch_stats",
 ]
 
 Params = dict[str, Any]
@@ -174,6 +187,103 @@ class SmallCNN(nnx.Module):
         return self.head(nnx.relu(self.dense(x)))
 
 
+class _ResidualBlock(nnx.Module):
+    """Two 3x3 convolutions with BatchNorm and a shortcut (projected when the
+    shape changes)."""
+
+    def __init__(self, in_channels: int, channels: int, stride: int, *, rngs):
+        conv = functools.partial(nnx.Conv, use_bias=False, rngs=rngs)
+        self.conv1 = conv(in_channels, channels, (3, 3), strides=stride)
+        self.bn1 = nnx.BatchNorm(channels, rngs=rngs)
+        self.conv2 = conv(channels, channels, (3, 3))
+        self.bn2 = nnx.BatchNorm(channels, rngs=rngs)
+        projection = []
+        if stride != 1 or in_channels != channels:
+            projection = [
+                conv(in_channels, channels, (1, 1), strides=stride),
+                nnx.BatchNorm(channels, rngs=rngs),
+            ]
+        self.projection = nnx.List(projection)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        y = nnx.relu(self.bn1(self.conv1(x)))
+        y = self.bn2(self.conv2(y))
+        shortcut = x
+        for layer in self.projection:
+            shortcut = layer(shortcut)
+        return nnx.relu(y + shortcut)
+
+
+class SmallResNet(nnx.Module):
+    """A small residual network with BatchNorm for small images.
+
+    A 3x3 convolution with BatchNorm, then one residual block per entry of
+    ``widths`` (the first at full resolution, each later one halving it),
+    global average pooling and the output layer. Its BatchNorm statistics are
+    ``nnx.BatchStat`` state: split it with :func:`split_with_batch_stats` and
+    train it with :func:`make_stateful_train_functions`.
+
+    References:
+      He, Zhang, Ren, Sun, "Deep Residual Learning for Image Recognition",
+      CVPR 2016, https://arxiv.org/abs/1512.03385. Ioffe, Szegedy, "Batch
+      Normalization", ICML 2015, https://arxiv.org/abs/1502.03167.
+
+    Args:
+      num_classes: number of output logits.
+      in_channels: channels of the input images.
+      image_size: input height and width, an int or a pair.
+      widths: channels of the residual blocks.
+      rngs: random streams for the initial weights.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> model = SmallResNet(10, in_channels=1, image_size=8, rngs=nnx.Rngs(0))
+      >>> model(jnp.ones((2, 8, 8, 1))).shape
+      (2, 10)
+    """
+
+    def __init__(
+        self,
+        num_classes: int = 10,
+        *,
+        in_channels: int = 1,
+        image_size: int | tuple[int, int] = 8,
+        widths: Sequence[int] = (16, 32),
+        rngs: nnx.Rngs,
+    ):
+        num_classes = _check_positive_int("num_classes", num_classes)
+        in_channels = _check_positive_int("in_channels", in_channels)
+        if isinstance(image_size, int):
+            image_size = (image_size, image_size)
+        height, width = (_check_positive_int("image_size", s) for s in image_size)
+        if isinstance(widths, int) or not widths:
+            raise ValueError(f"widths must be a non-empty sequence, got {widths!r}")
+        widths = [_check_positive_int("width", w) for w in widths]
+        self.image_shape = (height, width, in_channels)
+        self.stem = nnx.Conv(in_channels, widths[0], (3, 3), use_bias=False, rngs=rngs)
+        self.stem_bn = nnx.BatchNorm(widths[0], rngs=rngs)
+        self.blocks = nnx.List(
+            [
+                _ResidualBlock(a, b, 1 if i == 0 else 2, rngs=rngs)
+                for i, (a, b) in enumerate(itertools.pairwise([widths[0], *widths]))
+            ]
+        )
+        self.head = nnx.Linear(widths[-1], num_classes, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        if x.ndim == 3 and self.image_shape[2] == 1:
+            x = x[..., None]
+        if tuple(x.shape[1:]) != self.image_shape:
+            raise ValueError(
+                f"SmallResNet expects images of shape {self.image_shape}, got "
+                f"{tuple(x.shape[1:])}"
+            )
+        x = nnx.relu(self.stem_bn(self.stem(x)))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(jnp.mean(x, axis=(1, 2)))
+
+
 def _stringify_keys(tree: Any) -> Any:
     if isinstance(tree, dict):
         return {str(k): _stringify_keys(v) for k, v in tree.items()}
@@ -204,11 +314,64 @@ def split_model(model: nnx.Module) -> tuple[nnx.GraphDef, Params]:
     others = nnx.to_flat_state(rest)
     if len(others):
         names = sorted({type(v).__name__ for _, v in others})
+        hint = (
+            "; split it with split_with_batch_stats" if names == ["BatchStat"] else ""
+        )
         raise ValueError(
             f"split_model takes models whose state is all nnx.Param; this one also "
-            f"holds {names}"
+            f"holds {names}{hint}"
         )
     return graphdef, _stringify_keys(nnx.to_pure_dict(params))
+
+
+def split_with_batch_stats(
+    model: nnx.Module,
+) -> tuple[nnx.GraphDef, Params, Params]:
+    """Splits a model with BatchNorm into its graph, parameters and statistics.
+
+    Only the parameters trade through the parameter server; each worker keeps
+    its own batch statistics (the running means and variances of BatchNorm),
+    updates them as it trains, and evaluates with them. This is FedBN's choice
+    (statistics stay local while the weights are shared), which keeps BatchNorm
+    from mixing statistics of differently distributed shards and asks nothing
+    of the server: statistics have no gradient, so the server's optimizer could
+    not apply them as it applies updates. Averaging them as FedAvg averages
+    all model state is the alternative it was measured against.
+
+    References:
+      Li, Jiang, Zhang, Kamp, Dou, "FedBN: Federated Learning on Non-IID
+      Features via Local Batch Normalization", ICLR 2021,
+      https://arxiv.org/abs/2102.07623. McMahan et al., "Communication-Efficient
+      Learning of Deep Networks from Decentralized Data", AISTATS 2017,
+      https://arxiv.org/abs/1602.05629.
+
+    Args:
+      model: an ``nnx.Module`` whose state is ``nnx.Param`` and
+        ``nnx.BatchStat`` (a stateless model gives empty statistics).
+
+    Returns:
+      ``(graphdef, params, batch_stats)``, both dicts with ``str`` keys as
+      :func:`split_model` gives; ``merge_model(graphdef, params,
+      batch_stats=batch_stats)`` rebuilds the model.
+
+    Raises:
+      ValueError: the model holds other state (e.g. random-number streams).
+    """
+    if not isinstance(model, nnx.Module):
+        raise ValueError(f"model must be an nnx.Module, got {type(model).__name__}")
+    graphdef, params, stats, rest = nnx.split(model, nnx.Param, nnx.BatchStat, ...)
+    others = nnx.to_flat_state(rest)
+    if len(others):
+        names = sorted({type(v).__name__ for _, v in others})
+        raise ValueError(
+            f"split_with_batch_stats takes models whose state is nnx.Param and "
+            f"nnx.BatchStat; this one also holds {names}"
+        )
+    return (
+        graphdef,
+        _stringify_keys(nnx.to_pure_dict(params)),
+        _stringify_keys(nnx.to_pure_dict(stats)),
+    )
 
 
 def _key_paths(tree: Any) -> list[str]:
@@ -218,7 +381,24 @@ def _key_paths(tree: Any) -> list[str]:
     ]
 
 
-def merge_model(graphdef: nnx.GraphDef, params: Params) -> nnx.Module:
+def _check_fits(model: nnx.Module, kind: Any, given: Params, what: str) -> None:
+    expected = _key_paths(_stringify_keys(nnx.to_pure_dict(nnx.state(model, kind))))
+    given_paths = _key_paths(_stringify_keys(given))
+    if expected != given_paths:
+        first = next(
+            (
+                f"{e} != {g}"
+                for e, g in zip(expected, given_paths, strict=False)
+                if e != g
+            ),
+            f"{len(expected)} leaves expected, {len(given_paths)} given",
+        )
+        raise ValueError(f"{what} do not fit the model's graphdef: {first}")
+
+
+def merge_model(
+    graphdef: nnx.GraphDef, params: Params, *, batch_stats: Params | None = None
+) -> nnx.Module:
     """Rebuilds the model of ``graphdef`` with the parameters ``params``.
 
     Works on traced values too, so it runs inside ``jax.jit`` and ``jax.grad``.
@@ -227,31 +407,34 @@ def merge_model(graphdef: nnx.GraphDef, params: Params) -> nnx.Module:
     not known to a graphdef and show up when the model runs.
 
     Args:
-      graphdef: from :func:`split_model`.
+      graphdef: from :func:`split_model` or :func:`split_with_batch_stats`.
       params: a dict of the structure :func:`split_model` returned.
+      batch_stats: the batch statistics, for a graphdef from
+        :func:`split_with_batch_stats`.
 
     Returns:
-      The module.
+      The module, in the mode it was split in (``model.train()`` and
+      ``model.eval()`` switch BatchNorm between batch and running statistics).
 
     Raises:
-      ValueError: ``params`` does not have the model's structure (the message
-        names the first differing key path).
+      ValueError: ``params`` or ``batch_stats`` does not have the model's
+        structure (the message names the first differing key path).
     """
     if not isinstance(params, dict):
         raise ValueError(f"params must be a dict, got {type(params).__name__}")
-    try:
-        model = nnx.merge(graphdef, params)
-    except (KeyError, TypeError, ValueError) as e:
-        raise ValueError(f"params do not fit the model's graphdef: {e}") from e
-    _, state, _ = nnx.split(model, nnx.Param, ...)
-    expected = _key_paths(_stringify_keys(nnx.to_pure_dict(state)))
-    given = _key_paths(_stringify_keys(params))
-    if expected != given:
-        first = next(
-            (f"{e} != {g}" for e, g in zip(expected, given, strict=False) if e != g),
-            f"{len(expected)} leaves expected, {len(given)} given",
+    if batch_stats is not None and not isinstance(batch_stats, dict):
+        raise ValueError(
+            f"batch_stats must be a dict, got {type(batch_stats).__name__}"
         )
-        raise ValueError(f"params do not fit the model's graphdef: {first}")
+    states = (params,) if batch_stats is None else (params, batch_stats)
+    try:
+        model = nnx.merge(graphdef, *states)
+    except (KeyError, TypeError, ValueError) as e:
+        what = "params" if batch_stats is None else "params or batch_stats"
+        raise ValueError(f"{what} do not fit the model's graphdef: {e}") from e
+    _check_fits(model, nnx.Param, params, "params")
+    if batch_stats is not None:
+        _check_fits(model, nnx.BatchStat, batch_stats, "batch_stats")
     return model
 
 
@@ -340,6 +523,81 @@ def make_train_functions(graphdef: nnx.GraphDef) -> TrainFunctions:
     return TrainFunctions(loss_and_grad, evaluate)
 
 
+class StatefulTrainFunctions(NamedTuple):
+    """Jitted pure functions of a model with batch statistics.
+
+    Attributes:
+      loss_and_grad: ``(params, batch_stats, batch) -> (loss, grads,
+        batch_stats)``: BatchNorm normalises with the batch's statistics and
+        the returned running statistics include it.
+      evaluate: ``(params, batch_stats, batch) -> {"loss": ..., "accuracy":
+        ...}`` with the running statistics.
+    """
+
+    loss_and_grad: Callable[[Params, Params, Any], tuple[jax.Array, Params, Params]]
+    evaluate: Callable[[Params, Params, Any], dict[str, jax.Array]]
+
+
+def make_stateful_train_functions(graphdef: nnx.GraphDef) -> StatefulTrainFunctions:
+    """Jitted training and evaluation for a model of :func:`split_with_batch_stats`.
+
+    A worker trades ``params`` and the gradients through the server and keeps
+    ``batch_stats`` to itself (see :func:`split_with_batch_stats`).
+
+    Args:
+      graphdef: the model's graph from :func:`split_with_batch_stats`.
+
+    Returns:
+      :class:`StatefulTrainFunctions` ``(loss_and_grad, evaluate)``.
+    """
+    if not isinstance(graphdef, nnx.GraphDef):
+        raise ValueError(
+            f"graphdef must be an nnx.GraphDef, got {type(graphdef).__name__}"
+        )
+
+    def forward(params, batch_stats, x, *, train: bool):
+        model = merge_model(graphdef, params, batch_stats=batch_stats)
+        if train:
+            model.train()
+        else:
+            model.eval()
+        logits = model(x).astype(jnp.float32)
+        stats = _stringify_keys(nnx.to_pure_dict(nnx.state(model, nnx.BatchStat)))
+        return logits, stats
+
+    def train_loss(params, batch_stats, batch):
+        logits, stats = forward(params, batch_stats, batch[0], train=True)
+        loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch[1])
+        return jnp.mean(loss), stats
+
+    @jax.jit
+    def loss_and_grad(params, batch_stats, batch):
+        grad_fn = jax.value_and_grad(train_loss, has_aux=True)
+        (loss, stats), grads = grad_fn(params, batch_stats, batch)
+        return loss, grads, stats
+
+    @jax.jit
+    def evaluate(params, batch_stats, batch):
+        logits, _ = forward(params, batch_stats, batch[0], train=False)
+        y = batch[1]
+        loss = optax.softmax_cross_entropy_with_integer_labels(logits, y)
+        hits = jnp.argmax(logits, axis=-1) == y
+        return {"loss": jnp.mean(loss), "accuracy": jnp.mean(hits.astype(jnp.float32))}
+
+    return StatefulTrainFunctions(loss_and_grad, evaluate)
+
+
+def _image_shape(name: str, input_shape: Sequence[int]) -> tuple[int, int, int]:
+    if len(input_shape) == 2:
+        input_shape = (*input_shape, 1)
+    if len(input_shape) != 3:
+        raise ValueError(
+            f"{name} takes images (height, width[, channels]), got input shape "
+            f"{tuple(input_shape)}"
+        )
+    return tuple(input_shape)
+
+
 def _make_mlp(
     input_shape: Sequence[int], num_classes: int, *, rngs: nnx.Rngs, **kwargs: Any
 ) -> MLP:
@@ -349,14 +607,7 @@ def _make_mlp(
 def _make_cnn(
     input_shape: Sequence[int], num_classes: int, *, rngs: nnx.Rngs, **kwargs: Any
 ) -> SmallCNN:
-    if len(input_shape) == 2:
-        input_shape = (*input_shape, 1)
-    if len(input_shape) != 3:
-        raise ValueError(
-            f"cnn takes images (height, width[, channels]), got input shape "
-            f"{tuple(input_shape)}"
-        )
-    height, width, channels = input_shape
+    height, width, channels = _image_shape("cnn", input_shape)
     return SmallCNN(
         num_classes,
         in_channels=channels,
@@ -366,7 +617,24 @@ def _make_cnn(
     )
 
 
-MODELS: dict[str, Callable[..., nnx.Module]] = {"mlp": _make_mlp, "cnn": _make_cnn}
+def _make_resnet(
+    input_shape: Sequence[int], num_classes: int, *, rngs: nnx.Rngs, **kwargs: Any
+) -> SmallResNet:
+    height, width, channels = _image_shape("resnet", input_shape)
+    return SmallResNet(
+        num_classes,
+        in_channels=channels,
+        image_size=(height, width),
+        rngs=rngs,
+        **kwargs,
+    )
+
+
+MODELS: dict[str, Callable[..., nnx.Module]] = {
+    "mlp": _make_mlp,
+    "cnn": _make_cnn,
+    "resnet": _make_resnet,
+}
 
 
 def get_model(
@@ -380,7 +648,8 @@ def get_model(
     """Builds a model by registry name (for configs).
 
     Args:
-      name: a key of :data:`MODELS`: ``"mlp"`` or ``"cnn"``.
+      name: a key of :data:`MODELS`: ``"mlp"``, ``"cnn"`` or ``"resnet"``
+        (a :class:`SmallResNet`, split with :func:`split_with_batch_stats`).
       input_shape: shape of one example, e.g. ``dataset.input_shape``.
       num_classes: number of classes.
       seed: seed of the initial weights.
@@ -396,3 +665,215 @@ def get_model(
     if name not in MODELS:
         raise ValueError(f"unknown model {name!r}; valid names: {sorted(MODELS)}")
     return MODELS[name](tuple(input_shape), num_classes, rngs=nnx.Rngs(seed), **kwargs)
+
+
+class ResolvedModel(NamedTuple):
+    """A model built by :func:`resolve_model`.
+
+    Attributes:
+      model: the initialised ``nnx.Module``.
+      input_shape: the shape of one example it takes, without the batch axis.
+    """
+
+    model: nnx.Module
+    input_shape: tuple[int, ...]
+
+
+def _input_shape(spec: Any, source: str) -> tuple[int, ...]:
+    shape = getattr(spec, "shape", spec)
+    if isinstance(shape, list | tuple) and all(
+        isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in shape
+    ):
+        return tuple(shape)
+    raise ValueError(
+        f"{source} must return (module, input_shape) with input_shape a tuple of "
+        f"positive ints or a jax.ShapeDtypeStruct, got {spec!r}"
+    )
+
+
+def _import_factory(spec: str) -> Callable[..., Any]:
+    module_name, _, attribute = spec.partition(":")
+    if not module_name or not attribute:
+        raise ValueError(f"model {spec!r} must be 'package.module:factory'")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ValueError(
+            f"cannot import module {module_name!r} of {spec!r}: {e}"
+        ) from e
+    factory = module
+    for part in attribute.split("."):
+        if not hasattr(factory, part):
+            raise ValueError(f"module {module_name!r} has no attribute {attribute!r}")
+        factory = getattr(factory, part)
+    if not callable(factory):
+        raise ValueError(f"{spec!r} is not callable")
+    return factory
+
+
+def resolve_model(
+    spec: str,
+    *,
+    input_shape: Sequence[int] | None = None,
+    num_classes: int | None = None,
+    seed: int = 0,
+    **kwargs: Any,
+) -> ResolvedModel:
+    """Builds a model from a registry name or a ``"module:factory"`` path.
+
+    A built-in name (a key of :data:`MODELS`) is built for ``input_shape`` and
+    ``num_classes``, as :func:`get_model` does. Any other flax model comes from
+    a factory, named ``"my_pkg.my_module:make_model"`` (importable from the
+    working directory or ``PYTHONPATH``), under this contract:
+
+    .. code-block:: python
+
+      def make_model(*, rngs: nnx.Rngs, **kwargs) -> tuple[nnx.Module, Any]:
+          model = MyModel(..., rngs=rngs)
+          return model, (28, 28, 1)  # or jax.ShapeDtypeStruct((28, 28, 1), ...)
+
+    It is called with ``rngs=nnx.Rngs(seed)`` and the user's ``kwargs`` (not
+    ``input_shape`` or ``num_classes``: the factory knows its model) and
+    returns the initialised module, whose state is ``nnx.Param`` (and
+    ``nnx.BatchStat``, see :func:`split_with_batch_stats`), and the shape of one
+    example it takes, without the batch axis. The model maps a batch
+    ``(b, *input_shape)`` to logits ``(b, num_classes)``.
+
+    Args:
+      spec: a key of :data:`MODELS`, or ``"package.module:factory"``.
+      input_shape: shape of one example, required for a built-in name; for a
+        factory, checked against the shape it returns when given.
+      num_classes: number of classes, required for a built-in name.
+      seed: seed of the initial weights.
+      **kwargs: further arguments of the model or factory.
+
+    Returns:
+      :class:`ResolvedModel` ``(model, input_shape)``.
+
+    Raises:
+      ValueError: an unknown name, a module that does not import, a missing
+        attribute, a factory that refuses its arguments or returns something
+        else than ``(nnx.Module, input_shape)``, or an input shape that differs
+        from ``input_shape``.
+
+    Examples:
+      >>> resolve_model("mlp", input_shape=(8, 8, 1), num_classes=10).input_shape
+      (8, 8, 1)
+    """
+    if not isinstance(spec, str) or not spec:
+        raise ValueError(f"model must be a non-empty string, got {spec!r}")
+    if ":" not in spec:
+        if spec not in MODELS:
+            raise ValueError(
+                f"unknown model {spec!r}; valid names: {sorted(MODELS)} or "
+                "'package.module:factory'"
+            )
+        if input_shape is None or num_classes is None:
+            raise ValueError(f"model {spec!r} needs input_shape and num_classes")
+        model = get_model(
+            spec, input_shape=input_shape, num_classes=num_classes, seed=seed, **kwargs
+        )
+        return ResolvedModel(model, tuple(input_shape))
+    factory = _import_factory(spec)
+    try:
+        result = factory(rngs=nnx.Rngs(seed), **kwargs)
+    except TypeError as e:
+        raise ValueError(f"model factory {spec!r} refused its arguments: {e}") from e
+    if not (isinstance(result, tuple) and len(result) == 2):
+        raise ValueError(
+            f"{spec!r} must return (module, input_shape), got {type(result).__name__}"
+        )
+    model, shape = result
+    if not isinstance(model, nnx.Module):
+        raise ValueError(
+            f"{spec!r} must return an nnx.Module first, got {type(model).__name__}"
+        )
+    shape = _input_shape(shape, repr(spec))
+    if input_shape is not None and tuple(input_shape) != shape:
+        raise ValueError(
+            f"{spec!r} takes inputs of shape {shape}, the data have "
+            f"{tuple(input_shape)}"
+        )
+    return ResolvedModel(model, shape)
+
+
+def save_params_npz(path: str | os.PathLike, params: Params) -> None:
+    """Writes parameters as the ``.npz`` file ``hpsjax-server --init`` reads.
+
+    The format: one array per leaf, named by its key path joined with ``/``
+    (``{"conv": {"w": ...}}`` is stored as ``"conv/w"``); float64 arrays are
+    stored as float32, the dtype training runs in; other dtypes as they are.
+
+    Args:
+      path: the file to write (``.npz`` is not appended).
+      params: a nested dict with ``str`` keys (as :func:`split_model` gives)
+        whose leaves are arrays.
+
+    Raises:
+      ValueError: an empty tree, a key that is empty or holds ``/``, or a leaf
+        that is not an array of numbers.
+    """
+    if not isinstance(params, dict) or not params:
+        raise ValueError("params must be a non-empty dict")
+    flat: dict[str, Any] = {}
+
+    def visit(node: Any, prefix: str) -> None:
+        for key, value in node.items():
+            if not isinstance(key, str) or not key or "/" in key:
+                raise ValueError(f"bad parameter key {key!r} under {prefix!r}")
+            name = f"{prefix}/{key}" if prefix else key
+            if isinstance(value, dict):
+                visit(value, name)
+                continue
+            array = np.asarray(value)
+            if array.dtype.kind not in "biuf":
+                raise ValueError(f"parameter {name!r} is not numeric: {array.dtype}")
+            flat[name] = (
+                array.astype(np.float32) if array.dtype == np.float64 else array
+            )
+
+    visit(params, "")
+    with open(path, "wb") as f:
+        np.savez(f, **flat)
+
+
+def load_params_npz(path: str | os.PathLike) -> Params:
+    """Reads an ``.npz`` file of :func:`save_params_npz`'s format as a nested dict.
+
+    Names split on ``/`` into nested dicts; arrays keep their stored dtype.
+    Object arrays are refused (nothing is unpickled).
+
+    Raises:
+      FileNotFoundError: no file at ``path``.
+      ValueError: not an ``.npz`` archive, no arrays, a name with an empty part
+        (``a//b``), or two names that clash (``a`` and ``a/b``).
+    """
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"no .npz file at {path!r}")
+    try:
+        archive = np.load(path, allow_pickle=False)
+    except (ValueError, OSError, zipfile.BadZipFile) as e:
+        raise ValueError(f"{path!r} is not a readable .npz archive: {e}") from e
+    if not isinstance(archive, np.lib.npyio.NpzFile):
+        raise ValueError(f"{path!r} holds a single array, not an .npz archive")
+    with archive:
+        if not archive.files:
+            raise ValueError(f"{path!r} holds no arrays")
+        tree: Params = {}
+        for name in archive.files:
+            parts = name.split("/")
+            if not all(parts):
+                raise ValueError(f"bad array name {name!r} in {path!r}")
+            node = tree
+            for part in parts[:-1]:
+                node = node.setdefault(part, {})
+                if not isinstance(node, dict):
+                    raise ValueError(f"array name {name!r} clashes with another")
+            if parts[-1] in node:
+                raise ValueError(f"array name {name!r} clashes with another")
+            try:
+                node[parts[-1]] = archive[name]
+            except ValueError as e:
+                raise ValueError(f"cannot read {name!r} from {path!r}: {e}") from e
+    return tree

@@ -309,7 +309,10 @@ def test_get_dataset_registry(tmp_path):
     assert len(data.get_dataset("synthetic_digits", num_examples=20)) == 20
     np.savez(tmp_path / "a.npz", x=np.zeros((3, 2)), y=[0, 1, 0])
     assert len(data.get_dataset("npz", path=tmp_path / "a.npz")) == 3
-    with pytest.raises(ValueError, match=r"valid names: \['npz', 'synthetic_digits'\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"valid names: \['npz', 'sklearn_digits', 'synthetic_digits'\]",
+    ):
         data.get_dataset("mnist")
 
 
@@ -503,10 +506,12 @@ def test_get_model_registry():
         assert _apply(*split_model(model), d.x[:2]).shape == (2, 10)
     mlp = models.get_model("mlp", input_shape=(8, 8, 1), num_classes=10, hidden=(64,))
     assert len(mlp.layers) == 2 and mlp.layers[0].out_features == 64
-    with pytest.raises(ValueError, match=r"valid names: \['cnn', 'mlp'\]"):
-        models.get_model("resnet", input_shape=(8, 8, 1), num_classes=10)
+    with pytest.raises(ValueError, match=r"valid names: \['cnn', 'mlp', 'resnet'\]"):
+        models.get_model("vit", input_shape=(8, 8, 1), num_classes=10)
     with pytest.raises(ValueError, match="images"):
         models.get_model("cnn", input_shape=(64,), num_classes=10)
+    with pytest.raises(ValueError, match="resnet takes images"):
+        models.get_model("resnet", input_shape=(64,), num_classes=10)
 
 
 # -- learning ------------------------------------------------------------------
@@ -553,3 +558,206 @@ def test_training_with_a_batch_size_that_changes_between_rounds():
         MLP(64, (64,), 10, rngs=nnx.Rngs(0)), train, 200, sizes=(16, 96, 40, 64)
     )
     assert float(evaluate(params, (test.x, test.y))["accuracy"]) > 0.75
+
+
+# -- scikit-learn digits -------------------------------------------------------
+
+
+def test_sklearn_digits_are_the_real_bundled_images():
+    digits = data.get_dataset("sklearn_digits")
+    assert len(digits) == 1797
+    assert digits.input_shape == (8, 8, 1)
+    assert digits.num_classes == 10
+    assert float(digits.x.min()) == 0.0 and float(digits.x.max()) == 1.0
+    counts = np.bincount(digits.y, minlength=10)
+    assert counts.min() >= 170 and counts.sum() == 1797
+    train, test = digits.split(0.2, seed=3)
+    again_train, again_test = data.sklearn_digits().split(0.2, seed=3)
+    assert len(test) == 359
+    np.testing.assert_array_equal(train.y, again_train.y)
+    np.testing.assert_array_equal(test.x, again_test.x)
+    with pytest.raises(ValueError, match="8x8 images"):
+        data.sklearn_digits(image_size=28)
+
+
+def test_an_mlp_learns_sklearn_digits():
+    train, test = data.sklearn_digits().split(0.2, seed=0)
+    model = models.get_model("mlp", input_shape=(8, 8, 1), num_classes=10, seed=0)
+    graphdef, params = split_model(model)
+    fns = make_train_functions(graphdef)
+    optimizer = optax.sgd(0.1, momentum=0.9)
+    state = optimizer.init(params)
+    stream = train.batches(64, seed=0)
+    for _ in range(150):
+        _, grads = fns.loss_and_grad(params, stream.next())
+        updates, state = optimizer.update(grads, state, params)
+        params = optax.apply_updates(params, updates)
+    assert float(fns.evaluate(params, (test.x, test.y))["accuracy"]) > 0.9
+
+
+# -- models from a module:factory path -----------------------------------------
+
+_FACTORY = """
+from flax import nnx
+import jax
+
+from hpsjax.models import MLP
+
+
+def make_model(*, rngs, hidden=(16,), shape=(8, 8, 1)):
+    return MLP(64, hidden, 10, rngs=rngs), shape
+
+
+def make_struct(*, rngs):
+    return MLP(64, (), 10, rngs=rngs), jax.ShapeDtypeStruct((8, 8, 1), "float32")
+
+
+def not_a_pair(*, rngs):
+    return MLP(64, (), 10, rngs=rngs)
+
+
+def not_a_module(*, rngs):
+    return "model", (8, 8, 1)
+
+
+def bad_shape(*, rngs):
+    return MLP(64, (), 10, rngs=rngs), (8, -1)
+
+
+value = 3
+"""
+
+
+@pytest.fixture
+def factory_module(tmp_path, monkeypatch):
+    (tmp_path / "my_factories.py").write_text(_FACTORY)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return "my_factories"
+
+
+def test_resolve_model_builds_from_a_factory(factory_module):
+    resolved = models.resolve_model(
+        f"{factory_module}:make_model", input_shape=(8, 8, 1), seed=1, hidden=[8]
+    )
+    assert isinstance(resolved.model, MLP)
+    assert resolved.input_shape == (8, 8, 1)
+    _, params = split_model(resolved.model)
+    assert params["layers"]["0"]["kernel"].shape == (64, 8)
+    again = models.resolve_model(f"{factory_module}:make_model", seed=1, hidden=[8])
+    np.testing.assert_array_equal(
+        split_model(again.model)[1]["layers"]["0"]["kernel"],
+        params["layers"]["0"]["kernel"],
+    )
+    struct = models.resolve_model(f"{factory_module}:make_struct")
+    assert struct.input_shape == (8, 8, 1)
+    builtin = models.resolve_model("cnn", input_shape=(8, 8, 1), num_classes=3)
+    assert isinstance(builtin.model, SmallCNN) and builtin.input_shape == (8, 8, 1)
+
+
+@pytest.mark.parametrize(
+    ("spec", "kwargs", "match"),
+    [
+        ("nope", {}, r"unknown model 'nope'; valid names: .* 'package.module:factory'"),
+        ("mlp", {}, "needs input_shape and num_classes"),
+        (":make_model", {}, "must be 'package.module:factory'"),
+        ("no_such_module_xyz:f", {}, "cannot import module 'no_such_module_xyz'"),
+        ("{m}:missing", {}, "module 'my_factories' has no attribute 'missing'"),
+        ("{m}:value", {}, "is not callable"),
+        ("{m}:make_model", {"depth": 3}, "refused its arguments"),
+        ("{m}:not_a_pair", {}, r"must return \(module, input_shape\), got MLP"),
+        ("{m}:not_a_module", {}, "must return an nnx.Module first, got str"),
+        ("{m}:bad_shape", {}, "input_shape a tuple of positive ints"),
+        ("{m}:make_model", {"input_shape": (28, 28, 1)}, "the data have"),
+    ],
+)
+def test_resolve_model_refuses_bad_specs(factory_module, spec, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        models.resolve_model(spec.format(m=factory_module), **kwargs)
+
+
+# -- batch statistics ----------------------------------------------------------
+
+
+def test_split_model_points_batchnorm_models_to_split_with_batch_stats():
+    model = models.get_model("resnet", input_shape=(8, 8, 1), num_classes=10)
+    with pytest.raises(ValueError, match=r"BatchStat.*split_with_batch_stats"):
+        split_model(model)
+    with pytest.raises(ValueError, match="also holds"):
+        models.split_with_batch_stats(nnx.Dropout(0.5, rngs=nnx.Rngs(0)))
+
+
+def test_a_resnet_trains_and_keeps_its_batch_stats_apart():
+    train, test = synthetic_digits(600, seed=0).split(0.2, seed=0)
+    model = models.get_model(
+        "resnet", input_shape=train.input_shape, num_classes=10, widths=(8, 16)
+    )
+    graphdef, params, stats = models.split_with_batch_stats(model)
+    assert sorted(stats["stem_bn"]) == ["mean", "var"]
+    assert sorted(params["stem_bn"]) == ["bias", "scale"]
+    fns = models.make_stateful_train_functions(graphdef)
+    optimizer = optax.adam(1e-2)
+    opt_state = optimizer.init(params)
+    stream = train.batches(32, seed=0)
+    first = stats
+    losses = []
+    for _ in range(12):
+        loss, grads, stats = fns.loss_and_grad(params, stats, stream.next())
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        params = optax.apply_updates(params, updates)
+        losses.append(float(loss))
+    assert np.mean(losses[-3:]) < np.mean(losses[:3])
+    assert jax.tree.structure(grads) == jax.tree.structure(params)
+    assert not np.allclose(stats["stem_bn"]["mean"], first["stem_bn"]["mean"])
+    evaluated = fns.evaluate(params, stats, (test.x, test.y))
+    merged = merge_model(graphdef, params, batch_stats=stats)
+    merged.eval()
+    logits = merged(test.x)
+    accuracy_merged = float(np.mean(np.argmax(logits, -1) == test.y))
+    assert float(evaluated["accuracy"]) == pytest.approx(accuracy_merged, abs=1e-6)
+    with pytest.raises(ValueError, match="batch_stats do not fit"):
+        merge_model(graphdef, params, batch_stats={**stats, "extra": {"x": 1.0}})
+
+
+# -- init.npz ------------------------------------------------------------------
+
+
+def test_params_npz_round_trip_in_the_servers_format(tmp_path):
+    from hpsjax.ps._cli import load_npz_tree
+
+    params = {
+        "layers": {"0": {"kernel": np.ones((3, 2)), "bias": np.zeros(2, np.float32)}},
+        "count": np.arange(3, dtype=np.int32),
+    }
+    path = tmp_path / "init.npz"
+    models.save_params_npz(path, params)
+    with np.load(path) as archive:
+        assert sorted(archive.files) == ["count", "layers/0/bias", "layers/0/kernel"]
+    loaded = models.load_params_npz(path)
+    assert loaded["layers"]["0"]["kernel"].dtype == np.float32
+    assert loaded["count"].dtype == np.int32
+    served = load_npz_tree(path)
+    assert jax.tree.structure(served) == jax.tree.structure(loaded)
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(loaded), strict=True):
+        np.testing.assert_array_equal(a, b)
+    model = MLP(64, (4,), 10, rngs=nnx.Rngs(0))
+    graphdef, model_params = split_model(model)
+    models.save_params_npz(path, model_params)
+    merge_model(graphdef, models.load_params_npz(path))
+
+
+def test_params_npz_refuses_bad_input(tmp_path):
+    path = tmp_path / "p.npz"
+    with pytest.raises(ValueError, match="non-empty dict"):
+        models.save_params_npz(path, {})
+    with pytest.raises(ValueError, match="bad parameter key 'a/b'"):
+        models.save_params_npz(path, {"a/b": np.ones(1)})
+    with pytest.raises(ValueError, match="not numeric"):
+        models.save_params_npz(path, {"a": np.array(["x"])})
+    with pytest.raises(FileNotFoundError):
+        models.load_params_npz(tmp_path / "missing.npz")
+    np.savez(path, **{"a": np.ones(1), "a/b": np.ones(1)})
+    with pytest.raises(ValueError, match="clashes"):
+        models.load_params_npz(path)
+    (tmp_path / "bad.npz").write_bytes(b"not a zip")
+    with pytest.raises(ValueError, match=r"not a readable \.npz archive"):
+        models.load_params_npz(tmp_path / "bad.npz")
