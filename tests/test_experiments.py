@@ -427,6 +427,13 @@ def test_compare_rejects_unknown_suites_and_schemes(tmp_path):
     assert {"quick", "sim8", "proc4"} <= set(SUITES)
 
 
+def test_suites_are_named_after_their_setting():
+    # One vocabulary: --suite=quick runs setting quick, --suite=demo runs demo.
+    assert {"demo", "quick"} <= set(SUITES)
+    for name, suite in SUITES.items():
+        assert suite.setting == name, (name, suite.setting)
+
+
 @pytest.mark.slow
 def test_run_and_compare_commands(tmp_path):
     env = dict(os.environ, JAX_PLATFORMS="cpu")
@@ -453,7 +460,7 @@ def test_run_and_compare_commands(tmp_path):
     assert "unknown policy 'bulk'; valid names:" in bad.stderr
     out = subprocess.run(
         [
-            sys.executable, "-m", "experiments.compare", "--suite=smoke",
+            sys.executable, "-m", "experiments.compare", "--suite=quick",
             "--schemes=bsp,asp", f"--workdir={tmp_path / 'cmp'}",
         ],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=600,

@@ -2,16 +2,17 @@
 
 A suite is a list of schemes (each ``experiments/configs/<scheme>.py``) and one
 heterogeneity setting of ``common.SETTINGS``; every scheme of a suite gets the
-same data, model, workers, target accuracy and time budget.
+same data, model, workers, target accuracy and time budget. A suite of all
+schemes is named after its setting.
 
-* ``quick``: the README quick start: all schemes, 4 simulated workers with
+* ``demo``: the README quick start: all schemes, 4 simulated workers with
   speeds 1:1:2:4 (setting ``demo``); a few minutes on 2 CPU cores.
 * ``sim8``: all schemes, 8 simulated workers, step times spread 6x, transient
   and one slowing-down straggler (setting ``sim8``).
 * ``sim8_slowlink``: ``sim8`` behind links 8 times slower.
 * ``proc4``: all schemes, 4 real worker processes with speeds 1:1:2:4 and a
   real server on loopback (setting ``proc4``).
-* ``smoke``: all schemes at smoke-test size (setting ``quick``), seconds each.
+* ``quick``: all schemes at smoke-test size (setting ``quick``), seconds each.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ class Suite:
 
 
 SUITES: dict[str, Suite] = {
-    "quick": Suite(
+    "demo": Suite(
         "demo",
         description="4 simulated workers, speeds 1:1:2:4, transient stragglers",
     ),
@@ -65,6 +66,6 @@ SUITES: dict[str, Suite] = {
         "proc4",
         description="4 worker processes, speeds 1:1:2:4, a real server on loopback",
     ),
-    "smoke": Suite("quick", description="every scheme at smoke-test size"),
+    "quick": Suite("quick", description="every scheme at smoke-test size"),
 }
 """Suites by name."""
