@@ -10,10 +10,16 @@ encoded bytes (codes and scales); ``enc fus`` is the number of fused kernels in
 the compiled encode (one full-size pass for the codes, one or two reductions for
 the scales, the rest scalar work deriving the random seeds from the key).
 
+The last lines are the sparse and low-rank codecs: top-k at 1% (indices and
+values, :func:`hpsjax.transforms.topk_encode`) and PowerSGD at rank 4 (the
+factors of the array read as a ``--rows`` x ``size / rows`` matrix, one power
+iteration from a fresh random ``Q``, :func:`hpsjax.transforms.powersgd_encode`).
+
 Run::
 
   python benchmarks/bench_quantize.py              # 16M elements
   python benchmarks/bench_quantize.py --size 1000000 --repeats 5
+  python benchmarks/bench_quantize.py --filter top-k   # or --filter powersgd
 """
 
 from __future__ import annotations
@@ -25,7 +31,13 @@ import time
 import jax
 import jax.numpy as jnp
 
+from hpsjax.transforms._powersgd import (
+    powersgd_decode,
+    powersgd_encode,
+    powersgd_nbytes,
+)
 from hpsjax.transforms._quantize import Codec, decode, encode, encoded_nbytes
+from hpsjax.transforms._topk import topk_decode, topk_encode, topk_nbytes
 
 
 def _codecs(block_size: int) -> list[tuple[str, Codec]]:
@@ -55,6 +67,35 @@ def _codecs(block_size: int) -> list[tuple[str, Codec]]:
     return codecs
 
 
+def _entries(x: jax.Array, block_size: int, rows: int):
+    """(name, jitted encode(x, key), jitted decode(encoded), encoded bytes)."""
+    shape, dtype = x.shape, x.dtype
+    entries = []
+    for name, codec in _codecs(block_size):
+        enc = jax.jit(lambda x, key, codec=codec: encode(x, codec, key))
+        dec = jax.jit(lambda e, codec=codec: decode(e, codec, shape, dtype))
+        entries.append((name, enc, dec, encoded_nbytes(shape, codec)))
+    ratio = 0.01
+    entries.append(
+        (
+            "top-k 1%",
+            jax.jit(lambda x, key: topk_encode(x, ratio, key)),
+            jax.jit(lambda e: topk_decode(e, shape, dtype)),
+            topk_nbytes(shape, dtype, ratio),
+        )
+    )
+    rank, matrix = 4, (rows, x.size // rows)
+    entries.append(
+        (
+            f"powersgd rank {rank} ({matrix[0]}x{matrix[1]})",
+            jax.jit(lambda x, key: powersgd_encode(x.reshape(matrix), rank, key=key)),
+            jax.jit(lambda e: powersgd_decode(e, matrix, dtype).reshape(shape)),
+            powersgd_nbytes(matrix, dtype, rank),
+        )
+    )
+    return entries
+
+
 def _time(fn, *args) -> float:
     start = time.perf_counter()
     jax.block_until_ready(fn(*args))
@@ -73,7 +114,12 @@ def main() -> None:
     parser.add_argument(
         "--filter", default="", help="only codecs whose name contains this"
     )
+    parser.add_argument(
+        "--rows", type=int, default=4096, help="PowerSGD matrix rows (divide size)"
+    )
     args = parser.parse_args()
+    if args.size % args.rows:
+        parser.error(f"--rows {args.rows} must divide --size {args.size}")
 
     x = jax.random.normal(jax.random.key(0), (args.size,), jnp.float32)
     key = jax.random.key(1)
@@ -94,30 +140,28 @@ def main() -> None:
     )
     print(header)
     print("-" * len(header))
-    for name, codec in _codecs(args.block_size):
+    for name, enc, dec, nbytes in _entries(x, args.block_size, args.rows):
         if args.filter not in name:
             continue
-        enc = jax.jit(encode, static_argnums=1)
-        dec = jax.jit(decode, static_argnums=(1, 2, 3))
-        encoded = enc(x, codec, key)
-        jax.block_until_ready(dec(encoded, codec, x.shape, x.dtype))
-        fusions = _fusions(enc.lower(x, codec, key).compile().as_text())
+        encoded = enc(x, key)
+        jax.block_until_ready(dec(encoded))
+        fusions = _fusions(enc.lower(x, key).compile().as_text())
 
-        def both(codec=codec, enc=enc, dec=dec):
-            return dec(enc(x, codec, key), codec, x.shape, x.dtype)
+        def both(enc=enc, dec=dec):
+            return dec(enc(x, key))
 
         t_copy, t_enc, t_dec, t_both = [], [], [], []
         for _ in range(args.repeats):
             t_copy.append(_time(copy, x, one))
-            t_enc.append(_time(enc, x, codec, key))
-            t_dec.append(_time(dec, encoded, codec, x.shape, x.dtype))
+            t_enc.append(_time(enc, x, key))
+            t_dec.append(_time(dec, encoded))
             t_both.append(_time(both))
         base = statistics.median(t_copy)
         cols = []
         for times in (t_enc, t_dec, t_both):
             t = statistics.median(times)
             cols.append(f"{gb / t:9.2f} {base / t:7.2f}")
-        ratio = x.nbytes / encoded_nbytes(x.shape, codec)
+        ratio = x.nbytes / nbytes
         print(f"{name:34s} {' '.join(cols)} {ratio:6.1f} {fusions:7d}")
 
 
