@@ -869,6 +869,11 @@ class _Simulation:
         if not self.overlap:
             if r is not None:
                 self._send_push(w, r, w.round_version, step_time, with_pull=True)
+            elif not w.pull_in_flight:
+                # Discarded on a drop, and the rejoin's parameters are in.
+                self._block(w)
+                self._start_round(w)
+                return
             self._block(w)
             return
         if r is not None:
