@@ -621,5 +621,5 @@ def test_numpy_numbers_are_accepted():
 
 
 def test_public_names():
-    assert SCHEMES == ("hps", "ashl", "adsp", "equal")
+    assert SCHEMES == ("hps", "ashl", "adsp", "equal", "ashl_reference", "dylu")
     assert LR_SCALINGS == ("linear", "sqrt", "none")

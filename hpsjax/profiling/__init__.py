@@ -3,13 +3,17 @@
 :func:`profile` measures a worker's train step on each local device (time per
 step against batch size, peak memory) and its transfer time to the server;
 :func:`plan` turns the workers' profiles into a :class:`WorkPlan` (per worker and
-device: batch size, local steps, step-size scale) under the H-PS, ASHL, ADSP or
-equal scheme; :class:`Replanner` revises a plan as measured speeds drift.
+device: batch size, local steps, step-size scale, and for the schemes that have
+them stage steps, data shares, push weights and top-k ratios) under the H-PS,
+ASHL (our reading and the reference's), ADSP, DyLU or equal scheme;
+:class:`Replanner` revises a plan as measured speeds drift.
 """
 
 from hpsjax.profiling._plan import (
+    ASHL_STAGE_MULTIPLIERS,
     LR_SCALINGS,
     MIN_BATCH_SHARE,
+    MIN_COMPRESS_RATIO,
     SCHEMES,
     DevicePlan,
     Replanner,
@@ -30,8 +34,10 @@ from hpsjax.profiling._profile import (
 )
 
 __all__ = [
+    "ASHL_STAGE_MULTIPLIERS",
     "LR_SCALINGS",
     "MIN_BATCH_SHARE",
+    "MIN_COMPRESS_RATIO",
     "SCHEMES",
     "DevicePlan",
     "DeviceProfile",

@@ -2,16 +2,24 @@ r"""Work planning: batch sizes, local steps and step-size scales from profiles.
 
 A :class:`WorkPlan` tells every worker, and every device of a worker, how much to
 do per round. It is made by :func:`plan` from the profiles of
-:func:`hpsjax.profiling.profile` under one of four schemes:
+:func:`hpsjax.profiling.profile` under one of six schemes:
 
-=========  ===============================================================
-``hps``    H-PS: batches so that all workers finish a round together
-``ashl``   ASHL: equal batches, local steps ``H_i`` so that ``H_i t_i + T_i``
-           is equal across workers
-``adsp``   ADSP: equal batches, steps per commit so that all workers commit
-           equally often in a check period
-``equal``  the baseline: equal batches, the same local steps everywhere
-=========  ===============================================================
+==================  ======================================================
+``hps``             H-PS: batches so that all workers finish a round
+                    together
+``ashl``            ASHL, our reading of the paper: equal batches, local
+                    steps ``H_i`` so that ``H_i t_i + T_i`` is equal across
+                    workers
+``ashl_reference``  ASHL as its authors' public code plans it: two stages of
+                    local steps (multipliers 8 and 2), data shares and push
+                    weights ``H_i / sum_j H_j``, a top-k ratio per worker
+``adsp``            ADSP: equal batches, steps per commit so that all
+                    workers commit equally often in a check period
+``dylu``            Dynamic Local Updates (asynchronous local SGD): equal
+                    batches, local steps proportional to speed
+``equal``           the baseline: equal batches, the same local steps
+                    everywhere
+==================  ======================================================
 
 Notation: worker ``i`` has devices ``d``; device ``d`` takes
 ``t_d(b) = max(a_d + c_d b, r_d b)`` seconds per step at batch ``b`` (the
@@ -57,8 +65,10 @@ from typing import Any
 from hpsjax.profiling._profile import WorkerProfile
 
 __all__ = [
+    "ASHL_STAGE_MULTIPLIERS",
     "LR_SCALINGS",
     "MIN_BATCH_SHARE",
+    "MIN_COMPRESS_RATIO",
     "SCHEMES",
     "DevicePlan",
     "Replanner",
@@ -67,10 +77,14 @@ __all__ = [
     "plan",
 ]
 
-SCHEMES = ("hps", "ashl", "adsp", "equal")
+SCHEMES = ("hps", "ashl", "adsp", "equal", "ashl_reference", "dylu")
 LR_SCALINGS = ("linear", "sqrt", "none")
 # The default smallest batch of a worker, as a share of the equal share B / n.
 MIN_BATCH_SHARE = 1 / 8
+# ``ashl_reference``: the multipliers k of its two stages, AHL then SHL.
+ASHL_STAGE_MULTIPLIERS = (8, 2)
+# The smallest top-k ratio a plan hands out: one value in a thousand.
+MIN_COMPRESS_RATIO = 0.001
 
 _log = logging.getLogger(__name__)
 
@@ -137,6 +151,31 @@ class WorkerPlan:
       round_time: predicted seconds per round, ``local_steps * step_time +
         transfer_seconds`` (for ``adsp``, the commit interval).
       devices: one plan per device.
+      push_seconds: the push's part of ``transfer_seconds`` as profiled, ``None``
+        when only the round trip was measured (a planner then counts half of
+        it). Kept so that a plan can be revised on its own.
+      stage_local_steps: local steps per round in each stage of training, in
+        order; empty (the default) for a single stage of ``local_steps``.
+        ``ashl_reference``: ``(H_i(8), H_i(2))``, the AHL and the SHL stage
+        (``local_steps`` is the first). The worker runs the steps of the stage
+        the server announces.
+      data_share: the share of the training data this worker holds, ``None``
+        (the default) when the plan leaves the data's split alone.
+        ``ashl_reference``: ``p_i = H_i(2) / sum_j H_j(2)``; the data is
+        re-partitioned by these shares before training.
+      push_weight: the factor the server applies to this worker's pushes, 1
+        (the default) for none. ``ashl_reference``: ``p_i``, the reference's
+        rule of adding ``p_i`` times each worker's parameter delta to the
+        global parameters.
+      compress_ratio: the share of its update's values this worker sends when
+        its pushes are top-k sparsified, in ``[MIN_COMPRESS_RATIO, 1]``; 1 (the
+        default) for no sparsification. ``ashl_reference``: the ratio of its
+        SHL pushes (AHL pushes go in full precision), see :func:`plan`.
+
+    The fields after ``devices`` are the contract with the runtime: the worker
+    applies its stage's local steps and its ``compress_ratio``, the server its
+    ``push_weight`` and the data pipeline its ``data_share``; their defaults
+    leave a worker as the schemes without them have it.
     """
 
     worker_id: int | str
@@ -147,6 +186,11 @@ class WorkerPlan:
     transfer_seconds: float
     round_time: float
     devices: tuple[DevicePlan, ...]
+    push_seconds: float | None = None
+    stage_local_steps: tuple[int, ...] = ()
+    data_share: float | None = None
+    push_weight: float = 1.0
+    compress_ratio: float = 1.0
 
     def __post_init__(self):
         if isinstance(self.worker_id, bool) or not isinstance(
@@ -164,6 +208,74 @@ class WorkerPlan:
             raise ValueError(f"local_steps must be an int >= 1: {self.local_steps}")
         if not self.lr_scale >= 0:
             raise ValueError(f"lr_scale must be >= 0, got {self.lr_scale}")
+        who = f"worker {self.worker_id!r}"
+        if self.push_seconds is not None and not (
+            _is_real(self.push_seconds)
+            and 0 <= self.push_seconds <= self.transfer_seconds
+        ):
+            raise ValueError(
+                f"{who}: push_seconds must be in [0, transfer_seconds], "
+                f"got {self.push_seconds!r}"
+            )
+        if isinstance(self.stage_local_steps, str) or not isinstance(
+            self.stage_local_steps, Sequence
+        ):
+            raise ValueError(
+                f"{who}: stage_local_steps must be a sequence of ints >= 1, "
+                f"got {self.stage_local_steps!r}"
+            )
+        stages = tuple(self.stage_local_steps)
+        if not all(
+            isinstance(h, int) and not isinstance(h, bool) and h >= 1 for h in stages
+        ):
+            raise ValueError(
+                f"{who}: stage_local_steps must be ints >= 1, got {list(stages)}"
+            )
+        object.__setattr__(self, "stage_local_steps", stages)
+        if self.data_share is not None and not (
+            _is_real(self.data_share) and 0 <= self.data_share <= 1
+        ):
+            raise ValueError(
+                f"{who}: data_share must be in [0, 1] or None, got {self.data_share!r}"
+            )
+        if not (_is_real(self.push_weight) and self.push_weight >= 0):
+            raise ValueError(
+                f"{who}: push_weight must be a finite number >= 0, "
+                f"got {self.push_weight!r}"
+            )
+        if not (
+            _is_real(self.compress_ratio)
+            and MIN_COMPRESS_RATIO <= self.compress_ratio <= 1
+        ):
+            raise ValueError(
+                f"{who}: compress_ratio must be in [{MIN_COMPRESS_RATIO}, 1], "
+                f"got {self.compress_ratio!r}"
+            )
+
+    def stage_steps(self, stage: int) -> int:
+        """Local steps per round in ``stage`` (0 for the first).
+
+        A worker with a single stage runs ``local_steps`` in every stage.
+
+        Examples:
+          >>> w = WorkerProfile.synthetic(0, 1.0, transfer_seconds=0.5)
+          >>> p = plan([w, WorkerProfile.synthetic(1, 2.0)], "ashl_reference",
+          ...          global_batch=2)
+          >>> [p.workers[1].stage_steps(s) for s in (0, 1)]
+          [17, 5]
+        """
+        if isinstance(stage, bool) or not isinstance(stage, numbers.Integral):
+            raise ValueError(f"stage must be an int >= 0, got {stage!r}")
+        if not self.stage_local_steps:
+            if stage < 0:
+                raise ValueError(f"stage must be an int >= 0, got {stage!r}")
+            return self.local_steps
+        if not 0 <= stage < len(self.stage_local_steps):
+            raise ValueError(
+                f"stage {stage} is not one of this plan's "
+                f"{len(self.stage_local_steps)} stages"
+            )
+        return self.stage_local_steps[stage]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -189,6 +301,15 @@ class WorkPlan:
       commits_per_period: ``adsp`` only: commits per check period.
       revision: 0 for a fresh plan, one more for each revision by a
         :class:`Replanner`.
+      stage_multipliers: ``ashl_reference`` only: the multiplier ``k`` of each
+        stage's plan, :data:`ASHL_STAGE_MULTIPLIERS` by default; empty for
+        the other schemes.
+      base_compress_ratio: ``ashl_reference`` only: the top-k ratio of the
+        worker with the longest SHL round, which sets the others' ratios; 1
+        for the other schemes.
+
+    The plan's ``round_time`` and ``idle_fraction`` are those of the first
+    stage when workers have several.
     """
 
     scheme: str
@@ -205,6 +326,8 @@ class WorkPlan:
     commit_interval: float | None = None
     commits_per_period: int | None = None
     revision: int = 0
+    stage_multipliers: tuple[int, ...] = ()
+    base_compress_ratio: float = 1.0
 
     def __post_init__(self):
         _check_scheme(self.scheme)
@@ -224,6 +347,23 @@ class WorkPlan:
                 f"the workers' lr_scale differ ({sorted(scales)}): the server "
                 "already weights each push by its samples, so a per-worker scale "
                 "would weight batches twice; plan again with this hpsjax"
+            )
+        if isinstance(self.stage_multipliers, str) or not isinstance(
+            self.stage_multipliers, Sequence
+        ):
+            raise ValueError(
+                "stage_multipliers must be a sequence of ints >= 1, "
+                f"got {self.stage_multipliers!r}"
+            )
+        object.__setattr__(self, "stage_multipliers", tuple(self.stage_multipliers))
+        if len({len(w.stage_local_steps) for w in self.workers}) > 1:
+            raise ValueError("the workers' stage_local_steps differ in length")
+        shares = [w.data_share for w in self.workers]
+        if any(x is not None for x in shares) and (
+            None in shares or abs(sum(shares) - 1.0) > 1e-6
+        ):
+            raise ValueError(
+                f"the workers' data_share must all be given and sum to 1: {shares}"
             )
 
     @property
@@ -286,6 +426,14 @@ class WorkPlan:
             raise ValueError(f"malformed WorkPlan JSON: {e!r}") from None
 
 
+def _is_real(value: Any) -> bool:
+    return (
+        not isinstance(value, bool)
+        and isinstance(value, numbers.Real)
+        and math.isfinite(value)
+    )
+
+
 def _check_scheme(scheme: Any) -> None:
     if scheme not in SCHEMES:
         raise ValueError(f"unknown scheme {scheme!r}; valid schemes: {SCHEMES}")
@@ -315,6 +463,13 @@ class _WorkerModel:
     worker_id: int | str
     transfer: float
     devices: tuple[_DeviceModel, ...]
+    # The push's part of ``transfer``, ``None`` when only the round trip is known.
+    push: float | None = None
+
+    @property
+    def push_seconds(self) -> float:
+        """The push's seconds: as profiled, else half the round trip."""
+        return self.transfer / 2 if self.push is None else self.push
 
     def refitted(self, intercept_shift: float, slope_factor: float) -> _WorkerModel:
         """This worker with its fixed cost shifted and its per-sample cost scaled."""
@@ -356,7 +511,12 @@ def _model_from_profile(profile: WorkerProfile, memory_fraction: float):
                 max_batch=d.max_batch(memory_fraction=memory_fraction),
             )
         )
-    return _WorkerModel(profile.worker_id, profile.transfer_seconds, tuple(devices))
+    push = None if profile.transfer is None else profile.transfer.push_seconds
+    if push is not None:
+        push = min(push, profile.transfer_seconds)
+    return _WorkerModel(
+        profile.worker_id, profile.transfer_seconds, tuple(devices), push
+    )
 
 
 def _model_from_worker_plan(w: WorkerPlan) -> _WorkerModel:
@@ -373,6 +533,7 @@ def _model_from_worker_plan(w: WorkerPlan) -> _WorkerModel:
             )
             for d in w.devices
         ),
+        w.push_seconds,
     )
 
 
@@ -614,6 +775,8 @@ def _solve(
     check_period: float | None,
     commits_per_period: int | None,
     revision: int,
+    stage_multipliers: tuple[int, ...] = (),
+    base_compress_ratio: float = 1.0,
 ) -> WorkPlan:
     n_devices = sum(len(m.devices) for m in models)
     if global_batch < n_devices * min_device_batch:
@@ -674,8 +837,25 @@ def _solve(
         for m, batches in zip(models, device_batches, strict=True)
     ]
     steps = [local_steps] * len(models)
+    stage_steps: list[tuple[int, ...]] = [()] * len(models)
+    shares: list[float | None] = [None] * len(models)
+    weights = [1.0] * len(models)
+    ratios = [1.0] * len(models)
     commit_interval = commits = None
-    if scheme == "ashl":
+    if scheme == "ashl_reference":
+        stage_steps, shares, ratios = _ashl_reference(
+            models, step_times, stage_multipliers, base_compress_ratio, max_local_steps
+        )
+        steps = [h[0] for h in stage_steps]
+        weights = list(shares)
+    elif scheme == "dylu":
+        # The fastest worker runs local_steps; the others as many as their
+        # speed allows in the same compute time, rounded, at least one.
+        fastest = min(step_times)
+        steps = [
+            max(1, math.floor(local_steps * fastest / t + 0.5)) for t in step_times
+        ]
+    elif scheme == "ashl":
         # The worker with the longest round at H_min local steps sets the round
         # length L; every other worker runs as many steps as fit in L.
         length = max(
@@ -705,7 +885,10 @@ def _solve(
         steps = [min(h, max_local_steps) for h in steps]
 
     busy, workers = [], []
-    for m, batches, t, h in zip(models, device_batches, step_times, steps, strict=True):
+    extras = zip(stage_steps, shares, weights, ratios, strict=True)
+    for m, batches, t, h, (stages, share, weight, ratio) in zip(
+        models, device_batches, step_times, steps, extras, strict=True
+    ):
         if scheme == "adsp":
             # Commits run in the background while training goes on, so a commit
             # interval is the compute between commits, or the transfer if longer.
@@ -742,6 +925,11 @@ def _solve(
                     )
                     for d, b in zip(m.devices, batches, strict=True)
                 ),
+                push_seconds=m.push,
+                stage_local_steps=stages,
+                data_share=share,
+                push_weight=weight,
+                compress_ratio=ratio,
             )
         )
     round_time = max(w.round_time for w in workers)
@@ -761,7 +949,52 @@ def _solve(
         commit_interval=commit_interval,
         commits_per_period=commits,
         revision=revision,
+        stage_multipliers=stage_multipliers,
+        base_compress_ratio=base_compress_ratio,
     )
+
+
+def _nearest(x: float) -> int:
+    """``x`` rounded to the nearest integer, halves up."""
+    return math.floor(x + 0.5)
+
+
+def _ashl_reference(models, step_times, multipliers, base_ratio, max_local_steps):
+    """Per worker: its stages' local steps, its data share and its top-k ratio.
+
+    See :func:`plan`, scheme ``ashl_reference``.
+    """
+    k_ahl, k_shl = multipliers
+    full = [m.transfer for m in models]
+    # SHL pushes at the base ratio; the pull and the rest go in full.
+    rest = [m.transfer - m.push_seconds for m in models]
+    sparse = [
+        base_ratio * m.push_seconds + r for m, r in zip(models, rest, strict=True)
+    ]
+
+    def local_steps(k, comm):
+        length = max(k * c + t for c, t in zip(step_times, comm, strict=True))
+        steps = [
+            max(1, _nearest((length - t) / c))
+            for c, t in zip(step_times, comm, strict=True)
+        ]
+        if max_local_steps is not None:
+            steps = [min(h, max_local_steps) for h in steps]
+        return steps
+
+    ahl = local_steps(k_ahl, full)
+    shl = local_steps(k_shl, sparse)
+    total = sum(shl)
+    shares = [h / total for h in shl]
+    # Each worker pushes as much as fits the longest SHL round after its
+    # compute and the rest of its transfer.
+    longest = max(h * c + t for h, c, t in zip(shl, step_times, sparse, strict=True))
+    ratios = []
+    for m, h, c, r in zip(models, shl, step_times, rest, strict=True):
+        push = m.push_seconds
+        ratio = 1.0 if push <= 0 else (longest - h * c - r) / push
+        ratios.append(min(max(ratio, MIN_COMPRESS_RATIO), 1.0))
+    return list(zip(ahl, shl, strict=True)), shares, ratios
 
 
 def _check_int(name: str, value: Any, minimum: int) -> int:
@@ -799,6 +1032,8 @@ def plan(
     check_period: float | None = None,
     commits_per_period: int | None = None,
     memory_fraction: float = 0.9,
+    stage_multipliers: Sequence[int] | None = None,
+    compress_ratio: float | None = None,
 ) -> WorkPlan:
     r"""Plans per-worker batches, local steps and step-size scales from profiles.
 
@@ -855,6 +1090,51 @@ def plan(
     given). ADSP searches the global commit rate online; plan again with the
     rate it settles on.
 
+    **ashl_reference** (ASHL as its authors' public code plans it). Equal
+    batches as for ``ashl``. For a multiplier ``k`` the plan is
+
+    .. math::
+
+      H_i(k) = \mathrm{round}\Big(\frac{\max_j (k\, c_j + m_j) - m_i}{c_i}\Big),
+
+    ``c_i = t_i`` the worker's compute seconds per local step at its batch and
+    ``m_i`` its communication seconds per round, so that ``H_i c_i + m_i`` is
+    about the same for every worker. Two plans are made, one per stage of
+    ``stage_multipliers`` (``(8, 2)`` by default, as in the reference): the
+    AHL stage's with ``m_i = T_i``, its full round trip (AHL pushes in full
+    precision), and the SHL stage's with ``m_i = rho P_i + (T_i - P_i)``,
+    ``P_i`` the push's part of the round trip (half of it when only the round
+    trip was profiled) and ``rho = compress_ratio`` (1 by default, as in the
+    reference). Each worker gets ``stage_local_steps = (H_i(8), H_i(2))`` and
+    ``local_steps = H_i(8)``. The shares ``p_i = H_i(2) / sum_j H_j(2)`` are
+    each worker's ``data_share`` and its ``push_weight``. Its SHL top-k ratio
+    is the share of its push that fits the longest SHL round ``M = max_j
+    (H_j(2) c_j + m_j)`` after its compute and the rest of its transfer:
+
+    .. math::
+
+      \mathrm{ratio}_i = \mathrm{clip}\Big(
+        \frac{M - H_i(2)\, c_i - (T_i - P_i)}{P_i},\;
+        \mathrm{MIN\_COMPRESS\_RATIO},\; 1\Big),
+
+    1 where ``P_i = 0``. The worker with the longest round gets ``rho`` and a
+    faster one more, up to 1 (no sparsification). ``local_steps`` does not
+    apply; ``max_local_steps`` caps both stages before the shares are taken.
+    The server decides the switch from AHL to SHL.
+
+    **dylu** (Dynamic Local Updates, asynchronous local SGD). Equal batches
+    as for ``ashl``; each worker's local steps are proportional to its speed
+    ``1 / t_i``, so that all finish their compute of a round at about the same
+    time, the fastest running ``H = local_steps``:
+
+    .. math::
+
+      H_i = \max\Big(1, \mathrm{round}\Big(H\, \frac{\min_j t_j}{t_i}\Big)\Big).
+
+    The transfer does not enter, as in the paper, where workers push in the
+    background of an asynchronous server. A :class:`Replanner` sets the steps
+    again from the measured speeds.
+
     **equal**. ``B / n`` per worker and an equal split over its devices,
     ``local_steps`` everywhere: the baseline the others are measured against.
 
@@ -876,7 +1156,8 @@ def plan(
       lr_scaling: one of :data:`LR_SCALINGS`.
       reference_batch: the global batch with scale 1; ``B / n`` by default.
       local_steps: ``H`` for ``hps`` and ``equal``, ``H_min`` for ``ashl``, the
-        slowest worker's steps per commit for ``adsp``.
+        slowest worker's steps per commit for ``adsp``, the fastest worker's
+        steps for ``dylu``; not used by ``ashl_reference``.
       min_device_batch: the smallest batch any device gets.
       min_batch: the smallest batch any worker gets; by default
         :data:`MIN_BATCH_SHARE` of the equal share, ``max(1, floor(B / (8 n)))``.
@@ -885,6 +1166,11 @@ def plan(
       check_period: ``adsp`` only: seconds per check period.
       commits_per_period: ``adsp`` only: commits per check period.
       memory_fraction: share of a device's memory capacity a step may use.
+      stage_multipliers: ``ashl_reference`` only: ``(k_AHL, k_SHL)``, two ints
+        >= 1; :data:`ASHL_STAGE_MULTIPLIERS` by default.
+      compress_ratio: ``ashl_reference`` only: the SHL top-k ratio of the
+        worker with the longest round, in ``[MIN_COMPRESS_RATIO, 1]``; 1 by
+        default.
 
     Returns:
       The :class:`WorkPlan`.
@@ -899,6 +1185,9 @@ def plan(
       >>> workers = [WorkerProfile.synthetic(i, s) for i, s in enumerate([1, 1, 2, 4])]
       >>> [w.batch_size for w in plan(workers, "hps", global_batch=256).workers]
       [32, 32, 64, 128]
+      >>> p = plan(workers, "dylu", global_batch=256, local_steps=8)
+      >>> [(w.batch_size, w.local_steps) for w in p.workers]
+      [(64, 2), (64, 2), (64, 4), (64, 8)]
 
     References:
       Xian, Li, Liu, Guo, Du, "H-PS: A Heterogeneous-Aware Parameter Server With
@@ -919,6 +1208,13 @@ def plan(
 
       Krizhevsky, "One weird trick for parallelizing convolutional neural
       networks" (square-root scaling), 2014, https://arxiv.org/abs/1404.5997
+
+      ASHL's public reference implementation, the repository
+      ``xiangunremarkable/ASHL`` on GitHub (its plan, shares and ratios).
+
+      Liu, Chhaparia, Douillard, Kale, Rusu, Shen, Szlam, Ranzato,
+      "Asynchronous Local-SGD Training for Language Modeling" (Dynamic Local
+      Updates), 2024, https://arxiv.org/abs/2401.09135
     """
     profiles = list(profiles)
     if not profiles:
@@ -947,6 +1243,40 @@ def plan(
         commits_per_period = _check_int("commits_per_period", commits_per_period, 1)
     if scheme != "adsp" and (check_period, commits_per_period) != (None, None):
         raise ValueError("check_period and commits_per_period apply to 'adsp' only")
+    if scheme != "ashl_reference" and (stage_multipliers, compress_ratio) != (
+        None,
+        None,
+    ):
+        raise ValueError(
+            "stage_multipliers and compress_ratio apply to 'ashl_reference' only"
+        )
+    base_compress_ratio = 1.0
+    if scheme == "ashl_reference":
+        if stage_multipliers is None:
+            stage_multipliers = ASHL_STAGE_MULTIPLIERS
+        if (
+            isinstance(stage_multipliers, str)
+            or not isinstance(stage_multipliers, Sequence)
+            or len(stage_multipliers) != 2
+        ):
+            raise ValueError(
+                "stage_multipliers must be two ints >= 1 (AHL, SHL), "
+                f"got {stage_multipliers!r}"
+            )
+        stage_multipliers = tuple(
+            _check_int("stage_multipliers", k, 1) for k in stage_multipliers
+        )
+        if compress_ratio is not None:
+            if not (
+                _is_real(compress_ratio) and MIN_COMPRESS_RATIO <= compress_ratio <= 1
+            ):
+                raise ValueError(
+                    f"compress_ratio must be in [{MIN_COMPRESS_RATIO}, 1], "
+                    f"got {compress_ratio!r}"
+                )
+            base_compress_ratio = float(compress_ratio)
+    else:
+        stage_multipliers = ()
     if (
         isinstance(memory_fraction, bool)
         or not isinstance(memory_fraction, numbers.Real)
@@ -967,6 +1297,8 @@ def plan(
         check_period=check_period,
         commits_per_period=commits_per_period,
         revision=0,
+        stage_multipliers=stage_multipliers,
+        base_compress_ratio=base_compress_ratio,
     )
 
 
@@ -989,7 +1321,11 @@ class Replanner:
     passed since the last revision, every observed worker's time model is
     fitted again and the plan is made again with the same scheme and settings (a
     worker never heard from keeps its planned speed): a worker that slowed down
-    gets less work. The averages then restart against the new plan.
+    gets less work. The averages then restart against the new plan. Under
+    ``dylu`` the new plan gives each worker local steps in proportion to its
+    refitted speed; under ``ashl_reference`` both stages' steps, the shares and
+    the ratios follow the refitted compute times (transfer times stay as
+    profiled).
 
     The fit keeps both terms of the model, the fixed cost per step and the cost
     per sample: a least-squares line ``A + C b`` through the worker's last
@@ -1153,6 +1489,8 @@ class Replanner:
             check_period=old.check_period,
             commits_per_period=old.commits_per_period,
             revision=old.revision + 1,
+            stage_multipliers=old.stage_multipliers,
+            base_compress_ratio=old.base_compress_ratio,
         )
         self._last_revision = now
         self._reset()
