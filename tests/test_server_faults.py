@@ -1,9 +1,11 @@
 """The server against bad input, killed workers and a killed server."""
 
 import asyncio
+import logging
 import math
 import os
 import pathlib
+import re
 import signal
 import sys
 import textwrap
@@ -503,3 +505,74 @@ def test_finite_pushes_that_would_overflow_the_parameters_are_refused():
             await client.close()
 
     _run(main)
+
+
+def test_server_logs_joins_leaves_drops_checkpoints_status_and_resume(tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="hpsjax.ps._server")
+    kwargs = {
+        "checkpoint_dir": tmp_path,
+        "status_interval": 0.05,
+        "core_kwargs": {"min_timeout": 0.2, "initial_timeout": 0.3},
+    }
+
+    async def first():
+        async with _server("bsp", **kwargs) as server:
+            a, b = _client(server, "a"), _client(server, 7)
+            await a.connect()
+            await b.connect()
+            _, v = await a.pull()
+            await b.pull()
+            await a.push(_update(0.0), version=v)
+            await b.push(_update(0.0), version=v)
+            await b.close()
+            # "a" goes silent while nobody waits: no drop; "b" left.
+            await asyncio.sleep(0.2)
+            return server.version
+
+    version = _run(first)
+    text = caplog.text
+    assert "worker 'a' joined from" in text and "worker 7 joined from" in text
+    assert "worker 7 left (1 live)" in text
+    assert re.search(r"status: version \d+, [\d.]+ pushes/s, \d live workers", text)
+    assert f"checkpoint written: {tmp_path / f'ckpt_{version}'}" in text
+    caplog.clear()
+
+    async def second():
+        async with _server("bsp", **kwargs) as server:
+            assert server.version == version
+            a, b = _client(server, "a"), _client(server, "b")
+            await a.connect()
+            await b.connect()
+            _, v = await a.pull()
+            await b.pull()
+            await a.push(_update(0.0), version=v)
+            # "b" never pushes: "a" waits, "b" is dropped at its deadline.
+            _, v2 = await a.pull()
+            assert v2 == version + 1
+            await a.close()
+            await b.close()
+
+    _run(second)
+    text = caplog.text
+    assert (
+        f"resumed from checkpoint {tmp_path / f'ckpt_{version}'} at version {version}"
+        in text
+    )
+    drop = re.search(r"dropped worker 'b': (.*) \(1 live\)", text)
+    assert drop, text
+    assert re.fullmatch(
+        r"worker 'b' made no progress for [\d.]+ s \(deadline 0\.3 s\)", drop[1]
+    )
+
+
+def test_status_lines_can_be_turned_off(caplog):
+    caplog.set_level(logging.INFO, logger="hpsjax.ps._server")
+
+    async def main():
+        async with _server("asp", status_interval=0):
+            await asyncio.sleep(0.1)
+
+    _run(main)
+    assert "status:" not in caplog.text
+    with pytest.raises(ValueError, match="status_interval must be a number >= 0"):
+        _server("asp", status_interval=-1)

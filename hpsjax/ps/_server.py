@@ -201,6 +201,9 @@ class Server:
         when the measured speeds drift it revises the plan, whose entries go
         to the workers at once (:meth:`send_plan`). The replanner's state is
         not checkpointed: a restarted server starts again from its plan.
+      status_interval: seconds between the INFO status lines (version,
+        pushes per second, live workers); 0 logs none. Joins, leaves, drops,
+        checkpoints and a resume are logged at INFO too.
       **policy_kwargs: keyword arguments of the policy given by name (e.g.
         ``staleness_bound=2`` for ``"ssp"``).
 
@@ -249,6 +252,7 @@ class Server:
         handshake_timeout: float = 10.0,
         core_kwargs: Mapping[str, Any] | None = None,
         replanner: Any = None,
+        status_interval: float = 60.0,
         **policy_kwargs: Any,
     ):
         self._secret = _secret_bytes(secret)
@@ -270,6 +274,16 @@ class Server:
                 isinstance(value, int | float) and math.isfinite(value) and value > 0
             ):
                 raise ValueError(f"{name} must be a positive number, got {value!r}")
+        if not (
+            isinstance(status_interval, int | float)
+            and not isinstance(status_interval, bool)
+            and math.isfinite(status_interval)
+            and status_interval >= 0
+        ):
+            raise ValueError(
+                f"status_interval must be a number >= 0 (0: no status lines), "
+                f"got {status_interval!r}"
+            )
         if checkpoint_every_updates is not None and (
             isinstance(checkpoint_every_updates, bool)
             or not isinstance(checkpoint_every_updates, int)
@@ -310,6 +324,9 @@ class Server:
         self._checkpoint_every_s = checkpoint_every_s
         self._checkpoint_every_updates = checkpoint_every_updates
         self._checkpoint_keep = checkpoint_keep
+        self._status_interval = float(status_interval)
+        self._status_task: asyncio.Task | None = None
+        self._pushes = 0
         meta, _, self._model = wire.tree_to_wire(self._core.params, limits=limits)
         # Shapes and dtypes never change, so the parameters' description is
         # packed once; each version adds only its number.
@@ -444,6 +461,8 @@ class Server:
         self._port = self._server.sockets[0].getsockname()[1]
         if self._checkpoint_every_s is not None:
             self._checkpoint_task = self._loop.create_task(self._checkpoint_loop())
+        if self._status_interval > 0:
+            self._status_task = self._loop.create_task(self._status_loop())
         self._rearm()
         logger.info(
             "serving %s (%s) on %s:%d at version %d",
@@ -490,6 +509,8 @@ class Server:
             self._timer.cancel()
         if self._checkpoint_task is not None:
             self._checkpoint_task.cancel()
+        if self._status_task is not None:
+            self._status_task.cancel()
         self._server.close()
         for session in list(self._connections):
             for request_id, _ in session.pulls:
@@ -619,7 +640,11 @@ class Server:
         self._core.load_state_dict(meta["core"], params=params, opt_state=opt_state)
         self._saved_version = self._core.version
         self._resumed_from = restored.step
-        logger.info("resumed from checkpoint %d", restored.step)
+        logger.info(
+            "resumed from checkpoint %s at version %d",
+            self._manager.directory / f"ckpt_{restored.step}",
+            self._core.version,
+        )
 
     def _checkpoint_metadata(self) -> dict:
         return {
@@ -654,6 +679,8 @@ class Server:
         if error is not None:
             logger.error("checkpoint save failed: %s", error)
             self._checkpoint_error = error
+        else:
+            logger.info("checkpoint written: %s", future.result())
 
     async def _finish_checkpoints(self) -> None:
         self._save_async()
@@ -662,6 +689,20 @@ class Server:
                 await asyncio.wrap_future(future)
         await self._loop.run_in_executor(self._checkpoint_executor, self._manager.close)
         self._checkpoint_executor.shutdown(wait=True)
+
+    async def _status_loop(self) -> None:
+        pushes, t = self._pushes, self._loop.time()
+        while True:
+            await asyncio.sleep(self._status_interval)
+            now = self._loop.time()
+            rate = (self._pushes - pushes) / max(now - t, 1e-9)
+            pushes, t = self._pushes, now
+            logger.info(
+                "status: version %d, %.1f pushes/s, %d live workers",
+                self._core.version,
+                rate,
+                len(self._core.live),
+            )
 
     async def _checkpoint_loop(self) -> None:
         while True:
@@ -923,6 +964,13 @@ class Server:
                 self._notify(session, MsgType.STAGE, {"plan": plan})
             actions = self._core.join(session.worker_id, now)
             session.joined = True
+            logger.info(
+                "worker %r joined from %s at version %d (%d live)",
+                session.worker_id,
+                session.peer,
+                self._core.version,
+                len(self._core.live),
+            )
         self._carry_out(actions)
 
     def _push(self, session: _Session, frame: Frame) -> None:
@@ -969,6 +1017,7 @@ class Server:
             checked=True,
             **fields,
         )
+        self._pushes += 1
         if self._replanner is not None:
             self._observe_speed(session.worker_id, fields)
         ack = None
@@ -1137,7 +1186,12 @@ class Server:
                     )
             elif isinstance(action, Drop):
                 session = self._sessions.get(action.worker_id)
-                logger.info("dropped worker %r: %s", action.worker_id, action.reason)
+                logger.info(
+                    "dropped worker %r: %s (%d live)",
+                    action.worker_id,
+                    action.reason,
+                    len(self._core.live),
+                )
                 if session is not None:
                     session.joined = False
                     error = WorkerDropped(action.reason)
@@ -1248,6 +1302,9 @@ class Server:
                 actions = self._core.leave(session.worker_id, self._now())
             except HpsError:
                 return
+            logger.info(
+                "worker %r left (%d live)", session.worker_id, len(self._core.live)
+            )
             self._carry_out(actions)
 
     def _on_lost(self, session: _Session, error: HpsError) -> None:
