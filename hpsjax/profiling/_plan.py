@@ -1118,7 +1118,9 @@ def plan(
         \mathrm{MIN\_COMPRESS\_RATIO},\; 1\Big),
 
     1 where ``P_i = 0``. The worker with the longest round gets ``rho`` and a
-    faster one more, up to 1 (no sparsification). ``local_steps`` does not
+    faster one more, up to 1 (no sparsification). The reference also counts
+    the seconds spent compressing in ``m_i``; the profile does not measure
+    them, so they count as 0 here. ``local_steps`` does not
     apply; ``max_local_steps`` caps both stages before the shares are taken.
     The server decides the switch from AHL to SHL.
 
