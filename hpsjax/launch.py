@@ -337,6 +337,109 @@ def _start_server(
     return found[0]
 
 
+def _check_launch(
+    num_workers: int,
+    *,
+    steps: int | None,
+    worker_args: Sequence[str],
+    per_worker_args: PerWorkerArgs | None,
+    server_args: Sequence[str],
+    timeout: float | None,
+    plan: str | None,
+    replan: float | None,
+    server_shards: int,
+    split_leaves: bool,
+) -> tuple[list[list[str]], list[str]]:
+    """Checks a launch's arguments; returns each worker's and the shared flags."""
+    if (
+        isinstance(num_workers, bool)
+        or not isinstance(num_workers, int)
+        or num_workers < 1
+    ):
+        raise LaunchError(f"num_workers must be an int >= 1, got {num_workers!r}")
+    if steps is not None and (
+        isinstance(steps, bool) or not isinstance(steps, int) or steps < 1
+    ):
+        raise LaunchError(f"steps must be an int >= 1 or None, got {steps!r}")
+    for name, value in (("worker_args", worker_args), ("server_args", server_args)):
+        if isinstance(value, str):
+            raise LaunchError(f"{name} must be a list of arguments, not a string")
+    if timeout is not None and not timeout > 0:
+        raise LaunchError(f"timeout must be > 0 or None, got {timeout!r}")
+    if plan is not None:
+        from hpsjax.profiling import SCHEMES
+
+        if plan not in SCHEMES:
+            raise LaunchError(f"unknown plan scheme {plan!r}; valid: {SCHEMES}")
+    if replan is not None and (plan is None or not replan > 0):
+        raise LaunchError(f"replan needs a plan and a threshold > 0, got {replan!r}")
+    if (
+        isinstance(server_shards, bool)
+        or not isinstance(server_shards, int)
+        or server_shards < 1
+    ):
+        raise LaunchError(f"server_shards must be an int >= 1, got {server_shards!r}")
+    if split_leaves and server_shards == 1:
+        raise LaunchError("split_leaves needs server_shards > 1")
+    flags = _worker_flags(per_worker_args, num_workers)
+    shared = [str(a) for a in worker_args]
+    from hpsjax.worker._cli import _heterogeneity, parse_args
+
+    try:
+        parse_args(shared)
+        for extra in flags:
+            _heterogeneity(parse_args([*shared, *extra]))
+    except SystemExit:
+        raise LaunchError("bad worker flags (see the message above)") from None
+    except ValueError as e:
+        raise LaunchError(f"bad worker flags: {e}") from None
+    return flags, shared
+
+
+def _prepare_workdir(
+    work: pathlib.Path,
+    num_workers: int,
+    shared: list[str],
+    flags: list[list[str]],
+    plan: str | None,
+    replan: float | None,
+    global_batch: int | None,
+    emit: Callable[[str], None],
+) -> tuple[bytes, pathlib.Path, pathlib.Path, list[str], list[str], float | None]:
+    """Writes a fresh secret, ``init.npz`` and the plan (``plan``) into ``work``.
+
+    Returns the secret, its file, the init file, the workers' shared flags (with
+    ``--work_plan``), shard 0's extra flags and the profiling pass's seconds.
+    """
+    from hpsjax.worker._cli import parse_args, write_init
+
+    secret = secrets.token_urlsafe(32).encode()
+    secret_file = work / "secret.txt"
+    secret_file.touch(mode=0o600)
+    secret_file.write_bytes(secret)
+    init = work / "init.npz"
+    try:
+        write_init(parse_args(shared), init)
+    except ValueError as e:
+        raise LaunchError(f"cannot build the model from the worker flags: {e}") from e
+    profile_seconds = None
+    # Flags for shard 0 only: the plan the workers follow comes from it.
+    plan_server_args: list[str] = []
+    if plan is not None:
+        plan_file, profile_seconds = _profile_and_plan(
+            plan, num_workers, shared, flags, work, global_batch, emit
+        )
+        shared = [*shared, "--work_plan", str(plan_file)]
+        if replan is not None:
+            plan_server_args = [
+                "--work_plan",
+                str(plan_file),
+                "--replan_threshold",
+                repr(float(replan)),
+            ]
+    return secret, secret_file, init, shared, plan_server_args, profile_seconds
+
+
 def launch(
     num_workers: int,
     *,
@@ -416,48 +519,18 @@ def launch(
         arguments = dict(locals())
         with tempfile.TemporaryDirectory(prefix="hpsjax-launch-") as tmp:
             return launch(**{**arguments, "workdir": tmp})
-    if (
-        isinstance(num_workers, bool)
-        or not isinstance(num_workers, int)
-        or num_workers < 1
-    ):
-        raise LaunchError(f"num_workers must be an int >= 1, got {num_workers!r}")
-    if steps is not None and (
-        isinstance(steps, bool) or not isinstance(steps, int) or steps < 1
-    ):
-        raise LaunchError(f"steps must be an int >= 1 or None, got {steps!r}")
-    for name, value in (("worker_args", worker_args), ("server_args", server_args)):
-        if isinstance(value, str):
-            raise LaunchError(f"{name} must be a list of arguments, not a string")
-    if timeout is not None and not timeout > 0:
-        raise LaunchError(f"timeout must be > 0 or None, got {timeout!r}")
-    if plan is not None:
-        from hpsjax.profiling import SCHEMES
-
-        if plan not in SCHEMES:
-            raise LaunchError(f"unknown plan scheme {plan!r}; valid: {SCHEMES}")
-    if replan is not None and (plan is None or not replan > 0):
-        raise LaunchError(f"replan needs a plan and a threshold > 0, got {replan!r}")
-    if (
-        isinstance(server_shards, bool)
-        or not isinstance(server_shards, int)
-        or server_shards < 1
-    ):
-        raise LaunchError(f"server_shards must be an int >= 1, got {server_shards!r}")
-    if split_leaves and server_shards == 1:
-        raise LaunchError("split_leaves needs server_shards > 1")
-    flags = _worker_flags(per_worker_args, num_workers)
-    shared = [str(a) for a in worker_args]
-    from hpsjax.worker._cli import _heterogeneity, parse_args, write_init
-
-    try:
-        parse_args(shared)
-        for extra in flags:
-            _heterogeneity(parse_args([*shared, *extra]))
-    except SystemExit:
-        raise LaunchError("bad worker flags (see the message above)") from None
-    except ValueError as e:
-        raise LaunchError(f"bad worker flags: {e}") from None
+    flags, shared = _check_launch(
+        num_workers,
+        steps=steps,
+        worker_args=worker_args,
+        per_worker_args=per_worker_args,
+        server_args=server_args,
+        timeout=timeout,
+        plan=plan,
+        replan=replan,
+        server_shards=server_shards,
+        split_leaves=split_leaves,
+    )
 
     out = log if log is not None else sys.stdout
     lock = threading.Lock()
@@ -477,30 +550,11 @@ def launch(
         else pathlib.Path(tempfile.mkdtemp(prefix="hpsjax-launch-"))
     )
     work.mkdir(parents=True, exist_ok=True)
-    secret = secrets.token_urlsafe(32).encode()
-    secret_file = work / "secret.txt"
-    secret_file.touch(mode=0o600)
-    secret_file.write_bytes(secret)
-    init = work / "init.npz"
-    try:
-        write_init(parse_args(shared), init)
-    except ValueError as e:
-        raise LaunchError(f"cannot build the model from the worker flags: {e}") from e
-    profile_seconds = None
-    # Flags for shard 0 only: the plan the workers follow comes from it.
-    plan_server_args: list[str] = []
-    if plan is not None:
-        plan_file, profile_seconds = _profile_and_plan(
-            plan, num_workers, shared, flags, work, global_batch, emit
+    secret, secret_file, init, shared, plan_server_args, profile_seconds = (
+        _prepare_workdir(
+            work, num_workers, shared, flags, plan, replan, global_batch, emit
         )
-        shared = [*shared, "--work_plan", str(plan_file)]
-        if replan is not None:
-            plan_server_args = [
-                "--work_plan",
-                str(plan_file),
-                "--replan_threshold",
-                repr(float(replan)),
-            ]
+    )
     shard_args = ["--split_leaves"] if split_leaves else []
 
     env = dict(os.environ, PYTHONUNBUFFERED="1")
