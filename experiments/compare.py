@@ -20,7 +20,7 @@ and plot from the work directories of an earlier run. Runs already finished in
 (``--overwrite`` runs them again); ``--jobs=N`` runs N simulated runs at once.
 Example::
 
-  python -m experiments.compare --suite=quick --workdir=/tmp/hpsjax/quick
+  python -m experiments.compare --suite=demo --workdir=/tmp/hpsjax/demo
 """
 
 from __future__ import annotations
@@ -36,8 +36,9 @@ from typing import Any
 import numpy as np
 from absl import app, flags, logging
 
-from experiments import plots, registry, train
+from experiments import _cli, plots, registry, train
 from experiments.configs.suites import Suite
+from hpsjax._logs import quiet_backend_probe
 
 __all__ = [
     "aggregate",
@@ -463,12 +464,27 @@ def _run_all(
 def _define_flags() -> None:
     # Defined only when run as a program, so that importing this module (for
     # run_suite) never clashes with experiments.run's --workdir.
-    flags.DEFINE_string("suite", None, "A suite of experiments/configs/suites.py.")
-    flags.DEFINE_string("workdir", None, "Directory for all outputs.")
-    flags.DEFINE_list(
-        "schemes", None, "Run only these schemes of the suite (comma-separated)."
+    from experiments.configs.suites import SUITES
+
+    suites = "; ".join(
+        f"{name} ({suite.description or suite.setting})"
+        for name, suite in SUITES.items()
     )
-    flags.DEFINE_list("seeds", None, "Run every scheme once per seed and report means.")
+    flags.DEFINE_string("suite", None, f"The suite to run: {suites}.")
+    flags.DEFINE_string(
+        "workdir", None, "Directory for all outputs: <workdir>/<scheme> per run."
+    )
+    flags.DEFINE_list(
+        "schemes",
+        None,
+        "Run only these schemes of the suite (comma-separated; default: all of "
+        f"{', '.join(registry.SCHEMES)}).",
+    )
+    flags.DEFINE_list(
+        "seeds",
+        None,
+        "Run every scheme once per seed (comma-separated ints) and report means.",
+    )
     flags.DEFINE_bool(
         "render_only", False, "Rebuild table and plot from existing outputs."
     )
@@ -481,16 +497,40 @@ def _define_flags() -> None:
     flags.mark_flags_as_required(["suite", "workdir"])
 
 
+_PROG = "experiments.compare"
+
+
+def _check_flags(values: flags.FlagValues) -> list[int] | None:
+    """Checks --suite, --schemes and --seeds; returns the seeds as ints."""
+    suite = registry.lookup("suite", values.suite)
+    for scheme in values.schemes or ():
+        registry.lookup("scheme", scheme)
+        if scheme not in suite.schemes:
+            raise ValueError(
+                f"--schemes: {scheme!r} is not in suite {values.suite!r}; its "
+                f"schemes: {', '.join(suite.schemes)}"
+            )
+    if values.seeds is None:
+        return None
+    try:
+        return [int(s) for s in values.seeds]
+    except ValueError:
+        raise ValueError(f"--seeds: expected ints, got {values.seeds}") from None
+
+
 def main(argv):
     if len(argv) > 1:
-        raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+        _cli.fail(_PROG, f"unexpected arguments: {' '.join(argv[1:])}")
+    quiet_backend_probe()
     logging.set_verbosity(logging.INFO)
     values = flags.FLAGS
+    with _cli.usage_errors(_PROG):
+        seeds = _check_flags(values)
     result = run_suite(
         values.suite,
         values.workdir,
         schemes=values.schemes,
-        seeds=None if values.seeds is None else [int(s) for s in values.seeds],
+        seeds=seeds,
         render_only=values.render_only,
         jobs=values.jobs,
         overwrite=values.overwrite,
@@ -502,4 +542,4 @@ def main(argv):
 
 if __name__ == "__main__":
     _define_flags()
-    app.run(main)
+    app.run(main, flags_parser=_cli.flags_parser(_PROG))

@@ -18,6 +18,7 @@ Examples:
 from __future__ import annotations
 
 import importlib
+import pathlib
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -225,6 +226,8 @@ def check_config(config: ml_collections.ConfigDict) -> None:
         )
     if config.data.name == "npz" and not config.data.path:
         raise ValueError("data.name='npz' needs data.path (the .npz file)")
+    if config.data.name == "npz" and not pathlib.Path(config.data.path).is_file():
+        raise FileNotFoundError(f"data.path: no .npz file at {config.data.path!r}")
     speeds = tuple(config.workers.slowdowns)
     if not speeds or any(not s >= 1 for s in speeds):
         raise ValueError(

@@ -34,7 +34,7 @@ import ml_collections
 
 from experiments import backends, build, plots, registry
 
-__all__ = ["summarize", "time_to_target", "train_and_evaluate"]
+__all__ = ["describe", "summarize", "time_to_target", "train_and_evaluate"]
 
 logger = logging.getLogger("experiments")
 
@@ -209,13 +209,14 @@ def train_and_evaluate(
     output = backend(config, setup, workdir=workdir, progress=progress)
     summary = summarize(config, output)
     write_outputs(config, output, summary, workdir)
-    logger.info(
-        "%s: time to %.2f accuracy %s, final accuracy %.4f",
-        config.scheme,
-        config.eval.target_accuracy,
-        "not reached"
-        if summary["time_to_target"] is None
-        else f"{summary['time_to_target']:.2f}s",
-        summary["final_accuracy"],
-    )
     return summary
+
+
+def describe(summary: dict[str, Any]) -> str:
+    """One line of a run's result: time to the target and final accuracy."""
+    reached = summary["time_to_target"]
+    return (
+        f"{summary['scheme']}: time to {summary['target_accuracy']:g} accuracy "
+        f"{'not reached' if reached is None else f'{reached:.2f}s'}; final "
+        f"accuracy {summary['final_accuracy']:.4f}"
+    )

@@ -468,3 +468,103 @@ def test_run_and_compare_commands(tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     assert "| bsp |" in out.stdout and "| asp |" in out.stdout
     assert f"plot: {tmp_path / 'cmp' / 'accuracy.png'}" in out.stdout
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (
+            ["--config=experiments/configs/bsp.py", "--config.server.polcy=x"],
+            "--config.server.polcy: config.server has no field 'polcy'; did you "
+            "mean 'policy'? its fields: ",
+        ),
+        (
+            ["--config=experiments/configs/bsp.py", "--config.servr.policy=x"],
+            "config has no field 'servr'; did you mean 'server'?",
+        ),
+        (
+            ["--config=experiments/configs/bsp.py", "--config.seed.x=1"],
+            "--config.seed.x: config.seed is a int, not a group of fields",
+        ),
+        (
+            ["--config=experiments/configs/bspp.py"],
+            "--config: no config file 'experiments/configs/bspp.py'; the schemes' "
+            "configs: experiments/configs/<scheme>.py for a scheme of adsp",
+        ),
+        (
+            ["--config=experiments/configs/bsp.py:quik"],
+            "unknown setting 'quik'; valid names: demo, proc4, quick",
+        ),
+    ],
+)
+def test_a_config_flag_mistake_is_named_in_one_line(argv, message):
+    from experiments import _cli
+
+    found = _cli.diagnose_config_flag(argv)
+    assert message in found and "\n" not in found and "Did you" not in found
+    assert _cli.diagnose_config_flag(["--config=experiments/configs/bsp.py"]) is None
+
+
+def test_check_config_refuses_a_missing_npz_file():
+    config = registry.load_config("bsp", "quick")
+    config.data.name, config.data.path = "npz", "/no/such/file.npz"
+    with pytest.raises(
+        FileNotFoundError, match=r"no \.npz file at '/no/such/file\.npz'"
+    ):
+        registry.check_config(config)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "command, message",
+    [
+        (
+            ["experiments.run", "--config=experiments/configs/bsp.py",
+             "--config.server.polcy=x"],
+            "experiments.run: error: --config.server.polcy: config.server has no "
+            "field 'polcy'; did you mean 'policy'?",
+        ),
+        (
+            ["experiments.run", "--config=experiments/configs/bsp.py:quick",
+             "--config.data.name=npz", "--config.data.path=/no/such.npz"],
+            "experiments.run: error: data.path: no .npz file at '/no/such.npz'",
+        ),
+        (
+            ["experiments.compare", "--suite=huge"],
+            "experiments.compare: error: unknown suite 'huge'; valid names: demo, "
+            "proc4, quick, sim8, sim8_slowlink",
+        ),
+        (
+            ["experiments.compare", "--suite=quick", "--schemes=bsp,bspp"],
+            "experiments.compare: error: unknown scheme 'bspp'; valid names:",
+        ),
+    ],
+)  # fmt: skip
+def test_experiment_commands_fail_in_one_line(tmp_path, command, message):
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    out = subprocess.run(
+        [sys.executable, "-m", *command, f"--workdir={tmp_path / 'w'}"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert out.stderr.strip().splitlines() == [out.stderr.strip()]
+    assert out.stderr.startswith(message), out.stderr
+    assert not (tmp_path / "w").exists()
+
+
+@pytest.mark.slow
+def test_run_prints_its_result_once_without_the_tpu_line(tmp_path):
+    env = dict(os.environ)
+    env.pop("JAX_PLATFORMS", None)
+    out = subprocess.run(
+        [
+            sys.executable, "-m", "experiments.run",
+            "--config=experiments/configs/asp.py:quick",
+            "--config.budget_seconds=1", f"--workdir={tmp_path}",
+        ],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    both = out.stdout + out.stderr
+    assert both.count("asp: time to 0.5 accuracy") == 1, both[-2000:]
+    assert "Unable to initialize backend" not in both
