@@ -53,6 +53,8 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import TextIO
 
+from hpsjax._logs import quiet_backend_probe
+
 __all__ = ["LaunchError", "LaunchResult", "launch", "main"]
 
 PerWorkerArgs = Mapping[int, Sequence[str]] | Sequence[Sequence[str]]
@@ -68,6 +70,10 @@ class LaunchError(RuntimeError):
     """The launch could not start (bad arguments, the server did not come up)."""
 
 
+class _Temporary(str):
+    """A temporary work directory: removed when the launch ends."""
+
+
 @dataclasses.dataclass(frozen=True)
 class LaunchResult:
     """How a launch ended.
@@ -81,7 +87,8 @@ class LaunchResult:
       pids: process ids of everything started (server first), for checks.
       port: the server's port (shard 0's with several shards).
       workdir: directory holding ``secret.txt``, ``init.npz``, the plan and the
-        workers' ``metrics_<i>.jsonl``.
+        workers' ``metrics_<i>.jsonl``; ``None`` when the launch ran without
+        one (nothing was kept).
       version: the last server version seen, or ``None``.
       elapsed: seconds from start to the end of shutdown.
       profile_seconds: seconds the profiling pass took (``plan``; the workers
@@ -97,7 +104,7 @@ class LaunchResult:
     worker_returncodes: tuple[int | None, ...]
     pids: tuple[int, ...]
     port: int | None
-    workdir: str
+    workdir: str | None
     version: int | None
     elapsed: float
     profile_seconds: float | None = None
@@ -490,7 +497,8 @@ def launch(
       split_leaves: with ``server_shards > 1``, cut arrays by rows between
         shards too (``--split_leaves``), for models with a few huge arrays.
       workdir: where to keep the secret, initial parameters, plan and metrics;
-        by default a temporary directory, removed when the run ends.
+        by default a temporary directory, removed when the run ends (nothing
+        is kept: the result's ``workdir`` is ``None``).
       timeout: seconds the whole run may take, ``None`` for no limit.
       start_timeout: seconds the server has to start listening.
       shutdown_timeout: seconds processes get after SIGTERM before SIGKILL.
@@ -518,7 +526,8 @@ def launch(
         # and interrupted runs included.
         arguments = dict(locals())
         with tempfile.TemporaryDirectory(prefix="hpsjax-launch-") as tmp:
-            return launch(**{**arguments, "workdir": tmp})
+            return launch(**{**arguments, "workdir": _Temporary(tmp)})
+    kept = not isinstance(workdir, _Temporary)
     flags, shared = _check_launch(
         num_workers,
         steps=steps,
@@ -672,7 +681,8 @@ def launch(
     if reason == "completed" and unclean:
         reason = f"{unclean[0][0]} did not stop cleanly (status {unclean[0][1]})"
     returncode = 0 if reason == "completed" else 1
-    emit(f"[launch] {reason} in {time.monotonic() - start:.1f}s; workdir {work}")
+    where = f"workdir {work}" if kept else "no --workdir: metrics not kept"
+    emit(f"[launch] {reason} in {time.monotonic() - start:.1f}s; {where}")
     return LaunchResult(
         returncode=returncode,
         reason=reason,
@@ -680,7 +690,7 @@ def launch(
         worker_returncodes=worker_codes,
         pids=tuple(p.pid for p in processes),
         port=ports[0] if ports else None,
-        workdir=str(work),
+        workdir=str(work) if kept else None,
         version=None if monitor is None else monitor.version,
         elapsed=time.monotonic() - start,
         profile_seconds=profile_seconds,
@@ -709,6 +719,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     Usage: ``python -m hpsjax.launch [launcher flags] [--server SERVER FLAGS]
     [-- WORKER FLAGS]``.
     """
+    quiet_backend_probe()
     argv = list(sys.argv[1:] if argv is None else argv)
     own, server_args, worker_args = _split_argv(argv)
     p = argparse.ArgumentParser(

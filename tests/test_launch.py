@@ -378,3 +378,7 @@ def test_a_launch_without_tqdm_removes_its_temporary_workdir(tmp_path, monkeypat
     result = launch(1, steps=2, worker_args=SMALL_MODEL, log=log, timeout=240)
     assert result.returncode == 0, log.getvalue()
     assert list(tmp_path.glob("hpsjax-launch-*")) == []
+    # Nothing points at the removed directory.
+    assert result.workdir is None
+    last = log.getvalue().strip().splitlines()[-1]
+    assert "no --workdir: metrics not kept" in last and str(tmp_path) not in last
