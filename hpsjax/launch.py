@@ -201,7 +201,10 @@ def _shutdown(processes: Sequence[_Process], timeout: float) -> None:
 class _Monitor:
     """Polls the server's version from a background thread (for the bar)."""
 
-    def __init__(self, port: int, secret: bytes, interval: float = 0.5):
+    def __init__(
+        self, port: int, secret: bytes, interval: float = 0.5, host: str = "127.0.0.1"
+    ):
+        self._host = host
         self._port = port
         self._secret = secret
         self._interval = interval
@@ -217,7 +220,7 @@ class _Monitor:
         from hpsjax.ps import Client, HpsError
 
         client = Client(
-            "127.0.0.1",
+            self._host,
             self._port,
             worker_id="hpsjax-launch-monitor",
             secret=self._secret,
@@ -722,14 +725,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     quiet_backend_probe()
     argv = list(sys.argv[1:] if argv is None else argv)
     own, server_args, worker_args = _split_argv(argv)
+    from hpsjax.ps import POLICIES
+
     p = argparse.ArgumentParser(
-        prog="python -m hpsjax.launch",
+        prog="hpsjax-launch",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         description="Run a parameter server and N workers on this machine.",
         epilog="Flags after --server go to hpsjax-server, flags after -- to every "
         "hpsjax-worker.",
     )
     p.add_argument("--workers", type=int, required=True, help="number of workers")
-    p.add_argument("--policy", default="bsp", help="server synchronisation policy")
+    p.add_argument(
+        "--policy",
+        default="bsp",
+        help=f"server synchronisation policy: {', '.join(sorted(POLICIES))}",
+    )
     p.add_argument("--steps", type=int, default=100, help="rounds per worker")
     p.add_argument("--plan", help="profile and plan with this scheme (hps, ...)")
     p.add_argument("--global_batch", type=int, help="the plan's global batch")

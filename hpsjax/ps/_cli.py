@@ -283,9 +283,12 @@ _key_value = key_value
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """Parses the command line (see the module docstring)."""
+    from hpsjax.ps import POLICIES
+
     p = argparse.ArgumentParser(
         prog="hpsjax-server",
         description="Run an hpsjax parameter server.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument("--init", required=True, help=".npz file of initial params")
     p.add_argument(
@@ -313,7 +316,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="allow serving without a secret on a non-loopback address",
     )
-    p.add_argument("--policy", default="asp", help="synchronisation policy")
+    p.add_argument(
+        "--policy",
+        default="asp",
+        help=f"synchronisation policy: {', '.join(sorted(POLICIES))}",
+    )
     p.add_argument(
         "--policy_arg",
         type=_key_value,
@@ -330,13 +337,21 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         metavar="NAME=VALUE",
         help="ServerCore keyword argument (e.g. expected_workers=4), repeatable",
     )
-    p.add_argument("--optimizer", default="sgd", choices=OPTIMIZERS)
-    p.add_argument("--learning_rate", type=float, default=0.1)
-    p.add_argument("--momentum", type=float, default=0.9)
+    p.add_argument(
+        "--optimizer", default="sgd", choices=OPTIMIZERS, help="server optimizer"
+    )
+    p.add_argument("--learning_rate", type=float, default=0.1, help="step size")
+    p.add_argument("--momentum", type=float, default=0.9, help="optimizer momentum")
     p.add_argument("--checkpoint_dir", help="checkpoint (and resume) directory")
-    p.add_argument("--checkpoint_every_s", type=float)
-    p.add_argument("--checkpoint_every_updates", type=int)
-    p.add_argument("--checkpoint_keep", type=int, default=3)
+    p.add_argument(
+        "--checkpoint_every_s", type=float, help="seconds between checkpoints"
+    )
+    p.add_argument(
+        "--checkpoint_every_updates", type=int, help="updates between checkpoints"
+    )
+    p.add_argument(
+        "--checkpoint_keep", type=int, default=3, help="checkpoints kept on disk"
+    )
     p.add_argument(
         "--allow_nonfinite",
         action="store_true",
@@ -377,7 +392,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default=True,
         help="keep freed memory for reuse (see keep_freed_memory)",
     )
-    p.add_argument("--log_level", default="INFO")
+    p.add_argument("--log_level", default="INFO", help="DEBUG, INFO, WARNING, ERROR")
     return p.parse_args(argv)
 
 

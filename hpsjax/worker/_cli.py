@@ -87,8 +87,12 @@ def _worker_id(text: str) -> str | int:
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """Parses the command line (see the module docstring)."""
+    from hpsjax import data, models
+
     p = argparse.ArgumentParser(
-        prog="hpsjax-worker", description="Run an hpsjax training worker."
+        prog="hpsjax-worker",
+        description="Run an hpsjax training worker.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     g = p.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="server address")
@@ -119,7 +123,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
 
     g = p.add_argument_group("model and data")
-    g.add_argument("--model", default="mlp", help="hpsjax.models registry name")
+    g.add_argument(
+        "--model", default="mlp", help=f"model: {', '.join(sorted(models.MODELS))}"
+    )
     g.add_argument(
         "--model_arg",
         type=_key_value,
@@ -135,7 +141,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="seed of the initial weights (for --write_init)",
     )
     g.add_argument(
-        "--dataset", default="synthetic_digits", help="hpsjax.data registry name"
+        "--dataset",
+        default="synthetic_digits",
+        help=f"dataset: {', '.join(sorted(data.DATASETS))}",
     )
     g.add_argument(
         "--dataset_arg",
@@ -165,10 +173,18 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         choices=LOCAL_OPTIMIZERS,
         help="optimizer of local steps; none pushes gradients",
     )
-    g.add_argument("--local_learning_rate", type=float, default=0.1)
-    g.add_argument("--lr_scale", type=float, default=1.0)
+    g.add_argument(
+        "--local_learning_rate", type=float, default=0.1, help="local step size"
+    )
+    g.add_argument(
+        "--lr_scale", type=float, default=1.0, help="factor on the step size"
+    )
     g.add_argument("--bits", type=int, help="quantize pushes (1, 2, 4, 8, 16 bits)")
-    g.add_argument("--no_error_feedback", action="store_true")
+    g.add_argument(
+        "--no_error_feedback",
+        action="store_true",
+        help="with --bits: drop the quantization error instead of carrying it",
+    )
     g.add_argument(
         "--staleness_policy", help="scale updates by f(staleness) on the worker (PS+)"
     )
@@ -229,8 +245,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default=10,
         help="timed steps per batch size (the median is kept)",
     )
-    g.add_argument("--loop", default="auto", choices=("auto", "uvloop", "asyncio"))
-    g.add_argument("--log_level", default="INFO")
+    g.add_argument(
+        "--loop",
+        default="auto",
+        choices=("auto", "uvloop", "asyncio"),
+        help="event loop (auto: uvloop when installed)",
+    )
+    g.add_argument("--log_level", default="INFO", help="DEBUG, INFO, WARNING, ERROR")
     return p.parse_args(argv)
 
 
