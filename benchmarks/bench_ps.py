@@ -45,7 +45,7 @@ import time
 import numpy as np
 
 from hpsjax.ps._client import Client
-from hpsjax.ps._wire import HEADER_SIZE
+from hpsjax.ps._frames import HEADER_SIZE
 
 SECRET = b"bench secret"
 # Extra hpsjax-server arguments (--server_args), e.g. "--no-malloc_tuning".

@@ -9,8 +9,8 @@ import pytest
 from test_server import Raw, _client, _run, _server, _update
 
 from hpsjax.ps import _errors as errors
-from hpsjax.ps import _wire as wire
-from hpsjax.ps._wire import MsgType
+from hpsjax.ps import _frames, _treecodec
+from hpsjax.ps._frames import MsgType
 from hpsjax.transforms._quantize import Codec
 
 
@@ -31,7 +31,7 @@ def test_requests_under_request_id_zero_are_refused(msg_type):
             if msg_type == MsgType.PUSH:
                 raw.send(MsgType.PULL, 3)
                 assert (await raw.recv()).msg_type == MsgType.PARAMS
-                meta, buffers, _ = wire.tree_to_wire(_update(1.0))
+                meta, buffers, _ = _treecodec.tree_to_wire(_update(1.0))
                 raw.send(msg_type, 0, {"version": 0, **meta}, buffers)
             else:
                 raw.send(msg_type, 0, {})
@@ -64,7 +64,9 @@ def test_closed_connections_are_freed_without_the_garbage_collector():
                 raw = await Raw.open(server.port, worker_id=f"big-{i}")
                 # Much metadata declared, little sent: the connection ends
                 # inside the frame.
-                raw.send_bytes(wire.pack_header(MsgType.PUSH, 4, 2**20, 0) + bytes(99))
+                raw.send_bytes(
+                    _frames.pack_header(MsgType.PUSH, 4, 2**20, 0) + bytes(99)
+                )
                 await _until(lambda: len(server._connections) == 1)
                 (session,) = server._connections
                 refs += [weakref.ref(session), weakref.ref(session.protocol)]
@@ -141,7 +143,7 @@ def test_compressed_push_with_an_invalid_code_is_refused_before_compiling():
                 Encoded(np.full(x.size, 255, np.uint8), np.ones(1, np.float32))
                 for x in (like["b"], like["w"])
             ]
-            meta, buffers, _ = wire.encoded_tree_to_wire(
+            meta, buffers, _ = _treecodec.encoded_tree_to_wire(
                 encoded, like, Codec("uniform", 8)
             )
             raw.send(MsgType.PUSH, 4, {"version": 0, **meta}, buffers)
@@ -157,9 +159,9 @@ def test_compressed_push_with_an_invalid_code_is_refused_before_compiling():
 
 
 def _mutants(rng, count):
-    meta, buffers, _ = wire.tree_to_wire(_update(0.5))
+    meta, buffers, _ = _treecodec.tree_to_wire(_update(0.5))
     seeds = [
-        b"".join(bytes(p) for p in wire.encode_frame(t, 7, m, b))
+        b"".join(bytes(p) for p in _frames.encode_frame(t, 7, m, b))
         for t, m, b in [
             (MsgType.PULL, {}, ()),
             (MsgType.INFO, {}, ()),

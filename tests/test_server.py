@@ -12,7 +12,7 @@ import numpy as np
 import optax
 import pytest
 
-from hpsjax.ps import _wire as wire
+from hpsjax.ps import _auth, _frames
 from hpsjax.ps._client import Client
 from hpsjax.ps._errors import (
     AuthError,
@@ -21,9 +21,10 @@ from hpsjax.ps._errors import (
     SpecMismatch,
     WorkerDropped,
 )
+from hpsjax.ps._frames import MsgType
 from hpsjax.ps._policies import HybridStage
 from hpsjax.ps._server import Server
-from hpsjax.ps._wire import FrameDecoder, MsgType
+from hpsjax.ps._stream import FrameDecoder
 
 try:
     import uvloop
@@ -93,7 +94,7 @@ class Raw:
         self.send(MsgType.HELLO, 1, {"worker_id": worker_id, "nonce": nonce})
         challenge = await self.recv()
         assert challenge.msg_type == MsgType.CHALLENGE
-        proof = wire.auth_proof(
+        proof = _auth.auth_proof(
             secret, "client", challenge.metadata["nonce"], nonce, worker_id
         )
         self.send(MsgType.AUTH, 2, {"proof": proof})
@@ -102,7 +103,7 @@ class Raw:
         return ok
 
     def send(self, msg_type, request_id, meta=None, buffers=()):
-        for part in wire.encode_frame(msg_type, request_id, meta, buffers):
+        for part in _frames.encode_frame(msg_type, request_id, meta, buffers):
             self.writer.write(bytes(part))
 
     def send_bytes(self, data):
@@ -394,7 +395,7 @@ def test_client_refuses_a_server_without_the_secret():
                     )
                 else:
                     reply = (MsgType.AUTH_OK, {"proof": b"x" * 32, "info": {}})
-                for part in wire.encode_frame(reply[0], frame.request_id, reply[1]):
+                for part in _frames.encode_frame(reply[0], frame.request_id, reply[1]):
                     writer.write(bytes(part))
         writer.close()
 

@@ -17,8 +17,8 @@ import pytest
 from test_server import SECRET, Raw, _client, _run, _server, _server_params, _update
 
 from hpsjax.ps import _errors as errors
-from hpsjax.ps import _wire as wire
-from hpsjax.ps._wire import MsgType
+from hpsjax.ps import _frames, _treecodec
+from hpsjax.ps._frames import MsgType
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -37,34 +37,38 @@ async def _assert_still_serving(server, before, version):
 
 
 def _push_frame(tree, request_id=5, **meta):
-    tree_meta, buffers, _ = wire.tree_to_wire(tree)
+    tree_meta, buffers, _ = _treecodec.tree_to_wire(tree)
     meta = {"version": 0, **tree_meta, **meta}
     return b"".join(
-        bytes(p) for p in wire.encode_frame(MsgType.PUSH, request_id, meta, buffers)
+        bytes(p) for p in _frames.encode_frame(MsgType.PUSH, request_id, meta, buffers)
     )
 
 
 # Each case: (name, bytes to send after the handshake, expected code, whether
 # the server closes the connection).
 def _fatal_cases():
-    good_pull = wire.pack_header(MsgType.PULL, 3, 0, 0)
+    good_pull = _frames.pack_header(MsgType.PULL, 3, 0, 0)
     return [
         ("garbage", b"\x00GARBAGE" * 8, errors.BadMagic.code),
         ("wrong_magic", b"HPSX" + good_pull[4:], errors.BadMagic.code),
         (
             "wrong_version",
-            wire.pack_header(MsgType.PULL, 3, 0, 0, version=9),
+            _frames.pack_header(MsgType.PULL, 3, 0, 0, version=9),
             errors.UnsupportedVersion.code,
         ),
         (
             "huge_length",
-            wire.pack_header(MsgType.PUSH, 3, 0, 2**60),
+            _frames.pack_header(MsgType.PUSH, 3, 0, 2**60),
             errors.PayloadTooBig.code,
         ),
-        ("unknown_type", wire.pack_header(99, 3, 0, 0), errors.UnexpectedMessage.code),
+        (
+            "unknown_type",
+            _frames.pack_header(99, 3, 0, 0),
+            errors.UnexpectedMessage.code,
+        ),
         (
             "payload_on_pull",
-            wire.pack_header(MsgType.PULL, 3, 0, 16) + bytes(16),
+            _frames.pack_header(MsgType.PULL, 3, 0, 16) + bytes(16),
             errors.ProtocolError.code,
         ),
     ]
@@ -97,11 +101,11 @@ def _refused_cases():
     nan = {"b": np.zeros(3, np.float32), "w": np.zeros((4, 3), np.float32)}
     nan["w"][1, 2] = np.nan
     inf = {"b": np.array([0, np.inf, 0], np.float32), "w": params["w"]}
-    bad_dtype_meta, bufs, _ = wire.tree_to_wire(params)
+    bad_dtype_meta, bufs, _ = _treecodec.tree_to_wire(params)
     bad_dtype_meta["leaves"][0][0] = "object"
     payload = b"".join(bytes(b) for b in bufs)
     packed = msgpack.packb({"version": 0, **bad_dtype_meta}, use_bin_type=True)
-    bad_dtype = wire.pack_header(MsgType.PUSH, 5, len(packed), len(payload)) + packed
+    bad_dtype = _frames.pack_header(MsgType.PUSH, 5, len(packed), len(payload)) + packed
     bad_dtype += payload
     return [
         (
@@ -154,13 +158,14 @@ def _refused_cases():
         (
             "subscribe_no_flag",
             b"".join(
-                bytes(p) for p in wire.encode_frame(MsgType.SUBSCRIBE, 5, {"on": "yes"})
+                bytes(p)
+                for p in _frames.encode_frame(MsgType.SUBSCRIBE, 5, {"on": "yes"})
             ),
             errors.MalformedMetadata.code,
         ),
         (
             "undecodable_metadata",
-            wire.pack_header(MsgType.PULL, 5, 3, 0) + b"\xc1\xc1\xc1",
+            _frames.pack_header(MsgType.PULL, 5, 3, 0) + b"\xc1\xc1\xc1",
             errors.MalformedMetadata.code,
         ),
     ]
@@ -203,7 +208,7 @@ def test_push_before_joining_is_refused():
 
 def test_too_many_leaves_refused_before_reading_the_payload():
     async def main():
-        limits = wire.WireLimits(max_leaves=2)
+        limits = _frames.WireLimits(max_leaves=2)
         async with _server("asp", limits=limits) as server:
             raw = await Raw.open(server.port)
             raw.send(MsgType.PULL, 2)
@@ -437,7 +442,7 @@ def test_compressed_push_to_an_integer_model_is_refused():
     codec = Codec("uniform", 8, stochastic=False)
     leaves, offset = [], 0
     for name in ("int32", "float32"):
-        codes, scales = wire.compressed_sizes((4,), codec)
+        codes, scales = _treecodec.compressed_sizes((4,), codec)
         leaves.append([name, [4], offset, codes + 4 * scales, codes])
         offset += codes + 4 * scales
     meta = {
@@ -447,7 +452,7 @@ def test_compressed_push_to_an_integer_model_is_refused():
         "codec": codec.to_dict(),
     }
     packed = msgpack.packb(meta, use_bin_type=True)
-    frame = wire.pack_header(MsgType.PUSH, 5, len(packed), offset) + packed
+    frame = _frames.pack_header(MsgType.PUSH, 5, len(packed), offset) + packed
     frame += bytes(offset)
 
     async def main():
@@ -468,7 +473,7 @@ def test_strangers_cannot_make_the_server_allocate():
         async with _server("asp") as server:
             raw = await Raw.open(server.port, handshake=False)
             # 100 KiB is fine once authenticated, not before.
-            raw.send_bytes(wire.pack_header(MsgType.PUSH, 1, 0, 100 * 1024))
+            raw.send_bytes(_frames.pack_header(MsgType.PUSH, 1, 0, 100 * 1024))
             await raw.expect_error(errors.PayloadTooBig.code)
             await raw.expect_closed()
             await raw.close()

@@ -1,5 +1,6 @@
 """Tests of the wire format: frames, tree metadata, limits and the frame reader."""
 
+import doctest
 import random
 import struct
 
@@ -8,13 +9,14 @@ import msgpack
 import numpy as np
 import pytest
 
+from hpsjax.ps import _auth, _frames, _stream, _treecodec
 from hpsjax.ps import _errors as errors
-from hpsjax.ps import _wire as wire
-from hpsjax.ps._wire import FrameDecoder, MsgType
+from hpsjax.ps._frames import MsgType
+from hpsjax.ps._stream import FrameDecoder
 
 # Representative metadata of every message type (PROTOCOL.md).
 _TREE = {"w": np.arange(6, dtype=np.float32).reshape(2, 3)}
-_TREE_META, _TREE_BUFS, _ = wire.tree_to_wire(_TREE)
+_TREE_META, _TREE_BUFS, _ = _treecodec.tree_to_wire(_TREE)
 MESSAGES = {
     MsgType.HELLO: ({"worker_id": "w0", "nonce": b"\x01" * 32, "client": "x"}, []),
     MsgType.CHALLENGE: ({"nonce": b"\x02" * 32, "auth": "hmac-sha256"}, []),
@@ -66,7 +68,7 @@ def test_every_message_type_round_trips():
     assert set(MESSAGES) == set(MsgType)
     stream = b""
     for rid, (t, (meta, bufs)) in enumerate(MESSAGES.items(), start=1):
-        stream += _join(wire.encode_frame(t, rid, meta, bufs))
+        stream += _join(_frames.encode_frame(t, rid, meta, bufs))
     frames = _feed_chunked(FrameDecoder(), stream, random.Random(0))
     assert [f.msg_type for f in frames] == list(MESSAGES)
     assert [f.request_id for f in frames] == list(range(1, len(MESSAGES) + 1))
@@ -80,8 +82,8 @@ def test_every_message_type_round_trips():
 
 
 def test_header_layout_is_little_endian_24_bytes():
-    header = wire.pack_header(MsgType.PUSH, 0x01020304, 0x10, 0x0102030405)
-    assert len(header) == wire.HEADER_SIZE == 24
+    header = _frames.pack_header(MsgType.PUSH, 0x01020304, 0x10, 0x0102030405)
+    assert len(header) == _frames.HEADER_SIZE == 24
     assert header[:4] == b"HPSJ" and header[4] == 1 and header[5] == 9
     assert header[6:8] == b"\0\0"
     assert header[8:12] == bytes([4, 3, 2, 1])
@@ -99,11 +101,11 @@ def test_header_layout_is_little_endian_24_bytes():
     ],
 )
 def test_tree_round_trip(tree):
-    meta, bufs, layout = wire.tree_to_wire(tree)
+    meta, bufs, layout = _treecodec.tree_to_wire(tree)
     packed = msgpack.packb(meta, use_bin_type=True)
-    received = wire.tree_layout(msgpack.unpackb(packed))
+    received = _treecodec.tree_layout(msgpack.unpackb(packed))
     assert received.leaves == layout.leaves
-    frame_bytes = _join(wire.encode_frame(MsgType.PARAMS, 9, meta, bufs))
+    frame_bytes = _join(_frames.encode_frame(MsgType.PARAMS, 9, meta, bufs))
     for scratch in (32, 1 << 16):
         (frame,) = _feed_chunked(
             FrameDecoder(scratch_bytes=scratch), frame_bytes, random.Random(1)
@@ -129,16 +131,16 @@ def test_flatten_order_matches_jax():
     import jax
 
     tree = {"b": [1.0, 2.0], "a": {"y": 3.0, "x": (4.0, 5.0)}, "c": None}
-    _, leaves = wire.flatten_tree(tree)
+    _, leaves = _treecodec.flatten_tree(tree)
     assert leaves == jax.tree.leaves(tree)
 
 
 def test_large_leaf_is_received_in_place():
     big = np.arange(1 << 18, dtype=np.float32)
-    meta, bufs, _ = wire.tree_to_wire({"big": big, "small": np.ones(3)})
-    data = _join(wire.encode_frame(MsgType.PARAMS, 1, meta, bufs))
+    meta, bufs, _ = _treecodec.tree_to_wire({"big": big, "small": np.ones(3)})
+    data = _join(_frames.encode_frame(MsgType.PARAMS, 1, meta, bufs))
     dec = FrameDecoder(scratch_bytes=4096)
-    header_len = wire.HEADER_SIZE + len(msgpack.packb(meta, use_bin_type=True))
+    header_len = _frames.HEADER_SIZE + len(msgpack.packb(meta, use_bin_type=True))
     assert dec.feed(data[:header_len]) == []
     buf = dec.get_buffer()
     # The reader hands out a view of the destination leaf, not of scratch.
@@ -154,8 +156,8 @@ def test_large_leaf_is_received_in_place():
 
 def test_large_metadata_gets_its_own_buffer():
     tree = {f"leaf_{i:05d}": np.float32(i) for i in range(3000)}
-    meta, bufs, _ = wire.tree_to_wire(tree)
-    data = _join(wire.encode_frame(MsgType.PARAMS, 1, meta, bufs))
+    meta, bufs, _ = _treecodec.tree_to_wire(tree)
+    data = _join(_frames.encode_frame(MsgType.PARAMS, 1, meta, bufs))
     (frame,) = _feed_chunked(
         FrameDecoder(scratch_bytes=1024), data, random.Random(2), 5000
     )
@@ -175,21 +177,21 @@ def test_garbage_bytes_are_bad_magic():
 
 
 def test_wrong_version():
-    data = wire.pack_header(MsgType.PULL, 1, 0, 0, version=2)
+    data = _frames.pack_header(MsgType.PULL, 1, 0, 0, version=2)
     with pytest.raises(errors.UnsupportedVersion, match="version 2"):
         FrameDecoder().feed(data)
 
 
 def test_unknown_type_and_flags():
     with pytest.raises(errors.UnexpectedMessage):
-        FrameDecoder().feed(wire.pack_header(200, 1, 0, 0))
+        FrameDecoder().feed(_frames.pack_header(200, 1, 0, 0))
     with pytest.raises(errors.ProtocolError, match="flags"):
-        FrameDecoder().feed(wire.pack_header(MsgType.PULL, 1, 0, 0, flags=1))
+        FrameDecoder().feed(_frames.pack_header(MsgType.PULL, 1, 0, 0, flags=1))
 
 
 def test_payload_on_a_control_message():
     with pytest.raises(errors.ProtocolError, match="no payload"):
-        FrameDecoder().feed(wire.pack_header(MsgType.PULL, 1, 0, 8))
+        FrameDecoder().feed(_frames.pack_header(MsgType.PULL, 1, 0, 8))
 
 
 def test_huge_payload_length_refused_before_allocation():
@@ -201,17 +203,17 @@ def test_huge_payload_length_refused_before_allocation():
 
     dec = FrameDecoder(allocate=allocate)
     with pytest.raises(errors.PayloadTooBig, match="exceeds"):
-        dec.feed(wire.pack_header(MsgType.PUSH, 1, 0, 2**60))
+        dec.feed(_frames.pack_header(MsgType.PUSH, 1, 0, 2**60))
     assert calls == []
-    limits = wire.WireLimits(max_metadata_bytes=100)
+    limits = _frames.WireLimits(max_metadata_bytes=100)
     with pytest.raises(errors.PayloadTooBig, match="metadata"):
-        FrameDecoder(limits=limits).feed(wire.pack_header(MsgType.PUSH, 1, 101, 0))
+        FrameDecoder(limits=limits).feed(_frames.pack_header(MsgType.PUSH, 1, 101, 0))
 
 
 @pytest.mark.parametrize("cut", [3, 24, 30, 60])
 def test_truncated_frame_is_connection_closed(cut):
-    meta, bufs, _ = wire.tree_to_wire({"w": np.ones(8, np.float32)})
-    data = _join(wire.encode_frame(MsgType.PUSH, 1, meta, bufs))
+    meta, bufs, _ = _treecodec.tree_to_wire({"w": np.ones(8, np.float32)})
+    data = _join(_frames.encode_frame(MsgType.PUSH, 1, meta, bufs))
     assert cut < len(data)
     dec = FrameDecoder()
     assert dec.feed(data[:cut]) == []
@@ -221,34 +223,36 @@ def test_truncated_frame_is_connection_closed(cut):
 
 def test_eof_between_frames_is_clean():
     dec = FrameDecoder()
-    dec.feed(_join(wire.encode_frame(MsgType.PULL, 1)))
+    dec.feed(_join(_frames.encode_frame(MsgType.PULL, 1)))
     dec.eof()
 
 
 def _tree_frame(meta, payload=b"", msg_type=MsgType.PUSH):
     packed = msgpack.packb(meta, use_bin_type=True)
-    return wire.pack_header(msg_type, 7, len(packed), len(payload)) + packed + payload
+    return (
+        _frames.pack_header(msg_type, 7, len(packed), len(payload)) + packed + payload
+    )
 
 
-def _refusal(data, limits=wire.DEFAULT_LIMITS):
+def _refusal(data, limits=_frames.DEFAULT_LIMITS):
     """Feeds a bad frame then a good one; returns the refusal's error."""
-    good = _join(wire.encode_frame(MsgType.PULL, 8))
+    good = _join(_frames.encode_frame(MsgType.PULL, 8))
     events = FrameDecoder(limits=limits).feed(data + good)
     assert len(events) == 2
-    assert isinstance(events[0], wire.FrameError) and events[0].request_id == 7
-    assert isinstance(events[1], wire.Frame) and events[1].request_id == 8
+    assert isinstance(events[0], _frames.FrameError) and events[0].request_id == 7
+    assert isinstance(events[1], _frames.Frame) and events[1].request_id == 8
     return events[0].error
 
 
 def test_too_many_leaves():
     tree = [np.float32(0)] * 10
-    meta, bufs, _ = wire.tree_to_wire(tree)
+    meta, bufs, _ = _treecodec.tree_to_wire(tree)
     payload = _join(bufs)
-    limits = wire.WireLimits(max_leaves=9)
+    limits = _frames.WireLimits(max_leaves=9)
     err = _refusal(_tree_frame(meta, payload), limits)
     assert isinstance(err, errors.TooManyLeaves)
     with pytest.raises(errors.TooManyLeaves):
-        wire.tree_to_wire(tree, limits=limits)
+        _treecodec.tree_to_wire(tree, limits=limits)
 
 
 def test_deep_nesting_refused():
@@ -266,12 +270,12 @@ def test_bad_dtype_strings(dtype):
 
 
 def test_dtype_outside_configured_allow_list():
-    meta, bufs, _ = wire.tree_to_wire({"w": np.ones(2, np.float64)})
-    limits = wire.WireLimits(dtypes=frozenset({"float32"}))
+    meta, bufs, _ = _treecodec.tree_to_wire({"w": np.ones(2, np.float64)})
+    limits = _frames.WireLimits(dtypes=frozenset({"float32"}))
     err = _refusal(_tree_frame(meta, _join(bufs)), limits)
     assert isinstance(err, errors.UnsupportedDtype)
     with pytest.raises(errors.UnsupportedDtype):
-        wire.tree_to_wire({"w": np.array(["a"])})
+        _treecodec.tree_to_wire({"w": np.array(["a"])})
 
 
 @pytest.mark.parametrize(
@@ -297,17 +301,17 @@ def test_bad_tree_metadata(meta):
 
 
 def test_payload_length_must_match_tree():
-    meta, bufs, _ = wire.tree_to_wire({"w": np.ones(2, np.float32)})
+    meta, bufs, _ = _treecodec.tree_to_wire({"w": np.ones(2, np.float32)})
     err = _refusal(_tree_frame(meta, _join(bufs) + b"\0" * 4))
     assert isinstance(err, errors.MalformedMetadata)
 
 
 def test_undecodable_metadata():
     bad = b"\xc1\xff\x00"
-    data = wire.pack_header(MsgType.PULL, 7, len(bad), 0) + bad
+    data = _frames.pack_header(MsgType.PULL, 7, len(bad), 0) + bad
     assert isinstance(_refusal(data), errors.MalformedMetadata)
     not_a_map = msgpack.packb([1, 2])
-    data = wire.pack_header(MsgType.PULL, 7, len(not_a_map), 0) + not_a_map
+    data = _frames.pack_header(MsgType.PULL, 7, len(not_a_map), 0) + not_a_map
     assert isinstance(_refusal(data), errors.MalformedMetadata)
 
 
@@ -317,9 +321,9 @@ def test_allocator_errors_are_reported_per_frame(scratch_bytes):
     def allocate(header, meta):
         raise errors.SpecMismatch("leaf ['w']: shape differs")
 
-    meta, bufs, _ = wire.tree_to_wire({"w": np.ones(1000, np.float32)})
-    data = _join(wire.encode_frame(MsgType.PUSH, 7, meta, bufs))
-    good = _join(wire.encode_frame(MsgType.PULL, 8))
+    meta, bufs, _ = _treecodec.tree_to_wire({"w": np.ones(1000, np.float32)})
+    data = _join(_frames.encode_frame(MsgType.PUSH, 7, meta, bufs))
+    good = _join(_frames.encode_frame(MsgType.PULL, 8))
     events = FrameDecoder(allocate=allocate, scratch_bytes=scratch_bytes).feed(
         data + good
     )
@@ -334,8 +338,8 @@ def test_on_filled_sees_each_leaf_as_it_arrives(scratch_bytes):
         "b": np.zeros(0, np.float32),
         "c": np.ones(3, np.int32),
     }
-    meta, bufs, _ = wire.tree_to_wire(tree)
-    data = _join(wire.encode_frame(MsgType.PUSH, 3, meta, bufs))
+    meta, bufs, _ = _treecodec.tree_to_wire(tree)
+    data = _join(_frames.encode_frame(MsgType.PUSH, 3, meta, bufs))
     seen = []
 
     def on_filled(payload, index):
@@ -361,16 +365,16 @@ def test_on_filled_refusal_skips_the_rest_of_the_frame(scratch_bytes):
         calls.append(index)
         raise errors.NonFiniteUpdate(f"leaf {index} holds NaN")
 
-    meta, bufs, _ = wire.tree_to_wire(
+    meta, bufs, _ = _treecodec.tree_to_wire(
         {"a": np.ones(100, np.float32), "b": np.ones(100, np.float32)}
     )
-    data = _join(wire.encode_frame(MsgType.PUSH, 4, meta, bufs))
-    good = _join(wire.encode_frame(MsgType.PULL, 5))
+    data = _join(_frames.encode_frame(MsgType.PUSH, 4, meta, bufs))
+    good = _join(_frames.encode_frame(MsgType.PULL, 5))
     events = FrameDecoder(scratch_bytes=scratch_bytes, on_filled=on_filled).feed(
         data + good
     )
     assert calls == [0]
-    assert isinstance(events[0], wire.FrameError)
+    assert isinstance(events[0], _frames.FrameError)
     assert isinstance(events[0].error, errors.NonFiniteUpdate)
     assert events[0].request_id == 4
     assert events[1].msg_type == MsgType.PULL
@@ -379,16 +383,16 @@ def test_on_filled_refusal_skips_the_rest_of_the_frame(scratch_bytes):
 def test_whole_and_piecewise_frames_decode_alike():
     """Frames lying whole in the scratch buffer take a shorter path."""
     tree = {"a": np.arange(300, dtype=np.float32), "b": np.zeros(0, np.int8)}
-    meta, bufs, _ = wire.tree_to_wire(tree)
+    meta, bufs, _ = _treecodec.tree_to_wire(tree)
     stream = b"".join(
         [
-            _join(wire.encode_frame(MsgType.PUSH, 1, meta, bufs)),
-            _join(wire.encode_frame(MsgType.PULL, 2)),
+            _join(_frames.encode_frame(MsgType.PUSH, 1, meta, bufs)),
+            _join(_frames.encode_frame(MsgType.PULL, 2)),
             _join(
-                wire.encode_frame(MsgType.PUSH_PULL, 3, {**meta, "version": 4}, bufs)
+                _frames.encode_frame(MsgType.PUSH_PULL, 3, {**meta, "version": 4}, bufs)
             ),
-            _join(wire.encode_frame(MsgType.PUSH, 5, {"tree": 0}, bufs)),  # refused
-            _join(wire.encode_frame(MsgType.BYE, 6, {"reason": "done"})),
+            _join(_frames.encode_frame(MsgType.PUSH, 5, {"tree": 0}, bufs)),  # refused
+            _join(_frames.encode_frame(MsgType.BYE, 6, {"reason": "done"})),
         ]
     )
     whole = FrameDecoder().feed(stream)
@@ -400,7 +404,7 @@ def test_whole_and_piecewise_frames_decode_alike():
     assert len(whole) == len(piecewise) == 5
     for a, b in zip(whole, piecewise, strict=True):
         assert type(a) is type(b) and a.request_id == b.request_id
-        if isinstance(a, wire.FrameError):
+        if isinstance(a, _frames.FrameError):
             assert type(a.error) is type(b.error)
             continue
         assert a.metadata == b.metadata and a.nbytes == b.nbytes
@@ -410,18 +414,20 @@ def test_whole_and_piecewise_frames_decode_alike():
     np.testing.assert_array_equal(whole[0].payload.tree()["a"], tree["a"])
 
 
-@pytest.mark.parametrize("size", [16, wire.JOIN_PAYLOAD_BYTES // 4 + 1])
+@pytest.mark.parametrize("size", [16, _frames.JOIN_PAYLOAD_BYTES // 4 + 1])
 def test_prepared_frame_is_the_encoded_frame(size):
     tree = {"w": np.arange(size, dtype=np.float32), "b": np.ones(3, np.int32)}
-    meta, bufs, _ = wire.tree_to_wire(tree)
-    fields = [wire.pack_fields(meta), wire.pack_fields({"version": 7})]
-    prepared = wire.prepare_frame(MsgType.PARAMS, fields, bufs)
+    meta, bufs, _ = _treecodec.tree_to_wire(tree)
+    fields = [_frames.pack_fields(meta), _frames.pack_fields({"version": 7})]
+    prepared = _frames.prepare_frame(MsgType.PARAMS, fields, bufs)
     for rid in (1, 2**32 - 1):
-        want = _join(wire.encode_frame_packed(MsgType.PARAMS, rid, fields, bufs))
+        want = _join(_frames.encode_frame_packed(MsgType.PARAMS, rid, fields, bufs))
         parts = prepared.parts(rid)
         assert _join(parts) == want and prepared.nbytes == len(want)
         # Small payloads travel in one buffer with the header and metadata.
-        assert (len(parts) == 1) == (prepared.payload_length <= wire.JOIN_PAYLOAD_BYTES)
+        assert (len(parts) == 1) == (
+            prepared.payload_length <= _frames.JOIN_PAYLOAD_BYTES
+        )
     with pytest.raises(ValueError):
         prepared.parts(2**32)
 
@@ -431,42 +437,42 @@ def test_packed_fields_concatenate_into_one_map(count):
     # Map headers of each size class (fixmap, map 16, map 32) are cut off.
     fields = {f"k{i}": i for i in range(count)}
     extra = {"ack": {"version": 3, "reason": None}, "blob": b"\x00\x01"}
-    parts = wire.encode_frame_packed(
-        MsgType.PARAMS, 9, [wire.pack_fields(fields), wire.pack_fields(extra)]
+    parts = _frames.encode_frame_packed(
+        MsgType.PARAMS, 9, [_frames.pack_fields(fields), _frames.pack_fields(extra)]
     )
-    assert wire.unpack_metadata(parts[0][wire.HEADER_SIZE :]) == fields | extra
+    assert _frames.unpack_metadata(parts[0][_frames.HEADER_SIZE :]) == fields | extra
 
 
 def test_metadata_keys_must_be_strings():
     for bad in ({b"k": 1}, {"a": 1, b"k": 2}):
         with pytest.raises(errors.MalformedMetadata, match="string keys"):
-            wire.unpack_metadata(msgpack.packb(bad, use_bin_type=True))
+            _frames.unpack_metadata(msgpack.packb(bad, use_bin_type=True))
     with pytest.raises(errors.MalformedMetadata, match="string keys"):
-        wire.unpack_metadata(msgpack.packb([1, 2]))
+        _frames.unpack_metadata(msgpack.packb([1, 2]))
 
 
 def test_check_same_spec_names_the_leaf():
-    model = wire.tree_to_wire({"a": np.ones(3, np.float32), "b": np.ones(2)})[2]
-    same = wire.tree_to_wire({"a": np.zeros(3, np.float32), "b": np.zeros(2)})[2]
-    wire.check_same_spec(same, model)
-    shape = wire.tree_to_wire({"a": np.ones(4, np.float32), "b": np.ones(2)})[2]
+    model = _treecodec.tree_to_wire({"a": np.ones(3, np.float32), "b": np.ones(2)})[2]
+    same = _treecodec.tree_to_wire({"a": np.zeros(3, np.float32), "b": np.zeros(2)})[2]
+    _treecodec.check_same_spec(same, model)
+    shape = _treecodec.tree_to_wire({"a": np.ones(4, np.float32), "b": np.ones(2)})[2]
     with pytest.raises(errors.SpecMismatch, match=r"\['a'\].*float32\[4\]"):
-        wire.check_same_spec(shape, model)
-    dtype = wire.tree_to_wire({"a": np.ones(3, np.float64), "b": np.ones(2)})[2]
+        _treecodec.check_same_spec(shape, model)
+    dtype = _treecodec.tree_to_wire({"a": np.ones(3, np.float64), "b": np.ones(2)})[2]
     with pytest.raises(errors.SpecMismatch, match="float64"):
-        wire.check_same_spec(dtype, model)
+        _treecodec.check_same_spec(dtype, model)
     with pytest.raises(errors.SpecMismatch, match="structure"):
-        wire.check_same_spec(wire.tree_to_wire({"a": np.ones(3)})[2], model)
+        _treecodec.check_same_spec(_treecodec.tree_to_wire({"a": np.ones(3)})[2], model)
 
 
 def test_flatten_rejects_non_string_keys():
     with pytest.raises(ValueError, match="string"):
-        wire.tree_to_wire({1: np.ones(1)})
+        _treecodec.tree_to_wire({1: np.ones(1)})
 
 
 def test_request_id_range():
     with pytest.raises(ValueError):
-        wire.pack_header(MsgType.PULL, 2**32, 0, 0)
+        _frames.pack_header(MsgType.PULL, 2**32, 0, 0)
 
 
 # ------------------------------------------------------------------ errors
@@ -522,13 +528,13 @@ def test_compressed_payload_is_the_packed_size(codec_args, fraction):
     codec = Codec(**codec_args)
     tree = _cnn_like()
     encoded = _encode_tree(tree, codec, jax.random.key(0))
-    meta, bufs, layout = wire.encoded_tree_to_wire(encoded, tree, codec)
+    meta, bufs, layout = _treecodec.encoded_tree_to_wire(encoded, tree, codec)
     raw = sum(np.asarray(x).nbytes for x in jax.tree.leaves(tree))
     packed = sum(encoded_nbytes(np.shape(x), codec) for x in jax.tree.leaves(tree))
     assert layout.nbytes == sum(b.nbytes for b in bufs) == packed
     # Codes are exactly the fraction; scales add a little.
     assert fraction <= packed / raw < fraction * 1.05
-    frame = _join(wire.encode_frame(MsgType.PUSH, 3, {"version": 1, **meta}, bufs))
+    frame = _join(_frames.encode_frame(MsgType.PUSH, 3, {"version": 1, **meta}, bufs))
     assert len(frame) - packed < 1024  # header and metadata
     (received,) = _feed_chunked(FrameDecoder(), frame, random.Random(3), 4000)
     assert received.payload.layout.codec == codec.to_dict()
@@ -546,7 +552,7 @@ def test_compressed_metadata_is_validated():
     codec = Codec("uniform", 8, block_size=64)
     tree = {"w": np.ones(1000, np.float32)}
     encoded = _encode_tree(tree, codec, jax.random.key(0))
-    meta, bufs, _ = wire.encoded_tree_to_wire(encoded, tree, codec)
+    meta, bufs, _ = _treecodec.encoded_tree_to_wire(encoded, tree, codec)
     payload = _join(bufs)
     bad_codes = {**meta, "leaves": [[*meta["leaves"][0][:4], 999]]}
     assert isinstance(
@@ -565,19 +571,20 @@ def test_compressed_metadata_is_validated():
         _refusal(_tree_frame(short_entry, payload)), errors.MalformedMetadata
     )
     with pytest.raises(errors.SpecMismatch):
-        wire.encoded_tree_to_wire(encoded, {"w": np.ones(999, np.float32)}, codec)
+        _treecodec.encoded_tree_to_wire(encoded, {"w": np.ones(999, np.float32)}, codec)
     with pytest.raises(errors.SpecMismatch):
-        wire.encoded_tree_to_wire(encoded + encoded, tree, codec)
+        _treecodec.encoded_tree_to_wire(encoded + encoded, tree, codec)
 
 
 def test_buffer_pool_reuses_only_released_blocks():
-    pool = wire.BufferPool(max_blocks=2)
-    layout = wire.tree_to_wire({"a": np.ones(100, np.float32), "b": np.ones(3)})[2]
+    pool = _frames.BufferPool(max_blocks=2)
+    tree = {"a": np.ones(100, np.float32), "b": np.ones(3)}
+    layout = _treecodec.tree_to_wire(tree)[2]
     first = layout.allocate(pool)
     second = layout.allocate(pool)
     assert not np.shares_memory(first[0], second[0])
     for leaf in first + second:
-        assert leaf.ctypes.data % wire.ALIGNMENT == 0
+        assert leaf.ctypes.data % _frames.ALIGNMENT == 0
     address = first[0].ctypes.data
     del first
     third = layout.allocate(pool)
@@ -595,18 +602,18 @@ def test_layout_cache_validates_once_and_never_remembers_refusals():
         if layout.leaves[0].shape == (5,):
             raise errors.SpecMismatch("wrong shape")
 
-    cache = wire.LayoutCache(check=check, size=2)
-    meta = wire.tree_to_wire({"w": np.ones(3, np.float32)})[0]
+    cache = _treecodec.LayoutCache(check=check, size=2)
+    meta = _treecodec.tree_to_wire({"w": np.ones(3, np.float32)})[0]
     first = cache.get({**meta, "version": 1})
     assert cache.get({**meta, "version": 2}) is first
     assert len(checked) == 1
-    bad = wire.tree_to_wire({"w": np.ones(5, np.float32)})[0]
+    bad = _treecodec.tree_to_wire({"w": np.ones(5, np.float32)})[0]
     for _ in range(2):
         with pytest.raises(errors.SpecMismatch):
             cache.get(bad)
     assert len(checked) == 3
     for n in (6, 7, 8):
-        cache.get(wire.tree_to_wire({"w": np.ones(n, np.float32)})[0])
+        cache.get(_treecodec.tree_to_wire({"w": np.ones(n, np.float32)})[0])
     assert cache.get(meta) is not first  # evicted, validated again
     with pytest.raises(errors.MalformedMetadata):
         cache.get({"tree": ["d", {"w": 0}], "leaves": []})
@@ -616,11 +623,11 @@ def test_layout_cache_validates_once_and_never_remembers_refusals():
 
 
 def test_default_metadata_limit_is_small_and_configurable():
-    assert wire.DEFAULT_LIMITS.max_metadata_bytes == 2**20
-    header = wire.pack_header(MsgType.PUSH, 1, 2**20 + 1, 0)
+    assert _frames.DEFAULT_LIMITS.max_metadata_bytes == 2**20
+    header = _frames.pack_header(MsgType.PUSH, 1, 2**20 + 1, 0)
     with pytest.raises(errors.PayloadTooBig):
         FrameDecoder().feed(header)
-    limits = wire.WireLimits(max_metadata_bytes=4 * 2**20)
+    limits = _frames.WireLimits(max_metadata_bytes=4 * 2**20)
     assert FrameDecoder(limits=limits).feed(header) == []
 
 
@@ -630,7 +637,7 @@ def test_metadata_memory_grows_only_as_bytes_arrive():
     dec = FrameDecoder(scratch_bytes=1024)
     tracemalloc.start()
     try:
-        dec.feed(wire.pack_header(MsgType.PUSH, 1, 2**20, 0) + bytes(5000))
+        dec.feed(_frames.pack_header(MsgType.PUSH, 1, 2**20, 0) + bytes(5000))
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
@@ -642,10 +649,10 @@ def test_released_decoder_holds_no_buffers():
     import weakref
 
     def allocate(header, meta):
-        return wire.default_allocator(wire.DEFAULT_LIMITS)(header, meta)
+        return _treecodec.default_allocator(_frames.DEFAULT_LIMITS)(header, meta)
 
     dec = FrameDecoder(allocate=allocate)
-    dec.feed(wire.pack_header(MsgType.PUSH, 1, 100_000, 0) + bytes(70_000))
+    dec.feed(_frames.pack_header(MsgType.PUSH, 1, 100_000, 0) + bytes(70_000))
     ref = weakref.ref(allocate)
     del allocate
     dec.release()
@@ -680,7 +687,7 @@ def test_encoded_leaf_values_are_checked(codec_args, codes, scales, size, messag
     codes = np.array(codes, np.uint8)
     scales = np.array(scales, np.float32)
     with pytest.raises(errors.InvalidUpdate, match=message):
-        wire.check_encoded_leaf(codes, scales, size, codec)
+        _treecodec.check_encoded_leaf(codes, scales, size, codec)
 
 
 def test_valid_encoded_leaves_pass_the_check():
@@ -700,19 +707,24 @@ def test_valid_encoded_leaves_pass_the_check():
     ]:
         enc = encode(x, codec, key=jax.random.key(0))
         codes, scales = np.asarray(enc.codes), np.asarray(enc.scales)
-        wire.check_encoded_leaf(codes, scales, x.size, codec)
+        _treecodec.check_encoded_leaf(codes, scales, x.size, codec)
 
 
 def test_codec_must_list_every_key():
-    meta, _, _ = wire.encoded_tree_to_wire(
+    meta, _, _ = _treecodec.encoded_tree_to_wire(
         [_encoded_ones()], {"w": np.zeros(4, np.float32)}, _codec("uniform", 8)
     )
     del meta["codec"]["levels"]
     with pytest.raises(errors.MalformedMetadata, match="levels"):
-        wire.tree_layout(meta)
+        _treecodec.tree_layout(meta)
 
 
 def _encoded_ones():
     from hpsjax.transforms._quantize import Encoded
 
     return Encoded(np.ones(4, np.uint8), np.ones(1, np.float32))
+
+
+@pytest.mark.parametrize("module", [_auth, _frames, _stream, _treecodec])
+def test_module_doctests(module):
+    assert doctest.testmod(module).failed == 0

@@ -36,7 +36,7 @@ from typing import Any, NamedTuple
 import jax
 import msgpack
 
-from hpsjax.ps import _wire as wire
+from hpsjax.ps import _auth, _frames, _stream, _treecodec
 from hpsjax.ps._errors import (
     AuthError,
     ConnectionClosed,
@@ -46,7 +46,7 @@ from hpsjax.ps._errors import (
     error_from_wire,
     error_to_wire,
 )
-from hpsjax.ps._wire import Frame, FrameError, MsgType
+from hpsjax.ps._frames import Frame, FrameError, MsgType
 
 __all__ = ["Client", "PushResult", "ServerInfo", "Subscription"]
 
@@ -62,11 +62,12 @@ def _encode_tree(tree, codec, key):
 class FrameProtocol(asyncio.BufferedProtocol):
     """An ``asyncio.BufferedProtocol`` that reads and writes hpsjax frames.
 
-    Received bytes go straight into the buffers a :class:`~hpsjax.ps._wire.FrameDecoder`
-    hands out (payloads land in preallocated arrays); complete frames are given
-    to ``on_frame``. Writes are scatter lists passed to ``writelines`` whole, so
-    frames from concurrent coroutines never interleave. Flow control follows the
-    transport's ``pause_writing``/``resume_writing``.
+    Received bytes go straight into the buffers a
+    :class:`~hpsjax.ps._stream.FrameDecoder` hands out (payloads land in
+    preallocated arrays); complete frames are given to ``on_frame``. Writes are
+    scatter lists passed to ``writelines`` whole, so frames from concurrent
+    coroutines never interleave. Flow control follows the transport's
+    ``pause_writing``/``resume_writing``.
 
     Args:
       on_frame: called with each :class:`Frame` or :class:`FrameError`.
@@ -75,11 +76,11 @@ class FrameProtocol(asyncio.BufferedProtocol):
         :class:`ProtocolError` for a broken stream).
       limits: frame limits.
       allocate: payload allocator for the decoder (default: validate tree
-        metadata, and receive into blocks of a :class:`~hpsjax.ps._wire.BufferPool`).
+        metadata, and receive into blocks of a :class:`~hpsjax.ps._frames.BufferPool`).
       on_made: called once the connection is established (after the TLS
         handshake, with TLS); ``on_lost`` is only ever called after it.
       on_filled: the decoder's per-buffer hook (see
-        :class:`~hpsjax.ps._wire.FrameDecoder`), or ``None``.
+        :class:`~hpsjax.ps._stream.FrameDecoder`), or ``None``.
     """
 
     def __init__(
@@ -87,14 +88,14 @@ class FrameProtocol(asyncio.BufferedProtocol):
         on_frame: Callable[[Frame | FrameError], None],
         on_lost: Callable[[HpsError], None],
         *,
-        limits: wire.WireLimits = wire.DEFAULT_LIMITS,
-        allocate: wire.Allocator | None = None,
+        limits: _frames.WireLimits = _frames.DEFAULT_LIMITS,
+        allocate: _frames.Allocator | None = None,
         on_made: Callable[[], None] | None = None,
         on_filled: Callable[[Any, int], None] | None = None,
     ):
         if allocate is None:
-            allocate = wire.default_allocator(limits, wire.BufferPool())
-        self._decoder = wire.FrameDecoder(
+            allocate = _treecodec.default_allocator(limits, _frames.BufferPool())
+        self._decoder = _stream.FrameDecoder(
             limits=limits, allocate=allocate, on_filled=on_filled
         )
         # The event loop asks for a buffer before every read: straight to the
@@ -204,7 +205,7 @@ class FrameProtocol(asyncio.BufferedProtocol):
             raise self._lost
 
     @property
-    def decoder(self) -> wire.FrameDecoder:
+    def decoder(self) -> _stream.FrameDecoder:
         """The frame decoder (for instance to change its limits)."""
         return self._decoder
 
@@ -227,7 +228,7 @@ class FrameProtocol(asyncio.BufferedProtocol):
         code, message = error_to_wire(error)
         if self.transport is not None and not self.transport.is_closing():
             self.transport.writelines(
-                wire.encode_frame(
+                _frames.encode_frame(
                     MsgType.ERROR, request_id, {"code": code, "message": message}
                 )
             )
@@ -257,7 +258,7 @@ class FrameProtocol(asyncio.BufferedProtocol):
 def error_frame(request_id: int, error: BaseException) -> list[bytes | memoryview]:
     """An ERROR frame reporting ``error`` (code and short message only)."""
     code, message = error_to_wire(error)
-    return wire.encode_frame(
+    return _frames.encode_frame(
         MsgType.ERROR, request_id, {"code": code, "message": message}
     )
 
@@ -330,7 +331,7 @@ class ServerInfo(NamedTuple):
     version: int
     stage: int
     spec: Any
-    layout: wire.TreeLayout
+    layout: _treecodec.TreeLayout
     limits: dict[str, Any]
 
 
@@ -340,14 +341,14 @@ def _server_info(meta: Mapping[str, Any]) -> ServerInfo:
         leaves, offset = [], 0
         for entry in spec_meta["leaves"]:
             name, shape = entry
-            dtype = wire.DTYPES[name]
+            dtype = _frames.DTYPES[name]
             nbytes = math.prod(shape) * dtype.itemsize
             leaves.append([name, list(shape), offset, nbytes])
             offset += nbytes
-        layout = wire.tree_layout(
+        layout = _treecodec.tree_layout(
             {"tree": spec_meta["tree"], "leaves": leaves, "codec": None}
         )
-        spec = wire.unflatten_tree(
+        spec = _treecodec.unflatten_tree(
             layout.structure,
             [jax.ShapeDtypeStruct(leaf.shape, leaf.dtype) for leaf in layout.leaves],
         )
@@ -522,7 +523,7 @@ class Client:
         ssl: ssl_lib.SSLContext | None = None,
         server_hostname: str | None = None,
         timeout: float | None = 60.0,
-        limits: wire.WireLimits = wire.DEFAULT_LIMITS,
+        limits: _frames.WireLimits = _frames.DEFAULT_LIMITS,
         seed: int | None = None,
     ):
         _check_worker_id(worker_id)
@@ -661,7 +662,7 @@ class Client:
         self._hints = {}
 
     async def _handshake(self) -> ServerInfo:
-        client_nonce = os.urandom(wire.NONCE_BYTES)
+        client_nonce = os.urandom(_auth.NONCE_BYTES)
         challenge = await self._request(
             MsgType.HELLO,
             {
@@ -678,20 +679,20 @@ class Client:
             raise ProtocolError("malformed CHALLENGE")
         if scheme is None and self._secret is not None:
             raise AuthError("server does not authenticate; refusing to trust it")
-        if scheme is not None and scheme != wire.AUTH_SCHEME:
+        if scheme is not None and scheme != _auth.AUTH_SCHEME:
             raise AuthError(f"unsupported auth scheme {scheme!r}")
         if scheme is not None and self._secret is None:
             raise AuthError("server requires a secret and none was given")
         proof = b""
         if self._secret is not None:
-            proof = wire.auth_proof(
+            proof = _auth.auth_proof(
                 self._secret, "client", server_nonce, client_nonce, self._worker_id
             )
         ok = await self._request(
             MsgType.AUTH, {"proof": proof}, timeout=None, expect=MsgType.AUTH_OK
         )
         if self._secret is not None:
-            want = wire.auth_proof(
+            want = _auth.auth_proof(
                 self._secret, "server", server_nonce, client_nonce, self._worker_id
             )
             got = ok.metadata.get("proof")
@@ -715,7 +716,7 @@ class Client:
             return
         try:
             protocol.send(
-                wire.encode_frame(MsgType.BYE, 0, {"reason": "client closing"})
+                _frames.encode_frame(MsgType.BYE, 0, {"reason": "client closing"})
             )
             async with asyncio.timeout(timeout):
                 await protocol.drain()
@@ -896,7 +897,7 @@ class Client:
             if codec is None:
                 raise ValueError("encoded= needs the codec it was encoded with")
             like = update if update is not None else self.info.spec
-            meta, buffers, _ = wire.encoded_tree_to_wire(
+            meta, buffers, _ = _treecodec.encoded_tree_to_wire(
                 encoded, like, codec, limits=self._limits
             )
         elif update is None:
@@ -910,11 +911,11 @@ class Client:
                 self._key = jax.random.key(seed % 2**32)
             self._key, key = jax.random.split(self._key)
             encoded = _encode_tree(update, codec, key)
-            meta, buffers, _ = wire.encoded_tree_to_wire(
+            meta, buffers, _ = _treecodec.encoded_tree_to_wire(
                 encoded, update, codec, limits=self._limits
             )
         else:
-            meta, buffers, _ = wire.tree_to_wire(update, limits=self._limits)
+            meta, buffers, _ = _treecodec.tree_to_wire(update, limits=self._limits)
         meta["version"] = version
         for name, value in fields.items():
             if value is not None:
@@ -923,7 +924,9 @@ class Client:
 
     def _params_of(self, frame: Frame) -> tuple[Any, int]:
         version = frame.metadata.get("version")
-        if not isinstance(version, int) or not isinstance(frame.payload, wire.WireTree):
+        if not isinstance(version, int) or not isinstance(
+            frame.payload, _treecodec.WireTree
+        ):
             raise ProtocolError("malformed PARAMS frame")
         if frame.payload.layout.codec is not None:
             raise ProtocolError("compressed PARAMS are not supported")
@@ -968,7 +971,7 @@ class Client:
         future = loop.create_future()
         self._pending[request_id] = future
         try:
-            protocol.send(wire.encode_frame(msg_type, request_id, meta, buffers))
+            protocol.send(_frames.encode_frame(msg_type, request_id, meta, buffers))
             # The future holds the frame in a box that is emptied here: the
             # loop may keep the finished future (and what it holds) alive for
             # a while, and a frame pins its receive buffer.
@@ -1022,7 +1025,9 @@ class Client:
             version = frame.metadata.get("version")
             if slot is None or not isinstance(version, int):
                 return
-            if version > slot.version and isinstance(frame.payload, wire.WireTree):
+            if version > slot.version and isinstance(
+                frame.payload, _treecodec.WireTree
+            ):
                 slot.params = frame.payload.tree()
                 slot.version = version
                 slot.changed.set()

@@ -74,7 +74,7 @@ class DecoderCache:
 
     def compile(self, codec: Any) -> Callable:
         """Compiles the decoder of ``codec``; thread-safe, stores nothing."""
-        from hpsjax.ps._wire import compressed_sizes
+        from hpsjax.ps._treecodec import compressed_sizes
         from hpsjax.transforms import _quantize as q
 
         args = []

@@ -1,7 +1,7 @@
 """The asyncio parameter server: moves bytes, and lets ``ServerCore`` decide.
 
 :class:`Server` accepts worker connections, authenticates them, reads frames into
-preallocated arrays (see :mod:`hpsjax.ps._wire`) and turns every complete,
+preallocated arrays (see :mod:`hpsjax.ps._stream`) and turns every complete,
 validated request into an event of :class:`~hpsjax.ps.ServerCore`: the first
 ``PULL`` of a connection joins its worker, ``PULL`` pulls, ``PUSH`` pushes, a
 closed connection leaves, and a timer ticks the core at ``core.next_deadline()``.
@@ -53,7 +53,7 @@ import msgpack
 import numpy as np
 import optax
 
-from hpsjax.ps import _wire as wire
+from hpsjax.ps import _auth, _frames, _treecodec
 from hpsjax.ps._checkpoint import CheckpointManager
 from hpsjax.ps._client import (
     FrameProtocol,
@@ -83,7 +83,7 @@ from hpsjax.ps._errors import (
     UnexpectedMessage,
     WorkerDropped,
 )
-from hpsjax.ps._wire import Frame, FrameError, MsgType
+from hpsjax.ps._frames import Frame, FrameError, MsgType
 
 __all__ = ["Server"]
 
@@ -94,7 +94,7 @@ _CHECKPOINT_FORMAT_VERSION = 1
 
 # Until a connection has authenticated, its frames are small handshake messages:
 # nothing larger is read, so a stranger cannot make the server allocate much.
-_HANDSHAKE_LIMITS = wire.WireLimits(max_message_bytes=4096, max_metadata_bytes=4096)
+_HANDSHAKE_LIMITS = _frames.WireLimits(max_message_bytes=4096, max_metadata_bytes=4096)
 
 # Frames a client may send under request id 0: they expect no reply.
 _NOTICE_TYPES = frozenset({MsgType.ERROR, MsgType.BYE})
@@ -247,7 +247,7 @@ class Server:
         checkpoint_every_s: float | None = None,
         checkpoint_every_updates: int | None = None,
         checkpoint_keep: int | None = 3,
-        limits: wire.WireLimits = wire.DEFAULT_LIMITS,
+        limits: _frames.WireLimits = _frames.DEFAULT_LIMITS,
         check_finite: bool = True,
         handshake_timeout: float = 10.0,
         core_kwargs: Mapping[str, Any] | None = None,
@@ -295,7 +295,7 @@ class Server:
             )
         if checkpoint_dir is None and (checkpoint_every_s or checkpoint_every_updates):
             raise ValueError("checkpoint_every_* needs a checkpoint_dir")
-        if not isinstance(limits, wire.WireLimits):
+        if not isinstance(limits, _frames.WireLimits):
             raise ValueError("limits must be a WireLimits")
         if replanner is not None:
             from hpsjax.profiling import Replanner
@@ -327,13 +327,13 @@ class Server:
         self._status_interval = float(status_interval)
         self._status_task: asyncio.Task | None = None
         self._pushes = 0
-        meta, _, self._model = wire.tree_to_wire(self._core.params, limits=limits)
+        meta, _, self._model = _treecodec.tree_to_wire(self._core.params, limits=limits)
         # Shapes and dtypes never change, so the parameters' description is
         # packed once; each version adds only its number.
-        self._params_description = wire.pack_fields(meta)
+        self._params_description = _frames.pack_fields(meta)
         # Received leaves are put back into the parameters' own tree type, so
         # the wire's leaf order must be JAX's.
-        _, wire_leaves = wire.flatten_tree(self._core.params, limits=limits)
+        _, wire_leaves = _treecodec.flatten_tree(self._core.params, limits=limits)
         jax_leaves, self._treedef = jax.tree.flatten(self._core.params)
         if len(wire_leaves) != len(jax_leaves) or any(
             a is not b for a, b in zip(wire_leaves, jax_leaves, strict=False)
@@ -351,9 +351,9 @@ class Server:
         }
         # Pushes are received into reused blocks (PHub's pre-registered
         # buffers); a block returns once the core and JAX let go of it.
-        self._pool = wire.BufferPool(max_blocks=8)
-        self._layouts = wire.LayoutCache(
-            limits, check=lambda layout: wire.check_same_spec(layout, self._model)
+        self._pool = _frames.BufferPool(max_blocks=8)
+        self._layouts = _treecodec.LayoutCache(
+            limits, check=lambda layout: _treecodec.check_same_spec(layout, self._model)
         )
         self._decoders = DecoderCache(
             [(s.shape, s.dtype.name) for s in self._model.leaves], size=8
@@ -374,7 +374,7 @@ class Server:
         self._closed: asyncio.Future | None = None
         self._params_cache: tuple[int, list, list] | None = None
         # (version, {(has extra, local steps): PARAMS frame}), see _params_frame.
-        self._params_frames: tuple[int, dict[tuple, wire.PreparedFrame]] = (-1, {})
+        self._params_frames: tuple[int, dict[tuple, _frames.PreparedFrame]] = (-1, {})
         self._manager: CheckpointManager | None = None
         self._saved_version: int | None = None
         self._checkpoint_task: asyncio.Task | None = None
@@ -522,7 +522,7 @@ class Server:
                 session.sub_task.cancel()
             with contextlib.suppress(HpsError):
                 session.protocol.send(
-                    wire.encode_frame(MsgType.BYE, 0, {"reason": "server closing"})
+                    _frames.encode_frame(MsgType.BYE, 0, {"reason": "server closing"})
                 )
             session.protocol.close()
         # Server.wait_closed() does not wait for connections on every Python
@@ -562,7 +562,7 @@ class Server:
             if session.state == "ready":
                 with contextlib.suppress(HpsError):
                     session.protocol.send(
-                        wire.encode_frame(MsgType.STAGE, 0, {"stage": index})
+                        _frames.encode_frame(MsgType.STAGE, 0, {"stage": index})
                     )
         self._rearm()
 
@@ -717,7 +717,7 @@ class Server:
     def _new_protocol(self) -> FrameProtocol:
         session: _Session | None = None
 
-        def allocate(header: wire.Header, meta: dict) -> tuple:
+        def allocate(header: _frames.Header, meta: dict) -> tuple:
             return self._allocate(session, header, meta)
 
         protocol = FrameProtocol(
@@ -748,7 +748,7 @@ class Server:
         if session.state != "ready":
             session.protocol.fail(AuthError("handshake timed out"))
 
-    def _allocate(self, session: _Session, header: wire.Header, meta: dict):
+    def _allocate(self, session: _Session, header: _frames.Header, meta: dict):
         if session.state != "ready":
             raise UnexpectedMessage(f"{header.msg_type.name} before authentication")
         if header.msg_type not in (MsgType.PUSH, MsgType.PUSH_PULL):
@@ -762,7 +762,7 @@ class Server:
         if layout.codec is not None and not self._model_floating:
             raise SpecMismatch("only models of floating leaves take compressed pushes")
         arrays, buffers = layout.receive_buffers(self._pool)
-        return buffers, wire.WireTree(layout, arrays)
+        return buffers, _treecodec.WireTree(layout, arrays)
 
     def _on_event(self, session: _Session, event: Frame | FrameError) -> None:
         if self._closing:
@@ -811,7 +811,7 @@ class Server:
                     MalformedMetadata(str(e)), request_id=frame.request_id
                 )
                 return
-            if not isinstance(nonce, bytes) or len(nonce) != wire.NONCE_BYTES:
+            if not isinstance(nonce, bytes) or len(nonce) != _auth.NONCE_BYTES:
                 session.protocol.fail(
                     MalformedMetadata("HELLO needs a 32-byte nonce"),
                     request_id=frame.request_id,
@@ -819,15 +819,15 @@ class Server:
                 return
             session.worker_id = worker_id
             session.client_nonce = nonce
-            session.server_nonce = os.urandom(wire.NONCE_BYTES)
+            session.server_nonce = os.urandom(_auth.NONCE_BYTES)
             session.state = "auth"
             session.protocol.send(
-                wire.encode_frame(
+                _frames.encode_frame(
                     MsgType.CHALLENGE,
                     frame.request_id,
                     {
                         "nonce": session.server_nonce,
-                        "auth": wire.AUTH_SCHEME if self._secret else None,
+                        "auth": _auth.AUTH_SCHEME if self._secret else None,
                     },
                 )
             )
@@ -835,7 +835,7 @@ class Server:
             proof = meta.get("proof")
             server_proof = b""
             if self._secret is not None:
-                want = wire.auth_proof(
+                want = _auth.auth_proof(
                     self._secret,
                     "client",
                     session.server_nonce,
@@ -852,7 +852,7 @@ class Server:
                         AuthError("authentication failed"), request_id=frame.request_id
                     )
                     return
-                server_proof = wire.auth_proof(
+                server_proof = _auth.auth_proof(
                     self._secret,
                     "server",
                     session.server_nonce,
@@ -868,7 +868,7 @@ class Server:
                 self._replace(old)
             self._sessions[session.worker_id] = session
             session.protocol.send(
-                wire.encode_frame(
+                _frames.encode_frame(
                     MsgType.AUTH_OK,
                     frame.request_id,
                     {"proof": server_proof, "info": self._info()},
@@ -931,14 +931,14 @@ class Server:
                 raise MalformedMetadata("SUBSCRIBE needs a boolean 'on'")
             session.subscribed = on
             session.protocol.send(
-                wire.encode_frame(
+                _frames.encode_frame(
                     MsgType.SUBSCRIBE, rid, {"on": on, "version": self._core.version}
                 )
             )
             if on:
                 self._send_params(session, 0)
         elif t == MsgType.INFO:
-            session.protocol.send(wire.encode_frame(MsgType.INFO, rid, self._info()))
+            session.protocol.send(_frames.encode_frame(MsgType.INFO, rid, self._info()))
         elif t == MsgType.BYE:
             self._leave(session)
             session.protocol.close()
@@ -1044,7 +1044,7 @@ class Server:
             ack_meta["reason"] = force.reason
         if frame.msg_type == MsgType.PUSH:
             session.protocol.send(
-                wire.encode_frame(MsgType.PUSH_ACK, frame.request_id, ack_meta)
+                _frames.encode_frame(MsgType.PUSH_ACK, frame.request_id, ack_meta)
             )
             self._carry_out(actions, skip_force=session.worker_id)
         else:
@@ -1110,7 +1110,7 @@ class Server:
                 return
             self._on_event(session, backlog.popleft())
 
-    def _decode_update(self, payload: wire.WireTree) -> list[Any]:
+    def _decode_update(self, payload: _treecodec.WireTree) -> list[Any]:
         """The update's leaves, in the parameters' leaf order."""
         layout = payload.layout
         if layout.codec is None:
@@ -1124,7 +1124,7 @@ class Server:
         encoded = [q.Encoded(codes, scales) for codes, scales in payload.arrays]
         return self._decoders.get(codec)(encoded)
 
-    def _check_received(self, payload: wire.WireTree, index: int) -> None:
+    def _check_received(self, payload: _treecodec.WireTree, index: int) -> None:
         """Refuses a raw push as soon as a leaf holding NaN or infinity is in.
 
         Called by the decoder for each leaf once its bytes have arrived, so
@@ -1141,7 +1141,7 @@ class Server:
                 codes, scales = payload.arrays[index // 2]
                 size = math.prod(layout.leaves[index // 2].shape)
                 codec = q.Codec.from_dict(layout.codec)
-                wire.check_encoded_leaf(codes, scales, size, codec)
+                _treecodec.check_encoded_leaf(codes, scales, size, codec)
             return
         leaf = payload.arrays[index]
         if not self._check_finite:
@@ -1211,7 +1211,7 @@ class Server:
         if error is not None:
             session.protocol.send(error_frame(0, error))
         else:
-            session.protocol.send(wire.encode_frame(msg_type, 0, meta))
+            session.protocol.send(_frames.encode_frame(msg_type, 0, meta))
 
     def _fail_pulls(self, session: _Session, error: HpsError) -> None:
         while session.pulls:
@@ -1219,20 +1219,23 @@ class Server:
             if not session.protocol.closed:
                 session.protocol.send(error_frame(request_id, error))
 
-    def _params_parts(self) -> tuple[list[wire.PackedFields], list[memoryview]]:
+    def _params_parts(self) -> tuple[list[_frames.PackedFields], list[memoryview]]:
         version = self._core.version
         if self._params_cache is None or self._params_cache[0] != version:
             # The model's description was checked once; its leaves are the
             # wire's in order, little-endian and contiguous (numpy views of
             # JAX's CPU buffers, no copy).
-            buffers = wire.leaf_buffers(
+            buffers = _treecodec.leaf_buffers(
                 [np.asarray(leaf) for leaf in jax.tree.leaves(self._core.params)]
             )
-            fields = [self._params_description, wire.pack_fields({"version": version})]
+            fields = [
+                self._params_description,
+                _frames.pack_fields({"version": version}),
+            ]
             self._params_cache = (version, fields, buffers)
         return self._params_cache[1], self._params_cache[2]
 
-    def _params_frame(self, extra: dict[str, Any] | None) -> wire.PreparedFrame:
+    def _params_frame(self, extra: dict[str, Any] | None) -> _frames.PreparedFrame:
         """The PARAMS frame of the current version with ``extra`` fields.
 
         A pull's answer adds nothing or only the policy's local-steps hint,
@@ -1246,8 +1249,8 @@ class Server:
             or "local_steps" not in extra
             or not (steps is None or type(steps) is int)
         ):
-            return wire.prepare_frame(
-                MsgType.PARAMS, [*fields, wire.pack_fields(extra)], buffers
+            return _frames.prepare_frame(
+                MsgType.PARAMS, [*fields, _frames.pack_fields(extra)], buffers
             )
         key = (extra is not None, steps)
         frames = self._params_frames
@@ -1256,10 +1259,12 @@ class Server:
         frame = frames[1].get(key)
         if frame is None:
             if extra is not None:
-                fields = [*fields, wire.pack_fields(extra)]
+                fields = [*fields, _frames.pack_fields(extra)]
             if len(frames[1]) >= 256:
                 frames[1].clear()
-            frame = frames[1][key] = wire.prepare_frame(MsgType.PARAMS, fields, buffers)
+            frame = frames[1][key] = _frames.prepare_frame(
+                MsgType.PARAMS, fields, buffers
+            )
         return frame
 
     def _send_params(self, session: _Session, request_id: int, extra=None) -> None:
