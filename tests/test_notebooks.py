@@ -12,12 +12,15 @@ tens of seconds (mostly compiling), so those tests are marked slow.
 from __future__ import annotations
 
 import copy
+import json
 import pathlib
 import re
 
 import nbformat
 import pytest
 from nbclient import NotebookClient
+
+from hpsjax._project import colab_badge, install_spec
 
 COLAB = pathlib.Path(__file__).resolve().parent.parent / "colab"
 TUTORIALS = (
@@ -26,10 +29,9 @@ TUTORIALS = (
     "03_heterogeneity.ipynb",
     "04_custom_scheme.ipynb",
 )
-BADGE = (
-    "[![Open In Colab](https://colab.research.google.com/assets/colab-badge.svg)]"
-    "(https://colab.research.google.com/github/hpsjax/hpsjax/blob/main/colab/{name})"
-)
+# Badges and install lines name the repository of hpsjax._project, nothing else.
+BADGE = colab_badge("{name}")
+INSTALL = f'%pip install -q "{install_spec()}"'
 SMALL_VARIABLE = "HPSJAX_TUTORIAL_SMALL"
 # Per cell, on a busy 2-core machine; the longest cell of a small run takes about
 # 20 seconds there.
@@ -70,6 +72,8 @@ def committed_problems(nb: nbformat.NotebookNode, name: str) -> list[str]:
             problems.append(
                 "the install cell does not try `import hpsjax` before installing"
             )
+        elif INSTALL not in cells[index].source:
+            problems.append(f"the install cell does not run {INSTALL}")
     if not any(SMALL_VARIABLE in cells[i].source for i in code):
         problems.append(f"no code cell reads {SMALL_VARIABLE}")
     for i in code:
@@ -98,7 +102,7 @@ def _good_notebook(name: str) -> nbformat.NotebookNode:
         nbformat.v4.new_markdown_cell(BADGE.format(name=name) + "\n# Title"),
         nbformat.v4.new_code_cell(
             "try:\n    import hpsjax\nexcept ImportError:\n"
-            '    %pip install -q "hpsjax @ git+https://github.com/hpsjax/hpsjax"\n'
+            f"    {INSTALL}\n"
             "    import hpsjax"
         ),
         nbformat.v4.new_code_cell(
@@ -131,6 +135,14 @@ def test_checks_accept_a_clean_notebook():
         (
             lambda nb: setattr(nb.cells[1], "source", "%pip install hpsjax"),
             "does not try `import hpsjax`",
+        ),
+        (
+            lambda nb: setattr(
+                nb.cells[1],
+                "source",
+                nb.cells[1].source.replace("github.com/", "github.com/elsewhere/"),
+            ),
+            "the install cell does not run",
         ),
         (
             lambda nb: nb.cells.insert(1, nbformat.v4.new_code_cell("x = 1")),
@@ -178,6 +190,40 @@ def _outputs(nb: nbformat.NotebookNode, output_type: str) -> list:
     ]
 
 
+# What each tutorial says in words, checked on what it computed: a cell run after
+# the tutorial's own prints these values of its namespace as JSON, and the
+# function asserts the claim on them.
+_CLAIM_MARK = "HPSJAX-CLAIMS "
+
+
+def _ef_claims(v):
+    loss = v["final_loss"]
+    # "Error feedback helps a biased compressor" (sign, nearest rounding) ...
+    for biased in ("1-bit sign", "2-bit nearest"):
+        assert loss[f"{biased} + EF"] < loss[biased] - 0.05, (biased, loss)
+    # ... "and gains nothing on an unbiased one" (stochastic rounding).
+    stochastic = loss["2-bit stochastic"]
+    assert loss["2-bit stochastic + EF"] > stochastic - 0.02, loss
+    gain = loss["2-bit nearest"] - loss["2-bit nearest + EF"]
+    assert gain > stochastic - loss["2-bit stochastic + EF"], loss
+
+
+def _cleanup_claims(v):
+    # The checkpoints written to the temporary directory are removed.
+    assert not v["checkpoint_dir_exists"]
+    assert v["resumed_equal"]
+
+
+CLAIMS = {
+    "01_transforms.ipynb": ("{'final_loss': final_loss}", _ef_claims),
+    "02_parameter_server.ipynb": (
+        "{'checkpoint_dir_exists': os.path.exists(checkpoint_dir),"
+        " 'resumed_equal': bool(equal)}",
+        _cleanup_claims,
+    ),
+}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", TUTORIALS)
 def test_tutorial_runs_top_to_bottom(name, tmp_path, monkeypatch):
@@ -189,6 +235,14 @@ def test_tutorial_runs_top_to_bottom(name, tmp_path, monkeypatch):
     # reaching the network.
     monkeypatch.setenv("PIP_NO_INDEX", "1")
     nb = copy.deepcopy(_load(COLAB / name))
+    claims = CLAIMS.get(name)
+    if claims is not None:
+        nb.cells.append(
+            nbformat.v4.new_code_cell(
+                "import json as _json\n"
+                f"print({_CLAIM_MARK!r} + _json.dumps({claims[0]}))"
+            )
+        )
     client = NotebookClient(
         nb,
         timeout=CELL_TIMEOUT_S,
@@ -207,3 +261,11 @@ def test_tutorial_runs_top_to_bottom(name, tmp_path, monkeypatch):
     assert any("image/png" in o.data for o in _outputs(nb, "display_data")), (
         "the tutorial drew no plot"
     )
+    if claims is not None:
+        (line,) = [
+            line
+            for o in _outputs(nb, "stream")
+            for line in o.text.splitlines()
+            if line.startswith(_CLAIM_MARK)
+        ]
+        claims[1](json.loads(line.removeprefix(_CLAIM_MARK)))
