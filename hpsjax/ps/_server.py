@@ -55,12 +55,8 @@ import optax
 
 from hpsjax.ps import _auth, _frames, _treecodec
 from hpsjax.ps._checkpoint import CheckpointManager
-from hpsjax.ps._client import (
-    FrameProtocol,
-    _check_worker_id,
-    _secret_bytes,
-    error_frame,
-)
+from hpsjax.ps._client import _check_worker_id, _secret_bytes
+from hpsjax.ps._connection import FrameProtocol, error_frame
 from hpsjax.ps._core import (
     Applied,
     Drop,
