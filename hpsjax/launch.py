@@ -702,6 +702,15 @@ def launch(
     )
 
 
+def __getattr__(name: str):
+    # The Ray backend imports this module, so it is loaded on first use.
+    if name == "launch_ray":
+        from hpsjax._ray_launch import launch_ray
+
+        return launch_ray
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 def _split_argv(argv: Sequence[str]) -> tuple[list[str], list[str], list[str]]:
     """Splits ``[own] [--server ...] [-- worker...]`` style command lines."""
     own, server, worker = [], [], []
@@ -725,6 +734,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     quiet_backend_probe()
     argv = list(sys.argv[1:] if argv is None else argv)
     own, server_args, worker_args = _split_argv(argv)
+    from hpsjax import _ray_launch
     from hpsjax.ps import POLICIES
 
     p = argparse.ArgumentParser(
@@ -771,6 +781,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--workdir", help="directory for secret, init, plan, metrics")
     p.add_argument("--timeout", type=float, help="seconds the run may take")
     p.add_argument("--no_progress", action="store_true", help="no progress bar")
+    _ray_launch.add_ray_flags(p)
     args = p.parse_args(own)
 
     def terminate(signum, frame):
@@ -783,7 +794,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         for index, text in args.worker_flags:
             per_worker.setdefault(int(index), []).extend(shlex.split(text))
-        result = launch(
+        result = (_ray_launch.backend_from_flags(args) or launch)(
             args.workers,
             policy=args.policy,
             steps=args.steps,

@@ -1,0 +1,792 @@
+"""Ray launch backend: the server shard(s) and the workers as Ray actors.
+
+``hpsjax-launch --backend ray`` (or :func:`launch_ray`) runs the same job as the
+local launcher (:func:`hpsjax.launch.launch`: the same flags, plans and server
+shards), but Ray places every process: each server shard and each worker is an
+actor with its own resource request (CPUs, GPUs, memory, custom resources such
+as ``accelerator_type:A100``), on a local cluster or on one started with
+``ray start``. Each actor owns one ``hpsjax-server`` or ``hpsjax-worker``
+process, in its own process group, and relays its output to the launcher, which
+prints it with the usual ``[server]`` / ``[worker i]`` prefix.
+
+- **The secret** travels through Ray's object store as an actor argument and is
+  written to a 0600 file in the actor's own 0700 directory: it is never on a
+  command line (``ps``) nor in a log.
+- **A crashed worker** (its process killed or failed) ends its actor, which Ray
+  restarts (``max_restarts``) on whatever node has the resources; the new
+  process starts with the same ``--worker_id`` and rejoins the server. Bad flags
+  (exit status 2) are not retried.
+- **Stopping**: when every worker finished, the servers get SIGTERM (a final
+  checkpoint), then everything is stopped; when a server exits, a worker fails
+  for good, the time limit passes, or on Ctrl-C (SIGTERM), every process group
+  gets SIGTERM, then SIGKILL, and every actor is killed. Each process is also
+  tied to its actor's life (``PR_SET_PDEATHSIG``), and Ray ends a launcher's
+  actors when the launcher ends, so no process outlives the launch. A cluster
+  the launcher started is shut down.
+
+The work plan (``plan``) is profiled on the launcher's machine, as the local
+launcher does. Workers' metrics are streamed back into ``workdir`` as
+``metrics_<i>.jsonl``, whatever node the worker ran on (a restarted worker's
+rounds are appended).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import os
+import pathlib
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, TextIO
+
+from hpsjax import launch as _local
+
+__all__ = ["launch_ray", "parse_resources", "worker_resources_from_flags"]
+
+Resources = Mapping[str, float]
+PerWorkerResources = Mapping[int, Resources] | Sequence[Resources]
+
+# Resource names that are Ray actor options; every other name is a custom
+# resource (``accelerator_type:A100``, ``TPU``, a label of the cluster's own).
+_OPTION_RESOURCES = ("num_cpus", "num_gpus", "memory")
+_DEFAULT_RESOURCES = {"num_cpus": 1.0}
+_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.:\-/]*")
+
+# In an actor's command line, replaced by the actor's own directory and by the
+# address of the node it runs on.
+_ACTOR_DIR = "<hpsjax-actor-dir>"
+_NODE_IP = "<hpsjax-node-ip>"
+# How long a crashed process's actor waits for the launcher to collect its last
+# output before it ends itself (and Ray restarts it).
+_DRAIN_SECONDS = 2.0
+_BAD_FLAGS = 2
+
+
+def parse_resources(text: str) -> dict[str, float]:
+    """Parses ``"num_gpus=1,accelerator_type:A100=0.5"`` into a resource dict.
+
+    Names are ``num_cpus``, ``num_gpus``, ``memory`` (bytes) or any custom
+    resource of the cluster; amounts are numbers >= 0.
+
+    Raises:
+      ValueError: a one-line message naming the bad entry.
+
+    Examples:
+      >>> parse_resources("num_cpus=2,accelerator_type:A100=1")
+      {'num_cpus': 2.0, 'accelerator_type:A100': 1.0}
+    """
+    out: dict[str, float] = {}
+    for item in text.split(","):
+        name, sep, amount = item.strip().rpartition("=")
+        name = name.strip()
+        if not sep or not _NAME.fullmatch(name):
+            raise ValueError(f"expected NAME=AMOUNT in resources, got {item!r}")
+        try:
+            value = float(amount)
+        except ValueError:
+            value = -1.0
+        if not value >= 0 or value == float("inf"):
+            raise ValueError(f"resource {name} needs an amount >= 0, got {amount!r}")
+        if name in out:
+            raise ValueError(f"resource {name} given twice in {text!r}")
+        out[name] = value
+    return out
+
+
+def worker_resources_from_flags(
+    entries: Sequence[tuple[str, str]], num_workers: int
+) -> list[dict[str, float]]:
+    """Per-worker resources from ``--worker_resources INDEX RESOURCES`` flags.
+
+    ``INDEX`` is a worker index or ``all``; entries for one worker are merged
+    over those for ``all``, later ones over earlier ones.
+
+    Raises:
+      ValueError: a one-line message naming the bad entry.
+
+    Examples:
+      >>> worker_resources_from_flags(
+      ...     [("all", "num_cpus=2"), ("1", "num_gpus=1")], 2)
+      [{'num_cpus': 2.0}, {'num_cpus': 2.0, 'num_gpus': 1.0}]
+    """
+    everyone: dict[str, float] = {}
+    own: list[dict[str, float]] = [{} for _ in range(num_workers)]
+    for index, text in entries:
+        resources = parse_resources(text)
+        if index == "all":
+            everyone.update(resources)
+        elif index.isdigit() and int(index) < num_workers:
+            own[int(index)].update(resources)
+        else:
+            raise ValueError(
+                f"--worker_resources index must be 'all' or 0..{num_workers - 1}, "
+                f"got {index!r}"
+            )
+    return [{**everyone, **mine} for mine in own]
+
+
+def _checked(resources: Resources, what: str) -> dict[str, float]:
+    if not isinstance(resources, Mapping):
+        raise _local.LaunchError(
+            f"{what} must be a mapping of resource names to amounts, got {resources!r}"
+        )
+    out = {}
+    for name, amount in resources.items():
+        if not (isinstance(name, str) and _NAME.fullmatch(name)):
+            raise _local.LaunchError(f"{what}: bad resource name {name!r}")
+        if isinstance(amount, bool) or not isinstance(amount, int | float):
+            raise _local.LaunchError(f"{what}: {name} must be a number, got {amount!r}")
+        if not 0 <= amount < float("inf"):
+            raise _local.LaunchError(f"{what}: {name} must be >= 0, got {amount!r}")
+        out[name] = float(amount)
+    return {**_DEFAULT_RESOURCES, **out}
+
+
+def _per_worker_resources(
+    resources: PerWorkerResources | None, num_workers: int
+) -> list[dict[str, float]]:
+    out = [dict(_DEFAULT_RESOURCES) for _ in range(num_workers)]
+    if resources is None:
+        return out
+    items = (
+        resources.items() if isinstance(resources, Mapping) else enumerate(resources)
+    )
+    for index, entry in items:
+        if not (isinstance(index, int) and 0 <= index < num_workers):
+            raise _local.LaunchError(
+                f"resources for worker {index!r}, not in 0..{num_workers - 1}"
+            )
+        out[index] = _checked(entry, f"worker {index}'s resources")
+    return out
+
+
+def _actor_options(resources: Mapping[str, float]) -> dict[str, Any]:
+    options: dict[str, Any] = {
+        k: v for k, v in resources.items() if k in _OPTION_RESOURCES
+    }
+    if "memory" in options:
+        options["memory"] = int(options["memory"])
+    custom = {k: v for k, v in resources.items() if k not in _OPTION_RESOURCES}
+    if custom:
+        options["resources"] = custom
+    return options
+
+
+class _ProcessActor:
+    """One hpsjax process on a Ray node, in its own process group.
+
+    The process's files (secret, ``init.npz``, plan) are written, 0600, into a
+    0700 directory of the actor's own; its metrics file is there too. With
+    ``restart``, a process that ends unexpectedly (a signal, a failure other
+    than bad flags) ends the actor, for Ray to restart it.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        argv: list[str],
+        files: dict[str, bytes],
+        restart: bool,
+        cwd: str,
+    ):
+        import ray
+
+        self._restart = restart
+        self._node_ip = ray.util.get_node_ip_address()
+        self._dir = tempfile.mkdtemp(prefix=f"hpsjax-{name.replace(' ', '-')}-")
+        for file_name, data in files.items():
+            fd = os.open(
+                os.path.join(self._dir, file_name),
+                os.O_WRONLY | os.O_CREAT | os.O_EXCL,
+                0o600,
+            )
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+        argv = [
+            a.replace(_ACTOR_DIR, self._dir).replace(_NODE_IP, self._node_ip)
+            for a in argv
+        ]
+        self._lock = threading.Lock()
+        self._lines: deque[str] = deque(maxlen=10_000)
+        self._metrics_offset = 0
+        self._stopping = False
+        self._crashed = False
+        self._drained = threading.Event()
+        self._port: int | None = None
+        # The trampoline ties the process to this actor's life (see launch.py).
+        self._popen = subprocess.Popen(
+            [sys.executable, "-c", _local._TRAMPOLINE, str(os.getpid()),
+             sys.executable, *argv],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env=dict(os.environ, PYTHONUNBUFFERED="1"),
+            cwd=cwd if os.path.isdir(cwd) else self._dir,
+            text=True,
+            bufsize=1,
+        )  # fmt: skip
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        with self._popen.stdout:
+            for line in self._popen.stdout:
+                line = line.rstrip("\n")
+                match = _local._LISTENING.search(line)
+                with self._lock:
+                    if match and self._port is None:
+                        self._port = int(match.group(2))
+                    self._lines.append(line)
+        code = self._popen.wait()
+        if code in (0, _BAD_FLAGS) or not self._restart:
+            return
+        with self._lock:
+            if self._stopping:
+                return
+            self._crashed = True
+        # Give the launcher its last lines and metrics, then end the actor:
+        # Ray restarts it and the process starts again.
+        if self._drained.wait(_DRAIN_SECONDS):
+            time.sleep(0.5)  # for the answer to leave
+        with self._lock:
+            if self._stopping:
+                return
+        shutil.rmtree(self._dir, ignore_errors=True)
+        os._exit(1)
+
+    def _new_metrics(self) -> bytes:
+        path = os.path.join(self._dir, "metrics.jsonl")
+        try:
+            with open(path, "rb") as f:
+                f.seek(self._metrics_offset)
+                data = f.read()
+        except FileNotFoundError:
+            return b""
+        # Whole lines only: the rest comes with the next poll.
+        data = data[: data.rfind(b"\n") + 1]
+        self._metrics_offset += len(data)
+        return data
+
+    def poll(self) -> dict[str, Any]:
+        """New output lines and metrics, the exit status, the port (servers)."""
+        with self._lock:
+            lines = list(self._lines)
+            self._lines.clear()
+            crashed = self._crashed
+            state = {
+                "lines": lines,
+                "metrics": self._new_metrics(),
+                "returncode": self._popen.poll(),
+                "pid": self._popen.pid,
+                "crashed": crashed,
+                "host": self._node_ip,
+                "port": self._port,
+            }
+        if crashed:
+            # The process's output ended before it was marked crashed: all of
+            # it is in this answer.
+            self._drained.set()
+        return state
+
+    def stop(self, timeout: float) -> dict[str, Any]:
+        """SIGTERM to the process group, SIGKILL after ``timeout``; final poll."""
+        with self._lock:
+            self._stopping = True
+        self._drained.set()
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self._popen.pid, sig)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self._popen.wait(timeout)
+        self._reader.join(2.0)
+        state = self.poll()
+        shutil.rmtree(self._dir, ignore_errors=True)
+        return state
+
+
+@dataclasses.dataclass
+class _Member:
+    """The launcher's view of one actor and the process it owns."""
+
+    name: str
+    actor: Any
+    emit: Callable[[str], None]
+    metrics: pathlib.Path | None = None
+    pending: Any = None
+    pids: list[int] = dataclasses.field(default_factory=list)
+    returncode: int | None = None
+    crashed: bool = False
+    port: int | None = None
+    host: str | None = None
+    restarts: int = 0
+    died: str | None = None
+
+    def take(self, state: Mapping[str, Any]) -> None:
+        for line in state["lines"]:
+            self.emit(f"[{self.name}] {line}")
+        if state["metrics"] and self.metrics is not None:
+            with self.metrics.open("ab") as f:
+                f.write(state["metrics"])
+        if state["pid"] not in self.pids:
+            if self.pids:
+                self.restarts += 1
+                self.emit(
+                    f"[launch] {self.name} restarted by Ray "
+                    f"(restart {self.restarts}, pid {state['pid']})"
+                )
+            self.pids.append(state["pid"])
+        self.crashed = state["crashed"]
+        self.returncode = state["returncode"]
+        self.host, self.port = state["host"], state["port"]
+
+
+def _poll_all(members: Sequence[_Member], wait: float) -> None:
+    """Collects every member's state that arrives within ``wait`` seconds."""
+    import ray
+
+    for m in members:
+        if m.pending is None and m.died is None:
+            m.pending = m.actor.poll.remote()
+    pending = [m.pending for m in members if m.pending is not None]
+    if not pending:
+        return
+    ready, _ = ray.wait(pending, num_returns=len(pending), timeout=wait)
+    ready_set = set(ready)
+    for m in members:
+        if m.pending is None or m.pending not in ready_set:
+            continue
+        ref, m.pending = m.pending, None
+        try:
+            m.take(ray.get(ref))
+        except ray.exceptions.RayActorError as e:
+            m.died = str(e).splitlines()[0] if str(e) else type(e).__name__
+
+
+def _stop_all(members: Sequence[_Member], timeout: float) -> None:
+    """Stops every member's process (in parallel), then kills the actors."""
+    import ray
+
+    refs = {}
+    for m in members:
+        if m.died is None:
+            refs[m.actor.stop.remote(timeout)] = m
+    if refs:
+        ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=2 * timeout + 5)
+        for ref in ready:
+            with contextlib.suppress(ray.exceptions.RayError):
+                refs[ref].take(ray.get(ref))
+    for m in members:
+        with contextlib.suppress(ray.exceptions.RayError, ValueError):
+            ray.kill(m.actor, no_restart=True)
+
+
+def _connect(
+    ray_address: str | None, cpus_needed: float, runtime_env: Mapping | None
+) -> bool:
+    """Joins (or starts) a Ray cluster; returns whether this call started Ray."""
+    import ray
+
+    if ray.is_initialized():
+        return False
+    if ray_address is None:
+        # A local cluster, as the local launcher: oversubscribe this machine's
+        # cores rather than leave a worker unplaced.
+        ray.init(
+            num_cpus=max(os.cpu_count() or 1, int(cpus_needed + 0.999)),
+            include_dashboard=False,
+            runtime_env=runtime_env,
+        )
+    else:
+        ray.init(address=ray_address, runtime_env=runtime_env)
+    return True
+
+
+def launch_ray(
+    num_workers: int,
+    *,
+    policy: str = "bsp",
+    steps: int | None = 100,
+    worker_args: Sequence[str] = (),
+    per_worker_args: _local.PerWorkerArgs | None = None,
+    server_args: Sequence[str] = (),
+    plan: str | None = None,
+    global_batch: int | None = None,
+    replan: float | None = None,
+    server_shards: int = 1,
+    split_leaves: bool = False,
+    workdir: str | os.PathLike | None = None,
+    timeout: float | None = None,
+    start_timeout: float = 120.0,
+    shutdown_timeout: float = 10.0,
+    progress: bool = True,
+    log: TextIO | None = None,
+    ray_address: str | None = None,
+    worker_resources: PerWorkerResources | None = None,
+    server_resources: Resources | None = None,
+    max_restarts: int = 3,
+    runtime_env: Mapping[str, Any] | None = None,
+) -> _local.LaunchResult:
+    """Runs a server and ``num_workers`` workers to completion as Ray actors.
+
+    Takes every argument of :func:`hpsjax.launch.launch` (but ``python``: each
+    node runs its own interpreter, where hpsjax must be installed), and:
+
+    Args:
+      ray_address: the cluster to join (``"auto"``, ``"ray://host:10001"``,
+        ``"host:6379"``); ``None`` starts a local one, shut down at the end.
+        When Ray is already initialised in this process, that cluster is used
+        and left running.
+      worker_resources: each worker's resource request, by index (a mapping or
+        a list of dicts), e.g. ``{0: {"num_gpus": 1}, 1:
+        {"accelerator_type:A100": 0.5}}``; ``num_cpus`` is 1 unless given.
+      server_resources: each server shard's resource request (``num_cpus`` 1
+        unless given).
+      max_restarts: how often Ray restarts a worker whose process crashed;
+        0 ends the run at the first crash, as the local launcher does.
+      runtime_env: Ray's runtime environment for the actors (``env_vars``,
+        ``pip``, ...), ``None`` for the cluster's.
+
+    Returns:
+      A :class:`hpsjax.launch.LaunchResult` (``pids`` are every process started,
+      restarted ones included, on whatever node they ran).
+
+    Raises:
+      LaunchError: bad arguments or resources, or a server that was not placed
+        or did not listen within ``start_timeout`` (everything started is
+        stopped first).
+      KeyboardInterrupt: after a clean shutdown, when interrupted.
+    """
+    if workdir is None:
+        arguments = dict(locals())
+        with tempfile.TemporaryDirectory(prefix="hpsjax-launch-") as tmp:
+            return launch_ray(**{**arguments, "workdir": tmp})
+    flags, shared = _local._check_launch(
+        num_workers,
+        steps=steps,
+        worker_args=worker_args,
+        per_worker_args=per_worker_args,
+        server_args=server_args,
+        timeout=timeout,
+        plan=plan,
+        replan=replan,
+        server_shards=server_shards,
+        split_leaves=split_leaves,
+    )
+    resources = _per_worker_resources(worker_resources, num_workers)
+    server_request = _checked(server_resources or {}, "server_resources")
+    if isinstance(max_restarts, bool) or not (
+        isinstance(max_restarts, int) and max_restarts >= 0
+    ):
+        raise _local.LaunchError(
+            f"max_restarts must be an int >= 0, got {max_restarts!r}"
+        )
+    try:
+        import ray
+    except ImportError:
+        raise _local.LaunchError(
+            "the Ray backend needs ray: pip install 'hpsjax[ray]'"
+        ) from None
+
+    out = log if log is not None else sys.stdout
+    lock = threading.Lock()
+    bar = None
+
+    def emit(line: str) -> None:
+        with lock:
+            if bar is not None:
+                bar.write(line, file=out)
+            else:
+                print(line, file=out, flush=True)
+
+    start = time.monotonic()
+    work = pathlib.Path(workdir)
+    work.mkdir(parents=True, exist_ok=True)
+    secret, secret_file, init, shared, plan_server_args, profile_seconds = (
+        _local._prepare_workdir(
+            work, num_workers, shared, flags, plan, replan, global_batch, emit
+        )
+    )
+    # The actors get the files' contents and write them into their own
+    # directories; paths into the work directory become paths into those.
+    files = {"secret.txt": secret, "init.npz": init.read_bytes()}
+    plan_file = work / "plan.json"
+    if plan is not None:
+        files["plan.json"] = plan_file.read_bytes()
+
+    def local(args: Sequence[str]) -> list[str]:
+        return [
+            f"{_ACTOR_DIR}/plan.json" if a == str(plan_file) else str(a) for a in args
+        ]
+
+    shared = local(shared)
+    plan_server_args = local(plan_server_args)
+    shard_args = ["--split_leaves"] if split_leaves else []
+    cpus = server_request.get("num_cpus", 0) * server_shards + sum(
+        r.get("num_cpus", 0) for r in resources
+    )
+    started_ray = _connect(ray_address, cpus, runtime_env)
+    actor_class = ray.remote(_ProcessActor)
+    cwd = os.getcwd()
+    members: list[_Member] = []
+    servers: list[_Member] = []
+    workers: list[_Member] = []
+    monitor = None
+    reason = "completed"
+    try:
+        files_ref = ray.put(files)
+        for shard in range(server_shards):
+            argv = [
+                "-m", "hpsjax.ps._cli", "--init", f"{_ACTOR_DIR}/init.npz",
+                "--secret_file", f"{_ACTOR_DIR}/secret.txt", "--policy", policy,
+                "--host", _NODE_IP, "--port", "0", *map(str, server_args),
+                *(plan_server_args if shard == 0 else []),
+            ]  # fmt: skip
+            name = "server"
+            if server_shards > 1:
+                argv += ["--server_shard", str(shard), "--server_shards",
+                         str(server_shards), *shard_args]  # fmt: skip
+                name = f"server {shard}"
+            actor = actor_class.options(
+                **_actor_options(server_request), max_restarts=0
+            ).remote(name, argv, files_ref, False, cwd)
+            servers.append(_Member(name, actor, emit))
+        members.extend(servers)
+        deadline = time.monotonic() + start_timeout
+        while not all(s.port is not None for s in servers):
+            _poll_all(servers, 0.2)
+            failed = [s for s in servers if s.died or s.returncode is not None]
+            if failed:
+                s = failed[0]
+                what = s.died or f"exited with status {s.returncode}"
+                raise _local.LaunchError(f"the {s.name} {what}")
+            if time.monotonic() > deadline:
+                unplaced = [s.name for s in servers if not s.pids]
+                where = (
+                    f"was not placed (it asks for {server_request}; the cluster "
+                    f"has {ray.available_resources()})"
+                    if unplaced
+                    else "did not listen"
+                )
+                raise _local.LaunchError(
+                    f"the {(unplaced or [servers[0].name])[0]} {where} "
+                    f"within {start_timeout}s"
+                )
+        addresses = [f"{s.host}:{s.port}" for s in servers]
+        if server_shards > 1:
+            where = ["--servers", ",".join(addresses), *shard_args]
+        else:
+            where = ["--host", servers[0].host, "--port", str(servers[0].port)]
+        emit(
+            f"[launch] server{'s' if server_shards > 1 else ''} on "
+            f"{', '.join(addresses)}, starting {num_workers} worker(s) on Ray"
+        )
+        for i in range(num_workers):
+            argv = [
+                "-m", "hpsjax.worker._cli", *where,
+                "--secret_file", f"{_ACTOR_DIR}/secret.txt",
+                "--worker_id", str(i), "--shard_index", str(i),
+                "--shard_count", str(num_workers),
+                "--metrics", f"{_ACTOR_DIR}/metrics.jsonl",
+                *([] if steps is None else ["--max_steps", str(steps)]),
+                *shared, *local(flags[i]),
+            ]  # fmt: skip
+            actor = actor_class.options(
+                **_actor_options(resources[i]),
+                max_restarts=max_restarts,
+                max_task_retries=-1,
+            ).remote(f"worker {i}", argv, files_ref, max_restarts > 0, cwd)
+            metrics = work / f"metrics_{i}.jsonl"
+            metrics.unlink(missing_ok=True)
+            workers.append(_Member(f"worker {i}", actor, emit, metrics))
+        members.extend(workers)
+        monitor = _local._Monitor(servers[0].port, secret, host=servers[0].host)
+        bar = _progress_bar(progress, steps, policy, num_workers, lock)
+        end = None if timeout is None else start + timeout
+        workers_placed_by = time.monotonic() + start_timeout
+        while True:
+            _poll_all(members, 0.2)
+            reason = _run_state(servers, workers, max_restarts)
+            if reason != "running":
+                break
+            if time.monotonic() > workers_placed_by:
+                unplaced = [(i, w) for i, w in enumerate(workers) if not w.pids]
+                if unplaced:
+                    i, w = unplaced[0]
+                    reason = (
+                        f"{w.name} was not placed within {start_timeout}s (it asks "
+                        f"for {resources[i]}; the cluster has "
+                        f"{ray.available_resources()})"
+                    )
+                    break
+            if end is not None and time.monotonic() > end:
+                reason = "timeout"
+                break
+            version = monitor.version
+            if bar is not None and version is not None and version > bar.n:
+                with lock:
+                    bar.update(version - bar.n)
+    except KeyboardInterrupt:
+        reason = "interrupted"
+        raise
+    except BaseException as e:
+        reason = f"launcher error: {e}"
+        raise
+    finally:
+        if monitor is not None:
+            monitor.close()
+        if reason == "completed" and servers:
+            _stop_all(servers, shutdown_timeout)
+        if reason != "completed":
+            emit(f"[launch] stopping everything: {reason}")
+        _stop_all(members, shutdown_timeout)
+        if started_ray:
+            ray.shutdown()
+        if bar is not None:
+            with lock:
+                if monitor is not None and (monitor.version or 0) > bar.n:
+                    bar.update(monitor.version - bar.n)
+                bar.close()
+                bar = None
+    server_codes = tuple(s.returncode for s in servers)
+    unclean = [(s.name, s.returncode) for s in servers if s.returncode != 0]
+    if reason == "completed" and unclean:
+        reason = f"{unclean[0][0]} did not stop cleanly (status {unclean[0][1]})"
+    emit(f"[launch] {reason} in {time.monotonic() - start:.1f}s; workdir {work}")
+    return _local.LaunchResult(
+        returncode=0 if reason == "completed" else 1,
+        reason=reason,
+        server_returncode=server_codes[0] if server_codes else None,
+        worker_returncodes=tuple(w.returncode for w in workers),
+        pids=tuple(pid for m in members for pid in m.pids),
+        port=servers[0].port if servers else None,
+        workdir=str(work),
+        version=None if monitor is None else monitor.version,
+        elapsed=time.monotonic() - start,
+        profile_seconds=profile_seconds,
+        ports=tuple(s.port for s in servers),
+        server_returncodes=server_codes,
+    )
+
+
+def _run_state(
+    servers: Sequence[_Member], workers: Sequence[_Member], max_restarts: int
+) -> str:
+    """``"running"``, ``"completed"``, or what ends the run early."""
+    for i, w in enumerate(workers):
+        if w.died is not None:
+            return (
+                f"worker {i} crashed and Ray's {max_restarts} restart(s) are used "
+                f"up ({w.died})"
+            )
+        if w.returncode not in (None, 0) and not w.crashed:
+            return f"worker {i} exited with status {w.returncode}"
+    if all(w.returncode == 0 for w in workers):
+        return "completed"
+    for s in servers:
+        if s.died is not None:
+            return f"{s.name} died ({s.died})"
+        if s.returncode is not None:
+            return f"{s.name} exited early with status {s.returncode}"
+    return "running"
+
+
+def _progress_bar(
+    progress: bool, steps: int | None, policy: str, num_workers: int, lock
+) -> Any:
+    """A tqdm bar of the server version, or ``None`` (no tqdm, or not asked)."""
+    if not progress:
+        return None
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return None
+    total = None
+    if steps is not None:
+        total = steps if policy in _local._ROUND_POLICIES else steps * num_workers
+    with lock:
+        return tqdm(total=total, desc="versions", unit="v", file=sys.stderr)
+
+
+def add_ray_flags(p: argparse.ArgumentParser) -> None:
+    """Adds ``--backend`` and the Ray backend's flags to ``hpsjax-launch``."""
+    p.add_argument(
+        "--backend",
+        choices=("local", "ray"),
+        default="local",
+        help="local: processes on this machine; ray: actors placed by Ray",
+    )
+    p.add_argument(
+        "--ray_address",
+        help="with --backend ray: the cluster to join (auto, host:6379, "
+        "ray://host:10001); by default a local one is started",
+    )
+    p.add_argument(
+        "--worker_resources",
+        nargs=2,
+        action="append",
+        default=[],
+        metavar=("INDEX", "RESOURCES"),
+        help="with --backend ray: resources for worker INDEX (or all), e.g. "
+        "'num_gpus=1,accelerator_type:A100=1'; repeatable",
+    )
+    p.add_argument(
+        "--server_resources",
+        help="with --backend ray: resources for each server shard, e.g. num_cpus=4",
+    )
+    p.add_argument(
+        "--max_restarts",
+        type=int,
+        default=3,
+        help="with --backend ray: how often Ray restarts a crashed worker",
+    )
+
+
+def backend_from_flags(
+    args: argparse.Namespace,
+) -> Callable[..., _local.LaunchResult] | None:
+    """The Ray launcher with its flags bound, ``None`` for the local backend.
+
+    Raises:
+      ValueError: Ray flags without ``--backend ray``, or bad resources.
+    """
+    if args.backend == "local":
+        given = [
+            flag
+            for flag, value in (
+                ("--ray_address", args.ray_address),
+                ("--worker_resources", args.worker_resources),
+                ("--server_resources", args.server_resources),
+                ("--max_restarts", args.max_restarts != 3),
+            )
+            if value
+        ]
+        if given:
+            raise ValueError(f"{given[0]} needs --backend ray")
+        return None
+    worker_resources = worker_resources_from_flags(args.worker_resources, args.workers)
+    server_resources = (
+        parse_resources(args.server_resources) if args.server_resources else None
+    )
+
+    def run(*a, **kw) -> _local.LaunchResult:
+        return launch_ray(
+            *a,
+            **kw,
+            ray_address=args.ray_address,
+            worker_resources=worker_resources,
+            server_resources=server_resources,
+            max_restarts=args.max_restarts,
+        )
+
+    return run
