@@ -379,7 +379,8 @@ def _stop_all(members: Sequence[_Member], timeout: float) -> None:
 
     refs = {}
     for m in members:
-        if m.died is None:
+        # One never placed has no process yet: killing the actor is enough.
+        if m.died is None and m.pids:
             refs[m.actor.stop.remote(timeout)] = m
     if refs:
         ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=2 * timeout + 5)
@@ -544,7 +545,6 @@ def launch_ray(
     monitor = None
     reason = "completed"
     try:
-        files_ref = ray.put(files)
         for shard in range(server_shards):
             argv = [
                 "-m", "hpsjax.ps._cli", "--init", f"{_ACTOR_DIR}/init.npz",
@@ -559,7 +559,7 @@ def launch_ray(
                 name = f"server {shard}"
             actor = actor_class.options(
                 **_actor_options(server_request), max_restarts=0
-            ).remote(name, argv, files_ref, False, cwd)
+            ).remote(name, argv, files, False, cwd)
             servers.append(_Member(name, actor, emit))
         members.extend(servers)
         deadline = time.monotonic() + start_timeout
@@ -605,7 +605,7 @@ def launch_ray(
                 **_actor_options(resources[i]),
                 max_restarts=max_restarts,
                 max_task_retries=-1,
-            ).remote(f"worker {i}", argv, files_ref, max_restarts > 0, cwd)
+            ).remote(f"worker {i}", argv, files, max_restarts > 0, cwd)
             metrics = work / f"metrics_{i}.jsonl"
             metrics.unlink(missing_ok=True)
             workers.append(_Member(f"worker {i}", actor, emit, metrics))
