@@ -1,10 +1,14 @@
 """``hpsjax-server``: run a parameter server from the command line.
 
 The server needs the model's initial parameters: pass them as an ``.npz`` file of
-named arrays (``numpy.savez``). A name with ``/`` in it makes nested
+named arrays (:func:`hpsjax.models.save_params_npz` writes one; so does
+``hpsjax-worker --write_init``). A name with ``/`` in it makes nested
 dictionaries, so ``{"conv1/kernel": k, "conv1/bias": b, "dense/kernel": d}``
 serves ``{"conv1": {"kernel": k, "bias": b}, "dense": {"kernel": d}}``, the
-structure workers push and pull. Example::
+structure workers push and pull. Or build them from the model itself with
+``--init_from MODEL`` (a built-in name, sized by ``--dataset``, or
+``my_pkg.my_module:make_model``, see :func:`hpsjax.models.resolve_model`), with
+the workers' ``--model_arg`` and ``--model_seed``. Example::
 
     python -c "import numpy as np; np.savez('init.npz', **{'w': np.zeros(10)})"
     head -c 32 /dev/urandom | base64 > secret.txt
@@ -31,6 +35,11 @@ its own arrays (or rows, with ``--split_leaves``), checkpoints under
 take every shard's address in order, ``hpsjax-worker --servers
 hostA:5555,hostB:5555``. Give ``--work_plan`` to shard 0 only: its plan is the
 one the workers follow.
+
+``--metrics_port P`` serves the server's metrics to Prometheus on
+``http://HOST:P/metrics`` (:class:`hpsjax.metrics.ServerMetrics`: version,
+pushes and pulls, staleness histogram, barrier waits, live and dropped workers,
+bytes in and out, apply time, checkpoint age).
 """
 
 from __future__ import annotations
@@ -57,6 +66,7 @@ from hpsjax._logs import quiet_backend_probe
 __all__ = [
     "keep_freed_memory",
     "load_npz_shard",
+    "initial_params",
     "load_npz_tree",
     "main",
     "make_optimizer",
@@ -102,18 +112,13 @@ def nest_named_arrays(named: Mapping[str, Any], source: Any = "the file") -> dic
 def load_npz_tree(path: str | pathlib.Path) -> dict[str, Any]:
     """Loads an ``.npz`` file of named arrays as a nested dict.
 
-    Names are split on ``/`` into nested dictionaries. Object arrays are refused
-    (``allow_pickle=False``): loading never executes code.
-
-    Args:
-      path: the ``.npz`` file.
-
-    Returns:
-      The nested dict of numpy arrays.
+    :func:`hpsjax.models.load_params_npz`, with a hint on how to write such a
+    file when ``path`` is not one. Object arrays are refused: loading never
+    executes code.
 
     Raises:
-      ValueError: the file holds no arrays, or two names clash (``a`` and
-        ``a/b``).
+      ValueError: not an ``.npz`` file, no arrays, or two names that clash
+        (``a`` and ``a/b``).
 
     Examples:
       >>> import tempfile, os
@@ -124,9 +129,10 @@ def load_npz_tree(path: str | pathlib.Path) -> dict[str, Any]:
       >>> sorted(tree), sorted(tree["conv"])
       (['b', 'conv'], ['w'])
     """
+    from hpsjax.models import load_params_npz
+
     _check_is_npz(path)
-    with np.load(path, allow_pickle=False) as data:
-        return nest_named_arrays({name: data[name] for name in data.files}, path)
+    return load_params_npz(path)
 
 
 def _check_is_npz(path: str | pathlib.Path) -> None:
@@ -248,6 +254,52 @@ def _load_members(node: Any) -> Any:
     return node.load() if isinstance(node, _NpzMember) else node
 
 
+def initial_params(
+    model: str,
+    *,
+    model_args: Mapping[str, Any] | None = None,
+    seed: int = 0,
+    dataset: str = "synthetic_digits",
+    dataset_args: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """The initial parameters of a model, as ``hpsjax-worker`` builds it.
+
+    The same as ``hpsjax-worker --model MODEL --write_init`` writes, so a
+    server started with ``--init_from`` serves the workers' model.
+
+    Args:
+      model: a built-in name (sized by ``dataset``'s examples and classes) or
+        ``"package.module:factory"`` (:func:`hpsjax.models.resolve_model`).
+      model_args: further arguments of the model or factory.
+      seed: seed of the initial weights.
+      dataset: the dataset that sizes a built-in model.
+      dataset_args: its arguments.
+
+    Returns:
+      The nested dict of numpy arrays.
+
+    Raises:
+      ValueError: an unknown model or dataset, or bad arguments.
+    """
+    import jax
+
+    from hpsjax import data, models
+
+    input_shape = num_classes = None
+    if ":" not in model:
+        loaded = data.get_dataset(dataset, **dict(dataset_args or {}))
+        input_shape, num_classes = loaded.input_shape, loaded.num_classes
+    resolved = models.resolve_model(
+        model,
+        input_shape=input_shape,
+        num_classes=num_classes,
+        seed=seed,
+        **dict(model_args or {}),
+    )
+    _, params = models.split_model(resolved.model)
+    return jax.tree.map(np.asarray, params)
+
+
 def make_optimizer(
     name: str, learning_rate: float, *, momentum: float = 0.9
 ) -> optax.GradientTransformation:
@@ -283,6 +335,7 @@ _key_value = key_value
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """Parses the command line (see the module docstring)."""
+    from hpsjax import data, models
     from hpsjax.ps import POLICIES
 
     p = argparse.ArgumentParser(
@@ -290,38 +343,82 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         description="Run an hpsjax parameter server.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    p.add_argument("--init", required=True, help=".npz file of initial params")
-    p.add_argument(
+    g = p.add_argument_group("model")
+    init = g.add_mutually_exclusive_group(required=True)
+    init.add_argument("--init", help=".npz file of initial params")
+    init.add_argument(
+        "--init_from",
+        metavar="MODEL",
+        help="build the initial params from this model instead: "
+        f"{', '.join(sorted(models.MODELS))} or package.module:factory",
+    )
+    g.add_argument(
+        "--model_arg",
+        type=_key_value,
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="with --init_from: model argument (JSON value), repeatable",
+    )
+    g.add_argument(
+        "--model_seed",
+        type=int,
+        default=0,
+        help="with --init_from: seed of the initial weights",
+    )
+    g.add_argument(
+        "--dataset",
+        default="synthetic_digits",
+        help="with --init_from a built-in model: the dataset that sizes it: "
+        f"{', '.join(sorted(data.DATASETS))}",
+    )
+    g.add_argument(
+        "--dataset_arg",
+        type=_key_value,
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="with --init_from: dataset argument (JSON value), repeatable",
+    )
+
+    g = p.add_argument_group("shards")
+    g.add_argument(
         "--server_shard",
         type=int,
         help="serve only this shard's key range of the model (0-based)",
     )
-    p.add_argument(
+    g.add_argument(
         "--server_shards",
         type=int,
         default=1,
         help="number of server shards the model is split over by key range",
     )
-    p.add_argument(
+    g.add_argument(
         "--split_leaves",
         action="store_true",
         help="with --server_shards: cut arrays by rows to balance the shards "
         "(the workers need the same flag)",
     )
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    p.add_argument("--port", type=int, default=0, help="port (0: any free one)")
-    p.add_argument("--secret_file", help="file holding the shared secret")
-    p.add_argument(
+
+    g = p.add_argument_group("network and security")
+    g.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    g.add_argument("--port", type=int, default=0, help="port (0: any free one)")
+    g.add_argument("--secret_file", help="file holding the shared secret")
+    g.add_argument(
         "--insecure",
         action="store_true",
         help="allow serving without a secret on a non-loopback address",
     )
-    p.add_argument(
+    g.add_argument("--certfile", help="TLS certificate (PEM); enables TLS")
+    g.add_argument("--keyfile", help="TLS private key (PEM)")
+
+    g = p.add_argument_group("policy and optimizer")
+    g.add_argument(
         "--policy",
         default="asp",
         help=f"synchronisation policy: {', '.join(sorted(POLICIES))}",
     )
-    p.add_argument(
+    g.add_argument(
         "--policy_arg",
         type=_key_value,
         action="append",
@@ -329,7 +426,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         metavar="NAME=VALUE",
         help="policy keyword argument (JSON value), repeatable",
     )
-    p.add_argument(
+    g.add_argument(
         "--core_arg",
         type=_key_value,
         action="append",
@@ -337,62 +434,77 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         metavar="NAME=VALUE",
         help="ServerCore keyword argument (e.g. expected_workers=4), repeatable",
     )
-    p.add_argument(
+    g.add_argument(
         "--optimizer", default="sgd", choices=OPTIMIZERS, help="server optimizer"
     )
-    p.add_argument("--learning_rate", type=float, default=0.1, help="step size")
-    p.add_argument("--momentum", type=float, default=0.9, help="optimizer momentum")
-    p.add_argument("--checkpoint_dir", help="checkpoint (and resume) directory")
-    p.add_argument(
-        "--checkpoint_every_s", type=float, help="seconds between checkpoints"
-    )
-    p.add_argument(
-        "--checkpoint_every_updates", type=int, help="updates between checkpoints"
-    )
-    p.add_argument(
-        "--checkpoint_keep", type=int, default=3, help="checkpoints kept on disk"
-    )
-    p.add_argument(
+    g.add_argument("--learning_rate", type=float, default=0.1, help="step size")
+    g.add_argument("--momentum", type=float, default=0.9, help="optimizer momentum")
+    g.add_argument(
         "--allow_nonfinite",
         action="store_true",
         help="accept updates holding NaN or infinity",
     )
-    p.add_argument(
+
+    g = p.add_argument_group("work plan")
+    g.add_argument(
         "--work_plan",
         help="WorkPlan JSON (hpsjax.profiling.plan): sent to the workers and "
         "re-planned as their measured speeds drift (H-PS)",
     )
-    p.add_argument(
+    g.add_argument(
         "--replan_threshold",
         type=float,
         default=0.2,
         help="relative speed drift that triggers a re-plan",
     )
-    p.add_argument(
+    g.add_argument(
         "--replan_cooldown",
         type=float,
         default=30.0,
         help="least seconds between two re-plans",
     )
-    p.add_argument(
+    g.add_argument(
         "--replan_window",
         type=int,
         default=10,
         help="pushes the speed average spans",
     )
-    p.add_argument("--certfile", help="TLS certificate (PEM); enables TLS")
-    p.add_argument("--keyfile", help="TLS private key (PEM)")
-    p.add_argument(
+
+    g = p.add_argument_group("checkpoints")
+    g.add_argument("--checkpoint_dir", help="checkpoint (and resume) directory")
+    g.add_argument(
+        "--checkpoint_every_s", type=float, help="seconds between checkpoints"
+    )
+    g.add_argument(
+        "--checkpoint_every_updates", type=int, help="updates between checkpoints"
+    )
+    g.add_argument(
+        "--checkpoint_keep", type=int, default=3, help="checkpoints kept on disk"
+    )
+
+    g = p.add_argument_group("metrics")
+    g.add_argument(
+        "--metrics_port",
+        type=int,
+        help="serve Prometheus metrics on http://METRICS_HOST:PORT/metrics "
+        "(0: any free port, printed)",
+    )
+    g.add_argument(
+        "--metrics_host", default="127.0.0.1", help="address of the metrics server"
+    )
+
+    g = p.add_argument_group("process")
+    g.add_argument(
         "--loop", default="auto", choices=("auto", "uvloop", "asyncio"),
         help="event loop (auto: uvloop when installed)",
     )  # fmt: skip
-    p.add_argument(
+    g.add_argument(
         "--malloc_tuning",
         action=argparse.BooleanOptionalAction,
         default=True,
         help="keep freed memory for reuse (see keep_freed_memory)",
     )
-    p.add_argument("--log_level", default="INFO", help="DEBUG, INFO, WARNING, ERROR")
+    g.add_argument("--log_level", default="INFO", help="DEBUG, INFO, WARNING, ERROR")
     return p.parse_args(argv)
 
 
@@ -487,12 +599,29 @@ async def serve(args: argparse.Namespace) -> None:
             "reach the port could push updates; pass --secret_file (or --insecure "
             "to accept that)"
         )
-    if num_shards == 1:
-        params = load_npz_tree(args.init)
-    else:
-        params, partition = load_npz_shard(
-            args.init, shard, num_shards, split_leaves=args.split_leaves
+    if args.init_from is not None:
+        params = initial_params(
+            args.init_from,
+            model_args=dict(args.model_arg),
+            seed=args.model_seed,
+            dataset=args.dataset,
+            dataset_args=dict(args.dataset_arg),
         )
+    if num_shards == 1:
+        if args.init is not None:
+            params = load_npz_tree(args.init)
+    else:
+        if args.init is not None:
+            params, partition = load_npz_shard(
+                args.init, shard, num_shards, split_leaves=args.split_leaves
+            )
+        else:
+            from hpsjax.ps._shards import KeyRangePartition
+
+            partition = KeyRangePartition.from_tree(
+                params, num_shards, split_leaves=args.split_leaves
+            )
+            params = partition.split(params)[shard]
         if checkpoint_dir is not None:
             # Shards may share a file system: each keeps its own checkpoints.
             checkpoint_dir = str(
@@ -523,6 +652,15 @@ async def serve(args: argparse.Namespace) -> None:
             window=args.replan_window,
             cooldown=args.replan_cooldown,
         )
+    metrics = None
+    if args.metrics_port is not None:
+        from hpsjax.metrics import ServerMetrics
+
+        def state() -> dict[str, Any]:
+            # Read at each scrape; the server exists before serving starts.
+            return {"version": server.version, "live_workers": len(server.core.live)}
+
+        metrics = ServerMetrics(state=state)
     server = Server(
         params,
         make_optimizer(args.optimizer, args.learning_rate, momentum=args.momentum),
@@ -539,6 +677,7 @@ async def serve(args: argparse.Namespace) -> None:
         check_finite=not args.allow_nonfinite,
         core_kwargs=core_kwargs,
         replanner=replanner,
+        metrics=metrics,
         **policy_kwargs,
     )
     loop = asyncio.get_running_loop()
@@ -547,13 +686,31 @@ async def serve(args: argparse.Namespace) -> None:
         with contextlib.suppress(NotImplementedError):
             loop.add_signal_handler(sig, stop.set)
     await server.start()
+    if metrics is not None:
+        try:
+            port = metrics.serve(args.metrics_port, args.metrics_host)
+        except (OSError, ValueError) as e:
+            await server.close()
+            raise ValueError(
+                f"cannot serve metrics on {args.metrics_host}:{args.metrics_port}: {e}"
+            ) from None
+        print(
+            f"hpsjax-server metrics on http://{args.metrics_host}:{port}/metrics",
+            flush=True,
+        )
+        if server.resumed_from is not None:
+            metrics.checkpoint_saved()
     print(f"hpsjax-server listening on {args.host}:{server.port}", flush=True)
     if server.resumed_from is not None:
         print(f"hpsjax-server resumed from step {server.resumed_from}", flush=True)
     try:
         await stop.wait()
     finally:
-        await server.close()
+        try:
+            await server.close()
+        finally:
+            if metrics is not None:
+                metrics.stop()
 
 
 def main(argv: Sequence[str] | None = None) -> int:

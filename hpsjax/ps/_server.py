@@ -200,6 +200,8 @@ class Server:
       status_interval: seconds between the INFO status lines (version,
         pushes per second, live workers); 0 logs none. Joins, leaves, drops,
         checkpoints and a resume are logged at INFO too.
+      metrics: a :class:`hpsjax.metrics.ServerMetrics` told of every push,
+        pull, apply, barrier wait, drop and checkpoint, or None (no cost).
       **policy_kwargs: keyword arguments of the policy given by name (e.g.
         ``staleness_bound=2`` for ``"ssp"``).
 
@@ -249,6 +251,7 @@ class Server:
         core_kwargs: Mapping[str, Any] | None = None,
         replanner: Any = None,
         status_interval: float = 60.0,
+        metrics: Any = None,
         **policy_kwargs: Any,
     ):
         self._secret = _secret_bytes(secret)
@@ -323,6 +326,10 @@ class Server:
         self._status_interval = float(status_interval)
         self._status_task: asyncio.Task | None = None
         self._pushes = 0
+        if metrics is not None and not callable(getattr(metrics, "push", None)):
+            raise ValueError("metrics must be a ServerMetrics or None")
+        self._metrics = metrics
+        self._pull_started: dict[tuple[int, int], float] = {}
         meta, _, self._model = _treecodec.tree_to_wire(self._core.params, limits=limits)
         # Shapes and dtypes never change, so the parameters' description is
         # packed once; each version adds only its number.
@@ -677,6 +684,8 @@ class Server:
             self._checkpoint_error = error
         else:
             logger.info("checkpoint written: %s", future.result())
+            if self._metrics is not None:
+                self._metrics.checkpoint_saved()
 
     async def _finish_checkpoints(self) -> None:
         self._save_async()
@@ -911,6 +920,10 @@ class Server:
     def _request(self, session: _Session, frame: Frame) -> None:
         t = frame.msg_type
         rid = frame.request_id
+        if self._metrics is not None and t in (MsgType.PULL, MsgType.PUSH_PULL):
+            if len(self._pull_started) > 65536:  # unanswered ones of lost sessions
+                self._pull_started.clear()
+            self._pull_started[id(session), rid] = self._loop.time()
         if t == MsgType.PULL:
             session.pulls.append((rid, None))
             try:
@@ -1005,6 +1018,7 @@ class Server:
         # The layout was checked against the model before the payload was read
         # (a compressed one decodes to the model's shapes and dtypes), and the
         # values as they arrived: the core need not check them again.
+        started = self._loop.time() if self._metrics is not None else 0.0
         actions = self._core.push(
             session.worker_id,
             update,
@@ -1014,6 +1028,8 @@ class Server:
             **fields,
         )
         self._pushes += 1
+        if self._metrics is not None and any(isinstance(a, Applied) for a in actions):
+            self._metrics.apply(self._loop.time() - started)
         if self._replanner is not None:
             self._observe_speed(session.worker_id, fields)
         ack = None
@@ -1027,6 +1043,8 @@ class Server:
                 force = action
         if ack is None:
             raise ServerError("the policy did not acknowledge the push")
+        if self._metrics is not None:
+            self._metrics.push(staleness=ack.staleness, received_bytes=frame.nbytes)
         ack_meta = {
             "version": ack.version,
             "staleness": ack.staleness,
@@ -1166,6 +1184,10 @@ class Server:
                 if session is None or not session.pulls:
                     continue
                 request_id, ack_meta = session.pulls.popleft()
+                if self._metrics is not None:
+                    started = self._pull_started.pop((id(session), request_id), None)
+                    if started is not None:
+                        self._metrics.barrier_wait(self._loop.time() - started)
                 extra = {"local_steps": action.local_steps}
                 if ack_meta is not None:
                     extra["ack"] = ack_meta
@@ -1188,6 +1210,8 @@ class Server:
                     action.reason,
                     len(self._core.live),
                 )
+                if self._metrics is not None:
+                    self._metrics.worker_dropped()
                 if session is not None:
                     session.joined = False
                     error = WorkerDropped(action.reason)
@@ -1268,6 +1292,11 @@ class Server:
             return
         frame = self._params_frame(extra)
         session.protocol.send(frame.parts(request_id), frame.nbytes)
+        if self._metrics is not None:
+            if request_id:
+                self._metrics.pull(sent_bytes=frame.nbytes)
+            else:  # a subscriber's parameters
+                self._metrics.transfer(sent_bytes=frame.nbytes)
 
     def _publish(self) -> None:
         for session in self._connections:
@@ -1306,6 +1335,8 @@ class Server:
             logger.info(
                 "worker %r left (%d live)", session.worker_id, len(self._core.live)
             )
+            if self._metrics is not None:
+                self._metrics.worker_dropped()
             self._carry_out(actions)
 
     def _on_lost(self, session: _Session, error: HpsError) -> None:

@@ -1,0 +1,118 @@
+"""Metrics where users look at them: Prometheus on the server, TensorBoard
+event files of workers and experiments, the summary of a run's files."""
+
+from __future__ import annotations
+
+import asyncio
+import urllib.request
+
+import numpy as np
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from test_server import SECRET, _run, _update
+
+from hpsjax.ps import _cli as server_cli
+from hpsjax.ps._client import Client
+
+
+def _scrape(port: int) -> dict[str, float]:
+    """``{sample name with labels: value}`` of the server's ``/metrics``."""
+    url = f"http://127.0.0.1:{port}/metrics"
+    with urllib.request.urlopen(url, timeout=10) as response:
+        text = response.read().decode()
+    samples = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()))
+            samples[sample.name + (f"{{{labels}}}" if labels else "")] = sample.value
+    return samples
+
+
+async def _start(args, capsys) -> tuple[asyncio.Task, int, int]:
+    """Starts ``hpsjax-server`` in this loop; returns (task, port, metrics port)."""
+    task = asyncio.create_task(server_cli.serve(args))
+    out = ""
+    while "listening on" not in out:
+        await asyncio.sleep(0.05)
+        out += capsys.readouterr().out
+        if task.done():
+            task.result()
+    port = int(out.split("listening on ")[1].split()[0].rsplit(":", 1)[1])
+    metrics_port = int(out.split("/metrics")[0].rsplit(":", 1)[1])
+    return task, port, metrics_port
+
+
+def test_server_serves_prometheus_metrics(tmp_path, capsys):
+    init = tmp_path / "init.npz"
+    np.savez(init, **{"b": np.zeros(3, np.float32), "w": np.zeros((4, 3), np.float32)})
+    (tmp_path / "secret").write_bytes(SECRET)
+    args = server_cli.parse_args(
+        ["--init", str(init), "--secret_file", str(tmp_path / "secret"),
+         "--metrics_port", "0", "--checkpoint_dir", str(tmp_path / "ckpt"),
+         "--checkpoint_every_updates", "1", "--log_level", "WARNING"]
+    )  # fmt: skip
+
+    async def main():
+        task, port, metrics_port = await _start(args, capsys)
+        scrape = lambda: asyncio.to_thread(_scrape, metrics_port)
+        before = await scrape()
+        assert before["hpsjax_server_version"] == 0
+        assert before["hpsjax_server_pushes_total"] == 0
+        assert "hpsjax_server_checkpoint_age_seconds" not in before
+        async with (
+            Client("127.0.0.1", port, worker_id="a", secret=SECRET) as a,
+            Client("127.0.0.1", port, worker_id="b", secret=SECRET) as b,
+        ):
+            _, va = await a.pull()
+            _, vb = await b.pull()
+            for _ in range(3):  # a pushes three times on fresh parameters
+                await a.push(_update(1.0), version=va)
+                _, va = await a.pull()
+            await b.push(_update(1.0), version=vb)  # three versions behind
+            during = await scrape()
+        assert during["hpsjax_server_version"] == 4
+        assert during["hpsjax_server_live_workers"] == 2
+        assert during["hpsjax_server_pushes_total"] == 4
+        assert during["hpsjax_server_pulls_total"] == 5
+        assert during["hpsjax_server_received_bytes_total"] > 4 * 15 * 4
+        assert during["hpsjax_server_sent_bytes_total"] > 5 * 15 * 4
+        # Staleness 0 three times, 3 once.
+        assert during["hpsjax_server_staleness_bucket{le=0.0}"] == 3
+        assert during["hpsjax_server_staleness_bucket{le=2.0}"] == 3
+        assert during["hpsjax_server_staleness_bucket{le=4.0}"] == 4
+        assert during["hpsjax_server_staleness_sum"] == 3
+        assert during["hpsjax_server_apply_seconds_count"] == 4
+        assert during["hpsjax_server_barrier_wait_seconds_count"] == 5
+        after = await scrape()
+        for _ in range(100):  # the checkpoint is written by its own thread
+            if "hpsjax_server_checkpoint_age_seconds" in after:
+                break
+            await asyncio.sleep(0.05)
+            after = await scrape()
+        assert 0 <= after["hpsjax_server_checkpoint_age_seconds"] < 60
+        assert after["hpsjax_server_live_workers"] == 0
+        assert after["hpsjax_server_dropped_workers_total"] == 2
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        with pytest.raises(OSError):  # stopped with the server
+            _scrape(metrics_port)
+
+    _run(main, loop="asyncio")
+
+
+def test_metrics_port_in_use_is_one_line(tmp_path, capsys):
+    import socket
+
+    init = tmp_path / "init.npz"
+    np.savez(init, w=np.zeros(2, np.float32))
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        code = server_cli.main(
+            ["--init", str(init), "--metrics_port", str(port), "--loop", "asyncio"]
+        )
+    err = capsys.readouterr().err
+    assert code == 2 and "cannot serve metrics" in err
+    assert len(err.strip().splitlines()) == 1
