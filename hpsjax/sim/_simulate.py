@@ -74,7 +74,27 @@ from hpsjax.ps._errors import HpsError, WorkerDropped
 from hpsjax.ps._policies import ADSP, Hybrid, Policy, get_policy
 from hpsjax.sim._engine import DeferredLeaves, Engine, IndexStream, Round
 from hpsjax.sim._workers import WorkerSpec, finish_time
-from hpsjax.transforms._staleness import STALENESS_POLICIES, staleness_factor
+from hpsjax.transforms._staleness import STALENESS_POLICIES
+from hpsjax.worker._core import (
+    Acked,
+    Compute,
+    Computed,
+    Discard,
+    Dropped,
+    ForcePulled,
+    Join,
+    Joined,
+    KeepParams,
+    Left,
+    PlanChanged,
+    Pull,
+    Pulled,
+    Push,
+    Report,
+    Reported,
+    Stop,
+    WorkerCore,
+)
 
 __all__ = [
     "OVERLAP_MODES",
@@ -432,60 +452,37 @@ class SimResult:
         return 0.0 if total <= 0 else 1.0 - busy / total
 
 
-_IDLE, _BLOCKED, _COMPUTING, _GONE = range(4)
-
-# Smoothing of a worker's estimates of its compute and pull times, as the
-# worker runtime keeps them to decide whether another eager pull fits.
-_EWMA_ALPHA = 0.3
-
-
 class _Worker:
-    """A simulated worker's mutable state."""
+    """A simulated worker: its decisions (a :class:`~hpsjax.worker.WorkerCore`),
+    its rounds in the engine, its link and its timeline."""
 
     __slots__ = (
-        "batch_size",
         "blocked_since",
         "blocked_spans",
         "bytes_received",
         "bytes_sent",
-        "compute_ewma",
         "compute_spans",
-        "discard",
+        "core",
         "down_free",
-        "epoch",
         "het",
-        "hint",
         "id",
         "index",
         "join_time",
-        "known_version",
         "latency",
-        "local_steps",
-        "lr_scale",
         "params",
-        "pending",
-        "pull_ewma",
-        "pull_in_flight",
-        "pull_sent",
-        "pulls",
         "rng",
-        "round",
-        "round_span",
-        "round_start",
-        "round_version",
+        "rounds",
         "server_wait_since",
         "server_waits",
-        "session",
         "slowdown",
+        "spans",
         "spec",
-        "state",
         "stream",
         "transfer_spans",
         "up_free",
-        "version",
     )
 
-    def __init__(self, index, worker_id, spec, rng, stream):
+    def __init__(self, index, worker_id, spec, rng, stream, core):
         self.index = index
         self.id = worker_id
         self.spec = spec
@@ -495,27 +492,10 @@ class _Worker:
         self.join_time = float(spec.join_time)
         self.rng = rng
         self.stream = stream
-        self.batch_size = spec.batch_size
-        self.local_steps = spec.local_steps
-        self.lr_scale = float(spec.lr_scale)
-        self.hint = None
+        self.core = core
         self.params = None
-        self.version = -1
-        self.known_version = 0
-        self.state = _IDLE
-        self.session = 0
-        self.epoch = 0
-        self.round = None
-        self.round_start = 0.0
-        self.round_version = 0
-        self.round_span = None
-        self.discard = False
-        self.pending = None
-        self.pull_in_flight = False
-        self.pull_sent = 0.0
-        self.pulls = 0
-        self.compute_ewma = None
-        self.pull_ewma = None
+        self.rounds: dict[int, Round] = {}  # computing or waiting to be pushed
+        self.spans: dict[int, list] = {}  # their compute spans
         self.blocked_since = None
         self.server_wait_since = None
         self.up_free = 0.0
@@ -526,6 +506,10 @@ class _Worker:
         self.blocked_spans: list[tuple[float, float]] = []
         self.server_waits: list[tuple[float, float]] = []
         self.transfer_spans: list[Interval] = []
+
+    @property
+    def session(self) -> int:
+        return self.core.session
 
     def bandwidth(self, now: float) -> float | None:
         if self.het is None:
@@ -628,6 +612,17 @@ class _Simulation:
                     spec,
                     np.random.default_rng([seed, 0, i]),
                     IndexStream(indices, (seed, 1, i)),
+                    WorkerCore(
+                        device_batches=(spec.batch_size,),
+                        local_steps=spec.local_steps,
+                        lr_scale=float(spec.lr_scale),
+                        pushes_gradients=not local,
+                        pipeline=config.overlap != "none",
+                        eager_pulls=config.eager_pulls
+                        if config.overlap == "eager"
+                        else 1,
+                        staleness_lr=config.staleness_lr,
+                    ),
                 )
             )
         self.by_id = {w.id: w for w in self.workers}
@@ -635,9 +630,9 @@ class _Simulation:
             self._apply_plan(work_plan)
         if not local:
             for w in self.workers:
-                if w.local_steps > 1:
+                if w.core.plan_steps > 1:
                     raise ValueError(
-                        f"worker {w.id!r} takes {w.local_steps} local steps; more "
+                        f"worker {w.id!r} takes {w.core.plan_steps} local steps; more "
                         "than one local step needs a worker_optimizer."
                     )
 
@@ -672,7 +667,7 @@ class _Simulation:
             worker_optimizer=config.worker_optimizer,
             push_transform=config.push_transform,
             batch_rows=config.batch_rows,
-            batch_sizes=tuple(w.batch_size for w in self.workers),
+            batch_sizes=tuple(w.core.device_batches[0] for w in self.workers),
             seed=seed,
         )
         # Workers compute on a version only when the engine evaluates their
@@ -699,9 +694,6 @@ class _Simulation:
         )
         self.pull_bytes = tree_wire_nbytes(params)
         self.push_bytes = _push_bytes(params, config, self.pull_bytes)
-        self.overlap = config.overlap != "none"
-        self.eager_pulls = config.eager_pulls if config.overlap == "eager" else 1
-        self._factors: dict[int, float] = {}
         # The server averages buffered updates weighted by their samples. When
         # every push carries the same number, the weights cancel; leaving them
         # out then gives the same average and spares the server a rescaling of
@@ -709,7 +701,8 @@ class _Simulation:
         self.weigh_samples = (
             self.replanner is not None
             or type(policy).local_steps is not Policy.local_steps
-            or len({w.batch_size * w.local_steps for w in self.workers}) > 1
+            or len({w.core.device_batches[0] * w.core.plan_steps for w in self.workers})
+            > 1
         )
 
         self.heap: list = []
@@ -721,7 +714,6 @@ class _Simulation:
         self.leaves_version = -1
         self.version_leaves = None
         self.gradients = 0
-        self.drops = 0
         self.errors: list[str] = []
         self.pushes: list[PushRecord] = []
         self.applies: list[ApplyRecord] = []
@@ -778,143 +770,85 @@ class _Simulation:
     # "eager" pulls again while the running compute leaves time for another
     # round trip, so the next round starts on fresher parameters.
 
+    def _carry_out_worker(self, w: _Worker, actions: list, leaves=None) -> None:
+        """Carries out a worker core's actions (``leaves``: of the parameters
+        that the event handled brought)."""
+        for action in actions:
+            kind = type(action)
+            if kind is Compute:
+                self._start_round(w, action)
+            elif kind is Push:
+                self._send_push(w, w.rounds.pop(action.round), action)
+            elif kind is Pull:
+                self._send_pull(w, action.session)
+            elif kind is KeepParams:
+                w.params = leaves
+            elif kind is Discard:
+                self.engine.cancel(w.rounds.pop(action.round))
+                w.spans.pop(action.round)[2] = "discarded"
+            elif kind is Report:
+                self._report(w, action)
+            elif kind is Join:
+                self.schedule(self.now + w.latency, self._server_join, w, w.session)
+            elif kind is Stop:
+                self.schedule(self.now + w.latency, self._server_leave, w)
+            else:
+                raise TypeError(f"unexpected worker action {action!r}")
+
     def _worker_join(self, w: _Worker) -> None:
-        w.session += 1
-        w.state = _BLOCKED
         w.blocked_since = self.now
-        w.pull_in_flight = True
-        w.pull_sent = self.now
-        self.schedule(self.now + w.latency, self._server_join, w, w.session)
+        self._carry_out_worker(w, w.core.handle(Joined(self.now)))
 
     def _worker_leave(self, w: _Worker) -> None:
-        if w.state == _GONE:
-            return
         now = self.now
-        if w.state == _COMPUTING:
-            self.engine.cancel(w.round)
-            w.round_span[1] = now
-            w.round_span[2] = "discarded"
-            w.round = None
-            w.epoch += 1
+        computing = w.core.current
+        if computing is not None:
+            w.spans[computing.round][1] = now
         elif w.blocked_since is not None:
             w.blocked_spans.append((w.blocked_since, now))
             w.blocked_since = None
-        w.pending = None
-        w.state = _GONE
-        w.session += 1
-        self.schedule(now + w.latency, self._server_leave, w)
+        self._carry_out_worker(w, w.core.handle(Left(now)))
 
-    def _block(self, w: _Worker) -> None:
-        w.state = _BLOCKED
-        w.blocked_since = self.now
-
-    def _start_round(self, w: _Worker) -> None:
+    def _start_round(self, w: _Worker, compute: Compute) -> None:
         now = self.now
         if w.blocked_since is not None:
             w.blocked_spans.append((w.blocked_since, now))
             w.blocked_since = None
-        if self.overlap:
-            w.pulls = 0
-            if w.pending is not None:
-                r, version, step_time = w.pending
-                w.pending = None
-                self._send_push(w, r, version, step_time, with_pull=False)
-            self._send_pull(w)
-        steps = w.hint if w.hint is not None else w.local_steps
-        if steps > 1 and not self.local:
-            raise ValueError(
-                f"worker {w.id!r} was asked for {steps} local steps per push; that "
-                "needs a worker_optimizer."
-            )
-        batch = w.batch_size
+        batch, steps = compute.batch_size, compute.local_steps
         durations = w.spec.compute.draw(w.rng, batch, steps)
         end = w.join_time + finish_time(w.slowdown, now - w.join_time, durations)
-        w.round = self.engine.submit(
-            Round(w.index, w.params, steps, batch, w.lr_scale, w.stream)
+        w.rounds[compute.round] = self.engine.submit(
+            Round(w.index, w.params, steps, batch, compute.lr_scale, w.stream)
         )
-        w.round_start = now
-        w.round_version = w.version
-        w.round_span = [now, end, "compute"]
-        w.compute_spans.append(w.round_span)
-        w.discard = False
-        w.state = _COMPUTING
-        w.epoch += 1
-        self.schedule(end, self._compute_done, w, w.epoch)
+        span = w.spans[compute.round] = [now, end, "compute"]
+        w.compute_spans.append(span)
+        self.schedule(end, self._compute_done, w, compute.round)
 
-    def _compute_done(self, w: _Worker, epoch: int) -> None:
-        if epoch != w.epoch:
-            return
-        now = self.now
-        r = w.round
-        w.round = None
-        step_time = now - w.round_start
-        w.compute_ewma = (
-            step_time
-            if w.compute_ewma is None
-            else w.compute_ewma + _EWMA_ALPHA * (step_time - w.compute_ewma)
-        )
-        if w.discard:
-            # The server asked for fresh parameters (or dropped the worker)
-            # while this round computed on old ones: it is thrown away.
-            w.discard = False
-            w.round_span[2] = "discarded"
-            self.engine.cancel(r)
-            r = None
-        elif self.replanner is not None:
+    def _compute_done(self, w: _Worker, round_: int) -> None:
+        current = w.core.current
+        if current is None or current.round != round_:
+            return  # thrown away as the worker left
+        w.blocked_since = self.now
+        step_time = self.now - w.spans[round_][0]
+        actions = w.core.handle(Computed(round_, self.now, step_time))
+        self._carry_out_worker(w, actions)
+
+    def _report(self, w: _Worker, report: Report) -> None:
+        if self.replanner is not None:
             revised = self.replanner.observe(
-                w.id, r.batch_size, max(step_time / r.steps, 1e-12), now
+                w.id, report.batch_size, report.time_per_step, report.now
             )
             if revised is not None:
                 self._apply_plan(revised)
-        if not self.overlap:
-            if r is not None:
-                self._send_push(w, r, w.round_version, step_time, with_pull=True)
-            elif not w.pull_in_flight:
-                # Discarded on a drop, and the rejoin's parameters are in.
-                self._block(w)
-                self._start_round(w)
-                return
-            self._block(w)
-            return
-        if r is not None:
-            w.pending = (r, w.round_version, step_time)
-        if w.pull_in_flight:
-            self._block(w)
-        else:
-            self._start_round(w)
+        self._carry_out_worker(w, w.core.handle(Reported(self.now)))
 
-    def _factor(self, tau: int) -> float:
-        factor = self._factors.get(tau)
-        if factor is None:
-            factor = self._factors[tau] = float(
-                staleness_factor(self.config.staleness_lr, tau)
-            )
-        return factor
-
-    def _send_push(self, w, r, version, step_time, *, with_pull) -> None:
+    def _send_push(self, w: _Worker, r: Round, push: Push) -> None:
         if not r.done:
             self.engine.flush()
-        factor = 1.0
-        if self.config.staleness_lr is not None:
-            # PS+: scaled when sent, by the staleness the worker can tell from
-            # the newest version it heard of.
-            factor = self._factor(max(0, w.known_version - version))
-        job = self.engine.prepare_push(w.index, r.update, factor)
+        job = self.engine.prepare_push(w.index, r.update, push.lr_factor)
         arrival = self._send_up(w, self.push_bytes, "push")
-        if with_pull:
-            w.pull_in_flight = True
-            w.pull_sent = self.now
         self.schedule(
-            arrival,
-            self._server_push,
-            w,
-            w.session,
-            r,
-            job,
-            version,
-            step_time,
-            with_pull,
-            self.now,
+            arrival, self._server_push, w, push.session, r, job, push, self.now
         )
         self.gradients += r.steps
         if self.config.max_gradients is not None and (
@@ -922,77 +856,24 @@ class _Simulation:
         ):
             self.stop = True
 
-    def _send_pull(self, w: _Worker) -> None:
-        w.pull_in_flight = True
-        w.pull_sent = self.now
-        w.pulls += 1
+    def _send_pull(self, w: _Worker, session: int) -> None:
         # On one connection a request queues behind the push being sent.
         start = max(self.now, w.up_free)
-        self.schedule(start + w.latency, self._server_pull, w, w.session)
+        self.schedule(start + w.latency, self._server_pull, w, session)
 
     def _params_arrive(self, w, session, leaves, version, hint) -> None:
-        if session != w.session:
-            return
-        now = self.now
-        w.pull_in_flight = False
-        took = now - w.pull_sent
-        w.pull_ewma = (
-            took
-            if w.pull_ewma is None
-            else w.pull_ewma + _EWMA_ALPHA * (took - w.pull_ewma)
-        )
-        if version >= w.version:
-            w.params = leaves
-            w.version = version
-            w.known_version = max(w.known_version, version)
-        if hint is not None:
-            w.hint = hint
-        if w.state == _BLOCKED:
-            self._start_round(w)
-        elif (
-            w.state == _COMPUTING
-            and w.pulls < self.eager_pulls
-            and w.compute_ewma is not None
-            and w.compute_ewma - (now - w.round_start) >= 2.0 * w.pull_ewma
-        ):
-            self._send_pull(w)
+        event = Pulled(session, version, self.now, local_steps=hint)
+        self._carry_out_worker(w, w.core.handle(event), leaves)
 
     def _ack_arrive(self, w, session, version, hint) -> None:
-        if session != w.session:
-            return
-        w.known_version = max(w.known_version, version)
-        if hint is not None:
-            w.hint = hint
+        event = Acked(session, version, self.now, local_steps=hint)
+        self._carry_out_worker(w, w.core.handle(event))
 
     def _force_arrive(self, w, session) -> None:
-        if session != w.session or not self.overlap:
-            # Without overlap the pull that follows the push brings fresh
-            # parameters and nothing was computed meanwhile.
-            return
-        self._discard_current(w)
-
-    def _discard_current(self, w: _Worker) -> None:
-        """Throws away the round computing now, or the one waiting to be pushed."""
-        if w.state == _COMPUTING:
-            w.discard = True
-        elif w.pending is not None:
-            self.engine.cancel(w.pending[0])
-            w.pending = None
-            for span in reversed(w.compute_spans):
-                if span[2] == "compute":
-                    span[2] = "discarded"
-                    break
+        self._carry_out_worker(w, w.core.handle(ForcePulled(session)))
 
     def _dropped_arrive(self, w, session) -> None:
-        if session != w.session or w.state == _GONE:
-            return
-        self.drops += 1
-        self._discard_current(w)
-        w.session += 1
-        w.hint = None
-        w.pull_in_flight = True
-        w.pull_sent = self.now
-        self.schedule(self.now + w.latency, self._server_join, w, w.session)
+        self._carry_out_worker(w, w.core.handle(Dropped(session, self.now)))
 
     def _send_up(self, w: _Worker, nbytes: int, kind: str) -> float:
         now = self.now
@@ -1042,9 +923,7 @@ class _Simulation:
             return
         self._carry_out(actions)
 
-    def _server_push(
-        self, w, session, r, job, version, step_time, with_pull, sent
-    ) -> None:
+    def _server_push(self, w, session, r, job, push, sent) -> None:
         if session != w.session:
             return
         now = self.now
@@ -1052,13 +931,14 @@ class _Simulation:
         if not job.done:
             self.engine.finish_pushes()
         loss = r.loss if math.isfinite(r.loss) else None
+        version = push.version
         try:
             actions = core.push(
                 w.id,
                 self.engine.tree(job.update),
                 version=version,
                 now=now,
-                step_time=step_time,
+                step_time=push.step_time,
                 num_samples=r.batch_size * r.steps if self.weigh_samples else None,
                 local_steps=r.steps,
                 loss=loss,
@@ -1119,7 +999,7 @@ class _Simulation:
             # The worker's staged optimizer moved on (a flat loss): it reports
             # its stage with the push and the server follows.
             self._carry_out(core.set_stage(r.stage, now))
-        if with_pull and session == w.session:
+        if push.with_pull and session == w.session:
             try:
                 actions = core.pull(w.id, now)
             except HpsError as err:
@@ -1236,9 +1116,13 @@ class _Simulation:
                 ) from None
             if p.batch_size < 1:
                 raise ValueError(f"the work plan gives worker {w.id!r} an empty batch.")
-            w.batch_size = p.batch_size
-            w.local_steps = p.local_steps
-            w.lr_scale = float(p.lr_scale)
+            w.core.handle(
+                PlanChanged(
+                    device_batches=(p.batch_size,),
+                    local_steps=p.local_steps,
+                    lr_scale=float(p.lr_scale),
+                )
+            )
         self.plans.append(work_plan)
 
     # ------------------------------------------------------------ evaluation
@@ -1305,7 +1189,7 @@ class _Simulation:
     def _result(self, end: float, wall: float) -> SimResult:
         self._resolve()
         for w in self.workers:
-            if w.state == _BLOCKED and w.blocked_since is not None:
+            if w.blocked_since is not None:
                 w.blocked_spans.append((w.blocked_since, end))
             if w.server_wait_since is not None:
                 w.server_waits.append((w.server_wait_since, end))
@@ -1324,7 +1208,7 @@ class _Simulation:
             num_gradients=self.gradients,
             evaluated_gradients=self.engine.evaluations,
             padded_gradients=self.engine.padded_evaluations,
-            drops=self.drops,
+            drops=sum(w.core.drops for w in self.workers),
             errors=tuple(self.errors),
             work_plans=tuple(self.plans),
             params=self.core.params,

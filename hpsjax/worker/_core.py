@@ -1,0 +1,712 @@
+r"""The worker's decisions, without I/O: :class:`WorkerCore`.
+
+:class:`WorkerCore` is to a worker what :class:`hpsjax.ps.ServerCore` is to the
+server (and websockets' ``Protocol`` to its front ends): a state machine that
+is fed **events** (what happened, with the time it happened at) and answers
+with **actions** (what to do next). It reads no clock, does no I/O and runs no
+model: the asyncio :class:`hpsjax.worker.Worker` (a compute thread, a
+connection) and the simulator's workers (a virtual clock, a batched engine)
+only carry its actions out, so the simulator's answer is an answer about the
+real worker.
+
+Events (:meth:`WorkerCore.handle` takes one, returns a list of actions)::
+
+  Joined(now)                    start: join
+  Pulled(session, version, now, local_steps)   parameters of ``version``
+                                 arrived (with a local-steps hint or None)
+  Computed(round, now, step_time, loss, local_steps, stage)
+  Acked(session, version, now, local_steps, force_pull)
+  PlanChanged(revision, device_batches, local_steps, lr_scale)
+  StepsHinted(local_steps)       the server's local-steps hint
+  ForcePulled(session)           the server asks to give up local work
+  Dropped(session, now)          the server dropped this worker
+  Reported(now)                  the Report was carried out: go on
+  Left(now)                      the worker leaves (its run ends)
+  StopRequested()                end after the current round
+
+Actions::
+
+  Pull(session, eager)           pull (``eager``: while computing, PS+)
+  KeepParams(version)            the parameters just pulled are the newest:
+                                 compute the next round on them
+  Compute(round, version, device_batches, local_steps, lr_scale)
+  Push(round, session, version, step_time, num_samples, local_steps, loss,
+       stage, lr_factor, staleness_estimate, with_pull, final)
+  Discard(round)                 throw the round's update away
+  Report(batch_size, time_per_step, now)   a measured round, for a replanner;
+                                 answer with Reported before anything else
+  Join(session)                  join (a pull): on starting, again after a drop
+  Stop(reason)                   nothing more follows
+
+The rules it owns:
+
+* **Rounds.** A round computes :math:`H` local steps of batch :math:`b` on the
+  newest parameters the worker holds, then its update is pushed. Without
+  ``pipeline`` the push and the next pull are one round trip after the compute
+  (``Push(with_pull=True)``). With ``pipeline`` (H-PS, PS+) a round starts by
+  pushing the previous round's update and, behind it, pulling; both travel
+  while the round computes, and the next round starts once the compute is done
+  and the pull answered.
+* **Eager pulls (PS+).** While a round computes, a pull that arrived early is
+  followed by another when the compute left, by the EWMA of compute times
+  :math:`\bar c`, still covers two pull times: :math:`\bar c - (t -
+  t_\text{start}) \ge 2 \bar p`, up to ``eager_pulls`` pulls a round.
+  Parameters older than the ones held are ignored.
+* **Speed estimates.** EWMAs (weight :data:`EWMA_ALPHA`) of the compute time of
+  a round and of the time a pull takes.
+* **Staleness estimate and step-size modulation (PS+).** An update computed on
+  version :math:`v` is scaled when sent by :math:`f(\hat\tau)`,
+  :math:`\hat\tau = V_\text{known} - v`, :math:`V_\text{known}` the newest
+  version heard of (pulls and acknowledgements).
+* **Forced pulls (SaPS) and drops.** With ``pipeline`` a forced pull discards
+  the round computing (or the one waiting to be pushed); a drop discards it
+  too, and the worker rejoins (a pull in a new *session*: answers to the old
+  one are ignored), however often it is dropped.
+* **Plans and hints.** A newer plan revision sets the batch per device, the
+  local steps and the step-size scale (one global factor: batch weighting is
+  the server's sample-weighted average) from the next round; a local-steps
+  hint (ADSP, hybrid stages) overrides the plan's steps. A worker that pushes
+  gradients takes one step a round whatever it is told.
+* **Stages (ASHL).** The stage the worker's staged optimizer is in after a
+  round travels with the round's push.
+* **Replanning.** Every kept round is reported (batch, seconds per step).
+* **The end.** At the start of a round: a stop was requested, ``max_steps``
+  rounds were computed, ``max_seconds`` passed, or the parameters reached
+  ``until_version``; the update waiting to be pushed is then flushed.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Callable
+from typing import Any, ClassVar, NamedTuple
+
+__all__ = [
+    "EWMA_ALPHA",
+    "Acked",
+    "Compute",
+    "Computed",
+    "Discard",
+    "Dropped",
+    "ForcePulled",
+    "Join",
+    "Joined",
+    "KeepParams",
+    "Left",
+    "PlanChanged",
+    "Pull",
+    "Pulled",
+    "Push",
+    "Report",
+    "Reported",
+    "StepsHinted",
+    "Stop",
+    "StopRequested",
+    "WorkerCore",
+    "ewma",
+]
+
+EWMA_ALPHA = 0.3
+"""Weight of a new sample in the worker's estimates of compute and pull times."""
+
+
+def ewma(old: float | None, sample: float, alpha: float = EWMA_ALPHA) -> float:
+    """An exponentially weighted moving average: ``sample`` when ``old`` is None."""
+    return sample if old is None else old + alpha * (sample - old)
+
+
+# ------------------------------------------------------------------ events
+
+
+class Joined(NamedTuple):
+    """The worker starts (connected): it joins (a pull)."""
+
+    now: float
+
+
+class Pulled(NamedTuple):
+    """Parameters of ``version`` arrived, answering a pull of ``session``, with
+    the server's local-steps hint if it sent one."""
+
+    session: int
+    version: int
+    now: float
+    local_steps: int | None = None
+
+
+class Computed(NamedTuple):
+    """Round ``round`` finished computing.
+
+    ``step_time`` is its compute time (s), ``loss`` its mean training loss,
+    ``local_steps`` the steps it took, ``stage`` the staged optimizer's stage
+    after it; ``None`` where not known yet (the simulator evaluates rounds
+    lazily: its driver fills them in at the push).
+    """
+
+    round: int
+    now: float
+    step_time: float
+    loss: float | None = None
+    local_steps: int | None = None
+    stage: int | None = None
+
+
+class Acked(NamedTuple):
+    """A push of ``session`` was acknowledged at server ``version``, with the
+    server's local-steps hint and forced pull if it sent them."""
+
+    session: int
+    version: int
+    now: float
+    local_steps: int | None = None
+    force_pull: bool = False
+
+
+class PlanChanged(NamedTuple):
+    """A plan for this worker; ``None`` fields keep their value. A revision not
+    newer than the one followed is ignored (``None``: always newer)."""
+
+    revision: int | None = None
+    device_batches: tuple[int, ...] | None = None
+    local_steps: int | None = None
+    lr_scale: float | None = None
+
+
+class StepsHinted(NamedTuple):
+    """The server's hint of local steps per push (ADSP, hybrid stages)."""
+
+    local_steps: int
+
+
+class ForcePulled(NamedTuple):
+    """The server asks the worker to give up its local work (SaPS)."""
+
+    session: int
+
+
+class Dropped(NamedTuple):
+    """The server dropped the worker (a missed deadline)."""
+
+    session: int
+    now: float
+
+
+class Left(NamedTuple):
+    """The worker leaves: the round computing is thrown away, nothing follows."""
+
+    now: float
+
+
+class Reported(NamedTuple):
+    """The :class:`Report` was carried out (a replanner, if any, was fed and
+    its plan handed over): the round's push and the next round follow."""
+
+    now: float
+
+
+class StopRequested(NamedTuple):
+    """End after the current round (the update computed is still pushed)."""
+
+
+# ------------------------------------------------------------------ actions
+
+
+class Pull(NamedTuple):
+    """Pull the parameters; ``eager``: a further pull while computing."""
+
+    session: int
+    eager: bool = False
+
+
+class KeepParams(NamedTuple):
+    """The parameters of the :class:`Pulled` just handled are the newest held."""
+
+    version: int
+
+
+class Compute(NamedTuple):
+    """Compute round ``round``: local steps on the parameters of ``version``."""
+
+    round: int
+    version: int
+    device_batches: tuple[int, ...]
+    local_steps: int
+    lr_scale: float
+
+    @property
+    def batch_size(self) -> int:
+        return sum(self.device_batches)
+
+
+class Push(NamedTuple):
+    """Push round ``round``'s update scaled by ``lr_factor``, with this metadata.
+
+    ``with_pull``: in one round trip with the next pull (``push_pull``).
+    ``final``: the last push of the run.
+    """
+
+    round: int
+    session: int
+    version: int
+    step_time: float
+    num_samples: int
+    local_steps: int
+    loss: float | None
+    stage: int | None
+    lr_factor: float
+    staleness_estimate: int
+    with_pull: bool = False
+    final: bool = False
+
+    def metadata(self) -> dict[str, Any]:
+        """The push's fields as :meth:`hpsjax.ps.Client.push` takes them."""
+        fields = {
+            "version": self.version,
+            "step_time": self.step_time,
+            "num_samples": self.num_samples,
+            "local_steps": self.local_steps,
+            "loss": self.loss,
+        }
+        if self.stage is not None:
+            fields["stage"] = self.stage
+        return fields
+
+
+class Discard(NamedTuple):
+    """Throw round ``round``'s update away (computing or waiting to be pushed)."""
+
+    round: int
+
+
+class Report(NamedTuple):
+    """A kept round's measured speed, for a :class:`~hpsjax.profiling.Replanner`."""
+
+    batch_size: int
+    time_per_step: float
+    now: float
+
+
+class Join(NamedTuple):
+    """Join (a pull) in a new ``session``: on starting, and after a drop."""
+
+    session: int
+
+
+class Stop(NamedTuple):
+    """The run ends: ``"max_steps"``, ``"max_seconds"``, ``"until_version"``,
+    ``"stopped"`` or ``"left"``."""
+
+    reason: str
+
+
+class _State(enum.Enum):
+    IDLE = "idle"  # not joined yet
+    BLOCKED = "blocked"  # waiting for parameters
+    COMPUTING = "computing"
+    DONE = "done"
+
+
+class _Round(NamedTuple):
+    round: int
+    version: int
+    batch_size: int
+    step_time: float
+    loss: float | None
+    local_steps: int
+    stage: int | None
+
+
+def _positive_int(name: str, value: Any, *, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+
+
+class WorkerCore:
+    """The decisions of one worker (see the module docstring).
+
+    Args:
+      device_batches: samples per local step on each local device.
+      local_steps: :math:`H`, local steps per push, before any plan or hint.
+      lr_scale: the step-size scale, before any plan.
+      pushes_gradients: the worker has no local optimizer: one step a round.
+      pipeline: push the previous update and pull while a round computes.
+      eager_pulls: pulls a round at most with ``pipeline`` (PS+), >= 1.
+      staleness_lr: PS+'s modulation: a
+        :data:`hpsjax.transforms.STALENESS_POLICIES` name or a callable
+        ``tau -> factor``; ``None`` for none.
+      follow_hints: obey the server's plans and local-steps hints.
+      max_steps: rounds to compute, ``None`` for no limit.
+      max_seconds: no round starts after this time.
+      until_version: stop once the parameters held reach this version.
+
+    Raises:
+      ValueError: a bad argument.
+
+    Examples:
+      >>> core = WorkerCore(device_batches=(32,))
+      >>> core.handle(Joined(0.0))
+      [Join(session=1)]
+      >>> core.handle(Pulled(1, 0, now=0.1))[1]
+      Compute(round=0, version=0, device_batches=(32,), local_steps=1, lr_scale=1.0)
+    """
+
+    def __init__(
+        self,
+        *,
+        device_batches: tuple[int, ...],
+        local_steps: int = 1,
+        lr_scale: float = 1.0,
+        pushes_gradients: bool = False,
+        pipeline: bool = False,
+        eager_pulls: int = 1,
+        staleness_lr: str | Callable[[int], float] | None = None,
+        follow_hints: bool = True,
+        max_steps: int | None = None,
+        max_seconds: float | None = None,
+        until_version: int | None = None,
+    ):
+        device_batches = tuple(device_batches)
+        if not device_batches:
+            raise ValueError("device_batches is empty")
+        for b in device_batches:
+            _positive_int("device_batches entry", b)
+        _positive_int("local_steps", local_steps)
+        _positive_int("eager_pulls", eager_pulls)
+        _positive_int("max_steps", max_steps, allow_none=True)
+        _positive_int("until_version", until_version, allow_none=True)
+        if not math.isfinite(lr_scale) or lr_scale <= 0:
+            raise ValueError(f"lr_scale must be a positive number, got {lr_scale!r}")
+        if staleness_lr is not None and not callable(staleness_lr):
+            from hpsjax.transforms import STALENESS_POLICIES
+
+            if staleness_lr not in STALENESS_POLICIES:
+                raise ValueError(
+                    f"unknown staleness_lr {staleness_lr!r}; valid: "
+                    f"{', '.join(sorted(STALENESS_POLICIES))}, or a callable"
+                )
+        self.device_batches = device_batches
+        self.plan_steps = int(local_steps)
+        self.lr_scale = float(lr_scale)
+        self.pushes_gradients = bool(pushes_gradients)
+        self.pipeline = bool(pipeline)
+        self.eager_pulls = int(eager_pulls) if pipeline else 1
+        self.staleness_lr = staleness_lr
+        self.follow_hints = bool(follow_hints)
+        self.max_steps = max_steps
+        self.max_seconds = max_seconds
+        self.until_version = until_version
+
+        self.state = _State.IDLE
+        self.session = 0
+        self.version = -1  # of the parameters held
+        self.known_version = 0  # newest heard of
+        self.plan_revision: int | None = None
+        self.hinted_steps: int | None = None
+        self.compute_ewma: float | None = None
+        self.pull_ewma: float | None = None
+        self.rounds = 0  # rounds started
+        self.current: Compute | None = None
+        self.round_start = 0.0
+        self.discard = False
+        self.pending: _Round | None = None
+        self.pull_in_flight = False
+        self.pull_sent = 0.0
+        self.pulls = 0  # in the running round
+        self.stop_requested = False
+        self.ended_by: str | None = None
+        self.drops = 0
+        self._factors: dict[int, float] = {}
+        self._reporting: _Round | None = None
+
+    # ------------------------------------------------------------ queries
+
+    @property
+    def local_steps(self) -> int:
+        """Local steps the next round takes."""
+        if self.pushes_gradients:
+            return 1
+        return self.hinted_steps if self.hinted_steps is not None else self.plan_steps
+
+    @property
+    def done(self) -> bool:
+        """Whether the run ended (a :class:`Stop` was given)."""
+        return self.state is _State.DONE
+
+    # ------------------------------------------------------------ events
+
+    def handle(self, event: Any) -> list:
+        """Takes one event, returns the actions it calls for, in order."""
+        handler = self._handlers.get(type(event))
+        if handler is None:
+            raise TypeError(f"not a worker event: {event!r}")
+        if self.state is _State.DONE:
+            return []
+        return handler(self, event)
+
+    def _joined(self, event: Joined) -> list:
+        self.state = _State.BLOCKED
+        return [self._join(event.now)]
+
+    def _pulled(self, event: Pulled) -> list:
+        if event.session != self.session:
+            return []
+        now = event.now
+        self._hint(event.local_steps)
+        self.pull_in_flight = False
+        self.pull_ewma = ewma(self.pull_ewma, now - self.pull_sent)
+        actions: list = []
+        if event.version >= self.version:
+            self.version = event.version
+            self.known_version = max(self.known_version, event.version)
+            actions.append(KeepParams(event.version))
+        if self.state is _State.BLOCKED:
+            actions += self._start_round(now)
+        elif (
+            self.state is _State.COMPUTING
+            and self.pulls < self.eager_pulls
+            and self.compute_ewma is not None
+            and self.compute_ewma - (now - self.round_start) >= 2.0 * self.pull_ewma
+        ):
+            self.pulls += 1
+            actions.append(self._pull(now, eager=True))
+        return actions
+
+    def _computed(self, event: Computed) -> list:
+        current = self.current
+        if current is None or event.round != current.round:
+            return []
+        now = event.now
+        self.current = None
+        self.compute_ewma = ewma(self.compute_ewma, event.step_time)
+        steps = current.local_steps if event.local_steps is None else event.local_steps
+        if self.discard:
+            # The server asked for fresh parameters (or dropped the worker)
+            # while this round computed on old ones.
+            self.discard = False
+            self.state = _State.BLOCKED
+            return [Discard(current.round), *self._proceed(None, now)]
+        self._reporting = _Round(
+            current.round,
+            current.version,
+            current.batch_size,
+            event.step_time,
+            event.loss,
+            steps,
+            event.stage,
+        )
+        self.state = _State.BLOCKED
+        return [Report(current.batch_size, max(event.step_time / steps, 1e-12), now)]
+
+    def _reported(self, event: Reported) -> list:
+        kept, self._reporting = self._reporting, None
+        if kept is None:
+            return []
+        return self._proceed(kept, event.now)
+
+    def _proceed(self, kept: _Round | None, now: float) -> list:
+        """After a round: push it (or not), then the next round if it can start."""
+        if not self.pipeline:
+            if kept is not None:
+                return [self._push(kept, now, with_pull=True)]
+            if not self.pull_in_flight:
+                # Discarded on a drop, and the rejoin's parameters are in.
+                return self._start_round(now)
+            return []
+        self.pending = kept
+        if not self.pull_in_flight:
+            return self._start_round(now)
+        return []
+
+    def _acked(self, event: Acked) -> list:
+        if event.session != self.session:
+            return []
+        self.known_version = max(self.known_version, event.version)
+        self._hint(event.local_steps)
+        if event.force_pull:
+            return self._discard_current()
+        return []
+
+    def _plan_changed(self, event: PlanChanged) -> list:
+        if not self.follow_hints:
+            return []
+        if (
+            event.revision is not None
+            and self.plan_revision is not None
+            and event.revision <= self.plan_revision
+        ):
+            return []
+        if event.device_batches is not None:
+            self.device_batches = tuple(event.device_batches)
+        if event.local_steps is not None:
+            self.plan_steps = int(event.local_steps)
+        if event.lr_scale is not None:
+            self.lr_scale = float(event.lr_scale)
+        if event.revision is not None:
+            self.plan_revision = event.revision
+        return []
+
+    def _steps_hinted(self, event: StepsHinted) -> list:
+        self._hint(event.local_steps)
+        return []
+
+    def _hint(self, local_steps: int | None) -> None:
+        if local_steps is not None and self.follow_hints:
+            self.hinted_steps = int(local_steps)
+
+    def _force_pulled(self, event: ForcePulled) -> list:
+        if event.session != self.session:
+            return []
+        return self._discard_current()
+
+    def _dropped(self, event: Dropped) -> list:
+        if event.session != self.session:
+            return []
+        self.drops += 1
+        actions = self._drop_current()
+        self.hinted_steps = None
+        return [*actions, self._join(event.now)]
+
+    def _left(self, event: Left) -> list:
+        del event
+        actions: list = []
+        if self.current is not None:
+            actions.append(Discard(self.current.round))
+            self.current = None
+        if self.pending is not None:
+            actions.append(Discard(self.pending.round))
+            self.pending = None
+        self.session += 1
+        return [*actions, self._stop("left")]
+
+    def _stop_requested(self, event: StopRequested) -> list:
+        del event
+        self.stop_requested = True
+        return []
+
+    _handlers: ClassVar[dict] = {
+        Joined: _joined,
+        Pulled: _pulled,
+        Computed: _computed,
+        Acked: _acked,
+        PlanChanged: _plan_changed,
+        StepsHinted: _steps_hinted,
+        ForcePulled: _force_pulled,
+        Dropped: _dropped,
+        Left: _left,
+        Reported: _reported,
+        StopRequested: _stop_requested,
+    }
+
+    # ------------------------------------------------------------ rules
+
+    def _join(self, now: float) -> Join:
+        self.session += 1
+        self.pull_in_flight = True
+        self.pull_sent = now
+        return Join(self.session)
+
+    def _pull(self, now: float, *, eager: bool = False) -> Pull:
+        self.pull_in_flight = True
+        self.pull_sent = now
+        return Pull(self.session, eager)
+
+    def _ended(self, now: float) -> str | None:
+        if self.stop_requested:
+            return "stopped"
+        if self.max_steps is not None and self.rounds >= self.max_steps:
+            return "max_steps"
+        if self.max_seconds is not None and now >= self.max_seconds:
+            return "max_seconds"
+        if self.until_version is not None and self.version >= self.until_version:
+            return "until_version"
+        return None
+
+    def _start_round(self, now: float) -> list:
+        reason = self._ended(now)
+        if reason is not None:
+            actions = []
+            if self.pending is not None:
+                actions.append(self._push(self.pending, now, final=True))
+                self.pending = None
+            return [*actions, self._stop(reason)]
+        actions = []
+        if self.pipeline:
+            self.pulls = 1
+            if self.pending is not None:
+                actions.append(self._push(self.pending, now))
+                self.pending = None
+            actions.append(self._pull(now))
+        self.current = Compute(
+            self.rounds,
+            self.version,
+            self.device_batches,
+            self.local_steps,
+            self.lr_scale,
+        )
+        self.rounds += 1
+        self.round_start = now
+        self.discard = False
+        self.state = _State.COMPUTING
+        return [*actions, self.current]
+
+    def _factor(self, tau: int) -> float:
+        if self.staleness_lr is None:
+            return 1.0
+        factor = self._factors.get(tau)
+        if factor is None:
+            if callable(self.staleness_lr):
+                factor = float(self.staleness_lr(tau))
+            else:
+                from hpsjax.transforms import staleness_factor
+
+                factor = float(staleness_factor(self.staleness_lr, tau))
+            self._factors[tau] = factor
+        return factor
+
+    def _push(
+        self, r: _Round, now: float, *, with_pull: bool = False, final: bool = False
+    ) -> Push:
+        tau = max(0, self.known_version - r.version)
+        if with_pull:
+            self.pull_in_flight = True
+            self.pull_sent = now
+        return Push(
+            round=r.round,
+            session=self.session,
+            version=r.version,
+            step_time=r.step_time,
+            num_samples=r.batch_size * r.local_steps,
+            local_steps=r.local_steps,
+            loss=r.loss,
+            stage=r.stage,
+            lr_factor=self._factor(tau),
+            staleness_estimate=tau,
+            with_pull=with_pull,
+            final=final,
+        )
+
+    def _discard_current(self) -> list:
+        if not self.pipeline:
+            # The pull that follows each push brings fresh parameters, and
+            # nothing was computed meanwhile.
+            return []
+        return self._drop_current()
+
+    def _drop_current(self) -> list:
+        """Throws away the round computing, or the one waiting to be pushed."""
+        if self.state is _State.COMPUTING:
+            self.discard = True
+            return []
+        if self.pending is not None:
+            round_ = self.pending.round
+            self.pending = None
+            return [Discard(round_)]
+        return []
+
+    def _stop(self, reason: str) -> Stop:
+        self.state = _State.DONE
+        self.ended_by = reason
+        return Stop(reason)
