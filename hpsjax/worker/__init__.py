@@ -7,6 +7,7 @@ records per-round metrics; :func:`run_worker` runs one to the end.
 cluster (slower compute, narrower links, changing over time).
 """
 
+from hpsjax.worker._core import WorkerCore
 from hpsjax.worker._hetero import Heterogeneity, Injector, parse_schedule
 from hpsjax.worker._runtime import (
     JsonLinesSink,
@@ -23,6 +24,7 @@ __all__ = [
     "JsonLinesSink",
     "Worker",
     "WorkerConfig",
+    "WorkerCore",
     "WorkerSummary",
     "parse_schedule",
     "run_worker",
