@@ -1,0 +1,770 @@
+r"""Calibrate the simulator against real processes: ``python -m experiments.calibrate``.
+
+For each scheme it runs a real-process setting (a server and one worker process
+per worker on loopback, with the setting's injected slowdowns and link caps),
+fits the simulator's models to that run's own round records, simulates the same
+scheme in the same setting with the fitted models, and compares the two:
+
+* **compute**, per worker: seconds per local step :math:`t_i(b) = a_i + c_i b`,
+  fitted by least squares where a worker ran several batch sizes; where it ran
+  one (every scheme here but re-planned ones), the level :math:`t_i(b_i)` is the
+  run's mean and the shape :math:`a / (a + c b_i)` comes from a short profiling
+  pass of the train step on this machine (:func:`hpsjax.profiling.profile`);
+  the lognormal jitter is the spread of :math:`\log t`;
+* **link**: :math:`\ell + n / B` per message, fitted to the injected link delay
+  of each round (``link_delay_s`` against messages and bytes); where every
+  round moves the same bytes the two cannot be told apart and :math:`B` is the
+  injected cap;
+* **server service**: what a round's transfers took beyond its link delay
+  (``transfer_s - link_delay_s``: encoding, the server decoding, applying and
+  answering, and five processes sharing the cores), the least of the workers'
+  medians (a barrier wait is not service; the slowest worker of a barrier
+  waits least), and the server core's own apply time per push, timed offline.
+
+The simulator has no term for the server's service time (see
+:data:`MISSING_TERMS`); it is folded into the link instead: each message gets
+half a round's service as extra latency, so a round of one push and one pull
+costs what it cost on processes. What that cannot model (pushes queueing at a
+single server) is what the comparison then shows.
+
+Outputs in ``--workdir``: ``measured/<scheme>/seed_<s>`` and
+``simulated/<scheme>/seed_<s>`` (each an :mod:`experiments.train` work
+directory), and ``calibration_<label>.md`` (the table), ``.json`` (fits,
+figures and verdicts) and ``.png`` (predicted against measured, one panel per
+quantity). Finished runs in ``--workdir`` are kept. Example::
+
+  python -m experiments.calibrate --setting=proc4 --schemes=bsp,asp,ssp,hps \
+      --seeds=1 --workdir=/tmp/hpsjax/calibrate
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import pathlib
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+from absl import app, flags, logging
+
+from experiments import _cli, registry, train
+
+__all__ = [
+    "MISSING_TERMS",
+    "ComputeFit",
+    "LinkFit",
+    "calibrate",
+    "compare_runs",
+    "fit_compute",
+    "fit_link",
+    "fit_service",
+    "format_table",
+    "plot_calibration",
+    "simulated_config",
+    "staleness_stats",
+]
+
+DEFAULT_SCHEMES = ("bsp", "asp", "ssp", "hps")
+TOLERANCE = 0.15
+"""Relative error within which a prediction counts as matching."""
+
+MISSING_TERMS = {
+    "server_service_time": (
+        "hpsjax.sim.SimConfig has no per-push service time of the server: on "
+        "processes one server handles every push and pull in turn (decode, "
+        "apply, encode the parameters), so pushes queue behind one another; "
+        "here it is folded into each link's latency (half a round's service per "
+        "message), which charges the time but not the queueing."
+    ),
+}
+"""What the simulator lacks to predict real processes, by option name."""
+
+_QUANTITIES = (
+    ("updates_per_s", "updates/s (all workers)"),
+    ("worker_updates_per_s", "updates/s (per worker)"),
+    ("idle_fraction", "idle fraction"),
+    ("staleness_mean", "mean staleness"),
+    ("staleness_p90", "p90 staleness"),
+    ("time_to_target", "time to target (s)"),
+)
+
+
+# ---------------------------------------------------------------------------
+# Fits from round records.
+# ---------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class ComputeFit:
+    """One worker's seconds per local step, ``intercept + slope * batch``.
+
+    Attributes:
+      intercept: seconds of a step independent of the batch.
+      slope: seconds per sample.
+      sigma: spread of the lognormal jitter of a step's time.
+      batch_size: the batch the worker ran most.
+      rounds: rounds the fit used.
+      method: ``"batches"`` (fitted across batch sizes) or ``"profile shape"``.
+    """
+
+    intercept: float
+    slope: float
+    sigma: float
+    batch_size: int
+    rounds: int
+    method: str
+
+    def mean_step_time(self, batch_size: int) -> float:
+        return self.intercept + self.slope * batch_size
+
+
+@dataclasses.dataclass(frozen=True)
+class LinkFit:
+    """A link's time per message, ``latency + bytes / bandwidth``.
+
+    Attributes:
+      latency: seconds per message.
+      bandwidth: bytes per second.
+      method: ``"fitted"`` or ``"latency only"`` (the bandwidth is the given
+        one: the rounds' bytes did not vary independently of their messages).
+      rounds: rounds the fit used.
+    """
+
+    latency: float
+    bandwidth: float
+    method: str
+    rounds: int
+
+
+def _rounds(records: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    return [r for r in records if r.get("event") == "round"]
+
+
+def _step_seconds(r: Mapping[str, Any]) -> float:
+    busy = float(r.get("compute_s") or 0.0) + float(r.get("slowdown_s") or 0.0)
+    return busy / max(int(r.get("local_steps") or 1), 1)
+
+
+def fit_compute(
+    records: Sequence[Mapping[str, Any]],
+    *,
+    shape: float | None = None,
+    compile_limit: float = 1e-3,
+) -> ComputeFit:
+    r"""Fits one worker's step time to its round records.
+
+    Args:
+      records: the worker's metrics records (``"round"`` events are used:
+        ``compute_s`` + ``slowdown_s`` per local step, at ``batch_size``).
+      shape: the share of a step's time at the worker's batch that does not
+        grow with the batch, :math:`a / (a + c b)`, used when the worker ran a
+        single batch size; ``None`` then puts it all in the slope.
+      compile_limit: rounds that compiled for longer than this are left out.
+
+    Returns:
+      A :class:`ComputeFit`.
+
+    Raises:
+      ValueError: no round to fit.
+    """
+    rows = [
+        r
+        for r in _rounds(records)
+        if float(r.get("compile_s") or 0.0) <= compile_limit and _step_seconds(r) > 0
+    ]
+    if not rows:
+        raise ValueError("no round without compiling to fit a compute model to")
+    t = np.array([_step_seconds(r) for r in rows])
+    b = np.array([int(r["batch_size"]) for r in rows], dtype=float)
+    values, counts = np.unique(b, return_counts=True)
+    main = int(values[np.argmax(counts)])
+    if len(values) > 1 and values.max() >= 1.5 * values.min():
+        slope, intercept = np.polyfit(b, t, 1)
+        if slope > 0 and intercept >= 0:
+            sigma = float(np.std(np.log(t / (intercept + slope * b))))
+            return ComputeFit(
+                float(intercept), float(slope), sigma, main, len(rows), "batches"
+            )
+    level = float(np.mean(t[b == main]))
+    sigma = float(np.std(np.log(t[b == main])))
+    share = 0.0 if shape is None else min(max(float(shape), 0.0), 1.0)
+    return ComputeFit(
+        share * level,
+        (1.0 - share) * level / main,
+        sigma,
+        main,
+        len(rows),
+        "profile shape" if shape is not None else "level only",
+    )
+
+
+def _messages(r: Mapping[str, Any]) -> int:
+    pushed = 1 if r.get("status") is not None else 0
+    return pushed + int(r.get("pulls") or 0)
+
+
+def fit_link(
+    records: Sequence[Mapping[str, Any]], *, bandwidth: float | None
+) -> LinkFit:
+    """Fits ``latency + bytes / bandwidth`` to the rounds' injected link delays.
+
+    Args:
+      records: one or more workers' metrics records (``link_delay_s``, the
+        messages of the round and ``bytes_sent + bytes_received``).
+      bandwidth: the injected cap (bytes/s), kept when the rounds cannot
+        separate latency from bandwidth; ``None`` for an uncapped link.
+
+    Returns:
+      A :class:`LinkFit`.
+    """
+    rows = [
+        r
+        for r in records
+        if r.get("event") in ("round", "final")
+        and r.get("link_delay_s") is not None
+        and _messages(r) > 0
+    ]
+    if not rows:
+        return LinkFit(0.0, bandwidth or math.inf, "latency only", 0)
+    delay = np.array([float(r["link_delay_s"]) for r in rows])
+    n = np.array([_messages(r) for r in rows], dtype=float)
+    nbytes = np.array(
+        [
+            int(r.get("bytes_sent") or 0) + int(r.get("bytes_received") or 0)
+            for r in rows
+        ],
+        dtype=float,
+    )
+    design = np.stack([n, nbytes], axis=1)
+    if np.linalg.matrix_rank(design / design.max(axis=0).clip(1e-12)) == 2:
+        (latency, per_byte), *_ = np.linalg.lstsq(design, delay, rcond=None)
+        if latency >= 0 and per_byte > 0:
+            return LinkFit(float(latency), float(1 / per_byte), "fitted", len(rows))
+    per_byte = 0.0 if not bandwidth else 1.0 / bandwidth
+    latency = float(np.mean((delay - nbytes * per_byte) / n))
+    return LinkFit(
+        max(latency, 0.0),
+        bandwidth or math.inf,
+        "latency only",
+        len(rows),
+    )
+
+
+def fit_service(records_by_worker: Mapping[Any, Sequence[Mapping[str, Any]]]) -> dict:
+    """Seconds a round's transfers took beyond their link delay.
+
+    Returns:
+      ``{"per_worker": {worker: median}, "round_s": least median}``: the
+      least median is the service time of a round (waiting at a barrier is
+      not service, and the worker that waits least is the slowest one).
+    """
+    medians = {}
+    for w, records in records_by_worker.items():
+        extra = [
+            float(r["transfer_s"]) - float(r.get("link_delay_s") or 0.0)
+            for r in _rounds(records)
+            if r.get("transfer_s") is not None
+        ]
+        if extra:
+            medians[w] = max(float(np.median(extra)), 0.0)
+    return {
+        "per_worker": medians,
+        "round_s": min(medians.values()) if medians else 0.0,
+    }
+
+
+def staleness_stats(records: Sequence[Mapping[str, Any]]) -> dict[str, float | None]:
+    """Mean and 90th percentile staleness of the acknowledged pushes."""
+    values = [
+        int(r["staleness"])
+        for r in records
+        if r.get("staleness") is not None and r.get("status") is not None
+    ]
+    if not values:
+        return {"staleness_mean": None, "staleness_p90": None}
+    return {
+        "staleness_mean": float(np.mean(values)),
+        "staleness_p90": float(np.percentile(values, 90)),
+    }
+
+
+def profile_shape(config: Any, setup: Any) -> dict[str, float]:
+    """A short profiling pass of the train step: intercept and slope at 1 core.
+
+    Returns:
+      ``{"intercept": a, "slope": c}`` of :math:`a + c b` seconds per step.
+    """
+    import jax
+    import optax
+
+    from experiments import build
+    from hpsjax.profiling import profile
+
+    optimizer = build.local_optimizer(config) or optax.sgd(1.0)
+    stream = setup.train.batches(1, seed=0)
+
+    def step(params, batch):
+        grads = jax.grad(setup.loss_fn)(params, batch)
+        updates, _ = optimizer.update(grads, optimizer.init(params), params)
+        return optax.apply_updates(params, updates)
+
+    base = profile(
+        step,
+        setup.params,
+        lambda b: jax.tree.map(np.asarray, stream.next(b)),
+        batch_sizes=(16, 64),
+        repeats=5,
+        warmup=1,
+        devices=jax.local_devices()[:1],
+    )
+    fit = base.devices[0].time_fit
+    return {"intercept": float(fit.intercept), "slope": float(fit.slope)}
+
+
+def server_apply_seconds(config: Any, setup: Any, *, pushes: int = 30) -> float:
+    """The server core's time to take and apply one push, timed offline."""
+    import jax
+
+    from experiments import build
+    from hpsjax.ps import ServerCore
+
+    core = ServerCore(setup.params, build.server_optimizer(config), "asp")
+    core.join(0, 0.0)
+    update = jax.tree.map(lambda p: np.full(p.shape, 1e-6, p.dtype), setup.params)
+    times = []
+    for i in range(pushes + 2):
+        core.pull(0, float(i))
+        start = time.perf_counter()
+        core.push(0, update, version=core.version, now=float(i))
+        jax.block_until_ready(core.params)
+        times.append(time.perf_counter() - start)
+    return float(np.median(times[2:]))
+
+
+# ---------------------------------------------------------------------------
+# The simulated twin of a measured run.
+# ---------------------------------------------------------------------------
+
+
+def simulated_config(
+    config: Any,
+    fits: Mapping[Any, ComputeFit],
+    link: LinkFit,
+    service_round_s: float,
+) -> Any:
+    r"""The simulator's config of ``config`` with the fitted models.
+
+    The experiments' workers share one step time :math:`T` at ``batch_size``
+    and one overhead share; each worker's fit becomes its slowdown
+    :math:`k_i = t_i(b_0) / T`, :math:`T` that of the fastest worker, and the
+    overhead share is the workers' mean (exact when their shapes agree, as
+    they do when the shape comes from one profile). The link gets the fitted
+    latency plus half a round's service per message. Re-planning is off, as
+    on processes.
+    """
+    sim = config.copy_and_resolve_references()
+    b0 = int(config.batch_size)
+    times = {w: fits[w].mean_step_time(b0) for w in sorted(fits)}
+    fastest = min(times.values())
+    share = float(np.mean([fits[w].intercept / times[w] for w in times]))
+    sim.backend = "sim"
+    sim.workers.step_time = fastest
+    sim.workers.step_overhead = share * fastest
+    sim.workers.slowdowns = tuple(max(times[w] / fastest, 1.0) for w in sorted(times))
+    sim.workers.jitter = float(np.median([f.sigma for f in fits.values()]))
+    sim.workers.straggle_probability = 0.0
+    sim.workers.speed_changes = ()
+    sim.workers.bandwidth = None if math.isinf(link.bandwidth) else link.bandwidth
+    sim.workers.latency = link.latency + service_round_s / 2
+    sim.plan.replan = False
+    return sim
+
+
+# ---------------------------------------------------------------------------
+# Measured against predicted.
+# ---------------------------------------------------------------------------
+
+
+def _read(workdir: pathlib.Path) -> dict[str, Any]:
+    """Summary, records by worker and per-worker totals of a finished run."""
+    summary, records, workers = None, {}, {}
+    with open(workdir / "metrics.jsonl", encoding="utf-8") as f:
+        for line in f:
+            r = json.loads(line)
+            event = r.get("event")
+            if event == "summary":
+                summary = r
+            elif event == "worker":
+                workers[str(r["worker"])] = r
+            elif event in ("round", "final", "push"):
+                records.setdefault(str(r["worker"]), []).append(r)
+    if summary is None:
+        raise ValueError(f"{workdir} holds no finished run")
+    return {"summary": summary, "records": records, "workers": workers}
+
+
+def run_figures(run: Mapping[str, Any]) -> dict[str, Any]:
+    """Updates/s (total and per worker), idle fraction, staleness, time to target."""
+    summary = run["summary"]
+    start = float(summary["info"].get("profile_seconds") or 0.0)
+    seconds = max(float(summary["end_time"]) - start, 1e-9)
+    per_worker = {
+        w: run["workers"][w]["pushes"] / seconds for w in sorted(run["workers"])
+    }
+    all_records = [r for rs in run["records"].values() for r in rs]
+    return {
+        "updates_per_s": sum(per_worker.values()),
+        "worker_updates_per_s": per_worker,
+        "versions_per_s": float(summary["updates"]) / seconds,
+        "idle_fraction": float(summary["idle_fraction"]),
+        **staleness_stats(all_records),
+        "time_to_target": summary["time_to_target"],
+    }
+
+
+def _relative_error(measured: Any, predicted: Any) -> float | None:
+    if measured is None or predicted is None or measured == 0:
+        return None
+    return (predicted - measured) / measured
+
+
+def compare_runs(measured: Mapping[str, Any], predicted: Mapping[str, Any]) -> dict:
+    """Relative errors (predicted - measured) / measured and 15% verdicts."""
+    errors = {}
+    for key, _ in _QUANTITIES:
+        if key == "worker_updates_per_s":
+            errors[key] = {
+                w: _relative_error(v, predicted[key].get(w))
+                for w, v in measured[key].items()
+            }
+        else:
+            errors[key] = _relative_error(measured[key], predicted[key])
+    within = {
+        key: errors[key] is not None and abs(errors[key]) <= TOLERANCE
+        for key in ("updates_per_s", "idle_fraction")
+    }
+    worker_errors = [
+        e for e in errors["worker_updates_per_s"].values() if e is not None
+    ]
+    within["worker_updates_per_s"] = bool(worker_errors) and all(
+        abs(e) <= TOLERANCE for e in worker_errors
+    )
+    return {"errors": errors, "within_15pct": within}
+
+
+def _ranking(rows: Sequence[Mapping[str, Any]], side: str) -> list[str]:
+    def key(row):
+        t = row[side]["time_to_target"]
+        return math.inf if t is None else t
+
+    return [row["scheme"] for row in sorted(rows, key=key)]
+
+
+def _cell(measured: Any, predicted: Any, digits: int = 2) -> str:
+    def f(v):
+        return "-" if v is None else f"{v:.{digits}f}"
+
+    return f"{f(measured)} / {f(predicted)}"
+
+
+def _pct(error: float | None) -> str:
+    return "-" if error is None else f"{100 * error:+.0f}%"
+
+
+def format_table(rows: Sequence[Mapping[str, Any]]) -> str:
+    """Markdown: per scheme, measured / predicted and the relative error."""
+    lines = [
+        "| scheme | updates/s | err | idle fraction | err | mean staleness "
+        "| p90 staleness | time to target (s) | per-worker updates/s (err) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for row in rows:
+        m, p, e = row["measured"], row["predicted"], row["comparison"]["errors"]
+        workers = ", ".join(
+            f"{m['worker_updates_per_s'][w]:.1f}/"
+            f"{p['worker_updates_per_s'].get(w, float('nan')):.1f} "
+            f"({_pct(e['worker_updates_per_s'][w])})"
+            for w in m["worker_updates_per_s"]
+        )
+        lines.append(
+            f"| {row['scheme']} | {_cell(m['updates_per_s'], p['updates_per_s'], 1)} "
+            f"| {_pct(e['updates_per_s'])} "
+            f"| {_cell(m['idle_fraction'], p['idle_fraction'])} "
+            f"| {_pct(e['idle_fraction'])} "
+            f"| {_cell(m['staleness_mean'], p['staleness_mean'], 1)} "
+            f"| {_cell(m['staleness_p90'], p['staleness_p90'], 1)} "
+            f"| {_cell(m['time_to_target'], p['time_to_target'], 1)} "
+            f"| {workers} |"
+        )
+    return "\n".join(lines)
+
+
+def plot_calibration(
+    rows: Sequence[Mapping[str, Any]], path: pathlib.Path, *, title: str
+) -> pathlib.Path:
+    """Predicted against measured, one panel per quantity, a 15% band."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from experiments.plots import display_name
+
+    fig, axes = plt.subplots(2, 3, figsize=(13, 8))
+    markers = "osD^vP*X"
+    for ax, (key, label) in zip(axes.flat, _QUANTITIES, strict=True):
+        values = []
+        for j, row in enumerate(rows):
+            m, p = row["measured"][key], row["predicted"][key]
+            if key == "worker_updates_per_s":
+                pairs = [(m[w], p.get(w)) for w in m]
+            else:
+                pairs = [(m, p)]
+            pairs = [(x, y) for x, y in pairs if x is not None and y is not None]
+            if not pairs:
+                continue
+            xs, ys = zip(*pairs, strict=True)
+            values += list(xs) + list(ys)
+            ax.scatter(
+                xs, ys, marker=markers[j % len(markers)], s=50,
+                label=display_name(row["scheme"]), zorder=3,
+            )  # fmt: skip
+        if values:
+            hi = max(values) * 1.1 or 1.0
+            line = np.linspace(0, hi, 50)
+            ax.plot(line, line, "k--", lw=1, label="predicted = measured")
+            ax.fill_between(
+                line, line * (1 - TOLERANCE), line * (1 + TOLERANCE),
+                color="0.85", zorder=0, label="within 15%",
+            )  # fmt: skip
+            ax.set_xlim(0, hi)
+            ax.set_ylim(0, hi)
+        ax.set_title(label)
+        ax.set_xlabel("measured (processes)")
+        ax.set_ylabel("predicted (simulator)")
+        ax.grid(alpha=0.3)
+    handles, labels = axes.flat[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=len(labels), frameon=False)
+    fig.suptitle(title)
+    fig.tight_layout(rect=(0, 0.05, 1, 0.96))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+# ---------------------------------------------------------------------------
+# The whole loop.
+# ---------------------------------------------------------------------------
+
+
+def _run_once(config: Any, where: pathlib.Path) -> dict[str, Any]:
+    """Runs ``config`` into ``where`` unless the same config finished there."""
+    text = config.to_json_best_effort(indent=2) + "\n"
+    saved = where / "config.json"
+    done = (where / "metrics.jsonl").is_file() and saved.is_file()
+    if not (done and saved.read_text(encoding="utf-8") == text):
+        train.train_and_evaluate(config, where, progress=False)
+    return _read(where)
+
+
+def _measured_config(
+    scheme: str, setting: str, seed: int, overrides: Mapping[str, Any]
+) -> Any:
+    config = registry.load_config(scheme, setting)
+    config.backend = "processes"
+    config.seed = seed
+    config.model.seed = seed
+    for key, value in overrides.items():
+        if value is not None:
+            config.workers[key] = value
+    registry.check_config(config)
+    return config
+
+
+def calibrate(
+    workdir: str | pathlib.Path,
+    *,
+    setting: str = "proc4",
+    schemes: Sequence[str] = DEFAULT_SCHEMES,
+    seeds: Sequence[int] = (1,),
+    label: str | None = None,
+    overrides: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Measures, fits, simulates and compares every scheme; writes the outputs.
+
+    Args:
+      workdir: the output directory.
+      setting: a setting of ``experiments.configs.common.SETTINGS`` (run on
+        processes whatever its backend).
+      schemes: scheme names.
+      seeds: one measured and one simulated run per scheme and seed.
+      label: names the outputs (``calibration_<label>.*``); the setting's
+        name by default.
+      overrides: ``config.workers`` fields to change (``slowdowns``,
+        ``bandwidth``, ``latency``), ``None`` values ignored.
+
+    Returns:
+      ``{"rows": [...], "table": markdown, "paths": {...}, ...}``.
+    """
+    from experiments import build
+
+    workdir = pathlib.Path(workdir)
+    label = label or setting
+    overrides = dict(overrides or {})
+    rows, fits_out = [], {}
+    shape = None
+    apply_s = None
+    for scheme in schemes:
+        for seed in seeds:
+            config = _measured_config(scheme, setting, seed, overrides)
+            name = scheme if len(seeds) == 1 else f"{scheme} (seed {seed})"
+            logging.info("%s: measuring on processes", name)
+            measured = _run_once(config, workdir / "measured" / scheme / f"seed_{seed}")
+            if shape is None:
+                setup = build.setup(config)
+                shape = profile_shape(config, setup)
+                apply_s = server_apply_seconds(config, setup)
+            records = measured["records"]
+            fits = {}
+            for w in sorted(records, key=int):
+                b = max((int(r["batch_size"]) for r in _rounds(records[w])), default=32)
+                share = shape["intercept"] / (shape["intercept"] + shape["slope"] * b)
+                fits[int(w)] = fit_compute(records[w], shape=share)
+            link = fit_link(
+                [r for rs in records.values() for r in rs],
+                bandwidth=config.workers.bandwidth,
+            )
+            service = fit_service(records)
+            sim = simulated_config(config, fits, link, service["round_s"])
+            logging.info("%s: simulating with the fitted models", name)
+            predicted = _run_once(sim, workdir / "simulated" / scheme / f"seed_{seed}")
+            m, p = run_figures(measured), run_figures(predicted)
+            rows.append(
+                {
+                    "scheme": name,
+                    "measured": m,
+                    "predicted": p,
+                    "comparison": compare_runs(m, p),
+                }
+            )
+            fits_out[name] = {
+                "compute": {w: dataclasses.asdict(f) for w, f in fits.items()},
+                "link": dataclasses.asdict(link),
+                "service": service,
+                "simulated_workers": {
+                    "step_time": sim.workers.step_time,
+                    "step_overhead": sim.workers.step_overhead,
+                    "slowdowns": list(sim.workers.slowdowns),
+                    "jitter": sim.workers.jitter,
+                    "bandwidth": sim.workers.bandwidth,
+                    "latency": sim.workers.latency,
+                },
+            }
+    ranking = {
+        "measured": _ranking(rows, "measured"),
+        "predicted": _ranking(rows, "predicted"),
+    }
+    table = format_table(rows)
+    result = {
+        "setting": setting,
+        "label": label,
+        "overrides": overrides,
+        "schemes": list(schemes),
+        "seeds": list(seeds),
+        "profile_shape": shape,
+        "server_apply_s": apply_s,
+        "missing_terms": MISSING_TERMS,
+        "fits": fits_out,
+        "rows": rows,
+        "ranking_by_time_to_target": ranking,
+        "ranking_agrees": ranking["measured"] == ranking["predicted"],
+        "table": table,
+    }
+    workdir.mkdir(parents=True, exist_ok=True)
+    paths = {
+        "table": workdir / f"calibration_{label}.md",
+        "json": workdir / f"calibration_{label}.json",
+        "plot": workdir / f"calibration_{label}.png",
+    }
+    paths["table"].write_text(
+        f"Measured (processes) / predicted (simulator), setting {label}\n\n"
+        + table
+        + "\n\nRanking by time to target: measured "
+        + " < ".join(ranking["measured"])
+        + "; predicted "
+        + " < ".join(ranking["predicted"])
+        + "\n"
+    )
+    paths["json"].write_text(json.dumps(train._jsonable(result), indent=2) + "\n")
+    plot_calibration(
+        rows,
+        paths["plot"],
+        title=f"simulator against processes: {label} (measured / fitted models)",
+    )
+    result["paths"] = paths
+    return result
+
+
+# ---------------------------------------------------------------------------
+# Flags.
+# ---------------------------------------------------------------------------
+
+_PROG = "experiments.calibrate"
+
+
+def _define_flags() -> None:
+    flags.DEFINE_string("setting", "proc4", "Setting to run on processes.")
+    flags.DEFINE_list("schemes", list(DEFAULT_SCHEMES), "Schemes to calibrate.")
+    flags.DEFINE_list("seeds", ["1"], "Seeds (comma-separated ints).")
+    flags.DEFINE_string("workdir", None, "Directory for every output.")
+    flags.DEFINE_string("label", None, "Name of the outputs (default: the setting).")
+    flags.DEFINE_list("slowdowns", None, "Override the workers' slowdowns.")
+    flags.DEFINE_float("bandwidth", None, "Override the link cap (bytes/s).")
+    flags.DEFINE_float("latency", None, "Override the link latency (s).")
+    flags.mark_flags_as_required(["workdir"])
+
+
+def main(argv):
+    from hpsjax._logs import quiet_backend_probe
+
+    if len(argv) > 1:
+        _cli.fail(_PROG, f"unexpected arguments: {' '.join(argv[1:])}")
+    quiet_backend_probe()
+    logging.set_verbosity(logging.INFO)
+    values = flags.FLAGS
+    with _cli.usage_errors(_PROG):
+        for scheme in values.schemes:
+            registry.lookup("scheme", scheme)
+        seeds = [int(s) for s in values.seeds]
+        slowdowns = (
+            None
+            if values.slowdowns is None
+            else tuple(float(s) for s in values.slowdowns)
+        )
+    result = calibrate(
+        values.workdir,
+        setting=values.setting,
+        schemes=values.schemes,
+        seeds=seeds,
+        label=values.label,
+        overrides={
+            "slowdowns": slowdowns,
+            "bandwidth": values.bandwidth,
+            "latency": values.latency,
+        },
+    )
+    print(result["table"])
+    print(
+        "ranking by time to target agrees: "
+        f"{result['ranking_agrees']} ({result['ranking_by_time_to_target']})"
+    )
+    for name, path in result["paths"].items():
+        print(f"{name}: {path}")
+
+
+if __name__ == "__main__":
+    _define_flags()
+    app.run(main, flags_parser=_cli.flags_parser(_PROG))
