@@ -728,3 +728,24 @@ def _encoded_ones():
 @pytest.mark.parametrize("module", [_auth, _frames, _stream, _treecodec])
 def test_module_doctests(module):
     assert doctest.testmod(module).failed == 0
+
+
+def test_handshake_state_machine_refuses_out_of_order_and_wrong_secrets():
+    server = _auth.Handshake.server(b"k")
+    with pytest.raises(errors.UnexpectedMessage, match="state hello"):
+        server.receive(MsgType.AUTH, {"proof": b""})
+    assert server.state is _auth.HandshakeState.FAILED
+    client = _auth.Handshake.client(b"wrong", "w")
+    server = _auth.Handshake.server(b"k")
+    step = server.receive(*client.hello())
+    assert server.state is _auth.HandshakeState.AUTH
+    with pytest.raises(errors.AuthError, match="authentication failed"):
+        server.receive(*client.receive(*step))
+    client = _auth.Handshake.client(None, "w")
+    with pytest.raises(errors.AuthError, match="requires a secret"):
+        client.receive(*_auth.Handshake.server(b"k").receive(*client.hello()))
+    server = _auth.Handshake.server(None)
+    client = _auth.Handshake.client(None, 7)
+    step = client.receive(*server.receive(*client.hello()))
+    assert server.receive(*step) == (MsgType.AUTH_OK, {"proof": b""})
+    assert server.ready and server.worker_id == 7

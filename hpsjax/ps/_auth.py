@@ -1,11 +1,47 @@
-"""Authentication: the HMAC proof of knowing the shared secret."""
+"""Authentication: the HMAC challenge-response handshake, sans I/O, for both ends.
+
+A connection starts with three exchanges (PROTOCOL.md)::
+
+    client                                server
+    HELLO {worker_id, nonce, client}  ->
+                                      <-  CHALLENGE {nonce, auth}
+    AUTH {proof}                      ->
+                                      <-  AUTH_OK {proof, info}
+
+Each side proves it knows the shared secret (:func:`auth_proof`); the secret
+never crosses the wire. :class:`Handshake` holds the rules of both ends as one
+state machine: the client and the server feed it the frames they receive and
+send the frames it returns. It does no I/O.
+"""
 
 from __future__ import annotations
 
+import enum
 import hashlib
 import hmac
+import os
+from collections.abc import Callable, Mapping
+from typing import Any, ClassVar
 
 import msgpack
+
+from hpsjax.ps._errors import (
+    AuthError,
+    MalformedMetadata,
+    ProtocolError,
+    UnexpectedMessage,
+)
+from hpsjax.ps._frames import MsgType
+
+__all__ = [
+    "AUTH_SCHEME",
+    "NONCE_BYTES",
+    "Handshake",
+    "HandshakeState",
+    "auth_proof",
+    "check_worker_id",
+    "secret_bytes",
+]
 
 NONCE_BYTES = 32
 AUTH_SCHEME = "hmac-sha256"
@@ -59,3 +95,213 @@ def auth_proof(
         + msgpack.packb(worker_id, use_bin_type=True)
     )
     return hmac.new(secret, message, hashlib.sha256).digest()
+
+
+def secret_bytes(secret: bytes | str | None) -> bytes | None:
+    """The shared secret as bytes (a str is UTF-8 encoded), or ``None``.
+
+    Raises:
+      ValueError: an empty secret, or one of another type.
+    """
+    if secret is None:
+        return None
+    if isinstance(secret, str):
+        secret = secret.encode()
+    if not isinstance(secret, bytes) or not secret:
+        raise ValueError("secret must be non-empty bytes or str")
+    return secret
+
+
+def check_worker_id(worker_id: Any) -> None:
+    """Checks a worker id: a str of 1 to 256 UTF-8 bytes or a 64-bit int.
+
+    Raises:
+      ValueError: naming what is wrong.
+    """
+    if isinstance(worker_id, bool) or not isinstance(worker_id, (str, int)):
+        raise ValueError(f"worker_id must be a str or int, got {worker_id!r}")
+    if isinstance(worker_id, str) and not 0 < len(worker_id.encode()) <= 256:
+        raise ValueError("worker_id must be 1 to 256 bytes of UTF-8")
+    if isinstance(worker_id, int) and not -(2**63) <= worker_id < 2**63:
+        raise ValueError("an int worker_id must fit in 64 bits")
+
+
+class HandshakeState(enum.Enum):
+    """Where a connection is in the handshake: the message it waits for.
+
+    A client goes ``HELLO`` (nothing sent yet) -> ``CHALLENGE`` -> ``AUTH_OK``
+    -> ``READY``; a server goes ``HELLO`` -> ``AUTH`` -> ``READY``. A refused
+    handshake ends in ``FAILED``.
+    """
+
+    HELLO = "hello"
+    CHALLENGE = "challenge"
+    AUTH = "auth"
+    AUTH_OK = "auth_ok"
+    READY = "ready"
+    FAILED = "failed"
+
+
+_EXPECTS = {
+    HandshakeState.CHALLENGE: MsgType.CHALLENGE,
+    HandshakeState.AUTH: MsgType.AUTH,
+    HandshakeState.AUTH_OK: MsgType.AUTH_OK,
+}
+
+Reply = tuple[MsgType, dict[str, Any]]
+
+
+class Handshake:
+    """One end of the handshake, as a state machine that does no I/O.
+
+    The client calls :meth:`hello` and sends the frame it returns; each end
+    then passes every frame it receives to :meth:`receive` and sends the frame
+    that returns, if any, until :attr:`ready`. A frame out of order, malformed
+    metadata or a wrong proof raises, and the connection should be closed.
+
+    Build one with :meth:`client` or :meth:`server`.
+
+    Examples:
+      >>> client = Handshake.client(b"k", "w0")
+      >>> server = Handshake.server(b"k")
+      >>> msg_type, meta = client.hello()
+      >>> msg_type, meta = server.receive(msg_type, meta)
+      >>> msg_type.name, server.state.name
+      ('CHALLENGE', 'AUTH')
+      >>> msg_type, meta = client.receive(msg_type, meta)
+      >>> msg_type, meta = server.receive(msg_type, meta)
+      >>> client.receive(msg_type, meta), client.ready, server.worker_id
+      (None, True, 'w0')
+    """
+
+    def __init__(self, role: str, secret: bytes | None, worker_id: Any = None):
+        if role not in _PROOF_LABELS:
+            raise ValueError(f"role must be 'client' or 'server', got {role!r}")
+        self._role = role
+        self._secret = secret
+        self.worker_id = worker_id
+        self.state = HandshakeState.HELLO
+        self._client_nonce = b""
+        self._server_nonce = b""
+
+    @classmethod
+    def client(cls, secret: bytes | None, worker_id: Any) -> Handshake:
+        """The client's end: ``worker_id`` introduces itself, ``secret`` or none."""
+        check_worker_id(worker_id)
+        return cls("client", secret, worker_id)
+
+    @classmethod
+    def server(cls, secret: bytes | None) -> Handshake:
+        """The server's end: it asks every client for ``secret`` (unless ``None``)."""
+        return cls("server", secret)
+
+    @property
+    def ready(self) -> bool:
+        """Whether both ends have authenticated."""
+        return self.state is HandshakeState.READY
+
+    @property
+    def expects(self) -> MsgType | None:
+        """The message this end waits for next, ``None`` when it waits for none."""
+        if self._role == "server" and self.state is HandshakeState.HELLO:
+            return MsgType.HELLO
+        return _EXPECTS.get(self.state)
+
+    def hello(self) -> Reply:
+        """The client's HELLO, which opens the handshake."""
+        if self._role != "client" or self.state is not HandshakeState.HELLO:
+            raise RuntimeError("only a client that has not started sends HELLO")
+        self._client_nonce = os.urandom(NONCE_BYTES)
+        self.state = HandshakeState.CHALLENGE
+        meta = {"worker_id": self.worker_id, "nonce": self._client_nonce}
+        return MsgType.HELLO, {**meta, "client": "hpsjax"}
+
+    def receive(self, msg_type: MsgType, metadata: Mapping[str, Any]) -> Reply | None:
+        """Takes a received handshake frame; returns the frame to answer with.
+
+        Args:
+          msg_type: the received frame's type.
+          metadata: its metadata.
+
+        Returns:
+          ``(message type, metadata)`` to send, or ``None`` (the client, once
+          the server has proved itself). A server adds its ``info`` to the
+          AUTH_OK it returns.
+
+        Raises:
+          UnexpectedMessage: not the message this state waits for.
+          MalformedMetadata, ProtocolError: the metadata are unusable.
+          AuthError: a wrong proof, or the ends disagree on authenticating.
+        """
+        step = self._STEPS.get((self._role, self.state))
+        if step is None or msg_type != self.expects:
+            self.state, state = HandshakeState.FAILED, self.state
+            raise UnexpectedMessage(
+                f"{msg_type.name} during the handshake (state {state.value})"
+            )
+        try:
+            return step(self, metadata)
+        except Exception:
+            self.state = HandshakeState.FAILED
+            raise
+
+    def _proof(self, role: str) -> bytes:
+        return auth_proof(
+            self._secret, role, self._server_nonce, self._client_nonce, self.worker_id
+        )
+
+    def _server_hello(self, meta: Mapping[str, Any]) -> Reply:
+        worker_id, nonce = meta.get("worker_id"), meta.get("nonce")
+        try:
+            check_worker_id(worker_id)
+        except ValueError as e:
+            raise MalformedMetadata(str(e)) from None
+        if not isinstance(nonce, bytes) or len(nonce) != NONCE_BYTES:
+            raise MalformedMetadata("HELLO needs a 32-byte nonce")
+        self.worker_id = worker_id
+        self._client_nonce = nonce
+        self._server_nonce = os.urandom(NONCE_BYTES)
+        self.state = HandshakeState.AUTH
+        auth = AUTH_SCHEME if self._secret else None
+        return MsgType.CHALLENGE, {"nonce": self._server_nonce, "auth": auth}
+
+    def _client_challenge(self, meta: Mapping[str, Any]) -> Reply:
+        server_nonce, scheme = meta.get("nonce"), meta.get("auth")
+        if not isinstance(server_nonce, bytes) or len(server_nonce) != NONCE_BYTES:
+            raise ProtocolError("malformed CHALLENGE")
+        if scheme is None and self._secret is not None:
+            raise AuthError("server does not authenticate; refusing to trust it")
+        if scheme is not None and scheme != AUTH_SCHEME:
+            raise AuthError(f"unsupported auth scheme {scheme!r}")
+        if scheme is not None and self._secret is None:
+            raise AuthError("server requires a secret and none was given")
+        self._server_nonce = server_nonce
+        self.state = HandshakeState.AUTH_OK
+        proof = b"" if self._secret is None else self._proof("client")
+        return MsgType.AUTH, {"proof": proof}
+
+    def _server_auth(self, meta: Mapping[str, Any]) -> Reply:
+        proof = b""
+        if self._secret is not None:
+            got = meta.get("proof")
+            want = self._proof("client")
+            if not isinstance(got, bytes) or not hmac.compare_digest(got, want):
+                raise AuthError("authentication failed")
+            proof = self._proof("server")
+        self.state = HandshakeState.READY
+        return MsgType.AUTH_OK, {"proof": proof}
+
+    def _client_auth_ok(self, meta: Mapping[str, Any]) -> None:
+        if self._secret is not None:
+            got = meta.get("proof")
+            want = self._proof("server")
+            if not isinstance(got, bytes) or not hmac.compare_digest(got, want):
+                raise AuthError("server failed to prove it knows the secret")
+        self.state = HandshakeState.READY
+
+    _STEPS: ClassVar[dict[tuple[str, HandshakeState], Callable]] = {
+        ("server", HandshakeState.HELLO): _server_hello,
+        ("client", HandshakeState.CHALLENGE): _client_challenge,
+        ("server", HandshakeState.AUTH): _server_auth,
+        ("client", HandshakeState.AUTH_OK): _client_auth_ok,
+    }

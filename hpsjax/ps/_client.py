@@ -25,9 +25,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
-import hmac
 import math
-import os
 import ssl as ssl_lib
 import zlib
 from collections.abc import AsyncIterator, Mapping
@@ -39,7 +37,6 @@ import msgpack
 from hpsjax.ps import _auth, _frames, _treecodec
 from hpsjax.ps._connection import FrameProtocol
 from hpsjax.ps._errors import (
-    AuthError,
     ConnectionClosed,
     HpsError,
     ProtocolError,
@@ -158,25 +155,6 @@ def _server_info(meta: Mapping[str, Any]) -> ServerInfo:
         )
     except (KeyError, TypeError, ValueError, HpsError) as e:
         raise ProtocolError(f"malformed server info: {e}") from None
-
-
-def _secret_bytes(secret: bytes | str | None) -> bytes | None:
-    if secret is None:
-        return None
-    if isinstance(secret, str):
-        secret = secret.encode()
-    if not isinstance(secret, bytes) or not secret:
-        raise ValueError("secret must be non-empty bytes or str")
-    return secret
-
-
-def _check_worker_id(worker_id: Any) -> None:
-    if isinstance(worker_id, bool) or not isinstance(worker_id, (str, int)):
-        raise ValueError(f"worker_id must be a str or int, got {worker_id!r}")
-    if isinstance(worker_id, str) and not 0 < len(worker_id.encode()) <= 256:
-        raise ValueError("worker_id must be 1 to 256 bytes of UTF-8")
-    if isinstance(worker_id, int) and not -(2**63) <= worker_id < 2**63:
-        raise ValueError("an int worker_id must fit in 64 bits")
 
 
 _UNSET: Any = object()
@@ -322,7 +300,7 @@ class Client:
         limits: _frames.WireLimits = _frames.DEFAULT_LIMITS,
         seed: int | None = None,
     ):
-        _check_worker_id(worker_id)
+        _auth.check_worker_id(worker_id)
         if ssl is not None and not isinstance(ssl, ssl_lib.SSLContext):
             raise ValueError("ssl must be an ssl.SSLContext or None")
         if timeout is not None and not timeout > 0:
@@ -332,7 +310,7 @@ class Client:
         self._host = host
         self._port = port
         self._worker_id = worker_id
-        self._secret = _secret_bytes(secret)
+        self._secret = _auth.secret_bytes(secret)
         self._ssl = ssl
         self._server_hostname = server_hostname
         self._timeout = timeout
@@ -458,43 +436,12 @@ class Client:
         self._hints = {}
 
     async def _handshake(self) -> ServerInfo:
-        client_nonce = os.urandom(_auth.NONCE_BYTES)
-        challenge = await self._request(
-            MsgType.HELLO,
-            {
-                "worker_id": self._worker_id,
-                "nonce": client_nonce,
-                "client": "hpsjax",
-            },
-            timeout=None,
-            expect=MsgType.CHALLENGE,
-        )
-        server_nonce = challenge.metadata.get("nonce")
-        scheme = challenge.metadata.get("auth")
-        if not isinstance(server_nonce, bytes) or len(server_nonce) != 32:
-            raise ProtocolError("malformed CHALLENGE")
-        if scheme is None and self._secret is not None:
-            raise AuthError("server does not authenticate; refusing to trust it")
-        if scheme is not None and scheme != _auth.AUTH_SCHEME:
-            raise AuthError(f"unsupported auth scheme {scheme!r}")
-        if scheme is not None and self._secret is None:
-            raise AuthError("server requires a secret and none was given")
-        proof = b""
-        if self._secret is not None:
-            proof = _auth.auth_proof(
-                self._secret, "client", server_nonce, client_nonce, self._worker_id
-            )
-        ok = await self._request(
-            MsgType.AUTH, {"proof": proof}, timeout=None, expect=MsgType.AUTH_OK
-        )
-        if self._secret is not None:
-            want = _auth.auth_proof(
-                self._secret, "server", server_nonce, client_nonce, self._worker_id
-            )
-            got = ok.metadata.get("proof")
-            if not isinstance(got, bytes) or not hmac.compare_digest(got, want):
-                raise AuthError("server failed to prove it knows the secret")
-        return _server_info(ok.metadata.get("info", {}))
+        handshake = _auth.Handshake.client(self._secret, self._worker_id)
+        step = handshake.hello()
+        while step is not None:
+            reply = await self._request(*step, timeout=None, expect=handshake.expects)
+            step = handshake.receive(reply.msg_type, reply.metadata)
+        return _server_info(reply.metadata.get("info", {}))
 
     async def close(self, *, timeout: float | None = 5.0) -> None:
         """Says goodbye and closes the connection; idempotent.

@@ -38,7 +38,6 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import functools
-import hmac
 import ipaddress
 import logging
 import math
@@ -55,7 +54,6 @@ import optax
 
 from hpsjax.ps import _auth, _frames, _treecodec
 from hpsjax.ps._checkpoint import CheckpointManager
-from hpsjax.ps._client import _check_worker_id, _secret_bytes
 from hpsjax.ps._connection import FrameProtocol, error_frame
 from hpsjax.ps._core import (
     Applied,
@@ -139,10 +137,8 @@ class _Session:
 
     protocol: FrameProtocol
     peer: str
-    state: str = "hello"  # hello -> auth -> ready -> closed
-    worker_id: Any = None
-    client_nonce: bytes = b""
-    server_nonce: bytes = b""
+    handshake: _auth.Handshake
+    closed: bool = False
     joined: bool = False
     # Requests answered by the core's next SendParams for this worker, in
     # order: (request id, push acknowledgement to embed or None).
@@ -154,6 +150,16 @@ class _Session:
     # Frames received while a decoder this connection needs is compiled,
     # handled in order once it is ready; None when none is being compiled.
     backlog: collections.deque | None = None
+
+    @property
+    def state(self) -> str:
+        """hello -> auth -> ready -> closed."""
+        return "closed" if self.closed else self.handshake.state.value
+
+    @property
+    def worker_id(self) -> Any:
+        """The worker's id, once its HELLO is in (else ``None``)."""
+        return self.handshake.worker_id
 
 
 class Server:
@@ -254,7 +260,7 @@ class Server:
         metrics: Any = None,
         **policy_kwargs: Any,
     ):
-        self._secret = _secret_bytes(secret)
+        self._secret = _auth.secret_bytes(secret)
         if self._secret is None and not (insecure or _is_loopback(host)):
             raise ValueError(
                 f"refusing to serve on {host!r} without a secret: anyone who can "
@@ -733,7 +739,9 @@ class Server:
             on_made=lambda: self._on_made(session),
             on_filled=self._check_received,
         )
-        session = _Session(protocol=protocol, peer="?")
+        session = _Session(
+            protocol=protocol, peer="?", handshake=_auth.Handshake.server(self._secret)
+        )
         return protocol
 
     def _on_made(self, session: _Session) -> None:
@@ -806,65 +814,18 @@ class Server:
     # ---------------------------------------------------------- handshake
 
     def _handshake(self, session: _Session, frame: Frame) -> None:
-        meta = frame.metadata
-        if session.state == "hello" and frame.msg_type == MsgType.HELLO:
-            worker_id, nonce = meta.get("worker_id"), meta.get("nonce")
-            try:
-                _check_worker_id(worker_id)
-            except ValueError as e:
-                session.protocol.fail(
-                    MalformedMetadata(str(e)), request_id=frame.request_id
-                )
-                return
-            if not isinstance(nonce, bytes) or len(nonce) != _auth.NONCE_BYTES:
-                session.protocol.fail(
-                    MalformedMetadata("HELLO needs a 32-byte nonce"),
-                    request_id=frame.request_id,
-                )
-                return
-            session.worker_id = worker_id
-            session.client_nonce = nonce
-            session.server_nonce = os.urandom(_auth.NONCE_BYTES)
-            session.state = "auth"
-            session.protocol.send(
-                _frames.encode_frame(
-                    MsgType.CHALLENGE,
-                    frame.request_id,
-                    {
-                        "nonce": session.server_nonce,
-                        "auth": _auth.AUTH_SCHEME if self._secret else None,
-                    },
-                )
-            )
-        elif session.state == "auth" and frame.msg_type == MsgType.AUTH:
-            proof = meta.get("proof")
-            server_proof = b""
-            if self._secret is not None:
-                want = _auth.auth_proof(
-                    self._secret,
-                    "client",
-                    session.server_nonce,
-                    session.client_nonce,
+        try:
+            msg_type, meta = session.handshake.receive(frame.msg_type, frame.metadata)
+        except HpsError as e:
+            if isinstance(e, AuthError):
+                logger.warning(
+                    "authentication failed for %r from %s",
                     session.worker_id,
+                    session.peer,
                 )
-                if not isinstance(proof, bytes) or not hmac.compare_digest(proof, want):
-                    logger.warning(
-                        "authentication failed for %r from %s",
-                        session.worker_id,
-                        session.peer,
-                    )
-                    session.protocol.fail(
-                        AuthError("authentication failed"), request_id=frame.request_id
-                    )
-                    return
-                server_proof = _auth.auth_proof(
-                    self._secret,
-                    "server",
-                    session.server_nonce,
-                    session.client_nonce,
-                    session.worker_id,
-                )
-            session.state = "ready"
+            session.protocol.fail(e, request_id=frame.request_id)
+            return
+        if session.handshake.ready:
             session.protocol.decoder.limits = self._limits
             if session.handshake_timer is not None:
                 session.handshake_timer.cancel()
@@ -872,21 +833,8 @@ class Server:
             if old is not None and old is not session:
                 self._replace(old)
             self._sessions[session.worker_id] = session
-            session.protocol.send(
-                _frames.encode_frame(
-                    MsgType.AUTH_OK,
-                    frame.request_id,
-                    {"proof": server_proof, "info": self._info()},
-                )
-            )
-        else:
-            session.protocol.fail(
-                UnexpectedMessage(
-                    f"{frame.msg_type.name} during the handshake (state "
-                    f"{session.state})"
-                ),
-                request_id=frame.request_id,
-            )
+            meta = {**meta, "info": self._info()}
+        session.protocol.send(_frames.encode_frame(msg_type, frame.request_id, meta))
 
     def _replace(self, old: _Session) -> None:
         error = WorkerDropped("replaced by a newer connection of the same worker")
@@ -1352,7 +1300,7 @@ class Server:
         self._leave(session)
         if self._sessions.get(session.worker_id) is session:
             del self._sessions[session.worker_id]
-        session.state = "closed"
+        session.closed = True
         self._rearm()
 
     # ---------------------------------------------------------- timer
