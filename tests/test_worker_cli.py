@@ -31,7 +31,7 @@ def _server_params(tmp_path, *argv: str):
 
 async def _join(server_params, args, **server_kw):
     """Joins a worker of ``args`` to a server of ``server_params``."""
-    _, _, params = worker_cli._build(args)
+    _, _, params, _ = worker_cli._build(args)
     server_kw.setdefault("secret", None)
     async with ps.Server(server_params, optax.sgd(0.1), "asp", **server_kw) as s:
         client = worker_cli._client(args, (args.host, s.port))
@@ -158,3 +158,87 @@ def test_write_init_and_profile_out_say_where_they_wrote(tmp_path, capsys):
     assert worker_cli.main(argv) == 0
     assert f"wrote the profile to {profile}" in capsys.readouterr().out
     assert init.exists() and profile.exists()
+
+
+class _ServerThread:
+    """A :class:`hpsjax.ps.Server` on its own event loop in a thread."""
+
+    def __init__(self, params, policy="asp"):
+        import threading
+
+        self._loop = asyncio.new_event_loop()
+        self._ready = threading.Event()
+        self._params, self._policy = params, policy
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self):
+        asyncio.set_event_loop(self._loop)
+        self._loop.run_until_complete(self._serve())
+
+    async def _serve(self):
+        self._stop = asyncio.Event()
+        async with ps.Server(
+            self._params, optax.sgd(0.1), self._policy, secret=None
+        ) as server:
+            self.server = server
+            self._ready.set()
+            await self._stop.wait()
+
+    def __enter__(self):
+        self._thread.start()
+        assert self._ready.wait(30)
+        return self.server
+
+    def __exit__(self, *exc):
+        self._loop.call_soon_threadsafe(self._stop.set)
+        self._thread.join(30)
+        self._loop.close()
+
+
+@pytest.mark.slow
+def test_metrics_go_to_json_lines_and_tensorboard_with_evals(tmp_path, capsys):
+    from hpsjax.metrics import read_jsonl, read_tensorboard
+
+    model = ["--model_arg", "hidden=[16]"]
+    metrics = tmp_path / "w0.jsonl"
+    with _ServerThread(_server_params(tmp_path, *model)) as server:
+        code = worker_cli.main(
+            [*SMALL, *model, "--port", str(server.port), "--max_steps", "6",
+             "--batch_size", "8", "--metrics", str(metrics), "--eval_every",
+             "0.01", "--eval_batch_size", "5", "--loop", "asyncio",
+             "--log_level", "WARNING"]
+        )  # fmt: skip
+        final_version = server.version
+    assert code == 0
+    out = capsys.readouterr().out
+    assert "hpsjax-worker eval: version" in out
+    records = read_jsonl(metrics)
+    rounds = [r for r in records if r["event"] == "round"]
+    evals = [r for r in records if r["event"] == "eval"]
+    assert len(rounds) == 6
+    # The last parameters pulled: the final push is not followed by a pull.
+    assert evals and rounds[-1]["version"] <= evals[-1]["version"] < final_version
+    for record in evals:
+        assert 0 <= record["accuracy"] <= 1 and record["loss"] > 0
+        assert record["examples"] == 13  # 20% of 64, held out, not sharded
+        assert record["worker"] == 0
+    assert len({r["version"] for r in evals}) == len(evals)
+    scalars = read_tensorboard(tmp_path / "tensorboard")["worker0"]
+    assert [s for s, _ in scalars["round/loss"]] == list(range(6))
+    assert [v for _, v in scalars["round/loss"]] == pytest.approx(
+        [r["loss"] for r in rounds]
+    )
+    assert [v for _, v in scalars["eval/accuracy"]] == pytest.approx(
+        [r["accuracy"] for r in evals]
+    )
+
+
+def test_tensorboard_dir_none_writes_json_lines_only(tmp_path):
+    args = _args("--metrics", str(tmp_path / "m.jsonl"), "--tensorboard_dir", "none")
+    sink = worker_cli._metrics_sink(args)
+    sink({"event": "round", "worker": 0, "step": 0, "loss": 1.0})
+    sink.close()
+    assert (tmp_path / "m.jsonl").read_text().count("\n") == 1
+    assert not (tmp_path / "tensorboard").exists()
+    with pytest.raises(ValueError, match="--eval_every must be > 0"):
+        worker_cli._build(_args("--eval_every", "0"))

@@ -24,6 +24,15 @@ Heterogeneity is injected with ``--slowdown 4`` (or a schedule
 instead of training and writes the worker's profile (JSON, slowdown applied) for
 :func:`hpsjax.profiling.plan`; ``--work_plan`` then reads the plan.
 
+``--model`` takes a built-in name or any flax model's factory,
+``my_pkg.my_module:make_model`` (importable from the working directory or
+``PYTHONPATH``; the contract is :func:`hpsjax.models.resolve_model`'s), and
+``--model_arg`` its keyword arguments. ``--metrics w0.jsonl`` also writes
+TensorBoard event files (``tensorboard/worker<id>`` beside it, or
+``--tensorboard_dir``), and ``--eval_every 30`` adds the test accuracy of the
+last pulled parameters, on the dataset's held-out split, every 30 seconds
+(``"eval"`` records).
+
 Exit status: 0 when the run ended normally (also when stopped by a signal or
 by the server shutting down), 1 when it failed, 2 for bad flags.
 """
@@ -46,6 +55,7 @@ from hpsjax._flags import check_kwargs, key_value
 from hpsjax._logs import quiet_backend_probe
 
 __all__ = [
+    "Evaluator",
     "build_worker",
     "main",
     "measure_step",
@@ -124,7 +134,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
     g = p.add_argument_group("model and data")
     g.add_argument(
-        "--model", default="mlp", help=f"model: {', '.join(sorted(models.MODELS))}"
+        "--model",
+        default="mlp",
+        help=f"model: {', '.join(sorted(models.MODELS))} or package.module:factory",
     )
     g.add_argument(
         "--model_arg",
@@ -225,6 +237,21 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     g = p.add_argument_group("outputs")
     g.add_argument("--metrics", help="append per-round metrics (JSON lines) here")
     g.add_argument(
+        "--tensorboard_dir",
+        help="TensorBoard event files of the metrics (default: tensorboard/ "
+        "beside --metrics; none: no event files)",
+    )
+    g.add_argument(
+        "--eval_every",
+        type=float,
+        metavar="SECONDS",
+        help="evaluate the pulled parameters on the held-out split this often "
+        "(an eval record, and a line on stdout)",
+    )
+    g.add_argument(
+        "--eval_batch_size", type=int, default=256, help="examples per eval batch"
+    )
+    g.add_argument(
         "--write_init",
         metavar="PATH",
         help="write the model's initial parameters (.npz) and exit",
@@ -255,7 +282,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def _dataset(args: argparse.Namespace):
+def _dataset(args: argparse.Namespace, *, test: bool = False):
+    """The training split, or the held-out split with ``test``."""
     from hpsjax import data
 
     kwargs = dict(args.dataset_arg)
@@ -263,13 +291,20 @@ def _dataset(args: argparse.Namespace):
         loader = data.DATASETS[args.dataset]
         check_kwargs(loader, kwargs, "--dataset_arg", what=f"dataset {args.dataset!r}")
     dataset = data.get_dataset(args.dataset, **kwargs)
-    train, _ = dataset.split(args.test_fraction, seed=0)
-    return train
+    train, held_out = dataset.split(args.test_fraction, seed=0)
+    return held_out if test else train
 
 
 def _model(args: argparse.Namespace, train):
     from hpsjax import models
 
+    if ":" in args.model:
+        return models.resolve_model(
+            args.model,
+            input_shape=train.input_shape,
+            seed=args.model_seed,
+            **dict(args.model_arg),
+        ).model
     if args.model in models.MODELS:
         # The registry's factories build a class from the data's shapes; the
         # flags give the class's other arguments.
@@ -294,20 +329,13 @@ def _model(args: argparse.Namespace, train):
 def write_init(args: argparse.Namespace, path: str | pathlib.Path) -> None:
     """Writes the initial parameters of the flags' model for ``hpsjax-server``.
 
-    Nested keys are joined with ``/``, the form ``hpsjax-server --init`` reads.
+    The format of :func:`hpsjax.models.save_params_npz`, which
+    ``hpsjax-server --init`` reads.
     """
-    import jax
-    import numpy as np
-
     from hpsjax import models
 
     _, params = models.split_model(_model(args, _dataset(args)))
-    flat = {
-        "/".join(str(getattr(k, "key", k)) for k in key_path): np.asarray(leaf)
-        for key_path, leaf in jax.tree_util.tree_leaves_with_path(params)
-    }
-    with open(path, "wb") as f:
-        np.savez(f, **flat)
+    models.save_params_npz(path, params)
 
 
 def _heterogeneity(args: argparse.Namespace):
@@ -377,8 +405,113 @@ def build_worker(args: argparse.Namespace, *, metrics=None):
     return _build(args, metrics=metrics)[0]
 
 
+class _Watched:
+    """A client that keeps the last parameters it pulled, for evaluation.
+
+    Everything else goes to the client it wraps.
+    """
+
+    def __init__(self, client: Any):
+        self._client = client
+        self.latest: tuple[Any, int] | None = None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._client, name)
+
+    async def pull(self, **kwargs: Any):
+        params, version = await self._client.pull(**kwargs)
+        self.latest = (params, version)
+        return params, version
+
+    async def push_pull(self, *args: Any, **kwargs: Any):
+        result, params, version = await self._client.push_pull(*args, **kwargs)
+        self.latest = (params, version)
+        return result, params, version
+
+
+class Evaluator:
+    """Test loss and accuracy of parameters on the dataset's held-out split.
+
+    The split is the one every worker holds out (``--test_fraction``, seed 0),
+    whole, not sharded.
+
+    Args:
+      args: the worker's parsed flags.
+      graphdef: the model's graph (:func:`hpsjax.models.split_model`).
+    """
+
+    def __init__(self, args: argparse.Namespace, graphdef: Any):
+        import jax
+
+        from hpsjax import models
+
+        if not args.eval_batch_size >= 1:
+            raise ValueError(
+                f"--eval_batch_size must be >= 1, got {args.eval_batch_size}"
+            )
+        self._test = _dataset(args, test=True)
+        if not len(self._test):
+            raise ValueError("--eval_every needs held-out examples (--test_fraction)")
+        self._batch_size = args.eval_batch_size
+
+        def losses(params, batch):
+            return (
+                models.loss_fn(params, graphdef, batch),
+                models.accuracy(params, graphdef, batch),
+            )
+
+        self._fn = jax.jit(losses)
+
+    def __call__(self, params: Any) -> dict[str, float]:
+        """``{"loss": ..., "accuracy": ..., "examples": n}`` of ``params``."""
+        loss = accuracy = 0.0
+        count = 0
+        for batch in self._test.eval_batches(self._batch_size):
+            batch_loss, batch_accuracy = self._fn(params, batch)
+            n = len(batch.y)
+            loss += float(batch_loss) * n
+            accuracy += float(batch_accuracy) * n
+            count += n
+        return {"loss": loss / count, "accuracy": accuracy / count, "examples": count}
+
+
+async def _evaluate(evaluator, watched, args, sink, t0: float, done: set) -> None:
+    """Evaluates the last pulled parameters, once per new version."""
+    import time
+
+    if watched.latest is None:
+        return
+    params, version = watched.latest
+    if int(version) in done:
+        return
+    done.add(int(version))
+    elapsed = time.monotonic() - t0
+    result = await asyncio.to_thread(evaluator, params)
+    record = {
+        "event": "eval",
+        "worker": args.worker_id,
+        "time": elapsed,
+        "version": int(version),
+        **result,
+    }
+    if sink is not None:
+        sink(record)
+    print(
+        f"hpsjax-worker eval: version {int(version)}, accuracy "
+        f"{result['accuracy']:.4f}, loss {result['loss']:.4f}",
+        flush=True,
+    )
+
+
+async def _evaluate_every(evaluator, watched, args, sink, t0, done) -> None:
+    while True:
+        await asyncio.sleep(args.eval_every)
+        await _evaluate(evaluator, watched, args, sink, t0, done)
+
+
 def _build(args: argparse.Namespace, *, metrics=None):
-    """``(worker, client, params)``: :func:`build_worker`, its client and model."""
+    """``(worker, client, params, graphdef)``: :func:`build_worker`, its client
+    (which keeps the last pulled parameters with ``--eval_every``) and model."""
     from hpsjax import models
     from hpsjax.profiling import WorkPlan
     from hpsjax.worker._runtime import Worker, WorkerConfig
@@ -401,6 +534,10 @@ def _build(args: argparse.Namespace, *, metrics=None):
         client = _sharded_client(args, servers, params)
     else:
         client = _client(args, servers[0])
+    if args.eval_every is not None:
+        if not args.eval_every > 0:
+            raise ValueError(f"--eval_every must be > 0, got {args.eval_every}")
+        client = _Watched(client)
     work_plan = None
     if args.work_plan is not None:
         work_plan = WorkPlan.from_json(pathlib.Path(args.work_plan).read_text())
@@ -443,7 +580,7 @@ def _build(args: argparse.Namespace, *, metrics=None):
         ssl=_ssl(args),
         client=client,
     )
-    return worker, client, params
+    return worker, client, params, graphdef
 
 
 def _server_tree(params):
@@ -700,7 +837,11 @@ async def connect(client, params, *, connect_timeout: float, where: str) -> None
             raise JoinError(problem)
 
 
-async def _serve(worker, client, params, args: argparse.Namespace) -> Any:
+async def _serve(
+    worker, client, params, args: argparse.Namespace, evaluator=None, sink=None
+) -> Any:
+    import time
+
     loop = asyncio.get_running_loop()
     await connect(
         client,
@@ -711,7 +852,35 @@ async def _serve(worker, client, params, args: argparse.Namespace) -> Any:
     for sig in (signal.SIGINT, signal.SIGTERM):
         with contextlib.suppress(NotImplementedError):
             loop.add_signal_handler(sig, worker.stop)
-    return await worker.run()
+    if evaluator is None:
+        return await worker.run()
+    t0, done = time.monotonic(), set()
+    task = asyncio.ensure_future(
+        _evaluate_every(evaluator, client, args, sink, t0, done)
+    )
+    try:
+        summary = await worker.run()
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+    # The parameters the run ended on.
+    await _evaluate(evaluator, client, args, sink, t0, done)
+    return summary
+
+
+def _metrics_sink(args: argparse.Namespace):
+    """The sink of ``--metrics`` and ``--tensorboard_dir``, or None."""
+    from hpsjax.metrics import MetricsWriter
+
+    tensorboard = args.tensorboard_dir
+    if tensorboard is None and args.metrics is not None:
+        tensorboard = pathlib.Path(args.metrics).resolve().parent / "tensorboard"
+    if tensorboard is not None and str(tensorboard).lower() == "none":
+        tensorboard = None
+    if args.metrics is None and tensorboard is None:
+        return None
+    return MetricsWriter(args.metrics, tensorboard_dir=tensorboard)
 
 
 def _where(args: argparse.Namespace) -> str:
@@ -741,12 +910,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             write_profile(args, args.profile_out)
             print(f"hpsjax-worker: wrote the profile to {args.profile_out}", flush=True)
             return 0
-        sink = None
-        if args.metrics is not None:
-            from hpsjax.worker._runtime import JsonLinesSink
-
-            sink = JsonLinesSink(args.metrics)
-        worker, client, params = _build(args, metrics=sink)
+        sink = _metrics_sink(args)
+        try:
+            worker, client, params, graphdef = _build(args, metrics=sink)
+            evaluator = None if args.eval_every is None else Evaluator(args, graphdef)
+        except BaseException:
+            if sink is not None:
+                sink.close()
+            raise
     except (ValueError, OSError) as e:
         print(f"hpsjax-worker: {e}", file=sys.stderr)
         return 2
@@ -761,7 +932,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print("hpsjax-worker: uvloop is not installed", file=sys.stderr)
                 return 2
     try:
-        summary = runner(_serve(worker, client, params, args))
+        summary = runner(_serve(worker, client, params, args, evaluator, sink))
     except JoinError as e:
         print(f"hpsjax-worker: {e}", file=sys.stderr)
         return 1
