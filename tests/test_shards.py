@@ -42,6 +42,7 @@ from hpsjax.ps import (
     ShardedPushResult,
     ShardedVersion,
     SpecMismatch,
+    _partition,
     _shards,
 )
 from hpsjax.ps import _cli as server_cli
@@ -308,8 +309,9 @@ def test_sharded_versions_and_combined_acks():
     assert dropped.status == "dropped" and not dropped.applied
 
 
-def test_module_doctests():
-    assert doctest.testmod(_shards).failed == 0
+@pytest.mark.parametrize("module", [_partition, _shards])
+def test_module_doctests(module):
+    assert doctest.testmod(module).failed == 0
 
 
 # ------------------------------------------------------- against servers

@@ -45,6 +45,7 @@ from hpsjax.ps._errors import (
     UnsupportedVersion,
     WorkerDropped,
 )
+from hpsjax.ps._partition import KeyRangePartition
 from hpsjax.ps._policies import (
     ADSP,
     ASP,
@@ -61,7 +62,6 @@ from hpsjax.ps._policies import (
 )
 from hpsjax.ps._server import Server
 from hpsjax.ps._shards import (
-    KeyRangePartition,
     ShardedClient,
     ShardedPushResult,
     ShardedVersion,

@@ -237,7 +237,7 @@ def load_npz_shard(
       ValueError: bad names (as :func:`load_npz_tree`), object arrays, a bad
         shard index, or more shards than arrays (or rows).
     """
-    from hpsjax.ps._shards import KeyRangePartition
+    from hpsjax.ps._partition import KeyRangePartition
 
     _check_is_npz(path)
     lazy = nest_named_arrays(_read_npz_members(path), path)
@@ -616,7 +616,7 @@ async def serve(args: argparse.Namespace) -> None:
                 args.init, shard, num_shards, split_leaves=args.split_leaves
             )
         else:
-            from hpsjax.ps._shards import KeyRangePartition
+            from hpsjax.ps._partition import KeyRangePartition
 
             partition = KeyRangePartition.from_tree(
                 params, num_shards, split_leaves=args.split_leaves
