@@ -101,13 +101,13 @@ def setup(config: ml_collections.ConfigDict) -> Setup:
 
     dataset = data.get_dataset(config.data.name, **dataset_kwargs(config))
     train, test = dataset.split(float(config.data.test_fraction), seed=0)
-    model = models.get_model(
+    model = models.resolve_model(
         config.model.name,
         input_shape=train.input_shape,
-        num_classes=train.num_classes,
+        num_classes=None if ":" in config.model.name else train.num_classes,
         seed=int(config.model.seed),
         **model_kwargs(config),
-    )
+    ).model
     graphdef, params = models.split_model(model)
 
     def loss_fn(params, batch):

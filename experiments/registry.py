@@ -197,7 +197,8 @@ def check_config(config: ml_collections.ConfigDict) -> None:
     lookup("scheme", config.scheme)
     lookup("backend", config.backend)
     lookup("dataset", config.data.name)
-    lookup("model", config.model.name)
+    if ":" not in config.model.name:  # else a factory, "package.module:make"
+        lookup("model", config.model.name)
     lookup("policy", config.server.policy)
     lookup("optimizer", config.server.optimizer)
     lookup("overlap", config.worker.overlap)

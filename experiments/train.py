@@ -14,6 +14,9 @@ tests and notebooks call directly. It checks the config, runs it on its backend
 ``timeline.json``  every worker's time cut into compute, transfer, wait,
                    discarded and profiling spans
 ``summary.json``   the summary alone (see :func:`summarize`)
+``tensorboard/``   the same records as TensorBoard event files, one run per
+                   scheme and seed (``<scheme>_seed<seed>``, its workers'
+                   records under ``worker<id>``)
 ``accuracy.png``   test accuracy against time, the target as a line
 ``timeline.png``   per-worker timeline of compute, transfer and idle time
 =================  ==========================================================
@@ -28,13 +31,21 @@ import json
 import logging
 import math
 import pathlib
+import shutil
 from typing import Any
 
 import ml_collections
 
 from experiments import backends, build, plots, registry
+from hpsjax.metrics import MetricsWriter
 
-__all__ = ["describe", "summarize", "time_to_target", "train_and_evaluate"]
+__all__ = [
+    "describe",
+    "summarize",
+    "tensorboard_dir",
+    "time_to_target",
+    "train_and_evaluate",
+]
 
 logger = logging.getLogger("experiments")
 
@@ -127,6 +138,15 @@ def _dump(record: dict[str, Any]) -> str:
     return json.dumps(_jsonable(record), allow_nan=False)
 
 
+def tensorboard_dir(
+    config: ml_collections.ConfigDict, workdir: pathlib.Path
+) -> pathlib.Path:
+    """The TensorBoard run of ``config`` under ``workdir``: one per scheme and
+    seed, so ``tensorboard --logdir`` over several work directories overlays
+    them."""
+    return pathlib.Path(workdir) / "tensorboard" / f"{config.scheme}_seed{config.seed}"
+
+
 def write_outputs(
     config: ml_collections.ConfigDict,
     output: backends.RunOutput,
@@ -141,14 +161,17 @@ def write_outputs(
         "accuracy_plot": workdir / "accuracy.png",
         "timeline_plot": workdir / "timeline.png",
     }
-    with open(paths["metrics"], "w", encoding="utf-8") as f:
+    paths["tensorboard"] = tensorboard_dir(config, workdir)
+    paths["metrics"].unlink(missing_ok=True)
+    shutil.rmtree(paths["tensorboard"], ignore_errors=True)
+    with MetricsWriter(paths["metrics"], tensorboard_dir=paths["tensorboard"]) as f:
         for record in output.evals:
-            f.write(_dump({"event": "eval", **record}) + "\n")
+            f({"event": "eval", **record})
         for record in output.records:
-            f.write(_dump(record) + "\n")
+            f(record)
         for worker, totals in output.workers.items():
-            f.write(_dump({"event": "worker", "worker": worker, **totals}) + "\n")
-        f.write(_dump({"event": "summary", **summary}) + "\n")
+            f({"event": "worker", "worker": worker, **totals})
+        f({"event": "summary", **summary})
     paths["timeline"].write_text(
         _dump(
             {

@@ -23,6 +23,7 @@ from jax.experimental.compilation_cache import compilation_cache
 from experiments import build, compare, registry, train
 from experiments.configs import common
 from experiments.configs.suites import SUITES, Suite
+from hpsjax.metrics import read_tensorboard
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -105,6 +106,17 @@ def _check_outputs(workdir: pathlib.Path, config, summary: dict) -> None:
     assert on_disk["final_accuracy"] == pytest.approx(evals[-1]["accuracy"])
     reached = train.time_to_target(evals, config.eval.target_accuracy)
     assert summary["time_to_target"] == reached
+
+    # The same records as TensorBoard event files, one run per scheme and seed.
+    logdir = workdir / "tensorboard" / f"{config.scheme}_seed{config.seed}"
+    assert logdir == train.tensorboard_dir(config, workdir)
+    scalars = read_tensorboard(logdir)
+    assert [v for _, v in scalars[""]["eval/accuracy"]] == pytest.approx(
+        [e["accuracy"] for e in evals]
+    )
+    for w in workers:
+        run = scalars[f"worker{w['worker']}"]
+        assert run["worker/compute_s"][-1][1] == pytest.approx(w["compute_s"])
 
 
 # ---------------------------------------------------------------------------
@@ -332,6 +344,10 @@ def test_processes_smoke(tmp_path, scheme):
     for i in range(len(config.workers.slowdowns)):
         own = _read_jsonl(tmp_path / "workers" / f"metrics_{i}.jsonl")
         assert any(r["event"] == "round" for r in own)
+        # Each worker process wrote its own event files too.
+        scalars = read_tensorboard(tmp_path / "workers" / "tensorboard")
+        rounds = [r for r in own if r["event"] == "round"]
+        assert len(scalars[f"worker{i}"]["round/loss"]) == len(rounds)
     assert summary["info"]["worker_returncodes"] == [0] * len(config.workers.slowdowns)
 
 
@@ -568,3 +584,70 @@ def test_run_prints_its_result_once_without_the_tpu_line(tmp_path):
     both = out.stdout + out.stderr
     assert both.count("asp: time to 0.5 accuracy") == 1, both[-2000:]
     assert "Unable to initialize backend" not in both
+
+
+# ---------------------------------------------------------------------------
+# The summary command.
+# ---------------------------------------------------------------------------
+
+
+def test_summary_of_a_simulated_run(tmp_path, capsys):
+    from experiments import summary as run_summary
+
+    config = _quick("asp")
+    train.train_and_evaluate(config, tmp_path, progress=False)
+    assert run_summary.main(["--workdir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert out.splitlines()[0].split() == [
+        "worker", "rounds", "idle", "stale", "p90", "examples/s"
+    ]  # fmt: skip
+    records = _read_jsonl(tmp_path / "metrics.jsonl")
+    table = json.loads((tmp_path / "summary_workers.json").read_text())
+    assert set(table) == {str(i) for i in range(len(config.workers.slowdowns))}
+    for worker, row in table.items():
+        pushes = [
+            r for r in records if r["event"] == "push" and str(r["worker"]) == worker
+        ]
+        totals = next(
+            r for r in records if r["event"] == "worker" and str(r["worker"]) == worker
+        )
+        assert row["rounds"] == len(pushes) == totals["pushes"]
+        assert row["idle_fraction"] == pytest.approx(totals["idle_fraction"])
+        assert row["staleness_mean"] == pytest.approx(
+            np.mean([r["staleness"] for r in pushes])
+        )
+        assert row["throughput"] > 0
+    for name in ("summary_staleness.png", "summary_accuracy.png"):
+        assert (tmp_path / name).read_bytes().startswith(PNG_MAGIC)
+
+
+def test_summary_of_worker_files(tmp_path, capsys):
+    from experiments import summary as run_summary
+
+    def round_(step, staleness):
+        return {
+            "event": "round", "worker": 1, "step": step, "time": 2.0 * step,
+            "round_s": 2.0, "wait_s": 0.5, "batch_size": 8, "local_steps": 2,
+            "staleness": staleness,
+        }  # fmt: skip
+
+    lines = [round_(i, s) for i, s in enumerate([None, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9])]
+    lines.append({"event": "eval", "worker": 1, "time": 3.0, "accuracy": 0.5})
+    (tmp_path / "metrics_1.jsonl").write_text(
+        "".join(json.dumps(r) + "\n" for r in lines)
+    )
+    assert run_summary.main(["--workdir", str(tmp_path)]) == 0
+    row = json.loads((tmp_path / "summary_workers.json").read_text())["1"]
+    assert row == {
+        "rounds": 11,
+        "idle_fraction": pytest.approx(0.25),
+        "staleness_mean": pytest.approx(4.5),
+        "staleness_p90": pytest.approx(8.1),
+        "throughput": pytest.approx(11 * 16 / 22.0),
+    }
+    assert "      1      11  25.0%" in capsys.readouterr().out
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert run_summary.main(["--workdir", str(empty)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("experiments.summary: ") and "\n" not in err
