@@ -20,11 +20,14 @@ import msgpack
 import numpy as np
 import optax
 import pytest
+import tensorstore as ts
+from orbax.checkpoint._src.path.atomicity import AtomicRenameTemporaryPath
 
-from hpsjax.ps import _checkpoint
+from hpsjax.ps import _checkpoint, _checkpoint_legacy, _checkpoint_orbax
 from hpsjax.ps._checkpoint import Checkpoint, CheckpointError, CheckpointManager
 
 LOGGER = "hpsjax.ps._checkpoint"
+TMP = _checkpoint_orbax.TMP_SUFFIX
 
 
 def _params(scale: float = 1.0):
@@ -61,7 +64,11 @@ def _assert_trees_equal(a, b):
 
 
 def _entries(directory: pathlib.Path) -> list[str]:
-    return sorted(p.name for p in directory.iterdir())
+    return sorted(p.name for p in directory.iterdir() if p.name != _checkpoint._LOCK)
+
+
+def _manifest(root: pathlib.Path) -> pathlib.Path:
+    return root / "manifest" / "manifest.msgpack"
 
 
 # -- round trips --------------------------------------------------------------
@@ -251,16 +258,10 @@ def test_failure_while_writing_leaves_keeps_previous_checkpoint(tmp_path, monkey
     first = _server_state(1.0)
     manager.save(1, first)
 
-    real_open = _checkpoint._open_leaf_for_write
-    calls = []
+    def failing_write(path, data):
+        raise OSError("disk full")
 
-    def failing_open(root, index, array, context):
-        calls.append(index)
-        if len(calls) == 4:
-            raise OSError("disk full")
-        return real_open(root, index, array, context)
-
-    monkeypatch.setattr(_checkpoint, "_open_leaf_for_write", failing_open)
+    monkeypatch.setattr(_checkpoint_orbax, "write_manifest", failing_write)
     with pytest.raises(OSError, match="disk full"):
         manager.save(2, _server_state(2.0))
     monkeypatch.undo()
@@ -275,10 +276,10 @@ def test_failure_before_commit_keeps_previous_checkpoint(tmp_path, monkeypatch):
     manager = CheckpointManager(tmp_path)
     manager.save(1, {"w": np.zeros(4)})
 
-    def failing_fsync(root):
+    async def failing_commit(self, *args, **kwargs):
         raise OSError("I/O error")
 
-    monkeypatch.setattr(_checkpoint, "_fsync_tree", failing_fsync)
+    monkeypatch.setattr(AtomicRenameTemporaryPath, "finalize", failing_commit)
     with pytest.raises(OSError, match="I/O error"):
         manager.save(2, {"w": np.ones(4)})
     with pytest.raises(OSError, match="I/O error"):
@@ -292,7 +293,8 @@ _CHILD = textwrap.dedent(
     """
     import os, pathlib, sys, time
     import numpy as np
-    from hpsjax.ps import _checkpoint
+    from orbax.checkpoint._src.path.atomicity import AtomicRenameTemporaryPath
+    from hpsjax.ps import _checkpoint, _checkpoint_orbax
     from hpsjax.ps._checkpoint import CheckpointManager
 
     directory, stage, marker = sys.argv[1:4]
@@ -308,10 +310,13 @@ _CHILD = textwrap.dedent(
         pathlib.Path(marker).touch()
         time.sleep(600)
 
+    async def pause_commit(self, *args, **kwargs):
+        pause()
+
     if stage == "leaves":
-        _checkpoint._write_manifest = lambda path, data: pause()
-    elif stage == "fsync":
-        _checkpoint._fsync_tree = lambda root: pause()
+        _checkpoint_orbax.write_manifest = lambda path, data: pause()
+    elif stage == "commit":
+        AtomicRenameTemporaryPath.finalize = pause_commit
     elif stage == "overwrite":
         real_rename = os.rename
         def rename(src, dst):
@@ -344,7 +349,7 @@ def _wait_for(path: pathlib.Path, proc: subprocess.Popen, timeout: float = 60.0)
         time.sleep(0.02)
 
 
-@pytest.mark.parametrize("stage", ["leaves", "fsync", "overwrite"])
+@pytest.mark.parametrize("stage", ["leaves", "commit", "overwrite"])
 def test_sigkill_mid_save_leaves_previous_checkpoint(tmp_path, stage, caplog):
     directory = tmp_path / "ckpts"
     marker = tmp_path / "paused"
@@ -356,7 +361,7 @@ def test_sigkill_mid_save_leaves_previous_checkpoint(tmp_path, stage, caplog):
         proc.wait(timeout=30)
         proc.stderr.close()
 
-    leftovers = [n for n in _entries(directory) if n.startswith(".")]
+    leftovers = [n for n in _entries(directory) if n.startswith(".") or TMP in n]
     assert leftovers, "the crash should have left a temporary directory"
     if stage == "overwrite":
         assert "ckpt_1" not in _entries(directory)
@@ -374,23 +379,43 @@ def test_sigkill_mid_save_leaves_previous_checkpoint(tmp_path, stage, caplog):
         assert "interrupted checkpoint save" in caplog.text
 
 
-def test_temp_dir_of_a_live_process_is_left_alone(tmp_path):
-    manager = CheckpointManager(tmp_path)
-    manager.save(1, {"w": np.zeros(1)})
-    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+_HOLDER = textwrap.dedent(
+    """
+    import pathlib, sys, time
+    import numpy as np
+    from hpsjax.ps._checkpoint import CheckpointManager
+
+    manager = CheckpointManager(sys.argv[1])
+    manager.save(2, {"w": np.zeros(1)})
+    pathlib.Path(sys.argv[2]).touch()
+    time.sleep(600)
+    """
+)
+
+
+def test_temp_dir_of_a_live_saving_process_is_left_alone(tmp_path):
+    directory, marker = tmp_path / "ckpts", tmp_path / "ready"
+    holder = _start_child([_HOLDER, str(directory), str(marker)])
     try:
-        live = tmp_path / f".tmp-ckpt_2-{sleeper.pid}-abc123"
-        dead = tmp_path / ".tmp-ckpt_2-999999999-abc123"
+        _wait_for(marker, holder)
+        # The holder's save in progress, as another manager would see it.
+        live = directory / f"ckpt_3{TMP}-123"
         live.mkdir()
-        dead.mkdir()
-        assert manager.restore_latest().step == 1
+        manager = CheckpointManager(directory)
+        assert manager.restore_latest().step == 2
         assert live.exists()
-        assert not dead.exists()
+        with pytest.raises(ValueError, match="another live checkpoint manager"):
+            manager.save(4, {"w": np.zeros(1)})
     finally:
-        sleeper.kill()
-        sleeper.wait(timeout=30)
-    manager.restore_latest()
+        holder.kill()
+        holder.wait(timeout=30)
+        holder.stderr.close()
+    # The holder is gone: its lock with it.
+    assert manager.restore_latest().step == 2
     assert not live.exists()
+    manager.save(4, {"w": np.ones(1)})
+    manager.close()
+    assert _entries(directory) == ["ckpt_2", "ckpt_4"]
 
 
 _LOOP_CHILD = textwrap.dedent(
@@ -415,7 +440,7 @@ def _newest_on_disk(directory: pathlib.Path) -> int:
     steps = [
         int(p.name.removeprefix("ckpt_"))
         for p in directory.glob("ckpt_*")
-        if (p / "manifest.msgpack").exists()
+        if p.name.removeprefix("ckpt_").isdigit()
     ]
     return max(steps, default=0)
 
@@ -444,7 +469,7 @@ def test_random_sigkills_never_leave_a_broken_latest(tmp_path):
         np.testing.assert_array_equal(restored.tree["w"], np.full((256, 256), step))
         for v in restored.tree["v"]:
             np.testing.assert_array_equal(v, np.full(100, float(step)))
-        assert not [n for n in _entries(tmp_path) if n.startswith(".")]
+        assert not [n for n in _entries(tmp_path) if n.startswith(".") or TMP in n]
 
 
 # -- damaged checkpoints -----------------------------------------------------
@@ -463,7 +488,7 @@ def _three_checkpoints(tmp_path) -> CheckpointManager:
 )
 def test_damaged_manifest_is_skipped_with_a_warning(tmp_path, damage, caplog):
     manager = _three_checkpoints(tmp_path)
-    manifest = tmp_path / "ckpt_3" / "manifest.msgpack"
+    manifest = _manifest(tmp_path / "ckpt_3")
     data = manifest.read_bytes()
     if damage == "flip_byte":
         manifest.write_bytes(data[:-3] + bytes([data[-3] ^ 0xFF]) + data[-2:])
@@ -492,10 +517,13 @@ def test_damaged_manifest_is_skipped_with_a_warning(tmp_path, damage, caplog):
 
 
 def _damage_leaf(root: pathlib.Path) -> None:
-    chunks = [p for p in (root / "leaves").rglob("*") if p.is_file()]
-    chunk = next(p for p in chunks if p.name != "zarr.json")
+    """Flips one bit in the biggest data file of the arrays item."""
+    chunk = max(
+        (p for p in (root / "arrays").rglob("d/*") if p.is_file()),
+        key=lambda p: p.stat().st_size,
+    )
     data = bytearray(chunk.read_bytes())
-    data[10] ^= 0x01
+    data[len(data) // 2] ^= 0x01
     chunk.write_bytes(bytes(data))
 
 
@@ -512,7 +540,7 @@ def test_saving_goes_on_after_falling_back_from_a_damaged_checkpoint(tmp_path):
     manager.close()
     assert manager.steps() == [2, 3, 4]
     assert manager.restore(3).metadata == {"s": 30}
-    assert (tmp_path / "ckpt_3.damaged-1" / "manifest.msgpack").is_file()
+    assert _manifest(tmp_path / "ckpt_3.damaged-1").is_file()
     # Damaged again: moved aside under the next free name, the first kept.
     _damage_leaf(tmp_path / "ckpt_4")
     assert CheckpointManager(tmp_path).restore_latest().step == 3
@@ -525,11 +553,7 @@ def test_saving_goes_on_after_falling_back_from_a_damaged_checkpoint(tmp_path):
 
 def test_damaged_leaf_data_is_detected(tmp_path, caplog):
     manager = _three_checkpoints(tmp_path)
-    chunks = [p for p in (tmp_path / "ckpt_3" / "leaves").rglob("*") if p.is_file()]
-    chunk = next(p for p in chunks if p.name != "zarr.json")
-    data = bytearray(chunk.read_bytes())
-    data[10] ^= 0x01
-    chunk.write_bytes(bytes(data))
+    _damage_leaf(tmp_path / "ckpt_3")
     with pytest.raises(CheckpointError):
         manager.restore(3)
     with caplog.at_level(logging.WARNING, logger=LOGGER):
@@ -537,10 +561,22 @@ def test_damaged_leaf_data_is_detected(tmp_path, caplog):
     assert "skipping damaged checkpoint" in caplog.text
 
 
+def test_a_flipped_bit_in_array_data_fails_its_crc32(tmp_path):
+    manager = CheckpointManager(tmp_path)
+    rng = np.random.default_rng(0)
+    manager.save(1, {"w": rng.normal(size=(256, 256)).astype(np.float32)})
+    _damage_leaf(tmp_path / "ckpt_1")
+    with pytest.raises(CheckpointError, match="crc32"):
+        manager.restore(1)
+
+
 def test_missing_leaf_is_detected(tmp_path):
     manager = _three_checkpoints(tmp_path)
-    for p in sorted((tmp_path / "ckpt_3" / "leaves").iterdir()):
-        _checkpoint.shutil.rmtree(p)
+    for p in sorted((tmp_path / "ckpt_3" / "arrays").iterdir()):
+        if p.is_dir():
+            _checkpoint.shutil.rmtree(p)
+        else:
+            p.unlink()
     with pytest.raises(CheckpointError, match="cannot read leaf"):
         manager.restore(3)
     assert manager.restore_latest().step == 2
@@ -667,10 +703,10 @@ def test_save_async_runs_in_order_and_prunes(tmp_path):
 def test_failed_background_save_surfaces_on_next_call(tmp_path, monkeypatch):
     manager = CheckpointManager(tmp_path)
 
-    def failing_write(root, arrays, context):
+    def failing_write(path, data):
         raise OSError("disk gone")
 
-    monkeypatch.setattr(_checkpoint, "_write_leaves", failing_write)
+    monkeypatch.setattr(_checkpoint_orbax, "write_manifest", failing_write)
     future = manager.save_async(1, {"w": np.zeros(2)})
     with pytest.raises(OSError, match="disk gone"):
         future.result(timeout=60)
@@ -735,3 +771,84 @@ def test_restores_from_another_thread_see_only_complete_checkpoints(tmp_path):
         manager.close()
     assert not errors
     assert manager.steps() == [6, 7]
+
+
+# -- checkpoints of the earlier format ----------------------------------------
+
+
+def _write_legacy(root: pathlib.Path, step: int, tree, metadata) -> None:
+    """Writes ``tree`` as a format-1 checkpoint (manifest.msgpack + zarr leaves)."""
+    specs, arrays = [], {}
+
+    def visit_leaf(path, leaf):
+        spec = _checkpoint._leaf_spec(path, leaf)
+        if spec["kind"] == "array":
+            arrays[len(specs)] = np.asarray(leaf)
+        specs.append(spec)
+        return {"k": "leaf", "i": len(specs) - 1}
+
+    desc = _checkpoint._describe(tree, visit_leaf)
+    for i, array in arrays.items():
+        store = ts.open(
+            {
+                "driver": "zarr3",
+                "kvstore": {"driver": "file", "path": str(root / "leaves" / str(i))},
+            },
+            create=True,
+            dtype=ts.dtype(array.dtype),
+            shape=array.shape,
+        ).result()
+        store.write(array).result()
+    body = {
+        "format": "hpsjax-checkpoint",
+        "format_version": 1,
+        "step": step,
+        "tree": desc,
+        "leaves": specs,
+        "metadata": metadata,
+    }
+    (root / "manifest.msgpack").write_bytes(
+        _checkpoint._pack_manifest(body, _checkpoint_legacy.MAGIC)
+    )
+
+
+def test_earlier_format_is_refused_in_one_line_and_converts(tmp_path):
+    old, new = tmp_path / "old", tmp_path / "new"
+    state = {**_server_state(3.0), "empty": np.zeros((0, 2), np.float32)}
+    for step in (4, 6):
+        _write_legacy(old / f"ckpt_{step}", step, state, {"workers": {0: step}})
+    with pytest.raises(ValueError) as info:
+        CheckpointManager(old)
+    message = str(info.value)
+    assert "\n" not in message and "earlier hpsjax format" in message
+    assert f"python -m hpsjax.ps.convert_checkpoint {old} NEW_DIRECTORY" in message
+
+    run = subprocess.run(
+        [sys.executable, "-m", "hpsjax.ps.convert_checkpoint", str(old), str(new)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stderr
+    assert "converted steps [4, 6]" in run.stdout
+    with CheckpointManager(new) as manager:
+        assert manager.steps() == [4, 6]
+        step, tree, meta = manager.restore_latest(like=state)
+    assert (step, meta) == (6, {"workers": {0: 6}})
+    _assert_trees_equal(tree, state)
+    assert type(tree["opt_state"][1][0]) is optax.ScaleByAdamState
+    assert (old / "ckpt_6" / "manifest.msgpack").is_file(), "the old ones stay"
+
+
+def test_convert_refuses_bad_directories_in_one_line(tmp_path, capsys):
+    from hpsjax.ps.convert_checkpoint import main
+
+    assert main([str(tmp_path / "missing"), str(tmp_path / "new")]) == 2
+    assert "is not a directory" in capsys.readouterr().err
+    (tmp_path / "empty").mkdir()
+    assert main([str(tmp_path / "empty"), str(tmp_path / "new")]) == 2
+    assert "no checkpoint of the earlier" in capsys.readouterr().err
+    _write_legacy(tmp_path / "old" / "ckpt_1", 1, {"w": np.ones(2)}, None)
+    CheckpointManager(tmp_path / "full").save(1, {"w": np.ones(2)})
+    assert main([str(tmp_path / "old"), str(tmp_path / "full")]) == 2
+    assert "already holds checkpoints" in capsys.readouterr().err

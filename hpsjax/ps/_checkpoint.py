@@ -1,58 +1,59 @@
-"""Atomic tensorstore checkpoints of pytrees: parameters, optimizer state, metadata.
+"""Atomic orbax checkpoints of pytrees: parameters, optimizer state, metadata.
 
-A checkpoint is one directory per step. Every array leaf of the tree is a zarr v3
-array written by tensorstore (with a crc32c checksum per chunk); a small msgpack
-manifest holds the tree structure, each leaf's shape and dtype, the step and a
-msgpack-able metadata dict. Nothing is pickled, so restoring never executes code.
+A checkpoint is one orbax-checkpoint step. Its array leaves are saved by orbax
+(tensorstore, OCDBT) as a flat dict keyed by leaf index; a small msgpack
+manifest holds the tree structure, each leaf's shape, dtype and crc32, Python
+scalar leaves, the step and a msgpack-able metadata dict. Nothing is pickled,
+so restoring never executes code.
 
 On disk::
 
     directory/
-      ckpt_<step>/                     a committed checkpoint
-        manifest.msgpack               magic + sha256 + msgpack body, written last
-        leaves/<i>/                    zarr v3 array of leaf i (flatten order)
-      .tmp-ckpt_<step>-<pid>-<hex>/    a save in progress, or left by a crash
-      .old-ckpt_<step>-<hex>/          a checkpoint being replaced (overwrite)
-      .del-ckpt_<step>-<hex>/          a checkpoint being pruned
-      ckpt_<step>.damaged-<n>/         a damaged checkpoint moved aside, kept
+      ckpt_<step>/                          a committed checkpoint
+        _CHECKPOINT_METADATA                orbax's step metadata
+        manifest/manifest.msgpack           magic + sha256 + msgpack body
+        arrays/                             orbax PyTree item (OCDBT)
+      ckpt_<step>.orbax-checkpoint-tmp*/    a save in progress, or left by a crash
+      .old-ckpt_<step>-<hex>/               a checkpoint being replaced (overwrite)
+      ckpt_<step>.damaged-<n>/              a damaged checkpoint moved aside, kept
+      .hpsjax-checkpoint.lock               held by the manager that saves here
 
-Commit protocol. A save writes every leaf and then the manifest into a fresh
-temporary directory, ``fsync`` s every file and directory in it, renames it to
-``ckpt_<step>`` and ``fsync`` s the parent directory. ``rename`` within a
-directory is atomic on POSIX file systems, so a crash at any point leaves either
-the previous checkpoints only or the new one complete: a directory named
-``ckpt_<step>`` always holds a complete checkpoint. Leftovers of a crash are
-recognised by their names and cleaned up when a manager opens the directory or
-restores from it. Old checkpoints are pruned after a successful commit by first
-renaming them out of the ``ckpt_`` namespace, so a crash mid-deletion never
-leaves a half-deleted directory that looks committed.
+Commit protocol. Orbax's ``CheckpointManager`` writes both items into a
+temporary directory (tensorstore and the manifest writer ``fsync`` their files)
+and renames it to ``ckpt_<step>``. ``rename`` within a directory is atomic on
+POSIX file systems, so a crash at any point leaves either the previous
+checkpoints only or the new one complete. Orbax also discovers the steps and
+deletes the oldest after a commit (``max_to_keep``). Temporary directories are
+removed by the manager that holds the directory's lock (an ``flock``, released
+by the kernel when its process dies), so a save in progress in another live
+process is never mistaken for a crash's leftover.
 
 Errors: bad arguments raise ``ValueError``; a checkpoint that cannot be read
-(missing or damaged manifest or leaf data) raises ``CheckpointError``, a
-``ValueError`` subclass. ``restore_latest`` logs such a checkpoint on the
-``hpsjax.ps._checkpoint`` logger, moves it aside (renamed, never deleted) so
-that saving goes on, and falls back to the next older one.
+(missing or damaged manifest or array data: every stored array's crc32 is
+checked) raises ``CheckpointError``, a ``ValueError`` subclass.
+``restore_latest`` logs such a checkpoint on the ``hpsjax.ps._checkpoint``
+logger, moves it aside (renamed, never deleted) so that saving goes on, and
+falls back to the next older one.
 
-One manager per directory: temporary directories of other live processes are left
-alone, but two processes saving into one directory is not supported.
+Checkpoints of the earlier format (``ckpt_<step>/manifest.msgpack`` and
+``leaves/``, read by ``hpsjax.ps._checkpoint_legacy``) are refused with the
+command that converts them: ``python -m hpsjax.ps.convert_checkpoint OLD NEW``.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
-import errno
+import fcntl
 import hashlib
 import logging
 import math
 import operator
 import os
 import pathlib
-import re
 import shutil
 import threading
 import uuid
-from collections.abc import Sequence
+import zlib
 from typing import Any, NamedTuple
 
 import jax
@@ -65,27 +66,16 @@ __all__ = ["Checkpoint", "CheckpointError", "CheckpointManager"]
 logger = logging.getLogger(__name__)
 
 _FORMAT = "hpsjax-checkpoint"
-_FORMAT_VERSION = 1
-_MAGIC = b"HPSJCKP1"
+_FORMAT_VERSION = 2
+_MAGIC = b"HPSJCKP2"
 _DIGEST_BYTES = 32
-_MANIFEST = "manifest.msgpack"
-_LEAVES = "leaves"
 _PREFIX = "ckpt_"
-_TMP_PREFIX = ".tmp-ckpt_"
 _OLD_PREFIX = ".old-ckpt_"
-_DEL_PREFIX = ".del-ckpt_"
 _DAMAGED_INFIX = ".damaged-"
-_FINAL_RE = re.compile(r"ckpt_(\d+)")
-_TMP_RE = re.compile(r"\.tmp-ckpt_(\d+)-(\d+)-[0-9a-f]+")
-_OLD_RE = re.compile(r"\.old-ckpt_(\d+)-[0-9a-f]+")
-_FSYNC_THREADS = 8
+_LOCK = ".hpsjax-checkpoint.lock"
+_TMP_SUFFIX = ".orbax-checkpoint-tmp"  # orbax's; checked in _checkpoint_orbax
+_LEGACY_MANIFEST = "manifest.msgpack"
 _PY_SCALARS = {"bool": bool, "int": int, "float": float, "str": str}
-# Every chunk carries a checksum so that damaged leaf data is detected on read
-# instead of silently restoring wrong parameters.
-_CODECS = [
-    {"name": "bytes", "configuration": {"endian": "little"}},
-    {"name": "crc32c"},
-]
 
 
 class CheckpointError(ValueError):
@@ -110,8 +100,8 @@ class _Plan(NamedTuple):
     """A tree prepared for writing: validated, described, its arrays on the host."""
 
     step: int
-    arrays: list[tuple[int, np.ndarray]]  # (leaf index, host array)
-    manifest: bytes  # the complete manifest file, checksum included
+    arrays: dict[str, np.ndarray]  # leaf index -> host array (non-empty ones)
+    body: dict  # the manifest body, without the arrays' checksums
 
 
 # ---------------------------------------------------------------------------
@@ -246,58 +236,27 @@ def _show(structure: Any) -> str:
 
 
 # ---------------------------------------------------------------------------
-# Files.
+# Manifest: magic + sha256 + msgpack body.
 # ---------------------------------------------------------------------------
 
 
-def _fsync_path(path: pathlib.Path, *, directory: bool) -> None:
-    fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if directory else 0))
-    try:
-        os.fsync(fd)
-    except OSError as e:
-        # Some file systems cannot fsync a directory; the data files were synced.
-        if not (directory and e.errno in (errno.EINVAL, errno.ENOTSUP)):
-            raise
-    finally:
-        os.close(fd)
-
-
-def _fsync_tree(root: pathlib.Path) -> None:
-    """fsyncs every file and directory under ``root``.
-
-    The calls run in parallel: a checkpoint has several files per leaf, and
-    concurrent fsyncs share journal commits, which is about twice as fast as
-    one after the other. Only completion before the commit rename matters, not
-    the order.
-    """
-    paths = []
-    for dirpath, _, filenames in os.walk(root):
-        base = pathlib.Path(dirpath)
-        paths.append((base, True))
-        paths.extend((base / name, False) for name in filenames)
-    workers = min(_FSYNC_THREADS, len(paths))
-    if workers <= 1:
-        for path, is_dir in paths:
-            _fsync_path(path, directory=is_dir)
-        return
-    with concurrent.futures.ThreadPoolExecutor(workers) as pool:
-        futures = [
-            pool.submit(_fsync_path, path, directory=is_dir) for path, is_dir in paths
-        ]
-        for future in futures:
-            future.result()
-
-
-def _pack_manifest(body: dict) -> bytes:
+def _pack_manifest(body: dict, magic: bytes = _MAGIC) -> bytes:
     payload = msgpack.packb(body, use_bin_type=True)
-    return _MAGIC + hashlib.sha256(payload).digest() + payload
+    return magic + hashlib.sha256(payload).digest() + payload
 
 
-def _unpack_manifest(data: bytes) -> dict:
-    header = len(_MAGIC) + _DIGEST_BYTES
-    if len(data) < header or not data.startswith(_MAGIC):
+def unpack_manifest(
+    data: bytes, *, magic: bytes = _MAGIC, format_version: int = _FORMAT_VERSION
+) -> dict:
+    """Checks and decodes a manifest file of the given format version.
+
+    Raises:
+      CheckpointError: the bytes are not a whole, valid manifest.
+    """
+    header = len(magic) + _DIGEST_BYTES
+    if len(data) < header or not data.startswith(magic):
         raise CheckpointError("manifest does not start with the checkpoint magic")
-    digest, payload = data[len(_MAGIC) : header], data[header:]
+    digest, payload = data[len(magic) : header], data[header:]
     if hashlib.sha256(payload).digest() != digest:
         raise CheckpointError("manifest checksum mismatch (file damaged)")
     try:
@@ -310,17 +269,22 @@ def _unpack_manifest(data: bytes) -> dict:
         or not {"step", "tree", "leaves", "metadata"} <= body.keys()
     ):
         raise CheckpointError("manifest is not an hpsjax checkpoint manifest")
-    if body.get("format_version") != _FORMAT_VERSION:
+    if body.get("format_version") != format_version:
         raise CheckpointError(
             f"manifest format version {body.get('format_version')!r} is not "
-            f"supported (this version reads {_FORMAT_VERSION})"
+            f"supported (this reader reads {format_version})"
         )
-    _check_leaf_specs(body["leaves"])
+    _check_leaf_specs(body["leaves"], checksums=format_version >= 2)
     _check_tree(body["tree"], len(body["leaves"]))
     return body
 
 
-def _check_leaf_specs(leaves: Any) -> None:
+def _stored(spec: dict) -> bool:
+    """Whether a leaf's data is in the arrays item (empty arrays are not)."""
+    return spec["kind"] == "array" and math.prod(spec["shape"]) > 0
+
+
+def _check_leaf_specs(leaves: Any, *, checksums: bool) -> None:
     if not isinstance(leaves, list):
         raise CheckpointError("manifest leaves are not a list")
     for i, spec in enumerate(leaves):
@@ -332,6 +296,8 @@ def _check_leaf_specs(leaves: Any) -> None:
                 and isinstance(shape, list)
                 and all(isinstance(n, int) and n >= 0 for n in shape)
             )
+            if ok and checksums and _stored(spec):
+                ok = isinstance(spec.get("crc32"), int)
         elif ok and spec.get("kind") == "py":
             ok = spec.get("type") in _PY_SCALARS and "value" in spec
         else:
@@ -373,97 +339,50 @@ def _check_tree(desc: Any, num_leaves: int) -> None:
         )
 
 
-def _write_manifest(path: pathlib.Path, data: bytes) -> None:
-    with open(path, "wb") as f:
-        f.write(data)
+def _crc32(array: np.ndarray) -> int:
+    return zlib.crc32(np.ascontiguousarray(array).view(np.uint8).reshape(-1))
 
 
-def _leaf_spec_for_tensorstore(root: pathlib.Path, index: int) -> dict:
-    return {
-        "driver": "zarr3",
-        "kvstore": {"driver": "file", "path": str(root / _LEAVES / str(index))},
-    }
+def _numpy_dtype(name: str) -> np.dtype:
+    return np.dtype(ts.dtype(name).numpy_dtype)
 
 
-def _open_leaf_for_write(
-    root: pathlib.Path, index: int, array: np.ndarray, context: ts.Context
-) -> ts.Future:
-    return ts.open(
-        _leaf_spec_for_tensorstore(root, index),
-        create=True,
-        dtype=ts.dtype(array.dtype),
-        shape=array.shape,
-        codec=ts.CodecSpec({"driver": "zarr3", "codecs": _CODECS}),
-        context=context,
-    )
+def _manifest_with_checksums(plan: _Plan) -> bytes:
+    """The manifest file of ``plan``: each stored array's crc32 added."""
+    leaves = [dict(spec) for spec in plan.body["leaves"]]
+    for key, array in plan.arrays.items():
+        leaves[int(key)]["crc32"] = _crc32(array)
+    return _pack_manifest({**plan.body, "leaves": leaves})
 
 
-def _wait_quietly(futures: Sequence[Any]) -> None:
-    # The first error is already propagating; later ones add nothing.
-    for f in futures:
-        with contextlib.suppress(Exception):
-            f.result()
-
-
-def _write_leaves(
-    root: pathlib.Path,
-    arrays: Sequence[tuple[int, np.ndarray]],
-    context: ts.Context,
-) -> None:
-    """Writes all array leaves concurrently; returns once every write committed."""
-    opens: list[Any] = []
-    writes: list[Any] = []
-    try:
-        for index, array in arrays:
-            opens.append(_open_leaf_for_write(root, index, array, context))
-        stores = [f.result() for f in opens]
-        for store, (_, array) in zip(stores, arrays, strict=True):
-            writes.append(store.write(array))
-        for w in writes:
-            w.result()
-    except BaseException:
-        # tensorstore keeps writing in its own threads; let it finish before the
-        # caller deletes the directory, or it would re-create files inside it.
-        _wait_quietly(opens)
-        _wait_quietly([w.commit for w in writes])
-        raise
-
-
-def _read_leaves(
-    root: pathlib.Path, leaves: Sequence[dict], context: ts.Context
-) -> list[Any]:
-    opens = {}
-    for i, spec in enumerate(leaves):
-        if spec["kind"] == "array":
-            opens[i] = ts.open(
-                _leaf_spec_for_tensorstore(root, i), open=True, context=context
-            )
-    reads = {}
-    out: list[Any] = [None] * len(leaves)
-    try:
-        for i, f in opens.items():
-            store = f.result()
-            spec = leaves[i]
-            if store.dtype.name != spec["dtype"] or list(store.shape) != spec["shape"]:
-                raise CheckpointError(
-                    f"leaf {i} ({spec['path']}) holds {store.dtype.name}"
-                    f"{list(store.shape)}, manifest says "
-                    f"{spec['dtype']}{spec['shape']}"
-                )
-            reads[i] = store.read()
-        for i, f in reads.items():
-            out[i] = np.asarray(f.result())
-    except CheckpointError:
-        raise
-    except Exception as e:
-        _wait_quietly(list(reads.values()))
-        raise CheckpointError(f"cannot read leaf data in {root}: {e}") from e
-    for i, spec in enumerate(leaves):
+def _leaf_values(root: pathlib.Path, specs: list[dict], arrays: dict) -> list[Any]:
+    """Every leaf's value from the stored arrays, checked against the manifest."""
+    out: list[Any] = []
+    for i, spec in enumerate(specs):
         if spec["kind"] == "py":
             try:
-                out[i] = _PY_SCALARS[spec["type"]](spec["value"])
+                out.append(_PY_SCALARS[spec["type"]](spec["value"]))
             except (TypeError, ValueError) as e:
                 raise CheckpointError(f"leaf {i}: bad scalar value") from e
+            continue
+        try:
+            dtype = _numpy_dtype(spec["dtype"])
+        except (TypeError, ValueError) as e:
+            raise CheckpointError(f"leaf {i}: unknown dtype {spec['dtype']}") from e
+        if not _stored(spec):
+            out.append(np.zeros(spec["shape"], dtype))
+            continue
+        value = np.asarray(arrays[str(i)])
+        if value.dtype != dtype or list(value.shape) != spec["shape"]:
+            raise CheckpointError(
+                f"leaf {i} ({spec['path']}) holds {value.dtype}{list(value.shape)}, "
+                f"manifest says {spec['dtype']}{spec['shape']}"
+            )
+        if _crc32(value) != spec["crc32"]:
+            raise CheckpointError(
+                f"leaf {i} ({spec['path']}) in {root} fails its crc32 (data damaged)"
+            )
+        out.append(value)
     return out
 
 
@@ -560,16 +479,23 @@ def _plan(step: int, tree: Any, metadata: Any, *, copy: bool) -> _Plan:
         return {"k": "leaf", "i": len(specs) - 1}
 
     desc = _describe(tree, visit_leaf)
-    arrays = []
+    arrays = {}
     for i, (spec, leaf) in enumerate(zip(specs, values, strict=True)):
-        if spec["kind"] == "array":
+        if _stored(spec):
             try:
                 # A copy makes the snapshot independent of later in-place changes
                 # of numpy leaves and of donated jax buffers.
                 array = np.array(leaf, copy=True) if copy else np.asarray(leaf)
             except RuntimeError as e:
                 raise ValueError(f"cannot fetch leaf {spec['path']}: {e}") from e
-            arrays.append((i, array))
+            arrays[str(i)] = array
+    return _plan_described(step, desc, specs, arrays, metadata)
+
+
+def _plan_described(
+    step: int, desc: Any, specs: list[dict], arrays: dict, metadata: Any
+) -> _Plan:
+    """A plan from a tree description, its leaf table and its stored arrays."""
     body = {
         "format": _FORMAT,
         "format_version": _FORMAT_VERSION,
@@ -579,38 +505,41 @@ def _plan(step: int, tree: Any, metadata: Any, *, copy: bool) -> _Plan:
         "metadata": metadata,
     }
     try:
-        manifest = _pack_manifest(body)
+        _pack_manifest(body)
     except (TypeError, ValueError, OverflowError) as e:
         raise ValueError(
             "metadata and Python scalar leaves must be msgpack-serialisable "
             f"(dict/list/str/int/float/bool/None/bytes): {e}"
         ) from e
-    return _Plan(step, arrays, manifest)
+    return _Plan(step, arrays, body)
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+def _legacy_error(directory: pathlib.Path) -> str | None:
+    """The one-line refusal of a directory of earlier-format checkpoints."""
+    for entry in sorted(directory.glob(f"{_PREFIX}*")):
+        if (entry / _LEGACY_MANIFEST).is_file():
+            return (
+                f"{directory} holds checkpoints of the earlier hpsjax format "
+                f"({entry.name}/{_LEGACY_MANIFEST}); convert them with: python -m "
+                f"hpsjax.ps.convert_checkpoint {directory} NEW_DIRECTORY"
+            )
+    return None
 
 
 class CheckpointManager:
-    """Saves and restores pytrees as atomic tensorstore checkpoints in a directory.
+    """Saves and restores pytrees as atomic orbax checkpoints in a directory.
 
     Each ``save(step, tree, metadata)`` writes ``directory/ckpt_<step>`` by the
-    commit protocol in the module docstring, then deletes the oldest checkpoints
-    so that at most ``keep`` remain. Steps must not decrease: a step below the
-    latest saved one is refused, because it means the directory holds another
-    run; saving the latest step again needs ``overwrite=True``.
+    commit protocol in the module docstring, then orbax deletes the oldest
+    checkpoints so that at most ``keep`` remain. Steps must not decrease: a step
+    below the latest saved one is refused, because it means the directory holds
+    another run; saving the latest step again needs ``overwrite=True``.
 
-    Saving blocks on disk I/O (each file is fsync'd). Code on an event loop
-    should use ``save_async``, which snapshots the tree at once and writes it in
-    a background thread, or call ``save`` through ``loop.run_in_executor``. All
-    methods are thread-safe.
+    Saving blocks on disk I/O. Code on an event loop should use ``save_async``,
+    which snapshots the tree at once and writes it in a background thread, or
+    call ``save`` through ``loop.run_in_executor``. All methods are thread-safe.
+    The first save takes the directory's lock until ``close``: while a manager
+    holds it, another one (in this process or another) lists and restores only.
 
     The tree may hold jax or numpy arrays of any dtype tensorstore stores
     (bfloat16 included, 0-d and empty arrays too), Python ``bool``/``int``/
@@ -621,6 +550,10 @@ class CheckpointManager:
     Args:
       directory: where checkpoints live; created if missing.
       keep: how many of the newest checkpoints to keep; ``None`` keeps all.
+
+    Raises:
+      ValueError: bad arguments, or a directory of earlier-format checkpoints
+        (the message gives the command that converts them).
 
     Examples:
       >>> import tempfile, jax.numpy as jnp, optax
@@ -644,18 +577,25 @@ class CheckpointManager:
         if self._directory.exists() and not self._directory.is_dir():
             raise ValueError(f"{self._directory} exists and is not a directory")
         self._directory.mkdir(parents=True, exist_ok=True)
+        if (error := _legacy_error(self._directory)) is not None:
+            raise ValueError(error)
+        from hpsjax.ps import _checkpoint_orbax  # about a second to import
+
+        self._orbax_lib = _checkpoint_orbax
         self._keep = keep
         self._lock = threading.RLock()
-        self._active: set[str] = set()
+        self._lock_fd: int | None = None
         # The newest step saved or queued; lets save_async refuse an old step at
         # once instead of failing later in the background.
         self._newest_requested: int | None = None
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._pending: list[concurrent.futures.Future] = []
         self._background_error: BaseException | None = None
-        self._context = ts.Context({"file_io_sync": False})
         with self._lock:
             self._cleanup()
+            self._orbax = _checkpoint_orbax.new_manager(
+                self._directory.absolute(), keep
+            )
 
     @property
     def directory(self) -> pathlib.Path:
@@ -670,17 +610,15 @@ class CheckpointManager:
     # -- listing -------------------------------------------------------------
 
     def steps(self) -> list[int]:
-        """Steps of the committed checkpoints, oldest first.
+        """Steps of the committed checkpoints, oldest first (read from disk).
 
         Returns:
-          Sorted steps of the ``ckpt_<step>`` directories that hold a manifest
-          (not yet verified; ``restore`` verifies).
+          Sorted steps of the ``ckpt_<step>`` directories (not yet verified;
+          ``restore`` verifies).
         """
-        return [
-            step
-            for step in self._final_steps()
-            if (self._directory / f"{_PREFIX}{step}" / _MANIFEST).is_file()
-        ]
+        with self._lock:
+            self._orbax.reload()
+            return sorted(self._orbax.all_steps())
 
     def latest_step(self) -> int | None:
         """The newest committed step, or ``None`` when there is no checkpoint."""
@@ -699,7 +637,7 @@ class CheckpointManager:
     ) -> pathlib.Path:
         """Writes ``tree`` and ``metadata`` as checkpoint ``step`` and commits it.
 
-        Blocks until the checkpoint is durable on disk. Invalid input raises
+        Blocks until the checkpoint is committed on disk. Invalid input raises
         before anything is written.
 
         Args:
@@ -713,13 +651,14 @@ class CheckpointManager:
           The committed checkpoint's directory.
 
         Raises:
-          ValueError: a bad step, an unsupported leaf or metadata, or a step
-            already saved without ``overwrite``.
+          ValueError: a bad step, an unsupported leaf or metadata, a step
+            already saved without ``overwrite``, or another live manager
+            saving into this directory.
         """
         step = _check_step(step)
         plan = _plan(step, tree, metadata, copy=False)
         with self._lock:
-            self._check_order(step, overwrite, self._newest_committed())
+            self._check_order(step, overwrite, self.latest_step())
             self._note_requested(step)
             return self._save_plan(plan, overwrite)
 
@@ -735,9 +674,11 @@ class CheckpointManager:
 
         The call validates the input and copies every array leaf to host memory
         (so later in-place changes or buffer donation cannot alter the saved
-        values), then returns. Saves run one at a time in call order. From
-        asyncio, ``await asyncio.wrap_future(future)`` waits without blocking
-        the loop; cancelling that await does not stop the save.
+        values), then returns. Saves run one at a time in call order on one
+        thread of this manager (orbax's own asynchronous mode would block the
+        caller while an earlier save is in flight). From asyncio, ``await
+        asyncio.wrap_future(future)`` waits without blocking the loop;
+        cancelling that await does not stop the save.
 
         A failed background save is also raised by the next call of
         ``save_async``, ``wait_until_finished`` or ``close``, so it never goes
@@ -759,7 +700,7 @@ class CheckpointManager:
         step = _check_step(step)
         plan = _plan(step, tree, metadata, copy=True)
         with self._lock:
-            newest = self._newest_committed()
+            newest = self.latest_step()
             if self._newest_requested is not None:
                 newest = max(self._newest_requested, newest or 0)
             self._check_order(step, overwrite, newest)
@@ -786,7 +727,7 @@ class CheckpointManager:
         self._raise_background_error()
 
     def close(self) -> None:
-        """Waits for pending saves and stops the background thread."""
+        """Waits for pending saves, stops the background thread, frees the lock."""
         try:
             self.wait_until_finished()
         finally:
@@ -794,6 +735,9 @@ class CheckpointManager:
                 executor, self._executor = self._executor, None
             if executor is not None:
                 executor.shutdown(wait=True)
+            with self._lock:
+                self._orbax.close()
+                self._release_lock()
 
     def __enter__(self) -> CheckpointManager:
         return self
@@ -826,10 +770,11 @@ class CheckpointManager:
         """
         step = _check_step(step)
         with self._lock:
-            if step not in self._final_steps():
+            steps = self.steps()
+            if step not in steps:
                 raise ValueError(
                     f"no checkpoint for step {step} in {self._directory}; "
-                    f"available: {self.steps()}"
+                    f"available: {steps}"
                 )
             return self._restore(step, like)
 
@@ -853,28 +798,19 @@ class CheckpointManager:
         """
         with self._lock:
             self._cleanup()
-            for step in reversed(self._final_steps()):
+            for step in reversed(self.steps()):
                 try:
                     return self._restore(step, like)
                 except CheckpointError as e:
-                    root = self._directory / f"{_PREFIX}{step}"
+                    root = self._step_dir(step)
                     logger.warning("skipping damaged checkpoint %s: %s", root, e)
                     self._move_aside(root)
             return None
 
     # -- internals -----------------------------------------------------------
 
-    def _final_steps(self) -> list[int]:
-        """Steps of all ``ckpt_<step>`` directories, with a manifest or not."""
-        out = []
-        for entry in self._directory.iterdir():
-            m = _FINAL_RE.fullmatch(entry.name)
-            if m and entry.is_dir():
-                out.append(int(m.group(1)))
-        return sorted(out)
-
-    def _newest_committed(self) -> int | None:
-        return self.latest_step()
+    def _step_dir(self, step: int) -> pathlib.Path:
+        return self._directory / f"{_PREFIX}{step}"
 
     def _note_requested(self, step: int) -> None:
         if self._newest_requested is None or step > self._newest_requested:
@@ -886,7 +822,7 @@ class CheckpointManager:
                 f"step {step} is older than checkpoint step {newest} already in "
                 f"{self._directory}; use a fresh directory for a new run"
             )
-        if (self._directory / f"{_PREFIX}{step}").exists() and not overwrite:
+        if self._step_dir(step).exists() and not overwrite:
             raise ValueError(
                 f"a checkpoint for step {step} already exists in "
                 f"{self._directory}; pass overwrite=True to replace it"
@@ -894,116 +830,49 @@ class CheckpointManager:
 
     def _save_queued(self, plan: _Plan, overwrite: bool) -> pathlib.Path:
         with self._lock:
-            self._check_order(plan.step, overwrite, self._newest_committed())
+            self._check_order(plan.step, overwrite, self.latest_step())
             return self._save_plan(plan, overwrite)
 
     def _save_plan(self, plan: _Plan, overwrite: bool) -> pathlib.Path:
-        final = self._directory / f"{_PREFIX}{plan.step}"
-        tmp = self._directory / (
-            f"{_TMP_PREFIX}{plan.step}-{os.getpid()}-{uuid.uuid4().hex}"
-        )
-        self._active.add(tmp.name)
+        if not self._take_lock():
+            raise ValueError(
+                f"another live checkpoint manager saves into {self._directory}; "
+                "one directory takes one saving manager"
+            )
+        final = self._step_dir(plan.step)
+        old = None
+        if overwrite and final.exists():
+            # Out of orbax's step namespace first; a crash before the new one
+            # is committed leaves it under its .old- name, and _cleanup puts
+            # it back.
+            old = self._directory / f"{_OLD_PREFIX}{plan.step}-{uuid.uuid4().hex}"
+            os.rename(final, old)
+            self._orbax.reload()
         try:
-            tmp.mkdir()
-            (tmp / _LEAVES).mkdir()
-            _write_leaves(tmp, plan.arrays, self._context)
-            _write_manifest(tmp / _MANIFEST, plan.manifest)
-            _fsync_tree(tmp)
-            self._commit(tmp, final, plan.step, overwrite)
+            manifest = _manifest_with_checksums(plan)
+            self._orbax_lib.save(self._orbax, plan.step, plan.arrays, manifest)
         except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
+            self._remove_temporaries(f"{final.name}{_TMP_SUFFIX}")
+            if old is not None:
+                os.rename(old, final)
+            self._orbax.reload()
             raise
-        finally:
-            self._active.discard(tmp.name)
-        self._prune()
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
         return final
 
-    def _commit(
-        self, tmp: pathlib.Path, final: pathlib.Path, step: int, overwrite: bool
-    ) -> None:
-        if not (overwrite and final.exists()):
-            os.rename(tmp, final)
-            _fsync_path(self._directory, directory=True)
-            return
-        # Two renames: a crash between them leaves the old checkpoint under its
-        # .old- name, and _cleanup puts it back.
-        old = self._directory / f"{_OLD_PREFIX}{step}-{uuid.uuid4().hex}"
-        os.rename(final, old)
-        try:
-            os.rename(tmp, final)
-        except BaseException:
-            os.rename(old, final)
-            raise
-        _fsync_path(self._directory, directory=True)
-        shutil.rmtree(old, ignore_errors=True)
-
-    def _prune(self) -> None:
-        if self._keep is None:
-            return
-        for step in self.steps()[: -self._keep]:
-            doomed = self._directory / f"{_DEL_PREFIX}{step}-{uuid.uuid4().hex}"
-            os.rename(self._directory / f"{_PREFIX}{step}", doomed)
-            shutil.rmtree(doomed, ignore_errors=True)
-        _fsync_path(self._directory, directory=True)
-
-    def _move_aside(self, root: pathlib.Path) -> None:
-        """Renames a damaged checkpoint out of the ``ckpt_`` namespace.
-
-        Kept (never deleted) for a look, as ``<name>.damaged-<n>``; saving goes
-        on as if it were not there, so the run's next steps are not refused as
-        older than it.
-        """
-        n = 1
-        while (aside := root.with_name(f"{root.name}{_DAMAGED_INFIX}{n}")).exists():
-            n += 1
-        try:
-            os.rename(root, aside)
-            _fsync_path(self._directory, directory=True)
-        except OSError as e:
-            logger.warning("cannot move damaged checkpoint %s aside: %s", root, e)
-            return
-        logger.warning("moved damaged checkpoint %s aside to %s", root, aside.name)
-
-    def _cleanup(self) -> None:
-        """Removes leftovers of interrupted saves and prunes; restores replaced."""
-        for entry in sorted(self._directory.iterdir()):
-            name = entry.name
-            if name.startswith(_TMP_PREFIX):
-                m = _TMP_RE.fullmatch(name)
-                pid = int(m.group(2)) if m else None
-                if name in self._active:
-                    continue
-                if pid is not None and pid != os.getpid() and _pid_alive(pid):
-                    continue
-                logger.info("removing interrupted checkpoint save %s", entry)
-                shutil.rmtree(entry, ignore_errors=True)
-            elif name.startswith(_DEL_PREFIX):
-                shutil.rmtree(entry, ignore_errors=True)
-            elif name.startswith(_OLD_PREFIX):
-                m = _OLD_RE.fullmatch(name)
-                final = self._directory / f"{_PREFIX}{m.group(1)}" if m else None
-                if final is not None and not final.exists():
-                    logger.warning(
-                        "putting back checkpoint %s from an interrupted overwrite",
-                        final,
-                    )
-                    os.rename(entry, final)
-                else:
-                    shutil.rmtree(entry, ignore_errors=True)
-        _fsync_path(self._directory, directory=True)
-
     def _restore(self, step: int, like: Any) -> Checkpoint:
-        root = self._directory / f"{_PREFIX}{step}"
+        root = self._step_dir(step)
         try:
-            data = (root / _MANIFEST).read_bytes()
-        except OSError as e:
+            data = self._orbax_lib.read_manifest(self._orbax, step)
+        except Exception as e:
             raise CheckpointError(f"cannot read manifest of {root}: {e}") from e
-        body = _unpack_manifest(data)
+        body = unpack_manifest(data)
         if body["step"] != step:
             raise CheckpointError(
                 f"{root} holds a manifest for step {body['step']}, not {step}"
             )
-        leaf_specs = body["leaves"]
+        specs = body["leaves"]
         if like is not None:
             saved = _structure_of(body["tree"])
             like_desc = _describe(like, lambda path, leaf: {"k": "leaf"})
@@ -1012,7 +881,12 @@ class CheckpointManager:
                     "like does not match the checkpoint's tree structure "
                     + _first_difference(saved, _structure_of(like_desc))
                 )
-        values = _read_leaves(root, leaf_specs, self._context)
+        keys = [str(i) for i, spec in enumerate(specs) if _stored(spec)]
+        try:
+            arrays = self._orbax_lib.read_arrays(self._orbax, step, keys)
+        except Exception as e:
+            raise CheckpointError(f"cannot read leaf data in {root}: {e}") from e
+        values = _leaf_values(root, specs, arrays)
         if like is None:
             try:
                 tree = _rebuild(body["tree"], values)
@@ -1023,12 +897,87 @@ class CheckpointManager:
         converted = [
             _convert_like(value, spec, leaf, jax.tree_util.keystr(path))
             for value, spec, (path, leaf) in zip(
-                values, leaf_specs, like_leaves, strict=True
+                values, specs, like_leaves, strict=True
             )
         ]
         return Checkpoint(
             step, jax.tree_util.tree_unflatten(treedef, converted), body["metadata"]
         )
+
+    def _take_lock(self) -> bool:
+        """Takes the directory's lock if free; ``True`` while this manager holds it."""
+        if self._lock_fd is not None:
+            return True
+        fd = os.open(self._directory / _LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return False
+        self._lock_fd = fd
+        return True
+
+    def _remove_temporaries(self, prefix: str) -> None:
+        for entry in self._directory.glob(f"{prefix}*"):
+            logger.info("removing interrupted checkpoint save %s", entry)
+            shutil.rmtree(entry, ignore_errors=True)
+
+    def _cleanup(self) -> None:
+        """Removes leftovers of interrupted saves; puts back replaced ones.
+
+        Only while holding the directory's lock: another live manager's save in
+        progress looks just like a crash's leftover. A manager that has not
+        saved lets the lock go again, so that it stays free for the next saver.
+        """
+        held = self._lock_fd is not None
+        if not self._take_lock():
+            return
+        try:
+            self._cleanup_locked()
+        finally:
+            if not held:
+                self._release_lock()
+
+    def _release_lock(self) -> None:
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)  # releases the flock
+            self._lock_fd = None
+
+    def _cleanup_locked(self) -> None:
+        for entry in sorted(self._directory.iterdir()):
+            name = entry.name
+            if name.startswith(_PREFIX) and _TMP_SUFFIX in name:
+                self._remove_temporaries(name)
+            elif name.startswith(_OLD_PREFIX):
+                step = name.removeprefix(_OLD_PREFIX).split("-")[0]
+                final = self._directory / f"{_PREFIX}{step}"
+                if step.isdigit() and not final.exists():
+                    logger.warning(
+                        "putting back checkpoint %s from an interrupted overwrite",
+                        final,
+                    )
+                    os.rename(entry, final)
+                else:
+                    shutil.rmtree(entry, ignore_errors=True)
+
+    def _move_aside(self, root: pathlib.Path) -> None:
+        """Renames a damaged checkpoint out of orbax's step namespace.
+
+        Kept (never deleted) for a look, as ``<name>.damaged-<n>``; saving goes
+        on as if it were not there, so the run's next steps are not refused as
+        older than it.
+        """
+        n = 1
+        while (aside := root.with_name(f"{root.name}{_DAMAGED_INFIX}{n}")).exists():
+            n += 1
+        try:
+            os.rename(root, aside)
+        except OSError as e:
+            logger.warning("cannot move damaged checkpoint %s aside: %s", root, e)
+            return
+        finally:
+            self._orbax.reload()
+        logger.warning("moved damaged checkpoint %s aside to %s", root, aside.name)
 
     def _record_error(self, future: concurrent.futures.Future) -> None:
         if not future.cancelled() and future.exception() is not None:
