@@ -252,7 +252,8 @@ def test_work_plan_sets_the_workers_share():
     config = WorkerConfig(worker_id="w1", work_plan=work_plan)
     batches, batch, steps, scale = config.planned()
     assert batch == 48 and batches == (48,) and steps == 1
-    assert scale == pytest.approx(48 / 32)
+    # The server's sample-weighted average weighs the batch: no step-size scale.
+    assert scale == work_plan.worker("w1").lr_scale == 1.0
     with pytest.raises(ValueError):
         WorkerConfig(worker_id="w9", work_plan=work_plan)
 
@@ -783,15 +784,13 @@ def test_bad_plan_hint_is_refused(setup):
         ["batch_size", 8],
     ],
 )
-def test_a_bad_plan_hint_changes_nothing(setup, plan):
+def test_a_bad_plan_hint_is_refused_before_it_reaches_the_core(setup, plan):
     _, params, _ = setup
     worker = _scripted_worker(
         setup, ScriptedClient(params), records=[], local_optimizer=optax.sgd(0.1)
     )
-    before = worker._settings()
     with pytest.raises(ProtocolError):
-        worker._follow_hints({"plan": plan})
-    assert worker._settings() == before
+        worker._plan_notice(plan)
 
 
 def test_dropped_worker_joins_again(setup):

@@ -101,6 +101,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import dataclasses
+import inspect
 import io
 import itertools
 import json
@@ -117,6 +118,25 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from hpsjax.worker._core import (
+    Acked,
+    Compute,
+    Computed,
+    Discard,
+    Dropped,
+    Join,
+    Joined,
+    KeepParams,
+    PlanChanged,
+    Pull,
+    Pulled,
+    Push,
+    Report,
+    Reported,
+    Stop,
+    StopRequested,
+    WorkerCore,
+)
 from hpsjax.worker._hetero import Heterogeneity, Injector
 
 __all__ = [
@@ -129,10 +149,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger("hpsjax.worker")
-
-# Smoothing of the worker's own estimates of its compute and pull times, used to
-# decide whether another eager pull still fits inside the running compute.
-_EWMA_ALPHA = 0.3
 
 
 def _check_int(name: str, value: Any, low: int, *, allow_none: bool = False) -> None:
@@ -335,17 +351,18 @@ class WorkerSummary(NamedTuple):
 class JsonLinesSink:
     """A metrics sink writing one JSON object per line, flushed at once.
 
-    Args:
-      target: a path (the file is created, or appended to), or a text file
-        object (not closed by :meth:`close`).
+        Args:
+          target: a path (the file is created, or appended to), or a text file
+            object (not closed by :meth:`close`).
 
-    Examples:
-      >>> import io
-      >>> out = io.StringIO()
-      >>> sink = JsonLinesSink(out)
-      >>> sink({"step": 0, "loss": 2.3})
-      >>> out.getvalue()
-      '{"step": 0, "loss": 2.3}\\n'
+        Examples:
+          >>> import inspect
+    import io
+          >>> out = io.StringIO()
+          >>> sink = JsonLinesSink(out)
+          >>> sink({"step": 0, "loss": 2.3})
+          >>> out.getvalue()
+          '{"step": 0, "loss": 2.3}\\n'
     """
 
     def __init__(self, target: str | os.PathLike | io.TextIOBase):
@@ -418,13 +435,6 @@ def summarize(records: Sequence[Mapping[str, Any]]) -> dict[str, float]:
     }
 
 
-class _Settings(NamedTuple):
-    device_batches: tuple[int, ...]
-    local_steps: int
-    lr_scale: float
-    plan_revision: int | None
-
-
 class _Computed(NamedTuple):
     update: Any  # tree like params, float (device arrays)
     version: int
@@ -434,28 +444,13 @@ class _Computed(NamedTuple):
     compute_s: float
     slowdown_s: float
     compile_s: float
+    stage: int | None
 
 
 class _Prepared(NamedTuple):
     update: Any  # numpy tree, or a ShapeDtypeStruct tree when `encoded` is set
     encoded: Any  # list of Encoded in leaf order, or None
     nbytes: int
-    staleness_estimate: int
-    lr_factor: float
-
-
-class _Comm(NamedTuple):
-    params: Any
-    version: int
-    ack: Any  # PushResult or None
-    transfer_s: float
-    link_delay_s: float
-    pull_start: float | None
-    pull_end: float | None
-    pulls: int
-    bytes_sent: int
-    bytes_received: int
-    rejoined: bool
 
 
 def _scale_by_lr_scale() -> optax.GradientTransformationExtraArgs:
@@ -595,14 +590,9 @@ class Worker:
         self._stages = None if stages is None else tuple(stages)
         self._tx = self._make_transform(local_optimizer, self._stages)
         self._injector = Injector(config.heterogeneity)
-        self._device_batches = tuple(int(b) for b in device_batches)
-        self._local_steps = int(local_steps)
-        self._lr_scale = float(lr_scale)
-        self._plan_revision: int | None = None
-        self._hinted_steps: int | None = None
-        self._round_start = time.monotonic()
+        self._initial = (tuple(int(b) for b in device_batches), local_steps, lr_scale)
+        self._core: WorkerCore | None = None
         self._apply = None
-        self._known_version = 0
         self._opt_state = None
         self._quantizer = None
         self._q_state = None
@@ -610,8 +600,6 @@ class Worker:
         self._spec_like = None
         self._compiled: dict[tuple, Any] = {}
         self._stop = asyncio.Event()
-        self._compute_ewma: float | None = None
-        self._pull_ewma: float | None = None
         self._t0 = time.monotonic()
 
     # ------------------------------------------------------------ set-up
@@ -668,29 +656,8 @@ class Worker:
 
     # ------------------------------------------------------------ settings
 
-    def _follow_hints(self, hints: Mapping[str, Any]) -> None:
-        if not self._config.follow_hints:
-            return
-        plan = hints.get("plan")
-        if plan is not None:
-            self._apply_plan_hint(plan)
-        steps = hints.get("local_steps")
-        if steps is not None and self._stages is None:
-            if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-                from hpsjax.ps import ProtocolError
-
-                raise ProtocolError(f"bad local_steps hint from the server: {steps!r}")
-            if self._pushes_gradients and steps not in (1, self._local_steps):
-                logger.warning(
-                    "worker %s pushes gradients and ignores the server's hint "
-                    "of %d local steps (give it a local optimizer)",
-                    self._config.worker_id,
-                    steps,
-                )
-            self._hinted_steps = steps
-
-    def _apply_plan_hint(self, plan: Any) -> None:
-        """Takes a newer plan revision from the server; a bad one changes nothing."""
+    def _plan_notice(self, plan: Any) -> PlanChanged:
+        """The server's plan hint as an event; a malformed one is refused."""
         from hpsjax.ps import ProtocolError
 
         def positive_int(value: Any) -> bool:
@@ -701,8 +668,6 @@ class Worker:
         revision = plan.get("revision")
         if isinstance(revision, bool) or not isinstance(revision, int):
             raise ProtocolError(f"plan hint without an int revision: {plan!r}")
-        if self._plan_revision is not None and revision <= self._plan_revision:
-            return
         batches = plan.get("device_batches")
         if batches is None and plan.get("batch_size") is not None:
             if not positive_int(plan["batch_size"]):
@@ -728,29 +693,11 @@ class Worker:
         steps = plan.get("local_steps")
         if steps is not None and not positive_int(steps):
             raise ProtocolError(f"bad local_steps in plan hint: {plan!r}")
-        if batches is not None:
-            self._device_batches = tuple(batches)
-        if scale is not None:
-            self._lr_scale = float(scale)
-        if steps is not None and not self._pushes_gradients:
-            self._local_steps = steps
-        self._plan_revision = revision
-        logger.info(
-            "worker %s follows plan revision %d: batches %s, lr scale %.3g",
-            self._config.worker_id,
-            revision,
-            self._device_batches,
-            self._lr_scale,
-        )
-
-    def _settings(self) -> _Settings:
-        steps = self._local_steps
-        if self._hinted_steps is not None:
-            steps = self._hinted_steps
-        if self._pushes_gradients:
-            steps = 1
-        return _Settings(
-            self._device_batches, steps, self._lr_scale, self._plan_revision
+        return PlanChanged(
+            revision=revision,
+            device_batches=None if batches is None else tuple(batches),
+            local_steps=steps,
+            lr_scale=None if scale is None else float(scale),
         )
 
     # ------------------------------------------------------------ compute
@@ -814,7 +761,7 @@ class Worker:
         self._compiled[key] = compiled
         return compiled, time.perf_counter() - t
 
-    def _next_batches(self, settings: _Settings) -> list[Any]:
+    def _next_batches(self, settings: Compute) -> list[Any]:
         total = sum(settings.device_batches)
         batch = self._batches(total)
         if len(settings.device_batches) == 1:
@@ -825,10 +772,10 @@ class Worker:
             for a, b in itertools.pairwise(bounds)
         ]
 
-    def _compute_round(self, params: Any, version: int, settings: _Settings):
+    def _compute_round(self, params: Any, version: int, settings: Compute):
         """Runs one round of local steps; called in the compute thread."""
         from hpsjax.profiling import multi_device_grad
-        from hpsjax.transforms import pending_update, push_due
+        from hpsjax.transforms import current_stage, pending_update, push_due
 
         home = self._devices[0]
         local = jax.device_put(params, home)
@@ -885,184 +832,29 @@ class Worker:
             compute_s=compute,
             slowdown_s=slowdown,
             compile_s=compile_s,
+            stage=None if self._stages is None else int(current_stage(self._opt_state)),
         )
 
-    def _prepare(self, computed: _Computed) -> _Prepared:
-        """Scales an update by its staleness estimate and encodes it for the wire.
+    def _prepare(self, computed: _Computed, push: Push) -> _Prepared:
+        """Scales an update by the push's factor and encodes it for the wire.
 
-        Runs in the encoding thread right before the push, so the estimate uses
-        the newest version heard of, and the quantizer's residual is updated only
-        for an update that is sent.
+        Runs in the encoding thread right before the push, so the quantizer's
+        residual is updated only for an update that is sent.
         """
-        from hpsjax.transforms import last_encoded, staleness_factor
+        from hpsjax.transforms import last_encoded
 
         update = computed.update
-        tau = max(0, self._known_version - computed.version)
-        factor = 1.0
-        if self._config.staleness_policy is not None:
-            factor = float(staleness_factor(self._config.staleness_policy, tau))
+        if push.lr_factor != 1.0:
+            factor = push.lr_factor
             update = jax.tree.map(lambda u: u * jnp.asarray(factor, u.dtype), update)
         if self._quantizer is None:
             host = jax.device_get(update)
             host = jax.tree.map(np.asarray, host)
-            return _Prepared(host, None, _tree_nbytes(host), tau, factor)
+            return _Prepared(host, None, _tree_nbytes(host))
         _, self._q_state = self._quantize_update(update, self._q_state)
         encoded = jax.device_get(last_encoded(self._q_state))
         nbytes = sum(e.codes.nbytes + e.scales.nbytes for e in encoded)
-        return _Prepared(self._spec_like, encoded, int(nbytes), tau, factor)
-
-    # ------------------------------------------------------------ transfers
-
-    def _note_version(self, version: int) -> None:
-        self._known_version = max(self._known_version, int(version))
-
-    async def _push(self, method, computed: _Computed, prepared: _Prepared):
-        """Calls ``method`` (``client.push`` or ``client.push_pull``) on an update."""
-        fields = dict(
-            version=computed.version,
-            step_time=computed.compute_s + computed.slowdown_s,
-            num_samples=computed.batch_size * computed.local_steps,
-            local_steps=computed.local_steps,
-            loss=computed.loss,
-        )
-        if prepared.encoded is not None:
-            fields.update(codec=self._codec, encoded=prepared.encoded)
-        return await method(prepared.update, **fields)
-
-    async def _communicate(
-        self,
-        client,
-        computed: _Computed | None,
-        *,
-        pull: bool,
-        compute_done: asyncio.Event | None,
-        encoder: concurrent.futures.Executor,
-        record: dict,
-    ) -> _Comm:
-        """Pushes ``computed`` (if any), then pulls; one round's transfers."""
-        from hpsjax.ps import WorkerDropped
-
-        loop = asyncio.get_running_loop()
-        start = time.monotonic()
-        sent0, received0 = client.bytes_sent, client.bytes_received
-        link = 0.0
-        ack = None
-        params = version = None
-        pull_start = pull_end = None
-        pulls = 0
-        rejoined = False
-        try:
-            if computed is not None:
-                prepared = await loop.run_in_executor(encoder, self._prepare, computed)
-                record["staleness_estimate"] = prepared.staleness_estimate
-                record["lr_factor"] = prepared.lr_factor
-                link += await self._injector.transfer(prepared.nbytes)
-                if pull and not self._config.pipeline:
-                    pull_start = self._elapsed()
-                    ack, params, version = await self._push(
-                        client.push_pull, computed, prepared
-                    )
-                    pulls = 1
-                    pull_end = self._elapsed()
-                elif pull:
-                    # The push frame must go out first on the connection, so
-                    # that the server (BSP) counts the update before the pull
-                    # behind it: the client hands a frame to the transport
-                    # before its first suspension, which one loop pass allows.
-                    push_task = asyncio.ensure_future(
-                        self._push(client.push, computed, prepared)
-                    )
-                    await asyncio.sleep(0)
-                    pull_start = self._elapsed()
-                    pull_task = asyncio.ensure_future(client.pull())
-                    try:
-                        ack = await push_task
-                        params, version = await pull_task
-                    finally:
-                        for task in (push_task, pull_task):
-                            if not task.done():
-                                task.cancel()
-                        await asyncio.gather(
-                            push_task, pull_task, return_exceptions=True
-                        )
-                    pulls = 1
-                    pull_end = self._elapsed()
-                else:
-                    ack = await self._push(client.push, computed, prepared)
-                if ack is not None:
-                    self._note_version(ack.version)
-            elif pull:
-                pull_start = self._elapsed()
-                params, version = await client.pull()
-                pulls = 1
-                pull_end = self._elapsed()
-            if pull:
-                self._note_version(version)
-                link += await self._injector.transfer(_tree_nbytes(params))
-                pulls, params, version, extra = await self._pull_again(
-                    client, pulls, params, version, compute_done
-                )
-                link += extra
-                pull_end = self._elapsed()
-        except WorkerDropped as error:
-            ack = None
-            if not pull:
-                # The last push of a run: nothing follows it to rejoin for.
-                logger.warning(
-                    "worker %s was dropped by the server (%s); its last update is lost",
-                    self._config.worker_id,
-                    error,
-                )
-            else:
-                logger.warning(
-                    "worker %s was dropped by the server (%s); joining again",
-                    self._config.worker_id,
-                    error,
-                )
-                rejoined = True
-                pull_start = self._elapsed()
-                params, version = await client.pull()
-                self._note_version(version)
-                pulls += 1
-                pull_end = self._elapsed()
-        return _Comm(
-            params=params,
-            version=version,
-            ack=ack,
-            transfer_s=time.monotonic() - start,
-            link_delay_s=link,
-            pull_start=pull_start,
-            pull_end=pull_end,
-            pulls=pulls,
-            bytes_sent=client.bytes_sent - sent0,
-            bytes_received=client.bytes_received - received0,
-            rejoined=rejoined,
-        )
-
-    async def _pull_again(self, client, pulls, params, version, compute_done):
-        """Pulls again while the running compute leaves time for a round trip."""
-        link = 0.0
-        while (
-            pulls < self._config.eager_pulls
-            and compute_done is not None
-            and not compute_done.is_set()
-            and self._pull_ewma is not None
-            and self._compute_ewma is not None
-        ):
-            remaining = self._compute_ewma - (time.monotonic() - self._round_start)
-            if remaining < 2.0 * self._pull_ewma:
-                break
-            t = time.monotonic()
-            fresh, fresh_version = await client.pull()
-            self._pull_ewma += _EWMA_ALPHA * (time.monotonic() - t - self._pull_ewma)
-            pulls += 1
-            link += await self._injector.transfer(_tree_nbytes(fresh))
-            if fresh_version >= version:
-                params, version = fresh, fresh_version
-                self._note_version(version)
-        return pulls, params, version, link
-
-    # ------------------------------------------------------------ the loop
+        return _Prepared(self._spec_like, encoded, int(nbytes))
 
     def _make_client(self):
         from hpsjax.ps import Client
@@ -1077,21 +869,14 @@ class Worker:
             seed=self._config.seed,
         )
 
+    @staticmethod
+    def _push_takes_stage(client: Any) -> bool:
+        """Whether the client sends a push's ``stage`` (ASHL) to the server."""
+        return "stage" in inspect.signature(client.push).parameters
+
     def _emit(self, record: dict) -> None:
         if self._metrics is not None:
             self._metrics(record)
-
-    def _ended_by(self, steps: int, version: int) -> str | None:
-        config = self._config
-        if self._stop.is_set():
-            return "stopped"
-        if config.max_steps is not None and steps >= config.max_steps:
-            return "max_steps"
-        if config.max_seconds is not None and self._elapsed() >= config.max_seconds:
-            return "max_seconds"
-        if config.until_version is not None and version >= config.until_version:
-            return "until_version"
-        return None
 
     async def run(self) -> WorkerSummary:
         """Connects, trains until a stop condition, flushes the last push, closes.
@@ -1136,7 +921,7 @@ class Worker:
                 await client.close()
         return WorkerSummary(
             worker_id=self._config.worker_id,
-            version=self._known_version,
+            version=0 if self._core is None else self._core.known_version,
             loss=loss,
             elapsed=self._elapsed(),
             ended_by=ended_by,
@@ -1158,185 +943,358 @@ class Worker:
             self._q_state = self._quantizer.init(device_params)
 
     async def _train(self, client, computer, encoder, totals):
-        loop = asyncio.get_running_loop()
+        """Carries out the worker core's actions until it stops."""
         config = self._config
-        join_start = self._elapsed()
-        params, version = await client.pull()
-        self._note_version(version)
-        await self._injector.transfer(_tree_nbytes(params))
-        logger.info(
-            "worker %s joined at version %d after %.2fs",
-            config.worker_id,
-            version,
-            self._elapsed() - join_start,
+        device_batches, local_steps, lr_scale = self._initial
+        core = self._core = WorkerCore(
+            device_batches=device_batches,
+            local_steps=local_steps,
+            lr_scale=lr_scale,
+            pushes_gradients=self._pushes_gradients,
+            pipeline=config.pipeline,
+            eager_pulls=config.eager_pulls,
+            staleness_lr=config.staleness_policy,
+            follow_hints=config.follow_hints,
+            max_steps=config.max_steps,
+            max_seconds=config.max_seconds,
+            until_version=config.until_version,
         )
-        self._initialise(params)
-        self._follow_hints(client.hints)
-        pending: _Computed | None = None
-        loss = None
-        step = 0
-        while True:
-            ended_by = self._ended_by(step, version)
-            if ended_by is not None:
-                break
-            settings = self._settings()
-            record: dict[str, Any] = {
-                "event": "round",
-                "worker": config.worker_id,
-                "step": step,
-                "time": self._elapsed(),
-                "version": version,
-                "batch_size": sum(settings.device_batches),
-                "device_batches": list(settings.device_batches),
-                "lr_scale": settings.lr_scale,
-                "plan_revision": settings.plan_revision,
-                "staleness_estimate": None,
-                "lr_factor": None,
-            }
-            self._round_start = time.monotonic()
-            compute_done = asyncio.Event()
-            comm_task = None
-            if config.pipeline:
-                comm_task = asyncio.ensure_future(
-                    self._communicate(
-                        client,
-                        pending,
-                        pull=True,
-                        compute_done=compute_done,
-                        encoder=encoder,
-                        record=record,
-                    )
+        run = _Run(self, client, computer, encoder, totals)
+        await run.drive(core)
+        return core.ended_by, run.loss
+
+
+class _Run:
+    """One run of a :class:`Worker`: carries out its core's actions (I/O and
+    compute as tasks), feeds back what happened, and keeps the metrics."""
+
+    def __init__(self, worker: Worker, client, computer, encoder, totals):
+        self.w = worker
+        self.client = client
+        self.computer = computer
+        self.encoder = encoder
+        self.totals = totals
+        self.loop = asyncio.get_running_loop()
+        self.tasks: set[asyncio.Future] = set()
+        self.params: Any = None
+        self.version = 0
+        self.computed: dict[int, _Computed] = {}  # rounds not pushed yet
+        self.records: dict[int, dict] = {}  # rounds not emitted yet
+        self.current: dict | None = None  # the record of the round computing
+        self.sending: asyncio.Event | None = None  # a push not yet on the wire
+        self.loss: float | None = None
+        self.joined = False
+
+    # ------------------------------------------------------------ the loop
+
+    async def drive(self, core: WorkerCore) -> None:
+        self.core = core
+        try:
+            self.carry_out(core.handle(Joined(self.w._elapsed())))
+            stop_asked = False
+            while self.tasks:
+                done, _ = await asyncio.wait(
+                    self.tasks, return_when=asyncio.FIRST_COMPLETED
                 )
-            try:
-                computed = await loop.run_in_executor(
-                    computer, self._compute_round, params, version, settings
-                )
-            except BaseException:
-                if comm_task is not None:
-                    comm_task.cancel()
-                    await asyncio.gather(comm_task, return_exceptions=True)
-                raise
-            compute_done.set()
-            compute_end = time.monotonic()
-            compute_total = computed.compute_s + computed.slowdown_s
-            self._compute_ewma = (
-                compute_total
-                if self._compute_ewma is None
-                else self._compute_ewma
-                + _EWMA_ALPHA * (compute_total - self._compute_ewma)
-            )
-            if config.pipeline:
-                comm = await comm_task
-                pushed_step = step - 1 if pending is not None else None
+                if self.w._stop.is_set() and not stop_asked:
+                    stop_asked = True
+                    self.carry_out(core.handle(StopRequested()))
+                for task in done:
+                    self.tasks.discard(task)
+                    for event, leaves in task.result():
+                        self.carry_out(core.handle(event), leaves)
+        finally:
+            for task in self.tasks:
+                task.cancel()
+            await asyncio.gather(*self.tasks, return_exceptions=True)
+
+    def spawn(self, coro) -> None:
+        self.tasks.add(asyncio.ensure_future(coro))
+
+    def carry_out(self, actions: list, leaves: Any = None) -> None:
+        for action in actions:
+            kind = type(action)
+            if kind is Compute:
+                self.start_round(action)
+            elif kind is Push:
+                self.spawn(self.push(action))
+            elif kind is Pull:
+                self.spawn(self.pull(action.session))
+            elif kind is Join:
+                self.spawn(self.pull(action.session, join=True))
+            elif kind is KeepParams:
+                self.params, self.version = leaves, action.version
+            elif kind is Discard:
+                self.discard(action.round)
+            elif kind is Report:
+                # The server's replanner is fed by the push's step time.
+                self.carry_out(self.core.handle(Reported(self.w._elapsed())))
+            elif kind is Stop:
+                self.finish_round()
             else:
-                comm = await self._communicate(
-                    client,
-                    computed,
-                    pull=True,
-                    compute_done=None,
-                    encoder=encoder,
-                    record=record,
-                )
-                pushed_step = step
-            ready = time.monotonic()
-            wait = ready - compute_end
-            if comm.pull_start is not None and comm.pull_end is not None:
-                pull_s = comm.pull_end - comm.pull_start
-                self._pull_ewma = (
-                    pull_s
-                    if self._pull_ewma is None
-                    else self._pull_ewma + _EWMA_ALPHA * (pull_s - self._pull_ewma)
-                )
-            ack = comm.ack
-            force_pull = bool(ack is not None and ack.force_pull)
-            if comm.rejoined:
-                totals["rejoins"] += 1
-            discard = force_pull or comm.rejoined
-            if config.pipeline:
-                if discard:
-                    # The round just computed started from parameters the server
-                    # asked to give up: drop it and start over on the fresh pull.
-                    totals["discarded"] += 1
-                    pending = None
-                else:
-                    pending = computed
-            if pushed_step is not None and ack is not None:
-                totals["pushes"] += 1
-            loss = computed.loss
-            record.update(
-                compute_end=compute_end - self._t0,
-                local_steps=computed.local_steps,
-                loss=computed.loss,
-                compute_s=computed.compute_s,
-                compile_s=computed.compile_s,
-                slowdown_s=computed.slowdown_s,
-                wait_s=wait,
-                round_s=ready - self._round_start,
-                transfer_s=comm.transfer_s,
-                link_delay_s=comm.link_delay_s,
-                pull_start=comm.pull_start,
-                pull_end=comm.pull_end,
-                pulls=comm.pulls,
-                pushed_step=pushed_step if ack is not None else None,
-                staleness=None if ack is None else ack.staleness,
-                status=None if ack is None else ack.status,
-                weight=None if ack is None else ack.weight,
-                force_pull=force_pull,
-                discarded=discard,
-                rejoined=comm.rejoined,
-                bytes_sent=comm.bytes_sent,
-                bytes_received=comm.bytes_received,
-                pulled_version=comm.version,
+                raise TypeError(f"unexpected worker action {action!r}")
+
+    # ------------------------------------------------------------ rounds
+
+    def start_round(self, compute: Compute) -> None:
+        self.finish_round()
+        w = self.w
+        now = w._elapsed()
+        self.current = self.records[compute.round] = {
+            "event": "round",
+            "worker": w._config.worker_id,
+            "step": compute.round,
+            "time": now,
+            "version": compute.version,
+            "batch_size": compute.batch_size,
+            "device_batches": list(compute.device_batches),
+            "lr_scale": compute.lr_scale,
+            "plan_revision": self.core.plan_revision,
+            "staleness_estimate": None,
+            "lr_factor": None,
+            "_start": time.monotonic(),
+            "_bytes": (self.client.bytes_sent, self.client.bytes_received),
+            "transfer_s": 0.0,
+            "link_delay_s": 0.0,
+            "pull_start": None,
+            "pull_end": None,
+            "pulls": 0,
+            "pushed_step": None,
+            "staleness": None,
+            "status": None,
+            "weight": None,
+            "force_pull": False,
+            "discarded": False,
+            "rejoined": False,
+        }
+        self.spawn(self.compute(compute, self.params))
+
+    async def compute(self, compute: Compute, params: Any) -> list:
+        computed = await self.loop.run_in_executor(
+            self.computer, self.w._compute_round, params, compute.version, compute
+        )
+        record = self.records[compute.round]
+        record["_compute_end"] = time.monotonic()
+        record.update(
+            compute_end=record["_compute_end"] - self.w._t0,
+            local_steps=computed.local_steps,
+            loss=computed.loss,
+            compute_s=computed.compute_s,
+            compile_s=computed.compile_s,
+            slowdown_s=computed.slowdown_s,
+        )
+        self.computed[compute.round] = computed
+        self.loss = computed.loss
+        event = Computed(
+            compute.round,
+            self.w._elapsed(),
+            computed.compute_s + computed.slowdown_s,
+            computed.loss,
+            computed.local_steps,
+            computed.stage,
+        )
+        return [(event, None)]
+
+    def discard(self, round_: int) -> None:
+        self.computed.pop(round_, None)
+        self.totals["discarded"] += 1
+        record = self.records.get(round_)
+        if record is not None:
+            record["discarded"] = True
+
+    def finish_round(self) -> None:
+        """Emits the record of the round that computed last: the next round
+        starts (or the run ends) now."""
+        record, self.current = self.current, None
+        if record is None:
+            return
+        w, totals = self.w, self.totals
+        ready = time.monotonic()
+        self.records.pop(record["step"], None)
+        start, compute_end = record.pop("_start"), record.pop("_compute_end", ready)
+        sent0, received0 = record.pop("_bytes")
+        record.update(
+            wait_s=ready - compute_end,
+            round_s=ready - start,
+            bytes_sent=self.client.bytes_sent - sent0,
+            bytes_received=self.client.bytes_received - received0,
+            pulled_version=self.version,
+        )
+        record.setdefault("local_steps", 0)
+        w._emit(record)
+        for key in ("compute_s", "slowdown_s", "transfer_s", "wait_s"):
+            totals[key] += record.get(key, 0.0)
+        totals["bytes_sent"] += record["bytes_sent"]
+        totals["bytes_received"] += record["bytes_received"]
+        totals["local_steps"] += record["local_steps"]
+        totals["steps"] += 1
+        steps, fail_after = totals["steps"], w._config.fail_after_steps
+        if fail_after is not None and steps >= fail_after:
+            raise RuntimeError(
+                f"worker {w._config.worker_id}: fault injected after {steps} rounds "
+                "(fail_after_steps)"
             )
-            self._emit(record)
-            for key in ("compute_s", "slowdown_s", "transfer_s"):
-                totals[key] += record[key]
-            totals["wait_s"] += wait
-            totals["bytes_sent"] += comm.bytes_sent
-            totals["bytes_received"] += comm.bytes_received
-            totals["local_steps"] += computed.local_steps
-            totals["steps"] += 1
-            params, version = comm.params, comm.version
-            self._follow_hints(client.hints)
-            step += 1
-            if config.fail_after_steps is not None and step >= config.fail_after_steps:
-                raise RuntimeError(
-                    f"worker {config.worker_id}: fault injected after {step} rounds "
-                    "(fail_after_steps)"
-                )
-        if pending is not None:
+
+    # ------------------------------------------------------------ transfers
+
+    def note(self, key: str, value: Any) -> dict:
+        """The record transfers count towards now (the round computing)."""
+        record = self.current if self.current is not None else {}
+        record[key] = value
+        return record
+
+    def hints(self) -> list:
+        """Plan notices the server sent, as events (before the reply's own)."""
+        plan = self.client.hints.get("plan")
+        if plan is None or not self.w._config.follow_hints:
+            return []
+        return [(self.w._plan_notice(plan), None)]
+
+    async def pull(self, session: int, *, join: bool = False) -> list:
+        from hpsjax.ps import WorkerDropped
+
+        w, record = self.w, self.current
+        sending = self.sending
+        if sending is not None:
+            # The push frame goes first on the connection, so that the server
+            # (BSP) counts the update before the pull behind it.
+            await sending.wait()
+        start = time.monotonic()
+        if record is not None:
+            if record["pull_start"] is None:
+                record["pull_start"] = w._elapsed()
+            record["pulls"] += 1
+        try:
+            params, version = await self.client.pull()
+        except WorkerDropped as error:
+            return self.dropped(session, error)
+        link = await w._injector.transfer(_tree_nbytes(params))
+        self.transferred(record, start, link)
+        if record is not None:
+            record["pull_end"] = w._elapsed()
+        if join and not self.joined:
+            self.joined = True
+            logger.info(
+                "worker %s joined at version %d after %.2fs",
+                w._config.worker_id,
+                version,
+                time.monotonic() - start,
+            )
+            w._initialise(params)
+        hint = self.client.hints.get("local_steps")
+        event = Pulled(session, version, w._elapsed(), local_steps=hint)
+        return [*self.hints(), (event, params)]
+
+    async def push(self, push: Push) -> list:
+        from hpsjax.ps import WorkerDropped
+
+        w, record = self.w, self.current
+        if push.final:
             record = {
                 "event": "final",
-                "worker": config.worker_id,
-                "step": step,
-                "time": self._elapsed(),
-                "staleness_estimate": None,
-                "lr_factor": None,
+                "worker": w._config.worker_id,
+                "step": self.totals["steps"],
+                "time": w._elapsed(),
+                "transfer_s": 0.0,
+                "link_delay_s": 0.0,
+                "_bytes": (self.client.bytes_sent, self.client.bytes_received),
             }
-            comm = await self._communicate(
-                client,
-                pending,
-                pull=False,
-                compute_done=None,
-                encoder=encoder,
-                record=record,
+        computed = self.computed.pop(push.round)
+        sending = self.sending = asyncio.Event()
+        start = time.monotonic()
+        try:
+            prepared = await self.loop.run_in_executor(
+                self.encoder, w._prepare, computed, push
             )
-            if comm.ack is not None:
-                totals["pushes"] += 1
+            if record is not None:
+                record["staleness_estimate"] = push.staleness_estimate
+                record["lr_factor"] = push.lr_factor
+            link = await w._injector.transfer(prepared.nbytes)
+            fields = push.metadata()
+            if not w._push_takes_stage(self.client):
+                fields.pop("stage", None)
+            if prepared.encoded is not None:
+                fields.update(codec=w._codec, encoded=prepared.encoded)
+            method = self.client.push_pull if push.with_pull else self.client.push
+            task = asyncio.ensure_future(method(prepared.update, **fields))
+            await asyncio.sleep(0)  # the frame is handed to the transport
+            sending.set()
+            if push.with_pull and record is not None:
+                record["pull_start"] = w._elapsed()
+                record["pulls"] += 1
+            try:
+                reply = await task
+            except WorkerDropped as error:
+                return self.dropped(push.session, error, last=push.final)
+        finally:
+            sending.set()
+            if self.sending is sending:
+                self.sending = None
+        ack, params, version = reply if push.with_pull else (reply, None, None)
+        events = []
+        if push.with_pull:
+            link += await w._injector.transfer(_tree_nbytes(params))
+        self.transferred(record, start, link)
+        self.totals["pushes"] += 1
+        if record is not None:
             record.update(
-                pushed_step=step - 1,
-                staleness=None if comm.ack is None else comm.ack.staleness,
-                status=None if comm.ack is None else comm.ack.status,
-                transfer_s=comm.transfer_s,
-                link_delay_s=comm.link_delay_s,
-                bytes_sent=comm.bytes_sent,
-                bytes_received=comm.bytes_received,
+                pushed_step=push.round,
+                staleness=ack.staleness,
+                status=ack.status,
+                weight=ack.weight,
             )
-            totals["transfer_s"] += comm.transfer_s
-            totals["bytes_sent"] += comm.bytes_sent
-            totals["bytes_received"] += comm.bytes_received
-            self._emit(record)
-        return ended_by, loss
+            record["force_pull"] = record.get("force_pull", False) or ack.force_pull
+        now = w._elapsed()
+        events.append(
+            (
+                Acked(push.session, ack.version, now, ack.local_steps, ack.force_pull),
+                None,
+            )
+        )
+        if push.with_pull:
+            if record is not None:
+                record["pull_end"] = now
+            hint = self.client.hints.get("local_steps")
+            events += self.hints()
+            events.append((Pulled(push.session, version, now, hint), params))
+        if push.final:
+            sent0, received0 = record.pop("_bytes")
+            record.update(
+                bytes_sent=self.client.bytes_sent - sent0,
+                bytes_received=self.client.bytes_received - received0,
+            )
+            self.totals["transfer_s"] += record["transfer_s"]
+            self.totals["bytes_sent"] += record["bytes_sent"]
+            self.totals["bytes_received"] += record["bytes_received"]
+            w._emit(record)
+        return events
+
+    def transferred(self, record: dict | None, start: float, link: float) -> None:
+        if record is None:
+            return
+        record["transfer_s"] += time.monotonic() - start
+        record["link_delay_s"] += link
+
+    def dropped(self, session: int, error: Exception, *, last: bool = False) -> list:
+        w = self.w
+        if last:
+            # The last push of a run: nothing follows it to rejoin for.
+            logger.warning(
+                "worker %s was dropped by the server (%s); its last update is lost",
+                w._config.worker_id,
+                error,
+            )
+            return []
+        if session == self.core.session:
+            logger.warning(
+                "worker %s was dropped by the server (%s); joining again",
+                w._config.worker_id,
+                error,
+            )
+            self.totals["rejoins"] += 1
+            if self.current is not None:
+                self.current["rejoined"] = True
+        return [(Dropped(session, w._elapsed()), None)]
 
 
 def run_worker(config: WorkerConfig, **kwargs: Any) -> WorkerSummary:
