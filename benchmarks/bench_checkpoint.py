@@ -4,7 +4,8 @@ Run:
   python benchmarks/bench_checkpoint.py
 
 Writes 64 MiB in 32 leaves to a temporary directory with
-``hpsjax.ps.CheckpointManager`` (tensorstore, committed atomically) and with plain
+``hpsjax.ps.CheckpointManager`` (orbax-checkpoint over tensorstore, committed
+atomically, a crc32 per array) and with plain
 ``np.save`` + ``fsync``, in the same run, and prints the ratios.
 """
 
