@@ -744,22 +744,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         epilog="Flags after --server go to hpsjax-server, flags after -- to every "
         "hpsjax-worker.",
     )
-    p.add_argument("--workers", type=int, required=True, help="number of workers")
-    p.add_argument(
-        "--policy",
-        default="bsp",
-        help=f"server synchronisation policy: {', '.join(sorted(POLICIES))}",
+    g = p.add_argument_group("workers and model")
+    g.add_argument("--workers", type=int, required=True, help="number of workers")
+    g.add_argument(
+        "--model",
+        help="the workers' model (sets their --model): a built-in name or "
+        "package.module:factory, importable from here or PYTHONPATH",
     )
-    p.add_argument("--steps", type=int, default=100, help="rounds per worker")
-    p.add_argument("--plan", help="profile and plan with this scheme (hps, ...)")
-    p.add_argument("--global_batch", type=int, help="the plan's global batch")
-    p.add_argument(
-        "--replan",
-        type=float,
-        help="with --plan: the server re-plans when a worker's speed drifts by "
-        "more than this fraction",
-    )
-    p.add_argument(
+    g.add_argument("--steps", type=int, default=100, help="rounds per worker")
+    g.add_argument(
         "--worker_flags",
         nargs=2,
         action="append",
@@ -767,20 +760,36 @@ def main(argv: Sequence[str] | None = None) -> int:
         metavar=("INDEX", "FLAGS"),
         help="extra flags (one quoted string) for worker INDEX, repeatable",
     )
-    p.add_argument(
+    g = p.add_argument_group("server")
+    g.add_argument(
+        "--policy",
+        default="bsp",
+        help=f"server synchronisation policy: {', '.join(sorted(POLICIES))}",
+    )
+    g.add_argument(
         "--server_shards",
         type=int,
         default=1,
         help="split the model by key range over this many server processes",
     )
-    p.add_argument(
+    g.add_argument(
         "--split_leaves",
         action="store_true",
         help="with --server_shards: cut arrays by rows between shards too",
     )
-    p.add_argument("--workdir", help="directory for secret, init, plan, metrics")
-    p.add_argument("--timeout", type=float, help="seconds the run may take")
-    p.add_argument("--no_progress", action="store_true", help="no progress bar")
+    g = p.add_argument_group("work plan")
+    g.add_argument("--plan", help="profile and plan with this scheme (hps, ...)")
+    g.add_argument("--global_batch", type=int, help="the plan's global batch")
+    g.add_argument(
+        "--replan",
+        type=float,
+        help="with --plan: the server re-plans when a worker's speed drifts by "
+        "more than this fraction",
+    )
+    g = p.add_argument_group("run")
+    g.add_argument("--workdir", help="directory for secret, init, plan, metrics")
+    g.add_argument("--timeout", type=float, help="seconds the run may take")
+    g.add_argument("--no_progress", action="store_true", help="no progress bar")
     _ray_launch.add_ray_flags(p)
     args = p.parse_args(own)
 
@@ -792,6 +801,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, terminate)
     per_worker: dict[int, list[str]] = {}
     try:
+        if args.model is not None:
+            worker_args = ["--model", args.model, *worker_args]
         for index, text in args.worker_flags:
             per_worker.setdefault(int(index), []).extend(shlex.split(text))
         result = (_ray_launch.backend_from_flags(args) or launch)(

@@ -116,3 +116,102 @@ def test_metrics_port_in_use_is_one_line(tmp_path, capsys):
     err = capsys.readouterr().err
     assert code == 2 and "cannot serve metrics" in err
     assert len(err.strip().splitlines()) == 1
+
+
+# ---------------------------------------------------------------------------
+# Any flax model from the command line: package.module:factory.
+# ---------------------------------------------------------------------------
+
+FACTORY = """
+from flax import nnx
+
+
+class Tiny(nnx.Module):
+    def __init__(self, hidden, *, rngs):
+        self.hidden = nnx.Linear(64, hidden, rngs=rngs)
+        self.out = nnx.Linear(hidden, 10, rngs=rngs)
+
+    def __call__(self, x):
+        x = x.reshape((x.shape[0], -1))
+        return self.out(nnx.relu(self.hidden(x)))
+
+
+def make_model(*, rngs, hidden=16):
+    return Tiny(hidden, rngs=rngs), (8, 8, 1)
+"""
+
+
+@pytest.fixture
+def factory_module(tmp_path, monkeypatch):
+    """A model factory in a module of its own, importable from PYTHONPATH."""
+    import sys
+
+    package = tmp_path / "user_models"
+    package.mkdir()
+    name = f"factory_{tmp_path.name.replace('-', '_')}"
+    (package / f"{name}.py").write_text(FACTORY)
+    monkeypatch.syspath_prepend(str(package))
+    monkeypatch.setenv("PYTHONPATH", str(package))
+    yield f"{name}:make_model"
+    sys.modules.pop(name, None)
+
+
+def test_server_init_from_a_factory_serves_what_workers_write(tmp_path, factory_module):
+    from hpsjax.models import load_params_npz
+    from hpsjax.worker import _cli as worker_cli
+
+    flags = ["--model_arg", "hidden=12", "--model_seed", "3"]
+    init = tmp_path / "init.npz"
+    worker_cli.write_init(
+        worker_cli.parse_args(
+            ["--model", factory_module, "--dataset", "sklearn_digits", *flags]
+        ),
+        init,
+    )
+    built = server_cli.initial_params(factory_module, model_args={"hidden": 12}, seed=3)
+    written = load_params_npz(init)
+    assert sorted(built) == sorted(written) == ["hidden", "out"]
+    for layer in built:
+        for leaf in built[layer]:
+            np.testing.assert_array_equal(built[layer][leaf], written[layer][leaf])
+    assert built["hidden"]["kernel"].shape == (64, 12)
+    args = server_cli.parse_args(["--init_from", factory_module, *flags])
+    assert args.init is None and args.init_from == factory_module
+    with pytest.raises(SystemExit):  # one or the other
+        server_cli.parse_args(["--init", str(init), "--init_from", "mlp"])
+    with pytest.raises(ValueError, match="cannot import module"):
+        server_cli.initial_params("no_such_module_here:make")
+
+
+@pytest.mark.slow
+def test_a_factory_model_trains_through_a_server_and_two_workers(
+    tmp_path, factory_module
+):
+    import subprocess
+    import sys
+
+    from hpsjax.metrics import read_jsonl, read_tensorboard
+
+    work = tmp_path / "run"
+    out = subprocess.run(
+        [sys.executable, "-m", "hpsjax.launch", "--workers", "2", "--steps", "8",
+         "--policy", "bsp", "--model", factory_module, "--workdir", str(work),
+         "--no_progress", "--timeout", "240", "--", "--dataset", "sklearn_digits",
+         "--batch_size", "16", "--model_arg", "hidden=8", "--eval_every", "0.01",
+         "--loop", "asyncio"],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    for i in range(2):
+        records = read_jsonl(work / f"metrics_{i}.jsonl")
+        rounds = [r for r in records if r["event"] == "round"]
+        evals = [r for r in records if r["event"] == "eval"]
+        assert len(rounds) == 8
+        assert evals and evals[-1]["examples"] == 359  # 20% of 1,797, held out
+        assert rounds[-1]["version"] > 0
+        scalars = read_tensorboard(work / "tensorboard")[f"worker{i}"]
+        assert len(scalars["round/loss"]) == 8
+    from experiments import summary as run_summary
+
+    table = run_summary.write_summary(work)["table"]
+    assert {w: row["rounds"] for w, row in table.items()} == {"0": 8, "1": 8}
