@@ -536,7 +536,12 @@ def launch_ray(
     cpus = server_request.get("num_cpus", 0) * server_shards + sum(
         r.get("num_cpus", 0) for r in resources
     )
+    on_sigterm = signal.getsignal(signal.SIGTERM)
     started_ray = _connect(ray_address, cpus, runtime_env)
+    if callable(on_sigterm) and threading.current_thread() is threading.main_thread():
+        # ray.init replaces the caller's SIGTERM handler (hpsjax-launch's
+        # stops the run like Ctrl-C): it is put back.
+        signal.signal(signal.SIGTERM, on_sigterm)
     actor_class = ray.remote(_ProcessActor)
     cwd = os.getcwd()
     members: list[_Member] = []

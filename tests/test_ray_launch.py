@@ -9,6 +9,7 @@ from __future__ import annotations
 import io
 import os
 import pathlib
+import re
 import signal
 import threading
 import time
@@ -28,9 +29,15 @@ SMALL_MODEL = [
     "--batch_size", "16", "--log_level", "WARNING",
 ]  # fmt: skip
 
+_ACTOR_SECRET = re.compile(r"/hpsjax-(server|worker)-[^ /]*/secret\.txt")
+
 
 def _hpsjax_processes() -> dict[int, str]:
-    """Live hpsjax servers and workers on this machine, from /proc."""
+    """Live servers and workers of Ray launches on this machine, from /proc.
+
+    They are told apart from other hpsjax processes by their secret files, in
+    the actors' own directories.
+    """
     found = {}
     for entry in pathlib.Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -40,10 +47,9 @@ def _hpsjax_processes() -> dict[int, str]:
             state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
         except OSError:
             continue
-        if state != "Z" and (
-            b"hpsjax.ps._cli" in argv or b"hpsjax.worker._cli" in argv
-        ):
-            found[int(entry.name)] = b" ".join(argv).decode(errors="replace")
+        text = b" ".join(argv).decode(errors="replace")
+        if state != "Z" and _ACTOR_SECRET.search(text):
+            found[int(entry.name)] = text
     return found
 
 
@@ -145,7 +151,7 @@ def _run_in_thread(**kwargs):
 @pytest.mark.slow
 def test_a_planned_run_survives_a_killed_worker(ray_cluster, tmp_path):
     log = io.StringIO()
-    steps = 25
+    steps = 15
     thread, box = _run_in_thread(
         num_workers=2,
         policy="bsp",
