@@ -75,26 +75,7 @@ from hpsjax.ps._policies import ADSP, Hybrid, Policy, get_policy
 from hpsjax.sim._engine import DeferredLeaves, Engine, IndexStream, Round
 from hpsjax.sim._workers import WorkerSpec, finish_time
 from hpsjax.transforms._staleness import STALENESS_POLICIES
-from hpsjax.worker._core import (
-    Acked,
-    Compute,
-    Computed,
-    Discard,
-    Dropped,
-    ForcePulled,
-    Join,
-    Joined,
-    KeepParams,
-    Left,
-    PlanChanged,
-    Pull,
-    Pulled,
-    Push,
-    Report,
-    Reported,
-    Stop,
-    WorkerCore,
-)
+from hpsjax.worker import _core as wc
 
 __all__ = [
     "OVERLAP_MODES",
@@ -612,7 +593,7 @@ class _Simulation:
                     spec,
                     np.random.default_rng([seed, 0, i]),
                     IndexStream(indices, (seed, 1, i)),
-                    WorkerCore(
+                    wc.WorkerCore(
                         device_batches=(spec.batch_size,),
                         local_steps=spec.local_steps,
                         lr_scale=float(spec.lr_scale),
@@ -775,29 +756,29 @@ class _Simulation:
         that the event handled brought)."""
         for action in actions:
             kind = type(action)
-            if kind is Compute:
+            if kind is wc.Compute:
                 self._start_round(w, action)
-            elif kind is Push:
+            elif kind is wc.Push:
                 self._send_push(w, w.rounds.pop(action.round), action)
-            elif kind is Pull:
+            elif kind is wc.Pull:
                 self._send_pull(w, action.session)
-            elif kind is KeepParams:
+            elif kind is wc.KeepParams:
                 w.params = leaves
-            elif kind is Discard:
+            elif kind is wc.Discard:
                 self.engine.cancel(w.rounds.pop(action.round))
                 w.spans.pop(action.round)[2] = "discarded"
-            elif kind is Report:
+            elif kind is wc.Report:
                 self._report(w, action)
-            elif kind is Join:
+            elif kind is wc.Join:
                 self.schedule(self.now + w.latency, self._server_join, w, w.session)
-            elif kind is Stop:
+            elif kind is wc.Stop:
                 self.schedule(self.now + w.latency, self._server_leave, w)
             else:
                 raise TypeError(f"unexpected worker action {action!r}")
 
     def _worker_join(self, w: _Worker) -> None:
         w.blocked_since = self.now
-        self._carry_out_worker(w, w.core.handle(Joined(self.now)))
+        self._carry_out_worker(w, w.core.handle(wc.Joined(self.now)))
 
     def _worker_leave(self, w: _Worker) -> None:
         now = self.now
@@ -807,9 +788,9 @@ class _Simulation:
         elif w.blocked_since is not None:
             w.blocked_spans.append((w.blocked_since, now))
             w.blocked_since = None
-        self._carry_out_worker(w, w.core.handle(Left(now)))
+        self._carry_out_worker(w, w.core.handle(wc.Left(now)))
 
-    def _start_round(self, w: _Worker, compute: Compute) -> None:
+    def _start_round(self, w: _Worker, compute: wc.Compute) -> None:
         now = self.now
         if w.blocked_since is not None:
             w.blocked_spans.append((w.blocked_since, now))
@@ -830,19 +811,19 @@ class _Simulation:
             return  # thrown away as the worker left
         w.blocked_since = self.now
         step_time = self.now - w.spans[round_][0]
-        actions = w.core.handle(Computed(round_, self.now, step_time))
+        actions = w.core.handle(wc.Computed(round_, self.now, step_time))
         self._carry_out_worker(w, actions)
 
-    def _report(self, w: _Worker, report: Report) -> None:
+    def _report(self, w: _Worker, report: wc.Report) -> None:
         if self.replanner is not None:
             revised = self.replanner.observe(
                 w.id, report.batch_size, report.time_per_step, report.now
             )
             if revised is not None:
                 self._apply_plan(revised)
-        self._carry_out_worker(w, w.core.handle(Reported(self.now)))
+        self._carry_out_worker(w, w.core.handle(wc.Reported(self.now)))
 
-    def _send_push(self, w: _Worker, r: Round, push: Push) -> None:
+    def _send_push(self, w: _Worker, r: Round, push: wc.Push) -> None:
         if not r.done:
             self.engine.flush()
         job = self.engine.prepare_push(w.index, r.update, push.lr_factor)
@@ -862,18 +843,18 @@ class _Simulation:
         self.schedule(start + w.latency, self._server_pull, w, session)
 
     def _params_arrive(self, w, session, leaves, version, hint) -> None:
-        event = Pulled(session, version, self.now, local_steps=hint)
+        event = wc.Pulled(session, version, self.now, local_steps=hint)
         self._carry_out_worker(w, w.core.handle(event), leaves)
 
     def _ack_arrive(self, w, session, version, hint) -> None:
-        event = Acked(session, version, self.now, local_steps=hint)
+        event = wc.Acked(session, version, self.now, local_steps=hint)
         self._carry_out_worker(w, w.core.handle(event))
 
     def _force_arrive(self, w, session) -> None:
-        self._carry_out_worker(w, w.core.handle(ForcePulled(session)))
+        self._carry_out_worker(w, w.core.handle(wc.ForcePulled(session)))
 
     def _dropped_arrive(self, w, session) -> None:
-        self._carry_out_worker(w, w.core.handle(Dropped(session, self.now)))
+        self._carry_out_worker(w, w.core.handle(wc.Dropped(session, self.now)))
 
     def _send_up(self, w: _Worker, nbytes: int, kind: str) -> float:
         now = self.now
@@ -1117,7 +1098,7 @@ class _Simulation:
             if p.batch_size < 1:
                 raise ValueError(f"the work plan gives worker {w.id!r} an empty batch.")
             w.core.handle(
-                PlanChanged(
+                wc.PlanChanged(
                     device_batches=(p.batch_size,),
                     local_steps=p.local_steps,
                     lr_scale=float(p.lr_scale),
