@@ -44,6 +44,7 @@ from hpsjax.ps._errors import (
     error_from_wire,
 )
 from hpsjax.ps._frames import Frame, FrameError, MsgType
+from hpsjax.transforms import _quantize as q
 
 __all__ = ["Client", "PushResult", "ServerInfo", "Subscription"]
 
@@ -51,8 +52,6 @@ __all__ = ["Client", "PushResult", "ServerInfo", "Subscription"]
 @functools.partial(jax.jit, static_argnums=1)
 def _encode_tree(tree, codec, key):
     """Encodes a push in one compiled program (one per tree structure/codec)."""
-    from hpsjax.transforms import _quantize as q
-
     return q.encode_tree(tree, codec, key)
 
 

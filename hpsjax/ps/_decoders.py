@@ -16,14 +16,15 @@ from typing import Any
 import jax
 import numpy as np
 
+from hpsjax.ps._treecodec import compressed_sizes
+from hpsjax.transforms import _quantize as q
+
 __all__ = ["DecoderCache"]
 
 
 def _leaf_decoder(codec: Any, specs: tuple[tuple[tuple[int, ...], str], ...]):
     # A fresh function per codec: JAX's tracing caches hold it weakly, so a
     # decoder the cache forgets leaves nothing behind.
-    from hpsjax.transforms import _quantize as q
-
     def decode_leaves(encoded):
         return [
             q.decode(enc, codec, shape, dtype)
@@ -74,9 +75,6 @@ class DecoderCache:
 
     def compile(self, codec: Any) -> Callable:
         """Compiles the decoder of ``codec``; thread-safe, stores nothing."""
-        from hpsjax.ps._treecodec import compressed_sizes
-        from hpsjax.transforms import _quantize as q
-
         args = []
         for shape, _ in self._specs:
             n_codes, n_scales = compressed_sizes(shape, codec)

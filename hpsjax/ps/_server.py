@@ -52,6 +52,7 @@ import msgpack
 import numpy as np
 import optax
 
+from hpsjax.profiling import Replanner
 from hpsjax.ps import _auth, _frames, _treecodec
 from hpsjax.ps._checkpoint import CheckpointManager
 from hpsjax.ps._connection import FrameProtocol, error_frame
@@ -78,6 +79,7 @@ from hpsjax.ps._errors import (
     WorkerDropped,
 )
 from hpsjax.ps._frames import Frame, FrameError, MsgType
+from hpsjax.transforms import _quantize as q
 
 __all__ = ["Server"]
 
@@ -302,13 +304,10 @@ class Server:
             raise ValueError("checkpoint_every_* needs a checkpoint_dir")
         if not isinstance(limits, _frames.WireLimits):
             raise ValueError("limits must be a WireLimits")
-        if replanner is not None:
-            from hpsjax.profiling import Replanner
-
-            if not isinstance(replanner, Replanner):
-                raise ValueError(
-                    f"replanner must be a Replanner, got {type(replanner).__name__}"
-                )
+        if replanner is not None and not isinstance(replanner, Replanner):
+            raise ValueError(
+                f"replanner must be a Replanner, got {type(replanner).__name__}"
+            )
         self._core = ServerCore(
             params,
             optimizer,
@@ -952,8 +951,6 @@ class Server:
         self._check_pusher(session, version)
         codec = frame.payload.layout.codec
         if codec is not None:
-            from hpsjax.transforms import _quantize as q
-
             codec = q.Codec.from_dict(codec)
             if self._decoders.get(codec) is None:
                 self._compile_then_serve(session, frame, codec)
@@ -1080,8 +1077,6 @@ class Server:
             # core's compiled steps are called on them (cheaper than device_put
             # for small leaves, as fast for big ones).
             return payload.arrays
-        from hpsjax.transforms import _quantize as q
-
         codec = q.Codec.from_dict(layout.codec)
         encoded = [q.Encoded(codes, scales) for codes, scales in payload.arrays]
         return self._decoders.get(codec)(encoded)
@@ -1098,8 +1093,6 @@ class Server:
             # once decoded): "none" sends no scales, other schemes always do.
             codec_none = layout.codec["scheme"] == "none"
             if index % 2 or codec_none:
-                from hpsjax.transforms import _quantize as q
-
                 codes, scales = payload.arrays[index // 2]
                 size = math.prod(layout.leaves[index // 2].shape)
                 codec = q.Codec.from_dict(layout.codec)
