@@ -17,6 +17,7 @@ from typing import Any, NamedTuple
 import msgpack
 import numpy as np
 
+from hpsjax._checks import is_int
 from hpsjax.ps._errors import (
     InvalidUpdate,
     MalformedMetadata,
@@ -527,10 +528,6 @@ def encoded_tree_to_wire(
     return meta, leaf_buffers(arrays), layout
 
 
-def _is_int(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
 def tree_layout(meta: Mapping[str, Any], limits: WireLimits = DEFAULT_LIMITS):
     """Validates the tree fields of received metadata.
 
@@ -571,10 +568,10 @@ def tree_layout(meta: Mapping[str, Any], limits: WireLimits = DEFAULT_LIMITS):
         if (
             not isinstance(shape, list)
             or len(shape) > limits.max_rank
-            or not all(_is_int(d) and d >= 0 for d in shape)
+            or not all(is_int(d) and d >= 0 for d in shape)
         ):
             raise MalformedMetadata(f"leaf {i}: bad shape {shape!r}"[:200])
-        if not (_is_int(off) and _is_int(nbytes)) or off != offset:
+        if not (is_int(off) and is_int(nbytes)) or off != offset:
             raise MalformedMetadata(f"leaf {i}: offset {off!r} != {offset}")
         dtype = DTYPES[name]
         if codec is None:
