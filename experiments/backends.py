@@ -168,7 +168,7 @@ def run_sim(
         duration=duration,
         eval_every=float(config.eval.every_seconds),
         eval_batch_size=int(config.eval.batch_size),
-        core_kwargs=build.core_kwargs(config),
+        core_kwargs=build.core_kwargs(config, work_plan),
         seed=int(config.seed),
     )
 
@@ -265,6 +265,7 @@ def run_sim(
         info["stage_plans"] = [build.plan_to_dict(p) for p in stage_plans]
     if config.stages.enabled:
         info["final_stage"] = int(getattr(policy, "stage", -1))
+        info["switched_at"] = getattr(policy, "switched_at", None)
     return RunOutput(evals, workers, timelines, records, info)
 
 
@@ -462,6 +463,7 @@ async def _serve_and_train(
     *,
     policy: Any,
     policy_kwargs: dict[str, Any],
+    core_kwargs: dict[str, Any],
     plan_file: pathlib.Path | None,
     duration: float,
     offset: float,
@@ -497,7 +499,7 @@ async def _serve_and_train(
         host="127.0.0.1",
         port=0,
         secret=secret,
-        core_kwargs={**build.core_kwargs(config), "expected_workers": n},
+        core_kwargs={**core_kwargs, "expected_workers": n},
         **policy_kwargs,
     )
     await server.start()
@@ -731,10 +733,11 @@ def run_processes(
     """
     from hpsjax.profiling import tree_wire_nbytes
 
-    if config.stages.enabled and config.stages.switch != "version":
+    if config.stages.enabled and config.stages.switch == "plateau":
         raise ValueError(
             "the processes backend switches ASHL's stages at a server version "
-            f"only; stages.switch={config.stages.switch!r} runs in the simulator"
+            "or on the server's training loss only; stages.switch='plateau' "
+            "runs in the simulator"
         )
     _, codec = _push_codec(config)
     push_bytes = tree_wire_nbytes(setup.params, codec)
@@ -769,6 +772,7 @@ def run_processes(
         setup,
         policy=policy,
         policy_kwargs=policy_kwargs,
+        core_kwargs=build.core_kwargs(config, plans[0] if plans else None),
         plan_file=plan_file,
         duration=duration,
         offset=offset,
@@ -785,6 +789,7 @@ def run_processes(
     info["wall_seconds"] = time.perf_counter() - wall
     if config.stages.enabled:
         info["final_stage"] = int(policy.stage)
+        info["switched_at"] = getattr(policy, "switched_at", None)
 
     evals, seen = [], {}
     for t, version, params in snapshots:

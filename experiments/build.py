@@ -141,16 +141,39 @@ def server_optimizer(config: ml_collections.ConfigDict) -> optax.GradientTransfo
         chain.append(
             delay_compensation(float(server.dc_lambda), adaptive=server.dc_adaptive)
         )
-    chain.append(make(float(server.learning_rate), momentum=float(server.momentum)))
+    extra: dict[str, Any] = {}
+    if server.optimizer == "delayed_nesterov":
+        # Liu et al. 2024 update the outer momentum once per N arrivals, N the
+        # number of workers, unless the config names another delay.
+        delay = server.get("outer_delay") or len(config.workers.slowdowns)
+        extra["delay"] = int(delay)
+    chain.append(
+        make(float(server.learning_rate), momentum=float(server.momentum), **extra)
+    )
     return chain[0] if len(chain) == 1 else optax.chain(*chain)
 
 
-def core_kwargs(config: ml_collections.ConfigDict) -> dict[str, Any]:
-    """Keyword arguments of ``hpsjax.ps.ServerCore`` for the config."""
+def push_weights(work_plan: Any) -> dict[Any, float] | None:
+    """The plan's per-worker ``push_weight`` (ASHL's reference ``p_i``), or
+    ``None`` when every worker's is 1 (or there is no plan)."""
+    if work_plan is None:
+        return None
+    weights = {w.worker_id: float(w.push_weight) for w in work_plan.workers}
+    return None if all(v == 1.0 for v in weights.values()) else weights
+
+
+def core_kwargs(
+    config: ml_collections.ConfigDict, work_plan: Any = None
+) -> dict[str, Any]:
+    """Keyword arguments of ``hpsjax.ps.ServerCore`` for the config and, where
+    it gives push weights, the work plan."""
     kwargs: dict[str, Any] = {"deadline_factor": float(config.server.deadline_factor)}
     if config.server.dc_lambda is not None:
         # DC-ASGD needs the parameters each push was computed on.
         kwargs["keep_stale_params"] = True
+    weights = push_weights(work_plan)
+    if weights is not None:
+        kwargs["push_weights"] = weights
     return kwargs
 
 
@@ -272,6 +295,90 @@ class PlannedHybrid(Hybrid):
         return self.planned_steps[self.stage].get(worker_id, self.current.local_steps)
 
 
+class LossSwitchedHybrid(PlannedHybrid):
+    r""":class:`PlannedHybrid` whose server leaves the first stage on its
+    training loss, as ASHL's reference code decides the switch.
+
+    The server's estimate of the training loss is a moving average of the
+    losses the workers report with their pushes,
+    :math:`\bar\ell \leftarrow \bar\ell + \alpha (\ell - \bar\ell)`;
+    once :math:`\bar\ell` is below ``threshold`` (after at least
+    ``min_pushes`` pushes) the policy moves to the next stage. Workers learn
+    it from the next acknowledgement, which hints them their local steps of
+    the new stage. A stage's ``until_version``, if any, still applies.
+
+    The stages run as the reference runs them: an ``async`` stage applies
+    every push at once, undamped (its ``max_staleness`` is not used); a
+    ``semi_async`` stage bounds the workers' round counts (SSP's clocks: a
+    worker more than ``max_staleness`` rounds ahead of the slowest waits),
+    not the versions.
+
+    Args:
+      stages, local_steps, on_stale: as for :class:`PlannedHybrid`.
+      threshold: the training loss below which the server switches.
+      smoothing: :math:`\alpha`, the weight of a new loss, in (0, 1].
+      min_pushes: pushes with a loss seen before a switch, >= 1.
+
+    Examples:
+      >>> from hpsjax.ps import HybridStage
+      >>> policy = LossSwitchedHybrid(
+      ...     [HybridStage("async", 8, None), HybridStage("semi_async", 2, 3)],
+      ...     [{0: 8}, {0: 2}], threshold=0.5, smoothing=1.0, min_pushes=1)
+      >>> policy.observe_loss(0.9), policy.observe_loss(0.4)
+      (False, True)
+    """
+
+    def __init__(
+        self,
+        stages: Sequence[Any],
+        local_steps: Sequence[Mapping[Any, int]],
+        *,
+        threshold: float,
+        smoothing: float = 0.3,
+        min_pushes: int = 1,
+        on_stale: str = "damp",
+    ):
+        super().__init__(stages, local_steps, on_stale=on_stale)
+        if not (math.isfinite(threshold) and threshold > 0):
+            raise ValueError(f"threshold must be a number > 0, got {threshold!r}")
+        if not 0 < smoothing <= 1:
+            raise ValueError(f"smoothing must be in (0, 1], got {smoothing!r}")
+        if int(min_pushes) < 1:
+            raise ValueError(f"min_pushes must be >= 1, got {min_pushes!r}")
+        self.threshold = float(threshold)
+        self.smoothing = float(smoothing)
+        self.min_pushes = int(min_pushes)
+        self.train_loss: float | None = None
+        self.losses_seen = 0
+        self.switched_at: int | None = None  # the server version of the switch
+
+    def _delegate(self, stage):
+        from hpsjax.ps import ASP, SSP
+
+        if stage.mode == "semi_async":
+            return SSP(staleness_bound=stage.max_staleness)
+        if stage.mode == "async":
+            return ASP()
+        return super()._delegate(stage)
+
+    def observe_loss(self, loss: float | None) -> bool:
+        """Takes one reported loss; ``True`` when it makes the server switch."""
+        if loss is None or not math.isfinite(loss) or self.stage > 0:
+            return False
+        self.losses_seen += 1
+        if self.train_loss is None:
+            self.train_loss = float(loss)
+        else:
+            self.train_loss += self.smoothing * (float(loss) - self.train_loss)
+        return self.losses_seen >= self.min_pushes and self.train_loss < self.threshold
+
+    def on_push(self, core, worker_id, now):
+        super().on_push(core, worker_id, now)
+        if self.observe_loss(core.worker(worker_id).last_loss):
+            self.switched_at = core.version
+            self.set_stage(core, 1)
+
+
 def policy(
     config: ml_collections.ConfigDict,
     plans: Sequence[Any] = (),
@@ -294,11 +401,32 @@ def policy(
     registry.lookup("policy", config.server.policy)
     if not config.stages.enabled:
         return config.server.policy, config.server.policy_kwargs.to_dict()
-    stages = stage_list(config, until_version=until_version)
+    stages = stage_list(
+        config, until_version=until_version and config.stages.switch == "version"
+    )
     if plans:
-        per_stage = [{w.worker_id: w.local_steps for w in p.workers} for p in plans]
+        per_stage = stage_steps(plans, len(stages))
+        if config.stages.switch == "loss":
+            return (
+                LossSwitchedHybrid(
+                    stages, per_stage, threshold=float(config.stages.switch_loss)
+                ),
+                {},
+            )
         return PlannedHybrid(stages, per_stage), {}
     return Hybrid(stages), {}
+
+
+def stage_steps(plans: Sequence[Any], num_stages: int) -> list[dict[Any, int]]:
+    """Per stage, each worker's planned local steps: from one plan per stage,
+    or from one plan whose workers carry ``stage_local_steps``
+    (``ashl_reference``)."""
+    if len(plans) == 1 and plans[0].workers[0].stage_local_steps:
+        return [
+            {w.worker_id: w.stage_steps(s) for w in plans[0].workers}
+            for s in range(num_stages)
+        ]
+    return [{w.worker_id: w.local_steps for w in p.workers} for p in plans]
 
 
 def slowdown_schedule(
@@ -473,6 +601,13 @@ def work_plan(
     if scheme == "none":
         raise ValueError("plan.scheme is 'none': there is no plan to make")
     steps = int(config.plan.local_steps if local_steps is None else local_steps)
+    extra: dict[str, Any] = {}
+    if scheme == "ashl_reference":
+        extra["compress_ratio"] = float(config.plan.get("compress_ratio", 1.0))
+        extra["stage_multipliers"] = (
+            int(config.stages.ahl_local_steps),
+            int(config.stages.shl_local_steps),
+        )
     return plan(
         profiles,
         scheme,
@@ -480,6 +615,7 @@ def work_plan(
         lr_scaling=registry.lookup("lr scaling", config.plan.lr_scaling),
         local_steps=steps,
         max_local_steps=int(config.plan.max_local_steps),
+        **extra,
     )
 
 
@@ -496,6 +632,10 @@ def plans(
     """
     if not config.stages.enabled:
         return work_plan(config, profiles), []
+    if config.plan.scheme == "ashl_reference":
+        # One plan: each worker's stage_local_steps holds both stages' steps.
+        first = work_plan(config, profiles)
+        return first, [first]
     stage_plans = [
         work_plan(config, profiles, local_steps=int(steps))
         for steps in (config.stages.ahl_local_steps, config.stages.shl_local_steps)
@@ -513,7 +653,21 @@ def plan_to_dict(work_plan: Any) -> dict[str, Any]:
         "lr_scales": [round(float(w.lr_scale), 6) for w in work_plan.workers],
         "round_time": float(work_plan.round_time),
         "idle_fraction": float(work_plan.idle_fraction),
+        **_stage_fields(work_plan),
     }
+
+
+def _stage_fields(work_plan: Any) -> dict[str, Any]:
+    """``ashl_reference``'s per-worker fields, where the plan has them."""
+    workers = work_plan.workers
+    fields: dict[str, Any] = {}
+    if workers and workers[0].stage_local_steps:
+        fields["stage_local_steps"] = [list(w.stage_local_steps) for w in workers]
+    if any(w.push_weight != 1.0 for w in workers):
+        fields["push_weights"] = [round(float(w.push_weight), 6) for w in workers]
+    if any(w.compress_ratio != 1.0 for w in workers):
+        fields["compress_ratios"] = [round(float(w.compress_ratio), 6) for w in workers]
+    return fields
 
 
 def finite_or_none(value: Any) -> float | None:

@@ -56,12 +56,35 @@ def _adam(
     return optax.adam(learning_rate)
 
 
+def _nesterov(
+    learning_rate: float, *, momentum: float = 0.9
+) -> optax.GradientTransformation:
+    from hpsjax.transforms import diloco_outer
+
+    return diloco_outer(learning_rate, momentum=momentum)
+
+
+def _delayed_nesterov(
+    learning_rate: float, *, momentum: float = 0.9, delay: int = 1
+) -> optax.GradientTransformation:
+    from hpsjax.transforms import delayed_nesterov
+
+    return delayed_nesterov(learning_rate, momentum=momentum, delay=delay)
+
+
 OPTIMIZERS: Mapping[str, Callable[..., optax.GradientTransformation]] = {
     "sgd": _sgd,
     "momentum": _momentum,
     "adam": _adam,
+    "nesterov": _nesterov,
+    "delayed_nesterov": _delayed_nesterov,
 }
-"""Server and local optimizers by name: ``f(learning_rate, *, momentum)``."""
+"""Server and local optimizers by name: ``f(learning_rate, *, momentum)``.
+
+``nesterov`` is DiLoCo's outer optimizer (``hpsjax.transforms.diloco_outer``)
+and ``delayed_nesterov`` the outer optimizer of asynchronous local SGD
+(``hpsjax.transforms.delayed_nesterov``, its ``delay`` from
+``server.outer_delay``); both are server optimizers of pseudo-gradients."""
 
 SCHEMES: tuple[str, ...] = (
     "bsp",
@@ -75,6 +98,9 @@ SCHEMES: tuple[str, ...] = (
     "adsp",
     "ashl",
     "ps_plus",
+    "ashl_reference",
+    "diloco",
+    "async_diloco",
 )
 """Schemes with a config file ``experiments/configs/<scheme>.py``, in table order."""
 
@@ -84,10 +110,20 @@ BACKENDS: tuple[str, ...] = ("sim", "processes")
 OVERLAPS: tuple[str, ...] = ("none", "pipeline", "eager")
 """How workers overlap communication with compute (``hpsjax.sim.OVERLAP_MODES``)."""
 
-STAGE_SWITCHES: tuple[str, ...] = ("version", "plateau")
-"""ASHL's rule to leave the AHL stage: a server version, or a flat loss."""
+STAGE_SWITCHES: tuple[str, ...] = ("version", "plateau", "loss")
+"""ASHL's rule to leave the AHL stage: a server version, a flat loss on the
+workers (``plateau``), or the server's training loss below a threshold
+(``loss``, as ASHL's reference code decides it)."""
 
-PLAN_SCHEMES: tuple[str, ...] = ("none", "hps", "ashl", "adsp", "equal")
+PLAN_SCHEMES: tuple[str, ...] = (
+    "none",
+    "hps",
+    "ashl",
+    "adsp",
+    "equal",
+    "ashl_reference",
+    "dylu",
+)
 """Work plans (``hpsjax.profiling.SCHEMES``) or ``none`` for equal batches."""
 
 LR_SCALINGS: tuple[str, ...] = ("linear", "sqrt", "none")

@@ -194,6 +194,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # delay_compensation's lambda on the server (DC-ASGD), or None.
     config.server.dc_lambda = config_dict.placeholder(float)
     config.server.dc_adaptive = False
+    # delayed_nesterov's N (outer momentum updated every N pushes), or None for
+    # the number of workers (Liu et al. 2024).
+    config.server.outer_delay = config_dict.placeholder(int)
     # Deadlines drop workers that stopped making progress; far above a round so
     # that a transient straggler is never taken for a dead worker.
     config.server.deadline_factor = 10.0
@@ -223,6 +226,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.plan.replan_window = 10
     config.plan.profile_batch_sizes = (16, 48)
     config.plan.profile_repeats = 2
+    # ashl_reference: the SHL top-k ratio of the worker with the longest round.
+    config.plan.compress_ratio = 1.0
 
     config.stages = ml_collections.ConfigDict()
     config.stages.enabled = False
@@ -230,6 +235,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.stages.switch_version = 100
     config.stages.plateau_window = 20
     config.stages.plateau_threshold = 0.01
+    # switch="loss": the server's training loss below which it switches.
+    config.stages.switch_loss = 0.3
     config.stages.ahl_local_steps = 8
     config.stages.ahl_max_staleness = 32
     config.stages.shl_local_steps = 2

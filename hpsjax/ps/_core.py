@@ -12,7 +12,10 @@ Events (methods), each returning ``list[Action]``:
 * ``join(worker_id, now)``: a worker (re)joins; it is answered like a pull.
 * ``pull(worker_id, now)``: the worker asks for parameters to compute on.
 * ``push(worker_id, update, *, version, now, ...)``: the worker sends an update
-  computed on parameters of ``version``.
+  computed on parameters of ``version``; ``push_message(worker_id, update, meta,
+  now=now)`` is the same push already validated where it became an object (a
+  :class:`~hpsjax.ps.PushMeta` from the wire, an update checked against the
+  model).
 * ``leave(worker_id, now)``: the worker says goodbye (or its connection died).
 * ``tick(now)``: time passed; call it at ``next_deadline()``.
 * ``set_stage(index, now)``: a staged policy moves to stage ``index``.
@@ -21,8 +24,9 @@ Actions (frozen dataclasses):
 
 * :class:`SendParams`: send ``core.params`` (at ``core.version``) to the worker; the
   answer to its pull or join.
-* :class:`PushAck`: answer the push (applied, buffered or dropped; its staleness; a
-  ``local_steps`` hint for the next commit).
+* :class:`~hpsjax.ps.PushAck`: answer the push (applied, buffered or dropped; its
+  staleness; a ``local_steps`` hint for the next commit; a forced pull; the stage
+  a staged policy moved to).
 * :class:`Wait`: the worker's pull is blocked; answer nothing yet.
 * :class:`Release`: a blocked pull may go on; a :class:`SendParams` follows it.
 * :class:`ForcePull`: tell the worker to discard its local work and pull.
@@ -104,7 +108,7 @@ import functools
 import heapq
 import math
 from collections.abc import Hashable, Mapping
-from typing import Any, Literal, NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -118,7 +122,8 @@ from hpsjax.ps._errors import (
     UnexpectedMessage,
     WorkerDropped,
 )
-from hpsjax.ps._policies import Verdict, get_policy
+from hpsjax.ps._messages import PushAck, PushMeta
+from hpsjax.ps._policies import Hybrid, Verdict, get_policy
 
 __all__ = [
     "Action",
@@ -154,31 +159,6 @@ class SendParams:
     worker_id: WorkerId
     version: int
     local_steps: int | None = None
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class PushAck:
-    """The answer to a push.
-
-    Attributes:
-      worker_id: the worker.
-      version: the server version after the push was handled.
-      staleness: :math:`\\tau = V - v`, the server version when the push arrived
-        minus the version it was computed on.
-      status: ``"applied"`` (a new version includes it), ``"buffered"`` (waiting
-        for other updates to be aggregated with) or ``"dropped"`` (discarded).
-      weight: the damping factor the update was scaled by (0 when dropped).
-      local_steps: hint: local steps to take before the next push, or ``None``.
-      reason: why it was damped or dropped, else ``None``.
-    """
-
-    worker_id: WorkerId
-    version: int
-    staleness: int
-    status: Literal["applied", "buffered", "dropped"]
-    weight: float = 1.0
-    local_steps: int | None = None
-    reason: str | None = None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -572,10 +552,15 @@ class ServerCore:
         fused loop differently. A driver that reads the parameters less often
         than it pushes saves a call per version. Not with
         ``keep_stale_params``.
+      push_weights: a factor :math:`p_j` per worker id on every push of that
+        worker (a work plan's ``push_weight``: ASHL's reference adds
+        :math:`p_j` times each delta), multiplied into the policy's weight;
+        workers not named get 1. ``None`` (the default) for none.
 
     Aggregation. Updates accepted by the policy are buffered with a weight
     :math:`n_j d_j`, :math:`n_j` the ``num_samples`` of the push (1 when not
-    given) and :math:`d_j` the policy's damping factor; when the policy says
+    given) and :math:`d_j` the policy's damping factor (times the worker's
+    ``push_weights`` entry where one is given); when the policy says
     :meth:`~hpsjax.ps.Policy.ready`, their weighted average
 
     .. math::
@@ -644,6 +629,7 @@ class ServerCore:
         check_finite: bool = True,
         check_result: bool = True,
         defer_applies: bool = False,
+        push_weights: Mapping[Any, float] | None = None,
     ):
         if not isinstance(optimizer, optax.GradientTransformation):
             raise ValueError(
@@ -686,6 +672,18 @@ class ServerCore:
                 f"max_stale_copies must be an int >= 1 or None, got "
                 f"{max_stale_copies!r}."
             )
+        if push_weights is not None and (
+            not isinstance(push_weights, Mapping)
+            or not all(
+                _is_number(v) and math.isfinite(v) and v >= 0
+                for v in push_weights.values()
+            )
+        ):
+            raise ValueError(
+                f"push_weights must map worker ids to finite numbers >= 0, got "
+                f"{push_weights!r}."
+            )
+        self._push_weights = None if push_weights is None else dict(push_weights)
         if defer_applies and keep_stale_params:
             raise ValueError(
                 "defer_applies cannot be combined with keep_stale_params: stale "
@@ -1051,7 +1049,7 @@ class ServerCore:
         num_samples: int | None = None,
         local_steps: int | None = None,
         loss: float | None = None,
-        checked: bool = False,
+        stage: int | None = None,
     ) -> list[Action]:
         r"""A worker pushes an update computed on parameters of ``version``.
 
@@ -1069,10 +1067,8 @@ class ServerCore:
           num_samples: samples behind the update (its weight in an average).
           local_steps: local steps behind the update (default 1).
           loss: the worker's training loss, for policies that search on it.
-          checked: the driver vouches that ``update`` has the parameters' tree
-            structure, shapes and dtypes and (with ``check_finite``) only finite
-            values, having checked them itself (for many updates at once); the
-            core then skips those checks.
+          stage: the stage of the worker's staged optimizer (ASHL); under the
+            hybrid policy a stage beyond the server's moves the server to it.
 
         Returns:
           ``[PushAck, ForcePull?, Applied?, Release/SendParams...]``.
@@ -1084,25 +1080,57 @@ class ServerCore:
           SpecMismatch: tree structure, shape or dtype differs from the params.
           NonFiniteUpdate: NaN or infinity in the update (``check_finite``).
         """
+        self._check_now(now)
+        self._live_record(worker_id)
+        fields = {
+            "version": version,
+            "step_time": step_time,
+            "num_samples": num_samples,
+            "local_steps": local_steps,
+            "loss": loss,
+            "stage": stage,
+        }
+        fields = {
+            k: v.item() if isinstance(v, np.generic) else v for k, v in fields.items()
+        }
+        meta = PushMeta.from_wire(fields, error=InvalidUpdate)
+        return self.push_message(worker_id, self.check_update(update), meta, now=now)
+
+    def push_message(
+        self, worker_id: WorkerId, update: Any, meta: PushMeta, *, now: float
+    ) -> list[Action]:
+        """A push validated where it became an object; see :meth:`push`.
+
+        Nothing the wire (or the driver) checked is checked again: ``meta`` comes
+        from :meth:`PushMeta.from_wire` (or is built from known-good values), and
+        ``update`` has the parameters' tree structure, shapes and dtypes and,
+        with ``check_finite``, only finite values (:meth:`check_update` checks a
+        tree that does not come from the wire). What depends on the server's
+        state is checked here: the worker, ``meta.version`` against the server
+        version and ``meta.stage`` against the policy's stages.
+
+        Returns:
+          ``[PushAck, ForcePull?, Applied?, Release/SendParams...]``.
+        """
         now = self._check_now(now)
         rec = self._live_record(worker_id)
-        if not _is_int(version) or not 0 <= version <= self._version:
+        version = meta.version
+        if not 0 <= version <= self._version:
             raise InvalidUpdate(
                 f"push version must be an int in [0, {self._version}] (the server "
                 f"version), got {version!r}"
             )
-        version = int(version)
-        if step_time is not None and (
-            not _is_number(step_time) or not math.isfinite(step_time) or step_time < 0
-        ):
-            raise InvalidUpdate(f"step_time must be a number >= 0, got {step_time!r}")
-        for name, value in (("num_samples", num_samples), ("local_steps", local_steps)):
-            if value is not None and (not _is_int(value) or value < 1):
-                raise InvalidUpdate(f"{name} must be an int >= 1, got {value!r}")
-        if loss is not None and (not _is_number(loss) or not math.isfinite(loss)):
-            raise InvalidUpdate(f"loss must be a finite number, got {loss!r}")
-        if not checked:
-            update = self._checked_update(update)
+        policy = self._policy
+        stage_before = policy.stage if isinstance(policy, Hybrid) else None
+        switch = meta.stage is not None and stage_before is not None
+        switch = switch and meta.stage > stage_before
+        if switch and meta.stage >= len(policy.stages):
+            raise InvalidUpdate(
+                f"push stage {meta.stage} is past the policy's last stage "
+                f"{len(policy.stages) - 1}"
+            )
+        step_time, num_samples = meta.step_time, meta.num_samples
+        local_steps, loss = meta.local_steps, meta.loss
         staleness = self._version - version
         stale = None
         if self._keep_stale:
@@ -1127,6 +1155,8 @@ class ServerCore:
                     f"Policy {self._policy.name!r} returned weight "
                     f"{verdict_weight!r}; weights are finite and >= 0."
                 )
+            if self._push_weights is not None:
+                verdict_weight *= float(self._push_weights.get(worker_id, 1.0))
         pending = None
         if verdict_weight > 0:
             pending = self._buffer_candidate(
@@ -1191,6 +1221,14 @@ class ServerCore:
             if status == "buffered":
                 status = "applied"
         self._release(now, tail)
+        if switch:
+            # The worker's staged optimizer moved on (ASHL: a flat loss): the
+            # server follows, after the push was handled in the stage it was
+            # computed in.
+            policy.set_stage(self, meta.stage)
+            self._admit_key = _UNKNOWN_KEY
+            self._settle(now, tail)
+        stage = policy.stage if stage_before is not None else None
         actions: list[Action] = [
             PushAck(
                 worker_id=worker_id,
@@ -1199,7 +1237,9 @@ class ServerCore:
                 status=status,
                 weight=float(verdict_weight),
                 local_steps=self._policy.local_steps(self, worker_id),
-                reason=reason,
+                reason=reason if reason or not force_pull else "pull fresh parameters",
+                force_pull=force_pull,
+                stage=None if stage == stage_before else stage,
             )
         ]
         if force_pull:
@@ -1620,7 +1660,13 @@ class ServerCore:
             scalar = self._scalars[key] = jnp.asarray(dtype(value))
         return scalar
 
-    def _checked_update(self, update: Any) -> Any:
+    def check_update(self, update: Any) -> Any:
+        """``update`` checked against the parameters, its leaves cast to their dtypes.
+
+        Raises:
+          SpecMismatch: tree structure, shape or dtype differs from the params.
+          NonFiniteUpdate: NaN or infinity in it (``check_finite``).
+        """
         leaves, treedef = jax.tree.flatten(update)
         if treedef != self._treedef:
             raise SpecMismatch(

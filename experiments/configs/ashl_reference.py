@@ -1,0 +1,61 @@
+"""ASHL as its authors' public code runs it (``ashl.py`` is our reading).
+
+A profiling pass measures every worker; ``hpsjax.profiling.plan(scheme=
+"ashl_reference")`` gives worker ``i`` two local step counts, ``H_i(8)`` and
+``H_i(2)``, so that ``H_i(k) c_i + m_i`` is the same for all workers (``c_i``
+its seconds per step, ``m_i`` its communication), and a weight
+``p_i = H_i(2) / sum_j H_j(2)``.
+
+* **AHL** (stage 1): asynchronous; each worker runs ``H_i(8)`` local SGD steps
+  and pushes its delta in full precision; the server adds ``p_i`` times it
+  at once (``server.optimizer=sgd(1.0)`` on pushes weighted by the plan's
+  ``push_weight``; no damping, no server momentum).
+* **The switch**: the server keeps a moving average of the training losses
+  the workers report with their pushes and moves to SHL once it is below
+  ``stages.switch_loss``; each worker learns it from the acknowledgement of
+  its next push, which hints its SHL local steps.
+* **SHL** (stage 2): semi-asynchronous, a worker more than 3 rounds ahead of
+  the slowest waits; ``H_i(2)`` local steps per push, weighted by ``p_i``.
+
+Not yet as the reference: SHL pushes go in full precision (the reference
+sparsifies them to a per-worker top-k ratio, ``WorkerPlan.compress_ratio``),
+and the data are sharded equally (the reference gives worker ``i`` a share
+``p_i`` of them).
+
+Launch::
+
+  python -m experiments.run --config=experiments/configs/ashl_reference.py:sim8 \\
+      --workdir=/tmp/hpsjax/ashl_reference
+
+References:
+  Shen, Tang, Zhou, Zhang, Jia, Yu, Zhang, Li, "ASHL: An Adaptive Multi-Stage
+  Distributed Deep Learning Training Scheme for Heterogeneous Environments",
+  IEEE Trans. Computers 73(1), 2024, https://doi.org/10.1109/TC.2023.3315847
+"""
+
+from experiments.configs import common
+
+
+def get_config(arg=None):
+    """ASHL per the reference for setting ``arg`` (see ``common.SETTINGS``)."""
+    config = common.get_config(arg)
+    config.scheme = "ashl_reference"
+    config.server.policy = "hybrid"
+    config.server.optimizer = "sgd"
+    config.server.learning_rate = 1.0
+    config.server.momentum = 0.0
+    config.worker.local_optimizer = "sgd"
+    config.worker.local_learning_rate = common.pick(config, {"default": 0.1})
+    config.worker.local_momentum = 0.9
+    config.plan.scheme = "ashl_reference"
+    config.plan.lr_scaling = "none"
+    config.plan.max_local_steps = 64
+    config.plan.compress_ratio = 1.0
+    config.stages.enabled = True
+    config.stages.switch = "loss"
+    config.stages.switch_loss = common.pick(config, {"quick": 1.5, "default": 0.3})
+    # The multipliers k of the two plans (AHL 8, SHL 2), as in the reference.
+    config.stages.ahl_local_steps = 8
+    config.stages.shl_local_steps = 2
+    config.stages.shl_max_staleness = 3
+    return config

@@ -1,0 +1,221 @@
+"""ASHL per its reference code, DiLoCo and async DN+DyLU: the server's new rules
+(per-worker push weights, the switch on the training loss) and the wiring from
+the configs to the server and the workers."""
+
+from __future__ import annotations
+
+import numpy as np
+import optax
+import pytest
+
+from experiments import build, registry
+from hpsjax.profiling import WorkerProfile, plan
+from hpsjax.ps import HybridStage, ServerCore
+
+NEW_SCHEMES = ("ashl_reference", "diloco", "async_diloco")
+
+
+def _params():
+    return {"w": np.zeros(3, np.float32)}
+
+
+def _ones():
+    return {"w": np.ones(3, np.float32)}
+
+
+# ------------------------------------------------------------- push weights
+
+
+def test_push_weights_scale_each_workers_update():
+    # w <- w - lr * p_i * u: ASHL's reference adds p_i times each delta.
+    core = ServerCore(
+        _params(), optax.sgd(1.0), "asp", push_weights={"a": 0.25, "b": 0.75}
+    )
+    for w in ("a", "b", "c"):
+        core.join(w, now=0.0)
+    core.push("a", _ones(), version=0, now=1.0)
+    np.testing.assert_allclose(core.params["w"], -0.25)
+    acks = core.push("b", _ones(), version=1, now=1.0)
+    np.testing.assert_allclose(core.params["w"], -1.0)
+    assert acks[0].weight == pytest.approx(0.75)
+    core.push("c", _ones(), version=2, now=1.0)  # not named: weight 1
+    np.testing.assert_allclose(core.params["w"], -2.0)
+
+
+def test_push_weights_multiply_the_policys_damping():
+    # An SSP-free damped push: ASP with bound 0 damps a staleness-1 push by 1/2.
+    core = ServerCore(
+        _params(),
+        optax.sgd(1.0),
+        "asp",
+        policy_kwargs={"max_staleness": 0},
+        push_weights={"a": 0.5, "b": 0.5},
+    )
+    core.join("a", now=0.0)
+    core.join("b", now=0.0)
+    core.push("a", _ones(), version=0, now=1.0)
+    acks = core.push("b", _ones(), version=0, now=1.0)  # staleness 1
+    assert acks[0].weight == pytest.approx(0.25)
+    np.testing.assert_allclose(core.params["w"], -0.75)
+
+
+def test_push_weights_in_a_synchronous_average():
+    # BSP: (n_a p_a u_a + n_b p_b u_b) / (n_a + n_b), equal samples.
+    core = ServerCore(
+        _params(), optax.sgd(1.0), "bsp", push_weights={"a": 1.0, "b": 0.5}
+    )
+    core.join("a", now=0.0)
+    core.join("b", now=0.0)
+    core.push("a", _ones(), version=0, now=1.0)
+    core.push("b", _ones(), version=0, now=1.0)
+    np.testing.assert_allclose(core.params["w"], -0.75)
+
+
+@pytest.mark.parametrize("bad", [{"a": -1.0}, {"a": float("nan")}, [0.5]])
+def test_bad_push_weights_are_refused(bad):
+    with pytest.raises(ValueError, match="push_weights"):
+        ServerCore(_params(), optax.sgd(1.0), "asp", push_weights=bad)
+
+
+def test_core_kwargs_carry_the_plans_push_weights():
+    profiles = [WorkerProfile.synthetic(i, s) for i, s in enumerate([100, 200, 400])]
+    ref = plan(profiles, "ashl_reference", global_batch=96)
+    config = registry.load_config("ashl_reference", "quick")
+    weights = build.core_kwargs(config, ref)["push_weights"]
+    assert weights == {w.worker_id: w.push_weight for w in ref.workers}
+    assert sum(weights.values()) == pytest.approx(1.0)
+    # The fastest worker holds the largest share.
+    assert weights[2] > weights[1] > weights[0]
+    equal = plan(profiles, "equal", global_batch=96)
+    assert "push_weights" not in build.core_kwargs(config, equal)
+    assert "push_weights" not in build.core_kwargs(config)
+
+
+# ------------------------------------------------------------- the switch
+
+
+def _switched_policy(threshold=0.5):
+    return build.LossSwitchedHybrid(
+        [HybridStage("async", 8, 32), HybridStage("semi_async", 2, 3)],
+        [{"a": 16, "b": 8}, {"a": 4, "b": 2}],
+        threshold=threshold,
+        smoothing=1.0,
+    )
+
+
+def test_the_server_switches_on_its_training_loss_and_tells_the_workers():
+    policy = _switched_policy()
+    core = ServerCore(_params(), optax.sgd(1.0), policy)
+    assert core.join("a", now=0.0)[0].local_steps == 16
+    assert core.join("b", now=0.0)[0].local_steps == 8
+    ack = core.push("a", _ones(), version=0, now=1.0, loss=0.9)[0]
+    assert policy.stage == 0 and ack.local_steps == 16
+    ack = core.push("b", _ones(), version=1, now=1.0, loss=0.4)[0]
+    # Decided by the server on this push; the acknowledgement announces it.
+    assert policy.stage == 1 and policy.switched_at == 1
+    assert ack.local_steps == 2
+    assert core.push("a", _ones(), version=2, now=2.0, loss=0.9)[0].local_steps == 4
+    assert policy.stage == 1  # no way back
+
+
+def test_the_switch_smooths_the_reported_losses():
+    policy = build.LossSwitchedHybrid(
+        [HybridStage("async", 8, 32), HybridStage("semi_async", 2, 3)],
+        [{}, {}],
+        threshold=0.5,
+        smoothing=0.5,
+        min_pushes=3,
+    )
+    # 1.0 -> 0.5 (2 losses) -> 0.25 (3 losses): switches at the third.
+    assert [policy.observe_loss(x) for x in (1.0, 0.0, 0.0)] == [False, False, True]
+    assert policy.observe_loss(None) is False
+
+
+def test_the_reference_stages_run_asp_then_a_bound_in_rounds():
+    from hpsjax.ps import ASP, SSP
+
+    policy = _switched_policy()
+    assert isinstance(policy._delegates[0], ASP)
+    assert policy._delegates[0].max_staleness is None
+    assert isinstance(policy._delegates[1], SSP)
+    assert policy._delegates[1].staleness_bound == 3
+
+
+def test_bad_switch_arguments_are_refused():
+    stages = [HybridStage("async", 8, 32), HybridStage("semi_async", 2, 3)]
+    with pytest.raises(ValueError, match="threshold"):
+        build.LossSwitchedHybrid(stages, [{}, {}], threshold=0.0)
+    with pytest.raises(ValueError, match="smoothing"):
+        build.LossSwitchedHybrid(stages, [{}, {}], threshold=1.0, smoothing=0.0)
+
+
+# ------------------------------------------------------------- configs
+
+
+def test_ashl_reference_policy_follows_the_plans_two_stages():
+    config = registry.load_config("ashl_reference", "sim8")
+    profiles = [
+        WorkerProfile.synthetic(i, 640.0 / k)
+        for i, k in enumerate(config.workers.slowdowns)
+    ]
+    first, stage_plans = build.plans(config, profiles)
+    assert stage_plans == [first]
+    policy, kwargs = build.policy(config, stage_plans)
+    assert kwargs == {}
+    assert isinstance(policy, build.LossSwitchedHybrid)
+    assert policy.threshold == config.stages.switch_loss
+    assert policy.stages[0].until_version is None
+    for w in first.workers:
+        ahl, shl = w.stage_local_steps
+        assert policy.planned_steps[0][w.worker_id] == ahl == w.local_steps
+        assert policy.planned_steps[1][w.worker_id] == shl
+    steps = [w.local_steps for w in first.workers]
+    assert steps[0] > steps[-1]  # the fastest worker takes the most steps
+
+
+def test_async_diloco_uses_delayed_nesterov_over_the_workers():
+    config = registry.load_config("async_diloco", "sim8")
+    opt = build.server_optimizer(config)
+    state = opt.init(_params())
+    n = len(config.workers.slowdowns)
+    lr = config.server.learning_rate
+    # N - 1 plain steps of lr / N, then the momentum step.
+    for _ in range(n - 1):
+        updates, state = opt.update(_ones(), state)
+        np.testing.assert_allclose(updates["w"], -lr / n, rtol=1e-6)
+    updates, state = opt.update(_ones(), state)
+    beta = config.server.momentum
+    np.testing.assert_allclose(updates["w"], -lr * (beta * 1.0 + 1 / n), rtol=1e-6)
+    config.server.outer_delay = 2
+    assert build.server_optimizer(config).init(_params()).count == 0
+
+
+def test_diloco_is_synchronous_with_an_outer_nesterov_step():
+    config = registry.load_config("diloco", "sim8")
+    assert config.server.policy == "bsp"
+    assert config.worker.local_optimizer == "adam"
+    assert config.worker.local_steps > 1
+    opt = build.server_optimizer(config)
+    ref = optax.sgd(config.server.learning_rate, config.server.momentum, nesterov=True)
+    s1, s2 = opt.init(_params()), ref.init(_params())
+    for _ in range(3):
+        u1, s1 = opt.update(_ones(), s1)
+        u2, s2 = ref.update(_ones(), s2)
+        np.testing.assert_allclose(u1["w"], u2["w"])
+
+
+@pytest.mark.parametrize("scheme", NEW_SCHEMES)
+def test_new_schemes_are_in_every_suite(scheme):
+    from experiments.configs.suites import SUITES
+
+    assert all(scheme in suite.schemes for suite in SUITES.values())
+
+
+def test_processes_accept_the_loss_switch_but_not_the_plateau(tmp_path):
+    from experiments import train
+
+    config = registry.load_config("ashl_reference", "quick")
+    config.backend = "processes"
+    config.stages.switch = "plateau"
+    with pytest.raises(ValueError, match="'plateau' runs in the simulator"):
+        train.train_and_evaluate(config, tmp_path, progress=False)
