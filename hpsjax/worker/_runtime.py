@@ -351,18 +351,17 @@ class WorkerSummary(NamedTuple):
 class JsonLinesSink:
     """A metrics sink writing one JSON object per line, flushed at once.
 
-        Args:
-          target: a path (the file is created, or appended to), or a text file
-            object (not closed by :meth:`close`).
+    Args:
+      target: a path (the file is created, or appended to), or a text file
+        object (not closed by :meth:`close`).
 
-        Examples:
-          >>> import inspect
-    import io
-          >>> out = io.StringIO()
-          >>> sink = JsonLinesSink(out)
-          >>> sink({"step": 0, "loss": 2.3})
-          >>> out.getvalue()
-          '{"step": 0, "loss": 2.3}\\n'
+    Examples:
+      >>> import io
+      >>> out = io.StringIO()
+      >>> sink = JsonLinesSink(out)
+      >>> sink({"step": 0, "loss": 2.3})
+      >>> out.getvalue()
+      '{"step": 0, "loss": 2.3}\\n'
     """
 
     def __init__(self, target: str | os.PathLike | io.TextIOBase):
