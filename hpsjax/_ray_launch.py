@@ -752,8 +752,8 @@ def add_ray_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--max_restarts",
         type=int,
-        default=3,
-        help="with --backend ray: how often Ray restarts a crashed worker",
+        help="how often a crashed worker is restarted (default 3 with --backend "
+        "ray, 0 locally); locally a crashed server too, from its checkpoints",
     )
 
 
@@ -772,7 +772,6 @@ def backend_from_flags(
                 ("--ray_address", args.ray_address),
                 ("--worker_resources", args.worker_resources),
                 ("--server_resources", args.server_resources),
-                ("--max_restarts", args.max_restarts != 3),
             )
             if value
         ]
@@ -791,7 +790,7 @@ def backend_from_flags(
             ray_address=args.ray_address,
             worker_resources=worker_resources,
             server_resources=server_resources,
-            max_restarts=args.max_restarts,
+            max_restarts=3 if args.max_restarts is None else args.max_restarts,
         )
 
     return run

@@ -30,6 +30,13 @@ the parameters, and the workers talk to all of them
 (:class:`hpsjax.ps.ShardedClient`); a work plan goes to shard 0, whose plan the
 workers follow.
 
+With ``--max_restarts N`` a process that crashes (killed by a signal, or
+failed with a status other than 2, bad flags) is started again, up to N times
+each: a worker with the same command line (its ``--worker_id``; it rejoins),
+a server on the same port from its checkpoint directory (the launcher gives
+it ``--checkpoint_dir`` and ``--checkpoint_every_s`` unless ``--server``
+flags do). The Ray backend's flag of the same name restarts workers only.
+
 For several hosts, see LAUNCH.md.
 """
 
@@ -39,11 +46,13 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import os
 import pathlib
 import re
 import secrets
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -60,6 +69,13 @@ __all__ = ["LaunchError", "LaunchResult", "launch", "main"]
 PerWorkerArgs = Mapping[int, Sequence[str]] | Sequence[Sequence[str]]
 
 _LISTENING = re.compile(r"hpsjax-server listening on (\S+):(\d+)")
+
+# Seconds between the server's checkpoints when the launcher may restart it
+# (``max_restarts``) and the server flags name no interval of their own.
+_RESTART_CHECKPOINT_EVERY_S = 1.0
+
+# A process exiting with this status is not restarted (bad flags: argparse).
+_BAD_FLAGS = 2
 
 # Versions the progress bar expects per worker round: one per round for a
 # barrier policy, one per push otherwise.
@@ -96,6 +112,10 @@ class LaunchResult:
         ``None``.
       ports: every server shard's port, in shard order.
       server_returncodes: every server shard's exit status, in shard order.
+      worker_restarts: how often each worker was restarted after a crash
+        (``max_restarts``), in worker order.
+      server_restarts: how often each server shard was restarted after a
+        crash, in shard order.
     """
 
     returncode: int
@@ -110,6 +130,8 @@ class LaunchResult:
     profile_seconds: float | None = None
     ports: tuple[int, ...] = ()
     server_returncodes: tuple[int | None, ...] = ()
+    worker_restarts: tuple[int, ...] = ()
+    server_restarts: tuple[int, ...] = ()
 
 
 # Started in front of every child: on Linux it asks the kernel to send the child
@@ -359,6 +381,7 @@ def _check_launch(
     replan: float | None,
     server_shards: int,
     split_leaves: bool,
+    max_restarts: int = 0,
 ) -> tuple[list[list[str]], list[str]]:
     """Checks a launch's arguments; returns each worker's and the shared flags."""
     if (
@@ -391,6 +414,10 @@ def _check_launch(
         raise LaunchError(f"server_shards must be an int >= 1, got {server_shards!r}")
     if split_leaves and server_shards == 1:
         raise LaunchError("split_leaves needs server_shards > 1")
+    if isinstance(max_restarts, bool) or not (
+        isinstance(max_restarts, int) and max_restarts >= 0
+    ):
+        raise LaunchError(f"max_restarts must be an int >= 0, got {max_restarts!r}")
     flags = _worker_flags(per_worker_args, num_workers)
     shared = [str(a) for a in worker_args]
     from hpsjax.worker._cli import _heterogeneity, parse_args
@@ -463,6 +490,7 @@ def launch(
     replan: float | None = None,
     server_shards: int = 1,
     split_leaves: bool = False,
+    max_restarts: int = 0,
     workdir: str | os.PathLike | None = None,
     timeout: float | None = None,
     start_timeout: float = 120.0,
@@ -499,6 +527,14 @@ def launch(
         the work plan (``replan``) goes to shard 0.
       split_leaves: with ``server_shards > 1``, cut arrays by rows between
         shards too (``--split_leaves``), for models with a few huge arrays.
+      max_restarts: how often each process is started again after a crash
+        (a signal, or a status other than 0 and 2): a worker with the same
+        flags (it rejoins under its ``--worker_id``), a server shard on the
+        same port from its checkpoints (``--checkpoint_dir``, by default
+        ``checkpoints`` in ``workdir``, written every
+        ``--checkpoint_every_s`` = 1 s unless ``server_args`` say otherwise).
+        Workers that lose their server end and are restarted too, which
+        counts against their own restarts. 0: the first crash ends the run.
       workdir: where to keep the secret, initial parameters, plan and metrics;
         by default a temporary directory, removed when the run ends (nothing
         is kept: the result's ``workdir`` is ``None``).
@@ -542,6 +578,7 @@ def launch(
         replan=replan,
         server_shards=server_shards,
         split_leaves=split_leaves,
+        max_restarts=max_restarts,
     )
 
     out = log if log is not None else sys.stdout
@@ -568,6 +605,11 @@ def launch(
         )
     )
     shard_args = ["--split_leaves"] if split_leaves else []
+    checkpoints = work / "checkpoints"
+    if max_restarts > 0:
+        # A restarted server resumes from here: nothing from an earlier
+        # launch in the same workdir may be there.
+        shutil.rmtree(checkpoints, ignore_errors=True)
 
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     processes: list[_Process] = []
@@ -575,6 +617,10 @@ def launch(
     workers: list[_Process] = []
     monitor: _Monitor | None = None
     ports: list[int] = []
+    server_argvs: list[list[str]] = []
+    worker_argvs: list[list[str]] = []
+    worker_restarts = [0] * num_workers
+    server_restarts = [0] * server_shards
     reason = "completed"
     try:
         for shard in range(server_shards):
@@ -591,6 +637,11 @@ def launch(
                     str(server_shards), *shard_args,
                 ]  # fmt: skip
                 name = f"server {shard}"
+            if max_restarts > 0:
+                server_argv += _restart_checkpoint_args(
+                    server_args, checkpoints, shard, server_shards
+                )
+            server_argvs.append(server_argv)
             ports.append(
                 _start_server(name, server_argv, emit, env, processes, start_timeout)
             )
@@ -616,6 +667,7 @@ def launch(
                 *([] if steps is None else ["--max_steps", str(steps)]),
                 *shared, *flags[i],
             ]  # fmt: skip
+            worker_argvs.append(argv)
             worker = _Process(f"worker {i}", argv, emit, env)
             workers.append(worker)
             processes.append(worker)
@@ -634,12 +686,46 @@ def launch(
         end = None if timeout is None else start + timeout
         while True:
             codes = [w.poll() for w in workers]
+            for i, code in enumerate(codes):
+                if _crashed(code) and worker_restarts[i] < max_restarts:
+                    worker_restarts[i] += 1
+                    emit(
+                        f"[launch] worker {i} crashed (status {code}); restarting "
+                        f"it ({worker_restarts[i]} of {max_restarts})"
+                    )
+                    workers[i] = _Process(f"worker {i}", worker_argvs[i], emit, env)
+                    processes.append(workers[i])
+                    codes[i] = None
             failed = [(i, c) for i, c in enumerate(codes) if c is not None and c != 0]
             if failed:
                 i, code = failed[0]
                 reason = f"worker {i} exited with status {code}"
                 break
             if all(c == 0 for c in codes):
+                break
+            for shard, server in enumerate(servers):
+                code = server.poll()
+                if not (_crashed(code) and server_restarts[shard] < max_restarts):
+                    continue
+                server_restarts[shard] += 1
+                emit(
+                    f"[launch] {server.name} crashed (status {code}); restarting "
+                    f"it on port {ports[shard]} from its checkpoints "
+                    f"({server_restarts[shard]} of {max_restarts})"
+                )
+                argv = [*server_argvs[shard], "--port", str(ports[shard])]
+                try:
+                    _start_server(
+                        server.name, argv, emit, env, processes, start_timeout
+                    )
+                except LaunchError as e:
+                    reason = f"restarting the {server.name} failed: {e}"
+                    break
+                servers[shard] = processes[-1]
+                if shard == 0:
+                    monitor.close()
+                    monitor = _Monitor(port, secret)
+            if reason != "completed":
                 break
             exited = [(s.name, s.poll()) for s in servers if s.poll() is not None]
             if exited:
@@ -699,7 +785,33 @@ def launch(
         profile_seconds=profile_seconds,
         ports=tuple(ports),
         server_returncodes=server_codes,
+        worker_restarts=tuple(worker_restarts),
+        server_restarts=tuple(server_restarts),
     )
+
+
+def _crashed(code: int | None) -> bool:
+    """Whether an exit status is a crash to restart after: a signal or a
+    failure, not a clean end nor bad flags."""
+    return code is not None and code not in (0, _BAD_FLAGS)
+
+
+def _restart_checkpoint_args(
+    server_args: Sequence[str],
+    checkpoints: pathlib.Path,
+    shard: int,
+    server_shards: int,
+) -> list[str]:
+    """The checkpoint flags a server needs to be restarted, those that
+    ``server_args`` leave out."""
+    given = {str(a).split("=", 1)[0] for a in server_args}
+    extra: list[str] = []
+    if "--checkpoint_dir" not in given:
+        where = checkpoints if server_shards == 1 else checkpoints / f"shard_{shard}"
+        extra += ["--checkpoint_dir", str(where)]
+    if not given & {"--checkpoint_every_s", "--checkpoint_every_updates"}:
+        extra += ["--checkpoint_every_s", repr(_RESTART_CHECKPOINT_EVERY_S)]
+    return extra
 
 
 def __getattr__(name: str):
@@ -805,7 +917,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             worker_args = ["--model", args.model, *worker_args]
         for index, text in args.worker_flags:
             per_worker.setdefault(int(index), []).extend(shlex.split(text))
-        result = (_ray_launch.backend_from_flags(args) or launch)(
+        backend = _ray_launch.backend_from_flags(args) or functools.partial(
+            launch, max_restarts=args.max_restarts or 0
+        )
+        result = backend(
             args.workers,
             policy=args.policy,
             steps=args.steps,

@@ -382,3 +382,77 @@ def test_a_launch_without_tqdm_removes_its_temporary_workdir(tmp_path, monkeypat
     assert result.workdir is None
     last = log.getvalue().strip().splitlines()[-1]
     assert "no --workdir: metrics not kept" in last and str(tmp_path) not in last
+
+
+# ---------------------------------------------------------------- restarts
+
+
+def test_max_restarts_is_checked():
+    for bad in (-1, 1.5, True):
+        with pytest.raises(LaunchError, match="max_restarts must be an int >= 0"):
+            launch(1, max_restarts=bad, progress=False)
+
+
+def test_what_counts_as_a_crash():
+    # A signal or a failure is restarted; a clean end and bad flags are not.
+    assert launch_module._crashed(-9) and launch_module._crashed(1)
+    assert not launch_module._crashed(0)
+    assert not launch_module._crashed(2)
+    assert not launch_module._crashed(None)
+
+
+def test_a_restartable_server_gets_checkpoint_flags(tmp_path):
+    args = launch_module._restart_checkpoint_args([], tmp_path, 0, 1)
+    assert args == ["--checkpoint_dir", str(tmp_path), "--checkpoint_every_s", "1.0"]
+    # Shards keep their checkpoints apart.
+    args = launch_module._restart_checkpoint_args([], tmp_path, 1, 2)
+    assert args[:2] == ["--checkpoint_dir", str(tmp_path / "shard_1")]
+    # The user's own flags win.
+    mine = ["--checkpoint_dir=ckpt", "--checkpoint_every_updates", "5"]
+    assert launch_module._restart_checkpoint_args(mine, tmp_path, 0, 1) == []
+
+
+def test_max_restarts_reaches_the_local_launcher(monkeypatch):
+    seen = {}
+
+    def fake_launch(num_workers, **kwargs):
+        seen.update(kwargs, num_workers=num_workers)
+        return launch_module.LaunchResult(0, "completed", 0, (0,), (), None, None,
+                                          None, 0.0)  # fmt: skip
+
+    monkeypatch.setattr(launch_module, "launch", fake_launch)
+    assert launch_module.main(["--workers", "2", "--max_restarts", "4"]) == 0
+    assert seen["max_restarts"] == 4 and seen["num_workers"] == 2
+    # Locally the default is no restart.
+    assert launch_module.main(["--workers", "2"]) == 0
+    assert seen["max_restarts"] == 0
+
+
+@pytest.mark.slow
+def test_a_crashed_worker_is_restarted_until_its_restarts_are_used_up(tmp_path):
+    # Worker 1 fails after 3 rounds every time it runs: restarted once, with
+    # the same flags, it fails again and that ends the run.
+    log = io.StringIO()
+    result = launch(
+        2,
+        policy="asp",
+        steps=100000,
+        worker_args=SMALL_MODEL,
+        per_worker_args={1: ["--fail_after_steps", "3"]},
+        max_restarts=1,
+        workdir=tmp_path,
+        progress=False,
+        log=log,
+        timeout=240,
+        shutdown_timeout=5.0,
+    )
+    out = log.getvalue()
+    assert result.reason == "worker 1 exited with status 1", out
+    assert result.worker_restarts == (0, 1)
+    assert result.server_restarts == (0,)
+    assert "[launch] worker 1 crashed (status 1); restarting it (1 of 1)" in out
+    assert out.count("fault injected after 3 rounds") == 2
+    # The server ran with checkpoints it could be restarted from.
+    assert list((tmp_path / "checkpoints").iterdir())
+    assert len(result.pids) == 4
+    assert not any(_alive(pid) for pid in result.pids)
