@@ -46,8 +46,10 @@ generators seeded by ``SimConfig.seed``; the same seed gives identical metrics.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
+import gc
 import heapq
 import math
 import time
@@ -71,6 +73,7 @@ from hpsjax.ps._core import (
     Wait,
 )
 from hpsjax.ps._errors import HpsError, WorkerDropped
+from hpsjax.ps._messages import PushMeta
 from hpsjax.ps._policies import ADSP, Hybrid, Policy, get_policy
 from hpsjax.sim._engine import DeferredLeaves, Engine, IndexStream, Round
 from hpsjax.sim._workers import WorkerSpec, finish_time
@@ -687,6 +690,7 @@ class _Simulation:
         )
 
         self.heap: list = []
+        self.ready: collections.deque = collections.deque()
         self.seq = 0
         self.now = 0.0
         self.stop = False
@@ -709,9 +713,27 @@ class _Simulation:
 
     def schedule(self, t: float, fn, *args) -> None:
         self.seq += 1
-        heapq.heappush(self.heap, (t, 0, self.seq, fn, args))
+        if t == self.now:
+            # Due at this very instant: after every event already due now (they
+            # were scheduled earlier), so a queue keeps the heap's order.
+            self.ready.append((t, 0, self.seq, fn, args))
+        else:
+            heapq.heappush(self.heap, (t, 0, self.seq, fn, args))
 
     def run(self) -> SimResult:
+        # The objects alive before the run (JAX's, the model's, the data's) are
+        # kept out of the garbage collector's passes while it runs: a full pass
+        # over them costs about as much as all of a long run's own objects.
+        freeze = gc.get_freeze_count() == 0
+        if freeze:
+            gc.freeze()
+        try:
+            return self._run()
+        finally:
+            if freeze:
+                gc.unfreeze()
+
+    def _run(self) -> SimResult:
         wall = time.perf_counter()
         config = self.config
         for w in self.workers:
@@ -727,13 +749,24 @@ class _Simulation:
                 )
         horizon = math.inf if config.duration is None else float(config.duration)
         heap = self.heap
+        ready = self.ready
+        pop, popleft = heapq.heappop, ready.popleft
         end = 0.0
-        while heap and not self.stop:
-            if heap[0][0] > horizon:
+        while not self.stop:
+            # Events due now wait in ``ready`` (in the order they were
+            # scheduled); the heap holds the later ones, and any due now that
+            # were scheduled before the clock reached this instant.
+            if ready:
+                event = pop(heap) if heap and heap[0] < ready[0] else popleft()
+            elif heap:
+                event = pop(heap)
+            else:
                 break
-            t, _, _, fn, args = heapq.heappop(heap)
+            t = event[0]
+            if t > horizon:
+                break
             self.now = end = t
-            fn(*args)
+            event[3](*event[4])
         if not self.stop and config.duration is not None:
             end = horizon
         self.now = end
@@ -914,17 +947,18 @@ class _Simulation:
         loss = r.loss if math.isfinite(r.loss) else None
         version = push.version
         try:
-            actions = core.push(
-                w.id,
-                self.engine.tree(job.update),
-                version=version,
-                now=now,
-                step_time=push.step_time,
-                num_samples=r.batch_size * r.steps if self.weigh_samples else None,
-                local_steps=r.steps,
-                loss=loss,
-                checked=self.prechecked and bool(r.finite),
+            update = self.engine.tree(job.update)
+            if not (self.prechecked and r.finite):
+                update = core.check_update(update)
+            meta = PushMeta(
+                version,
+                push.step_time,
+                r.batch_size * r.steps if self.weigh_samples else None,
+                r.steps,
+                loss,
+                r.stage,
             )
+            actions = core.push_message(w.id, update, meta, now=now)
         except HpsError as err:
             self.pushes.append(
                 PushRecord(
@@ -972,14 +1006,6 @@ class _Simulation:
                 ack.local_steps,
             )
         self._carry_out(actions)
-        if (
-            r.stage is not None
-            and isinstance(self.policy, Hybrid)
-            and (r.stage > self.policy.stage)
-        ):
-            # The worker's staged optimizer moved on (a flat loss): it reports
-            # its stage with the push and the server follows.
-            self._carry_out(core.set_stage(r.stage, now))
         if push.with_pull and session == w.session:
             try:
                 actions = core.pull(w.id, now)
@@ -1110,7 +1136,7 @@ class _Simulation:
 
     def _timed_eval(self) -> None:
         self._evaluate()
-        if self.heap:
+        if self.heap or self.ready:
             # Only while anything else can still happen: evaluations alone
             # would go on for ever.
             self.seq += 1
