@@ -30,7 +30,9 @@ def get_config(arg=None):
     config.scheme = "async_diloco"
     config.server.policy = "asp"
     config.server.optimizer = "delayed_nesterov"
-    config.server.learning_rate = common.pick(config, {"default": 0.7})
+    # Tuned on sim8 seed 0 from {0.1, 0.3, 0.7}: the paper's 0.7 (DiLoCo's)
+    # diverges here when pushes are applied one by one.
+    config.server.learning_rate = common.pick(config, {"default": 0.1})
     config.server.momentum = 0.9
     config.server.outer_delay = None  # the number of workers
     config.worker.local_optimizer = "adam"
