@@ -10,16 +10,17 @@ scheme in the same setting with the fitted models, and compares the two:
   one (every scheme here but re-planned ones), the level :math:`t_i(b_i)` is the
   run's mean and the shape :math:`a / (a + c b_i)` comes from a short profiling
   pass of the train step on this machine (:func:`hpsjax.profiling.profile`);
-  the lognormal jitter is the spread of :math:`\log t`;
+  the lognormal jitter is the spread of :math:`\log t`; the worker's
+  bookkeeping between rounds (:func:`round_gap`) is added to :math:`a_i`;
 * **link**: :math:`\ell + n / B` per message, fitted to the injected link delay
   of each round (``link_delay_s`` against messages and bytes); where every
   round moves the same bytes the two cannot be told apart and :math:`B` is the
   injected cap;
 * **server service**: what a round's transfers took beyond its link delay
   (``transfer_s - link_delay_s``: encoding, the server decoding, applying and
-  answering, and five processes sharing the cores), the least of the workers'
-  medians (a barrier wait is not service; the slowest worker of a barrier
-  waits least), and the server core's own apply time per push, timed offline.
+  answering, and five processes sharing the cores) in the rounds whose push
+  was applied at once (no barrier wait in them), the least of the workers'
+  means, and the server core's own apply time per push, timed offline.
 
 The simulator has no term for the server's service time (see
 :data:`MISSING_TERMS`); it is folded into the link instead: each message gets
@@ -40,6 +41,7 @@ quantity). Finished runs in ``--workdir`` are kept. Example::
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import math
 import pathlib
@@ -63,6 +65,7 @@ __all__ = [
     "fit_service",
     "format_table",
     "plot_calibration",
+    "round_gap",
     "simulated_config",
     "staleness_stats",
 ]
@@ -201,6 +204,22 @@ def fit_compute(
     )
 
 
+def round_gap(records: Sequence[Mapping[str, Any]]) -> float:
+    """Mean seconds between one round's end and the next one's start.
+
+    The worker's own bookkeeping between rounds (records, hints, the loop),
+    which no span of a round covers; the simulator charges it as part of a
+    step's fixed cost.
+    """
+    rounds = sorted(_rounds(records), key=lambda r: float(r["time"]))
+    gaps = [
+        float(b["time"]) - float(a["time"]) - float(a["round_s"])
+        for a, b in itertools.pairwise(rounds)
+        if a.get("round_s") is not None
+    ]
+    return max(float(np.mean(gaps)), 0.0) if gaps else 0.0
+
+
 def _messages(r: Mapping[str, Any]) -> int:
     pushed = 1 if r.get("status") is not None else 0
     return pushed + int(r.get("pulls") or 0)
@@ -238,8 +257,10 @@ def fit_link(
         ],
         dtype=float,
     )
+    per_message = nbytes / n
     design = np.stack([n, nbytes], axis=1)
-    if np.linalg.matrix_rank(design / design.max(axis=0).clip(1e-12)) == 2:
+    # Bytes per message must vary for the two terms to be told apart.
+    if np.std(per_message) >= 0.1 * np.mean(per_message):
         (latency, per_byte), *_ = np.linalg.lstsq(design, delay, rcond=None)
         if latency >= 0 and per_byte > 0:
             return LinkFit(float(latency), float(1 / per_byte), "fitted", len(rows))
@@ -256,23 +277,31 @@ def fit_link(
 def fit_service(records_by_worker: Mapping[Any, Sequence[Mapping[str, Any]]]) -> dict:
     """Seconds a round's transfers took beyond their link delay.
 
+    Only rounds whose push the server applied at once (``status ==
+    "applied"``) count where there are any: a push that completes a barrier
+    (BSP's last worker) or that the policy applies on arrival (ASP) waits for
+    no other worker, so what its round spent beyond the link is the server's
+    service and the sharing of the cores. Means, not medians: the service is
+    heavy-tailed (pushes queue at one server) and a rate depends on the mean.
+
     Returns:
-      ``{"per_worker": {worker: median}, "round_s": least median}``: the
-      least median is the service time of a round (waiting at a barrier is
-      not service, and the worker that waits least is the slowest one).
+      ``{"per_worker": {worker: mean}, "round_s": least mean}``: the least
+      mean is the service time of a round (a worker whose pull a policy held
+      waits longer; the one held least is held hardly at all).
     """
-    medians = {}
+    means = {}
     for w, records in records_by_worker.items():
+        rounds = [r for r in _rounds(records) if r.get("transfer_s") is not None]
+        applied = [r for r in rounds if r.get("status") == "applied"]
         extra = [
             float(r["transfer_s"]) - float(r.get("link_delay_s") or 0.0)
-            for r in _rounds(records)
-            if r.get("transfer_s") is not None
+            for r in (applied or rounds)
         ]
         if extra:
-            medians[w] = max(float(np.median(extra)), 0.0)
+            means[w] = max(float(np.mean(extra)), 0.0)
     return {
-        "per_worker": medians,
-        "round_s": min(medians.values()) if medians else 0.0,
+        "per_worker": means,
+        "round_s": min(means.values()) if means else 0.0,
     }
 
 
@@ -530,7 +559,7 @@ def plot_calibration(
             values += list(xs) + list(ys)
             ax.scatter(
                 xs, ys, marker=markers[j % len(markers)], s=50,
-                label=display_name(row["scheme"]), zorder=3,
+                label=display_name(row["scheme"]), zorder=3, clip_on=False,
             )  # fmt: skip
         if values:
             hi = max(values) * 1.1 or 1.0
@@ -560,12 +589,34 @@ def plot_calibration(
 # ---------------------------------------------------------------------------
 
 
+def _flat(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    out = {}
+    for key, value in tree.items():
+        if isinstance(value, Mapping):
+            out.update(_flat(value, f"{prefix}{key}."))
+        else:
+            out[prefix + key] = value
+    return out
+
+
+def _same_run(saved: Mapping[str, Any], config: Mapping[str, Any]) -> bool:
+    """Whether two configs agree on every field both have (a field added to the
+    configs since a run was made does not make it another run)."""
+    a, b = _flat(saved), _flat(config)
+    return all(a[k] == b[k] for k in a.keys() & b.keys())
+
+
 def _run_once(config: Any, where: pathlib.Path) -> dict[str, Any]:
-    """Runs ``config`` into ``where`` unless the same config finished there."""
-    text = config.to_json_best_effort(indent=2) + "\n"
+    """Runs ``config`` into ``where`` unless the same run finished there."""
     saved = where / "config.json"
-    done = (where / "metrics.jsonl").is_file() and saved.is_file()
-    if not (done and saved.read_text(encoding="utf-8") == text):
+    finished = (where / "metrics.jsonl").is_file() and saved.is_file()
+    if finished:
+        try:
+            _read(where)
+        except ValueError:
+            finished = False
+    current = json.loads(config.to_json_best_effort())
+    if not (finished and _same_run(json.loads(saved.read_text()), current)):
         train.train_and_evaluate(config, where, progress=False)
     return _read(where)
 
@@ -632,7 +683,11 @@ def calibrate(
             for w in sorted(records, key=int):
                 b = max((int(r["batch_size"]) for r in _rounds(records[w])), default=32)
                 share = shape["intercept"] / (shape["intercept"] + shape["slope"] * b)
-                fits[int(w)] = fit_compute(records[w], shape=share)
+                fit = fit_compute(records[w], shape=share)
+                gap = round_gap(records[w]) / max(
+                    np.mean([int(r["local_steps"]) for r in _rounds(records[w])]), 1
+                )
+                fits[int(w)] = dataclasses.replace(fit, intercept=fit.intercept + gap)
             link = fit_link(
                 [r for rs in records.values() for r in rs],
                 bandwidth=config.workers.bandwidth,

@@ -68,6 +68,16 @@ def test_fit_compute_jitter_is_the_spread_of_log_step_times():
     assert fit.sigma == pytest.approx(0.2, rel=0.1)
 
 
+def test_round_gap_is_the_time_between_rounds():
+    records = [
+        _round(time=0.0, round_s=0.1),
+        _round(time=0.103, round_s=0.2),
+        _round(time=0.308, round_s=0.1),
+    ]
+    assert calibrate.round_gap(records) == pytest.approx(0.004)
+    assert calibrate.round_gap(records[:1]) == 0.0
+
+
 def test_fit_link_separates_latency_and_bandwidth_when_rounds_vary():
     latency, bandwidth = 0.002, 1e6
     records = []
@@ -96,13 +106,14 @@ def test_fit_link_keeps_the_cap_when_every_round_is_alike():
     assert calibrate.fit_link([], bandwidth=None).bandwidth == math.inf
 
 
-def test_fit_service_is_the_least_median_beyond_the_link():
+def test_fit_service_is_the_least_mean_beyond_the_link_of_applied_pushes():
     records = {
-        "0": [_round(transfer_s=t) for t in (0.30, 0.31, 0.9)],
-        "1": [_round(transfer_s=t) for t in (0.06, 0.05, 0.07)],
+        "0": [_round(transfer_s=t) for t in (0.30, 0.31, 0.92)],
+        "1": [_round(transfer_s=t) for t in (0.06, 0.05, 0.07)]
+        + [_round(transfer_s=5.0, status="buffered")],
     }
     service = calibrate.fit_service(records)
-    assert service["per_worker"]["0"] == pytest.approx(0.30)
+    assert service["per_worker"]["0"] == pytest.approx(0.5)
     assert service["round_s"] == pytest.approx(0.05)
 
 
