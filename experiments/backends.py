@@ -148,8 +148,20 @@ def run_sim(
         worker_optimizer = build.hybrid_stages(config)
     policy, policy_kwargs = build.policy(config, stage_plans, until_version=not plateau)
     plan_arg: Any = work_plan
+    replans: list[dict[str, Any]] = []
     if work_plan is not None and config.plan.replan:
-        plan_arg = Replanner(
+
+        class RecordedReplanner(Replanner):
+            def observe(self, worker_id, batch_size, step_time, now):
+                revised = super().observe(worker_id, batch_size, step_time, now)
+                if revised is not None:
+                    at = profile_seconds + now
+                    replans.append(
+                        {"event": "replan", "time": at, "revision": revised.revision}
+                    )
+                return revised
+
+        plan_arg = RecordedReplanner(
             work_plan,
             threshold=float(config.plan.replan_threshold),
             window=int(config.plan.replan_window),
@@ -229,6 +241,7 @@ def run_sim(
                 "loss": build.finite_or_none(p.loss),
             }
         )
+    records.extend(replans)
     workers = {}
     timelines = {}
     for w, spans in result.timelines.items():

@@ -28,7 +28,7 @@ import numpy as np
 import optax
 
 from experiments import registry
-from hpsjax.ps import Hybrid, HybridStage
+from hpsjax.ps import Hybrid, HybridStage, PlannedHybrid
 
 __all__ = [
     "PlannedHybrid",
@@ -242,57 +242,6 @@ def hybrid_stages(config: ml_collections.ConfigDict) -> optax.GradientTransforma
         ],
         loss_smoothing=0.9,
     )
-
-
-class PlannedHybrid(Hybrid):
-    r"""ASHL's staged policy with each worker's planned local steps.
-
-    :class:`hpsjax.ps.Hybrid` hints the same local step count to every worker of
-    a stage. ASHL plans :math:`H_i` per worker so that :math:`H_i t_i + T_i` is
-    equal for all; this policy hints worker :math:`i` its planned :math:`H_i` of
-    the current stage (the stage's own count for a worker the plan does not
-    name).
-
-    Args:
-      stages: the stages, as for :class:`hpsjax.ps.Hybrid`.
-      local_steps: per stage, a mapping worker id -> :math:`H_i`.
-      on_stale: as for :class:`hpsjax.ps.Hybrid`.
-
-    Examples:
-      >>> from hpsjax.ps import HybridStage
-      >>> policy = PlannedHybrid(
-      ...     [HybridStage("async", 8, 32, until_version=10),
-      ...      HybridStage("semi_async", 2, 4)],
-      ...     [{0: 8, 1: 32}, {0: 2, 1: 8}])
-      >>> policy.planned_steps[1][1]
-      8
-
-    References:
-      Shen, Tang, Zhou, Zhang, Jia, Yu, Zhang, Li, "ASHL: An Adaptive
-      Multi-Stage Distributed Deep Learning Training Scheme for Heterogeneous
-      Environments", IEEE Trans. Computers 73(1), 2024,
-      https://doi.org/10.1109/TC.2023.3315847
-    """
-
-    name = "hybrid"
-
-    def __init__(
-        self,
-        stages: Sequence[Any],
-        local_steps: Sequence[Mapping[Any, int]],
-        *,
-        on_stale: str = "damp",
-    ):
-        super().__init__(stages, on_stale=on_stale)
-        if len(local_steps) != len(self.stages):
-            raise ValueError(
-                f"{len(local_steps)} local-step plans for {len(self.stages)} stages"
-            )
-        self.planned_steps = tuple(dict(p) for p in local_steps)
-
-    def local_steps(self, core, worker_id):
-        del core
-        return self.planned_steps[self.stage].get(worker_id, self.current.local_steps)
 
 
 class LossSwitchedHybrid(PlannedHybrid):

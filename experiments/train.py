@@ -7,18 +7,23 @@ tests and notebooks call directly. It checks the config, runs it on its backend
 =================  ==========================================================
 ``config.json``    the config used
 ``metrics.jsonl``  one JSON object per line: ``{"event": "eval", ...}`` (test
-                   accuracy and loss over time), ``"push"`` (sim) or
-                   ``"round"`` (processes) records, one ``"worker"`` record per
-                   worker (compute, transfer, wait and idle time, bytes sent
-                   and received) and a final ``"summary"``
+                   accuracy and loss over time), ``"push"`` and ``"replan"``
+                   (sim) or ``"round"`` (processes) records, one
+                   ``"worker"`` record per worker (compute, transfer, wait
+                   and idle time, bytes sent and received) and a final
+                   ``"summary"``
 ``timeline.json``  every worker's time cut into compute, transfer, wait,
-                   discarded and profiling spans
+                   discarded and profiling spans, and the ``marks``
+                   (``[time, label]``) of :func:`timeline_marks`
 ``summary.json``   the summary alone (see :func:`summarize`)
 ``tensorboard/``   the same records as TensorBoard event files, one run per
                    scheme and seed (``<scheme>_seed<seed>``, its workers'
                    records under ``worker<id>``)
-``accuracy.png``   test accuracy against time, the target as a line
-``timeline.png``   per-worker timeline of compute, transfer and idle time
+``accuracy.png``   test accuracy against time, the target as a line (and as
+                   ``.pdf`` and ``.svg``)
+``timeline.png``   per-worker timeline of compute, transfer and idle time, the
+                   stage switch and re-plans marked (see
+                   :func:`timeline_marks`; also ``.pdf`` and ``.svg``)
 =================  ==========================================================
 
 Time is virtual seconds in the simulator and wall seconds after every worker
@@ -44,6 +49,7 @@ __all__ = [
     "summarize",
     "tensorboard_dir",
     "time_to_target",
+    "timeline_marks",
     "train_and_evaluate",
 ]
 
@@ -147,6 +153,74 @@ def tensorboard_dir(
     return pathlib.Path(workdir) / "tensorboard" / f"{config.scheme}_seed{config.seed}"
 
 
+def _round_times(output: backends.RunOutput) -> list[tuple[float, dict[str, Any]]]:
+    """Real workers' round records with their start on the timelines' clock.
+
+    Each worker's records count from its own start; its timeline is shifted so
+    that its first round starts at the end of profiling (see
+    ``backends._worker_timeline``), and so are the times here.
+    """
+    offset = float(output.info.get("profile_seconds") or 0.0)
+    first: dict[Any, float] = {}
+    rounds = []
+    for r in output.records:
+        if r.get("event") == "round":
+            shift = offset - first.setdefault(r["worker"], float(r["time"]))
+            rounds.append((shift, r))
+    return rounds
+
+
+def _version_time(output: backends.RunOutput, version: int) -> float | None:
+    """When the server reached ``version``, as the records tell, or ``None``."""
+    times = []
+    for r in output.records:
+        if r.get("event") == "push" and r["status"] != "rejected":
+            # The server's version after this push: one more if it applied it.
+            after = r["version"] + r["staleness"] + (r["status"] == "applied")
+            if after >= version:
+                times.append(float(r["time"]))
+    for shift, r in _round_times(output):
+        if r.get("pull_end") is not None and (r.get("pulled_version") or 0) >= version:
+            times.append(shift + float(r["pull_end"]))
+    if not times:  # no record tells: the first evaluation at that version
+        times = [e["time"] for e in output.evals if e["version"] >= version][:1]
+    return min(times, default=None)
+
+
+def timeline_marks(
+    config: ml_collections.ConfigDict, output: backends.RunOutput
+) -> list[tuple[float, str]]:
+    """The stage switch and the re-plans of a run, as ``(time, label)`` marks.
+
+    Re-plans come from the simulator's ``"replan"`` records, or from the
+    ``plan_revision`` of real workers' rounds (a revision's first round). The
+    stage switch is where the server reached the version it switched at: the
+    config's ``stages.switch_version``, or the version the loss switch
+    happened at (``info["switched_at"]``); a switch of the workers' own
+    optimizers on a plateau is not recorded, and not marked.
+    """
+    marks = [
+        (float(r["time"]), f"re-plan {r['revision']}")
+        for r in output.records
+        if r.get("event") == "replan"
+    ]
+    first: dict[int, float] = {}
+    for shift, r in _round_times(output):
+        revision = r.get("plan_revision")
+        if revision:
+            first[revision] = min(first.get(revision, math.inf), shift + r["time"])
+    marks += [(t, f"re-plan {revision}") for revision, t in first.items()]
+    stages = config.stages
+    if stages.enabled and (output.info.get("final_stage") or 0) > 0:
+        version = output.info.get("switched_at")
+        if version is None and stages.switch == "version":
+            version = int(stages.switch_version)
+        at = None if version is None else _version_time(output, version)
+        if at is not None:
+            marks.append((at, "stage switch"))
+    return sorted(marks)
+
+
 def write_outputs(
     config: ml_collections.ConfigDict,
     output: backends.RunOutput,
@@ -172,10 +246,12 @@ def write_outputs(
         for worker, totals in output.workers.items():
             f({"event": "worker", "worker": worker, **totals})
         f({"event": "summary", **summary})
+    marks = timeline_marks(config, output)
     paths["timeline"].write_text(
         _dump(
             {
                 "kinds": list(backends.TIMELINE_KINDS),
+                "marks": [list(mark) for mark in marks],
                 "workers": {
                     str(w): [list(span) for span in spans]
                     for w, spans in output.timelines.items()
@@ -191,12 +267,15 @@ def write_outputs(
         target=float(config.eval.target_accuracy),
         title=f"{config.scheme} ({config.setting}, {config.backend})",
         time_unit=time_unit,
+        formats=plots.FORMATS,
     )
     plots.plot_timeline(
         output.timelines,
         paths["timeline_plot"],
         title=f"{config.scheme}: worker timelines ({config.setting})",
         time_unit=time_unit,
+        marks=marks,
+        formats=plots.FORMATS,
     )
     return paths
 

@@ -239,9 +239,10 @@ def test_slowdown_schedule_follows_speed_changes():
 
 
 def test_planned_hybrid_hints_each_worker_its_planned_steps():
-    from hpsjax.ps import HybridStage, ServerCore
+    from hpsjax.ps import HybridStage, PlannedHybrid, ServerCore
 
-    policy = build.PlannedHybrid(
+    assert build.PlannedHybrid is PlannedHybrid
+    policy = PlannedHybrid(
         [
             HybridStage("async", 4, 8, until_version=2),
             HybridStage("semi_async", 1, 2),
@@ -257,7 +258,99 @@ def test_planned_hybrid_hints_each_worker_its_planned_steps():
     assert policy.stage == 1
     assert acks[0].local_steps == 4
     with pytest.raises(ValueError, match="2 local-step plans for 1 stages"):
-        build.PlannedHybrid([HybridStage("async", 1)], [{}, {}])
+        PlannedHybrid([HybridStage("async", 1)], [{}, {}])
+
+
+def _output(records, info, evals=()):
+    from experiments.backends import RunOutput
+
+    timelines = {
+        w: [(0.0, 1.0, "profile"), (1.0, 4.0 + w, "compute"), (4.0 + w, 9.0, "wait")]
+        for w in range(4)
+    }
+    return RunOutput(list(evals), {}, timelines, records, info)
+
+
+def test_timeline_marks_of_simulated_replans_and_stage_switch(tmp_path):
+    config = _quick("ashl")
+    config.stages.switch_version = 3
+
+    def push(time, version, staleness, status="applied"):
+        return {
+            "event": "push",
+            "time": time,
+            "version": version,
+            "staleness": staleness,
+            "status": status,
+        }
+
+    records = [
+        push(1.5, 0, 0),  # the server at version 1 after it
+        push(2.0, 0, 1),  # version 2
+        {"event": "replan", "time": 2.2, "revision": 1},
+        push(2.5, 1, 1, "dropped"),  # still version 2
+        push(3.0, 1, 1),  # version 3: the switch
+        push(4.0, 2, 1),
+        {"event": "replan", "time": 5.0, "revision": 2},
+    ]
+    info = {"profile_seconds": 1.0, "final_stage": 1, "switched_at": None}
+    evals = [
+        {"time": t, "version": v, "accuracy": a, "loss": 1.0}
+        for t, v, a in ((1.0, 0, 0.1), (9.0, 5, 0.6))
+    ]
+    output = _output(records, info, evals)
+    marks = [(2.2, "re-plan 1"), (3.0, "stage switch"), (5.0, "re-plan 2")]
+    assert train.timeline_marks(config, output) == marks
+    # The loss switch's own version wins over the config's.
+    assert (2.0, "stage switch") in train.timeline_marks(
+        config, _output(records, {**info, "switched_at": 2})
+    )
+    # No switch happened: no mark; stages off: none either.
+    assert train.timeline_marks(config, _output(records, {**info, "final_stage": 0}))[
+        1:
+    ] == [(5.0, "re-plan 2")]
+    config.stages.enabled = False
+    assert "stage switch" not in {m[1] for m in train.timeline_marks(config, output)}
+
+    # write_outputs draws them, in every format, and keeps them in timeline.json.
+    config.stages.enabled = True
+    train.write_outputs(config, output, {}, tmp_path)
+    saved = json.loads((tmp_path / "timeline.json").read_text())
+    assert [tuple(m) for m in saved["marks"]] == marks
+    for stem in ("timeline", "accuracy"):
+        for fmt in ("png", "pdf", "svg"):
+            assert (tmp_path / f"{stem}.{fmt}").stat().st_size > 1000, (stem, fmt)
+
+
+def test_timeline_marks_of_real_workers_rounds():
+    config = _quick("ashl", "processes")
+    config.stages.switch_version = 2
+
+    def round_(worker, time, revision, pulled):
+        return {
+            "event": "round",
+            "worker": worker,
+            "time": time,
+            "plan_revision": revision,
+            "pull_end": time + 0.5,
+            "pulled_version": pulled,
+        }
+
+    # Each worker's clock starts at its own origin; its rounds are shifted so
+    # that its first starts at the end of profiling (1 s), as its timeline is.
+    records = [
+        round_(0, 10.0, 0, 1),
+        round_(0, 11.0, 1, 2),  # at 2.0: re-plan 1; pulled version 2 at 2.5
+        round_(1, 20.0, 0, 1),
+        round_(1, 20.8, 1, 2),  # at 1.8: re-plan 1 first; version 2 at 2.3
+        {"event": "final", "worker": 1, "time": 30.0},
+    ]
+    output = _output(records, {"profile_seconds": 1.0, "final_stage": 1})
+    marks = train.timeline_marks(config, output)
+    assert marks == [
+        (pytest.approx(1.8), "re-plan 1"),
+        (pytest.approx(2.3), "stage switch"),
+    ]
 
 
 def test_format_table_speedups_and_missing_targets():

@@ -4,7 +4,8 @@
   applied) as a pure state machine; the asyncio :class:`Server` and the
   virtual-clock simulator (:mod:`hpsjax.sim`) both drive it.
 * Policies (:data:`POLICIES`, :func:`get_policy`): BSP, ASP, SSP, SaPS, ADSP,
-  semi-async and hybrid; subclass :class:`Policy` to write your own.
+  semi-async and hybrid (:class:`PlannedHybrid`: ASHL's stages with each
+  worker's planned local steps); subclass :class:`Policy` to write your own.
 * :class:`Server` / :class:`Client` exchange pytrees over TCP (see PROTOCOL.md),
   with authentication, optional TLS and compressed pushes.
 * :class:`CheckpointManager` writes tensorstore checkpoints, committed atomically.
@@ -54,6 +55,7 @@ from hpsjax.ps._policies import (
     SSP,
     Hybrid,
     HybridStage,
+    PlannedHybrid,
     Policy,
     SaPS,
     SemiAsync,
@@ -92,6 +94,7 @@ __all__ = [
     "MalformedMetadata",
     "NonFiniteUpdate",
     "PayloadTooBig",
+    "PlannedHybrid",
     "Policy",
     "ProtocolError",
     "PushAck",

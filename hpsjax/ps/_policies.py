@@ -78,6 +78,7 @@ __all__ = [
     "SSP",
     "Hybrid",
     "HybridStage",
+    "PlannedHybrid",
     "Policy",
     "SaPS",
     "SemiAsync",
@@ -955,6 +956,64 @@ class Hybrid(Policy):
 
     def _config(self):
         return {"stages": list(self.stages), "on_stale": self.on_stale}
+
+
+class PlannedHybrid(Hybrid):
+    r"""ASHL's staged policy with each worker's planned local steps.
+
+    :class:`Hybrid` hints the same local step count to every worker of a stage.
+    ASHL plans :math:`H_i` per worker so that :math:`H_i t_i + T_i` is equal for
+    all (``hpsjax.profiling.plan(..., "ashl")``); this policy hints worker
+    :math:`i` its planned :math:`H_i` of the current stage (the stage's own count
+    for a worker the plan does not name). Everything else is :class:`Hybrid`'s.
+
+    Args:
+      stages: the stages, as for :class:`Hybrid`.
+      local_steps: per stage, a mapping worker id -> :math:`H_i` (for instance
+        ``{w.worker_id: w.local_steps for w in work_plan.workers}``).
+      on_stale: as for :class:`Hybrid`.
+
+    Raises:
+      ValueError: if ``local_steps`` does not hold one mapping per stage.
+
+    Examples:
+      >>> from hpsjax.ps import HybridStage, PlannedHybrid
+      >>> policy = PlannedHybrid(
+      ...     [HybridStage("async", 8, 32, until_version=10),
+      ...      HybridStage("semi_async", 2, 4)],
+      ...     [{0: 8, 1: 32}, {0: 2, 1: 8}])
+      >>> policy.planned_steps[1][1]
+      8
+
+    References:
+      Shen, Tang, Zhou, Zhang, Jia, Yu, Zhang, Li, `ASHL: An Adaptive
+      Multi-Stage Distributed Deep Learning Training Scheme for Heterogeneous
+      Environments <https://doi.org/10.1109/TC.2023.3315847>`_, IEEE Trans.
+      Computers 73(1), 2024.
+    """
+
+    name = "hybrid"
+
+    def __init__(
+        self,
+        stages: Sequence[Any],
+        local_steps: Sequence[Mapping[Any, int]],
+        *,
+        on_stale: str = "damp",
+    ):
+        super().__init__(stages, on_stale=on_stale)
+        if len(local_steps) != len(self.stages):
+            raise ValueError(
+                f"{len(local_steps)} local-step plans for {len(self.stages)} stages"
+            )
+        self.planned_steps = tuple(dict(p) for p in local_steps)
+
+    def local_steps(self, core, worker_id):
+        del core
+        return self.planned_steps[self.stage].get(worker_id, self.current.local_steps)
+
+    def _config(self):
+        return {**super()._config(), "local_steps": list(self.planned_steps)}
 
 
 POLICIES: dict[str, type[Policy]] = {
