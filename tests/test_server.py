@@ -12,7 +12,7 @@ import numpy as np
 import optax
 import pytest
 
-from hpsjax.ps import _auth, _frames
+from hpsjax.ps import PlanNotice, _auth, _frames
 from hpsjax.ps._client import Client
 from hpsjax.ps._errors import (
     AuthError,
@@ -274,7 +274,7 @@ def test_other_policies_serve(policy, kwargs):
                 info = await clients[0].refresh_info()
                 assert info.stage == 1
                 await asyncio.sleep(0.05)
-                assert clients[0].hints.get("stage") == 1
+                assert clients[0].stage == 1
             for c in clients:
                 await c.close()
 
@@ -741,16 +741,16 @@ def test_work_plans_reach_workers_now_and_on_joining():
         async with _server("asp") as server:
             with pytest.raises(ValueError, match="revision"):
                 server.send_plan("late", {"batch_size": 8})
-            with pytest.raises(ValueError, match="cannot be sent"):
-                server.send_plan("late", {"revision": 1, "x": object()})
+            with pytest.raises(ValueError, match="batch_size"):
+                server.send_plan("late", {"revision": 1, "batch_size": 0})
             server.send_plan("late", {"revision": 1, "batch_size": 8})
             c = _client(server, "late")
             await c.connect()
             await c.pull()  # the plan comes before the answer to the join
-            assert c.hints["plan"] == {"revision": 1, "batch_size": 8}
+            assert c.plan == PlanNotice(revision=1, batch_size=8)
             server.send_plan("late", {"revision": 2, "batch_size": 16})
             await c.refresh_info()  # a round trip after the notice
-            assert c.hints["plan"]["batch_size"] == 16
+            assert c.plan.batch_size == 16
             await c.close()
 
     _run(main)

@@ -35,11 +35,10 @@ from hpsjax.ps import (
     AuthError,
     ConnectionClosed,
     KeyRangePartition,
-    PushResult,
+    PushAck,
     Server,
     ServerError,
     ShardedClient,
-    ShardedPushResult,
     ShardedVersion,
     SpecMismatch,
     _partition,
@@ -292,12 +291,12 @@ def test_sharded_versions_and_combined_acks():
         ShardedVersion([1, -1])
 
     def ack(version, staleness, status, weight=1.0, steps=None, reason=None, fp=False):
-        return PushResult(version, staleness, status, weight, steps, reason, fp)
+        return PushAck(None, version, staleness, status, weight, steps, reason, fp)
 
     combined = _shards._combine(
         [ack(5, 1, "applied"), ack(4, 3, "applied", 0.5, 4, "stale", True)]
     )
-    assert isinstance(combined, ShardedPushResult)
+    assert isinstance(combined, PushAck) and len(combined.shards) == 2
     assert combined.version.shards == (5, 4) and combined.staleness == 3
     assert combined.status == "applied" and combined.applied
     assert combined.weight == 0.5 and combined.local_steps == 4
@@ -407,7 +406,7 @@ def test_sharded_servers_train_as_one_server(num_shards, split_leaves, optimizer
                         ):
                             np.testing.assert_allclose(x, y, rtol=1e-6, atol=1e-7)
                 assert sharded.bytes_sent > 0 and sharded.bytes_received > 0
-                assert sharded.hints == {}
+                assert sharded.local_steps is None and sharded.plan is None
             for s, part in zip(servers, partition.split(pulled), strict=True):
                 _assert_trees_equal(s.params, part)
 

@@ -23,7 +23,7 @@ import optax
 import pytest
 
 from hpsjax import data
-from hpsjax.ps import ProtocolError, PushResult, Server, WorkerDropped
+from hpsjax.ps import PlanNotice, ProtocolError, PushAck, Server, WorkerDropped
 from hpsjax.transforms import staleness_factor
 from hpsjax.worker import (
     Heterogeneity,
@@ -511,8 +511,8 @@ def test_server_replans_from_the_reported_step_times(caplog):
                 await client.connect()
                 await client.pull()
                 # The plan in force comes with the join.
-                assert client.hints["plan"]["batch_size"] == 128
-                assert client.hints["plan"]["revision"] == 0
+                assert client.plan.batch_size == 128
+                assert client.plan.revision == 0
             for w, step_time in pushes:
                 await clients[w].push(
                     zeros,
@@ -524,11 +524,11 @@ def test_server_replans_from_the_reported_step_times(caplog):
             final = server.work_plan
             async with asyncio.timeout(10):
                 while any(
-                    c.hints["plan"]["revision"] < final.revision
+                    c.plan.revision < final.revision
                     for c in clients.values()
                 ):
                     await asyncio.sleep(0.01)
-            plans = {w: c.hints["plan"] for w, c in clients.items()}
+            plans = {w: c.plan for w, c in clients.items()}
             for client in clients.values():
                 await client.close()
             return plans, final
@@ -539,14 +539,14 @@ def test_server_replans_from_the_reported_step_times(caplog):
         expected.observe(w, 128, step_time, now=float(i))
     assert final == expected.plan and final.revision >= 1
     for entry in final.workers:
-        assert plans[entry.worker_id] == {
-            "revision": final.revision,
-            "batch_size": entry.batch_size,
-            "device_batches": [entry.batch_size],
-            "local_steps": 1,
-            "lr_scale": 1.0,
-        }
-    assert plans["w0"]["batch_size"] < 100 < plans["w1"]["batch_size"]
+        assert plans[entry.worker_id] == PlanNotice(
+            revision=final.revision,
+            batch_size=entry.batch_size,
+            device_batches=(entry.batch_size,),
+            local_steps=1,
+            lr_scale=1.0,
+        )
+    assert plans["w0"].batch_size < 100 < plans["w1"].batch_size
     assert "after worker w0's speed drifted" in caplog.text
 
 
@@ -597,7 +597,7 @@ class ScriptedClient:
 
     Every pull answers a version ``advance`` higher than the last (as if other
     workers pushed meanwhile); ``acks`` is a list of dicts merged into the next
-    push acknowledgements; ``hints`` can be set by the test.
+    push acknowledgements; ``local_steps`` and ``plan`` can be set by the test.
     """
 
     def __init__(self, params, *, advance: int = 1, acks=(), drop_after: int = -1):
@@ -607,7 +607,8 @@ class ScriptedClient:
         self.acks = list(acks)
         self.pushes: list[dict] = []
         self.pulls = 0
-        self.hints: dict[str, Any] = {}
+        self.local_steps: int | None = None
+        self.plan: PlanNotice | None = None
         self.closed = True
         self.bytes_sent = 0
         self.bytes_received = 0
@@ -635,6 +636,7 @@ class ScriptedClient:
         self.pushes.append({"update": update, "version": version, **fields})
         self.bytes_sent += 1000
         ack = dict(
+            worker_id="w0",
             version=self.version,
             staleness=self.version - version,
             status="applied",
@@ -645,7 +647,7 @@ class ScriptedClient:
         )
         if self.acks:
             ack.update(self.acks.pop(0))
-        return PushResult(**ack)
+        return PushAck(**ack)
 
 
 def _scripted_worker(setup, client, *, records, local_optimizer=None, **config):
@@ -751,8 +753,8 @@ def test_server_hints_set_local_steps_and_plan(setup):
         task = asyncio.ensure_future(worker.run())
         while len(records) < 1:
             await asyncio.sleep(0.001)
-        client.hints["local_steps"] = 3
-        client.hints["plan"] = {"revision": 1, "batch_size": 8, "lr_scale": 0.5}
+        client.local_steps = 3
+        client.plan = PlanNotice(revision=1, batch_size=8, lr_scale=0.5)
         return await task
 
     _run(go())
@@ -767,7 +769,7 @@ def test_server_hints_set_local_steps_and_plan(setup):
 def test_bad_plan_hint_is_refused(setup):
     _, params, _ = setup
     client = ScriptedClient(params)
-    client.hints["plan"] = {"revision": 1, "device_batches": [4, 4]}
+    client.plan = PlanNotice(revision=1, device_batches=(4, 4))
     worker = _scripted_worker(setup, client, records=[], max_steps=2)
     with pytest.raises(ProtocolError, match="device_batches"):
         _run(worker.run())
@@ -784,13 +786,9 @@ def test_bad_plan_hint_is_refused(setup):
         ["batch_size", 8],
     ],
 )
-def test_a_bad_plan_hint_is_refused_before_it_reaches_the_core(setup, plan):
-    _, params, _ = setup
-    worker = _scripted_worker(
-        setup, ScriptedClient(params), records=[], local_optimizer=optax.sgd(0.1)
-    )
+def test_a_bad_plan_is_refused_where_it_arrives(plan):
     with pytest.raises(ProtocolError):
-        worker._plan_notice(plan)
+        PlanNotice.from_wire(plan)
 
 
 def test_dropped_worker_joins_again(setup):

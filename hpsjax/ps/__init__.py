@@ -7,20 +7,20 @@
   semi-async and hybrid (:class:`PlannedHybrid`: ASHL's stages with each
   worker's planned local steps); subclass :class:`Policy` to write your own.
 * :class:`Server` / :class:`Client` exchange pytrees over TCP (see PROTOCOL.md),
-  with authentication, optional TLS and compressed pushes.
+  with authentication, optional TLS and compressed pushes; their typed messages
+  (:class:`PushMeta`, :class:`PushAck`, notices) are validated once, on arrival.
 * :class:`CheckpointManager` writes tensorstore checkpoints, committed atomically.
 * :class:`KeyRangePartition` splits a model by key range over several server
   shards (ps-lite, PHub); :class:`ShardedClient` talks to all of them at once.
 """
 
 from hpsjax.ps._checkpoint import Checkpoint, CheckpointError, CheckpointManager
-from hpsjax.ps._client import Client, PushResult, ServerInfo, Subscription
+from hpsjax.ps._client import Client, ServerInfo, Subscription
 from hpsjax.ps._core import (
     Action,
     Applied,
     Drop,
     ForcePull,
-    PushAck,
     Release,
     SendParams,
     ServerCore,
@@ -46,6 +46,14 @@ from hpsjax.ps._errors import (
     UnsupportedVersion,
     WorkerDropped,
 )
+from hpsjax.ps._messages import (
+    ForcePullNotice,
+    Notice,
+    PlanNotice,
+    PushAck,
+    PushMeta,
+    StageNotice,
+)
 from hpsjax.ps._partition import KeyRangePartition
 from hpsjax.ps._policies import (
     ADSP,
@@ -65,7 +73,6 @@ from hpsjax.ps._policies import (
 from hpsjax.ps._server import Server
 from hpsjax.ps._shards import (
     ShardedClient,
-    ShardedPushResult,
     ShardedVersion,
 )
 
@@ -86,6 +93,7 @@ __all__ = [
     "ConnectionClosed",
     "Drop",
     "ForcePull",
+    "ForcePullNotice",
     "HpsError",
     "Hybrid",
     "HybridStage",
@@ -93,12 +101,14 @@ __all__ = [
     "KeyRangePartition",
     "MalformedMetadata",
     "NonFiniteUpdate",
+    "Notice",
     "PayloadTooBig",
+    "PlanNotice",
     "PlannedHybrid",
     "Policy",
     "ProtocolError",
     "PushAck",
-    "PushResult",
+    "PushMeta",
     "Release",
     "SaPS",
     "SemiAsync",
@@ -108,10 +118,10 @@ __all__ = [
     "ServerError",
     "ServerInfo",
     "ShardedClient",
-    "ShardedPushResult",
     "ShardedVersion",
     "ShuttingDown",
     "SpecMismatch",
+    "StageNotice",
     "Subscription",
     "TooManyLeaves",
     "UnexpectedMessage",

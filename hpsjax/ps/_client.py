@@ -44,9 +44,17 @@ from hpsjax.ps._errors import (
     error_from_wire,
 )
 from hpsjax.ps._frames import Frame, FrameError, MsgType
+from hpsjax.ps._messages import (
+    ForcePullNotice,
+    PlanNotice,
+    PushAck,
+    PushMeta,
+    StageNotice,
+    notice_from_wire,
+)
 from hpsjax.transforms import _quantize as q
 
-__all__ = ["Client", "PushResult", "ServerInfo", "Subscription"]
+__all__ = ["Client", "ServerInfo", "Subscription"]
 
 
 @functools.partial(jax.jit, static_argnums=1)
@@ -61,50 +69,6 @@ def _error_of(frame: Frame) -> HpsError:
     if not isinstance(code, int) or not isinstance(message, str):
         return ProtocolError("malformed ERROR frame")
     return error_from_wire(code, message)
-
-
-class PushResult(NamedTuple):
-    """The server's answer to a push.
-
-    Attributes:
-      version: the server's version after handling the push.
-      staleness: :math:`\\tau = V - v`: the server version when the push arrived
-        minus the version it was computed on.
-      status: ``"applied"``, ``"buffered"`` (waiting to be aggregated with other
-        updates, e.g. a BSP round) or ``"dropped"``.
-      weight: the damping factor the update was scaled by (0 when dropped).
-      local_steps: hint: local steps to take before the next push, or ``None``.
-      reason: why the update was damped or dropped, else ``None``.
-      force_pull: the server asks to discard local work and pull.
-    """
-
-    version: int
-    staleness: int
-    status: str
-    weight: float
-    local_steps: int | None
-    reason: str | None
-    force_pull: bool
-
-    @property
-    def applied(self) -> bool:
-        """Whether a new version includes the update."""
-        return self.status == "applied"
-
-
-def _push_result(meta: Mapping[str, Any]) -> PushResult:
-    try:
-        return PushResult(
-            version=int(meta["version"]),
-            staleness=int(meta["staleness"]),
-            status=str(meta["status"]),
-            weight=float(meta.get("weight", 1.0)),
-            local_steps=meta.get("local_steps"),
-            reason=meta.get("reason"),
-            force_pull=bool(meta.get("force_pull", False)),
-        )
-    except (KeyError, TypeError, ValueError) as e:
-        raise ProtocolError(f"malformed push acknowledgement: {e}") from None
 
 
 class ServerInfo(NamedTuple):
@@ -326,7 +290,10 @@ class Client:
         self._info: ServerInfo | None = None
         self._subscription: Subscription | None = None
         self._latest = None
-        self._hints: dict[str, Any] = {}
+        self._local_steps: int | None = None
+        self._plan: PlanNotice | None = None
+        self._stage: int | None = None
+        self._force_pull: ForcePullNotice | None = None
 
     # ----------------------------------------------------------- properties
 
@@ -348,15 +315,27 @@ class Client:
         return self._protocol is None or self._protocol.closed
 
     @property
-    def hints(self) -> Mapping[str, Any]:
-        """The server's latest instructions to this worker.
+    def local_steps(self) -> int | None:
+        """The server's latest local-steps hint (steps before the next push)."""
+        return self._local_steps
 
-        Keys: ``local_steps`` (steps before the next push), ``stage``,
-        ``plan`` (the latest work plan the server sent, see
-        ``Server.send_plan``), ``force_pull`` (reason to discard local work and
-        pull; absent once fresh parameters arrived).
-        """
-        return dict(self._hints)
+    @property
+    def plan(self) -> PlanNotice | None:
+        """The latest work plan the server sent (see ``Server.send_plan``)."""
+        return self._plan
+
+    @property
+    def stage(self) -> int:
+        """The server policy's stage, as last heard (INFO, notices, acks)."""
+        if self._stage is not None:
+            return self._stage
+        return self._info.stage if self._info is not None else 0
+
+    @property
+    def force_pull(self) -> ForcePullNotice | None:
+        """The server's request to discard local work and pull, until fresh
+        parameters arrive; else ``None``."""
+        return self._force_pull
 
     @property
     def bytes_sent(self) -> int:
@@ -432,7 +411,10 @@ class Client:
         self._info = None
         self._subscription = None
         self._latest = None
-        self._hints = {}
+        self._local_steps = None
+        self._plan = None
+        self._stage = None
+        self._force_pull = None
 
     async def _handshake(self) -> ServerInfo:
         handshake = _auth.Handshake.client(self._secret, self._worker_id)
@@ -511,8 +493,9 @@ class Client:
         num_samples: int | None = None,
         local_steps: int | None = None,
         loss: float | None = None,
+        stage: int | None = None,
         timeout: float | None = _UNSET,
-    ) -> PushResult:
+    ) -> PushAck:
         """Sends an update computed on parameters of ``version``.
 
         Three forms: ``push(update, version=v)`` sends raw leaves;
@@ -536,10 +519,12 @@ class Client:
           num_samples: samples it was computed on (for weighted averaging).
           local_steps: local steps it accumulates.
           loss: the worker's latest training loss (for staged policies).
+          stage: the stage of this worker's staged optimizer (ASHL); under the
+            hybrid policy a stage beyond the server's moves the server to it.
           timeout: seconds to wait (default: the client's).
 
         Returns:
-          A :class:`PushResult`.
+          The :class:`~hpsjax.ps.PushAck`.
 
         Raises:
           InvalidUpdate: the server refused the update (shape, dtype, NaN); its
@@ -555,13 +540,12 @@ class Client:
             num_samples=num_samples,
             local_steps=local_steps,
             loss=loss,
+            stage=stage,
         )
         frame = await self._request(
             MsgType.PUSH, meta, buffers, timeout=timeout, expect=MsgType.PUSH_ACK
         )
-        result = _push_result(frame.metadata)
-        self._note_ack(result)
-        return result
+        return self._note_ack(frame.metadata)
 
     async def push_pull(
         self,
@@ -574,8 +558,9 @@ class Client:
         num_samples: int | None = None,
         local_steps: int | None = None,
         loss: float | None = None,
+        stage: int | None = None,
         timeout: float | None = _UNSET,
-    ) -> tuple[PushResult, Any, int]:
+    ) -> tuple[PushAck, Any, int]:
         """Pushes an update and pulls the parameters in one round trip.
 
         Arguments, cancellation and errors are those of :meth:`push`; the reply
@@ -593,12 +578,12 @@ class Client:
             num_samples=num_samples,
             local_steps=local_steps,
             loss=loss,
+            stage=stage,
         )
         frame = await self._request(
             MsgType.PUSH_PULL, meta, buffers, timeout=timeout, expect=MsgType.PARAMS
         )
-        result = _push_result(frame.metadata.get("ack", {}))
-        self._note_ack(result)
+        result = self._note_ack(frame.metadata.get("ack"))
         params, new_version = self._params_of(frame)
         return result, params, new_version
 
@@ -633,8 +618,10 @@ class Client:
     # ------------------------------------------------------------ internals
 
     def _push_message(self, update, *, version, codec, encoded, **fields):
-        if isinstance(version, bool) or not isinstance(version, int) or version < 0:
-            raise ValueError(f"version must be a non-negative int, got {version!r}")
+        # Checked here, so that a bad field fails the call, not the server.
+        fields = {"version": version, **fields}
+        fields = {k: getattr(v, "item", lambda v=v: v)() for k, v in fields.items()}
+        fields = PushMeta.from_wire(fields, error=ValueError)
         if encoded is not None:
             if codec is None:
                 raise ValueError("encoded= needs the codec it was encoded with")
@@ -658,10 +645,7 @@ class Client:
             )
         else:
             meta, buffers, _ = _treecodec.tree_to_wire(update, limits=self._limits)
-        meta["version"] = version
-        for name, value in fields.items():
-            if value is not None:
-                meta[name] = value
+        meta.update(fields.to_wire())
         return meta, buffers
 
     def _params_of(self, frame: Frame) -> tuple[Any, int]:
@@ -674,16 +658,23 @@ class Client:
             raise ProtocolError("compressed PARAMS are not supported")
         local_steps = frame.metadata.get("local_steps")
         if local_steps is not None:
-            self._hints["local_steps"] = local_steps
+            if isinstance(local_steps, bool) or not isinstance(local_steps, int):
+                raise ProtocolError(f"bad local_steps in PARAMS: {local_steps!r}")
+            self._local_steps = local_steps
         # Fresh parameters are what a forced pull asked for.
-        self._hints.pop("force_pull", None)
+        self._force_pull = None
         return frame.payload.tree(), version
 
-    def _note_ack(self, result: PushResult) -> None:
-        if result.local_steps is not None:
-            self._hints["local_steps"] = result.local_steps
-        if result.force_pull:
-            self._hints["force_pull"] = result.reason or "requested by the server"
+    def _note_ack(self, meta: Any) -> PushAck:
+        """The acknowledgement, validated (once, here); its hints noted."""
+        ack = PushAck.from_wire(meta, self._worker_id)
+        if ack.local_steps is not None:
+            self._local_steps = ack.local_steps
+        if ack.force_pull:
+            self._force_pull = ForcePullNotice(ack.reason or "requested by the server")
+        if ack.stage is not None:
+            self._stage = ack.stage
+        return ack
 
     def _raise_pending_error(self) -> None:
         if self._unsolicited_error is not None:
@@ -773,13 +764,19 @@ class Client:
                 slot.params = frame.payload.tree()
                 slot.version = version
                 slot.changed.set()
-        elif frame.msg_type == MsgType.STAGE:
-            meta = frame.metadata
-            for key in ("stage", "local_steps", "plan"):
-                if key in meta:
-                    self._hints[key] = meta[key]
-            if meta.get("force_pull"):
-                self._hints["force_pull"] = meta.get("reason") or "requested"
+        elif frame.msg_type == MsgType.NOTICE:
+            try:
+                notice = notice_from_wire(frame.metadata)
+            except HpsError as error:
+                self._unsolicited_error = error
+                return
+            if isinstance(notice, PlanNotice):
+                if self._plan is None or notice.revision > self._plan.revision:
+                    self._plan = notice
+            elif isinstance(notice, StageNotice):
+                self._stage = notice.stage
+            else:
+                self._force_pull = notice
         elif frame.msg_type == MsgType.ERROR:
             # Requests in flight get their own replies; this notice (e.g. the
             # worker was dropped) is raised by the next call.

@@ -90,7 +90,7 @@ class MsgType(enum.IntEnum):
     AUTH = 3
     AUTH_OK = 4
     INFO = 5
-    STAGE = 6
+    NOTICE = 6
     PULL = 7
     PARAMS = 8
     PUSH = 9

@@ -48,7 +48,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import msgpack
 import numpy as np
 import optax
 
@@ -79,6 +78,14 @@ from hpsjax.ps._errors import (
     WorkerDropped,
 )
 from hpsjax.ps._frames import Frame, FrameError, MsgType
+from hpsjax.ps._messages import (
+    ForcePullNotice,
+    Notice,
+    PlanNotice,
+    PushMeta,
+    StageNotice,
+    notice_to_wire,
+)
 from hpsjax.transforms import _quantize as q
 
 __all__ = ["Server"]
@@ -96,14 +103,6 @@ _HANDSHAKE_LIMITS = _frames.WireLimits(max_message_bytes=4096, max_metadata_byte
 _NOTICE_TYPES = frozenset({MsgType.ERROR, MsgType.BYE})
 
 # Fields of a PUSH besides the tree, with the types the core accepts.
-_PUSH_FIELDS = {
-    "step_time": float,
-    "num_samples": int,
-    "local_steps": int,
-    "loss": float,
-}
-
-
 # Decoders of compressed pushes are compiled here, one at a time, so that
 # compiling never holds up the event loop (see DecoderCache).
 _COMPILER = concurrent.futures.ThreadPoolExecutor(
@@ -122,15 +121,15 @@ def _is_loopback(host: str | None) -> bool:
         return False
 
 
-def _plan_hint(entry: Any, revision: int) -> dict[str, Any]:
-    """A ``WorkerPlan`` as the ``plan`` a worker receives (see :meth:`send_plan`)."""
-    return {
-        "revision": int(revision),
-        "batch_size": int(entry.batch_size),
-        "device_batches": [int(d.batch_size) for d in entry.devices],
-        "local_steps": int(entry.local_steps),
-        "lr_scale": float(entry.lr_scale),
-    }
+def _plan_hint(entry: Any, revision: int) -> PlanNotice:
+    """A ``WorkerPlan`` as the plan a worker receives (see :meth:`send_plan`)."""
+    return PlanNotice(
+        revision=int(revision),
+        batch_size=int(entry.batch_size),
+        device_batches=tuple(int(d.batch_size) for d in entry.devices),
+        local_steps=int(entry.local_steps),
+        lr_scale=float(entry.lr_scale),
+    )
 
 
 @dataclasses.dataclass(eq=False)
@@ -367,7 +366,7 @@ class Server:
             [(s.shape, s.dtype.name) for s in self._model.leaves], size=8
         )
         self._sessions: dict[Any, _Session] = {}
-        self._plans: dict[Any, dict[str, Any]] = {}
+        self._plans: dict[Any, PlanNotice] = {}
         self._replanner = replanner
         if replanner is not None:
             work_plan = replanner.plan
@@ -559,60 +558,57 @@ class Server:
     def set_stage(self, index: int) -> None:
         """Moves a staged policy (``"hybrid"``) to stage ``index``.
 
-        Workers learn of it through a ``STAGE`` notice and the new hints.
+        Workers learn of it through a stage NOTICE and the new local-steps hints.
 
         Raises:
           ValueError: the policy has no such stage (nothing changes).
         """
         actions = self._core.set_stage(index, self._now())
         self._carry_out(actions)
-        for session in self._connections:
-            if session.state == "ready":
-                with contextlib.suppress(HpsError):
-                    session.protocol.send(
-                        _frames.encode_frame(MsgType.STAGE, 0, {"stage": index})
-                    )
+        self._announce(StageNotice(index))
         self._rearm()
 
-    def send_plan(self, worker_id: Any, plan: Mapping[str, Any]) -> None:
+    def _announce(self, notice: Notice, *, skip: Any = None) -> None:
+        """Sends ``notice`` to every authenticated worker but ``skip``."""
+        for session in self._connections:
+            if session.state == "ready" and session is not skip:
+                with contextlib.suppress(HpsError):
+                    self._notify(session, notice)
+
+    def send_plan(self, worker_id: Any, plan: PlanNotice | Mapping[str, Any]) -> None:
         """Sends a worker a new work plan (H-PS re-planning), now or on joining.
 
-        The plan reaches the worker in a ``STAGE`` notice (field ``plan``) and
-        shows in its client's ``hints["plan"]``; a worker that is not connected
-        gets the latest one before the answer to its next join.
+        The plan reaches the worker in a plan NOTICE and shows in its client's
+        ``plan``; a worker that is not connected gets the latest one before the
+        answer to its next join.
 
         Args:
           worker_id: the worker.
-          plan: a msgpack-able map with an int ``revision`` (higher revisions
-            replace lower ones), e.g. ``{"revision": 2, "batch_size": 48,
-            "local_steps": 4, "lr_scale": 0.5}``.
+          plan: a :class:`~hpsjax.ps.PlanNotice`, or a map of its fields with an
+            int ``revision`` (higher revisions replace lower ones), e.g.
+            ``{"revision": 2, "batch_size": 48, "local_steps": 4,
+            "lr_scale": 0.5}``.
 
         Raises:
-          ValueError: the plan is not a map with an int ``revision``, or cannot
-            be packed (nothing is sent or kept).
+          ValueError: the plan is not a valid plan (nothing is sent or kept).
         """
-        revision = plan.get("revision") if isinstance(plan, Mapping) else None
-        if isinstance(revision, bool) or not isinstance(revision, int):
-            raise ValueError(f"a plan needs an int 'revision', got {plan!r}"[:300])
-        try:
-            msgpack.packb(dict(plan), use_bin_type=True)
-        except (TypeError, ValueError) as e:
-            raise ValueError(f"plan cannot be sent: {e}") from None
-        self._plans[worker_id] = dict(plan)
+        if not isinstance(plan, PlanNotice):
+            plan = PlanNotice.from_wire(plan, error=ValueError)
+        self._plans[worker_id] = plan
         session = self._sessions.get(worker_id)
         if session is not None and session.state == "ready":
-            self._notify(session, MsgType.STAGE, {"plan": self._plans[worker_id]})
+            self._notify(session, plan)
 
     @property
     def work_plan(self) -> Any:
         """The work plan in force (``replanner``'s), or ``None`` without one."""
         return None if self._replanner is None else self._replanner.plan
 
-    def _observe_speed(self, worker_id: Any, fields: Mapping[str, Any]) -> None:
+    def _observe_speed(self, worker_id: Any, meta: PushMeta) -> None:
         """Feeds one push's timing to the replanner; sends a revised plan out."""
-        step_time = fields.get("step_time")
-        samples = fields.get("num_samples")
-        steps = fields.get("local_steps") or 1
+        step_time = meta.step_time
+        samples = meta.num_samples
+        steps = meta.local_steps or 1
         plan_ids = {entry.worker_id for entry in self._replanner.plan.workers}
         if not step_time or not samples or worker_id not in plan_ids:
             return
@@ -917,7 +913,7 @@ class Server:
             if plan is not None:
                 # Before the answer to the join, so the plan is in force for
                 # the worker's first round.
-                self._notify(session, MsgType.STAGE, {"plan": plan})
+                self._notify(session, plan)
             actions = self._core.join(session.worker_id, now)
             session.joined = True
             logger.info(
@@ -930,25 +926,9 @@ class Server:
         self._carry_out(actions)
 
     def _push(self, session: _Session, frame: Frame) -> None:
-        meta = frame.metadata
-        version = meta.get("version")
-        if isinstance(version, bool) or not isinstance(version, int) or version < 0:
-            raise MalformedMetadata("a push needs a non-negative int 'version'")
-        fields = {}
-        for name, kind in _PUSH_FIELDS.items():
-            value = meta.get(name)
-            if value is None:
-                continue
-            ok = (
-                isinstance(value, int | float)
-                and not isinstance(value, bool)
-                and math.isfinite(value)
-                and (kind is float or isinstance(value, int))
-            )
-            if not ok:
-                raise MalformedMetadata(f"bad {name!r}: {value!r}"[:200])
-            fields[name] = kind(value)
-        self._check_pusher(session, version)
+        # The one place a push's fields are validated.
+        meta = PushMeta.from_wire(frame.metadata)
+        self._check_pusher(session, meta.version)
         codec = frame.payload.layout.codec
         if codec is not None:
             codec = q.Codec.from_dict(codec)
@@ -964,43 +944,27 @@ class Server:
         # (a compressed one decodes to the model's shapes and dtypes), and the
         # values as they arrived: the core need not check them again.
         started = self._loop.time() if self._metrics is not None else 0.0
-        actions = self._core.push(
-            session.worker_id,
-            update,
-            version=version,
-            now=self._now(),
-            checked=True,
-            **fields,
+        actions = self._core.push_message(
+            session.worker_id, update, meta, now=self._now()
         )
         self._pushes += 1
         if self._metrics is not None and any(isinstance(a, Applied) for a in actions):
             self._metrics.apply(self._loop.time() - started)
         if self._replanner is not None:
-            self._observe_speed(session.worker_id, fields)
+            self._observe_speed(session.worker_id, meta)
         ack = None
-        force = None
         for action in actions:
             if isinstance(action, PushAck) and action.worker_id == session.worker_id:
                 ack = action
-            elif (
-                isinstance(action, ForcePull) and action.worker_id == session.worker_id
-            ):
-                force = action
+                break
         if ack is None:
             raise ServerError("the policy did not acknowledge the push")
         if self._metrics is not None:
             self._metrics.push(staleness=ack.staleness, received_bytes=frame.nbytes)
-        ack_meta = {
-            "version": ack.version,
-            "staleness": ack.staleness,
-            "status": ack.status,
-            "weight": float(ack.weight),
-            "local_steps": ack.local_steps,
-            "reason": ack.reason,
-            "force_pull": force is not None,
-        }
-        if force is not None and ack.reason is None:
-            ack_meta["reason"] = force.reason
+        ack_meta = ack.to_wire()
+        if ack.stage is not None:
+            # The pusher learns of the switch from its acknowledgement.
+            self._announce(StageNotice(ack.stage), skip=session)
         if frame.msg_type == MsgType.PUSH:
             session.protocol.send(
                 _frames.encode_frame(MsgType.PUSH_ACK, frame.request_id, ack_meta)
@@ -1138,11 +1102,7 @@ class Server:
                     continue
                 session = self._sessions.get(action.worker_id)
                 if session is not None:
-                    self._notify(
-                        session,
-                        MsgType.STAGE,
-                        {"force_pull": True, "reason": action.reason},
-                    )
+                    self._notify(session, ForcePullNotice(action.reason))
             elif isinstance(action, Drop):
                 session = self._sessions.get(action.worker_id)
                 logger.info(
@@ -1157,7 +1117,7 @@ class Server:
                     session.joined = False
                     error = WorkerDropped(action.reason)
                     self._fail_pulls(session, error)
-                    self._notify(session, MsgType.ERROR, None, error=error)
+                    self._notify_error(session, error)
             elif isinstance(action, Applied):
                 applied = True
         if applied:
@@ -1166,13 +1126,15 @@ class Server:
             if every and self._core.version - (self._saved_version or 0) >= every:
                 self._save_async()
 
-    def _notify(self, session, msg_type, meta, *, error=None) -> None:
-        if session.protocol.closed:
-            return
-        if error is not None:
+    def _notify(self, session: _Session, notice: Notice) -> None:
+        if not session.protocol.closed:
+            session.protocol.send(
+                _frames.encode_frame(MsgType.NOTICE, 0, notice_to_wire(notice))
+            )
+
+    def _notify_error(self, session: _Session, error: HpsError) -> None:
+        if not session.protocol.closed:
             session.protocol.send(error_frame(0, error))
-        else:
-            session.protocol.send(_frames.encode_frame(msg_type, 0, meta))
 
     def _fail_pulls(self, session: _Session, error: HpsError) -> None:
         while session.pulls:

@@ -6,7 +6,7 @@ PHub's chunking of the model over its aggregators):
 
 * :class:`ShardedClient` has the interface of :class:`~hpsjax.ps.Client` that
   the worker runtime uses (``connect``, ``close``, ``pull``, ``push``,
-  ``push_pull``, ``hints``, ``bytes_sent``, ...). It keeps one
+  ``push_pull``, ``local_steps``, ``plan``, ``bytes_sent``, ...). It keeps one
   :class:`~hpsjax.ps.Client` per shard and sends each request to every shard
   concurrently, with each shard's part of the update.
 
@@ -23,15 +23,16 @@ per-shard versions in :attr:`ShardedVersion.shards`. Passing it back to
 :meth:`ShardedClient.push` tells each shard the version *it* served. A plain
 ``int`` means that version on every shard.
 
-**Acknowledgements.** A sharded push's :class:`ShardedPushResult` combines the
+**Acknowledgements.** A sharded push's :class:`~hpsjax.ps.PushAck` combines the
 shards' answers: its staleness is the **maximum** over shards (the update is as
 stale as its stalest part, the conservative choice for PS+ step-size
 modulation), its weight the minimum; it is ``"dropped"`` when any shard dropped
 its part, ``"applied"`` when every shard applied it, else ``"buffered"``; it
 asks to pull fresh parameters when any shard does. The per-shard answers are in
-``shards``. Hints (:attr:`ShardedClient.hints`) take the fewest local steps any
-shard asks for and the plan and stage of shard 0, the *lead shard*: give a work
-plan (``hpsjax-server --work_plan``) to shard 0 only.
+``shards``; its ``stage`` is shard 0's. The local-steps hint
+(:attr:`ShardedClient.local_steps`) is the fewest any shard asks for; the plan
+and stage are those of shard 0, the *lead shard*: give a work plan
+(``hpsjax-server --work_plan``) to shard 0 only.
 
 **Failures.** A request fails as soon as one shard fails: the other shards'
 requests are cancelled (so a dead shard never leaves the call hanging on the
@@ -52,18 +53,18 @@ from __future__ import annotations
 
 import asyncio
 import copy
-from collections.abc import Awaitable, Callable, Mapping, Sequence
-from typing import Any, NamedTuple
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
 
 import jax
 
-from hpsjax.ps._client import Client, PushResult, ServerInfo
+from hpsjax.ps._client import Client, ServerInfo
 from hpsjax.ps._errors import HpsError, SpecMismatch
+from hpsjax.ps._messages import ForcePullNotice, PlanNotice, PushAck
 from hpsjax.ps._partition import KeyRangePartition
 
 __all__ = [
     "ShardedClient",
-    "ShardedPushResult",
     "ShardedVersion",
 ]
 
@@ -101,37 +102,7 @@ class ShardedVersion(int):
         return ShardedVersion, (self.shards,)
 
 
-class ShardedPushResult(NamedTuple):
-    """The shards' answers to one push, combined (fields of ``PushResult``).
-
-    Attributes:
-      version: the shards' versions after the push, a :class:`ShardedVersion`.
-      staleness: the maximum staleness over shards.
-      status: ``"dropped"`` if any shard dropped its part, ``"applied"`` if
-        every shard applied it, else ``"buffered"``.
-      weight: the minimum damping weight over shards.
-      local_steps: the fewest local steps any shard hinted, or ``None``.
-      reason: the shards' reasons (``"shard i: ..."``), or ``None``.
-      force_pull: whether any shard asks to discard local work and pull.
-      shards: each shard's :class:`~hpsjax.ps.PushResult`.
-    """
-
-    version: ShardedVersion
-    staleness: int
-    status: str
-    weight: float
-    local_steps: int | None
-    reason: str | None
-    force_pull: bool
-    shards: tuple[PushResult, ...]
-
-    @property
-    def applied(self) -> bool:
-        """Whether every shard's new version includes its part of the update."""
-        return self.status == "applied"
-
-
-def _combine(results: Sequence[PushResult]) -> ShardedPushResult:
+def _combine(results: Sequence[PushAck]) -> PushAck:
     statuses = {r.status for r in results}
     if "dropped" in statuses:
         status = "dropped"
@@ -141,7 +112,8 @@ def _combine(results: Sequence[PushResult]) -> ShardedPushResult:
         status = "buffered"
     hinted = [r.local_steps for r in results if r.local_steps is not None]
     reasons = [f"shard {i}: {r.reason}" for i, r in enumerate(results) if r.reason]
-    return ShardedPushResult(
+    return PushAck(
+        worker_id=results[0].worker_id,
         version=ShardedVersion([r.version for r in results]),
         staleness=max(r.staleness for r in results),
         status=status,
@@ -149,6 +121,7 @@ def _combine(results: Sequence[PushResult]) -> ShardedPushResult:
         local_steps=min(hinted) if hinted else None,
         reason="; ".join(reasons) if reasons else None,
         force_pull=any(r.force_pull for r in results),
+        stage=results[0].stage,
         shards=tuple(results),
     )
 
@@ -187,7 +160,7 @@ class ShardedClient:
     shards at once (``asyncio``), each with its part of the update, and the
     answers are merged: parameters by :meth:`KeyRangePartition.merge`,
     versions into a :class:`ShardedVersion`, acknowledgements into a
-    :class:`ShardedPushResult` (see the module docstring for how staleness,
+    :class:`~hpsjax.ps.PushAck` (see the module docstring for how staleness,
     status and hints combine, and for how a failing shard is reported).
 
     Args:
@@ -292,23 +265,28 @@ class ShardedClient:
         return any(c.closed for c in self._clients)
 
     @property
-    def hints(self) -> Mapping[str, Any]:
-        """The shards' latest instructions, merged.
+    def local_steps(self) -> int | None:
+        """The fewest local steps any shard's latest hint asks for, or ``None``."""
+        steps = [c.local_steps for c in self._clients if c.local_steps is not None]
+        return min(steps) if steps else None
 
-        ``plan`` and ``stage`` are shard 0's (the lead shard); ``local_steps``
-        is the fewest any shard asks for; ``force_pull`` is there when any
-        shard asks for it.
-        """
-        hints = [c.hints for c in self._clients]
-        merged = {k: v for k, v in hints[0].items() if k not in ("force_pull",)}
-        steps = [h["local_steps"] for h in hints if h.get("local_steps") is not None]
-        if steps:
-            merged["local_steps"] = min(steps)
-        for i, h in enumerate(hints):
-            if "force_pull" in h:
-                merged["force_pull"] = f"shard {i}: {h['force_pull']}"
-                break
-        return merged
+    @property
+    def plan(self) -> PlanNotice | None:
+        """The lead shard's (shard 0's) latest work plan."""
+        return self._clients[0].plan
+
+    @property
+    def stage(self) -> int:
+        """The lead shard's (shard 0's) stage, as last heard."""
+        return self._clients[0].stage
+
+    @property
+    def force_pull(self) -> ForcePullNotice | None:
+        """The first shard's pending request to pull fresh parameters."""
+        for i, c in enumerate(self._clients):
+            if c.force_pull is not None:
+                return ForcePullNotice(f"shard {i}: {c.force_pull.reason}")
+        return None
 
     @property
     def bytes_sent(self) -> int:
@@ -508,20 +486,21 @@ class ShardedClient:
         num_samples: int | None = None,
         local_steps: int | None = None,
         loss: float | None = None,
+        stage: int | None = None,
         timeout: float | None = _UNSET,
-    ) -> ShardedPushResult:
+    ) -> PushAck:
         """Sends each shard its part of an update.
 
         Arguments are those of :meth:`Client.push <hpsjax.ps.Client.push>`,
         but ``version`` is the :class:`ShardedVersion` the update was computed
         on (or one int per shard, or one int for all), and ``encoded`` needs a
         partition of whole leaves. ``step_time``, ``num_samples``,
-        ``local_steps`` and ``loss`` go to every shard. Cancelling is safe for
-        the connections, but a shard may still apply a part already sent;
-        ``timeout`` bounds each shard's wait.
+        ``local_steps``, ``loss`` and ``stage`` go to every shard. Cancelling is
+        safe for the connections, but a shard may still apply a part already
+        sent; ``timeout`` bounds each shard's wait.
 
         Returns:
-          A :class:`ShardedPushResult`.
+          The combined :class:`~hpsjax.ps.PushAck`.
 
         Raises:
           ValueError: a bad ``version``, or an update not of the partitioned
@@ -541,6 +520,7 @@ class ShardedClient:
             num_samples=num_samples,
             local_steps=local_steps,
             loss=loss,
+            stage=stage,
         )
         return _combine(results)
 
@@ -555,8 +535,9 @@ class ShardedClient:
         num_samples: int | None = None,
         local_steps: int | None = None,
         loss: float | None = None,
+        stage: int | None = None,
         timeout: float | None = _UNSET,
-    ) -> tuple[ShardedPushResult, Any, ShardedVersion]:
+    ) -> tuple[PushAck, Any, ShardedVersion]:
         """Pushes each shard its part and pulls, one round trip per shard.
 
         Arguments, cancellation and errors are those of :meth:`push`; each
@@ -576,6 +557,7 @@ class ShardedClient:
             num_samples=num_samples,
             local_steps=local_steps,
             loss=loss,
+            stage=stage,
         )
         params = self._partition.merge([p for _, p, _ in results])
         return (

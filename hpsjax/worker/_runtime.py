@@ -101,7 +101,6 @@ import asyncio
 import concurrent.futures
 import contextlib
 import dataclasses
-import inspect
 import io
 import itertools
 import json
@@ -656,47 +655,23 @@ class Worker:
     # ------------------------------------------------------------ settings
 
     def _plan_notice(self, plan: Any) -> PlanChanged:
-        """The server's plan hint as an event; a malformed one is refused."""
+        """The server's plan (a validated ``PlanNotice``) as an event; a plan
+        that does not fit this worker's devices is refused."""
         from hpsjax.ps import ProtocolError
 
-        def positive_int(value: Any) -> bool:
-            return isinstance(value, int) and not isinstance(value, bool) and value >= 1
-
-        if not isinstance(plan, Mapping):
-            raise ProtocolError(f"bad plan hint from the server: {plan!r}")
-        revision = plan.get("revision")
-        if isinstance(revision, bool) or not isinstance(revision, int):
-            raise ProtocolError(f"plan hint without an int revision: {plan!r}")
-        batches = plan.get("device_batches")
-        if batches is None and plan.get("batch_size") is not None:
-            if not positive_int(plan["batch_size"]):
-                raise ProtocolError(f"bad batch_size in plan hint: {plan!r}")
-            batches = _split_evenly(plan["batch_size"], len(self._devices))
-        if batches is not None and (
-            isinstance(batches, str | bytes)
-            or not isinstance(batches, Sequence)
-            or len(batches) != len(self._devices)
-            or not all(positive_int(b) for b in batches)
-        ):
+        batches = plan.device_batches
+        if batches is None and plan.batch_size is not None:
+            batches = _split_evenly(plan.batch_size, len(self._devices))
+        if batches is not None and len(batches) != len(self._devices):
             raise ProtocolError(
-                f"plan hint's device_batches {batches!r} do not fit this worker's "
+                f"plan's device_batches {batches!r} do not fit this worker's "
                 f"{len(self._devices)} device(s)"
             )
-        scale = plan.get("lr_scale")
-        if scale is not None and (
-            isinstance(scale, bool)
-            or not isinstance(scale, int | float)
-            or not (math.isfinite(scale) and scale > 0)
-        ):
-            raise ProtocolError(f"bad lr_scale in plan hint: {plan!r}")
-        steps = plan.get("local_steps")
-        if steps is not None and not positive_int(steps):
-            raise ProtocolError(f"bad local_steps in plan hint: {plan!r}")
         return PlanChanged(
-            revision=revision,
+            revision=plan.revision,
             device_batches=None if batches is None else tuple(batches),
-            local_steps=steps,
-            lr_scale=None if scale is None else float(scale),
+            local_steps=plan.local_steps,
+            lr_scale=plan.lr_scale,
         )
 
     # ------------------------------------------------------------ compute
@@ -867,11 +842,6 @@ class Worker:
             timeout=self._config.timeout,
             seed=self._config.seed,
         )
-
-    @staticmethod
-    def _push_takes_stage(client: Any) -> bool:
-        """Whether the client sends a push's ``stage`` (ASHL) to the server."""
-        return "stage" in inspect.signature(client.push).parameters
 
     def _emit(self, record: dict) -> None:
         if self._metrics is not None:
@@ -1144,7 +1114,7 @@ class _Run:
 
     def hints(self) -> list:
         """Plan notices the server sent, as events (before the reply's own)."""
-        plan = self.client.hints.get("plan")
+        plan = self.client.plan
         if plan is None or not self.w._config.follow_hints:
             return []
         return [(self.w._plan_notice(plan), None)]
@@ -1180,7 +1150,7 @@ class _Run:
                 time.monotonic() - start,
             )
             w._initialise(params)
-        hint = self.client.hints.get("local_steps")
+        hint = self.client.local_steps
         event = Pulled(session, version, w._elapsed(), local_steps=hint)
         return [*self.hints(), (event, params)]
 
@@ -1210,8 +1180,6 @@ class _Run:
                 record["lr_factor"] = push.lr_factor
             link = await w._injector.transfer(prepared.nbytes)
             fields = push.metadata()
-            if not w._push_takes_stage(self.client):
-                fields.pop("stage", None)
             if prepared.encoded is not None:
                 fields.update(codec=w._codec, encoded=prepared.encoded)
             method = self.client.push_pull if push.with_pull else self.client.push
@@ -1253,7 +1221,7 @@ class _Run:
         if push.with_pull:
             if record is not None:
                 record["pull_end"] = now
-            hint = self.client.hints.get("local_steps")
+            hint = self.client.local_steps
             events += self.hints()
             events.append((Pulled(push.session, version, now, hint), params))
         if push.final:
