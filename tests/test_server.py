@@ -17,6 +17,7 @@ from hpsjax.ps._client import Client
 from hpsjax.ps._errors import (
     AuthError,
     ConnectionClosed,
+    InvalidUpdate,
     ShuttingDown,
     SpecMismatch,
     WorkerDropped,
@@ -773,5 +774,33 @@ def test_reused_receive_buffers_never_corrupt_updates():
             assert v == 30
             np.testing.assert_array_equal(params["w"], -465.0)
             await c.close()
+
+    _run(main)
+
+
+def test_a_pushed_stage_moves_a_hybrid_server_and_is_announced():
+    """ASHL: a worker's staged optimizer moved on; its push's ``stage`` moves the
+    server, its acknowledgement says so, the other workers get a stage NOTICE."""
+    stages = [HybridStage("async", 4), HybridStage("semi_async", 1, 2)]
+
+    async def main():
+        async with _server("hybrid", stages=stages) as server:
+            a, b = _client(server, "a"), _client(server, "b")
+            for c in (a, b):
+                await c.connect()
+                await c.pull()
+            ack = await a.push(_update(0.1), version=server.version, stage=0)
+            assert ack.stage is None and ack.local_steps == 4
+            ack = await a.push(_update(0.1), version=server.version, stage=1)
+            assert ack.stage == 1 and ack.local_steps == 1 and a.stage == 1
+            assert server.core.policy.stage == 1
+            await b.refresh_info()  # a round trip after the notice
+            assert b.stage == 1
+            with pytest.raises(InvalidUpdate, match="last stage"):
+                await a.push(_update(0.1), version=server.version, stage=2)
+            with pytest.raises(ValueError, match="stage"):  # refused before sent
+                await a.push(_update(0.1), version=server.version, stage=True)
+            for c in (a, b):
+                await c.close()
 
     _run(main)
