@@ -63,6 +63,7 @@ __all__ = [
     "fit_compute",
     "fit_link",
     "fit_service",
+    "first_round_seconds",
     "format_table",
     "plot_calibration",
     "round_gap",
@@ -81,6 +82,13 @@ MISSING_TERMS = {
         "apply, encode the parameters), so pushes queue behind one another; "
         "here it is folded into each link's latency (half a round's service per "
         "message), which charges the time but not the queueing."
+    ),
+    "join_time": (
+        "the experiments' simulator backend starts every worker hot at time 0 "
+        "(its WorkerSpecs take no join_time): on processes a worker's first "
+        "round loads its compiled step, runs it slowed down and waits for the "
+        "server's first answers, seconds of a 30 s run "
+        "(fits[scheme]['first_round_s'] per worker); not folded in."
     ),
 }
 """What the simulator lacks to predict real processes, by option name."""
@@ -218,6 +226,14 @@ def round_gap(records: Sequence[Mapping[str, Any]]) -> float:
         if a.get("round_s") is not None
     ]
     return max(float(np.mean(gaps)), 0.0) if gaps else 0.0
+
+
+def first_round_seconds(records: Sequence[Mapping[str, Any]]) -> float | None:
+    """Seconds from a worker's first round's start until its second could start."""
+    rounds = [r for r in _rounds(records) if int(r.get("step", -1)) == 0]
+    if not rounds or rounds[0].get("round_s") is None:
+        return None
+    return float(rounds[0]["round_s"])
 
 
 def _messages(r: Mapping[str, Any]) -> int:
@@ -709,6 +725,9 @@ def calibrate(
                 "compute": {w: dataclasses.asdict(f) for w, f in fits.items()},
                 "link": dataclasses.asdict(link),
                 "service": service,
+                "first_round_s": {
+                    w: first_round_seconds(rs) for w, rs in sorted(records.items())
+                },
                 "simulated_workers": {
                     "step_time": sim.workers.step_time,
                     "step_overhead": sim.workers.step_overhead,

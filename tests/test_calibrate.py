@@ -76,6 +76,8 @@ def test_round_gap_is_the_time_between_rounds():
     ]
     assert calibrate.round_gap(records) == pytest.approx(0.004)
     assert calibrate.round_gap(records[:1]) == 0.0
+    steps = [{**r, "step": i} for i, r in enumerate(records)]
+    assert calibrate.first_round_seconds(steps) == pytest.approx(0.1)
 
 
 def test_fit_link_separates_latency_and_bandwidth_when_rounds_vary():
