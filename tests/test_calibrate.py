@@ -200,3 +200,9 @@ def test_calibrate_end_to_end_on_processes(tmp_path):
     for path in result["paths"].values():
         assert path.is_file()
     assert "| asp |" in result["table"]
+
+
+def test_a_finished_run_is_kept_across_fields_added_to_the_configs():
+    saved = {"seed": 1, "workers": {"slowdowns": [8, 2]}}
+    assert calibrate._same_run(saved, {**saved, "stages": {"switch_loss": 0.3}})
+    assert not calibrate._same_run(saved, {**saved, "seed": 2})
