@@ -214,12 +214,59 @@ def _cleanup_claims(v):
     assert v["resumed_equal"]
 
 
+def _heterogeneity_claims(v):
+    planned, results = v["planned_idle"], v["results"]
+    bsp, hps = results["BSP"], results["H-PS"]
+    # The notebook says which case its profile is in, from the plan alone.
+    assert v["balanced"] == (planned["hps"] < planned["equal"] / 2), v
+    if v["balanced"]:
+        # "in the same time it applies two to three times as many versions, its
+        # workers are idle a fraction of the time BSP's are, and it ends above
+        # BSP".
+        assert hps["versions"] >= 2 * bsp["versions"], results
+        assert hps["idle"] < bsp["idle"] / 2, results
+        assert hps["accuracy"] > bsp["accuracy"], results
+    else:
+        # "H-PS cannot balance the round, and its workers sit idle about as
+        # much as BSP's".
+        assert hps["idle"] > bsp["idle"] / 2, results
+    # "The asynchronous schemes apply even more versions".
+    assert results["ASP"]["versions"] > hps["versions"], results
+
+
+def _staleness_rule_claims(v):
+    large, small = (v["final_accuracy"][str(lr)] for lr in v["learning_rates"])
+    # At the large step size: 1/tau first, grace_then_halving in between, no
+    # damping last ("the server overshoots and barely learns") ...
+    assert large["inverse (1/tau)"] > large["grace_then_halving"] + 0.1, large
+    assert large["grace_then_halving"] > large["no damping"] + 0.1, large
+    assert large["no damping"] < 0.3, large
+    # ... and at the small one "the order reverses".
+    assert small["no damping"] > small["grace_then_halving"] + 0.03, small
+    assert small["grace_then_halving"] > small["inverse (1/tau)"] + 0.03, small
+
+
 CLAIMS = {
     "01_transforms.ipynb": ("{'final_loss': final_loss}", _ef_claims),
     "02_parameter_server.ipynb": (
         "{'checkpoint_dir_exists': os.path.exists(checkpoint_dir),"
         " 'resumed_equal': bool(equal)}",
         _cleanup_claims,
+    ),
+    "03_heterogeneity.ipynb": (
+        "{'balanced': bool(balanced),"
+        " 'planned_idle': {k: p.idle_fraction for k, p in plans.items()},"
+        " 'results': {k: {'versions': r.num_updates,"
+        " 'idle': r.idle_fraction(),"
+        " 'accuracy': float(r.metrics['accuracy'][-1])}"
+        " for k, r in results.items()}}",
+        _heterogeneity_claims,
+    ),
+    "04_custom_scheme.ipynb": (
+        "{'learning_rates': ASP_LEARNING_RATES,"
+        " 'final_accuracy': {str(lr): {k: float(r.metrics['accuracy'][-1])"
+        " for k, r in rs.items()} for lr, rs in stale_results.items()}}",
+        _staleness_rule_claims,
     ),
 }
 
