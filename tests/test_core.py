@@ -896,6 +896,51 @@ def test_buffered_push_whose_aggregate_overflows_is_refused():
     np.testing.assert_allclose(w_of(core), [2.5e38] * 3, rtol=1e-6)
 
 
+@pytest.mark.parametrize("policy", [BSP, lambda: ASP(aggregate=3)])
+def test_a_checked_round_applies_once_and_matches_the_unchecked_one(policy):
+    cores = {
+        check: ServerCore(params0(), optax.adam(0.1), policy(), check_result=check)
+        for check in (True, False)
+    }
+    trials = []
+    checked = cores[True]._checked_apply_fn
+    cores[True]._checked_apply_fn = lambda *a: trials.append(1) or checked(*a)
+    for core in cores.values():
+        for w in range(3):
+            core.join(w, 0.0)
+        for step in range(12):
+            w = step % 3
+            core.push(w, upd(0.1 * step), version=core.version, now=1.0 + step)
+            core.pull(w, 1.0 + step)
+    assert cores[True].version == cores[False].version == 4
+    # One optimizer step per version, not one per push.
+    assert len(trials) == 4
+    jax.tree.map(np.testing.assert_array_equal, cores[True].params, cores[False].params)
+
+
+def test_push_whose_weighted_buffer_overflows_is_refused():
+    params = {"w": jnp.zeros(3, jnp.float32)}
+    core = ServerCore(params, optax.sgd(1.0), BSP(), push_weights={"a": 4.0})
+    core.join("a", 0.0)
+    core.join("b", 0.0)
+    before = snapshot(core)
+    with pytest.raises(NonFiniteUpdate, match="buffered average"):
+        core.push("a", {"w": np.full(3, 3e38, np.float32)}, version=0, now=1.0)
+    assert_same(snapshot(core), before)
+
+
+def test_version_made_without_a_push_to_refuse_keeps_finite_parameters():
+    params = {"w": jnp.full(3, 2e38, jnp.float32)}
+    core = ServerCore(params, optax.sgd(-1.0), BSP())
+    core.join("a", 0.0)
+    core.join("b", 0.0)
+    # The buffer is finite; its apply is not, and b's leaving completes it.
+    core.push("a", {"w": np.full(3, 3e38, np.float32)}, version=0, now=1.0)
+    acts = core.leave("b", 2.0)
+    assert only(acts, Applied) and core.version == 1
+    np.testing.assert_array_equal(w_of(core), [np.float32(2e38)] * 3)
+
+
 def test_result_check_can_be_turned_off():
     params = {"w": jnp.full(3, -1e38, jnp.float32)}
     core = ServerCore(params, optax.sgd(1.0), "asp", check_result=False)

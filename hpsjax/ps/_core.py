@@ -123,7 +123,7 @@ from hpsjax.ps._errors import (
     WorkerDropped,
 )
 from hpsjax.ps._messages import PushAck, PushMeta
-from hpsjax.ps._policies import Hybrid, Verdict, get_policy
+from hpsjax.ps._policies import ASP, BSP, Hybrid, Policy, Verdict, get_policy
 
 __all__ = [
     "Action",
@@ -496,14 +496,39 @@ def _make_steps(optimizer: optax.GradientTransformation):
         checks = [_finite(x) for x in leaves]
         return jnp.all(jnp.stack(checks)) if checks else jnp.array(True)
 
-    return (
+    def checked_scale(update, weight):
+        """``scale``, and whether the result is finite."""
+        total = scale(update, weight)
+        return total, all_finite(jax.tree.leaves(total))
+
+    def checked_accumulate(total, update, keep, weight):
+        """``accumulate``, and whether the result is finite."""
+        total = accumulate(total, update, keep, weight)
+        return total, all_finite(jax.tree.leaves(total))
+
+    return _Steps(
         jax.jit(apply),
         jax.jit(checked_apply),
         jax.jit(scale),
         jax.jit(accumulate),
         jax.jit(all_finite),
         jax.jit(apply_chain),
+        jax.jit(checked_scale),
+        jax.jit(checked_accumulate),
     )
+
+
+class _Steps(NamedTuple):
+    """The compiled steps of one optimizer (see :func:`_make_steps`)."""
+
+    apply: Any
+    checked_apply: Any
+    scale: Any
+    accumulate: Any
+    all_finite: Any
+    apply_chain: Any
+    checked_scale: Any
+    checked_accumulate: Any
 
 
 class ServerCore:
@@ -540,9 +565,15 @@ class ServerCore:
       check_finite: reject updates holding NaN or infinity.
       check_result: reject a push whose update, applied, would make the
         parameters or the optimizer state non-finite (``NonFiniteUpdate``,
-        nothing changes). The buffer with the push is applied on trial when
-        the push arrives; the apply that follows commits that result. Not
-        with ``defer_applies`` (deferred applies are not checked).
+        nothing changes). A push that completes a version (or one whose
+        policy cannot tell before it is recorded) has the buffer with it
+        applied on trial, the result the apply commits; a push that leaves
+        the buffer open has only the buffer checked, so a round of many pushes
+        costs one optimizer step. A round whose finite buffer would apply to
+        non-finite values thus refuses the push that completes it; a version
+        made with no push to refuse (a deadline, a leave) whose result would
+        be non-finite keeps the parameters as they were. Not with
+        ``defer_applies`` (deferred applies are not checked).
       defer_applies: keep the updates of new versions and carry them out, all
         in one compiled call, when the parameters are next read
         (:attr:`params`, :attr:`opt_state`, :meth:`apply_deferred`). Every
@@ -704,14 +735,15 @@ class ServerCore:
         self._dtypes = tuple(x.dtype for x in leaves)
         self._params = jax.tree.unflatten(treedef, leaves)
         self._opt_state = optimizer.init(self._params)
-        (
-            self._apply_fn,
-            self._checked_apply_fn,
-            self._scale_fn,
-            self._accumulate_fn,
-            self._finite_fn,
-            self._chain_fn,
-        ) = _make_steps(optimizer)
+        steps = _make_steps(optimizer)
+        self._apply_fn = steps.apply
+        self._checked_apply_fn = steps.checked_apply
+        self._scale_fn = steps.scale
+        self._accumulate_fn = steps.accumulate
+        self._finite_fn = steps.all_finite
+        self._chain_fn = steps.apply_chain
+        self._checked_scale_fn = steps.checked_scale
+        self._checked_accumulate_fn = steps.checked_accumulate
         self._version = 0
         self._scalars: dict[tuple[float, type], jax.Array] = {}
 
@@ -1160,7 +1192,13 @@ class ServerCore:
         pending = None
         if verdict_weight > 0:
             pending = self._buffer_candidate(
-                update, verdict_weight, num_samples or 1, staleness, version, stale
+                update,
+                verdict_weight,
+                num_samples or 1,
+                staleness,
+                version,
+                stale,
+                completes=self._push_completes(worker_id),
             )
         self._begin(now)
 
@@ -1487,6 +1525,25 @@ class ServerCore:
         self._buffer_version: int | None = None
         self._buffer_stale = None
 
+    def _push_completes(self, worker_id: WorkerId) -> bool | None:
+        """Whether a buffered push of ``worker_id`` makes the policy apply.
+
+        Known before the push is recorded only for policies whose readiness
+        depends on the buffer and the live workers alone (BSP's and ASP's
+        ``ready``, with no ``on_push`` of their own); ``None`` for any other.
+        """
+        policy = self._policy
+        cls = type(policy)
+        if cls.on_push is not Policy.on_push:
+            return None
+        if cls.ready is BSP.ready:
+            missing = self._live.difference(self.buffer_contributors)
+            return not missing or missing == {worker_id}
+        if cls.ready is ASP.ready:
+            need = min(policy.aggregate, max(1, len(self._live)))
+            return len(self._buffer_contributors) + 1 >= need
+        return None
+
     def _buffer_candidate(
         self,
         update: Any,
@@ -1495,54 +1552,80 @@ class ServerCore:
         staleness: int,
         version: int,
         stale: Any,
+        *,
+        completes: bool | None,
     ) -> _Pending:
         """The buffer with one more update, and (``check_result``) its apply.
 
-        Changes nothing: the push commits it with :meth:`_buffer_add`.
+        Changes nothing: the push commits it with :meth:`_buffer_add`. With
+        ``check_result``, a push that completes the buffer (``completes``;
+        ``None`` where not known) has the buffer applied on trial, a result
+        the apply commits; any other has only the buffer checked, one
+        elementwise pass rather than an optimizer step per push.
 
         Raises:
-          NonFiniteUpdate: the apply would make parameters or optimizer state
-            non-finite.
+          NonFiniteUpdate: the buffer, or the apply of a completed buffer,
+            would be non-finite.
         """
         total = self._buffer_samples + samples
         # The running mean's weights, each in [0, weight]: a count of samples
         # never multiplies a value.
         keep = np.float32(self._buffer_samples / total)
         w = np.float32(weight * (samples / total))
+        trial = self._check_result and completes is not False
+        checked = self._check_result and not trial
+        finite = True
         if self._defer:
             buffer = [*(self._buffer or []), (update, keep, w)]
+        elif self._buffer is None and w == 1:
+            buffer = update
+        elif self._buffer is None and checked:
+            buffer, finite = self._checked_scale_fn(update, w)
         elif self._buffer is None:
-            buffer = update if w == 1 else self._scale_fn(update, w)
+            buffer = self._scale_fn(update, w)
+        elif checked:
+            buffer, finite = self._checked_accumulate_fn(self._buffer, update, keep, w)
         else:
             buffer = self._accumulate_fn(self._buffer, update, keep, w)
+        if not finite:
+            raise NonFiniteUpdate(
+                "update refused: the buffered average with it would be non-finite "
+                "(NaN or infinity); nothing changed"
+            )
         tau = max(self._buffer_staleness, staleness)
         if self._buffer_version is None or version < self._buffer_version:
             first_version, first_stale = version, stale
         else:
             first_version, first_stale = self._buffer_version, self._buffer_stale
         result = None
-        if self._check_result:
-            params, opt_state, flags = self._checked_apply_fn(
-                self._params,
-                self._opt_state,
-                buffer,
-                self._device_scalar(tau, np.int32),
-                first_stale,
-            )
-            flags = np.asarray(flags)
-            if not flags.all():
-                bad = int(np.argmin(flags))
-                what = (
-                    f"parameter {self._leaf_paths[bad] or 'leaf'}"
-                    if bad < len(self._leaf_paths)
-                    else "the optimizer state"
-                )
+        if trial:
+            params, opt_state, bad = self._trial_apply(buffer, tau, first_stale)
+            if bad is not None:
                 raise NonFiniteUpdate(
-                    f"update refused: applied, it would make {what} non-finite "
+                    f"update refused: applied, it would make {bad} non-finite "
                     "(NaN or infinity); nothing changed"
                 )
             result = (params, opt_state)
         return _Pending(buffer, samples, tau, first_version, first_stale, result)
+
+    def _trial_apply(
+        self, buffer: Any, staleness: int, stale: Any
+    ) -> tuple[Any, Any, str | None]:
+        """``buffer`` applied, and what it would make non-finite (or ``None``)."""
+        params, opt_state, flags = self._checked_apply_fn(
+            self._params,
+            self._opt_state,
+            buffer,
+            self._device_scalar(staleness, np.int32),
+            stale,
+        )
+        flags = np.asarray(flags)
+        if flags.all():
+            return params, opt_state, None
+        bad = int(np.argmin(flags))
+        if bad < len(self._leaf_paths):
+            return params, opt_state, f"parameter {self._leaf_paths[bad] or 'leaf'}"
+        return params, opt_state, "the optimizer state"
 
     def _buffer_add(self, rec: _Worker, pending: _Pending) -> None:
         self._buffer = pending.buffer
@@ -1559,6 +1642,15 @@ class ServerCore:
             self._deferred.append((self._buffer, self._buffer_staleness))
         elif self._buffer_result is not None:
             self._params, self._opt_state = self._buffer_result
+        elif self._check_result:
+            # Applied with no push to refuse (a deadline, a leave): a result
+            # that would be non-finite is discarded, the version made with the
+            # parameters and optimizer state as they were.
+            params, opt_state, bad = self._trial_apply(
+                self._buffer, self._buffer_staleness, self._buffer_stale
+            )
+            if bad is None:
+                self._params, self._opt_state = params, opt_state
         else:
             self._params, self._opt_state = self._apply_fn(
                 self._params,
