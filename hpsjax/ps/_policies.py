@@ -65,7 +65,7 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-import numpy as np
+from hpsjax._checks import check_int, check_positive, is_int
 
 if TYPE_CHECKING:
     from hpsjax.ps._core import ServerCore
@@ -91,29 +91,6 @@ STALE_ACTIONS = ("damp", "drop")
 
 HYBRID_MODES = ("async", "semi_async", "sync")
 """Modes of a :class:`HybridStage` (those of ``hpsjax.transforms.Stage``)."""
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int | np.integer) and not isinstance(value, bool)
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, int | float | np.integer | np.floating) and not (
-        isinstance(value, bool)
-    )
-
-
-def _check_int(name: str, value: Any, *, low: int, allow_none: bool = False) -> None:
-    if value is None and allow_none:
-        return
-    if not _is_int(value) or value < low:
-        none = " or None" if allow_none else ""
-        raise ValueError(f"{name} must be an int >= {low}{none}, got {value!r}.")
-
-
-def _check_positive(name: str, value: Any) -> None:
-    if not _is_number(value) or not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{name} must be a finite number > 0, got {value!r}.")
 
 
 def _check_stale_action(name: str, value: Any) -> None:
@@ -308,8 +285,8 @@ class ASP(Policy):
         max_staleness: int | None = None,
         on_stale: str = "damp",
     ):
-        _check_int("aggregate", aggregate, low=1)
-        _check_int("max_staleness", max_staleness, low=0, allow_none=True)
+        check_int("aggregate", aggregate, low=1)
+        check_int("max_staleness", max_staleness, low=0, allow_none=True)
         _check_stale_action("on_stale", on_stale)
         self.aggregate = int(aggregate)
         self.max_staleness = None if max_staleness is None else int(max_staleness)
@@ -388,7 +365,7 @@ class SSP(Policy):
     name = "ssp"
 
     def __init__(self, *, staleness_bound: int = 3):
-        _check_int("staleness_bound", staleness_bound, low=0)
+        check_int("staleness_bound", staleness_bound, low=0)
         self.staleness_bound = int(staleness_bound)
 
     def admit(self, core, worker_id):
@@ -437,7 +414,7 @@ class SaPS(Policy):
     name = "saps"
 
     def __init__(self, *, threshold: int | None = None, on_straggler: str = "damp"):
-        _check_int("threshold", threshold, low=0, allow_none=True)
+        check_int("threshold", threshold, low=0, allow_none=True)
         _check_stale_action("on_straggler", on_straggler)
         self.threshold = None if threshold is None else int(threshold)
         self.on_straggler = on_straggler
@@ -498,7 +475,7 @@ class SemiAsync(Policy):
     name = "semi_async"
 
     def __init__(self, *, max_staleness: int = 4, on_stale: str = "damp"):
-        _check_int("max_staleness", max_staleness, low=0)
+        check_int("max_staleness", max_staleness, low=0)
         _check_stale_action("on_stale", on_stale)
         self.max_staleness = int(max_staleness)
         self.on_stale = on_stale
@@ -612,14 +589,14 @@ class ADSP(Policy):
         search_factor: float = 1.5,
         max_local_steps: int = 1000,
     ):
-        _check_positive("check_period", check_period)
-        _check_int("commits_per_period", commits_per_period, low=1, allow_none=True)
+        check_positive("check_period", check_period)
+        check_int("commits_per_period", commits_per_period, low=1, allow_none=True)
         if not isinstance(search, bool):
             raise ValueError(f"search must be a bool, got {search!r}.")
-        _check_positive("search_factor", search_factor)
+        check_positive("search_factor", search_factor)
         if search_factor <= 1:
             raise ValueError(f"search_factor must be > 1, got {search_factor!r}.")
-        _check_int("max_local_steps", max_local_steps, low=1)
+        check_int("max_local_steps", max_local_steps, low=1)
         self.check_period = float(check_period)
         self.commits_per_period = commits_per_period
         self.search = search
@@ -726,7 +703,7 @@ class ADSP(Policy):
                 f"An ADSP state needs exactly the keys {sorted(expected)}, got "
                 f"{sorted(state) if isinstance(state, Mapping) else state!r}."
             )
-        _check_int("target", state["target"], low=1, allow_none=True)
+        check_int("target", state["target"], low=1, allow_none=True)
         if state["direction"] not in (-1, 1):
             raise ValueError(f"direction must be -1 or 1, got {state['direction']!r}.")
         try:
@@ -803,9 +780,9 @@ class HybridStage:
                 f"Unknown stage mode {self.mode!r}; valid modes are "
                 f"{', '.join(HYBRID_MODES)}."
             )
-        _check_int("local_steps", self.local_steps, low=1)
-        _check_int("max_staleness", self.max_staleness, low=0, allow_none=True)
-        _check_int("until_version", self.until_version, low=1, allow_none=True)
+        check_int("local_steps", self.local_steps, low=1)
+        check_int("max_staleness", self.max_staleness, low=0, allow_none=True)
+        check_int("until_version", self.until_version, low=1, allow_none=True)
         if self.mode == "semi_async" and self.max_staleness is None:
             raise ValueError("A semi_async stage needs max_staleness (an int >= 0).")
         if self.mode == "sync" and self.max_staleness not in (None, 0):
@@ -937,7 +914,7 @@ class Hybrid(Policy):
 
     def set_stage(self, core, index):
         del core
-        if not _is_int(index) or not 0 <= index < len(self.stages):
+        if not is_int(index) or not 0 <= index < len(self.stages):
             raise ValueError(
                 f"Stage index must be an int in [0, {len(self.stages)}), got {index!r}."
             )
@@ -950,7 +927,7 @@ class Hybrid(Policy):
         if not isinstance(state, Mapping) or set(state) != {"stage"}:
             raise ValueError(f"A hybrid state needs exactly the key 'stage': {state!r}")
         index = state["stage"]
-        if not _is_int(index) or not 0 <= index < len(self.stages):
+        if not is_int(index) or not 0 <= index < len(self.stages):
             raise ValueError(f"Stage index {index!r} out of range.")
         self._stage = int(index)
 
