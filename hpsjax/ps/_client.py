@@ -632,6 +632,11 @@ class Client:
         elif update is None:
             raise ValueError("push needs an update (or encoded= and codec=)")
         elif codec is not None:
+            if codec == _treecodec.TOPK_SCHEME:
+                raise ValueError(
+                    "codec='topk' sends encoded= leaves (topk_encode_tree, "
+                    "last_topk_encoded)"
+                )
             if self._key is None:
                 seed = self._seed
                 if seed is None:

@@ -5,18 +5,25 @@ shapes and dtypes are fixed). Compiling takes tens of milliseconds and holds
 about two MiB, so the server compiles off its event loop
 (:meth:`DecoderCache.compile` runs in a worker thread) and keeps only the
 ``size`` codecs used last: whatever codecs clients send, memory stays bounded.
+
+Top-k pushes (:class:`~hpsjax.ps._treecodec.TopKCodec`, a ``k`` per leaf that
+changes with each worker's ratio) need no compiled program: their decoder
+scatters the (checked) values into zeros with numpy, is made on demand and
+is never stored.
 """
 
 from __future__ import annotations
 
 import collections
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import numpy as np
 
-from hpsjax.ps._treecodec import compressed_sizes
+from hpsjax.ps._frames import DTYPES
+from hpsjax.ps._treecodec import TopKCodec, compressed_sizes
 from hpsjax.transforms import _quantize as q
 
 __all__ = ["DecoderCache"]
@@ -30,6 +37,18 @@ def _leaf_decoder(codec: Any, specs: tuple[tuple[tuple[int, ...], str], ...]):
             q.decode(enc, codec, shape, dtype)
             for enc, (shape, dtype) in zip(encoded, specs, strict=True)
         ]
+
+    return decode_leaves
+
+
+def _topk_decoder(specs: tuple[tuple[tuple[int, ...], str], ...]):
+    def decode_leaves(encoded):
+        out = []
+        for (indices, values), (shape, dtype) in zip(encoded, specs, strict=True):
+            leaf = np.zeros(math.prod(shape), DTYPES[dtype])
+            leaf[indices] = values
+            out.append(leaf.reshape(shape))
+        return out
 
     return decode_leaves
 
@@ -67,7 +86,15 @@ class DecoderCache:
         return len(self._compiled)
 
     def get(self, codec: Any) -> Callable | None:
-        """The decoder of ``codec`` (``encoded leaves -> leaves``), or ``None``."""
+        """The decoder of ``codec`` (``encoded leaves -> leaves``), or ``None``.
+
+        A :class:`TopKCodec` always has one (``(indices, values)`` pairs, checked
+        by ``check_topk_leaf``, to leaves), and it is not kept.
+        """
+        if isinstance(codec, TopKCodec):
+            if len(codec.ks) != len(self._specs):
+                return None
+            return _topk_decoder(self._specs)
         decoder = self._compiled.get(codec)
         if decoder is not None:
             self._compiled.move_to_end(codec)
@@ -75,6 +102,8 @@ class DecoderCache:
 
     def compile(self, codec: Any) -> Callable:
         """Compiles the decoder of ``codec``; thread-safe, stores nothing."""
+        if isinstance(codec, TopKCodec):
+            raise ValueError("top-k decoders are not compiled; get() gives them")
         args = []
         for shape, _ in self._specs:
             n_codes, n_scales = compressed_sizes(shape, codec)

@@ -929,15 +929,13 @@ class Server:
         # The one place a push's fields are validated.
         meta = PushMeta.from_wire(frame.metadata)
         self._check_pusher(session, meta.version)
-        codec = frame.payload.layout.codec
-        if codec is not None:
-            codec = q.Codec.from_dict(codec)
-            if self._decoders.get(codec) is None:
-                self._compile_then_serve(session, frame, codec)
-                return
+        codec = _treecodec.wire_codec(frame.payload.layout.codec)
+        if codec is not None and self._decoders.get(codec) is None:
+            self._compile_then_serve(session, frame, codec)
+            return
         leaves = self._decode_update(frame.payload)
-        if self._check_finite and frame.payload.layout.codec is not None:
-            # Raw leaves were checked as they arrived (_check_received).
+        if self._check_finite and isinstance(codec, q.Codec):
+            # Raw and top-k leaves were checked as they arrived (_check_received).
             self._require_finite(leaves)
         update = jax.tree.unflatten(self._treedef, leaves)
         # The layout was checked against the model before the payload was read
@@ -1041,7 +1039,9 @@ class Server:
             # core's compiled steps are called on them (cheaper than device_put
             # for small leaves, as fast for big ones).
             return payload.arrays
-        codec = q.Codec.from_dict(layout.codec)
+        codec = _treecodec.wire_codec(layout.codec)
+        if isinstance(codec, _treecodec.TopKCodec):
+            return self._decoders.get(codec)(payload.arrays)
         encoded = [q.Encoded(codes, scales) for codes, scales in payload.arrays]
         return self._decoders.get(codec)(encoded)
 
@@ -1052,6 +1052,14 @@ class Server:
         the check overlaps the transfer of the following leaves.
         """
         layout = payload.layout
+        if layout.codec is not None and layout.codec["scheme"] == "topk":
+            if index % 2:  # indices and values are in (k = 0 sends neither)
+                indices, values = payload.arrays[index // 2]
+                size = math.prod(layout.leaves[index // 2].shape)
+                _treecodec.check_topk_leaf(
+                    indices, values, size, finite=self._check_finite
+                )
+            return
         if layout.codec is not None:
             # Codes and scales are checked once both are in (NaN and infinity
             # once decoded): "none" sends no scales, other schemes always do.

@@ -21,6 +21,7 @@ from hpsjax._checks import is_int
 from hpsjax.ps._errors import (
     InvalidUpdate,
     MalformedMetadata,
+    NonFiniteUpdate,
     SpecMismatch,
     TooManyLeaves,
     UnsupportedDtype,
@@ -39,19 +40,25 @@ from hpsjax.transforms import _quantize as q
 
 __all__ = [
     "LayoutCache",
+    "TOPK_SCHEME",
     "LeafSpec",
+    "TopKCodec",
     "TreeLayout",
     "WireTree",
     "check_encoded_leaf",
     "check_same_spec",
+    "check_topk_leaf",
     "compressed_sizes",
     "default_allocator",
     "encoded_tree_to_wire",
     "flatten_tree",
     "leaf_buffers",
     "tree_layout",
+    "topk_index_dtype",
+    "topk_tree_to_wire",
     "tree_to_wire",
     "unflatten_tree",
+    "wire_codec",
 ]
 
 
@@ -226,7 +233,8 @@ class LeafSpec(NamedTuple):
       offset: byte offset of its buffer in the payload.
       nbytes: byte length of its buffer.
       code_nbytes: for a compressed leaf, bytes of packed codes at the start of
-        the buffer (float32 scales follow); ``None`` for a raw leaf.
+        the buffer (float32 scales follow), or for a top-k leaf bytes of its
+        indices (its values follow); ``None`` for a raw leaf.
     """
 
     dtype: np.dtype
@@ -262,14 +270,21 @@ class TreeLayout(NamedTuple):
 
         Returns:
           Per leaf, an array of its dtype and shape, or for a compressed leaf a
-          ``(codes uint8[code_nbytes], scales float32[n])`` pair.
+          ``(codes uint8[code_nbytes], scales float32[n])`` pair, or for a top-k
+          leaf an ``(indices uint16|uint32[k], values dtype[k])`` pair.
         """
         if self.codec is None:
             return self._allocate_raw(pool, None)
+        topk = self.codec.get("scheme") == TOPK_SCHEME
         parts: list[tuple[tuple[int, ...], np.dtype]] = []
         for leaf in self.leaves:
             if leaf.code_nbytes is None:
                 parts.append((leaf.shape, leaf.dtype))
+            elif topk:
+                index_dtype = topk_index_dtype(math.prod(leaf.shape))
+                k = leaf.code_nbytes // index_dtype.itemsize
+                parts.append(((k,), index_dtype))
+                parts.append(((k,), leaf.dtype))
             else:
                 n_scales = (leaf.nbytes - leaf.code_nbytes) // 4
                 parts.append(((leaf.code_nbytes,), np.dtype(np.uint8)))
@@ -460,6 +475,176 @@ def check_encoded_leaf(codes: np.ndarray, scales: np.ndarray, size: int, codec) 
         raise InvalidUpdate(f"code {largest} is over the largest level code {top}")
 
 
+TOPK_SCHEME = "topk"
+"""The ``scheme`` of the top-k codec (``{"scheme": "topk", "k": [k per leaf]}``)."""
+
+_FLOAT_NAMES = frozenset({"float16", "bfloat16", "float32", "float64"})
+
+
+class TopKCodec(NamedTuple):
+    """The top-k wire codec: leaf ``i`` sends ``ks[i]`` indices, then as many values.
+
+    Hashable, so it keys decoders like a quantization ``Codec``.
+
+    Examples:
+      >>> TopKCodec((3, 0)).to_dict()
+      {'scheme': 'topk', 'k': [3, 0]}
+    """
+
+    ks: tuple[int, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        """The codec as frame metadata."""
+        return {"scheme": TOPK_SCHEME, "k": list(self.ks)}
+
+
+def topk_index_dtype(size: int) -> np.dtype:
+    """The wire dtype of a top-k leaf's indices: ``uint16`` for leaves of at most
+    65536 elements, ``uint32`` up to 2**32 (as ``hpsjax.transforms.topk_encode``).
+
+    Raises:
+      MalformedMetadata: the leaf has more than 2**32 elements.
+    """
+    if size > 2**32:
+        raise MalformedMetadata(f"top-k leaves hold at most 2**32 elements, not {size}")
+    return np.dtype("<u2") if size <= 2**16 else np.dtype("<u4")
+
+
+def _topk_codec_from_dict(codec: dict, count: int) -> TopKCodec:
+    if set(codec) != {"scheme", "k"}:
+        keys = sorted(map(str, codec))[:8]
+        raise MalformedMetadata(f"a top-k codec has only 'scheme' and 'k', not {keys}")
+    ks = codec["k"]
+    if (
+        not isinstance(ks, list)
+        or len(ks) != count
+        or not all(is_int(k) and k >= 0 for k in ks)
+    ):
+        raise MalformedMetadata(f"top-k 'k' must list {count} ints >= 0"[:200])
+    return TopKCodec(tuple(int(k) for k in ks))
+
+
+def wire_codec(codec: Any) -> Any:
+    """The codec object of a (validated) layout's codec dict.
+
+    Returns:
+      ``None`` for a raw tree, a :class:`TopKCodec`, or a quantization
+      ``hpsjax.transforms.Codec``.
+    """
+    if codec is None:
+        return None
+    if codec.get("scheme") == TOPK_SCHEME:
+        return TopKCodec(tuple(codec["k"]))
+    return q.Codec.from_dict(codec)
+
+
+def _topk_sizes(i: int, name: str, shape: Sequence[int], k: int) -> tuple[int, int]:
+    """``(index bytes, buffer bytes)`` of top-k leaf ``i`` keeping ``k`` entries."""
+    if name not in _FLOAT_NAMES:
+        raise MalformedMetadata(f"leaf {i}: top-k leaves must be floating, not {name}")
+    size = math.prod(shape)
+    if k > size:
+        raise MalformedMetadata(f"leaf {i}: top-k k={k} > {size} elements")
+    index_nbytes = k * topk_index_dtype(size).itemsize
+    return index_nbytes, index_nbytes + k * DTYPES[name].itemsize
+
+
+def check_topk_leaf(
+    indices: np.ndarray, values: np.ndarray, size: int, *, finite: bool = True
+) -> None:
+    """Checks one received top-k leaf before it is decoded.
+
+    Indices must be strictly increasing (so unique) and below ``size``; with
+    ``finite`` the values must hold no NaN or infinity.
+
+    Raises:
+      InvalidUpdate: a bad index.
+      NonFiniteUpdate: a value is NaN or infinite.
+    """
+    if not indices.size:
+        return
+    if int(indices[-1]) >= size:
+        raise InvalidUpdate(f"top-k index {int(indices[-1])} out of range [0, {size})")
+    if indices.size > 1 and not (indices[1:] > indices[:-1]).all():
+        raise InvalidUpdate("top-k indices must be strictly increasing")
+    if finite and not np.isfinite(values).all():
+        raise NonFiniteUpdate("top-k values hold NaN or infinity")
+
+
+def topk_tree_to_wire(
+    encoded: Sequence[Any],
+    like: Any,
+    *,
+    limits: WireLimits = DEFAULT_LIMITS,
+) -> tuple[dict[str, Any], list[memoryview], TreeLayout]:
+    """Describes a top-k sparsified tree for a PUSH or PUSH_PULL frame.
+
+    Each leaf's buffer is its ``k`` indices (``uint16`` up to 65536 elements,
+    else ``uint32``) followed by its ``k`` values in the leaf's dtype: the
+    bytes of ``hpsjax.transforms.TopKEncoded``, sent as they are (no copy for
+    host arrays).
+
+    Args:
+      encoded: the ``TopKEncoded(indices, values)`` of each leaf in leaf order,
+        as ``topk_encode_tree`` or ``last_topk_encoded(opt_state)`` return them.
+      like: a pytree giving the structure and each leaf's decoded shape and
+        dtype (arrays or ``jax.ShapeDtypeStruct``).
+      limits: bounds and allowed dtypes.
+
+    Returns:
+      ``(metadata, buffers, layout)`` as for :func:`tree_to_wire`; the codec is
+      ``{"scheme": "topk", "k": [k per leaf]}``.
+
+    Raises:
+      SpecMismatch: ``encoded`` does not fit ``like``.
+    """
+    structure, like_leaves = flatten_tree(
+        like, limits=limits, is_leaf=lambda x: hasattr(x, "shape")
+    )
+    encoded = list(encoded)
+    if len(encoded) != len(like_leaves):
+        raise SpecMismatch(
+            f"{len(encoded)} encoded leaves for a tree of {len(like_leaves)}"
+        )
+    leaves, arrays, ks = [], [], []
+    offset = 0
+    for i, (enc, ref) in enumerate(zip(encoded, like_leaves, strict=True)):
+        if not (isinstance(enc, tuple) and len(enc) == 2):
+            raise SpecMismatch("every top-k leaf must be an (indices, values) pair")
+        indices = _as_leaf(enc[0]).reshape(-1)
+        values = _as_leaf(enc[1]).reshape(-1)
+        dtype = np.dtype(getattr(ref, "dtype", None) or np.asarray(ref).dtype)
+        name = _wire_dtype_name(dtype, limits)
+        shape = tuple(int(d) for d in np.shape(ref))
+        size = math.prod(shape)
+        want = topk_index_dtype(size)
+        if indices.dtype != want or values.dtype != dtype:
+            raise SpecMismatch(
+                f"leaf {i}: top-k of shape {shape} sends {want.name} indices and "
+                f"{dtype.name} values, got {indices.dtype.name} and "
+                f"{values.dtype.name}"
+            )
+        k = indices.size
+        if values.size != k:
+            raise SpecMismatch(f"leaf {i}: {k} indices but {values.size} values")
+        try:
+            index_nbytes, nbytes = _topk_sizes(i, name, shape, k)
+        except MalformedMetadata as e:
+            raise SpecMismatch(e.message) from None
+        leaves.append(LeafSpec(dtype, shape, offset, nbytes, index_nbytes))
+        arrays.append((indices, values))
+        ks.append(k)
+        offset += nbytes
+    codec_dict = TopKCodec(tuple(ks)).to_dict()
+    layout = TreeLayout(structure, tuple(leaves), codec_dict, offset)
+    meta = {
+        "tree": structure,
+        "leaves": [_spec_to_wire(s) for s in leaves],
+        "codec": codec_dict,
+    }
+    return meta, leaf_buffers(arrays), layout
+
+
 def encoded_tree_to_wire(
     encoded: Sequence[Any],
     like: Any,
@@ -484,9 +669,16 @@ def encoded_tree_to_wire(
     Returns:
       ``(metadata, buffers, layout)`` as for :func:`tree_to_wire`.
 
+    A ``codec`` of ``"topk"`` (or a :class:`TopKCodec`) sends top-k leaves
+    instead: see :func:`topk_tree_to_wire`.
+
     Raises:
       SpecMismatch: ``encoded`` does not fit ``like`` and ``codec``.
     """
+    if isinstance(codec, TopKCodec) or (
+        isinstance(codec, str) and codec == TOPK_SCHEME
+    ):
+        return topk_tree_to_wire(encoded, like, limits=limits)
     structure, like_leaves = flatten_tree(
         like, limits=limits, is_leaf=lambda x: hasattr(x, "shape")
     )
@@ -553,7 +745,10 @@ def tree_layout(meta: Mapping[str, Any], limits: WireLimits = DEFAULT_LIMITS):
     if not isinstance(entries, list) or len(entries) != count:
         raise MalformedMetadata(f"'leaves' must list {count} entries")
     codec = meta.get("codec")
-    if codec is not None:
+    topk = None
+    if isinstance(codec, dict) and codec.get("scheme") == TOPK_SCHEME:
+        topk = _topk_codec_from_dict(codec, count)
+    elif codec is not None:
         _codec_from_dict(codec)
     leaves = []
     offset = 0
@@ -582,6 +777,16 @@ def tree_layout(meta: Mapping[str, Any], limits: WireLimits = DEFAULT_LIMITS):
                 )
         else:
             code_nbytes = entry[4]
+            if topk is not None:
+                want_index, want_nbytes = _topk_sizes(i, name, shape, topk.ks[i])
+                if code_nbytes != want_index or nbytes != want_nbytes:
+                    raise MalformedMetadata(
+                        f"leaf {i}: top-k sizes ({code_nbytes}, {nbytes}) != "
+                        f"({want_index}, {want_nbytes})"
+                    )
+                leaves.append(LeafSpec(dtype, tuple(shape), off, nbytes, code_nbytes))
+                offset += nbytes
+                continue
             want_codes, want_scales = compressed_sizes(shape, codec)
             if code_nbytes != want_codes or nbytes != want_codes + 4 * want_scales:
                 raise MalformedMetadata(
