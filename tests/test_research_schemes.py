@@ -219,3 +219,51 @@ def test_processes_accept_the_loss_switch_but_not_the_plateau(tmp_path):
     config.stages.switch = "plateau"
     with pytest.raises(ValueError, match="'plateau' runs in the simulator"):
         train.train_and_evaluate(config, tmp_path, progress=False)
+
+
+# ------------------------------------------------------------- SHL's top-k
+
+
+def test_pushes_are_sparsified_once_the_server_moves_to_the_compressing_stage():
+    from hpsjax.worker import _core as wc
+
+    core = wc.WorkerCore(
+        device_batches=(8,), compress_ratio=0.02, compress_from_stage=1
+    )
+    core.handle(wc.Joined(0.0))
+    core.handle(wc.Pulled(1, 0, now=0.1))
+    core.handle(wc.Computed(0, now=1.0, step_time=0.9, loss=1.0))
+    (push,) = [a for a in core.handle(wc.Reported(1.0)) if isinstance(a, wc.Push)]
+    assert push.compress_ratio == 1.0  # AHL: whole
+    # The acknowledgement says the server is in stage 1 (SHL): top-k from now on.
+    core.handle(wc.Acked(1, 1, now=1.1, stage=1))
+    core.handle(wc.Pulled(1, 1, now=1.2))
+    core.handle(wc.Computed(1, now=2.0, step_time=0.8, loss=0.5))
+    (push,) = [a for a in core.handle(wc.Reported(2.0)) if isinstance(a, wc.Push)]
+    assert push.compress_ratio == 0.02
+    with pytest.raises(ValueError, match="compress_ratio"):
+        wc.WorkerCore(device_batches=(8,), compress_ratio=0.0)
+
+
+def test_the_worker_sends_top_k_pushes_at_its_ratio():
+    import jax.numpy as jnp
+
+    from hpsjax.worker import Worker, WorkerConfig
+    from hpsjax.worker import _core as wc
+
+    config = WorkerConfig(compress_ratio=0.1, compress_from_stage=1, seed=3)
+    worker = Worker(
+        config,
+        loss_fn=lambda p, b: jnp.sum(p["w"] * b),
+        batches=lambda n: None,
+        local_optimizer=optax.sgd(0.1),
+    )
+    params = {"w": np.zeros(200, np.float32)}
+    worker._initialise(params)
+    update = {"w": jnp.linspace(-1.0, 1.0, 200)}
+    push = wc.Push(0, 1, 0, 1.0, 8, 1, None, None, 1.0, 0, compress_ratio=0.1)
+    prepared = worker._prepare(type("C", (), {"update": update})(), push)
+    assert prepared.codec == "topk"
+    (enc,) = prepared.encoded
+    assert enc.indices.size == 20 and prepared.nbytes == 20 * (2 + 4)
+    assert set(np.asarray(enc.indices)) == set(range(10)) | set(range(190, 200))

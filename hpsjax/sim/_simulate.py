@@ -142,6 +142,11 @@ class SimConfig:
         :func:`~hpsjax.transforms.quantize` in ``push_transform`` keeps for the
         wire, else float32-size (uncompressed) pushes. Pulls are never
         compressed.
+      compress_from_stage: with a work plan, each worker's pushes are top-k
+        sparsified at its plan's ``compress_ratio`` once the server's stage is
+        at least this (the worker core's rule; ASHL's SHL is stage 1), and
+        count the wire's top-k bytes; ``None`` never sparsifies. Only the bytes
+        are simulated: the update applied is the whole one.
       overlap: ``"none"`` (compute, then push and pull in one round trip),
         ``"pipeline"`` (H-PS, PS+: the previous round's push and the next pull
         travel while a round computes) or ``"eager"`` (``"pipeline"`` with up to
@@ -184,6 +189,7 @@ class SimConfig:
     worker_optimizer: optax.GradientTransformation | None = None
     push_transform: optax.GradientTransformation | None = None
     codec: Any = None
+    compress_from_stage: int | None = None
     overlap: str = "none"
     eager_pulls: int = 3
     staleness_lr: Any = None
@@ -222,6 +228,15 @@ class SimConfig:
                 f"{', '.join(OVERLAP_MODES)}."
             )
         _check_optional("eager_pulls", self.eager_pulls, integer=True)
+        if self.compress_from_stage is not None and (
+            isinstance(self.compress_from_stage, bool)
+            or not isinstance(self.compress_from_stage, int)
+            or self.compress_from_stage < 0
+        ):
+            raise ValueError(
+                f"compress_from_stage must be an int >= 0 or None, got "
+                f"{self.compress_from_stage!r}."
+            )
         if self.staleness_lr is not None and not callable(self.staleness_lr):
             if self.staleness_lr not in STALENESS_POLICIES:
                 raise ValueError(
@@ -678,6 +693,8 @@ class _Simulation:
         )
         self.pull_bytes = tree_wire_nbytes(params)
         self.push_bytes = _push_bytes(params, config, self.pull_bytes)
+        self.param_specs = [(x.shape, x.dtype) for x in jax.tree.leaves(params)]
+        self.topk_bytes: dict[float, int] = {}  # per ratio
         # The server averages buffered updates weighted by their samples. When
         # every push carries the same number, the weights cancel; leaving them
         # out then gives the same average and spares the server a rescaling of
@@ -872,7 +889,18 @@ class _Simulation:
         if not r.done:
             self.engine.flush()
         job = self.engine.prepare_push(w.index, r.update, push.lr_factor)
-        arrival = self._send_up(w, self.push_bytes, "push")
+        nbytes = self.push_bytes
+        if push.compress_ratio < 1.0:
+            # A top-k push (the worker core's rule): the wire codec's bytes.
+            nbytes = self.topk_bytes.get(push.compress_ratio)
+            if nbytes is None:
+                from hpsjax.transforms import topk_nbytes
+
+                nbytes = self.topk_bytes[push.compress_ratio] = sum(
+                    topk_nbytes(shape, dtype, push.compress_ratio)
+                    for shape, dtype in self.param_specs
+                )
+        arrival = self._send_up(w, nbytes, "push")
         self.schedule(
             arrival, self._server_push, w, push.session, r, job, push, self.now
         )
@@ -891,8 +919,8 @@ class _Simulation:
         event = wc.Pulled(session, version, self.now, local_steps=hint)
         self._carry_out_worker(w, w.core.handle(event), leaves)
 
-    def _ack_arrive(self, w, session, version, hint) -> None:
-        event = wc.Acked(session, version, self.now, local_steps=hint)
+    def _ack_arrive(self, w, session, version, hint, stage=None) -> None:
+        event = wc.Acked(session, version, self.now, local_steps=hint, stage=stage)
         self._carry_out_worker(w, w.core.handle(event))
 
     def _force_arrive(self, w, session) -> None:
@@ -1008,7 +1036,12 @@ class _Simulation:
         self.staleness[ack.staleness] += 1
         self.loss_sum += r.loss
         self.loss_count += 1
-        if self.config.staleness_lr is not None or ack.local_steps is not None:
+        compresses = w.core.compress_ratio < 1.0
+        if (
+            self.config.staleness_lr is not None
+            or ack.local_steps is not None
+            or compresses
+        ):
             self.schedule(
                 now + w.latency,
                 self._ack_arrive,
@@ -1016,6 +1049,7 @@ class _Simulation:
                 session,
                 ack.version,
                 ack.local_steps,
+                getattr(self.policy, "stage", None) if compresses else None,
             )
         self._carry_out(actions)
         if push.with_pull and session == w.session:
@@ -1142,6 +1176,9 @@ class _Simulation:
                     lr_scale=float(p.lr_scale),
                 )
             )
+            if self.config.compress_from_stage is not None:
+                w.core.compress_ratio = float(p.compress_ratio)
+                w.core.compress_from_stage = self.config.compress_from_stage
         self.plans.append(work_plan)
 
     # ------------------------------------------------------------ evaluation

@@ -15,7 +15,7 @@ Events (:meth:`WorkerCore.handle` takes one, returns a list of actions)::
   Pulled(session, version, now, local_steps)   parameters of ``version``
                                  arrived (with a local-steps hint or None)
   Computed(round, now, step_time, loss, local_steps, stage)
-  Acked(session, version, now, local_steps, force_pull)
+  Acked(session, version, now, local_steps, force_pull, stage)
   PlanChanged(revision, device_batches, local_steps, lr_scale)
   StepsHinted(local_steps)       the server's local-steps hint
   ForcePulled(session)           the server asks to give up local work
@@ -31,7 +31,7 @@ Actions::
                                  compute the next round on them
   Compute(round, version, device_batches, local_steps, lr_scale)
   Push(round, session, version, step_time, num_samples, local_steps, loss,
-       stage, lr_factor, staleness_estimate, with_pull, final)
+       stage, lr_factor, staleness_estimate, with_pull, final, compress_ratio)
   Discard(round)                 throw the round's update away
   Report(batch_size, time_per_step, now)   a measured round, for a replanner;
                                  answer with Reported before anything else
@@ -69,6 +69,13 @@ The rules it owns:
   gradients takes one step a round whatever it is told.
 * **Stages (ASHL).** The stage the worker's staged optimizer is in after a
   round travels with the round's push.
+* **Compression (ASHL's SHL).** From the server's stage
+  ``compress_from_stage`` on (as last heard: acknowledgements carry it), each
+  push is top-k sparsified at the worker's ``compress_ratio`` (its plan's):
+  ``Push.compress_ratio``, 1 for a push sent whole. Both backends send (or
+  count) exactly that: the asyncio worker through
+  :func:`hpsjax.transforms.top_k` and the wire's top-k codec, the simulator
+  with the codec's byte count.
 * **Replanning.** Every kept round is reported (batch, seconds per step).
 * **The end.** At the start of a round: a stop was requested, ``max_steps``
   rounds were computed, ``max_seconds`` passed, or the parameters reached
@@ -154,13 +161,15 @@ class Computed(NamedTuple):
 
 class Acked(NamedTuple):
     """A push of ``session`` was acknowledged at server ``version``, with the
-    server's local-steps hint and forced pull if it sent them."""
+    server's local-steps hint and forced pull if it sent them, and the server
+    policy's stage as last heard (``None``: not staged, or not known)."""
 
     session: int
     version: int
     now: float
     local_steps: int | None = None
     force_pull: bool = False
+    stage: int | None = None
 
 
 class PlanChanged(NamedTuple):
@@ -243,7 +252,8 @@ class Push(NamedTuple):
     """Push round ``round``'s update scaled by ``lr_factor``, with this metadata.
 
     ``with_pull``: in one round trip with the next pull (``push_pull``).
-    ``final``: the last push of the run.
+    ``final``: the last push of the run. ``compress_ratio``: the share of the
+    update's values sent (top-k sparsified), 1 for all of them.
     """
 
     round: int
@@ -258,6 +268,7 @@ class Push(NamedTuple):
     staleness_estimate: int
     with_pull: bool = False
     final: bool = False
+    compress_ratio: float = 1.0
 
     def metadata(self) -> dict[str, Any]:
         """The push's fields as :meth:`hpsjax.ps.Client.push` takes them."""
@@ -341,6 +352,10 @@ class WorkerCore:
       max_steps: rounds to compute, ``None`` for no limit.
       max_seconds: no round starts after this time.
       until_version: stop once the parameters held reach this version.
+      compress_ratio: the share of each update's values pushed (top-k), in
+        (0, 1]; 1 sends them all.
+      compress_from_stage: pushes are sparsified once the server's stage is at
+        least this (0: from the start).
 
     Raises:
       ValueError: a bad argument.
@@ -367,6 +382,8 @@ class WorkerCore:
         max_steps: int | None = None,
         max_seconds: float | None = None,
         until_version: int | None = None,
+        compress_ratio: float = 1.0,
+        compress_from_stage: int = 0,
     ):
         device_batches = tuple(device_batches)
         if not device_batches:
@@ -377,6 +394,22 @@ class WorkerCore:
         _positive_int("eager_pulls", eager_pulls)
         _positive_int("max_steps", max_steps, allow_none=True)
         _positive_int("until_version", until_version, allow_none=True)
+        if not (
+            isinstance(compress_ratio, int | float)
+            and not isinstance(compress_ratio, bool)
+            and 0 < compress_ratio <= 1
+        ):
+            raise ValueError(
+                f"compress_ratio must be in (0, 1], got {compress_ratio!r}"
+            )
+        if (
+            isinstance(compress_from_stage, bool)
+            or not isinstance(compress_from_stage, int)
+            or compress_from_stage < 0
+        ):
+            raise ValueError(
+                f"compress_from_stage must be an int >= 0, got {compress_from_stage!r}"
+            )
         if not math.isfinite(lr_scale) or lr_scale <= 0:
             raise ValueError(f"lr_scale must be a positive number, got {lr_scale!r}")
         if staleness_lr is not None and not callable(staleness_lr):
@@ -398,6 +431,9 @@ class WorkerCore:
         self.max_steps = max_steps
         self.max_seconds = max_seconds
         self.until_version = until_version
+        self.compress_ratio = float(compress_ratio)
+        self.compress_from_stage = int(compress_from_stage)
+        self.server_stage = 0  # as last heard
 
         self.state = _State.IDLE
         self.session = 0
@@ -429,6 +465,13 @@ class WorkerCore:
         if self.pushes_gradients:
             return 1
         return self.hinted_steps if self.hinted_steps is not None else self.plan_steps
+
+    @property
+    def push_ratio(self) -> float:
+        """The share of its values the next push sends (the compression rule)."""
+        if self.server_stage >= self.compress_from_stage:
+            return self.compress_ratio
+        return 1.0
 
     @property
     def done(self) -> bool:
@@ -525,6 +568,8 @@ class WorkerCore:
             return []
         self.known_version = max(self.known_version, event.version)
         self._hint(event.local_steps)
+        if event.stage is not None:
+            self.server_stage = int(event.stage)
         if event.force_pull:
             return self._discard_current()
         return []
@@ -686,6 +731,7 @@ class WorkerCore:
             staleness_estimate=tau,
             with_pull=with_pull,
             final=final,
+            compress_ratio=self.push_ratio,
         )
 
     def _discard_current(self) -> list:

@@ -194,7 +194,15 @@ class WorkerConfig:
         (uniform levels), ``None`` to push float32.
       stochastic: stochastic rounding in the quantizer; ``None`` for the
         scheme's default (stochastic for 2 to 16 bits, nearest for the sign).
-      error_feedback: carry the quantization residual to the next push.
+      error_feedback: carry the quantization (or top-k) residual to the next
+        push.
+      compress_ratio: the share of an update's values a sparsified push sends
+        (:func:`hpsjax.transforms.top_k`, the wire's top-k codec), in (0, 1];
+        ``None`` for ``work_plan``'s ``compress_ratio`` for this worker (1
+        without a plan).
+      compress_from_stage: pushes are top-k sparsified at ``compress_ratio``
+        once the server's stage is at least this (``WorkerCore``'s rule; ASHL's
+        SHL is stage 1); ``None`` never sparsifies.
       staleness_policy: a :data:`hpsjax.transforms.STALENESS_POLICIES` name
         (e.g. ``"inverse_plus_one"``) to scale each update by :math:`f(\\hat\\tau)`
         on this side (PS+), ``None`` for no scaling.
@@ -229,6 +237,8 @@ class WorkerConfig:
     bits: int | None = None
     stochastic: bool | None = None
     error_feedback: bool = True
+    compress_ratio: float | None = None
+    compress_from_stage: int | None = None
     staleness_policy: str | None = None
     pipeline: bool = True
     eager_pulls: int = 1
@@ -273,6 +283,15 @@ class WorkerConfig:
             isinstance(self.bits, bool) or self.bits not in (1, 2, 4, 8, 16)
         ):
             raise ValueError(f"bits must be 1, 2, 4, 8, 16 or None, got {self.bits!r}")
+        if self.compress_ratio is not None and not (
+            isinstance(self.compress_ratio, int | float)
+            and not isinstance(self.compress_ratio, bool)
+            and 0 < self.compress_ratio <= 1
+        ):
+            raise ValueError(
+                f"compress_ratio must be in (0, 1] or None, got {self.compress_ratio!r}"
+            )
+        _check_int("compress_from_stage", self.compress_from_stage, 0, allow_none=True)
         if self.stochastic is not None and not isinstance(self.stochastic, bool):
             raise ValueError(f"stochastic must be a bool or None: {self.stochastic!r}")
         if self.staleness_policy is not None:
@@ -304,6 +323,14 @@ class WorkerConfig:
                 entry.lr_scale,
             )
         return self.device_batches, self.batch_size, self.local_steps, self.lr_scale
+
+    def push_ratio(self) -> float:
+        """The top-k ratio of sparsified pushes (see ``compress_ratio``)."""
+        if self.compress_ratio is not None:
+            return float(self.compress_ratio)
+        if self.work_plan is not None:
+            return float(self.work_plan.worker(self.worker_id).compress_ratio)
+        return 1.0
 
 
 class WorkerSummary(NamedTuple):
@@ -447,8 +474,9 @@ class _Computed(NamedTuple):
 
 class _Prepared(NamedTuple):
     update: Any  # numpy tree, or a ShapeDtypeStruct tree when `encoded` is set
-    encoded: Any  # list of Encoded in leaf order, or None
+    encoded: Any  # list of Encoded (or TopKEncoded) in leaf order, or None
     nbytes: int
+    codec: Any = None  # the wire codec of `encoded`: a Codec or "topk"
 
 
 def _scale_by_lr_scale() -> optax.GradientTransformationExtraArgs:
@@ -595,6 +623,7 @@ class Worker:
         self._quantizer = None
         self._q_state = None
         self._codec = None
+        self._topk = None  # (ratio, jitted top_k update, its state)
         self._spec_like = None
         self._compiled: dict[tuple, Any] = {}
         self._stop = asyncio.Event()
@@ -813,7 +842,9 @@ class Worker:
         """Scales an update by the push's factor and encodes it for the wire.
 
         Runs in the encoding thread right before the push, so the quantizer's
-        residual is updated only for an update that is sent.
+        (or top-k's) residual is updated only for an update that is sent. A push
+        whose ``compress_ratio`` is below 1 (``WorkerCore``'s rule) is top-k
+        sparsified at it and sends the bytes the transform kept.
         """
         from hpsjax.transforms import last_encoded
 
@@ -821,6 +852,8 @@ class Worker:
         if push.lr_factor != 1.0:
             factor = push.lr_factor
             update = jax.tree.map(lambda u: u * jnp.asarray(factor, u.dtype), update)
+        if push.compress_ratio < 1.0:
+            return self._sparsify(update, push.compress_ratio)
         if self._quantizer is None:
             host = jax.device_get(update)
             host = jax.tree.map(np.asarray, host)
@@ -828,7 +861,26 @@ class Worker:
         _, self._q_state = self._quantize_update(update, self._q_state)
         encoded = jax.device_get(last_encoded(self._q_state))
         nbytes = sum(e.codes.nbytes + e.scales.nbytes for e in encoded)
-        return _Prepared(self._spec_like, encoded, int(nbytes))
+        return _Prepared(self._spec_like, encoded, int(nbytes), self._codec)
+
+    def _sparsify(self, update: Any, ratio: float) -> _Prepared:
+        """Top-k sparsifies ``update`` at ``ratio`` with error feedback (a new
+        ratio starts a new residual)."""
+        from hpsjax.transforms import last_topk_encoded, top_k
+
+        if self._topk is None or self._topk[0] != ratio:
+            tx = top_k(
+                ratio,
+                error_feedback=self._config.error_feedback,
+                seed=self._config.seed,
+            )
+            self._topk = (ratio, jax.jit(tx.update), tx.init(update))
+        _, apply, state = self._topk
+        _, state = apply(update, state)
+        self._topk = (ratio, apply, state)
+        encoded = jax.device_get(last_topk_encoded(state))
+        nbytes = sum(e.indices.nbytes + e.values.nbytes for e in encoded)
+        return _Prepared(self._spec_like, encoded, int(nbytes), "topk")
 
     def _make_client(self):
         from hpsjax.ps import Client
@@ -927,6 +979,10 @@ class Worker:
             max_steps=config.max_steps,
             max_seconds=config.max_seconds,
             until_version=config.until_version,
+            compress_ratio=(
+                1.0 if config.compress_from_stage is None else config.push_ratio()
+            ),
+            compress_from_stage=config.compress_from_stage or 0,
         )
         run = _Run(self, client, computer, encoder, totals)
         await run.drive(core)
@@ -1181,7 +1237,7 @@ class _Run:
             link = await w._injector.transfer(prepared.nbytes)
             fields = push.metadata()
             if prepared.encoded is not None:
-                fields.update(codec=w._codec, encoded=prepared.encoded)
+                fields.update(codec=prepared.codec, encoded=prepared.encoded)
             method = self.client.push_pull if push.with_pull else self.client.push
             task = asyncio.ensure_future(method(prepared.update, **fields))
             await asyncio.sleep(0)  # the frame is handed to the transport
@@ -1214,7 +1270,14 @@ class _Run:
         now = w._elapsed()
         events.append(
             (
-                Acked(push.session, ack.version, now, ack.local_steps, ack.force_pull),
+                Acked(
+                    push.session,
+                    ack.version,
+                    now,
+                    ack.local_steps,
+                    ack.force_pull,
+                    self.client.stage,
+                ),
                 None,
             )
         )
