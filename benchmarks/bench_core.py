@@ -6,12 +6,15 @@ Run:
 Prints (1) the cost of one ASP push + pull through ``ServerCore`` as a ratio to a
 bare jitted ``optax.sgd`` step on the same tree, measured in the same run, and
 (2) microseconds per push + pull for every built-in policy with many workers, the
-load the simulator puts on the core.
+load the simulator puts on the core, and (3) the cost of ``check_result`` (a
+push refused if its apply would be non-finite) for policies that apply once per
+round of several pushes, as a ratio to the same core without it, alternated.
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 
 import jax
@@ -57,9 +60,13 @@ def bare_step_seconds(params, update, n: int) -> float:
     return (time.perf_counter() - t0) / n
 
 
-def core_seconds(params, update, policy, kwargs, workers: int, n: int) -> float:
+def core_seconds(
+    params, update, policy, kwargs, workers: int, n: int, **core_kwargs
+) -> float:
     """Seconds per push + pull, workers taking turns in a fixed order."""
-    core = ServerCore(params, optax.sgd(0.1), policy, policy_kwargs=kwargs)
+    core = ServerCore(
+        params, optax.sgd(0.1), policy, policy_kwargs=kwargs, **core_kwargs
+    )
     for w in range(workers):
         core.join(w, 0.0)
     now = 1.0
@@ -95,6 +102,28 @@ def main() -> None:
         core_seconds(params, update, name, kwargs, args.workers, args.workers)
         s = core_seconds(params, update, name, kwargs, args.workers, args.events)
         print(f"{name:>12} {s * 1e6:10.0f} {s / bare:12.2f}")
+
+    print("\ncheck_result on vs off, 8 workers, medians of 5 alternated runs:")
+    for tree, name, kwargs, n in [
+        ((8, 64), "bsp", {}, 400),
+        ((8, 512), "bsp", {}, 48),
+        ((8, 512), "asp", {"aggregate": 4}, 48),
+    ]:
+        params, update = _tree(*tree)
+        times = {True: [], False: []}
+        for check in (True, False):
+            core_seconds(params, update, name, kwargs, 8, 16, check_result=check)
+        for _ in range(5):
+            for check in (True, False):
+                times[check].append(
+                    core_seconds(params, update, name, kwargs, 8, n, check_result=check)
+                )
+        on, off = (statistics.median(times[c]) for c in (True, False))
+        print(
+            f"{name} {kwargs or ''} {tree[0]}x{tree[1]}x{tree[1]}: "
+            f"{on * 1e6:8.0f} vs {off * 1e6:8.0f} us per push+pull: "
+            f"{on / off:5.2f}x"
+        )
 
 
 if __name__ == "__main__":
