@@ -1276,7 +1276,7 @@ class _Run:
                     now,
                     ack.local_steps,
                     ack.force_pull,
-                    self.client.stage,
+                    getattr(self.client, "stage", None),
                 ),
                 None,
             )
