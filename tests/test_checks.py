@@ -1,16 +1,21 @@
-"""The shared argument checks."""
+"""The shared argument checks, and finding one state in an optax chain."""
 
 import doctest
 
+import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 from hpsjax import _checks
 from hpsjax._checks import check_int, check_number, check_positive, is_int, is_number
+from hpsjax.transforms import LocalStepsState, _common, local_steps
+from hpsjax.transforms._common import find_one_state
 
 
 def test_module_doctests():
     assert doctest.testmod(_checks).failed == 0
+    assert doctest.testmod(_common).failed == 0
 
 
 def test_numbers_exclude_bools_and_accept_numpy_scalars():
@@ -34,3 +39,16 @@ def test_numbers_exclude_bools_and_accept_numpy_scalars():
 def test_bad_values_name_the_argument(check, value, match):
     with pytest.raises(ValueError, match=match):
         check(value)
+
+
+def test_find_one_state_words_none_and_several():
+    one = optax.chain(optax.sgd(0.1), local_steps(2)).init(jnp.ones(2))
+    two = optax.chain(local_steps(2), local_steps(3)).init(jnp.ones(2))
+    assert isinstance(find_one_state(one, LocalStepsState), LocalStepsState)
+    with pytest.raises(ValueError, match=r"holds 2 LocalStepsStates; take"):
+        find_one_state(two, LocalStepsState, "no local_steps")
+    error = "want one {found}"
+    with pytest.raises(ValueError, match=r"^want one no$"):
+        find_one_state(optax.sgd(0.1).init(jnp.ones(2)), LocalStepsState, error=error)
+    with pytest.raises(ValueError, match=r"^want one 2$"):
+        find_one_state(two, LocalStepsState, error=error)

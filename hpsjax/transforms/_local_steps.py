@@ -17,6 +17,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from hpsjax._checks import is_int
+from hpsjax.transforms._common import find_one_state
+
 __all__ = [
     "LocalStepsState",
     "local_steps",
@@ -41,11 +44,10 @@ class LocalStepsState(NamedTuple):
 
 
 def _check_k(k: Any) -> None:
-    is_int = isinstance(k, int | np.integer) and not isinstance(k, bool)
     is_int_array = isinstance(k, jax.Array | np.ndarray) and jnp.issubdtype(
         k.dtype, jnp.integer
     )
-    if not (is_int or is_int_array) or np.ndim(k) != 0:
+    if not (is_int(k) or is_int_array) or np.ndim(k) != 0:
         raise ValueError(f"k must be an integer scalar >= 1, got {k!r}.")
     if not isinstance(k, jax.core.Tracer) and int(k) < 1:
         raise ValueError(f"k must be >= 1, got {int(k)}.")
@@ -160,20 +162,12 @@ def local_steps(
 
 
 def _find_local_steps_state(state: Any) -> LocalStepsState:
-    found = [
-        leaf
-        for leaf in jax.tree.leaves(
-            state, is_leaf=lambda x: isinstance(x, LocalStepsState)
-        )
-        if isinstance(leaf, LocalStepsState)
-    ]
-    if len(found) != 1:
-        what = "no" if not found else f"{len(found)}"
-        raise ValueError(
-            f"Expected exactly one LocalStepsState in the optimizer state, found "
-            f"{what}; is `local_steps` (or `hybrid_stages`) in the chain, once?"
-        )
-    return found[0]
+    return find_one_state(
+        state,
+        LocalStepsState,
+        error="Expected exactly one LocalStepsState in the optimizer state, found "
+        "{found}; is `local_steps` (or `hybrid_stages`) in the chain, once?",
+    )
 
 
 def push_due(state: Any) -> jax.Array:

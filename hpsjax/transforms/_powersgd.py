@@ -24,7 +24,6 @@ next step (warm start) and the compression error for error feedback.
 from __future__ import annotations
 
 import math
-import numbers
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -33,12 +32,13 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from hpsjax._checks import is_int
+from hpsjax.transforms._common import find_one_state
 from hpsjax.transforms._topk import (
     _check_float,
     _check_seed,
     _check_shape,
     _raw_key,
-    find_one_state,
 )
 
 __all__ = [
@@ -84,7 +84,7 @@ def _check_rank(rank: Any) -> int:
             "power_sgd's rank fixes the factors' shapes and must be a Python int, "
             "got an array; under optax.inject_hyperparams pass static_args=('rank',)"
         )
-    if isinstance(rank, bool) or not isinstance(rank, numbers.Integral) or rank < 1:
+    if not is_int(rank) or rank < 1:
         raise ValueError(f"rank must be a positive int, got {rank!r}")
     return int(rank)
 

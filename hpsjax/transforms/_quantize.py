@@ -49,7 +49,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import numbers
 import sys
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
@@ -59,6 +58,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from jax import lax
+
+from hpsjax._checks import is_int
+from hpsjax.transforms._common import find_one_state
 
 __all__ = [
     "Codec",
@@ -81,10 +83,6 @@ _F32 = jnp.float32
 # Largest finite float32: caps 1 / step so that a subnormal scale cannot turn a
 # zero element into 0 * inf = NaN.
 _F32_MAX = float(np.finfo(np.float32).max)
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 def _min_bits_for_levels(levels: int) -> int:
@@ -132,12 +130,12 @@ class Codec:
         scheme, bits, levels = self.scheme, self.bits, self.levels
         if not isinstance(scheme, str) or scheme not in SCHEMES:
             raise ValueError(f"scheme must be one of {SCHEMES}, got {scheme!r}")
-        if bits is not None and not _is_int(bits):
+        if bits is not None and not is_int(bits):
             raise ValueError(f"bits must be an int or None, got {bits!r}")
-        if levels is not None and not _is_int(levels):
+        if levels is not None and not is_int(levels):
             raise ValueError(f"levels must be an int or None, got {levels!r}")
         if self.block_size is not None and (
-            not _is_int(self.block_size) or self.block_size < 1
+            not is_int(self.block_size) or self.block_size < 1
         ):
             raise ValueError(
                 f"block_size must be a positive int or None, got {self.block_size!r}"
@@ -276,7 +274,7 @@ def _check_shape(shape: Any) -> tuple[int, ...]:
         dims = tuple(shape)
     except TypeError:
         raise ValueError(f"shape must be a sequence of ints, got {shape!r}") from None
-    if not all(_is_int(d) and d >= 0 for d in dims):
+    if not all(is_int(d) and d >= 0 for d in dims):
         raise ValueError(f"shape must hold non-negative ints, got {shape!r}")
     return tuple(int(d) for d in dims)
 
@@ -776,7 +774,7 @@ def decode_tree(encoded_leaves: Sequence[Encoded], codec: Codec, like_tree: Any)
 
 
 def _static_int(name: str, value: Any) -> None:
-    if value is None or _is_int(value):
+    if value is None or is_int(value):
         return
     if isinstance(value, (jax.Array, np.ndarray)):
         raise ValueError(
@@ -881,7 +879,7 @@ def quantize(
     if not isinstance(error_feedback, bool):
         raise ValueError(f"error_feedback must be a bool, got {error_feedback!r}")
     if isinstance(seed, bool) or not (
-        _is_int(seed)
+        is_int(seed)
         or (
             isinstance(seed, (jax.Array, np.ndarray))
             and seed.shape == ()
@@ -954,18 +952,4 @@ def last_encoded(state: Any) -> list[Encoded]:
       >>> len(last_encoded(opt.init({"a": jnp.ones(3), "b": jnp.ones(2)})))
       2
     """
-    found = [
-        node
-        for node in jax.tree.leaves(
-            state, is_leaf=lambda node: isinstance(node, QuantizeState)
-        )
-        if isinstance(node, QuantizeState)
-    ]
-    if not found:
-        raise ValueError("the optimizer state holds no QuantizeState (no quantize)")
-    if len(found) > 1:
-        raise ValueError(
-            f"the optimizer state holds {len(found)} QuantizeStates; take "
-            f"state.encoded from the one you want"
-        )
-    return found[0].encoded
+    return find_one_state(state, QuantizeState, "no quantize").encoded

@@ -24,6 +24,8 @@ import numpy as np
 import optax
 from jax import lax
 
+from hpsjax._checks import is_int, is_number
+from hpsjax.transforms._common import find_one_state
 from hpsjax.transforms._local_steps import (
     LocalStepsState,
     _accumulate,
@@ -45,10 +47,6 @@ STAGE_MODES = ("async", "semi_async", "sync")
 
 # Stands for "never" in the per-stage tables of switch steps and windows.
 _NEVER = int(np.iinfo(np.int32).max)
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int | np.integer) and not isinstance(value, bool)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,12 +90,12 @@ class Stage:
                 f"Unknown stage mode {self.mode!r}; valid modes are "
                 f"{', '.join(STAGE_MODES)}."
             )
-        if not _is_int(self.local_steps) or self.local_steps < 1:
+        if not is_int(self.local_steps) or self.local_steps < 1:
             raise ValueError(
                 f"Stage.local_steps must be an int >= 1, got {self.local_steps!r}."
             )
         if self.max_staleness is not None and (
-            not _is_int(self.max_staleness) or self.max_staleness < 0
+            not is_int(self.max_staleness) or self.max_staleness < 0
         ):
             raise ValueError(
                 "Stage.max_staleness must be an int >= 0 or None, got "
@@ -112,16 +110,12 @@ class Stage:
             )
         for name in ("until_step", "plateau_window"):
             value = getattr(self, name)
-            if value is not None and (not _is_int(value) or value < 1):
+            if value is not None and (not is_int(value) or value < 1):
                 raise ValueError(
                     f"Stage.{name} must be an int >= 1 or None, got {value!r}."
                 )
         threshold = self.plateau_threshold
-        if (
-            isinstance(threshold, bool)
-            or not isinstance(threshold, int | float | np.floating | np.integer)
-            or not 0 <= threshold < 1
-        ):
+        if not is_number(threshold) or not 0 <= threshold < 1:
             raise ValueError(
                 f"Stage.plateau_threshold must lie in [0, 1), got {threshold!r}."
             )
@@ -427,20 +421,12 @@ def hybrid_stages(
 
 
 def _find_hybrid_state(state: Any) -> HybridStagesState:
-    found = [
-        leaf
-        for leaf in jax.tree.leaves(
-            state, is_leaf=lambda x: isinstance(x, HybridStagesState)
-        )
-        if isinstance(leaf, HybridStagesState)
-    ]
-    if len(found) != 1:
-        what = "no" if not found else f"{len(found)}"
-        raise ValueError(
-            f"Expected exactly one HybridStagesState in the optimizer state, "
-            f"found {what}."
-        )
-    return found[0]
+    return find_one_state(
+        state,
+        HybridStagesState,
+        error="Expected exactly one HybridStagesState in the optimizer state, "
+        "found {found}.",
+    )
 
 
 def current_stage(state: Any) -> jax.Array:
@@ -483,7 +469,7 @@ def stage_settings(stages: Sequence[Stage], state_or_index: Any) -> StageInfo:
       StageInfo(index=1, mode='sync', local_steps=1, max_staleness=0)
     """
     stages = _check_stages(stages)
-    is_index = _is_int(state_or_index) or (
+    is_index = is_int(state_or_index) or (
         isinstance(state_or_index, jax.Array | np.ndarray)
         and jnp.issubdtype(state_or_index.dtype, jnp.integer)
     )

@@ -36,6 +36,9 @@ import numpy as np
 import optax
 from jax import lax
 
+from hpsjax._checks import is_int
+from hpsjax.transforms._common import find_one_state
+
 __all__ = [
     "TopKEncoded",
     "TopKState",
@@ -79,10 +82,6 @@ class TopKState(NamedTuple):
     encoded: list[TopKEncoded]
 
 
-def _is_int(value: Any) -> bool:
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
-
-
 def _check_ratio(ratio: Any) -> float:
     if isinstance(ratio, (jax.Array, np.ndarray)):
         raise ValueError(
@@ -102,14 +101,14 @@ def _check_shape(shape: Any) -> tuple[int, ...]:
         dims = tuple(shape)
     except TypeError:
         raise ValueError(f"shape must be a sequence of ints, got {shape!r}") from None
-    if not all(_is_int(d) and d >= 0 for d in dims):
+    if not all(is_int(d) and d >= 0 for d in dims):
         raise ValueError(f"shape must hold non-negative ints, got {shape!r}")
     return tuple(int(d) for d in dims)
 
 
 def _check_seed(seed: Any) -> None:
     if isinstance(seed, bool) or not (
-        _is_int(seed)
+        is_int(seed)
         or (
             isinstance(seed, (jax.Array, np.ndarray))
             and seed.shape == ()
@@ -139,7 +138,7 @@ def topk_count(size: int, ratio: float) -> int:
       (10, 1, 0)
     """
     ratio = _check_ratio(ratio)
-    if not _is_int(size) or size < 0:
+    if not is_int(size) or size < 0:
         raise ValueError(f"size must be a non-negative int, got {size!r}")
     if size == 0:
         return 0
@@ -512,27 +511,6 @@ def top_k(
         )
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
-
-
-def find_one_state(state: Any, state_type: type, what: str) -> Any:
-    """Returns the one ``state_type`` node anywhere inside an optax state.
-
-    Raises:
-      ValueError: there is none, or more than one.
-    """
-    found = [
-        node
-        for node in jax.tree.leaves(state, is_leaf=lambda n: isinstance(n, state_type))
-        if isinstance(node, state_type)
-    ]
-    if not found:
-        raise ValueError(f"the optimizer state holds no {state_type.__name__} ({what})")
-    if len(found) > 1:
-        raise ValueError(
-            f"the optimizer state holds {len(found)} {state_type.__name__}s; take "
-            f"state.encoded from the one you want"
-        )
-    return found[0]
 
 
 def last_topk_encoded(state: Any) -> list[TopKEncoded]:
