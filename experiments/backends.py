@@ -181,6 +181,7 @@ def run_sim(
         eval_every=float(config.eval.every_seconds),
         eval_batch_size=int(config.eval.batch_size),
         core_kwargs=build.core_kwargs(config, work_plan),
+        compress_from_stage=_compress_from_stage(config, work_plan),
         seed=int(config.seed),
     )
 
@@ -282,6 +283,15 @@ def run_sim(
     return RunOutput(evals, workers, timelines, records, info)
 
 
+def _compress_from_stage(
+    config: ml_collections.ConfigDict, work_plan: Any
+) -> int | None:
+    """``stages.compress_from_stage`` where there is a plan to give the
+    ratios (``SimConfig``'s ``compress_from_stage``), else ``None``."""
+    value = config.stages.get("compress_from_stage")
+    return None if value is None or work_plan is None else int(value)
+
+
 def _progress_bar(enabled: bool, total: float, unit: str) -> Any:
     if not enabled:
         return None
@@ -351,6 +361,10 @@ def _worker_flags(
         flags += ["--eager_pulls", str(int(worker.eager_pulls))]
     if plan_file is not None:
         flags += ["--work_plan", str(plan_file)]
+        compress_from = config.stages.get("compress_from_stage")
+        if compress_from is not None:
+            # Top-k at the plan's compress_ratio from this stage on.
+            flags += ["--compress_from_stage", str(int(compress_from))]
     schedule = slowdown_schedule(config, index)
     flags += ["--slowdown", ",".join(f"{t:g}:{k:g}" for t, k in schedule)]
     if config.workers.bandwidth is not None:

@@ -241,6 +241,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.stages.ahl_max_staleness = 32
     config.stages.shl_local_steps = 2
     config.stages.shl_max_staleness = 4
+    # Pushes are top-k sparsified at each worker's plan.compress_ratio once the
+    # server's stage is at least this (ASHL's reference: 1, its SHL), or None.
+    config.stages.compress_from_stage = config_dict.placeholder(int)
 
     config.processes = ml_collections.ConfigDict()
     config.processes.start_timeout = 300.0

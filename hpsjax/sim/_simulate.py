@@ -170,7 +170,9 @@ class SimConfig:
       eval_batch_size: examples per evaluation call.
       data_sharding: ``"disjoint"`` (worker :math:`i` of :math:`n` draws from
         examples :math:`i, i+n, \ldots`, like :meth:`hpsjax.data.Dataset.shard`)
-        or ``"shared"`` (every worker draws from all examples).
+        or ``"shared"`` (every worker draws from all examples). Disjoint shards
+        follow the work plan's ``data_share`` where it gives every worker one
+        (:func:`hpsjax.data.share_split`).
       core_kwargs: keyword arguments of :class:`~hpsjax.ps.ServerCore`
         (``keep_stale_params``, deadlines, ``expected_workers``, ...).
       batch_rows: the most worker steps evaluated in one batched call, or
@@ -516,6 +518,20 @@ class _Worker:
         return self.het.bandwidth_at(now - self.join_time)
 
 
+def _plan_shares(
+    work_plan: WorkPlan, ids: list[Any], n_examples: int
+) -> list[np.ndarray] | None:
+    """Each worker's example indices by the plan's ``data_share``
+    (:func:`hpsjax.data.share_split`), or ``None`` when the plan gives none."""
+    from hpsjax.data import share_split
+
+    by_id = {w.worker_id: w.data_share for w in work_plan.workers}
+    shares = [by_id.get(i) for i in ids]
+    if any(s is None for s in shares):
+        return None
+    return share_split(n_examples, shares)
+
+
 def _is_dataset(data: Any) -> bool:
     from hpsjax.data import Dataset
 
@@ -598,9 +614,15 @@ class _Simulation:
             )
 
         seed = int(config.seed)
+        shares = None
+        if config.data_sharding == "disjoint" and work_plan is not None:
+            shares = _plan_shares(work_plan, ids, n_examples)
         self.workers: list[_Worker] = []
         for i, (spec, worker_id) in enumerate(zip(specs, ids, strict=True)):
-            if config.data_sharding == "disjoint":
+            if shares is not None:
+                # The plan's data shares (ASHL's reference re-partitions so).
+                indices = shares[i].astype(np.int32)
+            elif config.data_sharding == "disjoint":
                 indices = np.arange(i, n_examples, len(specs), dtype=np.int32)
             else:
                 indices = np.arange(n_examples, dtype=np.int32)

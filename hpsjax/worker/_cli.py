@@ -193,6 +193,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     g.add_argument("--bits", type=int, help="quantize pushes (1, 2, 4, 8, 16 bits)")
     g.add_argument(
+        "--compress_from_stage",
+        type=int,
+        help="with --work_plan: top-k sparsify pushes at the plan's "
+        "compress_ratio once the server's stage is at least this (ASHL's SHL: 1)",
+    )
+    g.add_argument(
         "--no_error_feedback",
         action="store_true",
         help="with --bits: drop the quantization error instead of carrying it",
@@ -392,6 +398,22 @@ def _shard(args: argparse.Namespace) -> tuple[int, int]:
     return index, count
 
 
+def _train_shard(args: argparse.Namespace, work_plan, index: int, count: int):
+    """This worker's training data: its share of them where the plan gives
+    every worker a ``data_share`` (ASHL's reference), else shard ``index`` of
+    ``count``."""
+    data = _dataset(args)
+    if work_plan is not None and all(
+        w.data_share is not None for w in work_plan.workers
+    ):
+        work_plan.worker(args.worker_id)  # raises for a worker not in it
+        ids = [w.worker_id for w in work_plan.workers]
+        position = ids.index(args.worker_id)
+        shares = [w.data_share for w in work_plan.workers]
+        return data.shard_by_shares(shares, position)
+    return data.shard(count, index)
+
+
 def build_worker(args: argparse.Namespace, *, metrics=None):
     """The :class:`~hpsjax.worker.Worker` the parsed flags describe.
 
@@ -528,7 +550,17 @@ def _build(args: argparse.Namespace, *, metrics=None):
     if args.split_leaves and len(servers) == 1:
         raise ValueError("--split_leaves needs several --servers")
     index, count = _shard(args)
-    train = _dataset(args).shard(count, index)
+    work_plan = None
+    if args.work_plan is not None:
+        work_plan = WorkPlan.from_json(pathlib.Path(args.work_plan).read_text())
+    if args.compress_from_stage is not None:
+        if work_plan is None:
+            raise ValueError("--compress_from_stage needs --work_plan (the ratio)")
+        if args.compress_from_stage < 0:
+            raise ValueError(
+                f"--compress_from_stage must be >= 0, got {args.compress_from_stage}"
+            )
+    train = _train_shard(args, work_plan, index, count)
     graphdef, params = models.split_model(_model(args, train))
     if len(servers) > 1:
         client = _sharded_client(args, servers, params)
@@ -538,9 +570,6 @@ def _build(args: argparse.Namespace, *, metrics=None):
         if not args.eval_every > 0:
             raise ValueError(f"--eval_every must be > 0, got {args.eval_every}")
         client = _Watched(client)
-    work_plan = None
-    if args.work_plan is not None:
-        work_plan = WorkPlan.from_json(pathlib.Path(args.work_plan).read_text())
     config = WorkerConfig(
         host=servers[0][0],
         port=servers[0][1],
@@ -551,6 +580,7 @@ def _build(args: argparse.Namespace, *, metrics=None):
         lr_scale=args.lr_scale,
         work_plan=work_plan,
         bits=args.bits,
+        compress_from_stage=args.compress_from_stage,
         error_feedback=not args.no_error_feedback,
         staleness_policy=args.staleness_policy,
         pipeline=not args.no_pipeline,
