@@ -12,6 +12,15 @@ schemes is named after its setting.
 * ``sim8_slowlink``: ``sim8`` behind links 8 times slower.
 * ``proc4``: all schemes, 4 real worker processes with speeds 1:1:2:4 and a
   real server on loopback (setting ``proc4``).
+* ``sim32``: the research schemes on 32 simulated workers whose step times
+  follow the single-GPU ResNet-50 v1.5 training throughputs that NVIDIA
+  publishes for its DeepLearningExamples (``PyTorch/Classification/ConvNets/
+  resnet50v1.5/README.md``, "Training performance results", pytorch-21.03 NGC
+  container, 1 GPU): A100 80GB mixed precision 2470 img/s, V100 16GB mixed
+  precision 1200, A100 80GB TF32 938, V100 16GB FP32 367. Eight workers of each
+  of these four accelerator configurations (two GPU generations at two
+  precisions) get slowdowns 2470 / throughput: 1, 2.06, 2.63, 6.73 (setting
+  ``sim32``, registered here in ``common.SETTINGS``).
 * ``quick``: all schemes at smoke-test size (setting ``quick``), seconds each.
 """
 
@@ -19,9 +28,49 @@ from __future__ import annotations
 
 import dataclasses
 
+from experiments.configs import common
 from experiments.registry import SCHEMES
 
-__all__ = ["SUITES", "Suite"]
+__all__ = ["RESEARCH_SCHEMES", "SIM32_THROUGHPUTS", "SUITES", "Suite"]
+
+SIM32_THROUGHPUTS: dict[str, float] = {
+    "A100 80GB mixed precision": 2470.0,
+    "V100 16GB mixed precision": 1200.0,
+    "A100 80GB TF32": 938.0,
+    "V100 16GB FP32": 367.0,
+}
+"""Single-GPU ResNet-50 v1.5 training throughputs (img/s) of NVIDIA's
+DeepLearningExamples README (PyTorch, pytorch-21.03 NGC container): the
+accelerators of setting ``sim32``."""
+
+RESEARCH_SCHEMES: tuple[str, ...] = (
+    "bsp",
+    "asp",
+    "hps",
+    "adsp",
+    "ashl",
+    "ashl_reference",
+    "diloco",
+    "async_diloco",
+)
+"""The schemes of the research comparison (RESULTS.md, "Research fidelity")."""
+
+_FASTEST = max(SIM32_THROUGHPUTS.values())
+# sim8's data, model, stragglers and links; 8 workers of each accelerator,
+# no slowing-down worker, and an evaluation every virtual second (32 workers
+# make 4 times sim8's events per virtual second).
+common.SETTINGS.setdefault(
+    "sim32",
+    dict(
+        common.SETTINGS["sim8"],
+        budget_seconds=40.0,
+        slowdowns=tuple(
+            round(_FASTEST / t, 2) for t in SIM32_THROUGHPUTS.values() for _ in range(8)
+        ),
+        speed_changes=(),
+        eval_every=1.0,
+    ),
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,6 +114,15 @@ SUITES: dict[str, Suite] = {
     "proc4": Suite(
         "proc4",
         description="4 worker processes, speeds 1:1:2:4, a real server on loopback",
+    ),
+    "sim32": Suite(
+        "sim32",
+        schemes=RESEARCH_SCHEMES,
+        description=(
+            "32 simulated workers, 8 each at slowdowns 1, 2.06, 2.63, 6.73 (the "
+            "ResNet-50 training throughputs of A100 AMP, V100 AMP, A100 TF32 "
+            "and V100 FP32 in NVIDIA's DeepLearningExamples), sim8's links"
+        ),
     ),
     "quick": Suite("quick", description="every scheme at smoke-test size"),
 }
