@@ -4,6 +4,8 @@ the configs to the server and the workers."""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import optax
 import pytest
@@ -267,3 +269,67 @@ def test_the_worker_sends_top_k_pushes_at_its_ratio():
     (enc,) = prepared.encoded
     assert enc.indices.size == 20 and prepared.nbytes == 20 * (2 + 4)
     assert set(np.asarray(enc.indices)) == set(range(10)) | set(range(190, 200))
+
+
+# ------------------------------------------- ASHL per the reference, end to end
+
+
+def test_share_split_follows_the_shares_and_is_disjoint():
+    from hpsjax.data import share_split
+
+    parts = share_split(1000, [0.6, 0.25, 0.15])
+    assert [len(p) for p in parts] == [600, 250, 150]
+    assert sorted(np.concatenate(parts).tolist()) == list(range(1000))
+    # Interleaved: every part reaches across the whole (sorted) data.
+    assert all(p[0] < 10 and p[-1] > 990 for p in parts)
+    # Equal shares: the round-robin shards of Dataset.shard.
+    assert [p.tolist() for p in share_split(8, [0.25] * 4)] == [
+        [0, 4], [1, 5], [2, 6], [3, 7]
+    ]  # fmt: skip
+    for bad in ([0.5, 0.6], [1.5, -0.5], []):
+        with pytest.raises(ValueError, match="shares"):
+            share_split(10, bad)
+    with pytest.raises(ValueError, match="empty"):
+        share_split(3, [0.9, 0.05, 0.05])
+
+
+def test_ashl_reference_wires_compression_and_data_shares():
+    config = registry.load_config("ashl_reference", "quick")
+    assert config.stages.compress_from_stage == 1
+    assert config.plan.compress_ratio < 1
+    profiles = [WorkerProfile.synthetic(i, 640.0 / k) for i, k in enumerate((1, 2, 4))]
+    first, _ = build.plans(config, profiles)
+    ratio = config.plan.compress_ratio
+    assert all(ratio <= w.compress_ratio <= 1 for w in first.workers)
+    assert sum(w.data_share for w in first.workers) == pytest.approx(1.0)
+
+
+@pytest.mark.slow
+def test_ashl_reference_on_processes_switches_and_pushes_top_k(tmp_path):
+    from experiments import train
+
+    config = registry.load_config("ashl_reference", "quick")
+    config.backend = "processes"
+    config.stages.switch_loss = 2.1  # switch to SHL early
+    summary = train.train_and_evaluate(config, tmp_path, progress=False)
+    info = summary["info"]
+    assert info["final_stage"] == 1
+    ratios = info["plans"][0].get("compress_ratios")
+    assert ratios is not None and min(ratios) == config.plan.compress_ratio
+    shares = sorted(info["plans"][0]["push_weights"])
+    assert shares[0] < shares[-1]  # unequal data shares p_i
+    for i, ratio in enumerate(ratios):
+        path = tmp_path / "workers" / f"metrics_{i}.jsonl"
+        rounds = [
+            r
+            for r in map(json.loads, path.read_text().splitlines())
+            if r.get("event") == "round" and r.get("status") is not None
+        ]
+        sent = [r["bytes_sent"] for r in rounds]
+        assert len(sent) >= 2, (i, sent)
+        if ratio < 1:
+            # AHL's first push whole; after the switch, top-k at the ratio.
+            assert min(sent) < 0.3 * sent[0], (i, sent)
+            assert sent[-1] < 0.3 * sent[0], (i, sent)
+        else:
+            assert min(sent) > 0.5 * max(sent), (i, sent)
