@@ -58,10 +58,10 @@ import dataclasses
 import json
 import logging
 import math
-import numbers
 from collections.abc import Sequence
 from typing import Any
 
+from hpsjax._checks import is_int, is_number
 from hpsjax.profiling._profile import WorkerProfile
 
 __all__ = [
@@ -210,7 +210,8 @@ class WorkerPlan:
             raise ValueError(f"lr_scale must be >= 0, got {self.lr_scale}")
         who = f"worker {self.worker_id!r}"
         if self.push_seconds is not None and not (
-            _is_real(self.push_seconds)
+            is_number(self.push_seconds)
+            and math.isfinite(self.push_seconds)
             and 0 <= self.push_seconds <= self.transfer_seconds
         ):
             raise ValueError(
@@ -233,18 +234,22 @@ class WorkerPlan:
             )
         object.__setattr__(self, "stage_local_steps", stages)
         if self.data_share is not None and not (
-            _is_real(self.data_share) and 0 <= self.data_share <= 1
+            is_number(self.data_share) and 0 <= self.data_share <= 1
         ):
             raise ValueError(
                 f"{who}: data_share must be in [0, 1] or None, got {self.data_share!r}"
             )
-        if not (_is_real(self.push_weight) and self.push_weight >= 0):
+        if not (
+            is_number(self.push_weight)
+            and math.isfinite(self.push_weight)
+            and self.push_weight >= 0
+        ):
             raise ValueError(
                 f"{who}: push_weight must be a finite number >= 0, "
                 f"got {self.push_weight!r}"
             )
         if not (
-            _is_real(self.compress_ratio)
+            is_number(self.compress_ratio)
             and MIN_COMPRESS_RATIO <= self.compress_ratio <= 1
         ):
             raise ValueError(
@@ -264,7 +269,7 @@ class WorkerPlan:
           >>> [p.workers[1].stage_steps(s) for s in (0, 1)]
           [17, 5]
         """
-        if isinstance(stage, bool) or not isinstance(stage, numbers.Integral):
+        if not is_int(stage):
             raise ValueError(f"stage must be an int >= 0, got {stage!r}")
         if not self.stage_local_steps:
             if stage < 0:
@@ -424,14 +429,6 @@ class WorkPlan:
             return cls(workers=workers, **data)
         except (KeyError, TypeError) as e:
             raise ValueError(f"malformed WorkPlan JSON: {e!r}") from None
-
-
-def _is_real(value: Any) -> bool:
-    return (
-        not isinstance(value, bool)
-        and isinstance(value, numbers.Real)
-        and math.isfinite(value)
-    )
 
 
 def _check_scheme(scheme: Any) -> None:
@@ -998,22 +995,13 @@ def _ashl_reference(models, step_times, multipliers, base_ratio, max_local_steps
 
 
 def _check_int(name: str, value: Any, minimum: int) -> int:
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, numbers.Integral)
-        or value < minimum
-    ):
+    if not is_int(value) or value < minimum:
         raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
     return int(value)
 
 
 def _check_positive(name: str, value: Any) -> float:
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, numbers.Real)
-        or not math.isfinite(value)
-        or value <= 0
-    ):
+    if not is_number(value) or not math.isfinite(value) or value <= 0:
         raise ValueError(f"{name} must be a positive finite number, got {value!r}")
     return float(value)
 
@@ -1270,7 +1258,7 @@ def plan(
         )
         if compress_ratio is not None:
             if not (
-                _is_real(compress_ratio) and MIN_COMPRESS_RATIO <= compress_ratio <= 1
+                is_number(compress_ratio) and MIN_COMPRESS_RATIO <= compress_ratio <= 1
             ):
                 raise ValueError(
                     f"compress_ratio must be in [{MIN_COMPRESS_RATIO}, 1], "
@@ -1279,11 +1267,7 @@ def plan(
             base_compress_ratio = float(compress_ratio)
     else:
         stage_multipliers = ()
-    if (
-        isinstance(memory_fraction, bool)
-        or not isinstance(memory_fraction, numbers.Real)
-        or not 0 < memory_fraction <= 1
-    ):
+    if not is_number(memory_fraction) or not 0 < memory_fraction <= 1:
         raise ValueError(f"memory_fraction must be in (0, 1], got {memory_fraction}")
     models = [_model_from_profile(p, memory_fraction) for p in profiles]
     return _solve(
@@ -1376,11 +1360,7 @@ class Replanner:
             raise ValueError(f"plan must be a WorkPlan, got {type(plan).__name__}")
         self._threshold = _check_positive("threshold", threshold)
         _check_int("window", window, 1)
-        if (
-            isinstance(cooldown, bool)
-            or not isinstance(cooldown, numbers.Real)
-            or not cooldown >= 0
-        ):
+        if not is_number(cooldown) or not cooldown >= 0:
             raise ValueError(f"cooldown must be a number >= 0, got {cooldown!r}")
         self._cooldown = float(cooldown)
         self._min_observations = _check_int("min_observations", min_observations, 1)
@@ -1431,7 +1411,7 @@ class Replanner:
         worker = self._plan.worker(worker_id)
         batch_size = _check_int("batch_size", batch_size, 1)
         step_time = _check_positive("step_time", step_time)
-        if isinstance(now, bool) or not isinstance(now, numbers.Real):
+        if not is_number(now):
             raise ValueError(f"now must be a number, got {now!r}")
         if not math.isfinite(now):
             raise ValueError(f"now must be finite, got {now}")

@@ -38,6 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from hpsjax._checks import is_int, is_number
 from hpsjax.transforms._quantize import encoded_nbytes
 
 __all__ = [
@@ -60,7 +61,7 @@ _TRANSFER_METHODS = ("measured", "estimated")
 
 
 def _check_positive_int(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int | np.integer):
+    if not is_int(value):
         raise ValueError(f"{name} must be an integer, got {value!r}")
     if value <= 0:
         raise ValueError(f"{name} must be positive, got {value}")
@@ -68,7 +69,7 @@ def _check_positive_int(name: str, value: Any) -> int:
 
 
 def _check_finite(name: str, value: Any, *, positive: bool) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float | np.number):
+    if not is_number(value):
         raise ValueError(f"{name} must be a number, got {value!r}")
     value = float(value)
     if not math.isfinite(value):
@@ -622,7 +623,7 @@ def _pulled_version(pulled: Any) -> int:
     version = getattr(pulled, "version", None)
     if version is None and isinstance(pulled, tuple) and len(pulled) == 2:
         version = pulled[1]
-    if isinstance(version, bool) or not isinstance(version, int | np.integer):
+    if not is_int(version):
         raise ValueError(
             "cannot read the parameter version from the client's pull() result "
             f"({type(pulled).__name__}); pass an async round-trip callable instead"
