@@ -30,7 +30,7 @@ from __future__ import annotations
 import math
 import os
 import zipfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -44,6 +44,7 @@ __all__ = [
     "Dataset",
     "get_dataset",
     "load_npz",
+    "share_split",
     "sklearn_digits",
     "synthetic_digits",
 ]
@@ -262,6 +263,23 @@ class Dataset:
             f"{self._name}/shard{index}of{num_shards}",
         )
 
+    def shard_by_shares(self, shares: Sequence[float], index: int) -> Dataset:
+        """Worker ``index``'s shard when worker ``i`` holds a share ``shares[i]``
+        of the examples (ASHL's reference re-partitions the data so); see
+        :func:`share_split`.
+
+        Raises:
+          ValueError: bad shares, a bad index, or a worker left without examples.
+        """
+        parts = share_split(len(self), shares)
+        if not is_int(index):
+            raise ValueError(f"shard index must be an int, got {index!r}")
+        if not 0 <= index < len(parts):
+            raise ValueError(f"shard index must be in [0, {len(parts)}), got {index}")
+        return self._subset(
+            parts[int(index)], f"{self._name}/share{index}of{len(parts)}"
+        )
+
     def batches(
         self, batch_size: int, *, seed: int, epoch: int = 0, offset: int = 0
     ) -> BatchStream:
@@ -283,6 +301,52 @@ class Dataset:
                 yield Batch(self._x[start:stop], self._y[start:stop])
 
         return generate()
+
+
+def share_split(num_examples: int, shares: Sequence[float]) -> list[np.ndarray]:
+    """Example indices ``0 .. num_examples - 1`` cut into disjoint parts, part
+    ``i`` holding about ``shares[i]`` of them (the largest-remainder count).
+
+    Deterministic, so that every worker process cuts the same parts. The parts
+    are interleaved, not contiguous: part ``i``'s ``c_i`` examples sit at
+    evenly spaced positions ``(k + 1/2) / c_i`` of the whole (ties to the lower
+    part), so each part sees every class even when the data are sorted by
+    label. Equal shares of ``n`` examples give ``i, i + n, i + 2n, ...``, as
+    :meth:`Dataset.shard` does when ``n`` divides the count.
+
+    Args:
+      num_examples: how many examples, >= 1.
+      shares: one share >= 0 per part, summing to 1 (within 1e-6).
+
+    Returns:
+      One sorted ``int64`` index array per part.
+
+    Raises:
+      ValueError: bad shares, or a part with a positive share left empty.
+    """
+    num_examples = _check_positive_int("num_examples", num_examples)
+    p = np.asarray(shares, dtype=np.float64)
+    if p.ndim != 1 or p.size == 0 or not np.all(np.isfinite(p)) or np.any(p < 0):
+        raise ValueError(f"shares must be finite numbers >= 0, got {shares!r}")
+    if abs(float(p.sum()) - 1.0) > 1e-6:
+        raise ValueError(f"shares must sum to 1, got {shares!r} (sum {p.sum()})")
+    exact = p * num_examples
+    counts = np.floor(exact).astype(np.int64)
+    left = num_examples - int(counts.sum())
+    if left > 0:  # the largest remainders get one more; ties to the lower part
+        order = np.lexsort((np.arange(p.size), -(exact - counts)))
+        counts[order[:left]] += 1
+    empty = [i for i in range(p.size) if p[i] > 0 and counts[i] == 0]
+    if empty:
+        raise ValueError(
+            f"{num_examples} examples leave parts {empty} of shares {list(p)} empty"
+        )
+    labels = np.repeat(np.arange(p.size), counts)
+    ticks = np.concatenate(
+        [(np.arange(c) + 0.5) / c for c in counts if c > 0] or [np.zeros(0)]
+    )
+    owner = labels[np.lexsort((labels, ticks))]
+    return [np.flatnonzero(owner == i) for i in range(p.size)]
 
 
 class BatchStream:
