@@ -34,6 +34,8 @@ def decisions(scheme: str) -> dict:
     )
     workers: dict[str, dict] = {}
     for record in output.records:
+        if record.get("event") != "push":
+            continue
         entry = workers.setdefault(
             str(record["worker"]),
             {"versions": [], "acks": collections.Counter(), "local_steps": 0},
