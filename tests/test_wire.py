@@ -9,7 +9,7 @@ import msgpack
 import numpy as np
 import pytest
 
-from hpsjax.ps import _auth, _frames, _stream, _treecodec
+from hpsjax.ps import _auth, _decoders, _frames, _stream, _treecodec
 from hpsjax.ps import _errors as errors
 from hpsjax.ps._frames import MsgType
 from hpsjax.ps._stream import FrameDecoder
@@ -725,7 +725,7 @@ def _encoded_ones():
     return Encoded(np.ones(4, np.uint8), np.ones(1, np.float32))
 
 
-@pytest.mark.parametrize("module", [_auth, _frames, _stream, _treecodec])
+@pytest.mark.parametrize("module", [_auth, _decoders, _frames, _stream, _treecodec])
 def test_module_doctests(module):
     assert doctest.testmod(module).failed == 0
 

@@ -67,10 +67,10 @@ class DecoderCache:
       >>> cache.get(codec) is None
       True
       >>> cache.put(codec, cache.compile(codec))
-      >>> x = np.array([1.0, -2.0, 0.5, 0.0], np.float32)
+      >>> x = np.array([127.0, -127.0, 64.0, 0.0], np.float32)  # scale 1: exact
       >>> enc = encode(x, codec)
       >>> [float(v) for v in cache.get(codec)([enc])[0]]
-      [1.0, -2.0, 0.5, 0.0]
+      [127.0, -127.0, 64.0, 0.0]
     """
 
     def __init__(self, specs: Sequence[tuple[Sequence[int], str]], size: int = 8):
