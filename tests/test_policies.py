@@ -270,7 +270,14 @@ def test_saps_drop_mode_discards_straggler_update():
     core = make(SaPS(threshold=2, on_straggler="drop"))
     _, slow = saps_script(core)
     assert slow[0] == PushAck(
-        "c", 4, 4, "dropped", 0.0, None, "saps straggler: staleness 4 > 2, dropped"
+        "c",
+        4,
+        4,
+        "dropped",
+        0.0,
+        None,
+        "saps straggler: staleness 4 > 2, dropped",
+        force_pull=True,
     )
     assert only(slow, ForcePull) and core.version == 4
     assert w_of(core) == [-4.0, -4.0]
