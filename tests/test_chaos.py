@@ -39,6 +39,7 @@ def test_final_accuracy_is_the_newest_evaluated_version(tmp_path):
         text = "\n".join(map(json.dumps, lines)) + "\n"
         (tmp_path / f"metrics_{i}.jsonl").write_text(text + '{"event": "ro')
     assert chaos.final_accuracy(tmp_path) == (0.75, 12)
+    assert chaos._curve(tmp_path) == ((7, 0.5), (12, 0.75))
 
 
 def _children() -> set[int]:
@@ -74,8 +75,10 @@ def test_a_run_with_killed_workers_and_server_ends_like_an_undisturbed_one(
     assert sum(stormy.worker_restarts) >= 2 + 1, stormy
     # Both trained to the same version, well above chance (0.1). How close
     # their accuracies are is measured, not asserted, in the Chaos section of
-    # experiments/RESULTS.md: at this size BSP rounds run with fewer workers
-    # while killed ones restart, which moves accuracy more than seed noise.
+    # experiments/RESULTS.md: there, runs of 2000 versions (where accuracy has
+    # levelled off) end within seed noise of the undisturbed ones; at this
+    # size accuracy is still climbing and BSP rounds run with fewer workers
+    # while killed ones restart, which moves it more than seed noise.
     assert calm.version >= 150 and stormy.version >= 150
     assert calm.accuracy > 0.3 and stormy.accuracy > 0.3, (calm, stormy)
     assert not _children()
