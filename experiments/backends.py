@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import os
 import pathlib
@@ -135,6 +136,7 @@ def run_sim(
         )
         work_plan, stage_plans = build.plans(config, profiles)
         info["profile_seconds"] = profile_seconds
+    specs = _with_startup(config, specs)
     duration = float(config.budget_seconds) - profile_seconds
     if duration <= 0:
         raise ValueError(
@@ -182,6 +184,7 @@ def run_sim(
         eval_batch_size=int(config.eval.batch_size),
         core_kwargs=build.core_kwargs(config, work_plan),
         compress_from_stage=_compress_from_stage(config, work_plan),
+        server_service_time=float(config.server.get("service_time", 0.0)),
         seed=int(config.seed),
     )
 
@@ -281,6 +284,23 @@ def run_sim(
         info["final_stage"] = int(getattr(policy, "stage", -1))
         info["switched_at"] = getattr(policy, "switched_at", None)
     return RunOutput(evals, workers, timelines, records, info)
+
+
+def _with_startup(config: ml_collections.ConfigDict, specs: list[Any]) -> list[Any]:
+    """``specs`` with ``config.workers.startup_times`` as their start-up times
+    (after the profiling pass, which measures warm workers)."""
+    times = tuple(config.workers.get("startup_times", ()) or ())
+    if not times:
+        return specs
+    if len(times) != len(specs):
+        raise ValueError(
+            f"workers.startup_times has {len(times)} entries for {len(specs)} "
+            "workers; give one per worker or ()"
+        )
+    return [
+        dataclasses.replace(spec, startup_time=float(t))
+        for spec, t in zip(specs, times, strict=True)
+    ]
 
 
 def _compress_from_stage(

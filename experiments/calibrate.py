@@ -20,13 +20,17 @@ scheme in the same setting with the fitted models, and compares the two:
   (``transfer_s - link_delay_s``: encoding, the server decoding, applying and
   answering, and five processes sharing the cores) in the rounds whose push
   was applied at once (no barrier wait in them), the least of the workers'
-  means, and the server core's own apply time per push, timed offline.
+  means, and the server core's own apply time per push, timed offline; the
+  simulator charges it per push at one server handling one message at a
+  time (:class:`hpsjax.sim.SimConfig`'s ``server_service_time``), so pushes
+  queue behind one another as on processes;
+* **start-up**, per worker (:func:`fit_startup`): what its first round's
+  compute (loading the compiled step, the first steps slowed down,
+  compiling) took beyond the fitted model, charged to the simulated worker's
+  first round (``workers.startup_times``, :class:`hpsjax.sim.WorkerSpec`'s
+  ``startup_time``).
 
-The simulator has no term for the server's service time (see
-:data:`MISSING_TERMS`); it is folded into the link instead: each message gets
-half a round's service as extra latency, so a round of one push and one pull
-costs what it cost on processes. What that cannot model (pushes queueing at a
-single server) is what the comparison then shows.
+:data:`MISSING_TERMS` names what the simulator still lacks.
 
 Outputs in ``--workdir``: ``measured/<scheme>/seed_<s>`` and
 ``simulated/<scheme>/seed_<s>`` (each an :mod:`experiments.train` work
@@ -63,6 +67,7 @@ __all__ = [
     "fit_compute",
     "fit_link",
     "fit_service",
+    "fit_startup",
     "first_round_seconds",
     "format_table",
     "plot_calibration",
@@ -76,19 +81,12 @@ TOLERANCE = 0.15
 """Relative error within which a prediction counts as matching."""
 
 MISSING_TERMS = {
-    "server_service_time": (
-        "hpsjax.sim.SimConfig has no per-push service time of the server: on "
-        "processes one server handles every push and pull in turn (decode, "
-        "apply, encode the parameters), so pushes queue behind one another; "
-        "here it is folded into each link's latency (half a round's service per "
-        "message), which charges the time but not the queueing."
-    ),
-    "join_time": (
-        "the experiments' simulator backend starts every worker hot at time 0 "
-        "(its WorkerSpecs take no join_time): on processes a worker's first "
-        "round loads its compiled step, runs it slowed down and waits for the "
-        "server's first answers, seconds of a 30 s run "
-        "(fits[scheme]['first_round_s'] per worker); not folded in."
+    "server_startup": (
+        "the simulated server is warm from its first push: on processes the "
+        "server compiles its decode and apply on the first pushes it takes "
+        "(the workers' warm-up does not warm it), and the workers whose first "
+        "pushes arrive then wait for it in their first round's transfer "
+        "(fits[scheme]['first_round_wait_s'] per worker, beyond a usual round's)."
     ),
 }
 """What the simulator lacks to predict real processes, by option name."""
@@ -234,6 +232,33 @@ def first_round_seconds(records: Sequence[Mapping[str, Any]]) -> float | None:
     if not rounds or rounds[0].get("round_s") is None:
         return None
     return float(rounds[0]["round_s"])
+
+
+def fit_startup(records: Sequence[Mapping[str, Any]], fit: ComputeFit) -> float:
+    """Seconds a worker's first round computed beyond its fitted step time.
+
+    The first round's ``compute_s + slowdown_s + compile_s`` (loading the
+    compiled step, running its first steps slowed down, compiling what the
+    warm-up did not) less ``local_steps`` fitted steps at its batch; 0 when
+    the worker has no first round on record.
+    """
+    first = [r for r in _rounds(records) if int(r.get("step", -1)) == 0]
+    if not first:
+        return 0.0
+    r = first[0]
+    busy = sum(float(r.get(k) or 0.0) for k in ("compute_s", "slowdown_s", "compile_s"))
+    usual = int(r.get("local_steps") or 1) * fit.mean_step_time(int(r["batch_size"]))
+    return max(busy - usual, 0.0)
+
+
+def first_round_wait(records: Sequence[Mapping[str, Any]]) -> float | None:
+    """Seconds the first round's transfers took beyond the median round's."""
+    rounds = [r for r in _rounds(records) if r.get("transfer_s") is not None]
+    first = [r for r in rounds if int(r.get("step", -1)) == 0]
+    if not first or len(rounds) < 2:
+        return None
+    usual = float(np.median([float(r["transfer_s"]) for r in rounds]))
+    return max(float(first[0]["transfer_s"]) - usual, 0.0)
 
 
 def _messages(r: Mapping[str, Any]) -> int:
@@ -398,7 +423,8 @@ def simulated_config(
     config: Any,
     fits: Mapping[Any, ComputeFit],
     link: LinkFit,
-    service_round_s: float,
+    service_s: float,
+    startup: Mapping[Any, float] | None = None,
 ) -> Any:
     r"""The simulator's config of ``config`` with the fitted models.
 
@@ -407,8 +433,10 @@ def simulated_config(
     :math:`k_i = t_i(b_0) / T`, :math:`T` that of the fastest worker, and the
     overhead share is the workers' mean (exact when their shapes agree, as
     they do when the shape comes from one profile). The link gets the fitted
-    latency plus half a round's service per message. Re-planning is off, as
-    on processes.
+    latency and bandwidth, the server ``service_s`` seconds per push
+    (``server.service_time``), each worker its start-up (``startup``, seconds
+    by worker; ``workers.startup_times``). Re-planning is off, as on
+    processes.
     """
     sim = config.copy_and_resolve_references()
     b0 = int(config.batch_size)
@@ -423,7 +451,10 @@ def simulated_config(
     sim.workers.straggle_probability = 0.0
     sim.workers.speed_changes = ()
     sim.workers.bandwidth = None if math.isinf(link.bandwidth) else link.bandwidth
-    sim.workers.latency = link.latency + service_round_s / 2
+    sim.workers.latency = link.latency
+    sim.server.service_time = float(service_s)
+    startup = startup or {}
+    sim.workers.startup_times = tuple(float(startup.get(w, 0.0)) for w in sorted(times))
     sim.plan.replan = False
     return sim
 
@@ -695,7 +726,7 @@ def calibrate(
                 shape = profile_shape(config, setup)
                 apply_s = server_apply_seconds(config, setup)
             records = measured["records"]
-            fits = {}
+            fits, startup = {}, {}
             for w in sorted(records, key=int):
                 b = max((int(r["batch_size"]) for r in _rounds(records[w])), default=32)
                 share = shape["intercept"] / (shape["intercept"] + shape["slope"] * b)
@@ -704,12 +735,13 @@ def calibrate(
                     np.mean([int(r["local_steps"]) for r in _rounds(records[w])]), 1
                 )
                 fits[int(w)] = dataclasses.replace(fit, intercept=fit.intercept + gap)
+                startup[int(w)] = fit_startup(records[w], fit)
             link = fit_link(
                 [r for rs in records.values() for r in rs],
                 bandwidth=config.workers.bandwidth,
             )
             service = fit_service(records)
-            sim = simulated_config(config, fits, link, service["round_s"])
+            sim = simulated_config(config, fits, link, service["round_s"], startup)
             logging.info("%s: simulating with the fitted models", name)
             predicted = _run_once(sim, workdir / "simulated" / scheme / f"seed_{seed}")
             m, p = run_figures(measured), run_figures(predicted)
@@ -728,6 +760,10 @@ def calibrate(
                 "first_round_s": {
                     w: first_round_seconds(rs) for w, rs in sorted(records.items())
                 },
+                "startup_s": startup,
+                "first_round_wait_s": {
+                    w: first_round_wait(rs) for w, rs in sorted(records.items())
+                },
                 "simulated_workers": {
                     "step_time": sim.workers.step_time,
                     "step_overhead": sim.workers.step_overhead,
@@ -735,6 +771,8 @@ def calibrate(
                     "jitter": sim.workers.jitter,
                     "bandwidth": sim.workers.bandwidth,
                     "latency": sim.workers.latency,
+                    "startup_times": list(sim.workers.startup_times),
+                    "server_service_time": sim.server.service_time,
                 },
             }
     ranking = {

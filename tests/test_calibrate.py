@@ -132,19 +132,33 @@ def test_staleness_stats_count_acknowledged_pushes_only():
     }
 
 
-def test_simulated_config_turns_fits_into_slowdowns_and_service_into_latency():
+def test_fit_startup_is_the_first_round_beyond_the_fitted_steps():
+    fit = calibrate.ComputeFit(0.0, 0.01 / 32, 0.0, 32, 10, "x")
+    records = [
+        _round(step=0, compute_s=0.4, slowdown_s=2.8, compile_s=0.5),
+        _round(step=1, compute_s=0.01),
+    ]
+    assert calibrate.fit_startup(records, fit) == pytest.approx(3.7 - 0.01)
+    assert calibrate.fit_startup(records[1:], fit) == 0.0
+    waits = [_round(step=0, transfer_s=2.05), _round(step=1), _round(step=2)]
+    assert calibrate.first_round_wait(waits) == pytest.approx(2.0)
+
+
+def test_simulated_config_takes_the_fits_service_and_start_up():
     config = registry.load_config("asp", "proc4")
     fits = {
         i: calibrate.ComputeFit(0.25 * t, 0.75 * t / 32, 0.05, 32, 10, "x")
         for i, t in enumerate((0.2, 0.2, 0.1, 0.05))
     }
     link = calibrate.LinkFit(0.001, 5e7, "latency only", 10)
-    sim = calibrate.simulated_config(config, fits, link, 0.04)
+    sim = calibrate.simulated_config(config, fits, link, 0.04, {0: 3.0, 3: 1.0})
     assert sim.backend == "sim"
     assert sim.workers.step_time == pytest.approx(0.05)
     assert sim.workers.step_overhead == pytest.approx(0.0125)
     assert sim.workers.slowdowns == pytest.approx((4.0, 4.0, 2.0, 1.0))
-    assert sim.workers.latency == pytest.approx(0.021)
+    assert sim.workers.latency == pytest.approx(0.001)
+    assert sim.server.service_time == pytest.approx(0.04)
+    assert sim.workers.startup_times == (3.0, 0.0, 0.0, 1.0)
     assert sim.workers.jitter == pytest.approx(0.05)
     assert not sim.plan.replan
     assert config.backend == "processes"

@@ -178,6 +178,74 @@ def test_bsp_aggregates_every_round_and_round_time_is_the_slowest():
 
 
 # ---------------------------------------------------------------------------
+# The server's service time and the workers' start-up.
+# ---------------------------------------------------------------------------
+
+
+def test_server_service_time_queues_pushes_that_arrive_together():
+    # Two equal workers push at 0.125 s, together (times exact in binary).
+    workers = constant_workers((0.125, 0.125))
+    plain = run(
+        workers, SimConfig(policy="asp", duration=1.0), eval_data=None, eval_fn=None
+    )
+    assert [p.time for p in plain.pushes[:2]] == [0.125, 0.125]
+    config = SimConfig(policy="asp", duration=1.0, server_service_time=0.25)
+    result = run(workers, config, eval_data=None, eval_fn=None)
+    first, second = result.pushes[:2]
+    # One server, one message at a time: the first push is handled after one
+    # service time, the second waits for it and takes its own.
+    assert first.time == 0.125 + 0.25
+    assert second.time == first.time + 0.25
+    assert first.sent == second.sent == 0.125
+    assert {first.worker_id, second.worker_id} == {0, 1}
+    # The server can handle at most one push per service time.
+    times = [p.time for p in result.pushes]
+    assert np.all(np.diff(times) >= 0.25 - 1e-12)
+    assert len(result.pushes) == 3  # at 0.375, 0.625 and 0.875
+    assert result.idle_fraction() > plain.idle_fraction()
+
+
+def test_a_pull_queues_behind_the_pushes_at_the_server():
+    # Pipelined workers send their pull right behind their push; the pull is
+    # answered only once the pushes ahead of it were handled.
+    workers = constant_workers((0.125, 0.125))
+    config = SimConfig(
+        policy="asp",
+        duration=0.75,
+        server_service_time=0.25,
+        overlap="pipeline",
+        worker_optimizer=LOCAL_SGD,
+    )
+    result = run(workers, config, eval_data=None, eval_fn=None)
+    # Both send their first push and, behind it, a pull at 0.125; each pull is
+    # answered once the pushes ahead of it were handled (not at 0.125).
+    after = [(s.time, s.worker_id) for s in result.sends if s.time > 0]
+    assert after == [(0.375, 0), (0.625, 1)]
+    assert [p.time for p in result.pushes] == [0.375, 0.625]
+
+
+def test_startup_time_lengthens_the_first_round_only():
+    result = run(
+        constant_workers((0.125,), startup_time=0.5),
+        SimConfig(policy="asp", duration=1.0),
+        eval_data=None,
+        eval_fn=None,
+    )
+    times = [p.time for p in result.pushes]
+    assert times == [0.625, 0.75, 0.875, 1.0]
+    (first, *_) = result.timelines[0]
+    # Counted as compute, as real processes count a slow first round.
+    assert (first.start, first.end, first.kind) == (0.0, 0.625, "compute")
+    hot = run(
+        constant_workers((0.125,)),
+        SimConfig(policy="asp", duration=1.0),
+        eval_data=None,
+        eval_fn=None,
+    )
+    assert len(hot.pushes) == len(result.pushes) + 4
+
+
+# ---------------------------------------------------------------------------
 # ASP: a 1:4 speed ratio.
 # ---------------------------------------------------------------------------
 
@@ -690,6 +758,7 @@ def test_256_workers(policy):
         (dict(duration=1.0, server_optimizer="sgd"), "server_optimizer"),
         (dict(duration=1.0, eager_pulls=0), "eager_pulls"),
         (dict(duration=1.0, seed=-1), "seed"),
+        (dict(duration=1.0, server_service_time=-0.1), "server_service_time"),
     ],
 )
 def test_bad_config_is_refused(kwargs, message):
@@ -705,6 +774,7 @@ def test_bad_config_is_refused(kwargs, message):
         (lambda: ComputeModel(straggle_probability=1.5), "straggle_probability"),
         (lambda: WorkerSpec(batch_size=0), "batch_size"),
         (lambda: WorkerSpec(join_time=2.0, leave_time=1.0), "leave_time"),
+        (lambda: WorkerSpec(startup_time=-1.0), "startup_time"),
         (lambda: make_workers(0), "num_workers"),
         (lambda: make_workers(4, straggler_fraction=2.0), "straggler_fraction"),
     ],

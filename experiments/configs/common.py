@@ -182,6 +182,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # (worker index, seconds, factor): from then on that worker's slowdown is
     # multiplied by the factor.
     config.workers.speed_changes = s["speed_changes"]
+    # Simulator only: seconds each worker's first round takes beyond its
+    # compute model (a real worker loads its compiled step and runs it slowed
+    # down first), one per worker, or () for none (workers start hot).
+    config.workers.startup_times = ()
 
     config.server = ml_collections.ConfigDict()
     config.server.policy = "bsp"
@@ -200,6 +204,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # Deadlines drop workers that stopped making progress; far above a round so
     # that a transient straggler is never taken for a dead worker.
     config.server.deadline_factor = 10.0
+    # Simulator only: seconds the server spends on each push, handling one
+    # message at a time (hpsjax.sim.SimConfig's server_service_time); 0: none.
+    config.server.service_time = 0.0
 
     config.worker = ml_collections.ConfigDict()
     # "none" pushes gradients; an optimizer name runs local steps with it and

@@ -178,6 +178,15 @@ class SimConfig:
       batch_rows: the most worker steps evaluated in one batched call, or
         ``None`` to choose from the FLOPs of one gradient: up to 256 for a cheap
         gradient, one for an expensive one (see ``hpsjax/sim/_engine.py``).
+      server_service_time: seconds the server spends handling one push
+        (decoding, applying, answering), >= 0. The server handles one message
+        at a time, first come first served: a push or pull that arrives while
+        it is busy waits in a queue (in virtual time), and a push is applied
+        and answered when its handling ends. Pulls take no service of their
+        own but queue behind the pushes ahead of them. ``0`` (the default):
+        every message is handled the instant it arrives, as before. On real
+        processes this is several milliseconds a push
+        (``python -m experiments.calibrate`` fits it).
       seed: seed of every random draw.
 
     Raises:
@@ -204,6 +213,7 @@ class SimConfig:
     data_sharding: str = "disjoint"
     core_kwargs: Mapping[str, Any] | None = None
     batch_rows: int | None = None
+    server_service_time: float = 0.0
     seed: int = 0
 
     def __post_init__(self):
@@ -277,6 +287,11 @@ class SimConfig:
             raise ValueError(
                 "codec counts the bytes of compressed pushes; give the "
                 "push_transform that compresses them too."
+            )
+        service = self.server_service_time
+        if not _is_number(service) or not (math.isfinite(service) and service >= 0):
+            raise ValueError(
+                f"server_service_time must be a finite number >= 0, got {service!r}."
             )
         if isinstance(self.seed, bool) or not isinstance(self.seed, int | np.integer):
             raise ValueError(f"seed must be an int >= 0, got {self.seed!r}.")
@@ -478,6 +493,7 @@ class _Worker:
         "slowdown",
         "spans",
         "spec",
+        "startup",
         "stream",
         "transfer_spans",
         "up_free",
@@ -491,6 +507,7 @@ class _Worker:
         self.latency = 0.0 if self.het is None else self.het.latency
         self.slowdown = ((0.0, 1.0),) if self.het is None else self.het.slowdown
         self.join_time = float(spec.join_time)
+        self.startup = float(spec.startup_time)  # left to charge: first round
         self.rng = rng
         self.stream = stream
         self.core = core
@@ -734,6 +751,8 @@ class _Simulation:
         self.now = 0.0
         self.stop = False
         self.tick_at: float | None = None
+        self.service_time = float(config.server_service_time)
+        self.server_free = 0.0  # when the server has handled its queue
         self.ticked_at = -math.inf
         self.leaves_version = -1
         self.version_leaves = None
@@ -869,6 +888,10 @@ class _Simulation:
             w.blocked_since = None
         batch, steps = compute.batch_size, compute.local_steps
         model = w.spec.compute
+        start = now
+        if w.startup:
+            # The first round: the worker's start-up comes before its steps.
+            start, w.startup = now + w.startup, 0.0
         if (
             steps == 1
             and len(w.slowdown) == 1
@@ -878,10 +901,10 @@ class _Simulation:
             # No randomness and one slowdown: the same sum as ``finish_time``'s,
             # without its arrays.
             step = float(model.mean_step_time(batch))
-            end = w.join_time + ((now - w.join_time) + w.slowdown[0][1] * step)
+            end = w.join_time + ((start - w.join_time) + w.slowdown[0][1] * step)
         else:
             durations = model.draw(w.rng, batch, steps)
-            end = w.join_time + finish_time(w.slowdown, now - w.join_time, durations)
+            end = w.join_time + finish_time(w.slowdown, start - w.join_time, durations)
         w.rounds[compute.round] = self.engine.submit(
             Round(w.index, w.params, steps, batch, compute.lr_scale, w.stream)
         )
@@ -923,8 +946,11 @@ class _Simulation:
                     for shape, dtype in self.param_specs
                 )
         arrival = self._send_up(w, nbytes, "push")
-        self.schedule(
-            arrival, self._server_push, w, push.session, r, job, push, self.now
+        self._to_server(
+            arrival,
+            self.service_time,
+            self._server_push,
+            (w, push.session, r, job, push, self.now),
         )
         self.gradients += r.steps
         if self.config.max_gradients is not None and (
@@ -935,7 +961,7 @@ class _Simulation:
     def _send_pull(self, w: _Worker, session: int) -> None:
         # On one connection a request queues behind the push being sent.
         start = max(self.now, w.up_free)
-        self.schedule(start + w.latency, self._server_pull, w, session)
+        self._to_server(start + w.latency, 0.0, self._server_pull, (w, session))
 
     def _params_arrive(self, w, session, leaves, version, hint) -> None:
         event = wc.Pulled(session, version, self.now, local_steps=hint)
@@ -974,6 +1000,21 @@ class _Simulation:
         return arrival
 
     # ------------------------------------------------------------ server side
+
+    def _to_server(self, arrival: float, service: float, handler, args) -> None:
+        """Delivers a message to the server at ``arrival``; with a service
+        time it joins the server's queue there (see ``_server_queue``)."""
+        if self.service_time:
+            self.schedule(arrival, self._server_queue, service, handler, args)
+        else:
+            self.schedule(arrival, handler, *args)
+
+    def _server_queue(self, service: float, handler, args) -> None:
+        """A message arrived: the server handles it once the messages ahead
+        of it are handled, taking ``service`` seconds, then acts on it."""
+        done = max(self.now, self.server_free) + service
+        self.server_free = done
+        self.schedule(done, handler, *args)
 
     def _server_join(self, w: _Worker, session: int) -> None:
         if session != w.session:

@@ -242,6 +242,11 @@ class WorkerSpec:
         position in the list of workers.
       join_time: virtual time (s) at which it joins, >= 0.
       leave_time: virtual time (s) at which it leaves for good, or ``None``.
+      startup_time: seconds its first round's compute takes beyond the compute
+        model, >= 0 (default 0: it starts hot): what a real worker loses in
+        its first round loading its compiled step and running it slowed down.
+        Charged as compute time, as processes count it; the slowdown schedule
+        does not scale it (it is wall time of the worker it was measured on).
 
     Raises:
       ValueError: for a value out of range.
@@ -260,6 +265,7 @@ class WorkerSpec:
     worker_id: int | str | None = None
     join_time: float = 0.0
     leave_time: float | None = None
+    startup_time: float = 0.0
 
     def __post_init__(self):
         if not isinstance(self.compute, ComputeModel):
@@ -284,6 +290,7 @@ class WorkerSpec:
                 f"worker_id must be an int, a str or None, got {self.worker_id!r}."
             )
         join = _check_number("join_time", self.join_time, low=0.0)
+        _check_number("startup_time", self.startup_time, low=0.0)
         if self.leave_time is not None:
             leave = _check_number("leave_time", self.leave_time, low=0.0)
             if leave <= join:
