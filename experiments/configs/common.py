@@ -18,6 +18,9 @@ line picks one of :data:`SETTINGS`:
   2) against a real server on loopback, a 50 MB/s link cap each; a SmallCNN on
   28x28 digits, so that compute (10 to 30 ms per step of 32 samples on a
   shared core) outweighs the per-message overheads.
+* ``sim32``: 32 simulated workers, 8 on each of four accelerators whose step
+  times follow :data:`SIM32_THROUGHPUTS`; sim8's data, model, stragglers and
+  links.
 
 A simulated worker :math:`i` with slowdown :math:`k_i(t)` takes
 :math:`k_i(t)\,(o + (T - o)\,b / b_0)` virtual seconds per local step of
@@ -42,7 +45,7 @@ from typing import Any
 import ml_collections
 from ml_collections import config_dict
 
-__all__ = ["SETTINGS", "get_config", "pick"]
+__all__ = ["SETTINGS", "SIM32_THROUGHPUTS", "get_config", "pick"]
 
 SETTINGS: dict[str, dict[str, Any]] = {
     "quick": {
@@ -106,6 +109,30 @@ SETTINGS: dict[str, dict[str, Any]] = {
 }
 """Heterogeneity settings by name (see the module docstring)."""
 SETTINGS["sim8_slowlink"] = dict(SETTINGS["sim8"], bandwidth=5e5, latency=0.01)
+
+SIM32_THROUGHPUTS: dict[str, float] = {
+    "A100 80GB mixed precision": 2470.0,
+    "V100 16GB mixed precision": 1200.0,
+    "A100 80GB TF32": 938.0,
+    "V100 16GB FP32": 367.0,
+}
+"""Single-GPU ResNet-50 v1.5 training throughputs (img/s) of NVIDIA's
+DeepLearningExamples README (PyTorch, pytorch-21.03 NGC container): the
+accelerators of setting ``sim32``."""
+
+_FASTEST = max(SIM32_THROUGHPUTS.values())
+# sim8's data, model, stragglers and links; 8 workers of each accelerator,
+# no slowing-down worker, and an evaluation every virtual second (32 workers
+# make 4 times sim8's events per virtual second).
+SETTINGS["sim32"] = dict(
+    SETTINGS["sim8"],
+    budget_seconds=40.0,
+    slowdowns=tuple(
+        round(_FASTEST / t, 2) for t in SIM32_THROUGHPUTS.values() for _ in range(8)
+    ),
+    speed_changes=(),
+    eval_every=1.0,
+)
 
 DEFAULT_SETTING = "sim8"
 

@@ -20,7 +20,7 @@ schemes is named after its setting.
   precision 1200, A100 80GB TF32 938, V100 16GB FP32 367. Eight workers of each
   of these four accelerator configurations (two GPU generations at two
   precisions) get slowdowns 2470 / throughput: 1, 2.06, 2.63, 6.73 (setting
-  ``sim32``, registered here in ``common.SETTINGS``).
+  ``sim32`` of ``common.SETTINGS``).
 * ``quick``: all schemes at smoke-test size (setting ``quick``), seconds each.
 """
 
@@ -28,20 +28,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from experiments.configs import common
 from experiments.registry import SCHEMES
 
-__all__ = ["RESEARCH_SCHEMES", "SIM32_THROUGHPUTS", "SUITES", "Suite"]
-
-SIM32_THROUGHPUTS: dict[str, float] = {
-    "A100 80GB mixed precision": 2470.0,
-    "V100 16GB mixed precision": 1200.0,
-    "A100 80GB TF32": 938.0,
-    "V100 16GB FP32": 367.0,
-}
-"""Single-GPU ResNet-50 v1.5 training throughputs (img/s) of NVIDIA's
-DeepLearningExamples README (PyTorch, pytorch-21.03 NGC container): the
-accelerators of setting ``sim32``."""
+__all__ = ["RESEARCH_SCHEMES", "SUITES", "Suite"]
 
 RESEARCH_SCHEMES: tuple[str, ...] = (
     "bsp",
@@ -54,23 +43,6 @@ RESEARCH_SCHEMES: tuple[str, ...] = (
     "async_diloco",
 )
 """The schemes of the research comparison (RESULTS.md, "Research fidelity")."""
-
-_FASTEST = max(SIM32_THROUGHPUTS.values())
-# sim8's data, model, stragglers and links; 8 workers of each accelerator,
-# no slowing-down worker, and an evaluation every virtual second (32 workers
-# make 4 times sim8's events per virtual second).
-common.SETTINGS.setdefault(
-    "sim32",
-    dict(
-        common.SETTINGS["sim8"],
-        budget_seconds=40.0,
-        slowdowns=tuple(
-            round(_FASTEST / t, 2) for t in SIM32_THROUGHPUTS.values() for _ in range(8)
-        ),
-        speed_changes=(),
-        eval_every=1.0,
-    ),
-)
 
 
 @dataclasses.dataclass(frozen=True)
