@@ -63,6 +63,7 @@ from typing import Any
 
 from hpsjax._checks import is_int, is_number
 from hpsjax.profiling._profile import WorkerProfile
+from hpsjax.worker._core import ewma
 
 __all__ = [
     "ASHL_STAGE_MULTIPLIERS",
@@ -1423,10 +1424,8 @@ class Replanner:
             for d, p in zip(model.devices, worker.devices, strict=True)
         )
         sample = predicted / step_time
-        if self._count[worker_id] == 0:
-            self._ratio[worker_id] = sample
-        else:
-            self._ratio[worker_id] += self._alpha * (sample - self._ratio[worker_id])
+        old = self._ratio[worker_id] if self._count[worker_id] else None
+        self._ratio[worker_id] = ewma(old, sample, self._alpha)
         self._count[worker_id] += 1
         self._reports[worker_id].append((batch_size, step_time))
 
