@@ -662,6 +662,69 @@ class ServerCore:
         defer_applies: bool = False,
         push_weights: Mapping[Any, float] | None = None,
     ):
+        self._check_args(
+            optimizer,
+            policy_kwargs=policy_kwargs,
+            expected_workers=expected_workers,
+            start_timeout=start_timeout,
+            deadline_factor=deadline_factor,
+            min_timeout=min_timeout,
+            max_timeout=max_timeout,
+            initial_timeout=initial_timeout,
+            ewma_alpha=ewma_alpha,
+            max_stale_copies=max_stale_copies,
+            push_weights=push_weights,
+            straggler_factor=straggler_factor,
+            defer_applies=defer_applies,
+            keep_stale_params=keep_stale_params,
+        )
+        self._push_weights = None if push_weights is None else dict(push_weights)
+        self._policy = get_policy(policy, **dict(policy_kwargs or {}))
+        self._init_model(params, optimizer)
+        self._version = 0
+        self._scalars: dict[tuple[float, type], jax.Array] = {}
+        self._expected_workers = expected_workers
+        self._start_timeout = float(start_timeout)
+        self._deadline_factor = float(deadline_factor)
+        self._min_timeout = float(min_timeout)
+        self._max_timeout = None if max_timeout is None else float(max_timeout)
+        self._initial_timeout = float(initial_timeout)
+        self._alpha = float(ewma_alpha)
+        self._straggler_factor = float(straggler_factor)
+        self._keep_stale = bool(keep_stale_params)
+        self._max_stale_copies = max_stale_copies
+        self._check_finite = bool(check_finite)
+        self._check_result = bool(check_result) and not defer_applies
+        self._leaf_paths = tuple(
+            jax.tree_util.keystr(path)
+            for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]
+        )
+        self._defer = bool(defer_applies)
+        # Deferred applies (defer_applies): per version, the buffered
+        # (update, keep, weight) rows and the staleness it was made with;
+        # self._params is the version before the first of them.
+        self._deferred: list[tuple[list, int]] = []
+        self._init_workers()
+
+    @staticmethod
+    def _check_args(
+        optimizer: Any,
+        *,
+        policy_kwargs: Any,
+        expected_workers: Any,
+        start_timeout: Any,
+        deadline_factor: Any,
+        min_timeout: Any,
+        max_timeout: Any,
+        initial_timeout: Any,
+        ewma_alpha: Any,
+        max_stale_copies: Any,
+        push_weights: Any,
+        straggler_factor: Any,
+        defer_applies: bool,
+        keep_stale_params: bool,
+    ) -> None:
+        """Raises ``ValueError`` for a bad constructor argument."""
         if not isinstance(optimizer, optax.GradientTransformation):
             raise ValueError(
                 "optimizer must be an optax GradientTransformation, got "
@@ -714,12 +777,14 @@ class ServerCore:
                 f"push_weights must map worker ids to finite numbers >= 0, got "
                 f"{push_weights!r}."
             )
-        self._push_weights = None if push_weights is None else dict(push_weights)
         if defer_applies and keep_stale_params:
             raise ValueError(
                 "defer_applies cannot be combined with keep_stale_params: stale "
                 "copies are the parameters of every version as it is made."
             )
+
+    def _init_model(self, params: Any, optimizer: optax.GradientTransformation) -> None:
+        """The parameters (version 0), their spec, optimizer state and steps."""
         leaves, treedef = jax.tree.flatten(params)
         if not leaves:
             raise ValueError("params must hold at least one array.")
@@ -729,7 +794,6 @@ class ServerCore:
                 raise ValueError(
                     f"params leaf {i} has dtype {leaf.dtype}; only numbers train."
                 )
-        self._policy = get_policy(policy, **dict(policy_kwargs or {}))
         self._treedef = treedef
         self._shapes = tuple(x.shape for x in leaves)
         self._dtypes = tuple(x.dtype for x in leaves)
@@ -744,31 +808,9 @@ class ServerCore:
         self._chain_fn = steps.apply_chain
         self._checked_scale_fn = steps.checked_scale
         self._checked_accumulate_fn = steps.checked_accumulate
-        self._version = 0
-        self._scalars: dict[tuple[float, type], jax.Array] = {}
 
-        self._expected_workers = expected_workers
-        self._start_timeout = float(start_timeout)
-        self._deadline_factor = float(deadline_factor)
-        self._min_timeout = float(min_timeout)
-        self._max_timeout = None if max_timeout is None else float(max_timeout)
-        self._initial_timeout = float(initial_timeout)
-        self._alpha = float(ewma_alpha)
-        self._straggler_factor = float(straggler_factor)
-        self._keep_stale = bool(keep_stale_params)
-        self._max_stale_copies = max_stale_copies
-        self._check_finite = bool(check_finite)
-        self._check_result = bool(check_result) and not defer_applies
-        self._leaf_paths = tuple(
-            jax.tree_util.keystr(path)
-            for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]
-        )
-        self._defer = bool(defer_applies)
-        # Deferred applies (defer_applies): per version, the buffered
-        # (update, keep, weight) rows and the staleness it was made with;
-        # self._params is the version before the first of them.
-        self._deferred: list[tuple[list, int]] = []
-
+    def _init_workers(self) -> None:
+        """No workers, no waits, no deadlines, no stale copies, an empty buffer."""
         self._now = -math.inf
         self._epoch = 0
         self._workers: dict[WorkerId, _Worker] = {}
@@ -787,7 +829,7 @@ class ServerCore:
         self._max_interval_valid = False
         self._heap: list[tuple[float, int, WorkerId]] = []
         self._heap_seq = 0
-        self._started = expected_workers is None
+        self._started = self._expected_workers is None
         self._start_deadline: float | None = None
         self._copies: dict[int, Any] = {}
         self._refcount: dict[int, int] = {}
@@ -1161,9 +1203,72 @@ class ServerCore:
                 f"push stage {meta.stage} is past the policy's last stage "
                 f"{len(policy.stages) - 1}"
             )
-        step_time, num_samples = meta.step_time, meta.num_samples
-        local_steps, loss = meta.local_steps, meta.loss
         staleness = self._version - version
+        verdict_weight, force_pull, reason, stale = self._judge(
+            worker_id, version, staleness
+        )
+        pending = None
+        if verdict_weight > 0:
+            pending = self._buffer_candidate(
+                update,
+                verdict_weight,
+                meta.num_samples or 1,
+                staleness,
+                version,
+                stale,
+                completes=self._push_completes(worker_id),
+            )
+        self._begin(now)
+        self._record_push(rec, meta, now)
+
+        if pending is not None:
+            self._buffer_add(rec, pending)
+            status = "buffered"
+        else:
+            rec.dropped_updates += 1
+            status = "dropped"
+        self._policy.on_push(self, worker_id, now)
+        tail: list[Action] = []
+        if self._buffer_contributors and self._policy.ready(self):
+            self._apply(now, tail)
+            if status == "buffered":
+                status = "applied"
+        self._release(now, tail)
+        if switch:
+            # The worker's staged optimizer moved on (ASHL: a flat loss): the
+            # server follows, after the push was handled in the stage it was
+            # computed in.
+            policy.set_stage(self, meta.stage)
+            self._admit_key = _UNKNOWN_KEY
+            self._settle(now, tail)
+        stage = policy.stage if stage_before is not None else None
+        actions: list[Action] = [
+            PushAck(
+                worker_id=worker_id,
+                version=self._version,
+                staleness=staleness,
+                status=status,
+                weight=float(verdict_weight),
+                local_steps=self._policy.local_steps(self, worker_id),
+                reason=reason if reason or not force_pull else "pull fresh parameters",
+                force_pull=force_pull,
+                stage=None if stage == stage_before else stage,
+            )
+        ]
+        if force_pull:
+            actions.append(ForcePull(worker_id, reason or "pull fresh parameters"))
+        actions.extend(tail)
+        return actions
+
+    def _judge(
+        self, worker_id: WorkerId, version: int, staleness: int
+    ) -> tuple[float, bool, str, Any]:
+        """The policy's verdict on a push: ``(weight, force_pull, reason, stale)``.
+
+        ``weight`` includes the worker's ``push_weights`` entry; ``stale`` is the
+        kept copy of ``version`` (``keep_stale_params``), and a push on a
+        version no copy is kept of gets weight 0 and a forced pull.
+        """
         stale = None
         if self._keep_stale:
             stale = self._params if version == self._version else None
@@ -1189,19 +1294,13 @@ class ServerCore:
                 )
             if self._push_weights is not None:
                 verdict_weight *= float(self._push_weights.get(worker_id, 1.0))
-        pending = None
-        if verdict_weight > 0:
-            pending = self._buffer_candidate(
-                update,
-                verdict_weight,
-                num_samples or 1,
-                staleness,
-                version,
-                stale,
-                completes=self._push_completes(worker_id),
-            )
-        self._begin(now)
+        return verdict_weight, force_pull, reason, stale
 
+    def _record_push(self, rec: _Worker, meta: PushMeta, now: float) -> None:
+        """A push's measurements and clock in its worker's record."""
+        version, step_time = meta.version, meta.step_time
+        local_steps, loss = meta.local_steps, meta.loss
+        worker_id = rec.worker_id
         interval = now - rec.last_start
         old_interval = rec.interval
         rec.interval = _ewma(old_interval, interval, self._alpha)
@@ -1245,45 +1344,6 @@ class ServerCore:
         while refs and refs[0] < version:
             self._unref(refs.pop(0))
         self._progress(rec, now)
-
-        if pending is not None:
-            self._buffer_add(rec, pending)
-            status = "buffered"
-        else:
-            rec.dropped_updates += 1
-            status = "dropped"
-        self._policy.on_push(self, worker_id, now)
-        tail: list[Action] = []
-        if self._buffer_contributors and self._policy.ready(self):
-            self._apply(now, tail)
-            if status == "buffered":
-                status = "applied"
-        self._release(now, tail)
-        if switch:
-            # The worker's staged optimizer moved on (ASHL: a flat loss): the
-            # server follows, after the push was handled in the stage it was
-            # computed in.
-            policy.set_stage(self, meta.stage)
-            self._admit_key = _UNKNOWN_KEY
-            self._settle(now, tail)
-        stage = policy.stage if stage_before is not None else None
-        actions: list[Action] = [
-            PushAck(
-                worker_id=worker_id,
-                version=self._version,
-                staleness=staleness,
-                status=status,
-                weight=float(verdict_weight),
-                local_steps=self._policy.local_steps(self, worker_id),
-                reason=reason if reason or not force_pull else "pull fresh parameters",
-                force_pull=force_pull,
-                stage=None if stage == stage_before else stage,
-            )
-        ]
-        if force_pull:
-            actions.append(ForcePull(worker_id, reason or "pull fresh parameters"))
-        actions.extend(tail)
-        return actions
 
     def tick(self, now: float) -> list[Action]:
         """Time passed: ends a held start, drops workers past their deadline.
