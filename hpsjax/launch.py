@@ -228,7 +228,7 @@ class _Monitor:
     ):
         self._host = host
         self._port = port
-        self._secret = secret
+        self.secret = secret
         self._interval = interval
         self._stop = threading.Event()
         self.version: int | None = None
@@ -245,7 +245,7 @@ class _Monitor:
             self._host,
             self._port,
             worker_id="hpsjax-launch-monitor",
-            secret=self._secret,
+            secret=self.secret,
             timeout=5.0,
         )
         with contextlib.suppress(HpsError, OSError, TimeoutError):
@@ -580,165 +580,31 @@ def launch(
         split_leaves=split_leaves,
         max_restarts=max_restarts,
     )
-
-    out = log if log is not None else sys.stdout
-    lock = threading.Lock()
-    bar = None
-
-    def emit(line: str) -> None:
-        with lock:
-            if bar is not None:
-                bar.write(line, file=out)
-            else:
-                print(line, file=out, flush=True)
-
+    console = _Console(log)
     start = time.monotonic()
-    work = (
-        pathlib.Path(workdir)
-        if workdir is not None
-        else pathlib.Path(tempfile.mkdtemp(prefix="hpsjax-launch-"))
-    )
+    work = pathlib.Path(workdir)
     work.mkdir(parents=True, exist_ok=True)
     secret, secret_file, init, shared, plan_server_args, profile_seconds = (
         _prepare_workdir(
-            work, num_workers, shared, flags, plan, replan, global_batch, emit
+            work, num_workers, shared, flags, plan, replan, global_batch, console.emit
         )
     )
-    shard_args = ["--split_leaves"] if split_leaves else []
-    checkpoints = work / "checkpoints"
     if max_restarts > 0:
         # A restarted server resumes from here: nothing from an earlier
         # launch in the same workdir may be there.
-        shutil.rmtree(checkpoints, ignore_errors=True)
-
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    processes: list[_Process] = []
-    servers: list[_Process] = []
-    workers: list[_Process] = []
-    monitor: _Monitor | None = None
-    ports: list[int] = []
-    server_argvs: list[list[str]] = []
-    worker_argvs: list[list[str]] = []
-    worker_restarts = [0] * num_workers
-    server_restarts = [0] * server_shards
+        shutil.rmtree(work / "checkpoints", ignore_errors=True)
+    job = _Job(
+        num_workers, policy, steps, [str(a) for a in server_args], shared, flags,
+        plan_server_args, server_shards, split_leaves,
+    )  # fmt: skip
+    run = _LocalRun(job, console, python, max_restarts, start_timeout)
     reason = "completed"
     try:
-        for shard in range(server_shards):
-            server_argv = [
-                python, "-m", "hpsjax.ps._cli", "--init", str(init),
-                "--secret_file", str(secret_file), "--policy", policy,
-                "--host", "127.0.0.1", "--port", "0", *[str(a) for a in server_args],
-                *(plan_server_args if shard == 0 else []),
-            ]  # fmt: skip
-            name = "server"
-            if server_shards > 1:
-                server_argv += [
-                    "--server_shard", str(shard), "--server_shards",
-                    str(server_shards), *shard_args,
-                ]  # fmt: skip
-                name = f"server {shard}"
-            if max_restarts > 0:
-                server_argv += _restart_checkpoint_args(
-                    server_args, checkpoints, shard, server_shards
-                )
-            server_argvs.append(server_argv)
-            ports.append(
-                _start_server(name, server_argv, emit, env, processes, start_timeout)
-            )
-            servers.append(processes[-1])
-        port = ports[0]
-        if server_shards > 1:
-            where = ["--servers", ",".join(f"127.0.0.1:{p}" for p in ports)]
-            where += shard_args
-            emit(
-                f"[launch] {server_shards} server shards on ports "
-                f"{', '.join(map(str, ports))}, starting {num_workers} worker(s)"
-            )
-        else:
-            where = ["--host", "127.0.0.1", "--port", str(port)]
-            emit(f"[launch] server on port {port}, starting {num_workers} worker(s)")
-        for i in range(num_workers):
-            argv = [
-                python, "-m", "hpsjax.worker._cli", *where,
-                "--secret_file", str(secret_file),
-                "--worker_id", str(i), "--shard_index", str(i),
-                "--shard_count", str(num_workers),
-                "--metrics", str(work / f"metrics_{i}.jsonl"),
-                *([] if steps is None else ["--max_steps", str(steps)]),
-                *shared, *flags[i],
-            ]  # fmt: skip
-            worker_argvs.append(argv)
-            worker = _Process(f"worker {i}", argv, emit, env)
-            workers.append(worker)
-            processes.append(worker)
-        monitor = _Monitor(port, secret)
-        tqdm = None
-        if progress:
-            # tqdm comes with the experiments extra only: no bar without it.
-            with contextlib.suppress(ImportError):
-                from tqdm import tqdm
-        if tqdm is not None:
-            total = None
-            if steps is not None:
-                total = steps if policy in _ROUND_POLICIES else steps * num_workers
-            with lock:
-                bar = tqdm(total=total, desc="versions", unit="v", file=sys.stderr)
-        end = None if timeout is None else start + timeout
-        while True:
-            codes = [w.poll() for w in workers]
-            for i, code in enumerate(codes):
-                if _crashed(code) and worker_restarts[i] < max_restarts:
-                    worker_restarts[i] += 1
-                    emit(
-                        f"[launch] worker {i} crashed (status {code}); restarting "
-                        f"it ({worker_restarts[i]} of {max_restarts})"
-                    )
-                    workers[i] = _Process(f"worker {i}", worker_argvs[i], emit, env)
-                    processes.append(workers[i])
-                    codes[i] = None
-            failed = [(i, c) for i, c in enumerate(codes) if c is not None and c != 0]
-            if failed:
-                i, code = failed[0]
-                reason = f"worker {i} exited with status {code}"
-                break
-            if all(c == 0 for c in codes):
-                break
-            for shard, server in enumerate(servers):
-                code = server.poll()
-                if not (_crashed(code) and server_restarts[shard] < max_restarts):
-                    continue
-                server_restarts[shard] += 1
-                emit(
-                    f"[launch] {server.name} crashed (status {code}); restarting "
-                    f"it on port {ports[shard]} from its checkpoints "
-                    f"({server_restarts[shard]} of {max_restarts})"
-                )
-                argv = [*server_argvs[shard], "--port", str(ports[shard])]
-                try:
-                    _start_server(
-                        server.name, argv, emit, env, processes, start_timeout
-                    )
-                except LaunchError as e:
-                    reason = f"restarting the {server.name} failed: {e}"
-                    break
-                servers[shard] = processes[-1]
-                if shard == 0:
-                    monitor.close()
-                    monitor = _Monitor(port, secret)
-            if reason != "completed":
-                break
-            exited = [(s.name, s.poll()) for s in servers if s.poll() is not None]
-            if exited:
-                reason = f"{exited[0][0]} exited early with status {exited[0][1]}"
-                break
-            if end is not None and time.monotonic() > end:
-                reason = "timeout"
-                break
-            version = monitor.version
-            if bar is not None and version is not None and version > bar.n:
-                with lock:
-                    bar.update(version - bar.n)
-            time.sleep(0.1)
+        run.start_servers(str(init), str(secret_file), work / "checkpoints")
+        run.start_workers(str(secret_file), work)
+        run.monitor = _Monitor(run.ports[0], secret)
+        console.start_bar(progress, job)
+        reason = run.watch(None if timeout is None else start + timeout)
     except KeyboardInterrupt:
         reason = "interrupted"
         raise
@@ -746,48 +612,318 @@ def launch(
         reason = f"launcher error: {e}"
         raise
     finally:
-        if monitor is not None:
-            monitor.close()
-        if reason == "completed" and servers:
-            # The workers are done; the servers get SIGTERM (a graceful stop
-            # with a final checkpoint) before everything is reaped.
-            _shutdown(servers, shutdown_timeout)
-        if reason != "completed":
-            emit(f"[launch] stopping everything: {reason}")
-        _shutdown(processes, shutdown_timeout)
-        if bar is not None:
-            with lock:
-                if monitor is not None and (monitor.version or 0) > bar.n:
-                    bar.update(monitor.version - bar.n)
-                bar.close()
-                bar = None
-    worker_codes = tuple(w.poll() for w in workers)
-    server_codes = tuple(s.poll() for s in servers)
-    server_code = server_codes[0] if server_codes else None
-    unclean = [
-        (s.name, c) for s, c in zip(servers, server_codes, strict=True) if c != 0
-    ]
-    if reason == "completed" and unclean:
-        reason = f"{unclean[0][0]} did not stop cleanly (status {unclean[0][1]})"
-    returncode = 0 if reason == "completed" else 1
+        _stop(
+            reason,
+            console,
+            run.monitor,
+            lambda: _shutdown(run.servers, shutdown_timeout),
+            lambda: _shutdown(run.processes, shutdown_timeout),
+        )
+    server_codes = tuple(s.poll() for s in run.servers)
+    reason = _final_reason(reason, [s.name for s in run.servers], server_codes)
     where = f"workdir {work}" if kept else "no --workdir: metrics not kept"
-    emit(f"[launch] {reason} in {time.monotonic() - start:.1f}s; {where}")
+    console.emit(f"[launch] {reason} in {time.monotonic() - start:.1f}s; {where}")
     return LaunchResult(
-        returncode=returncode,
+        returncode=0 if reason == "completed" else 1,
         reason=reason,
-        server_returncode=server_code,
-        worker_returncodes=worker_codes,
-        pids=tuple(p.pid for p in processes),
-        port=ports[0] if ports else None,
+        server_returncode=server_codes[0] if server_codes else None,
+        worker_returncodes=tuple(w.poll() for w in run.workers),
+        pids=tuple(p.pid for p in run.processes),
+        port=run.ports[0] if run.ports else None,
         workdir=str(work) if kept else None,
-        version=None if monitor is None else monitor.version,
+        version=None if run.monitor is None else run.monitor.version,
         elapsed=time.monotonic() - start,
         profile_seconds=profile_seconds,
-        ports=tuple(ports),
+        ports=tuple(run.ports),
         server_returncodes=server_codes,
-        worker_restarts=tuple(worker_restarts),
-        server_restarts=tuple(server_restarts),
+        worker_restarts=tuple(run.worker_restarts),
+        server_restarts=tuple(run.server_restarts),
     )
+
+
+class _Console:
+    """A launch's output: lines to ``log``, above the progress bar of the
+    server version while there is one."""
+
+    def __init__(self, log: TextIO | None):
+        self._out = log if log is not None else sys.stdout
+        self._lock = threading.Lock()
+        self._bar = None
+
+    def emit(self, line: str) -> None:
+        with self._lock:
+            if self._bar is not None:
+                self._bar.write(line, file=self._out)
+            else:
+                print(line, file=self._out, flush=True)
+
+    def start_bar(self, progress: bool, job: _Job) -> None:
+        """A tqdm bar of the server version, unless not asked or no tqdm."""
+        if not progress:
+            return
+        try:
+            # tqdm comes with the experiments extra only: no bar without it.
+            from tqdm import tqdm
+        except ImportError:
+            return
+        total = None
+        if job.steps is not None:
+            total = job.steps
+            if job.policy not in _ROUND_POLICIES:
+                total *= job.num_workers
+        with self._lock:
+            self._bar = tqdm(total=total, desc="versions", unit="v", file=sys.stderr)
+
+    def show(self, version: int | None) -> None:
+        bar = self._bar
+        if bar is not None and version is not None and version > bar.n:
+            with self._lock:
+                bar.update(version - bar.n)
+
+    def close_bar(self, version: int | None) -> None:
+        if self._bar is None:
+            return
+        with self._lock:
+            if (version or 0) > self._bar.n:
+                self._bar.update(version - self._bar.n)
+            self._bar.close()
+            self._bar = None
+
+
+@dataclasses.dataclass(frozen=True)
+class _Job:
+    """What either backend starts: the servers' and workers' command lines.
+
+    ``head`` is what goes before ``-m module`` (the interpreter, or nothing
+    where the process's owner adds it).
+    """
+
+    num_workers: int
+    policy: str
+    steps: int | None
+    server_args: list[str]
+    shared: list[str]  # every worker's flags (``--work_plan`` included)
+    flags: list[list[str]]  # each worker's own
+    plan_server_args: list[str]  # shard 0's only
+    server_shards: int
+    split_leaves: bool
+
+    @property
+    def shard_args(self) -> list[str]:
+        return ["--split_leaves"] if self.split_leaves else []
+
+    def server(
+        self, shard: int, head: list[str], init: str, secret_file: str, host: str
+    ) -> tuple[str, list[str]]:
+        """Server ``shard``'s name and command line."""
+        argv = [
+            *head, "-m", "hpsjax.ps._cli", "--init", init,
+            "--secret_file", secret_file, "--policy", self.policy,
+            "--host", host, "--port", "0", *self.server_args,
+            *(self.plan_server_args if shard == 0 else []),
+        ]  # fmt: skip
+        if self.server_shards == 1:
+            return "server", argv
+        argv += [
+            "--server_shard", str(shard), "--server_shards",
+            str(self.server_shards), *self.shard_args,
+        ]  # fmt: skip
+        return f"server {shard}", argv
+
+    def where(self, addresses: Sequence[tuple[str, int]]) -> list[str]:
+        """The workers' flags naming the server(s) at ``addresses``."""
+        if self.server_shards > 1:
+            servers = ",".join(f"{host}:{port}" for host, port in addresses)
+            return ["--servers", servers, *self.shard_args]
+        host, port = addresses[0]
+        return ["--host", host, "--port", str(port)]
+
+    def worker(
+        self,
+        i: int,
+        head: list[str],
+        where: list[str],
+        secret_file: str,
+        metrics: str,
+    ) -> list[str]:
+        """Worker ``i``'s command line."""
+        return [
+            *head, "-m", "hpsjax.worker._cli", *where,
+            "--secret_file", secret_file,
+            "--worker_id", str(i), "--shard_index", str(i),
+            "--shard_count", str(self.num_workers),
+            "--metrics", metrics,
+            *([] if self.steps is None else ["--max_steps", str(self.steps)]),
+            *self.shared, *self.flags[i],
+        ]  # fmt: skip
+
+
+def _stop(
+    reason: str,
+    console: _Console,
+    monitor: _Monitor | None,
+    stop_servers: Callable[[], None],
+    stop_all: Callable[[], None],
+) -> None:
+    """Ends a launch, either backend's: after a run that completed the
+    servers get SIGTERM first (a graceful stop with a final checkpoint), then
+    everything is stopped."""
+    if monitor is not None:
+        monitor.close()
+    if reason == "completed":
+        stop_servers()
+    else:
+        console.emit(f"[launch] stopping everything: {reason}")
+    stop_all()
+    console.close_bar(None if monitor is None else monitor.version)
+
+
+def _final_reason(
+    reason: str, names: Sequence[str], codes: Sequence[int | None]
+) -> str:
+    """``reason``, or, after a run that completed, the first server that did
+    not stop cleanly."""
+    unclean = [(n, c) for n, c in zip(names, codes, strict=True) if c != 0]
+    if reason == "completed" and unclean:
+        return f"{unclean[0][0]} did not stop cleanly (status {unclean[0][1]})"
+    return reason
+
+
+class _LocalRun:
+    """The local backend's processes: started, restarted, watched."""
+
+    def __init__(
+        self,
+        job: _Job,
+        console: _Console,
+        python: str,
+        max_restarts: int,
+        start_timeout: float,
+    ):
+        self.job = job
+        self.console = console
+        self.python = python
+        self.max_restarts = max_restarts
+        self.start_timeout = start_timeout
+        self.env = dict(os.environ, PYTHONUNBUFFERED="1")
+        self.processes: list[_Process] = []
+        self.servers: list[_Process] = []
+        self.workers: list[_Process] = []
+        self.monitor: _Monitor | None = None
+        self.ports: list[int] = []
+        self.server_argvs: list[list[str]] = []
+        self.worker_argvs: list[list[str]] = []
+        self.worker_restarts = [0] * job.num_workers
+        self.server_restarts = [0] * job.server_shards
+
+    def _start_server(self, name: str, argv: list[str]) -> int:
+        return _start_server(
+            name, argv, self.console.emit, self.env, self.processes,
+            self.start_timeout,
+        )  # fmt: skip
+
+    def start_servers(
+        self, init: str, secret_file: str, checkpoints: pathlib.Path
+    ) -> None:
+        job = self.job
+        for shard in range(job.server_shards):
+            name, argv = job.server(
+                shard, [self.python], init, secret_file, "127.0.0.1"
+            )
+            if self.max_restarts > 0:
+                argv += _restart_checkpoint_args(
+                    job.server_args, checkpoints, shard, job.server_shards
+                )
+            self.server_argvs.append(argv)
+            self.ports.append(self._start_server(name, argv))
+            self.servers.append(self.processes[-1])
+
+    def start_workers(self, secret_file: str, work: pathlib.Path) -> None:
+        job = self.job
+        where = job.where([("127.0.0.1", p) for p in self.ports])
+        if job.server_shards > 1:
+            self.console.emit(
+                f"[launch] {job.server_shards} server shards on ports "
+                f"{', '.join(map(str, self.ports))}, starting {job.num_workers} "
+                "worker(s)"
+            )
+        else:
+            self.console.emit(
+                f"[launch] server on port {self.ports[0]}, starting "
+                f"{job.num_workers} worker(s)"
+            )
+        for i in range(job.num_workers):
+            metrics = str(work / f"metrics_{i}.jsonl")
+            argv = job.worker(i, [self.python], where, secret_file, metrics)
+            self.worker_argvs.append(argv)
+            self.workers.append(self._process(f"worker {i}", argv))
+
+    def _process(self, name: str, argv: list[str]) -> _Process:
+        process = _Process(name, argv, self.console.emit, self.env)
+        self.processes.append(process)
+        return process
+
+    def watch(self, end: float | None) -> str:
+        """Polls until the run ends: ``"completed"``, or what ended it early."""
+        while True:
+            codes = self._restart_workers()
+            failed = [(i, c) for i, c in enumerate(codes) if c is not None and c != 0]
+            if failed:
+                i, code = failed[0]
+                return f"worker {i} exited with status {code}"
+            if all(c == 0 for c in codes):
+                return "completed"
+            reason = self._restart_servers()
+            if reason is not None:
+                return reason
+            exited = [(s.name, s.poll()) for s in self.servers if s.poll() is not None]
+            if exited:
+                return f"{exited[0][0]} exited early with status {exited[0][1]}"
+            if end is not None and time.monotonic() > end:
+                return "timeout"
+            self.console.show(self.monitor.version)
+            time.sleep(0.1)
+
+    def _restart_workers(self) -> list[int | None]:
+        """Starts crashed workers again (``max_restarts``); returns each
+        worker's exit status, ``None`` for one running or just restarted."""
+        codes = [w.poll() for w in self.workers]
+        for i, code in enumerate(codes):
+            if _crashed(code) and self.worker_restarts[i] < self.max_restarts:
+                self.worker_restarts[i] += 1
+                self.console.emit(
+                    f"[launch] worker {i} crashed (status {code}); restarting "
+                    f"it ({self.worker_restarts[i]} of {self.max_restarts})"
+                )
+                self.workers[i] = self._process(f"worker {i}", self.worker_argvs[i])
+                codes[i] = None
+        return codes
+
+    def _restart_servers(self) -> str | None:
+        """Starts crashed server shards again on their ports, from their
+        checkpoints; returns why a restart failed, if one did."""
+        for shard, server in enumerate(self.servers):
+            code = server.poll()
+            if not (_crashed(code) and self.server_restarts[shard] < self.max_restarts):
+                continue
+            self.server_restarts[shard] += 1
+            port = self.ports[shard]
+            self.console.emit(
+                f"[launch] {server.name} crashed (status {code}); restarting "
+                f"it on port {port} from its checkpoints "
+                f"({self.server_restarts[shard]} of {self.max_restarts})"
+            )
+            argv = [*self.server_argvs[shard], "--port", str(port)]
+            try:
+                self._start_server(server.name, argv)
+            except LaunchError as e:
+                return f"restarting the {server.name} failed: {e}"
+            self.servers[shard] = self.processes[-1]
+            if shard == 0:
+                secret = self.monitor.secret
+                self.monitor.close()
+                self.monitor = _Monitor(self.ports[0], secret)
+        return None
 
 
 def _crashed(code: int | None) -> bool:
