@@ -99,7 +99,37 @@ def _codec_push(client, block_size, version):
     return client.push(update, codec=codec, version=version)
 
 
-def test_refused_compressed_push_compiles_nothing():
+@pytest.fixture
+def compile_decoders(monkeypatch):
+    """Servers compile the decoders of even these small models."""
+    from hpsjax.ps import _decoders
+
+    monkeypatch.setattr(_decoders, "COMPILE_MIN_ELEMENTS", 0)
+
+
+async def _compiled_decoders(server, n):
+    for _ in range(500):
+        if len(server._decoders) >= n and not server._compiling:
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"{len(server._decoders)} decoders compiled, not {n}")
+
+
+def test_compressed_push_of_a_small_model_is_decoded_without_compiling():
+    async def main():
+        async with _server("asp") as server:
+            c = _client(server, "small")
+            await c.connect()
+            _, v = await c.pull()
+            ack = await _codec_push(c, 5, v)
+            assert ack.applied and len(server._decoders) == 0
+            assert not server._compiling
+            await c.close()
+
+    _run(main)
+
+
+def test_refused_compressed_push_compiles_nothing(compile_decoders):
     async def main():
         async with _server("asp") as server:
             c = _client(server, "early")
@@ -112,24 +142,29 @@ def test_refused_compressed_push_compiles_nothing():
                 await _codec_push(c, 5, v + 1)
             assert len(server._decoders) == 0
             ack = await _codec_push(c, 5, v)
-            assert ack.applied and len(server._decoders) == 1
+            # Applied at once (numpy decoded it); the compile runs meanwhile.
+            assert ack.applied
+            await _compiled_decoders(server, 1)
             await c.close()
 
     _run(main)
 
 
-def test_decoders_of_many_codecs_stay_bounded_and_pushes_keep_their_order():
+def test_decoders_of_many_codecs_stay_bounded_and_pushes_keep_their_order(
+    compile_decoders,
+):
     async def main():
         async with _server("asp") as server:
             c = _client(server, "many")
             await c.connect()
             _, v = await c.pull()
-            # Sent back to back: each new block size is compiled while the
-            # following pushes wait, and all are applied in order.
+            # Sent back to back: each new block size is decoded with numpy
+            # while its decoder compiles, and all are applied in order.
             acks = await asyncio.gather(
                 *[_codec_push(c, 1 + i, v + i) for i in range(12)]
             )
             assert [a.version for a in acks] == list(range(v + 1, v + 13))
+            await _compiled_decoders(server, 8)
             assert len(server._decoders) <= 8
             for x in server.params.values():
                 x = np.asarray(x)

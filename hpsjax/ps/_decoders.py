@@ -1,10 +1,15 @@
-"""Compiled decoders of compressed pushes, kept in a bounded cache.
+"""Decoders of compressed pushes: numpy at once, compiled for big models.
 
-A compressed push is decoded by one compiled program per codec (the model's
-shapes and dtypes are fixed). Compiling takes tens of milliseconds and holds
-about two MiB, so the server compiles off its event loop
-(:meth:`DecoderCache.compile` runs in a worker thread) and keeps only the
-``size`` codecs used last: whatever codecs clients send, memory stays bounded.
+A quantized push is decoded on the host with numpy (:meth:`DecoderCache.decoder`):
+no compile, and results equal to the compiled program's bit for bit (one
+float32 product per element, then the cast). For a model of at least
+``compile_min`` elements, where one compiled program per codec decodes faster,
+the server also compiles that program off its event loop
+(:meth:`DecoderCache.compile` runs in a worker thread; tens of milliseconds
+idle, seconds on a loaded machine) and meanwhile keeps decoding with numpy,
+so no push ever waits for a compile. Only the ``size`` compiled codecs used
+last are kept (about two MiB each): whatever codecs clients send, memory
+stays bounded.
 
 Top-k pushes (:class:`~hpsjax.ps._treecodec.TopKCodec`, a ``k`` per leaf that
 changes with each worker's ratio) need no compiled program: their decoder
@@ -26,7 +31,10 @@ from hpsjax.ps._frames import DTYPES
 from hpsjax.ps._treecodec import TopKCodec, compressed_sizes
 from hpsjax.transforms import _quantize as q
 
-__all__ = ["DecoderCache"]
+__all__ = ["COMPILE_MIN_ELEMENTS", "DecoderCache"]
+
+COMPILE_MIN_ELEMENTS = 1 << 18
+"""Models of fewer elements decode their quantized pushes with numpy only."""
 
 
 def _leaf_decoder(codec: Any, specs: tuple[tuple[tuple[int, ...], str], ...]):
@@ -35,6 +43,62 @@ def _leaf_decoder(codec: Any, specs: tuple[tuple[tuple[int, ...], str], ...]):
     def decode_leaves(encoded):
         return [
             q.decode(enc, codec, shape, dtype)
+            for enc, (shape, dtype) in zip(encoded, specs, strict=True)
+        ]
+
+    return decode_leaves
+
+
+def _host_codes(codes: np.ndarray, bits: int, size: int) -> np.ndarray:
+    """:func:`~hpsjax.transforms._quantize._unpack` in numpy (int32 codes)."""
+    if bits == 8:
+        return codes.astype(np.int32)
+    if bits == 16:
+        return codes[: size * 2].view("<u2").astype(np.int32)
+    per_byte = 8 // bits
+    shifts = np.arange(per_byte, dtype=np.uint8) * np.uint8(bits)
+    q = (codes[:, None] >> shifts) & np.uint8(2**bits - 1)
+    return q.reshape(-1)[:size].astype(np.int32)
+
+
+def _host_leaf(enc: Any, codec: Any, shape: tuple[int, ...], dtype: str):
+    """:func:`~hpsjax.transforms._quantize.decode` in numpy, bit for bit.
+
+    The codes and scales have the sizes the codec implies (the wire layout
+    was checked against the model before the payload was read).
+    """
+    size = math.prod(shape)
+    out_dtype = DTYPES[dtype]
+    codes = np.asarray(enc.codes)
+    if size == 0:
+        return np.zeros(shape, out_dtype)
+    if codec.scheme == "none":
+        flat = codes.view("<f4")
+        return flat.astype(out_dtype).reshape(shape)
+    q_ = _host_codes(codes, codec.bits, size)
+    if codec.scheme == "sign":
+        q_ = 2 * q_ - 1
+    else:
+        q_ -= q._half_range(codec)
+    values = q_.astype(np.float32)
+    scales = np.asarray(enc.scales, np.float32)
+    if codec.block_size is None:
+        values *= scales[0]
+    else:
+        block = codec.block_size
+        n_full, rest = divmod(size, block)
+        if n_full:
+            main = values[: n_full * block].reshape(n_full, block)
+            main *= scales[:n_full, None]
+        if rest:
+            values[n_full * block :] *= scales[n_full]
+    return values.astype(out_dtype, copy=False).reshape(shape)
+
+
+def _host_decoder(codec: Any, specs: tuple[tuple[tuple[int, ...], str], ...]):
+    def decode_leaves(encoded):
+        return [
+            _host_leaf(enc, codec, shape, dtype)
             for enc, (shape, dtype) in zip(encoded, specs, strict=True)
         ]
 
@@ -59,6 +123,9 @@ class DecoderCache:
     Args:
       specs: per model leaf, ``(shape, dtype name)`` of the decoded leaf.
       size: decoders kept; the least recently used one is forgotten first.
+      compile_min: a model of fewer elements is only ever decoded with numpy
+        (:meth:`worth_compiling` is false); None for
+        :data:`COMPILE_MIN_ELEMENTS` at construction.
 
     Examples:
       >>> from hpsjax.transforms._quantize import Codec, encode
@@ -66,6 +133,8 @@ class DecoderCache:
       >>> codec = Codec("uniform", bits=8, stochastic=False)
       >>> cache.get(codec) is None
       True
+      >>> [float(v) for v in cache.decoder(codec)([encode(np.ones(4), codec)])[0]]
+      [1.0, 1.0, 1.0, 1.0]
       >>> cache.put(codec, cache.compile(codec))
       >>> x = np.array([127.0, -127.0, 64.0, 0.0], np.float32)  # scale 1: exact
       >>> enc = encode(x, codec)
@@ -73,11 +142,23 @@ class DecoderCache:
       [127.0, -127.0, 64.0, 0.0]
     """
 
-    def __init__(self, specs: Sequence[tuple[Sequence[int], str]], size: int = 8):
+    def __init__(
+        self,
+        specs: Sequence[tuple[Sequence[int], str]],
+        size: int = 8,
+        compile_min: int | None = None,
+    ):
         if size < 1:
             raise ValueError(f"size must be >= 1, got {size}")
+        if compile_min is None:
+            compile_min = COMPILE_MIN_ELEMENTS
+        if compile_min < 0:
+            raise ValueError(f"compile_min must be >= 0, got {compile_min}")
         self._specs = tuple((tuple(shape), str(dtype)) for shape, dtype in specs)
         self._size = size
+        self._worth_compiling = (
+            sum(math.prod(shape) for shape, _ in self._specs) >= compile_min
+        )
         self._compiled: collections.OrderedDict[Any, Callable] = (
             collections.OrderedDict()
         )
@@ -99,6 +180,26 @@ class DecoderCache:
         if decoder is not None:
             self._compiled.move_to_end(codec)
         return decoder
+
+    def decoder(self, codec: Any) -> Callable:
+        """A decoder of ``codec``: the compiled one if kept, else numpy's.
+
+        Never compiles: the numpy decoder gives the compiled one's values.
+        """
+        decoder = self.get(codec)
+        if decoder is not None:
+            return decoder
+        if len(getattr(codec, "ks", self._specs)) != len(self._specs):
+            raise ValueError(f"{codec} does not match the model's leaves")
+        return _host_decoder(codec, self._specs)
+
+    def worth_compiling(self, codec: Any) -> bool:
+        """Whether to compile ``codec``'s decoder (the model is big, none kept)."""
+        return (
+            self._worth_compiling
+            and isinstance(codec, q.Codec)
+            and codec not in self._compiled
+        )
 
     def compile(self, codec: Any) -> Callable:
         """Compiles the decoder of ``codec``; thread-safe, stores nothing."""

@@ -103,8 +103,8 @@ _HANDSHAKE_LIMITS = _frames.WireLimits(max_message_bytes=4096, max_metadata_byte
 _NOTICE_TYPES = frozenset({MsgType.ERROR, MsgType.BYE})
 
 # Fields of a PUSH besides the tree, with the types the core accepts.
-# Decoders of compressed pushes are compiled here, one at a time, so that
-# compiling never holds up the event loop (see DecoderCache).
+# Decoders of quantized pushes of big models are compiled here, one at a time,
+# while numpy decodes the pushes that arrive meanwhile (see DecoderCache).
 _COMPILER = concurrent.futures.ThreadPoolExecutor(
     max_workers=1, thread_name_prefix="hpsjax-server-compile"
 )
@@ -148,9 +148,6 @@ class _Session:
     sub_dirty: bool = False
     sub_task: asyncio.Task | None = None
     handshake_timer: asyncio.TimerHandle | None = None
-    # Frames received while a decoder this connection needs is compiled,
-    # handled in order once it is ready; None when none is being compiled.
-    backlog: collections.deque | None = None
 
     @property
     def state(self) -> str:
@@ -365,6 +362,7 @@ class Server:
         self._decoders = DecoderCache(
             [(s.shape, s.dtype.name) for s in self._model.leaves], size=8
         )
+        self._compiling: set[Any] = set()  # codecs whose decoder is compiling
         self._sessions: dict[Any, _Session] = {}
         self._plans: dict[Any, PlanNotice] = {}
         self._replanner = replanner
@@ -775,9 +773,6 @@ class Server:
     def _on_event(self, session: _Session, event: Frame | FrameError) -> None:
         if self._closing:
             return
-        if session.backlog is not None:
-            session.backlog.append(event)
-            return
         request_id = event.request_id
         if not request_id and event.msg_type not in _NOTICE_TYPES:
             # Id 0 marks notices; a request under it could not be answered.
@@ -930,9 +925,8 @@ class Server:
         meta = PushMeta.from_wire(frame.metadata)
         self._check_pusher(session, meta.version)
         codec = _treecodec.wire_codec(frame.payload.layout.codec)
-        if codec is not None and self._decoders.get(codec) is None:
-            self._compile_then_serve(session, frame, codec)
-            return
+        if codec is not None and self._decoders.worth_compiling(codec):
+            self._compile_decoder(codec)
         leaves = self._decode_update(frame.payload)
         if self._check_finite and isinstance(codec, q.Codec):
             # Raw and top-k leaves were checked as they arrived (_check_received).
@@ -994,42 +988,28 @@ class Server:
                 f"server version), got {version}"
             )
 
-    def _compile_then_serve(self, session: _Session, frame: Frame, codec) -> None:
-        """Compiles ``codec``'s decoder off the loop, then serves ``frame``.
+    def _compile_decoder(self, codec) -> None:
+        """Compiles ``codec``'s decoder off the loop, once; keeps it when done.
 
-        The connection's later frames wait in its backlog (and its reading
-        pauses), so its pushes are still handled in the order sent; other
-        connections are served meanwhile.
+        Pushes are not held meanwhile: numpy decodes them (same values).
         """
-        session.backlog = collections.deque([frame])
-        transport = session.protocol.transport
-        if transport is not None and not transport.is_closing():
-            transport.pause_reading()
-        future = self._loop.run_in_executor(_COMPILER, self._decoders.compile, codec)
-        future.add_done_callback(
-            functools.partial(self._compiled, session, codec, transport)
-        )
-
-    def _compiled(self, session: _Session, codec, transport, future) -> None:
-        backlog, session.backlog = session.backlog, None
-        if self._closing or session.protocol.closed:
+        if codec in self._compiling:
             return
-        if not future.cancelled() and future.exception() is None:
+        self._compiling.add(codec)
+        future = self._loop.run_in_executor(_COMPILER, self._decoders.compile, codec)
+        future.add_done_callback(functools.partial(self._compiled, codec))
+
+    def _compiled(self, codec, future) -> None:
+        self._compiling.discard(codec)
+        if self._closing or future.cancelled():
+            return
+        if future.exception() is None:
             self._decoders.put(codec, future.result())
         else:
-            logger.error("cannot compile a decoder for %s", codec)
-            frame = backlog.popleft()
-            with contextlib.suppress(HpsError):
-                session.protocol.send(
-                    error_frame(frame.request_id, ServerError("cannot decode push"))
-                )
-        with contextlib.suppress(RuntimeError):
-            transport.resume_reading()
-        while backlog:
-            if session.backlog is not None:  # another compile began
-                session.backlog.extend(backlog)
-                return
-            self._on_event(session, backlog.popleft())
+            # Numpy keeps decoding this codec's pushes.
+            logger.warning(
+                "cannot compile a decoder for %s: %s", codec, future.exception()
+            )
 
     def _decode_update(self, payload: _treecodec.WireTree) -> list[Any]:
         """The update's leaves, in the parameters' leaf order."""
@@ -1041,9 +1021,9 @@ class Server:
             return payload.arrays
         codec = _treecodec.wire_codec(layout.codec)
         if isinstance(codec, _treecodec.TopKCodec):
-            return self._decoders.get(codec)(payload.arrays)
+            return self._decoders.decoder(codec)(payload.arrays)
         encoded = [q.Encoded(codes, scales) for codes, scales in payload.arrays]
-        return self._decoders.get(codec)(encoded)
+        return self._decoders.decoder(codec)(encoded)
 
     def _check_received(self, payload: _treecodec.WireTree, index: int) -> None:
         """Refuses a raw push as soon as a leaf holding NaN or infinity is in.
