@@ -69,7 +69,6 @@ _NODE_IP = "<hpsjax-node-ip>"
 # How long a crashed process's actor waits for the launcher to collect its last
 # output before it ends itself (and Ray restarts it).
 _DRAIN_SECONDS = 2.0
-_BAD_FLAGS = 2
 
 
 def parse_resources(text: str) -> dict[str, float]:
@@ -249,7 +248,7 @@ class _ProcessActor:
                         self._port = int(match.group(2))
                     self._lines.append(line)
         code = self._popen.wait()
-        if code in (0, _BAD_FLAGS) or not self._restart:
+        if not (_local._crashed(code) and self._restart):
             return
         with self._lock:
             if self._stopping:
@@ -483,15 +482,10 @@ def launch_ray(
         replan=replan,
         server_shards=server_shards,
         split_leaves=split_leaves,
+        max_restarts=max_restarts,
     )
     resources = _per_worker_resources(worker_resources, num_workers)
     server_request = _checked(server_resources or {}, "server_resources")
-    if isinstance(max_restarts, bool) or not (
-        isinstance(max_restarts, int) and max_restarts >= 0
-    ):
-        raise _local.LaunchError(
-            f"max_restarts must be an int >= 0, got {max_restarts!r}"
-        )
     try:
         import ray
     except ImportError:
@@ -499,30 +493,85 @@ def launch_ray(
             "the Ray backend needs ray: pip install 'hpsjax[ray]'"
         ) from None
 
-    out = log if log is not None else sys.stdout
-    lock = threading.Lock()
-    bar = None
-
-    def emit(line: str) -> None:
-        with lock:
-            if bar is not None:
-                bar.write(line, file=out)
-            else:
-                print(line, file=out, flush=True)
-
+    console = _local._Console(log)
     start = time.monotonic()
     work = pathlib.Path(workdir)
     work.mkdir(parents=True, exist_ok=True)
-    secret, secret_file, init, shared, plan_server_args, profile_seconds = (
+    secret, _, init, shared, plan_server_args, profile_seconds = (
         _local._prepare_workdir(
-            work, num_workers, shared, flags, plan, replan, global_batch, emit
+            work, num_workers, shared, flags, plan, replan, global_batch, console.emit
         )
     )
-    # The actors get the files' contents and write them into their own
-    # directories; paths into the work directory become paths into those.
+    files, local = _actor_files(work, secret, init, plan is not None)
+    job = _local._Job(
+        num_workers, policy, steps, [str(a) for a in server_args], local(shared),
+        [local(f) for f in flags], local(plan_server_args), server_shards,
+        split_leaves,
+    )  # fmt: skip
+    cpus = server_request.get("num_cpus", 0) * server_shards + sum(
+        r.get("num_cpus", 0) for r in resources
+    )
+    started_ray = _connect_keeping_sigterm(ray_address, cpus, runtime_env)
+    run = _RayRun(job, console, files, max_restarts, start_timeout)
+    reason = "completed"
+    try:
+        run.start_servers(server_request)
+        run.start_workers(resources, work)
+        run.monitor = _local._Monitor(
+            run.servers[0].port, secret, host=run.servers[0].host
+        )
+        console.start_bar(progress, job)
+        reason = run.watch(resources, None if timeout is None else start + timeout)
+    except KeyboardInterrupt:
+        reason = "interrupted"
+        raise
+    except BaseException as e:
+        reason = f"launcher error: {e}"
+        raise
+    finally:
+
+        def stop_all() -> None:
+            _stop_all(run.members, shutdown_timeout)
+            if started_ray:
+                ray.shutdown()
+
+        _local._stop(
+            reason,
+            console,
+            run.monitor,
+            lambda: _stop_all(run.servers, shutdown_timeout),
+            stop_all,
+        )
+    servers, workers = run.servers, run.workers
+    server_codes = tuple(s.returncode for s in servers)
+    reason = _local._final_reason(reason, [s.name for s in servers], server_codes)
+    console.emit(
+        f"[launch] {reason} in {time.monotonic() - start:.1f}s; workdir {work}"
+    )
+    return _local.LaunchResult(
+        returncode=0 if reason == "completed" else 1,
+        reason=reason,
+        server_returncode=server_codes[0] if server_codes else None,
+        worker_returncodes=tuple(w.returncode for w in workers),
+        pids=tuple(pid for m in run.members for pid in m.pids),
+        port=servers[0].port if servers else None,
+        workdir=str(work),
+        version=None if run.monitor is None else run.monitor.version,
+        elapsed=time.monotonic() - start,
+        profile_seconds=profile_seconds,
+        ports=tuple(s.port for s in servers),
+        server_returncodes=server_codes,
+    )
+
+
+def _actor_files(
+    work: pathlib.Path, secret: bytes, init: pathlib.Path, planned: bool
+) -> tuple[dict[str, bytes], Callable[[Sequence[str]], list[str]]]:
+    """The files every actor writes into its own directory, and what turns
+    paths into the work directory into paths into that one."""
     files = {"secret.txt": secret, "init.npz": init.read_bytes()}
     plan_file = work / "plan.json"
-    if plan is not None:
+    if planned:
         files["plan.json"] = plan_file.read_bytes()
 
     def local(args: Sequence[str]) -> list[str]:
@@ -530,44 +579,71 @@ def launch_ray(
             f"{_ACTOR_DIR}/plan.json" if a == str(plan_file) else str(a) for a in args
         ]
 
-    shared = local(shared)
-    plan_server_args = local(plan_server_args)
-    shard_args = ["--split_leaves"] if split_leaves else []
-    cpus = server_request.get("num_cpus", 0) * server_shards + sum(
-        r.get("num_cpus", 0) for r in resources
-    )
+    return files, local
+
+
+def _connect_keeping_sigterm(
+    ray_address: str | None, cpus_needed: float, runtime_env: Mapping | None
+) -> bool:
+    """:func:`_connect`, keeping the caller's SIGTERM handler."""
     on_sigterm = signal.getsignal(signal.SIGTERM)
-    started_ray = _connect(ray_address, cpus, runtime_env)
+    started_ray = _connect(ray_address, cpus_needed, runtime_env)
     if callable(on_sigterm) and threading.current_thread() is threading.main_thread():
         # ray.init replaces the caller's SIGTERM handler (hpsjax-launch's
         # stops the run like Ctrl-C): it is put back.
         signal.signal(signal.SIGTERM, on_sigterm)
-    actor_class = ray.remote(_ProcessActor)
-    cwd = os.getcwd()
-    members: list[_Member] = []
-    servers: list[_Member] = []
-    workers: list[_Member] = []
-    monitor = None
-    reason = "completed"
-    try:
-        for shard in range(server_shards):
-            argv = [
-                "-m", "hpsjax.ps._cli", "--init", f"{_ACTOR_DIR}/init.npz",
-                "--secret_file", f"{_ACTOR_DIR}/secret.txt", "--policy", policy,
-                "--host", _NODE_IP, "--port", "0", *map(str, server_args),
-                *(plan_server_args if shard == 0 else []),
-            ]  # fmt: skip
-            name = "server"
-            if server_shards > 1:
-                argv += ["--server_shard", str(shard), "--server_shards",
-                         str(server_shards), *shard_args]  # fmt: skip
-                name = f"server {shard}"
-            actor = actor_class.options(
-                **_actor_options(server_request), max_restarts=0
-            ).remote(name, argv, files, False, cwd)
-            servers.append(_Member(name, actor, emit))
-        members.extend(servers)
-        deadline = time.monotonic() + start_timeout
+    return started_ray
+
+
+class _RayRun:
+    """The Ray backend's actors: placed, watched."""
+
+    def __init__(
+        self,
+        job: _local._Job,
+        console: _local._Console,
+        files: dict[str, bytes],
+        max_restarts: int,
+        start_timeout: float,
+    ):
+        import ray
+
+        self.job = job
+        self.console = console
+        self.files = files
+        self.max_restarts = max_restarts
+        self.start_timeout = start_timeout
+        self.actor_class = ray.remote(_ProcessActor)
+        self.cwd = os.getcwd()
+        self.members: list[_Member] = []
+        self.servers: list[_Member] = []
+        self.workers: list[_Member] = []
+        self.monitor: _local._Monitor | None = None
+
+    def start_servers(self, request: dict[str, float]) -> None:
+        """Starts the server shards and waits until they listen.
+
+        Raises:
+          LaunchError: a shard ended, or was not placed or did not listen
+            within ``start_timeout``.
+        """
+        import ray
+
+        for shard in range(self.job.server_shards):
+            name, argv = self.job.server(
+                shard,
+                [],
+                f"{_ACTOR_DIR}/init.npz",
+                f"{_ACTOR_DIR}/secret.txt",
+                _NODE_IP,
+            )
+            actor = self.actor_class.options(
+                **_actor_options(request), max_restarts=0
+            ).remote(name, argv, self.files, False, self.cwd)
+            self.servers.append(_Member(name, actor, self.console.emit))
+        self.members.extend(self.servers)
+        servers = self.servers
+        deadline = time.monotonic() + self.start_timeout
         while not all(s.port is not None for s in servers):
             _poll_all(servers, 0.2)
             failed = [s for s in servers if s.died or s.returncode is not None]
@@ -578,110 +654,69 @@ def launch_ray(
             if time.monotonic() > deadline:
                 unplaced = [s.name for s in servers if not s.pids]
                 where = (
-                    f"was not placed (it asks for {server_request}; the cluster "
+                    f"was not placed (it asks for {request}; the cluster "
                     f"has {ray.available_resources()})"
                     if unplaced
                     else "did not listen"
                 )
                 raise _local.LaunchError(
                     f"the {(unplaced or [servers[0].name])[0]} {where} "
-                    f"within {start_timeout}s"
+                    f"within {self.start_timeout}s"
                 )
-        addresses = [f"{s.host}:{s.port}" for s in servers]
-        if server_shards > 1:
-            where = ["--servers", ",".join(addresses), *shard_args]
-        else:
-            where = ["--host", servers[0].host, "--port", str(servers[0].port)]
-        emit(
-            f"[launch] server{'s' if server_shards > 1 else ''} on "
-            f"{', '.join(addresses)}, starting {num_workers} worker(s) on Ray"
+
+    def start_workers(
+        self, resources: Sequence[dict[str, float]], work: pathlib.Path
+    ) -> None:
+        job = self.job
+        addresses = [(s.host, s.port) for s in self.servers]
+        where = job.where(addresses)
+        self.console.emit(
+            f"[launch] server{'s' if job.server_shards > 1 else ''} on "
+            f"{', '.join(f'{h}:{p}' for h, p in addresses)}, starting "
+            f"{job.num_workers} worker(s) on Ray"
         )
-        for i in range(num_workers):
-            argv = [
-                "-m", "hpsjax.worker._cli", *where,
-                "--secret_file", f"{_ACTOR_DIR}/secret.txt",
-                "--worker_id", str(i), "--shard_index", str(i),
-                "--shard_count", str(num_workers),
-                "--metrics", f"{_ACTOR_DIR}/metrics.jsonl",
-                *([] if steps is None else ["--max_steps", str(steps)]),
-                *shared, *local(flags[i]),
-            ]  # fmt: skip
-            actor = actor_class.options(
+        for i in range(job.num_workers):
+            argv = job.worker(
+                i,
+                [],
+                where,
+                f"{_ACTOR_DIR}/secret.txt",
+                f"{_ACTOR_DIR}/metrics.jsonl",
+            )
+            actor = self.actor_class.options(
                 **_actor_options(resources[i]),
-                max_restarts=max_restarts,
+                max_restarts=self.max_restarts,
                 max_task_retries=-1,
-            ).remote(f"worker {i}", argv, files, max_restarts > 0, cwd)
+            ).remote(f"worker {i}", argv, self.files, self.max_restarts > 0, self.cwd)
             metrics = work / f"metrics_{i}.jsonl"
             metrics.unlink(missing_ok=True)
-            workers.append(_Member(f"worker {i}", actor, emit, metrics))
-        members.extend(workers)
-        monitor = _local._Monitor(servers[0].port, secret, host=servers[0].host)
-        bar = _progress_bar(progress, steps, policy, num_workers, lock)
-        end = None if timeout is None else start + timeout
-        workers_placed_by = time.monotonic() + start_timeout
+            self.workers.append(
+                _Member(f"worker {i}", actor, self.console.emit, metrics)
+            )
+        self.members.extend(self.workers)
+
+    def watch(self, resources: Sequence[dict[str, float]], end: float | None) -> str:
+        """Polls until the run ends: ``"completed"``, or what ended it early."""
+        import ray
+
+        workers_placed_by = time.monotonic() + self.start_timeout
         while True:
-            _poll_all(members, 0.2)
-            reason = _run_state(servers, workers, max_restarts)
+            _poll_all(self.members, 0.2)
+            reason = _run_state(self.servers, self.workers, self.max_restarts)
             if reason != "running":
-                break
+                return reason
             if time.monotonic() > workers_placed_by:
-                unplaced = [(i, w) for i, w in enumerate(workers) if not w.pids]
+                unplaced = [(i, w) for i, w in enumerate(self.workers) if not w.pids]
                 if unplaced:
                     i, w = unplaced[0]
-                    reason = (
-                        f"{w.name} was not placed within {start_timeout}s (it asks "
-                        f"for {resources[i]}; the cluster has "
+                    return (
+                        f"{w.name} was not placed within {self.start_timeout}s (it "
+                        f"asks for {resources[i]}; the cluster has "
                         f"{ray.available_resources()})"
                     )
-                    break
             if end is not None and time.monotonic() > end:
-                reason = "timeout"
-                break
-            version = monitor.version
-            if bar is not None and version is not None and version > bar.n:
-                with lock:
-                    bar.update(version - bar.n)
-    except KeyboardInterrupt:
-        reason = "interrupted"
-        raise
-    except BaseException as e:
-        reason = f"launcher error: {e}"
-        raise
-    finally:
-        if monitor is not None:
-            monitor.close()
-        if reason == "completed" and servers:
-            _stop_all(servers, shutdown_timeout)
-        if reason != "completed":
-            emit(f"[launch] stopping everything: {reason}")
-        _stop_all(members, shutdown_timeout)
-        if started_ray:
-            ray.shutdown()
-        if bar is not None:
-            with lock:
-                if monitor is not None and (monitor.version or 0) > bar.n:
-                    bar.update(monitor.version - bar.n)
-                bar.close()
-                bar = None
-    server_codes = tuple(s.returncode for s in servers)
-    unclean = [(s.name, s.returncode) for s in servers if s.returncode != 0]
-    if reason == "completed" and unclean:
-        reason = f"{unclean[0][0]} did not stop cleanly (status {unclean[0][1]})"
-    emit(f"[launch] {reason} in {time.monotonic() - start:.1f}s; workdir {work}")
-    return _local.LaunchResult(
-        returncode=0 if reason == "completed" else 1,
-        reason=reason,
-        server_returncode=server_codes[0] if server_codes else None,
-        worker_returncodes=tuple(w.returncode for w in workers),
-        pids=tuple(pid for m in members for pid in m.pids),
-        port=servers[0].port if servers else None,
-        workdir=str(work),
-        version=None if monitor is None else monitor.version,
-        elapsed=time.monotonic() - start,
-        profile_seconds=profile_seconds,
-        ports=tuple(s.port for s in servers),
-        server_returncodes=server_codes,
-    )
+                return "timeout"
+            self.console.show(self.monitor.version)
 
 
 def _run_state(
@@ -704,23 +739,6 @@ def _run_state(
         if s.returncode is not None:
             return f"{s.name} exited early with status {s.returncode}"
     return "running"
-
-
-def _progress_bar(
-    progress: bool, steps: int | None, policy: str, num_workers: int, lock
-) -> Any:
-    """A tqdm bar of the server version, or ``None`` (no tqdm, or not asked)."""
-    if not progress:
-        return None
-    try:
-        from tqdm import tqdm
-    except ImportError:
-        return None
-    total = None
-    if steps is not None:
-        total = steps if policy in _local._ROUND_POLICIES else steps * num_workers
-    with lock:
-        return tqdm(total=total, desc="versions", unit="v", file=sys.stderr)
 
 
 def add_ray_flags(p: argparse.ArgumentParser) -> None:
