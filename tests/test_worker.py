@@ -523,10 +523,7 @@ def test_server_replans_from_the_reported_step_times(caplog):
                 )
             final = server.work_plan
             async with asyncio.timeout(10):
-                while any(
-                    c.plan.revision < final.revision
-                    for c in clients.values()
-                ):
+                while any(c.plan.revision < final.revision for c in clients.values()):
                     await asyncio.sleep(0.01)
             plans = {w: c.plan for w, c in clients.items()}
             for client in clients.values():
@@ -607,6 +604,7 @@ class ScriptedClient:
         self.acks = list(acks)
         self.pushes: list[dict] = []
         self.pulls = 0
+        self.push_pulls = 0
         self.local_steps: int | None = None
         self.plan: PlanNotice | None = None
         self.closed = True
@@ -648,6 +646,12 @@ class ScriptedClient:
         if self.acks:
             ack.update(self.acks.pop(0))
         return PushAck(**ack)
+
+    async def push_pull(self, update=None, *, version, **fields):
+        self.push_pulls += 1
+        ack = await self.push(update, version=version, **fields)
+        params, new_version = await self.pull()
+        return ack, params, new_version
 
 
 def _scripted_worker(setup, client, *, records, local_optimizer=None, **config):
@@ -719,6 +723,27 @@ def test_eager_pulls_fetch_fresher_parameters_while_compute_runs(setup):
     for previous, current in itertools.pairwise(rounds):
         assert current["version"] == previous["pulled_version"]
     assert rounds[-1]["pulled_version"] == client.version
+
+
+@pytest.mark.parametrize("pull_with_push", [True, False])
+def test_pipelined_rounds_send_one_push_pull_each(setup, pull_with_push):
+    _, params, _ = setup
+    client = ScriptedClient(params)
+    records: list[dict] = []
+    worker = _scripted_worker(
+        setup, client, records=records, max_steps=3, pull_with_push=pull_with_push
+    )
+    summary = _run(worker.run())
+    # Rounds 0 and 1 are pushed as the next round starts, round 2 at the end.
+    assert summary.pushes == 3 and len(client.pushes) == 3
+    # Elided: rounds 1 and 2 pull inside the push of the round before (the
+    # join and round 0, with nothing to push, pull alone; the last push is
+    # a flush). Pulls answered either way: the join and one a round.
+    assert client.push_pulls == (2 if pull_with_push else 0)
+    assert client.pulls == 4
+    rounds = _rounds(records)
+    for previous, current in itertools.pairwise(rounds):
+        assert current["version"] == previous["pulled_version"]
 
 
 def test_force_pull_discards_the_round_computed_meanwhile(setup):

@@ -88,6 +88,42 @@ def test_pipeline_pushes_previous_round_and_pulls_at_round_start():
     assert third[-1].version == 4
 
 
+def test_pipeline_with_pull_with_push_sends_one_push_pull_a_round():
+    core = WorkerCore(device_batches=(8,), pipeline=True, pull_with_push=True)
+    core.handle(Joined(0.0))
+    first = core.handle(Pulled(1, 0, 0.0))
+    # Nothing to push yet: the first round still pulls.
+    assert kinds(first) == ["KeepParams", "Pull", "Compute"]
+    assert finish(core, first[-1], 1.0, 1.0) == []
+    second = core.handle(Pulled(1, 1, 1.5))
+    # The push carries the pull: no pull request of its own.
+    assert kinds(second) == ["KeepParams", "Push", "Compute"]
+    push = second[1]
+    assert (push.round, push.version, push.with_pull) == (0, 0, True)
+    assert core.pull_in_flight
+    # The answer (acknowledgement, then parameters) comes while computing.
+    assert core.handle(Acked(1, 2, 1.9, None, False, None)) == []
+    assert core.handle(Pulled(1, 2, 1.9)) == [KeepParams(2)]
+    third = finish(core, second[-1], 2.5, 1.0)
+    assert kinds(third) == ["Push", "Compute"] and third[0].with_pull
+    assert third[-1].version == 2
+    # The last update is flushed by a push without a pull.
+    core.handle(StopRequested())
+    core.handle(Pulled(1, 3, 2.6))
+    last = finish(core, third[-1], 3.0, 0.5)
+    assert kinds(last) == ["Push", "Stop"]
+    assert last[0].final and not last[0].with_pull
+
+
+def test_pull_with_push_needs_the_pipeline():
+    core = WorkerCore(device_batches=(8,), pull_with_push=True)
+    assert not core.pull_with_push
+    core.handle(Joined(0.0))
+    first = core.handle(Pulled(1, 0, 0.0))
+    assert kinds(first) == ["KeepParams", "Compute"]
+    assert kinds(finish(core, first[-1], 1.0, 1.0)) == ["Push"]
+
+
 def test_eager_pull_rule():
     core = WorkerCore(device_batches=(8,), pipeline=True, eager_pulls=3)
     core.handle(Joined(0.0))

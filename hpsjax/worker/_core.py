@@ -46,7 +46,12 @@ The rules it owns:
   (``Push(with_pull=True)``). With ``pipeline`` (H-PS, PS+) a round starts by
   pushing the previous round's update and, behind it, pulling; both travel
   while the round computes, and the next round starts once the compute is done
-  and the pull answered.
+  and the pull answered. With ``pull_with_push`` as well (the asyncio worker's
+  default) that push carries the pull (``Push(with_pull=True)``, one
+  ``push_pull``): no pull request of its own, the acknowledgement comes with
+  the parameters, and the server sends them once it has applied the update
+  and its policy lets the worker go on (under BSP, the barrier). A round then
+  costs one message each way; a round with nothing to push still pulls.
 * **Eager pulls (PS+).** While a round computes, a pull that arrived early is
   followed by another when the compute left, by the EWMA of compute times
   :math:`\bar c`, still covers two pull times: :math:`\bar c - (t -
@@ -345,6 +350,8 @@ class WorkerCore:
       pushes_gradients: the worker has no local optimizer: one step a round.
       pipeline: push the previous update and pull while a round computes.
       eager_pulls: pulls a round at most with ``pipeline`` (PS+), >= 1.
+      pull_with_push: with ``pipeline``, a round's push carries its pull (one
+        ``push_pull``) instead of a pull behind it.
       staleness_lr: PS+'s modulation: a
         :data:`hpsjax.transforms.STALENESS_POLICIES` name or a callable
         ``tau -> factor``; ``None`` for none.
@@ -377,6 +384,7 @@ class WorkerCore:
         pushes_gradients: bool = False,
         pipeline: bool = False,
         eager_pulls: int = 1,
+        pull_with_push: bool = False,
         staleness_lr: str | Callable[[int], float] | None = None,
         follow_hints: bool = True,
         max_steps: int | None = None,
@@ -426,6 +434,7 @@ class WorkerCore:
         self.pushes_gradients = bool(pushes_gradients)
         self.pipeline = bool(pipeline)
         self.eager_pulls = int(eager_pulls) if pipeline else 1
+        self.pull_with_push = bool(pull_with_push) and self.pipeline
         self.staleness_lr = staleness_lr
         self.follow_hints = bool(follow_hints)
         self.max_steps = max_steps
@@ -680,10 +689,14 @@ class WorkerCore:
         actions = []
         if self.pipeline:
             self.pulls = 1
-            if self.pending is not None:
-                actions.append(self._push(self.pending, now))
+            if self.pending is not None and self.pull_with_push:
+                actions.append(self._push(self.pending, now, with_pull=True))
                 self.pending = None
-            actions.append(self._pull(now))
+            else:
+                if self.pending is not None:
+                    actions.append(self._push(self.pending, now))
+                    self.pending = None
+                actions.append(self._pull(now))
         self.current = Compute(
             self.rounds,
             self.version,
