@@ -776,65 +776,14 @@ def _solve(
     stage_multipliers: tuple[int, ...] = (),
     base_compress_ratio: float = 1.0,
 ) -> WorkPlan:
-    n_devices = sum(len(m.devices) for m in models)
-    if global_batch < n_devices * min_device_batch:
-        raise ValueError(
-            f"global batch {global_batch} is smaller than the {n_devices} devices "
-            f"times the minimum batch per device ({min_device_batch})"
-        )
-    limits = [_limits(m, min_device_batch, min_batch) for m in models]
-    if global_batch < sum(sum(lo) for lo, _ in limits):
-        raise ValueError(
-            f"global batch {global_batch} is smaller than the {len(models)} "
-            f"workers times min_batch ({min_batch})"
-        )
-    capacity = sum(sum(hi) for _, hi in limits)
-    if global_batch > capacity:
-        raise ValueError(
-            f"global batch {global_batch} does not fit the devices' memory "
-            f"(at most {capacity} samples)"
-        )
-
-    if scheme == "hps":
-        device_batches = _hps_batches(models, limits, global_batch, local_steps)
-        if min_batch > 1 and any(
-            sum(b) == sum(lo) for b, (lo, _) in zip(device_batches, limits, strict=True)
-        ):
-            _warn_min_batch(
-                models, global_batch, local_steps, min_device_batch, min_batch
-            )
-    else:
-        shares = _round_keeping_sum(
-            [global_batch / len(models)] * len(models),
-            global_batch,
-            [0] * len(models),
-            [math.inf] * len(models),
-        )
-        device_batches = []
-        for m, (m_lo, m_hi), share in zip(models, limits, shares, strict=True):
-            if share < sum(m_lo) or share > sum(m_hi):
-                raise ValueError(
-                    f"worker {m.worker_id!r}: an equal share of {share} samples "
-                    f"does not fit its {len(m.devices)} device(s) (between "
-                    f"{sum(m_lo)} and {sum(m_hi)}); scheme 'hps' balances by memory"
-                )
-            if scheme == "equal":
-                split = _round_keeping_sum(
-                    [share / len(m.devices)] * len(m.devices), share, m_lo, m_hi
-                )
-            else:
-                lanes = [
-                    _Lane(d, 0.0, 1, low, high)
-                    for d, low, high in zip(m.devices, m_lo, m_hi, strict=True)
-                ]
-                split = _water_fill(lanes, share)
-            device_batches.append(split)
-
+    limits = _checked_limits(models, global_batch, min_device_batch, min_batch)
+    device_batches = _device_batches(
+        models, limits, scheme, global_batch, local_steps, min_device_batch, min_batch
+    )
     step_times = [
         max(d.time(b) for d, b in zip(m.devices, batches, strict=True))
         for m, batches in zip(models, device_batches, strict=True)
     ]
-    steps = [local_steps] * len(models)
     stage_steps: list[tuple[int, ...]] = [()] * len(models)
     shares: list[float | None] = [None] * len(models)
     weights = [1.0] * len(models)
@@ -846,90 +795,26 @@ def _solve(
         )
         steps = [h[0] for h in stage_steps]
         weights = list(shares)
-    elif scheme == "dylu":
-        # The fastest worker runs local_steps; the others as many as their
-        # speed allows in the same compute time, rounded, at least one.
-        fastest = min(step_times)
-        steps = [
-            max(1, math.floor(local_steps * fastest / t + 0.5)) for t in step_times
-        ]
-    elif scheme == "ashl":
-        # The worker with the longest round at H_min local steps sets the round
-        # length L; every other worker runs as many steps as fit in L.
-        length = max(
-            local_steps * t + m.transfer
-            for m, t in zip(models, step_times, strict=True)
+    else:
+        steps, commit_interval, commits = _scheme_local_steps(
+            scheme, models, step_times, local_steps, check_period, commits_per_period
         )
-        steps = [
-            max(local_steps, math.floor((length - m.transfer) / t + 0.5))
-            for m, t in zip(models, step_times, strict=True)
-        ]
-    elif scheme == "adsp":
-        slowest = max(step_times)
-        if check_period is None and commits_per_period is None:
-            commits = 1
-            commit_interval = local_steps * slowest
-        elif check_period is None:
-            commits = commits_per_period
-            commit_interval = local_steps * slowest
-        elif commits_per_period is None:
-            commits = max(1, math.floor(check_period / (local_steps * slowest)))
-            commit_interval = check_period / commits
-        else:
-            commits = commits_per_period
-            commit_interval = check_period / commits
-        steps = [max(1, math.floor(commit_interval / t + 0.5)) for t in step_times]
     if max_local_steps is not None:
         steps = [min(h, max_local_steps) for h in steps]
 
     busy, workers = [], []
+    lr_scale = _lr_scale(global_batch, reference_batch, lr_scaling)
     extras = zip(stage_steps, shares, weights, ratios, strict=True)
     for m, batches, t, h, (stages, share, weight, ratio) in zip(
         models, device_batches, step_times, steps, extras, strict=True
     ):
-        if scheme == "adsp":
-            # Commits run in the background while training goes on, so a commit
-            # interval is the compute between commits, or the transfer if longer.
-            round_time = max(h * t, m.transfer)
-            busy += [
-                max(h * d.time(b), m.transfer)
-                for d, b in zip(m.devices, batches, strict=True)
-            ]
-        else:
-            round_time = h * t + m.transfer
-            busy += [
-                h * d.time(b) + m.transfer
-                for d, b in zip(m.devices, batches, strict=True)
-            ]
-        batch = sum(batches)
-        workers.append(
-            WorkerPlan(
-                worker_id=m.worker_id,
-                batch_size=batch,
-                local_steps=h,
-                lr_scale=_lr_scale(global_batch, reference_batch, lr_scaling),
-                step_time=t,
-                transfer_seconds=m.transfer,
-                round_time=round_time,
-                devices=tuple(
-                    DevicePlan(
-                        device_id=d.device_id,
-                        batch_size=b,
-                        step_time=d.time(b),
-                        time_intercept=d.intercept,
-                        time_slope=d.slope,
-                        best_time_per_sample=d.floor,
-                        max_batch=d.max_batch,
-                    )
-                    for d, b in zip(m.devices, batches, strict=True)
-                ),
-                push_seconds=m.push,
-                stage_local_steps=stages,
-                data_share=share,
-                push_weight=weight,
-                compress_ratio=ratio,
-            )
-        )
+        worker, device_busy = _worker_plan(
+            scheme, m, batches, t, h, lr_scale,
+            stage_local_steps=stages, data_share=share, push_weight=weight,
+            compress_ratio=ratio,
+        )  # fmt: skip
+        busy += device_busy
+        workers.append(worker)
     round_time = max(w.round_time for w in workers)
     idle = 1.0 - sum(busy) / (len(busy) * round_time) if round_time > 0 else 0.0
     return WorkPlan(
@@ -950,6 +835,167 @@ def _solve(
         stage_multipliers=stage_multipliers,
         base_compress_ratio=base_compress_ratio,
     )
+
+
+def _checked_limits(models, global_batch, min_device_batch, min_batch):
+    """Each worker's per-device batch limits, once ``global_batch`` is known
+    to fit between the minimum batches and the devices' memory."""
+    n_devices = sum(len(m.devices) for m in models)
+    if global_batch < n_devices * min_device_batch:
+        raise ValueError(
+            f"global batch {global_batch} is smaller than the {n_devices} devices "
+            f"times the minimum batch per device ({min_device_batch})"
+        )
+    limits = [_limits(m, min_device_batch, min_batch) for m in models]
+    if global_batch < sum(sum(lo) for lo, _ in limits):
+        raise ValueError(
+            f"global batch {global_batch} is smaller than the {len(models)} "
+            f"workers times min_batch ({min_batch})"
+        )
+    capacity = sum(sum(hi) for _, hi in limits)
+    if global_batch > capacity:
+        raise ValueError(
+            f"global batch {global_batch} does not fit the devices' memory "
+            f"(at most {capacity} samples)"
+        )
+    return limits
+
+
+def _device_batches(
+    models, limits, scheme, global_batch, local_steps, min_device_batch, min_batch
+) -> list[list[int]]:
+    """Each worker's batch per device: balanced by speed and memory (``hps``),
+    else an equal share per worker, split equally (``equal``) or by speed
+    over its devices."""
+    if scheme == "hps":
+        device_batches = _hps_batches(models, limits, global_batch, local_steps)
+        if min_batch > 1 and any(
+            sum(b) == sum(lo) for b, (lo, _) in zip(device_batches, limits, strict=True)
+        ):
+            _warn_min_batch(
+                models, global_batch, local_steps, min_device_batch, min_batch
+            )
+        return device_batches
+    shares = _round_keeping_sum(
+        [global_batch / len(models)] * len(models),
+        global_batch,
+        [0] * len(models),
+        [math.inf] * len(models),
+    )
+    device_batches = []
+    for m, (m_lo, m_hi), share in zip(models, limits, shares, strict=True):
+        if share < sum(m_lo) or share > sum(m_hi):
+            raise ValueError(
+                f"worker {m.worker_id!r}: an equal share of {share} samples "
+                f"does not fit its {len(m.devices)} device(s) (between "
+                f"{sum(m_lo)} and {sum(m_hi)}); scheme 'hps' balances by memory"
+            )
+        if scheme == "equal":
+            split = _round_keeping_sum(
+                [share / len(m.devices)] * len(m.devices), share, m_lo, m_hi
+            )
+        else:
+            lanes = [
+                _Lane(d, 0.0, 1, low, high)
+                for d, low, high in zip(m.devices, m_lo, m_hi, strict=True)
+            ]
+            split = _water_fill(lanes, share)
+        device_batches.append(split)
+    return device_batches
+
+
+def _scheme_local_steps(
+    scheme, models, step_times, local_steps, check_period, commits_per_period
+) -> tuple[list[int], float | None, int | None]:
+    """Each worker's local steps under ``scheme`` (not ``ashl_reference``),
+    with ADSP's commit interval and commits per period (else ``None``)."""
+    if scheme == "dylu":
+        # The fastest worker runs local_steps; the others as many as their
+        # speed allows in the same compute time, rounded, at least one.
+        fastest = min(step_times)
+        steps = [
+            max(1, math.floor(local_steps * fastest / t + 0.5)) for t in step_times
+        ]
+        return steps, None, None
+    if scheme == "ashl":
+        # The worker with the longest round at H_min local steps sets the round
+        # length L; every other worker runs as many steps as fit in L.
+        length = max(
+            local_steps * t + m.transfer
+            for m, t in zip(models, step_times, strict=True)
+        )
+        steps = [
+            max(local_steps, math.floor((length - m.transfer) / t + 0.5))
+            for m, t in zip(models, step_times, strict=True)
+        ]
+        return steps, None, None
+    if scheme != "adsp":
+        return [local_steps] * len(models), None, None
+    slowest = max(step_times)
+    if check_period is None and commits_per_period is None:
+        commits = 1
+        commit_interval = local_steps * slowest
+    elif check_period is None:
+        commits = commits_per_period
+        commit_interval = local_steps * slowest
+    elif commits_per_period is None:
+        commits = max(1, math.floor(check_period / (local_steps * slowest)))
+        commit_interval = check_period / commits
+    else:
+        commits = commits_per_period
+        commit_interval = check_period / commits
+    steps = [max(1, math.floor(commit_interval / t + 0.5)) for t in step_times]
+    return steps, commit_interval, commits
+
+
+def _worker_plan(
+    scheme: str,
+    m: _WorkerModel,
+    batches: Sequence[int],
+    t: float,
+    h: int,
+    lr_scale: float,
+    **extra: Any,
+) -> tuple[WorkerPlan, list[float]]:
+    """One worker's plan (``extra``: more of its fields) and each of its
+    devices' busy seconds per round."""
+    if scheme == "adsp":
+        # Commits run in the background while training goes on, so a commit
+        # interval is the compute between commits, or the transfer if longer.
+        round_time = max(h * t, m.transfer)
+        busy = [
+            max(h * d.time(b), m.transfer)
+            for d, b in zip(m.devices, batches, strict=True)
+        ]
+    else:
+        round_time = h * t + m.transfer
+        busy = [
+            h * d.time(b) + m.transfer for d, b in zip(m.devices, batches, strict=True)
+        ]
+    worker = WorkerPlan(
+        worker_id=m.worker_id,
+        batch_size=sum(batches),
+        local_steps=h,
+        lr_scale=lr_scale,
+        step_time=t,
+        transfer_seconds=m.transfer,
+        round_time=round_time,
+        devices=tuple(
+            DevicePlan(
+                device_id=d.device_id,
+                batch_size=b,
+                step_time=d.time(b),
+                time_intercept=d.intercept,
+                time_slope=d.slope,
+                best_time_per_sample=d.floor,
+                max_batch=d.max_batch,
+            )
+            for d, b in zip(m.devices, batches, strict=True)
+        ),
+        push_seconds=m.push,
+        **extra,
+    )
+    return worker, busy
 
 
 def _nearest(x: float) -> int:
