@@ -631,38 +631,7 @@ class _Simulation:
             )
 
         seed = int(config.seed)
-        shares = None
-        if config.data_sharding == "disjoint" and work_plan is not None:
-            shares = _plan_shares(work_plan, ids, n_examples)
-        self.workers: list[_Worker] = []
-        for i, (spec, worker_id) in enumerate(zip(specs, ids, strict=True)):
-            if shares is not None:
-                # The plan's data shares (ASHL's reference re-partitions so).
-                indices = shares[i].astype(np.int32)
-            elif config.data_sharding == "disjoint":
-                indices = np.arange(i, n_examples, len(specs), dtype=np.int32)
-            else:
-                indices = np.arange(n_examples, dtype=np.int32)
-            self.workers.append(
-                _Worker(
-                    i,
-                    worker_id,
-                    spec,
-                    np.random.default_rng([seed, 0, i]),
-                    IndexStream(indices, (seed, 1, i)),
-                    wc.WorkerCore(
-                        device_batches=(spec.batch_size,),
-                        local_steps=spec.local_steps,
-                        lr_scale=float(spec.lr_scale),
-                        pushes_gradients=not local,
-                        pipeline=config.overlap != "none",
-                        eager_pulls=config.eager_pulls
-                        if config.overlap == "eager"
-                        else 1,
-                        staleness_lr=config.staleness_lr,
-                    ),
-                )
-            )
+        self.workers = self._make_workers(specs, ids, n_examples, work_plan)
         self.by_id = {w.id: w for w in self.workers}
         if work_plan is not None:
             self._apply_plan(work_plan)
@@ -674,6 +643,63 @@ class _Simulation:
                         "than one local step needs a worker_optimizer."
                     )
 
+        self._set_up_eval(loss_fn, eval_data, eval_fn)
+        self.engine = Engine(
+            loss_fn,
+            params,
+            jax.device_put(data),
+            len(self.workers),
+            worker_optimizer=config.worker_optimizer,
+            push_transform=config.push_transform,
+            batch_rows=config.batch_rows,
+            batch_sizes=tuple(w.core.device_batches[0] for w in self.workers),
+            seed=seed,
+        )
+        self._make_server(params, policy, server_optimizer, core_kwargs)
+
+        self._reset_state()
+
+    def _make_workers(self, specs, ids, n_examples, work_plan) -> list[_Worker]:
+        """The workers, each with its shard of the data and its core."""
+        config = self.config
+        seed = int(config.seed)
+        shares = None
+        if config.data_sharding == "disjoint" and work_plan is not None:
+            shares = _plan_shares(work_plan, ids, n_examples)
+        workers: list[_Worker] = []
+        for i, (spec, worker_id) in enumerate(zip(specs, ids, strict=True)):
+            if shares is not None:
+                # The plan's data shares (ASHL's reference re-partitions so).
+                indices = shares[i].astype(np.int32)
+            elif config.data_sharding == "disjoint":
+                indices = np.arange(i, n_examples, len(specs), dtype=np.int32)
+            else:
+                indices = np.arange(n_examples, dtype=np.int32)
+            workers.append(
+                _Worker(
+                    i,
+                    worker_id,
+                    spec,
+                    np.random.default_rng([seed, 0, i]),
+                    IndexStream(indices, (seed, 1, i)),
+                    wc.WorkerCore(
+                        device_batches=(spec.batch_size,),
+                        local_steps=spec.local_steps,
+                        lr_scale=float(spec.lr_scale),
+                        pushes_gradients=not self.local,
+                        pipeline=config.overlap != "none",
+                        eager_pulls=config.eager_pulls
+                        if config.overlap == "eager"
+                        else 1,
+                        staleness_lr=config.staleness_lr,
+                    ),
+                )
+            )
+        return workers
+
+    def _set_up_eval(self, loss_fn, eval_data, eval_fn) -> None:
+        """The evaluation batches on the device and the jitted ``eval_fn``."""
+        config = self.config
         self.eval_sets = None
         self.eval_fn = None
         if eval_data is not None:
@@ -697,17 +723,9 @@ class _Simulation:
         elif eval_fn is not None:
             raise ValueError("eval_fn was given without eval_data.")
 
-        self.engine = Engine(
-            loss_fn,
-            params,
-            jax.device_put(data),
-            len(self.workers),
-            worker_optimizer=config.worker_optimizer,
-            push_transform=config.push_transform,
-            batch_rows=config.batch_rows,
-            batch_sizes=tuple(w.core.device_batches[0] for w in self.workers),
-            seed=seed,
-        )
+    def _make_server(self, params, policy, server_optimizer, core_kwargs) -> None:
+        """The server core and the sizes of what goes over the wire."""
+        config = self.config
         # Workers compute on a version only when the engine evaluates their
         # rounds, so with batched rounds the server core may defer its applies
         # until then and carry many out in one call: the same decisions and,
@@ -745,6 +763,9 @@ class _Simulation:
             > 1
         )
 
+    def _reset_state(self) -> None:
+        """The virtual clock, the event queues and what the run records."""
+        config = self.config
         self.heap: list = []
         self.ready: collections.deque = collections.deque()
         self.seq = 0
