@@ -124,6 +124,7 @@ from hpsjax.ps._errors import (
 )
 from hpsjax.ps._messages import PushAck, PushMeta
 from hpsjax.ps._policies import ASP, BSP, Hybrid, Policy, Verdict, get_policy
+from hpsjax.ps._separable import LeafSteps, leaf_steps
 
 __all__ = [
     "Action",
@@ -808,6 +809,8 @@ class ServerCore:
         self._chain_fn = steps.apply_chain
         self._checked_scale_fn = steps.checked_scale
         self._checked_accumulate_fn = steps.checked_accumulate
+        self._optimizer = optimizer
+        self._leaf_steps: LeafSteps | bool | None = False
 
     def _init_workers(self) -> None:
         """No workers, no waits, no deadlines, no stale copies, an empty buffer."""
@@ -922,6 +925,22 @@ class ServerCore:
     def stale_versions(self) -> tuple[int, ...]:
         """Versions whose parameters are kept for ``stale_params``."""
         return tuple(sorted(self._copies))
+
+    @property
+    def leaf_steps(self) -> LeafSteps | None:
+        """The optimizer's per-leaf step, or ``None`` where it is not separable.
+
+        Decided on first use by running the whole-tree and the per-leaf steps
+        on random inputs (see :mod:`hpsjax.ps._separable`); a tree of one leaf
+        has no per-leaf step. Applies still run on the whole tree: this is the
+        step an apply overlapped with receipt can run leaf by leaf.
+        """
+        if self._leaf_steps is False:
+            steps = leaf_steps(
+                self._optimizer, self._treedef, self._shapes, self._dtypes
+            )
+            self._leaf_steps = steps if steps.separable else None
+        return self._leaf_steps
 
     @property
     def epoch(self) -> int:

@@ -1,0 +1,169 @@
+"""Per-leaf optimizer steps for leaf-separable server optimizers.
+
+An optax chain is *leaf-separable* when its update of a tree is the update of
+each leaf on its own: every elementwise transform (sgd, momentum, nesterov,
+adam, :func:`~hpsjax.transforms.scale_by_staleness`...) is; one that reads
+several leaves at once (global-norm clipping) is not. For a separable
+optimizer the server can apply a push leaf by leaf as the leaves arrive
+(PHub's optimizer step fused per chunk) rather than after the whole tree.
+
+Which optimizers are separable is decided by running both: the whole-tree
+update and the per-leaf updates, for two steps, on random parameters and
+updates with the tree's structure and dtypes (shapes cut to at most 3 per
+axis), and calling the optimizer separable only where the parameters and the
+optimizer state agree to the last bit. A chain that raises on a single leaf,
+or whose state cannot be split per leaf, is not separable.
+
+The optimizer state is split by structure: each subtree of the state with the
+parameters' tree structure holds one entry per leaf; every other state leaf
+(a step count, an injected hyperparameter) is shared, advanced the same by
+every leaf's step, and taken from the last leaf's.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+__all__ = ["LeafSteps", "leaf_steps"]
+
+
+def _leaf_apply(opt, param, state, update, staleness, stale):
+    extra = {"staleness": staleness}
+    if stale is not None:
+        extra["stale_params"] = stale
+    delta, state = opt.update(update, state, param, **extra)
+    return optax.apply_updates(param, delta), state
+
+
+class LeafSteps:
+    """The per-leaf step of one optimizer on one tree structure.
+
+    Args:
+      optimizer: an optax ``GradientTransformation``.
+      treedef: the parameters' tree structure.
+      shapes, dtypes: the parameters' leaf shapes and dtypes (for the check).
+
+    Attributes:
+      separable: whether per-leaf steps give the whole-tree step's result.
+    """
+
+    def __init__(self, optimizer, treedef, shapes, dtypes):
+        self._opt = optax.with_extra_args_support(optimizer)
+        self._treedef = treedef
+        self._n = treedef.num_leaves
+        self.step = jax.jit(functools.partial(_leaf_apply, self._opt))
+        self.separable = self._n > 1 and self._check(shapes, dtypes)
+
+    def _is_node(self, x: Any) -> bool:
+        return jax.tree.structure(x) == self._treedef
+
+    def split(self, opt_state: Any) -> list[Any]:
+        """The optimizer state of each parameter leaf, in leaf order."""
+        nodes, outer = jax.tree.flatten(opt_state, is_leaf=self._is_node)
+        per_leaf = [jax.tree.leaves(n) if self._is_node(n) else None for n in nodes]
+        return [
+            jax.tree.unflatten(
+                outer,
+                [
+                    n if p is None else p[i]
+                    for n, p in zip(nodes, per_leaf, strict=True)
+                ],
+            )
+            for i in range(self._n)
+        ]
+
+    def merge(self, opt_state: Any, leaf_states: list[Any]) -> Any:
+        """The whole-tree state from each leaf's (``opt_state`` gives the shape)."""
+        nodes, outer = jax.tree.flatten(opt_state, is_leaf=self._is_node)
+        columns = [jax.tree.leaves(s, is_leaf=lambda x: x is None) for s in leaf_states]
+        merged = []
+        for j, node in enumerate(nodes):
+            if self._is_node(node):
+                merged.append(
+                    jax.tree.unflatten(self._treedef, [c[j] for c in columns])
+                )
+            else:
+                merged.append(columns[-1][j])
+        return jax.tree.unflatten(outer, merged)
+
+    def apply(self, params, opt_state, update, staleness, stale=None):
+        """The whole tree applied leaf by leaf: ``(params, opt_state)``."""
+        p_leaves = self._treedef.flatten_up_to(params)
+        u_leaves = self._treedef.flatten_up_to(update)
+        s_leaves = (
+            [None] * self._n if stale is None else self._treedef.flatten_up_to(stale)
+        )
+        states = self.split(opt_state)
+        out_p, out_s = [], []
+        for i in range(self._n):
+            p, s = self.step(
+                p_leaves[i], states[i], u_leaves[i], staleness, s_leaves[i]
+            )
+            out_p.append(p)
+            out_s.append(s)
+        return jax.tree.unflatten(self._treedef, out_p), self.merge(opt_state, out_s)
+
+    def _check(self, shapes, dtypes) -> bool:
+        rng = np.random.default_rng(0)
+        small = [tuple(min(d, 3) for d in s) for s in shapes]
+
+        def tree(scale):
+            return jax.tree.unflatten(
+                self._treedef,
+                [
+                    jnp.asarray((rng.standard_normal(s) * scale).astype(d))
+                    for s, d in zip(small, dtypes, strict=True)
+                ],
+            )
+
+        opt = self._opt
+        try:
+            # Compiled, as the core's whole-tree step is: eager ops round
+            # differently from the same ops fused.
+            step = jax.jit(functools.partial(_leaf_apply, opt))
+            params = tree(1.0)
+            whole = (params, opt.init(params))
+            parts = whole
+            for tau in (0, 2):
+                update = tree(0.1 if tau == 0 else 100.0)
+                staleness = jnp.asarray(np.int32(tau))
+                whole = step(*whole, update, staleness, None)
+                parts = self.apply(*parts, update, staleness)
+            a, b = jax.tree.leaves(whole), jax.tree.leaves(parts)
+            if jax.tree.structure(whole) != jax.tree.structure(parts):
+                return False
+            return all(_close(x, y) for x, y in zip(a, b, strict=True))
+        except Exception:  # any failure means: not separable
+            return False
+
+
+def _close(x: Any, y: Any) -> bool:
+    """Equal up to a few units in the last place (the rounding of fused ops).
+
+    Integer leaves (step counts) must be equal; float leaves may differ by 8
+    machine epsilons of their dtype relative to the leaf's largest magnitude, far
+    below what reading another leaf (a global norm) changes.
+    """
+    x, y = np.asarray(x), np.asarray(y)
+    if x.shape != y.shape or x.dtype != y.dtype:
+        return False
+    if not jnp.issubdtype(x.dtype, jnp.inexact):
+        return bool(np.array_equal(x, y))
+    eps = 8 * float(jnp.finfo(x.dtype).eps)
+    x, y = x.astype(np.float64), y.astype(np.float64)
+    if not (np.isfinite(x).all() and np.isfinite(y).all()):
+        return False
+    scale = float(np.max(np.abs(x), initial=0.0))
+    return bool(np.all(np.abs(x - y) <= eps * scale))
+
+
+@functools.lru_cache(maxsize=32)
+def leaf_steps(optimizer, treedef, shapes, dtypes) -> LeafSteps:
+    """:class:`LeafSteps`, cached per optimizer object and tree spec."""
+    return LeafSteps(optimizer, treedef, shapes, dtypes)
