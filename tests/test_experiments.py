@@ -158,7 +158,7 @@ def test_unknown_scheme_lists_valid_names():
         ("backend", "cluster", "backend"),
         ("worker.overlap", "sometimes", "overlap"),
         ("worker.local_optimizer", "lion", "optimizer"),
-        ("model.name", "resnet", "model"),
+        ("model.name", "vgg", "model"),
         ("data.name", "mnist", "dataset"),
         ("plan.scheme", "fastest", "plan scheme"),
         ("server.staleness_policy", "inverted", "staleness policy"),
