@@ -557,7 +557,7 @@ def work_plan(
             int(config.stages.ahl_local_steps),
             int(config.stages.shl_local_steps),
         )
-    return plan(
+    made = plan(
         profiles,
         scheme,
         global_batch=int(config.batch_size) * len(profiles),
@@ -566,6 +566,32 @@ def work_plan(
         max_local_steps=int(config.plan.max_local_steps),
         **extra,
     )
+    return with_push_compression(config, made)
+
+
+def with_push_compression(config: ml_collections.ConfigDict, work_plan: Any) -> Any:
+    """``work_plan`` with ``worker.compression`` applied to its workers.
+
+    ``top_k``: every worker's ``compress_ratio`` is ``worker.compress_ratio``,
+    so that with ``stages.compress_from_stage=0`` the worker core sparsifies
+    each push with ``hpsjax.top_k`` (error feedback) and both backends send or
+    count the top-k codec's bytes (``hpsjax.transforms.topk_nbytes``).
+    ``power_sgd`` is refused by ``registry.check_config``.
+    """
+    import dataclasses
+
+    compression = registry.lookup(
+        "compression", config.worker.get("compression", "none")
+    )
+    if compression == "none":
+        return work_plan
+    if compression != "top_k":
+        raise ValueError(f"worker.compression={compression!r} cannot be run yet")
+    ratio = float(config.worker.compress_ratio)
+    workers = tuple(
+        dataclasses.replace(w, compress_ratio=ratio) for w in work_plan.workers
+    )
+    return dataclasses.replace(work_plan, workers=workers)
 
 
 def plans(

@@ -129,6 +129,11 @@ PLAN_SCHEMES: tuple[str, ...] = (
 LR_SCALINGS: tuple[str, ...] = ("linear", "sqrt", "none")
 """Step-size scale of a planned batch (``hpsjax.profiling.LR_SCALINGS``)."""
 
+COMPRESSIONS: tuple[str, ...] = ("none", "top_k", "power_sgd")
+"""Push compressors besides quantization (``worker.compression``): ``top_k``
+(``hpsjax.top_k``, error feedback) through the worker core's top-k pushes,
+``power_sgd`` (``hpsjax.power_sgd``) named but refused by both backends."""
+
 _REGISTRIES: dict[str, Any] = {
     "optimizer": OPTIMIZERS,
     "scheme": SCHEMES,
@@ -137,6 +142,7 @@ _REGISTRIES: dict[str, Any] = {
     "stage switch": STAGE_SWITCHES,
     "plan scheme": PLAN_SCHEMES,
     "lr scaling": LR_SCALINGS,
+    "compression": COMPRESSIONS,
 }
 
 
@@ -182,7 +188,8 @@ def lookup(kind: str, name: Any) -> Any:
 
     Args:
       kind: ``"optimizer"``, ``"scheme"``, ``"backend"``, ``"overlap"``,
-        ``"stage switch"``, ``"plan scheme"``, ``"lr scaling"``, ``"policy"``,
+        ``"stage switch"``, ``"plan scheme"``, ``"lr scaling"``,
+        ``"compression"``, ``"policy"``,
         ``"model"``, ``"dataset"``, ``"staleness policy"``, ``"suite"`` or
         ``"setting"``.
       name: the name to look up.
@@ -261,6 +268,7 @@ def check_config(config: ml_collections.ConfigDict) -> None:
             f"worker.bits must be one of 1, 2, 4, 8, 16 or None, got "
             f"{config.worker.bits!r}"
         )
+    _check_compression(config)
     if config.data.name == "npz" and not config.data.path:
         raise ValueError("data.name='npz' needs data.path (the .npz file)")
     if config.data.name == "npz" and not pathlib.Path(config.data.path).is_file():
@@ -269,4 +277,41 @@ def check_config(config: ml_collections.ConfigDict) -> None:
     if not speeds or any(not s >= 1 for s in speeds):
         raise ValueError(
             f"workers.slowdowns must be a non-empty list of factors >= 1, got {speeds}"
+        )
+
+
+def _check_compression(config: ml_collections.ConfigDict) -> None:
+    """``worker.compression`` and what it needs (one-line errors)."""
+    worker = config.worker
+    compression = lookup("compression", worker.get("compression", "none"))
+    if compression == "none":
+        return
+    if compression == "power_sgd":
+        raise ValueError(
+            "worker.compression='power_sgd' is not runnable yet: the simulator "
+            "counts push bytes only from a quantize codec or a top-k ratio, and "
+            "the wire has no PowerSGD codec"
+        )
+    ratio = worker.compress_ratio
+    if not (isinstance(ratio, int | float) and 0 < ratio <= 1):
+        raise ValueError(f"worker.compress_ratio must be in (0, 1], got {ratio!r}")
+    if worker.bits is not None:
+        raise ValueError(
+            "worker.compression='top_k' replaces quantization: set worker.bits=None"
+        )
+    if config.plan.scheme in ("none", "ashl_reference"):
+        raise ValueError(
+            "worker.compression='top_k' needs a plan scheme other than "
+            f"'ashl_reference' (it sets every worker's compress_ratio), got "
+            f"plan.scheme={config.plan.scheme!r}"
+        )
+    if config.plan.replan:
+        raise ValueError(
+            "worker.compression='top_k' needs plan.replan=False (a re-plan "
+            "resets the workers' compress_ratio)"
+        )
+    if config.stages.get("compress_from_stage") != 0:
+        raise ValueError(
+            "worker.compression='top_k' needs stages.compress_from_stage=0 "
+            "(every push sparsified from the start)"
         )

@@ -333,3 +333,46 @@ def test_ashl_reference_on_processes_switches_and_pushes_top_k(tmp_path):
             assert sent[-1] < 0.3 * sent[0], (i, sent)
         else:
             assert min(sent) > 0.5 * max(sent), (i, sent)
+
+
+# ------------------------------------------------- worker.compression option
+
+
+def _top_k_config():
+    config = registry.load_config("hps", "quick")
+    config.worker.bits = None
+    config.worker.compression = "top_k"
+    config.worker.compress_ratio = 0.01
+    config.plan.replan = False
+    config.stages.compress_from_stage = 0
+    return config
+
+
+def test_top_k_compression_sets_every_workers_ratio():
+    config = _top_k_config()
+    registry.check_config(config)
+    profiles = [WorkerProfile.synthetic(i, 640.0 / k) for i, k in enumerate((1, 2, 4))]
+    work_plan = build.work_plan(config, profiles)
+    assert [w.compress_ratio for w in work_plan.workers] == [0.01] * 3
+    config.worker.compression = "none"
+    plain = build.work_plan(config, profiles)
+    assert [w.compress_ratio for w in plain.workers] == [1.0] * 3
+
+
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("worker.bits", 8, "worker.bits=None"),
+        ("plan.replan", True, "plan.replan=False"),
+        ("stages.compress_from_stage", None, "compress_from_stage=0"),
+        ("worker.compress_ratio", 0.0, "compress_ratio"),
+        ("worker.compression", "power_sgd", "no PowerSGD codec"),
+        ("worker.compression", "gzip", "unknown compression"),
+    ],
+)
+def test_compression_option_refuses_what_cannot_run(field, value, message):
+    config = _top_k_config()
+    group, name = field.split(".")
+    config[group][name] = value
+    with pytest.raises(ValueError, match=message):
+        registry.check_config(config)
