@@ -63,9 +63,11 @@ __all__ = [
     "make_train_functions",
     "merge_model",
     "per_example_loss",
+    "per_example_loss_with_stats",
     "resolve_model",
     "save_params_npz",
     "split_model",
+    "split_trainable",
     "split_with_batch_stats",
 ]
 
@@ -374,6 +376,28 @@ def split_with_batch_stats(
     )
 
 
+def split_trainable(
+    model: nnx.Module,
+) -> tuple[nnx.GraphDef, Params, Params | None]:
+    """Splits any supported model: ``(graphdef, params, batch_stats)``.
+
+    A model with ``nnx.BatchStat`` state is split as
+    :func:`split_with_batch_stats` does; any other as :func:`split_model` does,
+    with ``batch_stats`` ``None``. Only ``params`` go through the parameter
+    server either way.
+
+    Raises:
+      ValueError: the model holds state other than ``nnx.Param`` and
+        ``nnx.BatchStat``.
+    """
+    if not isinstance(model, nnx.Module):
+        raise ValueError(f"model must be an nnx.Module, got {type(model).__name__}")
+    if len(nnx.to_flat_state(nnx.state(model, nnx.BatchStat))):
+        return split_with_batch_stats(model)
+    graphdef, params = split_model(model)
+    return graphdef, params, None
+
+
 def _key_paths(tree: Any) -> list[str]:
     return [
         jax.tree_util.keystr(path)
@@ -452,6 +476,26 @@ def per_example_loss(params: Params, graphdef: nnx.GraphDef, batch: Any) -> jax.
     return optax.softmax_cross_entropy_with_integer_labels(
         _logits(params, graphdef, x), y
     )
+
+
+def per_example_loss_with_stats(
+    params: Params, batch_stats: Params, graphdef: nnx.GraphDef, batch: Any
+) -> tuple[jax.Array, Params]:
+    """Training-mode per-example losses of a model with batch statistics.
+
+    BatchNorm normalises with the batch's own statistics and folds them into
+    its running ones, which come back updated.
+
+    Returns:
+      ``(losses, batch_stats)``: losses of shape ``(b,)`` and the new running
+      statistics, a dict of the structure ``batch_stats`` has.
+    """
+    x, y = batch[0], batch[1]
+    model = merge_model(graphdef, params, batch_stats=batch_stats)
+    model.train()
+    logits = model(x).astype(jnp.float32)
+    stats = _stringify_keys(nnx.to_pure_dict(nnx.state(model, nnx.BatchStat)))
+    return optax.softmax_cross_entropy_with_integer_labels(logits, y), stats
 
 
 def loss_fn(params: Params, graphdef: nnx.GraphDef, batch: Any) -> jax.Array:

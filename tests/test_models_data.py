@@ -718,6 +718,32 @@ def test_a_resnet_trains_and_keeps_its_batch_stats_apart():
         merge_model(graphdef, params, batch_stats={**stats, "extra": {"x": 1.0}})
 
 
+def test_split_trainable_splits_either_kind_and_the_loss_updates_the_stats():
+    model = models.get_model(
+        "resnet", input_shape=(8, 8, 1), num_classes=10, widths=(4, 8)
+    )
+    graphdef, params, stats = models.split_trainable(model)
+    _, expected_params, expected_stats = models.split_with_batch_stats(model)
+    assert jax.tree.structure(params) == jax.tree.structure(expected_params)
+    assert jax.tree.structure(stats) == jax.tree.structure(expected_stats)
+    x, y = _images(6, 8), np.arange(6, dtype=np.int32)
+    losses, new_stats = models.per_example_loss_with_stats(
+        params, stats, graphdef, Batch(x, y)
+    )
+    assert losses.shape == (6,)
+    assert jax.tree.structure(new_stats) == jax.tree.structure(stats)
+    assert not np.allclose(new_stats["stem_bn"]["mean"], stats["stem_bn"]["mean"])
+    trained = models.make_stateful_train_functions(graphdef).loss_and_grad(
+        params, stats, (x, y)
+    )
+    assert float(np.mean(losses)) == pytest.approx(float(trained[0]), rel=1e-5)
+    mlp = models.get_model("mlp", input_shape=(8, 8, 1), num_classes=10)
+    _, mlp_params, none = models.split_trainable(mlp)
+    assert none is None and sorted(mlp_params) == ["layers"]
+    with pytest.raises(ValueError, match="also holds"):
+        models.split_trainable(nnx.Dropout(0.5, rngs=nnx.Rngs(0)))
+
+
 # -- init.npz ------------------------------------------------------------------
 
 

@@ -242,3 +242,65 @@ def test_tensorboard_dir_none_writes_json_lines_only(tmp_path):
     assert not (tmp_path / "tensorboard").exists()
     with pytest.raises(ValueError, match="--eval_every must be > 0"):
         worker_cli._build(_args("--eval_every", "0"))
+
+
+@pytest.mark.slow
+def test_two_workers_train_a_resnet_keeping_batch_stats_to_themselves(tmp_path):
+    import jax
+    import numpy as np
+
+    from hpsjax import models
+    from hpsjax.metrics import read_jsonl
+
+    data = ["--dataset_arg", "num_examples=256"]
+    widths = ["--model_arg", "widths=[8,16]"]
+    server_params = server_cli.initial_params(
+        "resnet", dataset="synthetic_digits", dataset_args={"num_examples": 256},
+        model_args={"widths": [8, 16]},
+    )  # fmt: skip
+    model = models.get_model(
+        "resnet", input_shape=(8, 8, 1), num_classes=10, widths=(8, 16)
+    )
+    _, params, stats = models.split_with_batch_stats(model)
+    paths = worker_cli._leaf_specs
+    assert set(paths(server_params)) == set(paths(worker_cli._server_tree(params)))
+    assert not set(paths(server_params)) & set(paths(worker_cli._server_tree(stats)))
+
+    async def train(port):
+        runs = []
+        for worker_id in ("0", "1"):
+            args = worker_cli.parse_args(
+                [*data, *widths, "--model", "resnet", "--port", str(port),
+                 "--worker_id", worker_id, "--shard_count", "2", "--max_steps",
+                 "25", "--batch_size", "16", "--eval_every", "30",
+                 "--metrics", str(tmp_path / f"w{worker_id}.jsonl"),
+                 "--tensorboard_dir", "none", "--log_level", "WARNING"]
+            )  # fmt: skip
+            sink = worker_cli._metrics_sink(args)
+            worker, client, params, graphdef = worker_cli._build(args, metrics=sink)
+            evaluator = worker_cli.Evaluator(args, graphdef, lambda w=worker: w.state)
+            runs.append((worker, client, params, args, evaluator, sink))
+        await asyncio.gather(*(worker_cli._serve(*run) for run in runs))
+        for *_, sink in runs:
+            sink.close()
+        return [run[0] for run in runs]
+
+    with _ServerThread(server_params) as server:
+        workers = asyncio.run(train(server.port))
+        served = server.params
+    # The server holds the trainable parameters only, and they moved.
+    assert set(paths(served)) == set(paths(server_params))
+    moved = jax.tree.map(lambda a, b: float(np.abs(np.asarray(a) - b).max()),
+                         served, server_params)  # fmt: skip
+    assert max(jax.tree.leaves(moved)) > 0
+    for worker_id, worker in zip("01", workers, strict=True):
+        # Each worker's own statistics were updated as it trained.
+        assert jax.tree.structure(worker.state) == jax.tree.structure(stats)
+        mine, initial = jax.tree.leaves(worker.state), jax.tree.leaves(stats)
+        assert not all(np.allclose(a, b) for a, b in zip(mine, initial, strict=True))
+        records = read_jsonl(tmp_path / f"w{worker_id}.jsonl")
+        losses = [r["loss"] for r in records if r["event"] == "round"]
+        assert len(losses) == 25
+        assert np.mean(losses[-5:]) < np.mean(losses[:5])
+        evals = [r for r in records if r["event"] == "eval"]
+        assert evals and 0 <= evals[-1]["accuracy"] <= 1

@@ -296,7 +296,7 @@ def initial_params(
         seed=seed,
         **dict(model_args or {}),
     )
-    _, params = models.split_model(resolved.model)
+    _, params, _ = models.split_trainable(resolved.model)
     return jax.tree.map(np.asarray, params)
 
 

@@ -48,7 +48,7 @@ import pathlib
 import signal
 import sys
 import typing
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from hpsjax._flags import check_kwargs, key_value
@@ -340,7 +340,7 @@ def write_init(args: argparse.Namespace, path: str | pathlib.Path) -> None:
     """
     from hpsjax import models
 
-    _, params = models.split_model(_model(args, _dataset(args)))
+    _, params, _ = models.split_trainable(_model(args, _dataset(args)))
     models.save_params_npz(path, params)
 
 
@@ -459,10 +459,18 @@ class Evaluator:
 
     Args:
       args: the worker's parsed flags.
-      graphdef: the model's graph (:func:`hpsjax.models.split_model`).
+      graphdef: the model's graph (:func:`hpsjax.models.split_trainable`).
+      batch_stats: for a model with BatchNorm, a callable returning this
+        worker's current batch statistics, which evaluation normalises with
+        (``Worker.state``); ``None`` for a model without.
     """
 
-    def __init__(self, args: argparse.Namespace, graphdef: Any):
+    def __init__(
+        self,
+        args: argparse.Namespace,
+        graphdef: Any,
+        batch_stats: Callable[[], Any] | None = None,
+    ):
         import jax
 
         from hpsjax import models
@@ -475,6 +483,15 @@ class Evaluator:
         if not len(self._test):
             raise ValueError("--eval_every needs held-out examples (--test_fraction)")
         self._batch_size = args.eval_batch_size
+        if batch_stats is not None:
+            evaluate = models.make_stateful_train_functions(graphdef).evaluate
+
+            def stateful(params, batch):
+                result = evaluate(params, batch_stats(), (batch[0], batch[1]))
+                return result["loss"], result["accuracy"]
+
+            self._fn = stateful
+            return
 
         def losses(params, batch):
             return (
@@ -561,7 +578,7 @@ def _build(args: argparse.Namespace, *, metrics=None):
                 f"--compress_from_stage must be >= 0, got {args.compress_from_stage}"
             )
     train = _train_shard(args, work_plan, index, count)
-    graphdef, params = models.split_model(_model(args, train))
+    graphdef, params, batch_stats = models.split_trainable(_model(args, train))
     if len(servers) > 1:
         client = _sharded_client(args, servers, params)
     else:
@@ -598,8 +615,16 @@ def _build(args: argparse.Namespace, *, metrics=None):
     seed = index if args.data_seed is None else args.data_seed
     stream = train.batches(batch_size, seed=seed)
 
-    def loss_fn(params, batch):
-        return models.per_example_loss(params, graphdef, batch)
+    if batch_stats is None:
+
+        def loss_fn(params, batch):
+            return models.per_example_loss(params, graphdef, batch)
+
+    else:
+        # BatchNorm's statistics stay on this worker (FedBN, see
+        # models.split_with_batch_stats): the server sees only params.
+        def loss_fn(params, stats, batch):
+            return models.per_example_loss_with_stats(params, stats, graphdef, batch)
 
     worker = Worker(
         config,
@@ -609,6 +634,7 @@ def _build(args: argparse.Namespace, *, metrics=None):
         metrics=metrics,
         ssl=_ssl(args),
         client=client,
+        state=batch_stats,
     )
     return worker, client, params, graphdef
 
@@ -727,12 +753,18 @@ def measure_step(args: argparse.Namespace):
 
     index, count = _shard(args)
     train = _dataset(args).shard(count, index)
-    graphdef, params = models.split_model(_model(args, train))
+    graphdef, params, stats = models.split_trainable(_model(args, train))
     stream = train.batches(1, seed=index)
     optimizer = _local_optimizer(args) or optax.sgd(1.0)
 
+    def mean_loss(params, batch):
+        if stats is None:
+            return models.loss_fn(params, graphdef, batch)
+        losses, _ = models.per_example_loss_with_stats(params, stats, graphdef, batch)
+        return jnp.mean(losses)
+
     def step(params, batch):
-        grads = jax.grad(lambda p: models.loss_fn(p, graphdef, batch))(params)
+        grads = jax.grad(lambda p: mean_loss(p, batch))(params)
         updates, _ = optimizer.update(grads, optimizer.init(params), params)
         return optax.apply_updates(params, updates)
 
@@ -943,7 +975,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         sink = _metrics_sink(args)
         try:
             worker, client, params, graphdef = _build(args, metrics=sink)
-            evaluator = None if args.eval_every is None else Evaluator(args, graphdef)
+            evaluator = None
+            if args.eval_every is not None:
+                stats = None if worker.state is None else (lambda: worker.state)
+                evaluator = Evaluator(args, graphdef, stats)
         except BaseException:
             if sink is not None:
                 sink.close()

@@ -534,6 +534,12 @@ class Worker:
       devices: local JAX devices to compute on, one per entry of the batch
         split; the first ``len(device_batches)`` local devices by default.
       ssl: an ``ssl.SSLContext`` for a TLS connection, or ``None``.
+      state: the model's own state that this worker keeps and never pushes,
+        e.g. BatchNorm's batch statistics
+        (:func:`hpsjax.models.split_with_batch_stats`). With it ``loss_fn`` is
+        ``loss_fn(params, state, batch) -> (per-example losses, new state)``
+        and each step's new state feeds the next; :attr:`state` reads the
+        current one. One device only.
       client: a ``hpsjax.ps.Client`` to use instead of making one from the
         config (it is connected by :meth:`run` if it is not yet).
 
@@ -576,6 +582,7 @@ class Worker:
         devices: Sequence[jax.Device] | None = None,
         ssl: ssl_lib.SSLContext | None = None,
         client: Any = None,
+        state: Any = None,
     ):
         if not isinstance(config, WorkerConfig):
             raise ValueError(f"config must be a WorkerConfig, got {type(config)}")
@@ -606,6 +613,8 @@ class Worker:
             raise ValueError(
                 f"{len(device_batches)} device batches for {len(devices)} devices"
             )
+        if state is not None and len(devices) > 1:
+            raise ValueError("a worker with model state computes on one device")
         self._pushes_gradients = local_optimizer is None and stages is None
         if self._pushes_gradients and local_steps != 1:
             raise ValueError(
@@ -614,6 +623,7 @@ class Worker:
             )
         self._config = config
         self._loss_fn = loss_fn
+        self._state = state
         self._batches = batches
         self._metrics = metrics
         self._devices = devices
@@ -711,22 +721,35 @@ class Worker:
 
     # ------------------------------------------------------------ compute
 
+    @property
+    def state(self) -> Any:
+        """The model state this worker keeps (``state``), as of its last step."""
+        return self._state
+
     def _step_fn(self):
         loss_fn, tx = self._loss_fn, self._tx
+        stateful = self._state is not None
 
-        def mean_loss(params, batch):
-            return jnp.mean(loss_fn(params, batch))
+        def mean_loss(params, state, batch):
+            if stateful:
+                losses, state = loss_fn(params, state, batch)
+            else:
+                losses = loss_fn(params, batch)
+            return jnp.mean(losses), state
+
+        grad = jax.value_and_grad(mean_loss, has_aux=True)
 
         if tx is None:
 
-            def grad_step(params, batch, lr_scale):
-                loss, grads = jax.value_and_grad(mean_loss)(params, batch)
-                return jax.tree.map(lambda g: g * lr_scale.astype(g.dtype), grads), loss
+            def grad_step(params, state, batch, lr_scale):
+                (loss, state), grads = grad(params, state, batch)
+                scaled = jax.tree.map(lambda g: g * lr_scale.astype(g.dtype), grads)
+                return scaled, loss, state
 
             return grad_step
 
-        def local_step(params, opt_state, batch, lr_scale, local_steps):
-            loss, grads = jax.value_and_grad(mean_loss)(params, batch)
+        def local_step(params, state, opt_state, batch, lr_scale, local_steps):
+            (loss, state), grads = grad(params, state, batch)
             updates, opt_state = tx.update(
                 grads,
                 opt_state,
@@ -735,7 +758,7 @@ class Worker:
                 local_steps=local_steps,
                 loss=loss,
             )
-            return optax.apply_updates(params, updates), opt_state, loss
+            return optax.apply_updates(params, updates), state, opt_state, loss
 
         return local_step
 
@@ -810,19 +833,21 @@ class Worker:
                 jax.block_until_ready((local, loss))
             else:
                 batch = jax.device_put(batches[0], home)
+                state = self._state
                 if self._tx is None:
-                    args = (local, batch, lr_scale)
+                    args = (local, state, batch, lr_scale)
                 else:
-                    args = (local, self._opt_state, batch, lr_scale, steps_arg)
+                    args = (local, state, self._opt_state, batch, lr_scale, steps_arg)
                 step, compile_time = self._compiled_step(args, batch)
                 compile_s += compile_time
                 t = time.perf_counter()
                 if self._tx is None:
-                    update, loss = step(*args)
+                    update, loss, state = step(*args)
                     jax.block_until_ready(update)
                 else:
-                    local, self._opt_state, loss = step(*args)
+                    local, state, self._opt_state, loss = step(*args)
                     jax.block_until_ready(local)
+                self._state = state
             spent = time.perf_counter() - t
             compute += spent
             slowdown += self._injector.after_compute(spent)
