@@ -33,10 +33,15 @@ import numpy as np
 import optax
 
 from hpsjax._checks import is_int
-from hpsjax.transforms._common import find_one_state
+from hpsjax.transforms._common import (
+    check_seed,
+    decode_leaves,
+    error_feedback_step,
+    find_one_state,
+    initial_error,
+)
 from hpsjax.transforms._topk import (
     _check_float,
-    _check_seed,
     _check_shape,
     _raw_key,
 )
@@ -237,17 +242,10 @@ def powersgd_decode_tree(
     Raises:
       ValueError: the number of leaves differs, or one does not fit its leaf.
     """
-    leaves, treedef = jax.tree.flatten(like_tree)
-    encoded_leaves = list(encoded_leaves)
-    if len(encoded_leaves) != len(leaves):
-        raise ValueError(
-            f"got {len(encoded_leaves)} encoded leaves for a tree of {len(leaves)}"
-        )
-    return treedef.unflatten(
-        [
-            powersgd_decode(enc, leaf.shape, leaf.dtype)
-            for enc, leaf in zip(encoded_leaves, leaves, strict=True)
-        ]
+    return decode_leaves(
+        encoded_leaves,
+        like_tree,
+        lambda enc, leaf: powersgd_decode(enc, leaf.shape, leaf.dtype),
     )
 
 
@@ -326,7 +324,7 @@ def power_sgd(
     for name, flag in (("error_feedback", error_feedback), ("warm_start", warm_start)):
         if not isinstance(flag, bool):
             raise ValueError(f"{name} must be a bool, got {flag!r}")
-    _check_seed(seed)
+    check_seed(seed)
 
     def init_fn(params):
         leaves = jax.tree.leaves(params)
@@ -342,37 +340,31 @@ def power_sgd(
                 p = jnp.zeros((matrix[0], rank), leaf.dtype)
                 q = jnp.zeros((matrix[1], rank), leaf.dtype)
             encoded.append(PowerSGDEncoded(p, q))
-        if error_feedback:
-            error = jax.tree.map(lambda p: jnp.zeros(p.shape, _F32), params)
-        else:
-            error = optax.EmptyState()
         return PowerSGDState(
             count=jnp.zeros([], jnp.int32),
             key=jax.random.key_data(key),
             q=_initial_q(leaves, rank, q_key),
-            error=error,
+            error=initial_error(params, error_feedback),
             encoded=encoded,
         )
 
     def update_fn(updates, state, params=None, **extra_args):
         del params, extra_args
         key, step_key = jax.random.split(jax.random.wrap_key_data(state.key))
-        if error_feedback:
-            sent = jax.tree.map(lambda g, e: g.astype(_F32) + e, updates, state.error)
-        else:
-            sent = updates
-        leaves = jax.tree.leaves(sent)
-        qs = state.q if warm_start else _initial_q(leaves, rank, step_key)
         dtypes = [u.dtype for u in jax.tree.leaves(updates)]
-        encoded = [
-            powersgd_encode(leaf, rank, q if q.size else None, value_dtype=dtype)
-            for leaf, q, dtype in zip(leaves, qs, dtypes, strict=True)
-        ]
-        out = powersgd_decode_tree(encoded, updates)
-        if error_feedback:
-            error = jax.tree.map(lambda p, o: p - o.astype(_F32), sent, out)
-        else:
-            error = state.error
+
+        def compress(sent):
+            leaves = jax.tree.leaves(sent)
+            qs = state.q if warm_start else _initial_q(leaves, rank, step_key)
+            encoded = [
+                powersgd_encode(leaf, rank, q if q.size else None, value_dtype=dtype)
+                for leaf, q, dtype in zip(leaves, qs, dtypes, strict=True)
+            ]
+            return encoded, powersgd_decode_tree(encoded, updates)
+
+        out, error, encoded = error_feedback_step(
+            updates, state.error, error_feedback, compress
+        )
         new_q = [
             enc.q.astype(_F32) if q.size else q
             for enc, q in zip(encoded, state.q, strict=True)

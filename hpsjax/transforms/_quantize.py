@@ -60,7 +60,13 @@ import optax
 from jax import lax
 
 from hpsjax._checks import is_int
-from hpsjax.transforms._common import find_one_state
+from hpsjax.transforms._common import (
+    check_seed,
+    decode_leaves,
+    error_feedback_step,
+    find_one_state,
+    initial_error,
+)
 
 __all__ = [
     "Codec",
@@ -759,17 +765,10 @@ def decode_tree(encoded_leaves: Sequence[Encoded], codec: Codec, like_tree: Any)
       ValueError: the number of encoded leaves differs from ``like_tree``'s, or
         one of them does not match its leaf (see :func:`decode`).
     """
-    leaves, treedef = jax.tree.flatten(like_tree)
-    encoded_leaves = list(encoded_leaves)
-    if len(encoded_leaves) != len(leaves):
-        raise ValueError(
-            f"got {len(encoded_leaves)} encoded leaves for a tree of {len(leaves)}"
-        )
-    return treedef.unflatten(
-        [
-            decode(enc, codec, leaf.shape, leaf.dtype)
-            for enc, leaf in zip(encoded_leaves, leaves, strict=True)
-        ]
+    return decode_leaves(
+        encoded_leaves,
+        like_tree,
+        lambda enc, leaf: decode(enc, codec, leaf.shape, leaf.dtype),
     )
 
 
@@ -878,15 +877,7 @@ def quantize(
     )
     if not isinstance(error_feedback, bool):
         raise ValueError(f"error_feedback must be a bool, got {error_feedback!r}")
-    if isinstance(seed, bool) or not (
-        is_int(seed)
-        or (
-            isinstance(seed, (jax.Array, np.ndarray))
-            and seed.shape == ()
-            and jnp.issubdtype(seed.dtype, jnp.integer)
-        )
-    ):
-        raise ValueError(f"seed must be an int, got {seed!r}")
+    check_seed(seed)
 
     def init_fn(params):
         leaves = jax.tree.leaves(params)
@@ -896,30 +887,24 @@ def quantize(
             encoded.append(
                 Encoded(jnp.zeros((n_codes,), jnp.uint8), jnp.zeros((n_scales,), _F32))
             )
-        if error_feedback:
-            error = jax.tree.map(lambda p: jnp.zeros(p.shape, _F32), params)
-        else:
-            error = optax.EmptyState()
         return QuantizeState(
             count=jnp.zeros([], jnp.int32),
             key=jax.random.key_data(jax.random.key(seed)),
-            error=error,
+            error=initial_error(params, error_feedback),
             encoded=encoded,
         )
 
     def update_fn(updates, state, params=None, **extra_args):
         del params, extra_args
         key, step_key = jax.random.split(state.key)
-        if error_feedback:
-            sent = jax.tree.map(lambda g, e: g.astype(_F32) + e, updates, state.error)
-        else:
-            sent = updates
-        encoded = encode_tree(sent, codec, step_key)
-        out = decode_tree(encoded, codec, updates)
-        if error_feedback:
-            error = jax.tree.map(lambda p, o: p - o.astype(_F32), sent, out)
-        else:
-            error = state.error
+
+        def compress(sent):
+            encoded = encode_tree(sent, codec, step_key)
+            return encoded, decode_tree(encoded, codec, updates)
+
+        out, error, encoded = error_feedback_step(
+            updates, state.error, error_feedback, compress
+        )
         return out, QuantizeState(
             count=optax.safe_increment(state.count),
             key=key,

@@ -37,7 +37,13 @@ import optax
 from jax import lax
 
 from hpsjax._checks import is_int
-from hpsjax.transforms._common import find_one_state
+from hpsjax.transforms._common import (
+    check_seed,
+    decode_leaves,
+    error_feedback_step,
+    find_one_state,
+    initial_error,
+)
 
 __all__ = [
     "TopKEncoded",
@@ -104,18 +110,6 @@ def _check_shape(shape: Any) -> tuple[int, ...]:
     if not all(is_int(d) and d >= 0 for d in dims):
         raise ValueError(f"shape must hold non-negative ints, got {shape!r}")
     return tuple(int(d) for d in dims)
-
-
-def _check_seed(seed: Any) -> None:
-    if isinstance(seed, bool) or not (
-        is_int(seed)
-        or (
-            isinstance(seed, (jax.Array, np.ndarray))
-            and seed.shape == ()
-            and jnp.issubdtype(seed.dtype, jnp.integer)
-        )
-    ):
-        raise ValueError(f"seed must be an int, got {seed!r}")
 
 
 def _check_float(dtype: Any, what: str) -> jnp.dtype:
@@ -391,17 +385,10 @@ def topk_decode_tree(encoded_leaves: Sequence[TopKEncoded], like_tree: Any) -> A
       ValueError: the number of encoded leaves differs from ``like_tree``'s, or
         one does not match its leaf (see :func:`topk_decode`).
     """
-    leaves, treedef = jax.tree.flatten(like_tree)
-    encoded_leaves = list(encoded_leaves)
-    if len(encoded_leaves) != len(leaves):
-        raise ValueError(
-            f"got {len(encoded_leaves)} encoded leaves for a tree of {len(leaves)}"
-        )
-    return treedef.unflatten(
-        [
-            topk_decode(enc, leaf.shape, leaf.dtype)
-            for enc, leaf in zip(encoded_leaves, leaves, strict=True)
-        ]
+    return decode_leaves(
+        encoded_leaves,
+        like_tree,
+        lambda enc, leaf: topk_decode(enc, leaf.shape, leaf.dtype),
     )
 
 
@@ -466,7 +453,7 @@ def top_k(
     ratio = _check_ratio(ratio)
     if not isinstance(error_feedback, bool):
         raise ValueError(f"error_feedback must be a bool, got {error_feedback!r}")
-    _check_seed(seed)
+    check_seed(seed)
 
     def init_fn(params):
         encoded = []
@@ -478,31 +465,25 @@ def top_k(
                     jnp.zeros((k,), topk_index_dtype(size)), jnp.zeros((k,), leaf.dtype)
                 )
             )
-        if error_feedback:
-            error = jax.tree.map(lambda p: jnp.zeros(p.shape, _F32), params)
-        else:
-            error = optax.EmptyState()
         return TopKState(
             count=jnp.zeros([], jnp.int32),
             key=jax.random.key_data(jax.random.key(seed)),
-            error=error,
+            error=initial_error(params, error_feedback),
             encoded=encoded,
         )
 
     def update_fn(updates, state, params=None, **extra_args):
         del params, extra_args
         key, step_key = jax.random.split(state.key)
-        if error_feedback:
-            sent = jax.tree.map(lambda g, e: g.astype(_F32) + e, updates, state.error)
-        else:
-            sent = updates
         dtypes = [u.dtype for u in jax.tree.leaves(updates)]
-        encoded = topk_encode_tree(sent, ratio, step_key, value_dtypes=dtypes)
-        out = topk_decode_tree(encoded, updates)
-        if error_feedback:
-            error = jax.tree.map(lambda p, o: p - o.astype(_F32), sent, out)
-        else:
-            error = state.error
+
+        def compress(sent):
+            encoded = topk_encode_tree(sent, ratio, step_key, value_dtypes=dtypes)
+            return encoded, topk_decode_tree(encoded, updates)
+
+        out, error, encoded = error_feedback_step(
+            updates, state.error, error_feedback, compress
+        )
         return out, TopKState(
             count=optax.safe_increment(state.count),
             key=key,
