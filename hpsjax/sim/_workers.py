@@ -31,38 +31,20 @@ lognormally.
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
+from hpsjax._checks import check_number, is_int
 from hpsjax.profiling import WorkerProfile
 from hpsjax.worker._hetero import Heterogeneity
 
 __all__ = ["ComputeModel", "WorkerSpec", "make_workers"]
 
 
-def _is_number(value: Any) -> bool:
-    return isinstance(value, int | float | np.integer | np.floating) and not isinstance(
-        value, bool
-    )
-
-
-def _check_number(
-    name: str, value: Any, *, low: float, low_inclusive: bool = True
-) -> float:
-    if not _is_number(value) or not math.isfinite(value):
-        raise ValueError(f"{name} must be a finite number, got {value!r}.")
-    value = float(value)
-    if value < low or (value == low and not low_inclusive):
-        bound = ">=" if low_inclusive else ">"
-        raise ValueError(f"{name} must be {bound} {low}, got {value}.")
-    return value
-
-
 def _check_int(name: str, value: Any, *, low: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int | np.integer):
+    if not is_int(value):
         raise ValueError(f"{name} must be an int >= {low}, got {value!r}.")
     if value < low:
         raise ValueError(f"{name} must be an int >= {low}, got {value}.")
@@ -113,21 +95,21 @@ class ComputeModel:
     straggle_slowdown: float = 1.0
 
     def __post_init__(self):
-        step_time = _check_number(
+        step_time = check_number(
             "step_time", self.step_time, low=0.0, low_inclusive=False
         )
         if self.reference_batch is not None:
             _check_int("reference_batch", self.reference_batch, low=1)
-        overhead = _check_number("overhead", self.overhead, low=0.0)
+        overhead = check_number("overhead", self.overhead, low=0.0)
         if overhead > step_time:
             raise ValueError(
                 f"overhead ({overhead}) must not exceed step_time ({step_time})."
             )
-        _check_number("sigma", self.sigma, low=0.0)
-        p = _check_number("straggle_probability", self.straggle_probability, low=0.0)
+        check_number("sigma", self.sigma, low=0.0)
+        p = check_number("straggle_probability", self.straggle_probability, low=0.0)
         if p > 1:
             raise ValueError(f"straggle_probability must be <= 1, got {p}.")
-        _check_number("straggle_slowdown", self.straggle_slowdown, low=1.0)
+        check_number("straggle_slowdown", self.straggle_slowdown, low=1.0)
 
     @classmethod
     def from_profile(
@@ -140,26 +122,27 @@ class ComputeModel:
     ) -> ComputeModel:
         r"""The compute model of a profiled worker, :math:`t(b) = a + c b`.
 
-        A worker with several devices splits a batch over them in proportion to
-        their throughput; its step then takes :math:`\max_d a_d + b / \sum_d
-        c_d^{-1}` (exact when the devices' fixed costs :math:`a_d` are equal).
+                A worker with several devices splits a batch over them in proportion to
+                their throughput; its step then takes :math:`\max_d a_d + b / \sum_d
+                c_d^{-1}` (exact when the devices' fixed costs :math:`a_d` are equal).
 
-        Args:
-          profile: the worker's profile (measured, or
-            :meth:`~hpsjax.profiling.WorkerProfile.synthetic`).
-          sigma: lognormal jitter, as for the constructor.
-          straggle_probability: as for the constructor.
-          straggle_slowdown: as for the constructor.
+                Args:
+                  profile: the worker's profile (measured, or
+                    :meth:`~hpsjax.profiling.WorkerProfile.synthetic`).
+                  sigma: lognormal jitter, as for the constructor.
+                  straggle_probability: as for the constructor.
+                  straggle_slowdown: as for the constructor.
 
-        Returns:
-          A :class:`ComputeModel` with ``reference_batch=1``.
+                Returns:
+                  A :class:`ComputeModel` with ``reference_batch=1``.
 
-        Examples:
-          >>> from hpsjax.profiling import WorkerProfile
-          >>> model = ComputeModel.from_profile(
-          ...     WorkerProfile.synthetic(0, 100.0, overhead=0.01))
-          >>> round(model.mean_step_time(50), 6)
-          0.51
+                Examples:
+                  >>> from hpsjax._checks import check_number, is_int
+        from hpsjax.profiling import WorkerProfile
+                  >>> model = ComputeModel.from_profile(
+                  ...     WorkerProfile.synthetic(0, 100.0, overhead=0.01))
+                  >>> round(model.mean_step_time(50), 6)
+                  0.51
         """
         if not isinstance(profile, WorkerProfile):
             raise ValueError(
@@ -281,7 +264,7 @@ class WorkerSpec:
             )
         _check_int("batch_size", self.batch_size, low=1)
         _check_int("local_steps", self.local_steps, low=1)
-        _check_number("lr_scale", self.lr_scale, low=0.0)
+        check_number("lr_scale", self.lr_scale, low=0.0)
         if self.worker_id is not None and (
             isinstance(self.worker_id, bool)
             or not isinstance(self.worker_id, int | str)
@@ -289,10 +272,10 @@ class WorkerSpec:
             raise ValueError(
                 f"worker_id must be an int, a str or None, got {self.worker_id!r}."
             )
-        join = _check_number("join_time", self.join_time, low=0.0)
-        _check_number("startup_time", self.startup_time, low=0.0)
+        join = check_number("join_time", self.join_time, low=0.0)
+        check_number("startup_time", self.startup_time, low=0.0)
         if self.leave_time is not None:
-            leave = _check_number("leave_time", self.leave_time, low=0.0)
+            leave = check_number("leave_time", self.leave_time, low=0.0)
             if leave <= join:
                 raise ValueError(
                     f"leave_time ({leave}) must come after join_time ({join})."
@@ -355,18 +338,18 @@ def make_workers(
       [0.1, 0.1, 0.1, 0.1, 0.1, 0.1, 0.4, 0.4]
     """
     n = _check_int("num_workers", num_workers, low=1)
-    step_time = _check_number("step_time", step_time, low=0.0, low_inclusive=False)
+    step_time = check_number("step_time", step_time, low=0.0, low_inclusive=False)
     _check_int("batch_size", batch_size, low=1)
-    speed_sigma = _check_number("speed_sigma", speed_sigma, low=0.0)
-    fraction = _check_number("straggler_fraction", straggler_fraction, low=0.0)
+    speed_sigma = check_number("speed_sigma", speed_sigma, low=0.0)
+    fraction = check_number("straggler_fraction", straggler_fraction, low=0.0)
     if fraction > 1:
         raise ValueError(f"straggler_fraction must be <= 1, got {fraction}.")
-    slowdown = _check_number("straggler_slowdown", straggler_slowdown, low=1.0)
-    _check_number("jitter", jitter, low=0.0)
+    slowdown = check_number("straggler_slowdown", straggler_slowdown, low=1.0)
+    check_number("jitter", jitter, low=0.0)
     if bandwidth is not None:
-        bandwidth = _check_number("bandwidth", bandwidth, low=0.0, low_inclusive=False)
-    bandwidth_sigma = _check_number("bandwidth_sigma", bandwidth_sigma, low=0.0)
-    latency = _check_number("latency", latency, low=0.0)
+        bandwidth = check_number("bandwidth", bandwidth, low=0.0, low_inclusive=False)
+    bandwidth_sigma = check_number("bandwidth_sigma", bandwidth_sigma, low=0.0)
+    latency = check_number("latency", latency, low=0.0)
     _check_int("local_steps", local_steps, low=1)
     if isinstance(seed, bool) or not isinstance(seed, int | np.integer) or seed < 0:
         raise ValueError(f"seed must be an int >= 0, got {seed!r}.")
