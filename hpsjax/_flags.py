@@ -8,7 +8,7 @@ import json
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-__all__ = ["check_kwargs", "key_value"]
+__all__ = ["add_key_value_flag", "check_kwargs", "key_value"]
 
 
 def key_value(text: str) -> tuple[str, Any]:
@@ -28,6 +28,21 @@ def key_value(text: str) -> tuple[str, Any]:
                 f"{text!r}: a list is written in JSON, {name}=[{raw}]"
             ) from None
         return name, raw
+
+
+def add_key_value_flag(group: Any, flag: str, help: str) -> None:
+    """Adds a repeatable ``NAME=VALUE`` flag to a parser or argument group.
+
+    Its value is the list of :func:`key_value` pairs given, empty by default.
+    """
+    group.add_argument(
+        flag,
+        type=key_value,
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help=help,
+    )
 
 
 def check_kwargs(

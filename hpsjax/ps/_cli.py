@@ -60,7 +60,7 @@ import numpy as np
 import numpy.lib.format as npy_format
 import optax
 
-from hpsjax._flags import check_kwargs, key_value
+from hpsjax._flags import add_key_value_flag, check_kwargs
 from hpsjax._logs import quiet_backend_probe
 
 __all__ = [
@@ -330,9 +330,6 @@ def make_optimizer(
     raise ValueError(f"unknown optimizer {name!r}; choose from {OPTIMIZERS}")
 
 
-_key_value = key_value
-
-
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """Parses the command line (see the module docstring)."""
     from hpsjax import data, models
@@ -352,13 +349,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="build the initial params from this model instead: "
         f"{', '.join(sorted(models.MODELS))} or package.module:factory",
     )
-    g.add_argument(
+    add_key_value_flag(
+        g,
         "--model_arg",
-        type=_key_value,
-        action="append",
-        default=[],
-        metavar="NAME=VALUE",
-        help="with --init_from: model argument (JSON value), repeatable",
+        "with --init_from: model argument (JSON value), repeatable",
     )
     g.add_argument(
         "--model_seed",
@@ -372,13 +366,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="with --init_from a built-in model: the dataset that sizes it: "
         f"{', '.join(sorted(data.DATASETS))}",
     )
-    g.add_argument(
+    add_key_value_flag(
+        g,
         "--dataset_arg",
-        type=_key_value,
-        action="append",
-        default=[],
-        metavar="NAME=VALUE",
-        help="with --init_from: dataset argument (JSON value), repeatable",
+        "with --init_from: dataset argument (JSON value), repeatable",
     )
 
     g = p.add_argument_group("shards")
@@ -418,21 +409,15 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default="asp",
         help=f"synchronisation policy: {', '.join(sorted(POLICIES))}",
     )
-    g.add_argument(
+    add_key_value_flag(
+        g,
         "--policy_arg",
-        type=_key_value,
-        action="append",
-        default=[],
-        metavar="NAME=VALUE",
-        help="policy keyword argument (JSON value), repeatable",
+        "policy keyword argument (JSON value), repeatable",
     )
-    g.add_argument(
+    add_key_value_flag(
+        g,
         "--core_arg",
-        type=_key_value,
-        action="append",
-        default=[],
-        metavar="NAME=VALUE",
-        help="ServerCore keyword argument (e.g. expected_workers=4), repeatable",
+        "ServerCore keyword argument (e.g. expected_workers=4), repeatable",
     )
     g.add_argument(
         "--optimizer", default="sgd", choices=OPTIMIZERS, help="server optimizer"
