@@ -641,7 +641,7 @@ def test_check_config_refuses_a_missing_npz_file():
         (
             ["experiments.compare", "--suite=huge"],
             "experiments.compare: error: unknown suite 'huge'; valid names: demo, "
-            "proc4, quick, sim8, sim8_slowlink",
+            "proc4, quick, sim32, sim8, sim8_slowlink",
         ),
         (
             ["experiments.compare", "--suite=quick", "--schemes=bsp,bspp"],

@@ -122,27 +122,26 @@ class ComputeModel:
     ) -> ComputeModel:
         r"""The compute model of a profiled worker, :math:`t(b) = a + c b`.
 
-                A worker with several devices splits a batch over them in proportion to
-                their throughput; its step then takes :math:`\max_d a_d + b / \sum_d
-                c_d^{-1}` (exact when the devices' fixed costs :math:`a_d` are equal).
+        A worker with several devices splits a batch over them in proportion to
+        their throughput; its step then takes :math:`\max_d a_d + b / \sum_d
+        c_d^{-1}` (exact when the devices' fixed costs :math:`a_d` are equal).
 
-                Args:
-                  profile: the worker's profile (measured, or
-                    :meth:`~hpsjax.profiling.WorkerProfile.synthetic`).
-                  sigma: lognormal jitter, as for the constructor.
-                  straggle_probability: as for the constructor.
-                  straggle_slowdown: as for the constructor.
+        Args:
+          profile: the worker's profile (measured, or
+            :meth:`~hpsjax.profiling.WorkerProfile.synthetic`).
+          sigma: lognormal jitter, as for the constructor.
+          straggle_probability: as for the constructor.
+          straggle_slowdown: as for the constructor.
 
-                Returns:
-                  A :class:`ComputeModel` with ``reference_batch=1``.
+        Returns:
+          A :class:`ComputeModel` with ``reference_batch=1``.
 
-                Examples:
-                  >>> from hpsjax._checks import check_number, is_int
-        from hpsjax.profiling import WorkerProfile
-                  >>> model = ComputeModel.from_profile(
-                  ...     WorkerProfile.synthetic(0, 100.0, overhead=0.01))
-                  >>> round(model.mean_step_time(50), 6)
-                  0.51
+        Examples:
+          >>> from hpsjax.profiling import WorkerProfile
+          >>> model = ComputeModel.from_profile(
+          ...     WorkerProfile.synthetic(0, 100.0, overhead=0.01))
+          >>> round(model.mean_step_time(50), 6)
+          0.51
         """
         if not isinstance(profile, WorkerProfile):
             raise ValueError(
