@@ -47,6 +47,8 @@ import numpy as np
 import optax
 from flax import nnx
 
+from hpsjax._npz import nest_named_arrays
+
 __all__ = [
     "MODELS",
     "MLP",
@@ -902,22 +904,10 @@ def load_params_npz(path: str | os.PathLike) -> Params:
     if not isinstance(archive, np.lib.npyio.NpzFile):
         raise ValueError(f"{path!r} holds a single array, not an .npz archive")
     with archive:
-        if not archive.files:
-            raise ValueError(f"{path!r} holds no arrays")
-        tree: Params = {}
+        named = {}
         for name in archive.files:
-            parts = name.split("/")
-            if not all(parts):
-                raise ValueError(f"bad array name {name!r} in {path!r}")
-            node = tree
-            for part in parts[:-1]:
-                node = node.setdefault(part, {})
-                if not isinstance(node, dict):
-                    raise ValueError(f"array name {name!r} clashes with another")
-            if parts[-1] in node:
-                raise ValueError(f"array name {name!r} clashes with another")
             try:
-                node[parts[-1]] = archive[name]
+                named[name] = archive[name]
             except ValueError as e:
                 raise ValueError(f"cannot read {name!r} from {path!r}: {e}") from e
-    return tree
+    return nest_named_arrays(named, repr(path))

@@ -1,4 +1,4 @@
-"""The shared argument checks, and finding one state in an optax chain."""
+"""The shared helpers: argument checks, one state in an optax chain, npz names."""
 
 import doctest
 
@@ -7,7 +7,7 @@ import numpy as np
 import optax
 import pytest
 
-from hpsjax import _checks
+from hpsjax import _checks, _npz
 from hpsjax._checks import check_int, check_number, check_positive, is_int, is_number
 from hpsjax.transforms import LocalStepsState, _common, local_steps
 from hpsjax.transforms._common import find_one_state
@@ -16,6 +16,7 @@ from hpsjax.transforms._common import find_one_state
 def test_module_doctests():
     assert doctest.testmod(_checks).failed == 0
     assert doctest.testmod(_common).failed == 0
+    assert doctest.testmod(_npz).failed == 0
 
 
 def test_numbers_exclude_bools_and_accept_numpy_scalars():

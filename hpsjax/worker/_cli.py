@@ -643,7 +643,7 @@ def _server_tree(params):
     """``params`` in the structure ``hpsjax-server --init`` serves them in."""
     import jax
 
-    from hpsjax.ps._cli import nest_named_arrays
+    from hpsjax._npz import nest_named_arrays
 
     return nest_named_arrays(
         {
