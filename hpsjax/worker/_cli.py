@@ -523,9 +523,11 @@ async def _evaluate(evaluator, watched, args, sink, t0: float, done: set) -> Non
     params, version = watched.latest
     if int(version) in done:
         return
-    done.add(int(version))
     elapsed = time.monotonic() - t0
     result = await asyncio.to_thread(evaluator, params)
+    # Marked done only once evaluated: an evaluation cancelled at the end of the
+    # run is made again by the final one.
+    done.add(int(version))
     record = {
         "event": "eval",
         "worker": args.worker_id,
