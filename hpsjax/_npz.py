@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import os
+import zipfile
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["nest_named_arrays"]
+import numpy as np
+
+__all__ = ["nest_named_arrays", "open_npz"]
 
 
 def nest_named_arrays(named: Mapping[str, Any], source: Any = "the file") -> dict:
@@ -38,3 +42,22 @@ def nest_named_arrays(named: Mapping[str, Any], source: Any = "the file") -> dic
             raise ValueError(f"array name {name!r} clashes with another")
         node[parts[-1]] = value
     return tree
+
+
+def open_npz(path: str | os.PathLike) -> np.lib.npyio.NpzFile:
+    """Opens an ``.npz`` archive without unpickling anything.
+
+    Raises:
+      FileNotFoundError: no file at ``path``.
+      ValueError: not a readable ``.npz`` archive, or a single ``.npy`` array.
+    """
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"no .npz file at {path!r}")
+    try:
+        archive = np.load(path, allow_pickle=False)
+    except (ValueError, OSError, zipfile.BadZipFile) as e:
+        raise ValueError(f"{path!r} is not a readable .npz archive: {e}") from e
+    if not isinstance(archive, np.lib.npyio.NpzFile):
+        raise ValueError(f"{path!r} holds a single array, not an .npz archive")
+    return archive

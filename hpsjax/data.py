@@ -36,6 +36,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from hpsjax._checks import is_int
+from hpsjax._npz import open_npz
 
 __all__ = [
     "DATASETS",
@@ -775,14 +776,7 @@ def load_npz(
         (lengths that differ, non-integer labels, ...).
     """
     path = os.fspath(path)
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"no .npz file at {path!r}")
-    try:
-        archive = np.load(path, allow_pickle=False)
-    except (ValueError, OSError, zipfile.BadZipFile) as e:
-        raise ValueError(f"{path!r} is not a readable .npz archive: {e}") from e
-    if not isinstance(archive, np.lib.npyio.NpzFile):
-        raise ValueError(f"{path!r} holds a single array, not an .npz archive")
+    archive = open_npz(path)
     with archive:
         keys = sorted(archive.files)
         for key in (x_key, y_key):

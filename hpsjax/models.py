@@ -37,7 +37,6 @@ import importlib
 import itertools
 import math
 import os
-import zipfile
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -47,7 +46,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from hpsjax._npz import nest_named_arrays
+from hpsjax._npz import nest_named_arrays, open_npz
 
 __all__ = [
     "MODELS",
@@ -895,14 +894,7 @@ def load_params_npz(path: str | os.PathLike) -> Params:
         (``a//b``), or two names that clash (``a`` and ``a/b``).
     """
     path = os.fspath(path)
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"no .npz file at {path!r}")
-    try:
-        archive = np.load(path, allow_pickle=False)
-    except (ValueError, OSError, zipfile.BadZipFile) as e:
-        raise ValueError(f"{path!r} is not a readable .npz archive: {e}") from e
-    if not isinstance(archive, np.lib.npyio.NpzFile):
-        raise ValueError(f"{path!r} holds a single array, not an .npz archive")
+    archive = open_npz(path)
     with archive:
         named = {}
         for name in archive.files:
