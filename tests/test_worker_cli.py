@@ -304,3 +304,12 @@ def test_two_workers_train_a_resnet_keeping_batch_stats_to_themselves(tmp_path):
         assert np.mean(losses[-5:]) < np.mean(losses[:5])
         evals = [r for r in records if r["event"] == "eval"]
         assert evals and 0 <= evals[-1]["accuracy"] <= 1
+
+
+@pytest.mark.parametrize(
+    ("argv", "pull_with_push"), [((), True), (("--no_pull_with_push",), False)]
+)
+def test_pull_with_push_is_the_default_and_can_be_turned_off(argv, pull_with_push):
+    worker, _, _, _ = worker_cli._build(_args(*argv))
+    assert worker.config.pull_with_push is pull_with_push
+    assert worker.config.pipeline

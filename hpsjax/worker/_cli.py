@@ -211,6 +211,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="push and pull after compute instead of during it",
     )
+    g.add_argument(
+        "--no_pull_with_push",
+        action="store_true",
+        help="with the pipeline, pull in a request of its own rather than in the "
+        "push (the PUSH_PULL message)",
+    )
     g.add_argument("--eager_pulls", type=int, default=1, help="pulls per round at most")
     g.add_argument(
         "--ignore_hints",
@@ -603,6 +609,7 @@ def _build(args: argparse.Namespace, *, metrics=None):
         error_feedback=not args.no_error_feedback,
         staleness_policy=args.staleness_policy,
         pipeline=not args.no_pipeline,
+        pull_with_push=not args.no_pull_with_push,
         eager_pulls=args.eager_pulls,
         follow_hints=not args.ignore_hints,
         max_steps=args.max_steps,
