@@ -145,6 +145,12 @@ def test_bad_flags_are_one_line_naming_flags(tmp_path, capsys):
     err = capsys.readouterr().err
     assert code == 2 and "--secret_file" in err and "--insecure" in err
     assert "secret=" not in err and "insecure=True" not in err
+    # A negative threshold other than -1 (never) is refused before serving.
+    argv = ["--init", str(path), "--loop", "asyncio", "--overlap_apply_bytes", "-5"]
+    assert _cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert "overlap_apply_bytes must be an int >= 0" in err
+    assert len(err.strip().splitlines()) == 1
 
 
 def test_a_list_without_brackets_is_refused_with_the_json_form():

@@ -398,6 +398,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="accept updates holding NaN or infinity",
     )
+    g.add_argument(
+        "--overlap_apply_bytes",
+        type=int,
+        default=1 << 20,
+        help="apply pushes of at least this many raw bytes leaf by leaf as they "
+        "arrive, where the optimizer allows it (-1: never)",
+    )
 
     g = p.add_argument_group("work plan")
     g.add_argument(
@@ -629,6 +636,9 @@ async def serve(args: argparse.Namespace) -> None:
         checkpoint_every_updates=args.checkpoint_every_updates,
         checkpoint_keep=args.checkpoint_keep,
         check_finite=not args.allow_nonfinite,
+        overlap_apply_bytes=(
+            None if args.overlap_apply_bytes == -1 else args.overlap_apply_bytes
+        ),
         core_kwargs=core_kwargs,
         replanner=replanner,
         metrics=metrics,

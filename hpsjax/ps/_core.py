@@ -124,7 +124,7 @@ from hpsjax.ps._errors import (
 )
 from hpsjax.ps._messages import PushAck, PushMeta
 from hpsjax.ps._policies import ASP, BSP, Hybrid, Policy, Verdict, get_policy
-from hpsjax.ps._separable import LeafSteps, leaf_steps
+from hpsjax.ps._separable import LeafApply, LeafSteps, leaf_steps
 
 __all__ = [
     "Action",
@@ -626,6 +626,10 @@ class ServerCore:
     without it, and it may join again. Deadlines thus follow the
     measured step times of the slowest live worker.
 
+    Attributes:
+      overlapped_applies: how many pushes were applied with the result of an
+        :meth:`overlapped_apply` (leaf by leaf as they arrived).
+
     Raises:
       ValueError: for bad arguments or an unknown policy name.
 
@@ -811,6 +815,8 @@ class ServerCore:
         self._checked_accumulate_fn = steps.checked_accumulate
         self._optimizer = optimizer
         self._leaf_steps: LeafSteps | bool | None = False
+        # Pushes whose apply was taken from an overlapped_apply.
+        self.overlapped_applies = 0
 
     def _init_workers(self) -> None:
         """No workers, no waits, no deadlines, no stale copies, an empty buffer."""
@@ -941,6 +947,51 @@ class ServerCore:
             )
             self._leaf_steps = steps if steps.separable else None
         return self._leaf_steps
+
+    @property
+    def can_overlap_apply(self) -> bool:
+        """Whether this core's setup lets :meth:`overlapped_apply` ever start
+        one: applies checked (``check_result``), not deferred, no stale copies
+        (``keep_stale_params``). Whether the optimizer is separable is
+        :attr:`leaf_steps`'s question."""
+        return self._check_result and not self._defer and not self._keep_stale
+
+    def overlapped_apply(self, worker_id: WorkerId, version: Any) -> LeafApply | None:
+        """An apply of ``worker_id``'s coming push to feed leaf by leaf.
+
+        PHub's optimizer step fused per chunk: where the push, on ``version``,
+        will be applied alone and at once (the buffer is empty and the push
+        completes it under BSP or ASP readiness: ASP with one update per
+        version, a BSP round of one worker; with ``check_result``), and
+        the optimizer is leaf-separable (:attr:`leaf_steps`), the driver
+        feeds the returned :class:`LeafApply` each leaf as it arrives and
+        passes it to :meth:`push_message`, which takes its result instead of
+        applying the whole tree after the last byte. ``None`` where that does
+        not hold or cannot be known yet. Changes nothing: every decision is
+        still :meth:`push_message`'s, and a result that no longer matches (the
+        server applied another push meanwhile, the policy weighted the push)
+        is ignored.
+        """
+        if (
+            not self.can_overlap_apply
+            or self._buffer is not None
+            or type(version) is not int
+            or not 0 <= version <= self._version
+            or worker_id not in self._live
+            or self._push_completes(worker_id) is not True
+        ):
+            return None
+        steps = self.leaf_steps
+        if steps is None:
+            return None
+        tau = self._version - version
+        return LeafApply(
+            steps,
+            self._params,
+            self._opt_state,
+            self._device_scalar(tau, np.int32),
+            tau,
+        )
 
     @property
     def epoch(self) -> int:
@@ -1190,7 +1241,13 @@ class ServerCore:
         return self.push_message(worker_id, self.check_update(update), meta, now=now)
 
     def push_message(
-        self, worker_id: WorkerId, update: Any, meta: PushMeta, *, now: float
+        self,
+        worker_id: WorkerId,
+        update: Any,
+        meta: PushMeta,
+        *,
+        now: float,
+        prepared: LeafApply | None = None,
     ) -> list[Action]:
         """A push validated where it became an object; see :meth:`push`.
 
@@ -1201,6 +1258,10 @@ class ServerCore:
         tree that does not come from the wire). What depends on the server's
         state is checked here: the worker, ``meta.version`` against the server
         version and ``meta.stage`` against the policy's stages.
+
+        ``prepared`` is the apply of ``update`` started as it arrived
+        (:meth:`overlapped_apply`); it is used only where it is this push's
+        apply, and ignored otherwise.
 
         Returns:
           ``[PushAck, ForcePull?, Applied?, Release/SendParams...]``.
@@ -1236,6 +1297,7 @@ class ServerCore:
                 version,
                 stale,
                 completes=self._push_completes(worker_id),
+                prepared=prepared,
             )
         self._begin(now)
         self._record_push(rec, meta, now)
@@ -1633,6 +1695,7 @@ class ServerCore:
         stale: Any,
         *,
         completes: bool | None,
+        prepared: LeafApply | None = None,
     ) -> _Pending:
         """The buffer with one more update, and (``check_result``) its apply.
 
@@ -1678,7 +1741,10 @@ class ServerCore:
             first_version, first_stale = self._buffer_version, self._buffer_stale
         result = None
         if trial:
-            params, opt_state, bad = self._trial_apply(buffer, tau, first_stale)
+            alone = self._buffer is None and w == 1 and first_stale is None
+            params, opt_state, bad = self._trial_apply(
+                buffer, tau, first_stale, prepared if alone else None
+            )
             if bad is not None:
                 raise NonFiniteUpdate(
                     f"update refused: applied, it would make {bad} non-finite "
@@ -1688,16 +1754,27 @@ class ServerCore:
         return _Pending(buffer, samples, tau, first_version, first_stale, result)
 
     def _trial_apply(
-        self, buffer: Any, staleness: int, stale: Any
+        self, buffer: Any, staleness: int, stale: Any, prepared: Any = None
     ) -> tuple[Any, Any, str | None]:
-        """``buffer`` applied, and what it would make non-finite (or ``None``)."""
-        params, opt_state, flags = self._checked_apply_fn(
-            self._params,
-            self._opt_state,
-            buffer,
-            self._device_scalar(staleness, np.int32),
-            stale,
-        )
+        """``buffer`` applied, and what it would make non-finite (or ``None``).
+
+        ``prepared``, a :class:`LeafApply` of this buffer, is taken as the
+        result where it started from the same parameters, optimizer state and
+        staleness (see :meth:`overlapped_apply`).
+        """
+        if prepared is not None and prepared.matches(
+            self._params, self._opt_state, staleness
+        ):
+            params, opt_state, flags = prepared.result()
+            self.overlapped_applies += 1
+        else:
+            params, opt_state, flags = self._checked_apply_fn(
+                self._params,
+                self._opt_state,
+                buffer,
+                self._device_scalar(staleness, np.int32),
+                stale,
+            )
         flags = np.asarray(flags)
         if flags.all():
             return params, opt_state, None

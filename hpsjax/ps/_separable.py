@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-__all__ = ["LeafSteps", "leaf_steps"]
+__all__ = ["LeafApply", "LeafSteps", "leaf_steps"]
 
 
 def _leaf_apply(opt, param, state, update, staleness, stale):
@@ -39,6 +39,20 @@ def _leaf_apply(opt, param, state, update, staleness, stale):
         extra["stale_params"] = stale
     delta, state = opt.update(update, state, param, **extra)
     return optax.apply_updates(param, delta), state
+
+
+def _finite(x: Any) -> jax.Array:
+    if not jnp.issubdtype(jnp.result_type(x), jnp.inexact):
+        return jnp.array(True)
+    return jnp.all(jnp.isfinite(x))
+
+
+def _checked_leaf_apply(opt, param, state, update, staleness):
+    """:func:`_leaf_apply`, and whether the new leaf and its state are finite."""
+    param, state = _leaf_apply(opt, param, state, update, staleness, None)
+    flags = [_finite(x) for x in jax.tree.leaves(state)]
+    state_finite = jnp.all(jnp.stack(flags)) if flags else jnp.array(True)
+    return param, state, _finite(param), state_finite
 
 
 class LeafSteps:
@@ -58,6 +72,7 @@ class LeafSteps:
         self._treedef = treedef
         self._n = treedef.num_leaves
         self.step = jax.jit(functools.partial(_leaf_apply, self._opt))
+        self.checked_step = jax.jit(functools.partial(_checked_leaf_apply, self._opt))
         self.separable = self._n > 1 and self._check(shapes, dtypes)
 
     def _is_node(self, x: Any) -> bool:
@@ -141,6 +156,63 @@ class LeafSteps:
             return all(_close(x, y) for x, y in zip(a, b, strict=True))
         except Exception:  # any failure means: not separable
             return False
+
+
+class LeafApply:
+    """One update applied leaf by leaf, each leaf as soon as it is known.
+
+    The server starts one for a push it will apply alone and at once (and
+    ``ServerCore.overlapped_apply`` says when that is), feeds it each leaf of
+    the update as its bytes arrive (JAX dispatches the step and returns, so the
+    optimizer runs while the next leaves are received), and the core takes
+    its result in place of the whole-tree apply, if nothing changed meanwhile:
+    the parameters and optimizer state it started from are still the server's,
+    at the same staleness.
+
+    Args:
+      steps: the optimizer's :class:`LeafSteps` (separable).
+      params, opt_state: what the update is applied to.
+      staleness: the push's staleness, a device scalar as the core passes it.
+      tau: the same staleness as an int, to compare with the core's.
+    """
+
+    def __init__(self, steps: LeafSteps, params, opt_state, staleness, tau: int):
+        self.params, self.opt_state, self.tau = params, opt_state, tau
+        self._steps = steps
+        self._staleness = staleness
+        self._p = steps._treedef.flatten_up_to(params)
+        self._states = steps.split(opt_state)
+        self._out: list[Any] = [None] * steps._n
+
+    def add(self, index: int, leaf: Any) -> None:
+        """Dispatches the step of leaf ``index`` of the update (``leaf``)."""
+        self._out[index] = self._steps.checked_step(
+            self._p[index], self._states[index], leaf, self._staleness
+        )
+
+    @property
+    def complete(self) -> bool:
+        """Whether every leaf was added."""
+        return all(o is not None for o in self._out)
+
+    def matches(self, params, opt_state, tau: int) -> bool:
+        """Whether the result is the apply of the update to these, at ``tau``."""
+        return (
+            self.complete
+            and params is self.params
+            and opt_state is self.opt_state
+            and tau == self.tau
+        )
+
+    def result(self) -> tuple[Any, Any, np.ndarray]:
+        """``(params, opt_state, flags)``: flags per parameter leaf, then one for
+        the optimizer state, true where finite (as the core's checked apply)."""
+        steps = self._steps
+        params = jax.tree.unflatten(steps._treedef, [o[0] for o in self._out])
+        opt_state = steps.merge(self.opt_state, [o[1] for o in self._out])
+        flags = [bool(o[2]) for o in self._out]
+        flags.append(all(bool(o[3]) for o in self._out))
+        return params, opt_state, np.asarray(flags)
 
 
 def _close(x: Any, y: Any) -> bool:

@@ -86,6 +86,7 @@ from hpsjax.ps._messages import (
     StageNotice,
     notice_to_wire,
 )
+from hpsjax.ps._separable import LeafApply
 from hpsjax.transforms import _quantize as q
 
 __all__ = ["Server"]
@@ -148,6 +149,8 @@ class _Session:
     sub_dirty: bool = False
     sub_task: asyncio.Task | None = None
     handshake_timer: asyncio.TimerHandle | None = None
+    # The apply of the push being received, fed leaf by leaf (or None).
+    overlap: LeafApply | None = None
 
     @property
     def state(self) -> str:
@@ -206,6 +209,13 @@ class Server:
         checkpoints and a resume are logged at INFO too.
       metrics: a :class:`hpsjax.metrics.ServerMetrics` told of every push,
         pull, apply, barrier wait, drop and checkpoint, or None (no cost).
+      overlap_apply_bytes: a push of uncompressed leaves of at least this
+        many bytes that the server will apply alone and at once (ASP with
+        one update per version, a synchronous round of one worker) is applied leaf by leaf as its leaves arrive,
+        where the optimizer is leaf-separable (elementwise chains: sgd,
+        momentum, adam...; not global-norm clipping): the optimizer runs
+        while the rest of the push is received. ``None`` applies every push
+        after its last byte. :meth:`start` logs which applies are used.
       **policy_kwargs: keyword arguments of the policy given by name (e.g.
         ``staleness_bound=2`` for ``"ssp"``).
 
@@ -256,6 +266,7 @@ class Server:
         replanner: Any = None,
         status_interval: float = 60.0,
         metrics: Any = None,
+        overlap_apply_bytes: int | None = 1 << 20,
         **policy_kwargs: Any,
     ):
         self._secret = _auth.secret_bytes(secret)
@@ -300,6 +311,15 @@ class Server:
             raise ValueError("checkpoint_every_* needs a checkpoint_dir")
         if not isinstance(limits, _frames.WireLimits):
             raise ValueError("limits must be a WireLimits")
+        if overlap_apply_bytes is not None and (
+            isinstance(overlap_apply_bytes, bool)
+            or not isinstance(overlap_apply_bytes, int)
+            or overlap_apply_bytes < 0
+        ):
+            raise ValueError(
+                "overlap_apply_bytes must be an int >= 0 or None, got "
+                f"{overlap_apply_bytes!r}"
+            )
         if replanner is not None and not isinstance(replanner, Replanner):
             raise ValueError(
                 f"replanner must be a Replanner, got {type(replanner).__name__}"
@@ -320,6 +340,10 @@ class Server:
         self._limits = limits
         self._handshake_timeout = handshake_timeout
         self._check_finite = bool(check_finite)
+        # Pushes at least this big are applied as they arrive (math.inf: none).
+        self._overlap_min_bytes = (
+            math.inf if overlap_apply_bytes is None else overlap_apply_bytes
+        )
         self._checkpoint_dir = checkpoint_dir
         self._checkpoint_every_s = checkpoint_every_s
         self._checkpoint_every_updates = checkpoint_every_updates
@@ -464,6 +488,7 @@ class Server:
                 self._checkpoint_executor.shutdown(wait=False)
             raise
         self._port = self._server.sockets[0].getsockname()[1]
+        await self._decide_overlap()
         if self._checkpoint_every_s is not None:
             self._checkpoint_task = self._loop.create_task(self._checkpoint_loop())
         if self._status_interval > 0:
@@ -477,6 +502,30 @@ class Server:
             self._port,
             self._core.version,
         )
+
+    async def _decide_overlap(self) -> None:
+        """Whether pushes can be applied as they arrive, decided and logged once
+        (the separability test compiles, so off the event loop)."""
+        if self._model.nbytes < self._overlap_min_bytes:
+            return
+        core = self._core
+        if not core.can_overlap_apply:
+            self._overlap_min_bytes = math.inf
+            logger.info("applies: whole-tree (this core setup applies no push alone)")
+            return
+        steps = await self._loop.run_in_executor(_COMPILER, lambda: core.leaf_steps)
+        if steps is None:
+            self._overlap_min_bytes = math.inf
+            logger.info(
+                "applies: whole-tree after each push's last byte (the optimizer "
+                "is not leaf-separable)"
+            )
+        else:
+            logger.info(
+                "applies: leaf by leaf as pushes of %d bytes or more arrive (the "
+                "optimizer is leaf-separable)",
+                self._overlap_min_bytes,
+            )
 
     async def serve_forever(self) -> None:
         """Waits until :meth:`close` is called (by another task or a signal).
@@ -730,7 +779,7 @@ class Server:
             limits=_HANDSHAKE_LIMITS,
             allocate=allocate,
             on_made=lambda: self._on_made(session),
-            on_filled=self._check_received,
+            on_filled=lambda payload, index: self._on_filled(session, payload, index),
         )
         session = _Session(
             protocol=protocol, peer="?", handshake=_auth.Handshake.server(self._secret)
@@ -768,6 +817,11 @@ class Server:
         if layout.codec is not None and not self._model_floating:
             raise SpecMismatch("only models of floating leaves take compressed pushes")
         arrays, buffers = layout.receive_buffers(self._pool)
+        session.overlap = None
+        if layout.codec is None and layout.nbytes >= self._overlap_min_bytes:
+            session.overlap = self._core.overlapped_apply(
+                session.worker_id, meta.get("version")
+            )
         return buffers, _treecodec.WireTree(layout, arrays)
 
     def _on_event(self, session: _Session, event: Frame | FrameError) -> None:
@@ -924,6 +978,7 @@ class Server:
         # The one place a push's fields are validated.
         meta = PushMeta.from_wire(frame.metadata)
         self._check_pusher(session, meta.version)
+        prepared, session.overlap = session.overlap, None
         codec = _treecodec.wire_codec(frame.payload.layout.codec)
         if codec is not None and self._decoders.worth_compiling(codec):
             self._compile_decoder(codec)
@@ -937,7 +992,7 @@ class Server:
         # values as they arrived: the core need not check them again.
         started = self._loop.time() if self._metrics is not None else 0.0
         actions = self._core.push_message(
-            session.worker_id, update, meta, now=self._now()
+            session.worker_id, update, meta, now=self._now(), prepared=prepared
         )
         self._pushes += 1
         if self._metrics is not None and any(isinstance(a, Applied) for a in actions):
@@ -1024,6 +1079,14 @@ class Server:
             return self._decoders.decoder(codec)(payload.arrays)
         encoded = [q.Encoded(codes, scales) for codes, scales in payload.arrays]
         return self._decoders.decoder(codec)(encoded)
+
+    def _on_filled(
+        self, session: _Session, payload: _treecodec.WireTree, index: int
+    ) -> None:
+        """Leaf ``index`` of a push is in: checked, and its apply started."""
+        self._check_received(payload, index)
+        if session.overlap is not None:
+            session.overlap.add(index, payload.arrays[index])
 
     def _check_received(self, payload: _treecodec.WireTree, index: int) -> None:
         """Refuses a raw push as soon as a leaf holding NaN or infinity is in.

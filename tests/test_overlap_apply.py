@@ -1,0 +1,201 @@
+"""Applies overlapped with receipt: a push applied leaf by leaf as it arrives.
+
+The core decides when a push's apply may be started before the push is whole
+(``ServerCore.overlapped_apply``) and takes its result only where it is still
+that push's apply; the server feeds it each leaf as the leaf's bytes arrive.
+Either way the parameters are those of the whole-tree apply.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from hpsjax import ps
+from hpsjax.ps._core import ServerCore
+from hpsjax.ps._errors import NonFiniteUpdate
+from hpsjax.ps._messages import PushMeta
+
+
+def _params(seed: int = 0):
+    rng = np.random.default_rng(seed)
+    return {
+        "conv": {"kernel": jnp.asarray(rng.standard_normal((3, 3, 4, 8)), "float32")},
+        "dense": {
+            "bias": jnp.asarray(rng.standard_normal(10), "float32"),
+            "kernel": jnp.asarray(rng.standard_normal((8, 10)), "float32"),
+        },
+    }
+
+
+def _update(seed: int, scale: float = 0.1):
+    return jax.tree.map(
+        lambda p: jnp.asarray(
+            np.random.default_rng(seed).standard_normal(p.shape) * scale, p.dtype
+        ),
+        _params(),
+    )
+
+
+def _fed(apply, update):
+    for i, leaf in enumerate(jax.tree.leaves(update)):
+        apply.add(i, leaf)
+    return apply
+
+
+def _assert_trees_close(a, b):
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-6, atol=1e-7)
+
+
+OPTIMIZERS = {
+    "sgd": lambda: optax.sgd(0.1),
+    "momentum": lambda: optax.sgd(0.1, momentum=0.9, nesterov=True),
+    "adam": lambda: optax.adam(1e-2),
+}
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_overlapped_applies_give_the_whole_tree_result(name):
+    optimizer = OPTIMIZERS[name]()
+    whole = ServerCore(_params(), optimizer, "asp")
+    overlapped = ServerCore(_params(), optimizer, "asp")
+    for core in (whole, overlapped):
+        core.join("a", now=0.0)
+    for step in range(3):
+        meta = PushMeta(version=step)
+        update = _update(step)
+        whole.push_message("a", update, meta, now=1.0 + step)
+        apply = _fed(overlapped.overlapped_apply("a", step), update)
+        overlapped.push_message("a", update, meta, now=1.0 + step, prepared=apply)
+    assert overlapped.overlapped_applies == 3
+    assert whole.overlapped_applies == 0
+    assert overlapped.version == whole.version == 3
+    _assert_trees_close(overlapped.params, whole.params)
+    _assert_trees_close(overlapped.opt_state, whole.opt_state)
+
+
+def test_an_apply_started_before_another_push_is_ignored():
+    core = ServerCore(_params(), optax.sgd(0.1, momentum=0.9), "asp")
+    reference = ServerCore(_params(), optax.sgd(0.1, momentum=0.9), "asp")
+    for c in (core, reference):
+        c.join("a", now=0.0)
+        c.join("b", now=0.0)
+    apply = _fed(core.overlapped_apply("a", 0), _update(1))
+    # b's push is applied while a's is still arriving: a's prepared result,
+    # made from version 0's parameters, no longer is a's apply.
+    for c, prepared in ((core, apply), (reference, None)):
+        c.push_message("b", _update(2), PushMeta(version=0), now=1.0)
+        c.push_message("a", _update(1), PushMeta(version=0), now=2.0, prepared=prepared)
+    assert core.overlapped_applies == 0
+    assert core.version == 2
+    _assert_trees_close(core.params, reference.params)
+
+
+def test_a_weighted_push_ignores_the_prepared_apply():
+    # SaPS-like damping: the policy weights a stale push, so the apply is not
+    # of the update as it arrived.
+    core = ServerCore(_params(), optax.sgd(0.1), "asp", push_weights={"a": 0.5})
+    reference = ServerCore(_params(), optax.sgd(0.1), "asp", push_weights={"a": 0.5})
+    for c in (core, reference):
+        c.join("a", now=0.0)
+    apply = _fed(core.overlapped_apply("a", 0), _update(3))
+    core.push_message("a", _update(3), PushMeta(version=0), now=1.0, prepared=apply)
+    reference.push_message("a", _update(3), PushMeta(version=0), now=1.0)
+    assert core.overlapped_applies == 0
+    _assert_trees_close(core.params, reference.params)
+
+
+def test_a_non_finite_overlapped_apply_is_refused_and_changes_nothing():
+    # sgd(1.0) takes -3e38 - 3e38 to -inf in float32.
+    core = ServerCore(
+        jax.tree.map(lambda p: p * 0 - 3e38, _params()), optax.sgd(1.0), "asp"
+    )
+    core.join("a", now=0.0)
+    before = jax.tree.map(np.asarray, core.params)
+    huge = jax.tree.map(lambda u: u * 0 + 3e38, _update(0))
+    apply = _fed(core.overlapped_apply("a", 0), huge)
+    with pytest.raises(NonFiniteUpdate, match="non-finite"):
+        core.push_message("a", huge, PushMeta(version=0), now=1.0, prepared=apply)
+    assert core.version == 0
+    for x, y in zip(jax.tree.leaves(core.params), jax.tree.leaves(before), strict=True):
+        np.testing.assert_array_equal(np.asarray(x), y)
+
+
+def test_no_overlapped_apply_where_the_push_is_not_applied_alone_at_once():
+    clipped = optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(0.1))
+    core = ServerCore(_params(), clipped, "asp")
+    core.join("a", now=0.0)
+    assert core.leaf_steps is None  # reads every leaf: not separable
+    assert core.overlapped_apply("a", 0) is None
+    bsp = ServerCore(_params(), optax.sgd(0.1), "bsp")
+    bsp.join("a", now=0.0)
+    bsp.join("b", now=0.0)
+    # A BSP round's last push is averaged with the buffered ones before the
+    # apply: not applied alone, so not started early.
+    assert bsp.overlapped_apply("a", 0) is None
+    bsp.push_message("b", _update(0), PushMeta(version=0), now=1.0)
+    assert bsp.overlapped_apply("a", 0) is None
+    alone = ServerCore(_params(), optax.sgd(0.1), "bsp")
+    alone.join("a", now=0.0)
+    assert alone.overlapped_apply("a", 0) is not None
+    deferred = ServerCore(_params(), optax.sgd(0.1), "asp", defer_applies=True)
+    deferred.join("a", now=0.0)
+    assert deferred.overlapped_apply("a", 0) is None
+    for bad in (-1, 1, "0", None):
+        assert core.overlapped_apply("a", bad) is None
+    plain = ServerCore(_params(), optax.sgd(0.1), "asp")
+    assert plain.overlapped_apply("nobody", 0) is None
+
+
+async def _serve_and_push(overlap_apply_bytes, optimizer, updates):
+    params = _params()
+    async with ps.Server(
+        params,
+        optimizer,
+        "asp",
+        secret=None,
+        overlap_apply_bytes=overlap_apply_bytes,
+    ) as server:
+        async with ps.Client(
+            "127.0.0.1", server.port, worker_id=0, secret=None
+        ) as client:
+            _, version = await client.pull()
+            for update in updates:
+                ack = await client.push(update, version=version)
+                version = ack.version
+            pulled, _ = await client.pull()
+        return pulled, server.core.overlapped_applies
+
+
+@pytest.mark.parametrize("name", ["adam", "momentum"])
+def test_the_server_applies_pushes_as_they_arrive(name, caplog):
+    updates = [_update(s) for s in range(4)]
+    with caplog.at_level(logging.INFO, logger="hpsjax.ps"):
+        overlapped, count = asyncio.run(_serve_and_push(0, OPTIMIZERS[name](), updates))
+    assert count == len(updates)
+    assert "applies: leaf by leaf" in caplog.text
+    whole, none = asyncio.run(_serve_and_push(None, OPTIMIZERS[name](), updates))
+    assert none == 0
+    _assert_trees_close(overlapped, whole)
+
+
+def test_the_server_says_a_clipped_optimizer_is_applied_whole(caplog):
+    clipped = optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(0.1))
+    with caplog.at_level(logging.INFO, logger="hpsjax.ps"):
+        _, count = asyncio.run(_serve_and_push(0, clipped, [_update(0)]))
+    assert count == 0
+    assert "applies: whole-tree" in caplog.text
+    assert "not leaf-separable" in caplog.text
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, True, "1"])
+def test_a_bad_overlap_threshold_is_one_line(bad):
+    with pytest.raises(ValueError, match="overlap_apply_bytes must be an int"):
+        ps.Server(_params(), optax.sgd(0.1), secret=None, overlap_apply_bytes=bad)
