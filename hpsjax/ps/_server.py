@@ -211,10 +211,11 @@ class Server:
         pull, apply, barrier wait, drop and checkpoint, or None (no cost).
       overlap_apply_bytes: a push of uncompressed leaves of at least this
         many bytes that the server will apply alone and at once (ASP with
-        one update per version, a synchronous round of one worker) is applied leaf by leaf as its leaves arrive,
-        where the optimizer is leaf-separable (elementwise chains: sgd,
-        momentum, adam...; not global-norm clipping): the optimizer runs
-        while the rest of the push is received. ``None`` applies every push
+        one update per version, a synchronous round of one worker) is
+        applied leaf by leaf as its leaves arrive, where the optimizer is
+        leaf-separable (elementwise chains: sgd, momentum, adam...; not
+        global-norm clipping): the optimizer runs while the rest of the push
+        is received. ``None`` applies every push
         after its last byte. :meth:`start` logs which applies are used.
       **policy_kwargs: keyword arguments of the policy given by name (e.g.
         ``staleness_bound=2`` for ``"ssp"``).
