@@ -210,9 +210,10 @@ class LeafApply:
         steps = self._steps
         params = jax.tree.unflatten(steps._treedef, [o[0] for o in self._out])
         opt_state = steps.merge(self.opt_state, [o[1] for o in self._out])
-        flags = [bool(o[2]) for o in self._out]
-        flags.append(all(bool(o[3]) for o in self._out))
-        return params, opt_state, np.asarray(flags)
+        leaf_flags, state_flags = jax.device_get(
+            ([o[2] for o in self._out], [o[3] for o in self._out])
+        )
+        return params, opt_state, np.asarray([*leaf_flags, all(state_flags)])
 
 
 def _close(x: Any, y: Any) -> bool:
