@@ -10,7 +10,9 @@ machines:
    (target >= 0.9). The PS time includes the server's optimizer step (applied
    leaf by leaf as the push arrives unless ``--server_args
    "--overlap_apply_bytes -1"``). Also the server's peak memory over what it
-   held before the first push, in copies of the model.
+   held before the first push, in copies of the model. ``--link_rate 1.25e9``
+   paces the client's sends (its pushes, the baseline's request) to a 10 Gb/s
+   link.
 2. **small**: round trips of a 1 KiB pytree (``pull`` and ``push_pull``), p50
    and p99, against a bare asyncio echo of the same bytes (target: p50 <= 2x).
 3. **fan-in**: aggregate push throughput of 32 concurrent clients against 1
@@ -235,7 +237,17 @@ class ThreadEcho:
 # ------------------------------------------------------------------ benches
 
 
-def bench_big(shapes, workdir, loop_name, repeats):
+# Linux's SO_MAX_PACING_RATE: TCP paces what the socket sends to this many
+# bytes per second (a link slower than loopback's memory copy).
+_SO_MAX_PACING_RATE = 47
+
+
+def _pace(sock: socket.socket, rate: float | None) -> None:
+    if rate:
+        sock.setsockopt(socket.SOL_SOCKET, _SO_MAX_PACING_RATE, int(rate))
+
+
+def bench_big(shapes, workdir, loop_name, repeats, link_rate=None):
     nbytes = _nbytes(shapes)
     echo = ThreadEcho(nbytes)
     payload = np.ones(nbytes, np.uint8)
@@ -247,9 +259,11 @@ def bench_big(shapes, workdir, loop_name, repeats):
         base, sep, push_pull = [], [], []
         with socket.create_connection(("127.0.0.1", echo.port)) as sock:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            _pace(sock, link_rate)
             async with Client(
                 "127.0.0.1", server.port, worker_id="big", secret=SECRET, timeout=120
             ) as c:
+                _pace(c._protocol.transport.get_extra_info("socket"), link_rate)
                 _, version = await c.pull()
                 # The model and its optimizer state are in; no push yet.
                 rss_before, _ = server.memory()
@@ -462,6 +476,12 @@ def main() -> None:
     parser.add_argument(
         "--only", default="big,small,fan_in,compressed", help="benches to run"
     )
+    parser.add_argument(
+        "--link_rate",
+        type=float,
+        help="big: pace what the client sends (its pushes, the baseline's "
+        "request) to this many bytes/s, a link slower than loopback (Linux)",
+    )
     args = parser.parse_args()
     SERVER_ARGS.extend(args.server_args.split())
     loop_name = args.loop
@@ -489,7 +509,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as d:
         workdir = pathlib.Path(d)
         if "big" in only:
-            results["big"] = bench_big(cnn_shapes(big), workdir, loop_name, repeats)
+            results["big"] = bench_big(
+                cnn_shapes(big), workdir, loop_name, repeats, args.link_rate
+            )
             _show("big", results["big"])
         if "small" in only:
             results["small"] = bench_small(

@@ -22,6 +22,7 @@ every leaf's step, and taken from the last leaf's.
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 from typing import Any
 
@@ -158,16 +159,23 @@ class LeafSteps:
             return False
 
 
+# One thread, so a push's leaves are applied in order, each after the last.
+_APPLIER = concurrent.futures.ThreadPoolExecutor(
+    max_workers=1, thread_name_prefix="hpsjax-leaf-apply"
+)
+
+
 class LeafApply:
     """One update applied leaf by leaf, each leaf as soon as it is known.
 
     The server starts one for a push it will apply alone and at once (and
     ``ServerCore.overlapped_apply`` says when that is), feeds it each leaf of
-    the update as its bytes arrive (JAX dispatches the step and returns, so the
-    optimizer runs while the next leaves are received), and the core takes
-    its result in place of the whole-tree apply, if nothing changed meanwhile:
-    the parameters and optimizer state it started from are still the server's,
-    at the same staleness.
+    the update as its bytes arrive, and the core takes its result in place of
+    the whole-tree apply, if nothing changed meanwhile: the parameters and
+    optimizer state it started from are still the server's, at the same
+    staleness. The leaves' steps run in order on one thread of their own
+    (XLA releases the GIL while it computes), so the optimizer works while
+    the event loop receives the next leaves.
 
     Args:
       steps: the optimizer's :class:`LeafSteps` (separable).
@@ -185,10 +193,14 @@ class LeafApply:
         self._out: list[Any] = [None] * steps._n
 
     def add(self, index: int, leaf: Any) -> None:
-        """Dispatches the step of leaf ``index`` of the update (``leaf``)."""
-        self._out[index] = self._steps.checked_step(
+        """Starts the step of leaf ``index`` of the update (``leaf``)."""
+        self._out[index] = _APPLIER.submit(self._step, index, leaf)
+
+    def _step(self, index: int, leaf: Any) -> tuple:
+        out = self._steps.checked_step(
             self._p[index], self._states[index], leaf, self._staleness
         )
+        return jax.block_until_ready(out)
 
     @property
     def complete(self) -> bool:
@@ -208,10 +220,11 @@ class LeafApply:
         """``(params, opt_state, flags)``: flags per parameter leaf, then one for
         the optimizer state, true where finite (as the core's checked apply)."""
         steps = self._steps
-        params = jax.tree.unflatten(steps._treedef, [o[0] for o in self._out])
-        opt_state = steps.merge(self.opt_state, [o[1] for o in self._out])
+        out = [f.result() for f in self._out]
+        params = jax.tree.unflatten(steps._treedef, [o[0] for o in out])
+        opt_state = steps.merge(self.opt_state, [o[1] for o in out])
         leaf_flags, state_flags = jax.device_get(
-            ([o[2] for o in self._out], [o[3] for o in self._out])
+            ([o[2] for o in out], [o[3] for o in out])
         )
         return params, opt_state, np.asarray([*leaf_flags, all(state_flags)])
 
