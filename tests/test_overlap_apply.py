@@ -199,3 +199,34 @@ def test_the_server_says_a_clipped_optimizer_is_applied_whole(caplog):
 def test_a_bad_overlap_threshold_is_one_line(bad):
     with pytest.raises(ValueError, match="overlap_apply_bytes must be an int"):
         ps.Server(_params(), optax.sgd(0.1), secret=None, overlap_apply_bytes=bad)
+
+
+def test_concurrent_pushes_give_the_sum_of_their_updates():
+    # Under ASP with plain SGD the parameters are the start less lr times the
+    # sum of the pushes in any order: pushes received side by side, whose
+    # early applies may no longer match, change nothing of that.
+    updates = [_update(s, scale=0.01) for s in range(6)]
+
+    async def main():
+        async with ps.Server(
+            _params(), optax.sgd(0.5), "asp", secret=None, overlap_apply_bytes=0
+        ) as server:
+
+            async def worker(i):
+                async with ps.Client(
+                    "127.0.0.1", server.port, worker_id=i, secret=None
+                ) as c:
+                    _, version = await c.pull()
+                    for u in updates[i::3]:
+                        version = (await c.push(u, version=version)).version
+
+            await asyncio.gather(*(worker(i) for i in range(3)))
+            return server.params, server.version, server.core.overlapped_applies
+
+    params, version, overlapped = asyncio.run(main())
+    assert version == len(updates)
+    assert 0 < overlapped <= len(updates)
+    total = jax.tree.map(lambda *u: sum(u), *updates)
+    expected = jax.tree.map(lambda p, t: p - 0.5 * t, _params(), total)
+    for x, y in zip(jax.tree.leaves(params), jax.tree.leaves(expected), strict=True):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=1e-5)

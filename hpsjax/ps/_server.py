@@ -341,6 +341,8 @@ class Server:
         self._limits = limits
         self._handshake_timeout = handshake_timeout
         self._check_finite = bool(check_finite)
+        # The session whose push is being applied as it arrives, if any.
+        self._overlap_owner: _Session | None = None
         # Pushes at least this big are applied as they arrive (math.inf: none).
         self._overlap_min_bytes = (
             math.inf if overlap_apply_bytes is None else overlap_apply_bytes
@@ -819,10 +821,18 @@ class Server:
             raise SpecMismatch("only models of floating leaves take compressed pushes")
         arrays, buffers = layout.receive_buffers(self._pool)
         session.overlap = None
-        if layout.codec is None and layout.nbytes >= self._overlap_min_bytes:
+        owner = self._overlap_owner
+        if (
+            layout.codec is None
+            and layout.nbytes >= self._overlap_min_bytes
+            # One at a time: pushes received side by side would apply on each
+            # other's parameters, and all but the first be done again.
+            and (owner is None or owner.overlap is None or owner.closed)
+        ):
             session.overlap = self._core.overlapped_apply(
                 session.worker_id, meta.get("version")
             )
+            self._overlap_owner = session
         return buffers, _treecodec.WireTree(layout, arrays)
 
     def _on_event(self, session: _Session, event: Frame | FrameError) -> None:
@@ -837,6 +847,7 @@ class Server:
             return
         try:
             if isinstance(event, FrameError):
+                session.overlap = None
                 if session.state != "ready":
                     session.protocol.fail(event.error, request_id=request_id)
                 else:
