@@ -94,6 +94,30 @@ def _push_codec(config: ml_collections.ConfigDict) -> tuple[Any, Any]:
 # ---------------------------------------------------------------------------
 
 
+def _replanner(
+    config: ml_collections.ConfigDict,
+    work_plan: Any,
+    on_revision: Callable[[float, int], None],
+) -> Any:
+    """The run's :class:`~hpsjax.profiling.Replanner` (``config.plan.replan_*``),
+    telling ``on_revision(now, revision)`` of every revision it makes."""
+    from hpsjax.profiling import Replanner
+
+    class RecordedReplanner(Replanner):
+        def observe(self, worker_id, batch_size, step_time, now):
+            revised = super().observe(worker_id, batch_size, step_time, now)
+            if revised is not None:
+                on_revision(now, revised.revision)
+            return revised
+
+    return RecordedReplanner(
+        work_plan,
+        threshold=float(config.plan.replan_threshold),
+        window=int(config.plan.replan_window),
+        cooldown=float(config.plan.replan_cooldown),
+    )
+
+
 def run_sim(
     config: ml_collections.ConfigDict,
     setup: build.Setup,
@@ -117,7 +141,7 @@ def run_sim(
       The :class:`RunOutput`; times are virtual seconds.
     """
     del workdir
-    from hpsjax.profiling import Replanner, tree_wire_nbytes
+    from hpsjax.profiling import tree_wire_nbytes
     from hpsjax.sim import SimConfig, simulate
 
     specs = build.worker_specs(config)
@@ -152,22 +176,12 @@ def run_sim(
     plan_arg: Any = work_plan
     replans: list[dict[str, Any]] = []
     if work_plan is not None and config.plan.replan:
-
-        class RecordedReplanner(Replanner):
-            def observe(self, worker_id, batch_size, step_time, now):
-                revised = super().observe(worker_id, batch_size, step_time, now)
-                if revised is not None:
-                    at = profile_seconds + now
-                    replans.append(
-                        {"event": "replan", "time": at, "revision": revised.revision}
-                    )
-                return revised
-
-        plan_arg = RecordedReplanner(
+        plan_arg = _replanner(
+            config,
             work_plan,
-            threshold=float(config.plan.replan_threshold),
-            window=int(config.plan.replan_window),
-            cooldown=float(config.plan.replan_cooldown),
+            lambda now, revision: replans.append(
+                {"event": "replan", "time": profile_seconds + now, "revision": revision}
+            ),
         )
     sim_config = SimConfig(
         policy=policy,
@@ -512,12 +526,18 @@ async def _serve_and_train(
     policy_kwargs: dict[str, Any],
     core_kwargs: dict[str, Any],
     plan_file: pathlib.Path | None,
+    replan: bool,
     duration: float,
     offset: float,
     workdir: pathlib.Path,
     progress: bool,
 ) -> tuple[list[tuple[float, int, Any]], dict[str, Any]]:
-    """Runs the server and the workers; returns parameter snapshots over time."""
+    """Runs the server and the workers; returns parameter snapshots over time.
+
+    With ``replan``, the server re-plans from ``plan_file``'s plan; the
+    revisions are in ``info["replans"]`` (run time since the workers started,
+    without the profiling ``offset``).
+    """
     import secrets
 
     from hpsjax.ps import Server
@@ -552,6 +572,16 @@ async def _serve_and_train(
                 policy_kwargs,
             ),
         )
+    replanned: list[tuple[float, int]] = []
+    replanner = None
+    if replan:
+        from hpsjax.profiling import WorkPlan
+
+        replanner = _replanner(
+            config,
+            WorkPlan.from_json(plan_file.read_text()),
+            lambda now, revision: replanned.append((time.monotonic(), revision)),
+        )
     server = Server(
         setup.params,
         build.server_optimizer(config),
@@ -560,6 +590,7 @@ async def _serve_and_train(
         port=0,
         secret=secret,
         core_kwargs={**core_kwargs, "expected_workers": n},
+        replanner=replanner,
         **policy_kwargs,
     )
     await server.start()
@@ -617,6 +648,10 @@ async def _serve_and_train(
             await children.wait(5.0)
         info["worker_returncodes"] = [p.poll() for p in children.procs]
         info["final_version"] = server.core.version
+        info["replans"] = [
+            {"time": max(0.0, at - t0), "revision": revision}
+            for at, revision in replanned
+        ]
     finally:
         if bar is not None:
             bar.close()
@@ -789,9 +824,11 @@ def run_processes(
     get SIGTERM, finish their round and push it.
 
     Schemes with a work plan are profiled first on this machine (see
-    :func:`_measured_profiles`); its cost is charged as in the simulator. The
-    server does not re-plan during a run (``plan.replan`` applies to the
-    simulator only), and ASHL's stage switch is the server version.
+    :func:`_measured_profiles`); its cost is charged as in the simulator. With
+    ``plan.replan`` the server re-plans as the workers' measured step times
+    drift from the profile (a :class:`~hpsjax.profiling.Replanner` fed by every
+    push, as ``hpsjax-server --work_plan`` does) and sends each worker its new
+    batch; ASHL's stage switch is the server version.
 
     Outputs besides the returned ones: ``workers/worker_<i>.log`` and
     ``workers/metrics_<i>.jsonl`` (the workers' own round records) in
@@ -830,8 +867,6 @@ def run_processes(
         info["plans"] = [build.plan_to_dict(p) for p in plans]
         if stage_plans:
             info["stage_plans"] = [build.plan_to_dict(p) for p in stage_plans]
-        if config.plan.replan:
-            info["replan"] = "not done: the server does not re-plan"
     duration = float(config.budget_seconds) - offset
     if duration <= 0:
         raise ValueError(
@@ -847,6 +882,7 @@ def run_processes(
         policy_kwargs=policy_kwargs,
         core_kwargs=build.core_kwargs(config, plans[0] if plans else None),
         plan_file=plan_file,
+        replan=bool(plans) and bool(config.plan.replan),
         duration=duration,
         offset=offset,
         workdir=workdir,
@@ -883,6 +919,10 @@ def run_processes(
         workers[i] = totals
         timelines[i] = ([(0.0, offset, "profile")] if offset > 0 else []) + spans
         records.extend({**r, "worker": i} for r in own)
+    records.extend(
+        {"event": "replan", "time": offset + r["time"], "revision": r["revision"]}
+        for r in info.pop("replans", [])
+    )
     info["num_updates"] = run_info["final_version"]
     return RunOutput(evals, workers, timelines, records, info)
 

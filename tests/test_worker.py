@@ -14,6 +14,7 @@ import itertools
 import json
 import math
 import statistics
+import time
 from typing import Any
 
 import jax
@@ -772,6 +773,7 @@ def test_server_hints_set_local_steps_and_plan(setup):
         records=records,
         max_steps=4,
         local_optimizer=optax.sgd(0.05),
+        compile_beside=False,
     )
 
     async def go():
@@ -789,6 +791,37 @@ def test_server_hints_set_local_steps_and_plan(setup):
     assert rounds[-1]["plan_revision"] == 1
     assert [p["local_steps"] for p in client.pushes][-1] == 3
     assert client.pushes[-1]["num_samples"] == 24
+
+
+def test_a_new_batch_compiles_beside_the_rounds_that_keep_the_last(setup):
+    _, params, _ = setup
+    client = ScriptedClient(params)
+    records: list[dict] = []
+    worker = _scripted_worker(setup, client, records=records, max_steps=10_000)
+
+    async def go():
+        task = asyncio.ensure_future(worker.run())
+        while len(records) < 2:
+            await asyncio.sleep(0.001)
+        client.plan = PlanNotice(revision=1, batch_size=8)
+        deadline = time.monotonic() + 120
+        while not any(p["num_samples"] == 8 for p in client.pushes):
+            assert time.monotonic() < deadline, "batch 8 never compiled"
+            await asyncio.sleep(0.005)
+        worker.stop()
+        return await task
+
+    _run(go())
+    rounds = _rounds(records)
+    samples = [p["num_samples"] for p in client.pushes]
+    first_new = samples.index(8)
+    # Rounds went on with batch 16 while 8 compiled, saying so in their
+    # pushes and records; none compiled in the round.
+    revised = [r for r in rounds if r["plan_revision"] == 1]
+    assert revised[0]["batch_size"] == 16 and revised[0]["compile_s"] == 0.0
+    assert samples[:first_new] == [16] * first_new
+    assert set(samples[first_new:]) == {8}
+    assert all(r["compile_s"] == 0.0 for r in revised)
 
 
 def test_bad_plan_hint_is_refused(setup):

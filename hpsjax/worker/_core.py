@@ -153,7 +153,10 @@ class Computed(NamedTuple):
     ``step_time`` is its compute time (s), ``loss`` its mean training loss,
     ``local_steps`` the steps it took, ``stage`` the staged optimizer's stage
     after it; ``None`` where not known yet (the simulator evaluates rounds
-    lazily: its driver fills them in at the push).
+    lazily: its driver fills them in at the push). ``batch_size``: the samples
+    per step it computed where that is not the round's (the asyncio worker
+    keeps its last compiled batch while the step for a newly planned one
+    compiles); ``None``: the round's.
     """
 
     round: int
@@ -162,6 +165,7 @@ class Computed(NamedTuple):
     loss: float | None = None
     local_steps: int | None = None
     stage: int | None = None
+    batch_size: int | None = None
 
 
 class Acked(NamedTuple):
@@ -540,17 +544,18 @@ class WorkerCore:
             self.discard = False
             self.state = _State.BLOCKED
             return [Discard(current.round), *self._proceed(None, now)]
+        batch_size = event.batch_size or current.batch_size
         self._reporting = _Round(
             current.round,
             current.version,
-            current.batch_size,
+            batch_size,
             event.step_time,
             event.loss,
             steps,
             event.stage,
         )
         self.state = _State.BLOCKED
-        return [Report(current.batch_size, max(event.step_time / steps, 1e-12), now)]
+        return [Report(batch_size, max(event.step_time / steps, 1e-12), now)]
 
     def _reported(self, event: Reported) -> list:
         kept, self._reporting = self._reporting, None

@@ -207,6 +207,10 @@ class WorkerConfig:
         (e.g. ``"inverse_plus_one"``) to scale each update by :math:`f(\\hat\\tau)`
         on this side (PS+), ``None`` for no scaling.
       pipeline: overlap the previous push and the next pull with compute.
+      compile_beside: compile the step for a batch size new to this worker (a
+        revised plan) on a thread of its own, the rounds meanwhile computing
+        with the last batch (and saying so in their pushes' sample counts), so
+        a re-plan never stalls a round; ``False`` compiles it in the round.
       pull_with_push: with ``pipeline``, send a round's push and the pull
         behind it as one ``push_pull``: the server answers with the parameters
         (the acknowledgement inside) once it applied the update and its policy
@@ -247,6 +251,7 @@ class WorkerConfig:
     staleness_policy: str | None = None
     pipeline: bool = True
     pull_with_push: bool = True
+    compile_beside: bool = True
     eager_pulls: int = 1
     follow_hints: bool = True
     max_steps: int | None = None
@@ -466,6 +471,14 @@ def summarize(records: Sequence[Mapping[str, Any]]) -> dict[str, float]:
     }
 
 
+def _shapes_key(batch: Any) -> tuple:
+    return tuple((tuple(x.shape), str(x.dtype)) for x in jax.tree.leaves(batch))
+
+
+# Compiles a worker's step for a batch size new to it, beside its rounds.
+_COMPILER = concurrent.futures.ThreadPoolExecutor(1, "hpsjax-worker-compile")
+
+
 class _Computed(NamedTuple):
     update: Any  # tree like params, float (device arrays)
     version: int
@@ -642,6 +655,10 @@ class Worker:
         self._topk = None  # (ratio, jitted top_k update, its state)
         self._spec_like = None
         self._compiled: dict[tuple, Any] = {}
+        # Batch shapes compiling in the background, and the last batch size
+        # computed with (what a round uses while its own batch compiles).
+        self._compiling: dict[tuple, concurrent.futures.Future] = {}
+        self._last_batch: tuple[int, ...] | None = None
         self._stop = asyncio.Event()
         self._t0 = time.monotonic()
 
@@ -784,14 +801,50 @@ class Worker:
         Compiling ahead keeps compile time out of ``compute_s``, so a slowdown
         factor never multiplies it.
         """
-        key = tuple((tuple(x.shape), str(x.dtype)) for x in jax.tree.leaves(batch))
+        key = _shapes_key(batch)
         compiled = self._compiled.get(key)
         if compiled is not None:
             return compiled, 0.0
         t = time.perf_counter()
-        compiled = jax.jit(self._step_fn()).lower(*args).compile()
+        compiled = self._compile(args)
         self._compiled[key] = compiled
         return compiled, time.perf_counter() - t
+
+    def _compile(self, args: tuple) -> Any:
+        return jax.jit(self._step_fn()).lower(*args).compile()
+
+    def _compiling_beside(self, args: tuple, batch: Any) -> bool:
+        """Whether ``batch``'s step is compiling beside the rounds.
+
+        A batch size new to this worker (a revised plan) is compiled on a
+        thread of its own; while it compiles (this returns true) the round
+        computes with the batch it computed last, so a re-plan never stalls
+        it (on a busy machine a compile takes seconds, and under BSP every
+        worker would wait). The first batch, or one whose compile failed (to
+        raise its error in the round), compiles in the round.
+        """
+        key = _shapes_key(batch)
+        if (
+            key in self._compiled
+            or self._last_batch is None
+            or not self._config.compile_beside
+        ):
+            return False
+        pending = self._compiling.get(key)
+        if pending is None:
+            self._compiling[key] = _COMPILER.submit(self._compile, args)
+            return True
+        if not pending.done():
+            return True
+        del self._compiling[key]
+        if pending.exception() is None:
+            self._compiled[key] = pending.result()
+        return False
+
+    def _step_args(self, local, batch, lr_scale, steps_arg) -> tuple:
+        if self._tx is None:
+            return (local, self._state, batch, lr_scale)
+        return (local, self._state, self._opt_state, batch, lr_scale, steps_arg)
 
     def _next_batches(self, settings: Compute) -> list[Any]:
         total = sum(settings.device_batches)
@@ -810,6 +863,7 @@ class Worker:
         from hpsjax.transforms import current_stage, pending_update, push_due
 
         home = self._devices[0]
+        device_batches = settings.device_batches
         local = jax.device_put(params, home)
         lr_scale = jnp.asarray(settings.lr_scale, jnp.float32)
         steps_arg = jnp.asarray(settings.local_steps, jnp.int32)
@@ -817,8 +871,12 @@ class Worker:
         losses = []
         steps = 0
         multi = len(self._devices) > 1
+        keep_last = False
         while True:
-            batches = self._next_batches(settings)
+            if keep_last:
+                batches = [self._batches(device_batches[0])]
+            else:
+                batches = self._next_batches(settings)
             if multi:
                 t = time.perf_counter()
                 loss, grads = multi_device_grad(
@@ -834,10 +892,12 @@ class Worker:
             else:
                 batch = jax.device_put(batches[0], home)
                 state = self._state
-                if self._tx is None:
-                    args = (local, state, batch, lr_scale)
-                else:
-                    args = (local, state, self._opt_state, batch, lr_scale, steps_arg)
+                args = self._step_args(local, batch, lr_scale, steps_arg)
+                if not keep_last and self._compiling_beside(args, batch):
+                    # Its step is compiling: this round keeps the last batch.
+                    keep_last, device_batches = True, self._last_batch
+                    batch = jax.device_put(self._batches(device_batches[0]), home)
+                    args = self._step_args(local, batch, lr_scale, steps_arg)
                 step, compile_time = self._compiled_step(args, batch)
                 compile_s += compile_time
                 t = time.perf_counter()
@@ -857,12 +917,14 @@ class Worker:
                 break
         if self._tx is not None:
             update = jax.tree.map(jnp.negative, pending_update(self._opt_state))
+        if not multi:
+            self._last_batch = tuple(device_batches)
         return _Computed(
             update=update,
             version=version,
             loss=float(np.mean(losses)),
             local_steps=steps,
-            batch_size=sum(settings.device_batches),
+            batch_size=sum(device_batches),
             compute_s=compute,
             slowdown_s=slowdown,
             compile_s=compile_s,
@@ -1143,6 +1205,12 @@ class _Run:
         )
         record = self.records[compute.round]
         record["_compute_end"] = time.monotonic()
+        if computed.batch_size != compute.batch_size:
+            # The last batch, kept while the planned one's step compiled.
+            record.update(
+                batch_size=computed.batch_size,
+                device_batches=[computed.batch_size],
+            )
         record.update(
             compute_end=record["_compute_end"] - self.w._t0,
             local_steps=computed.local_steps,
@@ -1160,6 +1228,7 @@ class _Run:
             computed.loss,
             computed.local_steps,
             computed.stage,
+            computed.batch_size,
         )
         return [(event, None)]
 
