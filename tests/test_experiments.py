@@ -444,6 +444,31 @@ def test_processes_smoke(tmp_path, scheme):
     assert summary["info"]["worker_returncodes"] == [0] * len(config.workers.slowdowns)
 
 
+@pytest.mark.slow
+def test_processes_re_plan_on_the_server_and_workers_follow(tmp_path):
+    config = _quick("hps", backend="processes")
+    config.plan.replan = True
+    # Any drift re-plans, as soon as each worker reported twice.
+    config.plan.replan_threshold = 1e-6
+    config.plan.replan_cooldown = 0.0
+    config.plan.replan_window = 2
+    summary = train.train_and_evaluate(config, tmp_path, progress=False)
+    replans = [
+        r for r in _read_jsonl(tmp_path / "metrics.jsonl") if r["event"] == "replan"
+    ]
+    assert replans and replans[0]["revision"] == 1
+    times = [r["time"] for r in replans]
+    assert times == sorted(times) and times[0] > 0
+    followed = [
+        r["plan_revision"]
+        for i in range(len(config.workers.slowdowns))
+        for r in _read_jsonl(tmp_path / "workers" / f"metrics_{i}.jsonl")
+        if r["event"] == "round"
+    ]
+    assert max(r or 0 for r in followed) >= 1
+    assert summary["info"]["worker_returncodes"] == [0] * len(config.workers.slowdowns)
+
+
 def test_processes_refuse_a_plateau_stage_switch(tmp_path):
     config = _quick("ashl", backend="processes")
     config.stages.switch = "plateau"
