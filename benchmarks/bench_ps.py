@@ -186,16 +186,6 @@ class AsyncioEcho:
         )
         self.port = int(self.proc.stdout.readline())
 
-    def memory(self) -> tuple[int, int]:
-        """The server process's ``(resident, peak resident)`` bytes (Linux)."""
-        fields = {}
-        with open(f"/proc/{self.proc.pid}/status") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                if key in ("VmRSS", "VmHWM"):
-                    fields[key] = int(value.split()[0]) * 1024
-        return fields["VmRSS"], fields["VmHWM"]
-
     def close(self):
         self.proc.terminate()
         self.proc.wait(60)

@@ -51,6 +51,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from hpsjax._checks import check_int
 from hpsjax.profiling import Replanner
 from hpsjax.ps import _auth, _frames, _treecodec
 from hpsjax.ps._checkpoint import CheckpointManager
@@ -312,15 +313,7 @@ class Server:
             raise ValueError("checkpoint_every_* needs a checkpoint_dir")
         if not isinstance(limits, _frames.WireLimits):
             raise ValueError("limits must be a WireLimits")
-        if overlap_apply_bytes is not None and (
-            isinstance(overlap_apply_bytes, bool)
-            or not isinstance(overlap_apply_bytes, int)
-            or overlap_apply_bytes < 0
-        ):
-            raise ValueError(
-                "overlap_apply_bytes must be an int >= 0 or None, got "
-                f"{overlap_apply_bytes!r}"
-            )
+        check_int("overlap_apply_bytes", overlap_apply_bytes, low=0, allow_none=True)
         if replanner is not None and not isinstance(replanner, Replanner):
             raise ValueError(
                 f"replanner must be a Replanner, got {type(replanner).__name__}"
