@@ -98,9 +98,26 @@ def test_an_apply_started_before_another_push_is_ignored():
     _assert_trees_close(core.params, reference.params)
 
 
-def test_a_weighted_push_ignores_the_prepared_apply():
-    # SaPS-like damping: the policy weights a stale push, so the apply is not
-    # of the update as it arrived.
+class _HalvingASP(ps.ASP):
+    """ASP that weights every push by 0.5, decided only when it is judged."""
+
+    def judge(self, core, worker_id, staleness):
+        return ps.Verdict(weight=0.5)
+
+
+def test_a_push_the_policy_weights_ignores_the_prepared_apply():
+    core = ServerCore(_params(), optax.sgd(0.1), _HalvingASP())
+    reference = ServerCore(_params(), optax.sgd(0.1), _HalvingASP())
+    for c in (core, reference):
+        c.join("a", now=0.0)
+    apply = _fed(core.overlapped_apply("a", 0), _update(3))
+    core.push_message("a", _update(3), PushMeta(version=0), now=1.0, prepared=apply)
+    reference.push_message("a", _update(3), PushMeta(version=0), now=1.0)
+    assert core.overlapped_applies == 0
+    _assert_trees_close(core.params, reference.params)
+
+
+def test_push_weights_are_known_beforehand_and_applied_early():
     core = ServerCore(_params(), optax.sgd(0.1), "asp", push_weights={"a": 0.5})
     reference = ServerCore(_params(), optax.sgd(0.1), "asp", push_weights={"a": 0.5})
     for c in (core, reference):
@@ -108,6 +125,48 @@ def test_a_weighted_push_ignores_the_prepared_apply():
     apply = _fed(core.overlapped_apply("a", 0), _update(3))
     core.push_message("a", _update(3), PushMeta(version=0), now=1.0, prepared=apply)
     reference.push_message("a", _update(3), PushMeta(version=0), now=1.0)
+    assert core.overlapped_applies == 1
+    _assert_trees_close(core.params, reference.params)
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_a_bsp_rounds_last_push_is_averaged_and_applied_as_it_arrives(name):
+    whole = ServerCore(_params(), OPTIMIZERS[name](), "bsp")
+    overlapped = ServerCore(_params(), OPTIMIZERS[name](), "bsp")
+    for core in (whole, overlapped):
+        for w in ("a", "b", "c"):
+            core.join(w, now=0.0)
+    for step in range(2):
+        pushes = [("a", 8), ("b", 24), ("c", 16)]
+        for i, (w, samples) in enumerate(pushes):
+            meta = PushMeta(version=step, num_samples=samples)
+            update = _update(10 * step + i)
+            whole.push_message(w, update, meta, now=1.0 + step)
+            last = i == len(pushes) - 1
+            apply = overlapped.overlapped_apply(w, step, samples)
+            # Only the push that completes the round is applied early.
+            assert (apply is not None) == last
+            if apply is not None:
+                _fed(apply, update)
+            overlapped.push_message(w, update, meta, now=1.0 + step, prepared=apply)
+    assert overlapped.overlapped_applies == 2
+    assert overlapped.version == whole.version == 2
+    _assert_trees_close(overlapped.params, whole.params)
+    _assert_trees_close(overlapped.opt_state, whole.opt_state)
+
+
+def test_a_last_push_with_other_samples_than_announced_is_applied_whole():
+    core = ServerCore(_params(), optax.sgd(0.1), "bsp")
+    reference = ServerCore(_params(), optax.sgd(0.1), "bsp")
+    for c in (core, reference):
+        c.join("a", now=0.0)
+        c.join("b", now=0.0)
+        c.push_message("b", _update(0), PushMeta(version=0, num_samples=8), now=1.0)
+    # Started for 8 samples; the push says 32: its weight in the mean differs.
+    apply = _fed(core.overlapped_apply("a", 0, 8), _update(1))
+    meta = PushMeta(version=0, num_samples=32)
+    core.push_message("a", _update(1), meta, now=2.0, prepared=apply)
+    reference.push_message("a", _update(1), meta, now=2.0)
     assert core.overlapped_applies == 0
     _assert_trees_close(core.params, reference.params)
 
@@ -137,14 +196,8 @@ def test_no_overlapped_apply_where_the_push_is_not_applied_alone_at_once():
     bsp = ServerCore(_params(), optax.sgd(0.1), "bsp")
     bsp.join("a", now=0.0)
     bsp.join("b", now=0.0)
-    # A BSP round's last push is averaged with the buffered ones before the
-    # apply: not applied alone, so not started early.
+    # The first push of a BSP round is buffered, not applied: nothing early.
     assert bsp.overlapped_apply("a", 0) is None
-    bsp.push_message("b", _update(0), PushMeta(version=0), now=1.0)
-    assert bsp.overlapped_apply("a", 0) is None
-    alone = ServerCore(_params(), optax.sgd(0.1), "bsp")
-    alone.join("a", now=0.0)
-    assert alone.overlapped_apply("a", 0) is not None
     deferred = ServerCore(_params(), optax.sgd(0.1), "asp", defer_applies=True)
     deferred.join("a", now=0.0)
     assert deferred.overlapped_apply("a", 0) is None

@@ -956,25 +956,27 @@ class ServerCore:
         :attr:`leaf_steps`'s question."""
         return self._check_result and not self._defer and not self._keep_stale
 
-    def overlapped_apply(self, worker_id: WorkerId, version: Any) -> LeafApply | None:
+    def overlapped_apply(
+        self, worker_id: WorkerId, version: Any, num_samples: Any = None
+    ) -> LeafApply | None:
         """An apply of ``worker_id``'s coming push to feed leaf by leaf.
 
-        PHub's optimizer step fused per chunk: where the push, on ``version``,
-        will be applied alone and at once (the buffer is empty and the push
-        completes it under BSP or ASP readiness: ASP with one update per
-        version, a BSP round of one worker; with ``check_result``), and
-        the optimizer is leaf-separable (:attr:`leaf_steps`), the driver
-        feeds the returned :class:`LeafApply` each leaf as it arrives and
-        passes it to :meth:`push_message`, which takes its result instead of
-        applying the whole tree after the last byte. ``None`` where that does
-        not hold or cannot be known yet. Changes nothing: every decision is
-        still :meth:`push_message`'s, and a result that no longer matches (the
-        server applied another push meanwhile, the policy weighted the push)
-        is ignored.
+        PHub's aggregation and optimizer step fused per chunk: where the push,
+        on ``version`` with ``num_samples``, completes the buffer so that the
+        policy applies at once (BSP's last push of a round, ASP's push;
+        readiness that depends only on the buffer and the live workers), with
+        ``check_result``, and the optimizer is leaf-separable
+        (:attr:`leaf_steps`), the driver feeds the returned
+        :class:`LeafApply` each leaf as it arrives and passes it to
+        :meth:`push_message`, which takes its buffered mean and apply instead
+        of working them out on the whole tree after the last byte. ``None``
+        where that does not hold or cannot be known yet. Changes nothing:
+        every decision is still :meth:`push_message`'s, and a result that no
+        longer matches (another push came first, the policy weighted this one
+        otherwise than by its samples) is ignored.
         """
         if (
             not self.can_overlap_apply
-            or self._buffer is not None
             or type(version) is not int
             or not 0 <= version <= self._version
             or worker_id not in self._live
@@ -984,14 +986,29 @@ class ServerCore:
         steps = self.leaf_steps
         if steps is None:
             return None
-        tau = self._version - version
+        samples = num_samples if type(num_samples) is int and num_samples > 0 else 1
+        weight = 1.0
+        if self._push_weights is not None:
+            weight = float(self._push_weights.get(worker_id, 1.0))
+        keep, w = self._mean_weights(weight, samples)
+        tau = max(self._buffer_staleness, self._version - version)
         return LeafApply(
             steps,
             self._params,
             self._opt_state,
+            self._buffer,
+            keep,
+            w,
             self._device_scalar(tau, np.int32),
             tau,
         )
+
+    def _mean_weights(self, weight: float, samples: int) -> tuple[Any, Any]:
+        """The buffer's and a push's weights in the buffered mean with it."""
+        total = self._buffer_samples + samples
+        # Each in [0, weight]: a count of samples never multiplies a value.
+        keep = np.float32(self._buffer_samples / total)
+        return keep, np.float32(weight * (samples / total))
 
     @property
     def epoch(self) -> int:
@@ -1709,13 +1726,33 @@ class ServerCore:
           NonFiniteUpdate: the buffer, or the apply of a completed buffer,
             would be non-finite.
         """
-        total = self._buffer_samples + samples
-        # The running mean's weights, each in [0, weight]: a count of samples
-        # never multiplies a value.
-        keep = np.float32(self._buffer_samples / total)
-        w = np.float32(weight * (samples / total))
+        keep, w = self._mean_weights(weight, samples)
         trial = self._check_result and completes is not False
         checked = self._check_result and not trial
+        tau = max(self._buffer_staleness, staleness)
+        if (
+            trial
+            and prepared is not None
+            and stale is None
+            and prepared.matches(
+                self._params, self._opt_state, self._buffer, keep, w, tau
+            )
+        ):
+            # The mean and its apply, worked out leaf by leaf as they came.
+            buffer, params, opt_state, flags = prepared.result()
+            self.overlapped_applies += 1
+            bad = self._non_finite(flags)
+            if bad is not None:
+                raise NonFiniteUpdate(
+                    f"update refused: applied, it would make {bad} non-finite "
+                    "(NaN or infinity); nothing changed"
+                )
+            first_version = version
+            if self._buffer_version is not None:
+                first_version = min(version, self._buffer_version)
+            return _Pending(
+                buffer, samples, tau, first_version, None, (params, opt_state)
+            )
         finite = True
         if self._defer:
             buffer = [*(self._buffer or []), (update, keep, w)]
@@ -1734,17 +1771,13 @@ class ServerCore:
                 "update refused: the buffered average with it would be non-finite "
                 "(NaN or infinity); nothing changed"
             )
-        tau = max(self._buffer_staleness, staleness)
         if self._buffer_version is None or version < self._buffer_version:
             first_version, first_stale = version, stale
         else:
             first_version, first_stale = self._buffer_version, self._buffer_stale
         result = None
         if trial:
-            alone = self._buffer is None and w == 1 and first_stale is None
-            params, opt_state, bad = self._trial_apply(
-                buffer, tau, first_stale, prepared if alone else None
-            )
+            params, opt_state, bad = self._trial_apply(buffer, tau, first_stale)
             if bad is not None:
                 raise NonFiniteUpdate(
                     f"update refused: applied, it would make {bad} non-finite "
@@ -1754,34 +1787,27 @@ class ServerCore:
         return _Pending(buffer, samples, tau, first_version, first_stale, result)
 
     def _trial_apply(
-        self, buffer: Any, staleness: int, stale: Any, prepared: Any = None
+        self, buffer: Any, staleness: int, stale: Any
     ) -> tuple[Any, Any, str | None]:
-        """``buffer`` applied, and what it would make non-finite (or ``None``).
+        """``buffer`` applied, and what it would make non-finite (or ``None``)."""
+        params, opt_state, flags = self._checked_apply_fn(
+            self._params,
+            self._opt_state,
+            buffer,
+            self._device_scalar(staleness, np.int32),
+            stale,
+        )
+        return params, opt_state, self._non_finite(flags)
 
-        ``prepared``, a :class:`LeafApply` of this buffer, is taken as the
-        result where it started from the same parameters, optimizer state and
-        staleness (see :meth:`overlapped_apply`).
-        """
-        if prepared is not None and prepared.matches(
-            self._params, self._opt_state, staleness
-        ):
-            params, opt_state, flags = prepared.result()
-            self.overlapped_applies += 1
-        else:
-            params, opt_state, flags = self._checked_apply_fn(
-                self._params,
-                self._opt_state,
-                buffer,
-                self._device_scalar(staleness, np.int32),
-                stale,
-            )
+    def _non_finite(self, flags: Any) -> str | None:
+        """What a checked apply's flags say it made non-finite, or ``None``."""
         flags = np.asarray(flags)
         if flags.all():
-            return params, opt_state, None
+            return None
         bad = int(np.argmin(flags))
         if bad < len(self._leaf_paths):
-            return params, opt_state, f"parameter {self._leaf_paths[bad] or 'leaf'}"
-        return params, opt_state, "the optimizer state"
+            return f"parameter {self._leaf_paths[bad] or 'leaf'}"
+        return "the optimizer state"
 
     def _buffer_add(self, rec: _Worker, pending: _Pending) -> None:
         self._buffer = pending.buffer

@@ -56,6 +56,18 @@ def _checked_leaf_apply(opt, param, state, update, staleness):
     return param, state, _finite(param), state_finite
 
 
+def _mixed_leaf_apply(opt, param, state, total, update, keep, weight, staleness):
+    """The buffered mean ``keep * total + weight * update`` (``total`` None:
+    ``weight * update``) in float32 at least, as the core's whole-tree
+    buffer, then :func:`_checked_leaf_apply` of it; returns the mean too."""
+    wide = jnp.result_type(update.dtype, jnp.float32)
+    mixed = update.astype(wide) * weight
+    if total is not None:
+        mixed = total.astype(wide) * keep + mixed
+    mixed = mixed.astype(update.dtype)
+    return (mixed, *_checked_leaf_apply(opt, param, state, mixed, staleness))
+
+
 class LeafSteps:
     """The per-leaf step of one optimizer on one tree structure.
 
@@ -73,7 +85,7 @@ class LeafSteps:
         self._treedef = treedef
         self._n = treedef.num_leaves
         self.step = jax.jit(functools.partial(_leaf_apply, self._opt))
-        self.checked_step = jax.jit(functools.partial(_checked_leaf_apply, self._opt))
+        self.mixed_step = jax.jit(functools.partial(_mixed_leaf_apply, self._opt))
         self.separable = self._n > 1 and self._check(shapes, dtypes)
 
     def _is_node(self, x: Any) -> bool:
@@ -166,29 +178,42 @@ _APPLIER = concurrent.futures.ThreadPoolExecutor(
 
 
 class LeafApply:
-    """One update applied leaf by leaf, each leaf as soon as it is known.
+    """One push averaged into the buffer and applied leaf by leaf, each leaf as
+    soon as it is known.
 
-    The server starts one for a push it will apply alone and at once (and
-    ``ServerCore.overlapped_apply`` says when that is), feeds it each leaf of
-    the update as its bytes arrive, and the core takes its result in place of
-    the whole-tree apply, if nothing changed meanwhile: the parameters and
-    optimizer state it started from are still the server's, at the same
-    staleness. The leaves' steps run in order on one thread of their own
-    (XLA releases the GIL while it computes), so the optimizer works while
-    the event loop receives the next leaves.
+    The server starts one for a push whose apply follows at once (and
+    ``ServerCore.overlapped_apply`` says when that is: an ASP push, the last
+    push of a BSP round), feeds it each leaf of the update as its bytes
+    arrive, and the core takes its result in place of the whole-tree average
+    and apply, if nothing changed meanwhile: the parameters, optimizer state
+    and buffer it started from are still the server's, with the same weights
+    and staleness. The leaves' steps run in order on one thread of their own
+    (XLA releases the GIL while it computes), so the optimizer works while the
+    event loop receives the next leaves.
 
     Args:
       steps: the optimizer's :class:`LeafSteps` (separable).
       params, opt_state: what the update is applied to.
-      staleness: the push's staleness, a device scalar as the core passes it.
+      buffer: the buffered mean the push joins, or ``None`` (the push alone).
+      keep, weight: the buffer's and the push's weights in the new mean
+        (float32 scalars, as the core computes them).
+      staleness: the apply's staleness, a device scalar as the core passes it.
       tau: the same staleness as an int, to compare with the core's.
     """
 
-    def __init__(self, steps: LeafSteps, params, opt_state, staleness, tau: int):
-        self.params, self.opt_state, self.tau = params, opt_state, tau
+    def __init__(
+        self, steps: LeafSteps, params, opt_state, buffer, keep, weight, staleness, tau
+    ):
+        self.params, self.opt_state, self.buffer = params, opt_state, buffer
+        self.keep, self.weight, self.tau = keep, weight, tau
         self._steps = steps
         self._staleness = staleness
         self._p = steps._treedef.flatten_up_to(params)
+        self._b = (
+            [None] * steps._n
+            if buffer is None
+            else steps._treedef.flatten_up_to(buffer)
+        )
         self._states = steps.split(opt_state)
         self._out: list[Any] = [None] * steps._n
 
@@ -197,8 +222,14 @@ class LeafApply:
         self._out[index] = _APPLIER.submit(self._step, index, leaf)
 
     def _step(self, index: int, leaf: Any) -> tuple:
-        out = self._steps.checked_step(
-            self._p[index], self._states[index], leaf, self._staleness
+        out = self._steps.mixed_step(
+            self._p[index],
+            self._states[index],
+            self._b[index],
+            leaf,
+            self.keep,
+            self.weight,
+            self._staleness,
         )
         return jax.block_until_ready(out)
 
@@ -207,26 +238,33 @@ class LeafApply:
         """Whether every leaf was added."""
         return all(o is not None for o in self._out)
 
-    def matches(self, params, opt_state, tau: int) -> bool:
-        """Whether the result is the apply of the update to these, at ``tau``."""
+    def matches(self, params, opt_state, buffer, keep, weight, tau: int) -> bool:
+        """Whether the result is this apply: same inputs, weights, staleness."""
         return (
             self.complete
             and params is self.params
             and opt_state is self.opt_state
+            and buffer is self.buffer
+            and keep == self.keep
+            and weight == self.weight
             and tau == self.tau
         )
 
-    def result(self) -> tuple[Any, Any, np.ndarray]:
-        """``(params, opt_state, flags)``: flags per parameter leaf, then one for
-        the optimizer state, true where finite (as the core's checked apply)."""
+    def result(self) -> tuple[Any, Any, Any, np.ndarray]:
+        """``(buffer, params, opt_state, flags)``: the new buffered mean, the
+        applied parameters and state, and flags per parameter leaf, then one
+        for the optimizer state, true where finite (as the core's check)."""
         steps = self._steps
         out = [f.result() for f in self._out]
-        params = jax.tree.unflatten(steps._treedef, [o[0] for o in out])
-        opt_state = steps.merge(self.opt_state, [o[1] for o in out])
+        treedef = steps._treedef
+        buffer = jax.tree.unflatten(treedef, [o[0] for o in out])
+        params = jax.tree.unflatten(treedef, [o[1] for o in out])
+        opt_state = steps.merge(self.opt_state, [o[2] for o in out])
         leaf_flags, state_flags = jax.device_get(
-            ([o[2] for o in out], [o[3] for o in out])
+            ([o[3] for o in out], [o[4] for o in out])
         )
-        return params, opt_state, np.asarray([*leaf_flags, all(state_flags)])
+        flags = np.asarray([*leaf_flags, all(state_flags)])
+        return buffer, params, opt_state, flags
 
 
 def _close(x: Any, y: Any) -> bool:

@@ -211,9 +211,9 @@ class Server:
       metrics: a :class:`hpsjax.metrics.ServerMetrics` told of every push,
         pull, apply, barrier wait, drop and checkpoint, or None (no cost).
       overlap_apply_bytes: a push of uncompressed leaves of at least this
-        many bytes that the server will apply alone and at once (ASP with
-        one update per version, a synchronous round of one worker) is
-        applied leaf by leaf as its leaves arrive, where the optimizer is
+        many bytes after which the server applies at once (an ASP push,
+        the last push of a BSP round) is averaged into the buffer and applied
+        leaf by leaf as its leaves arrive, where the optimizer is
         leaf-separable (elementwise chains: sgd, momentum, adam...; not
         global-norm clipping): the optimizer runs while the rest of the push
         is received. ``None`` applies every push
@@ -823,7 +823,7 @@ class Server:
             and (owner is None or owner.overlap is None or owner.closed)
         ):
             session.overlap = self._core.overlapped_apply(
-                session.worker_id, meta.get("version")
+                session.worker_id, meta.get("version"), meta.get("num_samples")
             )
             self._overlap_owner = session
         return buffers, _treecodec.WireTree(layout, arrays)
