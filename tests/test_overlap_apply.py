@@ -283,3 +283,33 @@ def test_concurrent_pushes_give_the_sum_of_their_updates():
     expected = jax.tree.map(lambda p, t: p - 0.5 * t, _params(), total)
     for x, y in zip(jax.tree.leaves(params), jax.tree.leaves(expected), strict=True):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=1e-5)
+
+
+def test_a_bsp_server_applies_each_rounds_last_push_as_it_arrives():
+    async def serve(overlap_apply_bytes):
+        async with ps.Server(
+            _params(),
+            optax.sgd(0.1, momentum=0.9),
+            "bsp",
+            secret=None,
+            overlap_apply_bytes=overlap_apply_bytes,
+            core_kwargs={"expected_workers": 2},
+        ) as server:
+
+            async def worker(i):
+                async with ps.Client(
+                    "127.0.0.1", server.port, worker_id=i, secret=None
+                ) as c:
+                    _, version = await c.pull()
+                    for step in range(3):
+                        update = _update(10 * step + i)
+                        await c.push(update, version=version, num_samples=8 + 16 * i)
+                        _, version = await c.pull()
+
+            await asyncio.gather(worker(0), worker(1))
+            return server.params, server.version, server.core.overlapped_applies
+
+    overlapped, version, count = asyncio.run(serve(0))
+    whole, _, none = asyncio.run(serve(None))
+    assert version == 3 and count == 3 and none == 0
+    _assert_trees_close(overlapped, whole)
