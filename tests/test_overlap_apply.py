@@ -182,7 +182,7 @@ def test_a_non_finite_overlapped_apply_is_refused_and_changes_nothing():
     apply = _fed(core.overlapped_apply("a", 0), huge)
     with pytest.raises(NonFiniteUpdate, match="non-finite"):
         core.push_message("a", huge, PushMeta(version=0), now=1.0, prepared=apply)
-    assert core.version == 0
+    assert core.version == 0 and core.overlapped_applies == 0
     for x, y in zip(jax.tree.leaves(core.params), jax.tree.leaves(before), strict=True):
         np.testing.assert_array_equal(np.asarray(x), y)
 

@@ -1740,13 +1740,13 @@ class ServerCore:
         ):
             # The mean and its apply, worked out leaf by leaf as they came.
             buffer, params, opt_state, flags = prepared.result()
-            self.overlapped_applies += 1
             bad = self._non_finite(flags)
             if bad is not None:
                 raise NonFiniteUpdate(
                     f"update refused: applied, it would make {bad} non-finite "
                     "(NaN or infinity); nothing changed"
                 )
+            self.overlapped_applies += 1
             first_version = version
             if self._buffer_version is not None:
                 first_version = min(version, self._buffer_version)
