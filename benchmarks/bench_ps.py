@@ -12,7 +12,10 @@ machines:
    "--overlap_apply_bytes -1"``). Also the server's peak memory over what it
    held before the first push, in copies of the model. ``--link_rate 1.25e9``
    paces the client's sends (its pushes, the baseline's request) to a 10 Gb/s
-   link.
+   link. ``--only big_bsp``: BSP rounds of two clients each ``push_pull``-ing
+   the tree at once (the server averages the round's pushes and applies, the
+   last push leaf by leaf as it arrives unless turned off), against two
+   echoes of it one after another.
 2. **small**: round trips of a 1 KiB pytree (``pull`` and ``push_pull``), p50
    and p99, against a bare asyncio echo of the same bytes (target: p50 <= 2x).
 3. **fan-in**: aggregate push throughput of 32 concurrent clients against 1
@@ -113,7 +116,9 @@ def _nbytes(shapes) -> int:
 class PsServer:
     """``hpsjax-server`` in a subprocess, serving a model from an .npz file."""
 
-    def __init__(self, shapes, workdir: pathlib.Path, loop: str, policy="asp"):
+    def __init__(
+        self, shapes, workdir: pathlib.Path, loop: str, policy="asp", extra=()
+    ):
         init = workdir / f"init-{len(shapes)}-{_nbytes(shapes)}.npz"
         np.savez(init, **{k: np.zeros(s, np.float32) for k, s in shapes.items()})
         secret = workdir / "secret"
@@ -123,7 +128,7 @@ class PsServer:
                 sys.executable, "-m", "hpsjax.ps._cli", "--init", str(init),
                 "--secret_file", str(secret), "--policy", policy,
                 "--optimizer", "sgd", "--learning_rate", "1e-6",
-                "--loop", loop, "--log_level", "WARNING", *SERVER_ARGS,
+                "--loop", loop, "--log_level", "WARNING", *extra, *SERVER_ARGS,
             ],
             stdout=subprocess.PIPE,
             text=True,
@@ -297,6 +302,79 @@ def bench_big(shapes, workdir, loop_name, repeats, link_rate=None):
         # Peak server memory over what it held before the first push, in
         # copies of the model (one push in flight at a time here).
         "peak_extra_model_copies": extra_copies,
+    }
+
+
+def bench_big_bsp(shapes, workdir, loop_name, repeats, link_rate=None, clients=2):
+    """BSP rounds of ``clients`` workers each ``push_pull``-ing the big tree at
+    once, against as many blocking-socket echoes of it one after another."""
+    nbytes = _nbytes(shapes)
+    echo = ThreadEcho(nbytes)
+    payload = np.ones(nbytes, np.uint8)
+    back = memoryview(bytearray(nbytes))
+    server = PsServer(
+        shapes,
+        workdir,
+        loop_name,
+        policy="bsp",
+        extra=("--core_arg", f"expected_workers={clients}"),
+    )
+    update = _tree(shapes, 1e-3)
+
+    async def run():
+        base, rounds = [], []
+        with socket.create_connection(("127.0.0.1", echo.port)) as sock:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            _pace(sock, link_rate)
+            async with contextlib.AsyncExitStack() as stack:
+                cs = [
+                    await stack.enter_async_context(
+                        Client(
+                            "127.0.0.1",
+                            server.port,
+                            worker_id=i,
+                            secret=SECRET,
+                            timeout=120,
+                        )
+                    )
+                    for i in range(clients)
+                ]
+                for c in cs:
+                    _pace(c._protocol.transport.get_extra_info("socket"), link_rate)
+                pulled = await asyncio.gather(*(c.pull() for c in cs))
+                versions = [v for _, v in pulled]
+                for _ in range(repeats + 1):
+                    t0 = time.perf_counter()
+                    for _ in range(clients):
+                        sock.sendall(payload)
+                        _recv_into(sock, back)
+                    t1 = time.perf_counter()
+                    out = await asyncio.gather(
+                        *(
+                            c.push_pull(update, version=v)
+                            for c, v in zip(cs, versions, strict=True)
+                        )
+                    )
+                    t2 = time.perf_counter()
+                    versions = [v for _, _, v in out]
+                    assert len(set(versions)) == 1
+                    base.append(t1 - t0)
+                    rounds.append(t2 - t1)
+        return base, rounds
+
+    try:
+        base_t, round_t = _run(run(), loop_name)
+    finally:
+        server.close()
+        echo.close()
+    base = statistics.median(base_t[1:])
+    round_s = statistics.median(round_t[1:])
+    return {
+        "tree_bytes": nbytes,
+        "clients": clients,
+        "baseline_echoes_s": base,
+        "round_s": round_s,
+        "ratio_round": base / round_s,
     }
 
 
@@ -503,6 +581,11 @@ def main() -> None:
                 cnn_shapes(big), workdir, loop_name, repeats, args.link_rate
             )
             _show("big", results["big"])
+        if "big_bsp" in only:
+            results["big_bsp"] = bench_big_bsp(
+                cnn_shapes(big), workdir, loop_name, repeats, args.link_rate
+            )
+            _show("big_bsp", results["big_bsp"])
         if "small" in only:
             results["small"] = bench_small(
                 workdir, loop_name, 200 if args.quick else 2000
