@@ -164,6 +164,62 @@ class _Session:
         return self.handshake.worker_id
 
 
+def _check_server_args(
+    *,
+    port: Any,
+    ssl: Any,
+    checkpoint_dir: Any,
+    checkpoint_every_s: Any,
+    checkpoint_every_updates: Any,
+    handshake_timeout: Any,
+    status_interval: Any,
+    limits: Any,
+    overlap_apply_bytes: Any,
+    replanner: Any,
+) -> None:
+    """Refuses :class:`Server`'s bad arguments, each in one line."""
+    if ssl is not None and not isinstance(ssl, ssl_lib.SSLContext):
+        raise ValueError("ssl must be an ssl.SSLContext or None")
+    if not isinstance(port, int) or not 0 <= port < 65536:
+        raise ValueError(f"bad port {port!r}")
+    for name, value in [
+        ("checkpoint_every_s", checkpoint_every_s),
+        ("handshake_timeout", handshake_timeout),
+    ]:
+        if value is not None and not (
+            isinstance(value, int | float) and math.isfinite(value) and value > 0
+        ):
+            raise ValueError(f"{name} must be a positive number, got {value!r}")
+    if not (
+        isinstance(status_interval, int | float)
+        and not isinstance(status_interval, bool)
+        and math.isfinite(status_interval)
+        and status_interval >= 0
+    ):
+        raise ValueError(
+            f"status_interval must be a number >= 0 (0: no status lines), "
+            f"got {status_interval!r}"
+        )
+    if checkpoint_every_updates is not None and (
+        isinstance(checkpoint_every_updates, bool)
+        or not isinstance(checkpoint_every_updates, int)
+        or checkpoint_every_updates < 1
+    ):
+        raise ValueError(
+            "checkpoint_every_updates must be a positive int, got "
+            f"{checkpoint_every_updates!r}"
+        )
+    if checkpoint_dir is None and (checkpoint_every_s or checkpoint_every_updates):
+        raise ValueError("checkpoint_every_* needs a checkpoint_dir")
+    if not isinstance(limits, _frames.WireLimits):
+        raise ValueError("limits must be a WireLimits")
+    check_int("overlap_apply_bytes", overlap_apply_bytes, low=0, allow_none=True)
+    if replanner is not None and not isinstance(replanner, Replanner):
+        raise ValueError(
+            f"replanner must be a Replanner, got {type(replanner).__name__}"
+        )
+
+
 class Server:
     r"""An asyncio TCP parameter server for one model.
 
@@ -278,46 +334,18 @@ class Server:
                 "reach the port could push updates; pass secret=... (or "
                 "insecure=True to accept that)"
             )
-        if ssl is not None and not isinstance(ssl, ssl_lib.SSLContext):
-            raise ValueError("ssl must be an ssl.SSLContext or None")
-        if not isinstance(port, int) or not 0 <= port < 65536:
-            raise ValueError(f"bad port {port!r}")
-        for name, value in [
-            ("checkpoint_every_s", checkpoint_every_s),
-            ("handshake_timeout", handshake_timeout),
-        ]:
-            if value is not None and not (
-                isinstance(value, int | float) and math.isfinite(value) and value > 0
-            ):
-                raise ValueError(f"{name} must be a positive number, got {value!r}")
-        if not (
-            isinstance(status_interval, int | float)
-            and not isinstance(status_interval, bool)
-            and math.isfinite(status_interval)
-            and status_interval >= 0
-        ):
-            raise ValueError(
-                f"status_interval must be a number >= 0 (0: no status lines), "
-                f"got {status_interval!r}"
-            )
-        if checkpoint_every_updates is not None and (
-            isinstance(checkpoint_every_updates, bool)
-            or not isinstance(checkpoint_every_updates, int)
-            or checkpoint_every_updates < 1
-        ):
-            raise ValueError(
-                "checkpoint_every_updates must be a positive int, got "
-                f"{checkpoint_every_updates!r}"
-            )
-        if checkpoint_dir is None and (checkpoint_every_s or checkpoint_every_updates):
-            raise ValueError("checkpoint_every_* needs a checkpoint_dir")
-        if not isinstance(limits, _frames.WireLimits):
-            raise ValueError("limits must be a WireLimits")
-        check_int("overlap_apply_bytes", overlap_apply_bytes, low=0, allow_none=True)
-        if replanner is not None and not isinstance(replanner, Replanner):
-            raise ValueError(
-                f"replanner must be a Replanner, got {type(replanner).__name__}"
-            )
+        _check_server_args(
+            port=port,
+            ssl=ssl,
+            checkpoint_dir=checkpoint_dir,
+            checkpoint_every_s=checkpoint_every_s,
+            checkpoint_every_updates=checkpoint_every_updates,
+            handshake_timeout=handshake_timeout,
+            status_interval=status_interval,
+            limits=limits,
+            overlap_apply_bytes=overlap_apply_bytes,
+            replanner=replanner,
+        )
         self._core = ServerCore(
             params,
             optimizer,
