@@ -105,27 +105,27 @@ class _HalvingASP(ps.ASP):
         return ps.Verdict(weight=0.5)
 
 
-def test_a_push_the_policy_weights_ignores_the_prepared_apply():
-    core = ServerCore(_params(), optax.sgd(0.1), _HalvingASP())
-    reference = ServerCore(_params(), optax.sgd(0.1), _HalvingASP())
+@pytest.mark.parametrize(
+    ("policy", "core_kwargs", "overlapped"),
+    [
+        # The policy weights the push when it judges it: not known beforehand,
+        # so the early apply is not this push's and is ignored.
+        (_HalvingASP, {}, 0),
+        # push_weights are known beforehand: the early apply is this push's.
+        (ps.ASP, {"push_weights": {"a": 0.5}}, 1),
+    ],
+)
+def test_a_weighted_push_is_applied_early_only_where_its_weight_is_known(
+    policy, core_kwargs, overlapped
+):
+    core = ServerCore(_params(), optax.sgd(0.1), policy(), **core_kwargs)
+    reference = ServerCore(_params(), optax.sgd(0.1), policy(), **core_kwargs)
     for c in (core, reference):
         c.join("a", now=0.0)
     apply = _fed(core.overlapped_apply("a", 0), _update(3))
     core.push_message("a", _update(3), PushMeta(version=0), now=1.0, prepared=apply)
     reference.push_message("a", _update(3), PushMeta(version=0), now=1.0)
-    assert core.overlapped_applies == 0
-    _assert_trees_close(core.params, reference.params)
-
-
-def test_push_weights_are_known_beforehand_and_applied_early():
-    core = ServerCore(_params(), optax.sgd(0.1), "asp", push_weights={"a": 0.5})
-    reference = ServerCore(_params(), optax.sgd(0.1), "asp", push_weights={"a": 0.5})
-    for c in (core, reference):
-        c.join("a", now=0.0)
-    apply = _fed(core.overlapped_apply("a", 0), _update(3))
-    core.push_message("a", _update(3), PushMeta(version=0), now=1.0, prepared=apply)
-    reference.push_message("a", _update(3), PushMeta(version=0), now=1.0)
-    assert core.overlapped_applies == 1
+    assert core.overlapped_applies == overlapped
     _assert_trees_close(core.params, reference.params)
 
 
@@ -207,6 +207,10 @@ def test_no_overlapped_apply_where_the_push_is_not_applied_alone_at_once():
     assert plain.overlapped_apply("nobody", 0) is None
 
 
+def _client(server: ps.Server, worker_id: int) -> ps.Client:
+    return ps.Client("127.0.0.1", server.port, worker_id=worker_id, secret=None)
+
+
 async def _serve_and_push(overlap_apply_bytes, optimizer, updates):
     params = _params()
     async with ps.Server(
@@ -216,9 +220,7 @@ async def _serve_and_push(overlap_apply_bytes, optimizer, updates):
         secret=None,
         overlap_apply_bytes=overlap_apply_bytes,
     ) as server:
-        async with ps.Client(
-            "127.0.0.1", server.port, worker_id=0, secret=None
-        ) as client:
+        async with _client(server, 0) as client:
             _, version = await client.pull()
             for update in updates:
                 ack = await client.push(update, version=version)
@@ -266,9 +268,7 @@ def test_concurrent_pushes_give_the_sum_of_their_updates():
         ) as server:
 
             async def worker(i):
-                async with ps.Client(
-                    "127.0.0.1", server.port, worker_id=i, secret=None
-                ) as c:
+                async with _client(server, i) as c:
                     _, version = await c.pull()
                     for u in updates[i::3]:
                         version = (await c.push(u, version=version)).version
@@ -297,9 +297,7 @@ def test_a_bsp_server_applies_each_rounds_last_push_as_it_arrives():
         ) as server:
 
             async def worker(i):
-                async with ps.Client(
-                    "127.0.0.1", server.port, worker_id=i, secret=None
-                ) as c:
+                async with _client(server, i) as c:
                     _, version = await c.pull()
                     for step in range(3):
                         update = _update(10 * step + i)
