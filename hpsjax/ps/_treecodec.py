@@ -571,6 +571,20 @@ def check_topk_leaf(
         raise NonFiniteUpdate("top-k values hold NaN or infinity")
 
 
+def _encoded_against(encoded, like, limits) -> tuple[Any, list, list]:
+    """``like``'s structure and leaves, and ``encoded`` as a list of one entry
+    per leaf (refused where the counts differ)."""
+    structure, like_leaves = flatten_tree(
+        like, limits=limits, is_leaf=lambda x: hasattr(x, "shape")
+    )
+    encoded = list(encoded)
+    if len(encoded) != len(like_leaves):
+        raise SpecMismatch(
+            f"{len(encoded)} encoded leaves for a tree of {len(like_leaves)}"
+        )
+    return structure, like_leaves, encoded
+
+
 def topk_tree_to_wire(
     encoded: Sequence[Any],
     like: Any,
@@ -598,14 +612,7 @@ def topk_tree_to_wire(
     Raises:
       SpecMismatch: ``encoded`` does not fit ``like``.
     """
-    structure, like_leaves = flatten_tree(
-        like, limits=limits, is_leaf=lambda x: hasattr(x, "shape")
-    )
-    encoded = list(encoded)
-    if len(encoded) != len(like_leaves):
-        raise SpecMismatch(
-            f"{len(encoded)} encoded leaves for a tree of {len(like_leaves)}"
-        )
+    structure, like_leaves, encoded = _encoded_against(encoded, like, limits)
     leaves, arrays, ks = [], [], []
     offset = 0
     for i, (enc, ref) in enumerate(zip(encoded, like_leaves, strict=True)):
@@ -679,14 +686,7 @@ def encoded_tree_to_wire(
         isinstance(codec, str) and codec == TOPK_SCHEME
     ):
         return topk_tree_to_wire(encoded, like, limits=limits)
-    structure, like_leaves = flatten_tree(
-        like, limits=limits, is_leaf=lambda x: hasattr(x, "shape")
-    )
-    encoded = list(encoded)
-    if len(encoded) != len(like_leaves):
-        raise SpecMismatch(
-            f"{len(encoded)} encoded leaves for a tree of {len(like_leaves)}"
-        )
+    structure, like_leaves, encoded = _encoded_against(encoded, like, limits)
     codec_dict = codec.to_dict()
     leaves = []
     arrays = []
