@@ -124,7 +124,13 @@ from hpsjax.ps._errors import (
 )
 from hpsjax.ps._messages import PushAck, PushMeta
 from hpsjax.ps._policies import ASP, BSP, Hybrid, Policy, Verdict, get_policy
-from hpsjax.ps._separable import LeafApply, LeafSteps, leaf_steps
+from hpsjax.ps._separable import (
+    LeafApply,
+    LeafSteps,
+    all_finite,
+    finite,
+    leaf_steps,
+)
 
 __all__ = [
     "Action",
@@ -405,13 +411,6 @@ def _wide(dtype: Any) -> Any:
     return jnp.result_type(dtype, jnp.float32)
 
 
-def _finite(x: Any) -> jax.Array:
-    """Whether an array (any dtype) holds only finite values."""
-    if not jnp.issubdtype(jnp.result_type(x), jnp.inexact):
-        return jnp.array(True)
-    return jnp.all(jnp.isfinite(x))
-
-
 @functools.lru_cache(maxsize=32)
 def _make_steps(optimizer: optax.GradientTransformation):
     """Jitted apply, accumulate and check steps for one optimizer.
@@ -433,7 +432,7 @@ def _make_steps(optimizer: optax.GradientTransformation):
         """``apply``, and per parameter leaf (then the optimizer state) whether
         the result is finite."""
         params, opt_state = apply(params, opt_state, update, staleness, stale_params)
-        flags = [_finite(x) for x in jax.tree.leaves(params)]
+        flags = [finite(x) for x in jax.tree.leaves(params)]
         flags.append(all_finite(jax.tree.leaves(opt_state)))
         return params, opt_state, jnp.stack(flags)
 
@@ -492,10 +491,6 @@ def _make_steps(optimizer: optax.GradientTransformation):
             (updates, keeps, weights, first, close, staleness),
         )
         return params, opt_state, history
-
-    def all_finite(leaves):
-        checks = [_finite(x) for x in leaves]
-        return jnp.all(jnp.stack(checks)) if checks else jnp.array(True)
 
     def checked_scale(update, weight):
         """``scale``, and whether the result is finite."""

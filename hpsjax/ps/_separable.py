@@ -42,18 +42,23 @@ def _leaf_apply(opt, param, state, update, staleness, stale):
     return optax.apply_updates(param, delta), state
 
 
-def _finite(x: Any) -> jax.Array:
+def finite(x: Any) -> jax.Array:
+    """Whether an array (any dtype) holds only finite values."""
     if not jnp.issubdtype(jnp.result_type(x), jnp.inexact):
         return jnp.array(True)
     return jnp.all(jnp.isfinite(x))
 
 
+def all_finite(leaves: list[Any]) -> jax.Array:
+    """Whether every array of ``leaves`` holds only finite values."""
+    checks = [finite(x) for x in leaves]
+    return jnp.all(jnp.stack(checks)) if checks else jnp.array(True)
+
+
 def _checked_leaf_apply(opt, param, state, update, staleness):
     """:func:`_leaf_apply`, and whether the new leaf and its state are finite."""
     param, state = _leaf_apply(opt, param, state, update, staleness, None)
-    flags = [_finite(x) for x in jax.tree.leaves(state)]
-    state_finite = jnp.all(jnp.stack(flags)) if flags else jnp.array(True)
-    return param, state, _finite(param), state_finite
+    return param, state, finite(param), all_finite(jax.tree.leaves(state))
 
 
 def _mixed_leaf_apply(opt, param, state, total, update, keep, weight, staleness):
