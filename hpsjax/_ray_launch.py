@@ -220,6 +220,9 @@ class _ProcessActor:
         self._metrics_offset = 0
         self._stopping = False
         self._crashed = False
+        # Set by the reader with ``_crashed``, under the lock: a poll never
+        # sees the exit status before it is known whether Ray restarts it.
+        self._returncode: int | None = None
         self._drained = threading.Event()
         self._port: int | None = None
         # The trampoline ties the process to this actor's life (see launch.py).
@@ -248,12 +251,12 @@ class _ProcessActor:
                         self._port = int(match.group(2))
                     self._lines.append(line)
         code = self._popen.wait()
-        if not (_local._crashed(code) and self._restart):
-            return
+        crashed = _local._crashed(code) and self._restart
         with self._lock:
-            if self._stopping:
+            self._crashed = crashed and not self._stopping
+            self._returncode = code
+            if not self._crashed:
                 return
-            self._crashed = True
         # Give the launcher its last lines and metrics, then end the actor:
         # Ray restarts it and the process starts again.
         if self._drained.wait(_DRAIN_SECONDS):
@@ -286,7 +289,7 @@ class _ProcessActor:
             state = {
                 "lines": lines,
                 "metrics": self._new_metrics(),
-                "returncode": self._popen.poll(),
+                "returncode": self._returncode,
                 "pid": self._popen.pid,
                 "crashed": crashed,
                 "host": self._node_ip,
@@ -309,6 +312,9 @@ class _ProcessActor:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self._popen.wait(timeout)
         self._reader.join(2.0)
+        with self._lock:
+            if self._returncode is None:
+                self._returncode = self._popen.poll()
         state = self.poll()
         shutil.rmtree(self._dir, ignore_errors=True)
         return state

@@ -122,6 +122,42 @@ def test_bad_worker_resources_get_a_one_line_error(capsys):
         assert message in err and "\n" not in err, err
 
 
+def test_an_actor_reports_a_crash_with_its_exit_status(monkeypatch, tmp_path):
+    # The exit status and whether Ray restarts the process are one fact: a
+    # poll between the process's death and the reader's decision once read
+    # "exited with status -9" and ended a run that Ray was about to restart.
+    from hpsjax import launch as local
+
+    crashed = local._crashed
+
+    def slow_decision(code):
+        time.sleep(1.0)
+        return crashed(code)
+
+    exits = []
+
+    def fake_exit(code):  # the actor's end, for Ray to restart it
+        exits.append(code)
+
+    monkeypatch.setattr(local, "_crashed", slow_decision)
+    monkeypatch.setattr(_ray_launch.os, "_exit", fake_exit)
+    monkeypatch.setattr(_ray_launch, "_DRAIN_SECONDS", 0.1)
+    actor = _ray_launch._ProcessActor(
+        "worker 0", ["-c", "import time; time.sleep(60)"], {}, True, str(tmp_path)
+    )
+    os.kill(actor._popen.pid, signal.SIGKILL)
+    seen = []
+    deadline = time.monotonic() + 10
+    while not (seen and seen[-1]["crashed"]) and time.monotonic() < deadline:
+        state = actor.poll()
+        seen.append(state)
+        assert state["returncode"] is None or state["crashed"], state
+        time.sleep(0.02)
+    assert seen[-1]["crashed"] and seen[-1]["returncode"] == -signal.SIGKILL
+    actor._reader.join(5)
+    assert exits == [1]
+
+
 @pytest.fixture(scope="module")
 def ray_cluster():
     ray = pytest.importorskip("ray")
