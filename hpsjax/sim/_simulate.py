@@ -139,8 +139,9 @@ class SimConfig:
         or ``None``.
       codec: the wire codec of the pushes (a ``hpsjax.transforms.Codec``) for
         their byte count, or ``None``: the bytes that a
-        :func:`~hpsjax.transforms.quantize` in ``push_transform`` keeps for the
-        wire, else float32-size (uncompressed) pushes. Pulls are never
+        :func:`~hpsjax.transforms.quantize` (or a
+        :func:`~hpsjax.transforms.power_sgd`) in ``push_transform`` keeps for
+        the wire, else float32-size (uncompressed) pushes. Pulls are never
         compressed.
       compress_from_stage: with a work plan, each worker's pushes are top-k
         sparsified at its plan's ``compress_ratio`` once the server's stage is
@@ -1398,13 +1399,18 @@ def _push_bytes(params: Any, config: SimConfig, raw: int) -> int:
         return tree_wire_nbytes(params, config.codec)
     if config.push_transform is None:
         return raw
-    from hpsjax.transforms import last_encoded
+    from hpsjax.transforms import last_encoded, last_powersgd_encoded
 
-    try:
-        encoded = last_encoded(config.push_transform.init(params))
-    except ValueError:  # no quantizer in it: the update goes out uncompressed
-        return raw
-    return int(sum(e.codes.nbytes + e.scales.nbytes for e in encoded))
+    state = config.push_transform.init(params)
+    # What a quantizer or a PowerSGD in it keeps for the wire: a PowerSGD
+    # push is its factors, powersgd_nbytes per leaf.
+    for last in (last_encoded, last_powersgd_encoded):
+        try:
+            encoded = last(state)
+        except ValueError:  # not this one
+            continue
+        return int(sum(x.nbytes for x in jax.tree.leaves(encoded)))
+    return raw  # no compressor in it: the update goes out uncompressed
 
 
 def _check_workers(workers: Any) -> list[WorkerSpec]:
