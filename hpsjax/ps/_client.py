@@ -503,8 +503,10 @@ class Client:
         feedback); ``push(version=v, codec=c, encoded=e)`` sends the packed
         bytes of an already encoded tree (the ``encoded`` kept by
         ``hpsjax.quantize``, whose error feedback is then applied exactly once,
-        on this worker). The update's arrays are referenced, not copied, until
-        written: do not modify them before this returns.
+        on this worker), with ``codec="topk"`` the entries kept by
+        ``hpsjax.top_k``, with ``codec="powersgd"`` the factors of
+        ``hpsjax.power_sgd``. The update's arrays are referenced, not copied,
+        until written: do not modify them before this returns.
 
         Cancelling is safe for the connection, but a push already handed to the
         transport may still be applied by the server.
@@ -512,9 +514,12 @@ class Client:
         Args:
           update: pytree of the model's structure, shapes and dtypes.
           version: the version the update was computed on.
-          codec: a ``hpsjax.transforms.Codec`` for a compressed push.
-          encoded: the ``Encoded`` of each leaf in leaf order, as returned by
-            ``encode_tree`` or ``last_encoded(opt_state)`` (requires ``codec``).
+          codec: a ``hpsjax.transforms.Codec`` for a compressed push, or
+            ``"topk"`` or ``"powersgd"`` with ``encoded``.
+          encoded: the encoded leaves in leaf order (requires ``codec``): the
+            ``Encoded`` returned by ``encode_tree`` or ``last_encoded(opt_state)``,
+            the ``TopKEncoded`` by ``last_topk_encoded(opt_state)`` or the
+            ``PowerSGDEncoded`` by ``last_powersgd_encoded(opt_state)``.
           step_time: compute seconds this update took (for adaptive deadlines).
           num_samples: samples it was computed on (for weighted averaging).
           local_steps: local steps it accumulates.
@@ -529,6 +534,8 @@ class Client:
         Raises:
           InvalidUpdate: the server refused the update (shape, dtype, NaN); its
             parameters are unchanged.
+          SpecMismatch: ``encoded`` does not fit the model (leaf count, sizes,
+            dtypes, ranks); nothing was sent.
           WorkerDropped: this worker was dropped; pull to rejoin.
         """
         meta, buffers = self._push_message(
@@ -632,10 +639,10 @@ class Client:
         elif update is None:
             raise ValueError("push needs an update (or encoded= and codec=)")
         elif codec is not None:
-            if codec == _treecodec.TOPK_SCHEME:
+            if not isinstance(codec, q.Codec):
                 raise ValueError(
-                    "codec='topk' sends encoded= leaves (topk_encode_tree, "
-                    "last_topk_encoded)"
+                    f"codec={codec!r} sends encoded= leaves (last_topk_encoded, "
+                    "last_powersgd_encoded); only a Codec is encoded here"
                 )
             if self._key is None:
                 seed = self._seed

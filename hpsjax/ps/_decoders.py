@@ -11,10 +11,12 @@ so no push ever waits for a compile. Only the ``size`` compiled codecs used
 last are kept (about two MiB each): whatever codecs clients send, memory
 stays bounded.
 
-Top-k pushes (:class:`~hpsjax.ps._treecodec.TopKCodec`, a ``k`` per leaf that
-changes with each worker's ratio) need no compiled program: their decoder
-scatters the (checked) values into zeros with numpy, is made on demand and
-is never stored.
+Top-k and PowerSGD pushes (:class:`~hpsjax.ps._treecodec.TopKCodec`, a ``k``
+per leaf that changes with each worker's ratio, and
+:class:`~hpsjax.ps._treecodec.PowerSGDCodec`, a rank per leaf) need no
+compiled program: top-k's decoder scatters the (checked) values into zeros,
+PowerSGD's multiplies each leaf's (checked) factors, ``p q^T``, with numpy; it
+is made on demand and is never stored.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import jax
 import numpy as np
 
 from hpsjax.ps._frames import DTYPES
-from hpsjax.ps._treecodec import TopKCodec, compressed_sizes
+from hpsjax.ps._treecodec import PowerSGDCodec, TopKCodec, compressed_sizes
 from hpsjax.transforms import _quantize as q
 
 __all__ = ["COMPILE_MIN_ELEMENTS", "DecoderCache"]
@@ -117,6 +119,29 @@ def _topk_decoder(specs: tuple[tuple[tuple[int, ...], str], ...]):
     return decode_leaves
 
 
+def _powersgd_decoder(specs: tuple[tuple[tuple[int, ...], str], ...]):
+    """:func:`~hpsjax.transforms.powersgd_decode` in numpy: ``p q^T`` in float32,
+    then the cast (the leaf itself where ``p`` holds it whole)."""
+
+    def decode_leaves(encoded):
+        out = []
+        # Finite factors may still overflow (in the product, or in the cast to
+        # a narrower dtype): the server refuses such a decoded leaf itself.
+        with np.errstate(over="ignore", invalid="ignore"):
+            for (p, q_), (shape, dtype) in zip(encoded, specs, strict=True):
+                if p.ndim == 2:
+                    p = np.matmul(p.astype(np.float32), q_.astype(np.float32).T)
+                out.append(p.astype(DTYPES[dtype], copy=False).reshape(shape))
+        return out
+
+    return decode_leaves
+
+
+# Codecs decoded with numpy only, by a decoder made for each push: their k or
+# rank per leaf changes from worker to worker.
+_HOST_ONLY = {TopKCodec: _topk_decoder, PowerSGDCodec: _powersgd_decoder}
+
+
 class DecoderCache:
     """The compiled decoders of the codecs used last, at most ``size`` of them.
 
@@ -169,13 +194,14 @@ class DecoderCache:
     def get(self, codec: Any) -> Callable | None:
         """The decoder of ``codec`` (``encoded leaves -> leaves``), or ``None``.
 
-        A :class:`TopKCodec` always has one (``(indices, values)`` pairs, checked
-        by ``check_topk_leaf``, to leaves), and it is not kept.
+        A :class:`TopKCodec` (``(indices, values)`` pairs, checked by
+        ``check_topk_leaf``) or :class:`PowerSGDCodec` (``(p, q)`` pairs) of
+        the model's leaf count always has one, and it is not kept.
         """
-        if isinstance(codec, TopKCodec):
-            if len(codec.ks) != len(self._specs):
-                return None
-            return _topk_decoder(self._specs)
+        make = _HOST_ONLY.get(type(codec))
+        if make is not None:
+            (per_leaf,) = codec  # its k or rank of each leaf
+            return make(self._specs) if len(per_leaf) == len(self._specs) else None
         decoder = self._compiled.get(codec)
         if decoder is not None:
             self._compiled.move_to_end(codec)
@@ -189,7 +215,7 @@ class DecoderCache:
         decoder = self.get(codec)
         if decoder is not None:
             return decoder
-        if len(getattr(codec, "ks", self._specs)) != len(self._specs):
+        if type(codec) in _HOST_ONLY:
             raise ValueError(f"{codec} does not match the model's leaves")
         return _host_decoder(codec, self._specs)
 
@@ -203,8 +229,8 @@ class DecoderCache:
 
     def compile(self, codec: Any) -> Callable:
         """Compiles the decoder of ``codec``; thread-safe, stores nothing."""
-        if isinstance(codec, TopKCodec):
-            raise ValueError("top-k decoders are not compiled; get() gives them")
+        if type(codec) in _HOST_ONLY:
+            raise ValueError(f"{codec} is not compiled; get() gives its decoder")
         args = []
         for shape, _ in self._specs:
             n_codes, n_scales = compressed_sizes(shape, codec)

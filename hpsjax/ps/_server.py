@@ -1016,8 +1016,9 @@ class Server:
         if codec is not None and self._decoders.worth_compiling(codec):
             self._compile_decoder(codec)
         leaves = self._decode_update(frame.payload)
-        if self._check_finite and isinstance(codec, q.Codec):
-            # Raw and top-k leaves were checked as they arrived (_check_received).
+        if self._check_finite and isinstance(codec, q.Codec | _treecodec.PowerSGDCodec):
+            # Raw and top-k leaves were checked as they arrived (_check_received),
+            # and PowerSGD factors, but their product may still overflow.
             self._require_finite(leaves)
         update = jax.tree.unflatten(self._treedef, leaves)
         # The layout was checked against the model before the payload was read
@@ -1108,7 +1109,7 @@ class Server:
             # for small leaves, as fast for big ones).
             return payload.arrays
         codec = _treecodec.wire_codec(layout.codec)
-        if isinstance(codec, _treecodec.TopKCodec):
+        if isinstance(codec, _treecodec.TopKCodec | _treecodec.PowerSGDCodec):
             return self._decoders.decoder(codec)(payload.arrays)
         encoded = [q.Encoded(codes, scales) for codes, scales in payload.arrays]
         return self._decoders.decoder(codec)(encoded)
@@ -1122,13 +1123,21 @@ class Server:
             session.overlap.add(index, payload.arrays[index])
 
     def _check_received(self, payload: _treecodec.WireTree, index: int) -> None:
-        """Refuses a raw push as soon as a leaf holding NaN or infinity is in.
+        """Refuses a raw push as soon as a leaf holding NaN or infinity is in
+        (or a PowerSGD push a factor, a top-k push bad indices or values).
 
-        Called by the decoder for each leaf once its bytes have arrived, so
-        the check overlaps the transfer of the following leaves.
+        Called by the decoder for each buffer once its bytes have arrived, so
+        the check overlaps the transfer of the following ones.
         """
         layout = payload.layout
-        if layout.codec is not None and layout.codec["scheme"] == "topk":
+        scheme = None if layout.codec is None else layout.codec["scheme"]
+        if scheme is None:
+            leaf, array = index, payload.arrays[index]
+        elif scheme == _treecodec.POWERSGD_SCHEME:
+            # p or q of leaf index // 2 (a leaf sent whole has no q).
+            leaf, part = divmod(index, 2)
+            array = payload.arrays[leaf][part]
+        elif scheme == _treecodec.TOPK_SCHEME:
             if index % 2:  # indices and values are in (k = 0 sends neither)
                 indices, values = payload.arrays[index // 2]
                 size = math.prod(layout.leaves[index // 2].shape)
@@ -1136,22 +1145,20 @@ class Server:
                     indices, values, size, finite=self._check_finite
                 )
             return
-        if layout.codec is not None:
+        else:
             # Codes and scales are checked once both are in (NaN and infinity
             # once decoded): "none" sends no scales, other schemes always do.
-            codec_none = layout.codec["scheme"] == "none"
-            if index % 2 or codec_none:
+            if index % 2 or scheme == "none":
                 codes, scales = payload.arrays[index // 2]
                 size = math.prod(layout.leaves[index // 2].shape)
                 codec = q.Codec.from_dict(layout.codec)
                 _treecodec.check_encoded_leaf(codes, scales, size, codec)
             return
-        leaf = payload.arrays[index]
         if not self._check_finite:
             return
-        if leaf.dtype.kind not in "biu" and not np.isfinite(leaf).all():
+        if array.dtype.kind not in "biu" and not np.isfinite(array).all():
             raise NonFiniteUpdate(
-                f"leaf {self._model.paths()[index]} holds NaN or infinity"
+                f"leaf {self._model.paths()[leaf]} holds NaN or infinity"
             )
 
     def _require_finite(self, leaves: list[Any]) -> None:

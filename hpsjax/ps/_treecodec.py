@@ -37,11 +37,14 @@ from hpsjax.ps._frames import (
     aligned_empty,
 )
 from hpsjax.transforms import _quantize as q
+from hpsjax.transforms._powersgd import powersgd_matrix_shape
 
 __all__ = [
     "LayoutCache",
+    "POWERSGD_SCHEME",
     "TOPK_SCHEME",
     "LeafSpec",
+    "PowerSGDCodec",
     "TopKCodec",
     "TreeLayout",
     "WireTree",
@@ -53,6 +56,7 @@ __all__ = [
     "encoded_tree_to_wire",
     "flatten_tree",
     "leaf_buffers",
+    "powersgd_tree_to_wire",
     "tree_layout",
     "topk_index_dtype",
     "topk_tree_to_wire",
@@ -233,8 +237,9 @@ class LeafSpec(NamedTuple):
       offset: byte offset of its buffer in the payload.
       nbytes: byte length of its buffer.
       code_nbytes: for a compressed leaf, bytes of packed codes at the start of
-        the buffer (float32 scales follow), or for a top-k leaf bytes of its
-        indices (its values follow); ``None`` for a raw leaf.
+        the buffer (float32 scales follow), for a top-k leaf bytes of its
+        indices (its values follow), for a PowerSGD leaf bytes of its factor
+        ``p`` (``q`` follows); ``None`` for a raw leaf.
     """
 
     dtype: np.dtype
@@ -270,25 +275,16 @@ class TreeLayout(NamedTuple):
 
         Returns:
           Per leaf, an array of its dtype and shape, or for a compressed leaf a
-          ``(codes uint8[code_nbytes], scales float32[n])`` pair, or for a top-k
-          leaf an ``(indices uint16|uint32[k], values dtype[k])`` pair.
+          ``(codes uint8[code_nbytes], scales float32[n])`` pair, for a top-k
+          leaf an ``(indices uint16|uint32[k], values dtype[k])`` pair, for a
+          PowerSGD leaf a ``(p dtype[n, r], q dtype[m, r])`` pair (``(p
+          dtype[size], q dtype[0])`` for one sent whole).
         """
         if self.codec is None:
             return self._allocate_raw(pool, None)
-        topk = self.codec.get("scheme") == TOPK_SCHEME
         parts: list[tuple[tuple[int, ...], np.dtype]] = []
-        for leaf in self.leaves:
-            if leaf.code_nbytes is None:
-                parts.append((leaf.shape, leaf.dtype))
-            elif topk:
-                index_dtype = topk_index_dtype(math.prod(leaf.shape))
-                k = leaf.code_nbytes // index_dtype.itemsize
-                parts.append(((k,), index_dtype))
-                parts.append(((k,), leaf.dtype))
-            else:
-                n_scales = (leaf.nbytes - leaf.code_nbytes) // 4
-                parts.append(((leaf.code_nbytes,), np.dtype(np.uint8)))
-                parts.append(((n_scales,), DTYPES["float32"]))
+        for i, leaf in enumerate(self.leaves):
+            parts.extend(_leaf_parts(self.codec, i, leaf))
         offsets, total = [], 0
         for shape, dtype in parts:
             offsets.append(total)
@@ -337,6 +333,24 @@ class TreeLayout(NamedTuple):
     def paths(self) -> list[str]:
         """Readable paths of the leaves, for error messages."""
         return _leaf_paths(self.structure)
+
+
+def _leaf_parts(
+    codec: dict[str, Any], i: int, leaf: LeafSpec
+) -> list[tuple[tuple[int, ...], np.dtype]]:
+    """``(shape, dtype)`` of each array leaf ``i``'s buffer holds under ``codec``."""
+    if leaf.code_nbytes is None:
+        return [(leaf.shape, leaf.dtype)]
+    scheme = codec["scheme"]
+    if scheme == TOPK_SCHEME:
+        index_dtype = topk_index_dtype(math.prod(leaf.shape))
+        k = leaf.code_nbytes // index_dtype.itemsize
+        return [((k,), index_dtype), ((k,), leaf.dtype)]
+    if scheme == POWERSGD_SCHEME:
+        p_shape, q_shape = _powersgd_shapes(i, leaf.shape, codec["rank"][i])
+        return [(p_shape, leaf.dtype), (q_shape, leaf.dtype)]
+    n_scales = (leaf.nbytes - leaf.code_nbytes) // 4
+    return [((leaf.code_nbytes,), np.dtype(np.uint8)), ((n_scales,), DTYPES["float32"])]
 
 
 def leaf_buffers(arrays: Sequence[Any]) -> list[memoryview]:
@@ -510,38 +524,76 @@ def topk_index_dtype(size: int) -> np.dtype:
     return np.dtype("<u2") if size <= 2**16 else np.dtype("<u4")
 
 
-def _topk_codec_from_dict(codec: dict, count: int) -> TopKCodec:
-    if set(codec) != {"scheme", "k"}:
+POWERSGD_SCHEME = "powersgd"
+"""The ``scheme`` of the PowerSGD codec (``{"scheme": "powersgd", "rank": [rank
+per leaf]}``)."""
+
+
+class PowerSGDCodec(NamedTuple):
+    """The PowerSGD wire codec: leaf ``i`` sends its rank-``ranks[i]`` factors
+    ``p`` then ``q``, or its values whole where ``ranks[i]`` is 0.
+
+    One rank per leaf, as top-k's one ``k`` per leaf: the encoded leaves alone
+    say it (a leaf too thin to gain from its factors is sent whole by
+    ``hpsjax.transforms.power_sgd``), and it keys decoders like a quantization
+    ``Codec``.
+
+    Examples:
+      >>> PowerSGDCodec((0, 4)).to_dict()
+      {'scheme': 'powersgd', 'rank': [0, 4]}
+    """
+
+    ranks: tuple[int, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        """The codec as frame metadata."""
+        return {"scheme": POWERSGD_SCHEME, "rank": list(self.ranks)}
+
+
+# The codecs sending one int per leaf: scheme -> (its key, its name in
+# messages, its class).
+_PER_LEAF_CODECS = {
+    TOPK_SCHEME: ("k", "top-k", TopKCodec),
+    POWERSGD_SCHEME: ("rank", "PowerSGD", PowerSGDCodec),
+}
+
+
+def _per_leaf_codec_from_dict(codec: dict, count: int) -> TopKCodec | PowerSGDCodec:
+    """The received codec of a scheme of :data:`_PER_LEAF_CODECS`, checked."""
+    key, what, make = _PER_LEAF_CODECS[codec["scheme"]]
+    if set(codec) != {"scheme", key}:
         keys = sorted(map(str, codec))[:8]
-        raise MalformedMetadata(f"a top-k codec has only 'scheme' and 'k', not {keys}")
-    ks = codec["k"]
+        raise MalformedMetadata(
+            f"a {what} codec has only 'scheme' and {key!r}, not {keys}"
+        )
+    values = codec[key]
     if (
-        not isinstance(ks, list)
-        or len(ks) != count
-        or not all(is_int(k) and k >= 0 for k in ks)
+        not isinstance(values, list)
+        or len(values) != count
+        or not all(is_int(v) and v >= 0 for v in values)
     ):
-        raise MalformedMetadata(f"top-k 'k' must list {count} ints >= 0"[:200])
-    return TopKCodec(tuple(int(k) for k in ks))
+        raise MalformedMetadata(f"{what} {key!r} must list {count} ints >= 0"[:200])
+    return make(tuple(int(v) for v in values))
 
 
 def wire_codec(codec: Any) -> Any:
     """The codec object of a (validated) layout's codec dict.
 
     Returns:
-      ``None`` for a raw tree, a :class:`TopKCodec`, or a quantization
-      ``hpsjax.transforms.Codec``.
+      ``None`` for a raw tree, a :class:`TopKCodec`, a :class:`PowerSGDCodec`,
+      or a quantization ``hpsjax.transforms.Codec``.
     """
     if codec is None:
         return None
-    if codec.get("scheme") == TOPK_SCHEME:
-        return TopKCodec(tuple(codec["k"]))
+    per_leaf = _PER_LEAF_CODECS.get(codec.get("scheme"))
+    if per_leaf is not None:
+        key, _, make = per_leaf
+        return make(tuple(codec[key]))
     return q.Codec.from_dict(codec)
 
 
 def _topk_sizes(i: int, name: str, shape: Sequence[int], k: int) -> tuple[int, int]:
     """``(index bytes, buffer bytes)`` of top-k leaf ``i`` keeping ``k`` entries."""
-    if name not in _FLOAT_NAMES:
-        raise MalformedMetadata(f"leaf {i}: top-k leaves must be floating, not {name}")
     size = math.prod(shape)
     if k > size:
         raise MalformedMetadata(f"leaf {i}: top-k k={k} > {size} elements")
@@ -571,6 +623,56 @@ def check_topk_leaf(
         raise NonFiniteUpdate("top-k values hold NaN or infinity")
 
 
+def _powersgd_shapes(
+    i: int, shape: Sequence[int], rank: int
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The shapes of PowerSGD leaf ``i``'s factors ``p`` and ``q`` at ``rank``.
+
+    Rank 0 sends the leaf whole: ``p`` holds its values, ``q`` none. A rank
+    ``r >= 1`` sends ``p`` (``n x r``) and ``q`` (``m x r``) of the matrix
+    ``hpsjax.transforms.powersgd_matrix_shape`` reads the leaf as.
+
+    Raises:
+      MalformedMetadata: rank-``r`` factors would be no smaller than the leaf.
+    """
+    if rank == 0:
+        return (math.prod(shape),), (0,)
+    matrix = powersgd_matrix_shape(shape, rank)
+    if matrix is None:
+        raise MalformedMetadata(
+            f"leaf {i}: rank-{rank} factors are no smaller than shape "
+            f"{list(shape)} (send it whole: rank 0)"
+        )
+    return (matrix[0], rank), (matrix[1], rank)
+
+
+def _powersgd_sizes(
+    i: int, name: str, shape: Sequence[int], rank: int
+) -> tuple[int, int]:
+    """``(p bytes, buffer bytes)`` of PowerSGD leaf ``i`` sent at ``rank``."""
+    p_shape, q_shape = _powersgd_shapes(i, shape, rank)
+    itemsize = DTYPES[name].itemsize
+    p_nbytes = math.prod(p_shape) * itemsize
+    return p_nbytes, p_nbytes + math.prod(q_shape) * itemsize
+
+
+def _per_leaf_sizes(
+    scheme: str, i: int, name: str, shape: Sequence[int], value: int
+) -> tuple[int, int]:
+    """``(code bytes, buffer bytes)`` of leaf ``i`` of dtype ``name`` under a
+    scheme of :data:`_PER_LEAF_CODECS` sending it at ``value`` (its ``k`` or
+    rank).
+
+    Raises:
+      MalformedMetadata: the leaf is not floating, or ``value`` does not fit it.
+    """
+    what = _PER_LEAF_CODECS[scheme][1]
+    if name not in _FLOAT_NAMES:
+        raise MalformedMetadata(f"leaf {i}: {what} leaves must be floating, not {name}")
+    sizes = _topk_sizes if scheme == TOPK_SCHEME else _powersgd_sizes
+    return sizes(i, name, shape, value)
+
+
 def _encoded_against(encoded, like, limits) -> tuple[Any, list, list]:
     """``like``'s structure and leaves, and ``encoded`` as a list of one entry
     per leaf (refused where the counts differ)."""
@@ -583,6 +685,38 @@ def _encoded_against(encoded, like, limits) -> tuple[Any, list, list]:
             f"{len(encoded)} encoded leaves for a tree of {len(like_leaves)}"
         )
     return structure, like_leaves, encoded
+
+
+def _like_leaf(ref: Any, limits: WireLimits) -> tuple[np.dtype, str, tuple[int, ...]]:
+    """``(dtype, wire name, shape)`` of a leaf of an encoded tree's ``like``."""
+    dtype = np.dtype(getattr(ref, "dtype", None) or np.asarray(ref).dtype)
+    return dtype, _wire_dtype_name(dtype, limits), tuple(int(d) for d in np.shape(ref))
+
+
+def _encoded_tree(
+    structure: Any, leaves: list[tuple[np.dtype, tuple[int, ...], tuple]], codec: dict
+) -> tuple[dict[str, Any], list[memoryview], TreeLayout]:
+    """The metadata, buffers and layout of an encoded tree.
+
+    Args:
+      structure: the wire structure.
+      leaves: per leaf ``(dtype, shape, (first, second))``: the decoded leaf's
+        dtype and shape, and the two checked arrays its buffer sends in that
+        order (the first's bytes are the leaf's ``code_nbytes``).
+      codec: the codec dict.
+    """
+    specs, offset = [], 0
+    for dtype, shape, (first, second) in leaves:
+        nbytes = first.nbytes + second.nbytes
+        specs.append(LeafSpec(dtype, shape, offset, nbytes, first.nbytes))
+        offset += nbytes
+    layout = TreeLayout(structure, tuple(specs), codec, offset)
+    meta = {
+        "tree": structure,
+        "leaves": [_spec_to_wire(s) for s in specs],
+        "codec": codec,
+    }
+    return meta, leaf_buffers([pair for _, _, pair in leaves]), layout
 
 
 def topk_tree_to_wire(
@@ -613,16 +747,13 @@ def topk_tree_to_wire(
       SpecMismatch: ``encoded`` does not fit ``like``.
     """
     structure, like_leaves, encoded = _encoded_against(encoded, like, limits)
-    leaves, arrays, ks = [], [], []
-    offset = 0
+    leaves, ks = [], []
     for i, (enc, ref) in enumerate(zip(encoded, like_leaves, strict=True)):
         if not (isinstance(enc, tuple) and len(enc) == 2):
             raise SpecMismatch("every top-k leaf must be an (indices, values) pair")
         indices = _as_leaf(enc[0]).reshape(-1)
         values = _as_leaf(enc[1]).reshape(-1)
-        dtype = np.dtype(getattr(ref, "dtype", None) or np.asarray(ref).dtype)
-        name = _wire_dtype_name(dtype, limits)
-        shape = tuple(int(d) for d in np.shape(ref))
+        dtype, name, shape = _like_leaf(ref, limits)
         size = math.prod(shape)
         want = topk_index_dtype(size)
         if indices.dtype != want or values.dtype != dtype:
@@ -635,21 +766,79 @@ def topk_tree_to_wire(
         if values.size != k:
             raise SpecMismatch(f"leaf {i}: {k} indices but {values.size} values")
         try:
-            index_nbytes, nbytes = _topk_sizes(i, name, shape, k)
+            _per_leaf_sizes(TOPK_SCHEME, i, name, shape, k)
         except MalformedMetadata as e:
             raise SpecMismatch(e.message) from None
-        leaves.append(LeafSpec(dtype, shape, offset, nbytes, index_nbytes))
-        arrays.append((indices, values))
+        leaves.append((dtype, shape, (indices, values)))
         ks.append(k)
-        offset += nbytes
-    codec_dict = TopKCodec(tuple(ks)).to_dict()
-    layout = TreeLayout(structure, tuple(leaves), codec_dict, offset)
-    meta = {
-        "tree": structure,
-        "leaves": [_spec_to_wire(s) for s in leaves],
-        "codec": codec_dict,
-    }
-    return meta, leaf_buffers(arrays), layout
+    return _encoded_tree(structure, leaves, TopKCodec(tuple(ks)).to_dict())
+
+
+def powersgd_tree_to_wire(
+    encoded: Sequence[Any],
+    like: Any,
+    *,
+    limits: WireLimits = DEFAULT_LIMITS,
+) -> tuple[dict[str, Any], list[memoryview], TreeLayout]:
+    """Describes a PowerSGD compressed tree for a PUSH or PUSH_PULL frame.
+
+    Each leaf's buffer is its factor ``p`` (``n x r``) followed by its factor
+    ``q`` (``m x r``), both row-major in the leaf's dtype: the bytes of
+    ``hpsjax.transforms.PowerSGDEncoded``, sent as they are (no copy for host
+    arrays), ``powersgd_nbytes`` in all. A leaf sent whole (``p`` its
+    flattened values, ``q`` empty) has rank 0.
+
+    Args:
+      encoded: the ``PowerSGDEncoded(p, q)`` of each leaf in leaf order, as
+        ``last_powersgd_encoded(opt_state)`` returns them.
+      like: a pytree giving the structure and each leaf's decoded shape and
+        dtype (arrays or ``jax.ShapeDtypeStruct``).
+      limits: bounds and allowed dtypes.
+
+    Returns:
+      ``(metadata, buffers, layout)`` as for :func:`tree_to_wire`; the codec is
+      ``{"scheme": "powersgd", "rank": [rank per leaf]}``.
+
+    Raises:
+      SpecMismatch: ``encoded`` does not fit ``like``.
+    """
+    structure, like_leaves, encoded = _encoded_against(encoded, like, limits)
+    leaves, ranks = [], []
+    for i, (enc, ref) in enumerate(zip(encoded, like_leaves, strict=True)):
+        if not (isinstance(enc, tuple) and len(enc) == 2):
+            raise SpecMismatch("every PowerSGD leaf must be a (p, q) pair")
+        p, q_ = _as_leaf(enc[0]), _as_leaf(enc[1])
+        dtype, name, shape = _like_leaf(ref, limits)
+        if p.dtype != dtype or q_.dtype != dtype:
+            raise SpecMismatch(
+                f"leaf {i}: PowerSGD factors of a {dtype.name} leaf are "
+                f"{dtype.name}, got {p.dtype.name} and {q_.dtype.name}"
+            )
+        rank = p.shape[1] if p.ndim == 2 else 0
+        try:
+            _per_leaf_sizes(POWERSGD_SCHEME, i, name, shape, rank)
+            want = _powersgd_shapes(i, shape, rank)
+        except MalformedMetadata as e:
+            raise SpecMismatch(e.message) from None
+        if (p.shape, q_.shape) != want:
+            raise SpecMismatch(
+                f"leaf {i}: factors {p.shape} and {q_.shape} do not fit shape "
+                f"{shape} (rank {rank}: {want[0]} and {want[1]})"
+            )
+        leaves.append((dtype, shape, (p, q_)))
+        ranks.append(rank)
+    return _encoded_tree(structure, leaves, PowerSGDCodec(tuple(ranks)).to_dict())
+
+
+def _scheme(codec: Any) -> str | None:
+    """The scheme of a per-leaf codec given by name or object, else ``None``."""
+    if isinstance(codec, str):
+        return codec
+    if isinstance(codec, TopKCodec):
+        return TOPK_SCHEME
+    if isinstance(codec, PowerSGDCodec):
+        return POWERSGD_SCHEME
+    return None
 
 
 def encoded_tree_to_wire(
@@ -677,20 +866,26 @@ def encoded_tree_to_wire(
       ``(metadata, buffers, layout)`` as for :func:`tree_to_wire`.
 
     A ``codec`` of ``"topk"`` (or a :class:`TopKCodec`) sends top-k leaves
-    instead: see :func:`topk_tree_to_wire`.
+    instead (:func:`topk_tree_to_wire`), one of ``"powersgd"`` (or a
+    :class:`PowerSGDCodec`) PowerSGD factors (:func:`powersgd_tree_to_wire`);
+    the leaves say their ``k`` or rank.
 
     Raises:
       SpecMismatch: ``encoded`` does not fit ``like`` and ``codec``.
+      ValueError: ``codec`` names no codec.
     """
-    if isinstance(codec, TopKCodec) or (
-        isinstance(codec, str) and codec == TOPK_SCHEME
-    ):
+    scheme = _scheme(codec)
+    if scheme == TOPK_SCHEME:
         return topk_tree_to_wire(encoded, like, limits=limits)
+    if scheme == POWERSGD_SCHEME:
+        return powersgd_tree_to_wire(encoded, like, limits=limits)
+    if scheme is not None:
+        raise ValueError(
+            f"unknown codec {codec!r}: a Codec, {TOPK_SCHEME!r} or {POWERSGD_SCHEME!r}"
+        )
     structure, like_leaves, encoded = _encoded_against(encoded, like, limits)
     codec_dict = codec.to_dict()
     leaves = []
-    arrays = []
-    offset = 0
     for enc, ref in zip(encoded, like_leaves, strict=True):
         if not isinstance(enc, q.Encoded):
             raise SpecMismatch("every encoded leaf must be an Encoded")
@@ -698,26 +893,15 @@ def encoded_tree_to_wire(
         scales = _as_leaf(enc.scales).reshape(-1)
         if codes.dtype != np.uint8 or scales.dtype != np.float32:
             raise SpecMismatch("Encoded needs uint8 codes and float32 scales")
-        dtype = np.dtype(getattr(ref, "dtype", None) or np.asarray(ref).dtype)
-        _wire_dtype_name(dtype, limits)
-        shape = tuple(int(d) for d in np.shape(ref))
+        dtype, _, shape = _like_leaf(ref, limits)
         want_codes, want_scales = compressed_sizes(shape, codec)
         if codes.size != want_codes or scales.size != want_scales:
             raise SpecMismatch(
                 f"Encoded sizes ({codes.size}, {scales.size}) do not match "
                 f"shape {shape} under {codec_dict} ({want_codes}, {want_scales})"
             )
-        nbytes = codes.nbytes + scales.nbytes
-        leaves.append(LeafSpec(dtype, shape, offset, nbytes, codes.nbytes))
-        arrays.append((codes, scales))
-        offset += nbytes
-    layout = TreeLayout(structure, tuple(leaves), codec_dict, offset)
-    meta = {
-        "tree": structure,
-        "leaves": [_spec_to_wire(s) for s in leaves],
-        "codec": codec_dict,
-    }
-    return meta, leaf_buffers(arrays), layout
+        leaves.append((dtype, shape, (codes, scales)))
+    return _encoded_tree(structure, leaves, codec_dict)
 
 
 def tree_layout(meta: Mapping[str, Any], limits: WireLimits = DEFAULT_LIMITS):
@@ -745,9 +929,9 @@ def tree_layout(meta: Mapping[str, Any], limits: WireLimits = DEFAULT_LIMITS):
     if not isinstance(entries, list) or len(entries) != count:
         raise MalformedMetadata(f"'leaves' must list {count} entries")
     codec = meta.get("codec")
-    topk = None
-    if isinstance(codec, dict) and codec.get("scheme") == TOPK_SCHEME:
-        topk = _topk_codec_from_dict(codec, count)
+    per_leaf = None  # the k or rank of each leaf under top-k or PowerSGD
+    if isinstance(codec, dict) and codec.get("scheme") in _PER_LEAF_CODECS:
+        (per_leaf,) = _per_leaf_codec_from_dict(codec, count)
     elif codec is not None:
         _codec_from_dict(codec)
     leaves = []
@@ -777,12 +961,16 @@ def tree_layout(meta: Mapping[str, Any], limits: WireLimits = DEFAULT_LIMITS):
                 )
         else:
             code_nbytes = entry[4]
-            if topk is not None:
-                want_index, want_nbytes = _topk_sizes(i, name, shape, topk.ks[i])
-                if code_nbytes != want_index or nbytes != want_nbytes:
+            if per_leaf is not None:
+                scheme = codec["scheme"]
+                want_code, want_nbytes = _per_leaf_sizes(
+                    scheme, i, name, shape, per_leaf[i]
+                )
+                if code_nbytes != want_code or nbytes != want_nbytes:
+                    what = _PER_LEAF_CODECS[scheme][1]
                     raise MalformedMetadata(
-                        f"leaf {i}: top-k sizes ({code_nbytes}, {nbytes}) != "
-                        f"({want_index}, {want_nbytes})"
+                        f"leaf {i}: {what} sizes ({code_nbytes}, {nbytes}) != "
+                        f"({want_code}, {want_nbytes})"
                     )
                 leaves.append(LeafSpec(dtype, tuple(shape), off, nbytes, code_nbytes))
                 offset += nbytes

@@ -36,6 +36,9 @@ version the worker has heard of (from pulls and push acknowledgements), e.g.
 :func:`hpsjax.transforms.quantize` with error feedback on the worker, and the
 push carries exactly the encoded bytes it kept (``last_encoded``), so the wire
 moves about ``bits / 32`` of the float32 bytes and the residual is applied once.
+With ``powersgd_rank`` it goes through :func:`hpsjax.transforms.power_sgd` the
+same way, and the push carries its factors (``last_powersgd_encoded``):
+``powersgd_nbytes`` per leaf, ``r (n + m)`` values for an ``n x m`` matrix.
 
 **Following the server.** The worker reads the answers it gets: a
 ``local_steps`` hint (ADSP, the hybrid policy's stages) sets :math:`H`; a
@@ -194,8 +197,11 @@ class WorkerConfig:
         (uniform levels), ``None`` to push float32.
       stochastic: stochastic rounding in the quantizer; ``None`` for the
         scheme's default (stochastic for 2 to 16 bits, nearest for the sign).
-      error_feedback: carry the quantization (or top-k) residual to the next
-        push.
+      powersgd_rank: compress pushes to rank-``r`` factors
+        (:func:`hpsjax.transforms.power_sgd`, warm-started; the wire's PowerSGD
+        codec), ``None`` for none; not with ``bits``.
+      error_feedback: carry the quantization (top-k or PowerSGD) residual to
+        the next push.
       compress_ratio: the share of an update's values a sparsified push sends
         (:func:`hpsjax.transforms.top_k`, the wire's top-k codec), in (0, 1];
         ``None`` for ``work_plan``'s ``compress_ratio`` for this worker (1
@@ -245,6 +251,7 @@ class WorkerConfig:
     work_plan: Any = None
     bits: int | None = None
     stochastic: bool | None = None
+    powersgd_rank: int | None = None
     error_feedback: bool = True
     compress_ratio: float | None = None
     compress_from_stage: int | None = None
@@ -294,6 +301,9 @@ class WorkerConfig:
             isinstance(self.bits, bool) or self.bits not in (1, 2, 4, 8, 16)
         ):
             raise ValueError(f"bits must be 1, 2, 4, 8, 16 or None, got {self.bits!r}")
+        _check_int("powersgd_rank", self.powersgd_rank, 1, allow_none=True)
+        if self.bits is not None and self.powersgd_rank is not None:
+            raise ValueError("give bits or powersgd_rank, not both")
         if self.compress_ratio is not None and not (
             isinstance(self.compress_ratio, int | float)
             and not isinstance(self.compress_ratio, bool)
@@ -493,9 +503,9 @@ class _Computed(NamedTuple):
 
 class _Prepared(NamedTuple):
     update: Any  # numpy tree, or a ShapeDtypeStruct tree when `encoded` is set
-    encoded: Any  # list of Encoded (or TopKEncoded) in leaf order, or None
+    encoded: Any  # Encoded (TopKEncoded, PowerSGDEncoded) per leaf, or None
     nbytes: int
-    codec: Any = None  # the wire codec of `encoded`: a Codec or "topk"
+    codec: Any = None  # the wire codec of `encoded`: a Codec, "topk" or "powersgd"
 
 
 def _scale_by_lr_scale() -> optax.GradientTransformationExtraArgs:
@@ -649,9 +659,12 @@ class Worker:
         self._core: WorkerCore | None = None
         self._apply = None
         self._opt_state = None
-        self._quantizer = None
-        self._q_state = None
+        # The transform compressing pushes (bits or powersgd_rank), its state,
+        # the wire codec of what it keeps and how to find that in its state.
+        self._compressor = None
+        self._compressor_state = None
         self._codec = None
+        self._last_encoded = None
         self._topk = None  # (ratio, jitted top_k update, its state)
         self._spec_like = None
         self._compiled: dict[tuple, Any] = {}
@@ -684,22 +697,38 @@ class Worker:
             raise ValueError("local_optimizer must be an optax GradientTransformation")
         return optax.chain(local_optimizer, _scale_by_lr_scale(), local_steps(1))
 
-    def _make_quantizer(self):
-        from hpsjax.transforms import Codec, quantize
-
-        bits = self._config.bits
-        scheme = "sign" if bits == 1 else "uniform"
-        # The transform builds its codec from the same arguments; the wire needs
-        # it to describe the bytes the transform kept.
-        self._codec = Codec(scheme, bits, stochastic=self._config.stochastic)
-        self._quantizer = quantize(
-            bits,
-            scheme=scheme,
-            stochastic=self._config.stochastic,
-            error_feedback=self._config.error_feedback,
-            seed=self._config.seed,
+    def _make_compressor(self):
+        from hpsjax.transforms import (
+            Codec,
+            last_encoded,
+            last_powersgd_encoded,
+            power_sgd,
+            quantize,
         )
-        self._quantize_update = jax.jit(self._quantizer.update)
+
+        config = self._config
+        if config.powersgd_rank is not None:
+            # The wire reads each leaf's rank from the factors.
+            self._codec, self._last_encoded = "powersgd", last_powersgd_encoded
+            self._compressor = power_sgd(
+                config.powersgd_rank,
+                error_feedback=config.error_feedback,
+                seed=config.seed,
+            )
+        else:
+            scheme = "sign" if config.bits == 1 else "uniform"
+            # The transform builds its codec from the same arguments; the wire
+            # needs it to describe the bytes the transform kept.
+            self._codec = Codec(scheme, config.bits, stochastic=config.stochastic)
+            self._last_encoded = last_encoded
+            self._compressor = quantize(
+                config.bits,
+                scheme=scheme,
+                stochastic=config.stochastic,
+                error_feedback=config.error_feedback,
+                seed=config.seed,
+            )
+        self._compress_update = jax.jit(self._compressor.update)
 
     @property
     def config(self) -> WorkerConfig:
@@ -935,26 +964,24 @@ class Worker:
         """Scales an update by the push's factor and encodes it for the wire.
 
         Runs in the encoding thread right before the push, so the quantizer's
-        (or top-k's) residual is updated only for an update that is sent. A push
-        whose ``compress_ratio`` is below 1 (``WorkerCore``'s rule) is top-k
-        sparsified at it and sends the bytes the transform kept.
+        (PowerSGD's, top-k's) residual is updated only for an update that is
+        sent. A push whose ``compress_ratio`` is below 1 (``WorkerCore``'s rule)
+        is top-k sparsified at it and sends the bytes the transform kept.
         """
-        from hpsjax.transforms import last_encoded
-
         update = computed.update
         if push.lr_factor != 1.0:
             factor = push.lr_factor
             update = jax.tree.map(lambda u: u * jnp.asarray(factor, u.dtype), update)
         if push.compress_ratio < 1.0:
             return self._sparsify(update, push.compress_ratio)
-        if self._quantizer is None:
+        if self._compressor is None:
             host = jax.device_get(update)
             host = jax.tree.map(np.asarray, host)
             return _Prepared(host, None, _tree_nbytes(host))
-        _, self._q_state = self._quantize_update(update, self._q_state)
-        encoded = jax.device_get(last_encoded(self._q_state))
-        nbytes = sum(e.codes.nbytes + e.scales.nbytes for e in encoded)
-        return _Prepared(self._spec_like, encoded, int(nbytes), self._codec)
+        _, state = self._compress_update(update, self._compressor_state)
+        self._compressor_state = state
+        encoded = jax.device_get(self._last_encoded(state))
+        return _Prepared(self._spec_like, encoded, _tree_nbytes(encoded), self._codec)
 
     def _sparsify(self, update: Any, ratio: float) -> _Prepared:
         """Top-k sparsifies ``update`` at ``ratio`` with error feedback (a new
@@ -972,8 +999,7 @@ class Worker:
         _, state = apply(update, state)
         self._topk = (ratio, apply, state)
         encoded = jax.device_get(last_topk_encoded(state))
-        nbytes = sum(e.indices.nbytes + e.values.nbytes for e in encoded)
-        return _Prepared(self._spec_like, encoded, int(nbytes), "topk")
+        return _Prepared(self._spec_like, encoded, _tree_nbytes(encoded), "topk")
 
     def _make_client(self):
         from hpsjax.ps import Client
@@ -1052,20 +1078,21 @@ class Worker:
             self._opt_state = self._tx.init(device_params)
             if len(self._devices) > 1:
                 self._apply = self._apply_fn()
-        if self._config.bits is not None:
-            self._make_quantizer()
-            self._q_state = self._quantizer.init(device_params)
+        if self._config.bits is not None or self._config.powersgd_rank is not None:
+            self._make_compressor()
+            self._compressor_state = self._compressor.init(device_params)
 
-    def _warm_quantizer(self) -> None:
-        """Traces and compiles the quantizer's update on zeros, its state
+    def _warm_compressor(self) -> None:
+        """Traces and compiles the compressor's update on zeros, its state
         untouched: in the encoding thread while the first round computes, so the
-        first quantized push does not (1.3 to 1.8 s on proc4's loaded cores)."""
+        first compressed push does not (1.3 to 1.8 s on proc4's loaded cores for
+        the quantizer)."""
         home = self._devices[0]
         zeros = jax.tree.map(
             lambda s: jax.device_put(np.zeros(s.shape, s.dtype), home),
             self._spec_like,
         )
-        jax.block_until_ready(self._quantize_update(zeros, self._q_state))
+        jax.block_until_ready(self._compress_update(zeros, self._compressor_state))
 
     async def _train(self, client, computer, encoder, totals):
         """Carries out the worker core's actions until it stops."""
@@ -1318,8 +1345,8 @@ class _Run:
                 time.monotonic() - start,
             )
             w._initialise(params)
-            if w._quantizer is not None:
-                self.encoder.submit(w._warm_quantizer)
+            if w._compressor is not None:
+                self.encoder.submit(w._warm_compressor)
         hint = self.client.local_steps
         event = Pulled(session, version, w._elapsed(), local_steps=hint)
         return [*self.hints(), (event, params)]
