@@ -13,6 +13,7 @@ from hpsjax.ps._core import (
     Applied,
     Drop,
     ForcePull,
+    LazyUpdate,
     PushAck,
     Release,
     SendParams,
@@ -27,6 +28,7 @@ from hpsjax.ps._errors import (
     UnexpectedMessage,
     WorkerDropped,
 )
+from hpsjax.ps._messages import PushMeta
 from hpsjax.ps._policies import ASP, BSP, SSP, Policy, SemiAsync, Verdict
 
 
@@ -789,6 +791,63 @@ def test_deferred_applies_match_applying_at_once(policy, kwargs, optimizer):
         strict=True,
     ):
         np.testing.assert_allclose(deferred, at_once, rtol=1e-6, atol=1e-7)
+
+
+class _Group:
+    """Lazy updates' group: rows of known values, their sum asked for once."""
+
+    def __init__(self, rows, sizes):
+        self.rows, self.sizes, self.asked, self.evaluated = rows, sizes, [], 0
+
+    def weighted_sum(self, rows, weights):
+        self.asked.append((rows, weights))
+        ratios = [w / self.sizes[j] for j, w in zip(rows, weights, strict=True)]
+        if sorted(rows) != list(range(len(self.rows))) or not np.allclose(
+            ratios, ratios[0], rtol=1e-6
+        ):
+            return None
+        return (
+            sum(n * r for n, r in zip(self.sizes, self.rows, strict=True)) * ratios[0],
+        )
+
+
+class _Lazy(LazyUpdate):
+    def __init__(self, group, row):
+        self.group, self.row = group, row
+
+    def leaves(self):
+        self.group.evaluated += 1
+        return (self.group.rows[self.row],)
+
+
+@pytest.mark.parametrize("push_weights", [None, {2: 0.5}])
+def test_lazy_updates_of_one_version_are_asked_for_their_sum(push_weights):
+    rng = np.random.default_rng(0)
+    rows = [rng.normal(size=(4,)).astype(np.float32) for _ in range(3)]
+    sizes = [8, 8, 16]
+    cores = [
+        ServerCore({"a": jnp.zeros(4)}, optax.sgd(0.1), "bsp", defer_applies=d,
+                   push_weights=push_weights)
+        for d in (False, True)
+    ]  # fmt: skip
+    group = _Group(rows, sizes)
+    for core in cores:
+        for w in range(3):
+            core.join(w, 0.0)
+    for w in (2, 0, 1):  # pushed out of row order
+        cores[0].push(w, {"a": rows[w]}, version=0, now=1.0, num_samples=sizes[w])
+        meta = PushMeta(0, None, sizes[w], None, None, None)
+        cores[1].push_message(w, _Lazy(group, w), meta, now=1.0)
+    np.testing.assert_allclose(cores[1].params["a"], cores[0].params["a"], rtol=1e-6)
+    ((asked_rows, weights),) = group.asked
+    assert asked_rows == [2, 0, 1]
+    np.testing.assert_allclose(
+        [weights[asked_rows.index(j)] for j in range(3)],
+        np.asarray(sizes) / 32 * [1, 1, 0.5 if push_weights else 1],
+        rtol=1e-6,
+    )
+    # The weighted sum where the weights follow the samples; each row where not.
+    assert group.evaluated == (3 if push_weights else 0)
 
 
 def test_deferred_applies_refuse_stale_copies():

@@ -871,3 +871,114 @@ def test_a_plan_does_not_change_the_step_of_equal_gradients(overheads):
     (apply,) = result.applies
     assert apply.num_updates == len(profiles)
     assert float(result.params["w"]) == pytest.approx(-1.0, rel=1e-6)
+
+
+# ---------------------------------------------------------------------------
+# Rounds on one version evaluated summed (sim/_engine.SummedRows).
+# ---------------------------------------------------------------------------
+
+
+def _runs_with_and_without_sums(monkeypatch, workers, config, **kwargs):
+    """The same run with summed rounds and with every round evaluated alone,
+    and how many rounds were summed in the first."""
+    from hpsjax.sim import _engine
+
+    summed = []
+    original = _engine.Engine._sum
+
+    def counting(self, active, finished):
+        left = original(self, active, finished)
+        summed.append(len(active) - len(left))
+        return left
+
+    monkeypatch.setattr(_engine.Engine, "_sum", counting)
+    with_sums = run(workers, config, **kwargs)
+    monkeypatch.setattr(_engine, "SUM_MIN_ROWS", 10**9)
+    alone = run(workers, config, **kwargs)
+    return with_sums, alone, sum(summed)
+
+
+def _assert_same_run(a, b):
+    assert a.pushes[0].loss is not None
+    # Every decision the same; losses and parameters up to the rounding of
+    # one sum against many.
+    assert [p[:8] for p in a.pushes] == [p[:8] for p in b.pushes]
+    np.testing.assert_allclose(
+        [p.loss for p in a.pushes], [p.loss for p in b.pushes], rtol=1e-5
+    )
+    assert a.applies == b.applies
+    np.testing.assert_allclose(a.metrics["loss"], b.metrics["loss"], rtol=1e-4)
+    for x, y in zip(jax.tree.leaves(a.params), jax.tree.leaves(b.params), strict=True):
+        np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("rows", [None, 1])
+@pytest.mark.parametrize("policy", ["bsp", "ssp", "asp"])
+def test_summed_rounds_give_the_run_of_rounds_evaluated_alone(
+    monkeypatch, policy, rows
+):
+    workers = constant_workers(
+        (0.05, 0.05, 0.07, 0.1, 0.2, 0.2), heterogeneity=Heterogeneity(latency=0.005)
+    )
+    config = SimConfig(
+        policy=policy, learning_rate=0.1, duration=1.0, batch_rows=rows,
+        policy_kwargs={"staleness_bound": 2} if policy == "ssp" else {},
+    )  # fmt: skip
+    with_sums, alone, summed = _runs_with_and_without_sums(monkeypatch, workers, config)
+    # BSP's rounds all start on one version; ASP's only the first ones.
+    assert summed >= (len(with_sums.pushes) if policy == "bsp" else len(workers))
+    _assert_same_run(with_sums, alone)
+
+
+def test_summed_rounds_with_unequal_batches_and_a_dropped_worker(monkeypatch):
+    # Other batch sizes make other groups (pushes weighted by their samples),
+    # and a worker dropped at a deadline leaves a version without its row.
+    workers = [
+        WorkerSpec(ComputeModel(step_time=t), batch_size=b, worker_id=i)
+        for i, (t, b) in enumerate([(0.05, 8), (0.05, 8), (0.1, 32), (0.1, 32)])
+    ]
+    workers.append(
+        WorkerSpec(
+            ComputeModel(step_time=0.05),
+            heterogeneity=Heterogeneity(slowdown=[(0.0, 1.0), (0.5, 40.0)]),
+            batch_size=8,
+            worker_id=4,
+        )
+    )
+    config = SimConfig(
+        policy="bsp",
+        learning_rate=0.1,
+        duration=3.0,
+        core_kwargs={"deadline_factor": 3.0, "min_timeout": 0.3},
+    )
+    with_sums, alone, summed = _runs_with_and_without_sums(monkeypatch, workers, config)
+    assert summed > 0
+    assert any("dropped" in e for e in with_sums.errors)
+    assert {a.num_updates for a in with_sums.applies} >= {4, 5}
+    _assert_same_run(with_sums, alone)
+
+
+def _nan_for_label_3(p, batch):
+    # Non-finite gradients exactly where a batch holds class 3.
+    _, y = batch
+    loss = loss_fn(p, batch)
+    return loss * jnp.where(jnp.any(y == 3), jnp.nan, 1.0)
+
+
+def test_a_sum_that_is_not_finite_refuses_exactly_the_pushes_alone_would(monkeypatch):
+    x, y = TRAIN
+    keep = (y != 3) | (np.arange(len(y)) < 4)  # four examples of class 3
+    data = (x[keep], y[keep])
+    workers = constant_workers((0.05, 0.05, 0.1, 0.1), batch_size=32)
+    config = SimConfig(policy="bsp", learning_rate=0.1, max_gradients=24)
+    results = []
+    for min_rows in (2, 10**9):
+        from hpsjax.sim import _engine
+
+        monkeypatch.setattr(_engine, "SUM_MIN_ROWS", min_rows)
+        results.append(simulate(_nan_for_label_3, PARAMS, data, workers, config))
+    with_sums, alone = results
+    refused = [p for p in alone.pushes if p.status == "rejected"]
+    assert refused and len(refused) < len(alone.pushes)
+    assert [p[:7] for p in with_sums.pushes] == [p[:7] for p in alone.pushes]
+    assert with_sums.errors == alone.errors

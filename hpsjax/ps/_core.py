@@ -577,7 +577,8 @@ class ServerCore:
         those of applying each version at once, the same operations in the
         same order, up to the last bit of rounding where XLA compiles the
         fused loop differently. A driver that reads the parameters less often
-        than it pushes saves a call per version. Not with
+        than it pushes saves a call per version, and may push a
+        :class:`LazyUpdate` (an update it has not evaluated yet). Not with
         ``keep_stale_params``.
       push_weights: a factor :math:`p_j` per worker id on every push of that
         worker (a work plan's ``push_weight``: ASHL's reference adds
@@ -1874,6 +1875,7 @@ class ServerCore:
         rows = {}
         version = self._version - len(deferred)
         for items, tau in deferred:
+            items = _folded(items)
             for j, (update, k, w) in enumerate(items):
                 updates.append(jax.tree.leaves(update))
                 keeps.append(k)
@@ -2117,6 +2119,55 @@ class ServerCore:
             self._params = new_params
         if new_opt_state is not None:
             self._opt_state = new_opt_state
+
+
+class LazyUpdate:
+    """An update pushed to a core with ``defer_applies`` before it is evaluated.
+
+    A driver (the simulator) may push one in place of the update's tree: the
+    core only buffers it until its deferred applies are carried out. Then a
+    version made of pushes of one ``group`` (all of them lazy) asks
+    ``group.weighted_sum(rows, weights)`` for the buffered mean, the weights
+    being those the pushes would have in it one by one; where that gives
+    ``None``, and for any other lazy update, ``leaves()`` evaluates it.
+
+    Attributes:
+      group: what evaluates several of them at once.
+      row: this update's index in ``group``.
+    """
+
+    __slots__ = ()
+    group: Any
+    row: int
+
+    def leaves(self) -> tuple:
+        """The update's leaves, in ``jax.tree.leaves`` order of the parameters."""
+        raise NotImplementedError
+
+
+def _folded(items: list) -> list:
+    """A deferred version's ``(update, keep, weight)`` rows, lazy ones evaluated.
+
+    The buffered mean after the rows is :math:`\\sum_j c_j u_j` with
+    :math:`c_j = w_j \\prod_{k > j} keep_k`; a version of one group's lazy
+    updates is one row of that sum where the group gives it.
+    """
+    group = getattr(items[0][0], "group", None)
+    if isinstance(items[0][0], LazyUpdate) and all(
+        isinstance(u, LazyUpdate) and u.group is group for u, _, _ in items
+    ):
+        weights, carry = [], 1.0
+        for _, keep, weight in reversed(items):
+            weights.append(float(weight) * carry)
+            carry *= float(keep)
+        weights.reverse()
+        total = group.weighted_sum([u.row for u, _, _ in items], weights)
+        if total is not None:
+            return [(total, np.float32(0), np.float32(1))]
+    return [
+        (u.leaves() if isinstance(u, LazyUpdate) else u, keep, weight)
+        for u, keep, weight in items
+    ]
 
 
 class _Pending(NamedTuple):

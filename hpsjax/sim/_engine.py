@@ -22,6 +22,17 @@ push transform's error feedback and random key) stays on the device, stacked ove
 workers, read and written by row inside the same jitted call (the buffers are
 donated, so in place).
 
+Workers whose rounds start from the same version with plain gradients (a
+synchronous round of BSP, SSP's first rounds) are evaluated *summed*: one call
+gives :math:`\sum_j n_j s_j \nabla L_j`, the weighted sum of their gradients
+(:math:`n_j` samples, step-size scale :math:`s_j`), with each worker's loss, as
+the gradient of the weighted sum of their losses (:class:`SummedRows`). The
+matrix products of all those workers are then one product each, which a plain
+loop of small steps cannot match. The server core carries out a version made of
+exactly those pushes, weighted in proportion to their samples (as the
+num_samples-weighted mean weighs them), from the sum; any other use of one of
+the gradients evaluates them one by one, exactly as without the sum.
+
 Fixed shapes keep compilation bounded: a call evaluates a power-of-two number of
 rows (padded, or split into power-of-two chunks), so each batch size compiles at
 most :math:`\log_2 n` shapes, each once; the jitted functions are kept between
@@ -40,6 +51,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from hpsjax.ps._core import LazyUpdate
+from hpsjax.ps._separable import all_finite
+
 __all__: list[str] = []
 
 BATCH_FLOPS_LIMIT = 1e7
@@ -48,6 +62,10 @@ BATCH_FLOPS_LIMIT = 1e7
 # Batched calls of cheap gradients hold at least this many rows (fewer workers:
 # as many as there are), so that few shapes compile.
 _MIN_ROWS = 8
+
+# Rounds on one version, of one batch size, evaluated summed (see SummedRows)
+# when at least this many are pending together.
+SUM_MIN_ROWS = 2
 
 # Parameters above which a push call holds one row (no padding).
 _PUSH_PAD_LIMIT = 100_000
@@ -131,7 +149,8 @@ class Round:
     ``None``), ``finite`` (whether the update was checked to hold only finite
     values: plain gradients only; else ``None``), ``done``.
 
-    ``base`` may be a :class:`DeferredLeaves` until the round is evaluated.
+    ``base`` may be a :class:`DeferredLeaves` until the round is evaluated;
+    ``update`` is a :class:`SummedRow` where the round was evaluated summed.
     """
 
     __slots__ = (
@@ -180,6 +199,66 @@ class DeferredLeaves:
     def __init__(self, version: int):
         self.version = version
         self.leaves: Leaves | None = None
+
+
+class SummedRows:
+    r"""Rounds on one version evaluated summed: what the server core may use.
+
+    ``total`` holds the leaves of :math:`\sum_j n_j u_j` over the rows, where
+    :math:`u_j` is row ``j``'s update (its scaled gradient) and :math:`n_j` its
+    batch size. :meth:`weighted_sum` gives a weighted sum of the updates from it
+    where the weights are proportional to the batch sizes over all the rows;
+    :meth:`row` evaluates the rows one by one (once, on first use), exactly as
+    rounds evaluated alone, for any other use.
+    """
+
+    __slots__ = ("_engine", "_rows", "idx", "params", "scale", "sizes", "total")
+
+    def __init__(self, engine, params, idx, scale, sizes):
+        self._engine = engine
+        self.params = params
+        self.idx = idx
+        self.scale = scale
+        self.sizes = sizes
+        self.total: Leaves | None = None
+        self._rows: list[Leaves] | None = None
+
+    def __len__(self) -> int:
+        return len(self.sizes)
+
+    def weighted_sum(self, rows: list[int], weights: list[float]) -> Leaves | None:
+        r""":math:`\sum_j w_j u_j` over ``rows``, or ``None`` where not known.
+
+        Known from the sum when ``rows`` are all the rows, each once, and the
+        weights are proportional to their batch sizes.
+        """
+        if sorted(rows) != list(range(len(self.sizes))):
+            return None
+        ratios = [w / self.sizes[j] for j, w in zip(rows, weights, strict=True)]
+        alpha = ratios[0]
+        if not all(abs(r - alpha) <= 1e-6 * abs(alpha) for r in ratios):
+            return None
+        return self._engine.scaled(self.total, alpha)
+
+    def row(self, j: int) -> Leaves:
+        """Row ``j``'s update, as a round evaluated alone gives it."""
+        if self._rows is None:
+            self._rows = self._engine.evaluate_rows(self)
+        return self._rows[j]
+
+
+class SummedRow(LazyUpdate):
+    """Row ``row`` of a :class:`SummedRows`: an update pushed before it is
+    evaluated alone (:meth:`leaves`)."""
+
+    __slots__ = ("group", "row")
+
+    def __init__(self, group: SummedRows, row: int):
+        self.group = group
+        self.row = row
+
+    def leaves(self) -> Leaves:
+        return self.group.row(self.row)
 
 
 class PushJob:
@@ -256,8 +335,7 @@ class Kernels:
                 g = [(x * s).astype(x.dtype) for x in jax.tree.leaves(g)]
                 # Checked here, with the gradient, rather than by the server
                 # core one push at a time.
-                finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in g]))
-                return g, loss, finite
+                return g, loss, all_finite(g)
 
             def grad_rows(params, idx, scale, data, *, shared):
                 return jax.vmap(scaled, in_axes=(None if shared else 0, 0, 0, None))(
@@ -267,8 +345,22 @@ class Kernels:
             def grad_one(params, idx, scale, data):
                 return scaled(params, idx, scale, data)
 
+            def grad_sum(params, idx, weights, data):
+                # The batches gathered in one go, then one row per worker.
+                flat = gather(data, idx.reshape(-1))
+                rows = jax.tree.map(lambda a: a.reshape(*idx.shape, *a.shape[1:]), flat)
+
+                def total(p):
+                    tree = unflatten(p)
+                    losses = jax.vmap(lambda b: loss_fn(tree, b))(rows)
+                    return jnp.sum(losses * weights), losses
+
+                (_, losses), g = jax.value_and_grad(total, has_aux=True)(list(params))
+                return g, losses, all_finite(g)
+
             self.grad = jax.jit(grad_rows, static_argnames=("shared",))
             self.grad_one = jax.jit(grad_one)
+            self.grad_sum = jax.jit(grad_sum)
         else:
             opt = self.opt = optax.with_extra_args_support(worker_optimizer)
             has_stages = self.has_stages = _has_stages(opt.init(params))
@@ -392,6 +484,9 @@ class Engine:
         runs *sequentially*: one worker-step per call, parameters and updates
         kept on the device.
       seed: seed of the per-worker random keys of ``push_transform``.
+      sum_rounds: evaluate rounds of plain gradients on one version summed
+        (:class:`SummedRows`), for a driver whose server core takes their
+        pushes as :class:`SummedRow` (see the module docstring).
     """
 
     def __init__(
@@ -406,6 +501,7 @@ class Engine:
         batch_rows: int | None,
         batch_sizes: tuple[int, ...],
         seed: int,
+        sum_rounds: bool = True,
     ):
         leaves, self.treedef = jax.tree.flatten(params)
         for i, x in enumerate(leaves):
@@ -418,6 +514,8 @@ class Engine:
         self.data = data
         self.batch_rows = batch_rows
         self.local = worker_optimizer is not None
+        # Rounds of plain gradients evaluated summed (see SummedRows).
+        self.sums = sum_rounds and not self.local and push_transform is None
         self.pending: list[Round] = []
         self.push_pending: list[PushJob] = []
         # Called before rounds are evaluated, to fill in DeferredLeaves.
@@ -498,6 +596,8 @@ class Engine:
         for r in active:
             if type(r.base) is DeferredLeaves:
                 r.base = r.params = r.base.leaves
+        if self.sums:
+            active = self._sum(active, finished)
         while active:
             groups: dict[int, list[Round]] = {}
             for r in active:
@@ -515,6 +615,85 @@ class Engine:
                 (finished if r.done_steps == r.steps else still).append(r)
             active = still
         self._finish(finished)
+
+    def _sum(self, active: list[Round], finished: list[Round]) -> list[Round]:
+        """Evaluates summed the rounds that share a version and a batch size.
+
+        A group whose sum is not finite is evaluated one round at a time (which
+        gradient is not finite must be known before their pushes); its rounds
+        join ``finished``. Returns the rounds of no group.
+        """
+        groups: dict[tuple[int, int], list[Round]] = {}
+        for r in active:
+            if r.steps == 1 and r.done_steps == 0:
+                groups.setdefault((id(r.params), r.batch_size), []).append(r)
+        taken = set()
+        for (_, batch_size), group in groups.items():
+            n = len(group)
+            if n < SUM_MIN_ROWS:
+                continue
+            # A power-of-two number of rows, so few shapes compile; padding
+            # rows weigh nothing.
+            padded = max(self.min_rows, 1 << (n - 1).bit_length())
+            idx = np.empty((padded, batch_size), np.int32)
+            scale = np.zeros(padded, np.float32)
+            for j, r in enumerate(group):
+                idx[j] = r.stream.next(batch_size)
+                scale[j] = r.scale
+            idx[n:] = idx[0]
+            total, loss, finite = self.k.grad_sum(
+                group[0].params, idx, scale * np.float32(batch_size), self.data
+            )
+            self.evaluations += n
+            self.padded_evaluations += padded - n
+            rows = SummedRows(
+                self, group[0].params, idx[:n], scale[:n], [batch_size] * n
+            )
+            taken.update(id(r) for r in group)
+            if not bool(finite):
+                # A gradient among them is not finite: each is evaluated
+                # alone, from the batches drawn here.
+                self._evaluate_alone(group, rows)
+                finished.extend(group)
+                continue
+            rows.total = tuple(total)
+            loss = np.asarray(loss).tolist()
+            for j, r in enumerate(group):
+                r.update = SummedRow(rows, j)
+                r.loss = loss[j]
+                r.finite = True
+                r.done_steps = 1
+                r.done = True
+                r.params = None
+        return [r for r in active if id(r) not in taken]
+
+    def evaluate_rows(self, rows: SummedRows) -> list[Leaves]:
+        """Each row of a :class:`SummedRows` evaluated alone."""
+        params, idx, scale = rows.params, rows.idx, rows.scale
+        if self.sequential:
+            return [
+                tuple(self.k.grad_one(params, idx[j], scale[j], self.data)[0])
+                for j in range(len(rows))
+            ]
+        g, _, _ = self.k.grad(params, idx, scale, self.data, shared=True)
+        g = [np.asarray(x) for x in g]
+        return [tuple(x[j] for x in g) for j in range(len(rows))]
+
+    def _evaluate_alone(self, group: list[Round], rows: SummedRows) -> None:
+        """Rounds of a sum that is not finite, evaluated one by one from the
+        batches the sum drew, each with its own finiteness."""
+        for j, r in enumerate(group):
+            g, loss, finite = self.k.grad_one(
+                r.params, rows.idx[j], rows.scale[j], self.data
+            )
+            r.params = tuple(g) if self.sequential else tuple(np.asarray(x) for x in g)
+            r.loss_sum = loss
+            r.finite = bool(finite)
+            r.done_steps = 1
+
+    def scaled(self, leaves: Leaves, factor: float) -> Leaves:
+        """``leaves`` times ``factor``, each in its dtype."""
+        return tuple(self.k.scale_leaves(leaves, np.float32(factor)))
 
     def _step(self, rows: list[Round], batch_size: int, padded: int) -> None:
         if self.sequential:
@@ -592,6 +771,8 @@ class Engine:
 
     def prepare_push(self, slot: int, update: Leaves, factor: float) -> PushJob:
         """Scales an update by ``factor`` and queues it for the push transform."""
+        if factor != 1.0 and type(update) is SummedRow:
+            update = update.leaves()
         if factor != 1.0:
             if self.sequential:
                 update = tuple(self.k.scale_leaves(update, np.float32(factor)))

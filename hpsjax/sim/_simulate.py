@@ -75,7 +75,7 @@ from hpsjax.ps._core import (
 from hpsjax.ps._errors import HpsError, WorkerDropped
 from hpsjax.ps._messages import PushMeta
 from hpsjax.ps._policies import ADSP, Hybrid, Policy, get_policy
-from hpsjax.sim._engine import DeferredLeaves, Engine, IndexStream, Round
+from hpsjax.sim._engine import DeferredLeaves, Engine, IndexStream, Round, SummedRow
 from hpsjax.sim._workers import WorkerSpec, finish_time
 from hpsjax.transforms._staleness import STALENESS_POLICIES
 from hpsjax.worker import _core as wc
@@ -733,22 +733,28 @@ class _Simulation:
         # up to rounding, the same parameters (see ServerCore's
         # defer_applies). Each deferral keeps the
         # parameters of every version it makes, so it is bounded in bytes.
+        # Rounds evaluated summed (one call for a version's workers, however
+        # costly a gradient) push lazy updates, which a deferring core takes.
         param_bytes = sum(np.asarray(x).nbytes for x in jax.tree.leaves(params))
         self.max_deferred = min(256, (64 << 20) // max(1, param_bytes))
-        if (
-            not self.engine.sequential
-            and self.max_deferred > 1
-            and not core_kwargs.get("keep_stale_params", False)
-        ):
-            core_kwargs.setdefault("defer_applies", True)
-        self.core = ServerCore(params, server_optimizer, policy, **core_kwargs)
-        self.policy = self.core.policy
-        self.deferred: dict[int, DeferredLeaves] = {}
-        self.engine.resolve = self._resolve
         # Updates the engine checked itself need no second check by the core.
         self.prechecked = config.push_transform is None and (
             config.staleness_lr is None
         )
+        engine = self.engine
+        if (
+            (not engine.sequential or (engine.sums and self.prechecked))
+            and self.max_deferred > 1
+            and not core_kwargs.get("keep_stale_params", False)
+        ):
+            core_kwargs.setdefault("defer_applies", True)
+        engine.sums = (
+            engine.sums and self.prechecked and core_kwargs.get("defer_applies", False)
+        )
+        self.core = ServerCore(params, server_optimizer, policy, **core_kwargs)
+        self.policy = self.core.policy
+        self.deferred: dict[int, DeferredLeaves] = {}
+        engine.resolve = self._resolve
         self.pull_bytes = tree_wire_nbytes(params)
         self.push_bytes = _push_bytes(params, config, self.pull_bytes)
         self.param_specs = [(x.shape, x.dtype) for x in jax.tree.leaves(params)]
@@ -1072,9 +1078,12 @@ class _Simulation:
         loss = r.loss if math.isfinite(r.loss) else None
         version = push.version
         try:
-            update = self.engine.tree(job.update)
-            if not (self.prechecked and r.finite):
-                update = core.check_update(update)
+            if type(job.update) is SummedRow:
+                update = job.update  # evaluated with its version's apply
+            else:
+                update = self.engine.tree(job.update)
+                if not (self.prechecked and r.finite):
+                    update = core.check_update(update)
             meta = PushMeta(
                 version,
                 push.step_time,
@@ -1284,7 +1293,8 @@ class _Simulation:
         if not self.core.deferred_applies:
             return
         rows, history = self.core.apply_deferred()
-        history = [np.asarray(x) for x in history]
+        if not self.engine.sequential:
+            history = [np.asarray(x) for x in history]
         for version, deferred in self.deferred.items():
             row = rows[version]
             deferred.leaves = tuple(x[row] for x in history)
