@@ -74,7 +74,7 @@ from hpsjax.ps._core import (
 )
 from hpsjax.ps._errors import HpsError, WorkerDropped
 from hpsjax.ps._messages import PushMeta
-from hpsjax.ps._policies import ADSP, Hybrid, Policy, get_policy
+from hpsjax.ps._policies import ADSP, BSP, Hybrid, Policy, get_policy
 from hpsjax.sim._engine import DeferredLeaves, Engine, IndexStream, Round, SummedRow
 from hpsjax.sim._workers import WorkerSpec, finish_time
 from hpsjax.transforms._staleness import STALENESS_POLICIES
@@ -731,10 +731,10 @@ class _Simulation:
         # rounds, so with batched rounds the server core may defer its applies
         # until then and carry many out in one call: the same decisions and,
         # up to rounding, the same parameters (see ServerCore's
-        # defer_applies). Each deferral keeps the
-        # parameters of every version it makes, so it is bounded in bytes.
-        # Rounds evaluated summed (one call for a version's workers, however
-        # costly a gradient) push lazy updates, which a deferring core takes.
+        # defer_applies). Each deferral keeps the parameters of every version
+        # it makes, so it is bounded in bytes. Rounds evaluated summed (one
+        # call for a version's workers, however costly a gradient) push lazy
+        # updates, which only a deferring core takes.
         param_bytes = sum(np.asarray(x).nbytes for x in jax.tree.leaves(params))
         self.max_deferred = min(256, (64 << 20) // max(1, param_bytes))
         # Updates the engine checked itself need no second check by the core.
@@ -742,8 +742,12 @@ class _Simulation:
             config.staleness_lr is None
         )
         engine = self.engine
+        # With costly gradients the deferral pays only where versions are made
+        # of summed rounds: a barrier's (elsewhere each push's update goes
+        # through the deferred chain one row at a time, slower than alone).
+        rounds = type(policy).ready is BSP.ready
         if (
-            (not engine.sequential or (engine.sums and self.prechecked))
+            (not engine.sequential or (engine.sums and self.prechecked and rounds))
             and self.max_deferred > 1
             and not core_kwargs.get("keep_stale_params", False)
         ):
