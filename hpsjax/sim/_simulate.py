@@ -742,19 +742,21 @@ class _Simulation:
             config.staleness_lr is None
         )
         engine = self.engine
-        # With costly gradients the deferral pays only where versions are made
-        # of summed rounds: a barrier's (elsewhere each push's update goes
-        # through the deferred chain one row at a time, slower than alone).
-        rounds = type(policy).ready is BSP.ready
+        # Sums pay where a version is made of the rounds started on the one
+        # before: a barrier's. Elsewhere each version takes one push, whose
+        # update a sum cannot give; and with costly gradients the deferral
+        # itself pays only with sums (each update would otherwise go through
+        # the deferred chain one row at a time, slower than applied alone).
+        engine.sums = (
+            engine.sums and self.prechecked and type(policy).ready is BSP.ready
+        )
         if (
-            (not engine.sequential or (engine.sums and self.prechecked and rounds))
+            (not engine.sequential or engine.sums)
             and self.max_deferred > 1
             and not core_kwargs.get("keep_stale_params", False)
         ):
             core_kwargs.setdefault("defer_applies", True)
-        engine.sums = (
-            engine.sums and self.prechecked and core_kwargs.get("defer_applies", False)
-        )
+        engine.sums = engine.sums and core_kwargs.get("defer_applies", False)
         self.core = ServerCore(params, server_optimizer, policy, **core_kwargs)
         self.policy = self.core.policy
         self.deferred: dict[int, DeferredLeaves] = {}
