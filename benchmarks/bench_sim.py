@@ -3,6 +3,12 @@
 Run:
   python benchmarks/bench_sim.py [--workers 8,64,256] [--policies asp,bsp]
       [--models small,medium] [--rounds R] [--repeats 3]
+  python benchmarks/bench_sim.py --sum_kernel [--models ...] [--workers 64]
+
+``--sum_kernel`` times only the engine's kernels on one version's rounds of
+``n`` workers: their gradients summed in one call (``Kernels.grad_sum``, what a
+barrier's rounds take), the same gradients one call each (``grad_one``), and a
+plain loop of ``n`` steps.
 
 For every model, number of workers and policy it simulates training with
 heterogeneous workers (lognormal speeds) for ``R`` gradients per worker (32 for
@@ -118,6 +124,44 @@ def _baseline_seconds(loss_fn, params, train, batch, steps: int) -> float:
     return time.perf_counter() - t0
 
 
+def _sum_kernel(name: str, n: int, repeats: int) -> None:
+    from hpsjax.sim import _engine
+
+    train, params, loss_fn, batch, _ = _setup(name)
+    data = jax.device_put(hdata.Batch(train.x, train.y))
+    k = _engine.kernels(loss_fn, params, None)
+    leaves = tuple(jax.tree.leaves(params))
+    idx = np.random.default_rng(0).integers(0, len(train), (n, batch), np.int32)
+    scale = np.ones(n, np.float32)
+
+    def summed():
+        jax.block_until_ready(k.grad_sum(leaves, idx, scale * batch, data))
+
+    def one_by_one():
+        jax.block_until_ready(
+            [k.grad_one(leaves, idx[j], scale[j], data) for j in range(n)]
+        )
+
+    def best(fn):
+        fn()  # compiles
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return min(times)
+
+    s, o = best(summed), best(one_by_one)
+    loop = min(
+        _baseline_seconds(loss_fn, params, train, batch, n) for _ in range(repeats)
+    )
+    print(
+        f"{name:>7} {n:>7} {1e3 * s:>9.2f} {1e3 * o:>11.2f} {1e3 * loop:>8.2f} "
+        f"{s / loop:>11.2f}",
+        flush=True,
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--workers", default="8,64,256")
@@ -127,7 +171,21 @@ def main() -> None:
         "--rounds", type=int, default=None, help="gradients per worker (per model)"
     )
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--sum_kernel",
+        action="store_true",
+        help="time the summed gradients of one version's rounds only",
+    )
     args = parser.parse_args()
+    if args.sum_kernel:
+        print(
+            f"{'model':>7} {'workers':>7} {'summed ms':>9} {'one by one':>11} "
+            f"{'loop ms':>8} {'sum / loop':>11}"
+        )
+        for name in args.models.split(","):
+            for n in (int(v) for v in args.workers.split(",")):
+                _sum_kernel(name, n, max(args.repeats, 5))
+        return
     _simulate.ServerCore = _TimedCore  # the simulator builds its core from here
 
     print(
