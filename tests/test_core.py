@@ -671,6 +671,10 @@ def test_load_holds_start_again():
 
 def test_no_recompilation_across_events():
     core = make(ASP(aggregate=2))
+    fns = (core._checked_apply_fn, core._accumulate_fn, core._finite_fn)
+    # Cores of other shapes made earlier in this process share the caches of
+    # the functions their steps are made of.
+    before = [fn._cache_size() for fn in fns]
     for w in range(4):
         core.join(w, 0.0)
     for step in range(40):
@@ -680,8 +684,8 @@ def test_no_recompilation_across_events():
         core.push(w, update, version=core.pulled_version(w), now=1.0 + step)
         core.pull(w, 1.0 + step)
     assert core.version == 20
-    for fn in (core._checked_apply_fn, core._accumulate_fn, core._finite_fn):
-        assert fn._cache_size() == 1
+    for fn, n in zip(fns, before, strict=True):
+        assert fn._cache_size() <= n + 1
 
 
 def test_deadline_bookkeeping_stays_bounded():
