@@ -539,27 +539,10 @@ def _server_shard(args: argparse.Namespace) -> tuple[int, int]:
     return shard, count
 
 
-async def serve(args: argparse.Namespace) -> None:
-    """Builds the server from parsed arguments and serves until a signal."""
-    from hpsjax.ps._core import ServerCore
-    from hpsjax.ps._server import Server, _is_loopback
-
+def _params_and_checkpoints(args: argparse.Namespace) -> tuple[Any, str | None]:
+    """This server's parameters (its shard's) and checkpoint directory."""
     shard, num_shards = _server_shard(args)
     checkpoint_dir = args.checkpoint_dir
-    core_kwargs = dict(args.core_arg)
-    check_kwargs(
-        ServerCore,
-        core_kwargs,
-        "--core_arg",
-        what="ServerCore",
-        skip=("params", "optimizer", "policy", "policy_kwargs", "check_finite"),
-    )
-    if args.secret_file is None and not (args.insecure or _is_loopback(args.host)):
-        raise ValueError(
-            f"refusing to serve on {args.host!r} without a secret: anyone who can "
-            "reach the port could push updates; pass --secret_file (or --insecure "
-            "to accept that)"
-        )
     if args.init_from is not None:
         params = initial_params(
             args.init_from,
@@ -571,24 +554,29 @@ async def serve(args: argparse.Namespace) -> None:
     if num_shards == 1:
         if args.init is not None:
             params = load_npz_tree(args.init)
+        return params, checkpoint_dir
+    if args.init is not None:
+        params, partition = load_npz_shard(
+            args.init, shard, num_shards, split_leaves=args.split_leaves
+        )
     else:
-        if args.init is not None:
-            params, partition = load_npz_shard(
-                args.init, shard, num_shards, split_leaves=args.split_leaves
-            )
-        else:
-            from hpsjax.ps._partition import KeyRangePartition
+        from hpsjax.ps._partition import KeyRangePartition
 
-            partition = KeyRangePartition.from_tree(
-                params, num_shards, split_leaves=args.split_leaves
-            )
-            params = partition.split(params)[shard]
-        if checkpoint_dir is not None:
-            # Shards may share a file system: each keeps its own checkpoints.
-            checkpoint_dir = str(
-                pathlib.Path(checkpoint_dir) / f"shard_{shard}_of_{num_shards}"
-            )
-        print(f"hpsjax-server {partition.describe(shard)}", flush=True)
+        partition = KeyRangePartition.from_tree(
+            params, num_shards, split_leaves=args.split_leaves
+        )
+        params = partition.split(params)[shard]
+    if checkpoint_dir is not None:
+        # Shards may share a file system: each keeps its own checkpoints.
+        checkpoint_dir = str(
+            pathlib.Path(checkpoint_dir) / f"shard_{shard}_of_{num_shards}"
+        )
+    print(f"hpsjax-server {partition.describe(shard)}", flush=True)
+    return params, checkpoint_dir
+
+
+def _policy_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """``--policy_arg`` values, hybrid stages given as objects made stages."""
     policy_kwargs = dict(args.policy_arg)
     if args.policy.lower() == "hybrid" and isinstance(
         policy_kwargs.get("stages"), list
@@ -603,16 +591,45 @@ async def serve(args: argparse.Namespace) -> None:
             ]
         except TypeError as e:
             raise ValueError(f"bad hybrid stage: {e}") from None
-    replanner = None
-    if args.work_plan is not None:
-        from hpsjax.profiling import Replanner, WorkPlan
+    return policy_kwargs
 
-        replanner = Replanner(
-            WorkPlan.from_json(pathlib.Path(args.work_plan).read_text()),
-            threshold=args.replan_threshold,
-            window=args.replan_window,
-            cooldown=args.replan_cooldown,
+
+def _replanner(args: argparse.Namespace) -> Any:
+    """The re-planner of ``--work_plan``, or ``None``."""
+    if args.work_plan is None:
+        return None
+    from hpsjax.profiling import Replanner, WorkPlan
+
+    return Replanner(
+        WorkPlan.from_json(pathlib.Path(args.work_plan).read_text()),
+        threshold=args.replan_threshold,
+        window=args.replan_window,
+        cooldown=args.replan_cooldown,
+    )
+
+
+def _make_server(args: argparse.Namespace) -> tuple[Any, Any]:
+    """The server of the parsed arguments, not started, and its metrics (or
+    ``None``)."""
+    from hpsjax.ps._core import ServerCore
+    from hpsjax.ps._server import Server, _is_loopback
+
+    core_kwargs = dict(args.core_arg)
+    check_kwargs(
+        ServerCore,
+        core_kwargs,
+        "--core_arg",
+        what="ServerCore",
+        skip=("params", "optimizer", "policy", "policy_kwargs", "check_finite"),
+    )
+    if args.secret_file is None and not (args.insecure or _is_loopback(args.host)):
+        raise ValueError(
+            f"refusing to serve on {args.host!r} without a secret: anyone who can "
+            "reach the port could push updates; pass --secret_file (or --insecure "
+            "to accept that)"
         )
+    params, checkpoint_dir = _params_and_checkpoints(args)
+    policy_kwargs = _policy_kwargs(args)
     metrics = None
     if args.metrics_port is not None:
         from hpsjax.metrics import ServerMetrics
@@ -640,10 +657,33 @@ async def serve(args: argparse.Namespace) -> None:
             None if args.overlap_apply_bytes == -1 else args.overlap_apply_bytes
         ),
         core_kwargs=core_kwargs,
-        replanner=replanner,
+        replanner=_replanner(args),
         metrics=metrics,
         **policy_kwargs,
     )
+    return server, metrics
+
+
+async def _serve_metrics(server: Any, metrics: Any, args: argparse.Namespace) -> None:
+    """Serves ``/metrics`` for a started server (``--metrics_port``)."""
+    try:
+        port = metrics.serve(args.metrics_port, args.metrics_host)
+    except (OSError, ValueError) as e:
+        await server.close()
+        raise ValueError(
+            f"cannot serve metrics on {args.metrics_host}:{args.metrics_port}: {e}"
+        ) from None
+    print(
+        f"hpsjax-server metrics on http://{args.metrics_host}:{port}/metrics",
+        flush=True,
+    )
+    if server.resumed_from is not None:
+        metrics.checkpoint_saved()
+
+
+async def serve(args: argparse.Namespace) -> None:
+    """Builds the server from parsed arguments and serves until a signal."""
+    server, metrics = _make_server(args)
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -651,19 +691,7 @@ async def serve(args: argparse.Namespace) -> None:
             loop.add_signal_handler(sig, stop.set)
     await server.start()
     if metrics is not None:
-        try:
-            port = metrics.serve(args.metrics_port, args.metrics_host)
-        except (OSError, ValueError) as e:
-            await server.close()
-            raise ValueError(
-                f"cannot serve metrics on {args.metrics_host}:{args.metrics_port}: {e}"
-            ) from None
-        print(
-            f"hpsjax-server metrics on http://{args.metrics_host}:{port}/metrics",
-            flush=True,
-        )
-        if server.resumed_from is not None:
-            metrics.checkpoint_saved()
+        await _serve_metrics(server, metrics, args)
     print(f"hpsjax-server listening on {args.host}:{server.port}", flush=True)
     if server.resumed_from is not None:
         print(f"hpsjax-server resumed from step {server.resumed_from}", flush=True)
