@@ -37,6 +37,7 @@ from hpsjax.ps._frames import (
     aligned_empty,
 )
 from hpsjax.transforms import _quantize as q
+from hpsjax.transforms import _topk
 from hpsjax.transforms._powersgd import powersgd_matrix_shape
 
 __all__ = [
@@ -519,9 +520,13 @@ def topk_index_dtype(size: int) -> np.dtype:
     Raises:
       MalformedMetadata: the leaf has more than 2**32 elements.
     """
-    if size > 2**32:
-        raise MalformedMetadata(f"top-k leaves hold at most 2**32 elements, not {size}")
-    return np.dtype("<u2") if size <= 2**16 else np.dtype("<u4")
+    try:
+        dtype = _topk.topk_index_dtype(size)
+    except ValueError:
+        raise MalformedMetadata(
+            f"top-k leaves hold at most 2**32 elements, not {size}"
+        ) from None
+    return np.dtype(dtype).newbyteorder("<")
 
 
 POWERSGD_SCHEME = "powersgd"
