@@ -13,6 +13,7 @@ import pytest
 from hpsjax import ps
 from hpsjax.ps import _cli as server_cli
 from hpsjax.worker import _cli as worker_cli
+from tests.test_powersgd_wire import _promised, _RecordingClient
 
 SMALL = ["--dataset_arg", "num_examples=64"]
 MAIN = "import sys; from hpsjax.worker._cli import main; sys.exit(main())"
@@ -313,3 +314,75 @@ def test_pull_with_push_is_the_default_and_can_be_turned_off(argv, pull_with_pus
     worker, _, _, _ = worker_cli._build(_args(*argv))
     assert worker.config.pull_with_push is pull_with_push
     assert worker.config.pipeline
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (
+            ["--port", "1", "--bits", "8", "--powersgd_rank", "2"],
+            "give bits or powersgd_rank, not both",
+        ),
+        (
+            ["--servers", "127.0.0.1:1,127.0.0.1:2", "--split_leaves",
+             "--powersgd_rank", "2"],
+            "--powersgd_rank encodes whole arrays, but with --split_leaves the "
+            "shards cut some by rows: drop one of the two",
+        ),
+        (
+            ["--servers", "127.0.0.1:1,127.0.0.1:2", "--split_leaves", "--bits", "8"],
+            "--bits encodes whole arrays, but with --split_leaves the shards cut "
+            "some by rows: drop one of the two",
+        ),
+        (["--port", "1", "--powersgd_rank", "0"], "powersgd_rank must be"),
+    ],
+)  # fmt: skip
+def test_powersgd_rank_mistakes_are_one_line(argv, message, capsys):
+    assert worker_cli.main([*SMALL, *argv]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"hpsjax-worker: {message}")
+
+
+def test_a_profile_with_powersgd_rank_counts_its_factors():
+    import jax
+
+    from hpsjax.profiling import WorkerProfile
+
+    spec = {"b": jax.ShapeDtypeStruct((16,), "float32"),
+            "w": jax.ShapeDtypeStruct((64, 16), "float32")}  # fmt: skip
+    args = _args("--powersgd_rank", "2", "--bandwidth", "1e6")
+    profile = worker_cli.with_injection(WorkerProfile.synthetic(0, 100.0), args, spec)
+    assert profile.transfer.push_bytes == _promised(spec, 2) == (16 + 2 * 80) * 4
+    assert profile.transfer.pull_bytes == (16 + 64 * 16) * 4
+
+
+def test_a_worker_with_powersgd_rank_pushes_its_factors(tmp_path, monkeypatch):
+    clients = []
+
+    class Recording(_RecordingClient):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            clients.append(self)
+
+    monkeypatch.setattr(ps, "Client", Recording)
+    model = ["--model_arg", "hidden=[16]"]
+    server_params = _server_params(tmp_path, *model)
+    with _ServerThread(server_params) as server:
+        code = worker_cli.main(
+            [*SMALL, *model, "--port", str(server.port), "--max_steps", "3",
+             "--batch_size", "8", "--powersgd_rank", "2", "--no_pipeline",
+             "--tensorboard_dir", "none", "--loop", "asyncio",
+             "--log_level", "WARNING"]
+        )  # fmt: skip
+        version = server.version
+    assert code == 0 and version == 3
+    (client,) = clients
+    promised = _promised(server_params, 2)
+    # Both kernels are factors: 2 (64 + 16) < 64 * 16 and 2 (16 + 10) < 16 * 10.
+    assert promised == (16 + 10 + 2 * (64 + 16) + 2 * (16 + 10)) * 4
+    assert len(client.pushed) == 3
+    for codec, payload, frame_bytes, on_wire in client.pushed:
+        assert codec == {"scheme": "powersgd", "rank": [0, 2, 0, 2]}
+        assert payload == promised
+        # The rest of the frame: its header and metadata (four leaves' entries).
+        assert on_wire == frame_bytes < promised + 512

@@ -193,6 +193,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     g.add_argument("--bits", type=int, help="quantize pushes (1, 2, 4, 8, 16 bits)")
     g.add_argument(
+        "--powersgd_rank",
+        type=int,
+        help="compress pushes to PowerSGD factors of this rank (not with --bits)",
+    )
+    g.add_argument(
         "--compress_from_stage",
         type=int,
         help="with --work_plan: top-k sparsify pushes at the plan's "
@@ -201,7 +206,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     g.add_argument(
         "--no_error_feedback",
         action="store_true",
-        help="with --bits: drop the quantization error instead of carrying it",
+        help="with --bits or --powersgd_rank: drop the compression error "
+        "instead of carrying it",
     )
     g.add_argument(
         "--staleness_policy", help="scale updates by f(staleness) on the worker (PS+)"
@@ -605,6 +611,7 @@ def _build(args: argparse.Namespace, *, metrics=None):
         lr_scale=args.lr_scale,
         work_plan=work_plan,
         bits=args.bits,
+        powersgd_rank=args.powersgd_rank,
         compress_from_stage=args.compress_from_stage,
         error_feedback=not args.no_error_feedback,
         staleness_policy=args.staleness_policy,
@@ -729,11 +736,12 @@ def _sharded_client(args: argparse.Namespace, servers, params):
     partition = KeyRangePartition.from_tree(
         spec, len(servers), split_leaves=args.split_leaves
     )
-    if args.bits is not None and partition.cuts_leaves:
-        raise ValueError(
-            "--bits encodes whole arrays, but with --split_leaves the shards cut "
-            "some by rows: drop one of the two"
-        )
+    for flag in ("bits", "powersgd_rank"):
+        if getattr(args, flag) is not None and partition.cuts_leaves:
+            raise ValueError(
+                f"--{flag} encodes whole arrays, but with --split_leaves the "
+                "shards cut some by rows: drop one of the two"
+            )
     return ShardedClient(
         servers,
         partition,
@@ -800,7 +808,8 @@ def with_injection(measured, args: argparse.Namespace, spec):
 
     The slowdown in force at the start multiplies the step times
     (``WorkerProfile.with_slowdown``); an injected link cap or latency gives the
-    transfer estimate, for pushes encoded with ``--bits``.
+    transfer estimate, for pushes encoded with ``--bits`` or as the factors of
+    ``--powersgd_rank`` (``powersgd_nbytes`` per leaf).
 
     Args:
       measured: a :class:`~hpsjax.profiling.WorkerProfile` from
@@ -813,14 +822,21 @@ def with_injection(measured, args: argparse.Namespace, spec):
     """
     import dataclasses
 
+    import jax
+
     from hpsjax.profiling import Link, TransferProfile, tree_wire_nbytes
-    from hpsjax.transforms import Codec
+    from hpsjax.transforms import Codec, powersgd_nbytes
 
     het = _heterogeneity(args)
     codec = None
     if args.bits is not None:
         codec = Codec("sign" if args.bits == 1 else "uniform", args.bits)
     push_bytes = tree_wire_nbytes(spec, codec)
+    if args.powersgd_rank is not None:
+        push_bytes = sum(
+            powersgd_nbytes(x.shape, x.dtype, args.powersgd_rank)
+            for x in jax.tree.leaves(spec)
+        )
     pull_bytes = tree_wire_nbytes(spec)
     bandwidth = het.bandwidth_at(0.0)
     if bandwidth is not None:
