@@ -71,22 +71,41 @@ def _evaluate(setup: build.Setup, params: Any, batch_size: int) -> dict[str, flo
     return {key: value / count for key, value in totals.items()}
 
 
-def _push_codec(config: ml_collections.ConfigDict) -> tuple[Any, Any]:
-    """The push transform (quantization with error feedback) and its codec."""
-    bits = config.worker.bits
-    if bits is None:
-        return None, None
-    from hpsjax.transforms import Codec, quantize
+def _push_compression(
+    config: ml_collections.ConfigDict, params: Any
+) -> tuple[Any, Any, int]:
+    """How the workers compress pushes: ``(transform, codec, push_bytes)``.
 
+    The transform (with ``worker.error_feedback``) is quantization for
+    ``worker.bits``, with its codec, or PowerSGD for
+    ``worker.compression='power_sgd'`` (its factors on the wire, no codec);
+    ``None`` for float32 pushes or top-k, which the worker core applies.
+    ``push_bytes`` is one push's payload, what the profiling pass's link
+    estimate uses: ``powersgd_nbytes`` per leaf for PowerSGD.
+    """
+    from hpsjax.profiling import tree_wire_nbytes
+    from hpsjax.transforms import Codec, power_sgd, powersgd_nbytes, quantize
+
+    worker = config.worker
+    error_feedback = bool(worker.error_feedback)
+    if worker.get("compression", "none") == "power_sgd":
+        rank = int(worker.powersgd_rank)
+        transform = power_sgd(
+            rank, error_feedback=error_feedback, seed=int(config.seed)
+        )
+        push_bytes = sum(
+            powersgd_nbytes(x.shape, x.dtype, rank) for x in jax.tree.leaves(params)
+        )
+        return transform, None, int(push_bytes)
+    bits = worker.bits
+    if bits is None:
+        return None, None, tree_wire_nbytes(params)
     scheme = "sign" if bits == 1 else "uniform"
     codec = Codec(scheme, bits)
     transform = quantize(
-        bits,
-        scheme=scheme,
-        error_feedback=bool(config.worker.error_feedback),
-        seed=int(config.seed),
+        bits, scheme=scheme, error_feedback=error_feedback, seed=int(config.seed)
     )
-    return transform, codec
+    return transform, codec, tree_wire_nbytes(params, codec)
 
 
 # ---------------------------------------------------------------------------
@@ -145,9 +164,8 @@ def run_sim(
     from hpsjax.sim import SimConfig, simulate
 
     specs = build.worker_specs(config)
-    push_transform, codec = _push_codec(config)
+    push_transform, codec, push_bytes = _push_compression(config, setup.params)
     pull_bytes = tree_wire_nbytes(setup.params)
-    push_bytes = tree_wire_nbytes(setup.params, codec)
 
     plan_scheme = registry.lookup("plan scheme", config.plan.scheme)
     profile_seconds = 0.0
@@ -381,10 +399,13 @@ def _worker_flags(
             "--local_optimizer", name,
             "--local_learning_rate", repr(float(worker.local_learning_rate)),
         ]  # fmt: skip
+    power_sgd = worker.get("compression", "none") == "power_sgd"
     if worker.bits is not None:
         flags += ["--bits", str(int(worker.bits))]
-        if not worker.error_feedback:
-            flags.append("--no_error_feedback")
+    if power_sgd:
+        flags += ["--powersgd_rank", str(int(worker.powersgd_rank))]
+    if (worker.bits is not None or power_sgd) and not worker.error_feedback:
+        flags.append("--no_error_feedback")
     if worker.staleness_policy is not None:
         registry.lookup("staleness policy", worker.staleness_policy)
         flags += ["--staleness_policy", worker.staleness_policy]
@@ -841,16 +862,13 @@ def run_processes(
       ValueError: a setting the processes backend cannot run.
       RuntimeError: a worker failed or did not join in time (its log is named).
     """
-    from hpsjax.profiling import tree_wire_nbytes
-
     if config.stages.enabled and config.stages.switch == "plateau":
         raise ValueError(
             "the processes backend switches ASHL's stages at a server version "
             "or on the server's training loss only; stages.switch='plateau' "
             "runs in the simulator"
         )
-    _, codec = _push_codec(config)
-    push_bytes = tree_wire_nbytes(setup.params, codec)
+    _, _, push_bytes = _push_compression(config, setup.params)
     plan_scheme = registry.lookup("plan scheme", config.plan.scheme)
     info: dict[str, Any] = {"backend": "processes"}
     offset = 0.0

@@ -576,17 +576,17 @@ def with_push_compression(config: ml_collections.ConfigDict, work_plan: Any) -> 
     so that with ``stages.compress_from_stage=0`` the worker core sparsifies
     each push with ``hpsjax.top_k`` (error feedback) and both backends send or
     count the top-k codec's bytes (``hpsjax.transforms.topk_nbytes``).
-    ``power_sgd`` is refused by ``registry.check_config``.
+    ``power_sgd`` leaves the plan as it is: it compresses every push as the
+    workers' push transform (the simulator's ``push_transform``,
+    ``hpsjax-worker --powersgd_rank``), not through the plan.
     """
     import dataclasses
 
     compression = registry.lookup(
         "compression", config.worker.get("compression", "none")
     )
-    if compression == "none":
-        return work_plan
     if compression != "top_k":
-        raise ValueError(f"worker.compression={compression!r} cannot be run yet")
+        return work_plan
     ratio = float(config.worker.compress_ratio)
     workers = tuple(
         dataclasses.replace(w, compress_ratio=ratio) for w in work_plan.workers

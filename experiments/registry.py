@@ -132,7 +132,9 @@ LR_SCALINGS: tuple[str, ...] = ("linear", "sqrt", "none")
 COMPRESSIONS: tuple[str, ...] = ("none", "top_k", "power_sgd")
 """Push compressors besides quantization (``worker.compression``): ``top_k``
 (``hpsjax.top_k``, error feedback) through the worker core's top-k pushes,
-``power_sgd`` (``hpsjax.power_sgd``) named but refused by both backends."""
+``power_sgd`` (``hpsjax.power_sgd`` of rank ``worker.powersgd_rank``, error
+feedback) as the push transform of the simulator and ``hpsjax-worker
+--powersgd_rank`` on processes, both sending or counting its factors."""
 
 _REGISTRIES: dict[str, Any] = {
     "optimizer": OPTIMIZERS,
@@ -286,19 +288,17 @@ def _check_compression(config: ml_collections.ConfigDict) -> None:
     compression = lookup("compression", worker.get("compression", "none"))
     if compression == "none":
         return
-    if compression == "power_sgd":
+    if worker.bits is not None:
         raise ValueError(
-            "worker.compression='power_sgd' is not runnable yet: the simulator "
-            "counts push bytes only from a quantize codec or a top-k ratio, and "
-            "the wire has no PowerSGD codec"
+            f"worker.compression={compression!r} replaces quantization: set "
+            "worker.bits=None"
         )
+    if compression == "power_sgd":
+        _check_power_sgd(config)
+        return
     ratio = worker.compress_ratio
     if not (isinstance(ratio, int | float) and 0 < ratio <= 1):
         raise ValueError(f"worker.compress_ratio must be in (0, 1], got {ratio!r}")
-    if worker.bits is not None:
-        raise ValueError(
-            "worker.compression='top_k' replaces quantization: set worker.bits=None"
-        )
     if config.plan.scheme in ("none", "ashl_reference"):
         raise ValueError(
             "worker.compression='top_k' needs a plan scheme other than "
@@ -314,4 +314,17 @@ def _check_compression(config: ml_collections.ConfigDict) -> None:
         raise ValueError(
             "worker.compression='top_k' needs stages.compress_from_stage=0 "
             "(every push sparsified from the start)"
+        )
+
+
+def _check_power_sgd(config: ml_collections.ConfigDict) -> None:
+    """What ``worker.compression='power_sgd'`` needs (one-line errors)."""
+    rank = config.worker.powersgd_rank
+    if isinstance(rank, bool) or not (isinstance(rank, int) and rank >= 1):
+        raise ValueError(f"worker.powersgd_rank must be an int >= 1, got {rank!r}")
+    if config.stages.get("compress_from_stage") is not None:
+        raise ValueError(
+            "worker.compression='power_sgd' compresses every push: set "
+            "stages.compress_from_stage=None (it top-k sparsifies pushes instead "
+            "from that stage on)"
         )

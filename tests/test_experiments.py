@@ -24,6 +24,7 @@ from experiments import build, compare, registry, train
 from experiments.configs import common
 from experiments.configs.suites import SUITES, Suite
 from hpsjax.metrics import read_tensorboard
+from hpsjax.profiling import WorkerProfile
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -199,6 +200,55 @@ def test_bad_slowdowns_and_speed_changes_are_refused():
     config.workers.speed_changes = ((7, 1.0, 2.0),)
     with pytest.raises(ValueError, match="speed change for worker 7"):
         build.worker_specs(config)
+
+
+def _power_sgd(scheme: str, rank: int = 2):
+    config = _quick(scheme)
+    config.worker.bits = None
+    config.worker.compression = "power_sgd"
+    config.worker.powersgd_rank = rank
+    return config
+
+
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("worker.bits", 8, "replaces quantization: set worker.bits=None"),
+        ("worker.powersgd_rank", 0, "worker.powersgd_rank must be an int >= 1"),
+        ("worker.powersgd_rank", -1, "worker.powersgd_rank must be an int >= 1"),
+        ("stages.compress_from_stage", 0, "set stages.compress_from_stage=None"),
+    ],
+)
+def test_power_sgd_compression_refuses_what_cannot_run(field, value, message):
+    config = _power_sgd("hps")
+    registry.check_config(config)
+    group, name = field.split(".")
+    config[group][name] = value
+    with pytest.raises(ValueError, match=message) as e:
+        registry.check_config(config)
+    assert "\n" not in str(e.value)
+
+
+def test_power_sgd_compression_reaches_both_backends():
+    from experiments import backends
+    from hpsjax.transforms import powersgd_nbytes
+
+    config = _power_sgd("hps", rank=3)
+    config.worker.error_feedback = False
+    flags = backends._worker_flags(config, 0, plan_file=None)
+    assert flags[flags.index("--powersgd_rank") + 1] == "3"
+    assert "--bits" not in flags and "--no_error_feedback" in flags
+    params = build.setup(config).params
+    transform, codec, push_bytes = backends._push_compression(config, params)
+    assert codec is None and transform is not None
+    promised = sum(
+        powersgd_nbytes(x.shape, x.dtype, 3) for x in jax.tree.leaves(params)
+    )
+    assert push_bytes == promised
+    # PowerSGD leaves the plan's workers uncompressed by top-k.
+    profiles = [WorkerProfile.synthetic(i, 640.0 / k) for i, k in enumerate((1, 2))]
+    work_plan = build.work_plan(config, profiles)
+    assert [w.compress_ratio for w in work_plan.workers] == [1.0, 1.0]
 
 
 def test_bad_npz_path_is_a_clear_error_and_writes_nothing(tmp_path):
@@ -398,6 +448,20 @@ def test_sim_smoke(tmp_path, scheme):
     if config.plan.scheme != "none":
         assert summary["info"]["profile_seconds"] > 0
         assert summary["info"]["plans"]
+
+
+def test_sim_run_with_power_sgd_pushes_its_factors(tmp_path):
+    from hpsjax.transforms import powersgd_nbytes
+
+    config = _power_sgd("hps")
+    summary = train.train_and_evaluate(config, tmp_path, progress=False)
+    _check_outputs(tmp_path, config, summary)
+    params = build.setup(config).params
+    promised = sum(
+        powersgd_nbytes(x.shape, x.dtype, 2) for x in jax.tree.leaves(params)
+    )
+    assert promised < 0.2 * sum(x.nbytes for x in jax.tree.leaves(params))
+    assert summary["bytes_sent"] == promised * summary["pushes"]
 
 
 def test_sim_smoke_on_user_npz_data(tmp_path):

@@ -366,7 +366,7 @@ def test_top_k_compression_sets_every_workers_ratio():
         ("plan.replan", True, "plan.replan=False"),
         ("stages.compress_from_stage", None, "compress_from_stage=0"),
         ("worker.compress_ratio", 0.0, "compress_ratio"),
-        ("worker.compression", "power_sgd", "no PowerSGD codec"),
+        ("worker.compression", "power_sgd", "compress_from_stage=None"),
         ("worker.compression", "gzip", "unknown compression"),
     ],
 )

@@ -247,11 +247,12 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # The push compressor besides quantization (worker.bits): "none", "top_k"
     # (every push sparsified to worker.compress_ratio of its values, error
     # feedback, counted by the top-k codec; needs a plan scheme and
-    # stages.compress_from_stage=0) or "power_sgd" (worker.compress_rank;
-    # refused: neither backend counts or sends its factors yet).
+    # stages.compress_from_stage=0) or "power_sgd" (every push as the rank
+    # worker.powersgd_rank factors of hpsjax.power_sgd, warm-started, error
+    # feedback; the wire's PowerSGD codec; needs worker.bits=None).
     config.worker.compression = "none"
     config.worker.compress_ratio = 0.01
-    config.worker.compress_rank = 2
+    config.worker.powersgd_rank = 4
     config.worker.overlap = "none"
     config.worker.eager_pulls = 1
     # PS+: scale each push by f(staleness) on the worker, or None.
