@@ -210,7 +210,7 @@ def run_sim(
         codec=codec,
         overlap=registry.lookup("overlap", config.worker.overlap),
         eager_pulls=int(config.worker.eager_pulls),
-        staleness_lr=config.worker.staleness_policy,
+        staleness_lr=config.worker.staleness_lr,
         duration=duration,
         eval_every=float(config.eval.every_seconds),
         eval_batch_size=int(config.eval.batch_size),
@@ -406,9 +406,9 @@ def _worker_flags(
         flags += ["--powersgd_rank", str(int(worker.powersgd_rank))]
     if (worker.bits is not None or power_sgd) and not worker.error_feedback:
         flags.append("--no_error_feedback")
-    if worker.staleness_policy is not None:
-        registry.lookup("staleness policy", worker.staleness_policy)
-        flags += ["--staleness_policy", worker.staleness_policy]
+    if worker.staleness_lr is not None:
+        registry.lookup("staleness policy", worker.staleness_lr)
+        flags += ["--staleness_lr", worker.staleness_lr]
     overlap = registry.lookup("overlap", worker.overlap)
     if overlap == "none":
         flags.append("--no_pipeline")

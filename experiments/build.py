@@ -134,9 +134,9 @@ def server_optimizer(config: ml_collections.ConfigDict) -> optax.GradientTransfo
     server = config.server
     make = registry.lookup("optimizer", server.optimizer)
     chain = []
-    if server.staleness_policy is not None:
-        registry.lookup("staleness policy", server.staleness_policy)
-        chain.append(scale_by_staleness(server.staleness_policy))
+    if server.staleness_lr is not None:
+        registry.lookup("staleness policy", server.staleness_lr)
+        chain.append(scale_by_staleness(server.staleness_lr))
     if server.dc_lambda is not None:
         chain.append(
             delay_compensation(float(server.dc_lambda), adaptive=server.dc_adaptive)

@@ -257,12 +257,9 @@ def check_config(config: ml_collections.ConfigDict) -> None:
             "worker.local_optimizer (the worker pushes one gradient per round "
             "without one)"
         )
-    for field in ("staleness_policy",):
-        value = config.server[field]
-        if value is not None:
-            lookup("staleness policy", value)
-    if config.worker.staleness_policy is not None:
-        lookup("staleness policy", config.worker.staleness_policy)
+    for side in (config.server, config.worker):
+        if side.staleness_lr is not None:
+            lookup("staleness policy", side.staleness_lr)
     if config.stages.enabled:
         lookup("stage switch", config.stages.switch)
     if config.worker.bits is not None and config.worker.bits not in (1, 2, 4, 8, 16):

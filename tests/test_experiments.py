@@ -162,7 +162,7 @@ def test_unknown_scheme_lists_valid_names():
         ("model.name", "vgg", "model"),
         ("data.name", "mnist", "dataset"),
         ("plan.scheme", "fastest", "plan scheme"),
-        ("server.staleness_policy", "inverted", "staleness policy"),
+        ("server.staleness_lr", "inverted", "staleness policy"),
     ],
 )
 def test_bad_registry_name_is_a_clear_error_and_writes_nothing(

@@ -565,7 +565,7 @@ def test_worker_runtime_trains_against_shards():
         async with _running(partition, params, optax.sgd(0.2), "bsp") as servers:
             workers = []
             for i, extra in enumerate(
-                [dict(staleness_policy="inverse_plus_one"), dict(bits=8)]
+                [dict(staleness_lr="inverse_plus_one"), dict(bits=8)]
             ):
                 config = WorkerConfig(
                     worker_id=f"w{i}", batch_size=32, max_steps=12, **extra

@@ -212,7 +212,7 @@ def test_metrics_sink_and_summary(tmp_path):
         {"lr_scale": 0.0},
         {"batch_size": 0},
         {"local_steps": 0},
-        {"staleness_policy": "nope"},
+        {"staleness_lr": "nope"},
         {"eager_pulls": 0},
         {"port": 70000},
         {"worker_id": 1.5},
@@ -677,7 +677,7 @@ def test_ps_plus_scales_updates_by_the_staleness_factor(setup):
         client,
         records=records,
         max_steps=5,
-        staleness_policy="inverse_plus_one",
+        staleness_lr="inverse_plus_one",
     )
     _run(worker.run())
     stream = train.batches(16, seed=0)

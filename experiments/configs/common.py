@@ -221,7 +221,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.server.learning_rate = 0.1
     config.server.momentum = 0.0
     # scale_by_staleness on the server (staleness-aware ASP), or None.
-    config.server.staleness_policy = config_dict.placeholder(str)
+    config.server.staleness_lr = config_dict.placeholder(str)
     # delay_compensation's lambda on the server (DC-ASGD), or None.
     config.server.dc_lambda = config_dict.placeholder(float)
     config.server.dc_adaptive = False
@@ -256,7 +256,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.worker.overlap = "none"
     config.worker.eager_pulls = 1
     # PS+: scale each push by f(staleness) on the worker, or None.
-    config.worker.staleness_policy = config_dict.placeholder(str)
+    config.worker.staleness_lr = config_dict.placeholder(str)
 
     config.plan = ml_collections.ConfigDict()
     config.plan.scheme = "none"

@@ -29,5 +29,5 @@ def get_config(arg=None):
     config.server.learning_rate = common.pick(config, {"proc4": 0.2, "default": 0.4})
     config.worker.overlap = "eager"
     config.worker.eager_pulls = 3
-    config.worker.staleness_policy = "inverse_plus_one"
+    config.worker.staleness_lr = "inverse_plus_one"
     return config

@@ -23,7 +23,7 @@ def get_config(arg=None):
     config = common.get_config(arg)
     config.scheme = "staleness_aware_asp"
     config.server.policy = "asp"
-    config.server.staleness_policy = "inverse"
+    config.server.staleness_lr = "inverse"
     config.server.optimizer = "sgd"
     config.server.learning_rate = common.pick(config, {"proc4": 0.2, "default": 0.4})
     return config

@@ -210,7 +210,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "instead of carrying it",
     )
     g.add_argument(
-        "--staleness_policy", help="scale updates by f(staleness) on the worker (PS+)"
+        "--staleness_lr", help="scale updates by f(staleness) on the worker (PS+)"
     )
     g.add_argument(
         "--no_pipeline",
@@ -614,7 +614,7 @@ def _build(args: argparse.Namespace, *, metrics=None):
         powersgd_rank=args.powersgd_rank,
         compress_from_stage=args.compress_from_stage,
         error_feedback=not args.no_error_feedback,
-        staleness_policy=args.staleness_policy,
+        staleness_lr=args.staleness_lr,
         pipeline=not args.no_pipeline,
         pull_with_push=not args.no_pull_with_push,
         eager_pulls=args.eager_pulls,

@@ -25,7 +25,7 @@ round time is :math:`\max(\text{compute}, \text{transfer} + \text{barrier})`
 rather than their sum. With ``pipeline=False`` the worker computes, then pushes
 and pulls in one round trip (``push_pull``), all transfer time exposed.
 
-**Staleness-modulated step size (PS+).** With ``staleness_policy``, an update
+**Staleness-modulated step size (PS+).** With ``staleness_lr``, an update
 computed on version :math:`v` is scaled, when it is sent, by
 :math:`f(\hat\tau)` (:func:`hpsjax.transforms.staleness_factor`), where
 :math:`\hat\tau = V_\text{known} - v` and :math:`V_\text{known}` is the newest
@@ -209,7 +209,7 @@ class WorkerConfig:
       compress_from_stage: pushes are top-k sparsified at ``compress_ratio``
         once the server's stage is at least this (``WorkerCore``'s rule; ASHL's
         SHL is stage 1); ``None`` never sparsifies.
-      staleness_policy: a :data:`hpsjax.transforms.STALENESS_POLICIES` name
+      staleness_lr: a :data:`hpsjax.transforms.STALENESS_POLICIES` name
         (e.g. ``"inverse_plus_one"``) to scale each update by :math:`f(\\hat\\tau)`
         on this side (PS+), ``None`` for no scaling.
       pipeline: overlap the previous push and the next pull with compute.
@@ -255,7 +255,7 @@ class WorkerConfig:
     error_feedback: bool = True
     compress_ratio: float | None = None
     compress_from_stage: int | None = None
-    staleness_policy: str | None = None
+    staleness_lr: str | None = None
     pipeline: bool = True
     pull_with_push: bool = True
     compile_beside: bool = True
@@ -315,12 +315,12 @@ class WorkerConfig:
         _check_int("compress_from_stage", self.compress_from_stage, 0, allow_none=True)
         if self.stochastic is not None and not isinstance(self.stochastic, bool):
             raise ValueError(f"stochastic must be a bool or None: {self.stochastic!r}")
-        if self.staleness_policy is not None:
+        if self.staleness_lr is not None:
             from hpsjax.transforms import STALENESS_POLICIES
 
-            if self.staleness_policy not in STALENESS_POLICIES:
+            if self.staleness_lr not in STALENESS_POLICIES:
                 raise ValueError(
-                    f"unknown staleness_policy {self.staleness_policy!r}; valid: "
+                    f"unknown staleness_lr {self.staleness_lr!r}; valid: "
                     f"{sorted(STALENESS_POLICIES)}"
                 )
         _check_int("eager_pulls", self.eager_pulls, 1)
@@ -1106,7 +1106,7 @@ class Worker:
             pipeline=config.pipeline,
             pull_with_push=config.pull_with_push,
             eager_pulls=config.eager_pulls,
-            staleness_lr=config.staleness_policy,
+            staleness_lr=config.staleness_lr,
             follow_hints=config.follow_hints,
             max_steps=config.max_steps,
             max_seconds=config.max_seconds,
