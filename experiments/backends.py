@@ -186,10 +186,10 @@ def run_sim(
             f"{config.budget_seconds}s budget; raise budget_seconds"
         )
 
-    worker_optimizer = build.local_optimizer(config)
+    local_optimizer = build.local_optimizer(config)
     plateau = config.stages.enabled and config.stages.switch == "plateau"
     if plateau:
-        worker_optimizer = build.hybrid_stages(config)
+        local_optimizer = build.hybrid_stages(config)
     policy, policy_kwargs = build.policy(config, stage_plans, until_version=not plateau)
     plan_arg: Any = work_plan
     replans: list[dict[str, Any]] = []
@@ -205,7 +205,7 @@ def run_sim(
         policy=policy,
         policy_kwargs=policy_kwargs or None,
         server_optimizer=build.server_optimizer(config),
-        worker_optimizer=worker_optimizer,
+        local_optimizer=local_optimizer,
         push_transform=push_transform,
         codec=codec,
         overlap=registry.lookup("overlap", config.worker.overlap),

@@ -214,7 +214,7 @@ def test_a_pull_queues_behind_the_pushes_at_the_server():
         duration=0.75,
         server_service_time=0.25,
         overlap="pipeline",
-        worker_optimizer=LOCAL_SGD,
+        local_optimizer=LOCAL_SGD,
     )
     result = run(workers, config, eval_data=None, eval_fn=None)
     # Both send their first push and, behind it, a pull at 0.125; each pull is
@@ -620,18 +620,18 @@ SCHEMES = {
         server_optimizer=_DC_SERVER,
         core_kwargs={"keep_stale_params": True},
     ),
-    "local_sgd": dict(policy="asp", worker_optimizer=LOCAL_SGD, local_steps=4),
+    "local_sgd": dict(policy="asp", local_optimizer=LOCAL_SGD, local_steps=4),
     "saps": dict(policy="saps", policy_kwargs={"threshold": 4}),
     "adsp": dict(
         policy="adsp",
         policy_kwargs={"check_period": 1.0},
-        worker_optimizer=LOCAL_SGD,
+        local_optimizer=LOCAL_SGD,
     ),
     "semi_async": dict(policy="semi_async", policy_kwargs={"max_staleness": 3}),
     "hybrid": dict(
         policy="hybrid",
         policy_kwargs={"stages": _STAGES},
-        worker_optimizer=_HYBRID_OPTIMIZER,
+        local_optimizer=_HYBRID_OPTIMIZER,
     ),
     "hps": dict(
         policy="bsp",
@@ -644,7 +644,7 @@ SCHEMES = {
     "ashl": dict(
         policy="hybrid",
         policy_kwargs={"stages": _STAGES},
-        worker_optimizer=_HYBRID_OPTIMIZER,
+        local_optimizer=_HYBRID_OPTIMIZER,
         push_transform=QUANTIZE8,
     ),
 }
@@ -794,8 +794,8 @@ def test_bad_simulation_arguments_are_refused_before_running():
 
     cases = [
         (dict(workers=[]), "empty"),
-        (dict(workers=[WorkerSpec(local_steps=2)]), "worker_optimizer"),
-        (dict(config=SimConfig(duration=1.0, policy="adsp")), "worker_optimizer"),
+        (dict(workers=[WorkerSpec(local_steps=2)]), "local_optimizer"),
+        (dict(config=SimConfig(duration=1.0, policy="adsp")), "local_optimizer"),
         (dict(config=SimConfig(duration=1.0, policy="nope")), "Unknown policy"),
         (dict(eval_fn=eval_fn, eval_data=None), "eval_fn"),
         (

@@ -315,7 +315,7 @@ class Kernels:
     simulations of the same model reuse their compiled code.
     """
 
-    def __init__(self, loss_fn, treedef, worker_optimizer, params):
+    def __init__(self, loss_fn, treedef, local_optimizer, params):
         self.treedef = treedef
         self.value_and_grad = value_and_grad = jax.value_and_grad(loss_fn)
         self.flops: dict[Any, float | None] = {}
@@ -328,7 +328,7 @@ class Kernels:
 
         self.has_stages = False
         self.opt = None
-        if worker_optimizer is None:
+        if local_optimizer is None:
 
             def scaled(p, ix, s, data):
                 loss, g = value_and_grad(unflatten(p), gather(data, ix))
@@ -362,7 +362,7 @@ class Kernels:
             self.grad_one = jax.jit(grad_one)
             self.grad_sum = jax.jit(grad_sum)
         else:
-            opt = self.opt = optax.with_extra_args_support(worker_optimizer)
+            opt = self.opt = optax.with_extra_args_support(local_optimizer)
             has_stages = self.has_stages = _has_stages(opt.init(params))
 
             def one(p, ix, s, st, data):
@@ -446,12 +446,12 @@ def _layout(params: Any) -> tuple:
     return treedef, tuple((np.shape(x), np.dtype(x.dtype)) for x in leaves)
 
 
-def kernels(loss_fn, params, worker_optimizer) -> Kernels:
+def kernels(loss_fn, params, local_optimizer) -> Kernels:
     """The :class:`Kernels` of a combination, from a small cache when possible."""
     treedef, signature = _layout(params)
     return _cached(
-        ("grad", loss_fn, treedef, signature, worker_optimizer),
-        lambda: Kernels(loss_fn, treedef, worker_optimizer, params),
+        ("grad", loss_fn, treedef, signature, local_optimizer),
+        lambda: Kernels(loss_fn, treedef, local_optimizer, params),
     )
 
 
@@ -473,7 +473,7 @@ class Engine:
       data: the training data on the device, a pytree of arrays with a leading
         example axis.
       num_slots: number of workers (one persistent state row each).
-      worker_optimizer: optax transform of the local steps, or ``None`` to push
+      local_optimizer: optax transform of the local steps, or ``None`` to push
         plain gradients (one step per round).
       push_transform: optax transform applied, per worker, to every pushed update
         (quantization with error feedback), or ``None``.
@@ -496,7 +496,7 @@ class Engine:
         data: Any,
         num_slots: int,
         *,
-        worker_optimizer: optax.GradientTransformation | None,
+        local_optimizer: optax.GradientTransformation | None,
         push_transform: optax.GradientTransformation | None,
         batch_rows: int | None,
         batch_sizes: tuple[int, ...],
@@ -513,7 +513,7 @@ class Engine:
         self.params = params
         self.data = data
         self.batch_rows = batch_rows
-        self.local = worker_optimizer is not None
+        self.local = local_optimizer is not None
         # Rounds of plain gradients evaluated summed (see SummedRows).
         self.sums = sum_rounds and not self.local and push_transform is None
         self.pending: list[Round] = []
@@ -526,7 +526,7 @@ class Engine:
         self._dummy = num_slots  # padding rows read and write this extra slot
         # Batched calls hold at least this many rows (a power of two).
         self.min_rows = min(1 << (num_slots - 1).bit_length(), _MIN_ROWS)
-        self.k = kernels(loss_fn, params, worker_optimizer)
+        self.k = kernels(loss_fn, params, local_optimizer)
         self.has_stages = self.k.has_stages
         if batch_rows is not None:
             self.sequential = batch_rows == 1

@@ -24,7 +24,7 @@ pull answered (an update is pushed one round after it was computed). With
 time for another round trip (at most ``eager_pulls`` pulls a round), so the next
 round starts on fresher parameters.
 
-Worker-side transforms: local steps with ``worker_optimizer`` (the pushed
+Worker-side transforms: local steps with ``local_optimizer`` (the pushed
 update is the pseudo-gradient :math:`w_\text{pulled} - w_\text{local}`; plain
 gradients without one), the step-size scale of the work plan, PS+'s modulation of
 the pushed update by :math:`f(\hat\tau)` (:func:`~hpsjax.transforms.staleness_factor`
@@ -126,12 +126,12 @@ class SimConfig:
       policy_kwargs: keyword arguments of a policy given by name or class.
       learning_rate: step size of the default server optimizer
         ``optax.sgd(learning_rate)`` when workers push gradients (no
-        ``worker_optimizer``); with local steps the default is ``optax.sgd(1.0)``,
+        ``local_optimizer``); with local steps the default is ``optax.sgd(1.0)``,
         which moves the server by exactly the workers' local deltas.
       server_optimizer: the server's optax transform (extra args ``staleness``
         and ``stale_params`` reach it: ``scale_by_staleness``,
         ``delay_compensation``), or ``None`` for the default above.
-      worker_optimizer: optax transform of a worker's local steps (possibly
+      local_optimizer: optax transform of a worker's local steps (possibly
         :func:`~hpsjax.transforms.hybrid_stages`), or ``None``: each round is one
         gradient, pushed as it is. Needed for more than one local step.
       push_transform: optax transform applied by each worker to every pushed
@@ -198,7 +198,7 @@ class SimConfig:
     policy_kwargs: Mapping[str, Any] | None = None
     learning_rate: float = 0.1
     server_optimizer: optax.GradientTransformation | None = None
-    worker_optimizer: optax.GradientTransformation | None = None
+    local_optimizer: optax.GradientTransformation | None = None
     push_transform: optax.GradientTransformation | None = None
     codec: Any = None
     compress_from_stage: int | None = None
@@ -226,7 +226,7 @@ class SimConfig:
             raise ValueError(
                 f"learning_rate must be a finite number, got {self.learning_rate!r}."
             )
-        for name in ("server_optimizer", "worker_optimizer", "push_transform"):
+        for name in ("server_optimizer", "local_optimizer", "push_transform"):
             value = getattr(self, name)
             if value is not None and not isinstance(
                 value, optax.GradientTransformation
@@ -597,7 +597,7 @@ class _Simulation:
         specs = _check_workers(workers)
 
         policy = get_policy(config.policy, **dict(config.policy_kwargs or {}))
-        local = config.worker_optimizer is not None
+        local = config.local_optimizer is not None
         self.local = local
         if not local:
             _check_policy_without_local_steps(policy)
@@ -641,7 +641,7 @@ class _Simulation:
                 if w.core.plan_steps > 1:
                     raise ValueError(
                         f"worker {w.id!r} takes {w.core.plan_steps} local steps; more "
-                        "than one local step needs a worker_optimizer."
+                        "than one local step needs a local_optimizer."
                     )
 
         self._set_up_eval(loss_fn, eval_data, eval_fn)
@@ -650,7 +650,7 @@ class _Simulation:
             params,
             jax.device_put(data),
             len(self.workers),
-            worker_optimizer=config.worker_optimizer,
+            local_optimizer=config.local_optimizer,
             push_transform=config.push_transform,
             batch_rows=config.batch_rows,
             batch_sizes=tuple(w.core.device_batches[0] for w in self.workers),
@@ -1456,12 +1456,12 @@ def _check_policy_without_local_steps(policy: Any) -> None:
     if isinstance(policy, ADSP):
         raise ValueError(
             "The 'adsp' policy sets local steps per commit; give a "
-            "worker_optimizer for the local steps."
+            "local_optimizer for the local steps."
         )
     if isinstance(policy, Hybrid) and any(s.local_steps > 1 for s in policy.stages):
         raise ValueError(
             "A hybrid stage takes more than one local step; give a "
-            "worker_optimizer for the local steps."
+            "local_optimizer for the local steps."
         )
 
 
@@ -1496,7 +1496,7 @@ def simulate(
 
     where :math:`s_i` is the worker's step-size scale (it also scales each local
     step), :math:`w_i^{(H_i)}` its parameters after :math:`H_i` local steps with
-    ``worker_optimizer``, :math:`f(\hat\tau_i)` PS+'s modulation (1 without
+    ``local_optimizer``, :math:`f(\hat\tau_i)` PS+'s modulation (1 without
     ``staleness_lr``) and :math:`\bar u` the sample-weighted average of the
     buffered updates (``num_samples`` = batch size times local steps), after the
     worker's ``push_transform`` (e.g. quantization) where one is given.
@@ -1526,7 +1526,7 @@ def simulate(
 
     Raises:
       ValueError: for bad arguments (nothing runs), or when a worker is asked for
-        local steps without a ``worker_optimizer``.
+        local steps without a ``local_optimizer``.
 
     Examples:
       >>> import jax.numpy as jnp, numpy as np
