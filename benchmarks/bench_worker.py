@@ -128,7 +128,7 @@ def overlap(root: pathlib.Path, *, steps: int, warmup: int) -> dict:
     """Transfer hidden behind compute, pipeline on versus off."""
     flags = [*MODEL, "--batch_size", "128", "--bandwidth", "1e7"]
     out = {}
-    for name, extra in (("pipelined", []), ("sequential", ["--no_pipeline"])):
+    for name, extra in (("pipelined", []), ("sequential", ["--overlap", "none"])):
         workdir = root / f"overlap_{name}"
         _launch(workdir, 2, policy="asp", steps=steps, worker_args=[*flags, *extra])
         rounds = [r for w in _records(workdir, 2) for r in w[warmup:]]

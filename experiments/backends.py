@@ -410,9 +410,8 @@ def _worker_flags(
         registry.lookup("staleness policy", worker.staleness_lr)
         flags += ["--staleness_lr", worker.staleness_lr]
     overlap = registry.lookup("overlap", worker.overlap)
-    if overlap == "none":
-        flags.append("--no_pipeline")
-    elif overlap == "eager":
+    flags += ["--overlap", overlap]
+    if overlap == "eager":
         flags += ["--eager_pulls", str(int(worker.eager_pulls))]
     if plan_file is not None:
         flags += ["--work_plan", str(plan_file)]

@@ -25,6 +25,8 @@ from typing import Any
 import ml_collections
 import optax
 
+from hpsjax.worker import OVERLAP_MODES
+
 __all__ = [
     "BACKENDS",
     "OPTIMIZERS",
@@ -107,8 +109,8 @@ SCHEMES: tuple[str, ...] = (
 BACKENDS: tuple[str, ...] = ("sim", "processes")
 """``sim``: the virtual-clock simulator; ``processes``: a real server and workers."""
 
-OVERLAPS: tuple[str, ...] = ("none", "pipeline", "eager")
-"""How workers overlap communication with compute (``hpsjax.sim.OVERLAP_MODES``)."""
+OVERLAPS: tuple[str, ...] = OVERLAP_MODES
+"""How workers overlap communication with compute (``hpsjax.worker.OVERLAP_MODES``)."""
 
 STAGE_SWITCHES: tuple[str, ...] = ("version", "plateau", "loss")
 """ASHL's rule to leave the AHL stage: a server version, a flat loss on the

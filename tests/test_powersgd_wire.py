@@ -342,7 +342,7 @@ def test_a_worker_with_power_sgd_pushes_its_factors():
                 secret=SECRET,
                 batch_size=16,
                 powersgd_rank=rank,
-                pipeline=False,
+                overlap="none",
                 max_steps=3,
             )
             worker = Worker(

@@ -214,6 +214,7 @@ def test_metrics_sink_and_summary(tmp_path):
         {"local_steps": 0},
         {"staleness_lr": "nope"},
         {"eager_pulls": 0},
+        {"overlap": "sometimes"},
         {"port": 70000},
         {"worker_id": 1.5},
         {"device_batches": ()},
@@ -404,7 +405,7 @@ def test_eager_pull_starts_before_compute_ends():
     # while round r still computes.
     assert all(r["pull_start"] < r["compute_end"] for r in rounds)
     assert all(r["pushed_step"] == r["step"] - 1 for r in rounds[1:])
-    rounds = _run(_solo(WorkerConfig(batch_size=256, pipeline=False), steps=3))
+    rounds = _run(_solo(WorkerConfig(batch_size=256, overlap="none"), steps=3))
     assert all(r["pull_start"] >= r["compute_end"] for r in rounds)
     assert all(r["pushed_step"] == r["step"] for r in rounds)
 
@@ -412,12 +413,12 @@ def test_eager_pull_starts_before_compute_ends():
 def test_slowdown_makes_steps_k_times_longer():
     # Each round's wall time is set against the compute measured in that same
     # round, so load on the machine between rounds does not blur the ratio.
-    base = _run(_solo(WorkerConfig(batch_size=256, pipeline=False)))
+    base = _run(_solo(WorkerConfig(batch_size=256, overlap="none")))
     slow = _run(
         _solo(
             WorkerConfig(
                 batch_size=256,
-                pipeline=False,
+                overlap="none",
                 heterogeneity=Heterogeneity(slowdown=4),
             )
         )
@@ -436,7 +437,7 @@ def test_slowdown_schedule_changes_mid_run():
         _solo(
             WorkerConfig(
                 batch_size=256,
-                pipeline=False,
+                overlap="none",
                 heterogeneity=Heterogeneity(slowdown=[(0, 1), (2.0, 5)]),
             ),
             steps=None,
@@ -455,12 +456,12 @@ def test_slowdown_schedule_changes_mid_run():
 
 def test_bandwidth_cap_delays_transfers():
     nbytes = 256 * 256 * 4
-    base = _run(_solo(WorkerConfig(batch_size=16, pipeline=False), steps=5))
+    base = _run(_solo(WorkerConfig(batch_size=16, overlap="none"), steps=5))
     capped = _run(
         _solo(
             WorkerConfig(
                 batch_size=16,
-                pipeline=False,
+                overlap="none",
                 heterogeneity=Heterogeneity(bandwidth=nbytes / 0.05),
             ),
             steps=5,
@@ -558,10 +559,10 @@ def test_a_worker_made_slow_mid_run_gets_less_work():
     replanner = Replanner(_two_worker_plan(), threshold=0.5, window=4, cooldown=0.5)
     slow = WorkerConfig(
         batch_size=16,  # replaced by the server's plan on joining
-        pipeline=False,
+        overlap="none",
         heterogeneity=Heterogeneity(slowdown=[(0, 1), (2.0, 4)]),
     )
-    fast = WorkerConfig(batch_size=16, pipeline=False)
+    fast = WorkerConfig(batch_size=16, overlap="none")
     records, _ = _run(
         _heavy_run(
             [slow, fast],
@@ -712,6 +713,7 @@ def test_eager_pulls_fetch_fresher_parameters_while_compute_runs(setup):
         client,
         records=records,
         max_steps=4,
+        overlap="eager",
         eager_pulls=3,
         # Long compute (sleeping) leaves room for several round trips.
         heterogeneity=Heterogeneity(slowdown=40),

@@ -313,7 +313,36 @@ def test_two_workers_train_a_resnet_keeping_batch_stats_to_themselves(tmp_path):
 def test_pull_with_push_is_the_default_and_can_be_turned_off(argv, pull_with_push):
     worker, _, _, _ = worker_cli._build(_args(*argv))
     assert worker.config.pull_with_push is pull_with_push
-    assert worker.config.pipeline
+    assert worker.config.overlap == "pipeline"
+
+
+@pytest.mark.parametrize(
+    ("argv", "overlap", "eager_pulls"),
+    [
+        ((), "pipeline", 1),
+        (("--overlap", "none"), "none", 1),
+        (("--overlap", "eager", "--eager_pulls", "3"), "eager", 3),
+    ],
+)
+def test_overlap_flag_reaches_the_worker(argv, overlap, eager_pulls):
+    worker, _, _, _ = worker_cli._build(_args(*argv))
+    assert worker.config.overlap == overlap
+    assert worker.config.eager_pulls == eager_pulls
+
+
+def test_eager_pulls_without_eager_overlap_is_one_line(capsys):
+    argv = [*SMALL, "--port", "1", "--eager_pulls", "3"]
+    assert worker_cli.main(argv) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines == ["hpsjax-worker: --eager_pulls needs --overlap eager"]
+
+
+def test_an_unknown_overlap_is_one_line_naming_the_modes(capsys):
+    with pytest.raises(SystemExit):
+        worker_cli.parse_args([*SMALL, "--overlap", "sideways"])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert "invalid choice: 'sideways'" in lines[-1]
+    assert "'none', 'pipeline', 'eager'" in lines[-1]
 
 
 @pytest.mark.parametrize(
@@ -370,7 +399,7 @@ def test_a_worker_with_powersgd_rank_pushes_its_factors(tmp_path, monkeypatch):
     with _ServerThread(server_params) as server:
         code = worker_cli.main(
             [*SMALL, *model, "--port", str(server.port), "--max_steps", "3",
-             "--batch_size", "8", "--powersgd_rank", "2", "--no_pipeline",
+             "--batch_size", "8", "--powersgd_rank", "2", "--overlap", "none",
              "--tensorboard_dir", "none", "--loop", "asyncio",
              "--log_level", "WARNING"]
         )  # fmt: skip

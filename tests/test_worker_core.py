@@ -70,7 +70,7 @@ def test_round_trip_without_pipeline():
 
 
 def test_pipeline_pushes_previous_round_and_pulls_at_round_start():
-    core = WorkerCore(device_batches=(8,), pipeline=True, local_steps=2)
+    core = WorkerCore(device_batches=(8,), overlap="pipeline", local_steps=2)
     core.handle(Joined(0.0))
     first = core.handle(Pulled(1, 0, 0.0))
     assert kinds(first) == ["KeepParams", "Pull", "Compute"]
@@ -89,7 +89,7 @@ def test_pipeline_pushes_previous_round_and_pulls_at_round_start():
 
 
 def test_pipeline_with_pull_with_push_sends_one_push_pull_a_round():
-    core = WorkerCore(device_batches=(8,), pipeline=True, pull_with_push=True)
+    core = WorkerCore(device_batches=(8,), overlap="pipeline", pull_with_push=True)
     core.handle(Joined(0.0))
     first = core.handle(Pulled(1, 0, 0.0))
     # Nothing to push yet: the first round still pulls.
@@ -125,7 +125,7 @@ def test_pull_with_push_needs_the_pipeline():
 
 
 def test_eager_pull_rule():
-    core = WorkerCore(device_batches=(8,), pipeline=True, eager_pulls=3)
+    core = WorkerCore(device_batches=(8,), overlap="eager", eager_pulls=3)
     core.handle(Joined(0.0))
     compute = core.handle(Pulled(1, 0, 0.1))[-1]  # pull took 0.1 s
     # No compute time measured yet: no eager pull.
@@ -139,8 +139,19 @@ def test_eager_pull_rule():
     assert core.handle(Pulled(1, 4, 1.3)) == [KeepParams(4)]
 
 
+@pytest.mark.parametrize(
+    ("overlap", "pipeline", "eager_pulls"),
+    [("none", False, 1), ("pipeline", True, 1), ("eager", True, 3)],
+)
+def test_overlap_sets_the_pipeline_and_eager_pulls_only_when_eager(
+    overlap, pipeline, eager_pulls
+):
+    core = WorkerCore(device_batches=(8,), overlap=overlap, eager_pulls=3)
+    assert core.pipeline is pipeline and core.eager_pulls == eager_pulls
+
+
 def test_eager_pull_skipped_when_compute_ends_soon_and_old_params_ignored():
-    core = WorkerCore(device_batches=(8,), pipeline=True, eager_pulls=3)
+    core = WorkerCore(device_batches=(8,), overlap="eager", eager_pulls=3)
     core.handle(Joined(0.0))
     compute = core.handle(Pulled(1, 5, 0.1))[-1]
     core.handle(Pulled(1, 5, 0.2))
@@ -164,7 +175,7 @@ def test_staleness_estimate_scales_update():
 
 
 def test_force_pull_discards_with_pipeline_only():
-    core = WorkerCore(device_batches=(8,), pipeline=True)
+    core = WorkerCore(device_batches=(8,), overlap="pipeline")
     core.handle(Joined(0.0))
     compute = core.handle(Pulled(1, 0, 0.0))[-1]
     assert core.handle(Acked(1, 3, 0.5, force_pull=True)) == []
@@ -180,7 +191,7 @@ def test_force_pull_discards_with_pipeline_only():
 
 
 def test_force_pull_while_waiting_discards_the_pending_update():
-    core = WorkerCore(device_batches=(8,), pipeline=True)
+    core = WorkerCore(device_batches=(8,), overlap="pipeline")
     core.handle(Joined(0.0))
     compute = core.handle(Pulled(1, 0, 0.0))[-1]
     finish(core, compute, 1.0, 1.0)  # pending, waiting for the pull
@@ -189,7 +200,7 @@ def test_force_pull_while_waiting_discards_the_pending_update():
 
 
 def test_dropped_twice_rejoins_and_ignores_the_old_session():
-    core = WorkerCore(device_batches=(8,), pipeline=True)
+    core = WorkerCore(device_batches=(8,), overlap="pipeline")
     core.handle(Joined(0.0))
     compute = core.handle(Pulled(1, 0, 0.0))[-1]
     core.handle(StepsHinted(4))
@@ -255,7 +266,7 @@ def test_stage_travels_with_the_push():
     ],
 )
 def test_the_run_ends_and_flushes_the_last_update(kwargs, reason):
-    core = WorkerCore(device_batches=(8,), pipeline=True, **kwargs)
+    core = WorkerCore(device_batches=(8,), overlap="pipeline", **kwargs)
     core.handle(Joined(0.0))
     compute = core.handle(Pulled(1, 0, 0.0))[-1]
     core.handle(Pulled(1, 1, 0.5))
@@ -274,7 +285,7 @@ def test_stop_requested_and_left():
     push = finish(core, compute, 1.0, 1.0)[0]
     assert kinds(core.handle(Pulled(1, 1, 1.1))) == ["KeepParams", "Stop"]
     assert core.ended_by == "stopped" and push.with_pull
-    core = WorkerCore(device_batches=(8,), pipeline=True)
+    core = WorkerCore(device_batches=(8,), overlap="pipeline")
     core.handle(Joined(0.0))
     compute = core.handle(Pulled(1, 0, 0.0))[-1]
     assert core.handle(Left(0.5)) == [Discard(0), Stop("left")]
@@ -298,6 +309,10 @@ def test_speed_estimates():
         ({"device_batches": (0,)}, "device_batches entry"),
         ({"device_batches": (8,), "local_steps": 0}, "local_steps"),
         ({"device_batches": (8,), "eager_pulls": True}, "eager_pulls"),
+        (
+            {"device_batches": (8,), "overlap": "sideways"},
+            "Unknown overlap 'sideways'; valid modes are none, pipeline, eager",
+        ),
         ({"device_batches": (8,), "lr_scale": -1.0}, "lr_scale"),
         ({"device_batches": (8,), "staleness_lr": "nope"}, "unknown staleness_lr"),
     ],

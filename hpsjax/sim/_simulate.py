@@ -79,6 +79,7 @@ from hpsjax.sim._engine import DeferredLeaves, Engine, IndexStream, Round, Summe
 from hpsjax.sim._workers import WorkerSpec, finish_time
 from hpsjax.transforms._staleness import STALENESS_POLICIES
 from hpsjax.worker import _core as wc
+from hpsjax.worker._core import OVERLAP_MODES
 
 __all__ = [
     "OVERLAP_MODES",
@@ -90,9 +91,6 @@ __all__ = [
     "SimResult",
     "simulate",
 ]
-
-OVERLAP_MODES = ("none", "pipeline", "eager")
-"""How a worker overlaps communication with compute (see :class:`SimConfig`)."""
 
 _DATA_SHARDINGS = ("disjoint", "shared")
 
@@ -151,8 +149,8 @@ class SimConfig:
       overlap: ``"none"`` (compute, then push and pull in one round trip),
         ``"pipeline"`` (H-PS, PS+: the previous round's push and the next pull
         travel while a round computes) or ``"eager"`` (``"pipeline"`` with up to
-        ``eager_pulls`` pulls a round while compute time is left), as the worker
-        runtime's ``pipeline`` and ``eager_pulls``.
+        ``eager_pulls`` pulls a round while compute time is left), as the
+        worker's ``overlap`` and ``eager_pulls``.
       eager_pulls: the most pulls per round with ``overlap="eager"``, >= 1.
       staleness_lr: PS+'s worker-side modulation: a policy name of
         :data:`~hpsjax.transforms.STALENESS_POLICIES` or a callable ``tau ->
@@ -235,11 +233,7 @@ class SimConfig:
                     f"{name} must be an optax GradientTransformation or None, got "
                     f"{type(value).__name__}."
                 )
-        if self.overlap not in OVERLAP_MODES:
-            raise ValueError(
-                f"Unknown overlap {self.overlap!r}; valid modes are "
-                f"{', '.join(OVERLAP_MODES)}."
-            )
+        wc.check_overlap(self.overlap)
         _check_optional("eager_pulls", self.eager_pulls, integer=True)
         if self.compress_from_stage is not None and (
             isinstance(self.compress_from_stage, bool)
@@ -688,10 +682,8 @@ class _Simulation:
                         local_steps=spec.local_steps,
                         lr_scale=float(spec.lr_scale),
                         pushes_gradients=not self.local,
-                        pipeline=config.overlap != "none",
-                        eager_pulls=config.eager_pulls
-                        if config.overlap == "eager"
-                        else 1,
+                        overlap=config.overlap,
+                        eager_pulls=config.eager_pulls,
                         staleness_lr=config.staleness_lr,
                     ),
                 )

@@ -53,6 +53,7 @@ from typing import Any
 
 from hpsjax._flags import check_kwargs, key_value
 from hpsjax._logs import quiet_backend_probe
+from hpsjax.worker._core import OVERLAP_MODES
 
 __all__ = [
     "Evaluator",
@@ -213,17 +214,25 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--staleness_lr", help="scale updates by f(staleness) on the worker (PS+)"
     )
     g.add_argument(
-        "--no_pipeline",
-        action="store_true",
-        help="push and pull after compute instead of during it",
+        "--overlap",
+        default="pipeline",
+        choices=OVERLAP_MODES,
+        help="transfers during compute: pipeline (the previous push and the next "
+        "pull), eager (pipeline, pulling again while compute time is left, up to "
+        "--eager_pulls a round) or none (push and pull after compute)",
     )
     g.add_argument(
         "--no_pull_with_push",
         action="store_true",
-        help="with the pipeline, pull in a request of its own rather than in the "
-        "push (the PUSH_PULL message)",
+        help="with --overlap pipeline or eager, pull in a request of its own "
+        "rather than in the push (the PUSH_PULL message)",
     )
-    g.add_argument("--eager_pulls", type=int, default=1, help="pulls per round at most")
+    g.add_argument(
+        "--eager_pulls",
+        type=int,
+        default=1,
+        help="with --overlap eager: pulls per round at most",
+    )
     g.add_argument(
         "--ignore_hints",
         action="store_true",
@@ -578,6 +587,8 @@ def _build(args: argparse.Namespace, *, metrics=None):
         servers = [(args.host, args.port)]
     if not args.connect_timeout >= 0:
         raise ValueError(f"--connect_timeout must be >= 0, got {args.connect_timeout}")
+    if args.eager_pulls != 1 and args.overlap != "eager":
+        raise ValueError("--eager_pulls needs --overlap eager")
     if args.split_leaves and len(servers) == 1:
         raise ValueError("--split_leaves needs several --servers")
     index, count = _shard(args)
@@ -615,7 +626,7 @@ def _build(args: argparse.Namespace, *, metrics=None):
         compress_from_stage=args.compress_from_stage,
         error_feedback=not args.no_error_feedback,
         staleness_lr=args.staleness_lr,
-        pipeline=not args.no_pipeline,
+        overlap=args.overlap,
         pull_with_push=not args.no_pull_with_push,
         eager_pulls=args.eager_pulls,
         follow_hints=not args.ignore_hints,

@@ -41,32 +41,34 @@ Actions::
 The rules it owns:
 
 * **Rounds.** A round computes :math:`H` local steps of batch :math:`b` on the
-  newest parameters the worker holds, then its update is pushed. Without
-  ``pipeline`` the push and the next pull are one round trip after the compute
-  (``Push(with_pull=True)``). With ``pipeline`` (H-PS, PS+) a round starts by
-  pushing the previous round's update and, behind it, pulling; both travel
-  while the round computes, and the next round starts once the compute is done
-  and the pull answered. With ``pull_with_push`` as well (the asyncio worker's
-  default) that push carries the pull (``Push(with_pull=True)``, one
-  ``push_pull``): no pull request of its own, the acknowledgement comes with
-  the parameters, and the server sends them once it has applied the update
-  and its policy lets the worker go on (under BSP, the barrier). A round then
-  costs one message each way; a round with nothing to push still pulls.
-* **Eager pulls (PS+).** While a round computes, a pull that arrived early is
-  followed by another when the compute left, by the EWMA of compute times
-  :math:`\bar c`, still covers two pull times: :math:`\bar c - (t -
-  t_\text{start}) \ge 2 \bar p`, up to ``eager_pulls`` pulls a round.
-  Parameters older than the ones held are ignored.
+  newest parameters the worker holds, then its update is pushed. The
+  ``overlap`` of the transfers with compute is one of :data:`OVERLAP_MODES`.
+  With ``"none"`` the push and the next pull are one round trip after the
+  compute (``Push(with_pull=True)``). With ``"pipeline"`` or ``"eager"`` (H-PS,
+  PS+) a round starts by pushing the previous round's update and, behind it,
+  pulling; both travel while the round computes, and the next round starts once
+  the compute is done and the pull answered. With ``pull_with_push`` as well
+  (the asyncio worker's default) that push carries the pull
+  (``Push(with_pull=True)``, one ``push_pull``): no pull request of its own,
+  the acknowledgement comes with the parameters, and the server sends them once
+  it has applied the update and its policy lets the worker go on (under BSP,
+  the barrier). A round then costs one message each way; a round with nothing
+  to push still pulls.
+* **Eager pulls (PS+).** With ``overlap="eager"``, while a round computes, a
+  pull that arrived early is followed by another when the compute left, by the
+  EWMA of compute times :math:`\bar c`, still covers two pull times:
+  :math:`\bar c - (t - t_\text{start}) \ge 2 \bar p`, up to ``eager_pulls``
+  pulls a round. Parameters older than the ones held are ignored.
 * **Speed estimates.** EWMAs (weight :data:`EWMA_ALPHA`) of the compute time of
   a round and of the time a pull takes.
 * **Staleness estimate and step-size modulation (PS+).** An update computed on
   version :math:`v` is scaled when sent by :math:`f(\hat\tau)`,
   :math:`\hat\tau = V_\text{known} - v`, :math:`V_\text{known}` the newest
   version heard of (pulls and acknowledgements).
-* **Forced pulls (SaPS) and drops.** With ``pipeline`` a forced pull discards
-  the round computing (or the one waiting to be pushed); a drop discards it
-  too, and the worker rejoins (a pull in a new *session*: answers to the old
-  one are ignored), however often it is dropped.
+* **Forced pulls (SaPS) and drops.** With ``"pipeline"`` or ``"eager"`` a
+  forced pull discards the round computing (or the one waiting to be pushed);
+  a drop discards it too, and the worker rejoins (a pull in a new *session*:
+  answers to the old one are ignored), however often it is dropped.
 * **Plans and hints.** A newer plan revision sets the batch per device, the
   local steps and the step-size scale (one global factor: batch weighting is
   the server's sample-weighted average) from the next round; a local-steps
@@ -96,6 +98,7 @@ from typing import Any, ClassVar, NamedTuple
 
 __all__ = [
     "EWMA_ALPHA",
+    "OVERLAP_MODES",
     "Acked",
     "Compute",
     "Computed",
@@ -116,11 +119,29 @@ __all__ = [
     "Stop",
     "StopRequested",
     "WorkerCore",
+    "check_overlap",
     "ewma",
 ]
 
 EWMA_ALPHA = 0.3
 """Weight of a new sample in the worker's estimates of compute and pull times."""
+
+
+OVERLAP_MODES: tuple[str, ...] = ("none", "pipeline", "eager")
+"""How a worker overlaps communication with compute: ``"none"`` (compute, then
+push and pull in one round trip), ``"pipeline"`` (H-PS, PS+: the previous
+round's push and the next pull travel while a round computes) or ``"eager"``
+(``"pipeline"`` with up to ``eager_pulls`` pulls a round while compute time is
+left, PS+)."""
+
+
+def check_overlap(overlap: Any) -> None:
+    """Raises ``ValueError``, naming the valid modes, unless ``overlap`` is one of
+    :data:`OVERLAP_MODES`."""
+    if overlap not in OVERLAP_MODES:
+        raise ValueError(
+            f"Unknown overlap {overlap!r}; valid modes are {', '.join(OVERLAP_MODES)}."
+        )
 
 
 def ewma(old: float | None, sample: float, alpha: float = EWMA_ALPHA) -> float:
@@ -352,10 +373,12 @@ class WorkerCore:
       local_steps: :math:`H`, local steps per push, before any plan or hint.
       lr_scale: the step-size scale, before any plan.
       pushes_gradients: the worker has no local optimizer: one step a round.
-      pipeline: push the previous update and pull while a round computes.
-      eager_pulls: pulls a round at most with ``pipeline`` (PS+), >= 1.
-      pull_with_push: with ``pipeline``, a round's push carries its pull (one
-        ``push_pull``) instead of a pull behind it.
+      overlap: how the transfers overlap compute, one of
+        :data:`OVERLAP_MODES`: ``"pipeline"`` and ``"eager"`` push the previous
+        update and pull while a round computes, ``"none"`` after it.
+      eager_pulls: pulls a round at most with ``overlap="eager"`` (PS+), >= 1.
+      pull_with_push: with ``"pipeline"`` or ``"eager"``, a round's push carries
+        its pull (one ``push_pull``) instead of a pull behind it.
       staleness_lr: PS+'s modulation: a
         :data:`hpsjax.transforms.STALENESS_POLICIES` name or a callable
         ``tau -> factor``; ``None`` for none.
@@ -386,7 +409,7 @@ class WorkerCore:
         local_steps: int = 1,
         lr_scale: float = 1.0,
         pushes_gradients: bool = False,
-        pipeline: bool = False,
+        overlap: str = "none",
         eager_pulls: int = 1,
         pull_with_push: bool = False,
         staleness_lr: str | Callable[[int], float] | None = None,
@@ -403,6 +426,7 @@ class WorkerCore:
         for b in device_batches:
             _positive_int("device_batches entry", b)
         _positive_int("local_steps", local_steps)
+        check_overlap(overlap)
         _positive_int("eager_pulls", eager_pulls)
         _positive_int("max_steps", max_steps, allow_none=True)
         _positive_int("until_version", until_version, allow_none=True)
@@ -436,8 +460,8 @@ class WorkerCore:
         self.plan_steps = int(local_steps)
         self.lr_scale = float(lr_scale)
         self.pushes_gradients = bool(pushes_gradients)
-        self.pipeline = bool(pipeline)
-        self.eager_pulls = int(eager_pulls) if pipeline else 1
+        self.pipeline = overlap != "none"
+        self.eager_pulls = int(eager_pulls) if overlap == "eager" else 1
         self.pull_with_push = bool(pull_with_push) and self.pipeline
         self.staleness_lr = staleness_lr
         self.follow_hints = bool(follow_hints)

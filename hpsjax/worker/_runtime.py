@@ -13,7 +13,7 @@ Each **round** it takes :math:`H` local steps on the parameters of the version
   accumulates; the local steps are scaled by the plan's step-size scale
   :math:`s`.
 
-**Pipeline (H-PS, PS+).** With ``pipeline=True`` the transfers of round
+**Pipeline (H-PS, PS+).** With ``overlap="pipeline"`` the transfers of round
 :math:`r` travel while round :math:`r` computes: the push of round
 :math:`r - 1`'s update and, right behind it on the same connection, the pull of
 the parameters round :math:`r + 1` starts from (PS+'s *eager pull*: the worker
@@ -22,8 +22,10 @@ thread (JAX releases the GIL while it computes), so the event loop keeps moving
 bytes. An update is thus pushed one round after it was computed, and its staleness
 is at least 1; under BSP the round barrier becomes the wait for the pull, and
 round time is :math:`\max(\text{compute}, \text{transfer} + \text{barrier})`
-rather than their sum. With ``pipeline=False`` the worker computes, then pushes
-and pulls in one round trip (``push_pull``), all transfer time exposed.
+rather than their sum. ``overlap="eager"`` pulls again while compute time is
+left, up to ``eager_pulls`` pulls a round. With ``overlap="none"`` the worker
+computes, then pushes and pulls in one round trip (``push_pull``), all transfer
+time exposed.
 
 **Staleness-modulated step size (PS+).** With ``staleness_lr``, an update
 computed on version :math:`v` is scaled, when it is sent, by
@@ -138,6 +140,7 @@ from hpsjax.worker._core import (
     Stop,
     StopRequested,
     WorkerCore,
+    check_overlap,
 )
 from hpsjax.worker._hetero import Heterogeneity, Injector
 
@@ -212,19 +215,23 @@ class WorkerConfig:
       staleness_lr: a :data:`hpsjax.transforms.STALENESS_POLICIES` name
         (e.g. ``"inverse_plus_one"``) to scale each update by :math:`f(\\hat\\tau)`
         on this side (PS+), ``None`` for no scaling.
-      pipeline: overlap the previous push and the next pull with compute.
+      overlap: how transfers overlap compute, one of
+        :data:`~hpsjax.worker.OVERLAP_MODES`: ``"pipeline"`` sends the
+        previous push and the next pull while a round computes, ``"eager"``
+        pulls again as well while compute time is left, ``"none"`` pushes and
+        pulls after the compute.
       compile_beside: compile the step for a batch size new to this worker (a
         revised plan) on a thread of its own, the rounds meanwhile computing
         with the last batch (and saying so in their pushes' sample counts), so
         a re-plan never stalls a round; ``False`` compiles it in the round.
-      pull_with_push: with ``pipeline``, send a round's push and the pull
-        behind it as one ``push_pull``: the server answers with the parameters
-        (the acknowledgement inside) once it applied the update and its policy
-        lets this worker go on, so a round costs one message each way instead
-        of a push, its acknowledgement, a pull and its answer.
-      eager_pulls: pulls per round at most: with more than 1, the worker pulls
-        again while a pull answered early leaves time before compute ends, so it
-        starts the next round on fresher parameters.
+      pull_with_push: with ``"pipeline"`` or ``"eager"``, send a round's push
+        and the pull behind it as one ``push_pull``: the server answers with
+        the parameters (the acknowledgement inside) once it applied the update
+        and its policy lets this worker go on, so a round costs one message
+        each way instead of a push, its acknowledgement, a pull and its answer.
+      eager_pulls: pulls per round at most with ``overlap="eager"``: with more
+        than 1, the worker pulls again while a pull answered early leaves time
+        before compute ends, so it starts the next round on fresher parameters.
       follow_hints: obey the server's ``local_steps`` and ``plan`` hints.
       max_steps: rounds to run (each ends with a push), ``None`` for no limit.
       max_seconds: stop starting rounds after this many seconds.
@@ -256,7 +263,7 @@ class WorkerConfig:
     compress_ratio: float | None = None
     compress_from_stage: int | None = None
     staleness_lr: str | None = None
-    pipeline: bool = True
+    overlap: str = "pipeline"
     pull_with_push: bool = True
     compile_beside: bool = True
     eager_pulls: int = 1
@@ -323,6 +330,7 @@ class WorkerConfig:
                     f"unknown staleness_lr {self.staleness_lr!r}; valid: "
                     f"{sorted(STALENESS_POLICIES)}"
                 )
+        check_overlap(self.overlap)
         _check_int("eager_pulls", self.eager_pulls, 1)
         _check_int("max_steps", self.max_steps, 1, allow_none=True)
         _check_positive("max_seconds", self.max_seconds, allow_none=True)
@@ -1103,7 +1111,7 @@ class Worker:
             local_steps=local_steps,
             lr_scale=lr_scale,
             pushes_gradients=self._pushes_gradients,
-            pipeline=config.pipeline,
+            overlap=config.overlap,
             pull_with_push=config.pull_with_push,
             eager_pulls=config.eager_pulls,
             staleness_lr=config.staleness_lr,
