@@ -364,9 +364,22 @@ def test_an_unknown_overlap_is_one_line_naming_the_modes(capsys):
             "some by rows: drop one of the two",
         ),
         (["--port", "1", "--powersgd_rank", "0"], "powersgd_rank must be"),
+        (
+            ["--servers", "127.0.0.1:1,127.0.0.1:2", "--split_leaves",
+             "--work_plan", "{plan}", "--compress_from_stage", "1"],
+            "--compress_from_stage encodes whole arrays, but with --split_leaves "
+            "the shards cut some by rows: drop one of the two",
+        ),
     ],
 )  # fmt: skip
-def test_powersgd_rank_mistakes_are_one_line(argv, message, capsys):
+def test_encoded_push_mistakes_are_one_line(argv, message, capsys, tmp_path):
+    if "{plan}" in argv:
+        from hpsjax.profiling import WorkerProfile, plan
+
+        path = tmp_path / "plan.json"
+        profiles = [WorkerProfile.synthetic(i, 100.0) for i in range(2)]
+        path.write_text(plan(profiles, global_batch=32).to_json())
+        argv = [str(path) if a == "{plan}" else a for a in argv]
     assert worker_cli.main([*SMALL, *argv]) == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"hpsjax-worker: {message}")

@@ -747,7 +747,8 @@ def _sharded_client(args: argparse.Namespace, servers, params):
     partition = KeyRangePartition.from_tree(
         spec, len(servers), split_leaves=args.split_leaves
     )
-    for flag in ("bits", "powersgd_rank"):
+    # Each sends its pushes encoded as whole arrays (top-k from the stage on).
+    for flag in ("bits", "powersgd_rank", "compress_from_stage"):
         if getattr(args, flag) is not None and partition.cuts_leaves:
             raise ValueError(
                 f"--{flag} encodes whole arrays, but with --split_leaves the "
