@@ -84,7 +84,7 @@ def _push_compression(
     estimate uses: ``powersgd_nbytes`` per leaf for PowerSGD.
     """
     from hpsjax.profiling import tree_wire_nbytes
-    from hpsjax.transforms import Codec, power_sgd, powersgd_nbytes, quantize
+    from hpsjax.transforms import Codec, power_sgd, quantize
 
     worker = config.worker
     error_feedback = bool(worker.error_feedback)
@@ -93,10 +93,7 @@ def _push_compression(
         transform = power_sgd(
             rank, error_feedback=error_feedback, seed=int(config.seed)
         )
-        push_bytes = sum(
-            powersgd_nbytes(x.shape, x.dtype, rank) for x in jax.tree.leaves(params)
-        )
-        return transform, None, int(push_bytes)
+        return transform, None, tree_wire_nbytes(params, powersgd_rank=rank)
     bits = worker.bits
     if bits is None:
         return None, None, tree_wire_nbytes(params)

@@ -208,6 +208,10 @@ def test_wire_bytes_follow_the_codec():
     assert tree_wire_nbytes(tree, Codec("uniform", 8)) == (32 + 4) + (3 + 4)
     # 1 bit: values packed 8 to a byte
     assert tree_wire_nbytes(tree, Codec("sign")) == (4 + 4) + (1 + 4)
+    # PowerSGD rank 1: the 4 x 8 leaf as 4 + 8 factor values, the vector whole
+    assert tree_wire_nbytes(tree, powersgd_rank=1) == 4 * (12 + 3)
+    with pytest.raises(ValueError, match="not both"):
+        tree_wire_nbytes(tree, Codec("sign"), powersgd_rank=1)
     prof = profile(
         lambda p, x: (x @ p["a"]).sum(),
         {"a": jnp.ones((4, 8))},

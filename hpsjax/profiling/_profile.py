@@ -598,21 +598,34 @@ class WorkerProfile:
             raise ValueError(f"malformed WorkerProfile JSON: {e!r}") from None
 
 
-def tree_wire_nbytes(tree: Any, codec: Any = None) -> int:
+def tree_wire_nbytes(
+    tree: Any, codec: Any = None, *, powersgd_rank: int | None = None
+) -> int:
     """Payload bytes of ``tree`` on the wire, after ``codec`` where one is given.
 
     Without a codec every leaf travels as its raw buffer. With one, each leaf's
     size is ``encoded_nbytes(shape, codec)`` of ``hpsjax.transforms``, the same
-    count the wire codec produces.
+    count the wire codec produces; with ``powersgd_rank``, its PowerSGD
+    factors' ``powersgd_nbytes``.
 
     Args:
       tree: a pytree of arrays (or ``jax.ShapeDtypeStruct``).
       codec: a ``hpsjax.transforms.Codec`` or ``None``.
+      powersgd_rank: the rank of PowerSGD pushes (not with ``codec``), or
+        ``None``.
 
     Returns:
       The byte count, headers excluded.
     """
     leaves = jax.tree.leaves(tree)
+    if powersgd_rank is not None:
+        if codec is not None:
+            raise ValueError("give codec or powersgd_rank, not both")
+        from hpsjax.transforms import powersgd_nbytes
+
+        return int(
+            sum(powersgd_nbytes(x.shape, x.dtype, powersgd_rank) for x in leaves)
+        )
     if codec is None:
         return int(sum(np.dtype(x.dtype).itemsize * math.prod(x.shape) for x in leaves))
     return int(sum(encoded_nbytes(tuple(x.shape), codec) for x in leaves))

@@ -834,21 +834,14 @@ def with_injection(measured, args: argparse.Namespace, spec):
     """
     import dataclasses
 
-    import jax
-
     from hpsjax.profiling import Link, TransferProfile, tree_wire_nbytes
-    from hpsjax.transforms import Codec, powersgd_nbytes
+    from hpsjax.transforms import Codec
 
     het = _heterogeneity(args)
     codec = None
     if args.bits is not None:
         codec = Codec("sign" if args.bits == 1 else "uniform", args.bits)
-    push_bytes = tree_wire_nbytes(spec, codec)
-    if args.powersgd_rank is not None:
-        push_bytes = sum(
-            powersgd_nbytes(x.shape, x.dtype, args.powersgd_rank)
-            for x in jax.tree.leaves(spec)
-        )
+    push_bytes = tree_wire_nbytes(spec, codec, powersgd_rank=args.powersgd_rank)
     pull_bytes = tree_wire_nbytes(spec)
     bandwidth = het.bandwidth_at(0.0)
     if bandwidth is not None:
