@@ -8,7 +8,17 @@ import json
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-__all__ = ["add_key_value_flag", "check_kwargs", "key_value"]
+__all__ = ["HelpFormatter", "add_key_value_flag", "check_kwargs", "key_value"]
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows each flag's default, but not ``None``: the help of a flag whose
+    default is worked out at run time says what it is."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None:
+            return action.help
+        return super()._get_help_string(action)
 
 
 def key_value(text: str) -> tuple[str, Any]:

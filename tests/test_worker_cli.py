@@ -313,13 +313,14 @@ def test_two_workers_train_a_resnet_keeping_batch_stats_to_themselves(tmp_path):
 def test_pull_with_push_is_the_default_and_can_be_turned_off(argv, pull_with_push):
     worker, _, _, _ = worker_cli._build(_args(*argv))
     assert worker.config.pull_with_push is pull_with_push
-    assert worker.config.overlap == "pipeline"
+    assert worker.config.overlap is None  # the server's policy's
 
 
 @pytest.mark.parametrize(
     ("argv", "overlap", "eager_pulls"),
     [
-        ((), "pipeline", 1),
+        ((), None, 1),
+        (("--overlap", "pipeline"), "pipeline", 1),
         (("--overlap", "none"), "none", 1),
         (("--overlap", "eager", "--eager_pulls", "3"), "eager", 3),
     ],

@@ -81,6 +81,8 @@ class ServerInfo(NamedTuple):
       spec: the model: a pytree of ``jax.ShapeDtypeStruct``.
       layout: the model's wire layout (structure and leaf specs).
       limits: the server's frame limits, as a dict.
+      synchronous: the policy holds every round for every live worker (BSP, a
+        hybrid policy's sync stage); ``False`` when the server does not say.
     """
 
     policy: str
@@ -89,6 +91,7 @@ class ServerInfo(NamedTuple):
     spec: Any
     layout: _treecodec.TreeLayout
     limits: dict[str, Any]
+    synchronous: bool = False
 
 
 def _server_info(meta: Mapping[str, Any]) -> ServerInfo:
@@ -115,6 +118,7 @@ def _server_info(meta: Mapping[str, Any]) -> ServerInfo:
             spec=spec,
             layout=layout,
             limits=dict(meta.get("limits", {})),
+            synchronous=meta.get("synchronous", False) is True,
         )
     except (KeyError, TypeError, ValueError, HpsError) as e:
         raise ProtocolError(f"malformed server info: {e}") from None

@@ -146,9 +146,14 @@ class Policy:
 
     Attributes:
       name: the policy's name, used in reasons, reprs and checkpoints.
+      synchronous: every round waits for every live worker (a barrier), so a
+        worker computes on the newest version and pushes with staleness 0
+        unless it pipelines its transfers; told to workers when they connect
+        (the INFO map's ``synchronous``), whose overlap follows it by default.
     """
 
     name: str = "custom"
+    synchronous: bool = False
 
     def admit(self, core: ServerCore, worker_id: Any) -> bool:
         """Whether ``worker_id``'s pull may proceed now.
@@ -326,6 +331,7 @@ class BSP(Policy):
     """
 
     name = "bsp"
+    synchronous = True
 
     def admit(self, core, worker_id):
         return core.min_clock >= core.clock(worker_id)
@@ -878,6 +884,11 @@ class Hybrid(Policy):
     def current(self) -> HybridStage:
         """Settings of the current stage."""
         return self.stages[self._stage]
+
+    @property
+    def synchronous(self) -> bool:
+        """Whether the current stage is synchronous (``"sync"``)."""
+        return self._delegates[self._stage].synchronous
 
     def admit(self, core, worker_id):
         return self._delegates[self._stage].admit(core, worker_id)

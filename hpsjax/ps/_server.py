@@ -911,6 +911,11 @@ class Server:
                 self._replace(old)
             self._sessions[session.worker_id] = session
             meta = {**meta, "info": self._info()}
+            plan = self._plans.get(session.worker_id)
+            if plan is not None:
+                # Before the welcome, so the worker can compile its planned
+                # step before it joins a round.
+                self._notify(session, plan)
         session.protocol.send(_frames.encode_frame(msg_type, frame.request_id, meta))
 
     def _replace(self, old: _Session) -> None:
@@ -928,6 +933,7 @@ class Server:
             "policy": getattr(policy, "name", type(policy).__name__),
             "version": self._core.version,
             "stage": int(getattr(policy, "stage", 0) or 0),
+            "synchronous": bool(getattr(policy, "synchronous", False)),
             "spec": self._spec_meta,
             "limits": {
                 "max_message_bytes": limits.max_message_bytes,

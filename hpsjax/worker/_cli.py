@@ -51,7 +51,7 @@ import typing
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from hpsjax._flags import check_kwargs, key_value
+from hpsjax._flags import HelpFormatter, check_kwargs, key_value
 from hpsjax._logs import quiet_backend_probe
 from hpsjax.worker._core import OVERLAP_MODES
 
@@ -103,7 +103,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="hpsjax-worker",
         description="Run an hpsjax training worker.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     g = p.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="server address")
@@ -174,7 +174,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     g.add_argument("--shard_index", type=int, help="this worker's shard")
     g.add_argument("--shard_count", type=int, default=1, help="number of shards")
-    g.add_argument("--data_seed", type=int, help="shuffle seed (default: shard)")
+    g.add_argument(
+        "--data_seed",
+        type=int,
+        help="shuffle seed of this worker's batches (default: its shard index)",
+    )
 
     g = p.add_argument_group("work")
     g.add_argument("--batch_size", type=int, default=32, help="samples per step")
@@ -215,11 +219,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     g.add_argument(
         "--overlap",
-        default="pipeline",
         choices=OVERLAP_MODES,
         help="transfers during compute: pipeline (the previous push and the next "
         "pull), eager (pipeline, pulling again while compute time is left, up to "
-        "--eager_pulls a round) or none (push and pull after compute)",
+        "--eager_pulls a round) or none (push and pull after compute); default: "
+        "the server's policy's, none under a synchronous policy (bsp: every push "
+        "has staleness 0), pipeline otherwise (each push at least 1 version stale)",
     )
     g.add_argument(
         "--no_pull_with_push",

@@ -219,7 +219,9 @@ class WorkerConfig:
         :data:`~hpsjax.worker.OVERLAP_MODES`: ``"pipeline"`` sends the
         previous push and the next pull while a round computes, ``"eager"``
         pulls again as well while compute time is left, ``"none"`` pushes and
-        pulls after the compute.
+        pulls after the compute. ``None`` (the default) follows the server's
+        policy, told on connecting: ``"none"`` under a synchronous one (BSP),
+        so that every push has staleness 0, ``"pipeline"`` otherwise.
       compile_beside: compile the step for a batch size new to this worker (a
         revised plan) on a thread of its own, the rounds meanwhile computing
         with the last batch (and saying so in their pushes' sample counts), so
@@ -263,7 +265,7 @@ class WorkerConfig:
     compress_ratio: float | None = None
     compress_from_stage: int | None = None
     staleness_lr: str | None = None
-    overlap: str = "pipeline"
+    overlap: str | None = None
     pull_with_push: bool = True
     compile_beside: bool = True
     eager_pulls: int = 1
@@ -330,7 +332,8 @@ class WorkerConfig:
                     f"unknown staleness_lr {self.staleness_lr!r}; valid: "
                     f"{sorted(STALENESS_POLICIES)}"
                 )
-        check_overlap(self.overlap)
+        if self.overlap is not None:
+            check_overlap(self.overlap)
         _check_int("eager_pulls", self.eager_pulls, 1)
         _check_int("max_steps", self.max_steps, 1, allow_none=True)
         _check_positive("max_seconds", self.max_seconds, allow_none=True)
@@ -487,6 +490,15 @@ def summarize(records: Sequence[Mapping[str, Any]]) -> dict[str, float]:
         "overlap": overlap,
         **total,
     }
+
+
+def _server_info(client: Any) -> Any:
+    """The server's ``ServerInfo`` as the client last heard it (shard 0's for a
+    sharded client), ``None`` when it has none (a stand-in client)."""
+    info = getattr(client, "info", None)
+    if isinstance(info, tuple) and not hasattr(info, "_fields"):
+        info = info[0] if info else None
+    return info
 
 
 def _shapes_key(batch: Any) -> tuple:
@@ -1102,6 +1114,42 @@ class Worker:
         )
         jax.block_until_ready(self._compress_update(zeros, self._compressor_state))
 
+    def _overlap(self, client: Any) -> str:
+        """The run's overlap: the config's, else the server policy's (see
+        ``WorkerConfig.overlap``); logged with the staleness it leads to."""
+        info = _server_info(client)
+        policy = getattr(info, "policy", "of the server")
+        synchronous = bool(getattr(info, "synchronous", False))
+        overlap, who = self._config.overlap, self._config.worker_id
+        if overlap is None:
+            overlap = "none" if synchronous else "pipeline"
+            if synchronous:
+                logger.info(
+                    "worker %s: policy %s is synchronous: each round computes, "
+                    "then pushes and pulls (overlap none); pushes have staleness 0",
+                    who,
+                    policy,
+                )
+            else:
+                logger.info(
+                    "worker %s: policy %s: transfers travel while a round "
+                    "computes (overlap pipeline); pushes are at least 1 version "
+                    "stale",
+                    who,
+                    policy,
+                )
+        elif synchronous and overlap != "none":
+            logger.warning(
+                "worker %s: overlap %s under the synchronous policy %s: every "
+                "push is 1 version stale (overlap none keeps staleness 0)",
+                who,
+                overlap,
+                policy,
+            )
+        else:
+            logger.info("worker %s: overlap %s (policy %s)", who, overlap, policy)
+        return overlap
+
     async def _train(self, client, computer, encoder, totals):
         """Carries out the worker core's actions until it stops."""
         config = self._config
@@ -1111,7 +1159,7 @@ class Worker:
             local_steps=local_steps,
             lr_scale=lr_scale,
             pushes_gradients=self._pushes_gradients,
-            overlap=config.overlap,
+            overlap=self._overlap(client),
             pull_with_push=config.pull_with_push,
             eager_pulls=config.eager_pulls,
             staleness_lr=config.staleness_lr,
