@@ -49,6 +49,7 @@ import asyncio
 import contextlib
 import logging
 import math
+import os
 import pathlib
 import signal
 import sys
@@ -456,6 +457,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
     g = p.add_argument_group("process")
     g.add_argument(
+        "--device",
+        default="cpu",
+        help="where the parameters and optimizer state live and the optimizer "
+        "runs: cpu (the host, where the sockets' bytes are) or a platform such "
+        "as gpu, cuda or tpu, optionally :INDEX (e.g. gpu:1)",
+    )
+    g.add_argument(
         "--loop", default="auto", choices=("auto", "uvloop", "asyncio"),
         help="event loop (auto: uvloop when installed)",
     )  # fmt: skip
@@ -628,6 +636,9 @@ def _make_server(args: argparse.Namespace) -> tuple[Any, Any]:
             "reach the port could push updates; pass --secret_file (or --insecure "
             "to accept that)"
         )
+    from hpsjax._devices import resolve_device
+
+    device = resolve_device(args.device, what="--device")
     params, checkpoint_dir = _params_and_checkpoints(args)
     policy_kwargs = _policy_kwargs(args)
     metrics = None
@@ -659,6 +670,7 @@ def _make_server(args: argparse.Namespace) -> tuple[Any, Any]:
         core_kwargs=core_kwargs,
         replanner=_replanner(args),
         metrics=metrics,
+        device=device,
         **policy_kwargs,
     )
     return server, metrics
@@ -705,6 +717,21 @@ async def serve(args: argparse.Namespace) -> None:
                 metrics.stop()
 
 
+def _host_only(device: str) -> None:
+    """With the state on the host, JAX starts only its CPU backend.
+
+    Started, an accelerator's backend would reserve most of the device's memory
+    for this process (JAX preallocates), memory the workers on that device
+    need. ``JAX_PLATFORMS`` set by the user is left as it is.
+    """
+    if device.strip().lower().partition(":")[0] == "cpu" and not os.environ.get(
+        "JAX_PLATFORMS"
+    ):
+        import jax
+
+        jax.config.update("jax_platforms", "cpu")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Console entry point ``hpsjax-server``; returns the exit status."""
     args = parse_args(argv)
@@ -715,6 +742,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     quiet_backend_probe()
+    if argv is None:
+        # The command's own process (not a caller's, whose JAX is its own).
+        _host_only(args.device)
     runner = asyncio.run
     if args.loop in ("auto", "uvloop"):
         try:

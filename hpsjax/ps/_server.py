@@ -47,11 +47,11 @@ from collections.abc import Mapping
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 
 from hpsjax._checks import check_int
+from hpsjax._devices import describe_device, resolve_device
 from hpsjax.profiling import Replanner
 from hpsjax.ps import _auth, _frames, _treecodec
 from hpsjax.ps._checkpoint import CheckpointManager
@@ -74,7 +74,6 @@ from hpsjax.ps._errors import (
     ProtocolError,
     ServerError,
     ShuttingDown,
-    SpecMismatch,
     UnexpectedMessage,
     WorkerDropped,
 )
@@ -121,6 +120,21 @@ def _is_loopback(host: str | None) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
+
+
+def _on_device(method):
+    """Runs a method of :class:`Server` with the server's device as JAX's
+    default, so arrays the core makes there (buffers, scalars, a resumed
+    state) and the steps it compiles stay on that device whatever the
+    process's default is (JAX's default device is set per thread and
+    context, so each entry from the event loop or a thread sets it)."""
+
+    @functools.wraps(method)
+    def placed(self, *args, **kwargs):
+        with jax.default_device(self._device):
+            return method(self, *args, **kwargs)
+
+    return placed
 
 
 def _plan_hint(entry: Any, revision: int) -> PlanNotice:
@@ -274,6 +288,12 @@ class Server:
         global-norm clipping): the optimizer runs while the rest of the push
         is received. ``None`` applies every push
         after its last byte. :meth:`start` logs which applies are used.
+      device: where the parameters and optimizer state live and the
+        optimizer runs: ``None`` for the host CPU (where the socket's bytes
+        are; an accelerator's transfers would cost every push more than its
+        arithmetic saves), a platform name (``"gpu"``, ``"cuda"``,
+        ``"tpu"``, optionally ``":INDEX"``) or a ``jax.Device``
+        (:func:`hpsjax._devices.resolve_device`). :meth:`start` logs it.
       **policy_kwargs: keyword arguments of the policy given by name (e.g.
         ``staleness_bound=2`` for ``"ssp"``).
 
@@ -325,8 +345,10 @@ class Server:
         status_interval: float = 60.0,
         metrics: Any = None,
         overlap_apply_bytes: int | None = 1 << 20,
+        device: Any = None,
         **policy_kwargs: Any,
     ):
+        self._device = resolve_device(device)
         self._secret = _auth.secret_bytes(secret)
         if self._secret is None and not (insecure or _is_loopback(host)):
             raise ValueError(
@@ -346,16 +368,17 @@ class Server:
             overlap_apply_bytes=overlap_apply_bytes,
             replanner=replanner,
         )
-        self._core = ServerCore(
-            params,
-            optimizer,
-            policy,
-            policy_kwargs=policy_kwargs,
-            # Checked here on the received arrays instead (numpy, one pass,
-            # naming the leaf), before the core ever sees the update.
-            check_finite=False,
-            **({"check_result": bool(check_finite)} | dict(core_kwargs or {})),
-        )
+        with jax.default_device(self._device):
+            self._core = ServerCore(
+                jax.device_put(params, self._device),
+                optimizer,
+                policy,
+                policy_kwargs=policy_kwargs,
+                # Checked here on the received arrays instead (numpy, one pass,
+                # naming the leaf), before the core ever sees the update.
+                check_finite=False,
+                **({"check_result": bool(check_finite)} | dict(core_kwargs or {})),
+            )
         self._host = host
         self._requested_port = port
         self._ssl = ssl
@@ -394,9 +417,6 @@ class Server:
                 "params must be a pytree of dicts (str keys), lists, tuples and "
                 "arrays whose leaf order is JAX's"
             )
-        self._model_floating = all(
-            jnp.issubdtype(leaf.dtype, jnp.floating) for leaf in self._model.leaves
-        )
         self._spec_meta = {
             "tree": self._model.structure,
             "leaves": [[s.dtype.name, list(s.shape)] for s in self._model.leaves],
@@ -461,6 +481,16 @@ class Server:
         return self._core.version
 
     @property
+    def device(self) -> jax.Device:
+        """The device holding the parameters and optimizer state."""
+        return self._device
+
+    @_on_device
+    def _call_on_device(self, fn, *args):
+        """``fn(*args)`` with the server's device as the default (for threads)."""
+        return fn(*args)
+
+    @property
     def resumed_from(self) -> int | None:
         """The checkpoint step resumed from by :meth:`start`, or ``None``."""
         return getattr(self, "_resumed_from", None)
@@ -518,6 +548,7 @@ class Server:
         if self._status_interval > 0:
             self._status_task = self._loop.create_task(self._status_loop())
         self._rearm()
+        logger.info("server state on %s", describe_device(self._device))
         logger.info(
             "serving %s (%s) on %s:%d at version %d",
             type(self._core.policy).__name__,
@@ -537,7 +568,9 @@ class Server:
             self._overlap_min_bytes = math.inf
             logger.info("applies: whole-tree (this core setup applies no push alone)")
             return
-        steps = await self._loop.run_in_executor(_COMPILER, lambda: core.leaf_steps)
+        steps = await self._loop.run_in_executor(
+            _COMPILER, self._call_on_device, lambda: core.leaf_steps
+        )
         if steps is None:
             self._overlap_min_bytes = math.inf
             logger.info(
@@ -626,6 +659,7 @@ class Server:
     async def __aexit__(self, *exc_info: Any) -> None:
         await self.close()
 
+    @_on_device
     def set_stage(self, index: int) -> None:
         """Moves a staged policy (``"hybrid"``) to stage ``index``.
 
@@ -702,7 +736,9 @@ class Server:
     async def _resume(self) -> None:
         like = (self._core.params, self._core.opt_state)
         restored = await self._loop.run_in_executor(
-            self._checkpoint_executor, lambda: self._manager.restore_latest(like=like)
+            self._checkpoint_executor,
+            self._call_on_device,
+            lambda: self._manager.restore_latest(like=like),
         )
         if restored is None:
             return
@@ -712,7 +748,8 @@ class Server:
                 f"{self._checkpoint_dir} holds checkpoints of another kind"
             )
         params, opt_state = restored.tree
-        self._core.load_state_dict(meta["core"], params=params, opt_state=opt_state)
+        with jax.default_device(self._device):
+            self._core.load_state_dict(meta["core"], params=params, opt_state=opt_state)
         self._saved_version = self._core.version
         self._resumed_from = restored.step
         logger.info(
@@ -729,25 +766,29 @@ class Server:
         }
 
     def _save_async(self) -> None:
-        """Queues a checkpoint of the current version on the checkpoint thread.
+        """Hands a checkpoint of the current version to the manager's thread.
 
         Parameters and optimizer state are immutable JAX arrays, so handing
         their references to the thread is a consistent snapshot; the
-        bookkeeping is captured here, at the same moment.
+        bookkeeping is captured here, at the same moment. A save due while
+        another is written is folded into the next (``save_async``).
         """
         version = self._core.version
         if self._manager is None or version == self._saved_version:
             return
         tree = (self._core.params, self._core.opt_state)
-        metadata = self._checkpoint_metadata()
+        try:
+            future = self._manager.save_async(
+                version, tree, self._checkpoint_metadata(), snapshot=False
+            )
+        except RuntimeError:  # an earlier save failed: _note_save kept it
+            return
         self._saved_version = version
-        future = self._checkpoint_executor.submit(
-            self._manager.save, version, tree, metadata
-        )
-        self._checkpoint_futures = [
-            f for f in self._checkpoint_futures if not f.done()
-        ] + [future]
-        future.add_done_callback(self._note_save)
+        if future not in self._checkpoint_futures:  # a folded save's is
+            self._checkpoint_futures = [
+                f for f in self._checkpoint_futures if not f.done()
+            ] + [future]
+            future.add_done_callback(self._note_save)
 
     def _note_save(self, future: concurrent.futures.Future) -> None:
         error = future.exception()
@@ -764,7 +805,10 @@ class Server:
         for future in self._checkpoint_futures:
             with contextlib.suppress(Exception):  # recorded by _note_save
                 await asyncio.wrap_future(future)
-        await self._loop.run_in_executor(self._checkpoint_executor, self._manager.close)
+        with contextlib.suppress(RuntimeError):  # a failed save, kept above
+            await self._loop.run_in_executor(
+                self._checkpoint_executor, self._manager.close
+            )
         self._checkpoint_executor.shutdown(wait=True)
 
     async def _status_loop(self) -> None:
@@ -827,6 +871,7 @@ class Server:
         if session.state != "ready":
             session.protocol.fail(AuthError("handshake timed out"))
 
+    @_on_device
     def _allocate(self, session: _Session, header: _frames.Header, meta: dict):
         if session.state != "ready":
             raise UnexpectedMessage(f"{header.msg_type.name} before authentication")
@@ -838,8 +883,6 @@ class Server:
                 f"leaves hold {layout.nbytes} bytes, header says "
                 f"{header.payload_length}"
             )
-        if layout.codec is not None and not self._model_floating:
-            raise SpecMismatch("only models of floating leaves take compressed pushes")
         arrays, buffers = layout.receive_buffers(self._pool)
         session.overlap = None
         owner = self._overlap_owner
@@ -856,6 +899,7 @@ class Server:
             self._overlap_owner = session
         return buffers, _treecodec.WireTree(layout, arrays)
 
+    @_on_device
     def _on_event(self, session: _Session, event: Frame | FrameError) -> None:
         if self._closing:
             return
@@ -994,7 +1038,7 @@ class Server:
 
     def _pull(self, session: _Session) -> None:
         now = self._now()
-        if session.joined:
+        if session.joined and session.worker_id in self._core.live:
             actions = self._core.pull(session.worker_id, now)
         else:
             plan = self._plans.get(session.worker_id)
@@ -1073,10 +1117,10 @@ class Server:
         """Refuses a push the core would refuse, before anything is decoded."""
         if not session.joined:
             raise UnexpectedMessage("push before pull: pull first to join")
-        if session.worker_id not in self._core.live:
-            raise WorkerDropped(
-                f"worker {session.worker_id!r} is not live; pull to join again"
-            )
+        # A connection that joined stays joined when the policy drops its
+        # worker: the core says why it is not live (42), and its next pull
+        # joins it again.
+        self._core.check_live(session.worker_id)
         if version > self._core.version:
             raise InvalidUpdate(
                 f"push version must be an int in [0, {self._core.version}] (the "
@@ -1091,7 +1135,9 @@ class Server:
         if codec in self._compiling:
             return
         self._compiling.add(codec)
-        future = self._loop.run_in_executor(_COMPILER, self._decoders.compile, codec)
+        future = self._loop.run_in_executor(
+            _COMPILER, self._call_on_device, self._decoders.compile, codec
+        )
         future.add_done_callback(functools.partial(self._compiled, codec))
 
     def _compiled(self, codec, future) -> None:
@@ -1120,6 +1166,7 @@ class Server:
         encoded = [q.Encoded(codes, scales) for codes, scales in payload.arrays]
         return self._decoders.decoder(codec)(encoded)
 
+    @_on_device
     def _on_filled(
         self, session: _Session, payload: _treecodec.WireTree, index: int
     ) -> None:
@@ -1211,7 +1258,6 @@ class Server:
                 if self._metrics is not None:
                     self._metrics.worker_dropped()
                 if session is not None:
-                    session.joined = False
                     error = WorkerDropped(action.reason)
                     self._fail_pulls(session, error)
                     self._notify_error(session, error)
@@ -1326,7 +1372,11 @@ class Server:
     # ---------------------------------------------------------- leaving
 
     def _leave(self, session: _Session) -> None:
-        if session.joined and self._sessions.get(session.worker_id) is session:
+        if (
+            session.joined
+            and self._sessions.get(session.worker_id) is session
+            and session.worker_id in self._core.live  # not already dropped
+        ):
             session.joined = False
             try:
                 actions = self._core.leave(session.worker_id, self._now())
@@ -1339,6 +1389,7 @@ class Server:
                 self._metrics.worker_dropped()
             self._carry_out(actions)
 
+    @_on_device
     def _on_lost(self, session: _Session, error: HpsError) -> None:
         self._connections.discard(session)
         if session.handshake_timer is not None:
@@ -1371,6 +1422,7 @@ class Server:
                 deadline = max(deadline, self._loop.time() + 1e-3)
             self._timer = self._loop.call_at(deadline, self._on_tick)
 
+    @_on_device
     def _on_tick(self) -> None:
         self._timer = None
         self._last_tick_deadline = self._core.next_deadline()
