@@ -103,6 +103,24 @@ def test_hps_fixed_memory_counts_against_the_cap():
     assert _batches(p) == [50, 150]
 
 
+def test_memory_cap_is_exact_for_memory_on_a_line():
+    # Whole bytes on a line fit to the exact line, so the cap is the exact
+    # quotient on any machine: a least-squares solve that rounds to 268.99...
+    # would take a sample off.
+    for base, per_sample, capacity in [
+        (500, 10, 1000),
+        (1998, 19, 7109),
+        (37, 7, 1000),
+        (0, 3, 3 * 4096),
+        (1110, 58, 1110 + 58 * 269 + 57),
+    ]:
+        w = W(0, 1.0, bytes_per_sample=per_sample, base_bytes=base)
+        device = dataclasses.replace(w.devices[0], memory_capacity=capacity)
+        assert device.memory_fit == LinearFit(base, per_sample)
+        want = (capacity - base) // per_sample
+        assert device.max_batch(memory_fraction=1.0) == want, (base, per_sample)
+
+
 def test_batch_over_total_memory_is_an_error():
     workers = [W(i, 1.0, bytes_per_sample=1, memory_capacity=100) for i in range(2)]
     with pytest.raises(ValueError, match="does not fit the devices' memory"):

@@ -414,9 +414,12 @@ def test_multi_device_grad_weights_by_batch_size_on_one_device():
     y = jnp.asarray(rng.normal(size=(23, 2)), jnp.float32)
     batches = [(x[:3], y[:3]), (x[3:], y[3:])]
     device = jax.local_devices()[0]
-    loss, grads = multi_device_grad(_per_sample_loss, params, batches, [device] * 2)
     mean_grad = jax.jit(jax.value_and_grad(lambda p, b: _per_sample_loss(p, b).mean()))
-    want_loss, want = mean_grad(params, (x, y))
+    # Both sides at full float32 precision: at an accelerator's default (TF32 or
+    # bfloat16 passes) two groupings of the same sum differ by far more than 1e-5.
+    with jax.default_matmul_precision("highest"):
+        loss, grads = multi_device_grad(_per_sample_loss, params, batches, [device] * 2)
+        want_loss, want = mean_grad(params, (x, y))
     assert loss == pytest.approx(float(want_loss), rel=1e-5)
     for k in params:
         np.testing.assert_allclose(grads[k], want[k], rtol=1e-5, atol=1e-6)
