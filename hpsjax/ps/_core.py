@@ -1026,6 +1026,15 @@ class ServerCore:
             raise WorkerDropped(f"worker {worker_id!r} is not live ({how}); join again")
         return rec
 
+    def check_live(self, worker_id: WorkerId) -> None:
+        """Refuses a worker whose pulls and pushes the core would refuse.
+
+        Raises:
+          UnexpectedMessage: for a worker that never joined.
+          WorkerDropped: for a worker that left or was dropped (saying why).
+        """
+        self._live_record(worker_id)
+
     def clock(self, worker_id: WorkerId) -> int:
         """A worker's clock (iterations done); raises for an unknown worker."""
         return self._record(worker_id).clock
