@@ -105,7 +105,8 @@ class FrameProtocol(asyncio.BufferedProtocol):
         except ProtocolError as e:
             # Without its traceback: the frames in it reach back to this
             # protocol, a cycle that would outlive the connection.
-            self.fail(e.with_traceback(None))
+            # Answered under the header's request id when it could be read.
+            self.fail(e.with_traceback(None), request_id=e.request_id)
             return
         for event in events:
             if self._lost is not None:

@@ -85,9 +85,16 @@ class ConnectionClosed(HpsError):
 
 
 class ProtocolError(HpsError):
-    """The bytes received do not follow the protocol."""
+    """The bytes received do not follow the protocol.
+
+    Attributes:
+      request_id: for an error found in a frame's header, the request id that
+        header carried once its magic and version were right (the ERROR
+        reporting it echoes that id), else 0.
+    """
 
     code = 10
+    request_id: int = 0
 
 
 class PayloadTooBig(ProtocolError):

@@ -202,6 +202,8 @@ def unpack_header(data: bytes | memoryview, limits: WireLimits = DEFAULT_LIMITS)
     Raises:
       BadMagic, UnsupportedVersion, UnexpectedMessage, ProtocolError,
       PayloadTooBig: the header is unusable and the stream cannot be resynced.
+        Past the magic and version checks, the error's ``request_id`` is the
+        header's.
 
     Examples:
       >>> unpack_header(pack_header(MsgType.PARAMS, 3, 10, 400))
@@ -219,22 +221,28 @@ metadata_length=10, payload_length=400)
             f"{PROTOCOL_VERSION})"
         )
     msg_type = _MSG_TYPES.get(raw_type)
+    error: ProtocolError | None = None
     if msg_type is None:
-        raise UnexpectedMessage(f"unknown message type {raw_type}")
-    if flags:
-        raise ProtocolError(f"unknown header flags {flags:#06x}")
-    if meta_len > limits.max_metadata_bytes:
-        raise PayloadTooBig(
+        error = UnexpectedMessage(f"unknown message type {raw_type}")
+    elif flags:
+        error = ProtocolError(f"unknown header flags {flags:#06x}")
+    elif meta_len > limits.max_metadata_bytes:
+        error = PayloadTooBig(
             f"metadata of {meta_len} bytes exceeds the limit of "
             f"{limits.max_metadata_bytes}"
         )
-    if payload_len and msg_type not in PAYLOAD_TYPES:
-        raise ProtocolError(f"{msg_type.name} frames carry no payload")
-    if meta_len + payload_len > limits.max_message_bytes:
-        raise PayloadTooBig(
+    elif payload_len and msg_type not in PAYLOAD_TYPES:
+        error = ProtocolError(f"{msg_type.name} frames carry no payload")
+    elif meta_len + payload_len > limits.max_message_bytes:
+        error = PayloadTooBig(
             f"message of {meta_len + payload_len} bytes exceeds the limit of "
             f"{limits.max_message_bytes}"
         )
+    if error is not None:
+        # Magic and version were right, so the id is the sender's: the ERROR
+        # answers that request.
+        error.request_id = request_id
+        raise error
     return Header(msg_type, flags, request_id, meta_len, payload_len)
 
 
