@@ -980,6 +980,11 @@ def tree_layout(meta: Mapping[str, Any], limits: WireLimits = DEFAULT_LIMITS):
                 leaves.append(LeafSpec(dtype, tuple(shape), off, nbytes, code_nbytes))
                 offset += nbytes
                 continue
+            if name not in _FLOAT_NAMES:
+                # As the per-leaf codecs' (_per_leaf_sizes): one fault, one code.
+                raise MalformedMetadata(
+                    f"leaf {i}: quantized leaves must be floating, not {name}"
+                )
             want_codes, want_scales = compressed_sizes(shape, codec)
             if code_nbytes != want_codes or nbytes != want_codes + 4 * want_scales:
                 raise MalformedMetadata(
