@@ -15,8 +15,9 @@ Top-k and PowerSGD pushes (:class:`~hpsjax.ps._treecodec.TopKCodec`, a ``k``
 per leaf that changes with each worker's ratio, and
 :class:`~hpsjax.ps._treecodec.PowerSGDCodec`, a rank per leaf) need no
 compiled program: top-k's decoder scatters the (checked) values into zeros,
-PowerSGD's multiplies each leaf's (checked) factors, ``p q^T``, with numpy; it
-is made on demand and is never stored.
+PowerSGD's multiplies each leaf's (checked) factors, ``p q^T``, with numpy in
+the order PROTOCOL.md specifies (:func:`powersgd_product`); it is made on
+demand and is never stored.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from hpsjax.ps._frames import DTYPES
 from hpsjax.ps._treecodec import PowerSGDCodec, TopKCodec, compressed_sizes
 from hpsjax.transforms import _quantize as q
 
-__all__ = ["COMPILE_MIN_ELEMENTS", "DecoderCache"]
+__all__ = ["COMPILE_MIN_ELEMENTS", "DecoderCache", "powersgd_product"]
 
 COMPILE_MIN_ELEMENTS = 1 << 18
 """Models of fewer elements decode their quantized pushes with numpy only."""
@@ -119,9 +120,57 @@ def _topk_decoder(specs: tuple[tuple[tuple[int, ...], str], ...]):
     return decode_leaves
 
 
+# Elements of the row blocks powersgd_product works on: a block and its
+# scratch stay in a core's cache while the rank's terms are added.
+_PRODUCT_BLOCK_ELEMENTS = 1 << 15
+
+
+def powersgd_product(p: np.ndarray, q: np.ndarray) -> np.ndarray:
+    """``p q^T`` in float32, in the order PROTOCOL.md (section 2.6) specifies.
+
+    ``M[a, b] = (...((p[a, 0] q[b, 0] + p[a, 1] q[b, 1]) + p[a, 2] q[b, 2]) ...)
+    + p[a, r-1] q[b, r-1]``: the ``r`` terms added in order of ``j``, every
+    product and every sum rounded to float32 (round to nearest even, no fused
+    multiply-add), so any decoder following the document gets the same bits.
+    A BLAS product does not say how it orders or fuses its sums (it varies
+    with the machine and the library), so it is not used.
+
+    Args:
+      p: ``n x r`` factor (any floating dtype; converted to float32 exactly).
+      q: ``m x r`` factor.
+
+    Returns:
+      The float32 ``n x m`` product.
+
+    Examples:
+      >>> p = np.array([[1.0, 2.0], [3.0, 4.0]], np.float32)
+      >>> q = np.array([[1.0, 1.0], [0.5, -1.0]], np.float32)
+      >>> powersgd_product(p, q).tolist()
+      [[3.0, -1.5], [7.0, -2.5]]
+    """
+    p = np.asarray(p, np.float32)
+    qt = np.ascontiguousarray(np.asarray(q, np.float32).T)  # r x m
+    (n, rank), m = p.shape, qt.shape[1]
+    out = np.empty((n, m), np.float32)
+    rows = max(1, _PRODUCT_BLOCK_ELEMENTS // max(m, 1))
+    term = np.empty((min(rows, n), m), np.float32)
+    for start in range(0, n, rows):
+        block = out[start : start + rows]
+        scratch = term[: len(block)]
+        np.multiply(p[start : start + rows, 0:1], qt[0], out=block)
+        for j in range(1, rank):
+            np.multiply(p[start : start + rows, j : j + 1], qt[j], out=scratch)
+            np.add(block, scratch, out=block)
+    return out
+
+
 def _powersgd_decoder(specs: tuple[tuple[tuple[int, ...], str], ...]):
-    """:func:`~hpsjax.transforms.powersgd_decode` in numpy: ``p q^T`` in float32,
-    then the cast (the leaf itself where ``p`` holds it whole)."""
+    """PowerSGD leaves decoded as PROTOCOL.md specifies: :func:`powersgd_product`
+    then the cast (the leaf itself where ``p`` holds it whole).
+
+    :func:`~hpsjax.transforms.powersgd_decode` (a JAX matmul, which a worker
+    uses for its error feedback) computes the same product up to the last bits.
+    """
 
     def decode_leaves(encoded):
         out = []
@@ -130,7 +179,7 @@ def _powersgd_decoder(specs: tuple[tuple[tuple[int, ...], str], ...]):
         with np.errstate(over="ignore", invalid="ignore"):
             for (p, q_), (shape, dtype) in zip(encoded, specs, strict=True):
                 if p.ndim == 2:
-                    p = np.matmul(p.astype(np.float32), q_.astype(np.float32).T)
+                    p = powersgd_product(p, q_)
                 out.append(p.astype(DTYPES[dtype], copy=False).reshape(shape))
         return out
 
