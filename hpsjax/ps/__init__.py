@@ -8,7 +8,8 @@
   worker's planned local steps); subclass :class:`Policy` to write your own.
 * :class:`Server` / :class:`Client` exchange pytrees over TCP (see PROTOCOL.md),
   with authentication, optional TLS and compressed pushes; their typed messages
-  (:class:`PushMeta`, :class:`PushAck`, notices) are validated once, on arrival.
+  (:class:`PushMeta`, :class:`PushAck`, notices) are validated once, on arrival;
+  :class:`WireLimits` bounds what either side accepts in a frame.
 * :class:`CheckpointManager` writes tensorstore checkpoints, committed atomically.
 * :class:`KeyRangePartition` splits a model by key range over several server
   shards (ps-lite, PHub); :class:`ShardedClient` talks to all of them at once.
@@ -46,6 +47,7 @@ from hpsjax.ps._errors import (
     UnsupportedVersion,
     WorkerDropped,
 )
+from hpsjax.ps._frames import WireLimits
 from hpsjax.ps._messages import (
     ForcePullNotice,
     Notice,
@@ -129,6 +131,7 @@ __all__ = [
     "UnsupportedVersion",
     "Verdict",
     "Wait",
+    "WireLimits",
     "WorkerDropped",
     "WorkerInfo",
     "get_policy",
