@@ -16,7 +16,7 @@ import pathlib
 import jax
 from jax.experimental.compilation_cache import compilation_cache
 
-__all__ = ["CACHE_ENV", "cache_dir_for", "use_compile_cache"]
+__all__ = ["CACHE_ENV", "cache_dir_for", "cache_env", "use_compile_cache"]
 
 #: The environment variable JAX reads for its persistent cache directory.
 CACHE_ENV = "JAX_COMPILATION_CACHE_DIR"
@@ -27,6 +27,16 @@ _SUBDIR = "jax_cache"
 def cache_dir_for(workdir: str | os.PathLike[str]) -> pathlib.Path:
     """The cache directory of a run whose work directory is ``workdir``."""
     return pathlib.Path(workdir) / _SUBDIR
+
+
+def cache_env(path: str | os.PathLike[str]) -> dict[str, str]:
+    """The environment variables that give a child process the cache at
+    ``path``, every program cached (JAX reads them at import)."""
+    return {
+        CACHE_ENV: str(pathlib.Path(path).expanduser().resolve()),
+        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+        "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
+    }
 
 
 def use_compile_cache(

@@ -197,6 +197,7 @@ class _ProcessActor:
         files: dict[str, bytes],
         restart: bool,
         cwd: str,
+        env: Mapping[str, str] | None = None,
     ):
         import ray
 
@@ -233,7 +234,7 @@ class _ProcessActor:
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             start_new_session=True,
-            env=dict(os.environ, PYTHONUNBUFFERED="1"),
+            env=dict(os.environ, PYTHONUNBUFFERED="1", **(env or {})),
             cwd=cwd if os.path.isdir(cwd) else self._dir,
             text=True,
             bufsize=1,
@@ -432,6 +433,7 @@ def launch_ray(
     server_shards: int = 1,
     split_leaves: bool = False,
     workdir: str | os.PathLike | None = None,
+    compile_cache: str | os.PathLike | None = None,
     timeout: float | None = None,
     start_timeout: float = 120.0,
     shutdown_timeout: float = 10.0,
@@ -447,6 +449,11 @@ def launch_ray(
 
     Takes every argument of :func:`hpsjax.launch.launch` (but ``python``: each
     node runs its own interpreter, where hpsjax must be installed), and:
+    the profiling pass (``plan``) runs on this machine, its processes all at
+    once against a throwaway server here; every actor's process gets the run's
+    compilation cache (``compile_cache``, by default ``jax_cache`` in
+    ``workdir``: a path each node creates for itself where it has no shared
+    file system).
 
     Args:
       ray_address: the cluster to join (``"auto"``, ``"ray://host:10001"``,
@@ -503,22 +510,28 @@ def launch_ray(
     start = time.monotonic()
     work = pathlib.Path(workdir)
     work.mkdir(parents=True, exist_ok=True)
-    secret, _, init, shared, plan_server_args, profile_seconds = (
-        _local._prepare_workdir(
-            work, num_workers, shared, flags, plan, replan, global_batch, console.emit
-        )
-    )
-    files, local = _actor_files(work, secret, init, plan is not None)
+    env = _local.run_env(work, compile_cache)
     job = _local._Job(
-        num_workers, policy, steps, [str(a) for a in server_args], local(shared),
-        [local(f) for f in flags], local(plan_server_args), server_shards,
-        split_leaves,
+        num_workers, policy, steps, [str(a) for a in server_args], shared, flags,
+        [], server_shards, split_leaves,
     )  # fmt: skip
+    secret, _, init, job, profile_seconds = _local._prepare_workdir(
+        work, job, plan, replan, global_batch, console, python=sys.executable,
+        env=env, start_timeout=start_timeout, shutdown_timeout=shutdown_timeout,
+    )  # fmt: skip
+    files, local = _actor_files(work, secret, init, plan is not None)
+    job = dataclasses.replace(
+        job,
+        shared=local(job.shared),
+        flags=[local(f) for f in job.flags],
+        plan_server_args=local(job.plan_server_args),
+    )
+    actor_env = _local.run_cache_env(work, compile_cache)
     cpus = server_request.get("num_cpus", 0) * server_shards + sum(
         r.get("num_cpus", 0) for r in resources
     )
     started_ray = _connect_keeping_sigterm(ray_address, cpus, runtime_env)
-    run = _RayRun(job, console, files, max_restarts, start_timeout)
+    run = _RayRun(job, console, files, max_restarts, start_timeout, actor_env)
     reason = "completed"
     try:
         run.start_servers(server_request)
@@ -555,7 +568,7 @@ def launch_ray(
         f"[launch] {reason} in {time.monotonic() - start:.1f}s; workdir {work}"
     )
     return _local.LaunchResult(
-        returncode=0 if reason == "completed" else 1,
+        returncode=_local._returncode(reason),
         reason=reason,
         server_returncode=server_codes[0] if server_codes else None,
         worker_returncodes=tuple(w.returncode for w in workers),
@@ -611,9 +624,12 @@ class _RayRun:
         files: dict[str, bytes],
         max_restarts: int,
         start_timeout: float,
+        env: Mapping[str, str] | None = None,
     ):
         import ray
 
+        self.env = dict(env or {})
+        self.started: float | None = None
         self.job = job
         self.console = console
         self.files = files
@@ -645,7 +661,7 @@ class _RayRun:
             )
             actor = self.actor_class.options(
                 **_actor_options(request), max_restarts=0
-            ).remote(name, argv, self.files, False, self.cwd)
+            ).remote(name, argv, self.files, False, self.cwd, self.env)
             self.servers.append(_Member(name, actor, self.console.emit))
         self.members.extend(self.servers)
         servers = self.servers
@@ -676,6 +692,7 @@ class _RayRun:
         job = self.job
         addresses = [(s.host, s.port) for s in self.servers]
         where = job.where(addresses)
+        self.started = time.monotonic()
         self.console.emit(
             f"[launch] server{'s' if job.server_shards > 1 else ''} on "
             f"{', '.join(f'{h}:{p}' for h, p in addresses)}, starting "
@@ -693,7 +710,10 @@ class _RayRun:
                 **_actor_options(resources[i]),
                 max_restarts=self.max_restarts,
                 max_task_retries=-1,
-            ).remote(f"worker {i}", argv, self.files, self.max_restarts > 0, self.cwd)
+            ).remote(
+                f"worker {i}", argv, self.files, self.max_restarts > 0, self.cwd,
+                self.env,
+            )  # fmt: skip
             metrics = work / f"metrics_{i}.jsonl"
             metrics.unlink(missing_ok=True)
             self.workers.append(
@@ -708,7 +728,9 @@ class _RayRun:
         workers_placed_by = time.monotonic() + self.start_timeout
         while True:
             _poll_all(self.members, 0.2)
-            reason = _run_state(self.servers, self.workers, self.max_restarts)
+            reason = _run_state(
+                self.servers, self.workers, self.max_restarts, self.started
+            )
             if reason != "running":
                 return reason
             if time.monotonic() > workers_placed_by:
@@ -726,9 +748,13 @@ class _RayRun:
 
 
 def _run_state(
-    servers: Sequence[_Member], workers: Sequence[_Member], max_restarts: int
+    servers: Sequence[_Member],
+    workers: Sequence[_Member],
+    max_restarts: int,
+    started: float | None = None,
 ) -> str:
-    """``"running"``, ``"completed"``, or what ends the run early."""
+    """``"running"``, ``"completed"``, or what ends the run early (``started``:
+    when the workers started, on the monotonic clock)."""
     for i, w in enumerate(workers):
         if w.died is not None:
             return (
@@ -736,7 +762,8 @@ def _run_state(
                 f"up ({w.died})"
             )
         if w.returncode not in (None, 0) and not w.crashed:
-            return f"worker {i} exited with status {w.returncode}"
+            since = 0.0 if started is None else time.monotonic() - started
+            return _local._worker_ended(i, w.returncode, since)
     if all(w.returncode == 0 for w in workers):
         return "completed"
     for s in servers:

@@ -13,10 +13,22 @@ only::
         --worker_flags 0 "--slowdown 4" --worker_flags 1 "--slowdown 4" \\
         --worker_flags 2 "--slowdown 2" -- --batch_size 64
 
-With ``--plan SCHEME`` the train step is profiled first (once: the workers share
-this machine; each worker's profile is that measurement with its own injected
-slowdown and link), :func:`hpsjax.profiling.plan` makes the work plan, and the
-workers train with it (``--work_plan``).
+With ``--plan SCHEME`` the workers are profiled first, in place: a throwaway
+server of the run's model is started and every worker, in its own process and
+all at once (``python -m hpsjax.profiling._in_place``), times its train step
+beside the others and its push and pull against that server (its injected
+slowdown and link added); :func:`hpsjax.profiling.plan` makes the work plan from
+these profiles, link included, and the workers train with it (``--work_plan``).
+
+Every process of a run (the profiling pass, the server, the workers) shares one
+JAX compilation cache, ``jax_cache`` in the work directory unless
+``--compile_cache`` names another (``JAX_COMPILATION_CACHE_DIR`` in their
+environment): a step compiled by the profiling pass is loaded, not compiled
+again, by the worker that runs it.
+
+A worker that exits with the status of a diverged run (:data:`DIVERGED`, a
+non-finite loss or update) ends the run with one line, ``worker N diverged at
+t = ... s``, and is never restarted.
 
 Shutdown is clean whatever happens: when a worker fails, the server exits early,
 the time limit passes, or Ctrl-C (or SIGTERM) arrives, every process group is
@@ -64,7 +76,7 @@ from typing import TextIO
 
 from hpsjax._logs import quiet_backend_probe
 
-__all__ = ["LaunchError", "LaunchResult", "launch", "main"]
+__all__ = ["DIVERGED", "LaunchError", "LaunchResult", "launch", "main"]
 
 PerWorkerArgs = Mapping[int, Sequence[str]] | Sequence[Sequence[str]]
 
@@ -76,6 +88,10 @@ _RESTART_CHECKPOINT_EVERY_S = 1.0
 
 # A process exiting with this status is not restarted (bad flags: argparse).
 _BAD_FLAGS = 2
+
+#: A worker's exit status when its run diverged (a non-finite loss or update):
+#: the run ends, nothing is restarted.
+DIVERGED = 3
 
 # Versions the progress bar expects per worker round: one per round for a
 # barrier policy, one per push otherwise.
@@ -290,51 +306,107 @@ def _worker_flags(
 
 def _profile_and_plan(
     scheme: str,
-    num_workers: int,
-    shared: list[str],
-    flags: list[list[str]],
+    job: _Job,
     workdir: pathlib.Path,
+    secret_file: pathlib.Path,
+    init: pathlib.Path,
     global_batch: int | None,
-    emit: Callable[[str], None],
+    console: _Console,
+    *,
+    python: str,
+    env: Mapping[str, str],
+    start_timeout: float,
+    shutdown_timeout: float,
 ) -> tuple[pathlib.Path, float]:
-    """Profiles the train step once and plans; returns the plan file and cost.
+    """Profiles every worker in place and plans; returns the plan file and cost.
 
-    The workers share this machine, so one measurement of the step serves all
-    of them; each worker's profile is that one with its own injected slowdown
-    and link (see ``hpsjax.worker._cli.with_injection``).
+    A throwaway server of the run's model (ASP, so that no push waits for
+    another; it holds the first pull until every worker joined) and one
+    profiling process per worker, all at once, each with its worker's command
+    line: the step times are taken beside the other workers and the push and
+    pull against a real server, as the run will see them.
     """
-    from hpsjax.profiling import plan
-    from hpsjax.worker._cli import measure_step, parse_args, with_injection
+    from hpsjax.profiling import WorkerProfile, plan
+    from hpsjax.worker._cli import parse_args
 
-    def worker_args(i: int):
-        return parse_args(
-            [*shared, "--worker_id", str(i), "--shard_index", str(i),
-             "--shard_count", str(num_workers), *flags[i]]
-        )  # fmt: skip
-
-    measured, spec = measure_step(worker_args(0))
-    profiles = []
-    for i in range(num_workers):
-        profile = with_injection(measured, worker_args(i), spec)
-        (workdir / f"profile_{i}.json").write_text(profile.to_json())
-        profiles.append(profile)
+    emit = console.emit
+    start = time.monotonic()
+    n = job.num_workers
+    probe = dataclasses.replace(
+        job,
+        policy="asp",
+        steps=None,
+        server_args=["--core_arg", f"expected_workers={n}"],
+        plan_server_args=[],
+    )
+    processes: list[_Process] = []
+    try:
+        ports = []
+        for shard in range(job.server_shards):
+            name, argv = probe.server(
+                shard, [python], str(init), str(secret_file), "127.0.0.1"
+            )
+            ports.append(
+                _start_server(
+                    f"profile {name}", argv, emit, env, processes, start_timeout
+                )
+            )
+        where = probe.where([("127.0.0.1", p) for p in ports])
+        outs = [workdir / f"profile_{i}.json" for i in range(n)]
+        profilers = []
+        for i, out in enumerate(outs):
+            out.unlink(missing_ok=True)
+            argv = [
+                *probe.worker(
+                    i, [python], where, str(secret_file), None,
+                    module="hpsjax.profiling._in_place",
+                ),
+                "--profile_out", str(out),
+            ]  # fmt: skip
+            profilers.append(_Process(f"profile {i}", argv, emit, env))
+            processes.append(profilers[-1])
+        deadline = start + start_timeout
+        while any(p.poll() is None for p in profilers):
+            failed = [(i, p.poll()) for i, p in enumerate(profilers) if p.poll()]
+            if failed:
+                i, code = failed[0]
+                raise LaunchError(
+                    f"profiling worker {i} failed (status {code}; its lines are above)"
+                )
+            if time.monotonic() > deadline:
+                raise LaunchError(
+                    f"the profiling pass did not end within {start_timeout}s"
+                )
+            time.sleep(0.05)
+        failed = [(i, p.poll()) for i, p in enumerate(profilers) if p.poll()]
+        if failed:
+            i, code = failed[0]
+            raise LaunchError(
+                f"profiling worker {i} failed (status {code}; its lines are above)"
+            )
+    finally:
+        _shutdown(processes, shutdown_timeout)
+    profiles = [WorkerProfile.from_json(out.read_text()) for out in outs]
+    seconds = time.monotonic() - start
+    batch = parse_args(job.shared).batch_size
     emit(
-        f"[launch] profiled the step in {measured.profile_seconds:.2f}s: "
-        f"{[round(p.devices[0].throughput(64)) for p in profiles]} samples/s "
-        "at batch 64"
+        f"[launch] profiled {n} worker(s) in place in {seconds:.1f}s: "
+        f"{[round(p.devices[0].step_time(batch) * 1e3, 1) for p in profiles]} ms "
+        f"a step of {batch}, "
+        f"{[round(p.transfer_seconds * 1e3, 1) for p in profiles]} ms push+pull"
     )
     if global_batch is None:
-        global_batch = parse_args(shared).batch_size * num_workers
+        global_batch = batch * n
     work_plan = plan(profiles, scheme, global_batch=global_batch)
     path = workdir / "plan.json"
     path.write_text(work_plan.to_json())
     emit(
         f"[launch] {scheme} plan: batches "
         f"{[w.batch_size for w in work_plan.workers]}, local steps "
-        f"{[w.local_steps for w in work_plan.workers]}, predicted idle "
-        f"{work_plan.idle_fraction:.1%}"
+        f"{[w.local_steps for w in work_plan.workers]}, predicted round "
+        f"{work_plan.round_time * 1e3:.1f} ms, idle {work_plan.idle_fraction:.1%}"
     )
-    return path, measured.profile_seconds
+    return path, seconds
 
 
 def _start_server(
@@ -435,18 +507,22 @@ def _check_launch(
 
 def _prepare_workdir(
     work: pathlib.Path,
-    num_workers: int,
-    shared: list[str],
-    flags: list[list[str]],
+    job: _Job,
     plan: str | None,
     replan: float | None,
     global_batch: int | None,
-    emit: Callable[[str], None],
-) -> tuple[bytes, pathlib.Path, pathlib.Path, list[str], list[str], float | None]:
+    console: _Console,
+    *,
+    python: str,
+    env: Mapping[str, str],
+    start_timeout: float,
+    shutdown_timeout: float,
+) -> tuple[bytes, pathlib.Path, pathlib.Path, _Job, float | None]:
     """Writes a fresh secret, ``init.npz`` and the plan (``plan``) into ``work``.
 
-    Returns the secret, its file, the init file, the workers' shared flags (with
-    ``--work_plan``), shard 0's extra flags and the profiling pass's seconds.
+    Returns the secret, its file, the init file, the job (its workers' shared
+    flags with ``--work_plan``, shard 0's with the plan when it re-plans) and
+    the profiling pass's seconds.
     """
     from hpsjax.worker._cli import parse_args, write_init
 
@@ -456,17 +532,18 @@ def _prepare_workdir(
     secret_file.write_bytes(secret)
     init = work / "init.npz"
     try:
-        write_init(parse_args(shared), init)
+        write_init(parse_args(job.shared), init)
     except ValueError as e:
         raise LaunchError(f"cannot build the model from the worker flags: {e}") from e
     profile_seconds = None
-    # Flags for shard 0 only: the plan the workers follow comes from it.
-    plan_server_args: list[str] = []
     if plan is not None:
         plan_file, profile_seconds = _profile_and_plan(
-            plan, num_workers, shared, flags, work, global_batch, emit
-        )
-        shared = [*shared, "--work_plan", str(plan_file)]
+            plan, job, work, secret_file, init, global_batch, console,
+            python=python, env=env, start_timeout=start_timeout,
+            shutdown_timeout=shutdown_timeout,
+        )  # fmt: skip
+        # Flags for shard 0 only: the plan the workers follow comes from it.
+        plan_server_args: list[str] = []
         if replan is not None:
             plan_server_args = [
                 "--work_plan",
@@ -474,7 +551,30 @@ def _prepare_workdir(
                 "--replan_threshold",
                 repr(float(replan)),
             ]
-    return secret, secret_file, init, shared, plan_server_args, profile_seconds
+        job = dataclasses.replace(
+            job,
+            shared=[*job.shared, "--work_plan", str(plan_file)],
+            plan_server_args=plan_server_args,
+        )
+    return secret, secret_file, init, job, profile_seconds
+
+
+def run_cache_env(
+    work: pathlib.Path, compile_cache: str | os.PathLike | None
+) -> dict[str, str]:
+    """The environment variables that give a run's processes its compilation
+    cache: ``compile_cache``, by default the work directory's."""
+    from hpsjax._compile_cache import cache_dir_for, cache_env
+
+    return cache_env(cache_dir_for(work) if compile_cache is None else compile_cache)
+
+
+def run_env(
+    work: pathlib.Path, compile_cache: str | os.PathLike | None
+) -> dict[str, str]:
+    """The environment of a run's local processes: this one's, unbuffered,
+    with the run's compilation cache (:func:`run_cache_env`)."""
+    return dict(os.environ, PYTHONUNBUFFERED="1", **run_cache_env(work, compile_cache))
 
 
 def launch(
@@ -492,6 +592,7 @@ def launch(
     split_leaves: bool = False,
     max_restarts: int = 0,
     workdir: str | os.PathLike | None = None,
+    compile_cache: str | os.PathLike | None = None,
     timeout: float | None = None,
     start_timeout: float = 120.0,
     shutdown_timeout: float = 10.0,
@@ -514,8 +615,10 @@ def launch(
         list of lists).
       server_args: more flags for ``hpsjax-server`` (e.g. ``["--optimizer",
         "adam"]``).
-      plan: a :data:`hpsjax.profiling.SCHEMES` name to profile the workers and
-        train with the resulting work plan, or ``None``.
+      plan: a :data:`hpsjax.profiling.SCHEMES` name to profile the workers
+        (in place: all at once, each in its own process, its push and pull
+        timed against a throwaway server of the model) and train with the
+        resulting work plan, or ``None``.
       global_batch: the plan's global batch; ``--batch_size`` times the
         workers by default.
       replan: with ``plan``, also give the plan to the server, which re-plans
@@ -538,6 +641,9 @@ def launch(
       workdir: where to keep the secret, initial parameters, plan and metrics;
         by default a temporary directory, removed when the run ends (nothing
         is kept: the result's ``workdir`` is ``None``).
+      compile_cache: the JAX compilation cache every process of the run
+        shares (``JAX_COMPILATION_CACHE_DIR``); by default ``jax_cache`` in
+        ``workdir``.
       timeout: seconds the whole run may take, ``None`` for no limit.
       start_timeout: seconds the server has to start listening.
       shutdown_timeout: seconds processes get after SIGTERM before SIGKILL.
@@ -546,7 +652,8 @@ def launch(
       python: the Python interpreter for the children.
 
     Returns:
-      A :class:`LaunchResult`; ``returncode`` 0 when every worker exited with 0.
+      A :class:`LaunchResult`; ``returncode`` 0 when every worker exited with
+      0, :data:`DIVERGED` when one diverged (``reason`` says which and when).
 
     Raises:
       LaunchError: bad arguments or worker flags, a model the flags cannot
@@ -584,20 +691,20 @@ def launch(
     start = time.monotonic()
     work = pathlib.Path(workdir)
     work.mkdir(parents=True, exist_ok=True)
-    secret, secret_file, init, shared, plan_server_args, profile_seconds = (
-        _prepare_workdir(
-            work, num_workers, shared, flags, plan, replan, global_batch, console.emit
-        )
-    )
+    env = run_env(work, compile_cache)
+    job = _Job(
+        num_workers, policy, steps, [str(a) for a in server_args], shared, flags,
+        [], server_shards, split_leaves,
+    )  # fmt: skip
+    secret, secret_file, init, job, profile_seconds = _prepare_workdir(
+        work, job, plan, replan, global_batch, console, python=python, env=env,
+        start_timeout=start_timeout, shutdown_timeout=shutdown_timeout,
+    )  # fmt: skip
     if max_restarts > 0:
         # A restarted server resumes from here: nothing from an earlier
         # launch in the same workdir may be there.
         shutil.rmtree(work / "checkpoints", ignore_errors=True)
-    job = _Job(
-        num_workers, policy, steps, [str(a) for a in server_args], shared, flags,
-        plan_server_args, server_shards, split_leaves,
-    )  # fmt: skip
-    run = _LocalRun(job, console, python, max_restarts, start_timeout)
+    run = _LocalRun(job, console, python, max_restarts, start_timeout, env)
     reason = "completed"
     try:
         run.start_servers(str(init), str(secret_file), work / "checkpoints")
@@ -624,7 +731,7 @@ def launch(
     where = f"workdir {work}" if kept else "no --workdir: metrics not kept"
     console.emit(f"[launch] {reason} in {time.monotonic() - start:.1f}s; {where}")
     return LaunchResult(
-        returncode=0 if reason == "completed" else 1,
+        returncode=_returncode(reason),
         reason=reason,
         server_returncode=server_codes[0] if server_codes else None,
         worker_returncodes=tuple(w.poll() for w in run.workers),
@@ -744,15 +851,17 @@ class _Job:
         head: list[str],
         where: list[str],
         secret_file: str,
-        metrics: str,
+        metrics: str | None,
+        *,
+        module: str = "hpsjax.worker._cli",
     ) -> list[str]:
-        """Worker ``i``'s command line."""
+        """Worker ``i``'s command line (``module`` takes a worker's flags)."""
         return [
-            *head, "-m", "hpsjax.worker._cli", *where,
+            *head, "-m", module, *where,
             "--secret_file", secret_file,
             "--worker_id", str(i), "--shard_index", str(i),
             "--shard_count", str(self.num_workers),
-            "--metrics", metrics,
+            *([] if metrics is None else ["--metrics", metrics]),
             *([] if self.steps is None else ["--max_steps", str(self.steps)]),
             *self.shared, *self.flags[i],
         ]  # fmt: skip
@@ -772,7 +881,7 @@ def _stop(
         monitor.close()
     if reason == "completed":
         stop_servers()
-    else:
+    elif _returncode(reason) != DIVERGED:  # said once, in the final line
         console.emit(f"[launch] stopping everything: {reason}")
     stop_all()
     console.close_bar(None if monitor is None else monitor.version)
@@ -799,13 +908,15 @@ class _LocalRun:
         python: str,
         max_restarts: int,
         start_timeout: float,
+        env: Mapping[str, str],
     ):
         self.job = job
         self.console = console
         self.python = python
         self.max_restarts = max_restarts
         self.start_timeout = start_timeout
-        self.env = dict(os.environ, PYTHONUNBUFFERED="1")
+        self.env = dict(env)
+        self.started = time.monotonic()
         self.processes: list[_Process] = []
         self.servers: list[_Process] = []
         self.workers: list[_Process] = []
@@ -852,6 +963,7 @@ class _LocalRun:
                 f"[launch] server on port {self.ports[0]}, starting "
                 f"{job.num_workers} worker(s)"
             )
+        self.started = time.monotonic()
         for i in range(job.num_workers):
             metrics = str(work / f"metrics_{i}.jsonl")
             argv = job.worker(i, [self.python], where, secret_file, metrics)
@@ -870,7 +982,7 @@ class _LocalRun:
             failed = [(i, c) for i, c in enumerate(codes) if c is not None and c != 0]
             if failed:
                 i, code = failed[0]
-                return f"worker {i} exited with status {code}"
+                return _worker_ended(i, code, time.monotonic() - self.started)
             if all(c == 0 for c in codes):
                 return "completed"
             reason = self._restart_servers()
@@ -928,8 +1040,22 @@ class _LocalRun:
 
 def _crashed(code: int | None) -> bool:
     """Whether an exit status is a crash to restart after: a signal or a
-    failure, not a clean end nor bad flags."""
-    return code is not None and code not in (0, _BAD_FLAGS)
+    failure, not a clean end, bad flags nor a diverged run."""
+    return code is not None and code not in (0, _BAD_FLAGS, DIVERGED)
+
+
+def _worker_ended(i: int, code: int, seconds: float) -> str:
+    """Why a run ends when worker ``i`` exited with ``code`` after ``seconds``."""
+    if code == DIVERGED:
+        return f"worker {i} diverged at t = {seconds:.1f} s"
+    return f"worker {i} exited with status {code}"
+
+
+def _returncode(reason: str) -> int:
+    """A launch's exit status from why it ended."""
+    if reason == "completed":
+        return 0
+    return DIVERGED if re.fullmatch(r"worker \d+ diverged at .*", reason) else 1
 
 
 def _restart_checkpoint_args(
@@ -983,6 +1109,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     own, server_args, worker_args = _split_argv(argv)
     from hpsjax import _ray_launch
+    from hpsjax.profiling import SCHEMES
     from hpsjax.ps import POLICIES
 
     p = argparse.ArgumentParser(
@@ -1026,7 +1153,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="with --server_shards: cut arrays by rows between shards too",
     )
     g = p.add_argument_group("work plan")
-    g.add_argument("--plan", help="profile and plan with this scheme (hps, ...)")
+    g.add_argument(
+        "--plan",
+        choices=SCHEMES,
+        metavar="SCHEME",
+        help="profile the workers in place and plan with this scheme: "
+        f"{', '.join(SCHEMES)}",
+    )
     g.add_argument("--global_batch", type=int, help="the plan's global batch")
     g.add_argument(
         "--replan",
@@ -1036,6 +1169,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     g = p.add_argument_group("run")
     g.add_argument("--workdir", help="directory for secret, init, plan, metrics")
+    g.add_argument(
+        "--compile_cache",
+        metavar="DIR",
+        help="the JAX compilation cache every process of the run shares "
+        "(default: jax_cache in the work directory)",
+    )
     g.add_argument("--timeout", type=float, help="seconds the run may take")
     g.add_argument("--no_progress", action="store_true", help="no progress bar")
     _ray_launch.add_ray_flags(p)
@@ -1069,6 +1208,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             server_shards=args.server_shards,
             split_leaves=args.split_leaves,
             workdir=args.workdir,
+            compile_cache=args.compile_cache,
             timeout=args.timeout,
             progress=not args.no_progress,
         )
