@@ -15,6 +15,7 @@ On disk::
         arrays/                             orbax PyTree item (OCDBT)
       ckpt_<step>.orbax-checkpoint-tmp*/    a save in progress, or left by a crash
       .old-ckpt_<step>-<hex>/               a checkpoint being replaced (overwrite)
+      .pruned-ckpt_<step>-<hex>/            an old checkpoint being deleted (keep)
       ckpt_<step>.damaged-<n>/              a damaged checkpoint moved aside, kept
       .hpsjax-checkpoint.lock               held by the manager that saves here
 
@@ -22,11 +23,21 @@ Commit protocol. Orbax's ``CheckpointManager`` writes both items into a
 temporary directory (tensorstore and the manifest writer ``fsync`` their files)
 and renames it to ``ckpt_<step>``. ``rename`` within a directory is atomic on
 POSIX file systems, so a crash at any point leaves either the previous
-checkpoints only or the new one complete. Orbax also discovers the steps and
-deletes the oldest after a commit (``max_to_keep``). Temporary directories are
-removed by the manager that holds the directory's lock (an ``flock``, released
-by the kernel when its process dies), so a save in progress in another live
-process is never mistaken for a crash's leftover.
+checkpoints only or the new one complete. After a commit, checkpoints beyond
+the newest ``keep`` are pruned: each is first renamed out of the step namespace
+(``.pruned-ckpt_<step>-<hex>``, a name no reader lists), then deleted, so a
+crash during the deletion leaves only whole checkpoints under ``ckpt_<step>``
+names and a leftover that the next manager deletes. Temporary and pruned
+directories are removed by the manager that holds the directory's lock (an
+``flock``, released by the kernel when its process dies), so a save in
+progress in another live process is never mistaken for a crash's leftover.
+
+Saves that keep up. ``save_async`` keeps at most one save in flight and one
+waiting: a save requested while another is written replaces the waiting one
+(the newest state wins), so a writer slower than the requests holds at most
+two snapshots, a stop writes at most one more checkpoint, and the log says (at
+most once a minute) when requests are folded because saves take longer than
+the interval between them.
 
 Errors: bad arguments raise ``ValueError``; a checkpoint that cannot be read
 (missing or damaged manifest or array data: every stored array's crc32 is
@@ -52,6 +63,7 @@ import os
 import pathlib
 import shutil
 import threading
+import time
 import uuid
 import zlib
 from typing import Any, NamedTuple
@@ -71,11 +83,14 @@ _MAGIC = b"HPSJCKP2"
 _DIGEST_BYTES = 32
 _PREFIX = "ckpt_"
 _OLD_PREFIX = ".old-ckpt_"
+_PRUNED_PREFIX = ".pruned-ckpt_"
 _DAMAGED_INFIX = ".damaged-"
 _LOCK = ".hpsjax-checkpoint.lock"
 _TMP_SUFFIX = ".orbax-checkpoint-tmp"  # orbax's; checked in _checkpoint_orbax
 _LEGACY_MANIFEST = "manifest.msgpack"
 _PY_SCALARS = {"bool": bool, "int": int, "float": float, "str": str}
+# Least seconds between two "saves fall behind" lines.
+_BEHIND_LOG_INTERVAL_S = 60.0
 
 
 class CheckpointError(ValueError):
@@ -175,7 +190,12 @@ def _describe(tree: Any, visit_leaf) -> Any:
             desc["type"] = _type_name(node)
         return desc
 
-    return visit(tree, "")
+    try:
+        return visit(tree, "")
+    finally:
+        # A recursive closure is a reference cycle: break it, so the leaves
+        # that ``visit_leaf`` keeps are let go without waiting for the gc.
+        visit = None
 
 
 def _leaf_spec(path: str, leaf: Any) -> dict:
@@ -347,10 +367,22 @@ def _numpy_dtype(name: str) -> np.dtype:
     return np.dtype(ts.dtype(name).numpy_dtype)
 
 
-def _manifest_with_checksums(plan: _Plan) -> bytes:
+def _host_arrays(plan: _Plan) -> dict[str, np.ndarray]:
+    """``plan``'s arrays as numpy arrays (leaves kept by reference fetched now)."""
+    arrays = {}
+    for key, leaf in plan.arrays.items():
+        try:
+            arrays[key] = np.asarray(leaf)
+        except RuntimeError as e:  # a deleted (donated) jax buffer
+            path = plan.body["leaves"][int(key)]["path"]
+            raise ValueError(f"cannot fetch leaf {path}: {e}") from e
+    return arrays
+
+
+def _manifest_with_checksums(plan: _Plan, arrays: dict[str, np.ndarray]) -> bytes:
     """The manifest file of ``plan``: each stored array's crc32 added."""
     leaves = [dict(spec) for spec in plan.body["leaves"]]
-    for key, array in plan.arrays.items():
+    for key, array in arrays.items():
         leaves[int(key)]["crc32"] = _crc32(array)
     return _pack_manifest({**plan.body, "leaves": leaves})
 
@@ -482,13 +514,14 @@ def _plan(step: int, tree: Any, metadata: Any, *, copy: bool) -> _Plan:
     arrays = {}
     for i, (spec, leaf) in enumerate(zip(specs, values, strict=True)):
         if _stored(spec):
-            try:
-                # A copy makes the snapshot independent of later in-place changes
-                # of numpy leaves and of donated jax buffers.
-                array = np.array(leaf, copy=True) if copy else np.asarray(leaf)
-            except RuntimeError as e:
-                raise ValueError(f"cannot fetch leaf {spec['path']}: {e}") from e
-            arrays[str(i)] = array
+            if copy:
+                try:
+                    # A copy makes the snapshot independent of later in-place
+                    # changes of numpy leaves and of donated jax buffers.
+                    leaf = np.array(leaf, copy=True)
+                except RuntimeError as e:
+                    raise ValueError(f"cannot fetch leaf {spec['path']}: {e}") from e
+            arrays[str(i)] = leaf
     return _plan_described(step, desc, specs, arrays, metadata)
 
 
@@ -530,10 +563,11 @@ class CheckpointManager:
     """Saves and restores pytrees as atomic orbax checkpoints in a directory.
 
     Each ``save(step, tree, metadata)`` writes ``directory/ckpt_<step>`` by the
-    commit protocol in the module docstring, then orbax deletes the oldest
-    checkpoints so that at most ``keep`` remain. Steps must not decrease: a step
-    below the latest saved one is refused, because it means the directory holds
-    another run; saving the latest step again needs ``overwrite=True``.
+    commit protocol in the module docstring, then prunes the oldest
+    checkpoints (moved aside, then deleted) so that at most ``keep`` remain.
+    Steps must not decrease: a step below the latest saved one is refused,
+    because it means the directory holds another run; saving the latest step
+    again needs ``overwrite=True``.
 
     Saving blocks on disk I/O. Code on an event loop should use ``save_async``,
     which snapshots the tree at once and writes it in a background thread, or
@@ -584,18 +618,25 @@ class CheckpointManager:
         self._orbax_lib = _checkpoint_orbax
         self._keep = keep
         self._lock = threading.RLock()
+        # Guards save_async's queue; never held while taking self._lock.
+        self._queue_lock = threading.Lock()
         self._lock_fd: int | None = None
         # The newest step saved or queued; lets save_async refuse an old step at
         # once instead of failing later in the background.
         self._newest_requested: int | None = None
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._pending: list[concurrent.futures.Future] = []
+        # save_async's queue: one save written, at most one waiting.
+        self._writing = False
+        self._waiting: tuple[_Plan, bool, concurrent.futures.Future] | None = None
+        self._folded_saves = 0
+        self._last_save_s = 0.0
+        self._behind_logged_at: float | None = None
+        self._folded_at_log = 0
         self._background_error: BaseException | None = None
         with self._lock:
             self._cleanup()
-            self._orbax = _checkpoint_orbax.new_manager(
-                self._directory.absolute(), keep
-            )
+            self._orbax = _checkpoint_orbax.new_manager(self._directory.absolute())
 
     @property
     def directory(self) -> pathlib.Path:
@@ -659,7 +700,8 @@ class CheckpointManager:
         plan = _plan(step, tree, metadata, copy=False)
         with self._lock:
             self._check_order(step, overwrite, self.latest_step())
-            self._note_requested(step)
+            with self._queue_lock:
+                self._note_requested(step)
             return self._save_plan(plan, overwrite)
 
     def save_async(
@@ -669,51 +711,88 @@ class CheckpointManager:
         metadata: Any = None,
         *,
         overwrite: bool = False,
+        snapshot: bool = True,
     ) -> concurrent.futures.Future:
-        """Snapshots ``tree`` now and writes it as checkpoint ``step`` in a thread.
+        """Writes ``tree`` as checkpoint ``step`` in a thread; keeps up by folding.
 
-        The call validates the input and copies every array leaf to host memory
-        (so later in-place changes or buffer donation cannot alter the saved
-        values), then returns. Saves run one at a time in call order on one
-        thread of this manager (orbax's own asynchronous mode would block the
-        caller while an earlier save is in flight). From asyncio, ``await
-        asyncio.wrap_future(future)`` waits without blocking the loop;
-        cancelling that await does not stop the save.
+        The call validates the input, takes its snapshot and returns. At most
+        one save is written at a time, on one thread of this manager, and at
+        most one waits: a save requested while another is written takes the
+        waiting place, replacing a save already there (the newest state wins;
+        the replaced request's future is the newer one's). So however often
+        saves are asked for, at most two snapshots are held, the newest
+        committed step trails the newest requested one by at most the requests
+        of two save times, and ``close`` writes at most one more checkpoint.
+        The log says, at most once a minute, when requests are folded.
+        From asyncio, ``await asyncio.wrap_future(future)`` waits without
+        blocking the loop; cancelling that await does not stop the save.
 
         A failed background save is also raised by the next call of
         ``save_async``, ``wait_until_finished`` or ``close``, so it never goes
         unnoticed.
 
         Args:
-          step: as in ``save``.
+          step: as in ``save``; a folded request must not be older than the
+            one it replaces.
           tree: as in ``save``.
           metadata: as in ``save``.
           overwrite: as in ``save``.
+          snapshot: copy every array leaf to host memory now, so that later
+            in-place changes or buffer donation cannot alter the saved values.
+            ``False`` keeps the leaves by reference and fetches them in the
+            background: for immutable jax arrays that are not donated later
+            (the parameter server's), it costs the caller nothing.
 
         Returns:
-          A ``concurrent.futures.Future`` resolving to the checkpoint directory.
+          A ``concurrent.futures.Future`` resolving to the directory of the
+          checkpoint that holds this request's state or a newer one.
 
         Raises:
           ValueError: invalid input (raised here, nothing is queued).
         """
         self._raise_background_error()
         step = _check_step(step)
-        plan = _plan(step, tree, metadata, copy=True)
-        with self._lock:
-            newest = self.latest_step()
-            if self._newest_requested is not None:
-                newest = max(self._newest_requested, newest or 0)
+        plan = _plan(step, tree, metadata, copy=snapshot)
+        # The directory is read only before the first save: later, the newest
+        # step asked for is known here, and the save being written (which holds
+        # self._lock) does not block the caller.
+        on_disk = self.latest_step() if self._newest_requested is None else None
+        with self._queue_lock:
+            known = [s for s in (self._newest_requested, on_disk) if s is not None]
+            newest = max(known, default=None)
             self._check_order(step, overwrite, newest)
             self._note_requested(step)
-            if self._executor is None:
-                self._executor = concurrent.futures.ThreadPoolExecutor(
-                    max_workers=1, thread_name_prefix="hpsjax-checkpoint"
-                )
-            future = self._executor.submit(self._save_queued, plan, overwrite)
+            if self._waiting is not None:
+                future = self._waiting[2]
+                self._waiting = (plan, overwrite, future)
+                self._folded_saves += 1
+                self._log_behind()
+                return future
+            future = concurrent.futures.Future()
+            future.add_done_callback(self._record_error)
             self._pending = [f for f in self._pending if not f.done()]
             self._pending.append(future)
-        future.add_done_callback(self._record_error)
+            self._waiting = (plan, overwrite, future)
+            if not self._writing:
+                self._writing = True
+                if self._executor is None:
+                    self._executor = concurrent.futures.ThreadPoolExecutor(
+                        max_workers=1, thread_name_prefix="hpsjax-checkpoint"
+                    )
+                self._executor.submit(self._write_in_turn)
         return future
+
+    @property
+    def queued_saves(self) -> int:
+        """Saves of ``save_async`` being written or waiting: 0, 1 or 2."""
+        with self._queue_lock:
+            return int(self._writing) + (self._waiting is not None)
+
+    @property
+    def folded_saves(self) -> int:
+        """Requests of ``save_async`` replaced by a newer one before written."""
+        with self._queue_lock:
+            return self._folded_saves
 
     def wait_until_finished(self) -> None:
         """Blocks until every ``save_async`` so far has finished.
@@ -721,7 +800,7 @@ class CheckpointManager:
         Raises:
           Exception: the error of a failed background save, if any.
         """
-        with self._lock:
+        with self._queue_lock:
             pending = list(self._pending)
         concurrent.futures.wait(pending)
         self._raise_background_error()
@@ -731,7 +810,7 @@ class CheckpointManager:
         try:
             self.wait_until_finished()
         finally:
-            with self._lock:
+            with self._queue_lock:
                 executor, self._executor = self._executor, None
             if executor is not None:
                 executor.shutdown(wait=True)
@@ -828,10 +907,44 @@ class CheckpointManager:
                 f"{self._directory}; pass overwrite=True to replace it"
             )
 
-    def _save_queued(self, plan: _Plan, overwrite: bool) -> pathlib.Path:
-        with self._lock:
-            self._check_order(plan.step, overwrite, self.latest_step())
-            return self._save_plan(plan, overwrite)
+    def _write_in_turn(self) -> None:
+        """Writes the waiting save, and the next, until none waits."""
+        while True:
+            with self._queue_lock:
+                if self._waiting is None:
+                    self._writing = False
+                    return
+                (plan, overwrite, future), self._waiting = self._waiting, None
+            started = time.monotonic()
+            try:
+                with self._lock:
+                    self._check_order(plan.step, overwrite, self.latest_step())
+                    path = self._save_plan(plan, overwrite)
+            except BaseException as e:
+                future.set_exception(e)
+            else:
+                future.set_result(path)
+            # The written snapshot is let go before the waiting one is taken.
+            plan = future = None
+            with self._queue_lock:
+                self._last_save_s = time.monotonic() - started
+
+    def _log_behind(self) -> None:
+        """Says, at most once per ``_BEHIND_LOG_INTERVAL_S``, that saves fold."""
+        now = time.monotonic()
+        last = self._behind_logged_at
+        if last is not None and now - last < _BEHIND_LOG_INTERVAL_S:
+            return
+        folded = self._folded_saves - self._folded_at_log
+        self._behind_logged_at, self._folded_at_log = now, self._folded_saves
+        took = f", the last save took {self._last_save_s:.2f} s"
+        logger.warning(
+            "checkpoint saves fall behind the requests: %d folded into newer "
+            "ones%s%s; the newest state is written when the running save ends",
+            folded,
+            "" if last is None else f" in the last {now - last:.0f} s",
+            took if self._last_save_s else "",
+        )
 
     def _save_plan(self, plan: _Plan, overwrite: bool) -> pathlib.Path:
         if not self._take_lock():
@@ -849,8 +962,9 @@ class CheckpointManager:
             os.rename(final, old)
             self._orbax.reload()
         try:
-            manifest = _manifest_with_checksums(plan)
-            self._orbax_lib.save(self._orbax, plan.step, plan.arrays, manifest)
+            arrays = _host_arrays(plan)
+            manifest = _manifest_with_checksums(plan, arrays)
+            self._orbax_lib.save(self._orbax, plan.step, arrays, manifest)
         except BaseException:
             self._remove_temporaries(f"{final.name}{_TMP_SUFFIX}")
             if old is not None:
@@ -859,7 +973,32 @@ class CheckpointManager:
             raise
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
+        self._prune()
         return final
+
+    def _prune(self) -> None:
+        """Deletes checkpoints beyond the newest ``keep``: moved aside, then deleted.
+
+        Renamed out of the step namespace first (atomic), so a crash while
+        deleting leaves a ``.pruned-`` leftover that no reader lists and the
+        next manager removes, never a half-deleted ``ckpt_<step>``.
+        """
+        if self._keep is None:
+            return
+        steps = self.steps()
+        aside = []
+        for step in steps[: max(len(steps) - self._keep, 0)]:
+            target = self._directory / f"{_PRUNED_PREFIX}{step}-{uuid.uuid4().hex}"
+            try:
+                os.rename(self._step_dir(step), target)
+            except OSError as e:
+                logger.warning("cannot prune checkpoint %s: %s", step, e)
+                continue
+            aside.append(target)
+        if aside:
+            self._orbax.reload()
+        for target in aside:
+            shutil.rmtree(target, ignore_errors=True)
 
     def _restore(self, step: int, like: Any) -> Checkpoint:
         root = self._step_dir(step)
@@ -948,6 +1087,9 @@ class CheckpointManager:
             name = entry.name
             if name.startswith(_PREFIX) and _TMP_SUFFIX in name:
                 self._remove_temporaries(name)
+            elif name.startswith(_PRUNED_PREFIX):
+                logger.info("removing interrupted prune %s", entry)
+                shutil.rmtree(entry, ignore_errors=True)
             elif name.startswith(_OLD_PREFIX):
                 step = name.removeprefix(_OLD_PREFIX).split("-")[0]
                 final = self._directory / f"{_PREFIX}{step}"
@@ -981,12 +1123,12 @@ class CheckpointManager:
 
     def _record_error(self, future: concurrent.futures.Future) -> None:
         if not future.cancelled() and future.exception() is not None:
-            with self._lock:
+            with self._queue_lock:
                 if self._background_error is None:
                     self._background_error = future.exception()
 
     def _raise_background_error(self) -> None:
-        with self._lock:
+        with self._queue_lock:
             error, self._background_error = self._background_error, None
         if error is not None:
             raise RuntimeError("an earlier background checkpoint save failed") from (

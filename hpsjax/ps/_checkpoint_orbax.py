@@ -72,16 +72,17 @@ class ManifestRestore(ocp.args.CheckpointArgs):
     """Restores the manifest file's bytes."""
 
 
-def new_manager(directory: pathlib.Path, keep: int | None) -> ocp.CheckpointManager:
-    """An orbax manager of ``directory/ckpt_<step>`` steps, keeping ``keep``.
+def new_manager(directory: pathlib.Path) -> ocp.CheckpointManager:
+    """An orbax manager of ``directory/ckpt_<step>`` steps.
 
-    Saves block until committed (``save_async`` queues them on hpsjax's own
-    thread, which keeps them in call order without blocking the caller); orbax
-    writes no root metadata and leaves temporary directories to hpsjax, which
-    removes only those of no live process.
+    Saves block until committed (``save_async`` runs them on hpsjax's own
+    thread, one at a time, without blocking the caller); orbax writes no root
+    metadata, deletes no old step (hpsjax prunes by moving a step aside before
+    deleting it, where orbax deletes in place) and leaves temporary directories
+    to hpsjax, which removes only those of no live process.
     """
     options = ocp.CheckpointManagerOptions(
-        max_to_keep=keep,
+        max_to_keep=None,
         step_prefix=STEP_PREFIX,
         create=False,
         cleanup_tmp_directories=False,
@@ -102,7 +103,7 @@ def new_manager(directory: pathlib.Path, keep: int | None) -> ocp.CheckpointMana
 def save(
     manager: ocp.CheckpointManager, step: int, arrays: dict, manifest: bytes
 ) -> None:
-    """Saves one step and returns once orbax committed it (and pruned)."""
+    """Saves one step and returns once orbax committed it."""
     items = {MANIFEST: ManifestSave(manifest)}
     if arrays:
         items[ARRAYS] = ocp.args.PyTreeSave(arrays)
