@@ -310,6 +310,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         choices=("auto", "uvloop", "asyncio"),
         help="event loop (auto: uvloop when installed)",
     )
+    g.add_argument(
+        "--compile_cache_dir",
+        metavar="PATH",
+        help="JAX's persistent compilation cache, shared with the run's other "
+        "processes so a step is compiled once (default: $JAX_COMPILATION_CACHE_DIR, "
+        "which hpsjax-launch sets to <workdir>/jax_cache; unset: no cache; none: "
+        "no cache)",
+    )
     g.add_argument("--log_level", default="INFO", help="DEBUG, INFO, WARNING, ERROR")
     return p.parse_args(argv)
 
@@ -980,6 +988,18 @@ def _metrics_sink(args: argparse.Namespace):
     return MetricsWriter(args.metrics, tensorboard_dir=tensorboard)
 
 
+def _compile_cache(args: argparse.Namespace, log: logging.Logger) -> None:
+    """Points JAX at ``--compile_cache_dir`` (or the inherited one), logged."""
+    from hpsjax._compile_cache import use_compile_cache
+
+    path = args.compile_cache_dir
+    if path is not None and path.lower() == "none":
+        return
+    directory = use_compile_cache(path)
+    if directory is not None:
+        log.info("compilation cache: %s", directory)
+
+
 def _where(args: argparse.Namespace) -> str:
     if args.servers is not None:
         return ",".join(f"{h}:{p}" for h, p in args.servers)
@@ -996,6 +1016,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     quiet_backend_probe()
     log = logging.getLogger("hpsjax.worker")
     try:
+        _compile_cache(args, log)
         if args.write_init is not None:
             write_init(args, args.write_init)
             print(

@@ -501,6 +501,15 @@ def _server_info(client: Any) -> Any:
     return info
 
 
+def _server_spec(client: Any) -> Any:
+    """The server's model (``jax.ShapeDtypeStruct`` leaves, the structure of a
+    pull's answer) as the client knows it, or ``None``."""
+    partition = getattr(client, "partition", None)
+    if partition is not None:
+        return partition.spec()
+    return getattr(_server_info(client), "spec", None)
+
+
 def _shapes_key(batch: Any) -> tuple:
     return tuple((tuple(x.shape), str(x.dtype)) for x in jax.tree.leaves(batch))
 
@@ -692,6 +701,8 @@ class Worker:
         # computed with (what a round uses while its own batch compiles).
         self._compiling: dict[tuple, concurrent.futures.Future] = {}
         self._last_batch: tuple[int, ...] | None = None
+        self._peeked: Any = None  # the batch drawn to compile the first round
+        self._plan_logged: int | None = None  # the last plan revision logged
         self._stop = asyncio.Event()
         self._t0 = time.monotonic()
 
@@ -895,9 +906,42 @@ class Worker:
             return (local, self._state, batch, lr_scale)
         return (local, self._state, self._opt_state, batch, lr_scale, steps_arg)
 
+    def _take(self, n: int) -> Any:
+        """The next batch of ``n`` examples (the one drawn to compile with
+        first, if it has that size)."""
+        peeked, self._peeked = self._peeked, None
+        if peeked is not None and len(jax.tree.leaves(peeked)[0]) == n:
+            return peeked
+        return self._batches(n)
+
+    def _compile_first(self, spec: Any, device_batches: tuple[int, ...]) -> float:
+        """Compiles the step for the first round's batch, before joining.
+
+        Runs in the compute thread on parameters of the server's shapes (zeros)
+        and a batch drawn for the first round (kept for it), so that no round,
+        and no barrier of the server's, waits on this compile. Returns the
+        seconds it took (0 when the step was compiled already, or with several
+        devices, whose step is compiled at its first call).
+        """
+        if len(self._devices) > 1:
+            return 0.0
+        home = self._devices[0]
+        zeros = jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), spec)
+        self._initialise(zeros)
+        batch = self._peeked = self._batches(sum(device_batches))
+        args = self._step_args(
+            jax.device_put(zeros, home),
+            jax.device_put(batch, home),
+            jnp.asarray(1.0, jnp.float32),
+            jnp.asarray(1, jnp.int32),
+        )
+        _, seconds = self._compiled_step(args, batch)
+        self._last_batch = tuple(device_batches)
+        return seconds
+
     def _next_batches(self, settings: Compute) -> list[Any]:
         total = sum(settings.device_batches)
-        batch = self._batches(total)
+        batch = self._take(total)
         if len(settings.device_batches) == 1:
             return [batch]
         bounds = np.cumsum((0, *settings.device_batches))
@@ -931,13 +975,15 @@ class Worker:
                 loss, grads = multi_device_grad(
                     self._loss_fn, local, batches, self._devices
                 )
+                # Every result waited for, as below.
                 if self._tx is None:
                     update = jax.tree.map(lambda g: g * settings.lr_scale, grads)
+                    jax.block_until_ready((update, loss))
                 else:
                     local, self._opt_state = self._apply(
                         local, self._opt_state, grads, loss, lr_scale, steps_arg
                     )
-                jax.block_until_ready((local, loss))
+                    jax.block_until_ready((local, self._opt_state, loss))
             else:
                 batch = jax.device_put(batches[0], home)
                 state = self._state
@@ -950,12 +996,15 @@ class Worker:
                 step, compile_time = self._compiled_step(args, batch)
                 compile_s += compile_time
                 t = time.perf_counter()
+                # On an accelerator the call returns once the step is queued:
+                # the clock stops when every result is there, and the slowdown
+                # sleeps (k - 1) times that, so a GPU told 4 is 4 times slower.
                 if self._tx is None:
                     update, loss, state = step(*args)
-                    jax.block_until_ready(update)
+                    jax.block_until_ready((update, loss, state))
                 else:
                     local, state, self._opt_state, loss = step(*args)
-                    jax.block_until_ready(local)
+                    jax.block_until_ready((local, state, self._opt_state, loss))
                 self._state = state
             spent = time.perf_counter() - t
             compute += spent
@@ -1062,6 +1111,14 @@ class Worker:
             await client.connect()
         computer = concurrent.futures.ThreadPoolExecutor(1, "hpsjax-compute")
         encoder = concurrent.futures.ThreadPoolExecutor(1, "hpsjax-encode")
+        try:
+            await self._before_joining(client, computer)
+        except BaseException:
+            computer.shutdown(wait=False, cancel_futures=True)
+            encoder.shutdown(wait=False, cancel_futures=True)
+            with contextlib.suppress(Exception):
+                await client.close()
+            raise
         totals = dict(
             steps=0, pushes=0, local_steps=0, compute_s=0.0, slowdown_s=0.0,
             wait_s=0.0, transfer_s=0.0, bytes_sent=0, bytes_received=0,
@@ -1113,6 +1170,64 @@ class Worker:
             self._spec_like,
         )
         jax.block_until_ready(self._compress_update(zeros, self._compressor_state))
+
+    def _note_plan(self, plan: Any) -> PlanChanged:
+        """The server's plan as an event (:meth:`_plan_notice`), logged once
+        per revision."""
+        event = self._plan_notice(plan)
+        if plan.revision != self._plan_logged:
+            self._plan_logged = plan.revision
+            logger.info(
+                "worker %s: plan revision %d received: batch %s%s, local steps %s, "
+                "lr scale %s",
+                self._config.worker_id,
+                plan.revision,
+                "unchanged"
+                if event.device_batches is None
+                else sum(event.device_batches),
+                ""
+                if event.device_batches is None or len(event.device_batches) == 1
+                else f" {list(event.device_batches)}",
+                "unchanged" if plan.local_steps is None else plan.local_steps,
+                "unchanged" if plan.lr_scale is None else f"{plan.lr_scale:g}",
+            )
+        return event
+
+    async def _before_joining(self, client: Any, computer: Any) -> None:
+        """Compiles the step for the batch of the first round (the server's
+        plan for this worker, which it sends on connecting, else the config's)
+        before the first pull joins a round: a slow compile keeps no barrier
+        of the server's waiting, and the worker joins at the version the
+        server reached meanwhile. A client that does not know the server's
+        model (a stand-in) leaves the compile to the first round."""
+        spec = _server_spec(client)
+        if spec is None or self._compiled:
+            return
+        device_batches = self._initial[0]
+        plan = getattr(client, "plan", None)
+        if plan is not None and self._config.follow_hints:
+            planned = self._note_plan(plan).device_batches
+            if planned is not None:
+                device_batches = planned
+        seconds = await asyncio.get_running_loop().run_in_executor(
+            computer, self._compile_first, spec, device_batches
+        )
+        if seconds > 0:
+            logger.info(
+                "worker %s compiled its step for batch %d in %.2fs, before joining",
+                self._config.worker_id,
+                sum(device_batches),
+                seconds,
+            )
+            self._emit(
+                {
+                    "event": "compile",
+                    "worker": self._config.worker_id,
+                    "time": self._elapsed(),
+                    "batch_size": sum(device_batches),
+                    "compile_s": seconds,
+                }
+            )
 
     def _overlap(self, client: Any) -> str:
         """The run's overlap: the config's, else the server policy's (see
@@ -1368,7 +1483,7 @@ class _Run:
         plan = self.client.plan
         if plan is None or not self.w._config.follow_hints:
             return []
-        return [(self.w._plan_notice(plan), None)]
+        return [(self.w._note_plan(plan), None)]
 
     async def pull(self, session: int, *, join: bool = False) -> list:
         from hpsjax.ps import WorkerDropped
