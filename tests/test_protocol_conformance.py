@@ -719,3 +719,26 @@ def test_lr_scale_of_a_plan_is_a_float(asp):
     assert (f.type, f.rid, f.meta["notice"]) == (NOTICE, 0, "plan")
     assert isinstance(f.meta["lr_scale"], float) and f.meta["lr_scale"] == 2.0
     c.bye()
+
+
+# ------------------------------------------------ outside PROTOCOL.md
+
+
+def test_the_documented_hybrid_stages_form_is_what_the_server_takes():
+    import pathlib
+    import re
+
+    from hpsjax.ps import Hybrid, get_policy
+    from hpsjax.ps._cli import _policy_kwargs, parse_args
+
+    launch = pathlib.Path(__file__).resolve().parents[1] / "LAUNCH.md"
+    (value,) = re.findall(r"--policy hybrid --policy_arg '([^']*)'", launch.read_text())
+    args = parse_args(
+        ["--init", "init.npz", "--policy", "hybrid", "--policy_arg", value]
+    )
+    policy = get_policy("hybrid", **_policy_kwargs(args))
+    assert isinstance(policy, Hybrid)
+    stages = [
+        (s.mode, s.local_steps, s.max_staleness, s.until_version) for s in policy.stages
+    ]
+    assert stages == [("async", 8, 16, 100), ("semi_async", 1, 2, None)]

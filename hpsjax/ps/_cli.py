@@ -22,6 +22,19 @@ SIGINT or SIGTERM, writing a final checkpoint. With ``--checkpoint_dir`` it
 resumes from the newest checkpoint there, so a restarted server continues where
 the last committed checkpoint left off.
 
+Policy options are ``--policy_arg KEY=JSON``, one keyword argument of the policy
+each. The hybrid policy takes its stages as a JSON list of objects with ``mode``
+(``async``, ``semi_async`` or ``sync``) and optional ``local_steps``,
+``max_staleness`` and ``until_version`` (:class:`hpsjax.ps.HybridStage`)::
+
+    hpsjax-server ... --policy hybrid --policy_arg 'stages=[
+        {"mode": "async", "local_steps": 8, "max_staleness": 16, "until_version": 100},
+        {"mode": "semi_async", "local_steps": 1, "max_staleness": 2}]'
+
+SaPS (``--policy saps --policy_arg threshold=4``) damps or drops a push more
+than ``threshold`` versions stale and forces its worker to pull (the
+``force_pull`` of its PUSH_ACK).
+
 With ``--work_plan plan.json`` (a :class:`hpsjax.profiling.WorkPlan`) the server
 sends each worker its share of the plan when it joins and re-plans (H-PS) when a
 worker's reported step times drift from the plan by more than
@@ -382,7 +395,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     add_key_value_flag(
         g,
         "--policy_arg",
-        "policy keyword argument (JSON value), repeatable",
+        "policy keyword argument (JSON value), repeatable: staleness_bound=2 "
+        "(ssp), threshold=4 or on_straggler=drop (saps: a push more than "
+        "threshold versions stale is damped or dropped and its worker forced to "
+        "pull), and for hybrid stages='[{\"mode\": \"async\", \"local_steps\": "
+        "8, \"max_staleness\": 16, \"until_version\": 100}, {\"mode\": "
+        "\"semi_async\", \"max_staleness\": 2}]' (mode async, semi_async or "
+        "sync; local_steps, max_staleness, until_version optional; LAUNCH.md)",
     )
     add_key_value_flag(
         g,

@@ -396,8 +396,10 @@ class SaPS(Policy):
     Our reading of SaPS: a push with staleness :math:`\tau` above a threshold
     :math:`\theta` comes from a straggler. Its update is damped by
     :math:`(1+\theta)/(1+\tau)` or dropped (``on_straggler``), and the worker is told
-    to pull fresh parameters (:class:`~hpsjax.ps.ForcePull`), which bounds the
-    staleness it works at; nobody ever waits. With ``threshold=None``,
+    to pull fresh parameters (:class:`~hpsjax.ps.ForcePull`: the ``force_pull``
+    of its PUSH_ACK, on which ``hpsjax-worker`` discards its round and pulls),
+    which bounds the staleness it works at; only that worker is forced, and
+    nobody ever waits. With ``threshold=None``,
     :math:`\theta = \max(1, 2(n-1))` for :math:`n` live workers: in steady ASP each
     push is about :math:`n-1` versions stale, so this flags workers about twice
     slower than the rest.
@@ -827,6 +829,11 @@ class Hybrid(Policy):
     :meth:`ServerCore.set_stage` (a worker whose staged optimizer switched on a
     flat loss reports it). Blocked workers and buffered updates are re-examined
     under the new stage at once.
+
+    ``hpsjax-server`` takes the stages as JSON objects of :class:`HybridStage`'s
+    fields: ``--policy hybrid --policy_arg 'stages=[{"mode": "async",
+    "local_steps": 8, "max_staleness": 16, "until_version": 100}, {"mode":
+    "semi_async", "max_staleness": 2}]'`` (LAUNCH.md).
 
     Args:
       stages: a non-empty sequence of :class:`HybridStage` (or
