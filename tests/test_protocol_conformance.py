@@ -370,6 +370,13 @@ def test_powersgd_push_decodes_bit_for_bit_as_the_document_says():
         # parameters are exactly minus the decoded update.
         want_w = decode_powersgd(p, q, "float32")
         np.testing.assert_array_equal(got["w"], -want_w)
+        # As a client without float32 arithmetic would (JavaScript's
+        # Math.fround): each product and sum in float64, rounded at once.
+        f64 = (p[:, 0][:, None].astype(np.float64) * q[:, 0]).astype(np.float32)
+        for j in range(1, r):
+            term = (p[:, j][:, None].astype(np.float64) * q[:, j]).astype(np.float32)
+            f64 = (f64.astype(np.float64) + term).astype(np.float32)
+        np.testing.assert_array_equal(got["w"], -f64)
         np.testing.assert_array_equal(got["h"], -decode_powersgd(ph, qh, "float16"))
         np.testing.assert_array_equal(got["b"], -b)
         # The order matters here: a decoder that adds the terms otherwise (or
