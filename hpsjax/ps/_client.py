@@ -41,6 +41,7 @@ from hpsjax.ps._errors import (
     HpsError,
     ProtocolError,
     UnexpectedMessage,
+    WorkerDropped,
     error_from_wire,
 )
 from hpsjax.ps._frames import Frame, FrameError, MsgType
@@ -764,7 +765,15 @@ class Client:
         if future is None or future.done():
             return  # the caller gave up (cancelled or timed out)
         if event.msg_type == MsgType.ERROR:
-            future.set_exception(_error_of(event))
+            error = _error_of(event)
+            if error.code == WorkerDropped.code and isinstance(
+                self._unsolicited_error, WorkerDropped
+            ):
+                # The drop's notice came first and this reply says the same
+                # (a push sent meanwhile): raised once, not again by the pull
+                # that rejoins.
+                self._unsolicited_error = None
+            future.set_exception(error)
         else:
             future.set_result([event])
 
