@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import os
 import pathlib
 import pkgutil
 import re
@@ -102,6 +103,30 @@ def _link_directories(app, docname, source):
     source[0] = _LINK.sub(repository_link, source[0])
 
 
+# A link of a page included into another (README.md into docs/index.md), made
+# relative to the including page, so that it points at the same file there.
+_RELATIVE_LINK = re.compile(r"\]\((?![a-z][a-z0-9+.-]*:|#|/)([^)\s]+)\)")
+
+
+def _relink_included(app, relative_path, parent_docname, content):
+    # MyST names the parent by its file's stem alone; the page being read is
+    # the environment's.
+    here = (ROOT / app.env.docname).parent
+    there = (ROOT / relative_path).parent
+    if here == there:
+        return
+
+    def relink(match):
+        target = (there / match.group(1)).resolve()
+        if target.is_dir() and ROOT in (target, *target.parents):
+            # A directory has no page: it goes to GitHub, as _link_directories.
+            path = target.relative_to(ROOT).as_posix()
+            return f"]({REPOSITORY_URL}/tree/main/{path})"
+        return f"]({os.path.relpath(target, here)})"
+
+    content[0] = _RELATIVE_LINK.sub(relink, content[0])
+
+
 def _attribute_doc(package, name: str) -> str:
     """The docstring written under ``name = ...`` in one of the package's modules."""
     from sphinx.pycode import ModuleAnalyzer
@@ -149,3 +174,4 @@ def _add_imported_data(app, docname, source):
 def setup(app):
     app.connect("source-read", _link_directories)
     app.connect("source-read", _add_imported_data)
+    app.connect("include-read", _relink_included)

@@ -27,6 +27,7 @@ Examples:
 
 from __future__ import annotations
 
+import inspect
 import math
 import os
 import zipfile
@@ -796,6 +797,9 @@ DATASETS: dict[str, Callable[..., Dataset]] = {
 }
 
 
+_ARGUMENT_HINTS = {"path": ": the .npz file to read"}
+
+
 def get_dataset(name: str, **kwargs: Any) -> Dataset:
     """Builds a dataset by registry name (for configs).
 
@@ -809,8 +813,38 @@ def get_dataset(name: str, **kwargs: Any) -> Dataset:
       The dataset.
 
     Raises:
-      ValueError: an unknown name (the message lists the valid ones).
+      ValueError: an unknown name (the message lists the valid ones), an
+        argument the loader does not take, or one it needs left out (``"npz"``
+        without ``path``); each in one line.
+      FileNotFoundError: ``"npz"`` with no file at ``path``.
+
+    Examples:
+      >>> get_dataset("npz")
+      Traceback (most recent call last):
+      ...
+      ValueError: dataset 'npz' needs path=...: the .npz file to read
     """
     if name not in DATASETS:
         raise ValueError(f"unknown dataset {name!r}; valid names: {sorted(DATASETS)}")
-    return DATASETS[name](**kwargs)
+    loader = DATASETS[name]
+    params = inspect.signature(loader).parameters
+    valid = [
+        n
+        for n, p in params.items()
+        if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+    ]
+    unknown = [key for key in kwargs if key not in valid]
+    if unknown:
+        raise ValueError(
+            f"dataset {name!r} takes no argument {unknown[0]!r}; valid names: "
+            f"{', '.join(valid) or 'none'}"
+        )
+    missing = [
+        n
+        for n in valid
+        if params[n].default is inspect.Parameter.empty and n not in kwargs
+    ]
+    if missing:
+        what = _ARGUMENT_HINTS.get(missing[0], "")
+        raise ValueError(f"dataset {name!r} needs {missing[0]}=...{what}")
+    return loader(**kwargs)

@@ -17,7 +17,15 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
-MODULES = ("hpsjax", "hpsjax.ps", "hpsjax.profiling", "hpsjax.sim", "hpsjax.worker")
+MODULES = (
+    "hpsjax",
+    "hpsjax.data",
+    "hpsjax.models",
+    "hpsjax.ps",
+    "hpsjax.profiling",
+    "hpsjax.sim",
+    "hpsjax.worker",
+)
 PAGES = ("README", "PROTOCOL", "LAUNCH", "BENCHMARKS", "experiments/RESULTS")
 TUTORIALS = sorted(p.stem for p in (ROOT / "colab").glob("*.ipynb"))
 
@@ -42,6 +50,35 @@ def test_index_lists_every_page_tutorial_and_api_page():
         assert f"\napi/{_api_page(module).stem}\n" in index
 
 
+def test_index_shows_the_readme_itself():
+    # The landing page is the README's text, not a pointer to it.
+    index = (DOCS / "index.md").read_text()
+    assert "```{include} ../README.md\n```" in index
+    assert "README follows" not in index
+
+
+def test_included_readme_links_point_at_the_same_files_from_the_index():
+    sys.path.insert(0, str(DOCS))
+    try:
+        conf = importlib.import_module("conf")
+    finally:
+        sys.path.remove(str(DOCS))
+    readme = (ROOT / "README.md").read_text()
+    content = [readme]
+    app = type("App", (), {"env": type("Env", (), {"docname": "docs/index"})()})()
+    conf._relink_included(app, pathlib.Path("README.md"), "index", content)
+    before = re.findall(r"\]\(([^)\s]+)\)", readme)
+    after = re.findall(r"\]\(([^)\s]+)\)", content[0])
+    assert len(before) == len(after) and before != after
+    for old, new in zip(before, after, strict=True):
+        if old.startswith(("http", "#")):
+            assert new == old
+        elif (ROOT / old).is_dir():
+            assert new.startswith("https://") and new.endswith(old.rstrip("/"))
+        else:  # a file: the same file, seen from docs/
+            assert (DOCS / new).resolve() == (ROOT / old).resolve(), (old, new)
+
+
 @pytest.mark.slow
 def test_docs_build_without_warnings_and_document_every_public_name(tmp_path):
     out = tmp_path / "html"
@@ -58,6 +95,10 @@ def test_docs_build_without_warnings_and_document_every_public_name(tmp_path):
     ]
     assert build.returncode == 0, "\n".join(warnings[-40:])
     assert "docs/index.html" in (out / "index.html").read_text()
+    # The landing page carries the README's text and figure.
+    landing = (out / "docs" / "index.html").read_text()
+    assert "Train one JAX model on workers of unequal speed" in landing
+    assert "sim8_accuracy.png" in landing
     for page in PAGES:
         assert (out / f"{page}.html").is_file()
     for module in MODULES:
