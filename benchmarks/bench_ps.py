@@ -52,6 +52,7 @@ import time
 
 import numpy as np
 
+from hpsjax.models import save_params_npz
 from hpsjax.ps._client import Client
 from hpsjax.ps._frames import HEADER_SIZE
 
@@ -120,7 +121,7 @@ class PsServer:
         self, shapes, workdir: pathlib.Path, loop: str, policy="asp", extra=()
     ):
         init = workdir / f"init-{len(shapes)}-{_nbytes(shapes)}.npz"
-        np.savez(init, **{k: np.zeros(s, np.float32) for k, s in shapes.items()})
+        save_params_npz(init, {k: np.zeros(s, np.float32) for k, s in shapes.items()})
         secret = workdir / "secret"
         secret.write_bytes(SECRET)
         self.proc = subprocess.Popen(

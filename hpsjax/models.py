@@ -46,7 +46,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from hpsjax._npz import nest_named_arrays, open_npz
+from hpsjax._npz import PARAMS_MARKER, nest_named_arrays, open_npz, params_marker
 
 __all__ = [
     "MODELS",
@@ -847,7 +847,9 @@ def save_params_npz(path: str | os.PathLike, params: Params) -> None:
 
     The format: one array per leaf, named by its key path joined with ``/``
     (``{"conv": {"w": ...}}`` is stored as ``"conv/w"``); float64 arrays are
-    stored as float32, the dtype training runs in; other dtypes as they are.
+    stored as float32, the dtype training runs in; other dtypes as they are;
+    and the format marker ``__hpsjax_params__`` (:mod:`hpsjax._npz`), without
+    which ``hpsjax-server --init`` refuses a file.
 
     Args:
       path: the file to write (``.npz`` is not appended).
@@ -855,8 +857,8 @@ def save_params_npz(path: str | os.PathLike, params: Params) -> None:
         whose leaves are arrays.
 
     Raises:
-      ValueError: an empty tree, a key that is empty or holds ``/``, or a leaf
-        that is not an array of numbers.
+      ValueError: an empty tree, a key that is empty, holds ``/`` or is the
+        marker's name, or a leaf that is not an array of numbers.
     """
     if not isinstance(params, dict) or not params:
         raise ValueError("params must be a non-empty dict")
@@ -864,9 +866,14 @@ def save_params_npz(path: str | os.PathLike, params: Params) -> None:
 
     def visit(node: Any, prefix: str) -> None:
         for key, value in node.items():
-            if not isinstance(key, str) or not key or "/" in key:
-                raise ValueError(f"bad parameter key {key!r} under {prefix!r}")
             name = f"{prefix}/{key}" if prefix else key
+            if (
+                not isinstance(key, str)
+                or not key
+                or "/" in key
+                or name == PARAMS_MARKER
+            ):
+                raise ValueError(f"bad parameter key {key!r} under {prefix!r}")
             if isinstance(value, dict):
                 visit(value, name)
                 continue
@@ -879,14 +886,15 @@ def save_params_npz(path: str | os.PathLike, params: Params) -> None:
 
     visit(params, "")
     with open(path, "wb") as f:
-        np.savez(f, **flat)
+        np.savez(f, **flat, **{PARAMS_MARKER: params_marker()})
 
 
 def load_params_npz(path: str | os.PathLike) -> Params:
     """Reads an ``.npz`` file of :func:`save_params_npz`'s format as a nested dict.
 
-    Names split on ``/`` into nested dicts; arrays keep their stored dtype.
-    Object arrays are refused (nothing is unpickled).
+    Names split on ``/`` into nested dicts; arrays keep their stored dtype;
+    the format marker is left out. Object arrays are refused (nothing is
+    unpickled).
 
     Raises:
       FileNotFoundError: no file at ``path``.

@@ -22,6 +22,7 @@ import pytest
 
 from hpsjax import launch as launch_module
 from hpsjax.launch import LaunchError, launch
+from hpsjax.models import save_params_npz
 from hpsjax.worker import _cli
 
 SMALL_MODEL = [
@@ -213,7 +214,7 @@ def test_server_cli_refuses_a_bad_work_plan(tmp_path, capsys):
     from hpsjax.ps import _cli as server_cli
 
     init = tmp_path / "init.npz"
-    np.savez(init, w=np.zeros(3, np.float32))
+    save_params_npz(init, {"w": np.zeros(3, np.float32)})
     plan = tmp_path / "plan.json"
     plan.write_text('{"format": "something else"}')
     argv = ["--init", str(init), "--work_plan", str(plan), "--no-malloc_tuning"]

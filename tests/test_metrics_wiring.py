@@ -11,6 +11,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from test_server import SECRET, _run, _update
 
+from hpsjax.models import save_params_npz
 from hpsjax.ps import _cli as server_cli
 from hpsjax.ps._client import Client
 
@@ -44,7 +45,9 @@ async def _start(args, capsys) -> tuple[asyncio.Task, int, int]:
 
 def test_server_serves_prometheus_metrics(tmp_path, capsys):
     init = tmp_path / "init.npz"
-    np.savez(init, **{"b": np.zeros(3, np.float32), "w": np.zeros((4, 3), np.float32)})
+    save_params_npz(
+        init, {"b": np.zeros(3, np.float32), "w": np.zeros((4, 3), np.float32)}
+    )
     (tmp_path / "secret").write_bytes(SECRET)
     args = server_cli.parse_args(
         ["--init", str(init), "--secret_file", str(tmp_path / "secret"),
@@ -105,7 +108,7 @@ def test_metrics_port_in_use_is_one_line(tmp_path, capsys):
     import socket
 
     init = tmp_path / "init.npz"
-    np.savez(init, w=np.zeros(2, np.float32))
+    save_params_npz(init, {"w": np.zeros(2, np.float32)})
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()

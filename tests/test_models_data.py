@@ -764,7 +764,12 @@ def test_params_npz_round_trip_in_the_servers_format(tmp_path):
     path = tmp_path / "init.npz"
     models.save_params_npz(path, params)
     with np.load(path) as archive:
-        assert sorted(archive.files) == ["count", "layers/0/bias", "layers/0/kernel"]
+        assert sorted(archive.files) == [
+            "__hpsjax_params__",
+            "count",
+            "layers/0/bias",
+            "layers/0/kernel",
+        ]
     loaded = models.load_params_npz(path)
     assert loaded["layers"]["0"]["kernel"].dtype == np.float32
     assert loaded["count"].dtype == np.int32
@@ -786,6 +791,8 @@ def test_params_npz_refuses_bad_input(tmp_path):
         models.save_params_npz(path, {"a/b": np.ones(1)})
     with pytest.raises(ValueError, match="not numeric"):
         models.save_params_npz(path, {"a": np.array(["x"])})
+    with pytest.raises(ValueError, match="bad parameter key '__hpsjax_params__'"):
+        models.save_params_npz(path, {"__hpsjax_params__": np.ones(1)})
     with pytest.raises(FileNotFoundError):
         models.load_params_npz(tmp_path / "missing.npz")
     np.savez(path, **{"a": np.ones(1), "a/b": np.ones(1)})

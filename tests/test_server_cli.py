@@ -10,14 +10,20 @@ import optax
 import pytest
 from test_server import SECRET, _run, _update
 
+from hpsjax._npz import PARAMS_MARKER, params_marker
 from hpsjax.ps import _cli
 from hpsjax.ps._client import Client
+
+# What save_params_npz adds: the server's --init refuses a file without it.
+MARKER = {PARAMS_MARKER: params_marker()}
 
 
 def test_npz_names_make_nested_dicts(tmp_path):
     path = tmp_path / "p.npz"
     np.savez(
-        path, **{"conv/kernel": np.ones((3, 3)), "conv/bias": np.zeros(3), "b": 1.0}
+        path,
+        **{"conv/kernel": np.ones((3, 3)), "conv/bias": np.zeros(3), "b": 1.0},
+        **MARKER,
     )
     tree = _cli.load_npz_tree(path)
     assert sorted(tree) == ["b", "conv"]
@@ -42,7 +48,7 @@ def test_bad_npz_files(tmp_path, arrays, match):
 
 def test_object_arrays_are_never_unpickled(tmp_path):
     path = tmp_path / "obj.npz"
-    np.savez(path, x=np.array([{"a": 1}], dtype=object))
+    np.savez(path, x=np.array([{"a": 1}], dtype=object), **MARKER)
     with pytest.raises(ValueError, match="pickle"):
         _cli.load_npz_tree(path)
 
@@ -69,7 +75,7 @@ def test_arguments_parse_json_values():
 
 def test_main_reports_bad_input_and_exits_2(tmp_path, capsys):
     path = tmp_path / "p.npz"
-    np.savez(path, w=np.zeros(2, np.float32))
+    np.savez(path, w=np.zeros(2, np.float32), **MARKER)
     secret = tmp_path / "secret"
     secret.write_bytes(b"\n")
     assert _cli.main(["--init", str(path), "--secret_file", str(secret)]) == 2
@@ -84,7 +90,7 @@ def test_main_reports_bad_input_and_exits_2(tmp_path, capsys):
 
 def test_serve_hybrid_from_json_stages(tmp_path, capsys):
     path = tmp_path / "p.npz"
-    np.savez(path, **{"b": np.zeros(3, np.float32), "w": np.zeros((4, 3), np.float32)})
+    np.savez(path, b=np.zeros(3, np.float32), w=np.zeros((4, 3), np.float32), **MARKER)
     (tmp_path / "secret").write_bytes(SECRET)
     args = _cli.parse_args(
         ["--init", str(path), "--secret_file", str(tmp_path / "secret"),
@@ -126,7 +132,7 @@ def test_malloc_tuning_applies_in_a_fresh_process():
 
 def test_bad_flags_are_one_line_naming_flags(tmp_path, capsys):
     path = tmp_path / "p.npz"
-    np.savez(path, w=np.zeros(2, np.float32))
+    np.savez(path, w=np.zeros(2, np.float32), **MARKER)
     # A text file given as --init is not "pickled data".
     secret = tmp_path / "secret.txt"
     secret.write_text("s3cret\n")

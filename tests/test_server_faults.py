@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 from test_server import SECRET, Raw, _client, _run, _server, _server_params, _update
 
+from hpsjax.models import save_params_npz
 from hpsjax.ps import _errors as errors
 from hpsjax.ps import _frames, _treecodec
 from hpsjax.ps._frames import MsgType
@@ -368,9 +369,9 @@ def test_server_killed_and_restarted_resumes_from_its_checkpoint(tmp_path):
     from hpsjax.ps._checkpoint import CheckpointManager
 
     init = tmp_path / "init.npz"
-    np.savez(
+    save_params_npz(
         init,
-        **{"layer/w": np.zeros((4, 3), np.float32), "layer/b": np.zeros(3, np.float32)},
+        {"layer": {"w": np.zeros((4, 3), np.float32), "b": np.zeros(3, np.float32)}},
     )
     (tmp_path / "secret").write_bytes(SECRET + b"\n")
     ckpt = tmp_path / "ckpt"

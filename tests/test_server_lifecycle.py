@@ -8,6 +8,7 @@ import pytest
 from test_server import SECRET, _params, _run, _update
 
 from hpsjax._devices import describe_device
+from hpsjax.models import save_params_npz
 from hpsjax.ps import _cli
 from hpsjax.ps._client import Client
 from hpsjax.ps._server import Server
@@ -66,7 +67,7 @@ def test_a_bad_device_is_one_line(device, match):
 
 def test_the_command_refuses_an_unavailable_device_in_one_line(tmp_path, capsys):
     init = tmp_path / "init.npz"
-    np.savez(init, w=np.zeros(3, np.float32))
+    save_params_npz(init, {"w": np.zeros(3, np.float32)})
     present = {d.platform for d in jax.devices()}
     missing = next(p for p in ("tpu", "gpu", "rocm") if p not in present)
     status = _cli.main(["--init", str(init), "--device", missing, "--loop", "asyncio"])

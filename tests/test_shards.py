@@ -31,6 +31,8 @@ import optax
 import pytest
 
 from hpsjax import data
+from hpsjax._npz import PARAMS_MARKER, params_marker
+from hpsjax.models import save_params_npz
 from hpsjax.ps import (
     AuthError,
     ConnectionClosed,
@@ -608,7 +610,7 @@ def test_server_cli_loads_only_its_shard(tmp_path):
         "dense/bias": np.zeros(4, np.float32),
     }
     path = tmp_path / "init.npz"
-    np.savez(path, **arrays)
+    np.savez(path, **arrays, **{PARAMS_MARKER: params_marker()})
     whole = server_cli.load_npz_tree(path)
     for split_leaves in (False, True):
         parts = []
@@ -623,7 +625,7 @@ def test_server_cli_loads_only_its_shard(tmp_path):
         _assert_trees_equal(partition.merge(parts), whole)
         assert partition.cuts_leaves == split_leaves
     compressed = tmp_path / "compressed.npz"
-    np.savez_compressed(compressed, **arrays)
+    np.savez_compressed(compressed, **arrays, **{PARAMS_MARKER: params_marker()})
     loaded = [
         server_cli.load_npz_shard(compressed, s, 2, split_leaves=True) for s in range(2)
     ]
@@ -632,7 +634,11 @@ def test_server_cli_loads_only_its_shard(tmp_path):
         server_cli.load_npz_shard(path, 3, 3)
     with pytest.raises(ValueError, match="at most 3"):
         server_cli.load_npz_shard(path, 0, 4)
-    np.savez(tmp_path / "obj.npz", x=np.array([{"a": 1}], dtype=object))
+    np.savez(
+        tmp_path / "obj.npz",
+        x=np.array([{"a": 1}], dtype=object),
+        **{PARAMS_MARKER: params_marker()},
+    )
     with pytest.raises(ValueError, match="pickle"):
         server_cli.load_npz_shard(tmp_path / "obj.npz", 0, 1)
 
@@ -648,7 +654,7 @@ def test_server_cli_loads_only_its_shard(tmp_path):
 )
 def test_server_cli_refuses_bad_shard_flags(tmp_path, capsys, flags, match):
     path = tmp_path / "p.npz"
-    np.savez(path, a=np.zeros(2, np.float32), b=np.zeros(3, np.float32))
+    save_params_npz(path, {"a": np.zeros(2, np.float32), "b": np.zeros(3, np.float32)})
     argv = ["--init", str(path), "--no-malloc_tuning", "--loop", "asyncio", *flags]
     assert server_cli.main(argv) == 2
     assert "hpsjax-server:" in capsys.readouterr().err

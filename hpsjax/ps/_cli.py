@@ -10,7 +10,8 @@ structure workers push and pull. Or build them from the model itself with
 ``my_pkg.my_module:make_model``, see :func:`hpsjax.models.resolve_model`), with
 the workers' ``--model_arg`` and ``--model_seed``. Example::
 
-    python -c "import numpy as np; np.savez('init.npz', **{'w': np.zeros(10)})"
+    python -c "import numpy as np; from hpsjax.models import save_params_npz; \\
+        save_params_npz('init.npz', {'w': np.zeros(10, np.float32)})"
     head -c 32 /dev/urandom | base64 > secret.txt
     hpsjax-server --init init.npz --secret_file secret.txt --policy ssp \\
         --policy_arg staleness_bound=2 --optimizer sgd --learning_rate 0.1 \\
@@ -76,7 +77,7 @@ import optax
 
 from hpsjax._flags import add_key_value_flag, check_kwargs
 from hpsjax._logs import quiet_backend_probe
-from hpsjax._npz import nest_named_arrays
+from hpsjax._npz import check_params_file, nest_named_arrays
 
 __all__ = [
     "keep_freed_memory",
@@ -100,14 +101,16 @@ def load_npz_tree(path: str | pathlib.Path) -> dict[str, Any]:
     executes code.
 
     Raises:
-      ValueError: not an ``.npz`` file, no arrays, or two names that clash
-        (``a`` and ``a/b``).
+      ValueError: not an ``.npz`` file, no arrays, two names that clash
+        (``a`` and ``a/b``), or a file without the parameters' format marker
+        (a data set, say: :func:`hpsjax._npz.check_params_file`).
 
     Examples:
       >>> import tempfile, os
+      >>> from hpsjax.models import save_params_npz
       >>> with tempfile.TemporaryDirectory() as d:
       ...     f = os.path.join(d, "p.npz")
-      ...     np.savez(f, **{"conv/w": np.ones(2), "b": np.zeros(1)})
+      ...     save_params_npz(f, {"conv": {"w": np.ones(2)}, "b": np.zeros(1)})
       ...     tree = load_npz_tree(f)
       >>> sorted(tree), sorted(tree["conv"])
       (['b', 'conv'], ['w'])
@@ -119,11 +122,7 @@ def load_npz_tree(path: str | pathlib.Path) -> dict[str, Any]:
 
 
 def _check_is_npz(path: str | pathlib.Path) -> None:
-    if not zipfile.is_zipfile(path):
-        raise ValueError(
-            f"{path} is not an .npz file of arrays (write one with "
-            "hpsjax-worker --write_init)"
-        )
+    check_params_file(path)
 
 
 class _NpzMember:
