@@ -22,7 +22,9 @@ float32 scale, the step ``Δ``:
 unbiased stochastic rounding: up with probability ``y - floor(y)``. Decoding is
 ``(code - L) Δ`` (``sign``: ``(2 code - 1) Δ``), so every scheme but nearest
 ``sign`` is unbiased with stochastic rounding, and nearest rounding is off by at
-most ``Δ / 2``.
+most ``Δ / 2``. A step below the smallest normal float32 (about ``1.2e-38``) is
+sent as 0, so such a block, and an all-zero one, decodes to exact zeros on every
+platform, whether or not it flushes subnormal numbers to zero.
 
 Wire layout of ``Encoded.codes`` (a 1-D ``uint8`` array, codes in element order of
 the row-major flattened array):
@@ -89,6 +91,11 @@ _F32 = jnp.float32
 # Largest finite float32: caps 1 / step so that a subnormal scale cannot turn a
 # zero element into 0 * inf = NaN.
 _F32_MAX = float(np.finfo(np.float32).max)
+# Smallest normal float32: a smaller step is sent as 0. XLA flushes subnormal
+# results to zero on CPUs and keeps them on GPUs, so without it a block of
+# subnormal values, and the zeros sharing its scale (which the sign code sends
+# as +step), decoded to 0 on one platform and to about 3e-40 on the other.
+_F32_TINY = float(np.finfo(np.float32).tiny)
 
 
 def _min_bits_for_levels(levels: int) -> int:
@@ -408,11 +415,13 @@ def _block_stats(flat: jax.Array, codec: Codec) -> jax.Array:
         if not parts:
             return jnp.zeros((0,), _F32)
         stats = jnp.concatenate(parts) if len(parts) > 1 else parts[0]
-    if scheme == "sign":
-        return stats
-    # A multiply, not a division by a constant: XLA rewrites the latter into a
-    # multiply under jit but not op by op, and the step must not depend on that.
-    return stats * _F32(1 / levels)
+    if scheme != "sign":
+        # A multiply, not a division by a constant: XLA rewrites the latter into
+        # a multiply under jit but not op by op, and the step must not depend on
+        # that.
+        stats = stats * _F32(1 / levels)
+    # NaN and infinity compare false and stay, for the checks downstream.
+    return jnp.where(jnp.abs(stats) < _F32_TINY, _F32(0), stats)
 
 
 def _block_codes(
