@@ -116,7 +116,7 @@ def local_steps(
     Examples:
       >>> import jax.numpy as jnp
       >>> import optax
-      >>> from hpsjax.transforms._local_steps import (
+      >>> from hpsjax.transforms import (
       ...     local_steps, pending_update, push_due)
       >>> tx = optax.chain(optax.sgd(0.5), local_steps(2))
       >>> params = jnp.array([1.0, 1.0])

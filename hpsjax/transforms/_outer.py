@@ -105,7 +105,7 @@ def delayed_nesterov(
 
     Examples:
       >>> import jax.numpy as jnp
-      >>> from hpsjax.transforms._outer import delayed_nesterov
+      >>> from hpsjax.transforms import delayed_nesterov
       >>> opt = delayed_nesterov(1.0, momentum=0.5, delay=2)
       >>> state = opt.init(jnp.zeros(1))
       >>> for g in (2.0, 4.0, 2.0):  # plain, momentum (m = 3), plain
@@ -197,7 +197,7 @@ def diloco_outer(
 
     Examples:
       >>> import jax.numpy as jnp, optax
-      >>> from hpsjax.transforms._outer import diloco_outer
+      >>> from hpsjax.transforms import diloco_outer
       >>> theta, local = jnp.array([1.0]), jnp.array([0.5])
       >>> opt = diloco_outer(1.0, momentum=0.0)
       >>> updates, _ = opt.update(theta - local, opt.init(theta))

@@ -98,7 +98,7 @@ def powersgd_matrix_shape(shape: Sequence[int], rank: int) -> tuple[int, int] | 
     """The matrix ``(n, m)`` a leaf is compressed as, or None if it is sent whole.
 
     Examples:
-      >>> from hpsjax.transforms._powersgd import powersgd_matrix_shape
+      >>> from hpsjax.transforms import powersgd_matrix_shape
       >>> powersgd_matrix_shape((64, 3, 3, 16), 4), powersgd_matrix_shape((8, 2), 2)
       ((64, 144), None)
     """
@@ -120,7 +120,7 @@ def powersgd_nbytes(shape: Sequence[int], dtype: Any, rank: int) -> int:
 
     Examples:
       >>> import jax.numpy as jnp
-      >>> from hpsjax.transforms._powersgd import powersgd_nbytes
+      >>> from hpsjax.transforms import powersgd_nbytes
       >>> powersgd_nbytes((1024, 1024), jnp.float32, 4)  # 4 * 2048 * 4 bytes
       32768
     """
@@ -163,7 +163,7 @@ def powersgd_encode(
 
     Examples:
       >>> import jax, jax.numpy as jnp
-      >>> from hpsjax.transforms._powersgd import powersgd_encode, powersgd_decode
+      >>> from hpsjax.transforms import powersgd_encode, powersgd_decode
       >>> u, v = jnp.arange(1.0, 7.0), jnp.linspace(-1.0, 1.0, 5)
       >>> enc = powersgd_encode(jnp.outer(u, v), 1, key=jax.random.key(0))
       >>> enc.p.shape, enc.q.shape
@@ -305,7 +305,7 @@ def power_sgd(
 
     Examples:
       >>> import jax.numpy as jnp, optax
-      >>> from hpsjax.transforms._powersgd import power_sgd, last_powersgd_encoded
+      >>> from hpsjax.transforms import power_sgd, last_powersgd_encoded
       >>> opt = power_sgd(2)
       >>> state = opt.init({"w": jnp.zeros((32, 16)), "b": jnp.zeros(16)})
       >>> grads = {"w": jnp.ones((32, 16)), "b": jnp.ones(16)}

@@ -126,7 +126,7 @@ class Codec:
         ``2^(bits-1)-1``, i.e. 127 for 8 bits. None for the other schemes.
 
     Examples:
-      >>> from hpsjax.transforms._quantize import Codec
+      >>> from hpsjax.transforms import Codec
       >>> Codec("qsgd", levels=7)
       Codec(scheme='qsgd', bits=4, block_size=None, stochastic=True, levels=7)
       >>> Codec.from_dict(Codec("uniform", 4, block_size=256).to_dict()).bits
@@ -316,7 +316,7 @@ def encoded_nbytes(shape: Sequence[int], codec: Codec) -> int:
       ``codes.nbytes + scales.nbytes`` of the :class:`Encoded`.
 
     Examples:
-      >>> from hpsjax.transforms._quantize import Codec, encoded_nbytes
+      >>> from hpsjax.transforms import Codec, encoded_nbytes
       >>> encoded_nbytes((1000, 1000), Codec("uniform", 8))  # 1 MB + one scale
       1000004
       >>> encoded_nbytes((1000, 1000), Codec("sign", block_size=4096))
@@ -587,7 +587,7 @@ def encode(x: jax.Array, codec: Codec, key: jax.Array | None = None) -> Encoded:
 
     Examples:
       >>> import jax, jax.numpy as jnp
-      >>> from hpsjax.transforms._quantize import Codec, encode, decode
+      >>> from hpsjax.transforms import Codec, encode, decode
       >>> codec = Codec("uniform", bits=4, stochastic=False)
       >>> enc = encode(jnp.array([0.0, 0.65, -1.4]), codec)  # step 1.4 / 7
       >>> enc.codes  # codes 7, 10 in the first byte, 0 in the second
@@ -670,7 +670,7 @@ def decode(
 
     Examples:
       >>> import jax.numpy as jnp
-      >>> from hpsjax.transforms._quantize import Codec, Encoded, decode
+      >>> from hpsjax.transforms import Codec, Encoded, decode
       >>> enc = Encoded(jnp.array([0b101], jnp.uint8), jnp.array([0.5], jnp.float32))
       >>> decode(enc, Codec("sign"), (3,))
       Array([ 0.5, -0.5,  0.5], dtype=float32)
@@ -735,7 +735,7 @@ def encode_tree(tree: Any, codec: Codec, key: jax.Array | None = None) -> list[E
 
     Examples:
       >>> import jax, jax.numpy as jnp
-      >>> from hpsjax.transforms._quantize import Codec, encode_tree, decode_tree
+      >>> from hpsjax.transforms import Codec, encode_tree, decode_tree
       >>> tree = {"w": jnp.ones((2, 3)), "b": jnp.zeros(3)}
       >>> enc = encode_tree(tree, Codec("uniform", 8), jax.random.key(0))
       >>> [e.codes.shape for e in enc]
@@ -854,7 +854,7 @@ def quantize(
 
     Examples:
       >>> import jax.numpy as jnp, optax
-      >>> from hpsjax.transforms._quantize import quantize, last_encoded
+      >>> from hpsjax.transforms import quantize, last_encoded
       >>> opt = optax.chain(quantize(4, error_feedback=True), optax.sgd(0.1))
       >>> params = {"w": jnp.ones(5)}
       >>> state = opt.init(params)
@@ -941,7 +941,7 @@ def last_encoded(state: Any) -> list[Encoded]:
 
     Examples:
       >>> import jax.numpy as jnp, optax
-      >>> from hpsjax.transforms._quantize import quantize, last_encoded
+      >>> from hpsjax.transforms import quantize, last_encoded
       >>> opt = optax.MultiSteps(optax.chain(quantize(8), optax.adam(1e-3)), 2)
       >>> len(last_encoded(opt.init({"a": jnp.ones(3), "b": jnp.ones(2)})))
       2

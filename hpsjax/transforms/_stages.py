@@ -261,7 +261,7 @@ def hybrid_stages(
     Examples:
       >>> import jax.numpy as jnp
       >>> import optax
-      >>> from hpsjax.transforms._stages import (
+      >>> from hpsjax.transforms import (
       ...     Stage, current_stage, hybrid_stages, stage_settings)
       >>> stages = [
       ...     Stage(optax.sgd(0.1), mode="async", local_steps=8, until_step=2),
@@ -462,7 +462,7 @@ def stage_settings(stages: Sequence[Stage], state_or_index: Any) -> StageInfo:
 
     Examples:
       >>> import optax
-      >>> from hpsjax.transforms._stages import Stage, stage_settings
+      >>> from hpsjax.transforms import Stage, stage_settings
       >>> stages = [Stage(optax.sgd(0.1), local_steps=4, until_step=100),
       ...           Stage(optax.sgd(0.1), mode="sync")]
       >>> stage_settings(stages, 1)

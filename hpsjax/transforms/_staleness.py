@@ -217,7 +217,7 @@ def staleness_factor(
       The factor, a float scalar array (float32 unless the staleness is float64).
 
     Examples:
-      >>> from hpsjax.transforms._staleness import staleness_factor
+      >>> from hpsjax.transforms import staleness_factor
       >>> [float(staleness_factor("inverse", t)) for t in (0, 1, 4)]
       [1.0, 1.0, 0.25]
       >>> float(staleness_factor("exponential", 2, gamma=0.5))
@@ -297,7 +297,7 @@ def scale_by_staleness(
     Examples:
       >>> import jax.numpy as jnp
       >>> import optax
-      >>> from hpsjax.transforms._staleness import scale_by_staleness
+      >>> from hpsjax.transforms import scale_by_staleness
       >>> tx = optax.chain(scale_by_staleness("inverse"), optax.sgd(1.0))
       >>> params = jnp.array([1.0, 2.0])
       >>> state = tx.init(params)
@@ -389,7 +389,7 @@ def delay_compensation(
 
     Examples:
       >>> import jax.numpy as jnp
-      >>> from hpsjax.transforms._staleness import delay_compensation
+      >>> from hpsjax.transforms import delay_compensation
       >>> tx = delay_compensation(lam=0.5)
       >>> w, w_bak, g = jnp.array([1.0, 3.0]), jnp.array([0.0, 1.0]), jnp.array(
       ...     [2.0, -1.0])

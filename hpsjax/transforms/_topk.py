@@ -127,7 +127,7 @@ def topk_count(size: int, ratio: float) -> int:
     keeps 3 entries, not 4.
 
     Examples:
-      >>> from hpsjax.transforms._topk import topk_count
+      >>> from hpsjax.transforms import topk_count
       >>> topk_count(1000, 0.01), topk_count(5, 0.01), topk_count(0, 0.5)
       (10, 1, 0)
     """
@@ -165,7 +165,7 @@ def topk_nbytes(shape: Sequence[int], dtype: Any, ratio: float) -> int:
 
     Examples:
       >>> import jax.numpy as jnp
-      >>> from hpsjax.transforms._topk import topk_nbytes
+      >>> from hpsjax.transforms import topk_nbytes
       >>> topk_nbytes((1000, 1000), jnp.float32, 0.01)  # 10000 * (4 + 4)
       80000
       >>> topk_nbytes((256, 256), jnp.bfloat16, 0.01)  # 656 * (2 + 2)
@@ -266,7 +266,7 @@ def topk_encode(
 
     Examples:
       >>> import jax.numpy as jnp
-      >>> from hpsjax.transforms._topk import topk_encode, topk_decode
+      >>> from hpsjax.transforms import topk_encode, topk_decode
       >>> enc = topk_encode(jnp.array([0.1, -3.0, 0.2, 2.0, 0.0]), 0.4)
       >>> enc.indices, enc.values
       (Array([1, 3], dtype=uint16), Array([-3.,  2.], dtype=float32))
@@ -433,7 +433,7 @@ def top_k(
 
     Examples:
       >>> import jax.numpy as jnp, optax
-      >>> from hpsjax.transforms._topk import top_k, last_topk_encoded
+      >>> from hpsjax.transforms import top_k, last_topk_encoded
       >>> opt = optax.chain(top_k(0.25), optax.sgd(1.0))
       >>> state = opt.init({"w": jnp.zeros(8)})
       >>> updates, state = opt.update({"w": jnp.arange(8.0)}, state)
