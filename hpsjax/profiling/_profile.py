@@ -9,8 +9,9 @@ A worker is measured once, before training, on each of its local JAX devices:
   work such as the optimizer update), ``c`` the cost per sample;
 * **peak memory** per batch size, from ``device.memory_stats()`` where the backend
   keeps statistics (GPU, TPU) and from the compiled step's ``memory_analysis()``
-  where it does not (CPU), fitted the same way so that the largest batch that fits
-  a device's capacity can be read off;
+  where it does not (CPU) or where the process's high-water mark was set before
+  by a larger program, fitted the same way so that the largest batch that fits
+  a device's capacity (its ``bytes_limit``) can be read off;
 * **transfer time** of one push and one pull of the real model with its codec,
   measured by real round trips to a parameter server or estimated from a link's
   bandwidth and latency.
@@ -768,9 +769,12 @@ def _profile_device(
     device_params = jax.device_put(params, device)
     stats = device.memory_stats()
     use_device_stats = bool(stats) and "peak_bytes_in_use" in stats
-    times, memory = [], []
+    times, marks, compiled_peaks = [], [], []
+    rose = True
     compile_seconds = 0.0
     for b in batch_sizes:
+        if use_device_stats:
+            before = device.memory_stats()["peak_bytes_in_use"]
         batch = jax.device_put(make_batch(b), device)
         start = time.perf_counter()
         compiled = step.lower(device_params, batch).compile()
@@ -788,17 +792,22 @@ def _profile_device(
             jax.block_until_ready(compiled(device_params, batch))
             samples.append(time.perf_counter() - t0)
         times.append(statistics.median(samples))
+        compiled_peaks.append(_compiled_peak_bytes(compiled))
         if use_device_stats:
             # Batch sizes run in increasing order, so the process high-water mark
             # read after each is the peak of this size's step (plus whatever else
-            # the process holds, which counts against the same bytes_limit).
-            memory.append(int(device.memory_stats()["peak_bytes_in_use"]))
-        else:
-            memory.append(_compiled_peak_bytes(compiled))
-    if any(m is None for m in memory):
+            # the process holds, which counts against the same bytes_limit)...
+            marks.append(int(device.memory_stats()["peak_bytes_in_use"]))
+            rose = rose and marks[-1] > before
+    if use_device_stats and rose:
+        peak, source = tuple(marks), "device"
+    elif any(m is None for m in compiled_peaks):
         peak, source = None, None
     else:
-        peak, source = tuple(memory), ("device" if use_device_stats else "compiled")
+        # ... unless a larger program of this process set the mark before: then
+        # it reads the same for every size, and XLA's count of the step's
+        # buffers is the measure.
+        peak, source = tuple(compiled_peaks), "compiled"
     capacity = None
     if stats and stats.get("bytes_limit"):
         capacity = int(stats["bytes_limit"])
