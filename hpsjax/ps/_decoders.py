@@ -120,9 +120,10 @@ def _topk_decoder(specs: tuple[tuple[tuple[int, ...], str], ...]):
     return decode_leaves
 
 
-# Elements of the row blocks powersgd_product works on: a block and its
-# scratch stay in a core's cache while the rank's terms are added.
-_PRODUCT_BLOCK_ELEMENTS = 1 << 15
+# Elements of the row blocks powersgd_product works on (1 MiB of float32): a
+# block and its scratch stay in cache while the rank's terms are added (larger
+# blocks fall out of it, smaller ones cost more calls).
+_PRODUCT_BLOCK_ELEMENTS = 1 << 18
 
 
 def powersgd_product(p: np.ndarray, q: np.ndarray) -> np.ndarray:
