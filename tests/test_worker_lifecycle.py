@@ -11,6 +11,13 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import math
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
 import time
 
 import jax
@@ -21,7 +28,8 @@ import pytest
 
 from hpsjax import data
 from hpsjax.ps import Server
-from hpsjax.worker import Worker, WorkerConfig
+from hpsjax.worker import NONFINITE_ACTIONS, Worker, WorkerConfig
+from hpsjax.worker._core import Joined
 
 SECRET = "lifecycle-secret"
 LIMIT = 120.0  # seconds any one async test may take
@@ -174,3 +182,198 @@ def test_a_slow_compile_keeps_no_barrier_waiting(setup, caplog):
     assert any("compiled its step for batch 16" in m for m in caplog.messages)
     # ...and no round of theirs waited for it at the barrier.
     assert max(fast_waits) < delay / 2, sorted(fast_waits)[-5:]
+
+
+# ---------------------------------------------------------------- divergence
+
+
+def test_the_core_never_pushes_a_round_that_is_not_finite():
+    from hpsjax.worker._core import Computed, Discard, Pulled, Stop, WorkerCore
+
+    for on_nonfinite in NONFINITE_ACTIONS:
+        core = WorkerCore(device_batches=(8,), on_nonfinite=on_nonfinite)
+        core.handle(Joined(0.0))
+        core.handle(Pulled(1, 5, now=0.1))
+        actions = core.handle(Computed(0, 0.2, 0.1, loss=None, finite=False))
+        assert actions[0] == Discard(0)
+        assert not any(type(a).__name__ == "Push" for a in actions)
+        if on_nonfinite == "stop":
+            assert actions[-1] == Stop("diverged") and core.ended_by == "diverged"
+        else:
+            assert type(actions[-1]).__name__ == "Compute" and not core.done
+    with pytest.raises(ValueError, match="on_nonfinite"):
+        WorkerCore(device_batches=(8,), on_nonfinite="ignore")
+    with pytest.raises(ValueError, match="on_nonfinite"):
+        WorkerConfig(on_nonfinite="ignore")
+
+
+def test_push_metadata_carries_no_non_finite_loss():
+    from hpsjax.worker._core import Push
+
+    push = Push(0, 1, 0, 0.1, 8, 1, math.inf, None, 1.0, 0)
+    assert push.metadata()["loss"] is None
+    assert push._replace(loss=2.5).metadata()["loss"] == 2.5
+
+
+def _poisoned(setup, at: int):
+    """Batches of the first shard, of which call ``at`` holds an infinity."""
+    train, _, _ = setup
+    stream = train.batches(16, seed=0)
+    calls = []
+
+    def batches(n):
+        batch = stream.next(n)
+        calls.append(n)
+        if len(calls) == at:
+            x = np.array(batch.x, copy=True)
+            x[0, 0] = np.inf
+            batch = batch._replace(x=x)
+        return batch
+
+    return batches
+
+
+@pytest.mark.parametrize("on_nonfinite", NONFINITE_ACTIONS)
+def test_a_round_that_is_not_finite_is_never_pushed(setup, on_nonfinite, caplog):
+    caplog.set_level(logging.INFO, "hpsjax.worker")
+    _, params, loss_fn = setup
+    records: list[dict] = []
+
+    async def go():
+        async with Server(params, optax.sgd(0.1), "asp", secret=SECRET) as server:
+            worker = Worker(
+                WorkerConfig(
+                    port=server.port, secret=SECRET, worker_id="w0", batch_size=16,
+                    max_steps=6, on_nonfinite=on_nonfinite,
+                ),
+                loss_fn=loss_fn,
+                batches=_poisoned(setup, at=4),
+                metrics=records.append,
+            )  # fmt: skip
+            summary = await worker.run()
+            return summary, server.core.worker("w0").pushes
+
+    summary, pushes = _run(go())
+    (event,) = [r for r in records if r["event"] == "diverged"]
+    rounds = [r for r in records if r["event"] == "round"]
+    # The batch drawn to compile with is the first round's: call 4 is round 3.
+    assert event["step"] == 3 and event["loss"] is None
+    assert event["action"] == on_nonfinite and rounds[3]["loss"] is None
+    lines = [r.getMessage() for r in caplog.records if "not finite" in r.getMessage()]
+    lines += [r.getMessage() for r in caplog.records if "diverged" in r.getMessage()]
+    assert len(lines) == 1, lines
+    if on_nonfinite == "stop":
+        assert summary.ended_by == "diverged" and summary.steps == 4
+        assert lines[0].startswith("worker w0 diverged at step 3 (version ")
+        assert "loss nan" in lines[0] or "loss inf" in lines[0]
+        assert pushes <= 3
+    else:
+        assert summary.ended_by == "max_steps" and summary.steps == 6
+        assert pushes == 5 and summary.discarded == 1
+        assert math.isfinite(summary.loss)
+
+
+def test_the_diverged_status_is_the_launchers():
+    from hpsjax import launch
+    from hpsjax.worker import _cli
+
+    assert _cli.DIVERGED == launch.DIVERGED != 0
+
+
+# ---------------------------------------------------------------- processes
+
+MODEL = [
+    "--model", "mlp", "--model_arg", "hidden=[32]",
+    "--dataset", "synthetic_digits", "--dataset_arg", "image_size=8",
+]  # fmt: skip
+PROCESS_SECRET = b"lifecycle-e2e-secret-0123456789ab\n"
+
+
+def _command(module):
+    code = f"import sys; from {module} import main; sys.exit(main())"
+    return [sys.executable, "-c", code]
+
+
+def _env():
+    return {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1"}
+
+
+@pytest.fixture
+def workdir(tmp_path):
+    secret = tmp_path / "secret.txt"
+    secret.write_bytes(PROCESS_SECRET)
+    os.chmod(secret, 0o600)
+    subprocess.run(
+        [*_command("hpsjax.worker._cli"), *MODEL, "--write_init",
+         str(tmp_path / "init.npz")],
+        check=True, timeout=120, capture_output=True, env=_env(),
+    )  # fmt: skip
+    return tmp_path
+
+
+class _Server:
+    """An ``hpsjax-server`` process; its log is read as it comes."""
+
+    def __init__(self, tmp, *extra, port=0):
+        args = [
+            *_command("hpsjax.ps._cli"), "--init", str(tmp / "init.npz"),
+            "--secret_file", str(tmp / "secret.txt"), "--host", "127.0.0.1",
+            "--port", str(port), "--loop", "asyncio", *extra,
+        ]  # fmt: skip
+        self.lines: list[str] = []
+        self.proc = subprocess.Popen(
+            args, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, text=True, env=_env(),
+        )  # fmt: skip
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline and self.proc.poll() is None:
+            for line in list(self.lines):
+                m = re.search(r"listening on 127\.0\.0\.1:(\d+)", line)
+                if m:
+                    self.port = int(m.group(1))
+                    return
+            time.sleep(0.05)
+        self.kill()
+        pytest.fail("the server did not start:\n" + "".join(self.lines))
+
+    def _read(self):
+        for line in self.proc.stdout:
+            self.lines.append(line)
+
+    def kill(self, sig=signal.SIGKILL, timeout=60):
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        code = self.proc.wait(timeout)
+        self._reader.join(5)
+        self.proc.stdout.close()
+        return code
+
+
+def _worker_args(tmp, port, worker_id, *extra):
+    return [
+        *_command("hpsjax.worker._cli"), *MODEL, "--host", "127.0.0.1",
+        "--port", str(port), "--secret_file", str(tmp / "secret.txt"),
+        "--worker_id", str(worker_id), "--shard_index", "0",
+        "--batch_size", "16", "--loop", "asyncio", *extra,
+    ]  # fmt: skip
+
+
+@pytest.mark.slow
+def test_a_diverging_worker_process_says_so_in_one_line(workdir):
+    # A step size of 1e20: the second round's logits overflow float32.
+    server = _Server(workdir, "--policy", "asp", "--learning_rate", "1e20")
+    try:
+        done = subprocess.run(
+            _worker_args(workdir, server.port, 0, "--max_steps", "100"),
+            capture_output=True, text=True, timeout=120, env=_env(),
+        )  # fmt: skip
+    finally:
+        server.kill(signal.SIGTERM)
+    out = done.stdout + done.stderr
+    assert done.returncode == 3, out
+    lines = [line for line in out.splitlines() if "diverged" in line]
+    assert len(lines) == 1, out
+    assert re.search(r"worker 0 diverged at step \d+ \(version \d+\): loss", lines[0])
+    assert "Traceback" not in out and "malformed push" not in out, out

@@ -7,7 +7,7 @@ records per-round metrics; :func:`run_worker` runs one to the end.
 cluster (slower compute, narrower links, changing over time).
 """
 
-from hpsjax.worker._core import OVERLAP_MODES, WorkerCore
+from hpsjax.worker._core import NONFINITE_ACTIONS, OVERLAP_MODES, WorkerCore
 from hpsjax.worker._hetero import Heterogeneity, Injector, parse_schedule
 from hpsjax.worker._runtime import (
     JsonLinesSink,
@@ -19,6 +19,7 @@ from hpsjax.worker._runtime import (
 )
 
 __all__ = [
+    "NONFINITE_ACTIONS",
     "OVERLAP_MODES",
     "Heterogeneity",
     "Injector",

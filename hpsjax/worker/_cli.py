@@ -33,8 +33,10 @@ TensorBoard event files (``tensorboard/worker<id>`` beside it, or
 last pulled parameters, on the dataset's held-out split, every 30 seconds
 (``"eval"`` records).
 
-Exit status: 0 when the run ended normally (also when stopped by a signal or
-by the server shutting down), 1 when it failed, 2 for bad flags.
+Exit status: 0 when the run ended normally (also when stopped by a signal),
+1 when it failed, 2 for bad flags, :data:`DIVERGED` (3) when a round's loss or
+update was not finite (one line says which worker, step, version and loss;
+``--on_nonfinite skip`` drops such a round and goes on instead).
 """
 
 from __future__ import annotations
@@ -52,10 +54,11 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from hpsjax._flags import HelpFormatter, check_kwargs, key_value
-from hpsjax._logs import quiet_backend_probe
-from hpsjax.worker._core import OVERLAP_MODES
+from hpsjax._logs import LOG_LEVELS, check_log_level, setup_logging
+from hpsjax.worker._core import NONFINITE_ACTIONS, OVERLAP_MODES
 
 __all__ = [
+    "DIVERGED",
     "Evaluator",
     "build_worker",
     "main",
@@ -65,6 +68,10 @@ __all__ = [
     "write_init",
     "write_profile",
 ]
+
+#: Exit status of a worker whose run diverged (a non-finite loss or update);
+#: ``hpsjax.launch.DIVERGED`` is the same, and never restarts such a worker.
+DIVERGED = 3
 
 LOCAL_OPTIMIZERS = ("none", "sgd", "momentum", "adam")
 # Model arguments the registry's factories set from the data, not from flags.
@@ -247,6 +254,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     g.add_argument("--max_seconds", type=float, help="seconds to run")
     g.add_argument("--until_version", type=int, help="stop at this server version")
     g.add_argument("--seed", type=int, default=0, help="quantizer seed")
+    g.add_argument(
+        "--on_nonfinite",
+        default="stop",
+        choices=NONFINITE_ACTIONS,
+        help="a round whose loss or update is not finite (NaN, inf) is never "
+        f"pushed: stop the run (exit status {DIVERGED}) or skip that push and go on",
+    )
 
     g = p.add_argument_group("heterogeneity and faults")
     g.add_argument(
@@ -318,7 +332,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "which hpsjax-launch sets to <workdir>/jax_cache; unset: no cache; none: "
         "no cache)",
     )
-    g.add_argument("--log_level", default="INFO", help="DEBUG, INFO, WARNING, ERROR")
+    g.add_argument(
+        "--log_level",
+        default="INFO",
+        type=check_log_level,
+        help=f"{', '.join(LOG_LEVELS)} (DEBUG: also the libraries' INFO lines)",
+    )
     return p.parse_args(argv)
 
 
@@ -650,6 +669,7 @@ def _build(args: argparse.Namespace, *, metrics=None):
         timeout=args.timeout,
         seed=args.seed,
         fail_after_steps=args.fail_after_steps,
+        on_nonfinite=args.on_nonfinite,
     )
     _, batch_size, _, _ = config.planned()
     seed = index if args.data_seed is None else args.data_seed
@@ -779,8 +799,11 @@ def _sharded_client(args: argparse.Namespace, servers, params):
     )
 
 
-def measure_step(args: argparse.Namespace):
+def measure_step(args: argparse.Namespace, *, pace=None):
     """Profiles the flags' train step on this machine, nothing injected.
+
+    ``pace`` goes to :func:`hpsjax.profiling.profile` (a slowed-down worker
+    profiled beside others sleeps after its steps as it will in the run).
 
     Returns:
       ``(profile, spec)``: the :class:`~hpsjax.profiling.WorkerProfile` (no
@@ -823,6 +846,7 @@ def measure_step(args: argparse.Namespace):
         batch_sizes=sizes,
         repeats=args.profile_repeats,
         worker_id=args.worker_id,
+        pace=pace,
     )
     spec = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
     return measured, spec
@@ -1009,11 +1033,7 @@ def _where(args: argparse.Namespace) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     """Console entry point ``hpsjax-worker``; returns the exit status."""
     args = parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
-    quiet_backend_probe()
+    setup_logging(args.log_level)
     log = logging.getLogger("hpsjax.worker")
     try:
         _compile_cache(args, log)
@@ -1063,6 +1083,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         if sink is not None:
             sink.close()
+    if summary.ended_by == "diverged":
+        return DIVERGED  # the worker said so in one line
     print(f"hpsjax-worker done: {json.dumps(summary._asdict())}", flush=True)
     return 0
 

@@ -14,7 +14,7 @@ Events (:meth:`WorkerCore.handle` takes one, returns a list of actions)::
   Joined(now)                    start: join
   Pulled(session, version, now, local_steps)   parameters of ``version``
                                  arrived (with a local-steps hint or None)
-  Computed(round, now, step_time, loss, local_steps, stage)
+  Computed(round, now, step_time, loss, local_steps, stage, batch_size, finite)
   Acked(session, version, now, local_steps, force_pull, stage)
   PlanChanged(revision, device_batches, local_steps, lr_scale)
   StepsHinted(local_steps)       the server's local-steps hint
@@ -36,7 +36,8 @@ Actions::
   Report(batch_size, time_per_step, now)   a measured round, for a replanner;
                                  answer with Reported before anything else
   Join(session)                  join (a pull): on starting, again after a drop
-  Stop(reason)                   nothing more follows
+  Stop(reason)                   nothing more follows ("diverged": a round's
+                                 loss or update was not finite)
 
 The rules it owns:
 
@@ -83,6 +84,10 @@ The rules it owns:
   count) exactly that: the asyncio worker through
   :func:`hpsjax.transforms.top_k` and the wire's top-k codec, the simulator
   with the codec's byte count.
+* **Divergence.** A round whose loss or update is not finite (NaN, inf) is
+  never pushed: with ``on_nonfinite="stop"`` the run ends (``Stop("diverged")``,
+  the update waiting to be pushed thrown away with it), with ``"skip"`` the
+  round is discarded and the next one starts on the newest parameters.
 * **Replanning.** Every kept round is reported (batch, seconds per step).
 * **The end.** At the start of a round: a stop was requested, ``max_steps``
   rounds were computed, ``max_seconds`` passed, or the parameters reached
@@ -98,6 +103,7 @@ from typing import Any, ClassVar, NamedTuple
 
 __all__ = [
     "EWMA_ALPHA",
+    "NONFINITE_ACTIONS",
     "OVERLAP_MODES",
     "Acked",
     "Compute",
@@ -133,6 +139,11 @@ push and pull in one round trip), ``"pipeline"`` (H-PS, PS+: the previous
 round's push and the next pull travel while a round computes) or ``"eager"``
 (``"pipeline"`` with up to ``eager_pulls`` pulls a round while compute time is
 left, PS+)."""
+
+
+NONFINITE_ACTIONS: tuple[str, ...] = ("stop", "skip")
+"""What a worker does with a round whose loss or update is not finite: end the
+run (``"stop"``) or discard the round and go on (``"skip"``)."""
 
 
 def check_overlap(overlap: Any) -> None:
@@ -177,7 +188,8 @@ class Computed(NamedTuple):
     lazily: its driver fills them in at the push). ``batch_size``: the samples
     per step it computed where that is not the round's (the asyncio worker
     keeps its last compiled batch while the step for a newly planned one
-    compiles); ``None``: the round's.
+    compiles); ``None``: the round's. ``finite``: its loss and update are
+    finite (not NaN nor inf).
     """
 
     round: int
@@ -187,6 +199,7 @@ class Computed(NamedTuple):
     local_steps: int | None = None
     stage: int | None = None
     batch_size: int | None = None
+    finite: bool = True
 
 
 class Acked(NamedTuple):
@@ -302,12 +315,15 @@ class Push(NamedTuple):
 
     def metadata(self) -> dict[str, Any]:
         """The push's fields as :meth:`hpsjax.ps.Client.push` takes them."""
+        loss = self.loss
         fields = {
             "version": self.version,
             "step_time": self.step_time,
             "num_samples": self.num_samples,
             "local_steps": self.local_steps,
-            "loss": self.loss,
+            # The wire carries finite floats only (a diverged round is never
+            # pushed; this keeps a stray one from failing the push).
+            "loss": loss if loss is None or math.isfinite(loss) else None,
         }
         if self.stage is not None:
             fields["stage"] = self.stage
@@ -336,7 +352,7 @@ class Join(NamedTuple):
 
 class Stop(NamedTuple):
     """The run ends: ``"max_steps"``, ``"max_seconds"``, ``"until_version"``,
-    ``"stopped"`` or ``"left"``."""
+    ``"stopped"``, ``"left"`` or ``"diverged"``."""
 
     reason: str
 
@@ -390,6 +406,8 @@ class WorkerCore:
         (0, 1]; 1 sends them all.
       compress_from_stage: pushes are sparsified once the server's stage is at
         least this (0: from the start).
+      on_nonfinite: one of :data:`NONFINITE_ACTIONS`: what a round whose loss
+        or update is not finite does, ``"stop"`` the run or ``"skip"`` its push.
 
     Raises:
       ValueError: a bad argument.
@@ -419,6 +437,7 @@ class WorkerCore:
         until_version: int | None = None,
         compress_ratio: float = 1.0,
         compress_from_stage: int = 0,
+        on_nonfinite: str = "stop",
     ):
         device_batches = tuple(device_batches)
         if not device_batches:
@@ -446,6 +465,11 @@ class WorkerCore:
             raise ValueError(
                 f"compress_from_stage must be an int >= 0, got {compress_from_stage!r}"
             )
+        if on_nonfinite not in NONFINITE_ACTIONS:
+            raise ValueError(
+                f"on_nonfinite must be one of {', '.join(NONFINITE_ACTIONS)}, "
+                f"got {on_nonfinite!r}"
+            )
         if not math.isfinite(lr_scale) or lr_scale <= 0:
             raise ValueError(f"lr_scale must be a positive number, got {lr_scale!r}")
         if staleness_lr is not None and not callable(staleness_lr):
@@ -470,6 +494,7 @@ class WorkerCore:
         self.until_version = until_version
         self.compress_ratio = float(compress_ratio)
         self.compress_from_stage = int(compress_from_stage)
+        self.on_nonfinite = on_nonfinite
         self.server_stage = 0  # as last heard
 
         self.state = _State.IDLE
@@ -568,6 +593,8 @@ class WorkerCore:
             self.discard = False
             self.state = _State.BLOCKED
             return [Discard(current.round), *self._proceed(None, now)]
+        if not event.finite:
+            return self._diverged(current, now)
         batch_size = event.batch_size or current.batch_size
         self._reporting = _Round(
             current.round,
@@ -580,6 +607,18 @@ class WorkerCore:
         )
         self.state = _State.BLOCKED
         return [Report(batch_size, max(event.step_time / steps, 1e-12), now)]
+
+    def _diverged(self, current: Compute, now: float) -> list:
+        """A round whose loss or update is not finite: never pushed."""
+        actions: list = [Discard(current.round)]
+        if self.on_nonfinite == "skip":
+            self.state = _State.BLOCKED
+            return [*actions, *self._proceed(None, now)]
+        if self.pending is not None:
+            actions.append(Discard(self.pending.round))
+            self.pending = None
+        self.session += 1  # answers still in flight are ignored
+        return [*actions, self._stop("diverged")]
 
     def _reported(self, event: Reported) -> list:
         kept, self._reporting = self._reporting, None

@@ -88,7 +88,11 @@ values) to its metrics sink, e.g. :class:`JsonLinesSink`. Times are seconds;
 ``plan_revision``  revision of the plan hint in force, or ``None``
 ================== ==========================================================
 
-The last record (``event: "final"``) carries the flush of the last update.
+The last record (``event: "final"``) carries the flush of the last update. A
+``"compile"`` record gives the seconds the first round's step took to compile,
+before the worker joined; a ``"diverged"`` record marks a round whose loss or
+update was not finite (never pushed; ``action`` ``"stop"`` or ``"skip"``), whose
+round record has a ``null`` loss.
 
 References:
   Xian, Li, Liu, Guo, Du, "H-PS: A Heterogeneous-Aware Parameter Server With
@@ -123,6 +127,7 @@ import numpy as np
 import optax
 
 from hpsjax.worker._core import (
+    NONFINITE_ACTIONS,
     Acked,
     Compute,
     Computed,
@@ -244,6 +249,10 @@ class WorkerConfig:
       seed: seed of the quantizer's random rounding.
       fail_after_steps: fault injection: raise ``RuntimeError`` after this many
         rounds (to exercise how the server and launcher handle a dying worker).
+      on_nonfinite: a round whose loss or update is not finite (the run
+        diverged) is never pushed; ``"stop"`` ends the run (``ended_by``
+        ``"diverged"``, one line logged), ``"skip"`` drops that round and goes
+        on (:data:`~hpsjax.worker.NONFINITE_ACTIONS`).
 
     Raises:
       ValueError: a bad value (checked here, before anything runs).
@@ -277,6 +286,7 @@ class WorkerConfig:
     timeout: float | None = 600.0
     seed: int = 0
     fail_after_steps: int | None = None
+    on_nonfinite: str = "stop"
 
     def __post_init__(self):
         if not isinstance(self.host, str) or not self.host:
@@ -343,6 +353,11 @@ class WorkerConfig:
         _check_positive("timeout", self.timeout, allow_none=True)
         _check_int("seed", self.seed, 0)
         _check_int("fail_after_steps", self.fail_after_steps, 1, allow_none=True)
+        if self.on_nonfinite not in NONFINITE_ACTIONS:
+            raise ValueError(
+                f"on_nonfinite must be one of {', '.join(NONFINITE_ACTIONS)}, "
+                f"got {self.on_nonfinite!r}"
+            )
 
     def planned(self) -> tuple[tuple[int, ...] | None, int, int, float]:
         """``(device_batches, batch_size, local_steps, lr_scale)`` to start with."""
@@ -385,7 +400,8 @@ class WorkerSummary(NamedTuple):
       discarded: rounds whose update was discarded on the server's request.
       rejoins: times the worker was dropped by the server and joined again.
       ended_by: why it stopped: ``"max_steps"``, ``"max_seconds"``,
-        ``"until_version"``, ``"stopped"`` or ``"server"`` (the server shut down).
+        ``"until_version"``, ``"stopped"``, ``"server"`` (the server shut down)
+        or ``"diverged"`` (a round's loss or update was not finite).
     """
 
     worker_id: str | int
@@ -528,6 +544,18 @@ class _Computed(NamedTuple):
     slowdown_s: float
     compile_s: float
     stage: int | None
+    finite: bool = True  # the loss and every value of the update
+
+
+@jax.jit
+def _all_finite(tree: Any) -> jax.Array:
+    """Whether every value of a tree of float arrays is finite, as a bool array."""
+    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]))
+
+
+def _finite_or_none(value: float | None) -> float | None:
+    """``value``, or ``None`` where it is NaN or infinite (JSON has neither)."""
+    return value if value is None or math.isfinite(value) else None
 
 
 class _Prepared(NamedTuple):
@@ -937,6 +965,7 @@ class Worker:
         )
         _, seconds = self._compiled_step(args, batch)
         self._last_batch = tuple(device_batches)
+        _all_finite(jax.device_put(zeros, home))  # compiled here too
         return seconds
 
     def _next_batches(self, settings: Compute) -> list[Any]:
@@ -1017,16 +1046,18 @@ class Worker:
             update = jax.tree.map(jnp.negative, pending_update(self._opt_state))
         if not multi:
             self._last_batch = tuple(device_batches)
+        loss = float(np.mean(losses))
         return _Computed(
             update=update,
             version=version,
-            loss=float(np.mean(losses)),
+            loss=loss,
             local_steps=steps,
             batch_size=sum(device_batches),
             compute_s=compute,
             slowdown_s=slowdown,
             compile_s=compile_s,
             stage=None if self._stages is None else int(current_stage(self._opt_state)),
+            finite=math.isfinite(loss) and bool(_all_finite(update)),
         )
 
     def _prepare(self, computed: _Computed, push: Push) -> _Prepared:
@@ -1286,6 +1317,7 @@ class Worker:
                 1.0 if config.compress_from_stage is None else config.push_ratio()
             ),
             compress_from_stage=config.compress_from_stage or 0,
+            on_nonfinite=config.on_nonfinite,
         )
         run = _Run(self, client, computer, encoder, totals)
         await run.drive(core)
@@ -1329,6 +1361,8 @@ class _Run:
                     self.carry_out(core.handle(StopRequested()))
                 for task in done:
                     self.tasks.discard(task)
+                    if task.cancelled():  # after the run stopped
+                        continue
                     for event, leaves in task.result():
                         self.carry_out(core.handle(event), leaves)
         finally:
@@ -1359,6 +1393,11 @@ class _Run:
                 self.carry_out(self.core.handle(Reported(self.w._elapsed())))
             elif kind is Stop:
                 self.finish_round()
+                if action.reason == "diverged":
+                    # Nothing more is pushed: no answer is worth waiting for
+                    # (a pull held at a barrier would wait for the others).
+                    for task in self.tasks:
+                        task.cancel()
             else:
                 raise TypeError(f"unexpected worker action {action!r}")
 
@@ -1412,23 +1451,63 @@ class _Run:
         record.update(
             compute_end=record["_compute_end"] - self.w._t0,
             local_steps=computed.local_steps,
-            loss=computed.loss,
+            loss=_finite_or_none(computed.loss),
             compute_s=computed.compute_s,
             compile_s=computed.compile_s,
             slowdown_s=computed.slowdown_s,
         )
         self.computed[compute.round] = computed
-        self.loss = computed.loss
+        if computed.finite:
+            self.loss = computed.loss
+        else:
+            self.diverged(compute, computed)
         event = Computed(
             compute.round,
             self.w._elapsed(),
             computed.compute_s + computed.slowdown_s,
-            computed.loss,
+            _finite_or_none(computed.loss),
             computed.local_steps,
             computed.stage,
             computed.batch_size,
+            computed.finite,
         )
         return [(event, None)]
+
+    def diverged(self, compute: Compute, computed: _Computed) -> None:
+        """Says in one line (and one record) that a round was not finite."""
+        w = self.w
+        action = w._config.on_nonfinite
+        what = f"loss {computed.loss:g}"
+        if math.isfinite(computed.loss):
+            what += ", update not finite"
+        if action == "skip":
+            logger.warning(
+                "worker %s: step %d (version %d) is not finite (%s); its push is "
+                "skipped",
+                w._config.worker_id,
+                compute.round,
+                compute.version,
+                what,
+            )
+        else:
+            logger.error(
+                "worker %s diverged at step %d (version %d): %s; it stops",
+                w._config.worker_id,
+                compute.round,
+                compute.version,
+                what,
+            )
+        w._emit(
+            {
+                "event": "diverged",
+                "worker": w._config.worker_id,
+                "step": compute.round,
+                "time": w._elapsed(),
+                "version": compute.version,
+                "loss": _finite_or_none(computed.loss),
+                "action": action,
+            }
+        )
 
     def discard(self, round_: int) -> None:
         self.computed.pop(round_, None)
