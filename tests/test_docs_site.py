@@ -21,6 +21,7 @@ MODULES = (
     "hpsjax",
     "hpsjax.data",
     "hpsjax.models",
+    "hpsjax.export",
     "hpsjax.ps",
     "hpsjax.profiling",
     "hpsjax.sim",

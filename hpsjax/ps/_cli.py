@@ -461,6 +461,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     g.add_argument(
         "--checkpoint_keep", type=int, default=3, help="checkpoints kept on disk"
     )
+    g.add_argument(
+        "--export_params",
+        metavar="PATH",
+        help="when the server stops, write its parameters to this .npz (the "
+        "--init format; load them into your flax module with "
+        "hpsjax.export.load_params)",
+    )
 
     g = p.add_argument_group("metrics")
     g.add_argument(
@@ -713,6 +720,8 @@ async def _serve_metrics(server: Any, metrics: Any, args: argparse.Namespace) ->
 
 async def serve(args: argparse.Namespace) -> None:
     """Builds the server from parsed arguments and serves until a signal."""
+    if args.export_params is not None:
+        _check_export(args)
     server, metrics = _make_server(args)
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
@@ -733,6 +742,28 @@ async def serve(args: argparse.Namespace) -> None:
         finally:
             if metrics is not None:
                 metrics.stop()
+    if args.export_params is not None:
+        from hpsjax.export import export_params
+
+        export_params(args.export_params, server.params)
+        print(
+            f"hpsjax-server wrote the parameters of version {server.version} to "
+            f"{args.export_params}",
+            flush=True,
+        )
+
+
+def _check_export(args: argparse.Namespace) -> None:
+    """Refuses ``--export_params`` at start, not after the run, when it cannot be."""
+    from hpsjax.export import check_export_path
+
+    if args.server_shards > 1:
+        raise ValueError(
+            "--export_params writes a whole model, and each of the "
+            f"{args.server_shards} shards holds a part: export the shards' "
+            "checkpoints instead with python -m hpsjax.export CKPT_DIR OUT.npz"
+        )
+    check_export_path(args.export_params)
 
 
 def _host_only(device: str) -> None:
