@@ -22,10 +22,11 @@ tensorboardX: it needs only numpy and protobuf (no TensorFlow, no PyTorch), is
 maintained, and its files are the ones TensorBoard itself reads.
 
 :class:`ServerMetrics` exports a parameter server's counters to Prometheus
-(prometheus-client). Events are counted in plain Python numbers, a few
-nanoseconds per push, and turned into metric families only when ``/metrics``
-is scraped; the server's gauges (version, live workers) are read from a
-callable at scrape time.
+(prometheus-client) and, given a ``tensorboard_dir``, to TensorBoard as
+scalars written every few seconds. Events are counted in plain Python numbers,
+a few nanoseconds per push, and turned into metric families only when
+``/metrics`` is scraped; the server's gauges (version, live workers) are read
+from a callable at scrape time.
 
 Examples:
   >>> import os, tempfile
@@ -54,6 +55,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 __all__ = [
+    "LEAVE_REASONS",
     "MetricsWriter",
     "ServerMetrics",
     "jsonable",
@@ -315,6 +317,9 @@ class _Histogram:
         self.counts[bisect.bisect_left(self.bounds, value)] += 1
         self.sum += value
 
+    def count(self) -> int:
+        return sum(self.counts)
+
     def family(self, name: str, documentation: str):
         from prometheus_client.core import HistogramMetricFamily
 
@@ -328,25 +333,36 @@ class _Histogram:
         )
 
 
-def _check_count(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"{name} must be a non-negative int, got {value!r}")
-    return value
+# Why a worker left (ServerMetrics.worker_left): it said goodbye, its
+# connection ended without one, the server dropped it (a missed deadline), or
+# it connected again.
+LEAVE_REASONS = ("done", "crashed", "dropped", "replaced")
+# The reasons that count as dropped workers: those that did not mean to go.
+_DROPPED = frozenset({"crashed", "dropped"})
 
 
 class ServerMetrics:
-    """A parameter server's metrics, served to Prometheus on ``/metrics``.
+    """A parameter server's metrics, served to Prometheus on ``/metrics`` and
+    written to TensorBoard.
 
     The server calls the event methods (:meth:`push`, :meth:`pull`,
-    :meth:`barrier_wait`, :meth:`apply`, :meth:`worker_dropped`,
-    :meth:`checkpoint_saved`) from its event loop, one thread; each adds to a
-    few Python numbers. Gauges of the server's state come from ``state``, called
-    at each scrape from the HTTP thread. Exported (prefix ``hpsjax_server_``):
+    :meth:`barrier_wait`, :meth:`apply`, :meth:`worker_left`,
+    :meth:`nonfinite_update`, :meth:`checkpoint_saved`) from its event loop,
+    one thread; each adds to a few Python numbers. Gauges of the server's state
+    come from ``state``, called at each scrape from the HTTP thread. Exported
+    (prefix ``hpsjax_server_``):
 
     ==============================  ===========================================
     ``version``                     gauge: the model version
     ``live_workers``                gauge: workers joined and not gone
-    ``dropped_workers_total``       counter: workers dropped (left or timed out)
+    ``dropped_workers_total``       counter: workers that went without meaning
+                                    to (crashed, or dropped at a deadline);
+                                    a worker that ends its run is not one
+    ``worker_leaves_total``         counter, by ``reason``: ``done`` (said
+                                    goodbye), ``crashed``, ``dropped``,
+                                    ``replaced`` (connected again)
+    ``nonfinite_updates_total``     counter: updates refused for holding NaN
+                                    or infinity (a diverging run)
     ``pushes_total``                counter: pushes received (``rate()`` gives
                                     pushes per second)
     ``pulls_total``                 counter: pulls served
@@ -359,11 +375,22 @@ class ServerMetrics:
                                     (absent before the first)
     ==============================  ===========================================
 
+    With a ``tensorboard_dir``, each :meth:`write_scalars` (the server calls
+    it with its status lines, and once when it closes) adds one point to each
+    of the scalars ``server/version``, ``server/live_workers``,
+    ``server/pushes_per_s``, ``server/versions_per_s``, ``server/staleness``
+    (the mean since the last point), ``server/barrier_wait_s`` (likewise),
+    ``server/dropped_workers`` and ``server/nonfinite_updates`` (totals), at
+    the model version as its step (the number of points written without a
+    ``state``).
+
     Args:
       state: a callable returning a mapping with ``"version"`` and
         ``"live_workers"`` (either may be missing), or None.
       staleness_buckets: upper bounds of the staleness histogram.
       seconds_buckets: upper bounds of the wait and apply histograms.
+      tensorboard_dir: directory of the TensorBoard event files (created), or
+        None.
 
     Examples:
       >>> m = ServerMetrics(state=lambda: {"version": 7, "live_workers": 2})
@@ -378,6 +405,7 @@ class ServerMetrics:
         *,
         staleness_buckets: Iterable[float] = _STALENESS_BUCKETS,
         seconds_buckets: Iterable[float] = _SECONDS_BUCKETS,
+        tensorboard_dir: str | os.PathLike | None = None,
     ):
         from prometheus_client import CollectorRegistry
 
@@ -390,8 +418,18 @@ class ServerMetrics:
         seconds = _check_buckets("seconds_buckets", seconds_buckets)
         self._barrier_wait = _Histogram(seconds)
         self._apply = _Histogram(seconds)
-        self._pushes = self._pulls = self._dropped = 0
+        self._pushes = self._pulls = self._nonfinite = 0
+        self._leaves = dict.fromkeys(LEAVE_REASONS, 0)
         self._received = self._sent = 0
+        self._writer = (
+            None
+            if tensorboard_dir is None
+            else MetricsWriter(tensorboard_dir=tensorboard_dir)
+        )
+        self._points = 0
+        # What the last TensorBoard point saw: (time, version, pushes,
+        # staleness count and sum, barrier wait count and sum).
+        self._last_point = (time.monotonic(), None, 0, 0, 0.0, 0, 0.0)
         self._checkpoint_time: float | None = None
         self._http = None
         self._lock = threading.Lock()
@@ -424,9 +462,24 @@ class ServerMetrics:
         """Records how long applying one update took."""
         self._apply.observe(seconds)
 
-    def worker_dropped(self, count: int = 1) -> None:
-        """Counts workers dropped (left, timed out or refused)."""
-        self._dropped += _check_count("count", count)
+    def worker_left(self, reason: str) -> None:
+        """Counts a worker leaving for ``reason``, one of :data:`LEAVE_REASONS`.
+
+        Raises:
+          ValueError: another reason.
+        """
+        if reason not in self._leaves:
+            raise ValueError(f"reason must be one of {LEAVE_REASONS}, got {reason!r}")
+        self._leaves[reason] += 1
+
+    def nonfinite_update(self) -> None:
+        """Counts an update refused for holding NaN or infinity."""
+        self._nonfinite += 1
+
+    @property
+    def dropped_workers(self) -> int:
+        """Workers that went without meaning to (crashed or dropped)."""
+        return sum(self._leaves[r] for r in _DROPPED)
 
     def checkpoint_saved(self, timestamp: float | None = None) -> None:
         """Notes a checkpoint written at ``timestamp`` (``time.time()``; now
@@ -447,8 +500,15 @@ class ServerMetrics:
         ):
             if state.get(key) is not None:
                 yield GaugeMetricFamily(p + key, doc, value=float(state[key]))
+        leaves = CounterMetricFamily(
+            p + "worker_leaves", "Workers that left, by reason.", labels=["reason"]
+        )
+        for reason, count in self._leaves.items():
+            leaves.add_metric([reason], float(count))
+        yield leaves
         for name, doc, value in (
-            ("dropped_workers", "Workers dropped.", self._dropped),
+            ("dropped_workers", "Workers crashed or dropped.", self.dropped_workers),
+            ("nonfinite_updates", "Non-finite updates refused.", self._nonfinite),
             ("pushes", "Pushes received.", self._pushes),
             ("pulls", "Pulls served.", self._pulls),
             ("received_bytes", "Bytes received.", self._received),
@@ -507,3 +567,66 @@ class ServerMetrics:
             server.shutdown()
             server.server_close()
             thread.join()
+
+    # -- TensorBoard (the server's event loop) -------------------------------
+
+    def write_scalars(self, state: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        """Adds a point to each TensorBoard scalar (see the class docstring).
+
+        Args:
+          state: the server's ``"version"`` and ``"live_workers"``; ``None``
+            to ask the ``state`` callable.
+
+        Returns:
+          The point's record (``{"event": "server", "step": ..., ...}``),
+          written or not (without a ``tensorboard_dir``).
+        """
+        now = time.monotonic()
+        if state is None:
+            state = dict(self._state()) if self._state is not None else {}
+        version = state.get("version")
+        t, version0, pushes, s_count, s_sum, w_count, w_sum = self._last_point
+        seconds = max(now - t, 1e-9)
+        stale_count = self._staleness.count() - s_count
+        waits = self._barrier_wait.count() - w_count
+        self._points += 1
+        record = {
+            "event": "server",
+            "step": self._points - 1 if version is None else int(version),
+            "version": version,
+            "live_workers": state.get("live_workers"),
+            "pushes_per_s": (self._pushes - pushes) / seconds,
+            "versions_per_s": (
+                None
+                if version is None or version0 is None
+                else (version - version0) / seconds
+            ),
+            "staleness": (
+                (self._staleness.sum - s_sum) / stale_count if stale_count else None
+            ),
+            "barrier_wait_s": (
+                (self._barrier_wait.sum - w_sum) / waits if waits else None
+            ),
+            "dropped_workers": self.dropped_workers,
+            "nonfinite_updates": self._nonfinite,
+        }
+        self._last_point = (
+            now,
+            version,
+            self._pushes,
+            self._staleness.count(),
+            self._staleness.sum,
+            self._barrier_wait.count(),
+            self._barrier_wait.sum,
+        )
+        if self._writer is not None:
+            self._writer(record)
+            self._writer.flush()
+        return record
+
+    def close(self) -> None:
+        """Stops serving (:meth:`stop`) and closes the event files; idempotent."""
+        self.stop()
+        writer, self._writer = self._writer, None
+        if writer is not None:
+            writer.close()

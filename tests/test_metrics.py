@@ -141,7 +141,10 @@ def test_prometheus_endpoint_serves_the_server_metrics():
         metrics.barrier_wait(0.003)
         metrics.barrier_wait(2.0)
         metrics.apply(0.0005)
-        metrics.worker_dropped()
+        metrics.worker_left("dropped")
+        metrics.worker_left("done")
+        metrics.worker_left("crashed")
+        metrics.nonfinite_update()
         metrics.checkpoint_saved(time.time() - 30.0)
         state["version"] = 4
         v = _scrape(port)
@@ -154,7 +157,10 @@ def test_prometheus_endpoint_serves_the_server_metrics():
     assert v[p + "pulls_total"] == 1.0
     assert v[p + "received_bytes_total"] == 407.0
     assert v[p + "sent_bytes_total"] == 403.0
-    assert v[p + "dropped_workers_total"] == 1.0
+    assert v[p + "dropped_workers_total"] == 2.0  # crashed or dropped, not done
+    assert v[p + 'worker_leaves_total{reason="done"}'] == 1.0
+    assert v[p + 'worker_leaves_total{reason="replaced"}'] == 0.0
+    assert v[p + "nonfinite_updates_total"] == 1.0
     assert v[p + 'staleness_bucket{le="0.0"}'] == 1.0
     assert v[p + 'staleness_bucket{le="1.0"}'] == 3.0
     assert v[p + 'staleness_bucket{le="4.0"}'] == 3.0
@@ -201,5 +207,5 @@ def test_server_metrics_refuses_bad_port_and_count():
     metrics = ServerMetrics()
     with pytest.raises(ValueError, match="port must be an int"):
         metrics.serve(70000)
-    with pytest.raises(ValueError, match="count must be a non-negative int"):
-        metrics.worker_dropped(-1)
+    with pytest.raises(ValueError, match="reason must be one of"):
+        metrics.worker_left("left")

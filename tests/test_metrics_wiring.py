@@ -94,7 +94,10 @@ def test_server_serves_prometheus_metrics(tmp_path, capsys):
             after = await scrape()
         assert 0 <= after["hpsjax_server_checkpoint_age_seconds"] < 60
         assert after["hpsjax_server_live_workers"] == 0
-        assert after["hpsjax_server_dropped_workers_total"] == 2
+        # Both ended their runs: left, not dropped.
+        assert after["hpsjax_server_dropped_workers_total"] == 0
+        assert after["hpsjax_server_worker_leaves_total{reason=done}"] == 2
+        assert after["hpsjax_server_worker_leaves_total{reason=crashed}"] == 0
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task

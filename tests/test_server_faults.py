@@ -539,8 +539,11 @@ def test_server_logs_joins_leaves_drops_checkpoints_status_and_resume(tmp_path, 
     version = _run(first)
     text = caplog.text
     assert "worker 'a' joined from" in text and "worker 7 joined from" in text
-    assert "worker 7 left (1 live)" in text
-    assert re.search(r"status: version \d+, [\d.]+ pushes/s, \d live workers", text)
+    assert "worker 7 left: done (1 live)" in text
+    assert re.search(
+        r"server: version \d+, [\d.]+ versions/s, .*[\d.]+ pushes/s, \d live worker",
+        text,
+    )
     assert f"checkpoint written: {tmp_path / f'ckpt_{version}'}" in text
     caplog.clear()
 

@@ -61,7 +61,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import logging
 import math
 import os
 import pathlib
@@ -76,7 +75,7 @@ import numpy.lib.format as npy_format
 import optax
 
 from hpsjax._flags import add_key_value_flag, check_kwargs
-from hpsjax._logs import quiet_backend_probe
+from hpsjax._logs import LOG_LEVELS, check_log_level, setup_logging
 from hpsjax._npz import check_params_file, nest_named_arrays
 
 __all__ = [
@@ -479,6 +478,19 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     g.add_argument(
         "--metrics_host", default="127.0.0.1", help="address of the metrics server"
     )
+    g.add_argument(
+        "--tensorboard_dir",
+        help="write the server's TensorBoard scalars (version, pushes/s, "
+        "staleness, barrier wait, drops) under DIR/server, e.g. the workers' "
+        "tensorboard directory",
+    )
+    g.add_argument(
+        "--status_interval",
+        type=float,
+        default=10.0,
+        help="seconds between status lines (a bar on a terminal) and "
+        "TensorBoard points (0: none)",
+    )
 
     g = p.add_argument_group("process")
     g.add_argument(
@@ -498,7 +510,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default=True,
         help="keep freed memory for reuse (see keep_freed_memory)",
     )
-    g.add_argument("--log_level", default="INFO", help="DEBUG, INFO, WARNING, ERROR")
+    g.add_argument(
+        "--log_level",
+        default="INFO",
+        type=check_log_level,
+        help=f"{', '.join(LOG_LEVELS)} (DEBUG: also the libraries' INFO lines, and "
+        "every checkpoint written)",
+    )
     return p.parse_args(argv)
 
 
@@ -667,14 +685,21 @@ def _make_server(args: argparse.Namespace) -> tuple[Any, Any]:
     params, checkpoint_dir = _params_and_checkpoints(args)
     policy_kwargs = _policy_kwargs(args)
     metrics = None
-    if args.metrics_port is not None:
+    if args.metrics_port is not None or args.tensorboard_dir is not None:
         from hpsjax.metrics import ServerMetrics
 
         def state() -> dict[str, Any]:
             # Read at each scrape; the server exists before serving starts.
             return {"version": server.version, "live_workers": len(server.core.live)}
 
-        metrics = ServerMetrics(state=state)
+        metrics = ServerMetrics(
+            state=state,
+            tensorboard_dir=(
+                None
+                if args.tensorboard_dir is None
+                else pathlib.Path(args.tensorboard_dir) / "server"
+            ),
+        )
     server = Server(
         params,
         make_optimizer(args.optimizer, args.learning_rate, momentum=args.momentum),
@@ -694,6 +719,7 @@ def _make_server(args: argparse.Namespace) -> tuple[Any, Any]:
         ),
         core_kwargs=core_kwargs,
         replanner=_replanner(args),
+        status_interval=args.status_interval,
         metrics=metrics,
         device=device,
         **policy_kwargs,
@@ -725,23 +751,37 @@ async def serve(args: argparse.Namespace) -> None:
     server, metrics = _make_server(args)
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
+    received: list[signal.Signals] = []
+
+    def on_signal(sig: signal.Signals) -> None:
+        received.append(sig)
+        stop.set()
+
     for sig in (signal.SIGINT, signal.SIGTERM):
         with contextlib.suppress(NotImplementedError):
-            loop.add_signal_handler(sig, stop.set)
+            loop.add_signal_handler(sig, on_signal, sig)
     await server.start()
-    if metrics is not None:
+    if metrics is not None and args.metrics_port is not None:
         await _serve_metrics(server, metrics, args)
     print(f"hpsjax-server listening on {args.host}:{server.port}", flush=True)
     if server.resumed_from is not None:
         print(f"hpsjax-server resumed from step {server.resumed_from}", flush=True)
     try:
         await stop.wait()
+        print(
+            f"hpsjax-server: {received[0].name if received else 'asked to stop'}: "
+            f"stopping at version {server.version} with "
+            f"{len(server.core.live)} live workers (telling them goodbye"
+            + (", writing a last checkpoint)" if args.checkpoint_dir else ")"),
+            flush=True,
+        )
     finally:
         try:
             await server.close()
         finally:
             if metrics is not None:
-                metrics.stop()
+                metrics.close()
+    print(f"hpsjax-server stopped at version {server.version}", flush=True)
     if args.export_params is not None:
         from hpsjax.export import export_params
 
@@ -786,11 +826,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     if args.malloc_tuning:
         keep_freed_memory()
-    logging.basicConfig(
-        level=args.log_level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
-    quiet_backend_probe()
+    setup_logging(args.log_level)
     if argv is None:
         # The command's own process (not a caller's, whose JAX is its own).
         _host_only(args.device)

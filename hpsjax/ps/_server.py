@@ -52,6 +52,8 @@ import optax
 
 from hpsjax._checks import check_int
 from hpsjax._devices import describe_device, resolve_device
+from hpsjax._logs import Every
+from hpsjax._progress import Progress
 from hpsjax.profiling import Replanner
 from hpsjax.ps import _auth, _frames, _treecodec
 from hpsjax.ps._checkpoint import CheckpointManager
@@ -100,6 +102,14 @@ _CHECKPOINT_FORMAT_VERSION = 1
 # nothing larger is read, so a stranger cannot make the server allocate much.
 _HANDSHAKE_LIMITS = _frames.WireLimits(max_message_bytes=4096, max_metadata_bytes=4096)
 
+# Least seconds between two "checkpoint written" lines at INFO (the others
+# at DEBUG), and between two lines about refused non-finite updates.
+_CHECKPOINT_LOG_EVERY_S = 60.0
+_NONFINITE_LOG_EVERY_S = 10.0
+
+# What a client's BYE says when it simply ends its run.
+_CLEAN_BYE = "client closing"
+
 # Frames a client may send under request id 0: they expect no reply.
 _NOTICE_TYPES = frozenset({MsgType.ERROR, MsgType.BYE})
 
@@ -135,6 +145,24 @@ def _on_device(method):
             return method(self, *args, **kwargs)
 
     return placed
+
+
+def _live_workers(count: int) -> str:
+    return f"{count} live worker" + ("" if count == 1 else "s")
+
+
+def _describe_plan(plan: PlanNotice) -> str:
+    """A plan notice in words, for the log (its fields that are set)."""
+    parts = [
+        f"{name} {value:g}" if isinstance(value, float) else f"{name} {value}"
+        for name, value in (
+            ("batch", plan.batch_size),
+            ("local steps", plan.local_steps),
+            ("step-size scale", plan.lr_scale),
+        )
+        if value is not None
+    ]
+    return f"plan revision {plan.revision}: {', '.join(parts) or 'no change'}"
 
 
 def _plan_hint(entry: Any, revision: int) -> PlanNotice:
@@ -275,11 +303,19 @@ class Server:
         when the measured speeds drift it revises the plan, whose entries go
         to the workers at once (:meth:`send_plan`). The replanner's state is
         not checkpointed: a restarted server starts again from its plan.
-      status_interval: seconds between the INFO status lines (version,
-        pushes per second, live workers); 0 logs none. Joins, leaves, drops,
-        checkpoints and a resume are logged at INFO too.
+      status_interval: seconds between the INFO status lines (version, its
+        rate, the workers' mean loss and staleness, pushes per second, live
+        workers; :class:`hpsjax._progress.Progress`), and between the points
+        of ``metrics``' TensorBoard scalars; 0 for neither. On a terminal
+        (``status_bar``) the status is a bar instead. Joins, leaves (done,
+        crashed, replaced) and drops, plans sent, refused non-finite updates,
+        checkpoints (at most a line a minute) and a resume are logged too.
+      status_bar: show the status as a tqdm bar on stderr (``True``), as log
+        lines (``False``), or as a bar exactly when stderr is a terminal
+        (``None``).
       metrics: a :class:`hpsjax.metrics.ServerMetrics` told of every push,
-        pull, apply, barrier wait, drop and checkpoint, or None (no cost).
+        pull, apply, barrier wait, leave, refused update and checkpoint, or
+        None (no cost).
       overlap_apply_bytes: a push of uncompressed leaves of at least this
         many bytes after which the server applies at once (an ASP push,
         the last push of a BSP round) is averaged into the buffer and applied
@@ -342,7 +378,8 @@ class Server:
         handshake_timeout: float = 10.0,
         core_kwargs: Mapping[str, Any] | None = None,
         replanner: Any = None,
-        status_interval: float = 60.0,
+        status_interval: float = 10.0,
+        status_bar: bool | None = None,
         metrics: Any = None,
         overlap_apply_bytes: int | None = 1 << 20,
         device: Any = None,
@@ -396,12 +433,16 @@ class Server:
         self._checkpoint_every_updates = checkpoint_every_updates
         self._checkpoint_keep = checkpoint_keep
         self._status_interval = float(status_interval)
+        self._status_bar = status_bar
         self._status_task: asyncio.Task | None = None
+        self._progress: Progress | None = None
         self._pushes = 0
         if metrics is not None and not callable(getattr(metrics, "push", None)):
             raise ValueError("metrics must be a ServerMetrics or None")
         self._metrics = metrics
         self._pull_started: dict[tuple[int, int], float] = {}
+        self._checkpoint_lines = Every(_CHECKPOINT_LOG_EVERY_S)
+        self._nonfinite_lines = Every(_NONFINITE_LOG_EVERY_S)
         meta, _, self._model = _treecodec.tree_to_wire(self._core.params, limits=limits)
         # Shapes and dtypes never change, so the parameters' description is
         # packed once; each version adds only its number.
@@ -546,6 +587,13 @@ class Server:
         if self._checkpoint_every_s is not None:
             self._checkpoint_task = self._loop.create_task(self._checkpoint_loop())
         if self._status_interval > 0:
+            self._progress = Progress(
+                "server",
+                "version",
+                interval=self._status_interval,
+                bar=self._status_bar,
+                logger=logger,
+            )
             self._status_task = self._loop.create_task(self._status_loop())
         self._rearm()
         logger.info("server state on %s", describe_device(self._device))
@@ -622,6 +670,8 @@ class Server:
             self._checkpoint_task.cancel()
         if self._status_task is not None:
             self._status_task.cancel()
+        if self._progress is not None:
+            self._progress.close()
         self._server.close()
         for session in list(self._connections):
             for request_id, _ in session.pulls:
@@ -643,6 +693,8 @@ class Server:
             await asyncio.sleep(0.01)
         for session in list(self._connections):
             session.protocol.abort()
+        if self._metrics is not None and self._status_interval > 0:
+            self._metrics.write_scalars(self._scalar_state())
         try:
             if self._manager is not None:
                 await self._finish_checkpoints()
@@ -796,7 +848,13 @@ class Server:
             logger.error("checkpoint save failed: %s", error)
             self._checkpoint_error = error
         else:
-            logger.info("checkpoint written: %s", future.result())
+            # At most one line a minute (every one at DEBUG), and the last.
+            show, held = self._checkpoint_lines.ready()
+            if show or self._closing:
+                more = f" ({held} more since the last line)" if held else ""
+                logger.info("checkpoint written: %s%s", future.result(), more)
+            else:
+                logger.debug("checkpoint written: %s", future.result())
             if self._metrics is not None:
                 self._metrics.checkpoint_saved()
 
@@ -811,19 +869,27 @@ class Server:
             )
         self._checkpoint_executor.shutdown(wait=True)
 
+    def _scalar_state(self) -> dict[str, int]:
+        return {"version": self._core.version, "live_workers": len(self._core.live)}
+
     async def _status_loop(self) -> None:
+        """Shows the status when due and writes the TensorBoard scalars."""
+        progress = self._progress
         pushes, t = self._pushes, self._loop.time()
+        scalars_at = t
         while True:
-            await asyncio.sleep(self._status_interval)
+            await asyncio.sleep(progress.period)
             now = self._loop.time()
             rate = (self._pushes - pushes) / max(now - t, 1e-9)
-            pushes, t = self._pushes, now
-            logger.info(
-                "status: version %d, %.1f pushes/s, %d live workers",
+            shown = progress.update(
                 self._core.version,
-                rate,
-                len(self._core.live),
+                notes=(f"{rate:.1f} pushes/s", _live_workers(len(self._core.live))),
             )
+            if shown is not None:
+                pushes, t = self._pushes, now
+            if self._metrics is not None and now - scalars_at >= self._status_interval:
+                scalars_at = now
+                self._metrics.write_scalars(self._scalar_state())
 
     async def _checkpoint_loop(self) -> None:
         while True:
@@ -913,6 +979,7 @@ class Server:
         try:
             if isinstance(event, FrameError):
                 session.overlap = None
+                self._note_refused(session, event.error)
                 if session.state != "ready":
                     session.protocol.fail(event.error, request_id=request_id)
                 else:
@@ -923,6 +990,7 @@ class Server:
             else:
                 self._request(session, event)
         except HpsError as e:
+            self._note_refused(session, e)
             if not session.protocol.closed:
                 session.protocol.send(error_frame(request_id, e))
         except Exception as e:
@@ -931,6 +999,24 @@ class Server:
                 session.protocol.send(error_frame(request_id, e))
         finally:
             self._rearm()
+
+    def _note_refused(self, session: _Session, error: BaseException) -> None:
+        """Says, in one line at most every few seconds, that a worker sent a
+        non-finite update (a diverging run), and counts it."""
+        if not isinstance(error, NonFiniteUpdate):
+            return
+        if self._metrics is not None:
+            self._metrics.nonfinite_update()
+        show, held = self._nonfinite_lines.ready()
+        if show:
+            more = f"; {held} more refused since the last line" if held else ""
+            logger.warning(
+                "worker %r sent a non-finite update at version %d (refused: %s%s)",
+                session.worker_id,
+                self._core.version,
+                error.message if isinstance(error, HpsError) else error,
+                more,
+            )
 
     # ---------------------------------------------------------- handshake
 
@@ -967,7 +1053,7 @@ class Server:
         self._fail_pulls(old, error)
         with contextlib.suppress(HpsError):
             old.protocol.send(error_frame(0, error))
-        self._leave(old)
+        self._leave(old, "replaced", "by a newer connection of the same worker")
         old.protocol.close()
 
     def _info(self) -> dict[str, Any]:
@@ -1024,7 +1110,11 @@ class Server:
         elif t == MsgType.INFO:
             session.protocol.send(_frames.encode_frame(MsgType.INFO, rid, self._info()))
         elif t == MsgType.BYE:
-            self._leave(session)
+            reason = frame.metadata.get("reason")
+            said = (
+                "" if reason in (None, _CLEAN_BYE) else f"saying {str(reason)[:200]!r}"
+            )
+            self._leave(session, "done", said)
             session.protocol.close()
         elif t == MsgType.ERROR:
             logger.info(
@@ -1049,11 +1139,12 @@ class Server:
             actions = self._core.join(session.worker_id, now)
             session.joined = True
             logger.info(
-                "worker %r joined from %s at version %d (%d live)",
+                "worker %r joined from %s at version %d (%d live)%s",
                 session.worker_id,
                 session.peer,
                 self._core.version,
                 len(self._core.live),
+                "" if plan is None else f"; sent its {_describe_plan(plan)}",
             )
         self._carry_out(actions)
 
@@ -1092,6 +1183,8 @@ class Server:
             raise ServerError("the policy did not acknowledge the push")
         if self._metrics is not None:
             self._metrics.push(staleness=ack.staleness, received_bytes=frame.nbytes)
+        if self._progress is not None:
+            self._progress.observe(loss=meta.loss, staleness=ack.staleness)
         ack_meta = ack.to_wire()
         if ack.stage is not None:
             # The pusher learns of the switch from its acknowledgement.
@@ -1256,7 +1349,7 @@ class Server:
                     len(self._core.live),
                 )
                 if self._metrics is not None:
-                    self._metrics.worker_dropped()
+                    self._metrics.worker_left("dropped")
                 if session is not None:
                     error = WorkerDropped(action.reason)
                     self._fail_pulls(session, error)
@@ -1371,7 +1464,10 @@ class Server:
 
     # ---------------------------------------------------------- leaving
 
-    def _leave(self, session: _Session) -> None:
+    def _leave(self, session: _Session, why: str, detail: str = "") -> None:
+        """The worker of ``session`` leaves, ``why`` being ``"done"`` (it said
+        goodbye), ``"crashed"`` (its connection ended without one) or
+        ``"replaced"`` (it connected again): logged with ``detail``, counted."""
         if (
             session.joined
             and self._sessions.get(session.worker_id) is session
@@ -1383,10 +1479,14 @@ class Server:
             except HpsError:
                 return
             logger.info(
-                "worker %r left (%d live)", session.worker_id, len(self._core.live)
+                "worker %r left: %s%s (%d live)",
+                session.worker_id,
+                why,
+                f", {detail}" if detail else "",
+                len(self._core.live),
             )
             if self._metrics is not None:
-                self._metrics.worker_dropped()
+                self._metrics.worker_left(why)
             self._carry_out(actions)
 
     @_on_device
@@ -1400,7 +1500,9 @@ class Server:
         if self._closing:
             return
         logger.debug("connection of %r ended: %s", session.worker_id, error)
-        self._leave(session)
+        self._leave(
+            session, "crashed", f"its connection ended without a goodbye ({error})"
+        )
         if self._sessions.get(session.worker_id) is session:
             del self._sessions[session.worker_id]
         session.closed = True

@@ -1,0 +1,151 @@
+"""The periodic status line: its text, when it is shown, bar or log."""
+
+import io
+import logging
+
+import pytest
+
+from hpsjax._logs import Every, setup_logging
+from hpsjax._progress import Progress, format_duration, format_status
+
+
+class _Clock:
+    def __init__(self):
+        self.t = 100.0
+
+    def __call__(self):
+        return self.t
+
+
+class _Terminal(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def test_a_status_line_says_what_is_known_and_nothing_else():
+    assert format_status("worker 2", "step", 7) == "worker 2: step 7"
+    assert (
+        format_status(
+            "worker 2",
+            "step",
+            40,
+            total=100,
+            rate=2.0,
+            version=85,
+            loss=1.23456,
+            staleness=0.25,
+            seconds_left=30,
+        )
+        == "worker 2: step 40/100, 2 steps/s, version 85, loss 1.235, "
+        "staleness 0.25, 30 s left"
+    )
+    assert format_status("server", "version", 5, rate=1234.5, notes=("x", "y")) == (
+        "server: version 5, 1234 versions/s, x, y"
+    )
+    assert [format_duration(s) for s in (0, 59.6, 61, 3600, -5)] == [
+        "0 s",
+        "1 min 0 s",
+        "1 min 1 s",
+        "1 h 0 min",
+        "0 s",
+    ]
+
+
+def test_not_a_terminal_gives_a_log_line_every_interval(caplog):
+    caplog.set_level(logging.INFO, logger="hpsjax.progress")
+    clock = _Clock()
+    progress = Progress(
+        "worker 0", "step", total=100, interval=10, stream=io.StringIO(), clock=clock
+    )
+    assert not progress.bar and progress.period == 10
+    shown = []
+    for step in range(1, 31):  # a step a second for 30 s
+        clock.t += 1.0
+        shown.append(progress.update(step, loss=float(step), staleness=1.0))
+    lines = [line for line in shown if line is not None]
+    assert len(lines) == 3
+    assert [r.getMessage() for r in caplog.records] == lines
+    # Means of the losses since the last line; 1 step/s, so 90 s left at 10.
+    assert lines[0] == (
+        "worker 0: step 10/100, 1 steps/s, loss 5.5, staleness 1, 1 min 30 s left"
+    )
+    assert lines[2].startswith("worker 0: step 30/100, 1 steps/s, loss 25.5,")
+    progress.close()
+
+
+def test_time_left_is_the_nearest_limit():
+    clock = _Clock()
+    progress = Progress(
+        "worker 0",
+        total=1000,
+        max_seconds=50,
+        until_version=60,
+        interval=10,
+        stream=io.StringIO(),
+        clock=clock,
+    )
+    clock.t += 10
+    # 10 steps/s: 99 s to 1000 steps; 40 s to the time limit; versions at
+    # 2/s from the first line on: unknown at the first line.
+    assert progress.update(100, version=20).endswith("40 s left")
+    clock.t += 10
+    # Versions 20 -> 40 in 10 s: 10 s to version 60, the nearest.
+    assert progress.update(200, version=40).endswith("10 s left")
+
+
+def test_a_terminal_gets_a_bar_that_ends_at_the_last_count():
+    pytest.importorskip("tqdm")
+    stream, clock = _Terminal(), _Clock()
+    progress = Progress("worker 1", "step", total=50, stream=stream, clock=clock)
+    assert progress.bar and progress.period < 1
+    clock.t += 1
+    postfix = progress.update(10, version=12, loss=0.5)
+    assert postfix == "version 12, loss 0.5"
+    progress.update(11)  # too soon to redraw
+    progress.close()
+    progress.close()
+    text = stream.getvalue()
+    assert "worker 1" in text and "11/50" in text and "loss 0.5" in text
+
+
+def test_the_choice_can_be_forced_and_bad_arguments_are_refused():
+    assert Progress("s", bar=False, stream=_Terminal()).bar is False
+    pytest.importorskip("tqdm")
+    progress = Progress("s", bar=True, stream=io.StringIO())
+    assert progress.bar
+    progress.close()
+    for kwargs, match in [
+        ({"interval": 0}, "interval"),
+        ({"total": 0}, "total"),
+        ({"max_seconds": -1}, "max_seconds"),
+        ({"until_version": 1.5}, "until_version"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            Progress("s", stream=io.StringIO(), **kwargs)
+
+
+def test_every_lets_one_line_through_per_period_and_counts_the_others():
+    clock = _Clock()
+    every = Every(60, clock=clock)
+    assert every.ready() == (True, 0)
+    for _ in range(5):
+        clock.t += 10
+        assert every.ready() == (False, 0)
+    clock.t += 10
+    assert every.ready() == (True, 5)
+
+
+def test_logging_setup_quiets_the_libraries_unless_debug():
+    try:
+        setup_logging("warning")
+        assert logging.getLogger().level == logging.WARNING
+        for name in ("absl", "orbax", "jax", "tensorstore"):
+            assert logging.getLogger(name).getEffectiveLevel() == logging.WARNING
+        setup_logging("DEBUG")
+        assert logging.getLogger("absl").getEffectiveLevel() == logging.DEBUG
+        with pytest.raises(ValueError, match="unknown log level 'loud'"):
+            setup_logging("loud")
+    finally:
+        logging.getLogger().setLevel(logging.WARNING)
+        for name in ("absl", "orbax", "jax", "tensorstore", "etils"):
+            logging.getLogger(name).setLevel(logging.NOTSET)
