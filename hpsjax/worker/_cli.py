@@ -33,10 +33,18 @@ TensorBoard event files (``tensorboard/worker<id>`` beside it, or
 last pulled parameters, on the dataset's held-out split, every 30 seconds
 (``"eval"`` records).
 
+A server that says goodbye or whose connection is lost (stopped, killed,
+restarted) is reconnected to for ``--reconnect_timeout`` seconds (60 by
+default, with backoff); the worker then joins again at the version the server
+resumed at (its last checkpoint) and goes on, the rounds in flight thrown away
+(never sent twice). Each event is one log line, never a traceback.
+
 Exit status: 0 when the run ended normally (also when stopped by a signal),
 1 when it failed, 2 for bad flags, :data:`DIVERGED` (3) when a round's loss or
 update was not finite (one line says which worker, step, version and loss;
-``--on_nonfinite skip`` drops such a round and goes on instead).
+``--on_nonfinite skip`` drops such a round and goes on instead),
+:data:`SERVER_GONE` (4) when the server stayed away longer than
+``--reconnect_timeout`` (``0``: at once).
 """
 
 from __future__ import annotations
@@ -59,6 +67,7 @@ from hpsjax.worker._core import NONFINITE_ACTIONS, OVERLAP_MODES
 
 __all__ = [
     "DIVERGED",
+    "SERVER_GONE",
     "Evaluator",
     "build_worker",
     "main",
@@ -73,7 +82,11 @@ __all__ = [
 #: ``hpsjax.launch.DIVERGED`` is the same, and never restarts such a worker.
 DIVERGED = 3
 
-LOCAL_OPTIMIZERS = ("none", "sgd", "momentum", "adam")
+#: Exit status of a worker whose server went away for longer than
+#: ``--reconnect_timeout`` (said in one line).
+SERVER_GONE = 4
+
+LOCAL_OPTIMIZERS = ("none", "sgd", "momentum", "adam")  # and any optax optimizer
 # Model arguments the registry's factories set from the data, not from flags.
 _MODEL_SHAPE_ARGS = (
     "self", "input_shape", "in_features", "in_channels", "image_size",
@@ -139,6 +152,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default=30.0,
         help="seconds to keep retrying (with backoff) a server that is not up yet",
     )
+    g.add_argument(
+        "--reconnect_timeout",
+        type=float,
+        default=60.0,
+        help="seconds to keep reconnecting (with backoff) to a server that said "
+        "goodbye or was lost, then join it again at its version (a restarted "
+        f"server's) and go on; 0: stop at once (exit status {SERVER_GONE})",
+    )
 
     g = p.add_argument_group("model and data")
     g.add_argument(
@@ -194,8 +215,17 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     g.add_argument(
         "--local_optimizer",
         default="none",
-        choices=LOCAL_OPTIMIZERS,
-        help="optimizer of local steps; none pushes gradients",
+        help="optimizer of local steps: none (push gradients), sgd, momentum, "
+        "adam, or any optax optimizer by name (adamw, lion, muon, ...)",
+    )
+    g.add_argument(
+        "--local_optimizer_arg",
+        type=_key_value,
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="keyword argument of the local optimizer (JSON value), repeatable: "
+        "weight_decay=0.01 (adamw), momentum=0.5 (sgd)",
     )
     g.add_argument(
         "--local_learning_rate", type=float, default=0.1, help="local step size"
@@ -425,17 +455,17 @@ def _ssl(args: argparse.Namespace):
 
 
 def _local_optimizer(args: argparse.Namespace):
-    import optax
+    from hpsjax._optimizers import make_optimizer
 
     lr = args.local_learning_rate
     if not lr > 0:
         raise ValueError(f"--local_learning_rate must be > 0, got {lr}")
-    return {
-        "none": lambda: None,
-        "sgd": lambda: optax.sgd(lr),
-        "momentum": lambda: optax.sgd(lr, momentum=0.9),
-        "adam": lambda: optax.adam(lr),
-    }[args.local_optimizer]()
+    kwargs = dict(args.local_optimizer_arg)
+    if args.local_optimizer == "none":
+        if kwargs:
+            raise ValueError("--local_optimizer_arg needs a --local_optimizer")
+        return None
+    return make_optimizer(args.local_optimizer, lr, **kwargs)
 
 
 def _shard(args: argparse.Namespace) -> tuple[int, int]:
@@ -619,6 +649,10 @@ def _build(args: argparse.Namespace, *, metrics=None):
         servers = [(args.host, args.port)]
     if not args.connect_timeout >= 0:
         raise ValueError(f"--connect_timeout must be >= 0, got {args.connect_timeout}")
+    if not 0 <= args.reconnect_timeout < float("inf"):
+        raise ValueError(
+            f"--reconnect_timeout must be >= 0 seconds, got {args.reconnect_timeout}"
+        )
     if args.eager_pulls != 1 and args.overlap != "eager":
         raise ValueError("--eager_pulls needs --overlap eager")
     if args.split_leaves and len(servers) == 1:
@@ -670,6 +704,7 @@ def _build(args: argparse.Namespace, *, metrics=None):
         seed=args.seed,
         fail_after_steps=args.fail_after_steps,
         on_nonfinite=args.on_nonfinite,
+        reconnect_timeout=args.reconnect_timeout,
     )
     _, batch_size, _, _ = config.planned()
     seed = index if args.data_seed is None else args.data_seed
@@ -1085,6 +1120,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             sink.close()
     if summary.ended_by == "diverged":
         return DIVERGED  # the worker said so in one line
+    if summary.ended_by == "server":
+        return SERVER_GONE  # as it said
     print(f"hpsjax-worker done: {json.dumps(summary._asdict())}", flush=True)
     return 0
 

@@ -69,7 +69,10 @@ The rules it owns:
 * **Forced pulls (SaPS) and drops.** With ``"pipeline"`` or ``"eager"`` a
   forced pull discards the round computing (or the one waiting to be pushed);
   a drop discards it too, and the worker rejoins (a pull in a new *session*:
-  answers to the old one are ignored), however often it is dropped.
+  answers to the old one are ignored), however often it is dropped. The
+  answer to a join sets the version held, even an older one (a server
+  restarted from its checkpoint, which the asyncio worker reconnects to and
+  joins as after a drop).
 * **Plans and hints.** A newer plan revision sets the batch per device, the
   local steps and the step-size scale (one global factor: batch weighting is
   the server's sample-weighted average) from the next round; a local-steps
@@ -499,6 +502,7 @@ class WorkerCore:
 
         self.state = _State.IDLE
         self.session = 0
+        self.joining = False  # a join's answer is awaited
         self.version = -1  # of the parameters held
         self.known_version = 0  # newest heard of
         self.plan_revision: int | None = None
@@ -563,7 +567,13 @@ class WorkerCore:
         self.pull_in_flight = False
         self.pull_ewma = ewma(self.pull_ewma, now - self.pull_sent)
         actions: list = []
-        if event.version >= self.version:
+        if self.joining:
+            # A join's answer is the server's state, whatever was held: a
+            # server restarted from a checkpoint may be at an older version.
+            self.joining = False
+            self.version = self.known_version = event.version
+            actions.append(KeepParams(event.version))
+        elif event.version >= self.version:
             self.version = event.version
             self.known_version = max(self.known_version, event.version)
             actions.append(KeepParams(event.version))
@@ -726,6 +736,7 @@ class WorkerCore:
 
     def _join(self, now: float) -> Join:
         self.session += 1
+        self.joining = True
         self.pull_in_flight = True
         self.pull_sent = now
         return Join(self.session)

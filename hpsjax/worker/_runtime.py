@@ -253,6 +253,11 @@ class WorkerConfig:
         diverged) is never pushed; ``"stop"`` ends the run (``ended_by``
         ``"diverged"``, one line logged), ``"skip"`` drops that round and goes
         on (:data:`~hpsjax.worker.NONFINITE_ACTIONS`).
+      reconnect_timeout: seconds to keep reconnecting (with backoff) when the
+        server says goodbye or the connection is lost, after which the worker
+        joins again at the server's version (a restarted server's, resumed from
+        its checkpoint) and goes on; the rounds in flight are thrown away, never
+        sent twice. ``0`` ends the run at once (``ended_by`` ``"server"``).
 
     Raises:
       ValueError: a bad value (checked here, before anything runs).
@@ -287,6 +292,7 @@ class WorkerConfig:
     seed: int = 0
     fail_after_steps: int | None = None
     on_nonfinite: str = "stop"
+    reconnect_timeout: float = 60.0
 
     def __post_init__(self):
         if not isinstance(self.host, str) or not self.host:
@@ -353,6 +359,16 @@ class WorkerConfig:
         _check_positive("timeout", self.timeout, allow_none=True)
         _check_int("seed", self.seed, 0)
         _check_int("fail_after_steps", self.fail_after_steps, 1, allow_none=True)
+        if (
+            isinstance(self.reconnect_timeout, bool)
+            or not isinstance(self.reconnect_timeout, int | float)
+            or not math.isfinite(self.reconnect_timeout)
+            or self.reconnect_timeout < 0
+        ):
+            raise ValueError(
+                "reconnect_timeout must be a finite number of seconds >= 0, got "
+                f"{self.reconnect_timeout!r}"
+            )
         if self.on_nonfinite not in NONFINITE_ACTIONS:
             raise ValueError(
                 f"on_nonfinite must be one of {', '.join(NONFINITE_ACTIONS)}, "
@@ -400,8 +416,10 @@ class WorkerSummary(NamedTuple):
       discarded: rounds whose update was discarded on the server's request.
       rejoins: times the worker was dropped by the server and joined again.
       ended_by: why it stopped: ``"max_steps"``, ``"max_seconds"``,
-        ``"until_version"``, ``"stopped"``, ``"server"`` (the server shut down)
-        or ``"diverged"`` (a round's loss or update was not finite).
+        ``"until_version"``, ``"stopped"``, ``"server"`` (the server went away
+        for longer than ``reconnect_timeout``) or ``"diverged"`` (a round's
+        loss or update was not finite).
+      reconnects: times the worker lost the server and joined it again.
     """
 
     worker_id: str | int
@@ -420,6 +438,7 @@ class WorkerSummary(NamedTuple):
     discarded: int
     rejoins: int
     ended_by: str
+    reconnects: int = 0
 
 
 class JsonLinesSink:
@@ -532,6 +551,19 @@ def _shapes_key(batch: Any) -> tuple:
 
 # Compiles a worker's step for a batch size new to it, beside its rounds.
 _COMPILER = concurrent.futures.ThreadPoolExecutor(1, "hpsjax-worker-compile")
+
+
+class _ServerGone(Exception):
+    """The server stayed away longer than ``reconnect_timeout`` (said in one
+    line where it happened)."""
+
+
+# What a request raises when the server went away (a goodbye, a lost or
+# refused connection): the worker reconnects.
+def _lost_errors() -> tuple[type[BaseException], ...]:
+    from hpsjax.ps import ConnectionClosed, ShuttingDown
+
+    return (ConnectionClosed, ShuttingDown, OSError)
 
 
 class _Computed(NamedTuple):
@@ -1153,15 +1185,16 @@ class Worker:
         totals = dict(
             steps=0, pushes=0, local_steps=0, compute_s=0.0, slowdown_s=0.0,
             wait_s=0.0, transfer_s=0.0, bytes_sent=0, bytes_received=0,
-            discarded=0, rejoins=0,
+            discarded=0, rejoins=0, reconnects=0,
         )  # fmt: skip
         loss = None
         ended_by = "stopped"
         try:
             ended_by, loss = await self._train(client, computer, encoder, totals)
-        except ShuttingDown:
+        except (ShuttingDown, _ServerGone) as error:
             ended_by = "server"
-            logger.info("worker %s: the server shut down", self._config.worker_id)
+            if isinstance(error, ShuttingDown):
+                logger.info("worker %s: the server shut down", self._config.worker_id)
         finally:
             computer.shutdown(wait=False, cancel_futures=True)
             encoder.shutdown(wait=False, cancel_futures=True)
@@ -1344,6 +1377,9 @@ class _Run:
         self.sending: asyncio.Event | None = None  # a push not yet on the wire
         self.loss: float | None = None
         self.joined = False
+        self.connection = 0  # bumped by each reconnection
+        self.reconnecting: asyncio.Future | None = None
+        self.lost_session = 0  # sessions up to this one lost their connection
 
     # ------------------------------------------------------------ the loop
 
@@ -1568,6 +1604,8 @@ class _Run:
         from hpsjax.ps import WorkerDropped
 
         w, record = self.w, self.current
+        if session <= self.lost_session:  # asked before the core heard of it
+            return [(Dropped(session, w._elapsed()), None)]
         sending = self.sending
         if sending is not None:
             # The push frame goes first on the connection, so that the server
@@ -1578,10 +1616,13 @@ class _Run:
             if record["pull_start"] is None:
                 record["pull_start"] = w._elapsed()
             record["pulls"] += 1
+        connection = self.connection
         try:
             params, version = await self.client.pull()
         except WorkerDropped as error:
             return self.dropped(session, error)
+        except _lost_errors() as error:
+            return await self.lost(session, connection, error)
         link = await w._injector.transfer(_tree_nbytes(params))
         self.transferred(record, start, link)
         if record is not None:
@@ -1593,6 +1634,10 @@ class _Run:
                 w._config.worker_id,
                 version,
                 time.monotonic() - start,
+            )
+        elif join:
+            logger.info(
+                "worker %s joined again at version %d", w._config.worker_id, version
             )
             w._initialise(params)
             if w._compressor is not None:
@@ -1616,8 +1661,11 @@ class _Run:
                 "_bytes": (self.client.bytes_sent, self.client.bytes_received),
             }
         computed = self.computed.pop(push.round)
+        if push.session <= self.lost_session:  # computed for a lost connection
+            return [] if push.final else [(Dropped(push.session, w._elapsed()), None)]
         sending = self.sending = asyncio.Event()
         start = time.monotonic()
+        connection = self.connection
         try:
             prepared = await self.loop.run_in_executor(
                 self.encoder, w._prepare, computed, push
@@ -1640,6 +1688,15 @@ class _Run:
                 reply = await task
             except WorkerDropped as error:
                 return self.dropped(push.session, error, last=push.final)
+            except _lost_errors() as error:
+                if push.final:
+                    logger.warning(
+                        "worker %s lost the server (%s); its last update is lost",
+                        w._config.worker_id,
+                        error,
+                    )
+                    return []
+                return await self.lost(push.session, connection, error)
         finally:
             sending.set()
             if self.sending is sending:
@@ -1695,6 +1752,70 @@ class _Run:
             return
         record["transfer_s"] += time.monotonic() - start
         record["link_delay_s"] += link
+
+    async def lost(self, session: int, connection: int, error: Exception) -> list:
+        """The server went away while a request of ``connection`` was in
+        flight: reconnects (once for all the requests that fail with it), then
+        the core joins again, throwing away the rounds in flight."""
+        self.lost_session = max(self.lost_session, session)
+        if connection == self.connection:
+            if self.reconnecting is None:
+                self.reconnecting = asyncio.ensure_future(self.reconnect(error))
+            reconnecting = self.reconnecting
+            await asyncio.shield(reconnecting)
+        return [(Dropped(session, self.w._elapsed()), None)]
+
+    async def reconnect(self, error: Exception) -> None:
+        """Connects again, 0.1 s apart doubling up to 2 s, for
+        ``reconnect_timeout`` seconds; raises ``_ServerGone`` (after saying
+        so in one line) when no server answers by then."""
+        w = self.w
+        who, patience = w._config.worker_id, w._config.reconnect_timeout
+        reason = str(error) or type(error).__name__
+        try:
+            with contextlib.suppress(Exception):
+                await self.client.close(timeout=1.0)
+            if patience == 0:
+                logger.error(
+                    "worker %s lost the server (%s); it stops (reconnect_timeout 0)",
+                    who,
+                    reason,
+                )
+                raise _ServerGone(reason)
+            logger.warning(
+                "worker %s lost the server (%s); reconnecting for up to %gs",
+                who,
+                reason,
+                patience,
+            )
+            start = time.monotonic()
+            delay = 0.1
+            while True:
+                try:
+                    await self.client.connect()
+                    break
+                except (*_lost_errors(), TimeoutError) as e:
+                    if time.monotonic() - start + delay > patience:
+                        logger.error(
+                            "worker %s: no server for %gs (%s); it stops",
+                            who,
+                            patience,
+                            str(e) or type(e).__name__,
+                        )
+                        raise _ServerGone(reason) from None
+                    await asyncio.sleep(delay)
+                    delay = min(2 * delay, 2.0)
+            self.connection += 1
+            self.totals["reconnects"] += 1
+            if self.current is not None:
+                self.current["rejoined"] = True
+            logger.info(
+                "worker %s reconnected after %.1fs; joining again",
+                who,
+                time.monotonic() - start,
+            )
+        finally:
+            self.reconnecting = None
 
     def dropped(self, session: int, error: Exception, *, last: bool = False) -> list:
         w = self.w
