@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import dataclasses
 import json
+import logging
 import os
 import pathlib
 import signal
@@ -28,6 +29,7 @@ import ml_collections
 import numpy as np
 
 from experiments import build, registry
+from hpsjax.launch import DIVERGED
 
 __all__ = ["BACKENDS", "RunOutput", "run_processes", "run_sim"]
 
@@ -396,6 +398,8 @@ def _worker_flags(
             "--local_optimizer", name,
             "--local_learning_rate", repr(float(worker.local_learning_rate)),
         ]  # fmt: skip
+        for key, value in (worker.get("local_optimizer_args") or {}).items():
+            flags += ["--local_optimizer_arg", f"{key}={json.dumps(_plain(value))}"]
     power_sgd = worker.get("compression", "none") == "power_sgd"
     if worker.bits is not None:
         flags += ["--bits", str(int(worker.bits))]
@@ -430,61 +434,127 @@ def _plain(value: Any) -> Any:
     return value
 
 
-def _measured_profiles(
-    config: ml_collections.ConfigDict, setup: build.Setup, *, push_bytes: int
+def _placements(
+    config: ml_collections.ConfigDict,
+) -> tuple[list[Any] | None, tuple[int, ...], list[str]]:
+    """Each worker's device and core set (``workers.devices``, see
+    :mod:`experiments.placement`), the server's cores and what is not as
+    asked; ``None`` for the workers when the config places none."""
+    from experiments.placement import place
+
+    devices = tuple(config.workers.get("devices", ()))
+    if not devices:
+        return None, (), []
+    n = len(config.workers.slowdowns)
+    if len(devices) != n:
+        raise ValueError(
+            f"workers.devices names {len(devices)} devices for {n} workers"
+        )
+    return place(devices, server_cores=int(config.server.get("cores", 0)))
+
+
+def _spawn(
+    children: _Children,
+    config: ml_collections.ConfigDict,
+    index: int,
+    argv: list[str],
+    log_path: pathlib.Path,
+    env: Mapping[str, str],
+) -> subprocess.Popen:
+    """Starts worker ``index``'s process (or its profiling pass) on its
+    device and core set, where the config places workers."""
+    placements, _, _ = _placements(config)
+    if placements is not None:
+        argv = placements[index].wrap(argv)
+        env = {**env, **placements[index].env()}
+    return children.spawn(argv, log_path, env)
+
+
+def _run_env(workdir: pathlib.Path) -> dict[str, str]:
+    """The environment of a run's worker processes: the launcher's, with the
+    run's compilation cache (``jax_cache`` in ``workdir``) shared by the
+    profiling pass, the warm-up, the workers and this process's server."""
+    from hpsjax.launch import run_env
+
+    return run_env(workdir, None)
+
+
+async def _profile_in_place(
+    config: ml_collections.ConfigDict,
+    setup: build.Setup,
+    workdir: pathlib.Path,
+    env: Mapping[str, str],
 ) -> tuple[list[Any], float]:
-    """The profiling pass on this machine, one profile per worker.
+    """The profiling pass in place, one profile per worker.
 
-    The workers share this machine, so the train step is profiled once and each
-    worker's profile is that one slowed down by its injected slowdown, with its
-    link estimated from its bandwidth and latency. The pass is charged at what
-    the slowest worker would spend running it: its warm-up and timed steps
-    stretched by its slowdown, plus one round trip. Compiling is not charged,
-    as no scheme's compiling is (the workers compile before the clock starts).
+    Every worker is profiled in its own process with its own flags (slowdown,
+    link, codec), all at once (``python -m hpsjax.profiling.in_place``): its
+    step is timed beside the others, under the run's contention, and its push
+    and pull against a throwaway server of the model (ASP, holding the first
+    pull until all joined), its injected link added. The pass is charged at
+    what the slowest worker spends in it: its warm-up and timed steps, slowed,
+    plus one round trip. Compiling is not charged, as no scheme's compiling is
+    (the workers compile before the clock starts).
     """
-    import dataclasses
+    import secrets
 
-    import optax
+    from hpsjax.profiling import WorkerProfile
+    from hpsjax.ps import Server
 
-    from hpsjax.profiling import profile
-
-    optimizer = build.local_optimizer(config) or optax.sgd(1.0)
-    stream = setup.train.batches(1, seed=int(config.seed))
-
-    def step(params, batch):
-        grads = jax.grad(setup.loss_fn)(params, batch)
-        updates, _ = optimizer.update(grads, optimizer.init(params), params)
-        return optax.apply_updates(params, updates)
-
+    n = len(config.workers.slowdowns)
+    logs = workdir / "workers"
+    logs.mkdir(parents=True, exist_ok=True)
+    secret = secrets.token_urlsafe(32)
+    secret_file = logs / "profile_secret.txt"
+    secret_file.touch(mode=0o600)
+    secret_file.write_text(secret)
     sizes = sorted({int(b) for b in config.plan.profile_batch_sizes})
     repeats = int(config.plan.profile_repeats)
-    base = profile(
-        step,
+    outs = [logs / f"profile_{i}.json" for i in range(n)]
+    server = Server(
         setup.params,
-        lambda b: jax.tree.map(np.asarray, stream.next(b)),
-        batch_sizes=sizes,
-        repeats=repeats,
-        warmup=1,
-        devices=jax.local_devices()[:1],
+        build.server_optimizer(config),
+        "asp",
+        host="127.0.0.1",
+        port=0,
+        secret=secret,
+        core_kwargs={"expected_workers": n},
     )
-    steps = sum((1 + repeats) * t for d in base.devices for t in d.step_times)
-    cost = 0.0
-    profiles = []
-    pull_bytes = base.param_bytes
-    for i, k in enumerate(config.workers.slowdowns):
-        transfer = build.transfer_profile(
-            config.workers.bandwidth,
-            float(config.workers.latency),
-            push_bytes,
-            pull_bytes,
-        )
-        profiles.append(
-            dataclasses.replace(
-                base.with_slowdown(float(k)), worker_id=i, transfer=transfer
+    await server.start()
+    children = _Children()
+    try:
+        for i, out in enumerate(outs):
+            out.unlink(missing_ok=True)
+            argv = [
+                sys.executable, "-m", "hpsjax.profiling.in_place",
+                "--host", "127.0.0.1", "--port", str(server.port),
+                "--secret_file", str(secret_file), "--profile_out", str(out),
+                "--profile_batch_sizes", ",".join(map(str, sizes)),
+                "--profile_repeats", str(repeats),
+                *_worker_flags(config, i, plan_file=None),
+            ]  # fmt: skip
+            _spawn(children, config, i, argv, logs / f"profile_{i}.log", env)
+        if not await children.wait(float(config.processes.start_timeout)):
+            raise RuntimeError(
+                f"the profiling pass did not end within "
+                f"{config.processes.start_timeout}s; see {logs}/profile_*.log"
             )
-        )
-        trip = 0.0 if transfer is None else transfer.round_trip_seconds
-        cost = max(cost, steps * float(k) + trip)
+        codes = [p.poll() for p in children.procs]
+        if any(code != 0 for code in codes):
+            raise RuntimeError(
+                f"a worker's profiling pass failed (exit statuses {codes}); see "
+                f"{logs}/profile_*.log"
+            )
+    finally:
+        children.kill()
+        await server.close()
+        secret_file.unlink(missing_ok=True)
+    profiles = [WorkerProfile.from_json(out.read_text()) for out in outs]
+    cost = max(
+        sum((1 + repeats) * t for d in p.devices for t in d.step_times)
+        + p.transfer_seconds
+        for p in profiles
+    )
     return profiles, cost
 
 
@@ -568,12 +638,7 @@ async def _serve_and_train(
     logs.mkdir(exist_ok=True)
     for stale in logs.glob("metrics_*.jsonl"):
         stale.unlink()
-    env = dict(
-        os.environ,
-        PYTHONUNBUFFERED="1",
-        JAX_COMPILATION_CACHE_DIR=str(logs / "jax_cache"),
-        JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
-    )
+    env = _run_env(workdir)
     if config.processes.warmup:
         await _warm_up(
             config,
@@ -626,7 +691,7 @@ async def _serve_and_train(
                 repr(float(config.processes.start_timeout) + duration),
                 *_worker_flags(config, i, plan_file=plan_file),
             ]  # fmt: skip
-            children.spawn(argv, logs / f"worker_{i}.log", env)
+            _spawn(children, config, i, argv, logs / f"worker_{i}.log", env)
         start_deadline = time.monotonic() + float(config.processes.start_timeout)
         while not server.core.started:
             _check_children(children, logs)
@@ -655,7 +720,12 @@ async def _serve_and_train(
                     bar.set_postfix(v=server.core.version)
             if elapsed >= duration:
                 break
-            _check_children(children, logs)
+            diverged = _check_children(children, logs)
+            if diverged is not None:
+                # The run ends here: the table says when, not a traceback.
+                info["diverged"] = {"worker": diverged, "time": offset + elapsed}
+                snapshots.append((elapsed, server.core.version, server.core.params))
+                break
             await asyncio.sleep(min(0.02, max(0.0, next_eval - elapsed)))
         children.signal(signal.SIGTERM)
         shutdown = float(config.processes.shutdown_timeout)
@@ -677,7 +747,7 @@ async def _serve_and_train(
     failed = [
         (i, code)
         for i, code in enumerate(info["worker_returncodes"])
-        if code not in (0, -signal.SIGTERM)
+        if code not in (0, -signal.SIGTERM, DIVERGED)
     ]
     if failed:
         raise RuntimeError(
@@ -707,16 +777,20 @@ async def _warm_up(
     timed server loads its compiled steps too (compiled on its first apply
     they held every worker's first round by 4 to 5 s on proc4).
     """
-    from jax.experimental.compilation_cache import compilation_cache
-
+    from hpsjax._compile_cache import CACHE_ENV, use_compile_cache
     from hpsjax.ps import Server
 
     policy, core_kwargs, policy_kwargs = server_args
     if not isinstance(policy, str):
         policy, policy_kwargs = "asp", {}
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    compilation_cache.set_cache_dir(env["JAX_COMPILATION_CACHE_DIR"])
-    compilation_cache.reset_cache()  # JAX decides on its first compile otherwise
+    before = os.environ.get(CACHE_ENV)
+    use_compile_cache(env[CACHE_ENV])
+    # The children have the cache in their own environment; this process's
+    # later children (another run's) get theirs.
+    if before is None:
+        os.environ.pop(CACHE_ENV, None)
+    else:
+        os.environ[CACHE_ENV] = before
     server = Server(
         setup.params,
         build.server_optimizer(config),
@@ -737,7 +811,7 @@ async def _warm_up(
                 "--secret_file", str(secret_file), "--max_steps", "2",
                 *_worker_flags(config, i, plan_file=plan_file),
             ]  # fmt: skip
-            children.spawn(argv, logs / f"warmup_{i}.log", env)
+            _spawn(children, config, i, argv, logs / f"warmup_{i}.log", env)
         if not await children.wait(float(config.processes.start_timeout)):
             raise RuntimeError(
                 f"the warm-up workers did not finish within "
@@ -754,9 +828,12 @@ async def _warm_up(
         await server.close()
 
 
-def _check_children(children: _Children, logs: pathlib.Path) -> None:
+def _check_children(children: _Children, logs: pathlib.Path) -> int | None:
+    """Raises for a worker that exited early; returns one that diverged."""
     for i, proc in enumerate(children.procs):
         code = proc.poll()
+        if code == DIVERGED:
+            return i
         if code is not None:
             raise RuntimeError(
                 f"worker {i} exited early with status {code}; see "
@@ -840,8 +917,12 @@ def run_processes(
     evaluation takes no time from training. After ``budget_seconds`` the workers
     get SIGTERM, finish their round and push it.
 
-    Schemes with a work plan are profiled first on this machine (see
-    :func:`_measured_profiles`); its cost is charged as in the simulator. With
+    Schemes with a work plan are profiled first, in place (see
+    :func:`_profile_in_place`); its cost is charged as in the simulator, and
+    the plan's predicted round is reported beside the measured one
+    (``info["predicted_round_s"]``, ``info["measured_round_s"]``). A worker
+    that exits with the diverged status (:data:`hpsjax.launch.DIVERGED`)
+    ends the run there (``info["diverged"]``: which worker, and when). With
     ``plan.replan`` the server re-plans as the workers' measured step times
     drift from the profile (a :class:`~hpsjax.profiling.Replanner` fed by every
     push, as ``hpsjax-server --work_plan`` does) and sends each worker its new
@@ -864,15 +945,45 @@ def run_processes(
             "or on the server's training loss only; stages.switch='plateau' "
             "runs in the simulator"
         )
-    _, _, push_bytes = _push_compression(config, setup.params)
-    plan_scheme = registry.lookup("plan scheme", config.plan.scheme)
     info: dict[str, Any] = {"backend": "processes"}
+    placements, server_cores, notes = _placements(config)
+    if placements is not None:
+        info["placement"] = [p.describe() for p in placements]
+        info["server_cores"] = list(server_cores)
+        info["placement_notes"] = notes
+        for note in notes:
+            logging.warning("workers.devices: %s", note)
+    affinity = os.sched_getaffinity(0)
+    if server_cores:
+        # The server runs on this process's main thread.
+        os.sched_setaffinity(0, server_cores)
+    try:
+        return _run_processes(
+            config, setup, workdir=workdir, progress=progress, info=info
+        )
+    finally:
+        if server_cores:
+            os.sched_setaffinity(0, affinity)
+
+
+def _run_processes(
+    config: ml_collections.ConfigDict,
+    setup: build.Setup,
+    *,
+    workdir: pathlib.Path,
+    progress: bool,
+    info: dict[str, Any],
+) -> RunOutput:
+    """:func:`run_processes` once the server's cores are set."""
+    plan_scheme = registry.lookup("plan scheme", config.plan.scheme)
     offset = 0.0
     plan_file = None
     stage_plans: list[Any] = []
     plans: list[Any] = []
     if plan_scheme != "none":
-        profiles, offset = _measured_profiles(config, setup, push_bytes=push_bytes)
+        profiles, offset = asyncio.run(
+            _profile_in_place(config, setup, workdir, _run_env(workdir))
+        )
         info["profile_seconds"] = offset
         first, stage_plans = build.plans(config, profiles)
         plans = [first]
@@ -938,7 +1049,26 @@ def run_processes(
         for r in info.pop("replans", [])
     )
     info["num_updates"] = run_info["final_version"]
+    if plans:
+        info["predicted_round_s"] = plans[0].round_time
+        info["measured_round_s"] = measured_round(
+            [
+                _read_worker_records(workdir / "workers" / f"metrics_{i}.jsonl")
+                for i in range(len(config.workers.slowdowns))
+            ]
+        )
     return RunOutput(evals, workers, timelines, records, info)
+
+
+def measured_round(records: list[list[dict[str, Any]]], skip: int = 3) -> float | None:
+    """The median seconds from one round's start to the next, over every
+    worker's rounds after its first ``skip`` (compiles, joining), or ``None``
+    when there are none."""
+    gaps = []
+    for own in records:
+        starts = [float(r["time"]) for r in own if r.get("event") == "round"]
+        gaps += np.diff(starts[skip:]).tolist()
+    return float(np.median(gaps)) if gaps else None
 
 
 BACKENDS: Mapping[str, Callable[..., RunOutput]] = {

@@ -42,6 +42,7 @@ from hpsjax._logs import quiet_backend_probe
 
 __all__ = [
     "aggregate",
+    "diverged_at",
     "format_table",
     "load_run",
     "mean_curve",
@@ -69,7 +70,9 @@ def aggregate(summaries: Sequence[dict[str, Any]]) -> dict[str, Any]:
       ``time_to_target_reached`` (the mean over those that reached it, or
       ``None``), ``end_time`` (the longest), and the means of
       ``final_accuracy``, ``best_accuracy``, ``bytes_sent``, ``idle_fraction``
-      and ``updates``.
+      and ``updates``; ``diverged_at``, when each run that diverged did
+      (:func:`diverged_at`); and where the runs planned on processes, the
+      means of the plan's ``predicted_round_s`` and the ``measured_round_s``.
 
     Raises:
       ValueError: no summaries, or summaries of several schemes.
@@ -81,6 +84,11 @@ def aggregate(summaries: Sequence[dict[str, Any]]) -> dict[str, Any]:
         raise ValueError(f"aggregate takes one scheme's runs, got {sorted(schemes)}")
     times = [s["time_to_target"] for s in summaries if s["time_to_target"] is not None]
     first = summaries[0]
+    rounds = {}
+    for key in ("predicted_round_s", "measured_round_s"):
+        values = [(s.get("info") or {}).get(key) for s in summaries]
+        if all(v is not None for v in values):
+            rounds[key] = _mean(values)
     return {
         "scheme": first["scheme"],
         "backend": first["backend"],
@@ -101,11 +109,27 @@ def aggregate(summaries: Sequence[dict[str, Any]]) -> dict[str, Any]:
                 "updates",
             )
         },
+        "diverged_at": [t for t in map(diverged_at, summaries) if t is not None],
+        **rounds,
     }
+
+
+def diverged_at(summary: dict[str, Any]) -> float | None:
+    """When a run diverged (seconds on its clock), ``None`` if it did not:
+    the summary's ``diverged_at``, or its backend's ``info["diverged"]``."""
+    if summary.get("diverged_at") is not None:
+        return float(summary["diverged_at"])
+    diverged = (summary.get("info") or {}).get("diverged")
+    return None if not diverged else float(diverged["time"])
 
 
 def _time_cell(row: dict[str, Any]) -> str:
     runs, reached = row["runs"], row["reached"]
+    diverged = row.get("diverged_at") or []
+    if diverged:
+        when = ", ".join(f"{t:.1f}" for t in diverged)
+        cell = f"diverged at t = {when} s"
+        return cell if runs == 1 else f"{cell} ({len(diverged)}/{runs} runs)"
     if reached == 0:
         return "not reached" if runs == 1 else f"not reached (0/{runs})"
     if reached < runs:
@@ -287,6 +311,8 @@ def run_suite(
     progress: bool = True,
     jobs: int = 1,
     overwrite: bool = False,
+    budget_seconds: float | None = None,
+    devices: str | Sequence[str] | None = None,
 ) -> dict[str, Any]:
     """Runs a suite's schemes and writes the comparison.
 
@@ -307,14 +333,19 @@ def run_suite(
         it a finished run of the same config is kept (so an interrupted
         comparison resumes where it stopped) and a finished run of another
         config is an error.
+      budget_seconds: every run's budget instead of the setting's.
+      devices: the workers' devices instead of the setting's, a worker spec
+        such as ``"gpu:0, cpu:4, cpu:2, cpu:1"`` (one worker each, see
+        :mod:`experiments.placement`; real processes only).
 
     Returns:
       ``{"table": markdown, "table_path", "plot_path", "summaries"}``.
 
     Raises:
       ValueError: an unknown suite or scheme (the message lists valid names),
-        a bad seed or ``jobs``, or a finished run of another config in
-        ``workdir`` without ``overwrite``, before anything runs.
+        a bad seed, ``jobs``, budget or worker spec, or a finished run of
+        another config in ``workdir`` without ``overwrite``, before anything
+        runs.
     """
     if isinstance(suite, str):
         name = suite
@@ -338,6 +369,14 @@ def run_suite(
         if not seeds or any(s < 0 for s in seeds) or len(set(seeds)) != len(seeds):
             raise ValueError(f"seeds must be distinct ints >= 0, got {seeds}")
     jobs = _check_jobs(jobs)
+    if budget_seconds is not None and not (
+        isinstance(budget_seconds, int | float) and budget_seconds > 0
+    ):
+        raise ValueError(f"budget_seconds must be > 0, got {budget_seconds!r}")
+    if devices is not None:
+        from experiments.placement import parse_spec
+
+        devices = tuple(f"{kind}:{n}" for kind, n in parse_spec(devices))
     workdir = pathlib.Path(workdir)
     planned = []
     for scheme in chosen:
@@ -345,6 +384,16 @@ def run_suite(
             config = registry.load_config(scheme, suite.setting)
             if suite.backend is not None:
                 config.backend = suite.backend
+            if budget_seconds is not None:
+                config.budget_seconds = float(budget_seconds)
+            if devices is not None:
+                if config.backend != "processes":
+                    raise ValueError(
+                        f"devices places real worker processes; suite {name!r} "
+                        f"runs on the {config.backend!r} backend"
+                    )
+                config.workers.devices = devices
+                config.workers.slowdowns = (1.0,) * len(devices)
             where = workdir / scheme
             if seed is not None:
                 config.seed = seed
@@ -494,6 +543,15 @@ def _define_flags() -> None:
     flags.DEFINE_bool(
         "overwrite", False, "Run again the runs already finished in --workdir."
     )
+    flags.DEFINE_float(
+        "budget_seconds", None, "Every run's budget instead of the setting's."
+    )
+    flags.DEFINE_string(
+        "devices",
+        None,
+        "The workers' devices instead of the setting's (real processes), e.g. "
+        "'gpu:0, cpu:4, cpu:2, cpu:1': a GPU, or a set of CPU cores, per worker.",
+    )
     flags.mark_flags_as_required(["suite", "workdir"])
 
 
@@ -501,7 +559,8 @@ _PROG = "experiments.compare"
 
 
 def _check_flags(values: flags.FlagValues) -> list[int] | None:
-    """Checks --suite, --schemes and --seeds; returns the seeds as ints."""
+    """Checks --suite, --schemes, --seeds, --devices and --budget_seconds;
+    returns the seeds as ints."""
     suite = registry.lookup("suite", values.suite)
     for scheme in values.schemes or ():
         registry.lookup("scheme", scheme)
@@ -510,6 +569,12 @@ def _check_flags(values: flags.FlagValues) -> list[int] | None:
                 f"--schemes: {scheme!r} is not in suite {values.suite!r}; its "
                 f"schemes: {', '.join(suite.schemes)}"
             )
+    if values.devices is not None:
+        from experiments.placement import parse_spec
+
+        parse_spec(values.devices)
+    if values.budget_seconds is not None and not values.budget_seconds > 0:
+        raise ValueError(f"--budget_seconds must be > 0, got {values.budget_seconds}")
     if values.seeds is None:
         return None
     try:
@@ -534,6 +599,8 @@ def main(argv):
         render_only=values.render_only,
         jobs=values.jobs,
         overwrite=values.overwrite,
+        budget_seconds=values.budget_seconds,
+        devices=values.devices,
     )
     print(result["table"])
     print(f"table: {result['table_path']}")

@@ -15,7 +15,7 @@ only::
 
 With ``--plan SCHEME`` the workers are profiled first, in place: a throwaway
 server of the run's model is started and every worker, in its own process and
-all at once (``python -m hpsjax.profiling._in_place``), times its train step
+all at once (``python -m hpsjax.profiling.in_place``), times its train step
 beside the others and its push and pull against that server (its injected
 slowdown and link added); :func:`hpsjax.profiling.plan` makes the work plan from
 these profiles, link included, and the workers train with it (``--work_plan``).
@@ -359,7 +359,7 @@ def _profile_and_plan(
             argv = [
                 *probe.worker(
                     i, [python], where, str(secret_file), None,
-                    module="hpsjax.profiling._in_place",
+                    module="hpsjax.profiling.in_place",
                 ),
                 "--profile_out", str(out),
             ]  # fmt: skip

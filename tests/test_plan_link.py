@@ -26,7 +26,7 @@ from hpsjax.profiling import (
     WorkerProfile,
     plan,
 )
-from hpsjax.profiling._in_place import add_link
+from hpsjax.profiling.in_place import add_link
 
 SMALL_MODEL = [
     "--dataset_arg",
@@ -135,7 +135,7 @@ def test_a_planned_launch_profiles_in_place_with_the_link_and_one_cache(tmp_path
     modules = sorted(w[w.index("-m") + 1] for w in words)
     # Profile server, two profilers, server, two workers: all with the cache.
     assert modules == [
-        "hpsjax.profiling._in_place", "hpsjax.profiling._in_place",
+        "hpsjax.profiling.in_place", "hpsjax.profiling.in_place",
         "hpsjax.ps._cli", "hpsjax.ps._cli",
         "hpsjax.worker._cli", "hpsjax.worker._cli",
     ]  # fmt: skip
@@ -199,3 +199,36 @@ def _alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     return True
+
+
+def test_pace_runs_after_each_step_outside_the_timing():
+    import time
+
+    import jax.numpy as jnp
+
+    from hpsjax.profiling import profile
+
+    seen = []
+
+    def pace(seconds):
+        seen.append(seconds)
+        time.sleep(0.05)
+
+    def step(w, batch):
+        return w - 0.1 * jnp.mean(batch) * w
+
+    prof = profile(
+        step, jnp.ones(4), lambda b: jnp.ones((b, 4)),
+        batch_sizes=(8, 16), repeats=3, warmup=1, time_budget=10.0, pace=pace,
+    )  # fmt: skip
+    # One warm-up and three timed steps per batch size.
+    assert len(seen) == 8 and all(s > 0 for s in seen)
+    assert max(prof.devices[0].step_times) < 0.05
+    with pytest.raises(ValueError, match="pace must be callable"):
+        profile(step, jnp.ones(4), lambda b: jnp.ones((b, 4)), pace=1.0)
+
+
+def test_the_launcher_and_the_worker_agree_on_the_diverged_status():
+    from hpsjax.worker import _cli
+
+    assert DIVERGED == _cli.DIVERGED == 3

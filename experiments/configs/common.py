@@ -18,6 +18,11 @@ line picks one of :data:`SETTINGS`:
   2) against a real server on loopback, a 50 MB/s link cap each; a SmallCNN on
   28x28 digits, so that compute (10 to 30 ms per step of 32 samples on a
   shared core) outweighs the per-message overheads.
+* ``devices``: 4 real worker processes on real devices, ``gpu:0, cpu:4,
+  cpu:2, cpu:1`` (``workers.devices``; on a machine without a GPU the GPU
+  worker runs on 4 CPU cores), the server on 3 cores of its own
+  (``server.cores``), an MLP (512, 512) on 28x28 digits, 60 s; no injected
+  slowdown or link (see ``experiments/placement.py``).
 * ``sim32``: 32 simulated workers, 8 on each of four accelerators whose step
   times follow :data:`SIM32_THROUGHPUTS`; sim8's data, model, stragglers and
   links.
@@ -109,6 +114,26 @@ SETTINGS: dict[str, dict[str, Any]] = {
 }
 """Heterogeneity settings by name (see the module docstring)."""
 SETTINGS["sim8_slowlink"] = dict(SETTINGS["sim8"], bandwidth=5e5, latency=0.01)
+# Real devices: each worker process on a GPU or a CPU core set, the server on
+# cores of its own (experiments/placement.py); no injected slowdown or link.
+SETTINGS["devices"] = {
+    "backend": "processes",
+    "budget_seconds": 60.0,
+    "num_examples": 6000,
+    "image_size": 28,
+    "model": "mlp",
+    "hidden": (512, 512),
+    "slowdowns": (1.0, 1.0, 1.0, 1.0),
+    "devices": ("gpu:0", "cpu:4", "cpu:2", "cpu:1"),
+    "server_cores": 3,
+    "jitter": 0.0,
+    "straggle_probability": 0.0,
+    "bandwidth": None,
+    "latency": 0.0,
+    "speed_changes": (),
+    "eval_every": 2.0,
+    "target_accuracy": 0.9,
+}
 
 SIM32_THROUGHPUTS: dict[str, float] = {
     "A100 80GB mixed precision": 2470.0,
@@ -209,6 +234,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # (worker index, seconds, factor): from then on that worker's slowdown is
     # multiplied by the factor.
     config.workers.speed_changes = s["speed_changes"]
+    # Processes only: each worker's device, "gpu:INDEX" or "cpu:CORES"
+    # (experiments/placement.py), or () to leave them where the OS puts them.
+    config.workers.devices = tuple(s.get("devices", ()))
     # Simulator only: seconds each worker's first round takes beyond its
     # compute model (a real worker loads its compiled step and runs it slowed
     # down first), one per worker, or () for none (workers start hot).
@@ -234,6 +262,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # Simulator only: seconds the server spends on each push, handling one
     # message at a time (hpsjax.sim.SimConfig's server_service_time); 0: none.
     config.server.service_time = 0.0
+    # Processes only: CPU cores the server (this process) is pinned to when
+    # workers.devices places the workers; 0 leaves it unpinned.
+    config.server.cores = int(s.get("server_cores", 0))
 
     config.worker = ml_collections.ConfigDict()
     # "none" pushes gradients; an optimizer name runs local steps with it and

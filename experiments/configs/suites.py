@@ -22,6 +22,10 @@ schemes is named after its setting.
   precisions) get slowdowns 2470 / throughput: 1, 2.06, 2.63, 6.73 (setting
   ``sim32`` of ``common.SETTINGS``).
 * ``quick``: all schemes at smoke-test size (setting ``quick``), seconds each.
+* ``devices``: BSP, H-PS, ASP and ASHL (the reference's) on real devices:
+  worker processes on ``gpu:0, cpu:4, cpu:2, cpu:1`` (CPU core sets only on a
+  machine without a GPU), the server on cores of its own (setting
+  ``devices``).
 """
 
 from __future__ import annotations
@@ -97,5 +101,13 @@ SUITES: dict[str, Suite] = {
         ),
     ),
     "quick": Suite("quick", description="every scheme at smoke-test size"),
+    "devices": Suite(
+        "devices",
+        schemes=("bsp", "hps", "asp", "ashl_reference"),
+        description=(
+            "4 worker processes on gpu:0, cpu:4, cpu:2, cpu:1 (core sets only "
+            "without a GPU), the server on 3 cores of its own"
+        ),
+    ),
 }
 """Suites by name."""

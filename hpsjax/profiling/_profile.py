@@ -764,7 +764,7 @@ def _compiled_peak_bytes(compiled: Any) -> int | None:
 
 
 def _profile_device(
-    step, params, make_batch, device, batch_sizes, repeats, warmup, time_budget
+    step, params, make_batch, device, batch_sizes, repeats, warmup, time_budget, pace
 ):
     device_params = jax.device_put(params, device)
     stats = device.memory_stats()
@@ -781,7 +781,10 @@ def _profile_device(
         compile_seconds += time.perf_counter() - start
         start = time.perf_counter()
         for _ in range(warmup):
+            t0 = time.perf_counter()
             jax.block_until_ready(compiled(device_params, batch))
+            if pace is not None:
+                pace(time.perf_counter() - t0)
             if time.perf_counter() - start > time_budget:
                 break
         samples = []
@@ -791,6 +794,8 @@ def _profile_device(
             t0 = time.perf_counter()
             jax.block_until_ready(compiled(device_params, batch))
             samples.append(time.perf_counter() - t0)
+            if pace is not None:
+                pace(samples[-1])
         times.append(statistics.median(samples))
         compiled_peaks.append(_compiled_peak_bytes(compiled))
         if use_device_stats:
@@ -838,6 +843,7 @@ def profile(
     codec: Any = None,
     worker_id: int | str = 0,
     memory_capacity: int | None = None,
+    pace: Callable[[float], Any] | None = None,
 ) -> WorkerProfile:
     r"""Profiles a train step on each local device and the worker's link.
 
@@ -879,6 +885,10 @@ def profile(
       worker_id: id of this worker.
       memory_capacity: bytes each device may use, overriding the backend's
         ``bytes_limit`` (CPU devices report none).
+      pace: called after each warm-up and timed step with the seconds it
+        took, outside the timing: e.g. a worker that the run slows down ``k``
+        times sleeps ``(k - 1)`` times that, so that workers profiled together
+        load the machine as they will in the run.
 
     Returns:
       A :class:`WorkerProfile` with one :class:`DeviceProfile` per device.
@@ -924,6 +934,8 @@ def profile(
         raise ValueError("devices repeat")
     if memory_capacity is not None:
         memory_capacity = _check_positive_int("memory_capacity", memory_capacity)
+    if pace is not None and not callable(pace):
+        raise ValueError(f"pace must be callable or None, got {pace!r}")
     measured = not (transfer is None or isinstance(transfer, Link | TransferProfile))
     if measured:
         if not (_is_client(transfer) or callable(transfer)):
@@ -955,7 +967,15 @@ def profile(
     compile_seconds = 0.0
     for device in devices:
         prof, seconds = _profile_device(
-            step, params, make_batch, device, sizes, repeats, warmup, time_budget
+            step,
+            params,
+            make_batch,
+            device,
+            sizes,
+            repeats,
+            warmup,
+            time_budget,
+            pace,
         )
         if memory_capacity is not None:
             prof = dataclasses.replace(prof, memory_capacity=memory_capacity)

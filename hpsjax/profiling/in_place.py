@@ -1,6 +1,6 @@
 """The profiling pass in place: a worker measures itself as the run will go.
 
-``python -m hpsjax.profiling._in_place [hpsjax-worker flags] --profile_out PATH``
+``python -m hpsjax.profiling.in_place [hpsjax-worker flags] --profile_out PATH``
 takes a worker's own command line (its model, data shard, injected slowdown
 and link, and its server's address) and writes the worker's profile: the train
 step timed in this process (:func:`hpsjax.worker._cli.measure_step`), slowed as
@@ -25,6 +25,7 @@ import asyncio
 import dataclasses
 import pathlib
 import sys
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -75,11 +76,14 @@ def _spec(args: argparse.Namespace) -> Any:
 
 
 async def _measure(args: argparse.Namespace) -> tuple[Any, Any, Any]:
-    """Joins the server, times the step, then times the link.
+    """Compiles, joins the server, times the step, then times the link.
 
-    The first pull waits for every worker when the server expects them all
-    (``expected_workers``): the workers then time their steps together, and
-    their transfers after, each under the others' load.
+    The step is compiled first, for every profiled batch size (a pass of one
+    timed step each, whose programs the compilation cache keeps); the first
+    pull waits for every worker when the server expects them all
+    (``expected_workers``), so no worker's timing overlaps another's compile:
+    the workers then time their steps together, loading the compiled
+    programs, and their transfers after, each under the others' load.
 
     Returns:
       ``(measured, spec, transfer)``: the step's profile, the parameters'
@@ -89,6 +93,7 @@ async def _measure(args: argparse.Namespace) -> tuple[Any, Any, Any]:
     from hpsjax.transforms import Codec
     from hpsjax.worker._cli import (
         _client,
+        _heterogeneity,
         _sharded_client,
         _where,
         connect,
@@ -96,6 +101,14 @@ async def _measure(args: argparse.Namespace) -> tuple[Any, Any, Any]:
     )
 
     spec = _spec(args)
+    warm = argparse.Namespace(**{**vars(args), "profile_repeats": 1})
+    await asyncio.to_thread(measure_step, warm)
+    # As slowed in the run: a sleep of (k - 1) times each step.
+    slowdown = _heterogeneity(args).slowdown_at(0.0)
+
+    def pace(seconds: float) -> None:
+        time.sleep((slowdown - 1.0) * seconds)
+
     if args.servers is not None:
         client = _sharded_client(args, args.servers, spec)
     else:
@@ -105,7 +118,7 @@ async def _measure(args: argparse.Namespace) -> tuple[Any, Any, Any]:
     )
     try:
         server_params, _ = await client.pull()
-        measured, spec = await asyncio.to_thread(measure_step, args)
+        measured, spec = await asyncio.to_thread(measure_step, args, pace=pace)
         codec = None
         if args.bits is not None:
             codec = Codec("sign" if args.bits == 1 else "uniform", args.bits)
@@ -160,7 +173,7 @@ def profile_in_place(args: argparse.Namespace) -> Any:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m hpsjax.profiling._in_place``; returns the exit status."""
+    """``python -m hpsjax.profiling.in_place``; returns the exit status."""
     from hpsjax._logs import quiet_backend_probe
     from hpsjax.worker._cli import JoinError, parse_args
 

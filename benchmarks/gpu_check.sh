@@ -1,0 +1,203 @@
+#!/usr/bin/env bash
+# hpsjax on a GPU machine, in one command and one table (about 8 minutes):
+#
+#   1. the fast test suite with JAX on the GPU (pytest -m 'not slow');
+#   2. the real-device suite: BSP, H-PS, ASP and ASHL (the reference's) with
+#      workers on gpu:0, cpu:4, cpu:2, cpu:1 and the server on 3 cores
+#      (python -m experiments.compare --suite=devices);
+#   3. the codec benchmark on the GPU (benchmarks/bench_quantize.py, 256 MiB);
+#   4. the server benchmark (benchmarks/bench_ps.py --only small,fan_in) with
+#      the server's state on the host CPU and on the GPU (hpsjax-server
+#      --device cpu / gpu), side by side.
+#
+# Usage, from anywhere:
+#
+#   benchmarks/gpu_check.sh [OUTDIR]
+#
+# OUTDIR (default: a new directory under /tmp) keeps every step's log, the
+# suite's table and the benchmarks' JSON. PYTHON picks the interpreter
+# (default: python3), DEVICES the suite's worker spec, DEVICE_BUDGET its
+# seconds per run (default 20), WHEELS the wheel directory below.
+#
+# The packages the GPU image may lack (msgspec, ml_collections, tensorboardX,
+# ...) are installed first from wheels carried in a local directory, never
+# from the network: WHEELS (default: wheels/ in the repository). Fill it on a
+# machine with the internet:
+#
+#   pip download --only-binary=:all: --python-version 3.12 \
+#       --platform manylinux2014_x86_64 -d wheels msgspec ml_collections \
+#       tensorboardX
+#
+# Without a GPU the script says so, measures nothing and exits with status 1:
+# there are no GPU figures to report. A step that fails or runs past its time
+# limit is marked in the table; the exit status is then 1 too.
+
+set -uo pipefail
+
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$REPO" || exit 2
+PY="${PYTHON:-python3}"
+OUT="${1:-$(mktemp -d /tmp/hpsjax-gpu-check.XXXXXX)}"
+WHEELS="${WHEELS:-$REPO/wheels}"
+DEVICES="${DEVICES:-gpu:0, cpu:4, cpu:2, cpu:1}"
+DEVICE_BUDGET="${DEVICE_BUDGET:-20}"
+mkdir -p "$OUT" || exit 2
+export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
+START=$(date +%s)
+
+say() { echo "gpu_check: $*"; }
+
+# --- 0. Dependencies: installed from local wheels only. ---------------------
+# module:package pairs hpsjax, its tests and the suite import.
+NEEDED="msgspec:msgspec ml_collections:ml_collections tensorboardX:tensorboardX
+msgpack:msgpack absl:absl-py prometheus_client:prometheus-client pytest:pytest
+matplotlib:matplotlib optax:optax flax:flax tensorstore:tensorstore"
+missing=()
+for pair in $NEEDED; do
+    "$PY" -c "import ${pair%%:*}" >/dev/null 2>&1 || missing+=("${pair##*:}")
+done
+if [ "${#missing[@]}" -gt 0 ]; then
+    if [ ! -d "$WHEELS" ]; then
+        say "missing ${missing[*]}; put their wheels in $WHEELS (see the top of" \
+            "this script) or set WHEELS"
+        exit 2
+    fi
+    say "installing ${missing[*]} from $WHEELS (no network)"
+    if ! "$PY" -m pip install --quiet --no-index --find-links "$WHEELS" \
+        "${missing[@]}" >"$OUT/pip.log" 2>&1; then
+        say "cannot install ${missing[*]} from $WHEELS; see $OUT/pip.log"
+        exit 2
+    fi
+fi
+
+# --- 1. Is there a GPU? ------------------------------------------------------
+GPU="$("$PY" - 2>"$OUT/gpu_probe.log" <<'EOF'
+import jax
+try:
+    gpus = jax.devices("gpu")
+except RuntimeError:
+    gpus = []
+print(gpus[0].device_kind if gpus else "")
+EOF
+)"
+if [ -z "$GPU" ]; then
+    PLATFORMS="$("$PY" -c 'import jax; print(sorted({d.platform for d in jax.devices()}))' 2>/dev/null)"
+    say "no GPU found (JAX sees ${PLATFORMS:-nothing}; JAX_PLATFORMS=${JAX_PLATFORMS:-unset});" \
+        "nothing was measured and no GPU figure is written"
+    exit 1
+fi
+say "GPU: $GPU; outputs in $OUT"
+XDIST=()
+if "$PY" -c "import xdist" >/dev/null 2>&1; then
+    XDIST=(-n 8)
+fi
+
+status=0
+rows=()
+row() { rows+=("| $1 | $2 |"); }
+
+# Runs "$@" with a time limit of $1 seconds, its output in $OUT/$2.log.
+step() {
+    local limit=$1 name=$2
+    shift 2
+    local t0=$SECONDS
+    timeout --kill-after=10 "$limit" "$@" >"$OUT/$name.log" 2>&1
+    local rc=$?
+    echo "$((SECONDS - t0))s" >"$OUT/$name.time"
+    if [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then
+        say "$name ran past ${limit}s; see $OUT/$name.log"
+    elif [ "$rc" -ne 0 ]; then
+        say "$name failed (status $rc); see $OUT/$name.log"
+    fi
+    return $rc
+}
+
+# --- 2. The fast suite on the GPU. ------------------------------------------
+# The project's addopts may ask for pytest-xdist, which the image may lack.
+step 200 tests "$PY" -m pytest -q -o "addopts=-ra --strict-markers" -m "not slow" \
+    -p no:cacheprovider "${XDIST[@]}" tests
+rc=$?
+summary="$(grep -E '(passed|failed|error)' "$OUT/tests.log" | tail -1 | sed 's/=//g; s/^ *//')"
+row "fast tests on $GPU" "${summary:-no summary (status $rc)} ($(cat "$OUT/tests.time"))"
+[ "$rc" -eq 0 ] || status=1
+
+# --- 3. The real-device suite. ----------------------------------------------
+step 190 devices "$PY" -m experiments.compare --suite=devices \
+    --workdir="$OUT/devices" --devices="$DEVICES" \
+    --budget_seconds="$DEVICE_BUDGET" --overwrite
+rc=$?
+[ "$rc" -eq 0 ] || status=1
+if [ -f "$OUT/devices/results.json" ]; then
+    while IFS= read -r line; do rows+=("$line"); done < <("$PY" - "$OUT/devices/results.json" <<'EOF'
+import json, sys
+from experiments.compare import diverged_at
+data = json.load(open(sys.argv[1]))
+for s in data["summaries"]:
+    info = s["info"]
+    when = diverged_at(s)
+    reached = (
+        f"diverged at t = {when:.1f} s" if when is not None
+        else "not reached" if s["time_to_target"] is None
+        else f"{s['time_to_target']:.1f} s"
+    )
+    rnd = ""
+    if info.get("predicted_round_s") and info.get("measured_round_s"):
+        rnd = (f", round predicted {info['predicted_round_s'] * 1e3:.0f} ms, "
+               f"measured {info['measured_round_s'] * 1e3:.0f} ms")
+    print(f"| devices suite: {s['scheme']} ({', '.join(info.get('placement', []))}) | "
+          f"to {s['target_accuracy']:g}: {reached}, {s['updates']} versions, idle "
+          f"{s['idle_fraction']:.2f}{rnd} |")
+EOF
+)
+else
+    row "devices suite" "no results (status $rc)"
+fi
+
+# --- 4. The codec benchmark on the GPU. -------------------------------------
+step 90 codecs "$PY" benchmarks/bench_quantize.py --size $((64 * 2**20)) --repeats 5
+rc=$?
+[ "$rc" -eq 0 ] || status=1
+while IFS= read -r line; do rows+=("$line"); done < <("$PY" - "$OUT/codecs.log" <<'EOF'
+import re, sys
+# Encode then decode, against a jitted copy of the same 256 MiB.
+names = r"uniform\s+8b stoch leaf|top-k 1%|powersgd rank 4 \(\S+\)"
+for line in open(sys.argv[1]):
+    m = re.match(rf"^({names})\s+(.*)$", line.strip())
+    if m:
+        cols = m.group(2).split()
+        print(f"| codec {' '.join(m.group(1).split())}, 256 MiB | encode+decode "
+              f"{cols[5]}x a jitted copy, {cols[6]}x fewer bytes |")
+EOF
+)
+
+# --- 5. The server benchmark, its state on the CPU and on the GPU. ----------
+for where in cpu gpu; do
+    step 90 "ps_$where" "$PY" benchmarks/bench_ps.py --only small,fan_in --quick \
+        --json "$OUT/ps_$where.json" --server_args "--device $where"
+    rc=$?
+    [ "$rc" -eq 0 ] || status=1
+    if [ -f "$OUT/ps_$where.json" ]; then
+        rows+=("$("$PY" - "$OUT/ps_$where.json" "$where" <<'EOF'
+import json, sys
+r = json.load(open(sys.argv[1]))
+s, f = r["small"], r["fan_in"]
+print(f"| server on {sys.argv[2]}: 1 KiB push_pull p50; 1 MiB pushes/s from 1 "
+      f"client, from {f['clients']} | {s['push_pull_p50_us']:.0f} us "
+      f"({s['push_pull_p50_vs_echo']:.1f}x an asyncio echo); "
+      f"{f['pushes_per_s_1']:.0f}/s, {f['pushes_per_s_n']:.0f}/s |")
+EOF
+)")
+    else
+        row "server on $where" "no results (status $rc)"
+    fi
+done
+
+# --- The table. -------------------------------------------------------------
+echo
+echo "hpsjax gpu_check on $GPU, $(date -u +%Y-%m-%d), $(nproc) CPU cores," \
+    "load average $(cut -d' ' -f1-3 /proc/loadavg), $(( $(date +%s) - START )) s"
+echo
+echo "| check | result |"
+echo "|---|---|"
+printf '%s\n' "${rows[@]}"
+exit $status
