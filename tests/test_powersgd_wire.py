@@ -7,6 +7,8 @@ bit. Leaves sent whole are their bytes: those agree exactly.
 """
 
 import asyncio
+import copy
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -117,11 +119,18 @@ def test_bf16_factors_travel_in_the_leaf_dtype():
     assert meta["leaves"] == [["bfloat16", [256, 100], 0, 356 * 3 * 2, 256 * 3 * 2]]
 
 
-def _meta_with(leaf_entry=None, codec=None):
+@functools.cache
+def _good_meta():
+    # Encoded once: the cases below are built when the module is collected.
     tree = {"w": np.ones((10, 8), np.float32)}
     enc, _ = _encoded(tree, 2)
     meta, _, _ = _treecodec.encoded_tree_to_wire(enc, tree, "powersgd")
     assert meta["leaves"] == [["float32", [10, 8], 0, 144, 80]]
+    return meta
+
+
+def _meta_with(leaf_entry=None, codec=None):
+    meta = copy.deepcopy(_good_meta())
     if leaf_entry is not None:
         meta["leaves"] = [leaf_entry]
     if codec is not None:

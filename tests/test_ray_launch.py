@@ -28,9 +28,12 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 # loaded (as it is when the whole suite runs) JAX warns at every fork, which the
 # project's warnings-as-errors turns into a failure. The children exec Ray's own
 # binaries at once and never touch JAX, so the warning does not apply here.
-pytestmark = pytest.mark.filterwarnings(
-    r"ignore:os\.fork\(\) was called:RuntimeWarning"
-)
+# The tests share one test process when the suite runs in several: one local
+# Ray cluster at a time, and only its launches' processes counted as theirs.
+pytestmark = [
+    pytest.mark.filterwarnings(r"ignore:os\.fork\(\) was called:RuntimeWarning"),
+    pytest.mark.xdist_group("ray"),
+]
 
 SMALL_MODEL = [
     "--dataset_arg", "num_examples=600", "--model_arg", "hidden=[16]",

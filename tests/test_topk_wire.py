@@ -1,5 +1,7 @@
 """Top-k sparsified pushes on the wire: sizes, round trips, refusals."""
 
+import copy
+import functools
 import random
 
 import jax
@@ -86,10 +88,17 @@ def test_piecewise_frames_decode_alike():
         np.testing.assert_array_equal(indices, np.asarray(enc.indices))
 
 
-def _meta_with(leaf_entry=None, codec=None):
+@functools.cache
+def _good_meta():
+    # Encoded once: the cases below are built when the module is collected.
     tree = {"w": np.zeros(10, np.float32)}
     enc = topk_encode_tree(tree, 0.3)
     meta, _, _ = _treecodec.encoded_tree_to_wire(enc, tree, "topk")
+    return meta
+
+
+def _meta_with(leaf_entry=None, codec=None):
+    meta = copy.deepcopy(_good_meta())
     if leaf_entry is not None:
         meta["leaves"] = [leaf_entry]
     if codec is not None:
