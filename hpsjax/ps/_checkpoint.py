@@ -627,7 +627,8 @@ class CheckpointManager:
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._pending: list[concurrent.futures.Future] = []
         # save_async's queue: one save written, at most one waiting.
-        self._writing = False
+        self._writing = False  # the thread is taking saves from _waiting
+        self._in_flight = False  # a save is being written
         self._waiting: tuple[_Plan, bool, concurrent.futures.Future] | None = None
         self._folded_saves = 0
         self._last_save_s = 0.0
@@ -786,7 +787,7 @@ class CheckpointManager:
     def queued_saves(self) -> int:
         """Saves of ``save_async`` being written or waiting: 0, 1 or 2."""
         with self._queue_lock:
-            return int(self._writing) + (self._waiting is not None)
+            return int(self._in_flight) + (self._waiting is not None)
 
     @property
     def folded_saves(self) -> int:
@@ -915,6 +916,7 @@ class CheckpointManager:
                     self._writing = False
                     return
                 (plan, overwrite, future), self._waiting = self._waiting, None
+                self._in_flight = True
             started = time.monotonic()
             try:
                 with self._lock:
@@ -927,6 +929,7 @@ class CheckpointManager:
             # The written snapshot is let go before the waiting one is taken.
             plan = future = None
             with self._queue_lock:
+                self._in_flight = False
                 self._last_save_s = time.monotonic() - started
 
     def _log_behind(self) -> None:
