@@ -52,7 +52,8 @@ def test_server_serves_prometheus_metrics(tmp_path, capsys):
     args = server_cli.parse_args(
         ["--init", str(init), "--secret_file", str(tmp_path / "secret"),
          "--metrics_port", "0", "--checkpoint_dir", str(tmp_path / "ckpt"),
-         "--checkpoint_every_updates", "1", "--log_level", "WARNING"]
+         "--checkpoint_every_updates", "1", "--log_level", "WARNING",
+         "--policy", "asp"]
     )  # fmt: skip
 
     async def main():

@@ -2,6 +2,7 @@
 
 import io
 import logging
+import re
 
 import pytest
 
@@ -149,3 +150,50 @@ def test_logging_setup_quiets_the_libraries_unless_debug():
         logging.getLogger().setLevel(logging.WARNING)
         for name in ("absl", "orbax", "jax", "tensorstore", "etils"):
             logging.getLogger(name).setLevel(logging.NOTSET)
+
+
+def test_a_worker_and_its_server_show_their_progress_in_their_logs(tmp_path):
+    """Real processes, stderr a file (not a terminal): status lines."""
+    import subprocess
+    import sys
+
+    from hpsjax.worker import _cli as worker_cli
+
+    small = ["--dataset_arg", "num_examples=64", "--model_arg", "hidden=[16]"]
+    init = tmp_path / "init.npz"
+    worker_cli.write_init(worker_cli.parse_args(small), init)
+    with open(tmp_path / "server.log", "w") as log:
+        server = subprocess.Popen(
+            [sys.executable, "-m", "hpsjax.ps._cli", "--init", str(init),
+             "--policy", "asp", "--status_interval", "0.3", "--loop", "asyncio"],
+            stdout=subprocess.PIPE, stderr=log, text=True,
+        )  # fmt: skip
+    try:
+        port = server.stdout.readline().rsplit(":", 1)[1].strip()
+        worker = subprocess.run(
+            [sys.executable, "-m", "hpsjax.worker._cli", *small, "--port", port,
+             "--batch_size", "8", "--max_steps", "60", "--status_interval", "0.3",
+             "--slowdown", "2"],
+            capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+    finally:
+        server.terminate()
+        server.communicate(timeout=60)
+    assert worker.returncode == 0, worker.stderr
+    lines = re.findall(r"INFO hpsjax\.worker: (worker 0: step .*)", worker.stderr)
+    assert lines, worker.stderr
+    assert all(
+        re.fullmatch(
+            r"worker 0: step \d+/60, [\d.]+ steps/s, version \d+, loss [\d.e+-]+"
+            r"(, staleness [\d.e+-]+)?, (\d+ min )?\d+ s left",
+            line,
+        )
+        for line in lines
+    ), lines
+    server_lines = re.findall(
+        r"INFO hpsjax\.ps\._server: (server: version .*)",
+        (tmp_path / "server.log").read_text(),
+    )
+    assert any("loss" in line and "1 live worker" in line for line in server_lines), (
+        server_lines
+    )

@@ -127,6 +127,7 @@ def _a_short_run(tmp_path, *flags):
     refused non-finite pushes and a SIGTERM: ``(stdout, stderr)``."""
     proc, port, log = _start_server(
         tmp_path,
+        "--policy", "asp",
         "--checkpoint_dir", str(tmp_path / "ckpt"), "--checkpoint_every_s", "0.05",
         *flags,
     )  # fmt: skip
@@ -242,7 +243,7 @@ def test_leaves_are_counted_by_reason_and_refusals_too(tmp_path):
 
     async def main():
         server = Server(
-            _params(), optax.sgd(0.1), secret=SECRET, metrics=metrics,
+            _params(), optax.sgd(0.1), "asp", secret=SECRET, metrics=metrics,
             status_interval=0.05,
         )  # fmt: skip
         async with server:
@@ -276,3 +277,53 @@ def test_leaves_are_counted_by_reason_and_refusals_too(tmp_path):
     assert scalars["server/dropped_workers"][-1][1] == 1.0
     assert scalars["server/nonfinite_updates"][-1][1] == 1.0
     assert scalars["server/live_workers"][-1][1] == 0.0
+
+
+# ------------------------------------------------------------ defaults and errors
+
+
+def test_the_server_and_the_launcher_default_to_the_same_policy():
+    import inspect
+
+    from hpsjax import launch
+    from hpsjax.ps import BSP, DEFAULT_POLICY
+
+    assert DEFAULT_POLICY == "bsp"
+    assert _cli.parse_args(["--init", "x.npz"]).policy == DEFAULT_POLICY
+    assert inspect.signature(launch.launch).parameters["policy"].default == (
+        DEFAULT_POLICY
+    )
+    assert isinstance(Server(_params(), optax.sgd(0.1), secret=SECRET).core.policy, BSP)
+
+
+@pytest.mark.parametrize(
+    "text,message",
+    [
+        (None, "--work_plan {path}: No such file or directory"),
+        ("not json", "--work_plan {path}: not a JSON WorkPlan: Expecting value"),
+        (
+            '{"format": "hpsjax-work-plan", "version": 1, "workers": '
+            '[{"worker_id": 0, "batch_size": 8}]}',
+            "--work_plan {path}: malformed WorkPlan JSON: a worker or device entry "
+            "has no 'devices'",
+        ),
+    ],
+)
+def test_a_bad_plan_file_is_one_readable_line(tmp_path, capsys, text, message):
+    from hpsjax.profiling._plan import PLAN_FORMAT, PLAN_FORMAT_VERSION
+
+    init, plan = tmp_path / "init.npz", tmp_path / "plan.json"
+    save_params_npz(init, {"w": np.zeros(3, np.float32)})
+    if text is not None:
+        plan.write_text(
+            text.replace("hpsjax-work-plan", PLAN_FORMAT).replace(
+                '"version": 1', f'"version": {PLAN_FORMAT_VERSION}'
+            )
+        )
+    status = _cli.main(
+        ["--init", str(init), "--work_plan", str(plan), "--loop", "asyncio"]
+    )
+    err = capsys.readouterr().err
+    assert status == 2
+    assert err.startswith("hpsjax-server: " + message.format(path=plan)), err
+    assert err.count("\n") == 1 and "Error(" not in err

@@ -428,8 +428,12 @@ class WorkPlan:
                 for w in data.pop("workers")
             )
             return cls(workers=workers, **data)
-        except (KeyError, TypeError) as e:
-            raise ValueError(f"malformed WorkPlan JSON: {e!r}") from None
+        except KeyError as e:
+            raise ValueError(
+                f"malformed WorkPlan JSON: a worker or device entry has no {e}"
+            ) from None
+        except TypeError as e:
+            raise ValueError(f"malformed WorkPlan JSON: {e}") from None
 
 
 def _check_scheme(scheme: Any) -> None:

@@ -74,6 +74,7 @@ __all__ = [
     "ADSP",
     "ASP",
     "BSP",
+    "DEFAULT_POLICY",
     "POLICIES",
     "SSP",
     "Hybrid",
@@ -1021,6 +1022,11 @@ POLICIES: dict[str, type[Policy]] = {
     "hybrid": Hybrid,
 }
 """Built-in policies by name."""
+
+DEFAULT_POLICY = "bsp"
+"""The policy of a server told none (:class:`hpsjax.ps.Server`,
+``hpsjax-server``; ``hpsjax-launch`` has the same): synchronous rounds, the
+baseline every other scheme is measured against."""
 
 
 def get_policy(name_or_obj: str | Policy | type[Policy], **kwargs: Any) -> Policy:

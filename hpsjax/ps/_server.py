@@ -88,6 +88,7 @@ from hpsjax.ps._messages import (
     StageNotice,
     notice_to_wire,
 )
+from hpsjax.ps._policies import DEFAULT_POLICY
 from hpsjax.ps._separable import LeafApply
 from hpsjax.transforms import _quantize as q
 
@@ -272,7 +273,8 @@ class Server:
         update :math:`u` is applied: :math:`w \leftarrow w +
         \operatorname{opt.update}(u)`).
       policy: a policy name (``"asp"``, ``"bsp"``, ``"ssp"``, ``"saps"``,
-        ``"adsp"``, ``"semi_async"``, ``"hybrid"``) or a ``Policy`` object.
+        ``"adsp"``, ``"semi_async"``, ``"hybrid"``) or a ``Policy`` object;
+        BSP by default (:data:`hpsjax.ps.DEFAULT_POLICY`, as the commands').
       host: address to listen on.
       port: port to listen on; 0 picks a free one (see :attr:`port`).
       secret: shared secret (bytes or str) workers must prove they know, or
@@ -362,7 +364,7 @@ class Server:
         self,
         params: Any,
         optimizer: optax.GradientTransformation,
-        policy: Any = "asp",
+        policy: Any = DEFAULT_POLICY,
         *,
         host: str = "127.0.0.1",
         port: int = 0,

@@ -368,6 +368,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         type=check_log_level,
         help=f"{', '.join(LOG_LEVELS)} (DEBUG: also the libraries' INFO lines)",
     )
+    g.add_argument(
+        "--status_interval",
+        type=float,
+        default=10.0,
+        help="seconds between status lines (step, rate, loss, staleness, time "
+        "left; a bar on a terminal), 0: none",
+    )
     return p.parse_args(argv)
 
 
@@ -730,8 +737,28 @@ def _build(args: argparse.Namespace, *, metrics=None):
         ssl=_ssl(args),
         client=client,
         state=batch_stats,
+        progress=_progress(args, config),
     )
     return worker, client, params, graphdef
+
+
+def _progress(args: argparse.Namespace, config: Any) -> Any:
+    """The status line of ``--status_interval``, or ``None``."""
+    if args.status_interval < 0:
+        raise ValueError(f"--status_interval must be >= 0, got {args.status_interval}")
+    if not args.status_interval:
+        return None
+    from hpsjax._progress import Progress
+
+    return Progress(
+        f"worker {config.worker_id}",
+        "step",
+        total=config.max_steps,
+        max_seconds=config.max_seconds,
+        until_version=config.until_version,
+        interval=args.status_interval,
+        logger=logging.getLogger("hpsjax.worker"),
+    )
 
 
 def _server_tree(params):

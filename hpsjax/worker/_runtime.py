@@ -654,6 +654,9 @@ class Worker:
         current one. One device only.
       client: a ``hpsjax.ps.Client`` to use instead of making one from the
         config (it is connected by :meth:`run` if it is not yet).
+      progress: a :class:`hpsjax._progress.Progress` told of every round
+        (steps, version, loss, staleness) and closed at the end of
+        :meth:`run`, or ``None`` (``hpsjax-worker`` makes one).
 
     Raises:
       ValueError: inconsistent arguments (for example local steps without a
@@ -695,6 +698,7 @@ class Worker:
         ssl: ssl_lib.SSLContext | None = None,
         client: Any = None,
         state: Any = None,
+        progress: Any = None,
     ):
         if not isinstance(config, WorkerConfig):
             raise ValueError(f"config must be a WorkerConfig, got {type(config)}")
@@ -738,6 +742,7 @@ class Worker:
         self._state = state
         self._batches = batches
         self._metrics = metrics
+        self._progress = progress
         self._devices = devices
         self._ssl = ssl
         self._client = client
@@ -1200,6 +1205,8 @@ class Worker:
             encoder.shutdown(wait=False, cancel_futures=True)
             with contextlib.suppress(Exception):
                 await client.close()
+            if self._progress is not None:
+                self._progress.close()
         return WorkerSummary(
             worker_id=self._config.worker_id,
             version=0 if self._core is None else self._core.known_version,
@@ -1578,6 +1585,13 @@ class _Run:
         totals["bytes_received"] += record["bytes_received"]
         totals["local_steps"] += record["local_steps"]
         totals["steps"] += 1
+        if w._progress is not None:
+            w._progress.update(
+                totals["steps"],
+                version=self.version,
+                loss=record.get("loss"),
+                staleness=record.get("staleness"),
+            )
         steps, fail_after = totals["steps"], w._config.fail_after_steps
         if fail_after is not None and steps >= fail_after:
             raise RuntimeError(
