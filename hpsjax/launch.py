@@ -945,6 +945,12 @@ class _LocalRun:
                 argv += _restart_checkpoint_args(
                     job.server_args, checkpoints, shard, job.server_shards
                 )
+            if not any(str(a).startswith("--tensorboard_dir") for a in argv):
+                # The server's scalars beside the workers' (tensorboard/worker<i>).
+                board = checkpoints.parent / "tensorboard"
+                if job.server_shards > 1:
+                    board = board / f"shard_{shard}"
+                argv += ["--tensorboard_dir", str(board)]
             self.server_argvs.append(argv)
             self.ports.append(self._start_server(name, argv))
             self.servers.append(self.processes[-1])

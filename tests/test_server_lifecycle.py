@@ -327,3 +327,17 @@ def test_a_bad_plan_file_is_one_readable_line(tmp_path, capsys, text, message):
     assert status == 2
     assert err.startswith("hpsjax-server: " + message.format(path=plan)), err
     assert err.count("\n") == 1 and "Error(" not in err
+
+
+@pytest.mark.slow
+def test_a_launched_runs_tensorboard_holds_the_server_beside_its_workers(tmp_path):
+    from hpsjax.launch import launch
+
+    launch(
+        2, policy="asp", steps=20, progress=False, workdir=tmp_path,
+        worker_args=["--dataset_arg", "num_examples=64", "--batch_size", "8"],
+    )  # fmt: skip
+    runs = read_tensorboard(tmp_path / "tensorboard")
+    assert {"server", "worker0", "worker1"} <= set(runs), sorted(runs)
+    versions = [v for _, v in runs["server"]["server/version"]]
+    assert versions[-1] >= 20
