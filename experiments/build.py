@@ -147,8 +147,14 @@ def server_optimizer(config: ml_collections.ConfigDict) -> optax.GradientTransfo
         # number of workers, unless the config names another delay.
         delay = server.get("outer_delay") or len(config.workers.slowdowns)
         extra["delay"] = int(delay)
+    extra.update(server.get("optimizer_args") or {})
+    # A momentum of 0 means "not given": each optimizer keeps its own default.
     chain.append(
-        make(float(server.learning_rate), momentum=float(server.momentum), **extra)
+        make(
+            float(server.learning_rate),
+            momentum=float(server.momentum) or None,
+            **extra,
+        )
     )
     return chain[0] if len(chain) == 1 else optax.chain(*chain)
 
@@ -186,7 +192,9 @@ def local_optimizer(
         return None
     make = registry.lookup("optimizer", worker.local_optimizer)
     return make(
-        float(worker.local_learning_rate), momentum=float(worker.local_momentum)
+        float(worker.local_learning_rate),
+        momentum=float(worker.local_momentum) or None,
+        **(worker.get("local_optimizer_args") or {}),
     )
 
 

@@ -12,7 +12,9 @@ Examples:
   >>> lookup("optimizer", "sgdd")
   Traceback (most recent call last):
   ...
-  ValueError: unknown optimizer 'sgdd'; valid names: adam, momentum, sgd
+  ValueError: unknown optimizer 'sgdd'; valid names: adam, delayed_nesterov, \
+momentum, nesterov, sgd or any optimizer of optax or optax.contrib (closest: sgd, \
+dpsgd, amsgrad)
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from typing import Any
 import ml_collections
 import optax
 
+from hpsjax._optimizers import OptimizerRegistry
 from hpsjax.worker import OVERLAP_MODES
 
 __all__ = [
@@ -39,54 +42,17 @@ __all__ = [
 ]
 
 
-def _sgd(
-    learning_rate: float, *, momentum: float = 0.0
-) -> optax.GradientTransformation:
-    return optax.sgd(learning_rate, momentum=momentum or None)
+OPTIMIZERS: Mapping[str, Callable[..., optax.GradientTransformation]] = (
+    OptimizerRegistry()
+)
+"""Server and local optimizers by name: ``f(learning_rate, *, momentum, **kw)``.
 
-
-def _momentum(
-    learning_rate: float, *, momentum: float = 0.9
-) -> optax.GradientTransformation:
-    return optax.sgd(learning_rate, momentum=momentum or 0.9)
-
-
-def _adam(
-    learning_rate: float, *, momentum: float = 0.0
-) -> optax.GradientTransformation:
-    del momentum
-    return optax.adam(learning_rate)
-
-
-def _nesterov(
-    learning_rate: float, *, momentum: float = 0.9
-) -> optax.GradientTransformation:
-    from hpsjax.transforms import diloco_outer
-
-    return diloco_outer(learning_rate, momentum=momentum)
-
-
-def _delayed_nesterov(
-    learning_rate: float, *, momentum: float = 0.9, delay: int = 1
-) -> optax.GradientTransformation:
-    from hpsjax.transforms import delayed_nesterov
-
-    return delayed_nesterov(learning_rate, momentum=momentum, delay=delay)
-
-
-OPTIMIZERS: Mapping[str, Callable[..., optax.GradientTransformation]] = {
-    "sgd": _sgd,
-    "momentum": _momentum,
-    "adam": _adam,
-    "nesterov": _nesterov,
-    "delayed_nesterov": _delayed_nesterov,
-}
-"""Server and local optimizers by name: ``f(learning_rate, *, momentum)``.
-
-``nesterov`` is DiLoCo's outer optimizer (``hpsjax.transforms.diloco_outer``)
-and ``delayed_nesterov`` the outer optimizer of asynchronous local SGD
-(``hpsjax.transforms.delayed_nesterov``, its ``delay`` from
-``server.outer_delay``); both are server optimizers of pseudo-gradients."""
+The one registry of ``hpsjax._optimizers``: hpsjax's own names (``sgd``,
+``momentum``, ``adam``; ``nesterov``, DiLoCo's outer optimizer, and
+``delayed_nesterov``, that of asynchronous local SGD, its ``delay`` from
+``server.outer_delay``) and any optax or optax.contrib optimizer by name
+(``adamw``, ``lion``, ``muon``, ...), its keyword arguments from
+``server.optimizer_args`` or ``worker.local_optimizer_args``."""
 
 SCHEMES: tuple[str, ...] = (
     "bsp",
@@ -205,6 +171,8 @@ def lookup(kind: str, name: Any) -> Any:
       ValueError: an unknown name; the message lists the valid ones.
     """
     registry = _registry(kind)
+    if isinstance(registry, OptimizerRegistry) and name not in registry:
+        raise registry.error(name)
     if not isinstance(name, str) or name not in registry:
         raise ValueError(
             f"unknown {kind} {name!r}; valid names: {', '.join(sorted(registry))}"

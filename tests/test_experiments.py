@@ -158,7 +158,7 @@ def test_unknown_scheme_lists_valid_names():
         ("server.optimizer", "sgdd", "optimizer"),
         ("backend", "cluster", "backend"),
         ("worker.overlap", "sometimes", "overlap"),
-        ("worker.local_optimizer", "lion", "optimizer"),
+        ("worker.local_optimizer", "lionn", "optimizer"),
         ("model.name", "vgg", "model"),
         ("data.name", "mnist", "dataset"),
         ("plan.scheme", "fastest", "plan scheme"),

@@ -56,7 +56,7 @@ def test_object_arrays_are_never_unpickled(tmp_path):
 def test_optimizers():
     assert isinstance(_cli.make_optimizer("adam", 1e-3), optax.GradientTransformation)
     assert isinstance(_cli.make_optimizer("momentum", 0.1, momentum=0.5), tuple)
-    for args, kwargs in [(("rmsprop", 0.1), {}), (("sgd", 0.0), {}),
+    for args, kwargs in [(("rmsprp", 0.1), {}), (("sgd", 0.0), {}),
                          (("momentum", 0.1), {"momentum": 1.0})]:  # fmt: skip
         with pytest.raises(ValueError):
             _cli.make_optimizer(*args, **kwargs)

@@ -89,7 +89,7 @@ __all__ = [
     "parse_args",
 ]
 
-OPTIMIZERS = ("sgd", "momentum", "adam")
+OPTIMIZERS = ("sgd", "momentum", "adam")  # and any optax optimizer by name
 
 
 def load_npz_tree(path: str | pathlib.Path) -> dict[str, Any]:
@@ -282,39 +282,35 @@ def initial_params(
 
 
 def make_optimizer(
-    name: str, learning_rate: float, *, momentum: float = 0.9
+    name: str, learning_rate: float, *, momentum: float | None = None, **kwargs: Any
 ) -> optax.GradientTransformation:
     """The server optimizer named on the command line.
 
     Args:
-      name: ``"sgd"``, ``"momentum"`` (SGD with heavy-ball momentum) or
-        ``"adam"``.
+      name: ``"sgd"``, ``"momentum"`` (SGD with heavy-ball momentum),
+        ``"adam"``, ``"nesterov"``, ``"delayed_nesterov"``, or any optax
+        optimizer by name (``"adamw"``, ``"lion"``, ``"muon"``, ...; see
+        ``hpsjax._optimizers``).
       learning_rate: the step size, > 0.
-      momentum: the momentum of ``"momentum"``, in [0, 1).
+      momentum: the momentum of ``"momentum"`` (default 0.9) and ``"sgd"``,
+        in [0, 1), or of an optax optimizer that takes one.
+      **kwargs: the optimizer's own keyword arguments (``--optimizer_arg``).
 
     Returns:
       An optax ``GradientTransformation``.
 
     Raises:
-      ValueError: unknown name or bad values.
+      ValueError: unknown name or bad values (one line).
     """
-    if not learning_rate > 0:
-        raise ValueError(f"learning rate must be > 0, got {learning_rate}")
-    if name == "sgd":
-        return optax.sgd(learning_rate)
-    if name == "momentum":
-        if not 0 <= momentum < 1:
-            raise ValueError(f"momentum must be in [0, 1), got {momentum}")
-        return optax.sgd(learning_rate, momentum=momentum)
-    if name == "adam":
-        return optax.adam(learning_rate)
-    raise ValueError(f"unknown optimizer {name!r}; choose from {OPTIMIZERS}")
+    from hpsjax._optimizers import make_optimizer as make
+
+    return make(name, learning_rate, momentum=momentum, **kwargs)
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """Parses the command line (see the module docstring)."""
     from hpsjax import data, models
-    from hpsjax.ps import DEFAULT_POLICY, POLICIES
+    from hpsjax.ps import POLICIES
 
     p = argparse.ArgumentParser(
         prog="hpsjax-server",
@@ -387,9 +383,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     g = p.add_argument_group("policy and optimizer")
     g.add_argument(
         "--policy",
-        default=DEFAULT_POLICY,
-        help=f"synchronisation policy: {', '.join(sorted(POLICIES))} (the "
-        "default is hpsjax-launch's too)",
+        default="asp",
+        help=f"synchronisation policy: {', '.join(sorted(POLICIES))}",
     )
     add_key_value_flag(
         g,
@@ -408,10 +403,24 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "ServerCore keyword argument (e.g. expected_workers=4), repeatable",
     )
     g.add_argument(
-        "--optimizer", default="sgd", choices=OPTIMIZERS, help="server optimizer"
+        "--optimizer",
+        default="sgd",
+        help=f"server optimizer: {', '.join(OPTIMIZERS)}, nesterov, "
+        "delayed_nesterov, or any optax optimizer by name (adamw, lion, muon, ...)",
+    )
+    add_key_value_flag(
+        g,
+        "--optimizer_arg",
+        "keyword argument of the optimizer (JSON value), repeatable: "
+        "weight_decay=0.01 (adamw), b1=0.95 (lion), delay=4 (delayed_nesterov)",
     )
     g.add_argument("--learning_rate", type=float, default=0.1, help="step size")
-    g.add_argument("--momentum", type=float, default=0.9, help="optimizer momentum")
+    g.add_argument(
+        "--momentum",
+        type=float,
+        help="momentum of sgd and momentum (which defaults to 0.9), or of an "
+        "optax optimizer that takes one",
+    )
     g.add_argument(
         "--allow_nonfinite",
         action="store_true",
@@ -652,14 +661,8 @@ def _replanner(args: argparse.Namespace) -> Any:
         return None
     from hpsjax.profiling import Replanner, WorkPlan
 
-    try:
-        plan = WorkPlan.from_json(pathlib.Path(args.work_plan).read_text())
-    except OSError as e:
-        raise ValueError(f"--work_plan {args.work_plan}: {e.strerror}") from None
-    except ValueError as e:
-        raise ValueError(f"--work_plan {args.work_plan}: {e}") from None
     return Replanner(
-        plan,
+        WorkPlan.from_json(pathlib.Path(args.work_plan).read_text()),
         threshold=args.replan_threshold,
         window=args.replan_window,
         cooldown=args.replan_cooldown,
@@ -709,7 +712,12 @@ def _make_server(args: argparse.Namespace) -> tuple[Any, Any]:
         )
     server = Server(
         params,
-        make_optimizer(args.optimizer, args.learning_rate, momentum=args.momentum),
+        make_optimizer(
+            args.optimizer,
+            args.learning_rate,
+            momentum=args.momentum,
+            **dict(args.optimizer_arg),
+        ),
         args.policy,
         host=args.host,
         port=args.port,
