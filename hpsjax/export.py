@@ -30,7 +30,7 @@ import os
 import pathlib
 import re
 import sys
-import tempfile
+import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -62,13 +62,13 @@ def export_params(path: str | os.PathLike, params: Mapping[str, Any]) -> None:
 
     path = pathlib.Path(path)
     check_export_path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    os.close(fd)
+    # Created as any file the user writes (umask), unlike mkstemp's 0600.
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
     try:
         save_params_npz(tmp, dict(params))
         os.replace(tmp, path)
     except BaseException:
-        pathlib.Path(tmp).unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
         raise
 
 

@@ -180,6 +180,11 @@ def test_export_command_refuses_bad_input_in_one_line(tmp_path, capsys):
     assert not list(tmp_path.glob("*.npz"))
     assert export.main([str(tmp_path / "server"), str(tmp_path / "p.npz")]) == 0
     assert "wrote 2 parameters of step 3" in capsys.readouterr().out
+    # Written as any file of the user's (umask), and nothing left beside it.
+    (tmp_path / "reference").write_bytes(b"")
+    mode = (tmp_path / "reference").stat().st_mode
+    assert (tmp_path / "p.npz").stat().st_mode == mode
+    assert not list(tmp_path.glob(".p.npz*"))
 
 
 def test_export_params_is_refused_at_start_when_it_cannot_be_written(tmp_path, capsys):
