@@ -298,3 +298,76 @@ def test_pruning_keeps_the_newest_and_leaves_nothing_aside(tmp_path):
             manager.save(step, {"w": np.full(3, step)})
     names = sorted(p.name for p in tmp_path.iterdir() if p.name != _checkpoint._LOCK)
     assert names == ["ckpt_3", "ckpt_4", "ckpt_5"]
+
+
+_SLOW_SERVER = textwrap.dedent(
+    """
+    import sys, time
+    from hpsjax.ps import _checkpoint_orbax, _cli
+
+    real = _checkpoint_orbax.save
+
+    def slow_save(manager, step, arrays, manifest):
+        print(f"save-start {step} {time.monotonic()}", flush=True)
+        time.sleep(0.3)
+        real(manager, step, arrays, manifest)
+
+    _checkpoint_orbax.save = slow_save
+    sys.exit(_cli.main(sys.argv[1:]))
+    """
+)
+
+
+def test_sigterm_writes_one_save_however_far_behind_the_saves_are(tmp_path):
+    from hpsjax.models import save_params_npz
+
+    save_params_npz(
+        tmp_path / "init.npz", {k: np.asarray(v) for k, v in _big_params().items()}
+    )
+    (tmp_path / "secret").write_bytes(SECRET)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _SLOW_SERVER, "--init", str(tmp_path / "init.npz"),
+         "--secret_file", str(tmp_path / "secret"), "--checkpoint_dir",
+         str(tmp_path / "ckpt"), "--checkpoint_every_s", "0.02", "--loop", "asyncio",
+         "--log_level", "WARNING"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
+    try:
+        port = None
+        for line in proc.stdout:  # the server's output up to listening
+            if "listening on" in line:
+                port = int(line.rsplit(":", 1)[1])
+                break
+        assert port is not None, proc.stderr.read()
+        reader.start()
+        update = {
+            k: np.full(v.shape, 0.01, np.float32) for k, v in _big_params().items()
+        }
+
+        async def push() -> int:
+            async with Client("127.0.0.1", port, worker_id="w", secret=SECRET) as c:
+                _, version = await c.pull()
+                while version < 40:
+                    version = (await c.push(update, version=version)).version
+                    await asyncio.sleep(0.005)
+            return version
+
+        version = asyncio.run(asyncio.wait_for(push(), 120))
+        signalled = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=120) == 0, proc.stderr.read()
+        reader.join(30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.stdout.close()
+        proc.stderr.close()
+    starts = [line.split() for line in lines if line.startswith("save-start")]
+    after = [int(step) for _, step, at in starts if float(at) > signalled]
+    # One save of the final state, after at most the one that was waiting.
+    assert 1 <= len(after) <= 2, (after, len(starts))
+    assert after[-1] == version
+    with CheckpointManager(tmp_path / "ckpt") as reader_manager:
+        assert reader_manager.latest_step() == version
