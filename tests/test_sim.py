@@ -974,7 +974,11 @@ def test_a_sum_that_is_not_finite_refuses_exactly_the_pushes_alone_would(monkeyp
     keep = (y != 3) | (np.arange(len(y)) < 4)  # four examples of class 3
     data = (x[keep], y[keep])
     workers = constant_workers((0.05, 0.05, 0.1, 0.1), batch_size=32)
-    config = SimConfig(policy="bsp", learning_rate=0.1, max_gradients=24)
+    # Pushes sent and refused by the server, the run going on (by default it
+    # would stop at the first non-finite round: test_sim_divergence.py).
+    config = SimConfig(
+        policy="bsp", learning_rate=0.1, max_gradients=24, stop_on_divergence=False
+    )
     results = []
     for min_rows in (2, 10**9):
         from hpsjax.sim import _engine

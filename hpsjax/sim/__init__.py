@@ -9,6 +9,7 @@ simulated workers that compute real gradients: a scheme can be studied on 4 or
 from hpsjax.sim._simulate import (
     OVERLAP_MODES,
     ApplyRecord,
+    Divergence,
     Interval,
     PushRecord,
     SendRecord,
@@ -22,6 +23,7 @@ __all__ = [
     "OVERLAP_MODES",
     "ApplyRecord",
     "ComputeModel",
+    "Divergence",
     "Interval",
     "PushRecord",
     "SendRecord",

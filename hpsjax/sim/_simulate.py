@@ -72,7 +72,7 @@ from hpsjax.ps._core import (
     ServerCore,
     Wait,
 )
-from hpsjax.ps._errors import HpsError, WorkerDropped
+from hpsjax.ps._errors import HpsError, NonFiniteUpdate, WorkerDropped
 from hpsjax.ps._messages import PushMeta
 from hpsjax.ps._policies import ADSP, BSP, Hybrid, Policy, get_policy
 from hpsjax.sim._engine import DeferredLeaves, Engine, IndexStream, Round, SummedRow
@@ -84,6 +84,7 @@ from hpsjax.worker._core import OVERLAP_MODES
 __all__ = [
     "OVERLAP_MODES",
     "ApplyRecord",
+    "Divergence",
     "Interval",
     "PushRecord",
     "SendRecord",
@@ -186,6 +187,13 @@ class SimConfig:
         every message is handled the instant it arrives, as before. On real
         processes this is several milliseconds a push
         (``python -m experiments.calibrate`` fits it).
+      stop_on_divergence: a round whose training loss or update is not finite
+        (NaN or infinity) ends the run where its worker finds it, as a worker
+        stops on one, and the result says so (:attr:`SimResult.diverged`); so
+        does the server's refusal of an update that would make the parameters
+        non-finite. ``False``: the push is sent, the server refuses it and
+        its worker leaves, and the others go on (the run's first such event
+        is still recorded).
       seed: seed of every random draw.
 
     Raises:
@@ -213,6 +221,7 @@ class SimConfig:
     core_kwargs: Mapping[str, Any] | None = None
     batch_rows: int | None = None
     server_service_time: float = 0.0
+    stop_on_divergence: bool = True
     seed: int = 0
 
     def __post_init__(self):
@@ -284,6 +293,11 @@ class SimConfig:
                 "push_transform that compresses them too."
             )
         service = self.server_service_time
+        if not isinstance(self.stop_on_divergence, bool):
+            raise ValueError(
+                "stop_on_divergence must be True or False, got "
+                f"{self.stop_on_divergence!r}."
+            )
         if not _is_number(service) or not (math.isfinite(service) and service >= 0):
             raise ValueError(
                 f"server_service_time must be a finite number >= 0, got {service!r}."
@@ -376,6 +390,39 @@ class ApplyRecord(NamedTuple):
     contributors: tuple
 
 
+class Divergence(NamedTuple):
+    """Where a simulated run diverged.
+
+    Attributes:
+      time: the virtual time (s) it was found at: when the worker's round
+        ended (a non-finite loss or update) or when the server refused the
+        update.
+      worker_id: the worker whose round it was.
+      version: the version the round computed on.
+      loss: the round's training loss (NaN or infinity where that was it).
+      reason: ``"loss"`` (a non-finite training loss), ``"update"`` (a
+        non-finite update) or ``"server"`` (the server refused an update that,
+        applied, would make the parameters non-finite).
+    """
+
+    time: float
+    worker_id: Any
+    version: int
+    loss: float
+    reason: str
+
+    def __str__(self) -> str:
+        what = {
+            "loss": f"loss {self.loss:g}",
+            "update": "a non-finite update",
+            "server": "an update that would make the parameters non-finite",
+        }[self.reason]
+        return (
+            f"diverged at t = {self.time:.3g} s: worker {self.worker_id!r}, "
+            f"{what} on version {self.version}"
+        )
+
+
 @dataclasses.dataclass(frozen=True)
 class SimResult:
     """What a simulation produced.
@@ -408,6 +455,8 @@ class SimResult:
       params: the server's final parameters.
       end_time: the virtual time the simulation stopped at (s).
       wall_seconds: wall-clock seconds it took.
+      diverged: the first :class:`Divergence` of the run, or ``None``; with
+        ``SimConfig.stop_on_divergence`` the run stopped there.
     """
 
     metrics: Mapping[str, np.ndarray]
@@ -429,6 +478,7 @@ class SimResult:
     params: Any
     end_time: float
     wall_seconds: float
+    diverged: Divergence | None = None
 
     def time_in(self, worker_id: Any) -> dict[str, float]:
         """Seconds a worker spent in each timeline kind.
@@ -792,6 +842,7 @@ class _Simulation:
         self.loss_sum = 0.0
         self.loss_count = 0
         self.last_eval: tuple[float, int] | None = None
+        self.diverged: Divergence | None = None
 
     # ------------------------------------------------------------ plumbing
 
@@ -959,6 +1010,13 @@ class _Simulation:
     def _send_push(self, w: _Worker, r: Round, push: wc.Push) -> None:
         if not r.done:
             self.engine.flush()
+        if self.config.stop_on_divergence and (
+            not math.isfinite(r.loss) or r.finite is False
+        ):
+            # The worker finds it before sending, and the run ends here.
+            reason = "loss" if not math.isfinite(r.loss) else "update"
+            self._diverge(w, push.version, r.loss, reason)
+            return
         job = self.engine.prepare_push(w.index, r.update, push.lr_factor)
         nbytes = self.push_bytes
         if push.compress_ratio < 1.0:
@@ -1092,6 +1150,13 @@ class _Simulation:
             )
             actions = core.push_message(w.id, update, meta, now=now)
         except HpsError as err:
+            if isinstance(err, NonFiniteUpdate):
+                # A non-finite update (one the worker could not check), or one
+                # that would make the parameters non-finite.
+                reason = "update" if "applied" not in str(err) else "server"
+                self._diverge(w, version, r.loss, reason, stop=False)
+                if self.config.stop_on_divergence:
+                    self.stop = True
             self.pushes.append(
                 PushRecord(
                     now,
@@ -1151,6 +1216,17 @@ class _Simulation:
                 self._refused(w, "pull", err)
                 return
             self._carry_out(actions)
+
+    def _diverge(
+        self, w: _Worker, version: int, loss: float, reason: str, *, stop=True
+    ) -> None:
+        """Records the run's first divergence; ends the run with ``stop``."""
+        if self.diverged is None:
+            self.diverged = Divergence(
+                self.now, w.id, int(version), float(loss), reason
+            )
+        if stop:
+            self.stop = True
 
     def _refused(self, w: _Worker, what: str, err: HpsError) -> None:
         self.errors.append(f"{what} of worker {w.id!r}: {type(err).__name__}: {err}")
@@ -1363,6 +1439,7 @@ class _Simulation:
             params=self.core.params,
             end_time=end,
             wall_seconds=wall,
+            diverged=self.diverged,
         )
 
 
