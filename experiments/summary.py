@@ -14,12 +14,18 @@ the run has evaluations, ``W/summary_accuracy.png``:
                    the time from its first round to its last)
 =================  ==========================================================
 
-It reads, whichever are there: ``metrics.jsonl`` of an experiment
-(``python -m experiments.run``, simulated or real processes: ``"round"`` or
-``"push"`` records, ``"worker"`` totals and ``"eval"`` records), the workers'
-own files ``metrics_<i>.jsonl`` (``hpsjax-launch --workdir``) and
-``workers/metrics_<i>.jsonl`` (an experiment's processes). Records are the
-schema of :mod:`hpsjax.metrics`.
+It reads ``metrics.jsonl`` of an experiment (``python -m experiments.run``,
+simulated or real processes: ``"round"`` or ``"push"`` records, ``"worker"``
+totals and ``"eval"`` records) where there is one, else every hpsjax metrics
+file in the directory and in its ``workers/``, whatever its name: the
+workers' ``metrics_<i>.jsonl`` (``hpsjax-launch --workdir``), or the files a
+run was given with ``--metrics`` (``w0.jsonl``, ``server.jsonl``, as LAUNCH.md
+shows). A file is taken for what it holds, not for its name: JSON lines whose
+first record is an object with an ``"event"`` (the schema of
+:mod:`hpsjax.metrics`); other ``.jsonl`` files are left alone.
+
+A worker whose run diverged (a ``"diverged"`` record, or an experiment's
+``"summary"`` with ``diverged_at``) is named under the table with when.
 """
 
 from __future__ import annotations
@@ -36,32 +42,89 @@ import numpy as np
 
 from hpsjax.metrics import read_jsonl
 
-__all__ = ["format_table", "main", "read_run", "worker_table", "write_summary"]
+__all__ = [
+    "divergences",
+    "format_table",
+    "is_metrics_file",
+    "main",
+    "metrics_files",
+    "read_run",
+    "worker_table",
+    "write_summary",
+]
 
 
-def read_run(workdir: str | pathlib.Path) -> list[dict[str, Any]]:
-    """Every metrics record of the run in ``workdir``.
+def is_metrics_file(path: str | pathlib.Path) -> bool:
+    """Whether a file holds hpsjax metrics: JSON lines whose first record is an
+    object with an ``"event"`` string (an empty file holds none)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            for line in f:
+                if line.strip():
+                    record = json.loads(line)
+                    return isinstance(record, dict) and isinstance(
+                        record.get("event"), str
+                    )
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return False
+    return False
 
-    An experiment's ``metrics.jsonl`` already holds its workers' rounds, so the
-    workers' own files are read only when it is absent.
+
+def metrics_files(workdir: str | pathlib.Path) -> list[pathlib.Path]:
+    """The hpsjax metrics files of the run in ``workdir``, in name order.
+
+    An experiment's ``metrics.jsonl`` already holds its workers' rounds, so it
+    is the only file when it is there; else every ``.jsonl`` file of
+    ``workdir`` and of ``workdir/workers`` that :func:`is_metrics_file`.
 
     Raises:
-      FileNotFoundError: ``workdir`` holds no metrics files.
-      ValueError: a file that is not JSON lines.
+      FileNotFoundError: no directory ``workdir``, or no metrics file in it.
     """
     root = pathlib.Path(workdir)
     if not root.is_dir():
         raise FileNotFoundError(f"no directory {str(root)!r}")
     if (root / "metrics.jsonl").is_file():
-        return read_jsonl(root / "metrics.jsonl")
-    files = sorted(root.glob("metrics_*.jsonl")) + sorted(
-        root.glob("workers/metrics_*.jsonl")
-    )
+        return [root / "metrics.jsonl"]
+    candidates = sorted(root.glob("*.jsonl")) + sorted(root.glob("workers/*.jsonl"))
+    files = [path for path in candidates if is_metrics_file(path)]
     if not files:
         raise FileNotFoundError(
-            f"{root} holds no metrics.jsonl or metrics_<i>.jsonl files"
+            f"{root} holds no hpsjax metrics files (.jsonl files of records "
+            'with an "event", as --metrics writes)'
         )
-    return [record for path in files for record in read_jsonl(path)]
+    return files
+
+
+def read_run(workdir: str | pathlib.Path) -> list[dict[str, Any]]:
+    """Every metrics record of the run in ``workdir`` (see :func:`metrics_files`).
+
+    Raises:
+      FileNotFoundError: ``workdir`` holds no metrics files.
+      ValueError: a metrics file with a line that is not a JSON object.
+    """
+    return [record for path in metrics_files(workdir) for record in read_jsonl(path)]
+
+
+def divergences(records: Iterable[Mapping[str, Any]]) -> list[str]:
+    """One line per divergence the records tell of: a worker's ``"diverged"``
+    record, or an experiment's ``"summary"`` with ``diverged_at``."""
+    lines = []
+    for r in records:
+        event = r.get("event")
+        if event == "diverged":
+            at = _number(r.get("time"))
+            when = "" if at is None else f" at t = {at:.1f} s"
+            loss = r.get("loss")
+            lines.append(
+                f"worker {r.get('worker')} diverged{when} (step {r.get('step')}, "
+                f"version {r.get('version')}, loss "
+                f"{'not finite' if loss is None else loss})"
+            )
+        elif event == "summary" and _number(r.get("diverged_at")) is not None:
+            where = (r.get("info") or {}).get("diverged") or {}
+            worker = f" (worker {where['worker']})" if "worker" in where else ""
+            lines.append(f"the run diverged at t = {r['diverged_at']:.1f} s{worker}")
+    return lines
 
 
 def _number(value: Any) -> float | None:
@@ -172,7 +235,7 @@ def write_summary(workdir: str | pathlib.Path) -> dict[str, Any]:
     """Reads the run in ``workdir``, writes the table (JSON) and the plots.
 
     Returns:
-      ``{"table": ..., "paths": {name: path}}``.
+      ``{"table": ..., "paths": {name: path}, "diverged": [line, ...]}``.
 
     Raises:
       FileNotFoundError, ValueError: as :func:`read_run`, or no worker records.
@@ -211,7 +274,7 @@ def write_summary(workdir: str | pathlib.Path) -> dict[str, Any]:
             name = "run" if worker is None else f"worker {worker}"
             runs.setdefault(name, []).append(record)
         plots.plot_accuracy(runs, paths["accuracy_plot"], title=str(root.name))
-    return {"table": table, "paths": paths}
+    return {"table": table, "paths": paths, "diverged": divergences(records)}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -234,6 +297,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"experiments.summary: {e}", file=sys.stderr)
         return 2
     print(format_table(result["table"]))
+    for line in result["diverged"]:
+        print(line)
     for path in result["paths"].values():
         print(f"wrote {path}")
     return 0

@@ -47,6 +47,7 @@ from hpsjax.metrics import MetricsWriter
 __all__ = [
     "describe",
     "summarize",
+    "with_initial_evaluation",
     "tensorboard_dir",
     "time_to_target",
     "timeline_marks",
@@ -68,6 +69,20 @@ def time_to_target(evals: list[dict[str, Any]], target: float) -> float | None:
     return None
 
 
+def with_initial_evaluation(evals: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``evals`` with an evaluation at time 0 where the first came later.
+
+    A scheme that profiles its workers first evaluates when profiling ends;
+    until then the server held the initial parameters (version 0), so their
+    evaluation holds from time 0 as well: it is repeated there. Evaluations
+    that start at time 0, or of a later version, are returned as they are.
+    """
+    evals = list(evals)
+    if evals and evals[0]["time"] > 0 and evals[0]["version"] == 0:
+        evals.insert(0, {**evals[0], "time": 0.0})
+    return evals
+
+
 def summarize(
     config: ml_collections.ConfigDict, output: backends.RunOutput
 ) -> dict[str, Any]:
@@ -86,7 +101,8 @@ def summarize(
       ``target_accuracy``, ``time_to_target`` (``None`` if not reached),
       ``final_accuracy``, ``best_accuracy``, ``final_loss``, ``end_time``,
       ``bytes_sent``, ``bytes_received``, ``idle_fraction``, ``pushes``,
-      ``updates``, and the backend's ``info``.
+      ``updates``, ``diverged_at`` (when the run diverged, its backend's
+      ``info["diverged"]["time"]``, else ``None``) and the backend's ``info``.
     """
     evals = output.evals
     if not evals:
@@ -124,6 +140,7 @@ def summarize(
         "idle_fraction": 0.0 if total <= 0 else 1.0 - compute / total,
         "pushes": int(sum(w["pushes"] for w in output.workers.values())),
         "updates": int(evals[-1]["version"]),
+        "diverged_at": (output.info.get("diverged") or {}).get("time"),
         "info": output.info,
     }
 
@@ -309,14 +326,26 @@ def train_and_evaluate(
     (workdir / "config.json").write_text(config.to_json_best_effort(indent=2) + "\n")
     backend = backends.BACKENDS[config.backend]
     output = backend(config, setup, workdir=workdir, progress=progress)
+    output = output._replace(evals=with_initial_evaluation(output.evals))
     summary = summarize(config, output)
     write_outputs(config, output, summary, workdir)
     return summary
 
 
 def describe(summary: dict[str, Any]) -> str:
-    """One line of a run's result: time to the target and final accuracy."""
+    """One line of a run's result: time to the target and final accuracy, or
+    when it diverged."""
     reached = summary["time_to_target"]
+    diverged = summary.get("diverged_at")
+    if diverged is not None:
+        where = (summary.get("info") or {}).get("diverged") or {}
+        worker = f" (worker {where['worker']})" if "worker" in where else ""
+        return (
+            f"{summary['scheme']}: diverged at t = {diverged:.1f} s{worker}; "
+            f"time to {summary['target_accuracy']:g} accuracy "
+            f"{'not reached' if reached is None else f'{reached:.2f}s'}; "
+            f"best accuracy {summary['best_accuracy']:.4f}"
+        )
     return (
         f"{summary['scheme']}: time to {summary['target_accuracy']:g} accuracy "
         f"{'not reached' if reached is None else f'{reached:.2f}s'}; final "

@@ -83,6 +83,8 @@ def _check_outputs(workdir: pathlib.Path, config, summary: dict) -> None:
     assert len(evals) >= 3
     times = [e["time"] for e in evals]
     assert times == sorted(times)
+    # An evaluation at t = 0 of the initial parameters, profiling or not.
+    assert times[0] == 0.0 and evals[0]["version"] == 0
     assert times[-1] <= config.budget_seconds + 1e-6
     for e in evals:
         assert 0.0 <= e["accuracy"] <= 1.0
@@ -477,6 +479,22 @@ def test_sim_smoke_on_user_npz_data(tmp_path):
     config.data.y_key = "labels"
     summary = train.train_and_evaluate(config, tmp_path / "out", progress=False)
     _check_outputs(tmp_path / "out", config, summary)
+
+
+def test_a_diverging_sim_run_says_when_instead_of_failing(tmp_path, capsys):
+    from experiments import summary as run_summary
+
+    config = _quick("asp")
+    config.server.learning_rate = 1e20  # the next loss overflows float32
+    summary = train.train_and_evaluate(config, tmp_path, progress=False)
+    at = summary["diverged_at"]
+    assert at is not None and 0 < at < config.budget_seconds
+    assert summary["info"]["diverged"]["time"] == at
+    assert train.describe(summary).startswith(f"asp: diverged at t = {at:.1f} s")
+    row = compare.format_table([summary]).splitlines()[-1]
+    assert row.startswith(f"| asp | diverged at t = {at:.1f} s |")
+    assert run_summary.main(["--workdir", str(tmp_path)]) == 0
+    assert f"the run diverged at t = {at:.1f} s" in capsys.readouterr().out
 
 
 def test_sim_runs_are_reproducible(tmp_path):
