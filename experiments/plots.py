@@ -5,11 +5,29 @@ with the Agg renderer, so it works without a display and leaves pyplot's state
 (and a notebook's inline backend) alone. Figures are laid out by matplotlib's
 constrained layout with legends outside the axes, and can be written as PDF and
 SVG beside the PNG (``formats=``) for a paper.
+
+What makes them fit for a paper: every scheme shows its readable name
+(:data:`SCHEME_NAMES`), every line has a marker as well as a colour, a panel
+holds at most :data:`MAX_LINES` lines (more runs are drawn in several rows of
+panels, the baseline repeated in each), the updates axis turns logarithmic when
+the runs' numbers of updates differ tenfold (so BSP's few versions are not
+squashed against the left edge), and a title is wrapped to the figure's width;
+a description too long for a title goes to a caption file beside the figure
+(``caption=``, written as ``<name>.caption.txt``).
+
+``python -m experiments.plots --results results.json --out accuracy.png``
+draws a comparison again from the ``results.json`` that
+``experiments.compare`` wrote (its ``curves``), without the work directories.
 """
 
 from __future__ import annotations
 
+import argparse
+import json
+import math
 import pathlib
+import sys
+import textwrap
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -21,9 +39,13 @@ from matplotlib.figure import Figure
 
 __all__ = [
     "FORMATS",
+    "MARKERS",
+    "MAX_LINES",
     "SCHEME_NAMES",
     "TIMELINE_COLORS",
     "display_name",
+    "line_groups",
+    "main",
     "plot_accuracy",
     "plot_comparison",
     "plot_timeline",
@@ -45,8 +67,30 @@ SCHEME_NAMES: Mapping[str, str] = {
     "adsp": "ADSP",
     "ashl": "ASHL",
     "ps_plus": "PS+",
+    "ashl_reference": "ASHL (reference)",
+    "diloco": "DiLoCo",
+    "async_diloco": "Async DiLoCo",
+    "ringmaster": "Ringmaster ASGD",
+    "clipped_asgd": "Clipped ASGD",
+    "ormo": "OrMo",
+    "sparseloco": "SparseLoCo",
+    "muloco": "MuLoCo",
 }
-"""The name a figure shows for each scheme of ``experiments.registry``."""
+"""The name a figure or table shows for each scheme of ``experiments.registry``."""
+
+MAX_LINES = 8
+"""The most lines a panel holds by default; more runs take more rows of panels."""
+
+MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*", "<", ">", "h", "p")
+"""The markers of a figure's lines, in order (with the colours, they tell lines
+apart in print and for readers who do not see colours)."""
+
+# About this many markers on a line of many evaluations; every evaluation of a
+# line of fewer has one (so a single evaluation still shows).
+_MARKS_PER_LINE = 10
+# The updates axis turns logarithmic when the runs' last versions differ by
+# more than this factor.
+_LOG_UPDATES_RATIO = 10.0
 
 TIMELINE_COLORS: Mapping[str, str] = {
     "compute": "#2a9d8f",
@@ -75,15 +119,83 @@ def display_name(scheme: str) -> str:
     return SCHEME_NAMES.get(scheme, scheme)
 
 
-def _save(
-    fig: Figure, path: str | pathlib.Path, formats: Sequence[str]
-) -> pathlib.Path:
-    path = pathlib.Path(path)
+def line_groups(
+    names: Sequence[str], max_lines: int = MAX_LINES, *, reference: str | None = None
+) -> list[list[str]]:
+    """Splits runs into groups of at most ``max_lines``, one group per panel row.
+
+    Args:
+      names: the runs, in the order they are drawn.
+      max_lines: the most lines a group holds (at least 2 with a reference).
+      reference: a run drawn in every group (the baseline, as ``"bsp"``), or
+        ``None``.
+
+    Returns:
+      The groups, in order, each as even in size as the others: one group
+      when all fit.
+
+    Raises:
+      ValueError: ``max_lines`` below 1 (2 with a reference), or a reference
+        that is not one of ``names``.
+    """
+    names = list(names)
+    least = 1 if reference is None else 2
+    if not isinstance(max_lines, int) or max_lines < least:
+        raise ValueError(f"max_lines must be an int >= {least}, got {max_lines!r}")
+    if len(names) <= max_lines:
+        return [names]
+    if reference is not None and reference not in names:
+        raise ValueError(f"reference {reference!r} is not one of the runs {names}")
+    rest = [n for n in names if n != reference]
+    per = max_lines - (reference is not None)
+    count = math.ceil(len(rest) / per)
+    size, extra = divmod(len(rest), count)
+    groups, start = [], 0
+    for i in range(count):
+        end = start + size + (i < extra)
+        chunk = rest[start:end]
+        groups.append(chunk if reference is None else [reference, *chunk])
+        start = end
+    return groups
+
+
+def _fit_title(fig: Figure, title: str, *, fontsize: float = 11.0) -> None:
+    """The figure's title, wrapped onto as many lines as its width needs."""
+    text = fig.suptitle(title, fontsize=fontsize)
+    renderer = fig.canvas.get_renderer()
+    width = fig.bbox.width * 0.96
+    extent = text.get_window_extent(renderer).width
+    if extent <= width:
+        return
+    chars = max(20, int(len(title) * width / extent))
+    text.set_text("\n".join(textwrap.wrap(title, chars)))
+    while text.get_window_extent(renderer).width > width and chars > 20:
+        chars -= 4
+        text.set_text("\n".join(textwrap.wrap(title, chars)))
+
+
+def _write_caption(path: pathlib.Path, caption: str | None) -> None:
+    if caption:
+        path.with_suffix(".caption.txt").write_text(caption.strip() + "\n")
+
+
+def _check_formats(formats: Sequence[str]) -> None:
     unknown = sorted(set(formats) - set(FORMATS))
     if unknown or not formats:
         raise ValueError(f"formats must be some of {FORMATS}, got {list(formats)}")
+
+
+def _save(
+    fig: Figure,
+    path: str | pathlib.Path,
+    formats: Sequence[str],
+    caption: str | None = None,
+) -> pathlib.Path:
+    path = pathlib.Path(path)
+    _check_formats(formats)
     for fmt in formats:
         fig.savefig(path.with_suffix(f".{fmt}"))
+    _write_caption(path, caption)
     return path.with_suffix(f".{formats[0]}")
 
 
@@ -134,24 +246,46 @@ def seed_band(
     return grid, mean, curves.min(axis=0), curves.max(axis=0)
 
 
-def _draw_accuracy(ax, runs, *, x: str, band: str, target: float | None) -> list:
-    cmap = matplotlib.colormaps["tab10"]
+def _style(index: int) -> dict[str, Any]:
+    """Colour, marker and line style of the ``index``-th run of a figure."""
+    color = matplotlib.colormaps["tab10"](index % 10)
+    # Past ten runs the colours repeat; the line style tells them apart.
+    return {
+        "color": color,
+        "marker": MARKERS[index % len(MARKERS)],
+        "linestyle": ("-", "--", ":")[(index // 10) % 3],
+    }
+
+
+def _draw_accuracy(
+    ax, runs, *, x: str, band: str, target: float | None, styles=None
+) -> list:
     lines = []
     for i, (label, value) in enumerate(runs.items()):
         seeds = _as_runs(value)
         if not seeds or any(not r for r in seeds):
             raise ValueError(f"run {label!r} has no evaluations to plot")
-        color = cmap(i % 10)
-        # Past ten runs the colours repeat; the line style tells them apart.
-        style = ("-", "--", ":")[(i // 10) % 3]
+        style = _style(i) if styles is None else styles[label]
         if len(seeds) == 1:
             xs = [e[x] for e in seeds[0]]
-            (line,) = ax.plot(xs, [e["accuracy"] for e in seeds[0]], style)
+            ys = [e["accuracy"] for e in seeds[0]]
         else:
-            grid, mean, low, high = seed_band(seeds, x=x, band=band)
-            (line,) = ax.plot(grid, mean, style)
-            ax.fill_between(grid, low, high, color=color, alpha=0.18, linewidth=0)
-        line.set(color=color, linewidth=1.4, label=display_name(label))
+            xs, ys, low, high = seed_band(seeds, x=x, band=band)
+            ax.fill_between(
+                xs, low, high, color=style["color"], alpha=0.18, linewidth=0
+            )
+        # Every point of a short line; else evenly spaced along the drawn line
+        # (a share of the axes' diagonal), on a linear axis as on a log one.
+        marks = 1 if len(xs) <= _MARKS_PER_LINE else 1.0 / _MARKS_PER_LINE
+        (line,) = ax.plot(
+            xs,
+            ys,
+            **style,
+            markevery=marks,
+            markersize=4.5,
+            linewidth=1.4,
+            label=display_name(label),
+        )
         lines.append(line)
     if target is not None:
         ax.axhline(target, color="black", linestyle="--", linewidth=0.8)
@@ -165,7 +299,35 @@ def _draw_accuracy(ax, runs, *, x: str, band: str, target: float | None) -> list
         )
     ax.set_ylim(0.0, 1.0)
     ax.grid(True, alpha=0.3)
+    if x == "version":
+        _updates_scale(ax, runs)
     return lines
+
+
+def _updates_scale(ax, runs) -> None:
+    """A logarithmic updates axis where the runs' versions differ tenfold."""
+    last = [
+        max(e["version"] for r in _as_runs(value) for e in r) for value in runs.values()
+    ]
+    if min(last) > 0 and max(last) / min(last) > _LOG_UPDATES_RATIO:
+        ax.set_xscale("symlog", linthresh=1.0, linscale=1.0)
+        ax.set_xlim(left=0.0)
+        ax.set_xlabel(_X_LABELS["version"] + ", log scale")
+
+
+def _check_runs(runs, what: str) -> None:
+    if not runs:
+        raise ValueError(f"{what} needs at least one run")
+    for label, value in runs.items():
+        seeds = _as_runs(value)
+        if not seeds or any(not r for r in seeds):
+            raise ValueError(f"run {label!r} has no evaluations to plot")
+
+
+def _reference(runs, reference: str | None) -> str | None:
+    if reference is not None:
+        return reference
+    return "bsp" if "bsp" in runs else None
 
 
 def plot_accuracy(
@@ -178,6 +340,8 @@ def plot_accuracy(
     x: str = "time",
     band: str = "std",
     formats: Sequence[str] = ("png",),
+    max_lines: int = MAX_LINES,
+    caption: str | None = None,
 ) -> pathlib.Path:
     """Plots test accuracy against time (or updates) of one or several runs.
 
@@ -188,33 +352,49 @@ def plot_accuracy(
         is drawn with a band (see :func:`seed_band`).
       path: the file to write; its suffix is replaced by each format's.
       target: a target accuracy to draw as a dashed line, or ``None``.
-      title: the figure title.
+      title: the figure title, wrapped to the figure's width.
       time_unit: the unit of ``time`` for the axis label.
       x: ``"time"`` or ``"version"`` (server updates).
       band: ``"std"`` or ``"minmax"`` over seeds.
       formats: some of :data:`FORMATS`; the first is the path returned.
+      max_lines: the most lines in one panel; more runs are drawn in several
+        panels, one above the other (:func:`line_groups`).
+      caption: text written to ``<path>.caption.txt`` beside the figure.
 
     Returns:
       The path written in the first format.
 
     Raises:
       ValueError: no runs, a run without evaluations, or a bad ``x``,
-        ``band`` or format.
+        ``band``, ``max_lines`` or format.
     """
-    if not runs:
-        raise ValueError("plot_accuracy needs at least one run")
+    _check_runs(runs, "plot_accuracy")
     if x not in _X_LABELS:
         raise ValueError(f"x must be one of {sorted(_X_LABELS)}, got {x!r}")
-    fig = Figure(figsize=(7.5, 4.2), dpi=110, layout="constrained")
+    _check_formats(formats)
+    groups = line_groups(list(runs), max_lines)
+    styles = {label: _style(i) for i, label in enumerate(runs)}
+    fig = Figure(figsize=(7.5, 0.8 + 3.4 * len(groups)), dpi=110, layout="constrained")
     FigureCanvasAgg(fig)
-    ax = fig.subplots()
-    _draw_accuracy(ax, runs, x=x, band=band, target=target)
-    ax.set_xlabel(_X_LABELS[x].format(unit=time_unit))
-    ax.set_ylabel("test accuracy")
-    fig.legend(loc="outside right upper", fontsize=8, frameon=False)
+    axes = fig.subplots(len(groups), 1, sharex=True, squeeze=False)[:, 0]
+    for ax, group in zip(axes, groups, strict=True):
+        _draw_accuracy(
+            ax,
+            {k: runs[k] for k in group},
+            x=x,
+            band=band,
+            target=target,
+            styles=styles,
+        )
+        ax.set_ylabel("test accuracy")
+        ax.legend(
+            loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False
+        )
+    if not axes[-1].get_xlabel():
+        axes[-1].set_xlabel(_X_LABELS[x].format(unit=time_unit))
     if title:
-        ax.set_title(title)
-    return _save(fig, path, formats)
+        _fit_title(fig, title)
+    return _save(fig, path, formats, caption)
 
 
 def plot_comparison(
@@ -226,51 +406,73 @@ def plot_comparison(
     time_unit: str = "s",
     band: str = "std",
     formats: Sequence[str] = FORMATS,
+    max_lines: int = MAX_LINES,
+    reference: str | None = None,
+    caption: str | None = None,
 ) -> pathlib.Path:
     """One setting's schemes: accuracy against time and against updates.
 
-    Two panels side by side share the accuracy axis and one legend, outside
-    them on the right; with several seeds a scheme is its mean and a band.
+    Two panels side by side share the accuracy axis and a legend, outside them
+    on the right; with several seeds a scheme is its mean and a band. More
+    schemes than ``max_lines`` take several rows of such panels, each with the
+    reference scheme (BSP where it ran) and an even share of the others; a
+    scheme keeps its colour and marker in every row.
 
     Args:
       runs: scheme -> its runs, one list of evaluation records per seed.
       path: the file to write; its suffix is replaced by each format's.
       target: a target accuracy to draw as a dashed line, or ``None``.
-      title: the figure title (the setting).
+      title: the figure title (the setting), wrapped to the figure's width.
       time_unit: the unit of ``time`` for the axis label.
       band: ``"std"`` or ``"minmax"`` over seeds.
       formats: some of :data:`FORMATS`; the first is the path returned.
+      max_lines: the most lines in one panel.
+      reference: the scheme drawn in every row; by default ``"bsp"`` where it
+        ran.
+      caption: text written to ``<path>.caption.txt`` beside the figure (a
+        setting's description, too long for a title).
 
     Returns:
       The path written in the first format.
 
     Raises:
-      ValueError: no runs, a run without evaluations, or a bad band or format.
+      ValueError: no runs, a run without evaluations, or a bad band,
+        ``max_lines``, reference or format.
     """
-    if not runs:
-        raise ValueError("plot_comparison needs at least one scheme")
-    fig = Figure(figsize=(11.0, 4.2), dpi=110, layout="constrained")
+    _check_runs(runs, "plot_comparison")
+    _check_formats(formats)
+    groups = line_groups(list(runs), max_lines, reference=_reference(runs, reference))
+    styles = {label: _style(i) for i, label in enumerate(runs)}
+    fig = Figure(figsize=(11.0, 0.8 + 3.4 * len(groups)), dpi=110, layout="constrained")
     FigureCanvasAgg(fig)
-    by_time, by_updates = fig.subplots(1, 2, sharey=True)
-    _draw_accuracy(by_time, runs, x="time", band=band, target=target)
-    _draw_accuracy(by_updates, runs, x="version", band=band, target=target)
-    by_time.set_xlabel(_X_LABELS["time"].format(unit=time_unit))
-    by_updates.set_xlabel(_X_LABELS["version"])
-    by_time.set_ylabel("test accuracy")
+    panels = fig.subplots(len(groups), 2, sharey=True, squeeze=False)
     seeds = max(len(_as_runs(v)) for v in runs.values())
-    fig.legend(
-        handles=by_time.get_lines()[: len(runs)],
-        loc="outside right upper",
-        fontsize=8,
-        frameon=False,
-        title=f"mean ± {'std' if band == 'std' else 'min-max'}, {seeds} seeds"
-        if seeds > 1
-        else None,
-        title_fontsize=8,
-    )
+    for (by_time, by_updates), group in zip(panels, groups, strict=True):
+        chosen = {k: runs[k] for k in group}
+        lines = _draw_accuracy(
+            by_time, chosen, x="time", band=band, target=target, styles=styles
+        )
+        _draw_accuracy(
+            by_updates, chosen, x="version", band=band, target=target, styles=styles
+        )
+        by_time.set_ylabel("test accuracy")
+        by_updates.legend(
+            handles=lines,
+            loc="upper left",
+            bbox_to_anchor=(1.02, 1.0),
+            fontsize=8,
+            frameon=False,
+            title=f"mean ± {'std' if band == 'std' else 'min-max'}, {seeds} seeds"
+            if seeds > 1
+            else None,
+            title_fontsize=8,
+        )
+    panels[-1][0].set_xlabel(_X_LABELS["time"].format(unit=time_unit))
+    if not panels[-1][1].get_xlabel():
+        panels[-1][1].set_xlabel(_X_LABELS["version"])
     if title:
-        fig.suptitle(title)
-    return _save(fig, path, formats)
+        _fit_title(fig, title)
+    return _save(fig, path, formats, caption)
 
 
 def _auto_window(
@@ -439,3 +641,88 @@ def plot_timeline(
     if title:
         fig.suptitle(title)
     return _save(fig, path, formats)
+
+
+def _runs_of_results(
+    results: Mapping[str, Any], source: str = "it"
+) -> dict[str, list[list[dict]]]:
+    """Scheme -> its runs' evaluation records, from a ``results.json``."""
+    from experiments.train import with_initial_evaluation
+
+    curves = results.get("curves")
+    if not isinstance(curves, Mapping) or not curves:
+        raise ValueError(
+            f"{source} holds no curves (an older results.json, written before "
+            "experiments.compare kept them, cannot be drawn again)"
+        )
+    return {
+        scheme: [
+            with_initial_evaluation(
+                [{"time": t, "version": v, "accuracy": a} for t, v, a in seed]
+            )
+            for seed in seeds
+        ]
+        for scheme, seeds in curves.items()
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m experiments.plots``: a comparison drawn again from its
+    ``results.json``; returns the exit status."""
+    p = argparse.ArgumentParser(
+        prog="python -m experiments.plots",
+        description="Draws a comparison again from the results.json that "
+        "experiments.compare wrote: accuracy against time and updates.",
+    )
+    p.add_argument("--results", required=True, help="a results.json")
+    p.add_argument(
+        "--out", required=True, help="the figure's path (PNG, and PDF and SVG)"
+    )
+    p.add_argument(
+        "--title", help="the figure's title (default: the suite and backend)"
+    )
+    p.add_argument(
+        "--caption",
+        help="the caption file's text (default: the suite's description)",
+    )
+    p.add_argument("--schemes", help="the schemes to draw, comma-separated")
+    p.add_argument("--max_lines", type=int, default=MAX_LINES)
+    args = p.parse_args(argv)
+    try:
+        pathlib.Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        results = json.loads(pathlib.Path(args.results).read_text())
+        if not isinstance(results, Mapping):
+            raise ValueError(f"{args.results} is not a results object")
+        runs = _runs_of_results(results, args.results)
+        if args.schemes:
+            chosen = args.schemes.split(",")
+            unknown = [s for s in chosen if s not in runs]
+            if unknown:
+                raise ValueError(f"no scheme {unknown[0]!r}; it has {list(runs)}")
+            runs = {s: runs[s] for s in chosen}
+        summaries = results.get("summaries") or [{}]
+        backend = summaries[0].get("backend", "sim")
+        suite = results.get("suite", "")
+        description = args.caption
+        if description is None:
+            from experiments.configs.suites import SUITES
+
+            description = getattr(SUITES.get(suite), "description", "") or None
+        path = plot_comparison(
+            runs,
+            args.out,
+            target=summaries[0].get("target_accuracy"),
+            title=args.title or f"{suite} ({backend})",
+            time_unit="virtual s" if backend == "sim" else "s",
+            max_lines=args.max_lines,
+            caption=description,
+        )
+    except (OSError, ValueError) as e:
+        print(f"experiments.plots: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -28,6 +28,10 @@ def _figure_of(monkeypatch):
     return saved
 
 
+def _legends(fig):
+    return [*fig.legends, *(ax.get_legend() for ax in fig.axes if ax.get_legend())]
+
+
 def test_comparison_writes_png_pdf_and_svg(tmp_path):
     path = plots.plot_comparison(
         {"bsp": [_run(0.0), _run(0.1)]}, tmp_path / "cmp.png", target=0.5
@@ -63,7 +67,7 @@ def test_legend_is_outside_the_axes_and_names_are_readable(tmp_path, monkeypatch
     )
     fig = saved[-1][0]
     renderer = fig.canvas.get_renderer()
-    (legend,) = fig.legends
+    (legend,) = _legends(fig)
     box = legend.get_window_extent(renderer)
     for ax in fig.axes:
         assert not box.overlaps(ax.get_window_extent(renderer))
