@@ -126,7 +126,7 @@ def test_the_devices_suite_at_smoke_size(tmp_path):
         "devices",
         tmp_path,
         progress=False,
-        budget_seconds=6.0,
+        budget_seconds=4.0,
         devices="gpu:0, cpu:1",
     )
     summaries = result["summaries"]
