@@ -2,6 +2,7 @@
 metrics, how it leaves and stops."""
 
 import asyncio
+import contextlib
 import logging
 import re
 import signal
@@ -32,9 +33,20 @@ def _devices_of(tree):
 # ------------------------------------------------------------ device
 
 
-def test_the_server_state_is_on_the_host_cpu_by_default():
+@pytest.mark.parametrize("process_default", [None, "cpu"])
+def test_the_server_state_is_on_the_host_cpu_by_default(process_default):
+    # With a default device set for the process, the server sets its own on
+    # every entry (the path a GPU host's server takes); without, it need not.
+    context = (
+        contextlib.nullcontext()
+        if process_default is None
+        else jax.default_device(jax.devices(process_default)[0])
+    )
+
     async def main():
-        server = Server(_params(), optax.sgd(0.1, momentum=0.9), secret=SECRET)
+        with context:
+            server = Server(_params(), optax.sgd(0.1, momentum=0.9), secret=SECRET)
+        assert server._device_is_default is (process_default is None)
         async with server:
             assert describe_device(server.device) == "cpu:0"
             async with Client(

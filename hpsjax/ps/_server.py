@@ -138,10 +138,14 @@ def _on_device(method):
     default, so arrays the core makes there (buffers, scalars, a resumed
     state) and the steps it compiles stay on that device whatever the
     process's default is (JAX's default device is set per thread and
-    context, so each entry from the event loop or a thread sets it)."""
+    context, so each entry from the event loop or a thread sets it). Where the
+    server's device is the process's default (``hpsjax-server`` on the host),
+    nothing needs setting: a microsecond saved on every frame."""
 
     @functools.wraps(method)
     def placed(self, *args, **kwargs):
+        if self._device_is_default:
+            return method(self, *args, **kwargs)
         with jax.default_device(self._device):
             return method(self, *args, **kwargs)
 
@@ -388,6 +392,9 @@ class Server:
         **policy_kwargs: Any,
     ):
         self._device = resolve_device(device)
+        self._device_is_default = (
+            jax.config.jax_default_device is None and self._device == jax.devices()[0]
+        )
         self._secret = _auth.secret_bytes(secret)
         if self._secret is None and not (insecure or _is_loopback(host)):
             raise ValueError(
