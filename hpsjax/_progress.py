@@ -260,7 +260,7 @@ class Progress:
         self.observe(loss=loss, staleness=staleness)
         self._count = count
         now = self._clock()
-        if now - self._last < (_BAR_REFRESH_S if self.bar else self._interval):
+        if now - self._last < self.period:
             return None
         seconds = max(now - self._last, 1e-9)
         rate = (count - self._last_count) / seconds
