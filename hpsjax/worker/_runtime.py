@@ -1649,13 +1649,13 @@ class _Run:
                 version,
                 time.monotonic() - start,
             )
+            w._initialise(params)
+            if w._compressor is not None:
+                self.encoder.submit(w._warm_compressor)
         elif join:
             logger.info(
                 "worker %s joined again at version %d", w._config.worker_id, version
             )
-            w._initialise(params)
-            if w._compressor is not None:
-                self.encoder.submit(w._warm_compressor)
         hint = self.client.local_steps
         event = Pulled(session, version, w._elapsed(), local_steps=hint)
         return [*self.hints(), (event, params)]
