@@ -282,14 +282,16 @@ def write_outputs(
         {config.scheme: output.evals},
         paths["accuracy_plot"],
         target=float(config.eval.target_accuracy),
-        title=f"{config.scheme} ({config.setting}, {config.backend})",
+        title=f"{plots.display_name(config.scheme)} ({config.setting}, "
+        f"{config.backend})",
         time_unit=time_unit,
         formats=plots.FORMATS,
     )
     plots.plot_timeline(
         output.timelines,
         paths["timeline_plot"],
-        title=f"{config.scheme}: worker timelines ({config.setting})",
+        title=f"{plots.display_name(config.scheme)}: worker timelines "
+        f"({config.setting})",
         time_unit=time_unit,
         marks=marks,
         formats=plots.FORMATS,
