@@ -273,7 +273,9 @@ def write_summary(workdir: str | pathlib.Path) -> dict[str, Any]:
             worker = record.get("worker")
             name = "run" if worker is None else f"worker {worker}"
             runs.setdefault(name, []).append(record)
-        plots.plot_accuracy(runs, paths["accuracy_plot"], title=str(root.name))
+        plots.plot_accuracy(
+            runs, paths["accuracy_plot"], title=f"{root.name}: test accuracy per worker"
+        )
     return {"table": table, "paths": paths, "diverged": divergences(records)}
 
 
