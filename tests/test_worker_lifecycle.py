@@ -142,15 +142,21 @@ def test_under_asp_the_default_pipelines(setup):
 
 class _SlowCompile(Worker):
     """A worker whose first compile takes ``DELAY`` seconds longer (a device
-    whose step compiles slowly)."""
+    whose step compiles slowly).
 
-    DELAY = 5.0
+    The delay comes after the real compile: in this one process, compiling
+    holds the interpreter's lock for a while, which would slow the server and
+    the other workers too (separate processes in a real run).
+    """
+
+    DELAY = 8.0
 
     def _compile(self, args):
+        compiled = super()._compile(args)
         if not getattr(self, "_slowed", False):
             self._slowed = True
             time.sleep(self.DELAY)
-        return super()._compile(args)
+        return compiled
 
 
 def test_a_slow_compile_keeps_no_barrier_waiting(setup, caplog):
@@ -162,7 +168,7 @@ def test_a_slow_compile_keeps_no_barrier_waiting(setup, caplog):
     async def go():
         async with Server(params, optax.sgd(0.1), "bsp", secret=SECRET) as server:
             fast = _workers(
-                setup, server.port, [WorkerConfig(max_seconds=delay + 3)] * 2, records
+                setup, server.port, [WorkerConfig(max_seconds=delay + 5)] * 2, records
             )
             slow = _workers(
                 setup, server.port, [WorkerConfig(max_steps=5)], records,
