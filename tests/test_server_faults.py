@@ -578,11 +578,14 @@ def test_server_logs_joins_leaves_drops_checkpoints_status_and_resume(tmp_path, 
 def test_status_lines_can_be_turned_off(caplog):
     caplog.set_level(logging.INFO, logger="hpsjax.ps._server")
 
-    async def main():
-        async with _server("asp", status_interval=0):
-            await asyncio.sleep(0.1)
+    async def main(interval):
+        async with _server("asp", status_interval=interval):
+            await asyncio.sleep(0.2)
 
-    _run(main)
-    assert "status:" not in caplog.text
+    _run(lambda: main(0.05))
+    assert "server: version 0" in caplog.text  # what is turned off
+    caplog.clear()
+    _run(lambda: main(0))
+    assert "server: version" not in caplog.text
     with pytest.raises(ValueError, match="status_interval must be a number >= 0"):
         _server("asp", status_interval=-1)
