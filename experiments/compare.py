@@ -10,7 +10,8 @@ setting, one work directory each (``DIR/<scheme>``, see
   workers' time and the server versions made;
 * ``DIR/results.json``: the same figures and each scheme's summary;
 * ``DIR/accuracy.png`` (and ``.pdf``, ``.svg``): test accuracy against time
-  and against updates of every scheme, the mean and a band over seeds;
+  and against updates of every scheme, the mean and a band over seeds, with
+  the suite's description in ``DIR/accuracy.caption.txt``;
 
 and prints the table and the plot's path. ``--schemes=bsp,hps`` runs a subset;
 ``--seeds=1,2,3`` runs every scheme once per seed and reports the mean (and
@@ -415,7 +416,8 @@ def run_suite(
     for scheme, _, where, _ in planned:
         summary, evals = load_run(where)
         summaries.append(summary)
-        runs.setdefault(scheme, []).append(evals)
+        # Runs written before an evaluation at t = 0 was added get it here.
+        runs.setdefault(scheme, []).append(train.with_initial_evaluation(evals))
 
     first = planned[0][1]
     table = format_table(summaries)
@@ -424,7 +426,8 @@ def run_suite(
         runs,
         workdir / "accuracy.png",
         target=float(first.eval.target_accuracy),
-        title=f"suite {name}: {suite.description or suite.setting} ({first.backend})",
+        title=f"suite {name}: {suite.setting} ({first.backend})",
+        caption=suite.description or None,
         time_unit=unit,
     )
     command = f"python -m experiments.compare --suite={name} --workdir={workdir}"
