@@ -189,3 +189,19 @@ def test_gpu_check_installs_missing_packages_from_local_wheels_only(tmp_path):
     assert "msgspec" in log
     out = _gpu_check({"PYTHON": str(python), "WHEELS": str(tmp_path / "no")}, tmp_path)
     assert out.returncode == 2 and "put their wheels in" in out.stdout
+
+
+@pytest.mark.slow
+def test_a_diverging_processes_run_says_when_in_the_table(tmp_path):
+    from experiments import registry, train
+
+    config = registry.load_config("asp", "quick")
+    config.backend = "processes"
+    config.server.learning_rate = 1e12  # the loss overflows within a few pushes
+    summary = train.train_and_evaluate(config, tmp_path, progress=False)
+    diverged = summary["info"]["diverged"]
+    assert diverged["worker"] in range(len(config.workers.slowdowns))
+    assert 0 < diverged["time"] <= config.budget_seconds
+    assert 3 in summary["info"]["worker_returncodes"]
+    row = compare.format_table([summary]).splitlines()[-1]
+    assert f"diverged at t = {diverged['time']:.1f} s" in row
