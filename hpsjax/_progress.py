@@ -211,7 +211,7 @@ class Progress:
             self._tqdm = tqdm(
                 total=total,
                 desc=name,
-                unit=unit,
+                unit=f" {unit}s",  # "12 steps [00:03, 4.1 steps/s, ...]"
                 file=stream,
                 mininterval=_BAR_REFRESH_S,
                 dynamic_ncols=True,
