@@ -1,5 +1,6 @@
 """The periodic status line: its text, when it is shown, bar or log."""
 
+import contextlib
 import io
 import logging
 import re
@@ -197,3 +198,60 @@ def test_a_worker_and_its_server_show_their_progress_in_their_logs(tmp_path):
     assert any("loss" in line and "1 live worker" in line for line in server_lines), (
         server_lines
     )
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not hasattr(__import__("os"), "openpty"), reason="no pty")
+def test_a_server_on_a_terminal_draws_a_bar_with_its_log_above(tmp_path):
+    import asyncio
+    import fcntl
+    import os
+    import struct
+    import subprocess
+    import sys
+    import termios
+    import time
+
+    import numpy as np
+
+    from hpsjax.models import save_params_npz
+    from hpsjax.ps._client import Client
+
+    init = tmp_path / "init.npz"
+    save_params_npz(init, {"w": np.zeros((4, 4), np.float32)})
+    master, terminal = os.openpty()
+    fcntl.ioctl(terminal, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 120, 0, 0))
+    server = subprocess.Popen(
+        [sys.executable, "-m", "hpsjax.ps._cli", "--init", str(init),
+         "--policy", "asp", "--loop", "asyncio"],
+        stdout=subprocess.PIPE, stderr=terminal, text=True,
+    )  # fmt: skip
+    os.close(terminal)
+    try:
+        port = int(server.stdout.readline().rsplit(":", 1)[1])
+
+        async def main():
+            async with Client("127.0.0.1", port, worker_id=0, secret=None) as c:
+                _, version = await c.pull()
+                end = time.monotonic() + 1.5
+                while time.monotonic() < end:
+                    _, _, version = await c.push_pull(
+                        {"w": np.zeros((4, 4), np.float32)}, version=version, loss=1.5
+                    )
+
+        asyncio.run(main())
+    finally:
+        server.terminate()
+        server.communicate(timeout=60)
+    screen = b""
+    with contextlib.suppress(OSError):
+        while chunk := os.read(master, 1 << 16):
+            screen += chunk
+    os.close(master)
+    text = screen.decode()
+    # Redrawn in place (carriage returns), the log written above it.
+    assert re.search(
+        r"\rserver: \d+ versions \[[\d:]+, [\d.]+ versions/s, loss 1.5, staleness 0",
+        text,
+    ), text
+    assert re.search(r"INFO hpsjax\.ps\._server: worker 0 left: done", text), text
