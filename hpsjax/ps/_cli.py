@@ -310,7 +310,7 @@ def make_optimizer(
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """Parses the command line (see the module docstring)."""
     from hpsjax import data, models
-    from hpsjax.ps import POLICIES
+    from hpsjax.ps import DEFAULT_POLICY, POLICIES
 
     p = argparse.ArgumentParser(
         prog="hpsjax-server",
@@ -383,8 +383,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     g = p.add_argument_group("policy and optimizer")
     g.add_argument(
         "--policy",
-        default="asp",
-        help=f"synchronisation policy: {', '.join(sorted(POLICIES))}",
+        default=DEFAULT_POLICY,
+        help=f"synchronisation policy: {', '.join(sorted(POLICIES))} (the "
+        "default is hpsjax-launch's too)",
     )
     add_key_value_flag(
         g,
@@ -661,8 +662,14 @@ def _replanner(args: argparse.Namespace) -> Any:
         return None
     from hpsjax.profiling import Replanner, WorkPlan
 
+    try:
+        plan = WorkPlan.from_json(pathlib.Path(args.work_plan).read_text())
+    except OSError as e:
+        raise ValueError(f"--work_plan {args.work_plan}: {e.strerror}") from None
+    except ValueError as e:
+        raise ValueError(f"--work_plan {args.work_plan}: {e}") from None
     return Replanner(
-        WorkPlan.from_json(pathlib.Path(args.work_plan).read_text()),
+        plan,
         threshold=args.replan_threshold,
         window=args.replan_window,
         cooldown=args.replan_cooldown,
