@@ -383,3 +383,101 @@ def test_a_diverging_worker_process_says_so_in_one_line(workdir):
     assert len(lines) == 1, out
     assert re.search(r"worker 0 diverged at step \d+ \(version \d+\): loss", lines[0])
     assert "Traceback" not in out and "malformed push" not in out, out
+
+
+# ---------------------------------------------------------------- what it says
+
+
+@pytest.mark.parametrize(
+    ("policy", "overlap", "n"), [("asp", "pipeline", 1), ("bsp", None, 2)]
+)
+def test_the_summary_says_the_version_the_server_ended_at(setup, policy, overlap, n):
+    _, params, _ = setup
+
+    async def go():
+        async with Server(params, optax.sgd(0.1), policy, secret=SECRET) as server:
+            configs = [WorkerConfig(max_steps=6, overlap=overlap)] * n
+            workers = _workers(setup, server.port, configs, [])
+            summaries = await asyncio.gather(*(w.run() for w in workers))
+            await asyncio.sleep(0.1)
+            return summaries, server.version
+
+    summaries, version = _run(go())
+    # The last push (a pipelined flush, acknowledged after the run's end)
+    # counts: the server's final version, which its checkpoint is named after
+    # (under BSP a worker that joined first may end a round before the other).
+    assert max(s.version for s in summaries) == version >= 6
+    assert min(s.version for s in summaries) >= version - 1
+
+
+def test_the_plan_received_on_connecting_sets_the_first_compile(setup, caplog):
+    caplog.set_level(logging.INFO, "hpsjax.worker")
+    _, params, _ = setup
+    records: list[dict] = []
+
+    async def go():
+        async with Server(params, optax.sgd(0.1), "bsp", secret=SECRET) as server:
+            server.send_plan("w0", {"revision": 3, "batch_size": 8})
+            (worker,) = _workers(
+                setup, server.port, [WorkerConfig(max_steps=3)], records
+            )
+            await worker.run()
+
+    _run(go())
+    (compiled,) = [r for r in records if r["event"] == "compile"]
+    rounds = [r for r in records if r["event"] == "round"]
+    assert compiled["batch_size"] == 8
+    assert [r["batch_size"] for r in rounds] == [8, 8, 8]
+    assert all(r["compile_s"] == 0 for r in rounds)
+    said = [m for m in caplog.messages if "plan revision" in m]
+    assert said == ["worker w0: plan revision 3 received: batch 8, local steps "
+                    "unchanged, lr scale unchanged"]  # fmt: skip
+
+
+def _cli_args(*extra):
+    from hpsjax.worker import _cli
+
+    return _cli.parse_args(
+        ["--model", "mlp", "--model_arg", "hidden=[8]", "--port", "1", *extra]
+    )
+
+
+def test_help_says_each_default_once(capsys):
+    from hpsjax.worker import _cli
+
+    with pytest.raises(SystemExit):
+        _cli.parse_args(["--help"])
+    parser_help = capsys.readouterr().out
+    flat = " ".join(parser_help.split())
+    assert "(default: None)" not in flat
+    assert "shuffle seed of this worker's batches (default: its shard index) " in flat
+    assert "--reconnect_timeout" in flat and "--on_nonfinite {stop,skip}" in flat
+    assert _cli_args().overlap is None
+
+
+def test_your_npz_data_from_the_command_line(tmp_path, capsys):
+    from hpsjax.worker import _cli
+
+    rng = np.random.default_rng(0)
+    path = tmp_path / "mine.npz"
+    np.savez(path, x=rng.random((50, 6, 6, 1)), y=rng.integers(0, 3, 50))
+    worker, _, params, _ = _cli._build(
+        _cli_args("--dataset", "npz", "--data_path", str(path), "--batch_size", "4")
+    )
+    assert worker.config.batch_size == 4
+    assert jax.tree.leaves(params)[0].shape[0] in (36, 8, 3)
+    np.savez(tmp_path / "noy.npz", x=np.zeros((5, 2)))
+    (tmp_path / "bad.npz").write_bytes(b"not a zip")
+    cases = {
+        (): "--dataset npz needs --data_path FILE.npz",
+        ("--data_path", str(tmp_path / "gone.npz")): "no .npz file at",
+        ("--data_path", str(tmp_path / "noy.npz")): "has no array 'y'; it holds ['x']",
+        ("--data_path", str(tmp_path / "bad.npz")): "bad.npz",
+    }
+    for extra, message in cases.items():
+        argv = ["--dataset", "npz", *extra, "--port", "1", "--max_steps", "1"]
+        assert _cli.main(argv) == 2
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert len(lines) == 1 and message in lines[0], lines
+    assert _cli.main(["--data_path", str(path), "--port", "1"]) == 2
+    assert "--data_path is the file of --dataset npz" in capsys.readouterr().err

@@ -187,6 +187,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help=f"dataset: {', '.join(sorted(data.DATASETS))}",
     )
     g.add_argument(
+        "--data_path",
+        metavar="FILE.npz",
+        help="with --dataset npz: your data, an .npz file of arrays x (inputs, "
+        "a leading example axis) and y (integer labels), e.g. written by "
+        "np.savez(path, x=images, y=labels)",
+    )
+    g.add_argument(
         "--dataset_arg",
         type=_key_value,
         action="append",
@@ -383,6 +390,20 @@ def _dataset(args: argparse.Namespace, *, test: bool = False):
     from hpsjax import data
 
     kwargs = dict(args.dataset_arg)
+    if args.data_path is not None:
+        if args.dataset != "npz":
+            raise ValueError(
+                f"--data_path is the file of --dataset npz, not of --dataset "
+                f"{args.dataset}"
+            )
+        if "path" in kwargs:
+            raise ValueError("give --data_path or --dataset_arg path=..., not both")
+        kwargs["path"] = args.data_path
+    elif args.dataset == "npz" and "path" not in kwargs:
+        raise ValueError(
+            "--dataset npz needs --data_path FILE.npz (arrays x and y, as "
+            "np.savez(path, x=inputs, y=labels) writes)"
+        )
     if args.dataset in data.DATASETS:
         loader = data.DATASETS[args.dataset]
         check_kwargs(loader, kwargs, "--dataset_arg", what=f"dataset {args.dataset!r}")

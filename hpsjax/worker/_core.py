@@ -552,6 +552,9 @@ class WorkerCore:
         if handler is None:
             raise TypeError(f"not a worker event: {event!r}")
         if self.state is _State.DONE:
+            if type(event) is Acked and event.session == self.session:
+                # The flush of the last update, acknowledged after the end.
+                self.known_version = max(self.known_version, event.version)
             return []
         return handler(self, event)
 

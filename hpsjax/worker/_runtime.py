@@ -404,7 +404,10 @@ class WorkerSummary(NamedTuple):
       steps: rounds computed.
       pushes: updates pushed.
       local_steps: local steps taken in all.
-      version: the newest server version the worker heard of.
+      version: the newest server version the worker heard of: the version its
+        last push was acknowledged at, or its last pull brought. The server's
+        last checkpoint may be newer: a push still buffered under BSP when
+        the worker left is applied with the others' (see the log's last line).
       loss: the mean training loss of its last round, or ``None``.
       elapsed: seconds the run took.
       compute_s: seconds of real compute.
@@ -768,6 +771,7 @@ class Worker:
         self._last_batch: tuple[int, ...] | None = None
         self._peeked: Any = None  # the batch drawn to compile the first round
         self._plan_logged: int | None = None  # the last plan revision logged
+        self._last_status: str | None = None  # of the last push acknowledged
         self._stop = asyncio.Event()
         self._t0 = time.monotonic()
 
@@ -1207,7 +1211,7 @@ class Worker:
                 await client.close()
             if self._progress is not None:
                 self._progress.close()
-        return WorkerSummary(
+        summary = WorkerSummary(
             worker_id=self._config.worker_id,
             version=0 if self._core is None else self._core.known_version,
             loss=loss,
@@ -1215,6 +1219,19 @@ class Worker:
             ended_by=ended_by,
             **totals,
         )
+        logger.info(
+            "worker %s finished (%s) after %d rounds, %d pushes; the server was "
+            "at version %d when it last heard%s",
+            summary.worker_id,
+            ended_by,
+            summary.steps,
+            summary.pushes,
+            summary.version,
+            " (its last push was buffered for the next version)"
+            if self._last_status == "buffered"
+            else "",
+        )
+        return summary
 
     def _initialise(self, params: Any) -> None:
         home = self._devices[0]
@@ -1721,6 +1738,7 @@ class _Run:
             link += await w._injector.transfer(_tree_nbytes(params))
         self.transferred(record, start, link)
         self.totals["pushes"] += 1
+        w._last_status = ack.status
         if record is not None:
             record.update(
                 pushed_step=push.round,
