@@ -393,9 +393,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "policy keyword argument (JSON value), repeatable: staleness_bound=2 "
         "(ssp), threshold=4 or on_straggler=drop (saps: a push more than "
         "threshold versions stale is damped or dropped and its worker forced to "
-        "pull), and for hybrid stages='[{\"mode\": \"async\", \"local_steps\": "
-        "8, \"max_staleness\": 16, \"until_version\": 100}, {\"mode\": "
-        "\"semi_async\", \"max_staleness\": 2}]' (mode async, semi_async or "
+        'pull), and for hybrid stages=\'[{"mode": "async", "local_steps": '
+        '8, "max_staleness": 16, "until_version": 100}, {"mode": '
+        '"semi_async", "max_staleness": 2}]\' (mode async, semi_async or '
         "sync; local_steps, max_staleness, until_version optional; LAUNCH.md)",
     )
     add_key_value_flag(
