@@ -336,7 +336,13 @@ def _profile_and_plan(
         job,
         policy="asp",
         steps=None,
-        server_args=["--core_arg", f"expected_workers={n}"],
+        # Its joins and leaves would read as the run's: warnings only.
+        server_args=[
+            "--core_arg",
+            f"expected_workers={n}",
+            "--log_level",
+            "WARNING",
+        ],
         plan_server_args=[],
     )
     processes: list[_Process] = []
