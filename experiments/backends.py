@@ -81,7 +81,8 @@ def _push_compression(
     The transform (with ``worker.error_feedback``) is quantization for
     ``worker.bits``, with its codec, or PowerSGD for
     ``worker.compression='power_sgd'`` (its factors on the wire, no codec);
-    ``None`` for float32 pushes or top-k, which the worker core applies.
+    ``None`` for float32 pushes or top-k, which the worker core applies;
+    SparseLoCo's push (``worker.compression='sparseloco'``, simulator only).
     ``push_bytes`` is one push's payload, what the profiling pass's link
     estimate uses: ``powersgd_nbytes`` per leaf for PowerSGD.
     """
@@ -90,6 +91,13 @@ def _push_compression(
 
     worker = config.worker
     error_feedback = bool(worker.error_feedback)
+    if worker.get("compression", "none") == "sparseloco":
+        from hpsjax.transforms import sparseloco, sparseloco_nbytes
+
+        ratio, bits = float(worker.compress_ratio), int(worker.sparseloco_bits)
+        decay = float(worker.sparseloco_decay)
+        transform = sparseloco(ratio, bits=bits, decay=decay, seed=int(config.seed))
+        return transform, None, sparseloco_nbytes(params, ratio, bits)
     if worker.get("compression", "none") == "power_sgd":
         rank = int(worker.powersgd_rank)
         transform = power_sgd(
@@ -400,6 +408,11 @@ def _worker_flags(
         ]  # fmt: skip
         for key, value in (worker.get("local_optimizer_args") or {}).items():
             flags += ["--local_optimizer_arg", f"{key}={json.dumps(_plain(value))}"]
+    if worker.get("compression", "none") == "sparseloco":
+        raise ValueError(
+            "worker.compression='sparseloco' runs on the simulator only "
+            "(hpsjax-worker has no SparseLoCo push yet): use backend='sim'"
+        )
     power_sgd = worker.get("compression", "none") == "power_sgd"
     if worker.bits is not None:
         flags += ["--bits", str(int(worker.bits))]

@@ -126,14 +126,22 @@ def setup(config: ml_collections.ConfigDict) -> Setup:
 def server_optimizer(config: ml_collections.ConfigDict) -> optax.GradientTransformation:
     r"""The server's optax chain for ``config.server``.
 
-    ``[scale_by_staleness(policy)] + [delay_compensation(lam)] + optimizer``: the
-    damping and the compensation see the raw update, the optimizer the result.
+    ``[clip_by_global_norm(c)] + [scale_by_staleness(policy)] +
+    [delay_compensation(lam)] + optimizer``: the clipping (``server.clip_norm``,
+    Clipped ASGD), the damping and the compensation see the raw update, the
+    optimizer the result.
     """
     from hpsjax.transforms import delay_compensation, scale_by_staleness
 
     server = config.server
     make = registry.lookup("optimizer", server.optimizer)
     chain = []
+    clip = server.get("clip_norm")
+    if clip is not None:
+        # Clipped ASGD: each arriving update clipped to this global norm.
+        if isinstance(clip, bool) or not (isinstance(clip, int | float) and clip > 0):
+            raise ValueError(f"server.clip_norm must be a number > 0, got {clip!r}")
+        chain.append(optax.clip_by_global_norm(float(clip)))
     if server.staleness_lr is not None:
         registry.lookup("staleness policy", server.staleness_lr)
         chain.append(scale_by_staleness(server.staleness_lr))

@@ -13,8 +13,8 @@ Examples:
   Traceback (most recent call last):
   ...
   ValueError: unknown optimizer 'sgdd'; valid names: adam, delayed_nesterov, \
-momentum, nesterov, sgd or any optimizer of optax or optax.contrib (closest: sgd, \
-dpsgd, amsgrad)
+momentum, nesterov, ordered_momentum, sgd or any optimizer of optax or \
+optax.contrib (closest: sgd, dpsgd, amsgrad)
 """
 
 from __future__ import annotations
@@ -69,6 +69,11 @@ SCHEMES: tuple[str, ...] = (
     "ashl_reference",
     "diloco",
     "async_diloco",
+    "ringmaster",
+    "clipped_asgd",
+    "ormo",
+    "sparseloco",
+    "muloco",
 )
 """Schemes with a config file ``experiments/configs/<scheme>.py``, in table order."""
 
@@ -97,12 +102,16 @@ PLAN_SCHEMES: tuple[str, ...] = (
 LR_SCALINGS: tuple[str, ...] = ("linear", "sqrt", "none")
 """Step-size scale of a planned batch (``hpsjax.profiling.LR_SCALINGS``)."""
 
-COMPRESSIONS: tuple[str, ...] = ("none", "top_k", "power_sgd")
+COMPRESSIONS: tuple[str, ...] = ("none", "top_k", "power_sgd", "sparseloco")
 """Push compressors besides quantization (``worker.compression``): ``top_k``
 (``hpsjax.top_k``, error feedback) through the worker core's top-k pushes,
 ``power_sgd`` (``hpsjax.power_sgd`` of rank ``worker.powersgd_rank``, error
 feedback) as the push transform of the simulator and ``hpsjax-worker
---powersgd_rank`` on processes, both sending or counting its factors."""
+--powersgd_rank`` on processes, both sending or counting its factors;
+``sparseloco`` (``hpsjax.sparseloco``: decayed error feedback, top-k at
+``worker.compress_ratio``, values on ``worker.sparseloco_bits`` bits) as the
+push transform of the simulator, which counts ``sparseloco_nbytes`` per push
+(no wire codec: simulator only)."""
 
 _REGISTRIES: dict[str, Any] = {
     "optimizer": OPTIMIZERS,
@@ -263,6 +272,9 @@ def _check_compression(config: ml_collections.ConfigDict) -> None:
     if compression == "power_sgd":
         _check_power_sgd(config)
         return
+    if compression == "sparseloco":
+        _check_sparseloco(config)
+        return
     ratio = worker.compress_ratio
     if not (isinstance(ratio, int | float) and 0 < ratio <= 1):
         raise ValueError(f"worker.compress_ratio must be in (0, 1], got {ratio!r}")
@@ -281,6 +293,27 @@ def _check_compression(config: ml_collections.ConfigDict) -> None:
         raise ValueError(
             "worker.compression='top_k' needs stages.compress_from_stage=0 "
             "(every push sparsified from the start)"
+        )
+
+
+def _check_sparseloco(config: ml_collections.ConfigDict) -> None:
+    """What ``worker.compression='sparseloco'`` needs (one-line errors)."""
+    worker = config.worker
+    ratio = worker.compress_ratio
+    if not (isinstance(ratio, int | float) and 0 < ratio <= 1):
+        raise ValueError(f"worker.compress_ratio must be in (0, 1], got {ratio!r}")
+    bits = worker.get("sparseloco_bits")
+    if bits not in (1, 2, 4, 8, 16) or isinstance(bits, bool):
+        raise ValueError(
+            f"worker.sparseloco_bits must be one of 1, 2, 4, 8, 16, got {bits!r}"
+        )
+    decay = worker.get("sparseloco_decay")
+    if not (isinstance(decay, int | float) and 0 <= decay <= 1):
+        raise ValueError(f"worker.sparseloco_decay must be in [0, 1], got {decay!r}")
+    if config.stages.get("compress_from_stage") is not None:
+        raise ValueError(
+            "worker.compression='sparseloco' compresses every push: set "
+            "stages.compress_from_stage=None"
         )
 
 

@@ -4,7 +4,8 @@ The optax transforms are re-exported here; the rest lives in subpackages:
 
 * :mod:`hpsjax.transforms`: quantization, top-k and PowerSGD compression with
   error feedback, staleness damping, delay compensation, local steps, hybrid
-  stages, outer optimizers (Delayed Nesterov, DiLoCo) (optax transforms);
+  stages, outer optimizers (Delayed Nesterov, DiLoCo), OrMo's ordered momentum
+  and SparseLoCo's push (optax transforms);
 * :mod:`hpsjax.ps`: the sans-I/O server core, sync policies, asyncio server and
   client, wire codec and checkpoints;
 * :mod:`hpsjax.profiling`: the profiling pass and work plans;
@@ -24,11 +25,13 @@ from hpsjax.transforms import (
     hybrid_stages,
     last_encoded,
     local_steps,
+    ordered_momentum,
     pending_update,
     power_sgd,
     push_due,
     quantize,
     scale_by_staleness,
+    sparseloco,
     stage_settings,
     staleness_factor,
     top_k,
@@ -48,11 +51,13 @@ __all__ = [
     "hybrid_stages",
     "last_encoded",
     "local_steps",
+    "ordered_momentum",
     "pending_update",
     "power_sgd",
     "push_due",
     "quantize",
     "scale_by_staleness",
+    "sparseloco",
     "stage_settings",
     "staleness_factor",
     "top_k",

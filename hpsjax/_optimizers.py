@@ -23,8 +23,8 @@ Examples:
   Traceback (most recent call last):
   ...
   ValueError: unknown optimizer 'adamm'; valid names: adam, delayed_nesterov, \
-momentum, nesterov, sgd or any optimizer of optax or optax.contrib (closest: \
-adam, radam, nadam)
+momentum, nesterov, ordered_momentum, sgd or any optimizer of optax or \
+optax.contrib (closest: adam, radam, nadam)
 """
 
 from __future__ import annotations
@@ -88,12 +88,21 @@ def _delayed_nesterov(learning_rate, *, momentum=None, **kwargs):
     )
 
 
+def _ordered_momentum(learning_rate, *, momentum=None, **kwargs):
+    from hpsjax.transforms import ordered_momentum
+
+    return ordered_momentum(
+        learning_rate, momentum=0.9 if momentum is None else momentum, **kwargs
+    )
+
+
 OPTIMIZERS: Mapping[str, Callable[..., optax.GradientTransformation]] = {
     "sgd": _sgd,
     "momentum": _momentum,
     "adam": _adam,
     "nesterov": _nesterov,
     "delayed_nesterov": _delayed_nesterov,
+    "ordered_momentum": _ordered_momentum,
 }
 """hpsjax's own names: ``f(learning_rate, *, momentum=None, **kwargs)``.
 
@@ -102,7 +111,9 @@ not 0), ``momentum`` SGD with heavy-ball momentum 0.9 (or ``momentum``),
 ``adam`` optax's Adam (``momentum`` unused), ``nesterov`` DiLoCo's outer
 optimizer (``hpsjax.transforms.diloco_outer``) and ``delayed_nesterov`` the
 outer optimizer of asynchronous local SGD (``hpsjax.transforms.delayed_nesterov``,
-keyword ``delay``). Any other name is looked up in optax."""
+keyword ``delay``), ``ordered_momentum`` OrMo's server momentum
+(``hpsjax.transforms.ordered_momentum``, momentum 0.9 unless given). Any other
+name is looked up in optax."""
 
 
 def _positive(value: Any) -> bool:

@@ -18,6 +18,7 @@ import numpy as np
 import optax
 import pytest
 
+from hpsjax.transforms._frontier import ordered_momentum, sparseloco
 from hpsjax.transforms._local_steps import local_steps
 from hpsjax.transforms._outer import delayed_nesterov, diloco_outer
 from hpsjax.transforms._powersgd import power_sgd
@@ -163,6 +164,19 @@ CASES = [
         {"learning_rate": 0.5, "delay": 3, "momentum_fraction": 0.2},
     ),
     Case("diloco_outer", diloco_outer, {"learning_rate": 0.7, "momentum": 0.9}),
+    Case(
+        "ordered_momentum",
+        ordered_momentum,
+        {"learning_rate": 0.5, "momentum": 0.9},
+        _staleness(3),
+        required=("staleness",),
+    ),
+    Case(
+        "sparseloco",
+        sparseloco,
+        {"ratio": 0.25, "bits": 2, "decay": 0.9},
+        static_args=("ratio", "bits"),
+    ),
     Case("local_steps", local_steps, {"k": 2}),
     Case("local_steps_f32_sum", local_steps, {"k": 3, "accumulator_dtype": "float32"}),
     Case(

@@ -4,7 +4,7 @@
   applied) as a pure state machine; the asyncio :class:`Server` and the
   virtual-clock simulator (:mod:`hpsjax.sim`) both drive it.
 * Policies (:data:`POLICIES`, :func:`get_policy`): BSP, ASP, SSP, SaPS, ADSP,
-  semi-async and hybrid (:class:`PlannedHybrid`: ASHL's stages with each
+  Ringmaster, semi-async and hybrid (:class:`PlannedHybrid`: ASHL's stages with each
   worker's planned local steps); subclass :class:`Policy` to write your own.
 * :class:`Server` / :class:`Client` exchange pytrees over TCP (see PROTOCOL.md),
   with authentication, optional TLS and compressed pushes; their typed messages
@@ -68,6 +68,7 @@ from hpsjax.ps._policies import (
     HybridStage,
     PlannedHybrid,
     Policy,
+    Ringmaster,
     SaPS,
     SemiAsync,
     Verdict,
@@ -114,6 +115,7 @@ __all__ = [
     "PushAck",
     "PushMeta",
     "Release",
+    "Ringmaster",
     "SaPS",
     "SemiAsync",
     "SendParams",

@@ -25,6 +25,7 @@ Built-in policies, by name (:data:`POLICIES`, :func:`get_policy`):
 ``"adsp"``      local-step hints so that all workers commit equally often
 ``"semi_async"`` bounded version staleness, stale pushes damped or dropped
 ``"hybrid"``    a sequence of stages, each async, semi-async or sync
+``"ringmaster"`` ASP that ignores pushes delayed :math:`R` versions or more
 =============== =============================================================
 
 Writing your own: subclass :class:`Policy` and override only what differs; the
@@ -81,6 +82,7 @@ __all__ = [
     "HybridStage",
     "PlannedHybrid",
     "Policy",
+    "Ringmaster",
     "SaPS",
     "SemiAsync",
     "Verdict",
@@ -1012,6 +1014,79 @@ class PlannedHybrid(Hybrid):
         return {**super()._config(), "local_steps": list(self.planned_steps)}
 
 
+class Ringmaster(Policy):
+    r"""Ringmaster ASGD: asynchronous SGD that ignores gradients delayed R or more.
+
+    Every push is applied at once, as in ASP, unless its delay (staleness)
+    :math:`\tau` reaches the threshold :math:`R`: such a push is dropped without
+    being applied (weight 0) and its worker is told to pull
+    (:class:`~hpsjax.ps.ForcePull`), so that its next gradient is computed at
+    the current point. With :math:`k` the server's version and :math:`g` the
+    gradient a worker computed on version :math:`k - \tau_k`:
+
+    .. math::
+
+       x_{k+1} = x_k - \gamma\, g(x_{k-\tau_k}) \quad \text{if } \tau_k < R,
+       \qquad \text{else the push is ignored and } x_{k+1} = x_k.
+
+    The paper proves that this is optimal in time under arbitrarily
+    heterogeneous and changing worker speeds, for :math:`R = \max(1,
+    \lceil \sigma^2 / \varepsilon \rceil)` (:math:`\sigma^2` the gradient noise,
+    :math:`\varepsilon` the target squared gradient norm), without knowing the
+    workers' speeds. Neither is known to a training run, so
+    ``delay_threshold=None`` takes :math:`R = n`, the number of live workers:
+    in steady ASP with equal workers each push is about :math:`n - 1` versions
+    stale, so only workers slower than the rest are cut. Nobody waits.
+
+    Our reading: the paper's abstract, introduction and its summary ("achieves
+    optimality by ignoring gradients with delays larger than a certain
+    threshold"; a gradient is used only when :math:`\delta_k < R`); its second
+    form, which also stops a worker's computation once it can no longer arrive
+    in time, is not built here (the worker learns it at its next push, from
+    the forced pull). ``SaPS(threshold=R - 1, on_straggler="drop")`` drops the
+    same pushes; this class names the rule as the paper states it.
+
+    Args:
+      delay_threshold: :math:`R`, an int >= 1 (a push with
+        :math:`\tau \ge R` is ignored), or ``None`` for the number of live
+        workers.
+
+    Examples:
+      >>> from hpsjax.ps._policies import Ringmaster
+      >>> Ringmaster(delay_threshold=4)
+      Ringmaster(delay_threshold=4)
+
+    References:
+      Maranjyan, Tyurin, Richtárik, `Ringmaster ASGD: The First Asynchronous
+      SGD with Optimal Time Complexity <https://arxiv.org/abs/2501.16168>`_,
+      ICML 2025.
+    """
+
+    name = "ringmaster"
+
+    def __init__(self, *, delay_threshold: int | None = None):
+        check_int("delay_threshold", delay_threshold, low=1, allow_none=True)
+        self.delay_threshold = None if delay_threshold is None else int(delay_threshold)
+
+    def current_threshold(self, core: ServerCore) -> int:
+        """:math:`R` for the current live set."""
+        if self.delay_threshold is not None:
+            return self.delay_threshold
+        return max(1, len(core.live))
+
+    def judge(self, core, worker_id, staleness):
+        del worker_id
+        threshold = self.current_threshold(core)
+        if staleness < threshold:
+            return _ACCEPT
+        return Verdict(
+            0.0, True, f"ringmaster: delay {staleness} >= R = {threshold}, ignored"
+        )
+
+    def _config(self):
+        return {"delay_threshold": self.delay_threshold}
+
+
 POLICIES: dict[str, type[Policy]] = {
     "asp": ASP,
     "bsp": BSP,
@@ -1020,6 +1095,7 @@ POLICIES: dict[str, type[Policy]] = {
     "adsp": ADSP,
     "semi_async": SemiAsync,
     "hybrid": Hybrid,
+    "ringmaster": Ringmaster,
 }
 """Built-in policies by name."""
 
@@ -1053,7 +1129,7 @@ def get_policy(name_or_obj: str | Policy | type[Policy], **kwargs: Any) -> Polic
       Traceback (most recent call last):
       ...
       ValueError: Unknown policy 'nope'; valid names are adsp, asp, bsp, hybrid, \
-saps, semi_async, ssp.
+ringmaster, saps, semi_async, ssp.
     """
     if isinstance(name_or_obj, Policy):
         if kwargs:

@@ -1495,6 +1495,12 @@ def _push_bytes(params: Any, config: SimConfig, raw: int) -> int:
         except ValueError:  # not this one
             continue
         return int(sum(x.nbytes for x in jax.tree.leaves(encoded)))
+    from hpsjax.transforms import last_sparseloco_nbytes
+
+    try:  # SparseLoCo: k indices and k few-bit values per leaf
+        return last_sparseloco_nbytes(state)
+    except ValueError:
+        pass
     return raw  # no compressor in it: the update goes out uncompressed
 
 

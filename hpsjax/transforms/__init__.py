@@ -19,8 +19,20 @@ any optax optimizer.
   feedback; :func:`powersgd_encode` / :func:`powersgd_decode` send the factors.
 * :func:`delayed_nesterov` and :func:`diloco_outer`: outer optimizers for the
   server's step on pseudo-gradients (async local SGD, DiLoCo).
+* :func:`ordered_momentum`: OrMo, momentum for asynchronous SGD ordered by the
+  iteration each gradient was computed at (extra argument ``staleness``).
+* :func:`sparseloco`: SparseLoCo's push (decayed error feedback, top-k, few-bit
+  values); :func:`sparseloco_nbytes` its bytes.
 """
 
+from hpsjax.transforms._frontier import (
+    OrderedMomentumState,
+    SparseLoCoState,
+    last_sparseloco_nbytes,
+    ordered_momentum,
+    sparseloco,
+    sparseloco_nbytes,
+)
 from hpsjax.transforms._local_steps import (
     LocalStepsState,
     local_steps,
@@ -97,10 +109,12 @@ __all__ = [
     "Encoded",
     "HybridStagesState",
     "LocalStepsState",
+    "OrderedMomentumState",
     "PowerSGDEncoded",
     "PowerSGDState",
     "QuantizeState",
     "ScaleByStalenessState",
+    "SparseLoCoState",
     "Stage",
     "StageInfo",
     "TopKEncoded",
@@ -117,8 +131,10 @@ __all__ = [
     "hybrid_stages",
     "last_encoded",
     "last_powersgd_encoded",
+    "last_sparseloco_nbytes",
     "last_topk_encoded",
     "local_steps",
+    "ordered_momentum",
     "pending_update",
     "power_sgd",
     "powersgd_decode",
@@ -129,6 +145,8 @@ __all__ = [
     "push_due",
     "quantize",
     "scale_by_staleness",
+    "sparseloco",
+    "sparseloco_nbytes",
     "stage_settings",
     "staleness_factor",
     "top_k",

@@ -1,0 +1,36 @@
+"""Ringmaster ASGD: ASP that ignores gradients delayed R versions or more.
+
+Every gradient is applied the moment it arrives with plain SGD, as in ASP,
+unless its delay (staleness) reaches R: the server then drops it unapplied and
+makes its worker pull, so that its next gradient is computed at the current
+point (``hpsjax.ps.Ringmaster``). R defaults to the number of live workers:
+a steady ASP push is about n - 1 versions stale, so only the slower workers'
+gradients are cut. The paper's optimal R = max(1, ceil(sigma^2 / epsilon))
+needs the gradient noise and the target, which a run does not know.
+
+Launch::
+
+  python -m experiments.run --config=experiments/configs/ringmaster.py:sim8 \\
+      --workdir=/tmp/hpsjax/ringmaster
+
+References:
+  Maranjyan, Tyurin, Richtarik, "Ringmaster ASGD: The First Asynchronous SGD
+  with Optimal Time Complexity", ICML 2025, https://arxiv.org/abs/2501.16168
+"""
+
+from ml_collections import config_dict
+
+from experiments.configs import common
+
+
+def get_config(arg=None):
+    """Ringmaster ASGD for setting ``arg`` (see ``common.SETTINGS``)."""
+    config = common.get_config(arg)
+    config.scheme = "ringmaster"
+    config.server.policy = "ringmaster"
+    # None: R = the number of live workers (not tuned).
+    config.server.policy_kwargs.delay_threshold = config_dict.placeholder(int)
+    config.server.optimizer = "sgd"
+    # ASP's step sizes (not tuned for this scheme).
+    config.server.learning_rate = common.pick(config, {"default": 0.1})
+    return config
