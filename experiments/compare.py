@@ -426,7 +426,9 @@ def run_suite(
         runs,
         workdir / "accuracy.png",
         target=float(first.eval.target_accuracy),
-        title=f"suite {name}: {suite.setting} ({first.backend})",
+        title=f"suite {name}"
+        + ("" if suite.setting == name else f": {suite.setting}")
+        + f" ({first.backend})",
         caption=suite.description or None,
         time_unit=unit,
     )

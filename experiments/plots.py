@@ -248,11 +248,12 @@ def seed_band(
 
 def _style(index: int) -> dict[str, Any]:
     """Colour, marker and line style of the ``index``-th run of a figure."""
-    # Ten colours, then eight darker ones drawn dashed; past 18 runs the
-    # colours repeat and the marker and line style tell them apart.
+    # Ten colours, then darker ones drawn dashed; past 26 runs the colours
+    # repeat and the marker and line style tell them apart.
     palette = [
         *matplotlib.colormaps["tab10"].colors,
         *matplotlib.colormaps["Dark2"].colors,
+        *matplotlib.colormaps["Set1"].colors[:8],
     ]
     return {
         "color": palette[index % len(palette)],
