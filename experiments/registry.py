@@ -35,6 +35,7 @@ __all__ = [
     "OPTIMIZERS",
     "OVERLAPS",
     "SCHEMES",
+    "SIM_ONLY_SCHEMES",
     "STAGE_SWITCHES",
     "check_config",
     "load_config",
@@ -76,6 +77,10 @@ SCHEMES: tuple[str, ...] = (
     "muloco",
 )
 """Schemes with a config file ``experiments/configs/<scheme>.py``, in table order."""
+
+SIM_ONLY_SCHEMES: tuple[str, ...] = ("sparseloco",)
+"""Schemes that run on the simulator only: SparseLoCo's pushes have no wire
+codec yet, so the processes backend refuses them in one line."""
 
 BACKENDS: tuple[str, ...] = ("sim", "processes")
 """``sim``: the virtual-clock simulator; ``processes``: a real server and workers."""

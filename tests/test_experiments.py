@@ -510,6 +510,7 @@ def test_sim_runs_are_reproducible(tmp_path):
     [
         pytest.param(s, marks=() if s == FAST_PROCESS_SCHEME else pytest.mark.slow)
         for s in registry.SCHEMES
+        if s not in registry.SIM_ONLY_SCHEMES
     ],
 )
 def test_processes_smoke(tmp_path, scheme):

@@ -10,7 +10,8 @@ schemes is named after its setting.
 * ``sim8``: all schemes, 8 simulated workers, step times spread 6x, transient
   and one slowing-down straggler (setting ``sim8``).
 * ``sim8_slowlink``: ``sim8`` behind links 8 times slower.
-* ``proc4``: all schemes, 4 real worker processes with speeds 1:1:2:4 and a
+* ``proc4``: all schemes but the simulator-only ones
+  (``registry.SIM_ONLY_SCHEMES``), 4 real worker processes with speeds 1:1:2:4 and a
   real server on loopback (setting ``proc4``).
 * ``sim32``: the research schemes on 32 simulated workers whose step times
   follow the single-GPU ResNet-50 v1.5 training throughputs that NVIDIA
@@ -32,7 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from experiments.registry import SCHEMES
+from experiments.registry import SCHEMES, SIM_ONLY_SCHEMES
 
 __all__ = ["RESEARCH_SCHEMES", "SUITES", "Suite"]
 
@@ -89,6 +90,7 @@ SUITES: dict[str, Suite] = {
     ),
     "proc4": Suite(
         "proc4",
+        schemes=tuple(s for s in SCHEMES if s not in SIM_ONLY_SCHEMES),
         description="4 worker processes, speeds 1:1:2:4, a real server on loopback",
     ),
     "sim32": Suite(
