@@ -317,6 +317,15 @@ def run_sim(
         errors=list(result.errors[:20]),
         plans=[build.plan_to_dict(p) for p in result.work_plans],
     )
+    if result.diverged is not None:  # the run stopped there (SimConfig)
+        d = result.diverged
+        info["diverged"] = {
+            "worker": d.worker_id,
+            "time": profile_seconds + d.time,
+            "version": d.version,
+            "loss": build.finite_or_none(d.loss),
+            "reason": d.reason,
+        }
     if stage_plans:
         info["stage_plans"] = [build.plan_to_dict(p) for p in stage_plans]
     if config.stages.enabled:
