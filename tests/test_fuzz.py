@@ -108,7 +108,9 @@ def compile_decoders(monkeypatch):
 
 
 async def _compiled_decoders(server, n):
-    for _ in range(500):
+    # Compiles take seconds each on a loaded machine: a minute, then fail.
+    deadline = time.monotonic() + 60.0
+    while time.monotonic() < deadline:
         if len(server._decoders) >= n and not server._compiling:
             return
         await asyncio.sleep(0.02)
@@ -155,7 +157,9 @@ def test_decoders_of_many_codecs_stay_bounded_and_pushes_keep_their_order(
 ):
     async def main():
         async with _server("asp") as server:
-            c = _client(server, "many")
+            # Replies queue behind the pushes before them and the compiles
+            # beside: a minute, not 10 s, before one counts as lost.
+            c = _client(server, "many", timeout=60.0)
             await c.connect()
             _, v = await c.pull()
             # Sent back to back: each new block size is decoded with numpy
@@ -171,7 +175,7 @@ def test_decoders_of_many_codecs_stay_bounded_and_pushes_keep_their_order(
                 np.testing.assert_allclose(x, np.full(x.shape, -0.25 * 12), rtol=1e-6)
             await c.close()
 
-    _run(main)
+    _run(main, timeout=120.0)  # eight decoders compile one after another
 
 
 def test_compressed_push_with_an_invalid_code_is_refused_before_compiling():
