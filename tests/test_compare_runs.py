@@ -23,6 +23,9 @@ def _mtimes(workdir):
 
 def test_progress_then_resume_runs_only_what_is_missing(tmp_path, caplog):
     caplog.set_level(logging.INFO)
+    # experiments.compare logs through absl's logger, which a command run
+    # earlier in this process (hpsjax._logs.setup_logging) may have quieted.
+    caplog.set_level(logging.INFO, logger="absl")
     suite = Suite("quick", schemes=("asp",))
     compare.run_suite(suite, tmp_path, seeds=[0, 1], progress=False)
     log = caplog.text

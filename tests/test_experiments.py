@@ -710,7 +710,8 @@ def test_run_and_compare_commands(tmp_path):
         ),
         (
             ["--config=experiments/configs/bsp.py:quik"],
-            "unknown setting 'quik'; valid names: demo, proc4, quick",
+            "unknown setting 'quik'; valid names: demo, devices, proc4, quick, sim32, "
+            "sim8, sim8_slowlink",
         ),
     ],
 )
