@@ -29,8 +29,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _models import digits_mlp
 
-from hpsjax import data
 from hpsjax._npz import PARAMS_MARKER, params_marker
 from hpsjax.models import save_params_npz
 from hpsjax.ps import (
@@ -541,24 +541,7 @@ def test_connect_checks_each_shard_serves_its_key_range():
 
 
 def test_worker_runtime_trains_against_shards():
-    train = data.synthetic_digits(600, seed=0)
-    rng = np.random.default_rng(0)
-    params = {
-        "hidden": {
-            "kernel": (rng.normal(size=(64, 16)) / 8).astype(np.float32),
-            "bias": np.zeros(16, np.float32),
-        },
-        "out": {
-            "kernel": (rng.normal(size=(16, 10)) / 4).astype(np.float32),
-            "bias": np.zeros(10, np.float32),
-        },
-    }
-
-    def loss_fn(p, batch):
-        x = jnp.reshape(batch.x, (batch.x.shape[0], -1))
-        h = jax.nn.relu(x @ p["hidden"]["kernel"] + p["hidden"]["bias"])
-        logits = h @ p["out"]["kernel"] + p["out"]["bias"]
-        return optax.softmax_cross_entropy_with_integer_labels(logits, batch.y)
+    train, params, loss_fn = digits_mlp(600, hidden=16, out_scale=4.0)
 
     partition = KeyRangePartition.from_tree(params, 2)
     records = []

@@ -23,8 +23,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _models import digits_mlp
 
-from hpsjax import data
 from hpsjax.ps import PlanNotice, ProtocolError, PushAck, Server, WorkerDropped
 from hpsjax.transforms import staleness_factor
 from hpsjax.worker import (
@@ -44,26 +44,7 @@ LIMIT = 90.0  # seconds any one async test may take
 @pytest.fixture(scope="module")
 def setup():
     """Generated digits and a small functional MLP (per-example losses)."""
-    train = data.synthetic_digits(1200, seed=0)
-    rng = np.random.default_rng(0)
-    params = {
-        "hidden": {
-            "kernel": (rng.normal(size=(64, 32)) / 8).astype(np.float32),
-            "bias": np.zeros(32, np.float32),
-        },
-        "out": {
-            "kernel": (rng.normal(size=(32, 10)) / 6).astype(np.float32),
-            "bias": np.zeros(10, np.float32),
-        },
-    }
-
-    def loss_fn(p, batch):
-        x = jnp.reshape(batch.x, (batch.x.shape[0], -1))
-        h = jax.nn.relu(x @ p["hidden"]["kernel"] + p["hidden"]["bias"])
-        logits = h @ p["out"]["kernel"] + p["out"]["bias"]
-        return optax.softmax_cross_entropy_with_integer_labels(logits, batch.y)
-
-    return train, params, loss_fn
+    return digits_mlp(1200)
 
 
 def _run(coro):
