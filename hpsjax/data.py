@@ -795,6 +795,7 @@ DATASETS: dict[str, Callable[..., Dataset]] = {
     "sklearn_digits": sklearn_digits,
     "npz": load_npz,
 }
+"""The datasets by the name :func:`get_dataset` and ``--dataset`` take."""
 
 
 _ARGUMENT_HINTS = {"path": ": the .npz file to read"}

@@ -680,6 +680,7 @@ MODELS: dict[str, Callable[..., nnx.Module]] = {
     "cnn": _make_cnn,
     "resnet": _make_resnet,
 }
+"""The models by the name :func:`get_model` and ``--model`` take."""
 
 
 def get_model(

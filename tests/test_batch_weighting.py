@@ -6,6 +6,7 @@ experiments' builders (simulated and real processes). The simulator's side is in
 ``test_sim.py``, the plan's and the server's in ``test_plan.py``.
 """
 
+import io
 import json
 import math
 
@@ -52,12 +53,21 @@ def test_experiment_plans_scale_every_worker_alike(lr_scaling):
 
 @pytest.mark.slow
 def test_launcher_plan_leaves_the_step_alone(tmp_path):
-    shared = [*SMALL, "--batch_size", "16"]
-    flags = [["--slowdown", "1"], ["--slowdown", "3.34"]]
-    path, _ = launch._profile_and_plan(
-        "hps", 2, shared, flags, tmp_path, None, lambda line: None
+    work = tmp_path / "run"
+    result = launch.launch(
+        2,
+        policy="bsp",
+        steps=2,
+        worker_args=[*SMALL, "--batch_size", "16"],
+        per_worker_args={0: ["--slowdown", "1"], 1: ["--slowdown", "3.34"]},
+        plan="hps",
+        workdir=work,
+        progress=False,
+        log=io.StringIO(),
+        timeout=240,
     )
-    work_plan = WorkPlan.from_json(path.read_text())
+    assert result.returncode == 0, result.reason
+    work_plan = WorkPlan.from_json((work / "plan.json").read_text())
     assert work_plan.workers[0].batch_size > work_plan.workers[1].batch_size
     assert _planned_scales(work_plan) == [1.0, 1.0]
 

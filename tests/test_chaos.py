@@ -67,12 +67,12 @@ def test_a_run_with_killed_workers_and_server_ends_like_an_undisturbed_one(
     assert calm.reason == "completed" and calm.kills == ()
     assert stormy.reason == "completed", stormy
     # Every planned kill happened: the server once, workers twice. The server
-    # came back; so did each killed worker, and those that lost the server
-    # (a worker whose server dies ends, and the launcher restarts it).
+    # came back, and so did each killed worker; a worker that only lost the
+    # server reconnects to the restarted one instead of being restarted.
     assert [t for _, t in stormy.kills].count("server") == 1, stormy
     assert len(stormy.kills) == 3, stormy
     assert stormy.server_restarts == 1
-    assert sum(stormy.worker_restarts) >= 2 + 1, stormy
+    assert sum(stormy.worker_restarts) >= 2, stormy
     # Both trained to the same version, well above chance (0.1). How close
     # their accuracies are is measured, not asserted, in the Chaos section of
     # experiments/RESULTS.md: there, runs of 2000 versions (where accuracy has

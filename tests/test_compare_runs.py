@@ -94,6 +94,7 @@ def test_jobs_are_bounded_by_the_cores(monkeypatch):
 @pytest.mark.slow
 def test_parallel_runs_match_serial_ones(tmp_path, caplog):
     caplog.set_level(logging.INFO)
+    caplog.set_level(logging.INFO, logger="absl")  # see the resume test
     serial = compare.run_suite(SMALLEST, tmp_path / "serial", progress=False)
     parallel = compare.run_suite(
         SMALLEST, tmp_path / "parallel", progress=False, jobs=2

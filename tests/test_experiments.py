@@ -750,7 +750,7 @@ def test_check_config_refuses_a_missing_npz_file():
         (
             ["experiments.compare", "--suite=huge"],
             "experiments.compare: error: unknown suite 'huge'; valid names: demo, "
-            "proc4, quick, sim32, sim8, sim8_slowlink",
+            "devices, proc4, quick, sim32, sim8, sim8_slowlink",
         ),
         (
             ["experiments.compare", "--suite=quick", "--schemes=bsp,bspp"],

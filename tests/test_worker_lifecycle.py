@@ -414,7 +414,11 @@ def test_the_plan_received_on_connecting_sets_the_first_compile(setup, caplog):
     assert compiled["batch_size"] == 8
     assert [r["batch_size"] for r in rounds] == [8, 8, 8]
     assert all(r["compile_s"] == 0 for r in rounds)
-    said = [m for m in caplog.messages if "plan revision" in m]
+    said = [
+        r.getMessage()
+        for r in caplog.records
+        if r.name.startswith("hpsjax.worker") and "plan revision" in r.getMessage()
+    ]
     assert said == ["worker w0: plan revision 3 received: batch 8, local steps "
                     "unchanged, lr scale unchanged"]  # fmt: skip
 

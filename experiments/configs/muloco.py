@@ -31,7 +31,9 @@ def get_config(arg=None):
     config.server.momentum = 0.9
     config.worker.local_optimizer = "muon"
     # Muon's usual step size (not tuned here).
-    config.worker.local_learning_rate = common.pick(config, {"default": 0.02})
+    config.worker.local_learning_rate = common.pick(
+        config, {"default": 0.02, "quick": 0.005}
+    )
     config.worker.local_steps = common.pick(config, {"default": 8})
     config.worker.bits = 4
     config.worker.error_feedback = True
