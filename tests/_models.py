@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -35,3 +37,25 @@ def digits_mlp(num_examples: int, hidden: int = 32, out_scale: float = 6.0):
         return optax.softmax_cross_entropy_with_integer_labels(logits, batch.y)
 
     return train, params, loss_fn
+
+
+#: Worker flags for a small MLP on generated digits (launcher tests).
+SMALL_MODEL = [
+    "--dataset_arg",
+    "num_examples=600",
+    "--model_arg",
+    "hidden=[16]",
+    "--batch_size",
+    "16",
+    "--log_level",
+    "WARNING",
+]
+
+
+def alive(pid: int) -> bool:
+    """Whether process ``pid`` still exists."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True

@@ -19,30 +19,12 @@ import time
 import jax
 import numpy as np
 import pytest
+from _models import SMALL_MODEL, alive
 
 from hpsjax import launch as launch_module
 from hpsjax.launch import LaunchError, launch
 from hpsjax.models import save_params_npz
 from hpsjax.worker import _cli
-
-SMALL_MODEL = [
-    "--dataset_arg",
-    "num_examples=600",
-    "--model_arg",
-    "hidden=[16]",
-    "--batch_size",
-    "16",
-    "--log_level",
-    "WARNING",
-]
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 def _children() -> set[int]:
@@ -126,15 +108,15 @@ def test_shutdown_kills_process_groups_that_ignore_sigterm():
     launch_module._shutdown([process], timeout=0.5)
     assert time.monotonic() - start < 10
     assert process.poll() == -signal.SIGKILL
-    assert not _alive(process.pid)
+    assert not alive(process.pid)
     # The grandchild was in the same group; it got SIGKILL too (reaped by init).
     deadline = time.monotonic() + 5
-    while _alive(grandchild) and time.monotonic() < deadline:
+    while alive(grandchild) and time.monotonic() < deadline:
         with contextlib.suppress(ChildProcessError):
             os.waitpid(grandchild, os.WNOHANG)
         time.sleep(0.05)
     state = pathlib.Path(f"/proc/{grandchild}/stat")
-    assert not _alive(grandchild) or (
+    assert not alive(grandchild) or (
         state.exists() and state.read_text().split()[2] == "Z"
     )
 
@@ -243,7 +225,7 @@ def test_launch_runs_to_completion(tmp_path):
     assert result.worker_returncodes == (0, 0)
     assert result.server_returncode == 0
     assert len(result.pids) == 3
-    assert not any(_alive(pid) for pid in result.pids)
+    assert not any(alive(pid) for pid in result.pids)
     for i in range(2):
         rounds = _rounds(tmp_path / f"metrics_{i}.jsonl")
         assert [r["step"] for r in rounds] == [0, 1, 2, 3]
@@ -272,7 +254,7 @@ def test_a_crashing_worker_stops_everything(tmp_path):
     assert result.reason == "worker 1 exited with status 1", log.getvalue()
     assert result.worker_returncodes[1] == 1
     assert len(result.pids) == 4
-    assert not any(_alive(pid) for pid in result.pids)
+    assert not any(alive(pid) for pid in result.pids)
     assert time.monotonic() - start < 200
     assert "fault injected after 3 rounds" in log.getvalue()
 
@@ -304,7 +286,7 @@ def test_launch_with_a_profiled_plan(tmp_path):
     assert first["batch_size"] == batches[0]
     # The server holds the plan too, and sent it on joining.
     assert first["plan_revision"] == 0
-    assert not any(_alive(pid) for pid in result.pids)
+    assert not any(alive(pid) for pid in result.pids)
 
 
 @pytest.mark.slow
@@ -331,7 +313,7 @@ def test_launch_over_server_shards_with_a_plan(tmp_path):
     assert len(result.ports) == 2 and result.port == result.ports[0]
     assert result.server_returncodes == (0, 0)
     assert len(result.pids) == 4
-    assert not any(_alive(pid) for pid in result.pids)
+    assert not any(alive(pid) for pid in result.pids)
     text = log.getvalue()
     for shard in range(2):
         assert f"[server {shard}] hpsjax-server listening" in text
@@ -456,4 +438,4 @@ def test_a_crashed_worker_is_restarted_until_its_restarts_are_used_up(tmp_path):
     # The server ran with checkpoints it could be restarted from.
     assert list((tmp_path / "checkpoints").iterdir())
     assert len(result.pids) == 4
-    assert not any(_alive(pid) for pid in result.pids)
+    assert not any(alive(pid) for pid in result.pids)

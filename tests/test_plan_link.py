@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import io
 import json
-import os
 import pathlib
 import stat
 import sys
 
 import pytest
+from _models import SMALL_MODEL, alive
 
 from hpsjax import launch as launch_module
 from hpsjax._compile_cache import CACHE_ENV, cache_dir_for
@@ -27,17 +27,6 @@ from hpsjax.profiling import (
     plan,
 )
 from hpsjax.profiling.in_place import add_link
-
-SMALL_MODEL = [
-    "--dataset_arg",
-    "num_examples=600",
-    "--model_arg",
-    "hidden=[16]",
-    "--batch_size",
-    "16",
-    "--log_level",
-    "WARNING",
-]
 
 
 def _interpreter(tmp_path: pathlib.Path, body: str) -> str:
@@ -190,15 +179,7 @@ def test_a_diverged_worker_ends_the_launch_in_one_line(tmp_path):
     launcher = [x for x in lines if x.startswith("[launch]") and "diverged" in x]
     assert len(launcher) == 1
     assert "Traceback" not in log.getvalue()
-    assert not any(_alive(pid) for pid in result.pids)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
+    assert not any(alive(pid) for pid in result.pids)
 
 
 def test_pace_runs_after_each_step_outside_the_timing():
