@@ -475,6 +475,25 @@ def _placements(
     return place(devices, server_cores=int(config.server.get("cores", 0)))
 
 
+async def _await_children(
+    children: _Children,
+    config: ml_collections.ConfigDict,
+    logs: pathlib.Path,
+    *,
+    late: str,
+    failed: str,
+    ok: tuple[int, ...] = (0,),
+) -> None:
+    """Waits up to the start timeout for ``children`` to end, each with a
+    status in ``ok``; raises naming their logs otherwise."""
+    timeout = config.processes.start_timeout
+    if not await children.wait(float(timeout)):
+        raise RuntimeError(f"{late} within {timeout}s; see {logs}")
+    codes = [p.poll() for p in children.procs]
+    if any(code not in ok for code in codes):
+        raise RuntimeError(f"{failed} (exit statuses {codes}); see {logs}")
+
+
 def _spawn(
     children: _Children,
     config: ml_collections.ConfigDict,
@@ -556,17 +575,11 @@ async def _profile_in_place(
                 *_worker_flags(config, i, plan_file=None),
             ]  # fmt: skip
             _spawn(children, config, i, argv, logs / f"profile_{i}.log", env)
-        if not await children.wait(float(config.processes.start_timeout)):
-            raise RuntimeError(
-                f"the profiling pass did not end within "
-                f"{config.processes.start_timeout}s; see {logs}/profile_*.log"
-            )
-        codes = [p.poll() for p in children.procs]
-        if any(code != 0 for code in codes):
-            raise RuntimeError(
-                f"a worker's profiling pass failed (exit statuses {codes}); see "
-                f"{logs}/profile_*.log"
-            )
+        await _await_children(
+            children, config, logs / "profile_*.log",
+            late="the profiling pass did not end",
+            failed="a worker's profiling pass failed",
+        )  # fmt: skip
     finally:
         children.kill()
         await server.close()
@@ -834,19 +847,14 @@ async def _warm_up(
                 *_worker_flags(config, i, plan_file=plan_file),
             ]  # fmt: skip
             _spawn(children, config, i, argv, logs / f"warmup_{i}.log", env)
-        if not await children.wait(float(config.processes.start_timeout)):
-            raise RuntimeError(
-                f"the warm-up workers did not finish within "
-                f"{config.processes.start_timeout}s; see {logs}/warmup_*.log"
-            )
-        codes = [p.poll() for p in children.procs]
         # A warm-up only compiles: a run that diverges within its two rounds
         # (a step size far too large) says so in the timed run instead.
-        if any(code not in (0, DIVERGED) for code in codes):
-            raise RuntimeError(
-                f"a warm-up worker failed (exit statuses {codes}); see "
-                f"{logs}/warmup_*.log"
-            )
+        await _await_children(
+            children, config, logs / "warmup_*.log",
+            late="the warm-up workers did not finish",
+            failed="a warm-up worker failed",
+            ok=(0, DIVERGED),
+        )  # fmt: skip
     finally:
         children.kill()
         await server.close()
