@@ -71,6 +71,11 @@ _NODE_IP = "<hpsjax-node-ip>"
 _DRAIN_SECONDS = 2.0
 
 
+def _end_actor() -> None:
+    """Ends the actor's process at once, for Ray to restart it."""
+    os._exit(1)
+
+
 def parse_resources(text: str) -> dict[str, float]:
     """Parses ``"num_gpus=1,accelerator_type:A100=0.5"`` into a resource dict.
 
@@ -266,7 +271,7 @@ class _ProcessActor:
             if self._stopping:
                 return
         shutil.rmtree(self._dir, ignore_errors=True)
-        os._exit(1)
+        _end_actor()
 
     def _new_metrics(self) -> bytes:
         path = os.path.join(self._dir, "metrics.jsonl")
@@ -380,19 +385,31 @@ def _poll_all(members: Sequence[_Member], wait: float) -> None:
 
 
 def _stop_all(members: Sequence[_Member], timeout: float) -> None:
-    """Stops every member's process (in parallel), then kills the actors."""
+    """Stops every member's process (in parallel), then kills the actors.
+
+    A member whose first poll has not come back yet may still own a process
+    (its actor was placed late): it is asked to stop too, and given a few
+    seconds to answer; one never placed cannot answer, and killing its actor
+    is enough.
+    """
     import ray
 
-    refs = {}
+    known, unknown = {}, {}
     for m in members:
-        # One never placed has no process yet: killing the actor is enough.
-        if m.died is None and m.pids:
-            refs[m.actor.stop.remote(timeout)] = m
-    if refs:
-        ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=2 * timeout + 5)
-        for ref in ready:
-            with contextlib.suppress(ray.exceptions.RayError):
-                refs[ref].take(ray.get(ref))
+        if m.died is None:
+            (known if m.pids else unknown)[m.actor.stop.remote(timeout)] = m
+    refs = {**known, **unknown}
+    ready = []
+    if known:
+        ready, _ = ray.wait(
+            list(known), num_returns=len(known), timeout=2 * timeout + 5
+        )
+    if unknown:
+        more, _ = ray.wait(list(unknown), num_returns=len(unknown), timeout=3.0)
+        ready += more
+    for ref in ready:
+        with contextlib.suppress(ray.exceptions.RayError):
+            refs[ref].take(ray.get(ref))
     for m in members:
         with contextlib.suppress(ray.exceptions.RayError, ValueError):
             ray.kill(m.actor, no_restart=True)

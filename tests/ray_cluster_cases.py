@@ -1,0 +1,175 @@
+"""The Ray launch backend on a local Ray cluster: real servers and workers as
+actors, started on 127.0.0.1 (no dashboard); afterwards no hpsjax process is left.
+
+Not collected by the suite itself: ``tests/test_ray_launch.py`` runs this file
+in a pytest of its own, so that Ray's driver (its threads, its exit when the
+cluster stops) never lives in a process that goes on to run other tests.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import pathlib
+import re
+import signal
+import threading
+import time
+
+import pytest
+
+from hpsjax import _ray_launch
+
+# Ray binds its own services to the node's address: on Linux the routed one,
+# unless told to keep to loopback (read when ray is first imported).
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+
+# ray.init starts its head processes from this process with a fork; once JAX is
+# loaded JAX warns at every fork, which the project's warnings-as-errors turns
+# into a failure. The children exec Ray's own binaries at once and never touch
+# JAX, so the warning does not apply here.
+pytestmark = pytest.mark.filterwarnings(
+    r"ignore:os\.fork\(\) was called:RuntimeWarning"
+)
+
+SMALL_MODEL = [
+    "--dataset_arg", "num_examples=600", "--model_arg", "hidden=[16]",
+    "--batch_size", "16", "--log_level", "WARNING",
+]  # fmt: skip
+
+_ACTOR_SECRET = re.compile(r"/hpsjax-(server|worker)-[^ /]*/secret\.txt")
+
+
+def _hpsjax_processes() -> dict[int, str]:
+    """Live servers and workers of Ray launches on this machine, from /proc.
+
+    They are told apart from other hpsjax processes by their secret files, in
+    the actors' own directories.
+    """
+    found = {}
+    for entry in pathlib.Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        text = b" ".join(argv).decode(errors="replace")
+        if state != "Z" and _ACTOR_SECRET.search(text):
+            found[int(entry.name)] = text
+    return found
+
+
+def _gone(pids, seconds: float = 20.0) -> set[int]:
+    """The launch's processes still alive after ``seconds`` (a process whose
+    actor was killed gets SIGTERM from the kernel and stops by itself)."""
+    deadline = time.monotonic() + seconds
+    while True:
+        alive = set(pids) & set(_hpsjax_processes())
+        if not alive or time.monotonic() > deadline:
+            return alive
+        time.sleep(0.2)
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    ray = pytest.importorskip("ray")
+    ray.init(
+        num_cpus=4,
+        resources={"hpsjax_test_slot": 2},
+        include_dashboard=False,
+        _node_ip_address="127.0.0.1",
+        log_to_driver=False,
+    )
+    try:
+        yield ray
+    finally:
+        ray.shutdown()
+    deadline = time.monotonic() + 10
+    while _hpsjax_processes() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not _hpsjax_processes()
+
+
+def _run_in_thread(**kwargs):
+    box = {}
+
+    def run():
+        try:
+            box["result"] = _ray_launch.launch_ray(**kwargs)
+        except BaseException as e:  # surfaced by the test
+            box["error"] = e
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread, box
+
+
+@pytest.mark.slow
+def test_a_planned_run_survives_a_killed_worker(ray_cluster, tmp_path):
+    log = io.StringIO()
+    steps = 15
+    thread, box = _run_in_thread(
+        num_workers=2,
+        policy="bsp",
+        steps=steps,
+        plan="hps",
+        worker_args=SMALL_MODEL,
+        per_worker_args={0: ["--slowdown", "2"]},
+        worker_resources=[{"hpsjax_test_slot": 1}, {"hpsjax_test_slot": 1}],
+        workdir=tmp_path,
+        timeout=240,
+        progress=False,
+        log=log,
+    )
+    metrics = tmp_path / "metrics_0.jsonl"
+    deadline = time.monotonic() + 200
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
+        assert time.monotonic() < deadline and thread.is_alive(), log.getvalue()
+        time.sleep(0.2)
+    secret = (tmp_path / "secret.txt").read_bytes()
+    running = _hpsjax_processes()
+    assert len(running) == 3, running
+    assert not any(secret.decode() in argv for argv in running.values())
+    (worker_0,) = [pid for pid, argv in running.items() if "--worker_id 0 " in argv]
+    os.kill(worker_0, signal.SIGKILL)
+    thread.join(240)
+    assert not thread.is_alive()
+    assert "error" not in box, box.get("error")
+    result, out = box["result"], log.getvalue()
+    assert result.returncode == 0, (result.reason, out)
+    assert result.worker_returncodes == (0, 0)
+    assert worker_0 in result.pids and len(result.pids) == 4
+    assert "[launch] worker 0 restarted by Ray (restart 1" in out
+    # It rejoined: the server saw worker 0 join twice, and its metrics hold
+    # the rounds of both of its processes.
+    assert out.count("worker 0 joined") == 2, out
+    assert len(metrics.read_text().splitlines()) >= steps + 3
+    assert "hps plan: batches" in out and result.profile_seconds > 0
+    # Everything is gone, and the secret is in none of Ray's logs.
+    assert not _gone(result.pids)
+    logs = pathlib.Path(ray_cluster._private.worker._global_node.get_logs_dir_path())
+    for path in logs.rglob("*"):
+        if path.is_file():
+            assert secret not in path.read_bytes(), path
+
+
+@pytest.mark.slow
+def test_a_worker_that_cannot_be_placed_stops_the_run(ray_cluster, tmp_path):
+    log = io.StringIO()
+    result = _ray_launch.launch_ray(
+        2,
+        steps=5,
+        worker_args=SMALL_MODEL,
+        worker_resources={1: {"accelerator_type:H100": 1}},
+        workdir=tmp_path,
+        start_timeout=15,
+        timeout=120,
+        progress=False,
+        log=log,
+    )
+    assert result.returncode == 1
+    assert result.reason.startswith("worker 1 was not placed within 15")
+    assert "'accelerator_type:H100': 1.0" in result.reason
+    assert result.pids and not _gone(result.pids)
