@@ -10,6 +10,7 @@ parameter file from any other ``.npz`` (a data set's ``x`` and ``y``), which
 
 from __future__ import annotations
 
+import contextlib
 import os
 import zipfile
 from collections.abc import Mapping
@@ -83,6 +84,13 @@ def open_npz(path: str | os.PathLike) -> np.lib.npyio.NpzFile:
     path = os.fspath(path)
     if not os.path.isfile(path):
         raise FileNotFoundError(f"no .npz file at {path!r}")
+    # np.load takes any file that is neither a zip nor an .npy for a pickle and
+    # says so, which would mislead: a file that is not a zip is named as such.
+    is_npy = False
+    with contextlib.suppress(OSError), open(path, "rb") as f:
+        is_npy = f.read(6) == b"\x93NUMPY"
+    if not is_npy and not zipfile.is_zipfile(path):
+        raise ValueError(f"{path!r} is not a readable .npz archive: not a zip file")
     try:
         archive = np.load(path, allow_pickle=False)
     except (ValueError, OSError, zipfile.BadZipFile) as e:
