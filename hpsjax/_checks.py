@@ -20,11 +20,20 @@ Examples:
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
-__all__ = ["check_int", "check_number", "check_positive", "is_int", "is_number"]
+__all__ = [
+    "check_choice",
+    "check_fraction",
+    "check_int",
+    "check_number",
+    "check_positive",
+    "is_int",
+    "is_number",
+]
 
 
 def is_int(value: Any) -> bool:
@@ -71,4 +80,37 @@ def check_number(
     if value < low or (value == low and not low_inclusive):
         bound = ">=" if low_inclusive else ">"
         raise ValueError(f"{name} must be {bound} {low}, got {value}.")
+    return value
+
+
+def check_fraction(name: str, value: Any, *, allow_none: bool = False) -> float | None:
+    """``value`` as a ``float`` in (0, 1] (or ``None`` when ``allow_none``)."""
+    if value is None and allow_none:
+        return None
+    if not is_number(value) or not 0 < value <= 1:
+        none = " or None" if allow_none else ""
+        raise ValueError(f"{name} must be in (0, 1]{none}, got {value!r}.")
+    return float(value)
+
+
+def check_choice(
+    name: str, value: Any, choices: Sequence[Any], *, allow_none: bool = False
+) -> Any:
+    """``value`` unchanged if it is one of ``choices`` (or ``None`` when
+    ``allow_none``), else a ``ValueError`` listing them.
+
+    Examples:
+      >>> check_choice("on_nonfinite", "skip", ("stop", "skip"))
+      'skip'
+      >>> check_choice("on_nonfinite", "go", ("stop", "skip"))
+      Traceback (most recent call last):
+      ...
+      ValueError: on_nonfinite must be one of stop, skip, got 'go'.
+    """
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or value not in choices:
+        valid = ", ".join(map(str, choices))
+        none = " or None" if allow_none else ""
+        raise ValueError(f"{name} must be one of {valid}{none}, got {value!r}.")
     return value

@@ -7,7 +7,12 @@ records per-round metrics; :func:`run_worker` runs one to the end.
 cluster (slower compute, narrower links, changing over time).
 """
 
-from hpsjax.worker._core import NONFINITE_ACTIONS, OVERLAP_MODES, WorkerCore
+from hpsjax.worker._core import (
+    NONFINITE_ACTIONS,
+    OVERLAP_MODES,
+    WorkerCore,
+    WorkerOptions,
+)
 from hpsjax.worker._hetero import Heterogeneity, Injector, parse_schedule
 from hpsjax.worker._runtime import (
     JsonLinesSink,
@@ -27,6 +32,7 @@ __all__ = [
     "Worker",
     "WorkerConfig",
     "WorkerCore",
+    "WorkerOptions",
     "WorkerSummary",
     "parse_schedule",
     "run_worker",

@@ -99,10 +99,13 @@ The rules it owns:
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import math
 from collections.abc import Callable
 from typing import Any, ClassVar, NamedTuple
+
+from hpsjax._checks import check_choice, check_fraction, check_int, check_positive
 
 __all__ = [
     "EWMA_ALPHA",
@@ -128,6 +131,7 @@ __all__ = [
     "Stop",
     "StopRequested",
     "WorkerCore",
+    "WorkerOptions",
     "check_overlap",
     "ewma",
 ]
@@ -377,43 +381,169 @@ class _Round(NamedTuple):
     stage: int | None
 
 
-def _positive_int(name: str, value: Any, *, allow_none: bool = False) -> None:
-    if value is None and allow_none:
-        return
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+def _option(default: Any, help: str | None = None, **flag: Any) -> Any:
+    """A field of an options dataclass; with ``help``, a command-line flag
+    (``flag``: its other settings, see :mod:`hpsjax._config_flags`)."""
+    metadata = {} if help is None else {"help": help, **flag}
+    return dataclasses.field(default=default, metadata=metadata)
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerOptions:
+    """The options of a worker's decisions (:class:`WorkerCore`), checked once,
+    here.
+
+    :class:`hpsjax.worker.WorkerConfig` extends it with the connection, the
+    encoding and the run's faults; ``hpsjax-worker``'s flags are made from the
+    fields that have a ``help``. The defaults are the core's own; the asyncio
+    worker's differ where :class:`~hpsjax.worker.WorkerConfig` says so.
+
+    Args:
+      device_batches: samples per local step on each local device (the core
+        needs them; a configuration may leave them to its plan or batch).
+      local_steps: :math:`H`, local steps per push, before any plan or hint.
+      lr_scale: the step-size scale, before any plan.
+      overlap: how the transfers overlap compute, one of
+        :data:`OVERLAP_MODES`: ``"pipeline"`` and ``"eager"`` push the previous
+        update and pull while a round computes, ``"none"`` after it; ``None``
+        is left to the driver (the asyncio worker follows the server's policy;
+        the core alone takes ``"none"``).
+      pull_with_push: with ``"pipeline"`` or ``"eager"``, a round's push carries
+        its pull (one ``push_pull``) instead of a pull behind it.
+      eager_pulls: pulls a round at most with ``overlap="eager"`` (PS+), >= 1.
+      staleness_lr: PS+'s modulation: a
+        :data:`hpsjax.transforms.STALENESS_POLICIES` name or a callable
+        ``tau -> factor``; ``None`` for none.
+      follow_hints: obey the server's plans and local-steps hints.
+      max_steps: rounds to compute, ``None`` for no limit.
+      max_seconds: no round starts after this time, ``None`` for no limit.
+      until_version: stop once the parameters held reach this version.
+      compress_ratio: the share of each update's values pushed (top-k), in
+        (0, 1]; ``None`` (or 1) sends them all.
+      compress_from_stage: pushes are sparsified once the server's stage is at
+        least this (0: from the start); ``None`` never sparsifies.
+      on_nonfinite: one of :data:`NONFINITE_ACTIONS`: what a round whose loss
+        or update is not finite does, ``"stop"`` the run or ``"skip"`` its push.
+
+    Raises:
+      ValueError: a bad value, in one line naming it.
+
+    Examples:
+      >>> WorkerOptions(local_steps=4).local_steps
+      4
+      >>> WorkerOptions(eager_pulls=0)
+      Traceback (most recent call last):
+      ...
+      ValueError: eager_pulls must be an int >= 1, got 0.
+    """
+
+    device_batches: tuple[int, ...] | None = None
+    local_steps: int = _option(1, "local steps per push", group="work")
+    lr_scale: float = _option(1.0, "factor on the step size", group="work")
+    overlap: str | None = _option(
+        "none",
+        "transfers during compute: pipeline (the previous push and the next "
+        "pull), eager (pipeline, pulling again while compute time is left, up to "
+        "--eager_pulls a round) or none (push and pull after compute); default: "
+        "the server's policy's, none under a synchronous policy (bsp: every push "
+        "has staleness 0), pipeline otherwise (each push at least 1 version stale)",
+        choices=OVERLAP_MODES,
+        group="work",
+    )
+    pull_with_push: bool = _option(
+        False,
+        "with --overlap pipeline or eager, pull in a request of its own "
+        "rather than in the push (the PUSH_PULL message)",
+        flag="--no_pull_with_push",
+        group="work",
+    )
+    eager_pulls: int = _option(
+        1, "with --overlap eager: pulls per round at most", group="work"
+    )
+    staleness_lr: str | Callable[[int], float] | None = _option(  # noqa: RUF009
+        None, "scale updates by f(staleness) on the worker (PS+)", group="work"
+    )
+    follow_hints: bool = _option(
+        True,
+        "ignore the server's local-step and plan hints",
+        flag="--ignore_hints",
+        group="work",
+    )
+    max_steps: int | None = _option(None, "rounds to run", group="work")
+    max_seconds: float | None = _option(None, "seconds to run", group="work")
+    until_version: int | None = _option(
+        None, "stop at this server version", group="work"
+    )
+    compress_ratio: float | None = None
+    compress_from_stage: int | None = _option(
+        0,
+        "with --work_plan: top-k sparsify pushes at the plan's "
+        "compress_ratio once the server's stage is at least this (ASHL's SHL: 1)",
+        group="work",
+    )
+    on_nonfinite: str = _option(
+        "stop",
+        "a round whose loss or update is not finite (NaN, inf) is never "
+        "pushed: stop the run (exit status 3) or skip that push and go on",
+        choices=NONFINITE_ACTIONS,
+        group="work",
+    )
+
+    def __post_init__(self):
+        def put(name: str, value: Any) -> None:
+            object.__setattr__(self, name, value)
+
+        if self.device_batches is not None:
+            batches = tuple(self.device_batches)
+            if not batches:
+                raise ValueError("device_batches is empty")
+            put(
+                "device_batches",
+                tuple(check_int("device_batches entry", b, low=1) for b in batches),
+            )
+        put("local_steps", check_int("local_steps", self.local_steps, low=1))
+        put("lr_scale", check_positive("lr_scale", self.lr_scale))
+        if self.overlap is not None:
+            check_overlap(self.overlap)
+        put("eager_pulls", check_int("eager_pulls", self.eager_pulls, low=1))
+        if self.staleness_lr is not None and not callable(self.staleness_lr):
+            from hpsjax.transforms import STALENESS_POLICIES
+
+            if self.staleness_lr not in STALENESS_POLICIES:
+                raise ValueError(
+                    f"unknown staleness_lr {self.staleness_lr!r}; valid: "
+                    f"{', '.join(sorted(STALENESS_POLICIES))}, or a callable"
+                )
+        check_int("max_steps", self.max_steps, low=1, allow_none=True)
+        check_positive("max_seconds", self.max_seconds, allow_none=True)
+        check_int("until_version", self.until_version, low=1, allow_none=True)
+        check_fraction("compress_ratio", self.compress_ratio, allow_none=True)
+        check_int(
+            "compress_from_stage", self.compress_from_stage, low=0, allow_none=True
+        )
+        check_choice("on_nonfinite", self.on_nonfinite, NONFINITE_ACTIONS)
+
+    def core_options(self, **changes: Any) -> WorkerOptions:
+        """The :class:`WorkerOptions` part of these options (of a
+        :class:`~hpsjax.worker.WorkerConfig` too), with ``changes``."""
+        values = {
+            f.name: getattr(self, f.name) for f in dataclasses.fields(WorkerOptions)
+        }
+        return WorkerOptions(**{**values, **changes})
 
 
 class WorkerCore:
     """The decisions of one worker (see the module docstring).
 
     Args:
-      device_batches: samples per local step on each local device.
-      local_steps: :math:`H`, local steps per push, before any plan or hint.
-      lr_scale: the step-size scale, before any plan.
+      options: the :class:`WorkerOptions` (``device_batches`` given);
+        ``None`` for their defaults.
       pushes_gradients: the worker has no local optimizer: one step a round.
-      overlap: how the transfers overlap compute, one of
-        :data:`OVERLAP_MODES`: ``"pipeline"`` and ``"eager"`` push the previous
-        update and pull while a round computes, ``"none"`` after it.
-      eager_pulls: pulls a round at most with ``overlap="eager"`` (PS+), >= 1.
-      pull_with_push: with ``"pipeline"`` or ``"eager"``, a round's push carries
-        its pull (one ``push_pull``) instead of a pull behind it.
-      staleness_lr: PS+'s modulation: a
-        :data:`hpsjax.transforms.STALENESS_POLICIES` name or a callable
-        ``tau -> factor``; ``None`` for none.
-      follow_hints: obey the server's plans and local-steps hints.
-      max_steps: rounds to compute, ``None`` for no limit.
-      max_seconds: no round starts after this time.
-      until_version: stop once the parameters held reach this version.
-      compress_ratio: the share of each update's values pushed (top-k), in
-        (0, 1]; 1 sends them all.
-      compress_from_stage: pushes are sparsified once the server's stage is at
-        least this (0: from the start).
-      on_nonfinite: one of :data:`NONFINITE_ACTIONS`: what a round whose loss
-        or update is not finite does, ``"stop"`` the run or ``"skip"`` its push.
+      **changes: :class:`WorkerOptions` fields that replace the ones of
+        ``options``.
 
     Raises:
-      ValueError: a bad argument.
+      ValueError: a bad option, or no ``device_batches``.
 
     Examples:
       >>> core = WorkerCore(device_batches=(32,))
@@ -425,79 +555,37 @@ class WorkerCore:
 
     def __init__(
         self,
+        options: WorkerOptions | None = None,
         *,
-        device_batches: tuple[int, ...],
-        local_steps: int = 1,
-        lr_scale: float = 1.0,
         pushes_gradients: bool = False,
-        overlap: str = "none",
-        eager_pulls: int = 1,
-        pull_with_push: bool = False,
-        staleness_lr: str | Callable[[int], float] | None = None,
-        follow_hints: bool = True,
-        max_steps: int | None = None,
-        max_seconds: float | None = None,
-        until_version: int | None = None,
-        compress_ratio: float = 1.0,
-        compress_from_stage: int = 0,
-        on_nonfinite: str = "stop",
+        **changes: Any,
     ):
-        device_batches = tuple(device_batches)
-        if not device_batches:
-            raise ValueError("device_batches is empty")
-        for b in device_batches:
-            _positive_int("device_batches entry", b)
-        _positive_int("local_steps", local_steps)
-        check_overlap(overlap)
-        _positive_int("eager_pulls", eager_pulls)
-        _positive_int("max_steps", max_steps, allow_none=True)
-        _positive_int("until_version", until_version, allow_none=True)
-        if not (
-            isinstance(compress_ratio, int | float)
-            and not isinstance(compress_ratio, bool)
-            and 0 < compress_ratio <= 1
-        ):
+        options = WorkerOptions() if options is None else options
+        if changes:
+            options = dataclasses.replace(options, **changes)
+        if options.device_batches is None:
             raise ValueError(
-                f"compress_ratio must be in (0, 1], got {compress_ratio!r}"
+                "device_batches is required: samples per local step on each device"
             )
-        if (
-            isinstance(compress_from_stage, bool)
-            or not isinstance(compress_from_stage, int)
-            or compress_from_stage < 0
-        ):
-            raise ValueError(
-                f"compress_from_stage must be an int >= 0, got {compress_from_stage!r}"
-            )
-        if on_nonfinite not in NONFINITE_ACTIONS:
-            raise ValueError(
-                f"on_nonfinite must be one of {', '.join(NONFINITE_ACTIONS)}, "
-                f"got {on_nonfinite!r}"
-            )
-        if not math.isfinite(lr_scale) or lr_scale <= 0:
-            raise ValueError(f"lr_scale must be a positive number, got {lr_scale!r}")
-        if staleness_lr is not None and not callable(staleness_lr):
-            from hpsjax.transforms import STALENESS_POLICIES
-
-            if staleness_lr not in STALENESS_POLICIES:
-                raise ValueError(
-                    f"unknown staleness_lr {staleness_lr!r}; valid: "
-                    f"{', '.join(sorted(STALENESS_POLICIES))}, or a callable"
-                )
-        self.device_batches = device_batches
-        self.plan_steps = int(local_steps)
-        self.lr_scale = float(lr_scale)
+        overlap = options.overlap or "none"
+        self.options = options
+        self.device_batches = options.device_batches
+        self.plan_steps = options.local_steps
+        self.lr_scale = options.lr_scale
         self.pushes_gradients = bool(pushes_gradients)
         self.pipeline = overlap != "none"
-        self.eager_pulls = int(eager_pulls) if overlap == "eager" else 1
-        self.pull_with_push = bool(pull_with_push) and self.pipeline
-        self.staleness_lr = staleness_lr
-        self.follow_hints = bool(follow_hints)
-        self.max_steps = max_steps
-        self.max_seconds = max_seconds
-        self.until_version = until_version
-        self.compress_ratio = float(compress_ratio)
-        self.compress_from_stage = int(compress_from_stage)
-        self.on_nonfinite = on_nonfinite
+        self.eager_pulls = options.eager_pulls if overlap == "eager" else 1
+        self.pull_with_push = bool(options.pull_with_push) and self.pipeline
+        self.staleness_lr = options.staleness_lr
+        self.follow_hints = bool(options.follow_hints)
+        self.max_steps = options.max_steps
+        self.max_seconds = options.max_seconds
+        self.until_version = options.until_version
+        self.compress_ratio = (
+            1.0 if options.compress_ratio is None else options.compress_ratio
+        )
+        self.compress_from_stage = options.compress_from_stage
+        self.on_nonfinite = options.on_nonfinite
         self.server_stage = 0  # as last heard
 
         self.state = _State.IDLE
@@ -535,7 +623,8 @@ class WorkerCore:
     @property
     def push_ratio(self) -> float:
         """The share of its values the next push sends (the compression rule)."""
-        if self.server_stage >= self.compress_from_stage:
+        start = self.compress_from_stage
+        if start is not None and self.server_stage >= start:
             return self.compress_ratio
         return 1.0
 

@@ -126,8 +126,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from hpsjax._checks import check_choice, check_int, check_number, check_positive
 from hpsjax.worker._core import (
-    NONFINITE_ACTIONS,
     Acked,
     Compute,
     Computed,
@@ -145,7 +145,8 @@ from hpsjax.worker._core import (
     Stop,
     StopRequested,
     WorkerCore,
-    check_overlap,
+    WorkerOptions,
+    _option,
 )
 from hpsjax.worker._hetero import Heterogeneity, Injector
 
@@ -161,30 +162,42 @@ __all__ = [
 logger = logging.getLogger("hpsjax.worker")
 
 
-def _check_int(name: str, value: Any, low: int, *, allow_none: bool = False) -> None:
-    if value is None and allow_none:
-        return
-    if isinstance(value, bool) or not isinstance(value, int | np.integer):
-        raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
-    if value < low:
-        raise ValueError(f"{name} must be an int >= {low}, got {value}")
+def _asyncio_default(name: str, default: Any) -> Any:
+    """A :class:`WorkerOptions` field with the asyncio worker's default."""
+    metadata = WorkerOptions.__dataclass_fields__[name].metadata
+    return dataclasses.field(default=default, metadata=metadata)
 
 
-def _check_positive(name: str, value: Any, *, allow_none: bool = False) -> None:
-    if value is None and allow_none:
-        return
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, int | float)
-        or not math.isfinite(value)
-        or value <= 0
-    ):
-        raise ValueError(f"{name} must be a positive finite number, got {value!r}")
+def _worker_id(text: str) -> str | int:
+    """A ``--worker_id``: an int where it reads as one, else the text."""
+    try:
+        return int(text)
+    except ValueError:
+        return text
 
 
 @dataclasses.dataclass(frozen=True)
-class WorkerConfig:
+class WorkerConfig(WorkerOptions):
     """Settings of one worker (plain values; the command line makes one).
+
+    The worker core's options are :class:`~hpsjax.worker.WorkerOptions`'s
+    fields (``device_batches``, ``local_steps``, ``lr_scale``, ``overlap``,
+    ``pull_with_push``, ``eager_pulls``, ``staleness_lr``, ``follow_hints``,
+    ``max_steps``, ``max_seconds``, ``until_version``, ``compress_ratio``,
+    ``compress_from_stage``, ``on_nonfinite``), checked there; here they mean
+    what they mean there, with these differences:
+
+    * ``device_batches``: ``None`` splits ``batch_size`` evenly over the
+      local devices; ``work_plan``'s entry for this worker, where it has one,
+      sets the batch per device, the local steps and the step-size scale.
+    * ``overlap``: ``None`` (the default) follows the server's policy, told on
+      connecting: ``"none"`` under a synchronous one (BSP), so that every push
+      has staleness 0, ``"pipeline"`` otherwise.
+    * ``pull_with_push`` is on by default: a round costs one message each way
+      instead of a push, its acknowledgement, a pull and its answer.
+    * ``compress_ratio``: ``None`` for ``work_plan``'s ``compress_ratio`` for
+      this worker (1 without a plan); ``compress_from_stage``: ``None`` (the
+      default) never sparsifies.
 
     Args:
       host: the parameter server's address.
@@ -194,11 +207,6 @@ class WorkerConfig:
         without authentication.
       batch_size: samples per local step, over all local devices; ignored when
         ``work_plan`` has an entry for this worker.
-      device_batches: samples per local step on each local device (sums to the
-        batch), ``None`` to split ``batch_size`` evenly.
-      local_steps: :math:`H`, local steps per push (needs a local optimizer
-        when > 1); the server's hints override it.
-      lr_scale: factor on the step size of this worker's updates.
       work_plan: a :class:`~hpsjax.profiling.WorkPlan` whose entry for
         ``worker_id`` sets the batch per device, local steps and step-size scale.
       bits: quantize pushes to this many bits: 1 (scaled sign), 2, 4, 8 or 16
@@ -210,49 +218,16 @@ class WorkerConfig:
         codec), ``None`` for none; not with ``bits``.
       error_feedback: carry the quantization (top-k or PowerSGD) residual to
         the next push.
-      compress_ratio: the share of an update's values a sparsified push sends
-        (:func:`hpsjax.transforms.top_k`, the wire's top-k codec), in (0, 1];
-        ``None`` for ``work_plan``'s ``compress_ratio`` for this worker (1
-        without a plan).
-      compress_from_stage: pushes are top-k sparsified at ``compress_ratio``
-        once the server's stage is at least this (``WorkerCore``'s rule; ASHL's
-        SHL is stage 1); ``None`` never sparsifies.
-      staleness_lr: a :data:`hpsjax.transforms.STALENESS_POLICIES` name
-        (e.g. ``"inverse_plus_one"``) to scale each update by :math:`f(\\hat\\tau)`
-        on this side (PS+), ``None`` for no scaling.
-      overlap: how transfers overlap compute, one of
-        :data:`~hpsjax.worker.OVERLAP_MODES`: ``"pipeline"`` sends the
-        previous push and the next pull while a round computes, ``"eager"``
-        pulls again as well while compute time is left, ``"none"`` pushes and
-        pulls after the compute. ``None`` (the default) follows the server's
-        policy, told on connecting: ``"none"`` under a synchronous one (BSP),
-        so that every push has staleness 0, ``"pipeline"`` otherwise.
       compile_beside: compile the step for a batch size new to this worker (a
         revised plan) on a thread of its own, the rounds meanwhile computing
         with the last batch (and saying so in their pushes' sample counts), so
         a re-plan never stalls a round; ``False`` compiles it in the round.
-      pull_with_push: with ``"pipeline"`` or ``"eager"``, send a round's push
-        and the pull behind it as one ``push_pull``: the server answers with
-        the parameters (the acknowledgement inside) once it applied the update
-        and its policy lets this worker go on, so a round costs one message
-        each way instead of a push, its acknowledgement, a pull and its answer.
-      eager_pulls: pulls per round at most with ``overlap="eager"``: with more
-        than 1, the worker pulls again while a pull answered early leaves time
-        before compute ends, so it starts the next round on fresher parameters.
-      follow_hints: obey the server's ``local_steps`` and ``plan`` hints.
-      max_steps: rounds to run (each ends with a push), ``None`` for no limit.
-      max_seconds: stop starting rounds after this many seconds.
-      until_version: stop once pulled parameters reach this version.
       heterogeneity: injected slowdown and link limits.
       timeout: seconds any single request may take (``None``: no limit). Under
         BSP the pull waits for the slowest worker, so keep it above a round.
       seed: seed of the quantizer's random rounding.
       fail_after_steps: fault injection: raise ``RuntimeError`` after this many
         rounds (to exercise how the server and launcher handle a dying worker).
-      on_nonfinite: a round whose loss or update is not finite (the run
-        diverged) is never pushed; ``"stop"`` ends the run (``ended_by``
-        ``"diverged"``, one line logged), ``"skip"`` drops that round and goes
-        on (:data:`~hpsjax.worker.NONFINITE_ACTIONS`).
       reconnect_timeout: seconds to keep reconnecting (with backoff) when the
         server says goodbye or the connection is lost, after which the worker
         joins again at the server's version (a restarted server's, resumed from
@@ -263,57 +238,58 @@ class WorkerConfig:
       ValueError: a bad value (checked here, before anything runs).
     """
 
-    host: str = "127.0.0.1"
+    overlap: str | None = _asyncio_default("overlap", None)
+    pull_with_push: bool = _asyncio_default("pull_with_push", True)
+    compress_from_stage: int | None = _asyncio_default("compress_from_stage", None)
+    host: str = _option("127.0.0.1", "server address", group="server")
     port: int = 0
-    worker_id: str | int = 0
+    worker_id: str | int = _option(0, "unique id", type=_worker_id, group="server")
     secret: str | bytes | None = None
-    batch_size: int = 32
-    device_batches: tuple[int, ...] | None = None
-    local_steps: int = 1
-    lr_scale: float = 1.0
+    batch_size: int = _option(32, "samples per step", group="work")
     work_plan: Any = None
-    bits: int | None = None
+    bits: int | None = _option(
+        None, "quantize pushes (1, 2, 4, 8, 16 bits)", group="work"
+    )
     stochastic: bool | None = None
-    powersgd_rank: int | None = None
-    error_feedback: bool = True
-    compress_ratio: float | None = None
-    compress_from_stage: int | None = None
-    staleness_lr: str | None = None
-    overlap: str | None = None
-    pull_with_push: bool = True
+    powersgd_rank: int | None = _option(
+        None,
+        "compress pushes to PowerSGD factors of this rank (not with --bits)",
+        group="work",
+    )
+    error_feedback: bool = _option(
+        True,
+        "with --bits or --powersgd_rank: drop the compression error "
+        "instead of carrying it",
+        flag="--no_error_feedback",
+        group="work",
+    )
     compile_beside: bool = True
-    eager_pulls: int = 1
-    follow_hints: bool = True
-    max_steps: int | None = None
-    max_seconds: float | None = None
-    until_version: int | None = None
     heterogeneity: Heterogeneity = dataclasses.field(default_factory=Heterogeneity)
-    timeout: float | None = 600.0
-    seed: int = 0
-    fail_after_steps: int | None = None
-    on_nonfinite: str = "stop"
-    reconnect_timeout: float = 60.0
+    timeout: float | None = _option(600.0, "request timeout (s)", group="server")
+    seed: int = _option(0, "quantizer seed", group="work")
+    fail_after_steps: int | None = _option(
+        None, "raise after this many rounds (fault injection)", group="faults"
+    )
+    reconnect_timeout: float = _option(
+        60.0,
+        "seconds to keep reconnecting (with backoff) to a server that said "
+        "goodbye or was lost, then join it again at its version (a restarted "
+        "server's) and go on; 0: stop at once (exit status 4)",
+        group="server",
+    )
 
     def __post_init__(self):
+        super().__post_init__()
         if not isinstance(self.host, str) or not self.host:
             raise ValueError(f"host must be a non-empty str, got {self.host!r}")
-        _check_int("port", self.port, 0)
+        check_int("port", self.port, low=0)
         if self.port > 65535:
             raise ValueError(f"port must be below 65536, got {self.port}")
         if isinstance(self.worker_id, bool) or not isinstance(
             self.worker_id, str | int
         ):
             raise ValueError(f"worker_id must be a str or int, got {self.worker_id!r}")
-        _check_int("batch_size", self.batch_size, 1)
-        if self.device_batches is not None:
-            batches = tuple(self.device_batches)
-            for b in batches:
-                _check_int("device_batches entry", b, 1)
-            if not batches:
-                raise ValueError("device_batches is empty")
-            object.__setattr__(self, "device_batches", batches)
-        _check_int("local_steps", self.local_steps, 1)
-        _check_positive("lr_scale", self.lr_scale)
+        check_int("batch_size", self.batch_size, low=1)
         if self.work_plan is not None:
             from hpsjax.profiling import WorkPlan
 
@@ -322,58 +298,18 @@ class WorkerConfig:
                     f"work_plan must be a WorkPlan, got {type(self.work_plan).__name__}"
                 )
             self.work_plan.worker(self.worker_id)
-        if self.bits is not None and (
-            isinstance(self.bits, bool) or self.bits not in (1, 2, 4, 8, 16)
-        ):
-            raise ValueError(f"bits must be 1, 2, 4, 8, 16 or None, got {self.bits!r}")
-        _check_int("powersgd_rank", self.powersgd_rank, 1, allow_none=True)
+        check_choice("bits", self.bits, (1, 2, 4, 8, 16), allow_none=True)
+        check_int("powersgd_rank", self.powersgd_rank, low=1, allow_none=True)
         if self.bits is not None and self.powersgd_rank is not None:
             raise ValueError("give bits or powersgd_rank, not both")
-        if self.compress_ratio is not None and not (
-            isinstance(self.compress_ratio, int | float)
-            and not isinstance(self.compress_ratio, bool)
-            and 0 < self.compress_ratio <= 1
-        ):
-            raise ValueError(
-                f"compress_ratio must be in (0, 1] or None, got {self.compress_ratio!r}"
-            )
-        _check_int("compress_from_stage", self.compress_from_stage, 0, allow_none=True)
         if self.stochastic is not None and not isinstance(self.stochastic, bool):
             raise ValueError(f"stochastic must be a bool or None: {self.stochastic!r}")
-        if self.staleness_lr is not None:
-            from hpsjax.transforms import STALENESS_POLICIES
-
-            if self.staleness_lr not in STALENESS_POLICIES:
-                raise ValueError(
-                    f"unknown staleness_lr {self.staleness_lr!r}; valid: "
-                    f"{sorted(STALENESS_POLICIES)}"
-                )
-        if self.overlap is not None:
-            check_overlap(self.overlap)
-        _check_int("eager_pulls", self.eager_pulls, 1)
-        _check_int("max_steps", self.max_steps, 1, allow_none=True)
-        _check_positive("max_seconds", self.max_seconds, allow_none=True)
-        _check_int("until_version", self.until_version, 1, allow_none=True)
         if not isinstance(self.heterogeneity, Heterogeneity):
             raise ValueError("heterogeneity must be a Heterogeneity")
-        _check_positive("timeout", self.timeout, allow_none=True)
-        _check_int("seed", self.seed, 0)
-        _check_int("fail_after_steps", self.fail_after_steps, 1, allow_none=True)
-        if (
-            isinstance(self.reconnect_timeout, bool)
-            or not isinstance(self.reconnect_timeout, int | float)
-            or not math.isfinite(self.reconnect_timeout)
-            or self.reconnect_timeout < 0
-        ):
-            raise ValueError(
-                "reconnect_timeout must be a finite number of seconds >= 0, got "
-                f"{self.reconnect_timeout!r}"
-            )
-        if self.on_nonfinite not in NONFINITE_ACTIONS:
-            raise ValueError(
-                f"on_nonfinite must be one of {', '.join(NONFINITE_ACTIONS)}, "
-                f"got {self.on_nonfinite!r}"
-            )
+        check_positive("timeout", self.timeout, allow_none=True)
+        check_int("seed", self.seed, low=0)
+        check_int("fail_after_steps", self.fail_after_steps, low=1, allow_none=True)
+        check_number("reconnect_timeout", self.reconnect_timeout, low=0)
 
     def planned(self) -> tuple[tuple[int, ...] | None, int, int, float]:
         """``(device_batches, batch_size, local_steps, lr_scale)`` to start with."""
@@ -1358,23 +1294,14 @@ class Worker:
         config = self._config
         device_batches, local_steps, lr_scale = self._initial
         core = self._core = WorkerCore(
-            device_batches=device_batches,
-            local_steps=local_steps,
-            lr_scale=lr_scale,
-            pushes_gradients=self._pushes_gradients,
-            overlap=self._overlap(client),
-            pull_with_push=config.pull_with_push,
-            eager_pulls=config.eager_pulls,
-            staleness_lr=config.staleness_lr,
-            follow_hints=config.follow_hints,
-            max_steps=config.max_steps,
-            max_seconds=config.max_seconds,
-            until_version=config.until_version,
-            compress_ratio=(
-                1.0 if config.compress_from_stage is None else config.push_ratio()
+            config.core_options(
+                device_batches=device_batches,
+                local_steps=local_steps,
+                lr_scale=lr_scale,
+                overlap=self._overlap(client),
+                compress_ratio=config.push_ratio(),
             ),
-            compress_from_stage=config.compress_from_stage or 0,
-            on_nonfinite=config.on_nonfinite,
+            pushes_gradients=self._pushes_gradients,
         )
         run = _Run(self, client, computer, encoder, totals)
         await run.drive(core)
