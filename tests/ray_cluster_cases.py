@@ -18,7 +18,7 @@ import time
 
 import pytest
 
-from hpsjax import _ray_launch
+from hpsjax.launch import _ray as _ray_launch
 
 # Ray binds its own services to the node's address: on Linux the routed one,
 # unless told to keep to loopback (read when ray is first imported).

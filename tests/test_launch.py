@@ -22,7 +22,8 @@ import pytest
 from _models import SMALL_MODEL, alive
 
 from hpsjax import launch as launch_module
-from hpsjax.launch import LaunchError, launch
+from hpsjax.launch import LaunchError, _job, _local, launch
+from hpsjax.launch import _cli as launch_cli
 from hpsjax.models import save_params_npz
 from hpsjax.worker import _cli
 
@@ -72,7 +73,7 @@ def test_argument_errors_are_clear():
 
 
 def test_main_splits_server_and_worker_flags():
-    own, server, worker = launch_module._split_argv(
+    own, server, worker = launch_cli._split_argv(
         ["--workers", "2", "--server", "--optimizer", "adam", "--", "--bits", "8"]
     )
     assert own == ["--workers", "2"]
@@ -94,7 +95,7 @@ _STUBBORN = textwrap.dedent(
 
 def test_shutdown_kills_process_groups_that_ignore_sigterm():
     lines = []
-    process = launch_module._Process(
+    process = _job.Process(
         "stubborn",
         [sys.executable, "-c", _STUBBORN],
         lines.append,
@@ -105,7 +106,7 @@ def test_shutdown_kills_process_groups_that_ignore_sigterm():
         time.sleep(0.05)
     grandchild = int(lines[0].split()[-1])
     start = time.monotonic()
-    launch_module._shutdown([process], timeout=0.5)
+    _job.shutdown([process], timeout=0.5)
     assert time.monotonic() - start < 10
     assert process.poll() == -signal.SIGKILL
     assert not alive(process.pid)
@@ -378,21 +379,21 @@ def test_max_restarts_is_checked():
 
 def test_what_counts_as_a_crash():
     # A signal or a failure is restarted; a clean end and bad flags are not.
-    assert launch_module._crashed(-9) and launch_module._crashed(1)
-    assert not launch_module._crashed(0)
-    assert not launch_module._crashed(2)
-    assert not launch_module._crashed(None)
+    assert _job.is_crash(-9) and _job.is_crash(1)
+    assert not _job.is_crash(0)
+    assert not _job.is_crash(2)
+    assert not _job.is_crash(None)
 
 
 def test_a_restartable_server_gets_checkpoint_flags(tmp_path):
-    args = launch_module._restart_checkpoint_args([], tmp_path, 0, 1)
+    args = _local._restart_checkpoint_args([], tmp_path, 0, 1)
     assert args == ["--checkpoint_dir", str(tmp_path), "--checkpoint_every_s", "1.0"]
     # Shards keep their checkpoints apart.
-    args = launch_module._restart_checkpoint_args([], tmp_path, 1, 2)
+    args = _local._restart_checkpoint_args([], tmp_path, 1, 2)
     assert args[:2] == ["--checkpoint_dir", str(tmp_path / "shard_1")]
     # The user's own flags win.
     mine = ["--checkpoint_dir=ckpt", "--checkpoint_every_updates", "5"]
-    assert launch_module._restart_checkpoint_args(mine, tmp_path, 0, 1) == []
+    assert _local._restart_checkpoint_args(mine, tmp_path, 0, 1) == []
 
 
 def test_max_restarts_reaches_the_local_launcher(monkeypatch):
@@ -403,7 +404,7 @@ def test_max_restarts_reaches_the_local_launcher(monkeypatch):
         return launch_module.LaunchResult(0, "completed", 0, (0,), (), None, None,
                                           None, 0.0)  # fmt: skip
 
-    monkeypatch.setattr(launch_module, "launch", fake_launch)
+    monkeypatch.setattr(launch_cli, "launch", fake_launch)
     assert launch_module.main(["--workers", "2", "--max_restarts", "4"]) == 0
     assert seen["max_restarts"] == 4 and seen["num_workers"] == 2
     # Locally the default is no restart.

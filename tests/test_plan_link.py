@@ -19,7 +19,7 @@ from _models import SMALL_MODEL, alive
 
 from hpsjax import launch as launch_module
 from hpsjax._compile_cache import CACHE_ENV, cache_dir_for
-from hpsjax.launch import DIVERGED, launch
+from hpsjax.launch import DIVERGED, _job, launch
 from hpsjax.profiling import (
     Link,
     TransferProfile,
@@ -86,13 +86,11 @@ def test_plan_help_lists_the_schemes(capsys):
 
 
 def test_a_diverged_status_is_not_a_crash_to_restart():
-    assert not launch_module._crashed(DIVERGED)
-    assert launch_module._crashed(1)
-    assert launch_module._worker_ended(2, DIVERGED, 3.25) == (
-        "worker 2 diverged at t = 3.2 s"
-    )
-    assert launch_module._returncode("worker 2 diverged at t = 3.2 s") == DIVERGED
-    assert launch_module._returncode("worker 2 exited with status 1") == 1
+    assert not _job.is_crash(DIVERGED)
+    assert _job.is_crash(1)
+    assert _job.worker_ended(2, DIVERGED, 3.25) == ("worker 2 diverged at t = 3.2 s")
+    assert _job.launch_returncode("worker 2 diverged at t = 3.2 s") == DIVERGED
+    assert _job.launch_returncode("worker 2 exited with status 1") == 1
 
 
 @pytest.mark.slow

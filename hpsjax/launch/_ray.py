@@ -49,7 +49,22 @@ from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TextIO
 
-from hpsjax import launch as _local
+from hpsjax.launch._job import (
+    LISTENING,
+    TRAMPOLINE,
+    Console,
+    Job,
+    LaunchError,
+    LaunchResult,
+    Monitor,
+    PerWorkerArgs,
+    end_launch,
+    final_reason,
+    is_crash,
+    launch_returncode,
+    worker_ended,
+)
+from hpsjax.launch._prepare import check_launch, prepare_workdir, run_cache_env, run_env
 
 __all__ = ["launch_ray", "parse_resources", "worker_resources_from_flags"]
 
@@ -141,17 +156,17 @@ def worker_resources_from_flags(
 
 def _checked(resources: Resources, what: str) -> dict[str, float]:
     if not isinstance(resources, Mapping):
-        raise _local.LaunchError(
+        raise LaunchError(
             f"{what} must be a mapping of resource names to amounts, got {resources!r}"
         )
     out = {}
     for name, amount in resources.items():
         if not (isinstance(name, str) and _NAME.fullmatch(name)):
-            raise _local.LaunchError(f"{what}: bad resource name {name!r}")
+            raise LaunchError(f"{what}: bad resource name {name!r}")
         if isinstance(amount, bool) or not isinstance(amount, int | float):
-            raise _local.LaunchError(f"{what}: {name} must be a number, got {amount!r}")
+            raise LaunchError(f"{what}: {name} must be a number, got {amount!r}")
         if not 0 <= amount < float("inf"):
-            raise _local.LaunchError(f"{what}: {name} must be >= 0, got {amount!r}")
+            raise LaunchError(f"{what}: {name} must be >= 0, got {amount!r}")
         out[name] = float(amount)
     return {**_DEFAULT_RESOURCES, **out}
 
@@ -167,7 +182,7 @@ def _per_worker_resources(
     )
     for index, entry in items:
         if not (isinstance(index, int) and 0 <= index < num_workers):
-            raise _local.LaunchError(
+            raise LaunchError(
                 f"resources for worker {index!r}, not in 0..{num_workers - 1}"
             )
         out[index] = _checked(entry, f"worker {index}'s resources")
@@ -231,9 +246,9 @@ class _ProcessActor:
         self._returncode: int | None = None
         self._drained = threading.Event()
         self._port: int | None = None
-        # The trampoline ties the process to this actor's life (see launch.py).
+        # The trampoline ties the process to this actor's life (see _job.py).
         self._popen = subprocess.Popen(
-            [sys.executable, "-c", _local._TRAMPOLINE, str(os.getpid()),
+            [sys.executable, "-c", TRAMPOLINE, str(os.getpid()),
              sys.executable, *argv],
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
@@ -251,13 +266,13 @@ class _ProcessActor:
         with self._popen.stdout:
             for line in self._popen.stdout:
                 line = line.rstrip("\n")
-                match = _local._LISTENING.search(line)
+                match = LISTENING.search(line)
                 with self._lock:
                     if match and self._port is None:
                         self._port = int(match.group(2))
                     self._lines.append(line)
         code = self._popen.wait()
-        crashed = _local._crashed(code) and self._restart
+        crashed = is_crash(code) and self._restart
         with self._lock:
             self._crashed = crashed and not self._stopping
             self._returncode = code
@@ -442,7 +457,7 @@ def launch_ray(
     policy: str = "bsp",
     steps: int | None = 100,
     worker_args: Sequence[str] = (),
-    per_worker_args: _local.PerWorkerArgs | None = None,
+    per_worker_args: PerWorkerArgs | None = None,
     server_args: Sequence[str] = (),
     plan: str | None = None,
     global_batch: int | None = None,
@@ -461,7 +476,7 @@ def launch_ray(
     server_resources: Resources | None = None,
     max_restarts: int = 3,
     runtime_env: Mapping[str, Any] | None = None,
-) -> _local.LaunchResult:
+) -> LaunchResult:
     """Runs a server and ``num_workers`` workers to completion as Ray actors.
 
     Takes every argument of :func:`hpsjax.launch.launch` (but ``python``: each
@@ -501,7 +516,7 @@ def launch_ray(
         arguments = dict(locals())
         with tempfile.TemporaryDirectory(prefix="hpsjax-launch-") as tmp:
             return launch_ray(**{**arguments, "workdir": tmp})
-    flags, shared = _local._check_launch(
+    flags, shared = check_launch(
         num_workers,
         steps=steps,
         worker_args=worker_args,
@@ -519,20 +534,20 @@ def launch_ray(
     try:
         import ray
     except ImportError:
-        raise _local.LaunchError(
+        raise LaunchError(
             "the Ray backend needs ray: pip install 'hpsjax[ray]'"
         ) from None
 
-    console = _local._Console(log)
+    console = Console(log)
     start = time.monotonic()
     work = pathlib.Path(workdir)
     work.mkdir(parents=True, exist_ok=True)
-    env = _local.run_env(work, compile_cache)
-    job = _local._Job(
+    env = run_env(work, compile_cache)
+    job = Job(
         num_workers, policy, steps, [str(a) for a in server_args], shared, flags,
         [], server_shards, split_leaves,
     )  # fmt: skip
-    secret, _, init, job, profile_seconds = _local._prepare_workdir(
+    secret, _, init, job, profile_seconds = prepare_workdir(
         work, job, plan, replan, global_batch, console, python=sys.executable,
         env=env, start_timeout=start_timeout, shutdown_timeout=shutdown_timeout,
     )  # fmt: skip
@@ -543,7 +558,7 @@ def launch_ray(
         flags=[local(f) for f in job.flags],
         plan_server_args=local(job.plan_server_args),
     )
-    actor_env = _local.run_cache_env(work, compile_cache)
+    actor_env = run_cache_env(work, compile_cache)
     cpus = server_request.get("num_cpus", 0) * server_shards + sum(
         r.get("num_cpus", 0) for r in resources
     )
@@ -553,9 +568,7 @@ def launch_ray(
     try:
         run.start_servers(server_request)
         run.start_workers(resources, work)
-        run.monitor = _local._Monitor(
-            run.servers[0].port, secret, host=run.servers[0].host
-        )
+        run.monitor = Monitor(run.servers[0].port, secret, host=run.servers[0].host)
         console.start_bar(progress, job)
         reason = run.watch(resources, None if timeout is None else start + timeout)
     except KeyboardInterrupt:
@@ -571,7 +584,7 @@ def launch_ray(
             if started_ray:
                 ray.shutdown()
 
-        _local._stop(
+        end_launch(
             reason,
             console,
             run.monitor,
@@ -580,12 +593,12 @@ def launch_ray(
         )
     servers, workers = run.servers, run.workers
     server_codes = tuple(s.returncode for s in servers)
-    reason = _local._final_reason(reason, [s.name for s in servers], server_codes)
+    reason = final_reason(reason, [s.name for s in servers], server_codes)
     console.emit(
         f"[launch] {reason} in {time.monotonic() - start:.1f}s; workdir {work}"
     )
-    return _local.LaunchResult(
-        returncode=_local._returncode(reason),
+    return LaunchResult(
+        returncode=launch_returncode(reason),
         reason=reason,
         server_returncode=server_codes[0] if server_codes else None,
         worker_returncodes=tuple(w.returncode for w in workers),
@@ -636,8 +649,8 @@ class _RayRun:
 
     def __init__(
         self,
-        job: _local._Job,
-        console: _local._Console,
+        job: Job,
+        console: Console,
         files: dict[str, bytes],
         max_restarts: int,
         start_timeout: float,
@@ -657,7 +670,7 @@ class _RayRun:
         self.members: list[_Member] = []
         self.servers: list[_Member] = []
         self.workers: list[_Member] = []
-        self.monitor: _local._Monitor | None = None
+        self.monitor: Monitor | None = None
 
     def start_servers(self, request: dict[str, float]) -> None:
         """Starts the server shards and waits until they listen.
@@ -689,7 +702,7 @@ class _RayRun:
             if failed:
                 s = failed[0]
                 what = s.died or f"exited with status {s.returncode}"
-                raise _local.LaunchError(f"the {s.name} {what}")
+                raise LaunchError(f"the {s.name} {what}")
             if time.monotonic() > deadline:
                 unplaced = [s.name for s in servers if not s.pids]
                 where = (
@@ -698,7 +711,7 @@ class _RayRun:
                     if unplaced
                     else "did not listen"
                 )
-                raise _local.LaunchError(
+                raise LaunchError(
                     f"the {(unplaced or [servers[0].name])[0]} {where} "
                     f"within {self.start_timeout}s"
                 )
@@ -780,7 +793,7 @@ def _run_state(
             )
         if w.returncode not in (None, 0) and not w.crashed:
             since = 0.0 if started is None else time.monotonic() - started
-            return _local._worker_ended(i, w.returncode, since)
+            return worker_ended(i, w.returncode, since)
     if all(w.returncode == 0 for w in workers):
         return "completed"
     for s in servers:
@@ -827,7 +840,7 @@ def add_ray_flags(p: argparse.ArgumentParser) -> None:
 
 def backend_from_flags(
     args: argparse.Namespace,
-) -> Callable[..., _local.LaunchResult] | None:
+) -> Callable[..., LaunchResult] | None:
     """The Ray launcher with its flags bound, ``None`` for the local backend.
 
     Raises:
@@ -851,7 +864,7 @@ def backend_from_flags(
         parse_resources(args.server_resources) if args.server_resources else None
     )
 
-    def run(*a, **kw) -> _local.LaunchResult:
+    def run(*a, **kw) -> LaunchResult:
         return launch_ray(
             *a,
             **kw,

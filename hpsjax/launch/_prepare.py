@@ -1,0 +1,285 @@
+"""Before a launch starts its job: the checks of its arguments, the work
+directory (secret, initial parameters) and the profiling pass with its plan."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import pathlib
+import secrets
+import time
+from collections.abc import Mapping, Sequence
+
+from hpsjax import profiling
+from hpsjax._compile_cache import cache_dir_for, cache_env
+from hpsjax.launch._job import (
+    Console,
+    Job,
+    LaunchError,
+    PerWorkerArgs,
+    Process,
+    shutdown,
+    start_server,
+)
+from hpsjax.worker._cli import _heterogeneity, parse_args, write_init
+
+
+def check_launch(
+    num_workers: int,
+    *,
+    steps: int | None,
+    worker_args: Sequence[str],
+    per_worker_args: PerWorkerArgs | None,
+    server_args: Sequence[str],
+    timeout: float | None,
+    plan: str | None,
+    replan: float | None,
+    server_shards: int,
+    split_leaves: bool,
+    max_restarts: int = 0,
+) -> tuple[list[list[str]], list[str]]:
+    """Checks a launch's arguments; returns each worker's and the shared flags."""
+    if (
+        isinstance(num_workers, bool)
+        or not isinstance(num_workers, int)
+        or num_workers < 1
+    ):
+        raise LaunchError(f"num_workers must be an int >= 1, got {num_workers!r}")
+    if steps is not None and (
+        isinstance(steps, bool) or not isinstance(steps, int) or steps < 1
+    ):
+        raise LaunchError(f"steps must be an int >= 1 or None, got {steps!r}")
+    for name, value in (("worker_args", worker_args), ("server_args", server_args)):
+        if isinstance(value, str):
+            raise LaunchError(f"{name} must be a list of arguments, not a string")
+    if timeout is not None and not timeout > 0:
+        raise LaunchError(f"timeout must be > 0 or None, got {timeout!r}")
+    if plan is not None and plan not in profiling.SCHEMES:
+        raise LaunchError(f"unknown plan scheme {plan!r}; valid: {profiling.SCHEMES}")
+    if replan is not None and (plan is None or not replan > 0):
+        raise LaunchError(f"replan needs a plan and a threshold > 0, got {replan!r}")
+    if (
+        isinstance(server_shards, bool)
+        or not isinstance(server_shards, int)
+        or server_shards < 1
+    ):
+        raise LaunchError(f"server_shards must be an int >= 1, got {server_shards!r}")
+    if split_leaves and server_shards == 1:
+        raise LaunchError("split_leaves needs server_shards > 1")
+    if isinstance(max_restarts, bool) or not (
+        isinstance(max_restarts, int) and max_restarts >= 0
+    ):
+        raise LaunchError(f"max_restarts must be an int >= 0, got {max_restarts!r}")
+    flags = _worker_flags(per_worker_args, num_workers)
+    shared = [str(a) for a in worker_args]
+    try:
+        parse_args(shared)
+        for extra in flags:
+            _heterogeneity(parse_args([*shared, *extra]))
+    except SystemExit:
+        raise LaunchError("bad worker flags (see the message above)") from None
+    except ValueError as e:
+        raise LaunchError(f"bad worker flags: {e}") from None
+    return flags, shared
+
+
+def _worker_flags(
+    per_worker_args: PerWorkerArgs | None,
+    num_workers: int,
+) -> list[list[str]]:
+    flags: list[list[str]] = [[] for _ in range(num_workers)]
+    if per_worker_args is None:
+        return flags
+    items = (
+        per_worker_args.items()
+        if isinstance(per_worker_args, Mapping)
+        else enumerate(per_worker_args)
+    )
+    for index, extra in items:
+        if not (isinstance(index, int) and 0 <= index < num_workers):
+            raise LaunchError(
+                f"per-worker flags for worker {index!r}, not in 0..{num_workers - 1}"
+            )
+        if isinstance(extra, str):
+            raise LaunchError(
+                f"per-worker flags for worker {index} must be a list of arguments, "
+                f"got the string {extra!r} (split it with shlex.split)"
+            )
+        flags[index] = [str(a) for a in extra]
+    return flags
+
+
+def prepare_workdir(
+    work: pathlib.Path,
+    job: Job,
+    plan: str | None,
+    replan: float | None,
+    global_batch: int | None,
+    console: Console,
+    *,
+    python: str,
+    env: Mapping[str, str],
+    start_timeout: float,
+    shutdown_timeout: float,
+) -> tuple[bytes, pathlib.Path, pathlib.Path, Job, float | None]:
+    """Writes a fresh secret, ``init.npz`` and the plan (``plan``) into ``work``.
+
+    Returns the secret, its file, the init file, the job (its workers' shared
+    flags with ``--work_plan``, shard 0's with the plan when it re-plans) and
+    the profiling pass's seconds.
+    """
+    secret = secrets.token_urlsafe(32).encode()
+    secret_file = work / "secret.txt"
+    secret_file.touch(mode=0o600)
+    secret_file.write_bytes(secret)
+    init = work / "init.npz"
+    try:
+        write_init(parse_args(job.shared), init)
+    except ValueError as e:
+        raise LaunchError(f"cannot build the model from the worker flags: {e}") from e
+    profile_seconds = None
+    if plan is not None:
+        plan_file, profile_seconds = _profile_and_plan(
+            plan, job, work, secret_file, init, global_batch, console,
+            python=python, env=env, start_timeout=start_timeout,
+            shutdown_timeout=shutdown_timeout,
+        )  # fmt: skip
+        # Flags for shard 0 only: the plan the workers follow comes from it.
+        plan_server_args: list[str] = []
+        if replan is not None:
+            plan_server_args = [
+                "--work_plan",
+                str(plan_file),
+                "--replan_threshold",
+                repr(float(replan)),
+            ]
+        job = dataclasses.replace(
+            job,
+            shared=[*job.shared, "--work_plan", str(plan_file)],
+            plan_server_args=plan_server_args,
+        )
+    return secret, secret_file, init, job, profile_seconds
+
+
+def _profile_and_plan(
+    scheme: str,
+    job: Job,
+    workdir: pathlib.Path,
+    secret_file: pathlib.Path,
+    init: pathlib.Path,
+    global_batch: int | None,
+    console: Console,
+    *,
+    python: str,
+    env: Mapping[str, str],
+    start_timeout: float,
+    shutdown_timeout: float,
+) -> tuple[pathlib.Path, float]:
+    """Profiles every worker in place and plans; returns the plan file and cost.
+
+    A throwaway server of the run's model (ASP, so that no push waits for
+    another; it holds the first pull until every worker joined) and one
+    profiling process per worker, all at once, each with its worker's command
+    line: the step times are taken beside the other workers and the push and
+    pull against a real server, as the run will see them.
+    """
+    emit = console.emit
+    start = time.monotonic()
+    n = job.num_workers
+    probe = dataclasses.replace(
+        job,
+        policy="asp",
+        steps=None,
+        # Its joins and leaves would read as the run's: warnings only.
+        server_args=[
+            "--core_arg",
+            f"expected_workers={n}",
+            "--log_level",
+            "WARNING",
+        ],
+        plan_server_args=[],
+    )
+    processes: list[Process] = []
+    try:
+        ports = []
+        for shard in range(job.server_shards):
+            name, argv = probe.server(
+                shard, [python], str(init), str(secret_file), "127.0.0.1"
+            )
+            ports.append(
+                start_server(
+                    f"profile {name}", argv, emit, env, processes, start_timeout
+                )
+            )
+        where = probe.where([("127.0.0.1", p) for p in ports])
+        outs = [workdir / f"profile_{i}.json" for i in range(n)]
+        profilers = []
+        for i, out in enumerate(outs):
+            out.unlink(missing_ok=True)
+            argv = [
+                *probe.worker(
+                    i, [python], where, str(secret_file), None,
+                    module="hpsjax.profiling.in_place",
+                ),
+                "--profile_out", str(out),
+            ]  # fmt: skip
+            profilers.append(Process(f"profile {i}", argv, emit, env))
+            processes.append(profilers[-1])
+        deadline = start + start_timeout
+        while any(p.poll() is None for p in profilers):
+            failed = [(i, p.poll()) for i, p in enumerate(profilers) if p.poll()]
+            if failed:
+                i, code = failed[0]
+                raise LaunchError(
+                    f"profiling worker {i} failed (status {code}; its lines are above)"
+                )
+            if time.monotonic() > deadline:
+                raise LaunchError(
+                    f"the profiling pass did not end within {start_timeout}s"
+                )
+            time.sleep(0.05)
+        failed = [(i, p.poll()) for i, p in enumerate(profilers) if p.poll()]
+        if failed:
+            i, code = failed[0]
+            raise LaunchError(
+                f"profiling worker {i} failed (status {code}; its lines are above)"
+            )
+    finally:
+        shutdown(processes, shutdown_timeout)
+    profiles = [profiling.WorkerProfile.from_json(out.read_text()) for out in outs]
+    seconds = time.monotonic() - start
+    batch = parse_args(job.shared).batch_size
+    emit(
+        f"[launch] profiled {n} worker(s) in place in {seconds:.1f}s: "
+        f"{[round(p.devices[0].step_time(batch) * 1e3, 1) for p in profiles]} ms "
+        f"a step of {batch}, "
+        f"{[round(p.transfer_seconds * 1e3, 1) for p in profiles]} ms push+pull"
+    )
+    if global_batch is None:
+        global_batch = batch * n
+    work_plan = profiling.plan(profiles, scheme, global_batch=global_batch)
+    path = workdir / "plan.json"
+    path.write_text(work_plan.to_json())
+    emit(
+        f"[launch] {scheme} plan: batches "
+        f"{[w.batch_size for w in work_plan.workers]}, local steps "
+        f"{[w.local_steps for w in work_plan.workers]}, predicted round "
+        f"{work_plan.round_time * 1e3:.1f} ms, idle {work_plan.idle_fraction:.1%}"
+    )
+    return path, seconds
+
+
+def run_cache_env(
+    work: pathlib.Path, compile_cache: str | os.PathLike | None
+) -> dict[str, str]:
+    """The environment variables that give a run's processes its compilation
+    cache: ``compile_cache``, by default the work directory's."""
+    return cache_env(cache_dir_for(work) if compile_cache is None else compile_cache)
+
+
+def run_env(
+    work: pathlib.Path, compile_cache: str | os.PathLike | None
+) -> dict[str, str]:
+    """The environment of a run's local processes: this one's, unbuffered,
+    with the run's compilation cache (:func:`run_cache_env`)."""
+    return dict(os.environ, PYTHONUNBUFFERED="1", **run_cache_env(work, compile_cache))
