@@ -289,3 +289,216 @@ def test_muloco_runs_muon_inside_diloco():
     expected, _ = muon.update(params, muon.init(params), params)
     np.testing.assert_allclose(u["w"], expected["w"], rtol=1e-6)
     assert config.server.optimizer == "nesterov" and config.worker.bits == 4
+
+
+# ---------------------------------------------------------------------------
+# Streaming DiLoCo (transforms).
+# ---------------------------------------------------------------------------
+
+
+def _tree3():
+    return {
+        "b": jnp.linspace(-1.0, 1.0, 8),
+        "v": jnp.linspace(0.5, -0.5, 32).reshape(8, 4),
+        "w": jnp.linspace(-2.0, 2.0, 64).reshape(8, 8),
+    }
+
+
+def test_fragments_are_whole_leaves_balanced_by_size_from_shapes_only():
+    from hpsjax.transforms import fragment_of_leaves, streaming_fragment_nbytes
+
+    tree = _tree3()
+    assert fragment_of_leaves(tree, 1) == (0, 0, 0)
+    assert fragment_of_leaves(tree, 2) == (1, 1, 0)  # w (64) | v + b (40)
+    assert fragment_of_leaves(tree, 3) == (2, 1, 0)
+    zeros = jax.tree.map(jnp.zeros_like, tree)
+    assert fragment_of_leaves(zeros, 2) == fragment_of_leaves(tree, 2)
+    # The peak a link carries: the largest fragment, here 4-bit codes + scale.
+    assert streaming_fragment_nbytes(tree, 2, bits=4) == (32 + 4, 16 + 4 + 4 + 4)
+    assert sum(streaming_fragment_nbytes(tree, 3, bits=None)) == 4 * (8 + 32 + 64)
+    with pytest.raises(ValueError, match=r"^fragments \(4\) must not exceed"):
+        fragment_of_leaves(tree, 4)
+    with pytest.raises(ValueError, match=r"^fragments must be an int >= 1"):
+        fragment_of_leaves(tree, 0)
+
+
+def test_streaming_outer_with_one_fragment_is_diloco_outer():
+    from hpsjax.transforms import diloco_outer, streaming_outer
+
+    params = _tree3()
+    ours, theirs = streaming_outer(0.7, 0.9, fragments=1), diloco_outer(0.7, 0.9)
+    s1, s2 = ours.init(params), theirs.init(params)
+    for step in range(4):
+        g = jax.tree.map(lambda p, step=step: jnp.cos(p + step), params)
+        u1, s1 = ours.update(g, s1)
+        u2, s2 = theirs.update(g, s2)
+        for a, b in zip(jax.tree.leaves(u1), jax.tree.leaves(u2), strict=True):
+            np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+
+
+def test_streaming_outer_steps_only_the_due_fragment_in_turn():
+    from hpsjax.transforms import diloco_outer, fragment_of_leaves, streaming_outer
+
+    params = _tree3()
+    owner = fragment_of_leaves(params, 2)
+    outer = streaming_outer(0.5, 0.9, fragments=2)
+    state = outer.init(params)
+    g = jax.tree.map(jnp.ones_like, params)
+    # Each fragment, stepped every other update, follows its own Nesterov.
+    ref = diloco_outer(0.5, 0.9)
+    ref_state = ref.init(params)
+    for c in range(6):
+        u, state = outer.update(g, state)
+        if c % 2 == 0:
+            ref_u, ref_state = ref.update(g, ref_state)
+        for leaf, r, p in zip(
+            jax.tree.leaves(u), jax.tree.leaves(ref_u), owner, strict=True
+        ):
+            if p == c % 2:
+                np.testing.assert_allclose(leaf, r, rtol=1e-6)
+            else:
+                assert not np.any(np.asarray(leaf))
+
+
+def test_streaming_push_sends_the_due_fragment_quantized():
+    from hpsjax.transforms import (
+        fragment_of_leaves,
+        last_streaming_nbytes,
+        streaming_fragment_nbytes,
+        streaming_push,
+    )
+
+    delta = _tree3()
+    owner = fragment_of_leaves(delta, 3)
+    push = streaming_push(3, bits=4)
+    state = push.init(delta)
+    sizes = streaming_fragment_nbytes(delta, 3, bits=4)
+    assert last_streaming_nbytes(state) == -(-sum(sizes) // 3)
+    for c in range(6):
+        sent, state = push.update(delta, state)
+        for leaf, ref, p in zip(
+            jax.tree.leaves(sent), jax.tree.leaves(delta), owner, strict=True
+        ):
+            if p == c % 3:
+                # 4 bits: within one step of 2 max|x| / 15 of the truth.
+                step = 2 * float(jnp.max(jnp.abs(ref))) / 15
+                np.testing.assert_array_less(np.abs(leaf - ref), step + 1e-6)
+                assert np.any(np.asarray(leaf) != np.asarray(ref))  # quantized
+            else:
+                assert not np.any(np.asarray(leaf))
+    exact = streaming_push(3, bits=None)
+    sent, _ = exact.update(delta, exact.init(delta))
+    np.testing.assert_array_equal(sent["w"], delta["w"])  # w is fragment 0
+
+
+def test_streaming_push_error_feedback_carries_each_fragments_residual():
+    from hpsjax.transforms import streaming_push
+
+    delta = {"a": jnp.full(16, 0.3), "b": jnp.linspace(-1.0, 1.0, 16)}
+    push = streaming_push(2, bits=1, error_feedback=True)  # scaled sign
+    state = push.init(delta)
+    total = jax.tree.map(jnp.zeros_like, delta)
+    for _ in range(40):
+        sent, state = push.update(delta, state)
+        total = jax.tree.map(jnp.add, total, sent)
+    # Each fragment was due 20 times: what was sent plus what is held is all.
+    for name in ("a", "b"):
+        np.testing.assert_allclose(
+            total[name] + state.error[name], 20 * delta[name], rtol=1e-5, atol=1e-5
+        )
+
+
+def test_streaming_bad_arguments_are_one_line():
+    from hpsjax.transforms import streaming_local, streaming_outer, streaming_push
+
+    with pytest.raises(ValueError, match=r"^bits must be one of"):
+        streaming_push(2, bits=3)
+    with pytest.raises(ValueError, match=r"^mixing must be in \[0, 1\]"):
+        streaming_local(optax.sgd(0.1), mixing=1.5)
+    with pytest.raises(ValueError, match=r"^momentum must be in \[0, 1\)"):
+        streaming_outer(0.7, momentum=1.0)
+    with pytest.raises(ValueError, match=r"^streaming_local needs params"):
+        tx = streaming_local(optax.sgd(0.1))
+        tx.update({"w": jnp.ones(1)}, tx.init({"w": jnp.ones(1)}))
+
+
+def _loss(params, x, y):
+    pred = x @ params["w"] + params["b"]
+    return jnp.mean((pred - y) ** 2)
+
+
+def _streaming_rounds(inner_steps, fragments, rounds, *, mixing=0.0):
+    """Two workers, BSP, rounds of ``inner_steps`` SGD steps each, as a driver
+    runs them: every round starts from the pulled parameters, pushes the
+    pseudo-gradient (pulled minus local), the server averages and steps."""
+    from hpsjax.transforms import streaming_local, streaming_outer, streaming_push
+
+    rng = np.random.default_rng(0)
+    x = [jnp.asarray(rng.normal(size=(16, 3)), jnp.float32) for _ in range(2)]
+    y = [xi @ jnp.array([1.0, -2.0, 0.5]) + 0.3 for xi in x]
+    params = {"w": jnp.zeros(3), "b": jnp.zeros(())}
+    local = [streaming_local(optax.sgd(0.05), mixing) for _ in range(2)]
+    local_states = [tx.init(params) for tx in local]
+    pushes = [streaming_push(fragments, bits=None) for _ in range(2)]
+    push_states = [p.init(params) for p in pushes]
+    outer = streaming_outer(0.7, 0.9, fragments)
+    outer_state = outer.init(params)
+    grad = jax.grad(_loss)
+    sent_log = []
+    for _ in range(rounds):
+        deltas = []
+        for i in range(2):
+            p = params
+            for _ in range(inner_steps):
+                u, local_states[i] = local[i].update(
+                    grad(p, x[i], y[i]), local_states[i], p
+                )
+                p = optax.apply_updates(p, u)
+            delta = jax.tree.map(jnp.subtract, params, p)
+            sent, push_states[i] = pushes[i].update(delta, push_states[i])
+            deltas.append(sent)
+        sent_log.append(deltas)
+        mean = jax.tree.map(lambda a, b: (a + b) / 2, *deltas)
+        u, outer_state = outer.update(mean, outer_state)
+        params = optax.apply_updates(params, u)
+    return params, local_states, sent_log, (x, y)
+
+
+def test_streaming_with_one_fragment_is_diloco_with_one_step_less():
+    """P = 1: each round's first step is the merge (the whole global model),
+    then H inner steps; DiLoCo takes H steps: the same parameters. (The first
+    round starts on the worker's own parameters: no merge, H + 1 steps.)"""
+    from hpsjax.transforms import diloco_outer
+
+    ours, _, _, (x, y) = _streaming_rounds(4, 1, 5)
+    params = {"w": jnp.zeros(3), "b": jnp.zeros(())}
+    outer = diloco_outer(0.7, 0.9)
+    state = outer.init(params)
+    grad = jax.grad(_loss)
+    for r in range(5):
+        deltas = []
+        for i in range(2):
+            p = params
+            for _ in range(4 if r == 0 else 3):
+                p = jax.tree.map(lambda a, g: a - 0.05 * g, p, grad(p, x[i], y[i]))
+            deltas.append(jax.tree.map(jnp.subtract, params, p))
+        u, state = outer.update(jax.tree.map(lambda a, b: (a + b) / 2, *deltas), state)
+        params = optax.apply_updates(params, u)
+    for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(params), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_streaming_keeps_local_progress_pushes_fragments_in_turn_and_trains():
+    """P = 2: a fragment not due keeps the worker's own values across rounds,
+    the pushes alternate between the fragments, and the model trains."""
+    params, states, sent_log, _ = _streaming_rounds(3, 2, 4)
+    for state in states:
+        # The worker's own parameters differ from the global ones on the
+        # fragment not synchronised last (b: fragment 1, w: fragment 0).
+        assert not np.allclose(state.local["w"], params["w"])
+    # Round 0 pushes fragment 0 (w), round 1 fragment 1 (b).
+    assert all(not np.any(np.asarray(s["b"])) for s in sent_log[0])
+    assert all(not np.any(np.asarray(s["w"])) for s in sent_log[1])
+    final, _, _, (x, y) = _streaming_rounds(3, 2, 30)
+    start = {"w": jnp.zeros(3), "b": jnp.zeros(())}
+    assert float(_loss(final, x[0], y[0])) < 0.05 * float(_loss(start, x[0], y[0]))

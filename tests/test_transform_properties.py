@@ -25,6 +25,11 @@ from hpsjax.transforms._powersgd import power_sgd
 from hpsjax.transforms._quantize import quantize
 from hpsjax.transforms._stages import Stage, hybrid_stages
 from hpsjax.transforms._staleness import delay_compensation, scale_by_staleness
+from hpsjax.transforms._streaming import (
+    streaming_local,
+    streaming_outer,
+    streaming_push,
+)
 from hpsjax.transforms._topk import top_k
 
 
@@ -176,6 +181,24 @@ CASES = [
         sparseloco,
         {"ratio": 0.25, "bits": 2, "decay": 0.9},
         static_args=("ratio", "bits"),
+    ),
+    Case(
+        "streaming_local",
+        streaming_local,
+        {"inner": optax.adam(0.1), "mixing": 0.5},
+        static_args=("inner",),
+    ),
+    Case(
+        "streaming_push",
+        streaming_push,
+        {"fragments": 2, "bits": 4, "error_feedback": True},
+        static_args=("fragments", "bits", "error_feedback"),
+    ),
+    Case(
+        "streaming_outer",
+        streaming_outer,
+        {"learning_rate": 0.7, "momentum": 0.9, "fragments": 2},
+        static_args=("fragments",),
     ),
     Case("local_steps", local_steps, {"k": 2}),
     Case("local_steps_f32_sum", local_steps, {"k": 3, "accumulator_dtype": "float32"}),

@@ -23,6 +23,9 @@ any optax optimizer.
   iteration each gradient was computed at (extra argument ``staleness``).
 * :func:`sparseloco`: SparseLoCo's push (decayed error feedback, top-k, few-bit
   values); :func:`sparseloco_nbytes` its bytes.
+* :func:`streaming_local`, :func:`streaming_push` and :func:`streaming_outer`:
+  Streaming DiLoCo (fragments synchronised in turn, few-bit outer gradients);
+  :func:`streaming_fragment_nbytes` the bytes of each fragment.
 """
 
 from hpsjax.transforms._frontier import (
@@ -85,6 +88,17 @@ from hpsjax.transforms._staleness import (
     scale_by_staleness,
     staleness_factor,
 )
+from hpsjax.transforms._streaming import (
+    StreamingLocalState,
+    StreamingOuterState,
+    StreamingPushState,
+    fragment_of_leaves,
+    last_streaming_nbytes,
+    streaming_fragment_nbytes,
+    streaming_local,
+    streaming_outer,
+    streaming_push,
+)
 from hpsjax.transforms._topk import (
     TopKEncoded,
     TopKState,
@@ -117,6 +131,9 @@ __all__ = [
     "SparseLoCoState",
     "Stage",
     "StageInfo",
+    "StreamingLocalState",
+    "StreamingOuterState",
+    "StreamingPushState",
     "TopKEncoded",
     "TopKState",
     "current_stage",
@@ -128,10 +145,12 @@ __all__ = [
     "encode",
     "encode_tree",
     "encoded_nbytes",
+    "fragment_of_leaves",
     "hybrid_stages",
     "last_encoded",
     "last_powersgd_encoded",
     "last_sparseloco_nbytes",
+    "last_streaming_nbytes",
     "last_topk_encoded",
     "local_steps",
     "ordered_momentum",
@@ -149,6 +168,10 @@ __all__ = [
     "sparseloco_nbytes",
     "stage_settings",
     "staleness_factor",
+    "streaming_fragment_nbytes",
+    "streaming_local",
+    "streaming_outer",
+    "streaming_push",
     "top_k",
     "topk_count",
     "topk_decode",

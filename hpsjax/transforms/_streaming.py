@@ -1,0 +1,476 @@
+r"""Streaming DiLoCo: fragments of the parameters synchronised in turn.
+
+DiLoCo (:func:`~hpsjax.transforms.diloco_outer`) sends every parameter once a
+round of :math:`H` inner steps: its peak bandwidth is the whole model at once.
+Streaming DiLoCo splits the parameters into :math:`P` fragments and
+synchronises one of them every :math:`H / P` inner steps, in turn, so each
+fragment is still synchronised every :math:`H` steps but a message carries
+:math:`1 / P` of the model; its outer gradient travels while the next inner
+steps run and is quantized to a few bits. In hpsjax a round is :math:`H / P`
+inner steps (``worker.local_steps``) and three transforms share the work:
+
+* :func:`streaming_local` wraps the workers' inner optimizer: it keeps each
+  worker's own parameters from round to round and merges a fragment the server
+  has synchronised into them (mixing factor :math:`\alpha`);
+* :func:`streaming_push` is each worker's push: the outer gradient of the
+  fragment due, quantized (:func:`streaming_fragment_nbytes` counts it);
+* :func:`streaming_outer` is the server's outer step: Nesterov momentum on the
+  averaged outer gradient of the fragment due, the other fragments untouched.
+
+The fragment due at a worker's :math:`c`-th push and at the server's
+:math:`c`-th update is :math:`c \bmod P`, so workers and server agree without a
+message as long as every worker pushes every round (BSP, all workers from the
+start); which leaves form fragment :math:`p` depends on the leaves' sizes only
+(:func:`fragment_of_leaves`).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from hpsjax._checks import is_int
+from hpsjax.transforms._common import find_one_state
+from hpsjax.transforms._frontier import _check_fraction, _value_codec
+from hpsjax.transforms._outer import _check_number
+from hpsjax.transforms._quantize import decode, encode, encoded_nbytes
+
+__all__ = [
+    "StreamingLocalState",
+    "StreamingOuterState",
+    "StreamingPushState",
+    "fragment_of_leaves",
+    "last_streaming_nbytes",
+    "streaming_fragment_nbytes",
+    "streaming_local",
+    "streaming_outer",
+    "streaming_push",
+]
+
+_F32 = jnp.float32
+_BITS = (1, 2, 4, 8, 16)
+# Parameters within this relative distance of the worker's own are its own:
+# the driver applied the last update (exactly, up to rounding).
+_SAME_RTOL = 1e-6
+
+
+def _check_fragments(fragments: Any) -> int:
+    if isinstance(fragments, bool) or not is_int(fragments) or fragments < 1:
+        raise ValueError(f"fragments must be an int >= 1, got {fragments!r}")
+    return int(fragments)
+
+
+def _check_bits(bits: Any) -> int | None:
+    if bits is not None and (isinstance(bits, bool) or bits not in _BITS):
+        raise ValueError(f"bits must be one of 1, 2, 4, 8, 16 or None, got {bits!r}")
+    return bits
+
+
+def fragment_of_leaves(tree: Any, fragments: int) -> tuple[int, ...]:
+    """The fragment of each leaf of ``tree`` (in ``jax.tree.leaves`` order).
+
+    Leaves are whole units (the paper's fragments are whole layers): the
+    largest first, each goes to the fragment holding the fewest elements so
+    far (the lowest index on ties), so that the fragments, and the peak
+    bandwidth, are about equal. It depends on the leaves' shapes only, so every
+    worker and the server find the same fragments.
+
+    Raises:
+      ValueError: ``fragments`` is not an int >= 1, or exceeds the leaves.
+
+    Examples:
+      >>> import numpy as np
+      >>> from hpsjax.transforms import fragment_of_leaves
+      >>> tree = {"b": np.zeros(8), "w": np.zeros((8, 8)), "v": np.zeros((8, 4))}
+      >>> fragment_of_leaves(tree, 2)  # leaves b, v, w: w alone, b with v
+      (1, 1, 0)
+    """
+    fragments = _check_fragments(fragments)
+    sizes = [int(math.prod(np.shape(leaf))) for leaf in jax.tree.leaves(tree)]
+    if fragments > len(sizes):
+        raise ValueError(
+            f"fragments ({fragments}) must not exceed the tree's {len(sizes)} leaves"
+        )
+    loads = [0] * fragments
+    out = [0] * len(sizes)
+    for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+        p = min(range(fragments), key=lambda p: (loads[p], p))
+        out[i] = p
+        loads[p] += sizes[i]
+    return tuple(out)
+
+
+def streaming_fragment_nbytes(
+    tree: Any, fragments: int, bits: int | None = 4
+) -> tuple[int, ...]:
+    """Bytes of one :func:`streaming_push` of each fragment of a tree like
+    ``tree``: its leaves' codes at ``bits`` bits with their scales
+    (:func:`~hpsjax.transforms.encoded_nbytes`), or their float32 bytes for
+    ``bits=None``. The largest is the peak a link must carry at once.
+
+    Examples:
+      >>> import numpy as np
+      >>> from hpsjax.transforms import streaming_fragment_nbytes
+      >>> tree = {"b": np.zeros(8), "w": np.zeros((8, 8)), "v": np.zeros((8, 4))}
+      >>> streaming_fragment_nbytes(tree, 2, bits=4)  # 32 codes + 4, 20 + 8
+      (36, 28)
+    """
+    bits = _check_bits(bits)
+    owner = fragment_of_leaves(tree, fragments)
+    totals = [0] * len(set(owner))
+    for leaf, p in zip(jax.tree.leaves(tree), owner, strict=True):
+        shape = np.shape(leaf)
+        if bits is None:
+            totals[p] += 4 * int(math.prod(shape))
+        else:
+            totals[p] += encoded_nbytes(shape, _value_codec(bits))
+    return tuple(totals)
+
+
+class StreamingLocalState(NamedTuple):
+    """State of :func:`streaming_local`."""
+
+    count: jax.Array  # shape=(), int32: steps so far (merges included)
+    local: Any  # tree like the params: the worker's own parameters
+    anchor: Any  # tree like the params: each leaf's global value last merged
+    inner_state: Any  # the inner optimizer's state
+
+
+def streaming_local(
+    inner: optax.GradientTransformation, mixing: float = 0.0
+) -> optax.GradientTransformationExtraArgs:
+    r"""Streaming DiLoCo's inner optimizer: the worker's own parameters kept.
+
+    A round of a parameter-server worker starts from the parameters it pulled;
+    in Streaming DiLoCo a worker goes on from its *own* parameters
+    :math:`\theta_m`, and only a fragment the server has just synchronised
+    comes from the global parameters :math:`\tilde\theta`, merged as
+
+    .. math::
+
+       \theta_{m,p} \leftarrow \alpha\, \theta_{m,p} + (1 - \alpha)\,
+       \tilde\theta_p
+
+    (:math:`\alpha` = ``mixing``; 0 takes the global fragment as it is). This
+    wrapper does it from the parameters alone: it keeps :math:`\theta_m`
+    (``local``) and, per leaf, the global value it last merged (``anchor``).
+    When a step's parameters are not the worker's own (a new round started from
+    the pulled ones), it takes no inner step: its update moves every leaf to
+    where the worker's rule says (its own value where the global one equals the
+    anchor, the merge where the server changed it) and the gradient is not
+    used. Otherwise it is the ``inner`` optimizer. So a round of :math:`k`
+    local steps takes :math:`k - 1` inner steps after the merge, and the
+    round's pseudo-gradient (pulled minus local parameters, what the worker
+    pushes) is, on the fragment due, :math:`\tilde\theta_p - \theta_{m,p}`:
+    Streaming DiLoCo's outer gradient.
+
+    The driver must apply each update as it is returned (a step-size scale of
+    1: no work plan's ``lr_scale``), so that the worker can tell its own
+    parameters from pulled ones.
+
+    Args:
+      inner: the inner optimizer (DiLoCo's AdamW).
+      mixing: :math:`\alpha` in [0, 1].
+
+    Returns:
+      An ``optax.GradientTransformationExtraArgs`` whose ``update`` needs
+      ``params``; its state is a :class:`StreamingLocalState`.
+
+    Raises:
+      ValueError: ``mixing`` out of range; at update, no ``params``.
+
+    Examples:
+      >>> import jax.numpy as jnp, optax
+      >>> from hpsjax.transforms import streaming_local
+      >>> tx = streaming_local(optax.sgd(1.0))
+      >>> params = {"a": jnp.zeros(1), "b": jnp.zeros(1)}
+      >>> state = tx.init(params)
+      >>> grads = {"a": jnp.ones(1), "b": jnp.ones(1)}
+      >>> u, state = tx.update(grads, state, params)  # an inner step: to -1
+      >>> pulled = {"a": jnp.array([0.5]), "b": jnp.zeros(1)}  # 'a' synced
+      >>> u, state = tx.update(grads, state, pulled)  # the merge, no step
+      >>> optax.apply_updates(pulled, u)  # 'a' global, 'b' the worker's own
+      {'a': Array([0.5], dtype=float32), 'b': Array([-1.], dtype=float32)}
+
+    References:
+      Douillard, Donchev, Rush, Kale, Charles, Garrett, Teston, Lacey, McIlroy,
+      Shen, Ramé, Szlam, Ranzato, Barham, `Streaming DiLoCo with overlapping
+      communication: Towards a Distributed Free Lunch
+      <https://arxiv.org/abs/2501.18512>`_, 2025.
+    """
+    alpha = _check_fraction("mixing", mixing, high_inclusive=True)
+    inner = optax.with_extra_args_support(inner)
+
+    def init_fn(params):
+        return StreamingLocalState(
+            count=jnp.zeros([], jnp.int32),
+            local=params,
+            anchor=params,
+            inner_state=inner.init(params),
+        )
+
+    def update_fn(updates, state, params=None, **extra_args):
+        if params is None:
+            raise ValueError("streaming_local needs params")
+        first = state.count == 0  # a worker that joined late starts on them
+        local = jax.tree.map(
+            lambda p, own_: jnp.where(first, p, own_), params, state.local
+        )
+        anchor = jax.tree.map(lambda p, a: jnp.where(first, p, a), params, state.anchor)
+
+        def own(p, mine):
+            mine = mine.astype(_F32)
+            tol = _SAME_RTOL * jnp.abs(mine) + 1e-30
+            return jnp.all(jnp.abs(p.astype(_F32) - mine) <= tol)
+
+        is_own = jax.tree.map(own, params, local)
+        merging = ~jnp.all(jnp.stack(jax.tree.leaves(is_own)))
+        synced = jax.tree.map(lambda p, a: jnp.any(p != a), params, anchor)
+
+        def target(p, kept, mine, changed):
+            mixed = alpha * kept.astype(_F32) + (1 - alpha) * p.astype(_F32)
+            return jnp.where(mine, p, jnp.where(changed, mixed.astype(p.dtype), kept))
+
+        goal = jax.tree.map(target, params, local, is_own, synced)
+        jump = jax.tree.map(lambda g, p: (g - p).astype(p.dtype), goal, params)
+        step, inner_state = inner.update(
+            updates, state.inner_state, params, **extra_args
+        )
+        out = jax.tree.map(lambda j, s: jnp.where(merging, j, s), jump, step)
+        inner_state = jax.tree.map(
+            lambda old, new: jnp.where(merging, old, new),
+            state.inner_state,
+            inner_state,
+        )
+        new_anchor = jax.tree.map(
+            lambda p, a, mine, changed: jnp.where(merging & ~mine & changed, p, a),
+            params,
+            anchor,
+            is_own,
+            synced,
+        )
+        return out, StreamingLocalState(
+            count=optax.safe_increment(state.count),
+            local=optax.apply_updates(params, out),
+            anchor=new_anchor,
+            inner_state=inner_state,
+        )
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+class StreamingPushState(NamedTuple):
+    """State of :func:`streaming_push`."""
+
+    count: jax.Array  # shape=(), int32: pushes so far (fragment = count mod P)
+    key: jax.Array  # shape=(2,), uint32: PRNG key data, split every push
+    error: Any  # float32 tree like the updates (zeros without error feedback)
+    nbytes: jax.Array  # shape=(), int32: bytes of a push, fragments' mean
+
+
+def streaming_push(
+    fragments: int,
+    bits: int | None = 4,
+    *,
+    error_feedback: bool = False,
+    seed: int = 0,
+) -> optax.GradientTransformationExtraArgs:
+    r"""Streaming DiLoCo's push: the due fragment's outer gradient, few-bit.
+
+    The :math:`c`-th push sends fragment :math:`p = c \bmod P`
+    (:func:`fragment_of_leaves`): its leaves of the pseudo-gradient
+    :math:`\Delta` (the pulled minus the local parameters, which
+    :func:`streaming_local` makes :math:`\tilde\theta_p - \theta_{m,p}`)
+    quantized to ``bits`` bits, every other leaf zero (not sent):
+
+    .. math::
+
+       \hat\Delta_p = Q_b(\Delta_p + e_p), \qquad e_p \leftarrow
+       \Delta_p + e_p - \hat\Delta_p \text{ (with error feedback)}.
+
+    :math:`Q_b` is hpsjax's uniform quantizer (one scale per leaf, stochastic
+    rounding; the scaled sign at ``bits=1``), standing for the paper's 4-bit
+    floats; ``bits=None`` sends float32. The state's ``nbytes`` is the mean of
+    :func:`streaming_fragment_nbytes` (what a simulator charges a push; over
+    :math:`P` pushes the total is exact).
+
+    Our reading: the paper quantizes the outer gradients without error
+    feedback (so it is off by default); its fragments are strided blocks of
+    layers, here whole leaves balanced by size.
+
+    Args:
+      fragments: :math:`P`, the number of fragments (at most the leaves).
+      bits: 1, 2, 4, 8, 16, or ``None`` for float32.
+      error_feedback: carry each fragment's quantization error to its next push.
+      seed: seed of the stochastic rounding.
+
+    Returns:
+      An ``optax.GradientTransformationExtraArgs``; its state is a
+      :class:`StreamingPushState`.
+
+    Raises:
+      ValueError: a bad argument; at init, more fragments than leaves.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> from hpsjax.transforms import streaming_push
+      >>> push = streaming_push(2, bits=None)
+      >>> delta = {"a": jnp.ones(2), "b": jnp.ones(3)}  # b is fragment 0
+      >>> state = push.init(delta)
+      >>> sent, state = push.update(delta, state)
+      >>> sent["a"], sent["b"]
+      (Array([0., 0.], dtype=float32), Array([1., 1., 1.], dtype=float32))
+      >>> sent, state = push.update(delta, state)
+      >>> sent["a"], sent["b"]
+      (Array([1., 1.], dtype=float32), Array([0., 0., 0.], dtype=float32))
+
+    References:
+      Douillard et al., `Streaming DiLoCo with overlapping communication
+      <https://arxiv.org/abs/2501.18512>`_, 2025.
+    """
+    fragments = _check_fragments(fragments)
+    bits = _check_bits(bits)
+    if not isinstance(error_feedback, bool):
+        raise ValueError(f"error_feedback must be a bool, got {error_feedback!r}")
+    codec = None if bits is None else _value_codec(bits)
+
+    def init_fn(params):
+        sizes = streaming_fragment_nbytes(params, fragments, bits)
+        return StreamingPushState(
+            count=jnp.zeros([], jnp.int32),
+            key=jax.random.key_data(jax.random.PRNGKey(seed)),
+            error=jax.tree.map(lambda p: jnp.zeros(p.shape, _F32), params),
+            nbytes=jnp.asarray(math.ceil(sum(sizes) / len(sizes)), jnp.int32),
+        )
+
+    def update_fn(updates, state, params=None, **extra_args):
+        del params, extra_args
+        key, step_key = jax.random.split(jax.random.wrap_key_data(state.key))
+        leaves, treedef = jax.tree.flatten(updates)
+        errors = treedef.flatten_up_to(state.error)
+        owner = fragment_of_leaves(updates, fragments)
+        due = state.count % fragments
+        sent, kept = [], []
+        for i, (g, e, p) in enumerate(zip(leaves, errors, owner, strict=True)):
+            acc = g.astype(_F32) + e
+            if codec is None:
+                out = acc
+            else:
+                k = jax.random.fold_in(step_key, i)
+                out = decode(encode(acc, codec, k), codec, acc.shape, _F32)
+            mine = due == p
+            sent.append(jnp.where(mine, out, 0).astype(g.dtype))
+            rest = acc - out if error_feedback else jnp.zeros_like(acc)
+            kept.append(jnp.where(mine, rest, e))
+        return jax.tree.unflatten(treedef, sent), StreamingPushState(
+            count=optax.safe_increment(state.count),
+            key=jax.random.key_data(key),
+            error=jax.tree.unflatten(treedef, kept),
+            nbytes=state.nbytes,
+        )
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def last_streaming_nbytes(state: Any) -> int:
+    """Bytes of one push of the :func:`streaming_push` inside an optax state
+    (the fragments' mean).
+
+    Raises:
+      ValueError: ``state`` holds no :class:`StreamingPushState`, or several.
+    """
+    return int(find_one_state(state, StreamingPushState, "no streaming_push").nbytes)
+
+
+class StreamingOuterState(NamedTuple):
+    """State of :func:`streaming_outer`."""
+
+    count: jax.Array  # shape=(), int32: updates so far (fragment = count mod P)
+    momentum: Any  # float32 tree like the updates: each fragment's m
+
+
+def streaming_outer(
+    learning_rate: optax.ScalarOrSchedule = 0.7,
+    momentum: float = 0.9,
+    fragments: int = 1,
+) -> optax.GradientTransformationExtraArgs:
+    r"""Streaming DiLoCo's outer step: Nesterov momentum on the due fragment.
+
+    The server's :math:`c`-th update takes the averaged outer gradient
+    :math:`\Delta` of fragment :math:`p = c \bmod P` (what the workers'
+    :func:`streaming_push` sent) and steps that fragment with DiLoCo's
+    Nesterov momentum; every other fragment, its parameters and its momentum,
+    is left as it is:
+
+    .. math::
+
+       m_p \leftarrow \beta m_p + \Delta_p, \qquad
+       \tilde\theta_p \leftarrow \tilde\theta_p - \varepsilon
+       (\beta m_p + \Delta_p).
+
+    With ``fragments=1`` this is :func:`~hpsjax.transforms.diloco_outer`.
+
+    Args:
+      learning_rate: :math:`\varepsilon` (a number >= 0 or a schedule of the
+        update count).
+      momentum: :math:`\beta` in [0, 1).
+      fragments: :math:`P`, as the workers' :func:`streaming_push`.
+
+    Returns:
+      An ``optax.GradientTransformationExtraArgs``; its state is a
+      :class:`StreamingOuterState`.
+
+    Raises:
+      ValueError: a bad argument; at init, more fragments than leaves.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> from hpsjax.transforms import streaming_outer
+      >>> outer = streaming_outer(1.0, momentum=0.5, fragments=2)
+      >>> g = {"a": jnp.ones(2), "b": jnp.ones(3)}  # b is fragment 0
+      >>> state = outer.init(g)
+      >>> step, state = outer.update(g, state)
+      >>> step["a"], step["b"]  # b: -(0.5 * 1 + 1)
+      (Array([0., 0.], dtype=float32), Array([-1.5, -1.5, -1.5], dtype=float32))
+
+    References:
+      Douillard et al., `Streaming DiLoCo with overlapping communication
+      <https://arxiv.org/abs/2501.18512>`_, 2025.
+    """
+    _check_number("learning_rate", learning_rate, 0.0, None)
+    beta = _check_fraction("momentum", momentum, high_inclusive=False)
+    fragments = _check_fragments(fragments)
+
+    def init_fn(params):
+        fragment_of_leaves(params, fragments)  # checks the count
+        return StreamingOuterState(
+            count=jnp.zeros([], jnp.int32),
+            momentum=jax.tree.map(lambda p: jnp.zeros(p.shape, _F32), params),
+        )
+
+    def update_fn(updates, state, params=None, **extra_args):
+        del params, extra_args
+        lr = learning_rate(state.count) if callable(learning_rate) else learning_rate
+        lr = jnp.asarray(lr, _F32)
+        leaves, treedef = jax.tree.flatten(updates)
+        moms = treedef.flatten_up_to(state.momentum)
+        owner = fragment_of_leaves(updates, fragments)
+        due = state.count % fragments
+        steps, new_moms = [], []
+        for g, m, p in zip(leaves, moms, owner, strict=True):
+            mine = due == p
+            g32 = g.astype(_F32)
+            m_new = beta * m + g32
+            steps.append(jnp.where(mine, -lr * (beta * m_new + g32), 0).astype(g.dtype))
+            new_moms.append(jnp.where(mine, m_new, m))
+        return jax.tree.unflatten(treedef, steps), StreamingOuterState(
+            count=optax.safe_increment(state.count),
+            momentum=jax.tree.unflatten(treedef, new_moms),
+        )
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
