@@ -62,8 +62,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from hpsjax._checks import is_int, is_number
+from hpsjax._ewma import ewma
 from hpsjax.profiling._profile import WorkerProfile
-from hpsjax.worker._core import ewma
 
 __all__ = [
     "ASHL_STAGE_MULTIPLIERS",

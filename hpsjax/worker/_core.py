@@ -106,6 +106,7 @@ from collections.abc import Callable
 from typing import Any, ClassVar, NamedTuple
 
 from hpsjax._checks import check_choice, check_fraction, check_int, check_positive
+from hpsjax._ewma import EWMA_ALPHA, ewma
 
 __all__ = [
     "EWMA_ALPHA",
@@ -136,10 +137,6 @@ __all__ = [
     "ewma",
 ]
 
-EWMA_ALPHA = 0.3
-"""Weight of a new sample in the worker's estimates of compute and pull times."""
-
-
 OVERLAP_MODES: tuple[str, ...] = ("none", "pipeline", "eager")
 """How a worker overlaps communication with compute: ``"none"`` (compute, then
 push and pull in one round trip), ``"pipeline"`` (H-PS, PS+: the previous
@@ -160,11 +157,6 @@ def check_overlap(overlap: Any) -> None:
         raise ValueError(
             f"Unknown overlap {overlap!r}; valid modes are {', '.join(OVERLAP_MODES)}."
         )
-
-
-def ewma(old: float | None, sample: float, alpha: float = EWMA_ALPHA) -> float:
-    """An exponentially weighted moving average: ``sample`` when ``old`` is None."""
-    return sample if old is None else old + alpha * (sample - old)
 
 
 # ------------------------------------------------------------------ events
