@@ -23,8 +23,8 @@ Examples:
   Traceback (most recent call last):
   ...
   ValueError: unknown optimizer 'adamm'; valid names: adam, delayed_nesterov, \
-momentum, nesterov, ordered_momentum, sgd or any optimizer of optax or \
-optax.contrib (closest: adam, radam, nadam)
+momentum, nesterov, ordered_momentum, sgd, streaming_local, streaming_nesterov \
+or any optimizer of optax or optax.contrib (closest: adam, radam, nadam)
 """
 
 from __future__ import annotations
@@ -96,6 +96,25 @@ def _ordered_momentum(learning_rate, *, momentum=None, **kwargs):
     )
 
 
+def _streaming_local(learning_rate, *, momentum=None, inner="adam", mixing=0.0, **kw):
+    from hpsjax.transforms import streaming_local
+
+    if inner == "streaming_local":
+        raise ValueError("streaming_local cannot wrap itself")
+    inner_tx = make_optimizer(inner, learning_rate, momentum=momentum, **kw)
+    return streaming_local(inner_tx, mixing=mixing)
+
+
+def _streaming_nesterov(learning_rate, *, momentum=None, fragments=1):
+    from hpsjax.transforms import streaming_outer
+
+    return streaming_outer(
+        learning_rate,
+        momentum=0.9 if momentum is None else momentum,
+        fragments=fragments,
+    )
+
+
 OPTIMIZERS: Mapping[str, Callable[..., optax.GradientTransformation]] = {
     "sgd": _sgd,
     "momentum": _momentum,
@@ -103,6 +122,8 @@ OPTIMIZERS: Mapping[str, Callable[..., optax.GradientTransformation]] = {
     "nesterov": _nesterov,
     "delayed_nesterov": _delayed_nesterov,
     "ordered_momentum": _ordered_momentum,
+    "streaming_local": _streaming_local,
+    "streaming_nesterov": _streaming_nesterov,
 }
 """hpsjax's own names: ``f(learning_rate, *, momentum=None, **kwargs)``.
 
@@ -112,8 +133,13 @@ not 0), ``momentum`` SGD with heavy-ball momentum 0.9 (or ``momentum``),
 optimizer (``hpsjax.transforms.diloco_outer``) and ``delayed_nesterov`` the
 outer optimizer of asynchronous local SGD (``hpsjax.transforms.delayed_nesterov``,
 keyword ``delay``), ``ordered_momentum`` OrMo's server momentum
-(``hpsjax.transforms.ordered_momentum``, momentum 0.9 unless given). Any other
-name is looked up in optax."""
+(``hpsjax.transforms.ordered_momentum``, momentum 0.9 unless given);
+``streaming_local`` Streaming DiLoCo's inner optimizer
+(``hpsjax.transforms.streaming_local`` around the optimizer named by keyword
+``inner``, default ``adam``, which takes the other keywords; ``mixing``: the
+merge's alpha) and ``streaming_nesterov`` its outer step
+(``hpsjax.transforms.streaming_outer``, keyword ``fragments``). Any other name
+is looked up in optax."""
 
 
 def _positive(value: Any) -> bool:

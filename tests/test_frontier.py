@@ -304,22 +304,41 @@ def _tree3():
     }
 
 
-def test_fragments_are_whole_leaves_balanced_by_size_from_shapes_only():
-    from hpsjax.transforms import fragment_of_leaves, streaming_fragment_nbytes
+def _fragment_of(tree, fragments):
+    """Per leaf, the fragment of each element (from fragment_bounds)."""
+    from hpsjax.transforms import fragment_bounds
 
-    tree = _tree3()
-    assert fragment_of_leaves(tree, 1) == (0, 0, 0)
-    assert fragment_of_leaves(tree, 2) == (1, 1, 0)  # w (64) | v + b (40)
-    assert fragment_of_leaves(tree, 3) == (2, 1, 0)
+    bounds = np.asarray(fragment_bounds(tree, fragments))
+    out, offset = [], 0
+    for leaf in jax.tree.leaves(tree):
+        flat = offset + np.arange(np.size(leaf))
+        out.append(
+            (np.searchsorted(bounds, flat, side="right") - 1).reshape(np.shape(leaf))
+        )
+        offset += np.size(leaf)
+    return out
+
+
+def test_fragments_are_equal_chunks_of_the_flat_parameters_from_shapes_only():
+    from hpsjax.transforms import fragment_bounds, streaming_fragment_nbytes
+
+    tree = _tree3()  # b (8), v (32), w (64)
+    assert fragment_bounds(tree, 1) == (0, 104)
+    assert fragment_bounds(tree, 2) == (0, 52, 104)
+    assert fragment_bounds(tree, 3) == (0, 34, 69, 104)
     zeros = jax.tree.map(jnp.zeros_like, tree)
-    assert fragment_of_leaves(zeros, 2) == fragment_of_leaves(tree, 2)
-    # The peak a link carries: the largest fragment, here 4-bit codes + scale.
-    assert streaming_fragment_nbytes(tree, 2, bits=4) == (32 + 4, 16 + 4 + 4 + 4)
-    assert sum(streaming_fragment_nbytes(tree, 3, bits=None)) == 4 * (8 + 32 + 64)
-    with pytest.raises(ValueError, match=r"^fragments \(4\) must not exceed"):
-        fragment_of_leaves(tree, 4)
+    assert fragment_bounds(zeros, 3) == fragment_bounds(tree, 3)
+    # The peak a link carries: the largest fragment; 4-bit codes, one scale a
+    # leaf reached: b (8) + v (32) + 12 of w | 52 of w.
+    assert streaming_fragment_nbytes(tree, 2, bits=4) == (
+        4 + 4 + 16 + 4 + 6 + 4,
+        26 + 4,
+    )
+    assert streaming_fragment_nbytes(tree, 3, bits=None) == (136, 140, 140)
+    with pytest.raises(ValueError, match=r"^fragments \(105\) must not exceed"):
+        fragment_bounds(tree, 105)
     with pytest.raises(ValueError, match=r"^fragments must be an int >= 1"):
-        fragment_of_leaves(tree, 0)
+        fragment_bounds(tree, 0)
 
 
 def test_streaming_outer_with_one_fragment_is_diloco_outer():
@@ -337,10 +356,10 @@ def test_streaming_outer_with_one_fragment_is_diloco_outer():
 
 
 def test_streaming_outer_steps_only_the_due_fragment_in_turn():
-    from hpsjax.transforms import diloco_outer, fragment_of_leaves, streaming_outer
+    from hpsjax.transforms import diloco_outer, streaming_outer
 
     params = _tree3()
-    owner = fragment_of_leaves(params, 2)
+    owner = _fragment_of(params, 2)
     outer = streaming_outer(0.5, 0.9, fragments=2)
     state = outer.init(params)
     g = jax.tree.map(jnp.ones_like, params)
@@ -351,44 +370,44 @@ def test_streaming_outer_steps_only_the_due_fragment_in_turn():
         u, state = outer.update(g, state)
         if c % 2 == 0:
             ref_u, ref_state = ref.update(g, ref_state)
-        for leaf, r, p in zip(
+        for leaf, r, frag in zip(
             jax.tree.leaves(u), jax.tree.leaves(ref_u), owner, strict=True
         ):
-            if p == c % 2:
-                np.testing.assert_allclose(leaf, r, rtol=1e-6)
-            else:
-                assert not np.any(np.asarray(leaf))
+            due = frag == c % 2
+            np.testing.assert_allclose(np.asarray(leaf)[due], r[due], rtol=1e-6)
+            assert not np.any(np.asarray(leaf)[~due])
 
 
 def test_streaming_push_sends_the_due_fragment_quantized():
     from hpsjax.transforms import (
-        fragment_of_leaves,
         last_streaming_nbytes,
         streaming_fragment_nbytes,
         streaming_push,
     )
 
     delta = _tree3()
-    owner = fragment_of_leaves(delta, 3)
+    owner = _fragment_of(delta, 3)
     push = streaming_push(3, bits=4)
     state = push.init(delta)
     sizes = streaming_fragment_nbytes(delta, 3, bits=4)
     assert last_streaming_nbytes(state) == -(-sum(sizes) // 3)
     for c in range(6):
         sent, state = push.update(delta, state)
-        for leaf, ref, p in zip(
+        quantized = False
+        for leaf, ref, frag in zip(
             jax.tree.leaves(sent), jax.tree.leaves(delta), owner, strict=True
         ):
-            if p == c % 3:
-                # 4 bits: within one step of 2 max|x| / 15 of the truth.
-                step = 2 * float(jnp.max(jnp.abs(ref))) / 15
-                np.testing.assert_array_less(np.abs(leaf - ref), step + 1e-6)
-                assert np.any(np.asarray(leaf) != np.asarray(ref))  # quantized
-            else:
-                assert not np.any(np.asarray(leaf))
+            leaf, ref, due = np.asarray(leaf), np.asarray(ref), frag == c % 3
+            assert not np.any(leaf[~due])
+            if due.any():
+                # 4 bits: within one step (2 max|x| / 15) of the truth.
+                step = 2 * float(np.max(np.abs(ref[due]))) / 15
+                np.testing.assert_array_less(np.abs(leaf - ref)[due], step + 1e-6)
+                quantized |= bool(np.any(leaf[due] != ref[due]))
+        assert quantized
     exact = streaming_push(3, bits=None)
     sent, _ = exact.update(delta, exact.init(delta))
-    np.testing.assert_array_equal(sent["w"], delta["w"])  # w is fragment 0
+    np.testing.assert_array_equal(sent["b"], delta["b"])  # b is in fragment 0
 
 
 def test_streaming_push_error_feedback_carries_each_fragments_residual():
@@ -493,12 +512,13 @@ def test_streaming_keeps_local_progress_pushes_fragments_in_turn_and_trains():
     the pushes alternate between the fragments, and the model trains."""
     params, states, sent_log, _ = _streaming_rounds(3, 2, 4)
     for state in states:
-        # The worker's own parameters differ from the global ones on the
-        # fragment not synchronised last (b: fragment 1, w: fragment 0).
+        # The worker's own parameters are not the global ones: its last
+        # round's steps are kept, not replaced by the pulled parameters.
         assert not np.allclose(state.local["w"], params["w"])
-    # Round 0 pushes fragment 0 (w), round 1 fragment 1 (b).
-    assert all(not np.any(np.asarray(s["b"])) for s in sent_log[0])
-    assert all(not np.any(np.asarray(s["w"])) for s in sent_log[1])
+    # 4 elements (b, then w): round 0 pushes b and w[0], round 1 w[1:].
+    assert all(not np.any(np.asarray(s["w"])[1:]) for s in sent_log[0])
+    assert all(np.all(np.asarray(s["w"])[1:] != 0) for s in sent_log[1])
+    assert all(not np.any(np.asarray(s["b"])) for s in sent_log[1])
     final, _, _, (x, y) = _streaming_rounds(3, 2, 30)
     start = {"w": jnp.zeros(3), "b": jnp.zeros(())}
     assert float(_loss(final, x[0], y[0])) < 0.05 * float(_loss(start, x[0], y[0]))

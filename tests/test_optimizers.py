@@ -87,8 +87,9 @@ def test_momentum_reaches_optax_only_where_it_is_an_argument():
         (
             lambda: make_optimizer("adamm", 0.1),
             "unknown optimizer 'adamm'; valid names: adam, delayed_nesterov, "
-            "momentum, nesterov, ordered_momentum, sgd or any optimizer of optax "
-            "or optax.contrib (closest: adam, radam, nadam)",
+            "momentum, nesterov, ordered_momentum, sgd, streaming_local, "
+            "streaming_nesterov or any optimizer of optax or optax.contrib "
+            "(closest: adam, radam, nadam)",
         ),
         (
             lambda: make_optimizer("adamw", 0.1, weightdecay=0.1),

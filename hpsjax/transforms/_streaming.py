@@ -20,8 +20,8 @@ inner steps (``worker.local_steps``) and three transforms share the work:
 The fragment due at a worker's :math:`c`-th push and at the server's
 :math:`c`-th update is :math:`c \bmod P`, so workers and server agree without a
 message as long as every worker pushes every round (BSP, all workers from the
-start); which leaves form fragment :math:`p` depends on the leaves' sizes only
-(:func:`fragment_of_leaves`).
+start); fragment :math:`p` is the :math:`p`-th of :math:`P` equal contiguous
+chunks of the flattened parameters (:func:`fragment_bounds`).
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ __all__ = [
     "StreamingLocalState",
     "StreamingOuterState",
     "StreamingPushState",
-    "fragment_of_leaves",
+    "fragment_bounds",
     "last_streaming_nbytes",
     "streaming_fragment_nbytes",
     "streaming_local",
@@ -71,64 +71,78 @@ def _check_bits(bits: Any) -> int | None:
     return bits
 
 
-def fragment_of_leaves(tree: Any, fragments: int) -> tuple[int, ...]:
-    """The fragment of each leaf of ``tree`` (in ``jax.tree.leaves`` order).
+def fragment_bounds(tree: Any, fragments: int) -> tuple[int, ...]:
+    r"""Where each fragment starts in the flattened parameters, and the end.
 
-    Leaves are whole units (the paper's fragments are whole layers): the
-    largest first, each goes to the fragment holding the fewest elements so
-    far (the lowest index on ties), so that the fragments, and the peak
-    bandwidth, are about equal. It depends on the leaves' shapes only, so every
-    worker and the server find the same fragments.
+    The leaves of ``tree`` (in ``jax.tree.leaves`` order) laid end to end make
+    one vector of :math:`N` elements; fragment :math:`p` is its elements
+    :math:`[\lfloor pN/P \rfloor, \lfloor (p+1)N/P \rfloor)`: equal
+    contiguous chunks, so that the peak a link carries is :math:`1/P` of the
+    model. It depends on the leaves' shapes only, so every worker and the
+    server find the same fragments.
 
     Raises:
-      ValueError: ``fragments`` is not an int >= 1, or exceeds the leaves.
+      ValueError: ``fragments`` is not an int >= 1, or exceeds the elements.
 
     Examples:
       >>> import numpy as np
-      >>> from hpsjax.transforms import fragment_of_leaves
+      >>> from hpsjax.transforms import fragment_bounds
       >>> tree = {"b": np.zeros(8), "w": np.zeros((8, 8)), "v": np.zeros((8, 4))}
-      >>> fragment_of_leaves(tree, 2)  # leaves b, v, w: w alone, b with v
-      (1, 1, 0)
+      >>> fragment_bounds(tree, 2)  # b, v, w: 104 elements
+      (0, 52, 104)
     """
     fragments = _check_fragments(fragments)
-    sizes = [int(math.prod(np.shape(leaf))) for leaf in jax.tree.leaves(tree)]
-    if fragments > len(sizes):
+    total = sum(int(math.prod(np.shape(leaf))) for leaf in jax.tree.leaves(tree))
+    if fragments > total:
         raise ValueError(
-            f"fragments ({fragments}) must not exceed the tree's {len(sizes)} leaves"
+            f"fragments ({fragments}) must not exceed the tree's {total} elements"
         )
-    loads = [0] * fragments
-    out = [0] * len(sizes)
-    for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
-        p = min(range(fragments), key=lambda p: (loads[p], p))
-        out[i] = p
-        loads[p] += sizes[i]
-    return tuple(out)
+    return tuple(p * total // fragments for p in range(fragments + 1))
+
+
+def _masks(leaves: list, fragments: int, due: jax.Array) -> list[jax.Array]:
+    """Per leaf, a bool array: its elements in fragment ``due`` (traced)."""
+    bounds = jnp.asarray(fragment_bounds(leaves, fragments), jnp.int32)
+    lo, hi = bounds[due], bounds[due + 1]
+    out, offset = [], 0
+    for leaf in leaves:
+        size = int(math.prod(np.shape(leaf)))
+        flat = offset + jnp.arange(size, dtype=jnp.int32)
+        out.append(((flat >= lo) & (flat < hi)).reshape(np.shape(leaf)))
+        offset += size
+    return out
 
 
 def streaming_fragment_nbytes(
     tree: Any, fragments: int, bits: int | None = 4
 ) -> tuple[int, ...]:
     """Bytes of one :func:`streaming_push` of each fragment of a tree like
-    ``tree``: its leaves' codes at ``bits`` bits with their scales
-    (:func:`~hpsjax.transforms.encoded_nbytes`), or their float32 bytes for
-    ``bits=None``. The largest is the peak a link must carry at once.
+    ``tree``: the codes of its elements at ``bits`` bits and a float32 scale
+    per leaf it reaches into (as :func:`~hpsjax.transforms.encoded_nbytes`
+    counts them), or its float32 bytes for ``bits=None``. The largest is the
+    peak a link must carry at once.
 
     Examples:
       >>> import numpy as np
       >>> from hpsjax.transforms import streaming_fragment_nbytes
       >>> tree = {"b": np.zeros(8), "w": np.zeros((8, 8)), "v": np.zeros((8, 4))}
-      >>> streaming_fragment_nbytes(tree, 2, bits=4)  # 32 codes + 4, 20 + 8
-      (36, 28)
+      >>> streaming_fragment_nbytes(tree, 2, bits=4)  # b, v, 12 of w | 52 of w
+      (38, 30)
     """
     bits = _check_bits(bits)
-    owner = fragment_of_leaves(tree, fragments)
-    totals = [0] * len(set(owner))
-    for leaf, p in zip(jax.tree.leaves(tree), owner, strict=True):
-        shape = np.shape(leaf)
-        if bits is None:
-            totals[p] += 4 * int(math.prod(shape))
-        else:
-            totals[p] += encoded_nbytes(shape, _value_codec(bits))
+    bounds = fragment_bounds(tree, fragments)
+    sizes = [int(math.prod(np.shape(leaf))) for leaf in jax.tree.leaves(tree)]
+    totals = []
+    for p in range(fragments):
+        total, offset = 0, 0
+        for size in sizes:
+            n = max(0, min(bounds[p + 1], offset + size) - max(bounds[p], offset))
+            offset += size
+            if n and bits is None:
+                total += 4 * n
+            elif n:
+                total += encoded_nbytes((n,), _value_codec(bits))
+        totals.append(total)
     return tuple(totals)
 
 
@@ -158,9 +172,9 @@ def streaming_local(
 
     (:math:`\alpha` = ``mixing``; 0 takes the global fragment as it is). This
     wrapper does it from the parameters alone: it keeps :math:`\theta_m`
-    (``local``) and, per leaf, the global value it last merged (``anchor``).
-    When a step's parameters are not the worker's own (a new round started from
-    the pulled ones), it takes no inner step: its update moves every leaf to
+    (``local``) and the global values it last merged (``anchor``). When a
+    step's parameters are not the worker's own (a new round started from the
+    pulled ones), it takes no inner step: its update moves every element to
     where the worker's rule says (its own value where the global one equals the
     anchor, the merge where the server changed it) and the gradient is not
     used. Otherwise it is the ``inner`` optimizer. So a round of :math:`k`
@@ -230,7 +244,7 @@ def streaming_local(
 
         is_own = jax.tree.map(own, params, local)
         merging = ~jnp.all(jnp.stack(jax.tree.leaves(is_own)))
-        synced = jax.tree.map(lambda p, a: jnp.any(p != a), params, anchor)
+        synced = jax.tree.map(lambda p, a: p != a, params, anchor)
 
         def target(p, kept, mine, changed):
             mixed = alpha * kept.astype(_F32) + (1 - alpha) * p.astype(_F32)
@@ -283,10 +297,11 @@ def streaming_push(
     r"""Streaming DiLoCo's push: the due fragment's outer gradient, few-bit.
 
     The :math:`c`-th push sends fragment :math:`p = c \bmod P`
-    (:func:`fragment_of_leaves`): its leaves of the pseudo-gradient
+    (:func:`fragment_bounds`): its elements of the pseudo-gradient
     :math:`\Delta` (the pulled minus the local parameters, which
     :func:`streaming_local` makes :math:`\tilde\theta_p - \theta_{m,p}`)
-    quantized to ``bits`` bits, every other leaf zero (not sent):
+    quantized to ``bits`` bits (one scale per leaf it reaches into), every
+    other element zero (not sent):
 
     .. math::
 
@@ -300,11 +315,11 @@ def streaming_push(
     :math:`P` pushes the total is exact).
 
     Our reading: the paper quantizes the outer gradients without error
-    feedback (so it is off by default); its fragments are strided blocks of
-    layers, here whole leaves balanced by size.
+    feedback (so it is off by default); its fragments are blocks of layers
+    (strided), here equal contiguous chunks of the flattened parameters.
 
     Args:
-      fragments: :math:`P`, the number of fragments (at most the leaves).
+      fragments: :math:`P`, the number of fragments (at most the elements).
       bits: 1, 2, 4, 8, 16, or ``None`` for float32.
       error_feedback: carry each fragment's quantization error to its next push.
       seed: seed of the stochastic rounding.
@@ -314,20 +329,20 @@ def streaming_push(
       :class:`StreamingPushState`.
 
     Raises:
-      ValueError: a bad argument; at init, more fragments than leaves.
+      ValueError: a bad argument; at init, more fragments than elements.
 
     Examples:
       >>> import jax.numpy as jnp
       >>> from hpsjax.transforms import streaming_push
       >>> push = streaming_push(2, bits=None)
-      >>> delta = {"a": jnp.ones(2), "b": jnp.ones(3)}  # b is fragment 0
+      >>> delta = {"a": jnp.ones(2), "b": jnp.ones(3)}  # elements 0-1 | 2-4
       >>> state = push.init(delta)
       >>> sent, state = push.update(delta, state)
       >>> sent["a"], sent["b"]
-      (Array([0., 0.], dtype=float32), Array([1., 1., 1.], dtype=float32))
+      (Array([1., 1.], dtype=float32), Array([0., 0., 0.], dtype=float32))
       >>> sent, state = push.update(delta, state)
       >>> sent["a"], sent["b"]
-      (Array([1., 1.], dtype=float32), Array([0., 0., 0.], dtype=float32))
+      (Array([0., 0.], dtype=float32), Array([1., 1., 1.], dtype=float32))
 
     References:
       Douillard et al., `Streaming DiLoCo with overlapping communication
@@ -353,18 +368,18 @@ def streaming_push(
         key, step_key = jax.random.split(jax.random.wrap_key_data(state.key))
         leaves, treedef = jax.tree.flatten(updates)
         errors = treedef.flatten_up_to(state.error)
-        owner = fragment_of_leaves(updates, fragments)
-        due = state.count % fragments
+        masks = _masks(leaves, fragments, state.count % fragments)
         sent, kept = [], []
-        for i, (g, e, p) in enumerate(zip(leaves, errors, owner, strict=True)):
-            acc = g.astype(_F32) + e
+        for i, (g, e, mine) in enumerate(zip(leaves, errors, masks, strict=True)):
+            # The fragment's part of the leaf, quantized on its own scale.
+            acc = jnp.where(mine, g.astype(_F32) + e, 0)
             if codec is None:
                 out = acc
             else:
                 k = jax.random.fold_in(step_key, i)
                 out = decode(encode(acc, codec, k), codec, acc.shape, _F32)
-            mine = due == p
-            sent.append(jnp.where(mine, out, 0).astype(g.dtype))
+            out = jnp.where(mine, out, 0)
+            sent.append(out.astype(g.dtype))
             rest = acc - out if error_feedback else jnp.zeros_like(acc)
             kept.append(jnp.where(mine, rest, e))
         return jax.tree.unflatten(treedef, sent), StreamingPushState(
@@ -426,17 +441,17 @@ def streaming_outer(
       :class:`StreamingOuterState`.
 
     Raises:
-      ValueError: a bad argument; at init, more fragments than leaves.
+      ValueError: a bad argument; at init, more fragments than elements.
 
     Examples:
       >>> import jax.numpy as jnp
       >>> from hpsjax.transforms import streaming_outer
       >>> outer = streaming_outer(1.0, momentum=0.5, fragments=2)
-      >>> g = {"a": jnp.ones(2), "b": jnp.ones(3)}  # b is fragment 0
+      >>> g = {"a": jnp.ones(2), "b": jnp.ones(3)}  # elements 0-1 | 2-4
       >>> state = outer.init(g)
       >>> step, state = outer.update(g, state)
-      >>> step["a"], step["b"]  # b: -(0.5 * 1 + 1)
-      (Array([0., 0.], dtype=float32), Array([-1.5, -1.5, -1.5], dtype=float32))
+      >>> step["a"], step["b"]  # a: -(0.5 * 1 + 1)
+      (Array([-1.5, -1.5], dtype=float32), Array([0., 0., 0.], dtype=float32))
 
     References:
       Douillard et al., `Streaming DiLoCo with overlapping communication
@@ -447,7 +462,7 @@ def streaming_outer(
     fragments = _check_fragments(fragments)
 
     def init_fn(params):
-        fragment_of_leaves(params, fragments)  # checks the count
+        fragment_bounds(params, fragments)  # checks the count
         return StreamingOuterState(
             count=jnp.zeros([], jnp.int32),
             momentum=jax.tree.map(lambda p: jnp.zeros(p.shape, _F32), params),
@@ -459,11 +474,9 @@ def streaming_outer(
         lr = jnp.asarray(lr, _F32)
         leaves, treedef = jax.tree.flatten(updates)
         moms = treedef.flatten_up_to(state.momentum)
-        owner = fragment_of_leaves(updates, fragments)
-        due = state.count % fragments
+        masks = _masks(leaves, fragments, state.count % fragments)
         steps, new_moms = [], []
-        for g, m, p in zip(leaves, moms, owner, strict=True):
-            mine = due == p
+        for g, m, mine in zip(leaves, moms, masks, strict=True):
             g32 = g.astype(_F32)
             m_new = beta * m + g32
             steps.append(jnp.where(mine, -lr * (beta * m_new + g32), 0).astype(g.dtype))
