@@ -59,10 +59,10 @@ def _queue_like_before(server) -> dict:
     executor = concurrent.futures.ThreadPoolExecutor(max_workers=1)
     counts = {"requested": 0}
 
-    def save_async(step, tree, metadata=None, *, snapshot=True, overwrite=False):
+    def save_async(step, tree, metadata=None, *, snapshot=True):
         del snapshot
         counts["requested"] += 1
-        return executor.submit(manager.save, step, tree, metadata, overwrite=overwrite)
+        return executor.submit(manager.save, step, tree, metadata)
 
     manager.save_async = save_async
     return counts

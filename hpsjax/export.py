@@ -176,7 +176,7 @@ def _server_params(directory: pathlib.Path, step: int | None):
     if not (
         isinstance(meta, dict)
         and meta.get("format") == _CHECKPOINT_FORMAT
-        and isinstance(tree, tuple)
+        and isinstance(tree, list | tuple)  # (params, opt_state), a list in orbax's
         and len(tree) == 2
         and isinstance(tree[0], dict)
     ):

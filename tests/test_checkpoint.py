@@ -16,14 +16,12 @@ import time
 import jax
 import jax.numpy as jnp
 import ml_dtypes
-import msgpack
 import numpy as np
 import optax
 import pytest
-import tensorstore as ts
 from orbax.checkpoint._src.path.atomicity import AtomicRenameTemporaryPath
 
-from hpsjax.ps import _checkpoint, _checkpoint_legacy, _checkpoint_orbax
+from hpsjax.ps import _checkpoint, _checkpoint_orbax
 from hpsjax.ps._checkpoint import Checkpoint, CheckpointError, CheckpointManager
 
 LOGGER = "hpsjax.ps._checkpoint"
@@ -67,8 +65,8 @@ def _entries(directory: pathlib.Path) -> list[str]:
     return sorted(p.name for p in directory.iterdir() if p.name != _checkpoint._LOCK)
 
 
-def _manifest(root: pathlib.Path) -> pathlib.Path:
-    return root / "manifest" / "manifest.msgpack"
+def _meta(root: pathlib.Path) -> pathlib.Path:
+    return root / "meta" / "meta.msgpack"
 
 
 # -- round trips --------------------------------------------------------------
@@ -102,14 +100,16 @@ def test_round_trip_without_like_gives_plain_containers(tmp_path):
     manager.save(0, state)
     step, tree, meta = manager.restore_latest()
     assert (step, meta) == (0, None)
+    # Orbax's plain containers: tuples as lists, NamedTuples as dicts, empty
+    # nodes (optax.EmptyState) as None.
     adam = tree["opt_state"][1][0]
-    assert isinstance(tree["opt_state"], tuple)
+    assert isinstance(tree["opt_state"], list)
     assert set(adam) == {"count", "mu", "nu"}
     assert isinstance(adam["mu"]["dense"]["kernel"], np.ndarray)
     np.testing.assert_array_equal(
         adam["nu"]["embed"], np.asarray(state["opt_state"][1][0].nu["embed"])
     )
-    assert tree["opt_state"][0] == {}
+    assert tree["opt_state"][0] is None
     assert tree["version"] == 17
 
 
@@ -237,16 +237,15 @@ def test_a_new_manager_sees_existing_checkpoints(tmp_path):
     np.testing.assert_array_equal(again.restore_latest().tree["w"], np.arange(3))
 
 
-def test_overwrite_replaces_the_same_step(tmp_path):
+def test_a_step_saved_is_not_saved_again(tmp_path):
     manager = CheckpointManager(tmp_path)
     manager.save(3, {"w": np.zeros(2)}, {"v": 1})
     with pytest.raises(ValueError, match="already exists"):
         manager.save(3, {"w": np.ones(2)})
+    with pytest.raises(ValueError, match="already exists"):
+        manager.save_async(3, {"w": np.ones(2)})
+    manager.close()
     assert manager.restore(3).metadata == {"v": 1}
-    manager.save(3, {"w": np.ones(2)}, {"v": 2}, overwrite=True)
-    step, tree, meta = manager.restore_latest()
-    assert (step, meta) == (3, {"v": 2})
-    np.testing.assert_array_equal(tree["w"], np.ones(2))
     assert _entries(tmp_path) == ["ckpt_3"]
 
 
@@ -261,7 +260,7 @@ def test_failure_while_writing_leaves_keeps_previous_checkpoint(tmp_path, monkey
     def failing_write(path, data):
         raise OSError("disk full")
 
-    monkeypatch.setattr(_checkpoint_orbax, "write_manifest", failing_write)
+    monkeypatch.setattr(_checkpoint_orbax, "write_meta", failing_write)
     with pytest.raises(OSError, match="disk full"):
         manager.save(2, _server_state(2.0))
     monkeypatch.undo()
@@ -282,8 +281,6 @@ def test_failure_before_commit_keeps_previous_checkpoint(tmp_path, monkeypatch):
     monkeypatch.setattr(AtomicRenameTemporaryPath, "finalize", failing_commit)
     with pytest.raises(OSError, match="I/O error"):
         manager.save(2, {"w": np.ones(4)})
-    with pytest.raises(OSError, match="I/O error"):
-        manager.save(1, {"w": np.ones(4)}, overwrite=True)
     monkeypatch.undo()
     assert manager.steps() == [1]
     np.testing.assert_array_equal(manager.restore_latest().tree["w"], np.zeros(4))
@@ -291,10 +288,10 @@ def test_failure_before_commit_keeps_previous_checkpoint(tmp_path, monkeypatch):
 
 _CHILD = textwrap.dedent(
     """
-    import os, pathlib, sys, time
+    import pathlib, sys, time
     import numpy as np
     from orbax.checkpoint._src.path.atomicity import AtomicRenameTemporaryPath
-    from hpsjax.ps import _checkpoint, _checkpoint_orbax
+    from hpsjax.ps import _checkpoint_orbax
     from hpsjax.ps._checkpoint import CheckpointManager
 
     directory, stage, marker = sys.argv[1:4]
@@ -314,18 +311,10 @@ _CHILD = textwrap.dedent(
         pause()
 
     if stage == "leaves":
-        _checkpoint_orbax.write_manifest = lambda path, data: pause()
+        _checkpoint_orbax.write_meta = lambda path, data: pause()
     elif stage == "commit":
         AtomicRenameTemporaryPath.finalize = pause_commit
-    elif stage == "overwrite":
-        real_rename = os.rename
-        def rename(src, dst):
-            real_rename(src, dst)
-            if os.path.basename(dst).startswith(".old-"):
-                pause()
-        _checkpoint.os.rename = rename
-    manager.save(1 if stage == "overwrite" else 2, tree(2.0), {"step": 2},
-                 overwrite=stage == "overwrite")
+    manager.save(2, tree(2.0), {"step": 2})
     """
 )
 
@@ -349,7 +338,7 @@ def _wait_for(path: pathlib.Path, proc: subprocess.Popen, timeout: float = 60.0)
         time.sleep(0.02)
 
 
-@pytest.mark.parametrize("stage", ["leaves", "commit", "overwrite"])
+@pytest.mark.parametrize("stage", ["leaves", "commit"])
 def test_sigkill_mid_save_leaves_previous_checkpoint(tmp_path, stage, caplog):
     directory = tmp_path / "ckpts"
     marker = tmp_path / "paused"
@@ -363,8 +352,6 @@ def test_sigkill_mid_save_leaves_previous_checkpoint(tmp_path, stage, caplog):
 
     leftovers = [n for n in _entries(directory) if n.startswith(".") or TMP in n]
     assert leftovers, "the crash should have left a temporary directory"
-    if stage == "overwrite":
-        assert "ckpt_1" not in _entries(directory)
 
     with caplog.at_level(logging.INFO, logger=LOGGER):
         manager = CheckpointManager(directory)
@@ -373,10 +360,7 @@ def test_sigkill_mid_save_leaves_previous_checkpoint(tmp_path, stage, caplog):
     assert restored.metadata == {"step": 1}
     np.testing.assert_array_equal(restored.tree["w"], np.full((64, 64), 1.0))
     assert _entries(directory) == ["ckpt_1"]
-    if stage == "overwrite":
-        assert "putting back" in caplog.text
-    else:
-        assert "interrupted checkpoint save" in caplog.text
+    assert "interrupted checkpoint save" in caplog.text
 
 
 _HOLDER = textwrap.dedent(
@@ -488,7 +472,7 @@ def _three_checkpoints(tmp_path) -> CheckpointManager:
 )
 def test_damaged_manifest_is_skipped_with_a_warning(tmp_path, damage, caplog):
     manager = _three_checkpoints(tmp_path)
-    manifest = _manifest(tmp_path / "ckpt_3")
+    manifest = _meta(tmp_path / "ckpt_3")
     data = manifest.read_bytes()
     if damage == "flip_byte":
         manifest.write_bytes(data[:-3] + bytes([data[-3] ^ 0xFF]) + data[-2:])
@@ -499,9 +483,7 @@ def test_damaged_manifest_is_skipped_with_a_warning(tmp_path, damage, caplog):
     elif damage == "wrong_magic":
         manifest.write_bytes(b"XXXXXXXX" + data[8:])
     else:
-        payload = msgpack.packb({"format": "something else"})
-        digest = _checkpoint.hashlib.sha256(payload).digest()
-        manifest.write_bytes(_checkpoint._MAGIC + digest + payload)
+        manifest.write_bytes(_checkpoint._pack_meta({"format": "something else"}))
 
     with caplog.at_level(logging.WARNING, logger=LOGGER):
         restored = manager.restore_latest()
@@ -519,7 +501,7 @@ def test_damaged_manifest_is_skipped_with_a_warning(tmp_path, damage, caplog):
 def _damage_leaf(root: pathlib.Path) -> None:
     """Flips one bit in the biggest data file of the arrays item."""
     chunk = max(
-        (p for p in (root / "arrays").rglob("d/*") if p.is_file()),
+        (p for p in (root / "state").rglob("d/*") if p.is_file()),
         key=lambda p: p.stat().st_size,
     )
     data = bytearray(chunk.read_bytes())
@@ -540,7 +522,7 @@ def test_saving_goes_on_after_falling_back_from_a_damaged_checkpoint(tmp_path):
     manager.close()
     assert manager.steps() == [2, 3, 4]
     assert manager.restore(3).metadata == {"s": 30}
-    assert _manifest(tmp_path / "ckpt_3.damaged-1").is_file()
+    assert _meta(tmp_path / "ckpt_3.damaged-1").is_file()
     # Damaged again: moved aside under the next free name, the first kept.
     _damage_leaf(tmp_path / "ckpt_4")
     assert CheckpointManager(tmp_path).restore_latest().step == 3
@@ -572,7 +554,7 @@ def test_a_flipped_bit_in_array_data_fails_its_crc32(tmp_path):
 
 def test_missing_leaf_is_detected(tmp_path):
     manager = _three_checkpoints(tmp_path)
-    for p in sorted((tmp_path / "ckpt_3" / "arrays").iterdir()):
+    for p in sorted((tmp_path / "ckpt_3" / "state").iterdir()):
         if p.is_dir():
             _checkpoint.shutil.rmtree(p)
         else:
@@ -614,7 +596,7 @@ def test_directory_that_is_a_file_is_refused(tmp_path):
         ({"f": len}, "unsupported type"),
         ({"s": {1, 2}}, "unsupported type"),
         ({(1, 2): np.zeros(1)}, "not a str or int"),
-        ({"big": 2**70}, "msgpack"),
+        ({"big": 2**70}, "int64"),
         ({"abstract": jax.ShapeDtypeStruct((2,), jnp.float32)}, "no data"),
     ],
 )
@@ -658,13 +640,19 @@ def test_restore_of_a_missing_step_lists_available(tmp_path):
 @pytest.mark.parametrize(
     "like, match",
     [
-        ({"params": {"w": jnp.zeros((2, 2))}}, r"at \['params'\]: .*keys \['b', 'w'\]"),
-        ({"params": {"w": jnp.zeros(3), "b": jnp.zeros(2)}}, r"\['w'\].*float32\[3\]"),
+        (
+            {"params": {"w": jnp.zeros((2, 2))}},
+            r"only the checkpoint has \['params.b'\]",
+        ),
+        (
+            {"params": {"w": jnp.zeros(3), "b": jnp.zeros(2)}},
+            r"params.w: .*float32\[3\]",
+        ),
         (
             {"params": {"w": jnp.zeros((2, 2), jnp.int32), "b": jnp.zeros(2)}},
             "int32",
         ),
-        ({"params": [jnp.zeros(2), jnp.zeros((2, 2))]}, "a list"),
+        ({"params": [jnp.zeros(2), jnp.zeros((2, 2))]}, r"only like has \['params.0'"),
         ({"params": {"w": jnp.zeros((2, 2)), "b": 1.0}}, "Python float"),
     ],
 )
@@ -710,7 +698,7 @@ def test_failed_background_save_surfaces_on_next_call(tmp_path, monkeypatch):
     def failing_write(path, data):
         raise OSError("disk gone")
 
-    monkeypatch.setattr(_checkpoint_orbax, "write_manifest", failing_write)
+    monkeypatch.setattr(_checkpoint_orbax, "write_meta", failing_write)
     future = manager.save_async(1, {"w": np.zeros(2)})
     with pytest.raises(OSError, match="disk gone"):
         future.result(timeout=60)
@@ -776,84 +764,3 @@ def test_restores_from_another_thread_see_only_complete_checkpoints(tmp_path):
     assert not errors
     steps = manager.steps()
     assert steps[-1] == 7 and len(steps) <= 2
-
-
-# -- checkpoints of the earlier format ----------------------------------------
-
-
-def _write_legacy(root: pathlib.Path, step: int, tree, metadata) -> None:
-    """Writes ``tree`` as a format-1 checkpoint (manifest.msgpack + zarr leaves)."""
-    specs, arrays = [], {}
-
-    def visit_leaf(path, leaf):
-        spec = _checkpoint._leaf_spec(path, leaf)
-        if spec["kind"] == "array":
-            arrays[len(specs)] = np.asarray(leaf)
-        specs.append(spec)
-        return {"k": "leaf", "i": len(specs) - 1}
-
-    desc = _checkpoint._describe(tree, visit_leaf)
-    for i, array in arrays.items():
-        store = ts.open(
-            {
-                "driver": "zarr3",
-                "kvstore": {"driver": "file", "path": str(root / "leaves" / str(i))},
-            },
-            create=True,
-            dtype=ts.dtype(array.dtype),
-            shape=array.shape,
-        ).result()
-        store.write(array).result()
-    body = {
-        "format": "hpsjax-checkpoint",
-        "format_version": 1,
-        "step": step,
-        "tree": desc,
-        "leaves": specs,
-        "metadata": metadata,
-    }
-    (root / "manifest.msgpack").write_bytes(
-        _checkpoint._pack_manifest(body, _checkpoint_legacy.MAGIC)
-    )
-
-
-def test_earlier_format_is_refused_in_one_line_and_converts(tmp_path):
-    old, new = tmp_path / "old", tmp_path / "new"
-    state = {**_server_state(3.0), "empty": np.zeros((0, 2), np.float32)}
-    for step in (4, 6):
-        _write_legacy(old / f"ckpt_{step}", step, state, {"workers": {0: step}})
-    with pytest.raises(ValueError) as info:
-        CheckpointManager(old)
-    message = str(info.value)
-    assert "\n" not in message and "earlier hpsjax format" in message
-    assert f"python -m hpsjax.ps.convert_checkpoint {old} NEW_DIRECTORY" in message
-
-    run = subprocess.run(
-        [sys.executable, "-m", "hpsjax.ps.convert_checkpoint", str(old), str(new)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert run.returncode == 0, run.stderr
-    assert "converted steps [4, 6]" in run.stdout
-    with CheckpointManager(new) as manager:
-        assert manager.steps() == [4, 6]
-        step, tree, meta = manager.restore_latest(like=state)
-    assert (step, meta) == (6, {"workers": {0: 6}})
-    _assert_trees_equal(tree, state)
-    assert type(tree["opt_state"][1][0]) is optax.ScaleByAdamState
-    assert (old / "ckpt_6" / "manifest.msgpack").is_file(), "the old ones stay"
-
-
-def test_convert_refuses_bad_directories_in_one_line(tmp_path, capsys):
-    from hpsjax.ps.convert_checkpoint import main
-
-    assert main([str(tmp_path / "missing"), str(tmp_path / "new")]) == 2
-    assert "is not a directory" in capsys.readouterr().err
-    (tmp_path / "empty").mkdir()
-    assert main([str(tmp_path / "empty"), str(tmp_path / "new")]) == 2
-    assert "no checkpoint of the earlier" in capsys.readouterr().err
-    _write_legacy(tmp_path / "old" / "ckpt_1", 1, {"w": np.ones(2)}, None)
-    CheckpointManager(tmp_path / "full").save(1, {"w": np.ones(2)})
-    assert main([str(tmp_path / "old"), str(tmp_path / "full")]) == 2
-    assert "already holds checkpoints" in capsys.readouterr().err

@@ -32,6 +32,10 @@ LOGGER = "hpsjax.ps._checkpoint"
 SAVE_DELAY_S = 0.2
 
 
+def _step(path: pathlib.Path) -> int:
+    return int(path.name.removeprefix("ckpt_"))
+
+
 class _SlowSaves:
     """Wraps orbax's save with a delay; records each save's step at its start."""
 
@@ -41,11 +45,12 @@ class _SlowSaves:
         self.lags: list[int] = []
         real = _checkpoint_orbax.save
 
-        def slow_save(manager, step, arrays, manifest):
+        def slow_save(checkpointer, path, tree, meta):
+            step = _step(path)
             self.started.append(step)
             self.lags.append(self.requested - step)
             time.sleep(delay)
-            real(manager, step, arrays, manifest)
+            real(checkpointer, path, tree, meta)
 
         monkeypatch.setattr(_checkpoint_orbax, "save", slow_save)
 
@@ -125,12 +130,12 @@ def test_a_failed_save_does_not_stop_the_waiting_one(tmp_path, monkeypatch):
     real = _checkpoint_orbax.save
     entered, gate = threading.Event(), threading.Event()
 
-    def save(manager, step, arrays, manifest):
+    def save(checkpointer, path, tree, meta):
         entered.set()
         gate.wait(30)
-        if step == 1:
+        if _step(path) == 1:
             raise OSError("disk hiccup")
-        real(manager, step, arrays, manifest)
+        real(checkpointer, path, tree, meta)
 
     monkeypatch.setattr(_checkpoint_orbax, "save", save)
     manager = CheckpointManager(tmp_path)
@@ -247,8 +252,8 @@ _PRUNE_CHILD = textwrap.dedent(
 def _committed_checkpoint_is_whole(root: pathlib.Path) -> bool:
     return (
         (root / "_CHECKPOINT_METADATA").is_file()
-        and (root / "manifest" / "manifest.msgpack").is_file()
-        and (root / "arrays").is_dir()
+        and (root / "meta" / "meta.msgpack").is_file()
+        and (root / "state").is_dir()
     )
 
 
@@ -307,10 +312,11 @@ _SLOW_SERVER = textwrap.dedent(
 
     real = _checkpoint_orbax.save
 
-    def slow_save(manager, step, arrays, manifest):
-        print(f"save-start {step} {time.monotonic()}", flush=True)
+    def slow_save(checkpointer, path, tree, meta):
+        print(f"save-start {path.name.removeprefix('ckpt_')} {time.monotonic()}",
+              flush=True)
         time.sleep(0.3)
-        real(manager, step, arrays, manifest)
+        real(checkpointer, path, tree, meta)
 
     _checkpoint_orbax.save = slow_save
     sys.exit(_cli.main(sys.argv[1:]))

@@ -1,64 +1,50 @@
 """Atomic orbax checkpoints of pytrees: parameters, optimizer state, metadata.
 
-A checkpoint is one orbax-checkpoint step. Its array leaves are saved by orbax
-(tensorstore, OCDBT) as a flat dict keyed by leaf index; a small msgpack
-manifest holds the tree structure, each leaf's shape, dtype and crc32, Python
-scalar leaves, the step and a msgpack-able metadata dict. Nothing is pickled,
-so restoring never executes code.
+A checkpoint is one orbax-checkpoint directory: orbax saves and describes the
+tree (tensorstore, OCDBT; ``hpsjax.ps._checkpoint_orbax``), and a small msgpack
+file beside it holds the step, a msgpack-able metadata dict and a crc32 of
+each array. Nothing is pickled, so restoring never executes code.
 
 On disk::
 
     directory/
       ckpt_<step>/                          a committed checkpoint
-        _CHECKPOINT_METADATA                orbax's step metadata
-        manifest/manifest.msgpack           magic + sha256 + msgpack body
-        arrays/                             orbax PyTree item (OCDBT)
+        state/                              orbax's PyTree item
+        meta/meta.msgpack                   magic + crc32 + msgpack body
       ckpt_<step>.orbax-checkpoint-tmp*/    a save in progress, or left by a crash
-      .old-ckpt_<step>-<hex>/               a checkpoint being replaced (overwrite)
-      .pruned-ckpt_<step>-<hex>/            an old checkpoint being deleted (keep)
+      .pruned-ckpt_<step>-<hex>/            an old checkpoint being deleted
       ckpt_<step>.damaged-<n>/              a damaged checkpoint moved aside, kept
       .hpsjax-checkpoint.lock               held by the manager that saves here
 
-Commit protocol. Orbax's ``CheckpointManager`` writes both items into a
-temporary directory (tensorstore and the manifest writer ``fsync`` their files)
-and renames it to ``ckpt_<step>``. ``rename`` within a directory is atomic on
-POSIX file systems, so a crash at any point leaves either the previous
-checkpoints only or the new one complete. After a commit, checkpoints beyond
-the newest ``keep`` are pruned: each is first renamed out of the step namespace
-(``.pruned-ckpt_<step>-<hex>``, a name no reader lists), then deleted, so a
-crash during the deletion leaves only whole checkpoints under ``ckpt_<step>``
-names and a leftover that the next manager deletes. Temporary and pruned
-directories are removed by the manager that holds the directory's lock (an
-``flock``, released by the kernel when its process dies), so a save in
-progress in another live process is never mistaken for a crash's leftover.
+Commit protocol. Orbax writes both items into a temporary directory and
+renames it to ``ckpt_<step>``; ``rename`` within a directory is atomic on
+POSIX, so a crash leaves either the earlier checkpoints only or the new one
+complete. Checkpoints beyond the newest ``keep`` are pruned: renamed out of
+the step namespace first, then deleted, so a crash while deleting leaves only
+whole checkpoints under ``ckpt_<step>`` names. Leftovers (temporary and pruned
+directories) are removed only by a manager holding the directory's lock (an
+``flock``, let go by the kernel when its process dies), so another live
+process's save in progress is never mistaken for a crash's.
 
-Saves that keep up. ``save_async`` keeps at most one save in flight and one
-waiting: a save requested while another is written replaces the waiting one
-(the newest state wins), so a writer slower than the requests holds at most
-two snapshots, a stop writes at most one more checkpoint, and the log says (at
-most once a minute) when requests are folded because saves take longer than
-the interval between them.
+Saves that keep up. ``save_async`` writes on one thread of the manager, one
+save at a time, and keeps at most one waiting: a save requested while another
+is written replaces the waiting one (the newest state wins), so a writer slower
+than the requests holds at most two snapshots and a stop writes at most one
+more checkpoint; the log says (at most once a minute) when saves fall behind.
 
 Errors: bad arguments raise ``ValueError``; a checkpoint that cannot be read
-(missing or damaged manifest or array data: every stored array's crc32 is
-checked) raises ``CheckpointError``, a ``ValueError`` subclass.
-``restore_latest`` logs such a checkpoint on the ``hpsjax.ps._checkpoint``
-logger, moves it aside (renamed, never deleted) so that saving goes on, and
-falls back to the next older one.
-
-Checkpoints of the earlier format (``ckpt_<step>/manifest.msgpack`` and
-``leaves/``, read by ``hpsjax.ps._checkpoint_legacy``) are refused with the
-command that converts them: ``python -m hpsjax.ps.convert_checkpoint OLD NEW``.
+(missing or damaged meta file or array data, each array's crc32 checked)
+raises ``CheckpointError``, a ``ValueError`` subclass. ``restore_latest`` logs
+such a checkpoint, moves it aside (never deletes it) and falls back to the next
+older one.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import fcntl
-import hashlib
 import logging
 import math
-import operator
 import os
 import pathlib
 import shutil
@@ -78,17 +64,13 @@ __all__ = ["Checkpoint", "CheckpointError", "CheckpointManager"]
 logger = logging.getLogger(__name__)
 
 _FORMAT = "hpsjax-checkpoint"
-_FORMAT_VERSION = 2
-_MAGIC = b"HPSJCKP2"
-_DIGEST_BYTES = 32
+_MAGIC = b"HPSJCKP3"
 _PREFIX = "ckpt_"
-_OLD_PREFIX = ".old-ckpt_"
 _PRUNED_PREFIX = ".pruned-ckpt_"
 _DAMAGED_INFIX = ".damaged-"
 _LOCK = ".hpsjax-checkpoint.lock"
-_TMP_SUFFIX = ".orbax-checkpoint-tmp"  # orbax's; checked in _checkpoint_orbax
-_LEGACY_MANIFEST = "manifest.msgpack"
-_PY_SCALARS = {"bool": bool, "int": int, "float": float, "str": str}
+_TMP_SUFFIX = ".orbax-checkpoint-tmp"  # orbax's, as in _checkpoint_orbax
+_INT64 = (-(2**63), 2**63)
 # Least seconds between two "saves fall behind" lines.
 _BEHIND_LOG_INTERVAL_S = 60.0
 
@@ -111,348 +93,135 @@ class Checkpoint(NamedTuple):
     metadata: Any
 
 
-class _Plan(NamedTuple):
-    """A tree prepared for writing: validated, described, its arrays on the host."""
+class _Save(NamedTuple):
+    """A save checked and waiting to be written."""
 
     step: int
-    arrays: dict[str, np.ndarray]  # leaf index -> host array (non-empty ones)
-    body: dict  # the manifest body, without the arrays' checksums
+    tree: Any  # array leaves as given (by reference) or copied (a snapshot)
+    metadata: Any
 
 
-# ---------------------------------------------------------------------------
-# Tree description (no pickle): nested msgpack maps, one per node.
-# ---------------------------------------------------------------------------
+def _where(path: tuple) -> str:
+    return jax.tree_util.keystr(path) or "the root"
 
 
-def _key_of(entry: Any) -> Any:
-    for attr in ("key", "name", "idx"):
-        if hasattr(entry, attr):
-            return getattr(entry, attr)
-    return str(entry)
-
-
-def _type_name(node: Any) -> str:
-    cls = type(node)
-    return f"{cls.__module__}.{cls.__qualname__}"
-
-
-def _is_namedtuple(node: Any) -> bool:
-    return isinstance(node, tuple) and hasattr(type(node), "_fields")
-
-
-def _children(node: Any) -> tuple[list[tuple[Any, Any]], bool]:
-    """Returns ``([(key, child), ...], is_leaf)`` for one level of ``node``."""
-    pairs, treedef = jax.tree_util.tree_flatten_with_path(
-        node, is_leaf=lambda x: x is not node
-    )
-    if treedef.num_leaves == 1 and treedef.num_nodes == 1:
-        return [], True
-    return [(_key_of(path[0]), child) for path, child in pairs], False
-
-
-def _describe(tree: Any, visit_leaf) -> Any:
-    """Describes ``tree`` as msgpack-able maps; ``visit_leaf(path, leaf)`` -> map.
-
-    Leaves are visited in ``jax.tree.leaves`` order, so a tree of the same
-    structure can be rebuilt with ``jax.tree.unflatten``.
-    """
-
-    def visit(node: Any, path: str) -> Any:
-        if node is None:
-            return {"k": "none"}
-        pairs, is_leaf = _children(node)
-        if is_leaf:
-            return visit_leaf(path, node)
-        keys = [k for k, _ in pairs]
-        if type(node) is dict:
-            kind = "dict"
-            for k in keys:
-                if not isinstance(k, str | int):
-                    raise ValueError(
-                        f"dict key {k!r} at {path or 'the root'} is not a str or "
-                        "int; a checkpoint stores only str and int keys"
-                    )
-        elif type(node) is list:
-            kind = "list"
-        elif type(node) is tuple:
-            kind = "tuple"
-        elif _is_namedtuple(node):
-            kind = "namedtuple"
-        else:
-            kind = "node"
-            keys = [k if isinstance(k, str | int) else str(k) for k in keys]
-        desc = {
-            "k": kind,
-            "keys": keys,
-            "c": [visit(child, f"{path}[{k!r}]") for k, child in pairs],
-        }
-        if kind in ("namedtuple", "node"):
-            desc["type"] = _type_name(node)
-        return desc
-
-    try:
-        return visit(tree, "")
-    finally:
-        # A recursive closure is a reference cycle: break it, so the leaves
-        # that ``visit_leaf`` keeps are let go without waiting for the gc.
-        visit = None
-
-
-def _leaf_spec(path: str, leaf: Any) -> dict:
-    """The manifest entry of one leaf (without its storage index)."""
-    if isinstance(leaf, bool | int | float | str):
-        return {"kind": "py", "type": type(leaf).__name__, "value": leaf, "path": path}
+def _check_leaf(path: tuple, leaf: Any, *, copy: bool) -> Any:
+    """``leaf`` if a checkpoint can store it (copied to host if ``copy``)."""
+    for key in path:
+        if isinstance(key, jax.tree_util.DictKey) and not isinstance(
+            key.key, str | int
+        ):
+            raise ValueError(
+                f"dict key {key.key!r} at {_where(path)} is not a str or int; a "
+                "checkpoint stores only str and int keys"
+            )
+    if isinstance(leaf, bool | float | str):
+        return leaf
+    if isinstance(leaf, int):
+        if not _INT64[0] <= leaf < _INT64[1]:
+            raise ValueError(f"Python int at {_where(path)} does not fit in int64")
+        return leaf
     if isinstance(leaf, jax.ShapeDtypeStruct):
-        dtype, shape = np.dtype(leaf.dtype), tuple(leaf.shape)
-    elif isinstance(leaf, jax.Array | np.ndarray | np.generic):
-        dtype, shape = np.dtype(leaf.dtype), tuple(np.shape(leaf))
-    else:
         raise ValueError(
-            f"leaf at {path or 'the root'} has unsupported type "
-            f"{_type_name(leaf)}; leaves must be arrays or bool/int/float/str"
+            f"leaf at {_where(path)} is a ShapeDtypeStruct, which has no data to save"
+        )
+    if not isinstance(leaf, jax.Array | np.ndarray | np.generic):
+        raise ValueError(
+            f"leaf at {_where(path)} has unsupported type {type(leaf).__name__}; "
+            "leaves must be arrays or bool/int/float/str"
         )
     try:
-        name = ts.dtype(dtype).name
+        ts.dtype(np.dtype(leaf.dtype))
     except (TypeError, ValueError) as e:
         raise ValueError(
-            f"leaf at {path or 'the root'} has dtype {dtype}, which tensorstore "
+            f"leaf at {_where(path)} has dtype {leaf.dtype}, which tensorstore "
             "cannot store"
         ) from e
-    return {"kind": "array", "dtype": name, "shape": list(shape), "path": path}
+    if not copy:
+        return leaf
+    try:
+        # A copy makes the snapshot independent of later in-place changes of
+        # numpy leaves and of donated jax buffers.
+        return np.array(leaf, copy=True)
+    except RuntimeError as e:
+        raise ValueError(f"cannot fetch leaf {_where(path)}: {e}") from e
 
 
-def _structure_of(desc: Any) -> Any:
-    """The part of a description that must match for ``like`` to apply."""
-    kind = desc["k"]
-    if kind == "leaf":
-        return "leaf"
-    if kind == "none":
-        return "none"
-    return (kind, tuple(desc["keys"]), tuple(_structure_of(c) for c in desc["c"]))
-
-
-def _first_difference(saved: Any, like: Any, path: str = "") -> str:
-    where = path or "the root"
-    if saved == like:
-        return ""
-    if isinstance(saved, str) or isinstance(like, str):
-        return f"at {where}: checkpoint has {_show(saved)}, like has {_show(like)}"
-    s_kind, s_keys, s_children = saved
-    l_kind, l_keys, l_children = like
-    if s_kind != l_kind or s_keys != l_keys:
-        return f"at {where}: checkpoint has {_show(saved)}, like has {_show(like)}"
-    for key, s, lk in zip(s_keys, s_children, l_children, strict=True):
-        found = _first_difference(s, lk, f"{path}[{key!r}]")
-        if found:
-            return found
-    return ""
-
-
-def _show(structure: Any) -> str:
-    if isinstance(structure, str):
-        return "a leaf" if structure == "leaf" else "None"
-    kind, keys, _ = structure
-    return f"a {kind} with keys {list(keys)}"
-
-
-# ---------------------------------------------------------------------------
-# Manifest: magic + sha256 + msgpack body.
-# ---------------------------------------------------------------------------
-
-
-def _pack_manifest(body: dict, magic: bytes = _MAGIC) -> bytes:
+def _pack_meta(body: dict) -> bytes:
     payload = msgpack.packb(body, use_bin_type=True)
-    return magic + hashlib.sha256(payload).digest() + payload
+    return _MAGIC + zlib.crc32(payload).to_bytes(4, "little") + payload
 
 
-def unpack_manifest(
-    data: bytes, *, magic: bytes = _MAGIC, format_version: int = _FORMAT_VERSION
-) -> dict:
-    """Checks and decodes a manifest file of the given format version.
-
-    Raises:
-      CheckpointError: the bytes are not a whole, valid manifest.
-    """
-    header = len(magic) + _DIGEST_BYTES
-    if len(data) < header or not data.startswith(magic):
-        raise CheckpointError("manifest does not start with the checkpoint magic")
-    digest, payload = data[len(magic) : header], data[header:]
-    if hashlib.sha256(payload).digest() != digest:
-        raise CheckpointError("manifest checksum mismatch (file damaged)")
+def _unpack_meta(data: bytes, step: int) -> dict:
+    header = len(_MAGIC) + 4
+    if len(data) < header or not data.startswith(_MAGIC):
+        raise CheckpointError("meta file does not start with the checkpoint magic")
+    payload = data[header:]
+    if zlib.crc32(payload).to_bytes(4, "little") != data[len(_MAGIC) : header]:
+        raise CheckpointError("meta file fails its crc32 (file damaged)")
     try:
         body = msgpack.unpackb(payload, raw=False, strict_map_key=False)
     except (ValueError, msgpack.UnpackException) as e:
-        raise CheckpointError(f"manifest is not valid msgpack: {e}") from e
-    if (
-        not isinstance(body, dict)
-        or body.get("format") != _FORMAT
-        or not {"step", "tree", "leaves", "metadata"} <= body.keys()
+        raise CheckpointError(f"meta file is not valid msgpack: {e}") from e
+    if not (
+        isinstance(body, dict)
+        and body.get("format") == _FORMAT
+        and isinstance(body.get("crc32"), dict)
+        and isinstance(body.get("empty"), dict)
+        and "metadata" in body
     ):
-        raise CheckpointError("manifest is not an hpsjax checkpoint manifest")
-    if body.get("format_version") != format_version:
-        raise CheckpointError(
-            f"manifest format version {body.get('format_version')!r} is not "
-            f"supported (this reader reads {format_version})"
-        )
-    _check_leaf_specs(body["leaves"], checksums=format_version >= 2)
-    _check_tree(body["tree"], len(body["leaves"]))
+        raise CheckpointError("meta file is not an hpsjax checkpoint's")
+    if body.get("step") != step:
+        raise CheckpointError(f"meta file is of step {body.get('step')!r}")
     return body
-
-
-def _stored(spec: dict) -> bool:
-    """Whether a leaf's data is in the arrays item (empty arrays are not)."""
-    return spec["kind"] == "array" and math.prod(spec["shape"]) > 0
-
-
-def _check_leaf_specs(leaves: Any, *, checksums: bool) -> None:
-    if not isinstance(leaves, list):
-        raise CheckpointError("manifest leaves are not a list")
-    for i, spec in enumerate(leaves):
-        ok = isinstance(spec, dict) and isinstance(spec.get("path"), str)
-        if ok and spec.get("kind") == "array":
-            shape = spec.get("shape")
-            ok = (
-                isinstance(spec.get("dtype"), str)
-                and isinstance(shape, list)
-                and all(isinstance(n, int) and n >= 0 for n in shape)
-            )
-            if ok and checksums and _stored(spec):
-                ok = isinstance(spec.get("crc32"), int)
-        elif ok and spec.get("kind") == "py":
-            ok = spec.get("type") in _PY_SCALARS and "value" in spec
-        else:
-            ok = False
-        if not ok:
-            raise CheckpointError(f"manifest entry of leaf {i} is malformed")
-
-
-def _check_tree(desc: Any, num_leaves: int) -> None:
-    """Checks a tree description; every leaf index used exactly once, in order."""
-    next_index = 0
-
-    def visit(node: Any) -> None:
-        nonlocal next_index
-        if not isinstance(node, dict):
-            raise CheckpointError("manifest tree node is not a map")
-        kind = node.get("k")
-        if kind == "leaf":
-            if node.get("i") != next_index:
-                raise CheckpointError("manifest tree leaf indices are out of order")
-            next_index += 1
-        elif kind in ("dict", "list", "tuple", "namedtuple", "node"):
-            keys, children = node.get("keys"), node.get("c")
-            if not (
-                isinstance(keys, list)
-                and isinstance(children, list)
-                and len(keys) == len(children)
-            ):
-                raise CheckpointError(f"manifest tree {kind} node is malformed")
-            for child in children:
-                visit(child)
-        elif kind != "none":
-            raise CheckpointError(f"unknown node kind {kind!r} in manifest tree")
-
-    visit(desc)
-    if next_index != num_leaves:
-        raise CheckpointError(
-            f"manifest tree has {next_index} leaves, leaf table {num_leaves}"
-        )
 
 
 def _crc32(array: np.ndarray) -> int:
     return zlib.crc32(np.ascontiguousarray(array).view(np.uint8).reshape(-1))
 
 
-def _numpy_dtype(name: str) -> np.dtype:
-    return np.dtype(ts.dtype(name).numpy_dtype)
+def _named_leaves(tree: Any) -> dict[str, Any]:
+    """``{orbax's name of the leaf: leaf}``, in ``jax.tree.leaves`` order."""
+    import orbax.checkpoint as ocp  # loaded by the manager already
+
+    names = ocp.tree.get_param_names(tree, include_empty_nodes=False)
+    return dict(zip(jax.tree.leaves(names), jax.tree.leaves(tree), strict=True))
 
 
-def _host_arrays(plan: _Plan) -> dict[str, np.ndarray]:
-    """``plan``'s arrays as numpy arrays (leaves kept by reference fetched now)."""
-    arrays = {}
-    for key, leaf in plan.arrays.items():
-        try:
-            arrays[key] = np.asarray(leaf)
-        except RuntimeError as e:  # a deleted (donated) jax buffer
-            path = plan.body["leaves"][int(key)]["path"]
-            raise ValueError(f"cannot fetch leaf {path}: {e}") from e
-    return arrays
+def _fill_empty(node: Any, empty: dict[str, Any], path: tuple = ()) -> Any:
+    """Orbax's plain tree with its empty arrays (``None`` there) put back."""
+    if isinstance(node, dict):
+        return {k: _fill_empty(v, empty, (*path, str(k))) for k, v in node.items()}
+    if isinstance(node, list):
+        return [_fill_empty(v, empty, (*path, str(i))) for i, v in enumerate(node)]
+    return empty.get(".".join(path)) if node is None else node
 
 
-def _manifest_with_checksums(plan: _Plan, arrays: dict[str, np.ndarray]) -> bytes:
-    """The manifest file of ``plan``: each stored array's crc32 added."""
-    leaves = [dict(spec) for spec in plan.body["leaves"]]
-    for key, array in arrays.items():
-        leaves[int(key)]["crc32"] = _crc32(array)
-    return _pack_manifest({**plan.body, "leaves": leaves})
-
-
-def _leaf_values(root: pathlib.Path, specs: list[dict], arrays: dict) -> list[Any]:
-    """Every leaf's value from the stored arrays, checked against the manifest."""
-    out: list[Any] = []
-    for i, spec in enumerate(specs):
-        if spec["kind"] == "py":
-            try:
-                out.append(_PY_SCALARS[spec["type"]](spec["value"]))
-            except (TypeError, ValueError) as e:
-                raise CheckpointError(f"leaf {i}: bad scalar value") from e
-            continue
-        try:
-            dtype = _numpy_dtype(spec["dtype"])
-        except (TypeError, ValueError) as e:
-            raise CheckpointError(f"leaf {i}: unknown dtype {spec['dtype']}") from e
-        if not _stored(spec):
-            out.append(np.zeros(spec["shape"], dtype))
-            continue
-        value = np.asarray(arrays[str(i)])
-        if value.dtype != dtype or list(value.shape) != spec["shape"]:
-            raise CheckpointError(
-                f"leaf {i} ({spec['path']}) holds {value.dtype}{list(value.shape)}, "
-                f"manifest says {spec['dtype']}{spec['shape']}"
-            )
-        if _crc32(value) != spec["crc32"]:
-            raise CheckpointError(
-                f"leaf {i} ({spec['path']}) in {root} fails its crc32 (data damaged)"
-            )
-        out.append(value)
-    return out
-
-
-def _rebuild(desc: Any, leaves: list[Any]) -> Any:
-    """Rebuilds a tree from its description without a ``like`` tree."""
-    kind = desc["k"]
-    if kind == "leaf":
-        return leaves[desc["i"]]
-    if kind == "none":
-        return None
-    children = [_rebuild(c, leaves) for c in desc["c"]]
-    if kind == "list":
-        return children
-    if kind == "tuple":
-        return tuple(children)
-    return dict(zip(desc["keys"], children, strict=True))
-
-
-def _convert_like(value: Any, spec: dict, like_leaf: Any, path: str) -> Any:
-    """Converts a restored leaf to the type of ``like_leaf``, checking it fits."""
-    where = path or "the root"
+def _convert_like(value: Any, like_leaf: Any, name: str) -> Any:
+    """``value`` as the kind of ``like_leaf``, checking that it fits."""
+    where = name or "the root"
     if isinstance(like_leaf, bool | int | float | str):
-        if spec["kind"] != "py" or spec["type"] != type(like_leaf).__name__:
-            found = spec["type"] if spec["kind"] == "py" else "an array"
+        if type(value) is not type(like_leaf):
+            found = f"a Python {type(value).__name__}"
+            if isinstance(value, np.ndarray):
+                found = "an array"
             raise ValueError(
                 f"like has a Python {type(like_leaf).__name__} at {where}, the "
                 f"checkpoint has {found}"
             )
         return value
-    like_spec = _leaf_spec(path, like_leaf)
-    if spec["kind"] == "py":
-        # jax.eval_shape turns Python scalars into 0-d ShapeDtypeStructs, so an
-        # abstract ``like`` takes a saved scalar that its dtype holds exactly.
-        dtype = np.dtype(ts.dtype(like_spec["dtype"]).numpy_dtype)
-        if like_spec["shape"] or spec["type"] == "str":
+    if not isinstance(
+        like_leaf, jax.Array | jax.ShapeDtypeStruct | np.ndarray | np.generic
+    ):
+        raise ValueError(f"like has a {type(like_leaf).__name__} at {where}")
+    dtype, shape = np.dtype(like_leaf.dtype), tuple(like_leaf.shape)
+    if not isinstance(value, np.ndarray):
+        # A saved Python (or numpy) scalar: jax.eval_shape makes Python scalars
+        # 0-d ShapeDtypeStructs, so such a ``like`` takes one its dtype holds.
+        if shape or isinstance(value, str):
             raise ValueError(
-                f"like has an array of shape {like_spec['shape']} at {where}, the "
-                f"checkpoint has a Python {spec['type']}"
+                f"like has an array of shape {list(shape)} at {where}, the "
+                f"checkpoint has a Python {type(value).__name__}"
             )
         try:
             converted = np.asarray(value, dtype=dtype)
@@ -463,14 +232,13 @@ def _convert_like(value: Any, spec: dict, like_leaf: Any, path: str) -> Any:
             exact = False
         if not exact:
             raise ValueError(
-                f"leaf at {where}: saved Python {spec['type']} {value!r} does not "
-                f"fit like's dtype {dtype}"
+                f"leaf at {where}: saved {value!r} does not fit like's dtype {dtype}"
             )
         value = converted
-    elif (like_spec["dtype"], like_spec["shape"]) != (spec["dtype"], spec["shape"]):
+    elif (value.dtype, value.shape) != (dtype, shape):
         raise ValueError(
-            f"leaf at {where}: checkpoint has {spec['dtype']}{spec['shape']}, like "
-            f"has {like_spec['dtype']}{like_spec['shape']}"
+            f"leaf at {where}: checkpoint has {value.dtype}{list(value.shape)}, "
+            f"like has {dtype}{list(shape)}"
         )
     if isinstance(like_leaf, jax.Array):
         return jax.device_put(value, like_leaf.sharding)
@@ -483,80 +251,9 @@ def _convert_like(value: Any, spec: dict, like_leaf: Any, path: str) -> Any:
 
 
 def _check_step(step: Any) -> int:
-    if isinstance(step, bool):
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise ValueError(f"step must be a non-negative int, got {step!r}")
-    try:
-        step = operator.index(step)
-    except TypeError:
-        raise ValueError(f"step must be a non-negative int, got {step!r}") from None
-    if step < 0:
-        raise ValueError(f"step must be a non-negative int, got {step}")
     return step
-
-
-def _plan(step: int, tree: Any, metadata: Any, *, copy: bool) -> _Plan:
-    """Validates ``tree`` and ``metadata`` and prepares them; writes nothing."""
-    specs: list[dict] = []
-    values: list[Any] = []
-
-    def visit_leaf(path: str, leaf: Any) -> dict:
-        spec = _leaf_spec(path, leaf)
-        if isinstance(leaf, jax.ShapeDtypeStruct):
-            raise ValueError(
-                f"leaf at {path or 'the root'} is a ShapeDtypeStruct, which has no "
-                "data to save"
-            )
-        specs.append(spec)
-        values.append(leaf)
-        return {"k": "leaf", "i": len(specs) - 1}
-
-    desc = _describe(tree, visit_leaf)
-    arrays = {}
-    for i, (spec, leaf) in enumerate(zip(specs, values, strict=True)):
-        if _stored(spec):
-            if copy:
-                try:
-                    # A copy makes the snapshot independent of later in-place
-                    # changes of numpy leaves and of donated jax buffers.
-                    leaf = np.array(leaf, copy=True)
-                except RuntimeError as e:
-                    raise ValueError(f"cannot fetch leaf {spec['path']}: {e}") from e
-            arrays[str(i)] = leaf
-    return _plan_described(step, desc, specs, arrays, metadata)
-
-
-def _plan_described(
-    step: int, desc: Any, specs: list[dict], arrays: dict, metadata: Any
-) -> _Plan:
-    """A plan from a tree description, its leaf table and its stored arrays."""
-    body = {
-        "format": _FORMAT,
-        "format_version": _FORMAT_VERSION,
-        "step": step,
-        "tree": desc,
-        "leaves": specs,
-        "metadata": metadata,
-    }
-    try:
-        _pack_manifest(body)
-    except (TypeError, ValueError, OverflowError) as e:
-        raise ValueError(
-            "metadata and Python scalar leaves must be msgpack-serialisable "
-            f"(dict/list/str/int/float/bool/None/bytes): {e}"
-        ) from e
-    return _Plan(step, arrays, body)
-
-
-def _legacy_error(directory: pathlib.Path) -> str | None:
-    """The one-line refusal of a directory of earlier-format checkpoints."""
-    for entry in sorted(directory.glob(f"{_PREFIX}*")):
-        if (entry / _LEGACY_MANIFEST).is_file():
-            return (
-                f"{directory} holds checkpoints of the earlier hpsjax format "
-                f"({entry.name}/{_LEGACY_MANIFEST}); convert them with: python -m "
-                f"hpsjax.ps.convert_checkpoint {directory} NEW_DIRECTORY"
-            )
-    return None
 
 
 class CheckpointManager:
@@ -565,29 +262,23 @@ class CheckpointManager:
     Each ``save(step, tree, metadata)`` writes ``directory/ckpt_<step>`` by the
     commit protocol in the module docstring, then prunes the oldest
     checkpoints (moved aside, then deleted) so that at most ``keep`` remain.
-    Steps must not decrease: a step below the latest saved one is refused,
-    because it means the directory holds another run; saving the latest step
-    again needs ``overwrite=True``.
+    Steps must increase: a step at or below the latest saved one is refused,
+    because it means the directory holds another run.
 
     Saving blocks on disk I/O. Code on an event loop should use ``save_async``,
-    which snapshots the tree at once and writes it in a background thread, or
-    call ``save`` through ``loop.run_in_executor``. All methods are thread-safe.
-    The first save takes the directory's lock until ``close``: while a manager
-    holds it, another one (in this process or another) lists and restores only.
+    which checks the tree at once and writes it on the manager's thread. All
+    methods are thread-safe. The first save takes the directory's lock until
+    ``close``: while a manager holds it, another one (in this process or
+    another) lists and restores only.
 
     The tree may hold jax or numpy arrays of any dtype tensorstore stores
     (bfloat16 included, 0-d and empty arrays too), Python ``bool``/``int``/
-    ``float``/``str`` leaves (kept in the manifest) and any pytree nodes: dicts
-    with ``str``/``int`` keys, lists, tuples, ``NamedTuple`` s (optax states),
-    ``None`` and registered custom nodes.
+    ``float``/``str`` leaves and any pytree nodes (dicts with ``str``/``int``
+    keys, lists, tuples, ``NamedTuple`` s, ``None``, registered custom nodes).
 
     Args:
       directory: where checkpoints live; created if missing.
       keep: how many of the newest checkpoints to keep; ``None`` keeps all.
-
-    Raises:
-      ValueError: bad arguments, or a directory of earlier-format checkpoints
-        (the message gives the command that converts them).
 
     Examples:
       >>> import tempfile, jax.numpy as jnp, optax
@@ -611,25 +302,23 @@ class CheckpointManager:
         if self._directory.exists() and not self._directory.is_dir():
             raise ValueError(f"{self._directory} exists and is not a directory")
         self._directory.mkdir(parents=True, exist_ok=True)
-        if (error := _legacy_error(self._directory)) is not None:
-            raise ValueError(error)
         from hpsjax.ps import _checkpoint_orbax  # about a second to import
 
-        self._orbax_lib = _checkpoint_orbax
+        self._orbax = _checkpoint_orbax
+        self._checkpointer = _checkpoint_orbax.new_checkpointer()
         self._keep = keep
-        self._lock = threading.RLock()
-        # Guards save_async's queue; never held while taking self._lock.
-        self._queue_lock = threading.Lock()
+        self._lock = threading.RLock()  # the directory: saves, prunes, restores
         self._lock_fd: int | None = None
-        # The newest step saved or queued; lets save_async refuse an old step at
-        # once instead of failing later in the background.
-        self._newest_requested: int | None = None
+        # save_async's queue (never held while taking self._lock): one save
+        # written on the executor's thread, at most one waiting.
+        self._queue_lock = threading.Lock()
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
-        self._pending: list[concurrent.futures.Future] = []
-        # save_async's queue: one save written, at most one waiting.
-        self._writing = False  # the thread is taking saves from _waiting
+        self._waiting: tuple[_Save, concurrent.futures.Future] | None = None
+        self._writing = False  # the thread takes saves from _waiting
         self._in_flight = False  # a save is being written
-        self._waiting: tuple[_Plan, bool, concurrent.futures.Future] | None = None
+        self._pending: list[concurrent.futures.Future] = []
+        # The newest step saved or asked for: refuses an old step at once.
+        self._newest_requested: int | None = None
         self._folded_saves = 0
         self._last_save_s = 0.0
         self._behind_logged_at: float | None = None
@@ -637,7 +326,6 @@ class CheckpointManager:
         self._background_error: BaseException | None = None
         with self._lock:
             self._cleanup()
-            self._orbax = _checkpoint_orbax.new_manager(self._directory.absolute())
 
     @property
     def directory(self) -> pathlib.Path:
@@ -649,18 +337,14 @@ class CheckpointManager:
         """How many checkpoints are kept (``None``: all)."""
         return self._keep
 
-    # -- listing -------------------------------------------------------------
-
     def steps(self) -> list[int]:
-        """Steps of the committed checkpoints, oldest first (read from disk).
-
-        Returns:
-          Sorted steps of the ``ckpt_<step>`` directories (not yet verified;
-          ``restore`` verifies).
-        """
-        with self._lock:
-            self._orbax.reload()
-            return sorted(self._orbax.all_steps())
+        """Steps of the committed checkpoints, oldest first (read from disk)."""
+        steps = []
+        for entry in self._directory.glob(f"{_PREFIX}*"):
+            step = entry.name.removeprefix(_PREFIX)
+            if step.isdigit() and entry.is_dir():
+                steps.append(int(step))
+        return sorted(steps)
 
     def latest_step(self) -> int | None:
         """The newest committed step, or ``None`` when there is no checkpoint."""
@@ -669,80 +353,56 @@ class CheckpointManager:
 
     # -- saving --------------------------------------------------------------
 
-    def save(
-        self,
-        step: int,
-        tree: Any,
-        metadata: Any = None,
-        *,
-        overwrite: bool = False,
-    ) -> pathlib.Path:
+    def save(self, step: int, tree: Any, metadata: Any = None) -> pathlib.Path:
         """Writes ``tree`` and ``metadata`` as checkpoint ``step`` and commits it.
 
         Blocks until the checkpoint is committed on disk. Invalid input raises
         before anything is written.
 
         Args:
-          step: non-negative step, not below the latest checkpoint's.
+          step: non-negative step, above the latest checkpoint's.
           tree: the pytree to save.
           metadata: a msgpack-serialisable value, typically a dict (msgpack
             turns tuples into lists; int dict keys are kept).
-          overwrite: replace an existing checkpoint of the same step.
 
         Returns:
           The committed checkpoint's directory.
 
         Raises:
           ValueError: a bad step, an unsupported leaf or metadata, a step
-            already saved without ``overwrite``, or another live manager
-            saving into this directory.
+            already saved, or another live manager saving into this directory.
         """
-        step = _check_step(step)
-        plan = _plan(step, tree, metadata, copy=False)
+        save = self._check(step, tree, metadata, copy=False)
         with self._lock:
-            self._check_order(step, overwrite, self.latest_step())
+            self._check_order(save.step, self.latest_step())
             with self._queue_lock:
-                self._note_requested(step)
-            return self._save_plan(plan, overwrite)
+                self._note_requested(save.step)
+            return self._write(save)
 
     def save_async(
-        self,
-        step: int,
-        tree: Any,
-        metadata: Any = None,
-        *,
-        overwrite: bool = False,
-        snapshot: bool = True,
+        self, step: int, tree: Any, metadata: Any = None, *, snapshot: bool = True
     ) -> concurrent.futures.Future:
         """Writes ``tree`` as checkpoint ``step`` in a thread; keeps up by folding.
 
-        The call validates the input, takes its snapshot and returns. At most
-        one save is written at a time, on one thread of this manager, and at
-        most one waits: a save requested while another is written takes the
-        waiting place, replacing a save already there (the newest state wins;
-        the replaced request's future is the newer one's). So however often
-        saves are asked for, at most two snapshots are held, the newest
-        committed step trails the newest requested one by at most the requests
-        of two save times, and ``close`` writes at most one more checkpoint.
-        The log says, at most once a minute, when requests are folded.
+        The call checks the input, takes its snapshot and returns. At most one
+        save is written at a time, on the manager's thread, and at most one
+        waits: a save requested while another is written takes the waiting
+        place, replacing a save already there (the newest state wins; the
+        replaced request's future is the newer one's). So at most two
+        snapshots are held and ``close`` writes at most one more checkpoint.
         From asyncio, ``await asyncio.wrap_future(future)`` waits without
-        blocking the loop; cancelling that await does not stop the save.
-
-        A failed background save is also raised by the next call of
-        ``save_async``, ``wait_until_finished`` or ``close``, so it never goes
-        unnoticed.
+        blocking the loop; cancelling that await does not stop the save. A
+        failed background save is raised again by the next ``save_async``,
+        ``wait_until_finished`` or ``close``.
 
         Args:
-          step: as in ``save``; a folded request must not be older than the
-            one it replaces.
+          step: as in ``save``; not older than a request it replaces.
           tree: as in ``save``.
           metadata: as in ``save``.
-          overwrite: as in ``save``.
           snapshot: copy every array leaf to host memory now, so that later
             in-place changes or buffer donation cannot alter the saved values.
-            ``False`` keeps the leaves by reference and fetches them in the
-            background: for immutable jax arrays that are not donated later
-            (the parameter server's), it costs the caller nothing.
+            ``False`` keeps the leaves by reference (for immutable jax arrays
+            that are not donated later, such as the parameter server's).
 
         Returns:
           A ``concurrent.futures.Future`` resolving to the directory of the
@@ -752,28 +412,24 @@ class CheckpointManager:
           ValueError: invalid input (raised here, nothing is queued).
         """
         self._raise_background_error()
-        step = _check_step(step)
-        plan = _plan(step, tree, metadata, copy=snapshot)
-        # The directory is read only before the first save: later, the newest
-        # step asked for is known here, and the save being written (which holds
-        # self._lock) does not block the caller.
+        save = self._check(step, tree, metadata, copy=snapshot)
+        # The directory is read before the first save only: later the newest
+        # step asked for is known, and a save being written does not block.
         on_disk = self.latest_step() if self._newest_requested is None else None
         with self._queue_lock:
             known = [s for s in (self._newest_requested, on_disk) if s is not None]
-            newest = max(known, default=None)
-            self._check_order(step, overwrite, newest)
-            self._note_requested(step)
+            self._check_order(save.step, max(known, default=None))
+            self._note_requested(save.step)
             if self._waiting is not None:
-                future = self._waiting[2]
-                self._waiting = (plan, overwrite, future)
+                future = self._waiting[1]
+                self._waiting = (save, future)
                 self._folded_saves += 1
                 self._log_behind()
                 return future
             future = concurrent.futures.Future()
             future.add_done_callback(self._record_error)
-            self._pending = [f for f in self._pending if not f.done()]
-            self._pending.append(future)
-            self._waiting = (plan, overwrite, future)
+            self._pending = [f for f in self._pending if not f.done()] + [future]
+            self._waiting = (save, future)
             if not self._writing:
                 self._writing = True
                 if self._executor is None:
@@ -799,7 +455,7 @@ class CheckpointManager:
         """Blocks until every ``save_async`` so far has finished.
 
         Raises:
-          Exception: the error of a failed background save, if any.
+          RuntimeError: a background save failed (its error as the cause).
         """
         with self._queue_lock:
             pending = list(self._pending)
@@ -807,7 +463,7 @@ class CheckpointManager:
         self._raise_background_error()
 
     def close(self) -> None:
-        """Waits for pending saves, stops the background thread, frees the lock."""
+        """Waits for pending saves, stops the thread, lets the lock go."""
         try:
             self.wait_until_finished()
         finally:
@@ -816,8 +472,10 @@ class CheckpointManager:
             if executor is not None:
                 executor.shutdown(wait=True)
             with self._lock:
-                self._orbax.close()
-                self._release_lock()
+                self._checkpointer.close()
+                if self._lock_fd is not None:
+                    os.close(self._lock_fd)  # lets the flock go
+                    self._lock_fd = None
 
     def __enter__(self) -> CheckpointManager:
         return self
@@ -834,11 +492,12 @@ class CheckpointManager:
           step: a step listed by ``steps()``.
           like: optional tree of the saved structure (e.g. the initial params and
             optimizer state, or ``jax.ShapeDtypeStruct`` leaves). With it, the
-            exact node types (``NamedTuple`` s, custom nodes) are rebuilt and
-            leaves take the kind of the matching ``like`` leaf: jax arrays (on
-            its sharding), numpy arrays or scalars, Python scalars. Without it,
-            ``NamedTuple`` s and custom nodes come back as dicts keyed by field
-            name and array leaves as numpy arrays.
+            node types (``NamedTuple`` s, custom nodes) are rebuilt and leaves
+            take the kind of the matching ``like`` leaf: jax arrays (on its
+            sharding), numpy arrays or scalars, Python scalars. Without it, the
+            tree comes in orbax's plain containers: dicts (for ``NamedTuple`` s
+            and custom nodes too, keyed by field name) and lists, ``None`` for
+            empty nodes, numpy arrays and Python scalars.
 
         Returns:
           ``Checkpoint(step, tree, metadata)``.
@@ -861,8 +520,8 @@ class CheckpointManager:
     def restore_latest(self, like: Any = None) -> Checkpoint | None:
         """Restores the newest complete checkpoint.
 
-        Leftovers of interrupted saves are cleaned up first. A checkpoint whose
-        manifest or data is damaged is logged as a warning, moved aside to
+        Leftovers of interrupted saves are cleaned up first. A damaged
+        checkpoint is logged as a warning, moved aside to
         ``ckpt_<step>.damaged-<n>`` (kept, never deleted) and skipped for the
         next older one; later saves then follow the restored step.
 
@@ -892,20 +551,34 @@ class CheckpointManager:
     def _step_dir(self, step: int) -> pathlib.Path:
         return self._directory / f"{_PREFIX}{step}"
 
+    def _check(self, step: Any, tree: Any, metadata: Any, *, copy: bool) -> _Save:
+        """Checks a save's input (copying arrays if ``copy``); writes nothing."""
+        step = _check_step(step)
+        tree = jax.tree_util.tree_map_with_path(
+            lambda path, leaf: _check_leaf(path, leaf, copy=copy), tree
+        )
+        try:
+            msgpack.packb(metadata, use_bin_type=True)
+        except (TypeError, ValueError, OverflowError) as e:
+            raise ValueError(
+                "metadata must be msgpack-serialisable "
+                f"(dict/list/str/int/float/bool/None/bytes): {e}"
+            ) from e
+        return _Save(step, tree, metadata)
+
     def _note_requested(self, step: int) -> None:
         if self._newest_requested is None or step > self._newest_requested:
             self._newest_requested = step
 
-    def _check_order(self, step: int, overwrite: bool, newest: int | None) -> None:
+    def _check_order(self, step: int, newest: int | None) -> None:
         if newest is not None and step < newest:
             raise ValueError(
                 f"step {step} is older than checkpoint step {newest} already in "
                 f"{self._directory}; use a fresh directory for a new run"
             )
-        if self._step_dir(step).exists() and not overwrite:
+        if newest == step or self._step_dir(step).exists():
             raise ValueError(
-                f"a checkpoint for step {step} already exists in "
-                f"{self._directory}; pass overwrite=True to replace it"
+                f"a checkpoint for step {step} already exists in {self._directory}"
             )
 
     def _write_in_turn(self) -> None:
@@ -915,19 +588,16 @@ class CheckpointManager:
                 if self._waiting is None:
                     self._writing = False
                     return
-                (plan, overwrite, future), self._waiting = self._waiting, None
+                (save, future), self._waiting = self._waiting, None
                 self._in_flight = True
             started = time.monotonic()
             try:
                 with self._lock:
-                    self._check_order(plan.step, overwrite, self.latest_step())
-                    path = self._save_plan(plan, overwrite)
+                    future.set_result(self._write(save))
             except BaseException as e:
                 future.set_exception(e)
-            else:
-                future.set_result(path)
             # The written snapshot is let go before the waiting one is taken.
-            plan = future = None
+            save = future = None
             with self._queue_lock:
                 self._in_flight = False
                 self._last_save_s = time.monotonic() - started
@@ -949,43 +619,53 @@ class CheckpointManager:
             took if self._last_save_s else "",
         )
 
-    def _save_plan(self, plan: _Plan, overwrite: bool) -> pathlib.Path:
+    def _write(self, save: _Save) -> pathlib.Path:
+        """Writes and commits ``save``, then prunes; under ``self._lock``."""
         if not self._take_lock():
             raise ValueError(
                 f"another live checkpoint manager saves into {self._directory}; "
                 "one directory takes one saving manager"
             )
-        final = self._step_dir(plan.step)
-        old = None
-        if overwrite and final.exists():
-            # Out of orbax's step namespace first; a crash before the new one
-            # is committed leaves it under its .old- name, and _cleanup puts
-            # it back.
-            old = self._directory / f"{_OLD_PREFIX}{plan.step}-{uuid.uuid4().hex}"
-            os.rename(final, old)
-            self._orbax.reload()
+        final = self._step_dir(save.step)
         try:
-            arrays = _host_arrays(plan)
-            manifest = _manifest_with_checksums(plan, arrays)
-            self._orbax_lib.save(self._orbax, plan.step, arrays, manifest)
+            tree = jax.tree.map(
+                lambda x: np.asarray(x) if isinstance(x, jax.Array) else x, save.tree
+            )
+        except RuntimeError as e:  # a deleted (donated) jax buffer
+            raise ValueError(f"cannot fetch a leaf of step {save.step}: {e}") from e
+        arrays = {
+            name: leaf
+            for name, leaf in _named_leaves(tree).items()
+            if isinstance(leaf, np.ndarray)
+        }
+        empty = {
+            n: [a.dtype.name, list(a.shape)] for n, a in arrays.items() if not a.size
+        }
+        if empty:  # orbax stores no empty array: the meta file holds them
+            tree = jax.tree.map(
+                lambda a: None if isinstance(a, np.ndarray) and not a.size else a, tree
+            )
+        tree = tree if jax.tree.leaves(tree) else None
+        body = {
+            "format": _FORMAT,
+            "step": save.step,
+            "metadata": save.metadata,
+            "state": tree is not None,
+            "crc32": {n: _crc32(a) for n, a in arrays.items() if a.size},
+            "empty": empty,
+        }
+        try:
+            self._orbax.save(
+                self._checkpointer, final.absolute(), tree, _pack_meta(body)
+            )
         except BaseException:
             self._remove_temporaries(f"{final.name}{_TMP_SUFFIX}")
-            if old is not None:
-                os.rename(old, final)
-            self._orbax.reload()
             raise
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
         self._prune()
         return final
 
     def _prune(self) -> None:
-        """Deletes checkpoints beyond the newest ``keep``: moved aside, then deleted.
-
-        Renamed out of the step namespace first (atomic), so a crash while
-        deleting leaves a ``.pruned-`` leftover that no reader lists and the
-        next manager removes, never a half-deleted ``ckpt_<step>``.
-        """
+        """Deletes checkpoints beyond the newest ``keep``: moved aside, then deleted."""
         if self._keep is None:
             return
         steps = self.steps()
@@ -998,52 +678,56 @@ class CheckpointManager:
                 logger.warning("cannot prune checkpoint %s: %s", step, e)
                 continue
             aside.append(target)
-        if aside:
-            self._orbax.reload()
         for target in aside:
             shutil.rmtree(target, ignore_errors=True)
 
     def _restore(self, step: int, like: Any) -> Checkpoint:
-        root = self._step_dir(step)
+        root = self._step_dir(step).absolute()
         try:
-            data = self._orbax_lib.read_manifest(self._orbax, step)
+            body = _unpack_meta(self._orbax.read_meta(self._checkpointer, root), step)
+        except CheckpointError as e:
+            raise CheckpointError(f"{root}: {e}") from None
         except Exception as e:
-            raise CheckpointError(f"cannot read manifest of {root}: {e}") from e
-        body = unpack_manifest(data)
-        if body["step"] != step:
-            raise CheckpointError(
-                f"{root} holds a manifest for step {body['step']}, not {step}"
-            )
-        specs = body["leaves"]
-        if like is not None:
-            saved = _structure_of(body["tree"])
-            like_desc = _describe(like, lambda path, leaf: {"k": "leaf"})
-            if saved != _structure_of(like_desc):
-                raise ValueError(
-                    "like does not match the checkpoint's tree structure "
-                    + _first_difference(saved, _structure_of(like_desc))
-                )
-        keys = [str(i) for i, spec in enumerate(specs) if _stored(spec)]
-        try:
-            arrays = self._orbax_lib.read_arrays(self._orbax, step, keys)
-        except Exception as e:
-            raise CheckpointError(f"cannot read leaf data in {root}: {e}") from e
-        values = _leaf_values(root, specs, arrays)
-        if like is None:
+            raise CheckpointError(f"cannot read the meta file of {root}: {e}") from e
+        crcs, empty = body["crc32"], body["empty"]
+        tree = {}
+        if body.get("state"):
             try:
-                tree = _rebuild(body["tree"], values)
-            except TypeError as e:  # an unhashable dict key in a damaged manifest
-                raise CheckpointError(f"manifest tree of {root} is invalid") from e
+                tree = self._orbax.read_state(self._checkpointer, root)
+            except Exception as e:
+                raise CheckpointError(f"cannot read leaf data in {root}: {e}") from e
+        values = _named_leaves(tree)
+        for name, crc in crcs.items():
+            value = values.get(name)
+            if not isinstance(value, np.ndarray) or _crc32(value) != crc:
+                raise CheckpointError(
+                    f"leaf {name} in {root} fails its crc32 (data damaged)"
+                )
+        for name, (dtype, shape) in empty.items():
+            values[name] = np.zeros(shape, np.dtype(ts.dtype(dtype).numpy_dtype))
+        if like is None:
+            if empty:
+                tree = _fill_empty(tree, {n: values[n] for n in empty})
             return Checkpoint(step, tree, body["metadata"])
-        like_leaves, treedef = jax.tree_util.tree_flatten_with_path(like)
-        converted = [
-            _convert_like(value, spec, leaf, jax.tree_util.keystr(path))
-            for value, spec, (path, leaf) in zip(
-                values, specs, like_leaves, strict=True
+        like_values = _named_leaves(like)
+        missing = sorted(values.keys() - like_values.keys())
+        extra = sorted(like_values.keys() - values.keys())
+        if missing or extra:
+            raise ValueError(
+                "like does not match the checkpoint's tree: "
+                + "; ".join(
+                    f"{who} has {names[:5]}"
+                    for who, names in (
+                        ("only the checkpoint", missing),
+                        ("only like", extra),
+                    )
+                    if names
+                )
             )
-        ]
+        converted = [_convert_like(values[n], v, n) for n, v in like_values.items()]
+        treedef = jax.tree.structure(like)
         return Checkpoint(
-            step, jax.tree_util.tree_unflatten(treedef, converted), body["metadata"]
+            step, jax.tree.unflatten(treedef, converted), body["metadata"]
         )
 
     def _take_lock(self) -> bool:
@@ -1065,7 +749,7 @@ class CheckpointManager:
             shutil.rmtree(entry, ignore_errors=True)
 
     def _cleanup(self) -> None:
-        """Removes leftovers of interrupted saves; puts back replaced ones.
+        """Removes leftovers of interrupted saves and prunes, under the lock.
 
         Only while holding the directory's lock: another live manager's save in
         progress looks just like a crash's leftover. A manager that has not
@@ -1075,43 +759,19 @@ class CheckpointManager:
         if not self._take_lock():
             return
         try:
-            self._cleanup_locked()
+            for entry in sorted(self._directory.iterdir()):
+                if entry.name.startswith(_PREFIX) and _TMP_SUFFIX in entry.name:
+                    self._remove_temporaries(entry.name)
+                elif entry.name.startswith(_PRUNED_PREFIX):
+                    logger.info("removing interrupted prune %s", entry)
+                    shutil.rmtree(entry, ignore_errors=True)
         finally:
             if not held:
-                self._release_lock()
-
-    def _release_lock(self) -> None:
-        if self._lock_fd is not None:
-            os.close(self._lock_fd)  # releases the flock
-            self._lock_fd = None
-
-    def _cleanup_locked(self) -> None:
-        for entry in sorted(self._directory.iterdir()):
-            name = entry.name
-            if name.startswith(_PREFIX) and _TMP_SUFFIX in name:
-                self._remove_temporaries(name)
-            elif name.startswith(_PRUNED_PREFIX):
-                logger.info("removing interrupted prune %s", entry)
-                shutil.rmtree(entry, ignore_errors=True)
-            elif name.startswith(_OLD_PREFIX):
-                step = name.removeprefix(_OLD_PREFIX).split("-")[0]
-                final = self._directory / f"{_PREFIX}{step}"
-                if step.isdigit() and not final.exists():
-                    logger.warning(
-                        "putting back checkpoint %s from an interrupted overwrite",
-                        final,
-                    )
-                    os.rename(entry, final)
-                else:
-                    shutil.rmtree(entry, ignore_errors=True)
+                os.close(self._lock_fd)
+                self._lock_fd = None
 
     def _move_aside(self, root: pathlib.Path) -> None:
-        """Renames a damaged checkpoint out of orbax's step namespace.
-
-        Kept (never deleted) for a look, as ``<name>.damaged-<n>``; saving goes
-        on as if it were not there, so the run's next steps are not refused as
-        older than it.
-        """
+        """Renames a damaged checkpoint out of the step namespace, kept for a look."""
         n = 1
         while (aside := root.with_name(f"{root.name}{_DAMAGED_INFIX}{n}")).exists():
             n += 1
@@ -1120,8 +780,6 @@ class CheckpointManager:
         except OSError as e:
             logger.warning("cannot move damaged checkpoint %s aside: %s", root, e)
             return
-        finally:
-            self._orbax.reload()
         logger.warning("moved damaged checkpoint %s aside to %s", root, aside.name)
 
     def _record_error(self, future: concurrent.futures.Future) -> None:
