@@ -115,6 +115,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from hpsjax._ewma import ewma
 from hpsjax.ps._errors import (
     InvalidUpdate,
     NonFiniteUpdate,
@@ -385,10 +386,6 @@ def _check_worker_id(worker_id: Any) -> None:
         raise ValueError(
             f"A worker id must be a str or an int, got {type(worker_id).__name__}."
         )
-
-
-def _ewma(old: float | None, sample: float, alpha: float) -> float:
-    return sample if old is None else alpha * sample + (1.0 - alpha) * old
 
 
 def _dtype_compatible(update: np.dtype, param: np.dtype) -> bool:
@@ -1406,7 +1403,7 @@ class ServerCore:
         worker_id = rec.worker_id
         interval = now - rec.last_start
         old_interval = rec.interval
-        rec.interval = _ewma(old_interval, interval, self._alpha)
+        rec.interval = ewma(old_interval, interval, self._alpha)
         if self._max_interval_valid:
             # The largest interval of the live workers, kept without a pass
             # over them unless the largest one shrank.
@@ -1416,12 +1413,12 @@ class ServerCore:
             elif old_interval is not None and old_interval >= largest:
                 self._max_interval_valid = False
         compute = interval if step_time is None else float(step_time)
-        rec.step_time = _ewma(rec.step_time, compute, self._alpha)
-        rec.time_per_step = _ewma(
+        rec.step_time = ewma(rec.step_time, compute, self._alpha)
+        rec.time_per_step = ewma(
             rec.time_per_step, compute / (local_steps or 1), self._alpha
         )
         if step_time is not None:
-            rec.overhead = _ewma(
+            rec.overhead = ewma(
                 rec.overhead, max(0.0, interval - float(step_time)), self._alpha
             )
         if worker_id in self._waiting:
