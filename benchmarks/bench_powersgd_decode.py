@@ -17,7 +17,7 @@ import timeit
 
 import numpy as np
 
-from hpsjax.ps._decoders import powersgd_product
+from hpsjax.ps._codecs._powersgd import powersgd_product
 
 SHAPES = [(512, 784, 2), (1024, 1024, 8), (4096, 4096, 4)]
 

@@ -17,8 +17,8 @@ import optax
 import pytest
 
 from hpsjax import data
+from hpsjax.ps import _codecs, _frames, _treecodec
 from hpsjax.ps import _errors as errors
-from hpsjax.ps import _frames, _treecodec
 from hpsjax.ps._client import Client
 from hpsjax.ps._decoders import DecoderCache
 from hpsjax.ps._frames import MsgType
@@ -93,8 +93,8 @@ def test_round_trip_decodes_to_powersgd_decode():
     for (p, q), enc in zip(received.payload.arrays, encoded, strict=True):
         np.testing.assert_array_equal(p, enc.p)
         np.testing.assert_array_equal(q, enc.q)
-    codec = _treecodec.wire_codec(layout.codec)
-    assert codec == _treecodec.PowerSGDCodec((0, 2, 2, 0))
+    codec = _codecs.wire_codec(layout.codec)
+    assert codec == _codecs.PowerSGDCodec((0, 2, 2, 0))
     cache = DecoderCache([(s.shape, s.dtype.name) for s in layout.leaves])
     decoded = cache.get(codec)(received.payload.arrays)
     assert len(cache) == 0  # nothing compiled, nothing kept
@@ -424,11 +424,11 @@ def test_an_overflowing_product_decodes_to_infinity_without_a_warning():
     p = np.full((8, 1), 300.0, np.float16)
     q = np.full((6, 1), 300.0, np.float16)
     cache = DecoderCache([((8, 6), "float16")])
-    (leaf,) = cache.get(_treecodec.PowerSGDCodec((1,)))([(p, q)])
+    (leaf,) = cache.get(_codecs.PowerSGDCodec((1,)))([(p, q)])
     assert leaf.dtype == np.float16 and np.isinf(leaf).all()
-    assert cache.get(_treecodec.PowerSGDCodec((1, 1))) is None
+    assert cache.get(_codecs.PowerSGDCodec((1, 1))) is None
     with pytest.raises(ValueError, match="does not match"):
-        cache.decoder(_treecodec.PowerSGDCodec((1, 1)))
+        cache.decoder(_codecs.PowerSGDCodec((1, 1)))
 
 
 def test_protocol_example():

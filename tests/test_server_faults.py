@@ -19,6 +19,7 @@ from test_server import SECRET, Raw, _client, _run, _server, _server_params, _up
 from hpsjax.models import save_params_npz
 from hpsjax.ps import _errors as errors
 from hpsjax.ps import _frames, _treecodec
+from hpsjax.ps._codecs import _quantized
 from hpsjax.ps._frames import MsgType
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -443,7 +444,7 @@ def test_compressed_push_to_an_integer_model_is_refused():
     codec = Codec("uniform", 8, stochastic=False)
     leaves, offset = [], 0
     for name in ("int32", "float32"):
-        codes, scales = _treecodec.compressed_sizes((4,), codec)
+        codes, scales = _quantized.compressed_sizes((4,), codec)
         leaves.append([name, [4], offset, codes + 4 * scales, codes])
         offset += codes + 4 * scales
     meta = {

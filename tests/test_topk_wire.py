@@ -10,8 +10,9 @@ import numpy as np
 import optax
 import pytest
 
+from hpsjax.ps import _codecs, _frames, _treecodec
 from hpsjax.ps import _errors as errors
-from hpsjax.ps import _frames, _treecodec
+from hpsjax.ps._codecs import _topk as _codecs_topk
 from hpsjax.ps._decoders import DecoderCache
 from hpsjax.ps._frames import MsgType
 from hpsjax.ps._stream import FrameDecoder
@@ -63,8 +64,8 @@ def test_round_trip_equals_decode_of_encode():
     for (indices, values), enc in zip(received.payload.arrays, encoded, strict=True):
         np.testing.assert_array_equal(indices, np.asarray(enc.indices))
         np.testing.assert_array_equal(values, np.asarray(enc.values))
-        _treecodec.check_topk_leaf(indices, values, int(np.max(indices)) + 1)
-    codec = _treecodec.wire_codec(layout.codec)
+        _codecs_topk.check_topk_leaf(indices, values, int(np.max(indices)) + 1)
+    codec = _codecs.wire_codec(layout.codec)
     cache = DecoderCache([(s.shape, s.dtype.name) for s in layout.leaves])
     decoded = cache.get(codec)(received.payload.arrays)
     assert len(cache) == 0  # nothing compiled, nothing kept
@@ -137,7 +138,7 @@ def test_bad_values_are_refused(indices, values, error, message):
     indices = np.array(indices, np.uint16)
     values = np.array(values, np.float32)
     with pytest.raises(error, match=message):
-        _treecodec.check_topk_leaf(indices, values, 10)
+        _codecs_topk.check_topk_leaf(indices, values, 10)
 
 
 def test_sender_refuses_leaves_that_do_not_fit():
@@ -220,6 +221,6 @@ def test_chained_transform_state_is_found():
     _, state = opt.update({"w": jnp.arange(4.0)}, state)
     (enc,) = last_topk_encoded(state)
     meta, _, _ = _treecodec.encoded_tree_to_wire(
-        [enc], {"w": jnp.zeros(4)}, _treecodec.TopKCodec((2,))
+        [enc], {"w": jnp.zeros(4)}, _codecs.TopKCodec((2,))
     )
     assert meta["codec"]["k"] == [2]

@@ -9,8 +9,9 @@ import msgpack
 import numpy as np
 import pytest
 
-from hpsjax.ps import _auth, _decoders, _frames, _stream, _treecodec
+from hpsjax.ps import _auth, _codecs, _decoders, _frames, _stream, _treecodec
 from hpsjax.ps import _errors as errors
+from hpsjax.ps._codecs import _powersgd, _quantized, _topk
 from hpsjax.ps._frames import MsgType
 from hpsjax.ps._stream import FrameDecoder
 
@@ -687,7 +688,7 @@ def test_encoded_leaf_values_are_checked(codec_args, codes, scales, size, messag
     codes = np.array(codes, np.uint8)
     scales = np.array(scales, np.float32)
     with pytest.raises(errors.InvalidUpdate, match=message):
-        _treecodec.check_encoded_leaf(codes, scales, size, codec)
+        _quantized.check_encoded_leaf(codes, scales, size, codec)
 
 
 def test_valid_encoded_leaves_pass_the_check():
@@ -707,7 +708,7 @@ def test_valid_encoded_leaves_pass_the_check():
     ]:
         enc = encode(x, codec, key=jax.random.key(0))
         codes, scales = np.asarray(enc.codes), np.asarray(enc.scales)
-        _treecodec.check_encoded_leaf(codes, scales, x.size, codec)
+        _quantized.check_encoded_leaf(codes, scales, x.size, codec)
 
 
 def test_codec_must_list_every_key():
@@ -725,7 +726,11 @@ def _encoded_ones():
     return Encoded(np.ones(4, np.uint8), np.ones(1, np.float32))
 
 
-@pytest.mark.parametrize("module", [_auth, _decoders, _frames, _stream, _treecodec])
+_DOCTESTED = [_auth, _codecs, _decoders, _frames, _stream, _treecodec]
+_DOCTESTED += [_powersgd, _quantized, _topk]
+
+
+@pytest.mark.parametrize("module", _DOCTESTED)
 def test_module_doctests(module):
     assert doctest.testmod(module).failed == 0
 

@@ -90,7 +90,6 @@ from hpsjax.ps._messages import (
 )
 from hpsjax.ps._policies import DEFAULT_POLICY
 from hpsjax.ps._separable import LeafApply
-from hpsjax.transforms import _quantize as q
 
 __all__ = ["Server"]
 
@@ -1162,13 +1161,13 @@ class Server:
         meta = PushMeta.from_wire(frame.metadata)
         self._check_pusher(session, meta.version)
         prepared, session.overlap = session.overlap, None
-        codec = _treecodec.wire_codec(frame.payload.layout.codec)
+        codec = frame.payload.layout.wire
         if codec is not None and self._decoders.worth_compiling(codec):
             self._compile_decoder(codec)
         leaves = self._decode_update(frame.payload)
-        if self._check_finite and isinstance(codec, q.Codec | _treecodec.PowerSGDCodec):
-            # Raw and top-k leaves were checked as they arrived (_check_received),
-            # and PowerSGD factors, but their product may still overflow.
+        if self._check_finite and codec is not None and codec.finite_decoded:
+            # Raw leaves were checked as they arrived (_check_received), and
+            # compressed parts, but decoding them may still overflow.
             self._require_finite(leaves)
         update = jax.tree.unflatten(self._treedef, leaves)
         # The layout was checked against the model before the payload was read
@@ -1262,11 +1261,7 @@ class Server:
             # core's compiled steps are called on them (cheaper than device_put
             # for small leaves, as fast for big ones).
             return payload.arrays
-        codec = _treecodec.wire_codec(layout.codec)
-        if isinstance(codec, _treecodec.TopKCodec | _treecodec.PowerSGDCodec):
-            return self._decoders.decoder(codec)(payload.arrays)
-        encoded = [q.Encoded(codes, scales) for codes, scales in payload.arrays]
-        return self._decoders.decoder(codec)(encoded)
+        return self._decoders.decoder(layout.wire)(payload.arrays)
 
     @_on_device
     def _on_filled(
@@ -1279,36 +1274,24 @@ class Server:
 
     def _check_received(self, payload: _treecodec.WireTree, index: int) -> None:
         """Refuses a raw push as soon as a leaf holding NaN or infinity is in
-        (or a PowerSGD push a factor, a top-k push bad indices or values).
+        (a compressed one as soon as its codec refuses a part: see
+        ``check_part`` of :class:`~hpsjax.ps._codecs.WireCodec`).
 
         Called by the decoder for each buffer once its bytes have arrived, so
         the check overlaps the transfer of the following ones.
         """
         layout = payload.layout
-        scheme = None if layout.codec is None else layout.codec["scheme"]
-        if scheme is None:
+        if layout.wire is None:
             leaf, array = index, payload.arrays[index]
-        elif scheme == _treecodec.POWERSGD_SCHEME:
-            # p or q of leaf index // 2 (a leaf sent whole has no q).
-            leaf, part = divmod(index, 2)
-            array = payload.arrays[leaf][part]
-        elif scheme == _treecodec.TOPK_SCHEME:
-            if index % 2:  # indices and values are in (k = 0 sends neither)
-                indices, values = payload.arrays[index // 2]
-                size = math.prod(layout.leaves[index // 2].shape)
-                _treecodec.check_topk_leaf(
-                    indices, values, size, finite=self._check_finite
-                )
-            return
         else:
-            # Codes and scales are checked once both are in (NaN and infinity
-            # once decoded): "none" sends no scales, other schemes always do.
-            if index % 2 or scheme == "none":
-                codes, scales = payload.arrays[index // 2]
-                size = math.prod(layout.leaves[index // 2].shape)
-                codec = q.Codec.from_dict(layout.codec)
-                _treecodec.check_encoded_leaf(codes, scales, size, codec)
-            return
+            # Every compressed leaf sends two arrays.
+            leaf, part = divmod(index, 2)
+            size = math.prod(layout.leaves[leaf].shape)
+            array = layout.wire.check_part(
+                payload.arrays[leaf], part, size, finite=self._check_finite
+            )
+            if array is None:
+                return
         if not self._check_finite:
             return
         if array.dtype.kind not in "biu" and not np.isfinite(array).all():

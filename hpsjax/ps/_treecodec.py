@@ -4,13 +4,14 @@ Trees travel as metadata (structure, per-leaf dtype, shape, byte offset and
 length, codec) plus the leaves' bytes concatenated in leaf order (see
 :mod:`hpsjax.ps._frames` for the frame around them). Received descriptions are
 validated from the metadata alone before anything is allocated, and received
-leaves are views of one aligned block.
+leaves are views of one aligned block. Compressed trees name their codec, one
+class per compressor (:mod:`hpsjax.ps._codecs`): this module asks it for each
+leaf's bytes and never names a scheme itself.
 """
 
 from __future__ import annotations
 
 import math
-import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -18,10 +19,9 @@ import msgpack
 import numpy as np
 
 from hpsjax._checks import is_int
+from hpsjax.ps._codecs import LikeLeaf, WireCodec, as_leaf, codec_class, from_wire
 from hpsjax.ps._errors import (
-    InvalidUpdate,
     MalformedMetadata,
-    NonFiniteUpdate,
     SpecMismatch,
     TooManyLeaves,
     UnsupportedDtype,
@@ -36,34 +36,20 @@ from hpsjax.ps._frames import (
     WireLimits,
     aligned_empty,
 )
-from hpsjax.transforms import _quantize as q
-from hpsjax.transforms import _topk
-from hpsjax.transforms._powersgd import powersgd_matrix_shape
 
 __all__ = [
     "LayoutCache",
-    "POWERSGD_SCHEME",
-    "TOPK_SCHEME",
     "LeafSpec",
-    "PowerSGDCodec",
-    "TopKCodec",
     "TreeLayout",
     "WireTree",
-    "check_encoded_leaf",
     "check_same_spec",
-    "check_topk_leaf",
-    "compressed_sizes",
     "default_allocator",
     "encoded_tree_to_wire",
     "flatten_tree",
     "leaf_buffers",
-    "powersgd_tree_to_wire",
     "tree_layout",
-    "topk_index_dtype",
-    "topk_tree_to_wire",
     "tree_to_wire",
     "unflatten_tree",
-    "wire_codec",
 ]
 
 
@@ -82,16 +68,6 @@ def _wire_dtype_name(dtype: np.dtype, limits: WireLimits) -> str:
     if name not in DTYPES or name not in limits.dtypes:
         raise UnsupportedDtype(f"dtype {dtype} cannot be sent")
     return name
-
-
-def _as_leaf(x: Any) -> np.ndarray:
-    array = np.asarray(x)
-    if array.dtype.byteorder == ">" or (
-        array.dtype.byteorder == "=" and sys.byteorder == "big"
-    ):
-        array = array.astype(array.dtype.newbyteorder("<"))
-    # Not np.ascontiguousarray: it turns 0-d arrays into 1-d ones.
-    return array if array.flags.c_contiguous else array.copy(order="C")
 
 
 def flatten_tree(
@@ -237,10 +213,9 @@ class LeafSpec(NamedTuple):
       shape: the leaf's (decoded) shape.
       offset: byte offset of its buffer in the payload.
       nbytes: byte length of its buffer.
-      code_nbytes: for a compressed leaf, bytes of packed codes at the start of
-        the buffer (float32 scales follow), for a top-k leaf bytes of its
-        indices (its values follow), for a PowerSGD leaf bytes of its factor
-        ``p`` (``q`` follows); ``None`` for a raw leaf.
+      code_nbytes: for a compressed leaf, bytes of the first of the two arrays
+        its buffer holds (packed codes, top-k indices, PowerSGD's ``p``: see
+        :mod:`hpsjax.ps._codecs`); ``None`` for a raw leaf.
     """
 
     dtype: np.dtype
@@ -258,12 +233,15 @@ class TreeLayout(NamedTuple):
       leaves: one :class:`LeafSpec` per leaf, in leaf order.
       codec: the codec dict of a compressed tree, else ``None``.
       nbytes: total payload bytes.
+      wire: the codec object of a compressed tree (see
+        :mod:`hpsjax.ps._codecs`), else ``None``.
     """
 
     structure: Any
     leaves: tuple[LeafSpec, ...]
     codec: dict[str, Any] | None
     nbytes: int
+    wire: WireCodec | None = None
 
     def allocate(self, pool: BufferPool | None = None) -> list[Any]:
         """Allocates uninitialised leaves to receive this tree's payload.
@@ -275,17 +253,19 @@ class TreeLayout(NamedTuple):
           pool: where to take the block from; ``None`` allocates a new one.
 
         Returns:
-          Per leaf, an array of its dtype and shape, or for a compressed leaf a
-          ``(codes uint8[code_nbytes], scales float32[n])`` pair, for a top-k
-          leaf an ``(indices uint16|uint32[k], values dtype[k])`` pair, for a
-          PowerSGD leaf a ``(p dtype[n, r], q dtype[m, r])`` pair (``(p
-          dtype[size], q dtype[0])`` for one sent whole).
+          Per leaf, an array of its dtype and shape, or for a compressed leaf
+          the pair of arrays its codec sends (``leaf_parts`` of
+          :class:`~hpsjax.ps._codecs.WireCodec`).
         """
-        if self.codec is None:
+        if self.wire is None:
             return self._allocate_raw(pool, None)
         parts: list[tuple[tuple[int, ...], np.dtype]] = []
         for i, leaf in enumerate(self.leaves):
-            parts.extend(_leaf_parts(self.codec, i, leaf))
+            parts.extend(
+                self.wire.leaf_parts(
+                    i, leaf.shape, leaf.dtype, leaf.code_nbytes, leaf.nbytes
+                )
+            )
         offsets, total = [], 0
         for shape, dtype in parts:
             offsets.append(total)
@@ -295,11 +275,8 @@ class TreeLayout(NamedTuple):
             block[o : o + math.prod(shape) * dtype.itemsize].view(dtype).reshape(shape)
             for o, (shape, dtype) in zip(offsets, parts, strict=True)
         ]
-        out: list[Any] = []
         it = iter(views)
-        for leaf in self.leaves:
-            out.append(next(it) if leaf.code_nbytes is None else (next(it), next(it)))
-        return out
+        return [(next(it), next(it)) for _ in self.leaves]
 
     def receive_buffers(
         self, pool: BufferPool | None = None
@@ -310,7 +287,7 @@ class TreeLayout(NamedTuple):
           ``(arrays, buffers)``: the leaves as :meth:`allocate` returns them,
           and their bytes in payload order (as :func:`leaf_buffers`).
         """
-        if self.codec is not None:
+        if self.wire is not None:
             arrays = self.allocate(pool)
             return arrays, leaf_buffers(arrays)
         buffers: list[memoryview] = []
@@ -334,24 +311,6 @@ class TreeLayout(NamedTuple):
     def paths(self) -> list[str]:
         """Readable paths of the leaves, for error messages."""
         return _leaf_paths(self.structure)
-
-
-def _leaf_parts(
-    codec: dict[str, Any], i: int, leaf: LeafSpec
-) -> list[tuple[tuple[int, ...], np.dtype]]:
-    """``(shape, dtype)`` of each array leaf ``i``'s buffer holds under ``codec``."""
-    if leaf.code_nbytes is None:
-        return [(leaf.shape, leaf.dtype)]
-    scheme = codec["scheme"]
-    if scheme == TOPK_SCHEME:
-        index_dtype = topk_index_dtype(math.prod(leaf.shape))
-        k = leaf.code_nbytes // index_dtype.itemsize
-        return [((k,), index_dtype), ((k,), leaf.dtype)]
-    if scheme == POWERSGD_SCHEME:
-        p_shape, q_shape = _powersgd_shapes(i, leaf.shape, codec["rank"][i])
-        return [(p_shape, leaf.dtype), (q_shape, leaf.dtype)]
-    n_scales = (leaf.nbytes - leaf.code_nbytes) // 4
-    return [((leaf.code_nbytes,), np.dtype(np.uint8)), ((n_scales,), DTYPES["float32"])]
 
 
 def leaf_buffers(arrays: Sequence[Any]) -> list[memoryview]:
@@ -392,7 +351,7 @@ def tree_to_wire(
       ([['float32', [2, 3], 0, 24]], [24])
     """
     structure, raw = flatten_tree(tree, limits=limits)
-    arrays = [_as_leaf(x) for x in raw]
+    arrays = [as_leaf(x) for x in raw]
     leaves = []
     entries = []
     offset = 0
@@ -406,444 +365,11 @@ def tree_to_wire(
     return meta, leaf_buffers(arrays), layout
 
 
-_CODEC_KEYS = ("scheme", "bits", "block_size", "stochastic", "levels")
-
-
-def _codec_from_dict(codec: Any):
-    if not isinstance(codec, dict):
-        raise MalformedMetadata("'codec' must be a map or nil")
-    missing = [key for key in _CODEC_KEYS if key not in codec]
-    if missing:
-        # Every key is sent (nil where unused): no default is ever guessed.
-        raise MalformedMetadata(f"codec misses {', '.join(map(repr, missing))}")
-    try:
-        return q.Codec.from_dict(codec)
-    except (ValueError, TypeError, KeyError) as e:
-        raise MalformedMetadata(f"bad codec {codec!r}: {e}") from None
-
-
-def compressed_sizes(shape: Sequence[int], codec: Any) -> tuple[int, int]:
-    """Bytes of packed codes and number of float32 scales of an encoded leaf.
-
-    Follows the layout of ``hpsjax.transforms.Encoded``: no scale for the
-    ``none`` scheme, one per leaf without ``block_size``, else one per block of
-    ``block_size`` elements (the last one possibly partial).
-
-    Args:
-      shape: the decoded leaf's shape.
-      codec: a ``Codec``, or its dict as in frame metadata.
-
-    Returns:
-      ``(code_nbytes, n_scales)``.
-
-    Raises:
-      MalformedMetadata: the codec dict is invalid.
-    """
-    if not isinstance(codec, q.Codec):
-        codec = _codec_from_dict(codec)
-    size = math.prod(shape)
-    if codec.scheme == "none":
-        n_scales = 0
-    elif codec.block_size is None:
-        n_scales = 1
-    else:
-        n_scales = -(-size // codec.block_size)
-    return q.encoded_nbytes(tuple(shape), codec) - 4 * n_scales, n_scales
-
-
-def check_encoded_leaf(codes: np.ndarray, scales: np.ndarray, size: int, codec) -> None:
-    """Checks the values of one received compressed leaf before it is decoded.
-
-    Every code must name a level (``0 .. 2L`` for ``uniform`` and ``qsgd``, so
-    ``255`` at 8 bits is refused), the unused high bits of the last code byte
-    must be zero, and scales must be finite and non-negative.
-
-    Args:
-      codes: the leaf's packed codes (``uint8``).
-      scales: its float32 scales.
-      size: elements of the decoded leaf.
-      codec: the ``Codec``.
-
-    Raises:
-      InvalidUpdate: naming what is wrong.
-    """
-    if codec.scheme == "none":
-        return  # float32 values: checked for NaN and infinity once decoded
-    if not np.isfinite(scales).all() or (scales < 0).any():
-        raise InvalidUpdate("scales must be finite and >= 0")
-    bits = codec.bits
-    if bits < 8 and size * bits % 8 and codes.size and codes[-1] >> (size * bits % 8):
-        raise InvalidUpdate("padding bits of the last code byte are not zero")
-    if codec.scheme == "sign":
-        return
-    top = 2 * (codec.levels if codec.scheme == "qsgd" else 2 ** (bits - 1) - 1)
-    if bits == 16:
-        largest = int(codes.view("<u2").max(initial=0))
-    elif bits == 8:
-        largest = int(codes.max(initial=0))
-    else:
-        mask = (1 << bits) - 1
-        largest = max(
-            int(((codes >> shift) & mask).max(initial=0)) for shift in range(0, 8, bits)
-        )
-    if largest > top:
-        raise InvalidUpdate(f"code {largest} is over the largest level code {top}")
-
-
-TOPK_SCHEME = "topk"
-"""The ``scheme`` of the top-k codec (``{"scheme": "topk", "k": [k per leaf]}``)."""
-
-_FLOAT_NAMES = frozenset({"float16", "bfloat16", "float32", "float64"})
-
-
-class TopKCodec(NamedTuple):
-    """The top-k wire codec: leaf ``i`` sends ``ks[i]`` indices, then as many values.
-
-    Hashable, so it keys decoders like a quantization ``Codec``.
-
-    Examples:
-      >>> TopKCodec((3, 0)).to_dict()
-      {'scheme': 'topk', 'k': [3, 0]}
-    """
-
-    ks: tuple[int, ...]
-
-    def to_dict(self) -> dict[str, Any]:
-        """The codec as frame metadata."""
-        return {"scheme": TOPK_SCHEME, "k": list(self.ks)}
-
-
-def topk_index_dtype(size: int) -> np.dtype:
-    """The wire dtype of a top-k leaf's indices: ``uint16`` for leaves of at most
-    65536 elements, ``uint32`` up to 2**32 (as ``hpsjax.transforms.topk_encode``).
-
-    Raises:
-      MalformedMetadata: the leaf has more than 2**32 elements.
-    """
-    try:
-        dtype = _topk.topk_index_dtype(size)
-    except ValueError:
-        raise MalformedMetadata(
-            f"top-k leaves hold at most 2**32 elements, not {size}"
-        ) from None
-    return np.dtype(dtype).newbyteorder("<")
-
-
-POWERSGD_SCHEME = "powersgd"
-"""The ``scheme`` of the PowerSGD codec (``{"scheme": "powersgd", "rank": [rank
-per leaf]}``)."""
-
-
-class PowerSGDCodec(NamedTuple):
-    """The PowerSGD wire codec: leaf ``i`` sends its rank-``ranks[i]`` factors
-    ``p`` then ``q``, or its values whole where ``ranks[i]`` is 0.
-
-    One rank per leaf, as top-k's one ``k`` per leaf: the encoded leaves alone
-    say it (a leaf too thin to gain from its factors is sent whole by
-    ``hpsjax.transforms.power_sgd``), and it keys decoders like a quantization
-    ``Codec``.
-
-    Examples:
-      >>> PowerSGDCodec((0, 4)).to_dict()
-      {'scheme': 'powersgd', 'rank': [0, 4]}
-    """
-
-    ranks: tuple[int, ...]
-
-    def to_dict(self) -> dict[str, Any]:
-        """The codec as frame metadata."""
-        return {"scheme": POWERSGD_SCHEME, "rank": list(self.ranks)}
-
-
-# The codecs sending one int per leaf: scheme -> (its key, its name in
-# messages, its class).
-_PER_LEAF_CODECS = {
-    TOPK_SCHEME: ("k", "top-k", TopKCodec),
-    POWERSGD_SCHEME: ("rank", "PowerSGD", PowerSGDCodec),
-}
-
-
-def _per_leaf_codec_from_dict(codec: dict, count: int) -> TopKCodec | PowerSGDCodec:
-    """The received codec of a scheme of :data:`_PER_LEAF_CODECS`, checked."""
-    key, what, make = _PER_LEAF_CODECS[codec["scheme"]]
-    if set(codec) != {"scheme", key}:
-        keys = sorted(map(str, codec))[:8]
-        raise MalformedMetadata(
-            f"a {what} codec has only 'scheme' and {key!r}, not {keys}"
-        )
-    values = codec[key]
-    if (
-        not isinstance(values, list)
-        or len(values) != count
-        or not all(is_int(v) and v >= 0 for v in values)
-    ):
-        raise MalformedMetadata(f"{what} {key!r} must list {count} ints >= 0"[:200])
-    return make(tuple(int(v) for v in values))
-
-
-def wire_codec(codec: Any) -> Any:
-    """The codec object of a (validated) layout's codec dict.
-
-    Returns:
-      ``None`` for a raw tree, a :class:`TopKCodec`, a :class:`PowerSGDCodec`,
-      or a quantization ``hpsjax.transforms.Codec``.
-    """
-    if codec is None:
-        return None
-    per_leaf = _PER_LEAF_CODECS.get(codec.get("scheme"))
-    if per_leaf is not None:
-        key, _, make = per_leaf
-        return make(tuple(codec[key]))
-    return q.Codec.from_dict(codec)
-
-
-def _topk_sizes(i: int, name: str, shape: Sequence[int], k: int) -> tuple[int, int]:
-    """``(index bytes, buffer bytes)`` of top-k leaf ``i`` keeping ``k`` entries."""
-    size = math.prod(shape)
-    if k > size:
-        raise MalformedMetadata(f"leaf {i}: top-k k={k} > {size} elements")
-    index_nbytes = k * topk_index_dtype(size).itemsize
-    return index_nbytes, index_nbytes + k * DTYPES[name].itemsize
-
-
-def check_topk_leaf(
-    indices: np.ndarray, values: np.ndarray, size: int, *, finite: bool = True
-) -> None:
-    """Checks one received top-k leaf before it is decoded.
-
-    Indices must be strictly increasing (so unique) and below ``size``; with
-    ``finite`` the values must hold no NaN or infinity.
-
-    Raises:
-      InvalidUpdate: a bad index.
-      NonFiniteUpdate: a value is NaN or infinite.
-    """
-    if not indices.size:
-        return
-    if int(indices[-1]) >= size:
-        raise InvalidUpdate(f"top-k index {int(indices[-1])} out of range [0, {size})")
-    if indices.size > 1 and not (indices[1:] > indices[:-1]).all():
-        raise InvalidUpdate("top-k indices must be strictly increasing")
-    if finite and not np.isfinite(values).all():
-        raise NonFiniteUpdate("top-k values hold NaN or infinity")
-
-
-def _powersgd_shapes(
-    i: int, shape: Sequence[int], rank: int
-) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """The shapes of PowerSGD leaf ``i``'s factors ``p`` and ``q`` at ``rank``.
-
-    Rank 0 sends the leaf whole: ``p`` holds its values, ``q`` none. A rank
-    ``r >= 1`` sends ``p`` (``n x r``) and ``q`` (``m x r``) of the matrix
-    ``hpsjax.transforms.powersgd_matrix_shape`` reads the leaf as.
-
-    Raises:
-      MalformedMetadata: rank-``r`` factors would be no smaller than the leaf.
-    """
-    if rank == 0:
-        return (math.prod(shape),), (0,)
-    matrix = powersgd_matrix_shape(shape, rank)
-    if matrix is None:
-        raise MalformedMetadata(
-            f"leaf {i}: rank-{rank} factors are no smaller than shape "
-            f"{list(shape)} (send it whole: rank 0)"
-        )
-    return (matrix[0], rank), (matrix[1], rank)
-
-
-def _powersgd_sizes(
-    i: int, name: str, shape: Sequence[int], rank: int
-) -> tuple[int, int]:
-    """``(p bytes, buffer bytes)`` of PowerSGD leaf ``i`` sent at ``rank``."""
-    p_shape, q_shape = _powersgd_shapes(i, shape, rank)
-    itemsize = DTYPES[name].itemsize
-    p_nbytes = math.prod(p_shape) * itemsize
-    return p_nbytes, p_nbytes + math.prod(q_shape) * itemsize
-
-
-def _per_leaf_sizes(
-    scheme: str, i: int, name: str, shape: Sequence[int], value: int
-) -> tuple[int, int]:
-    """``(code bytes, buffer bytes)`` of leaf ``i`` of dtype ``name`` under a
-    scheme of :data:`_PER_LEAF_CODECS` sending it at ``value`` (its ``k`` or
-    rank).
-
-    Raises:
-      MalformedMetadata: the leaf is not floating, or ``value`` does not fit it.
-    """
-    what = _PER_LEAF_CODECS[scheme][1]
-    if name not in _FLOAT_NAMES:
-        raise MalformedMetadata(f"leaf {i}: {what} leaves must be floating, not {name}")
-    sizes = _topk_sizes if scheme == TOPK_SCHEME else _powersgd_sizes
-    return sizes(i, name, shape, value)
-
-
-def _encoded_against(encoded, like, limits) -> tuple[Any, list, list]:
-    """``like``'s structure and leaves, and ``encoded`` as a list of one entry
-    per leaf (refused where the counts differ)."""
-    structure, like_leaves = flatten_tree(
-        like, limits=limits, is_leaf=lambda x: hasattr(x, "shape")
-    )
-    encoded = list(encoded)
-    if len(encoded) != len(like_leaves):
-        raise SpecMismatch(
-            f"{len(encoded)} encoded leaves for a tree of {len(like_leaves)}"
-        )
-    return structure, like_leaves, encoded
-
-
-def _like_leaf(ref: Any, limits: WireLimits) -> tuple[np.dtype, str, tuple[int, ...]]:
-    """``(dtype, wire name, shape)`` of a leaf of an encoded tree's ``like``."""
+def _like_leaf(ref: Any, limits: WireLimits) -> LikeLeaf:
+    """A leaf of an encoded tree's ``like``: dtype, wire name and shape."""
     dtype = np.dtype(getattr(ref, "dtype", None) or np.asarray(ref).dtype)
-    return dtype, _wire_dtype_name(dtype, limits), tuple(int(d) for d in np.shape(ref))
-
-
-def _encoded_tree(
-    structure: Any, leaves: list[tuple[np.dtype, tuple[int, ...], tuple]], codec: dict
-) -> tuple[dict[str, Any], list[memoryview], TreeLayout]:
-    """The metadata, buffers and layout of an encoded tree.
-
-    Args:
-      structure: the wire structure.
-      leaves: per leaf ``(dtype, shape, (first, second))``: the decoded leaf's
-        dtype and shape, and the two checked arrays its buffer sends in that
-        order (the first's bytes are the leaf's ``code_nbytes``).
-      codec: the codec dict.
-    """
-    specs, offset = [], 0
-    for dtype, shape, (first, second) in leaves:
-        nbytes = first.nbytes + second.nbytes
-        specs.append(LeafSpec(dtype, shape, offset, nbytes, first.nbytes))
-        offset += nbytes
-    layout = TreeLayout(structure, tuple(specs), codec, offset)
-    meta = {
-        "tree": structure,
-        "leaves": [_spec_to_wire(s) for s in specs],
-        "codec": codec,
-    }
-    return meta, leaf_buffers([pair for _, _, pair in leaves]), layout
-
-
-def topk_tree_to_wire(
-    encoded: Sequence[Any],
-    like: Any,
-    *,
-    limits: WireLimits = DEFAULT_LIMITS,
-) -> tuple[dict[str, Any], list[memoryview], TreeLayout]:
-    """Describes a top-k sparsified tree for a PUSH or PUSH_PULL frame.
-
-    Each leaf's buffer is its ``k`` indices (``uint16`` up to 65536 elements,
-    else ``uint32``) followed by its ``k`` values in the leaf's dtype: the
-    bytes of ``hpsjax.transforms.TopKEncoded``, sent as they are (no copy for
-    host arrays).
-
-    Args:
-      encoded: the ``TopKEncoded(indices, values)`` of each leaf in leaf order,
-        as ``topk_encode_tree`` or ``last_topk_encoded(opt_state)`` return them.
-      like: a pytree giving the structure and each leaf's decoded shape and
-        dtype (arrays or ``jax.ShapeDtypeStruct``).
-      limits: bounds and allowed dtypes.
-
-    Returns:
-      ``(metadata, buffers, layout)`` as for :func:`tree_to_wire`; the codec is
-      ``{"scheme": "topk", "k": [k per leaf]}``.
-
-    Raises:
-      SpecMismatch: ``encoded`` does not fit ``like``.
-    """
-    structure, like_leaves, encoded = _encoded_against(encoded, like, limits)
-    leaves, ks = [], []
-    for i, (enc, ref) in enumerate(zip(encoded, like_leaves, strict=True)):
-        if not (isinstance(enc, tuple) and len(enc) == 2):
-            raise SpecMismatch("every top-k leaf must be an (indices, values) pair")
-        indices = _as_leaf(enc[0]).reshape(-1)
-        values = _as_leaf(enc[1]).reshape(-1)
-        dtype, name, shape = _like_leaf(ref, limits)
-        size = math.prod(shape)
-        want = topk_index_dtype(size)
-        if indices.dtype != want or values.dtype != dtype:
-            raise SpecMismatch(
-                f"leaf {i}: top-k of shape {shape} sends {want.name} indices and "
-                f"{dtype.name} values, got {indices.dtype.name} and "
-                f"{values.dtype.name}"
-            )
-        k = indices.size
-        if values.size != k:
-            raise SpecMismatch(f"leaf {i}: {k} indices but {values.size} values")
-        try:
-            _per_leaf_sizes(TOPK_SCHEME, i, name, shape, k)
-        except MalformedMetadata as e:
-            raise SpecMismatch(e.message) from None
-        leaves.append((dtype, shape, (indices, values)))
-        ks.append(k)
-    return _encoded_tree(structure, leaves, TopKCodec(tuple(ks)).to_dict())
-
-
-def powersgd_tree_to_wire(
-    encoded: Sequence[Any],
-    like: Any,
-    *,
-    limits: WireLimits = DEFAULT_LIMITS,
-) -> tuple[dict[str, Any], list[memoryview], TreeLayout]:
-    """Describes a PowerSGD compressed tree for a PUSH or PUSH_PULL frame.
-
-    Each leaf's buffer is its factor ``p`` (``n x r``) followed by its factor
-    ``q`` (``m x r``), both row-major in the leaf's dtype: the bytes of
-    ``hpsjax.transforms.PowerSGDEncoded``, sent as they are (no copy for host
-    arrays), ``powersgd_nbytes`` in all. A leaf sent whole (``p`` its
-    flattened values, ``q`` empty) has rank 0.
-
-    Args:
-      encoded: the ``PowerSGDEncoded(p, q)`` of each leaf in leaf order, as
-        ``last_powersgd_encoded(opt_state)`` returns them.
-      like: a pytree giving the structure and each leaf's decoded shape and
-        dtype (arrays or ``jax.ShapeDtypeStruct``).
-      limits: bounds and allowed dtypes.
-
-    Returns:
-      ``(metadata, buffers, layout)`` as for :func:`tree_to_wire`; the codec is
-      ``{"scheme": "powersgd", "rank": [rank per leaf]}``.
-
-    Raises:
-      SpecMismatch: ``encoded`` does not fit ``like``.
-    """
-    structure, like_leaves, encoded = _encoded_against(encoded, like, limits)
-    leaves, ranks = [], []
-    for i, (enc, ref) in enumerate(zip(encoded, like_leaves, strict=True)):
-        if not (isinstance(enc, tuple) and len(enc) == 2):
-            raise SpecMismatch("every PowerSGD leaf must be a (p, q) pair")
-        p, q_ = _as_leaf(enc[0]), _as_leaf(enc[1])
-        dtype, name, shape = _like_leaf(ref, limits)
-        if p.dtype != dtype or q_.dtype != dtype:
-            raise SpecMismatch(
-                f"leaf {i}: PowerSGD factors of a {dtype.name} leaf are "
-                f"{dtype.name}, got {p.dtype.name} and {q_.dtype.name}"
-            )
-        rank = p.shape[1] if p.ndim == 2 else 0
-        try:
-            _per_leaf_sizes(POWERSGD_SCHEME, i, name, shape, rank)
-            want = _powersgd_shapes(i, shape, rank)
-        except MalformedMetadata as e:
-            raise SpecMismatch(e.message) from None
-        if (p.shape, q_.shape) != want:
-            raise SpecMismatch(
-                f"leaf {i}: factors {p.shape} and {q_.shape} do not fit shape "
-                f"{shape} (rank {rank}: {want[0]} and {want[1]})"
-            )
-        leaves.append((dtype, shape, (p, q_)))
-        ranks.append(rank)
-    return _encoded_tree(structure, leaves, PowerSGDCodec(tuple(ranks)).to_dict())
-
-
-def _scheme(codec: Any) -> str | None:
-    """The scheme of a per-leaf codec given by name or object, else ``None``."""
-    if isinstance(codec, str):
-        return codec
-    if isinstance(codec, TopKCodec):
-        return TOPK_SCHEME
-    if isinstance(codec, PowerSGDCodec):
-        return POWERSGD_SCHEME
-    return None
+    shape = tuple(int(d) for d in np.shape(ref))
+    return LikeLeaf(dtype, _wire_dtype_name(dtype, limits), shape)
 
 
 def encoded_tree_to_wire(
@@ -855,58 +381,54 @@ def encoded_tree_to_wire(
 ) -> tuple[dict[str, Any], list[memoryview], TreeLayout]:
     """Describes a compressed tree for a PUSH or PUSH_PULL frame.
 
-    Each leaf's buffer is its packed codes followed by its float32 scales, the
-    bytes of ``hpsjax.transforms.Encoded``; the receiver decodes them with
-    ``decode(encoded, codec, shape, dtype)``.
+    Each leaf's buffer is the two arrays its codec sends, one after the other:
+    the bytes the compressing transform kept (``Encoded``, ``TopKEncoded``,
+    ``PowerSGDEncoded`` of ``hpsjax.transforms``), sent as they are (no copy
+    for host arrays).
 
     Args:
-      encoded: the ``Encoded(codes, scales)`` of each leaf in leaf order, as
-        returned by ``encode_tree`` or ``last_encoded(opt_state)``.
+      encoded: what the transform kept of each leaf in leaf order, as the
+        codec's ``last_encoded(opt_state)`` (or ``encode_tree``) returns it.
       like: a pytree giving the structure and each leaf's decoded shape and
         dtype (arrays or ``jax.ShapeDtypeStruct``).
-      codec: the ``Codec`` used to encode.
+      codec: the ``Codec`` used to quantize, or ``"topk"`` or ``"powersgd"``
+        (or a codec object of :mod:`hpsjax.ps._codecs`): top-k and PowerSGD
+        leaves say their ``k`` or rank.
       limits: bounds and allowed dtypes.
 
     Returns:
       ``(metadata, buffers, layout)`` as for :func:`tree_to_wire`.
 
-    A ``codec`` of ``"topk"`` (or a :class:`TopKCodec`) sends top-k leaves
-    instead (:func:`topk_tree_to_wire`), one of ``"powersgd"`` (or a
-    :class:`PowerSGDCodec`) PowerSGD factors (:func:`powersgd_tree_to_wire`);
-    the leaves say their ``k`` or rank.
-
     Raises:
       SpecMismatch: ``encoded`` does not fit ``like`` and ``codec``.
       ValueError: ``codec`` names no codec.
     """
-    scheme = _scheme(codec)
-    if scheme == TOPK_SCHEME:
-        return topk_tree_to_wire(encoded, like, limits=limits)
-    if scheme == POWERSGD_SCHEME:
-        return powersgd_tree_to_wire(encoded, like, limits=limits)
-    if scheme is not None:
-        raise ValueError(
-            f"unknown codec {codec!r}: a Codec, {TOPK_SCHEME!r} or {POWERSGD_SCHEME!r}"
+    cls = codec_class(codec)
+    structure, like_leaves = flatten_tree(
+        like, limits=limits, is_leaf=lambda x: hasattr(x, "shape")
+    )
+    encoded = list(encoded)
+    if len(encoded) != len(like_leaves):
+        raise SpecMismatch(
+            f"{len(encoded)} encoded leaves for a tree of {len(like_leaves)}"
         )
-    structure, like_leaves, encoded = _encoded_against(encoded, like, limits)
-    codec_dict = codec.to_dict()
-    leaves = []
-    for enc, ref in zip(encoded, like_leaves, strict=True):
-        if not isinstance(enc, q.Encoded):
-            raise SpecMismatch("every encoded leaf must be an Encoded")
-        codes = _as_leaf(enc.codes).reshape(-1)
-        scales = _as_leaf(enc.scales).reshape(-1)
-        if codes.dtype != np.uint8 or scales.dtype != np.float32:
-            raise SpecMismatch("Encoded needs uint8 codes and float32 scales")
-        dtype, _, shape = _like_leaf(ref, limits)
-        want_codes, want_scales = compressed_sizes(shape, codec)
-        if codes.size != want_codes or scales.size != want_scales:
-            raise SpecMismatch(
-                f"Encoded sizes ({codes.size}, {scales.size}) do not match "
-                f"shape {shape} under {codec_dict} ({want_codes}, {want_scales})"
-            )
-        leaves.append((dtype, shape, (codes, scales)))
-    return _encoded_tree(structure, leaves, codec_dict)
+    likes = [_like_leaf(ref, limits) for ref in like_leaves]
+    wire, pairs = cls.encode(codec, encoded, likes)
+    specs, offset = [], 0
+    for like_leaf, (first, second) in zip(likes, pairs, strict=True):
+        nbytes = first.nbytes + second.nbytes
+        specs.append(
+            LeafSpec(like_leaf.dtype, like_leaf.shape, offset, nbytes, first.nbytes)
+        )
+        offset += nbytes
+    codec_dict = wire.to_wire()
+    layout = TreeLayout(structure, tuple(specs), codec_dict, offset, wire)
+    meta = {
+        "tree": structure,
+        "leaves": [_spec_to_wire(s) for s in specs],
+        "codec": codec_dict,
+    }
+    return meta, leaf_buffers(pairs), layout
 
 
 def tree_layout(meta: Mapping[str, Any], limits: WireLimits = DEFAULT_LIMITS):
@@ -934,11 +456,7 @@ def tree_layout(meta: Mapping[str, Any], limits: WireLimits = DEFAULT_LIMITS):
     if not isinstance(entries, list) or len(entries) != count:
         raise MalformedMetadata(f"'leaves' must list {count} entries")
     codec = meta.get("codec")
-    per_leaf = None  # the k or rank of each leaf under top-k or PowerSGD
-    if isinstance(codec, dict) and codec.get("scheme") in _PER_LEAF_CODECS:
-        (per_leaf,) = _per_leaf_codec_from_dict(codec, count)
-    elif codec is not None:
-        _codec_from_dict(codec)
+    wire = from_wire(codec, count)
     leaves = []
     offset = 0
     for i, entry in enumerate(entries):
@@ -966,34 +484,15 @@ def tree_layout(meta: Mapping[str, Any], limits: WireLimits = DEFAULT_LIMITS):
                 )
         else:
             code_nbytes = entry[4]
-            if per_leaf is not None:
-                scheme = codec["scheme"]
-                want_code, want_nbytes = _per_leaf_sizes(
-                    scheme, i, name, shape, per_leaf[i]
-                )
-                if code_nbytes != want_code or nbytes != want_nbytes:
-                    what = _PER_LEAF_CODECS[scheme][1]
-                    raise MalformedMetadata(
-                        f"leaf {i}: {what} sizes ({code_nbytes}, {nbytes}) != "
-                        f"({want_code}, {want_nbytes})"
-                    )
-                leaves.append(LeafSpec(dtype, tuple(shape), off, nbytes, code_nbytes))
-                offset += nbytes
-                continue
-            if name not in _FLOAT_NAMES:
-                # As the per-leaf codecs' (_per_leaf_sizes): one fault, one code.
+            want = wire.leaf_nbytes(i, name, tuple(shape))
+            if (code_nbytes, nbytes) != want:
                 raise MalformedMetadata(
-                    f"leaf {i}: quantized leaves must be floating, not {name}"
-                )
-            want_codes, want_scales = compressed_sizes(shape, codec)
-            if code_nbytes != want_codes or nbytes != want_codes + 4 * want_scales:
-                raise MalformedMetadata(
-                    f"leaf {i}: encoded sizes ({code_nbytes}, {nbytes}) != "
-                    f"({want_codes}, {want_codes + 4 * want_scales})"
+                    f"leaf {i}: {wire.name} sizes ({code_nbytes}, {nbytes}) != "
+                    f"({want[0]}, {want[1]})"
                 )
         leaves.append(LeafSpec(dtype, tuple(shape), off, nbytes, code_nbytes))
         offset += nbytes
-    return TreeLayout(structure, tuple(leaves), codec, offset)
+    return TreeLayout(structure, tuple(leaves), codec, offset, wire)
 
 
 class LayoutCache:
