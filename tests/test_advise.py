@@ -1,0 +1,279 @@
+"""The scheme advisor (experiments.advise) and the frontier table's rules
+(experiments.frontier)."""
+
+import dataclasses
+import math
+import subprocess
+import sys
+
+import pytest
+
+from experiments import advise, frontier
+from hpsjax.profiling import Link, WorkerProfile
+
+_LINK = Link(4e6, 0.002)
+
+
+def _profile(worker_id, speed, *, overhead=0.002, link=_LINK):
+    p = WorkerProfile.synthetic(worker_id, speed, overhead=overhead)
+    push = link.estimate(9000, 36000) if link is not None else None
+    return dataclasses.replace(p, transfer=push)
+
+
+def _write(tmp_path, profiles):
+    for p in profiles:
+        (tmp_path / f"profile_{p.worker_id}.json").write_text(p.to_json())
+    return str(tmp_path / "profile_*.json")
+
+
+def test_load_profiles_sorted_by_worker(tmp_path):
+    pattern = _write(tmp_path, [_profile(i, 100.0 * (i + 1)) for i in (2, 0, 10, 1)])
+    assert [p.worker_id for p in advise.load_profiles(pattern)] == [0, 1, 2, 10]
+
+
+def test_load_profiles_errors(tmp_path):
+    with pytest.raises(ValueError, match="no profile files match"):
+        advise.load_profiles(str(tmp_path / "nothing_*.json"))
+    (tmp_path / "profile_bad.json").write_text('{"format": "other"}')
+    with pytest.raises(
+        ValueError, match=r"profile_bad\.json: not a JSON WorkerProfile"
+    ):
+        advise.load_profiles(str(tmp_path / "profile_*.json"))
+    (tmp_path / "profile_bad.json").unlink()
+    p = _profile(0, 100.0)
+    (tmp_path / "a.json").write_text(p.to_json())
+    (tmp_path / "b.json").write_text(p.to_json())
+    with pytest.raises(ValueError, match="several profiles of worker 0"):
+        advise.load_profiles(str(tmp_path / "*.json"))
+
+
+def test_link_from_two_message_sizes_is_exact():
+    profiles = [_profile(i, 100.0, link=Link(2e6, 0.005)) for i in range(3)]
+    latency, bandwidth, note = advise.link_of(profiles)
+    assert latency == pytest.approx(0.005)
+    assert bandwidth == pytest.approx(2e6)
+    assert note == ""
+
+
+def test_link_of_differing_and_missing_links_is_noted():
+    profiles = [
+        _profile(0, 100.0, link=Link(1e6, 0.001)),
+        _profile(1, 100.0, link=Link(8e6, 0.001)),
+        _profile(2, 100.0, link=None),
+    ]
+    _, bandwidth, note = advise.link_of(profiles)
+    assert bandwidth == pytest.approx(4.5e6)  # the median of 1 and 8 MB/s
+    assert "differ" in note and "without a link" in note
+    assert advise.link_of([_profile(0, 1.0, link=None)])[1] == math.inf
+
+
+def test_cluster_config_follows_the_profiles():
+    # Steps of 32 samples: 0.002 + 32 / speed seconds.
+    profiles = [_profile(i, s) for i, s in enumerate((800.0, 200.0, 400.0))]
+    config = advise.cluster_config("asp", profiles, setting="quick", budget=3.0)
+    assert config.backend == "sim"
+    assert config.budget_seconds == 3.0
+    fastest = 0.002 + 32 / 800.0
+    assert config.workers.step_time == pytest.approx(fastest)
+    expected = [1.0, (0.002 + 32 / 200) / fastest, (0.002 + 32 / 400) / fastest]
+    assert list(config.workers.slowdowns) == pytest.approx(expected)
+    assert config.workers.bandwidth == pytest.approx(4e6)
+    assert config.workers.latency == pytest.approx(0.002)
+    with pytest.raises(ValueError, match="unknown scheme 'nope'"):
+        advise.cluster_config("nope", profiles, setting="quick")
+    with pytest.raises(ValueError, match="target"):
+        advise.cluster_config("asp", profiles, setting="quick", target=1.5)
+
+
+def test_launch_command_names_what_it_cannot_carry():
+    profiles = [_profile(i, 100.0 * (i + 1)) for i in range(3)]
+    config = advise.cluster_config("clipped_asgd", profiles, setting="quick")
+    launch, run, not_carried = advise.launch_command(config, profiles)
+    assert launch.startswith("hpsjax-launch --workers 3 ")
+    assert "--policy asp" in launch and "--learning_rate 0.1" in launch
+    assert "--slowdown" not in launch and "--worker_id" not in launch
+    assert any(s.startswith("server.clip_norm=") for s in not_carried)
+    assert "experiments/configs/clipped_asgd.py:quick" in run
+    _, _, none = advise.launch_command(
+        advise.cluster_config("asp", profiles, setting="quick"), profiles
+    )
+    assert none == []
+
+
+@pytest.mark.slow
+def test_advise_ranks_and_prints_the_winner(tmp_path):
+    profiles = [_profile(i, s) for i, s in enumerate((1600.0, 800.0, 400.0))]
+    rows = advise.advise(
+        profiles,
+        schemes=["bsp", "asp"],
+        factors=(1.0,),
+        workdir=tmp_path / "runs",
+        setting="quick",
+        budget=2.0,
+    )
+    assert [r["scheme"] for r in rows] in (["bsp", "asp"], ["asp", "bsp"])
+    times = [r["time_to_target"] for r in rows]
+    # Ranked: a scheme that reached the target comes before one that did not,
+    # and sooner before later.
+    reached = [t for t in times if t is not None]
+    assert reached == sorted(reached) and times[: len(reached)] == reached
+    for r in rows:
+        assert r["bytes_moved"] > 0 and 0 <= r["idle_fraction"] <= 1
+    text = advise.format_advice(rows, profiles)
+    assert f"| 1 | {rows[0]['scheme']} |" in text
+    assert "hpsjax-launch --workers 3" in text
+    # A second call reuses the finished runs.
+    again = advise.advise(
+        profiles,
+        schemes=["bsp", "asp"],
+        factors=(1.0,),
+        workdir=tmp_path / "runs",
+        setting="quick",
+        budget=2.0,
+    )
+    assert [r["time_to_target"] for r in again] == times
+
+
+def test_advise_rejects_bad_arguments():
+    profiles = [_profile(0, 100.0)]
+    with pytest.raises(ValueError, match="unknown scheme"):
+        advise.advise(profiles, schemes=["bsp", "bogus"], setting="quick")
+    with pytest.raises(ValueError, match="factors"):
+        advise.advise(profiles, schemes=["bsp"], factors=(0.0,), setting="quick")
+    with pytest.raises(ValueError, match="no schemes"):
+        advise.advise(profiles, schemes=[], setting="quick")
+
+
+def _cli(*args):
+    return subprocess.run(
+        [sys.executable, "-m", "experiments.advise", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_cli_no_profiles_is_one_line(tmp_path):
+    result = _cli(f"--profiles={tmp_path}/none_*.json")
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        f"advise: error: no profile files match '{tmp_path}/none_*.json'"
+    ]
+
+
+@pytest.mark.slow
+def test_cli_bad_profile_and_scheme_are_one_line(tmp_path):
+    (tmp_path / "profile_0.json").write_text("{not json")
+    result = _cli(f"--profiles={tmp_path}/profile_*.json")
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "profile_0.json: not a JSON WorkerProfile" in lines[0]
+    _write(tmp_path, [_profile(0, 100.0)])
+    result = _cli(f"--profiles={tmp_path}/profile_*.json", "--schemes=bsp,bogus")
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "unknown scheme 'bogus'" in lines[0]
+
+
+# -- the frontier table's rules ---------------------------------------------
+
+
+def _stats(times, mb=10.0, per_push=100.0):
+    reached = [t for t in times if t is not None]
+    mean = sum(reached) / len(reached) if reached else None
+    std = (
+        (sum((t - mean) ** 2 for t in reached) / len(reached)) ** 0.5
+        if reached
+        else None
+    )
+    return {
+        "runs": len(times),
+        "reached": len(reached),
+        "mean": mean,
+        "std": std,
+        "mb": mb,
+        "bytes_per_push": per_push,
+    }
+
+
+def test_compare_times_against_the_spread():
+    assert (
+        frontier.compare_times(_stats([10, 11, 12]), _stats([20, 21, 22])) == "faster"
+    )
+    assert (
+        frontier.compare_times(_stats([20, 21, 22]), _stats([10, 11, 12])) == "slower"
+    )
+    assert frontier.compare_times(_stats([10, 14, 18]), _stats([12, 13, 14])) == "level"
+    assert (
+        frontier.compare_times(_stats([30, 31, None]), _stats([10, 11, 12])) == "slower"
+    )
+    assert frontier.compare_times(_stats([None, None]), _stats([None, None])) == "level"
+
+
+def test_verdict_rules():
+    by = {c.method: c for c in frontier.CLAIMS}
+    fast, slow = _stats([10, 10.5, 11]), _stats([20, 20.5, 21])
+    assert frontier.verdict(by["ringmaster"], fast, slow) == "reproduced"
+    assert frontier.verdict(by["ringmaster"], slow, fast) == "refuted"
+    # ASHL: faster but by less than 35% is not the claim.
+    assert (
+        frontier.verdict(by["ashl_reference"], _stats([15, 15.2]), _stats([20, 20.2]))
+        == "refuted"
+    )
+    assert (
+        frontier.verdict(by["ashl_reference"], _stats([10, 10.2]), _stats([20, 20.2]))
+        == "reproduced"
+    )
+    # MuLoCo: 8x fewer bytes at no loss of time.
+    assert (
+        frontier.verdict(
+            by["muloco"], _stats([20, 20.5], mb=1.0), _stats([20, 20.5], mb=9.0)
+        )
+        == "reproduced"
+    )
+    assert (
+        frontier.verdict(
+            by["muloco"], _stats([20, 20.5], mb=2.0), _stats([20, 20.5], mb=9.0)
+        )
+        == "refuted"
+    )
+    assert (
+        frontier.verdict(
+            by["muloco"], _stats([40, 40.5], mb=1.0), _stats([20, 20.5], mb=9.0)
+        )
+        == "refuted"
+    )
+
+
+def test_choose_prefers_reaching_the_target_soonest():
+    runs = {
+        0.1: {"time_to_target": None, "best_accuracy": 0.8, "diverged_at": None},
+        0.2: {"time_to_target": 12.0, "best_accuracy": 0.9, "diverged_at": None},
+        0.4: {"time_to_target": 9.0, "best_accuracy": 0.92, "diverged_at": 30.0},
+    }
+    assert frontier.choose(runs) == 0.2
+    del runs[0.2]
+    assert frontier.choose(runs) == 0.1
+
+
+@pytest.mark.slow
+def test_frontier_runs_and_judges_a_claim(tmp_path):
+    claim = next(c for c in frontier.CLAIMS if c.method == "ringmaster")
+    result = frontier.run_frontier(
+        tmp_path,
+        settings=("quick",),
+        seeds=(1,),
+        factors=(1.0,),
+        claims=[claim],
+        budget_seconds=2.0,
+        log=lambda _: None,
+    )
+    cell = result["claims"][0]["settings"]["quick"]
+    assert cell["verdict"] in ("reproduced", "refuted", "level")
+    assert result["tuning"]["quick"]["asp"]["chosen"] == pytest.approx(0.1)
+    text = frontier.format_frontier(result)
+    assert "| ringmaster vs asp | quick |" in text
+    with pytest.raises(ValueError, match="tuning seed"):
+        frontier.run_frontier(tmp_path, settings=("quick",), seeds=(0,))
+    with pytest.raises(ValueError, match="unknown setting"):
+        frontier.run_frontier(tmp_path, settings=("nowhere",))
