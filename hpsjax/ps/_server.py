@@ -501,7 +501,6 @@ class Server:
         self._saved_version: int | None = None
         self._checkpoint_task: asyncio.Task | None = None
         self._checkpoint_error: BaseException | None = None
-        self._checkpoint_executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._checkpoint_futures: list[concurrent.futures.Future] = []
         self._port: int | None = None
 
@@ -562,34 +561,18 @@ class Server:
         self._closed = self._loop.create_future()
         self._resumed_from = None
         if self._checkpoint_dir is not None:
-            # One thread, so checkpoints are written in version order.
-            self._checkpoint_executor = concurrent.futures.ThreadPoolExecutor(
-                max_workers=1, thread_name_prefix="hpsjax-server-checkpoint"
+            # The manager writes on its own thread; opening and reading block.
+            self._manager = await asyncio.to_thread(
+                CheckpointManager, self._checkpoint_dir, keep=self._checkpoint_keep
             )
-            try:
-                self._manager = await self._loop.run_in_executor(
-                    self._checkpoint_executor,
-                    lambda: CheckpointManager(
-                        self._checkpoint_dir, keep=self._checkpoint_keep
-                    ),
-                )
-                await self._resume()
-            except BaseException:
-                self._checkpoint_executor.shutdown(wait=False)
-                self._server = None
-                raise
-        try:
-            self._server = await self._loop.create_server(
-                self._new_protocol,
-                self._host,
-                self._requested_port,
-                ssl=self._ssl,
-                reuse_address=True,
-            )
-        except BaseException:
-            if self._checkpoint_executor is not None:
-                self._checkpoint_executor.shutdown(wait=False)
-            raise
+            await self._resume()
+        self._server = await self._loop.create_server(
+            self._new_protocol,
+            self._host,
+            self._requested_port,
+            ssl=self._ssl,
+            reuse_address=True,
+        )
         self._port = self._server.sockets[0].getsockname()[1]
         await self._decide_overlap()
         if self._checkpoint_every_s is not None:
@@ -795,10 +778,8 @@ class Server:
 
     async def _resume(self) -> None:
         like = (self._core.params, self._core.opt_state)
-        restored = await self._loop.run_in_executor(
-            self._checkpoint_executor,
-            self._call_on_device,
-            lambda: self._manager.restore_latest(like=like),
+        restored = await asyncio.to_thread(
+            self._call_on_device, lambda: self._manager.restore_latest(like=like)
         )
         if restored is None:
             return
@@ -872,10 +853,7 @@ class Server:
             with contextlib.suppress(Exception):  # recorded by _note_save
                 await asyncio.wrap_future(future)
         with contextlib.suppress(RuntimeError):  # a failed save, kept above
-            await self._loop.run_in_executor(
-                self._checkpoint_executor, self._manager.close
-            )
-        self._checkpoint_executor.shutdown(wait=True)
+            await asyncio.to_thread(self._manager.close)
 
     def _scalar_state(self) -> dict[str, int]:
         return {"version": self._core.version, "live_workers": len(self._core.live)}
