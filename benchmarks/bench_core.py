@@ -10,7 +10,7 @@ load the simulator puts on the core, and (3) the cost of ``check_result`` (a
 push refused if its apply would be non-finite) for policies that apply once per
 round of several pushes, as a ratio to the same core without it, alternated, and
 (4) with ``--leaf-apply`` only: the per-leaf step of a separable optimizer
-(:attr:`ServerCore.leaf_steps`, what an apply overlapped with receipt runs as
+(:attr:`OverlapAggregator.leaf_steps`, what an apply overlapped with receipt runs as
 each leaf arrives) against the whole-tree apply on a 64 MiB tree (16 leaves of
 1024x1024 float32): all leaves one by one, and one leaf (the apply left once
 the last leaf is in), medians of 5 alternated runs.
@@ -28,6 +28,7 @@ import numpy as np
 import optax
 
 from hpsjax.ps import ServerCore
+from hpsjax.ps._overlap import OverlapAggregator
 
 _POLICIES = {
     "asp": {},
@@ -86,10 +87,10 @@ def core_seconds(
 
 
 def _leaf_apply_row(name, optimizer, params, update, repeats: int, n: int) -> None:
-    core = ServerCore(params, optimizer, "asp")
-    steps = core.leaf_steps
-    whole = core._apply_fn
-    state = core.opt_state
+    aggregator = OverlapAggregator(params, optimizer)
+    steps = aggregator.leaf_steps
+    whole = aggregator._steps.apply
+    state = aggregator.opt_state
     tau = jnp.int32(0)
     leaves, ups = jax.tree.leaves(params), jax.tree.leaves(update)
     states = steps.split(state)

@@ -55,6 +55,13 @@ class _TimedCore(_simulate.ServerCore):
 
     seconds = 0.0
 
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        aggregator = self.aggregator
+        if hasattr(aggregator, "apply_deferred"):
+            deferred = aggregator.apply_deferred
+            aggregator.apply_deferred = lambda: self._timed(deferred)
+
     def _timed(self, method, *args, **kwargs):
         t0 = time.perf_counter()
         try:
@@ -62,7 +69,8 @@ class _TimedCore(_simulate.ServerCore):
         finally:
             # The arrays the call made, not the ``params`` property: reading
             # that would carry out deferred applies at every event.
-            jax.block_until_ready((self._params, self._opt_state))
+            aggregator = self.aggregator
+            jax.block_until_ready((aggregator._params, aggregator._opt_state))
             _TimedCore.seconds += time.perf_counter() - t0
 
     def join(self, *args, **kwargs):
@@ -79,9 +87,6 @@ class _TimedCore(_simulate.ServerCore):
 
     def leave(self, *args, **kwargs):
         return self._timed(super().leave, *args, **kwargs)
-
-    def apply_deferred(self, *args, **kwargs):
-        return self._timed(super().apply_deferred, *args, **kwargs)
 
 
 def _setup(name: str):

@@ -9,11 +9,11 @@ import numpy as np
 import optax
 import pytest
 
+from hpsjax.ps._aggregate import Aggregator
 from hpsjax.ps._core import (
     Applied,
     Drop,
     ForcePull,
-    LazyUpdate,
     PushAck,
     Release,
     SendParams,
@@ -30,6 +30,7 @@ from hpsjax.ps._errors import (
 )
 from hpsjax.ps._messages import PushMeta
 from hpsjax.ps._policies import ASP, BSP, SSP, Policy, SemiAsync, Verdict
+from hpsjax.sim._deferred import DeferredAggregator, LazyUpdate
 
 
 def params0():
@@ -671,7 +672,8 @@ def test_load_holds_start_again():
 
 def test_no_recompilation_across_events():
     core = make(ASP(aggregate=2))
-    fns = (core._checked_apply_fn, core._accumulate_fn, core._finite_fn)
+    steps = core.aggregator._steps
+    fns = (steps.checked_apply, steps.accumulate, steps.all_finite)
     # Cores of other shapes made earlier in this process share the caches of
     # the functions their steps are made of.
     before = [fn._cache_size() for fn in fns]
@@ -760,8 +762,8 @@ def test_deferred_applies_match_applying_at_once(policy, kwargs, optimizer):
     rng = np.random.default_rng(0)
     params = {"a": jnp.asarray(rng.normal(size=(5, 3)), jnp.float32)}
     cores = [
-        ServerCore(params, optimizer, policy, policy_kwargs=kwargs, defer_applies=d)
-        for d in (False, True)
+        ServerCore(params, optimizer, policy, policy_kwargs=kwargs, aggregator=agg)
+        for agg in (Aggregator, DeferredAggregator)
     ]
     for core in cores:
         for w in range(3):
@@ -782,8 +784,9 @@ def test_deferred_applies_match_applying_at_once(policy, kwargs, optimizer):
             np.testing.assert_allclose(
                 cores[1].params["a"], cores[0].params["a"], rtol=1e-6, atol=1e-7
             )
-    assert cores[1].deferred_applies > 0 or cores[1].version == cores[0].version
-    rows, history = cores[1].apply_deferred()
+    deferring = cores[1].aggregator
+    assert deferring.deferred_applies > 0 or cores[1].version == cores[0].version
+    rows, history = deferring.apply_deferred()
     for version, row in rows.items():
         assert 0 < version <= cores[1].version and 0 <= row < len(history[0])
     np.testing.assert_allclose(
@@ -830,9 +833,9 @@ def test_lazy_updates_of_one_version_are_asked_for_their_sum(push_weights):
     rows = [rng.normal(size=(4,)).astype(np.float32) for _ in range(3)]
     sizes = [8, 8, 16]
     cores = [
-        ServerCore({"a": jnp.zeros(4)}, optax.sgd(0.1), "bsp", defer_applies=d,
+        ServerCore({"a": jnp.zeros(4)}, optax.sgd(0.1), "bsp", aggregator=agg,
                    push_weights=push_weights)
-        for d in (False, True)
+        for agg in (Aggregator, DeferredAggregator)
     ]  # fmt: skip
     group = _Group(rows, sizes)
     for core in cores:
@@ -859,7 +862,7 @@ def test_deferred_applies_refuse_stale_copies():
         ServerCore(
             {"a": jnp.zeros(2)},
             optax.sgd(0.1),
-            defer_applies=True,
+            aggregator=DeferredAggregator,
             keep_stale_params=True,
         )
 
@@ -906,10 +909,10 @@ def test_num_samples_weights_stay_exact_for_small_counts():
     np.testing.assert_allclose(w_of(core), [-2.0] * 3, rtol=1e-6)
 
 
-@pytest.mark.parametrize("defer", [False, True])
-def test_deferred_weights_are_bounded_too(defer):
+@pytest.mark.parametrize("aggregator", [Aggregator, DeferredAggregator])
+def test_deferred_weights_are_bounded_too(aggregator):
     params = {"w": jnp.zeros(3, jnp.float16)}
-    core = ServerCore(params, optax.sgd(1.0), "asp", defer_applies=defer)
+    core = ServerCore(params, optax.sgd(1.0), "asp", aggregator=aggregator)
     core.join("a", 0.0)
     core.push(
         "a", {"w": jnp.ones(3, jnp.float16)}, version=0, now=1.0, num_samples=100_000
@@ -966,8 +969,11 @@ def test_a_checked_round_applies_once_and_matches_the_unchecked_one(policy):
         for check in (True, False)
     }
     trials = []
-    checked = cores[True]._checked_apply_fn
-    cores[True]._checked_apply_fn = lambda *a: trials.append(1) or checked(*a)
+    aggregator = cores[True].aggregator
+    checked = aggregator._steps.checked_apply
+    aggregator._steps = aggregator._steps._replace(
+        checked_apply=lambda *a: trials.append(1) or checked(*a)
+    )
     for core in cores.values():
         for w in range(3):
             core.join(w, 0.0)

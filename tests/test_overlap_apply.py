@@ -1,8 +1,9 @@
 """Applies overlapped with receipt: a push applied leaf by leaf as it arrives.
 
 The core decides when a push's apply may be started before the push is whole
-(``ServerCore.overlapped_apply``) and takes its result only where it is still
-that push's apply; the server feeds it each leaf as the leaf's bytes arrive.
+(``ServerCore.completing_push``), the server's aggregator starts it
+(``OverlapAggregator.start``) and takes its result only where it is still that
+push's apply; the server feeds it each leaf as the leaf's bytes arrive.
 Either way the parameters are those of the whole-tree apply.
 """
 
@@ -21,6 +22,7 @@ from hpsjax import ps
 from hpsjax.ps._core import ServerCore
 from hpsjax.ps._errors import NonFiniteUpdate
 from hpsjax.ps._messages import PushMeta
+from hpsjax.ps._overlap import OverlapAggregator
 
 
 def _params(seed: int = 0):
@@ -41,6 +43,22 @@ def _update(seed: int, scale: float = 0.1):
         ),
         _params(),
     )
+
+
+def _core(params, optimizer, policy, **kwargs):
+    return ServerCore(params, optimizer, policy, aggregator=OverlapAggregator, **kwargs)
+
+
+def _start(core, worker_id, version, num_samples=None):
+    return core.aggregator.start(core.completing_push(worker_id, version, num_samples))
+
+
+def _push(core, worker_id, update, meta, *, now, prepared=None):
+    core.aggregator.prepare(prepared)
+    try:
+        return core.push_message(worker_id, update, meta, now=now)
+    finally:
+        core.aggregator.prepare(None)
 
 
 def _fed(apply, update):
@@ -64,36 +82,36 @@ OPTIMIZERS = {
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
 def test_overlapped_applies_give_the_whole_tree_result(name):
     optimizer = OPTIMIZERS[name]()
-    whole = ServerCore(_params(), optimizer, "asp")
-    overlapped = ServerCore(_params(), optimizer, "asp")
+    whole = _core(_params(), optimizer, "asp")
+    overlapped = _core(_params(), optimizer, "asp")
     for core in (whole, overlapped):
         core.join("a", now=0.0)
     for step in range(3):
         meta = PushMeta(version=step)
         update = _update(step)
         whole.push_message("a", update, meta, now=1.0 + step)
-        apply = _fed(overlapped.overlapped_apply("a", step), update)
-        overlapped.push_message("a", update, meta, now=1.0 + step, prepared=apply)
-    assert overlapped.overlapped_applies == 3
-    assert whole.overlapped_applies == 0
+        apply = _fed(_start(overlapped, "a", step), update)
+        _push(overlapped, "a", update, meta, now=1.0 + step, prepared=apply)
+    assert overlapped.aggregator.overlapped_applies == 3
+    assert whole.aggregator.overlapped_applies == 0
     assert overlapped.version == whole.version == 3
     _assert_trees_close(overlapped.params, whole.params)
     _assert_trees_close(overlapped.opt_state, whole.opt_state)
 
 
 def test_an_apply_started_before_another_push_is_ignored():
-    core = ServerCore(_params(), optax.sgd(0.1, momentum=0.9), "asp")
-    reference = ServerCore(_params(), optax.sgd(0.1, momentum=0.9), "asp")
+    core = _core(_params(), optax.sgd(0.1, momentum=0.9), "asp")
+    reference = _core(_params(), optax.sgd(0.1, momentum=0.9), "asp")
     for c in (core, reference):
         c.join("a", now=0.0)
         c.join("b", now=0.0)
-    apply = _fed(core.overlapped_apply("a", 0), _update(1))
+    apply = _fed(_start(core, "a", 0), _update(1))
     # b's push is applied while a's is still arriving: a's prepared result,
     # made from version 0's parameters, no longer is a's apply.
     for c, prepared in ((core, apply), (reference, None)):
         c.push_message("b", _update(2), PushMeta(version=0), now=1.0)
-        c.push_message("a", _update(1), PushMeta(version=0), now=2.0, prepared=prepared)
-    assert core.overlapped_applies == 0
+        _push(c, "a", _update(1), PushMeta(version=0), now=2.0, prepared=prepared)
+    assert core.aggregator.overlapped_applies == 0
     assert core.version == 2
     _assert_trees_close(core.params, reference.params)
 
@@ -118,21 +136,21 @@ class _HalvingASP(ps.ASP):
 def test_a_weighted_push_is_applied_early_only_where_its_weight_is_known(
     policy, core_kwargs, overlapped
 ):
-    core = ServerCore(_params(), optax.sgd(0.1), policy(), **core_kwargs)
-    reference = ServerCore(_params(), optax.sgd(0.1), policy(), **core_kwargs)
+    core = _core(_params(), optax.sgd(0.1), policy(), **core_kwargs)
+    reference = _core(_params(), optax.sgd(0.1), policy(), **core_kwargs)
     for c in (core, reference):
         c.join("a", now=0.0)
-    apply = _fed(core.overlapped_apply("a", 0), _update(3))
-    core.push_message("a", _update(3), PushMeta(version=0), now=1.0, prepared=apply)
+    apply = _fed(_start(core, "a", 0), _update(3))
+    _push(core, "a", _update(3), PushMeta(version=0), now=1.0, prepared=apply)
     reference.push_message("a", _update(3), PushMeta(version=0), now=1.0)
-    assert core.overlapped_applies == overlapped
+    assert core.aggregator.overlapped_applies == overlapped
     _assert_trees_close(core.params, reference.params)
 
 
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
 def test_a_bsp_rounds_last_push_is_averaged_and_applied_as_it_arrives(name):
-    whole = ServerCore(_params(), OPTIMIZERS[name](), "bsp")
-    overlapped = ServerCore(_params(), OPTIMIZERS[name](), "bsp")
+    whole = _core(_params(), OPTIMIZERS[name](), "bsp")
+    overlapped = _core(_params(), OPTIMIZERS[name](), "bsp")
     for core in (whole, overlapped):
         for w in ("a", "b", "c"):
             core.join(w, now=0.0)
@@ -143,68 +161,67 @@ def test_a_bsp_rounds_last_push_is_averaged_and_applied_as_it_arrives(name):
             update = _update(10 * step + i)
             whole.push_message(w, update, meta, now=1.0 + step)
             last = i == len(pushes) - 1
-            apply = overlapped.overlapped_apply(w, step, samples)
+            apply = _start(overlapped, w, step, samples)
             # Only the push that completes the round is applied early.
             assert (apply is not None) == last
             if apply is not None:
                 _fed(apply, update)
-            overlapped.push_message(w, update, meta, now=1.0 + step, prepared=apply)
-    assert overlapped.overlapped_applies == 2
+            _push(overlapped, w, update, meta, now=1.0 + step, prepared=apply)
+    assert overlapped.aggregator.overlapped_applies == 2
     assert overlapped.version == whole.version == 2
     _assert_trees_close(overlapped.params, whole.params)
     _assert_trees_close(overlapped.opt_state, whole.opt_state)
 
 
 def test_a_last_push_with_other_samples_than_announced_is_applied_whole():
-    core = ServerCore(_params(), optax.sgd(0.1), "bsp")
-    reference = ServerCore(_params(), optax.sgd(0.1), "bsp")
+    core = _core(_params(), optax.sgd(0.1), "bsp")
+    reference = _core(_params(), optax.sgd(0.1), "bsp")
     for c in (core, reference):
         c.join("a", now=0.0)
         c.join("b", now=0.0)
         c.push_message("b", _update(0), PushMeta(version=0, num_samples=8), now=1.0)
     # Started for 8 samples; the push says 32: its weight in the mean differs.
-    apply = _fed(core.overlapped_apply("a", 0, 8), _update(1))
+    apply = _fed(_start(core, "a", 0, 8), _update(1))
     meta = PushMeta(version=0, num_samples=32)
-    core.push_message("a", _update(1), meta, now=2.0, prepared=apply)
+    _push(core, "a", _update(1), meta, now=2.0, prepared=apply)
     reference.push_message("a", _update(1), meta, now=2.0)
-    assert core.overlapped_applies == 0
+    assert core.aggregator.overlapped_applies == 0
     _assert_trees_close(core.params, reference.params)
 
 
 def test_a_non_finite_overlapped_apply_is_refused_and_changes_nothing():
     # sgd(1.0) takes -3e38 - 3e38 to -inf in float32.
-    core = ServerCore(
-        jax.tree.map(lambda p: p * 0 - 3e38, _params()), optax.sgd(1.0), "asp"
-    )
+    core = _core(jax.tree.map(lambda p: p * 0 - 3e38, _params()), optax.sgd(1.0), "asp")
     core.join("a", now=0.0)
     before = jax.tree.map(np.asarray, core.params)
     huge = jax.tree.map(lambda u: u * 0 + 3e38, _update(0))
-    apply = _fed(core.overlapped_apply("a", 0), huge)
+    apply = _fed(_start(core, "a", 0), huge)
     with pytest.raises(NonFiniteUpdate, match="non-finite"):
-        core.push_message("a", huge, PushMeta(version=0), now=1.0, prepared=apply)
-    assert core.version == 0 and core.overlapped_applies == 0
+        _push(core, "a", huge, PushMeta(version=0), now=1.0, prepared=apply)
+    assert core.version == 0 and core.aggregator.overlapped_applies == 0
     for x, y in zip(jax.tree.leaves(core.params), jax.tree.leaves(before), strict=True):
         np.testing.assert_array_equal(np.asarray(x), y)
 
 
 def test_no_overlapped_apply_where_the_push_is_not_applied_alone_at_once():
     clipped = optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(0.1))
-    core = ServerCore(_params(), clipped, "asp")
+    core = _core(_params(), clipped, "asp")
     core.join("a", now=0.0)
-    assert core.leaf_steps is None  # reads every leaf: not separable
-    assert core.overlapped_apply("a", 0) is None
-    bsp = ServerCore(_params(), optax.sgd(0.1), "bsp")
+    assert core.aggregator.leaf_steps is None  # reads every leaf: not separable
+    assert _start(core, "a", 0) is None
+    bsp = _core(_params(), optax.sgd(0.1), "bsp")
     bsp.join("a", now=0.0)
     bsp.join("b", now=0.0)
     # The first push of a BSP round is buffered, not applied: nothing early.
-    assert bsp.overlapped_apply("a", 0) is None
-    deferred = ServerCore(_params(), optax.sgd(0.1), "asp", defer_applies=True)
-    deferred.join("a", now=0.0)
-    assert deferred.overlapped_apply("a", 0) is None
+    assert _start(bsp, "a", 0) is None
+    # Unchecked applies are not worked out with the push: nothing early.
+    unchecked = _core(_params(), optax.sgd(0.1), "asp", check_result=False)
+    unchecked.join("a", now=0.0)
+    assert _start(unchecked, "a", 0) is None
     for bad in (-1, 1, "0", None):
-        assert core.overlapped_apply("a", bad) is None
-    plain = ServerCore(_params(), optax.sgd(0.1), "asp")
-    assert plain.overlapped_apply("nobody", 0) is None
+        assert _start(core, "a", bad) is None
+    plain = _core(_params(), optax.sgd(0.1), "asp")
+    assert _start(plain, "nobody", 0) is None
 
 
 def _client(server: ps.Server, worker_id: int) -> ps.Client:
@@ -226,7 +243,7 @@ async def _serve_and_push(overlap_apply_bytes, optimizer, updates):
                 ack = await client.push(update, version=version)
                 version = ack.version
             pulled, _ = await client.pull()
-        return pulled, server.core.overlapped_applies
+        return pulled, server.core.aggregator.overlapped_applies
 
 
 @pytest.mark.parametrize("name", ["adam", "momentum"])
@@ -274,7 +291,11 @@ def test_concurrent_pushes_give_the_sum_of_their_updates():
                         version = (await c.push(u, version=version)).version
 
             await asyncio.gather(*(worker(i) for i in range(3)))
-            return server.params, server.version, server.core.overlapped_applies
+            return (
+                server.params,
+                server.version,
+                server.core.aggregator.overlapped_applies,
+            )
 
     params, version, overlapped = asyncio.run(main())
     assert version == len(updates)
@@ -305,7 +326,11 @@ def test_a_bsp_server_applies_each_rounds_last_push_as_it_arrives():
                         _, version = await c.pull()
 
             await asyncio.gather(worker(0), worker(1))
-            return server.params, server.version, server.core.overlapped_applies
+            return (
+                server.params,
+                server.version,
+                server.core.aggregator.overlapped_applies,
+            )
 
     overlapped, version, count = asyncio.run(serve(0))
     whole, _, none = asyncio.run(serve(None))

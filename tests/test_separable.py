@@ -10,6 +10,7 @@ import optax
 import pytest
 
 from hpsjax.ps import ServerCore
+from hpsjax.ps._overlap import OverlapAggregator
 from hpsjax.ps._separable import LeafSteps
 from hpsjax.transforms import delay_compensation, scale_by_staleness
 
@@ -113,8 +114,8 @@ def test_per_leaf_apply_passes_stale_params():
 
 def test_core_leaf_steps_follow_its_push():
     params = {"a": jnp.zeros((3, 4)), "b": jnp.ones(5)}
-    core = ServerCore(params, optax.adam(1e-2), "asp")
-    steps = core.leaf_steps
+    core = ServerCore(params, optax.adam(1e-2), "asp", aggregator=OverlapAggregator)
+    steps = core.aggregator.leaf_steps
     assert steps is not None and steps.separable
     core.join("w", now=0.0)
     update = {"a": np.full((3, 4), 0.5, np.float32), "b": np.full(5, -1.0, np.float32)}
@@ -123,4 +124,4 @@ def test_core_leaf_steps_follow_its_push():
     want = (core.params, core.opt_state)
     _assert_close(want, steps.apply(p0, s0, update, jnp.int32(0)), 1e-6)
     clipped = optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(0.1))
-    assert ServerCore(params, clipped, "asp").leaf_steps is None
+    assert OverlapAggregator(params, clipped).leaf_steps is None

@@ -1,8 +1,10 @@
 r"""The parameter server's decisions as a sans-I/O state machine.
 
-:class:`ServerCore` holds the model (parameters, optimizer state, version) and the
-bookkeeping of every worker, and decides, event by event, what is applied, who
-waits, who is released and who is dropped. It does no I/O, starts no task and reads
+:class:`ServerCore` holds the version and the bookkeeping of every worker, and
+decides, event by event, what is applied, who waits, who is released and who is
+dropped; the arithmetic (parameters, optimizer state, the buffered mean, stale
+copies) is its aggregator's (:mod:`hpsjax.ps._aggregate`), and its policy sees a
+:class:`~hpsjax.ps._policies.PolicyView` of it. It does no I/O, starts no task and reads
 no clock: the driver (the asyncio server, or the virtual-clock simulator) passes the
 time ``now`` (float seconds, never decreasing) into every call, and carries out the
 list of *actions* each call returns, in order.
@@ -104,34 +106,22 @@ shape or dtype differs from the parameters) and ``NonFiniteUpdate``.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import heapq
 import math
-from collections.abc import Hashable, Mapping
-from typing import Any, NamedTuple
+from collections.abc import Callable, Hashable, Mapping
+from typing import Any
 
-import jax
-import jax.numpy as jnp
 import numpy as np
-import optax
 
+from hpsjax.ps._aggregate import Aggregator
 from hpsjax._ewma import ewma
 from hpsjax.ps._errors import (
     InvalidUpdate,
-    NonFiniteUpdate,
-    SpecMismatch,
     UnexpectedMessage,
     WorkerDropped,
 )
 from hpsjax.ps._messages import PushAck, PushMeta
-from hpsjax.ps._policies import ASP, BSP, Hybrid, Policy, Verdict, get_policy
-from hpsjax.ps._separable import (
-    LeafApply,
-    LeafSteps,
-    all_finite,
-    finite,
-    leaf_steps,
-)
+from hpsjax.ps._policies import PolicyView, Verdict, get_policy
 
 __all__ = [
     "Action",
@@ -388,142 +378,6 @@ def _check_worker_id(worker_id: Any) -> None:
         )
 
 
-def _dtype_compatible(update: np.dtype, param: np.dtype) -> bool:
-    """Whether an update leaf of dtype ``update`` may be cast to ``param``."""
-    if update == param:
-        return True
-    if jnp.issubdtype(param, jnp.floating):
-        return jnp.issubdtype(update, jnp.floating) or jnp.issubdtype(
-            update, jnp.integer
-        )
-    if jnp.issubdtype(param, jnp.complexfloating):
-        return jnp.issubdtype(update, jnp.number)
-    if jnp.issubdtype(param, jnp.integer):
-        return jnp.issubdtype(update, jnp.integer)
-    return False
-
-
-def _wide(dtype: Any) -> Any:
-    """The dtype weights are applied in: ``dtype``, at least float32."""
-    return jnp.result_type(dtype, jnp.float32)
-
-
-@functools.lru_cache(maxsize=32)
-def _make_steps(optimizer: optax.GradientTransformation):
-    """Jitted apply, accumulate and check steps for one optimizer.
-
-    Each is traced once per tree structure and dtypes, so no event recompiles;
-    cached per optimizer object, so that cores built again on the same optimizer
-    (every run of the simulator) reuse the compiled steps.
-    """
-    opt = optax.with_extra_args_support(optimizer)
-
-    def apply(params, opt_state, update, staleness, stale_params):
-        extra = {"staleness": staleness}
-        if stale_params is not None:
-            extra["stale_params"] = stale_params
-        deltas, opt_state = opt.update(update, opt_state, params, **extra)
-        return optax.apply_updates(params, deltas), opt_state
-
-    def checked_apply(params, opt_state, update, staleness, stale_params):
-        """``apply``, and per parameter leaf (then the optimizer state) whether
-        the result is finite."""
-        params, opt_state = apply(params, opt_state, update, staleness, stale_params)
-        flags = [finite(x) for x in jax.tree.leaves(params)]
-        flags.append(all_finite(jax.tree.leaves(opt_state)))
-        return params, opt_state, jnp.stack(flags)
-
-    def scale(update, weight):
-        # In float32 at least, so a weight never overflows a narrow dtype.
-        return jax.tree.map(
-            lambda u: (u.astype(_wide(u.dtype)) * weight).astype(u.dtype), update
-        )
-
-    def accumulate(total, update, keep, weight):
-        """The running weighted mean ``keep * total + weight * update``."""
-
-        def mix(t, u):
-            wide = _wide(t.dtype)
-            return (t.astype(wide) * keep + u.astype(wide) * weight).astype(t.dtype)
-
-        return jax.tree.map(mix, total, update)
-
-    def apply_chain(
-        params, opt_state, updates, keeps, weights, first, close, staleness
-    ):
-        """Deferred pushes, in order: buffer each; apply where a buffer closes.
-
-        Row ``j`` of ``updates`` is buffered with ``keeps[j]`` and
-        ``weights[j]`` (a new buffer where ``first[j]``), and where ``close[j]``
-        the buffer is applied with ``staleness[j]``: the operations of
-        ``scale``, ``accumulate`` and ``apply`` in the same order, selected
-        rather than branched. Returns the parameters after every row (a
-        version where ``close``).
-        """
-
-        def step(carry, row):
-            params, opt_state, total = carry
-            u, k, w, is_first, is_close, tau = row
-            # The barriers keep XLA from fusing across the boundaries of the
-            # separate steps, which would round differently.
-            u, k, w, tau = jax.lax.optimization_barrier((u, k, w, tau))
-            total = jax.tree.map(
-                lambda a, b: jnp.where(is_first, a, b),
-                scale(u, w),
-                accumulate(total, u, k, w),
-            )
-            total = jax.lax.optimization_barrier(total)
-            new_params, new_state = apply(params, opt_state, total, tau, None)
-            params, opt_state = jax.tree.map(
-                lambda n, o: jnp.where(is_close, n, o),
-                (new_params, new_state),
-                (params, opt_state),
-            )
-            return (params, opt_state, total), params
-
-        total = jax.tree.map(lambda p: jnp.zeros(p.shape, p.dtype), params)
-        (params, opt_state, _), history = jax.lax.scan(
-            step,
-            (params, opt_state, total),
-            (updates, keeps, weights, first, close, staleness),
-        )
-        return params, opt_state, history
-
-    def checked_scale(update, weight):
-        """``scale``, and whether the result is finite."""
-        total = scale(update, weight)
-        return total, all_finite(jax.tree.leaves(total))
-
-    def checked_accumulate(total, update, keep, weight):
-        """``accumulate``, and whether the result is finite."""
-        total = accumulate(total, update, keep, weight)
-        return total, all_finite(jax.tree.leaves(total))
-
-    return _Steps(
-        jax.jit(apply),
-        jax.jit(checked_apply),
-        jax.jit(scale),
-        jax.jit(accumulate),
-        jax.jit(all_finite),
-        jax.jit(apply_chain),
-        jax.jit(checked_scale),
-        jax.jit(checked_accumulate),
-    )
-
-
-class _Steps(NamedTuple):
-    """The compiled steps of one optimizer (see :func:`_make_steps`)."""
-
-    apply: Any
-    checked_apply: Any
-    scale: Any
-    accumulate: Any
-    all_finite: Any
-    apply_chain: Any
-    checked_scale: Any
-    checked_accumulate: Any
-
-
 class ServerCore:
     r"""The parameter server's state machine: model, versions, workers, policy.
 
@@ -565,22 +419,18 @@ class ServerCore:
         costs one optimizer step. A round whose finite buffer would apply to
         non-finite values thus refuses the push that completes it; a version
         made with no push to refuse (a deadline, a leave) whose result would
-        be non-finite keeps the parameters as they were. Not with
-        ``defer_applies`` (deferred applies are not checked).
-      defer_applies: keep the updates of new versions and carry them out, all
-        in one compiled call, when the parameters are next read
-        (:attr:`params`, :attr:`opt_state`, :meth:`apply_deferred`). Every
-        decision (versions, staleness, acks, waits) is the same; the values are
-        those of applying each version at once, the same operations in the
-        same order, up to the last bit of rounding where XLA compiles the
-        fused loop differently. A driver that reads the parameters less often
-        than it pushes saves a call per version, and may push a
-        :class:`LazyUpdate` (an update it has not evaluated yet). Not with
-        ``keep_stale_params``.
+        be non-finite keeps the parameters as they were.
       push_weights: a factor :math:`p_j` per worker id on every push of that
         worker (a work plan's ``push_weight``: ASHL's reference adds
         :math:`p_j` times each delta), multiplied into the policy's weight;
         workers not named get 1. ``None`` (the default) for none.
+      aggregator: what builds the arithmetic behind the decisions, called as
+        ``aggregator(params, optimizer, check_finite=..., check_result=...,
+        keep_stale_params=..., max_stale_copies=...)``: by default
+        :class:`~hpsjax.ps._aggregate.Aggregator`; the simulator's defers its
+        applies (``hpsjax.sim._deferred``), the asyncio server's applies a
+        push leaf by leaf as it arrives (``hpsjax.ps._overlap``). The core
+        reads no array: any object with the aggregator's methods will do.
 
     Aggregation. Updates accepted by the policy are buffered with a weight
     :math:`n_j d_j`, :math:`n_j` the ``num_samples`` of the push (1 when not
@@ -619,10 +469,6 @@ class ServerCore:
     without it, and it may join again. Deadlines thus follow the
     measured step times of the slowest live worker.
 
-    Attributes:
-      overlapped_applies: how many pushes were applied with the result of an
-        :meth:`overlapped_apply` (leaf by leaf as they arrived).
-
     Raises:
       ValueError: for bad arguments or an unknown policy name.
 
@@ -641,7 +487,7 @@ class ServerCore:
     def __init__(
         self,
         params: Any,
-        optimizer: optax.GradientTransformation,
+        optimizer: Any,
         policy: Any = "asp",
         *,
         policy_kwargs: Mapping[str, Any] | None = None,
@@ -657,11 +503,10 @@ class ServerCore:
         max_stale_copies: int | None = None,
         check_finite: bool = True,
         check_result: bool = True,
-        defer_applies: bool = False,
         push_weights: Mapping[Any, float] | None = None,
+        aggregator: Callable[..., Aggregator] = Aggregator,
     ):
         self._check_args(
-            optimizer,
             policy_kwargs=policy_kwargs,
             expected_workers=expected_workers,
             start_timeout=start_timeout,
@@ -670,17 +515,21 @@ class ServerCore:
             max_timeout=max_timeout,
             initial_timeout=initial_timeout,
             ewma_alpha=ewma_alpha,
-            max_stale_copies=max_stale_copies,
             push_weights=push_weights,
             straggler_factor=straggler_factor,
-            defer_applies=defer_applies,
-            keep_stale_params=keep_stale_params,
         )
         self._push_weights = None if push_weights is None else dict(push_weights)
         self._policy = get_policy(policy, **dict(policy_kwargs or {}))
-        self._init_model(params, optimizer)
+        self._agg = aggregator(
+            params,
+            optimizer,
+            check_finite=check_finite,
+            check_result=check_result,
+            keep_stale_params=keep_stale_params,
+            max_stale_copies=max_stale_copies,
+        )
+        self._view = PolicyView(self)
         self._version = 0
-        self._scalars: dict[tuple[float, type], jax.Array] = {}
         self._expected_workers = expected_workers
         self._start_timeout = float(start_timeout)
         self._deadline_factor = float(deadline_factor)
@@ -690,23 +539,10 @@ class ServerCore:
         self._alpha = float(ewma_alpha)
         self._straggler_factor = float(straggler_factor)
         self._keep_stale = bool(keep_stale_params)
-        self._max_stale_copies = max_stale_copies
-        self._check_finite = bool(check_finite)
-        self._check_result = bool(check_result) and not defer_applies
-        self._leaf_paths = tuple(
-            jax.tree_util.keystr(path)
-            for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]
-        )
-        self._defer = bool(defer_applies)
-        # Deferred applies (defer_applies): per version, the buffered
-        # (update, keep, weight) rows and the staleness it was made with;
-        # self._params is the version before the first of them.
-        self._deferred: list[tuple[list, int]] = []
         self._init_workers()
 
     @staticmethod
     def _check_args(
-        optimizer: Any,
         *,
         policy_kwargs: Any,
         expected_workers: Any,
@@ -716,18 +552,10 @@ class ServerCore:
         max_timeout: Any,
         initial_timeout: Any,
         ewma_alpha: Any,
-        max_stale_copies: Any,
         push_weights: Any,
         straggler_factor: Any,
-        defer_applies: bool,
-        keep_stale_params: bool,
     ) -> None:
         """Raises ``ValueError`` for a bad constructor argument."""
-        if not isinstance(optimizer, optax.GradientTransformation):
-            raise ValueError(
-                "optimizer must be an optax GradientTransformation, got "
-                f"{type(optimizer).__name__}."
-            )
         if policy_kwargs is not None and not isinstance(policy_kwargs, Mapping):
             raise ValueError("policy_kwargs must be a mapping or None.")
         if expected_workers is not None and (
@@ -757,13 +585,6 @@ class ServerCore:
             )
         if not _is_number(ewma_alpha) or not 0 < ewma_alpha <= 1:
             raise ValueError(f"ewma_alpha must lie in (0, 1], got {ewma_alpha!r}.")
-        if max_stale_copies is not None and (
-            not _is_int(max_stale_copies) or max_stale_copies < 1
-        ):
-            raise ValueError(
-                f"max_stale_copies must be an int >= 1 or None, got "
-                f"{max_stale_copies!r}."
-            )
         if push_weights is not None and (
             not isinstance(push_weights, Mapping)
             or not all(
@@ -775,44 +596,9 @@ class ServerCore:
                 f"push_weights must map worker ids to finite numbers >= 0, got "
                 f"{push_weights!r}."
             )
-        if defer_applies and keep_stale_params:
-            raise ValueError(
-                "defer_applies cannot be combined with keep_stale_params: stale "
-                "copies are the parameters of every version as it is made."
-            )
-
-    def _init_model(self, params: Any, optimizer: optax.GradientTransformation) -> None:
-        """The parameters (version 0), their spec, optimizer state and steps."""
-        leaves, treedef = jax.tree.flatten(params)
-        if not leaves:
-            raise ValueError("params must hold at least one array.")
-        leaves = [jnp.asarray(x) for x in leaves]
-        for i, leaf in enumerate(leaves):
-            if not jnp.issubdtype(leaf.dtype, jnp.number):
-                raise ValueError(
-                    f"params leaf {i} has dtype {leaf.dtype}; only numbers train."
-                )
-        self._treedef = treedef
-        self._shapes = tuple(x.shape for x in leaves)
-        self._dtypes = tuple(x.dtype for x in leaves)
-        self._params = jax.tree.unflatten(treedef, leaves)
-        self._opt_state = optimizer.init(self._params)
-        steps = _make_steps(optimizer)
-        self._apply_fn = steps.apply
-        self._checked_apply_fn = steps.checked_apply
-        self._scale_fn = steps.scale
-        self._accumulate_fn = steps.accumulate
-        self._finite_fn = steps.all_finite
-        self._chain_fn = steps.apply_chain
-        self._checked_scale_fn = steps.checked_scale
-        self._checked_accumulate_fn = steps.checked_accumulate
-        self._optimizer = optimizer
-        self._leaf_steps: LeafSteps | bool | None = False
-        # Pushes whose apply was taken from an overlapped_apply.
-        self.overlapped_applies = 0
 
     def _init_workers(self) -> None:
-        """No workers, no waits, no deadlines, no stale copies, an empty buffer."""
+        """No workers, no waits, no deadlines, no stale references, no buffer."""
         self._now = -math.inf
         self._epoch = 0
         self._workers: dict[WorkerId, _Worker] = {}
@@ -833,7 +619,7 @@ class ServerCore:
         self._heap_seq = 0
         self._started = self._expected_workers is None
         self._start_deadline: float | None = None
-        self._copies: dict[int, Any] = {}
+        # Live references to each version kept for stale_params.
         self._refcount: dict[int, int] = {}
         self._reset_buffer()
 
@@ -842,16 +628,18 @@ class ServerCore:
     @property
     def params(self) -> Any:
         """The current parameters (pytree of jax arrays) at :attr:`version`."""
-        if self._deferred:
-            self.apply_deferred()
-        return self._params
+        return self._agg.params
 
     @property
     def opt_state(self) -> Any:
         """The optimizer state."""
-        if self._deferred:
-            self.apply_deferred()
-        return self._opt_state
+        return self._agg.opt_state
+
+    @property
+    def aggregator(self) -> Aggregator:
+        """The arithmetic behind the decisions (parameters, optimizer state,
+        the buffered mean, stale copies)."""
+        return self._agg
 
     @property
     def version(self) -> int:
@@ -877,11 +665,6 @@ class ServerCore:
     def started(self) -> bool:
         """Whether the start (held for ``expected_workers``) is over."""
         return self._started
-
-    @property
-    def deferred_applies(self) -> int:
-        """Number of versions made but not yet carried out (``defer_applies``)."""
-        return len(self._deferred)
 
     @property
     def buffered(self) -> int:
@@ -921,89 +704,6 @@ class ServerCore:
         )
 
     @property
-    def stale_versions(self) -> tuple[int, ...]:
-        """Versions whose parameters are kept for ``stale_params``."""
-        return tuple(sorted(self._copies))
-
-    @property
-    def leaf_steps(self) -> LeafSteps | None:
-        """The optimizer's per-leaf step, or ``None`` where it is not separable.
-
-        Decided on first use by running the whole-tree and the per-leaf steps
-        on random inputs (see :mod:`hpsjax.ps._separable`); a tree of one leaf
-        has no per-leaf step. Applies still run on the whole tree: this is the
-        step an apply overlapped with receipt can run leaf by leaf.
-        """
-        if self._leaf_steps is False:
-            steps = leaf_steps(
-                self._optimizer, self._treedef, self._shapes, self._dtypes
-            )
-            self._leaf_steps = steps if steps.separable else None
-        return self._leaf_steps
-
-    @property
-    def can_overlap_apply(self) -> bool:
-        """Whether this core's setup lets :meth:`overlapped_apply` ever start
-        one: applies checked (``check_result``), not deferred, no stale copies
-        (``keep_stale_params``). Whether the optimizer is separable is
-        :attr:`leaf_steps`'s question."""
-        return self._check_result and not self._defer and not self._keep_stale
-
-    def overlapped_apply(
-        self, worker_id: WorkerId, version: Any, num_samples: Any = None
-    ) -> LeafApply | None:
-        """An apply of ``worker_id``'s coming push to feed leaf by leaf.
-
-        PHub's aggregation and optimizer step fused per chunk: where the push,
-        on ``version`` with ``num_samples``, completes the buffer so that the
-        policy applies at once (BSP's last push of a round, ASP's push;
-        readiness that depends only on the buffer and the live workers), with
-        ``check_result``, and the optimizer is leaf-separable
-        (:attr:`leaf_steps`), the driver feeds the returned
-        :class:`LeafApply` each leaf as it arrives and passes it to
-        :meth:`push_message`, which takes its buffered mean and apply instead
-        of working them out on the whole tree after the last byte. ``None``
-        where that does not hold or cannot be known yet. Changes nothing:
-        every decision is still :meth:`push_message`'s, and a result that no
-        longer matches (another push came first, the policy weighted this one
-        otherwise than by its samples) is ignored.
-        """
-        if (
-            not self.can_overlap_apply
-            or type(version) is not int
-            or not 0 <= version <= self._version
-            or worker_id not in self._live
-            or self._push_completes(worker_id) is not True
-        ):
-            return None
-        steps = self.leaf_steps
-        if steps is None:
-            return None
-        samples = num_samples if type(num_samples) is int and num_samples > 0 else 1
-        weight = 1.0
-        if self._push_weights is not None:
-            weight = float(self._push_weights.get(worker_id, 1.0))
-        keep, w = self._mean_weights(weight, samples)
-        tau = max(self._buffer_staleness, self._version - version)
-        return LeafApply(
-            steps,
-            self._params,
-            self._opt_state,
-            self._buffer,
-            keep,
-            w,
-            self._device_scalar(tau, np.int32),
-            tau,
-        )
-
-    def _mean_weights(self, weight: float, samples: int) -> tuple[Any, Any]:
-        """The buffer's and a push's weights in the buffered mean with it."""
-        total = self._buffer_samples + samples
-        # Each in [0, weight]: a count of samples never multiplies a value.
-        keep = np.float32(self._buffer_samples / total)
-        return keep, np.float32(weight * (samples / total))
-
-    @property
     def epoch(self) -> int:
         """Counts the events handled; policies may key caches on it."""
         return self._epoch
@@ -1023,14 +723,55 @@ class ServerCore:
             raise WorkerDropped(f"worker {worker_id!r} is not live ({how}); join again")
         return rec
 
-    def check_live(self, worker_id: WorkerId) -> None:
-        """Refuses a worker whose pulls and pushes the core would refuse.
+    def check_push(self, worker_id: WorkerId, version: int) -> None:
+        """Refuses a push the core would refuse before reading its update.
+
+        A driver may call it as soon as it has the push's metadata, to refuse
+        the push before it receives or decodes the payload; :meth:`push_message`
+        makes the same checks.
 
         Raises:
           UnexpectedMessage: for a worker that never joined.
           WorkerDropped: for a worker that left or was dropped (saying why).
+          InvalidUpdate: for a version past the server's.
         """
-        self._live_record(worker_id)
+        self._pusher(worker_id, version)
+
+    def _pusher(self, worker_id: WorkerId, version: int) -> _Worker:
+        rec = self._live_record(worker_id)
+        if not 0 <= version <= self._version:
+            raise InvalidUpdate(
+                f"push version must be an int in [0, {self._version}] (the server "
+                f"version), got {version!r}"
+            )
+        return rec
+
+    def completing_push(
+        self, worker_id: WorkerId, version: Any, num_samples: Any = None
+    ) -> tuple[float, int, int] | None:
+        """How a coming push would be aggregated, where it completes a version.
+
+        For a push of ``worker_id`` on ``version`` with ``num_samples`` that
+        the policy applies at once (:meth:`~hpsjax.ps.Policy.completes`: BSP's
+        last push of a round, ASP's push), ``(weight, samples, staleness)`` of
+        its apply: what an aggregator needs to start it before the push is
+        whole (``hpsjax.ps._overlap``). ``None`` where that does not hold or
+        cannot be known yet. Changes nothing: the weight is the one known
+        before the policy judges the push (its ``push_weights`` entry), and a
+        push the policy weighs otherwise is aggregated whole.
+        """
+        if (
+            type(version) is not int
+            or not 0 <= version <= self._version
+            or worker_id not in self._live
+            or self._policy.completes(self._view, worker_id) is not True
+        ):
+            return None
+        samples = num_samples if type(num_samples) is int and num_samples > 0 else 1
+        weight = 1.0
+        if self._push_weights is not None:
+            weight = float(self._push_weights.get(worker_id, 1.0))
+        return weight, samples, max(self._buffer_staleness, self._version - version)
 
     def clock(self, worker_id: WorkerId) -> int:
         """A worker's clock (iterations done); raises for an unknown worker."""
@@ -1075,15 +816,18 @@ class ServerCore:
         """Snapshots of every worker ever seen, by id."""
         return {w: self.worker(w) for w in self._workers}
 
+    @property
+    def stale_versions(self) -> tuple[int, ...]:
+        """Versions whose parameters are kept for ``stale_params``."""
+        return self._agg.stale_versions
+
     def stale_params(self, version: int) -> Any:
         """The parameters of ``version`` (kept copy, or the current ones).
 
         Raises:
           KeyError: if that version is not kept.
         """
-        if version == self._version:
-            return self.params
-        return self._copies[version]
+        return self._agg.params_at(version, self._version)
 
     # Events.
 
@@ -1257,7 +1001,9 @@ class ServerCore:
             k: v.item() if isinstance(v, np.generic) else v for k, v in fields.items()
         }
         meta = PushMeta.from_wire(fields, error=InvalidUpdate)
-        return self.push_message(worker_id, self.check_update(update), meta, now=now)
+        return self.push_message(
+            worker_id, self._agg.check_update(update), meta, now=now
+        )
 
     def push_message(
         self,
@@ -1266,35 +1012,27 @@ class ServerCore:
         meta: PushMeta,
         *,
         now: float,
-        prepared: LeafApply | None = None,
     ) -> list[Action]:
         """A push validated where it became an object; see :meth:`push`.
 
         Nothing the wire (or the driver) checked is checked again: ``meta`` comes
         from :meth:`PushMeta.from_wire` (or is built from known-good values), and
         ``update`` has the parameters' tree structure, shapes and dtypes and,
-        with ``check_finite``, only finite values (:meth:`check_update` checks a
-        tree that does not come from the wire). What depends on the server's
-        state is checked here: the worker, ``meta.version`` against the server
-        version and ``meta.stage`` against the policy's stages.
-
-        ``prepared`` is the apply of ``update`` started as it arrived
-        (:meth:`overlapped_apply`); it is used only where it is this push's
-        apply, and ignored otherwise.
+        with ``check_finite``, only finite values (the aggregator's
+        ``check_update`` checks a tree that does not come from the wire). What
+        depends on the server's state is checked here: the worker and
+        ``meta.version`` against the server version (:meth:`check_push`), and
+        ``meta.stage`` against the policy's stages.
 
         Returns:
           ``[PushAck, ForcePull?, Applied?, Release/SendParams...]``.
         """
         now = self._check_now(now)
-        rec = self._live_record(worker_id)
         version = meta.version
-        if not 0 <= version <= self._version:
-            raise InvalidUpdate(
-                f"push version must be an int in [0, {self._version}] (the server "
-                f"version), got {version!r}"
-            )
+        rec = self._pusher(worker_id, version)
         policy = self._policy
-        stage_before = policy.stage if isinstance(policy, Hybrid) else None
+        view = self._view
+        stage_before = policy.stage
         switch = meta.stage is not None and stage_before is not None
         switch = switch and meta.stage > stage_before
         if switch and meta.stage >= len(policy.stages):
@@ -1307,29 +1045,32 @@ class ServerCore:
             worker_id, version, staleness
         )
         pending = None
+        tau = max(self._buffer_staleness, staleness)
         if verdict_weight > 0:
-            pending = self._buffer_candidate(
+            pending = self._agg.candidate(
                 update,
                 verdict_weight,
                 meta.num_samples or 1,
-                staleness,
+                tau,
                 version,
                 stale,
-                completes=self._push_completes(worker_id),
-                prepared=prepared,
+                completes=policy.completes(view, worker_id),
             )
         self._begin(now)
         self._record_push(rec, meta, now)
 
         if pending is not None:
-            self._buffer_add(rec, pending)
+            self._agg.commit(pending)
+            self._buffer_contributors.append(worker_id)
+            self._buffer_contributor_view = None
+            self._buffer_staleness = tau
             status = "buffered"
         else:
             rec.dropped_updates += 1
             status = "dropped"
-        self._policy.on_push(self, worker_id, now)
+        policy.on_push(view, worker_id, now)
         tail: list[Action] = []
-        if self._buffer_contributors and self._policy.ready(self):
+        if self._buffer_contributors and policy.ready(view):
             self._apply(now, tail)
             if status == "buffered":
                 status = "applied"
@@ -1338,7 +1079,7 @@ class ServerCore:
             # The worker's staged optimizer moved on (ASHL: a flat loss): the
             # server follows, after the push was handled in the stage it was
             # computed in.
-            policy.set_stage(self, meta.stage)
+            policy.set_stage(view, meta.stage)
             self._admit_key = _UNKNOWN_KEY
             self._settle(now, tail)
         stage = policy.stage if stage_before is not None else None
@@ -1349,7 +1090,7 @@ class ServerCore:
                 staleness=staleness,
                 status=status,
                 weight=float(verdict_weight),
-                local_steps=self._policy.local_steps(self, worker_id),
+                local_steps=policy.local_steps(view, worker_id),
                 reason=reason if reason or not force_pull else "pull fresh parameters",
                 force_pull=force_pull,
                 stage=None if stage == stage_before else stage,
@@ -1371,13 +1112,12 @@ class ServerCore:
         """
         stale = None
         if self._keep_stale:
-            stale = self._params if version == self._version else None
-            stale = self._copies.get(version, stale)
+            stale = self._agg.copy_of(version, self._version)
         if self._keep_stale and stale is None:
             verdict_weight, force_pull = 0.0, True
             reason = f"no stale copy of version {version} is kept"
         else:
-            verdict = self._policy.judge(self, worker_id, staleness)
+            verdict = self._policy.judge(self._view, worker_id, staleness)
             if not isinstance(verdict, Verdict):
                 raise ValueError(
                     f"Policy {self._policy.name!r}.judge returned "
@@ -1515,7 +1255,7 @@ class ServerCore:
           ValueError: if the policy has no stages or the index is out of range.
         """
         now = self._check_now(now)
-        self._policy.set_stage(self, index)
+        self._policy.set_stage(self._view, index)
         self._begin(now)
         self._admit_key = _UNKNOWN_KEY
         actions: list[Action] = []
@@ -1581,7 +1321,7 @@ class ServerCore:
             # A worker counts as waiting while the policy judges its pull, so
             # "the workers not waiting" never includes the one asking.
             self._waiting[worker_id] = now
-        if self._started and self._policy.admit(self, worker_id):
+        if self._started and self._policy.admit(self._view, worker_id):
             del self._waiting[worker_id]
             if since is not None:
                 actions.append(Release(worker_id, self._version, now - since))
@@ -1590,7 +1330,7 @@ class ServerCore:
         if not self._started:
             self._admit_key = _UNKNOWN_KEY
         else:
-            key = self._policy.admit_key(self)
+            key = self._policy.admit_key(self._view)
             if key is None or (len(self._waiting) > 1 and key != self._admit_key):
                 self._admit_key = _UNKNOWN_KEY
             else:
@@ -1605,7 +1345,7 @@ class ServerCore:
                 f"start: {len(self._live)} of {self._expected_workers} expected "
                 "workers live"
             )
-        return self._policy.wait_reason(self, rec.worker_id)
+        return self._policy.wait_reason(self._view, rec.worker_id)
 
     def _send(self, rec: _Worker, now: float, actions: list[Action]) -> None:
         version = self._version
@@ -1614,17 +1354,13 @@ class ServerCore:
         if self._keep_stale and (not rec.refs or rec.refs[-1] != version):
             rec.refs.append(version)
             self._refcount[version] = self._refcount.get(version, 0) + 1
-            if version not in self._copies:
-                self._copies[version] = self._params
-                if (
-                    self._max_stale_copies is not None
-                    and len(self._copies) > self._max_stale_copies
-                ):
-                    del self._copies[min(self._copies)]
+            self._agg.keep_copy(version)
         self._progress(rec, now)
         actions.append(
             SendParams(
-                rec.worker_id, version, self._policy.local_steps(self, rec.worker_id)
+                rec.worker_id,
+                version,
+                self._policy.local_steps(self._view, rec.worker_id),
             )
         )
 
@@ -1634,7 +1370,7 @@ class ServerCore:
             self._refcount[version] = count
         else:
             self._refcount.pop(version, None)
-            self._copies.pop(version, None)
+            self._agg.drop_copy(version)
 
     def _remove(self, rec: _Worker, *, reason: str | None) -> None:
         rec.live = False
@@ -1655,195 +1391,34 @@ class ServerCore:
         if not self._waiting or not self._started:
             return
         policy = self._policy
-        key = policy.admit_key(self)
+        view = self._view
+        key = policy.admit_key(view)
         if key is not None and key == self._admit_key:
             return
         for worker_id, since in list(self._waiting.items()):
-            if policy.admit(self, worker_id):
+            if policy.admit(view, worker_id):
                 del self._waiting[worker_id]
                 actions.append(Release(worker_id, self._version, now - since))
                 self._send(self._workers[worker_id], now, actions)
         # Releases may have moved the key; then the refusals say nothing.
-        if key is not None and policy.admit_key(self) == key:
+        if key is not None and policy.admit_key(view) == key:
             self._admit_key = key
         else:
             self._admit_key = _UNKNOWN_KEY
 
     def _settle(self, now: float, actions: list[Action]) -> None:
-        if self._buffer_contributors and self._policy.ready(self):
+        if self._buffer_contributors and self._policy.ready(self._view):
             self._apply(now, actions)
         self._release(now, actions)
 
     def _reset_buffer(self) -> None:
-        self._buffer = None
-        # The buffer applied (checked), when check_result: what _apply commits.
-        self._buffer_result: tuple[Any, Any] | None = None
-        self._buffer_samples = 0
         self._buffer_contributors: list[WorkerId] = []
         self._buffer_contributor_view: frozenset | None = None
         self._buffer_staleness = 0
-        self._buffer_version: int | None = None
-        self._buffer_stale = None
-
-    def _push_completes(self, worker_id: WorkerId) -> bool | None:
-        """Whether a buffered push of ``worker_id`` makes the policy apply.
-
-        Known before the push is recorded only for policies whose readiness
-        depends on the buffer and the live workers alone (BSP's and ASP's
-        ``ready``, with no ``on_push`` of their own); ``None`` for any other.
-        """
-        policy = self._policy
-        cls = type(policy)
-        if cls.on_push is not Policy.on_push:
-            return None
-        if cls.ready is BSP.ready:
-            missing = self._live.difference(self.buffer_contributors)
-            return not missing or missing == {worker_id}
-        if cls.ready is ASP.ready:
-            need = min(policy.aggregate, max(1, len(self._live)))
-            return len(self._buffer_contributors) + 1 >= need
-        return None
-
-    def _buffer_candidate(
-        self,
-        update: Any,
-        weight: float,
-        samples: int,
-        staleness: int,
-        version: int,
-        stale: Any,
-        *,
-        completes: bool | None,
-        prepared: LeafApply | None = None,
-    ) -> _Pending:
-        """The buffer with one more update, and (``check_result``) its apply.
-
-        Changes nothing: the push commits it with :meth:`_buffer_add`. With
-        ``check_result``, a push that completes the buffer (``completes``;
-        ``None`` where not known) has the buffer applied on trial, a result
-        the apply commits; any other has only the buffer checked, one
-        elementwise pass rather than an optimizer step per push.
-
-        Raises:
-          NonFiniteUpdate: the buffer, or the apply of a completed buffer,
-            would be non-finite.
-        """
-        keep, w = self._mean_weights(weight, samples)
-        trial = self._check_result and completes is not False
-        checked = self._check_result and not trial
-        tau = max(self._buffer_staleness, staleness)
-        if (
-            trial
-            and prepared is not None
-            and stale is None
-            and prepared.matches(
-                self._params, self._opt_state, self._buffer, keep, w, tau
-            )
-        ):
-            # The mean and its apply, worked out leaf by leaf as they came.
-            buffer, params, opt_state, flags = prepared.result()
-            bad = self._non_finite(flags)
-            if bad is not None:
-                raise NonFiniteUpdate(
-                    f"update refused: applied, it would make {bad} non-finite "
-                    "(NaN or infinity); nothing changed"
-                )
-            self.overlapped_applies += 1
-            first_version = version
-            if self._buffer_version is not None:
-                first_version = min(version, self._buffer_version)
-            return _Pending(
-                buffer, samples, tau, first_version, None, (params, opt_state)
-            )
-        finite = True
-        if self._defer:
-            buffer = [*(self._buffer or []), (update, keep, w)]
-        elif self._buffer is None and w == 1:
-            buffer = update
-        elif self._buffer is None and checked:
-            buffer, finite = self._checked_scale_fn(update, w)
-        elif self._buffer is None:
-            buffer = self._scale_fn(update, w)
-        elif checked:
-            buffer, finite = self._checked_accumulate_fn(self._buffer, update, keep, w)
-        else:
-            buffer = self._accumulate_fn(self._buffer, update, keep, w)
-        if not finite:
-            raise NonFiniteUpdate(
-                "update refused: the buffered average with it would be non-finite "
-                "(NaN or infinity); nothing changed"
-            )
-        if self._buffer_version is None or version < self._buffer_version:
-            first_version, first_stale = version, stale
-        else:
-            first_version, first_stale = self._buffer_version, self._buffer_stale
-        result = None
-        if trial:
-            params, opt_state, bad = self._trial_apply(buffer, tau, first_stale)
-            if bad is not None:
-                raise NonFiniteUpdate(
-                    f"update refused: applied, it would make {bad} non-finite "
-                    "(NaN or infinity); nothing changed"
-                )
-            result = (params, opt_state)
-        return _Pending(buffer, samples, tau, first_version, first_stale, result)
-
-    def _trial_apply(
-        self, buffer: Any, staleness: int, stale: Any
-    ) -> tuple[Any, Any, str | None]:
-        """``buffer`` applied, and what it would make non-finite (or ``None``)."""
-        params, opt_state, flags = self._checked_apply_fn(
-            self._params,
-            self._opt_state,
-            buffer,
-            self._device_scalar(staleness, np.int32),
-            stale,
-        )
-        return params, opt_state, self._non_finite(flags)
-
-    def _non_finite(self, flags: Any) -> str | None:
-        """What a checked apply's flags say it made non-finite, or ``None``."""
-        flags = np.asarray(flags)
-        if flags.all():
-            return None
-        bad = int(np.argmin(flags))
-        if bad < len(self._leaf_paths):
-            return f"parameter {self._leaf_paths[bad] or 'leaf'}"
-        return "the optimizer state"
-
-    def _buffer_add(self, rec: _Worker, pending: _Pending) -> None:
-        self._buffer = pending.buffer
-        self._buffer_result = pending.result
-        self._buffer_samples += pending.samples
-        self._buffer_contributors.append(rec.worker_id)
-        self._buffer_contributor_view = None
-        self._buffer_staleness = pending.staleness
-        self._buffer_version = pending.version
-        self._buffer_stale = pending.stale
 
     def _apply(self, now: float, actions: list[Action]) -> None:
-        if self._defer:
-            self._deferred.append((self._buffer, self._buffer_staleness))
-        elif self._buffer_result is not None:
-            self._params, self._opt_state = self._buffer_result
-        elif self._check_result:
-            # Applied with no push to refuse (a deadline, a leave): a result
-            # that would be non-finite is discarded, the version made with the
-            # parameters and optimizer state as they were.
-            params, opt_state, bad = self._trial_apply(
-                self._buffer, self._buffer_staleness, self._buffer_stale
-            )
-            if bad is None:
-                self._params, self._opt_state = params, opt_state
-        else:
-            self._params, self._opt_state = self._apply_fn(
-                self._params,
-                self._opt_state,
-                self._buffer,
-                self._device_scalar(self._buffer_staleness, np.int32),
-                self._buffer_stale,
-            )
         self._version += 1
+        self._agg.apply(self._version, self._buffer_staleness)
         contributors = tuple(self._buffer_contributors)
         for worker_id in contributors:
             self._workers[worker_id].applied += 1
@@ -1856,142 +1431,7 @@ class ServerCore:
             )
         )
         self._reset_buffer()
-        self._policy.on_apply(self, now)
-
-    def apply_deferred(self) -> tuple[dict[int, int], list[jax.Array]]:
-        """Carries out the deferred applies (``defer_applies``) in one call.
-
-        Every update buffered for a deferred version goes through the same
-        weighting, averaging and optimizer step as without deferral, in push
-        order (see ``defer_applies``). Reading :attr:`params` or
-        :attr:`opt_state` does this too.
-
-        Returns:
-          ``(rows, history)``: ``history`` holds, per parameter leaf (in
-          ``jax.tree.leaves`` order), the parameters after every update stacked
-          on a leading axis, and ``rows`` maps each version made to its row, so
-          leaf ``i`` of version ``v`` is ``history[i][rows[v]]``. Both are
-          empty when nothing was deferred.
-        """
-        deferred = self._deferred
-        if not deferred:
-            return {}, []
-        self._deferred = []
-        updates, keeps, weights, first, close, staleness = [], [], [], [], [], []
-        rows = {}
-        version = self._version - len(deferred)
-        for items, tau in deferred:
-            items = _folded(items)
-            for j, (update, k, w) in enumerate(items):
-                updates.append(jax.tree.leaves(update))
-                keeps.append(k)
-                weights.append(w)
-                first.append(j == 0)
-                close.append(j == len(items) - 1)
-                staleness.append(tau)
-            version += 1
-            rows[version] = len(updates) - 1
-        n = len(updates)
-        # A power-of-two number of rows (at least 8), so few shapes compile;
-        # padding rows neither buffer nor apply anything.
-        padded = max(8, 1 << (n - 1).bit_length())
-        pad = padded - n
-        stacked = []
-        for i, column in enumerate(zip(*updates, strict=True)):
-            if all(isinstance(x, np.ndarray) for x in column):
-                column_rows = np.empty((padded, *self._shapes[i]), self._dtypes[i])
-                for j, x in enumerate(column):
-                    column_rows[j] = x
-                column_rows[n:] = 0
-            else:
-                zeros = [jnp.zeros(self._shapes[i], self._dtypes[i])] * pad
-                column_rows = jnp.stack([*column, *zeros])
-            stacked.append(column_rows)
-        flags = np.zeros((4, padded), np.bool_)
-        flags[0, :n] = first
-        flags[1, :n] = close
-        self._params, self._opt_state, history = self._chain_fn(
-            self._params,
-            self._opt_state,
-            jax.tree.unflatten(self._treedef, stacked),
-            np.asarray(keeps + [0.0] * pad, np.float32),
-            np.asarray(weights + [0.0] * pad, np.float32),
-            flags[0],
-            flags[1],
-            np.asarray(staleness + [0] * pad, np.int32),
-        )
-        return rows, jax.tree.leaves(history)
-
-    def _device_scalar(self, value: float, dtype: type) -> jax.Array:
-        """``value`` as a 0-d device array, made once per distinct value.
-
-        A host scalar given to a compiled step is copied to the device on every
-        call, which for a small model costs as much as the step itself; the
-        scale and staleness of an apply take few distinct values.
-        """
-        key = (value, dtype)
-        scalar = self._scalars.get(key)
-        if scalar is None:
-            if len(self._scalars) >= 256:
-                self._scalars.clear()
-            scalar = self._scalars[key] = jnp.asarray(dtype(value))
-        return scalar
-
-    def check_update(self, update: Any) -> Any:
-        """``update`` checked against the parameters, its leaves cast to their dtypes.
-
-        Raises:
-          SpecMismatch: tree structure, shape or dtype differs from the params.
-          NonFiniteUpdate: NaN or infinity in it (``check_finite``).
-        """
-        leaves, treedef = jax.tree.flatten(update)
-        if treedef != self._treedef:
-            raise SpecMismatch(
-                f"update tree structure {treedef} differs from the parameters' "
-                f"{self._treedef}"
-            )
-        cast = []
-        for i, (leaf, shape, dtype) in enumerate(
-            zip(leaves, self._shapes, self._dtypes, strict=True)
-        ):
-            leaf_shape = np.shape(leaf)
-            if leaf_shape != shape:
-                raise SpecMismatch(
-                    f"update leaf {i}: shape {leaf_shape} != parameter shape {shape}"
-                )
-            leaf_dtype = getattr(leaf, "dtype", None)
-            if leaf_dtype is None:
-                leaf = np.asarray(leaf)
-                leaf_dtype = leaf.dtype
-            if leaf_dtype != dtype:
-                if not _dtype_compatible(np.dtype(leaf_dtype), dtype):
-                    raise SpecMismatch(
-                        f"update leaf {i}: dtype {leaf_dtype} cannot update a "
-                        f"parameter of dtype {dtype}"
-                    )
-                leaf = leaf.astype(dtype)
-            cast.append(leaf)
-        if self._check_finite and not self._all_finite(cast):
-            raise NonFiniteUpdate("update holds NaN or infinite values")
-        return jax.tree.unflatten(self._treedef, cast)
-
-    def _all_finite(self, leaves: list[Any]) -> bool:
-        # Host arrays (what the wire decodes) are checked in place; a device
-        # round trip would cost more than the check. Device arrays are checked
-        # on their device in one jitted call.
-        on_device = []
-        for leaf in leaves:
-            if isinstance(leaf, jax.Array):
-                on_device.append(leaf)
-                continue
-            kind = leaf.dtype.kind
-            if kind in "iub":
-                continue
-            # Extension floats (bfloat16) are checked through float32.
-            host = leaf if kind in "fc" else np.asarray(leaf, np.float32)
-            if not np.isfinite(host).all():
-                return False
-        return not on_device or bool(self._finite_fn(on_device))
+        self._policy.on_apply(self._view, now)
 
     # Checkpoints.
 
@@ -2083,29 +1523,11 @@ class ServerCore:
                     f"Malformed worker entry for {worker_id!r}: {err}"
                 ) from None
             records[worker_id] = rec
-        new_params = None
-        if params is not None:
-            leaves, treedef = jax.tree.flatten(params)
-            if treedef != self._treedef or tuple(
-                (np.shape(x), np.dtype(getattr(x, "dtype", np.asarray(x).dtype)))
-                for x in leaves
-            ) != tuple(zip(self._shapes, self._dtypes, strict=True)):
-                raise ValueError(
-                    "params to restore differ in structure, shape or dtype from the "
-                    "core's parameters."
-                )
-            new_params = jax.tree.unflatten(treedef, [jnp.asarray(x) for x in leaves])
-        new_opt_state = None
-        if opt_state is not None:
-            if jax.tree.structure(opt_state) != jax.tree.structure(self._opt_state):
-                raise ValueError(
-                    "opt_state to restore differs in structure from the optimizer's."
-                )
-            new_opt_state = jax.tree.map(jnp.asarray, opt_state)
+        new_params, new_opt_state = self._agg.check_restore(params, opt_state)
         # The policy checks its state before changing anything, and nothing
         # after it can fail, so a bad state leaves the core as it was.
         self._policy.load_state_dict(state["policy_state"])
-        self.apply_deferred()
+        self._agg.restore(new_params, new_opt_state)
         self._epoch += 1
         self._version = int(state["version"])
         self._max_clock = int(state["max_clock"])
@@ -2118,73 +1540,8 @@ class ServerCore:
         self._heap = []
         self._started = self._expected_workers is None
         self._start_deadline = None
-        self._copies = {}
         self._refcount = {}
         self._reset_buffer()
-        if new_params is not None:
-            self._params = new_params
-        if new_opt_state is not None:
-            self._opt_state = new_opt_state
-
-
-class LazyUpdate:
-    """An update pushed to a core with ``defer_applies`` before it is evaluated.
-
-    A driver (the simulator) may push one in place of the update's tree: the
-    core only buffers it until its deferred applies are carried out. Then a
-    version made of pushes of one ``group`` (all of them lazy) asks
-    ``group.weighted_sum(rows, weights)`` for the buffered mean, the weights
-    being those the pushes would have in it one by one; where that gives
-    ``None``, and for any other lazy update, ``leaves()`` evaluates it.
-
-    Attributes:
-      group: what evaluates several of them at once.
-      row: this update's index in ``group``.
-    """
-
-    __slots__ = ()
-    group: Any
-    row: int
-
-    def leaves(self) -> tuple:
-        """The update's leaves, in ``jax.tree.leaves`` order of the parameters."""
-        raise NotImplementedError
-
-
-def _folded(items: list) -> list:
-    """A deferred version's ``(update, keep, weight)`` rows, lazy ones evaluated.
-
-    The buffered mean after the rows is :math:`\\sum_j c_j u_j` with
-    :math:`c_j = w_j \\prod_{k > j} keep_k`; a version of one group's lazy
-    updates is one row of that sum where the group gives it.
-    """
-    group = getattr(items[0][0], "group", None)
-    if isinstance(items[0][0], LazyUpdate) and all(
-        isinstance(u, LazyUpdate) and u.group is group for u, _, _ in items
-    ):
-        weights, carry = [], 1.0
-        for _, keep, weight in reversed(items):
-            weights.append(float(weight) * carry)
-            carry *= float(keep)
-        weights.reverse()
-        total = group.weighted_sum([u.row for u, _, _ in items], weights)
-        if total is not None:
-            return [(total, np.float32(0), np.float32(1))]
-    return [
-        (u.leaves() if isinstance(u, LazyUpdate) else u, keep, weight)
-        for u, keep, weight in items
-    ]
-
-
-class _Pending(NamedTuple):
-    """A push's contribution to the buffer, worked out before it is committed."""
-
-    buffer: Any  # the buffer with the push (a list of rows when deferred)
-    samples: int  # the push's num_samples
-    staleness: int  # the buffer's largest staleness with the push
-    version: int  # the oldest version the buffered updates were computed on
-    stale: Any  # that version's parameters (keep_stale_params), or None
-    result: tuple[Any, Any] | None  # (params, opt_state) the buffer applies to
 
 
 def _restore_field(name: str, value: Any) -> Any:

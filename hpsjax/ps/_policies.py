@@ -1,12 +1,14 @@
 r"""Synchronisation policies of the parameter server.
 
-A policy answers four questions for :class:`~hpsjax.ps.ServerCore`, which keeps
+A policy answers five questions for :class:`~hpsjax.ps.ServerCore`, which keeps
 all the bookkeeping and asks them at the right moments:
 
 * :meth:`Policy.admit`: may this worker's pull proceed now, or must it wait?
 * :meth:`Policy.judge`: how much of a push of staleness :math:`\tau` is used
   (a weight; 0 drops it), and must the worker pull fresh parameters?
 * :meth:`Policy.ready`: apply the buffered updates now (averaged)?
+* :meth:`Policy.completes`: would one more push of this worker make it ready
+  (asked before the push is recorded; ``None`` where it cannot tell)?
 * :meth:`Policy.local_steps`: how many local steps should a worker take before its
   next push (a hint sent with each answer)?
 
@@ -44,9 +46,10 @@ defaults are those of ASP (never wait, use every push fully, apply at once)::
 
     core = ServerCore(params, optax.sgd(0.1), EveryOther())
 
-Policies read the core through its public read-only API (``core.version``,
-``core.live``, ``core.clock(i)``, ``core.min_clock``, ``core.worker(i)``, ...) and
-never change it. A stateful policy object belongs to one core.
+Policies read the core through a :class:`PolicyView`, the few read-only
+members they need (``core.version``, ``core.live``, ``core.clock(i)``,
+``core.min_clock``, ``core.worker(i)``, ...), and never change it. A stateful
+policy object belongs to one core.
 
 A damped push (``on_stale="damp"``) beyond a staleness bound :math:`s` is scaled by
 
@@ -69,7 +72,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from hpsjax._checks import check_int, check_positive, is_int
 
 if TYPE_CHECKING:
-    from hpsjax.ps._core import ServerCore
+    from hpsjax.ps._core import ServerCore, WorkerInfo
 
 __all__ = [
     "ADSP",
@@ -82,6 +85,7 @@ __all__ = [
     "HybridStage",
     "PlannedHybrid",
     "Policy",
+    "PolicyView",
     "Ringmaster",
     "SaPS",
     "SemiAsync",
@@ -122,6 +126,68 @@ class Verdict(NamedTuple):
 _ACCEPT = Verdict()
 
 
+class PolicyView:
+    """What a policy reads of its :class:`~hpsjax.ps.ServerCore`, read only.
+
+    The core hands every policy hook one view of itself; the view's members
+    are the core's of the same names.
+
+    Args:
+      core: the server core.
+    """
+
+    __slots__ = ("_core",)
+
+    def __init__(self, core: ServerCore):
+        self._core = core
+
+    @property
+    def version(self) -> int:
+        """The server version :math:`V`."""
+        return self._core.version
+
+    @property
+    def epoch(self) -> int:
+        """Counts the core's events; a policy may key a cache on it."""
+        return self._core.epoch
+
+    @property
+    def live(self) -> frozenset:
+        """Ids of the live workers."""
+        return self._core.live
+
+    @property
+    def min_clock(self) -> int | None:
+        """The smallest clock among live workers, or ``None`` with none live."""
+        return self._core.min_clock
+
+    @property
+    def buffered(self) -> int:
+        """Number of updates buffered and not yet applied."""
+        return self._core.buffered
+
+    @property
+    def buffer_contributors(self) -> frozenset:
+        """Ids of the workers with an update in the buffer."""
+        return self._core.buffer_contributors
+
+    def clock(self, worker_id: Any) -> int:
+        """A worker's clock :math:`c_i` (pushes done)."""
+        return self._core.clock(worker_id)
+
+    def pulled_version(self, worker_id: Any) -> int:
+        """The version last sent to a worker."""
+        return self._core.pulled_version(worker_id)
+
+    def is_waiting(self, worker_id: Any) -> bool:
+        """Whether a worker's pull is blocked."""
+        return self._core.is_waiting(worker_id)
+
+    def worker(self, worker_id: Any) -> WorkerInfo:
+        """A snapshot of a worker's bookkeeping (its measured times, its loss)."""
+        return self._core.worker(worker_id)
+
+
 def _stale_verdict(
     staleness: int, bound: int | None, on_stale: str, *, force_pull: bool, who: str
 ) -> Verdict:
@@ -153,10 +219,14 @@ class Policy:
         worker computes on the newest version and pushes with staleness 0
         unless it pipelines its transfers; told to workers when they connect
         (the INFO map's ``synchronous``), whose overlap follows it by default.
+      stages: a staged policy's stages (:meth:`set_stage`), else empty.
+      stage: a staged policy's current stage index, else ``None``.
     """
 
     name: str = "custom"
     synchronous: bool = False
+    stages: tuple = ()
+    stage: int | None = None
 
     def admit(self, core: ServerCore, worker_id: Any) -> bool:
         """Whether ``worker_id``'s pull may proceed now.
@@ -220,6 +290,21 @@ class Policy:
     def ready(self, core: ServerCore) -> bool:
         """Whether the buffered updates (``core.buffered`` > 0) are applied now."""
         return core.buffered >= 1
+
+    def completes(self, core: ServerCore, worker_id: Any) -> bool | None:
+        """Whether a buffered push of ``worker_id`` would make :meth:`ready` true.
+
+        Asked before the push is judged and recorded (``core`` shows the state
+        before it), so only a policy whose readiness depends on the buffer and
+        the live workers alone can answer; ``None`` (the default) means it
+        cannot tell. The answer changes where the arithmetic happens, never a
+        decision: a push said to complete a version has its apply worked out
+        (and checked) with it, and may have it started before it is whole;
+        others have only the buffer checked. A subclass that changes
+        :meth:`ready` or :meth:`on_push` says so here too.
+        """
+        del core, worker_id
+        return None
 
     def local_steps(self, core: ServerCore, worker_id: Any) -> int | None:
         """Hint: local steps ``worker_id`` should take before its next push."""
@@ -309,6 +394,10 @@ class ASP(Policy):
     def ready(self, core):
         return core.buffered >= min(self.aggregate, max(1, len(core.live)))
 
+    def completes(self, core, worker_id):
+        del worker_id
+        return core.buffered + 1 >= min(self.aggregate, max(1, len(core.live)))
+
     def _config(self):
         return {
             "aggregate": self.aggregate,
@@ -347,6 +436,10 @@ class BSP(Policy):
 
     def ready(self, core):
         return core.buffered > 0 and core.live <= core.buffer_contributors
+
+    def completes(self, core, worker_id):
+        missing = core.live.difference(core.buffer_contributors)
+        return not missing or missing == {worker_id}
 
 
 class SSP(Policy):

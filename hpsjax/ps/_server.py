@@ -70,7 +70,6 @@ from hpsjax.ps._decoders import DecoderCache
 from hpsjax.ps._errors import (
     AuthError,
     HpsError,
-    InvalidUpdate,
     MalformedMetadata,
     NonFiniteUpdate,
     ProtocolError,
@@ -88,6 +87,7 @@ from hpsjax.ps._messages import (
     StageNotice,
     notice_to_wire,
 )
+from hpsjax.ps._overlap import OverlapAggregator
 from hpsjax.ps._policies import DEFAULT_POLICY
 from hpsjax.ps._separable import LeafApply
 
@@ -422,6 +422,7 @@ class Server:
                 # Checked here on the received arrays instead (numpy, one pass,
                 # naming the leaf), before the core ever sees the update.
                 check_finite=False,
+                aggregator=OverlapAggregator,
                 **({"check_result": bool(check_finite)} | dict(core_kwargs or {})),
             )
         self._host = host
@@ -602,13 +603,13 @@ class Server:
         (the separability test compiles, so off the event loop)."""
         if self._model.nbytes < self._overlap_min_bytes:
             return
-        core = self._core
-        if not core.can_overlap_apply:
+        aggregator = self._core.aggregator
+        if not aggregator.can_overlap:
             self._overlap_min_bytes = math.inf
             logger.info("applies: whole-tree (this core setup applies no push alone)")
             return
         steps = await self._loop.run_in_executor(
-            _COMPILER, self._call_on_device, lambda: core.leaf_steps
+            _COMPILER, self._call_on_device, lambda: aggregator.leaf_steps
         )
         if steps is None:
             self._overlap_min_bytes = math.inf
@@ -945,8 +946,10 @@ class Server:
             # other's parameters, and all but the first be done again.
             and (owner is None or owner.overlap is None or owner.closed)
         ):
-            session.overlap = self._core.overlapped_apply(
-                session.worker_id, meta.get("version"), meta.get("num_samples")
+            session.overlap = self._core.aggregator.start(
+                self._core.completing_push(
+                    session.worker_id, meta.get("version"), meta.get("num_samples")
+                )
             )
             self._overlap_owner = session
         return buffers, _treecodec.WireTree(layout, arrays)
@@ -1152,9 +1155,15 @@ class Server:
         # (a compressed one decodes to the model's shapes and dtypes), and the
         # values as they arrived: the core need not check them again.
         started = self._loop.time() if self._metrics is not None else 0.0
-        actions = self._core.push_message(
-            session.worker_id, update, meta, now=self._now(), prepared=prepared
-        )
+        aggregator = self._core.aggregator
+        # The apply started as the push arrived serves this push only.
+        aggregator.prepare(prepared)
+        try:
+            actions = self._core.push_message(
+                session.worker_id, update, meta, now=self._now()
+            )
+        finally:
+            aggregator.prepare(None)
         self._pushes += 1
         if self._metrics is not None and any(isinstance(a, Applied) for a in actions):
             self._metrics.apply(self._loop.time() - started)
@@ -1199,12 +1208,7 @@ class Server:
         # A connection that joined stays joined when the policy drops its
         # worker: the core says why it is not live (42), and its next pull
         # joins it again.
-        self._core.check_live(session.worker_id)
-        if version > self._core.version:
-            raise InvalidUpdate(
-                f"push version must be an int in [0, {self._core.version}] (the "
-                f"server version), got {version}"
-            )
+        self._core.check_push(session.worker_id, version)
 
     def _compile_decoder(self, codec) -> None:
         """Compiles ``codec``'s decoder off the loop, once; keeps it when done.

@@ -51,8 +51,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from hpsjax.ps._core import LazyUpdate
 from hpsjax.ps._separable import all_finite
+from hpsjax.sim._deferred import LazyUpdate
 
 __all__: list[str] = []
 

@@ -75,6 +75,7 @@ from hpsjax.ps._core import (
 from hpsjax.ps._errors import HpsError, NonFiniteUpdate, WorkerDropped
 from hpsjax.ps._messages import PushMeta
 from hpsjax.ps._policies import ADSP, BSP, Hybrid, Policy, get_policy
+from hpsjax.sim._deferred import DeferredAggregator
 from hpsjax.sim._engine import DeferredLeaves, Engine, IndexStream, Round, SummedRow
 from hpsjax.sim._workers import WorkerSpec, finish_time
 from hpsjax.transforms._staleness import STALENESS_POLICIES
@@ -772,11 +773,11 @@ class _Simulation:
         # Workers compute on a version only when the engine evaluates their
         # rounds, so with batched rounds the server core may defer its applies
         # until then and carry many out in one call: the same decisions and,
-        # up to rounding, the same parameters (see ServerCore's
-        # defer_applies). Each deferral keeps the parameters of every version
-        # it makes, so it is bounded in bytes. Rounds evaluated summed (one
-        # call for a version's workers, however costly a gradient) push lazy
-        # updates, which only a deferring core takes.
+        # up to rounding, the same parameters (see DeferredAggregator). Each
+        # deferral keeps the parameters of every version it makes, so it is
+        # bounded in bytes. Rounds evaluated summed (one call for a version's
+        # workers, however costly a gradient) push lazy updates, which only a
+        # deferring core takes.
         param_bytes = sum(np.asarray(x).nbytes for x in jax.tree.leaves(params))
         self.max_deferred = min(256, (64 << 20) // max(1, param_bytes))
         # Updates the engine checked itself need no second check by the core.
@@ -797,9 +798,14 @@ class _Simulation:
             and self.max_deferred > 1
             and not core_kwargs.get("keep_stale_params", False)
         ):
-            core_kwargs.setdefault("defer_applies", True)
-        engine.sums = engine.sums and core_kwargs.get("defer_applies", False)
+            core_kwargs.setdefault("aggregator", DeferredAggregator)
         self.core = ServerCore(params, server_optimizer, policy, **core_kwargs)
+        aggregator = self.core.aggregator
+        # The deferring aggregator, or None where applies are carried out at once.
+        self.deferring = (
+            aggregator if isinstance(aggregator, DeferredAggregator) else None
+        )
+        engine.sums = engine.sums and self.deferring is not None
         self.policy = self.core.policy
         self.deferred: dict[int, DeferredLeaves] = {}
         engine.resolve = self._resolve
@@ -1139,7 +1145,7 @@ class _Simulation:
             else:
                 update = self.engine.tree(job.update)
                 if not (self.prechecked and r.finite):
-                    update = core.check_update(update)
+                    update = core.aggregator.check_update(update)
             meta = PushMeta(
                 version,
                 push.step_time,
@@ -1173,7 +1179,7 @@ class _Simulation:
             )
             self._refused(w, "push", err)
             return
-        if core.deferred_applies >= self.max_deferred:
+        if self.deferring and self.deferring.deferred_applies >= self.max_deferred:
             self._resolve()
         ack = actions[0]
         self.pushes.append(
@@ -1250,7 +1256,7 @@ class _Simulation:
             if kind is SendParams:
                 w = self.by_id[action.worker_id]
                 if self.leaves_version != action.version:
-                    if core.deferred_applies:
+                    if self.deferring and self.deferring.deferred_applies:
                         self.version_leaves = self.deferred[action.version] = (
                             DeferredLeaves(action.version)
                         )
@@ -1364,9 +1370,9 @@ class _Simulation:
 
     def _resolve(self) -> None:
         """Carries out the core's deferred applies; fills in deferred leaves."""
-        if not self.core.deferred_applies:
+        if not (self.deferring and self.deferring.deferred_applies):
             return
-        rows, history = self.core.apply_deferred()
+        rows, history = self.deferring.apply_deferred()
         if not self.engine.sequential:
             history = [np.asarray(x) for x in history]
         for version, deferred in self.deferred.items():

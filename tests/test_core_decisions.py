@@ -1,0 +1,293 @@
+"""The server core's decisions driven through an aggregator of plain NumPy.
+
+``ServerCore`` decides (versions, clocks, waits, deadlines, refusals) and leaves
+every array to its aggregator. Here a NumPy stand-in with the aggregator's
+interface does the arithmetic (SGD on float64 arrays): the core's actions are
+those it takes with the real, compiled aggregator, and its refusals change
+nothing.
+"""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+import numpy as np
+import pytest
+
+from hpsjax.ps._core import (
+    Applied,
+    Drop,
+    PushAck,
+    Release,
+    SendParams,
+    ServerCore,
+    Wait,
+)
+from hpsjax.ps._errors import (
+    InvalidUpdate,
+    NonFiniteUpdate,
+    SpecMismatch,
+    UnexpectedMessage,
+    WorkerDropped,
+)
+from hpsjax.ps._messages import PushMeta
+from hpsjax.ps._policies import BSP, Policy, PolicyView
+
+CORE = pathlib.Path(__file__).resolve().parents[1] / "hpsjax" / "ps" / "_core.py"
+
+
+class NumpyAggregator:
+    """SGD with learning rate ``optimizer`` (a float) on dicts of NumPy arrays."""
+
+    def __init__(self, params, optimizer, *, check_finite, check_result,
+                 keep_stale_params, max_stale_copies):  # fmt: skip
+        del check_result, max_stale_copies
+        self.lr = float(optimizer)
+        self._params = {k: np.asarray(v, np.float64) for k, v in params.items()}
+        self.check_finite = check_finite
+        self.keep_stale_params = keep_stale_params
+        self.copies: dict[int, dict] = {}
+        self.completes: list = []
+        self.reset()
+
+    @property
+    def params(self):
+        return self._params
+
+    @property
+    def opt_state(self):
+        return ()
+
+    def reset(self):
+        self.buffer, self.samples = None, 0
+
+    def check_update(self, update):
+        if set(update) != set(self._params):
+            raise SpecMismatch(f"keys {sorted(update)} differ from the parameters'")
+        update = {k: np.asarray(v, np.float64) for k, v in update.items()}
+        if self.check_finite and not all(np.isfinite(v).all() for v in update.values()):
+            raise NonFiniteUpdate("update holds NaN or infinite values")
+        return update
+
+    def copy_of(self, version, current):
+        return self._params if version == current else self.copies.get(version)
+
+    def keep_copy(self, version):
+        self.copies.setdefault(version, self._params)
+
+    def drop_copy(self, version):
+        self.copies.pop(version, None)
+
+    @property
+    def stale_versions(self):
+        return tuple(sorted(self.copies))
+
+    def params_at(self, version, current):
+        return self._params if version == current else self.copies[version]
+
+    def candidate(self, update, weight, samples, staleness, version, stale, *,
+                  completes):  # fmt: skip
+        del staleness, version, stale
+        self.completes.append(completes)
+        total = self.samples + samples
+        keep, w = self.samples / total, weight * samples / total
+        buffer = {
+            k: w * u if self.buffer is None else keep * self.buffer[k] + w * u
+            for k, u in update.items()
+        }
+        if not all(np.isfinite(v).all() for v in buffer.values()):
+            raise NonFiniteUpdate("the buffered average would be non-finite")
+        return buffer, samples
+
+    def commit(self, pending):
+        self.buffer, samples = pending
+        self.samples += samples
+
+    def apply(self, version, staleness):
+        del version, staleness
+        self._params = {
+            k: p - self.lr * self.buffer[k] for k, p in self._params.items()
+        }
+        self.reset()
+
+    def check_restore(self, params, opt_state):
+        del opt_state
+        return params, None
+
+    def restore(self, params, opt_state):
+        del opt_state
+        self.copies = {}
+        self.reset()
+        if params is not None:
+            self._params = params
+
+
+def numpy_core(policy="bsp", **kwargs):
+    return ServerCore(
+        {"w": np.zeros(3)}, 0.5, policy, aggregator=NumpyAggregator, **kwargs
+    )
+
+
+def upd(x):
+    return {"w": np.full(3, x)}
+
+
+def test_the_core_module_computes_nothing_itself():
+    imported = set()
+    for node in ast.walk(ast.parse(CORE.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            imported.update(alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            imported.add(node.module.split(".")[0])
+    assert not imported & {"jax", "optax", "flax"}
+
+
+def test_a_bsp_round_waits_releases_and_averages_by_samples():
+    core = numpy_core("bsp")
+    for w in ("a", "b", "c"):
+        assert core.join(w, 0.0) == [SendParams(w, 0, None)]
+    acts = core.push("a", upd(1.0), version=0, now=1.0, num_samples=1)
+    assert acts == [PushAck("a", 0, 0, "buffered", 1.0)]
+    assert core.pull("a", 1.0) == [
+        Wait("a", until=120.0, reason="bsp: round 1 not complete")
+    ]
+    core.push("b", upd(2.0), version=0, now=2.0, num_samples=1)
+    acts = core.push("c", upd(4.0), version=0, now=3.0, num_samples=2)
+    assert acts[0] == PushAck("c", 1, 0, "applied", 1.0)
+    assert acts[1] == Applied(1, ("a", "b", "c"), 0, 3)
+    assert acts[2:] == [Release("a", 1, 2.0), SendParams("a", 1, None)]
+    # (1 + 2 + 2 * 4) / 4 samples, times the learning rate 0.5.
+    np.testing.assert_allclose(core.params["w"], [-11 / 8] * 3)
+    # Only the round's last push completes it, as BSP says before each push.
+    assert core.aggregator.completes == [False, False, True]
+
+
+@pytest.mark.parametrize(
+    ("policy", "kwargs"),
+    [("bsp", {}), ("ssp", {"staleness_bound": 1}), ("asp", {"aggregate": 2})],
+)
+def test_the_numpy_aggregator_gets_the_decisions_of_the_compiled_one(policy, kwargs):
+    import optax  # the compiled aggregator's optimizer, for comparison only
+
+    cores = [
+        numpy_core(policy, policy_kwargs=kwargs),
+        ServerCore({"w": np.zeros(3)}, optax.sgd(0.5), policy, policy_kwargs=kwargs),
+    ]
+    rng = np.random.default_rng(0)
+    script = [(int(rng.integers(3)), float(rng.normal())) for _ in range(30)]
+    answers = [[], []]
+    for core, log in zip(cores, answers, strict=True):
+        for w in range(3):
+            log.append(core.join(w, 0.0))
+        for step, (w, x) in enumerate(script):
+            now = 1.0 + step
+            log.append(core.tick(now))
+            if w not in core.live:
+                log.append(core.join(w, now))
+                continue
+            if core.is_waiting(w):
+                continue
+            version = core.pulled_version(w)
+            log.append(core.push(w, upd(x), version=version, now=now))
+            log.append(core.pull(w, now))
+    assert answers[0] == answers[1]
+    assert cores[0].version == cores[1].version > 0
+    np.testing.assert_allclose(cores[0].params["w"], cores[1].params["w"], rtol=1e-5)
+
+
+def test_a_worker_past_its_deadline_is_dropped_and_the_round_goes_on():
+    core = numpy_core("bsp", initial_timeout=10.0)
+    core.join("a", 0.0)
+    core.join("b", 0.0)
+    core.push("a", upd(1.0), version=0, now=1.0)
+    assert isinstance(core.pull("a", 1.0)[0], Wait)
+    assert core.next_deadline() == 10.0
+    assert core.tick(5.0) == []
+    acts = core.tick(10.0)
+    assert isinstance(acts[0], Drop) and acts[0].worker_id == "b"
+    assert isinstance(acts[1], Applied) and acts[1].contributors == ("a",)
+    assert core.live == {"a"} and core.version == 1
+    with pytest.raises(WorkerDropped, match="join again"):
+        core.push("b", upd(1.0), version=0, now=11.0)
+
+
+def snapshot(core):
+    return (
+        core.version,
+        core.buffered,
+        core.workers(),
+        {k: v.copy() for k, v in core.params.items()},
+    )
+
+
+@pytest.mark.parametrize(
+    ("worker", "version", "update", "error"),
+    [
+        ("nobody", 0, upd(1.0), UnexpectedMessage),
+        ("a", 3, upd(1.0), InvalidUpdate),
+        ("a", 0, {"v": np.zeros(3)}, SpecMismatch),
+        ("a", 0, upd(np.inf), NonFiniteUpdate),
+    ],
+)
+def test_a_refused_push_changes_nothing(worker, version, update, error):
+    core = numpy_core("asp", policy_kwargs={"aggregate": 2})
+    core.join("a", 0.0)
+    core.join("b", 0.0)
+    core.push("b", upd(1.0), version=0, now=0.5)
+    before = snapshot(core)
+    with pytest.raises(error):
+        core.push(worker, update, version=version, now=1.0)
+    after = snapshot(core)
+    assert after[:3] == before[:3]
+    np.testing.assert_array_equal(after[3]["w"], before[3]["w"])
+
+
+def test_check_push_refuses_what_push_refuses_before_the_update_is_read():
+    core = numpy_core("asp")
+    core.join("a", 0.0)
+    core.check_push("a", 0)
+    with pytest.raises(InvalidUpdate, match=r"\[0, 0\]"):
+        core.check_push("a", 1)
+    with pytest.raises(UnexpectedMessage):
+        core.check_push("b", 0)
+    core.leave("a", 1.0)
+    with pytest.raises(WorkerDropped):
+        core.check_push("a", 0)
+    with pytest.raises(WorkerDropped):
+        core.push_message("a", upd(1.0), PushMeta(version=0), now=2.0)
+
+
+def test_policies_see_a_view_of_the_core_not_the_core():
+    seen = set()
+
+    class Recording(Policy):
+        def admit(self, core, worker_id):
+            seen.add(type(core))
+            return True
+
+        def judge(self, core, worker_id, staleness):
+            seen.add(type(core))
+            return super().judge(core, worker_id, staleness)
+
+        def ready(self, core):
+            seen.add(type(core))
+            return core.buffered >= 1
+
+    core = numpy_core(Recording())
+    core.join("a", 0.0)
+    core.push("a", upd(1.0), version=0, now=1.0)
+    assert seen == {PolicyView}
+    assert not hasattr(PolicyView(core), "params")
+
+
+def test_bsp_says_which_push_completes_a_round():
+    core = numpy_core("bsp")
+    view = PolicyView(core)
+    for w in ("a", "b"):
+        core.join(w, 0.0)
+    assert BSP().completes(view, "a") is False
+    core.push("a", upd(1.0), version=0, now=1.0)
+    assert BSP().completes(view, "b") is True
+    # A policy that cannot tell before the push is recorded says None.
+    assert Policy().completes(view, "b") is None
