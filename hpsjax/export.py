@@ -34,7 +34,13 @@ import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import jax.numpy as jnp
 import numpy as np
+from flax import nnx
+
+from hpsjax.models import load_params_npz, save_params_npz
+from hpsjax.ps._checkpoint import CheckpointError, CheckpointManager
+from hpsjax.ps._server import _CHECKPOINT_FORMAT
 
 __all__ = [
     "check_export_path",
@@ -58,8 +64,6 @@ def export_params(path: str | os.PathLike, params: Mapping[str, Any]) -> None:
         ``str`` keys (:func:`hpsjax.models.save_params_npz`), or ``path``'s
         directory does not exist.
     """
-    from hpsjax.models import save_params_npz
-
     path = pathlib.Path(path)
     check_export_path(path)
     # Created as any file the user writes (umask), unlike mkstemp's 0600.
@@ -156,9 +160,6 @@ def _join(a: Any, b: Any) -> Any:
 
 
 def _server_params(directory: pathlib.Path, step: int | None):
-    from hpsjax.ps._checkpoint import CheckpointError, CheckpointManager
-    from hpsjax.ps._server import _CHECKPOINT_FORMAT
-
     manager = CheckpointManager(directory, keep=None)
     try:
         if step is None:
@@ -206,11 +207,6 @@ def load_params(model: Any, params: str | os.PathLike | Mapping[str, Any]) -> An
       ValueError: the parameters do not fit the model: a key path missing on
         either side, or another shape or dtype (the message names the first).
     """
-    import jax.numpy as jnp
-    from flax import nnx
-
-    from hpsjax.models import load_params_npz
-
     if not isinstance(model, nnx.Module):
         raise ValueError(f"model must be an nnx.Module, got {type(model).__name__}")
     given = params if isinstance(params, Mapping) else load_params_npz(params)

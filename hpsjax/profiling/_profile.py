@@ -40,6 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from hpsjax._checks import is_int, is_number
+from hpsjax.transforms import powersgd_nbytes
 from hpsjax.transforms._quantize import encoded_nbytes
 
 __all__ = [
@@ -628,7 +629,6 @@ def tree_wire_nbytes(
     if powersgd_rank is not None:
         if codec is not None:
             raise ValueError("give codec or powersgd_rank, not both")
-        from hpsjax.transforms import powersgd_nbytes
 
         return int(
             sum(powersgd_nbytes(x.shape, x.dtype, powersgd_rank) for x in leaves)

@@ -29,6 +29,28 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+import jax
+
+from hpsjax import models
+from hpsjax._compile_cache import use_compile_cache
+from hpsjax._logs import quiet_backend_probe
+from hpsjax.profiling import measure_transfer, tree_wire_nbytes
+from hpsjax.transforms import Codec
+from hpsjax.worker._cli import (
+    JoinError,
+    _client,
+    _dataset,
+    _heterogeneity,
+    _model,
+    _shard,
+    _sharded_client,
+    _where,
+    connect,
+    measure_step,
+    parse_args,
+    with_injection,
+)
+
 __all__ = ["add_link", "main", "profile_in_place"]
 
 
@@ -63,11 +85,6 @@ def _has_server(args: argparse.Namespace) -> bool:
 
 def _spec(args: argparse.Namespace) -> Any:
     """The shapes and dtypes of the flags' model parameters."""
-    import jax
-
-    from hpsjax import models
-    from hpsjax.worker._cli import _dataset, _model, _shard
-
     index, count = _shard(args)
     _, params, _ = models.split_trainable(
         _model(args, _dataset(args).shard(count, index))
@@ -89,17 +106,6 @@ async def _measure(args: argparse.Namespace) -> tuple[Any, Any, Any]:
       ``(measured, spec, transfer)``: the step's profile, the parameters'
       shapes and dtypes, and the link as timed (no injected delay).
     """
-    from hpsjax.profiling import measure_transfer, tree_wire_nbytes
-    from hpsjax.transforms import Codec
-    from hpsjax.worker._cli import (
-        _client,
-        _heterogeneity,
-        _sharded_client,
-        _where,
-        connect,
-        measure_step,
-    )
-
     spec = _spec(args)
     warm = argparse.Namespace(**{**vars(args), "profile_repeats": 1})
     await asyncio.to_thread(measure_step, warm)
@@ -160,9 +166,6 @@ def profile_in_place(args: argparse.Namespace) -> Any:
       A :class:`~hpsjax.profiling.WorkerProfile`, slowed as the flags slow the
       worker at the start.
     """
-    from hpsjax._compile_cache import use_compile_cache
-    from hpsjax.worker._cli import measure_step, with_injection
-
     use_compile_cache()
     if not _has_server(args):
         measured, spec = measure_step(args)
@@ -174,9 +177,6 @@ def profile_in_place(args: argparse.Namespace) -> Any:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m hpsjax.profiling.in_place``; returns the exit status."""
-    from hpsjax._logs import quiet_backend_probe
-    from hpsjax.worker._cli import JoinError, parse_args
-
     args = parse_args(argv)
     quiet_backend_probe()
     if args.profile_out is None:
