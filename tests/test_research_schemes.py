@@ -269,7 +269,7 @@ def test_the_worker_sends_top_k_pushes_at_its_ratio():
     update = {"w": jnp.linspace(-1.0, 1.0, 200)}
     push = wc.Push(0, 1, 0, 1.0, 8, 1, None, None, 1.0, 0, compress_ratio=0.1)
     prepared = worker._prepare(type("C", (), {"update": update})(), push)
-    assert prepared.codec == "topk"
+    assert prepared.codec.schemes == ("topk",)  # the wire's top-k codec
     (enc,) = prepared.encoded
     assert enc.indices.size == 20 and prepared.nbytes == 20 * (2 + 4)
     assert set(np.asarray(enc.indices)) == set(range(10)) | set(range(190, 200))

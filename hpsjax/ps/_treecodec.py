@@ -392,8 +392,9 @@ def encoded_tree_to_wire(
       like: a pytree giving the structure and each leaf's decoded shape and
         dtype (arrays or ``jax.ShapeDtypeStruct``).
       codec: the ``Codec`` used to quantize, or ``"topk"`` or ``"powersgd"``
-        (or a codec object of :mod:`hpsjax.ps._codecs`): top-k and PowerSGD
-        leaves say their ``k`` or rank.
+        (or a codec object or class of :mod:`hpsjax.ps._codecs`, as
+        ``codec_class`` reads it): top-k and PowerSGD leaves say their ``k``
+        or rank.
       limits: bounds and allowed dtypes.
 
     Returns:

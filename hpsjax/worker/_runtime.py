@@ -533,7 +533,7 @@ class _Prepared(NamedTuple):
     update: Any  # numpy tree, or a ShapeDtypeStruct tree when `encoded` is set
     encoded: Any  # Encoded (TopKEncoded, PowerSGDEncoded) per leaf, or None
     nbytes: int
-    codec: Any = None  # the wire codec of `encoded`: a Codec, "topk" or "powersgd"
+    codec: Any = None  # the wire codec (hpsjax.ps._codecs) of `encoded`
 
 
 def _scale_by_lr_scale() -> optax.GradientTransformationExtraArgs:
@@ -693,11 +693,10 @@ class Worker:
         self._apply = None
         self._opt_state = None
         # The transform compressing pushes (bits or powersgd_rank), its state,
-        # the wire codec of what it keeps and how to find that in its state.
+        # and the wire codec of what it keeps (which finds that in its state).
         self._compressor = None
         self._compressor_state = None
         self._codec = None
-        self._last_encoded = None
         self._topk = None  # (ratio, jitted top_k update, its state)
         self._spec_like = None
         self._compiled: dict[tuple, Any] = {}
@@ -734,18 +733,13 @@ class Worker:
         return optax.chain(local_optimizer, _scale_by_lr_scale(), local_steps(1))
 
     def _make_compressor(self):
-        from hpsjax.transforms import (
-            Codec,
-            last_encoded,
-            last_powersgd_encoded,
-            power_sgd,
-            quantize,
-        )
+        from hpsjax.ps._codecs import PowerSGDCodec, QuantizedCodec
+        from hpsjax.transforms import Codec, power_sgd, quantize
 
         config = self._config
         if config.powersgd_rank is not None:
             # The wire reads each leaf's rank from the factors.
-            self._codec, self._last_encoded = "powersgd", last_powersgd_encoded
+            self._codec = PowerSGDCodec
             self._compressor = power_sgd(
                 config.powersgd_rank,
                 error_feedback=config.error_feedback,
@@ -755,8 +749,9 @@ class Worker:
             scheme = "sign" if config.bits == 1 else "uniform"
             # The transform builds its codec from the same arguments; the wire
             # needs it to describe the bytes the transform kept.
-            self._codec = Codec(scheme, config.bits, stochastic=config.stochastic)
-            self._last_encoded = last_encoded
+            self._codec = QuantizedCodec(
+                Codec(scheme, config.bits, stochastic=config.stochastic)
+            )
             self._compressor = quantize(
                 config.bits,
                 scheme=scheme,
@@ -1057,13 +1052,14 @@ class Worker:
             return _Prepared(host, None, _tree_nbytes(host))
         _, state = self._compress_update(update, self._compressor_state)
         self._compressor_state = state
-        encoded = jax.device_get(self._last_encoded(state))
+        encoded = jax.device_get(self._codec.last_encoded(state))
         return _Prepared(self._spec_like, encoded, _tree_nbytes(encoded), self._codec)
 
     def _sparsify(self, update: Any, ratio: float) -> _Prepared:
         """Top-k sparsifies ``update`` at ``ratio`` with error feedback (a new
         ratio starts a new residual)."""
-        from hpsjax.transforms import last_topk_encoded, top_k
+        from hpsjax.ps._codecs import TopKCodec
+        from hpsjax.transforms import top_k
 
         if self._topk is None or self._topk[0] != ratio:
             tx = top_k(
@@ -1075,8 +1071,8 @@ class Worker:
         _, apply, state = self._topk
         _, state = apply(update, state)
         self._topk = (ratio, apply, state)
-        encoded = jax.device_get(last_topk_encoded(state))
-        return _Prepared(self._spec_like, encoded, _tree_nbytes(encoded), "topk")
+        encoded = jax.device_get(TopKCodec.last_encoded(state))
+        return _Prepared(self._spec_like, encoded, _tree_nbytes(encoded), TopKCodec)
 
     def _make_client(self):
         from hpsjax.ps import Client

@@ -60,8 +60,10 @@ def codec_class(codec: Any) -> type[WireCodec]:
     """The class of a codec named by its object or scheme (as a push names it).
 
     Args:
-      codec: a wire codec object, a ``hpsjax.transforms.Codec``, or a scheme
-        whose leaves say their own parameters (``"topk"``, ``"powersgd"``).
+      codec: a wire codec object, a ``hpsjax.transforms.Codec``, or the class
+        or scheme of a codec whose leaves say their own parameters
+        (:class:`TopKCodec` or ``"topk"``, :class:`PowerSGDCodec` or
+        ``"powersgd"``).
 
     Raises:
       ValueError: ``codec`` names no codec.
@@ -74,6 +76,8 @@ def codec_class(codec: Any) -> type[WireCodec]:
         return QuantizedCodec
     elif type(codec) in CODECS:
         return type(codec)
+    elif isinstance(codec, type) and codec in CODECS and codec is not QuantizedCodec:
+        return codec
     named = [s for s in _BY_SCHEME if _BY_SCHEME[s] is not QuantizedCodec]
     raise ValueError(
         f"unknown codec {codec!r}: a Codec, " + " or ".join(repr(s) for s in named)

@@ -7,6 +7,7 @@ changes with each worker's ratio): the (checked) values scattered into zeros.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from typing import Any, NamedTuple
@@ -35,6 +36,7 @@ TOPK_SCHEME = "topk"
 """The ``scheme`` of the top-k codec (``{"scheme": "topk", "k": [k per leaf]}``)."""
 
 
+@functools.lru_cache(maxsize=1024)
 def topk_index_dtype(size: int) -> np.dtype:
     """The wire dtype of a top-k leaf's indices: ``uint16`` for leaves of at most
     65536 elements, ``uint32`` up to 2**32 (as ``hpsjax.transforms.topk_encode``).
@@ -105,7 +107,7 @@ class TopKCodec(NamedTuple):
                 raise SpecMismatch("every top-k leaf must be an (indices, values) pair")
             indices = as_leaf(enc[0]).reshape(-1)
             values = as_leaf(enc[1]).reshape(-1)
-            dtype, _, shape = like
+            dtype, name, shape = like
             size = math.prod(shape)
             want = topk_index_dtype(size)
             if indices.dtype != want or values.dtype != dtype:
@@ -117,15 +119,15 @@ class TopKCodec(NamedTuple):
             k = indices.size
             if values.size != k:
                 raise SpecMismatch(f"leaf {i}: {k} indices but {values.size} values")
-            pairs.append((indices, values))
-            ks.append(k)
-        wire = cls(tuple(ks))
-        for i, like in enumerate(likes):
             try:
-                wire.leaf_nbytes(i, like.name, like.shape)
+                require_float(i, name, cls.name)
             except MalformedMetadata as e:
                 raise SpecMismatch(e.message) from None
-        return wire, pairs
+            if k > size:
+                raise SpecMismatch(f"leaf {i}: top-k k={k} > {size} elements")
+            pairs.append((indices, values))
+            ks.append(k)
+        return cls(tuple(ks)), pairs
 
     @classmethod
     def at_ratio(cls, shapes: Sequence[Shape], ratio: float) -> TopKCodec:
