@@ -82,7 +82,8 @@ def _push_compression(
     ``worker.bits``, with its codec, or PowerSGD for
     ``worker.compression='power_sgd'`` (its factors on the wire, no codec);
     ``None`` for float32 pushes or top-k, which the worker core applies;
-    SparseLoCo's push (``worker.compression='sparseloco'``, simulator only).
+    SparseLoCo's push (``worker.compression='sparseloco'``, simulator only),
+    Streaming DiLoCo's (``'streaming'``: the fragments' mean bytes a push).
     ``push_bytes`` is one push's payload, what the profiling pass's link
     estimate uses: ``powersgd_nbytes`` per leaf for PowerSGD.
     """
@@ -98,6 +99,17 @@ def _push_compression(
         decay = float(worker.sparseloco_decay)
         transform = sparseloco(ratio, bits=bits, decay=decay, seed=int(config.seed))
         return transform, None, sparseloco_nbytes(params, ratio, bits)
+    if worker.get("compression", "none") == "streaming":
+        from hpsjax.transforms import last_streaming_nbytes, streaming_push
+
+        bits = worker.streaming_bits
+        transform = streaming_push(
+            int(worker.streaming_fragments),
+            None if bits is None else int(bits),
+            error_feedback=error_feedback,
+            seed=int(config.seed),
+        )
+        return transform, None, last_streaming_nbytes(transform.init(params))
     if worker.get("compression", "none") == "power_sgd":
         rank = int(worker.powersgd_rank)
         transform = power_sgd(
@@ -417,10 +429,10 @@ def _worker_flags(
         ]  # fmt: skip
         for key, value in (worker.get("local_optimizer_args") or {}).items():
             flags += ["--local_optimizer_arg", f"{key}={json.dumps(_plain(value))}"]
-    if worker.get("compression", "none") == "sparseloco":
+    if worker.get("compression", "none") in ("sparseloco", "streaming"):
         raise ValueError(
-            "worker.compression='sparseloco' runs on the simulator only "
-            "(hpsjax-worker has no SparseLoCo push yet): use backend='sim'"
+            f"worker.compression={worker.compression!r} runs on the simulator "
+            "only (hpsjax-worker has no such push yet): use backend='sim'"
         )
     power_sgd = worker.get("compression", "none") == "power_sgd"
     if worker.bits is not None:

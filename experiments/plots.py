@@ -75,6 +75,7 @@ SCHEME_NAMES: Mapping[str, str] = {
     "ormo": "OrMo",
     "sparseloco": "SparseLoCo",
     "muloco": "MuLoCo",
+    "streaming_diloco": "Streaming DiLoCo",
 }
 """The name a figure or table shows for each scheme of ``experiments.registry``."""
 

@@ -13,8 +13,8 @@ Examples:
   Traceback (most recent call last):
   ...
   ValueError: unknown optimizer 'sgdd'; valid names: adam, delayed_nesterov, \
-momentum, nesterov, ordered_momentum, sgd or any optimizer of optax or \
-optax.contrib (closest: sgd, dpsgd, amsgrad)
+momentum, nesterov, ordered_momentum, sgd, streaming_local, streaming_nesterov \
+or any optimizer of optax or optax.contrib (closest: sgd, dpsgd, amsgrad)
 """
 
 from __future__ import annotations
@@ -75,12 +75,14 @@ SCHEMES: tuple[str, ...] = (
     "ormo",
     "sparseloco",
     "muloco",
+    "streaming_diloco",
 )
 """Schemes with a config file ``experiments/configs/<scheme>.py``, in table order."""
 
-SIM_ONLY_SCHEMES: tuple[str, ...] = ("sparseloco",)
-"""Schemes that run on the simulator only: SparseLoCo's pushes have no wire
-codec yet, so the processes backend refuses them in one line."""
+SIM_ONLY_SCHEMES: tuple[str, ...] = ("sparseloco", "streaming_diloco")
+"""Schemes that run on the simulator only: SparseLoCo's and Streaming DiLoCo's
+pushes are not sent by ``hpsjax-worker`` yet, so the processes backend refuses
+them in one line."""
 
 BACKENDS: tuple[str, ...] = ("sim", "processes")
 """``sim``: the virtual-clock simulator; ``processes``: a real server and workers."""
@@ -107,7 +109,13 @@ PLAN_SCHEMES: tuple[str, ...] = (
 LR_SCALINGS: tuple[str, ...] = ("linear", "sqrt", "none")
 """Step-size scale of a planned batch (``hpsjax.profiling.LR_SCALINGS``)."""
 
-COMPRESSIONS: tuple[str, ...] = ("none", "top_k", "power_sgd", "sparseloco")
+COMPRESSIONS: tuple[str, ...] = (
+    "none",
+    "top_k",
+    "power_sgd",
+    "sparseloco",
+    "streaming",
+)
 """Push compressors besides quantization (``worker.compression``): ``top_k``
 (``hpsjax.top_k``, error feedback) through the worker core's top-k pushes,
 ``power_sgd`` (``hpsjax.power_sgd`` of rank ``worker.powersgd_rank``, error
@@ -116,7 +124,10 @@ feedback) as the push transform of the simulator and ``hpsjax-worker
 ``sparseloco`` (``hpsjax.sparseloco``: decayed error feedback, top-k at
 ``worker.compress_ratio``, values on ``worker.sparseloco_bits`` bits) as the
 push transform of the simulator, which counts ``sparseloco_nbytes`` per push
-(no wire codec: simulator only)."""
+(no wire codec: simulator only); ``streaming`` (Streaming DiLoCo's
+``hpsjax.streaming_push``: one of ``worker.streaming_fragments`` fragments a
+push, in turn, on ``worker.streaming_bits`` bits) as the push transform of the
+simulator, which counts the fragments' mean bytes per push."""
 
 _REGISTRIES: dict[str, Any] = {
     "optimizer": OPTIMIZERS,
@@ -280,6 +291,9 @@ def _check_compression(config: ml_collections.ConfigDict) -> None:
     if compression == "sparseloco":
         _check_sparseloco(config)
         return
+    if compression == "streaming":
+        _check_streaming(config)
+        return
     ratio = worker.compress_ratio
     if not (isinstance(ratio, int | float) and 0 < ratio <= 1):
         raise ValueError(f"worker.compress_ratio must be in (0, 1], got {ratio!r}")
@@ -318,6 +332,39 @@ def _check_sparseloco(config: ml_collections.ConfigDict) -> None:
     if config.stages.get("compress_from_stage") is not None:
         raise ValueError(
             "worker.compression='sparseloco' compresses every push: set "
+            "stages.compress_from_stage=None"
+        )
+
+
+def _check_streaming(config: ml_collections.ConfigDict) -> None:
+    """What ``worker.compression='streaming'`` needs (one-line errors)."""
+    worker = config.worker
+    fragments = worker.get("streaming_fragments")
+    if isinstance(fragments, bool) or not (
+        isinstance(fragments, int) and fragments >= 1
+    ):
+        raise ValueError(
+            f"worker.streaming_fragments must be an int >= 1, got {fragments!r}"
+        )
+    bits = worker.get("streaming_bits")
+    if bits is not None and (isinstance(bits, bool) or bits not in (1, 2, 4, 8, 16)):
+        raise ValueError(
+            f"worker.streaming_bits must be one of 1, 2, 4, 8, 16 or None, got {bits!r}"
+        )
+    if worker.local_optimizer != "streaming_local":
+        raise ValueError(
+            "worker.compression='streaming' needs worker.local_optimizer="
+            f"'streaming_local' (workers keep their own parameters), got "
+            f"{worker.local_optimizer!r}"
+        )
+    if config.plan.scheme != "none":
+        raise ValueError(
+            "worker.compression='streaming' needs plan.scheme='none' (a plan's "
+            "step-size scale hides the workers' own parameters from them)"
+        )
+    if config.stages.get("compress_from_stage") is not None:
+        raise ValueError(
+            "worker.compression='streaming' compresses every push: set "
             "stages.compress_from_stage=None"
         )
 

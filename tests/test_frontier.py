@@ -522,3 +522,56 @@ def test_streaming_keeps_local_progress_pushes_fragments_in_turn_and_trains():
     final, _, _, (x, y) = _streaming_rounds(3, 2, 30)
     start = {"w": jnp.zeros(3), "b": jnp.zeros(())}
     assert float(_loss(final, x[0], y[0])) < 0.05 * float(_loss(start, x[0], y[0]))
+
+
+def test_streaming_local_takes_its_own_parameters_up_to_a_drivers_rounding():
+    """A driver may round p + u differently (a fused multiply-add): far more
+    than 1e-6 of an element near zero. That is still an inner step."""
+    from hpsjax.transforms import streaming_local
+
+    tx = streaming_local(optax.sgd(0.1))
+    params = {"b": jnp.zeros(3), "w": jnp.ones(3)}
+    grads = {"b": jnp.array([1e-4, -1.0, 2.0]), "w": jnp.ones(3)}
+    u, state = tx.update(grads, tx.init(params), params)
+    rounded = optax.apply_updates(params, u)
+    # b[0] = -1e-5 off by 1e-9: 100 times its 1e-6, a rounding of the leaf's
+    # largest element (0.2).
+    rounded["b"] = rounded["b"].at[0].add(1e-9)
+    u2, _ = tx.update(grads, state, rounded)
+    np.testing.assert_allclose(u2["b"], -0.1 * grads["b"], rtol=1e-6)
+
+
+def test_streaming_diloco_in_the_simulator_counts_fragments_and_trains(tmp_path):
+    from hpsjax.transforms import streaming_fragment_nbytes
+
+    config = _quick("streaming_diloco")
+    summary = train.train_and_evaluate(config, tmp_path, progress=False)
+    setup = build.setup(config)
+    fragments = config.worker.streaming_fragments
+    sizes = streaming_fragment_nbytes(setup.params, fragments, bits=4)
+    dense = sum(np.asarray(p).nbytes for p in jax.tree.leaves(setup.params))
+    # A push: one fragment of 1/P of the model, on 4 bits (plus scales).
+    assert max(sizes) < dense / fragments / 7
+    assert summary["pushes"] > 0
+    per_push = -(-sum(sizes) // fragments)
+    assert per_push * summary["pushes"] <= summary["bytes_sent"]
+    assert summary["bytes_sent"] < 2 * per_push * summary["pushes"]
+    assert summary["final_loss"] < 2.2
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "message"),
+    [
+        ("worker.streaming_fragments", 0, r"worker\.streaming_fragments must be"),
+        ("worker.streaming_bits", 3, r"worker\.streaming_bits must be one of"),
+        ("worker.local_optimizer", "adam", r"needs worker\.local_optimizer="),
+        ("plan.scheme", "hps", r"needs plan\.scheme='none'"),
+    ],
+)
+def test_streaming_diloco_config_errors_are_one_line(key, value, message):
+    config = _quick("streaming_diloco")
+    section, name = key.split(".")
+    config[section][name] = value
+    with pytest.raises(ValueError, match=message) as err:
+        registry.check_config(config)
+    assert "\n" not in str(err.value)

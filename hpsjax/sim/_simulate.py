@@ -1501,12 +1501,15 @@ def _push_bytes(params: Any, config: SimConfig, raw: int) -> int:
         except ValueError:  # not this one
             continue
         return int(sum(x.nbytes for x in jax.tree.leaves(encoded)))
-    from hpsjax.transforms import last_sparseloco_nbytes
+    from hpsjax.transforms import last_sparseloco_nbytes, last_streaming_nbytes
 
-    try:  # SparseLoCo: k indices and k few-bit values per leaf
-        return last_sparseloco_nbytes(state)
-    except ValueError:
-        pass
+    # SparseLoCo: k indices and k few-bit values per leaf; Streaming DiLoCo:
+    # one fragment's few-bit codes (the fragments' mean).
+    for last in (last_sparseloco_nbytes, last_streaming_nbytes):
+        try:
+            return last(state)
+        except ValueError:
+            continue
     return raw  # no compressor in it: the update goes out uncompressed
 
 

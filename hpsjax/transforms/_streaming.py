@@ -54,8 +54,8 @@ __all__ = [
 
 _F32 = jnp.float32
 _BITS = (1, 2, 4, 8, 16)
-# Parameters within this relative distance of the worker's own are its own:
-# the driver applied the last update (exactly, up to rounding).
+# A leaf within this distance (relative to its largest magnitude) of the
+# worker's own is its own: the driver applied the last update, up to rounding.
 _SAME_RTOL = 1e-6
 
 
@@ -238,9 +238,11 @@ def streaming_local(
         anchor = jax.tree.map(lambda p, a: jnp.where(first, p, a), params, state.anchor)
 
         def own(p, mine):
-            mine = mine.astype(_F32)
-            tol = _SAME_RTOL * jnp.abs(mine) + 1e-30
-            return jnp.all(jnp.abs(p.astype(_F32) - mine) <= tol)
+            # Leaf-wide: a driver may round p + u differently (a fused
+            # multiply-add), by far more than 1e-6 of an element near zero.
+            p, mine = p.astype(_F32), mine.astype(_F32)
+            scale = jnp.maximum(jnp.max(jnp.abs(p)), jnp.max(jnp.abs(mine)))
+            return jnp.max(jnp.abs(p - mine)) <= _SAME_RTOL * scale
 
         is_own = jax.tree.map(own, params, local)
         merging = ~jnp.all(jnp.stack(jax.tree.leaves(is_own)))
