@@ -611,14 +611,16 @@ def tree_wire_nbytes(
 ) -> int:
     """Payload bytes of ``tree`` on the wire, after ``codec`` where one is given.
 
-    Without a codec every leaf travels as its raw buffer. With one, each leaf's
-    size is ``encoded_nbytes(shape, codec)`` of ``hpsjax.transforms``, the same
-    count the wire codec produces; with ``powersgd_rank``, its PowerSGD
-    factors' ``powersgd_nbytes``.
+    Without a codec every leaf travels as its raw buffer. With a wire codec
+    object (``hpsjax.ps._codecs``), each leaf's size is the codec's own count
+    (its ``leaf_nbytes``, which the receiver checks); with a quantization
+    ``Codec``, ``encoded_nbytes(shape, codec)`` of ``hpsjax.transforms``, the
+    same count; with ``powersgd_rank``, its PowerSGD factors'
+    ``powersgd_nbytes``.
 
     Args:
       tree: a pytree of arrays (or ``jax.ShapeDtypeStruct``).
-      codec: a ``hpsjax.transforms.Codec`` or ``None``.
+      codec: a wire codec object, a ``hpsjax.transforms.Codec`` or ``None``.
       powersgd_rank: the rank of PowerSGD pushes (not with ``codec``), or
         ``None``.
 
@@ -635,6 +637,16 @@ def tree_wire_nbytes(
         )
     if codec is None:
         return int(sum(np.dtype(x.dtype).itemsize * math.prod(x.shape) for x in leaves))
+    # A wire codec is taken by what it does: profiling sits below the server
+    # package, which imports it.
+    leaf_nbytes = getattr(codec, "leaf_nbytes", None)
+    if leaf_nbytes is not None:
+        return int(
+            sum(
+                leaf_nbytes(i, np.dtype(x.dtype).name, tuple(x.shape))[1]
+                for i, x in enumerate(leaves)
+            )
+        )
     return int(sum(encoded_nbytes(tuple(x.shape), codec) for x in leaves))
 
 
