@@ -1,7 +1,7 @@
 """The server's PowerSGD decode in PROTOCOL.md's order against a BLAS product.
 
 The server rebuilds a factored leaf as ``p q^T`` with
-:func:`hpsjax.ps._decoders.powersgd_product`: the rank's terms added in order,
+:func:`hpsjax.ps._codecs._powersgd.powersgd_product`: the rank's terms added in order,
 each product and sum rounded to float32, row block by row block, so that any
 decoder following PROTOCOL.md section 2.6 gets the same bits. This compares its
 time with ``numpy.matmul`` (a BLAS product, whose order is the library's) on
