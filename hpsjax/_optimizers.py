@@ -38,6 +38,14 @@ from typing import Any
 
 import optax
 
+from hpsjax.transforms import (
+    delayed_nesterov,
+    diloco_outer,
+    ordered_momentum,
+    streaming_local,
+    streaming_outer,
+)
+
 __all__ = [
     "OPTIMIZERS",
     "OptimizerRegistry",
@@ -73,32 +81,24 @@ def _adam(learning_rate, *, momentum=None, **kwargs):
 
 
 def _nesterov(learning_rate, *, momentum=None, **kwargs):
-    from hpsjax.transforms import diloco_outer
-
     return diloco_outer(
         learning_rate, momentum=0.9 if momentum is None else momentum, **kwargs
     )
 
 
 def _delayed_nesterov(learning_rate, *, momentum=None, **kwargs):
-    from hpsjax.transforms import delayed_nesterov
-
     return delayed_nesterov(
         learning_rate, momentum=0.9 if momentum is None else momentum, **kwargs
     )
 
 
 def _ordered_momentum(learning_rate, *, momentum=None, **kwargs):
-    from hpsjax.transforms import ordered_momentum
-
     return ordered_momentum(
         learning_rate, momentum=0.9 if momentum is None else momentum, **kwargs
     )
 
 
 def _streaming_local(learning_rate, *, momentum=None, inner="adam", mixing=0.0, **kw):
-    from hpsjax.transforms import streaming_local
-
     if inner == "streaming_local":
         raise ValueError("streaming_local cannot wrap itself")
     inner_tx = make_optimizer(inner, learning_rate, momentum=momentum, **kw)
@@ -106,8 +106,6 @@ def _streaming_local(learning_rate, *, momentum=None, inner="adam", mixing=0.0, 
 
 
 def _streaming_nesterov(learning_rate, *, momentum=None, fragments=1):
-    from hpsjax.transforms import streaming_outer
-
     return streaming_outer(
         learning_rate,
         momentum=0.9 if momentum is None else momentum,

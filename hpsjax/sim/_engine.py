@@ -53,6 +53,8 @@ import optax
 
 from hpsjax.ps._separable import all_finite
 from hpsjax.sim._deferred import LazyUpdate
+from hpsjax.transforms._quantize import QuantizeState
+from hpsjax.transforms._stages import current_stage
 
 __all__: list[str] = []
 
@@ -865,7 +867,6 @@ def _decorrelate(stacked: Any, seed: int) -> Any:
     workers would round their quantized pushes with the same random bits.
     Typed key leaves and the raw key of a ``QuantizeState`` are folded.
     """
-    from hpsjax.transforms._quantize import QuantizeState
 
     def fix(node):
         if isinstance(node, QuantizeState):
@@ -880,8 +881,6 @@ def _decorrelate(stacked: Any, seed: int) -> Any:
 
 
 def _has_stages(state: Any) -> bool:
-    from hpsjax.transforms._stages import current_stage
-
     try:
         current_stage(state)
     except ValueError:
@@ -890,6 +889,4 @@ def _has_stages(state: Any) -> bool:
 
 
 def _current_stage(state: Any) -> jax.Array:
-    from hpsjax.transforms._stages import current_stage
-
     return current_stage(state)

@@ -61,6 +61,7 @@ import jax
 import numpy as np
 import optax
 
+from hpsjax.data import Batch, Dataset, share_split
 from hpsjax.profiling import Replanner, WorkPlan, tree_wire_nbytes
 from hpsjax.ps._core import (
     Applied,
@@ -78,6 +79,13 @@ from hpsjax.ps._policies import ADSP, BSP, Hybrid, Policy, get_policy
 from hpsjax.sim._deferred import DeferredAggregator
 from hpsjax.sim._engine import DeferredLeaves, Engine, IndexStream, Round, SummedRow
 from hpsjax.sim._workers import WorkerSpec, finish_time
+from hpsjax.transforms import (
+    last_encoded,
+    last_powersgd_encoded,
+    last_sparseloco_nbytes,
+    last_streaming_nbytes,
+    topk_nbytes,
+)
 from hpsjax.transforms._staleness import STALENESS_POLICIES
 from hpsjax.worker import _core as wc
 from hpsjax.worker._core import OVERLAP_MODES
@@ -586,8 +594,6 @@ def _plan_shares(
 ) -> list[np.ndarray] | None:
     """Each worker's example indices by the plan's ``data_share``
     (:func:`hpsjax.data.share_split`), or ``None`` when the plan gives none."""
-    from hpsjax.data import share_split
-
     by_id = {w.worker_id: w.data_share for w in work_plan.workers}
     shares = [by_id.get(i) for i in ids]
     if any(s is None for s in shares):
@@ -596,16 +602,12 @@ def _plan_shares(
 
 
 def _is_dataset(data: Any) -> bool:
-    from hpsjax.data import Dataset
-
     return isinstance(data, Dataset)
 
 
 def _as_arrays(data: Any, name: str) -> tuple[Any, int]:
     """A pytree of host arrays with a common leading axis, and its length."""
     if _is_dataset(data):
-        from hpsjax.data import Batch
-
         data = Batch(data.x, data.y)
     leaves = jax.tree.leaves(data)
     if not leaves:
@@ -1029,8 +1031,6 @@ class _Simulation:
             # A top-k push (the worker core's rule): the wire codec's bytes.
             nbytes = self.topk_bytes.get(push.compress_ratio)
             if nbytes is None:
-                from hpsjax.transforms import topk_nbytes
-
                 nbytes = self.topk_bytes[push.compress_ratio] = sum(
                     topk_nbytes(shape, dtype, push.compress_ratio)
                     for shape, dtype in self.param_specs
@@ -1490,7 +1490,6 @@ def _push_bytes(params: Any, config: SimConfig, raw: int) -> int:
         return tree_wire_nbytes(params, config.codec)
     if config.push_transform is None:
         return raw
-    from hpsjax.transforms import last_encoded, last_powersgd_encoded
 
     state = config.push_transform.init(params)
     # What a quantizer or a PowerSGD in it keeps for the wire: a PowerSGD
@@ -1501,7 +1500,6 @@ def _push_bytes(params: Any, config: SimConfig, raw: int) -> int:
         except ValueError:  # not this one
             continue
         return int(sum(x.nbytes for x in jax.tree.leaves(encoded)))
-    from hpsjax.transforms import last_sparseloco_nbytes, last_streaming_nbytes
 
     # SparseLoCo: k indices and k few-bit values per leaf; Streaming DiLoCo:
     # one fragment's few-bit codes (the fragments' mean).

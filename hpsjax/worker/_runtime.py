@@ -127,6 +127,27 @@ import numpy as np
 import optax
 
 from hpsjax._checks import check_choice, check_int, check_number, check_positive
+from hpsjax.profiling import WorkPlan, multi_device_grad
+from hpsjax.ps import (
+    Client,
+    ConnectionClosed,
+    ProtocolError,
+    ShuttingDown,
+    WorkerDropped,
+)
+from hpsjax.ps._codecs import PowerSGDCodec, QuantizedCodec, TopKCodec
+from hpsjax.transforms import (
+    Codec,
+    Stage,
+    current_stage,
+    hybrid_stages,
+    local_steps,
+    pending_update,
+    power_sgd,
+    push_due,
+    quantize,
+    top_k,
+)
 from hpsjax.worker._core import (
     Acked,
     Compute,
@@ -291,8 +312,6 @@ class WorkerConfig(WorkerOptions):
             raise ValueError(f"worker_id must be a str or int, got {self.worker_id!r}")
         check_int("batch_size", self.batch_size, low=1)
         if self.work_plan is not None:
-            from hpsjax.profiling import WorkPlan
-
             if not isinstance(self.work_plan, WorkPlan):
                 raise ValueError(
                     f"work_plan must be a WorkPlan, got {type(self.work_plan).__name__}"
@@ -500,8 +519,6 @@ class _ServerGone(Exception):
 # What a request raises when the server went away (a goodbye, a lost or
 # refused connection): the worker reconnects.
 def _lost_errors() -> tuple[type[BaseException], ...]:
-    from hpsjax.ps import ConnectionClosed, ShuttingDown
-
     return (ConnectionClosed, ShuttingDown, OSError)
 
 
@@ -714,8 +731,6 @@ class Worker:
 
     @staticmethod
     def _make_transform(local_optimizer, stages):
-        from hpsjax.transforms import Stage, hybrid_stages, local_steps
-
         if stages is not None:
             if not stages or not all(isinstance(s, Stage) for s in stages):
                 raise ValueError("stages must be a non-empty list of Stage")
@@ -733,9 +748,6 @@ class Worker:
         return optax.chain(local_optimizer, _scale_by_lr_scale(), local_steps(1))
 
     def _make_compressor(self):
-        from hpsjax.ps._codecs import PowerSGDCodec, QuantizedCodec
-        from hpsjax.transforms import Codec, power_sgd, quantize
-
         config = self._config
         if config.powersgd_rank is not None:
             # The wire reads each leaf's rank from the factors.
@@ -779,8 +791,6 @@ class Worker:
     def _plan_notice(self, plan: Any) -> PlanChanged:
         """The server's plan (a validated ``PlanNotice``) as an event; a plan
         that does not fit this worker's devices is refused."""
-        from hpsjax.ps import ProtocolError
-
         batches = plan.device_batches
         if batches is None and plan.batch_size is not None:
             batches = _split_evenly(plan.batch_size, len(self._devices))
@@ -953,9 +963,6 @@ class Worker:
 
     def _compute_round(self, params: Any, version: int, settings: Compute):
         """Runs one round of local steps; called in the compute thread."""
-        from hpsjax.profiling import multi_device_grad
-        from hpsjax.transforms import current_stage, pending_update, push_due
-
         home = self._devices[0]
         device_batches = settings.device_batches
         local = jax.device_put(params, home)
@@ -1058,9 +1065,6 @@ class Worker:
     def _sparsify(self, update: Any, ratio: float) -> _Prepared:
         """Top-k sparsifies ``update`` at ``ratio`` with error feedback (a new
         ratio starts a new residual)."""
-        from hpsjax.ps._codecs import TopKCodec
-        from hpsjax.transforms import top_k
-
         if self._topk is None or self._topk[0] != ratio:
             tx = top_k(
                 ratio,
@@ -1075,8 +1079,6 @@ class Worker:
         return _Prepared(self._spec_like, encoded, _tree_nbytes(encoded), TopKCodec)
 
     def _make_client(self):
-        from hpsjax.ps import Client
-
         return Client(
             self._config.host,
             self._config.port,
@@ -1105,8 +1107,6 @@ class Worker:
             update (ShuttingDown ends the run normally instead).
           RuntimeError: ``fail_after_steps`` was reached.
         """
-        from hpsjax.ps import ShuttingDown
-
         self._stop.clear()
         self._t0 = time.monotonic()
         self._injector.start()
@@ -1555,8 +1555,6 @@ class _Run:
         return [(self.w._note_plan(plan), None)]
 
     async def pull(self, session: int, *, join: bool = False) -> list:
-        from hpsjax.ps import WorkerDropped
-
         w, record = self.w, self.current
         if session <= self.lost_session:  # asked before the core heard of it
             return [(Dropped(session, w._elapsed()), None)]
@@ -1601,8 +1599,6 @@ class _Run:
         return [*self.hints(), (event, params)]
 
     async def push(self, push: Push) -> list:
-        from hpsjax.ps import WorkerDropped
-
         w, record = self.w, self.current
         if push.final:
             record = {
