@@ -11,10 +11,10 @@ so no push ever waits for a compile. Only the ``size`` compiled codecs used
 last are kept (about two MiB each): whatever codecs clients send, memory
 stays bounded.
 
-Top-k and PowerSGD pushes (a ``k`` or a rank per leaf, which changes with each
-worker) need no compiled program: their codec's numpy decoder is made on demand
-and never stored. Each codec's decoders are its class's (:mod:`hpsjax.ps._codecs`);
-this cache only keeps the compiled ones.
+Codecs whose parameters change from worker to worker (a count or a rank per
+leaf: their class's ``compiles`` is false) need no compiled program: their numpy
+decoder is made on demand and never stored. Each codec's decoders are its
+class's (:mod:`hpsjax.ps._codecs`); this cache only keeps the compiled ones.
 """
 
 from __future__ import annotations
@@ -86,7 +86,7 @@ class DecoderCache:
         """The decoder of ``codec`` (``encoded leaves -> leaves``), or ``None``.
 
         ``codec`` is a wire codec object (:mod:`hpsjax.ps._codecs`) or a
-        quantization ``Codec``. One that is not compiled (top-k, PowerSGD)
+        quantization ``Codec``. One that is not compiled (``compiles`` false)
         always has one if it fits the model's leaves, and it is not kept.
         """
         codec = as_wire_codec(codec)

@@ -214,8 +214,7 @@ class LeafSpec(NamedTuple):
       offset: byte offset of its buffer in the payload.
       nbytes: byte length of its buffer.
       code_nbytes: for a compressed leaf, bytes of the first of the two arrays
-        its buffer holds (packed codes, top-k indices, PowerSGD's ``p``: see
-        :mod:`hpsjax.ps._codecs`); ``None`` for a raw leaf.
+        its buffer holds (see :mod:`hpsjax.ps._codecs`); ``None`` for a raw leaf.
     """
 
     dtype: np.dtype
@@ -382,19 +381,17 @@ def encoded_tree_to_wire(
     """Describes a compressed tree for a PUSH or PUSH_PULL frame.
 
     Each leaf's buffer is the two arrays its codec sends, one after the other:
-    the bytes the compressing transform kept (``Encoded``, ``TopKEncoded``,
-    ``PowerSGDEncoded`` of ``hpsjax.transforms``), sent as they are (no copy
-    for host arrays).
+    the bytes the compressing transform kept, sent as they are (no copy for
+    host arrays).
 
     Args:
       encoded: what the transform kept of each leaf in leaf order, as the
         codec's ``last_encoded(opt_state)`` (or ``encode_tree``) returns it.
       like: a pytree giving the structure and each leaf's decoded shape and
         dtype (arrays or ``jax.ShapeDtypeStruct``).
-      codec: the ``Codec`` used to quantize, or ``"topk"`` or ``"powersgd"``
-        (or a codec object or class of :mod:`hpsjax.ps._codecs`, as
-        ``codec_class`` reads it): top-k and PowerSGD leaves say their ``k``
-        or rank.
+      codec: the codec, as a push names it: a quantization ``Codec``, or the
+        scheme, class or object of a codec whose leaves say their parameters
+        (see ``codec_class`` of :mod:`hpsjax.ps._codecs`).
       limits: bounds and allowed dtypes.
 
     Returns:

@@ -43,7 +43,7 @@ class WireCodec(Protocol):
 
     Attributes:
       schemes: the ``scheme`` values of the codec maps the class reads.
-      name: the compressor's name in error messages (``"top-k"``).
+      name: the compressor's name in error messages.
       compiles: whether a model's decoder is worth compiling once and keeping
         (one program per codec object); otherwise :meth:`decoder` is made for
         each push.
