@@ -291,3 +291,27 @@ def test_bsp_says_which_push_completes_a_round():
     assert BSP().completes(view, "b") is True
     # A policy that cannot tell before the push is recorded says None.
     assert Policy().completes(view, "b") is None
+
+
+class _Replanner:
+    """Records what it is fed; revises the plan on the second report."""
+
+    def __init__(self, worker_ids):
+        entries = [type("Entry", (), {"worker_id": w})() for w in worker_ids]
+        self.plan = type("Plan", (), {"workers": entries})()
+        self.seen = []
+
+    def observe(self, worker_id, batch_size, time_per_step, now):
+        self.seen.append((worker_id, batch_size, time_per_step, now))
+        return "revised" if len(self.seen) == 2 else None
+
+
+def test_the_core_feeds_its_replanner_the_workers_of_its_plan():
+    replanner = _Replanner(["a", "b"])
+    core = numpy_core("asp", replanner=replanner)
+    assert core.replanner is replanner
+    assert core.observe_speed("a", 32, 0.5, 1.0) is None
+    assert core.observe_speed("nobody", 32, 0.5, 2.0) is None  # not planned
+    assert core.observe_speed("b", 16, 0.25, 3.0) == "revised"
+    assert replanner.seen == [("a", 32, 0.5, 1.0), ("b", 16, 0.25, 3.0)]
+    assert numpy_core("asp").observe_speed("a", 32, 0.5, 1.0) is None

@@ -39,7 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from hpsjax._checks import is_int
+from hpsjax._checks import check_int
 from hpsjax.ps._errors import NonFiniteUpdate, SpecMismatch
 from hpsjax.ps._separable import all_finite, finite
 
@@ -195,13 +195,7 @@ class Aggregator:
                 "optimizer must be an optax GradientTransformation, got "
                 f"{type(optimizer).__name__}."
             )
-        if max_stale_copies is not None and (
-            not is_int(max_stale_copies) or max_stale_copies < 1
-        ):
-            raise ValueError(
-                f"max_stale_copies must be an int >= 1 or None, got "
-                f"{max_stale_copies!r}."
-            )
+        check_int("max_stale_copies", max_stale_copies, low=1, allow_none=True)
         leaves, treedef = jax.tree.flatten(params)
         if not leaves:
             raise ValueError("params must hold at least one array.")

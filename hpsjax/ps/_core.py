@@ -113,8 +113,9 @@ from typing import Any
 
 import numpy as np
 
-from hpsjax.ps._aggregate import Aggregator
+from hpsjax._checks import check_fraction, check_int, check_positive, is_int, is_number
 from hpsjax._ewma import ewma
+from hpsjax.ps._aggregate import Aggregator
 from hpsjax.ps._errors import (
     InvalidUpdate,
     UnexpectedMessage,
@@ -361,16 +362,6 @@ _SAVED_FIELDS = (
 _STATE_FORMAT = 1
 
 
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int | np.integer) and not isinstance(value, bool)
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, int | float | np.integer | np.floating) and not (
-        isinstance(value, bool)
-    )
-
-
 def _check_worker_id(worker_id: Any) -> None:
     if isinstance(worker_id, bool) or not isinstance(worker_id, str | int):
         raise ValueError(
@@ -431,6 +422,8 @@ class ServerCore:
         applies (``hpsjax.sim._deferred``), the asyncio server's applies a
         push leaf by leaf as it arrives (``hpsjax.ps._overlap``). The core
         reads no array: any object with the aggregator's methods will do.
+      replanner: a :class:`~hpsjax.profiling.Replanner` (H-PS dynamic
+        scheduling) that :meth:`observe_speed` feeds, or ``None``.
 
     Aggregation. Updates accepted by the policy are buffered with a weight
     :math:`n_j d_j`, :math:`n_j` the ``num_samples`` of the push (1 when not
@@ -505,6 +498,7 @@ class ServerCore:
         check_result: bool = True,
         push_weights: Mapping[Any, float] | None = None,
         aggregator: Callable[..., Aggregator] = Aggregator,
+        replanner: Any = None,
     ):
         self._check_args(
             policy_kwargs=policy_kwargs,
@@ -539,6 +533,7 @@ class ServerCore:
         self._alpha = float(ewma_alpha)
         self._straggler_factor = float(straggler_factor)
         self._keep_stale = bool(keep_stale_params)
+        self._replanner = replanner
         self._init_workers()
 
     @staticmethod
@@ -558,13 +553,7 @@ class ServerCore:
         """Raises ``ValueError`` for a bad constructor argument."""
         if policy_kwargs is not None and not isinstance(policy_kwargs, Mapping):
             raise ValueError("policy_kwargs must be a mapping or None.")
-        if expected_workers is not None and (
-            not _is_int(expected_workers) or expected_workers < 1
-        ):
-            raise ValueError(
-                f"expected_workers must be an int >= 1 or None, got "
-                f"{expected_workers!r}."
-            )
+        check_int("expected_workers", expected_workers, low=1, allow_none=True)
         for name, value in (
             ("start_timeout", start_timeout),
             ("deadline_factor", deadline_factor),
@@ -572,10 +561,9 @@ class ServerCore:
             ("initial_timeout", initial_timeout),
             ("straggler_factor", straggler_factor),
         ):
-            if not _is_number(value) or not math.isfinite(value) or value <= 0:
-                raise ValueError(f"{name} must be a finite number > 0, got {value!r}.")
+            check_positive(name, value)
         if max_timeout is not None and (
-            not _is_number(max_timeout)
+            not is_number(max_timeout)
             or not math.isfinite(max_timeout)
             or max_timeout < min_timeout
         ):
@@ -583,12 +571,11 @@ class ServerCore:
                 f"max_timeout must be None or a number >= min_timeout "
                 f"({min_timeout}), got {max_timeout!r}."
             )
-        if not _is_number(ewma_alpha) or not 0 < ewma_alpha <= 1:
-            raise ValueError(f"ewma_alpha must lie in (0, 1], got {ewma_alpha!r}.")
+        check_fraction("ewma_alpha", ewma_alpha)
         if push_weights is not None and (
             not isinstance(push_weights, Mapping)
             or not all(
-                _is_number(v) and math.isfinite(v) and v >= 0
+                is_number(v) and math.isfinite(v) and v >= 0
                 for v in push_weights.values()
             )
         ):
@@ -773,6 +760,34 @@ class ServerCore:
             weight = float(self._push_weights.get(worker_id, 1.0))
         return weight, samples, max(self._buffer_staleness, self._version - version)
 
+    @property
+    def replanner(self) -> Any:
+        """The re-planner :meth:`observe_speed` feeds, or ``None``."""
+        return self._replanner
+
+    def observe_speed(
+        self, worker_id: WorkerId, batch_size: int, time_per_step: float, now: float
+    ) -> Any:
+        """Feeds a worker's measured speed to the re-planner.
+
+        Both drivers give the same input: one local step of ``batch_size``
+        samples (over the worker's devices) took ``time_per_step`` seconds of
+        compute (the asyncio server from a push's ``num_samples``,
+        ``local_steps`` and ``step_time``; the simulator from its worker's
+        report of a kept round).
+
+        Returns:
+          The revised :class:`~hpsjax.profiling.WorkPlan` to hand to the
+          workers when the speeds drifted, else ``None`` (and always without a
+          re-planner, or for a worker its plan does not name).
+        """
+        replanner = self._replanner
+        if replanner is None or worker_id not in {
+            entry.worker_id for entry in replanner.plan.workers
+        }:
+            return None
+        return replanner.observe(worker_id, batch_size, time_per_step, now)
+
     def clock(self, worker_id: WorkerId) -> int:
         """A worker's clock (iterations done); raises for an unknown worker."""
         return self._record(worker_id).clock
@@ -832,7 +847,7 @@ class ServerCore:
     # Events.
 
     def _check_now(self, now: Any) -> float:
-        if not _is_number(now) or not math.isfinite(now):
+        if not is_number(now) or not math.isfinite(now):
             raise ValueError(f"now must be a finite number of seconds, got {now!r}.")
         now = float(now)
         if now < self._now:
@@ -1125,7 +1140,7 @@ class ServerCore:
                 )
             verdict_weight = verdict.weight
             force_pull, reason = bool(verdict.force_pull), verdict.reason
-            if not _is_number(verdict_weight) or not (
+            if not is_number(verdict_weight) or not (
                 math.isfinite(verdict_weight) and verdict_weight >= 0
             ):
                 raise ValueError(
@@ -1503,7 +1518,7 @@ class ServerCore:
                 f"{self._policy.name!r}."
             )
         for key in ("version", "max_clock"):
-            if not _is_int(state[key]) or state[key] < 0:
+            if not is_int(state[key]) or state[key] < 0:
                 raise ValueError(f"state[{key!r}] must be an int >= 0.")
         records = {}
         for entry in state["workers"]:
@@ -1558,6 +1573,6 @@ def _restore_field(name: str, value: Any) -> Any:
         return value
     if name == "pushed_version" and value is None:
         return None
-    if not _is_int(value) or value < 0:
+    if not is_int(value) or value < 0:
         raise ValueError(f"{name} must be an int >= 0, got {value!r}")
     return int(value)

@@ -423,6 +423,7 @@ class Server:
                 # naming the leaf), before the core ever sees the update.
                 check_finite=False,
                 aggregator=OverlapAggregator,
+                replanner=replanner,
                 **({"check_result": bool(check_finite)} | dict(core_kwargs or {})),
             )
         self._host = host
@@ -483,7 +484,6 @@ class Server:
         self._compiling: set[Any] = set()  # codecs whose decoder is compiling
         self._sessions: dict[Any, _Session] = {}
         self._plans: dict[Any, PlanNotice] = {}
-        self._replanner = replanner
         if replanner is not None:
             work_plan = replanner.plan
             for entry in work_plan.workers:
@@ -751,17 +751,18 @@ class Server:
     @property
     def work_plan(self) -> Any:
         """The work plan in force (``replanner``'s), or ``None`` without one."""
-        return None if self._replanner is None else self._replanner.plan
+        replanner = self._core.replanner
+        return None if replanner is None else replanner.plan
 
     def _observe_speed(self, worker_id: Any, meta: PushMeta) -> None:
-        """Feeds one push's timing to the replanner; sends a revised plan out."""
+        """Feeds one push's timing to the core's replanner; sends a revised
+        plan out."""
         step_time = meta.step_time
         samples = meta.num_samples
         steps = meta.local_steps or 1
-        plan_ids = {entry.worker_id for entry in self._replanner.plan.workers}
-        if not step_time or not samples or worker_id not in plan_ids:
+        if not step_time or not samples:
             return
-        revised = self._replanner.observe(
+        revised = self._core.observe_speed(
             worker_id, max(1, samples // steps), step_time / steps, self._now()
         )
         if revised is None:
@@ -1167,7 +1168,7 @@ class Server:
         self._pushes += 1
         if self._metrics is not None and any(isinstance(a, Applied) for a in actions):
             self._metrics.apply(self._loop.time() - started)
-        if self._replanner is not None:
+        if self._core.replanner is not None:
             self._observe_speed(session.worker_id, meta)
         ack = None
         for action in actions:

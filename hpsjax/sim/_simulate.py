@@ -801,7 +801,13 @@ class _Simulation:
             and not core_kwargs.get("keep_stale_params", False)
         ):
             core_kwargs.setdefault("aggregator", DeferredAggregator)
-        self.core = ServerCore(params, server_optimizer, policy, **core_kwargs)
+        self.core = ServerCore(
+            params,
+            server_optimizer,
+            policy,
+            replanner=self.replanner,
+            **core_kwargs,
+        )
         aggregator = self.core.aggregator
         # The deferring aggregator, or None where applies are carried out at once.
         self.deferring = (
@@ -1007,12 +1013,11 @@ class _Simulation:
         self._carry_out_worker(w, actions)
 
     def _report(self, w: _Worker, report: wc.Report) -> None:
-        if self.replanner is not None:
-            revised = self.replanner.observe(
-                w.id, report.batch_size, report.time_per_step, report.now
-            )
-            if revised is not None:
-                self._apply_plan(revised)
+        revised = self.core.observe_speed(
+            w.id, report.batch_size, report.time_per_step, report.now
+        )
+        if revised is not None:
+            self._apply_plan(revised)
         self._carry_out_worker(w, w.core.handle(wc.Reported(self.now)))
 
     def _send_push(self, w: _Worker, r: Round, push: wc.Push) -> None:
