@@ -245,6 +245,17 @@ def test_verdict_rules():
     )
 
 
+def test_bytes_claims_count_the_bytes_to_the_target():
+    by = {c.method: c for c in frontier.CLAIMS}
+    # 4x fewer bytes in the budget, but the target reached in half the time:
+    # 8x fewer to the same accuracy.
+    method = {**_stats([10, 10.5], mb=2.5), "mb_to_target": 0.5}
+    base = {**_stats([20, 20.5], mb=10.0), "mb_to_target": 4.0}
+    assert frontier.verdict(by["muloco"], method, base) == "reproduced"
+    method["mb_to_target"] = 1.0
+    assert frontier.verdict(by["muloco"], method, base) == "refuted"
+
+
 def test_choose_prefers_reaching_the_target_soonest():
     runs = {
         0.1: {"time_to_target": None, "best_accuracy": 0.8, "diverged_at": None},
