@@ -146,6 +146,12 @@ def test_bad_flags_are_one_line_naming_flags(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "--core_arg expected: ServerCore has no such argument" in err
     assert "valid names: expected_workers, start_timeout," in err
+    # What the server builds its core with itself is not the flag's to give.
+    argv = ["--init", str(path), "--loop", "asyncio", "--core_arg", "aggregator=1"]
+    assert _cli.main(argv) == 2
+    assert "--core_arg aggregator: ServerCore has no such argument" in (
+        capsys.readouterr().err
+    )
     # The refusal to listen without a secret names the flags, not Python args.
     code = _cli.main(["--init", str(path), "--host", "0.0.0.0", "--loop", "asyncio"])
     err = capsys.readouterr().err

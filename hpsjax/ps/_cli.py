@@ -688,7 +688,15 @@ def _make_server(args: argparse.Namespace) -> tuple[Any, Any]:
         core_kwargs,
         "--core_arg",
         what="ServerCore",
-        skip=("params", "optimizer", "policy", "policy_kwargs", "check_finite"),
+        skip=(
+            "params",
+            "optimizer",
+            "policy",
+            "policy_kwargs",
+            "check_finite",
+            "aggregator",
+            "replanner",
+        ),
     )
     if args.secret_file is None and not (args.insecure or _is_loopback(args.host)):
         raise ValueError(
