@@ -4,8 +4,76 @@ The suite runs in several processes at once (pytest-xdist, ``-n`` in
 ``pyproject.toml``), each with its own JAX runtime. On a GPU, JAX would take
 three quarters of the device's memory in the first process that touches it and
 leave the others too little to start: each process allocates what it uses.
+
+One JAX compilation cache serves the whole test session (fixture
+``session_compile_cache``): the process that starts the session makes an empty
+directory, which every test process finds in ``HPSJAX_TESTS_JAX_CACHE``, and
+removes it at the end. A test that takes the fixture runs with
+``JAX_COMPILATION_CACHE_DIR`` naming it, which the worker processes and the
+experiments' processes backend read: a worker's step compiled by one test's
+workers is loaded from disk by the next test's instead of compiled again. Each
+session starts with an empty cache, so a test also passes cold: the cache
+changes how long a compile takes, never what a test checks. Tests without the
+fixture see no cache, as a user's command without one does.
+
+The slow tests are started first, the longest of them before the others, so
+that the test processes end together instead of one running a two-minute test
+while the other has nothing left to do.
 """
 
+from __future__ import annotations
+
+import atexit
 import os
+import shutil
+import tempfile
+
+import pytest
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+_SESSION_CACHE = "HPSJAX_TESTS_JAX_CACHE"
+if _SESSION_CACHE not in os.environ:
+    # The session's first process (pytest-xdist's controller, or the only one
+    # with -n 0); the test processes it starts inherit the variable.
+    os.environ[_SESSION_CACHE] = tempfile.mkdtemp(prefix="hpsjax-tests-jax-cache-")
+    atexit.register(shutil.rmtree, os.environ[_SESSION_CACHE], ignore_errors=True)
+
+
+@pytest.fixture
+def session_compile_cache(monkeypatch):
+    """The session's JAX compilation cache, in ``JAX_COMPILATION_CACHE_DIR``
+    for the processes this test starts (every program cached, however quick
+    its compile); the directory's path."""
+    from hpsjax._compile_cache import cache_env
+
+    path = os.environ[_SESSION_CACHE]
+    for name, value in cache_env(path).items():
+        monkeypatch.setenv(name, value)
+    return path
+
+
+# The tests that run longest (a minute or more on 2 cores), started before any
+# other; then the other slow tests, then the fast ones, each in collection order.
+_LONGEST = (
+    "tests/test_docs_site.py::test_docs_build",
+    "tests/test_devices_suite.py::test_the_devices_suite",
+    "tests/test_ray_launch.py::test_the_ray_backend",
+    "tests/test_experiments.py::test_processes_",
+    "tests/test_calibrate.py::test_calibrate_end_to_end",
+    "tests/test_chaos.py::test_a_run_with_killed",
+    "tests/test_research_schemes.py::test_ashl_reference_on_processes",
+)
+
+
+def _start_rank(item: pytest.Item) -> tuple[int, int]:
+    for rank, prefix in enumerate(_LONGEST):
+        if item.nodeid.startswith(prefix):
+            return (0, rank)
+    return (1 if item.get_closest_marker("slow") else 2, 0)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    # A stable sort: every test process collects the same order (pytest-xdist
+    # requires it), and tests of one rank keep their collection order.
+    items.sort(key=_start_rank)

@@ -203,7 +203,7 @@ def test_compare_table_ranking_and_plot(tmp_path):
 
 
 @pytest.mark.slow
-def test_calibrate_end_to_end_on_processes(tmp_path):
+def test_calibrate_end_to_end_on_processes(tmp_path, session_compile_cache):
     result = calibrate.calibrate(
         tmp_path, setting="quick", schemes=("asp",), seeds=(0,), label="smoke"
     )

@@ -119,7 +119,7 @@ def test_compare_refuses_a_bad_worker_spec_in_one_line():
 
 
 @pytest.mark.slow
-def test_the_devices_suite_at_smoke_size(tmp_path):
+def test_the_devices_suite_at_smoke_size(tmp_path, session_compile_cache):
     # Two workers: the GPU worker (on CPU cores where there is no GPU) and a
     # single-core CPU worker; every scheme of the suite for a few seconds.
     result = compare.run_suite(
@@ -192,7 +192,9 @@ def test_gpu_check_installs_missing_packages_from_local_wheels_only(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_diverging_processes_run_says_when_in_the_table(tmp_path):
+def test_a_diverging_processes_run_says_when_in_the_table(
+    tmp_path, session_compile_cache
+):
     from experiments import registry, train
 
     config = registry.load_config("asp", "quick")

@@ -2,8 +2,14 @@
 
 The smoke tests run each scheme's ``quick`` setting (three workers, seconds of
 virtual or wall time) in a temporary directory and check the outputs. They share
-a persistent compilation cache, so that the schemes' identical programs compile
-once; the cache is switched off again after this module.
+the test session's persistent compilation cache (``session_compile_cache`` in
+``conftest.py``), in this process and in the worker processes, so that the
+schemes' identical programs compile once; this process's cache is switched off
+again after this module.
+
+Every scheme runs in the simulator; on processes, each distinct server and
+worker path runs once (:data:`PROCESSES_PATH_OF` names where the others' is
+run).
 """
 
 from __future__ import annotations
@@ -33,9 +39,33 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 # pipelines and quantizes, so it runs the most of the processes backend.
 FAST_PROCESS_SCHEME = "hps"
 
+# Schemes whose processes run would take the same path through the server and
+# the workers as another run's: where that path is run. What sets them apart
+# is computed by the server core (the simulator's smoke run drives the same
+# ServerCore, built by the same experiments.build functions) or is the name of
+# the workers' local optax optimizer.
+PROCESSES_PATH_OF = {
+    "staleness_aware_asp": "asp (the server scales each push by its staleness)",
+    "dc_asgd": "asp (the server compensates each push's delay)",
+    "clipped_asgd": "asp (the server clips each push)",
+    "ormo": "asp (the server optimizer is ordered_momentum)",
+    "local_sgd": "muloco (BSP rounds of local steps; sgd inside)",
+    "diloco": "muloco (BSP rounds of local steps; adam inside, nesterov outside)",
+    "ashl_reference": (
+        "tests/test_research_schemes.py::"
+        "test_ashl_reference_on_processes_switches_and_pushes_top_k and "
+        "tests/test_devices_suite.py::test_the_devices_suite_at_smoke_size"
+    ),
+}
+PROCESSES_SMOKE_SCHEMES = [
+    s
+    for s in registry.SCHEMES
+    if s not in registry.SIM_ONLY_SCHEMES and s not in PROCESSES_PATH_OF
+]
+
 
 @pytest.fixture(scope="module", autouse=True)
-def _compilation_cache(tmp_path_factory):
+def _compilation_cache():
     options = (
         "jax_compilation_cache_dir",
         "jax_persistent_cache_min_compile_time_secs",
@@ -43,7 +73,7 @@ def _compilation_cache(tmp_path_factory):
     )
     saved = {name: getattr(jax.config, name) for name in options}
     compilation_cache.reset_cache()
-    jax.config.update(options[0], str(tmp_path_factory.mktemp("jax_cache")))
+    jax.config.update(options[0], os.environ["HPSJAX_TESTS_JAX_CACHE"])
     jax.config.update(options[1], 0.0)
     jax.config.update(options[2], 0)
     yield
@@ -505,16 +535,38 @@ def test_sim_runs_are_reproducible(tmp_path):
     assert first["updates"] == second["updates"]
 
 
+def test_every_schemes_processes_path_is_run_somewhere():
+    assert set(PROCESSES_PATH_OF) <= set(registry.SCHEMES)
+    assert not set(PROCESSES_PATH_OF) & set(registry.SIM_ONLY_SCHEMES)
+    for where in PROCESSES_PATH_OF.values():
+        scheme = where.split()[0]
+        if scheme in registry.SCHEMES:
+            assert scheme in PROCESSES_SMOKE_SCHEMES, where
+        else:
+            for test in where.split(" and "):
+                path, name = test.split("::")
+                assert f"def {name}(" in (REPO / path).read_text(), test
+    assert FAST_PROCESS_SCHEME in PROCESSES_SMOKE_SCHEMES
+
+
+def _processes_smoke_config(scheme: str):
+    """A scheme's quick setting on processes, at smoke size: 6 s of training
+    after the warm-up (twelve evaluations; a BSP round of eight local steps
+    takes up to a second on a loaded machine)."""
+    config = _quick(scheme, backend="processes")
+    config.budget_seconds = 6.0
+    return config
+
+
 @pytest.mark.parametrize(
     "scheme",
     [
         pytest.param(s, marks=() if s == FAST_PROCESS_SCHEME else pytest.mark.slow)
-        for s in registry.SCHEMES
-        if s not in registry.SIM_ONLY_SCHEMES
+        for s in PROCESSES_SMOKE_SCHEMES
     ],
 )
-def test_processes_smoke(tmp_path, scheme):
-    config = _quick(scheme, backend="processes")
+def test_processes_smoke(tmp_path, scheme, session_compile_cache):
+    config = _processes_smoke_config(scheme)
     summary = train.train_and_evaluate(config, tmp_path, progress=False)
     _check_outputs(tmp_path, config, summary)
     for i in range(len(config.workers.slowdowns)):
@@ -528,7 +580,9 @@ def test_processes_smoke(tmp_path, scheme):
 
 
 @pytest.mark.slow
-def test_processes_re_plan_on_the_server_and_workers_follow(tmp_path):
+def test_processes_re_plan_on_the_server_and_workers_follow(
+    tmp_path, session_compile_cache
+):
     config = _quick("hps", backend="processes")
     config.plan.replan = True
     # Any drift re-plans, as soon as each worker reported twice.
