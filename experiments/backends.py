@@ -525,11 +525,14 @@ def _spawn(
 
 def _run_env(workdir: pathlib.Path) -> dict[str, str]:
     """The environment of a run's worker processes: the launcher's, with the
-    run's compilation cache (``jax_cache`` in ``workdir``) shared by the
-    profiling pass, the warm-up, the workers and this process's server."""
+    run's compilation cache shared by the profiling pass, the warm-up, the
+    workers and this process's server: ``JAX_COMPILATION_CACHE_DIR`` where the
+    environment names one (a cache several runs share, as ``hpsjax-worker``
+    takes it), otherwise ``jax_cache`` in ``workdir``."""
+    from hpsjax._compile_cache import CACHE_ENV
     from hpsjax.launch import run_env
 
-    return run_env(workdir, None)
+    return run_env(workdir, os.environ.get(CACHE_ENV) or None)
 
 
 async def _profile_in_place(
