@@ -59,6 +59,8 @@ import msgpack
 import numpy as np
 import tensorstore as ts
 
+from hpsjax._checks import check_int
+
 __all__ = ["Checkpoint", "CheckpointError", "CheckpointManager"]
 
 logger = logging.getLogger(__name__)
@@ -180,14 +182,6 @@ def _crc32(array: np.ndarray) -> int:
     return zlib.crc32(np.ascontiguousarray(array).view(np.uint8).reshape(-1))
 
 
-def _named_leaves(tree: Any) -> dict[str, Any]:
-    """``{orbax's name of the leaf: leaf}``, in ``jax.tree.leaves`` order."""
-    import orbax.checkpoint as ocp  # loaded by the manager already
-
-    names = ocp.tree.get_param_names(tree, include_empty_nodes=False)
-    return dict(zip(jax.tree.leaves(names), jax.tree.leaves(tree), strict=True))
-
-
 def _fill_empty(node: Any, empty: dict[str, Any], path: tuple = ()) -> Any:
     """Orbax's plain tree with its empty arrays (``None`` there) put back."""
     if isinstance(node, dict):
@@ -250,12 +244,6 @@ def _convert_like(value: Any, like_leaf: Any, name: str) -> Any:
     return value
 
 
-def _check_step(step: Any) -> int:
-    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-        raise ValueError(f"step must be a non-negative int, got {step!r}")
-    return step
-
-
 class CheckpointManager:
     """Saves and restores pytrees as atomic orbax checkpoints in a directory.
 
@@ -294,10 +282,7 @@ class CheckpointManager:
     """
 
     def __init__(self, directory: str | os.PathLike, *, keep: int | None = 3):
-        if keep is not None and (
-            isinstance(keep, bool) or not isinstance(keep, int) or keep < 1
-        ):
-            raise ValueError(f"keep must be a positive int or None, got {keep!r}")
+        keep = check_int("keep", keep, low=1, allow_none=True)
         self._directory = pathlib.Path(directory)
         if self._directory.exists() and not self._directory.is_dir():
             raise ValueError(f"{self._directory} exists and is not a directory")
@@ -507,7 +492,7 @@ class CheckpointManager:
             structure, shapes or dtypes (the message names the first mismatch).
           CheckpointError: the checkpoint is damaged or incomplete.
         """
-        step = _check_step(step)
+        step = check_int("step", step, low=0)
         with self._lock:
             steps = self.steps()
             if step not in steps:
@@ -553,7 +538,7 @@ class CheckpointManager:
 
     def _check(self, step: Any, tree: Any, metadata: Any, *, copy: bool) -> _Save:
         """Checks a save's input (copying arrays if ``copy``); writes nothing."""
-        step = _check_step(step)
+        step = check_int("step", step, low=0)
         tree = jax.tree_util.tree_map_with_path(
             lambda path, leaf: _check_leaf(path, leaf, copy=copy), tree
         )
@@ -635,7 +620,7 @@ class CheckpointManager:
             raise ValueError(f"cannot fetch a leaf of step {save.step}: {e}") from e
         arrays = {
             name: leaf
-            for name, leaf in _named_leaves(tree).items()
+            for name, leaf in self._orbax.named_leaves(tree).items()
             if isinstance(leaf, np.ndarray)
         }
         empty = {
@@ -696,7 +681,7 @@ class CheckpointManager:
                 tree = self._orbax.read_state(self._checkpointer, root)
             except Exception as e:
                 raise CheckpointError(f"cannot read leaf data in {root}: {e}") from e
-        values = _named_leaves(tree)
+        values = self._orbax.named_leaves(tree)
         for name, crc in crcs.items():
             value = values.get(name)
             if not isinstance(value, np.ndarray) or _crc32(value) != crc:
@@ -709,7 +694,7 @@ class CheckpointManager:
             if empty:
                 tree = _fill_empty(tree, {n: values[n] for n in empty})
             return Checkpoint(step, tree, body["metadata"])
-        like_values = _named_leaves(like)
+        like_values = self._orbax.named_leaves(like)
         missing = sorted(values.keys() - like_values.keys())
         extra = sorted(like_values.keys() - values.keys())
         if missing or extra:

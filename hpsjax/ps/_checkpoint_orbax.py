@@ -19,6 +19,7 @@ import os
 import pathlib
 from typing import Any
 
+import jax
 import orbax.checkpoint as ocp
 from etils import epath
 
@@ -27,6 +28,12 @@ META = "meta"
 META_FILE = "meta.msgpack"
 # Orbax's temporary directories are ``<final name><TMP_SUFFIX>[-<timestamp>]``.
 TMP_SUFFIX = ".orbax-checkpoint-tmp"
+
+
+def named_leaves(tree: Any) -> dict[str, Any]:
+    """``{orbax's name of the leaf: leaf}``, in ``jax.tree.leaves`` order."""
+    names = ocp.tree.get_param_names(tree, include_empty_nodes=False)
+    return dict(zip(jax.tree.leaves(names), jax.tree.leaves(tree), strict=True))
 
 
 def write_meta(path: pathlib.Path, data: bytes) -> None:
