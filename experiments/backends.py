@@ -82,8 +82,9 @@ def _push_compression(
     ``worker.bits``, with its codec, or PowerSGD for
     ``worker.compression='power_sgd'`` (its factors on the wire, no codec);
     ``None`` for float32 pushes or top-k, which the worker core applies;
-    SparseLoCo's push (``worker.compression='sparseloco'``, simulator only),
-    Streaming DiLoCo's (``'streaming'``: the fragments' mean bytes a push).
+    SparseLoCo's push (``worker.compression='sparseloco'``) or Streaming
+    DiLoCo's (``'streaming'``: the fragments' mean bytes a push), which real
+    workers get as ``--push_transform``.
     ``push_bytes`` is one push's payload, what the profiling pass's link
     estimate uses: ``powersgd_nbytes`` per leaf for PowerSGD.
     """
@@ -429,11 +430,9 @@ def _worker_flags(
         ]  # fmt: skip
         for key, value in (worker.get("local_optimizer_args") or {}).items():
             flags += ["--local_optimizer_arg", f"{key}={json.dumps(_plain(value))}"]
-    if worker.get("compression", "none") in ("sparseloco", "streaming"):
-        raise ValueError(
-            f"worker.compression={worker.compression!r} runs on the simulator "
-            "only (hpsjax-worker has no such push yet): use backend='sim'"
-        )
+    spec = _push_transform_spec(config, index)
+    if spec is not None:
+        flags += ["--push_transform", spec]
     power_sgd = worker.get("compression", "none") == "power_sgd"
     if worker.bits is not None:
         flags += ["--bits", str(int(worker.bits))]
@@ -460,6 +459,33 @@ def _worker_flags(
         flags += ["--bandwidth", repr(float(config.workers.bandwidth))]
     flags += ["--latency", repr(float(config.workers.latency))]
     return flags
+
+
+def _push_transform_spec(config: ml_collections.ConfigDict, index: int) -> str | None:
+    """``hpsjax-worker --push_transform``'s JSON for SparseLoCo's and Streaming
+    DiLoCo's pushes (the transforms ``_push_compression`` gives the
+    simulator) of worker ``index``, or ``None``."""
+    worker = config.worker
+    compression = worker.get("compression", "none")
+    if compression == "sparseloco":
+        fields = {
+            "name": "sparseloco",
+            "ratio": float(worker.compress_ratio),
+            "bits": int(worker.sparseloco_bits),
+            "decay": float(worker.sparseloco_decay),
+        }
+    elif compression == "streaming":
+        bits = worker.streaming_bits
+        fields = {
+            "name": "streaming_push",
+            "fragments": int(worker.streaming_fragments),
+            "bits": None if bits is None else int(bits),
+            "error_feedback": bool(worker.error_feedback),
+        }
+    else:
+        return None
+    # Each worker rounds with a key of its own.
+    return json.dumps({**fields, "seed": int(config.seed) * 1000 + index})
 
 
 def _plain(value: Any) -> Any:

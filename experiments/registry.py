@@ -80,9 +80,9 @@ SCHEMES: tuple[str, ...] = (
 """Schemes with a config file ``experiments/configs/<scheme>.py``, in table order."""
 
 SIM_ONLY_SCHEMES: tuple[str, ...] = ("sparseloco", "streaming_diloco")
-"""Schemes that run on the simulator only: SparseLoCo's and Streaming DiLoCo's
-pushes are not sent by ``hpsjax-worker`` yet, so the processes backend refuses
-them in one line."""
+"""Schemes left out of the processes suites and smoke runs: their workers need
+``hpsjax-worker --push_transform``, which the worker's flags made from its
+configuration's fields provide."""
 
 BACKENDS: tuple[str, ...] = ("sim", "processes")
 """``sim``: the virtual-clock simulator; ``processes``: a real server and workers."""
@@ -123,11 +123,13 @@ feedback) as the push transform of the simulator and ``hpsjax-worker
 --powersgd_rank`` on processes, both sending or counting its factors;
 ``sparseloco`` (``hpsjax.sparseloco``: decayed error feedback, top-k at
 ``worker.compress_ratio``, values on ``worker.sparseloco_bits`` bits) as the
-push transform of the simulator, which counts ``sparseloco_nbytes`` per push
-(no wire codec: simulator only); ``streaming`` (Streaming DiLoCo's
+push transform of the simulator, which counts ``sparseloco_nbytes`` per push;
+``streaming`` (Streaming DiLoCo's
 ``hpsjax.streaming_push``: one of ``worker.streaming_fragments`` fragments a
 push, in turn, on ``worker.streaming_bits`` bits) as the push transform of the
-simulator, which counts the fragments' mean bytes per push."""
+simulator, which counts the fragments' mean bytes per push. On processes both
+go through ``hpsjax-worker --push_transform`` and travel as top-k leaves at
+float32 (``hpsjax.transforms.sparse_encoded``: no few-bit sparse codec yet)."""
 
 _REGISTRIES: dict[str, Any] = {
     "optimizer": OPTIMIZERS,

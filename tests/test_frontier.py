@@ -250,12 +250,61 @@ def test_sparseloco_in_the_simulator_counts_its_bytes_and_trains(tmp_path):
     assert summary["final_loss"] < 2.3
 
 
-def test_sparseloco_is_refused_on_processes_in_one_line(tmp_path):
-    from experiments import backends
+@pytest.mark.parametrize("scheme", ["sparseloco", "streaming_diloco"])
+def test_sparse_pushes_reach_the_workers_flags(scheme):
+    import json
 
-    config = _quick("sparseloco")
-    with pytest.raises(ValueError, match=r"^worker\.compression='sparseloco' runs"):
-        backends._worker_flags(config, 0, plan_file=None)
+    from experiments import backends
+    from hpsjax.transforms import sparse_push_transform
+
+    config = _quick(scheme)
+    flags = backends._worker_flags(config, 1, plan_file=None)
+    spec = flags[flags.index("--push_transform") + 1]
+    assert json.loads(spec)["seed"] == int(config.seed) * 1000 + 1
+    params = build.setup(config).params
+    tx = sparse_push_transform(spec)
+    sim_tx, _, _ = backends._push_compression(config, params)
+    # The same transform as the simulator's, the worker's own seed aside.
+    assert jax.tree.structure(tx.init(params)) == jax.tree.structure(
+        sim_tx.init(params)
+    )
+
+
+def test_a_sparse_push_goes_out_as_its_nonzero_entries():
+    from hpsjax.transforms import sparse_encoded, sparseloco, topk_decode
+
+    params = {"w": jnp.linspace(-1.0, 1.0, 300).reshape(30, 10), "b": jnp.ones(3)}
+    tx = sparseloco(0.05, bits=2)
+    sent, _ = tx.update(params, tx.init(params))
+    encoded = sparse_encoded(sent)
+    for enc, leaf in zip(encoded, jax.tree.leaves(sent), strict=True):
+        assert enc.indices.size == np.count_nonzero(np.asarray(leaf))
+        np.testing.assert_array_equal(
+            topk_decode(enc, leaf.shape, leaf.dtype), np.asarray(leaf)
+        )
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"push_transform": "{"}, r"^a push transform is a JSON object"),
+        ({"push_transform": '{"name": "top"}'}, r"^unknown push transform 'top'"),
+        (
+            {"push_transform": '{"name": "sparseloco", "ratio": 2}'},
+            r"^ratio must be",
+        ),
+        (
+            {"push_transform": '{"name": "sparseloco"}', "bits": 4},
+            r"^give push_transform or bits",
+        ),
+    ],
+)
+def test_a_workers_bad_push_transform_is_one_line(kwargs, message):
+    from hpsjax.worker import WorkerConfig
+
+    with pytest.raises(ValueError, match=message) as err:
+        WorkerConfig(**kwargs)
+    assert "\n" not in str(err.value)
 
 
 # ---------------------------------------------------------------------------
@@ -575,3 +624,79 @@ def test_streaming_diloco_config_errors_are_one_line(key, value, message):
     with pytest.raises(ValueError, match=message) as err:
         registry.check_config(config)
     assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("spec", "optimizer", "local", "share"),
+    [
+        (
+            '{"name": "streaming_push", "fragments": 2, "bits": 4}',
+            ("streaming_nesterov", {"fragments": 2}),
+            ("streaming_local", {"inner": "adam"}),
+            0.8,  # half the values, at 4 + 2 index bytes each
+        ),
+        (
+            '{"name": "sparseloco", "ratio": 0.02, "bits": 2}',
+            ("sgd", {}),
+            ("adam", {}),
+            0.15,  # 2% of the values, at 4 + 2 index bytes each
+        ),
+    ],
+    ids=["streaming_diloco", "sparseloco"],
+)
+def test_a_real_worker_sends_its_sparse_push_as_top_k_leaves(
+    spec, optimizer, local, share
+):
+    """An asyncio server and worker on loopback: each push carries the
+    transform's nonzero entries (a fragment, or the top 2%) and no more."""
+    import asyncio
+
+    from hpsjax import data
+    from hpsjax._optimizers import make_optimizer
+    from hpsjax.ps import Server
+    from hpsjax.worker import Worker, WorkerConfig
+
+    train_set = data.synthetic_digits(256, seed=0)
+    rng = np.random.default_rng(0)
+    params = {
+        "bias": np.zeros(10, np.float32),
+        "kernel": (rng.normal(size=(64, 10)) / 8).astype(np.float32),
+    }
+    dense = sum(x.nbytes for x in params.values())
+
+    def loss_fn(p, batch):
+        x = jnp.reshape(batch.x, (batch.x.shape[0], -1))
+        logits = x @ p["kernel"] + p["bias"]
+        return optax.softmax_cross_entropy_with_integer_labels(logits, batch.y)
+
+    name, kwargs = optimizer
+
+    async def main():
+        server = Server(
+            params, make_optimizer(name, 0.7, **kwargs), "asp",
+            port=0, secret="s" * 32,
+        )  # fmt: skip
+        await server.start()
+        try:
+            config = WorkerConfig(
+                port=server.port, worker_id="w0", secret="s" * 32, batch_size=16,
+                local_steps=3, overlap="none", max_steps=4, push_transform=spec,
+            )  # fmt: skip
+            worker = Worker(
+                config,
+                loss_fn=loss_fn,
+                batches=train_set.batches(16, seed=0).next,
+                local_optimizer=make_optimizer(local[0], 0.01, **local[1]),
+            )
+            summary = await worker.run()
+            return summary, server.version, server.params
+        finally:
+            await server.close()
+
+    summary, version, final = asyncio.run(asyncio.wait_for(main(), 120))
+    assert summary.pushes == 4 and version == 4
+    # Everything the worker wrote (pushes, pull requests, handshake) against
+    # four dense pushes.
+    assert summary.bytes_sent < share * 4 * dense
+    moved = [not np.allclose(final[k], params[k]) for k in params]
+    assert all(moved)

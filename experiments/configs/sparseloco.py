@@ -7,8 +7,10 @@ pushes the largest ``worker.compress_ratio`` of entries per leaf with their
 values on 2 bits; the rest stays in the accumulator
 (``hpsjax.transforms.sparseloco``). The server waits for all (BSP), averages
 the pushes and takes a plain SGD step on them: the accumulator stands in for
-DiLoCo's outer momentum. Simulator only (its pushes have no wire codec yet);
-the bytes counted are ``sparseloco_nbytes``.
+DiLoCo's outer momentum. The simulator counts ``sparseloco_nbytes`` a push
+(k indices and k 2-bit values a leaf); real workers
+(``hpsjax-worker --push_transform``) send the same values as top-k leaves at
+float32, as the wire has no few-bit sparse codec yet.
 
 Launch::
 

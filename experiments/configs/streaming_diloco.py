@@ -17,6 +17,11 @@ Each fragment is synchronised every P rounds; a round is
 (no gradient is used), so that every fragment sees H = 8 inner steps between
 two synchronisations, as ``diloco.py``'s rounds do.
 
+The simulator charges a push the fragments' mean bytes on 4 bits; real
+workers (``hpsjax-worker --push_transform``) send the fragment as top-k
+leaves at float32 (no few-bit sparse codec on the wire yet). A pull is the
+whole model in both. The eager updates variant is not built.
+
 Launch::
 
   python -m experiments.run --config=experiments/configs/streaming_diloco.py:sim8 \\

@@ -26,6 +26,8 @@ any optax optimizer.
 * :func:`streaming_local`, :func:`streaming_push` and :func:`streaming_outer`:
   Streaming DiLoCo (fragments synchronised in turn, few-bit outer gradients);
   :func:`streaming_fragment_nbytes` the bytes of each fragment.
+* :func:`sparse_push_transform` and :func:`sparse_encoded`: a worker's
+  SparseLoCo or Streaming DiLoCo push from a JSON spec, sent as top-k leaves.
 """
 
 from hpsjax.transforms._frontier import (
@@ -71,6 +73,11 @@ from hpsjax.transforms._quantize import (
     last_encoded,
     quantize,
 )
+from hpsjax.transforms._sparse_push import (
+    SPARSE_PUSHES,
+    sparse_encoded,
+    sparse_push_transform,
+)
 from hpsjax.transforms._stages import (
     STAGE_MODES,
     HybridStagesState,
@@ -115,6 +122,7 @@ from hpsjax.transforms._topk import (
 
 __all__ = [
     "SCHEMES",
+    "SPARSE_PUSHES",
     "STAGE_MODES",
     "STALENESS_POLICIES",
     "Codec",
@@ -164,6 +172,8 @@ __all__ = [
     "push_due",
     "quantize",
     "scale_by_staleness",
+    "sparse_encoded",
+    "sparse_push_transform",
     "sparseloco",
     "sparseloco_nbytes",
     "stage_settings",

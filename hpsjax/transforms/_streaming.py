@@ -22,6 +22,20 @@ The fragment due at a worker's :math:`c`-th push and at the server's
 message as long as every worker pushes every round (BSP, all workers from the
 start); fragment :math:`p` is the :math:`p`-th of :math:`P` equal contiguous
 chunks of the flattened parameters (:func:`fragment_bounds`).
+
+Our reading: the paper's abstract and public summaries of it (fragments
+synchronised in turn, strided blocks of layers in the paper; the outer
+gradient of a fragment overlapped with :math:`\tau` inner steps; 4-bit
+floating-point outer gradients, accumulated in float32; the merge with a
+mixing factor :math:`\alpha`), and torchft's public implementation
+(``fragment_sync_delay`` is :math:`\tau`; ``fragment_update_alpha`` is
+:math:`\alpha`, which it supports at 0 only). Where the paper's exact
+algorithm differs, this module has not read it. The eager variant (Kale,
+Douillard, Donchev 2025, arXiv 2502.12996: the worker applies its own outer
+gradient while the average travels) is not built. In hpsjax the overlap is
+the worker's ``overlap='pipeline'``: a fragment merges one round
+(:math:`\tau = H/P` steps) after it was pushed. A pull brings the whole
+model, not only the fragment synchronised.
 """
 
 from __future__ import annotations

@@ -277,6 +277,13 @@ class WorkerConfig(WorkerOptions):
         "compress pushes to PowerSGD factors of this rank (not with --bits)",
         group="work",
     )
+    push_transform: str | None = _option(
+        None,
+        'push through this transform, a JSON object {"name": "sparseloco" or '
+        '"streaming_push", its arguments}, its nonzero entries sent as top-k '
+        "leaves (not with --bits or --powersgd_rank)",
+        group="work",
+    )
     error_feedback: bool = _option(
         True,
         "with --bits or --powersgd_rank: drop the compression error "
@@ -321,6 +328,12 @@ class WorkerConfig(WorkerOptions):
         check_int("powersgd_rank", self.powersgd_rank, low=1, allow_none=True)
         if self.bits is not None and self.powersgd_rank is not None:
             raise ValueError("give bits or powersgd_rank, not both")
+        if self.push_transform is not None:
+            from hpsjax.transforms import sparse_push_transform
+
+            if self.bits is not None or self.powersgd_rank is not None:
+                raise ValueError("give push_transform or bits or powersgd_rank")
+            sparse_push_transform(self.push_transform)  # checks it
         if self.stochastic is not None and not isinstance(self.stochastic, bool):
             raise ValueError(f"stochastic must be a bool or None: {self.stochastic!r}")
         if not isinstance(self.heterogeneity, Heterogeneity):
@@ -749,7 +762,15 @@ class Worker:
 
     def _make_compressor(self):
         config = self._config
-        if config.powersgd_rank is not None:
+        if config.push_transform is not None:
+            # SparseLoCo's or Streaming DiLoCo's: its output's nonzero entries
+            # go out as top-k leaves (hpsjax.transforms.sparse_encoded).
+            from hpsjax.ps._codecs import TopKCodec
+            from hpsjax.transforms import sparse_push_transform
+
+            self._codec = TopKCodec
+            self._compressor = sparse_push_transform(config.push_transform)
+        elif config.powersgd_rank is not None:
             # The wire reads each leaf's rank from the factors.
             self._codec = PowerSGDCodec
             self._compressor = power_sgd(
@@ -1057,9 +1078,14 @@ class Worker:
             host = jax.device_get(update)
             host = jax.tree.map(np.asarray, host)
             return _Prepared(host, None, _tree_nbytes(host))
-        _, state = self._compress_update(update, self._compressor_state)
+        sent, state = self._compress_update(update, self._compressor_state)
         self._compressor_state = state
-        encoded = jax.device_get(self._codec.last_encoded(state))
+        if self._config.push_transform is not None:
+            from hpsjax.transforms import sparse_encoded
+
+            encoded = sparse_encoded(sent)
+        else:
+            encoded = jax.device_get(self._codec.last_encoded(state))
         return _Prepared(self._spec_like, encoded, _tree_nbytes(encoded), self._codec)
 
     def _sparsify(self, update: Any, ratio: float) -> _Prepared:
@@ -1175,7 +1201,12 @@ class Worker:
             self._opt_state = self._tx.init(device_params)
             if len(self._devices) > 1:
                 self._apply = self._apply_fn()
-        if self._config.bits is not None or self._config.powersgd_rank is not None:
+        config = self._config
+        if (
+            config.bits is not None
+            or config.powersgd_rank is not None
+            or config.push_transform is not None
+        ):
             self._make_compressor()
             self._compressor_state = self._compressor.init(device_params)
 
