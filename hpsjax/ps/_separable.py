@@ -186,11 +186,12 @@ class LeafApply:
     """One push averaged into the buffer and applied leaf by leaf, each leaf as
     soon as it is known.
 
-    The server starts one for a push whose apply follows at once (and
-    ``ServerCore.overlapped_apply`` says when that is: an ASP push, the last
-    push of a BSP round), feeds it each leaf of the update as its bytes
-    arrive, and the core takes its result in place of the whole-tree average
-    and apply, if nothing changed meanwhile: the parameters, optimizer state
+    The server's aggregator starts one for a push whose apply follows at once
+    (``ServerCore.completing_push`` says when that is: an ASP push, the last
+    push of a BSP round; see ``hpsjax.ps._overlap``), the server feeds it each
+    leaf of the update as its bytes arrive, and the aggregator takes its
+    result in place of the whole-tree average and apply, if nothing changed
+    meanwhile: the parameters, optimizer state
     and buffer it started from are still the server's, with the same weights
     and staleness. The leaves' steps run in order on one thread of their own
     (XLA releases the GIL while it computes), so the optimizer works while the
