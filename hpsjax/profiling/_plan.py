@@ -61,7 +61,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from hpsjax._checks import is_int, is_number
+from hpsjax._checks import check_int, is_int, is_number
 from hpsjax._ewma import ewma
 from hpsjax.profiling._profile import WorkerProfile
 
@@ -1045,12 +1045,6 @@ def _ashl_reference(models, step_times, multipliers, base_ratio, max_local_steps
     return list(zip(ahl, shl, strict=True)), shares, ratios
 
 
-def _check_int(name: str, value: Any, minimum: int) -> int:
-    if not is_int(value) or value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
-    return int(value)
-
-
 def _check_positive(name: str, value: Any) -> float:
     if not is_number(value) or not math.isfinite(value) or value <= 0:
         raise ValueError(f"{name} must be a positive finite number, got {value!r}")
@@ -1267,21 +1261,21 @@ def plan(
         raise ValueError(f"worker ids repeat: {ids}")
     _check_scheme(scheme)
     _check_lr_scaling(lr_scaling)
-    global_batch = _check_int("global_batch", global_batch, 1)
-    local_steps = _check_int("local_steps", local_steps, 1)
-    min_device_batch = _check_int("min_device_batch", min_device_batch, 1)
+    global_batch = check_int("global_batch", global_batch, low=1)
+    local_steps = check_int("local_steps", local_steps, low=1)
+    min_device_batch = check_int("min_device_batch", min_device_batch, low=1)
     if min_batch is None:
         min_batch = max(1, math.floor(global_batch * MIN_BATCH_SHARE / len(profiles)))
-    min_batch = _check_int("min_batch", min_batch, 1)
+    min_batch = check_int("min_batch", min_batch, low=1)
     if max_local_steps is not None:
-        max_local_steps = _check_int("max_local_steps", max_local_steps, local_steps)
+        max_local_steps = check_int("max_local_steps", max_local_steps, low=local_steps)
     if reference_batch is None:
         reference_batch = global_batch / len(profiles)
     reference_batch = _check_positive("reference_batch", reference_batch)
     if check_period is not None:
         check_period = _check_positive("check_period", check_period)
     if commits_per_period is not None:
-        commits_per_period = _check_int("commits_per_period", commits_per_period, 1)
+        commits_per_period = check_int("commits_per_period", commits_per_period, low=1)
     if scheme != "adsp" and (check_period, commits_per_period) != (None, None):
         raise ValueError("check_period and commits_per_period apply to 'adsp' only")
     if scheme != "ashl_reference" and (stage_multipliers, compress_ratio) != (
@@ -1305,7 +1299,7 @@ def plan(
                 f"got {stage_multipliers!r}"
             )
         stage_multipliers = tuple(
-            _check_int("stage_multipliers", k, 1) for k in stage_multipliers
+            check_int("stage_multipliers", k, low=1) for k in stage_multipliers
         )
         if compress_ratio is not None:
             if not (
@@ -1410,11 +1404,11 @@ class Replanner:
         if not isinstance(plan, WorkPlan):
             raise ValueError(f"plan must be a WorkPlan, got {type(plan).__name__}")
         self._threshold = _check_positive("threshold", threshold)
-        _check_int("window", window, 1)
+        check_int("window", window, low=1)
         if not is_number(cooldown) or not cooldown >= 0:
             raise ValueError(f"cooldown must be a number >= 0, got {cooldown!r}")
         self._cooldown = float(cooldown)
-        self._min_observations = _check_int("min_observations", min_observations, 1)
+        self._min_observations = check_int("min_observations", min_observations, low=1)
         self._alpha = 2.0 / (window + 1)
         self._plan = plan
         self._last_revision: float | None = None
@@ -1460,7 +1454,7 @@ class Replanner:
             time; nothing is recorded then.
         """
         worker = self._plan.worker(worker_id)
-        batch_size = _check_int("batch_size", batch_size, 1)
+        batch_size = check_int("batch_size", batch_size, low=1)
         step_time = _check_positive("step_time", step_time)
         if not is_number(now):
             raise ValueError(f"now must be a number, got {now!r}")

@@ -36,19 +36,11 @@ from typing import Any
 
 import numpy as np
 
-from hpsjax._checks import check_number, is_int
+from hpsjax._checks import check_int, check_number
 from hpsjax.profiling import WorkerProfile
 from hpsjax.worker._hetero import Heterogeneity
 
 __all__ = ["ComputeModel", "WorkerSpec", "make_workers"]
-
-
-def _check_int(name: str, value: Any, *, low: int) -> int:
-    if not is_int(value):
-        raise ValueError(f"{name} must be an int >= {low}, got {value!r}.")
-    if value < low:
-        raise ValueError(f"{name} must be an int >= {low}, got {value}.")
-    return int(value)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,7 +91,7 @@ class ComputeModel:
             "step_time", self.step_time, low=0.0, low_inclusive=False
         )
         if self.reference_batch is not None:
-            _check_int("reference_batch", self.reference_batch, low=1)
+            check_int("reference_batch", self.reference_batch, low=1)
         overhead = check_number("overhead", self.overhead, low=0.0)
         if overhead > step_time:
             raise ValueError(
@@ -261,8 +253,8 @@ class WorkerSpec:
                 "heterogeneity must be a hpsjax Heterogeneity or None, got "
                 f"{type(self.heterogeneity).__name__}."
             )
-        _check_int("batch_size", self.batch_size, low=1)
-        _check_int("local_steps", self.local_steps, low=1)
+        check_int("batch_size", self.batch_size, low=1)
+        check_int("local_steps", self.local_steps, low=1)
         check_number("lr_scale", self.lr_scale, low=0.0)
         if self.worker_id is not None and (
             isinstance(self.worker_id, bool)
@@ -336,9 +328,9 @@ def make_workers(
       >>> sorted(round(w.compute.step_time, 3) for w in workers)
       [0.1, 0.1, 0.1, 0.1, 0.1, 0.1, 0.4, 0.4]
     """
-    n = _check_int("num_workers", num_workers, low=1)
+    n = check_int("num_workers", num_workers, low=1)
     step_time = check_number("step_time", step_time, low=0.0, low_inclusive=False)
-    _check_int("batch_size", batch_size, low=1)
+    check_int("batch_size", batch_size, low=1)
     speed_sigma = check_number("speed_sigma", speed_sigma, low=0.0)
     fraction = check_number("straggler_fraction", straggler_fraction, low=0.0)
     if fraction > 1:
@@ -349,7 +341,7 @@ def make_workers(
         bandwidth = check_number("bandwidth", bandwidth, low=0.0, low_inclusive=False)
     bandwidth_sigma = check_number("bandwidth_sigma", bandwidth_sigma, low=0.0)
     latency = check_number("latency", latency, low=0.0)
-    _check_int("local_steps", local_steps, low=1)
+    check_int("local_steps", local_steps, low=1)
     if isinstance(seed, bool) or not isinstance(seed, int | np.integer) or seed < 0:
         raise ValueError(f"seed must be an int >= 0, got {seed!r}.")
 
