@@ -72,11 +72,11 @@ from typing import Any
 
 import numpy as np
 import numpy.lib.format as npy_format
-import optax
 
 from hpsjax._flags import add_key_value_flag, check_kwargs
 from hpsjax._logs import LOG_LEVELS, check_log_level, setup_logging
 from hpsjax._npz import check_params_file, nest_named_arrays
+from hpsjax._optimizers import OPTIMIZERS, make_optimizer
 
 __all__ = [
     "keep_freed_memory",
@@ -88,8 +88,6 @@ __all__ = [
     "nest_named_arrays",
     "parse_args",
 ]
-
-OPTIMIZERS = ("sgd", "momentum", "adam")  # and any optax optimizer by name
 
 
 def load_npz_tree(path: str | pathlib.Path) -> dict[str, Any]:
@@ -281,32 +279,6 @@ def initial_params(
     return jax.tree.map(np.asarray, params)
 
 
-def make_optimizer(
-    name: str, learning_rate: float, *, momentum: float | None = None, **kwargs: Any
-) -> optax.GradientTransformation:
-    """The server optimizer named on the command line.
-
-    Args:
-      name: ``"sgd"``, ``"momentum"`` (SGD with heavy-ball momentum),
-        ``"adam"``, ``"nesterov"``, ``"delayed_nesterov"``, or any optax
-        optimizer by name (``"adamw"``, ``"lion"``, ``"muon"``, ...; see
-        ``hpsjax._optimizers``).
-      learning_rate: the step size, > 0.
-      momentum: the momentum of ``"momentum"`` (default 0.9) and ``"sgd"``,
-        in [0, 1), or of an optax optimizer that takes one.
-      **kwargs: the optimizer's own keyword arguments (``--optimizer_arg``).
-
-    Returns:
-      An optax ``GradientTransformation``.
-
-    Raises:
-      ValueError: unknown name or bad values (one line).
-    """
-    from hpsjax._optimizers import make_optimizer as make
-
-    return make(name, learning_rate, momentum=momentum, **kwargs)
-
-
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """Parses the command line (see the module docstring)."""
     from hpsjax import data, models
@@ -406,8 +378,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     g.add_argument(
         "--optimizer",
         default="sgd",
-        help=f"server optimizer: {', '.join(OPTIMIZERS)}, nesterov, "
-        "delayed_nesterov, or any optax optimizer by name (adamw, lion, muon, ...)",
+        help=f"server optimizer: {', '.join(OPTIMIZERS)}, or any optax optimizer "
+        "by name (adamw, lion, muon, ...)",
     )
     add_key_value_flag(
         g,

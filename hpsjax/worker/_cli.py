@@ -61,9 +61,12 @@ import typing
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from hpsjax._flags import HelpFormatter, check_kwargs, key_value
+from hpsjax import data, models
+from hpsjax._config_flags import add_flags, config_kwargs
+from hpsjax._flags import HelpFormatter, add_key_value_flag, check_kwargs
 from hpsjax._logs import LOG_LEVELS, check_log_level, setup_logging
-from hpsjax.worker._core import NONFINITE_ACTIONS, OVERLAP_MODES
+from hpsjax._optimizers import OPTIMIZERS
+from hpsjax.worker._runtime import Worker, WorkerConfig
 
 __all__ = [
     "DIVERGED",
@@ -86,15 +89,11 @@ DIVERGED = 3
 #: ``--reconnect_timeout`` (said in one line).
 SERVER_GONE = 4
 
-LOCAL_OPTIMIZERS = ("none", "sgd", "momentum", "adam")  # and any optax optimizer
 # Model arguments the registry's factories set from the data, not from flags.
 _MODEL_SHAPE_ARGS = (
     "self", "input_shape", "in_features", "in_channels", "image_size",
     "num_classes", "rngs",
 )  # fmt: skip
-
-
-_key_value = key_value
 
 
 def _addresses(text: str) -> list[tuple[str, int]]:
@@ -109,24 +108,29 @@ def _addresses(text: str) -> list[tuple[str, int]]:
     return out
 
 
-def _worker_id(text: str) -> str | int:
-    try:
-        return int(text)
-    except ValueError:
-        return text
+_GROUPS = {
+    "server": "server",
+    "data": "model and data",
+    "work": "work",
+    "faults": "heterogeneity and faults",
+    "outputs": "outputs",
+}
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    """Parses the command line (see the module docstring)."""
-    from hpsjax import data, models
+    """Parses the command line (see the module docstring).
 
+    The flags of :class:`~hpsjax.worker.WorkerConfig`'s fields (``--local_steps``,
+    ``--overlap``, ``--ignore_hints``, ...) are made from the fields
+    (:mod:`hpsjax._config_flags`); the others are the command's own.
+    """
     p = argparse.ArgumentParser(
         prog="hpsjax-worker",
         description="Run an hpsjax training worker.",
         formatter_class=HelpFormatter,
     )
-    g = p.add_argument_group("server")
-    g.add_argument("--host", default="127.0.0.1", help="server address")
+    groups = {key: p.add_argument_group(title) for key, title in _GROUPS.items()}
+    g = groups["server"]
     g.add_argument("--port", type=int, help="server port")
     g.add_argument(
         "--servers",
@@ -144,37 +148,20 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     g.add_argument("--secret_file", help="file holding the shared secret")
     g.add_argument("--cafile", help="CA certificates (PEM) to verify a TLS server")
     g.add_argument("--server_hostname", help="name to check the certificate for")
-    g.add_argument("--worker_id", type=_worker_id, default=0, help="unique id")
-    g.add_argument("--timeout", type=float, default=600.0, help="request timeout (s)")
     g.add_argument(
         "--connect_timeout",
         type=float,
         default=30.0,
         help="seconds to keep retrying (with backoff) a server that is not up yet",
     )
-    g.add_argument(
-        "--reconnect_timeout",
-        type=float,
-        default=60.0,
-        help="seconds to keep reconnecting (with backoff) to a server that said "
-        "goodbye or was lost, then join it again at its version (a restarted "
-        f"server's) and go on; 0: stop at once (exit status {SERVER_GONE})",
-    )
 
-    g = p.add_argument_group("model and data")
+    g = groups["data"]
     g.add_argument(
         "--model",
         default="mlp",
         help=f"model: {', '.join(sorted(models.MODELS))} or package.module:factory",
     )
-    g.add_argument(
-        "--model_arg",
-        type=_key_value,
-        action="append",
-        default=[],
-        metavar="NAME=VALUE",
-        help="model argument (JSON value)",
-    )
+    add_key_value_flag(g, "--model_arg", "model argument (JSON value)")
     g.add_argument(
         "--model_seed",
         type=int,
@@ -193,14 +180,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "a leading example axis) and y (integer labels), e.g. written by "
         "np.savez(path, x=images, y=labels)",
     )
-    g.add_argument(
-        "--dataset_arg",
-        type=_key_value,
-        action="append",
-        default=[],
-        metavar="NAME=VALUE",
-        help="dataset argument (JSON value)",
-    )
+    add_key_value_flag(g, "--dataset_arg", "dataset argument (JSON value)")
     g.add_argument(
         "--test_fraction",
         type=float,
@@ -215,91 +195,26 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="shuffle seed of this worker's batches (default: its shard index)",
     )
 
-    g = p.add_argument_group("work")
-    g.add_argument("--batch_size", type=int, default=32, help="samples per step")
+    g = groups["work"]
     g.add_argument("--work_plan", help="WorkPlan JSON file (sets batch, steps, lr)")
-    g.add_argument("--local_steps", type=int, default=1, help="local steps per push")
     g.add_argument(
         "--local_optimizer",
         default="none",
-        help="optimizer of local steps: none (push gradients), sgd, momentum, "
-        "adam, or any optax optimizer by name (adamw, lion, muon, ...)",
+        help="optimizer of local steps: none (push gradients), or any optimizer "
+        f"by name: {', '.join(OPTIMIZERS)}, or any optax optimizer (adamw, lion, "
+        "muon, ...)",
     )
-    g.add_argument(
+    add_key_value_flag(
+        g,
         "--local_optimizer_arg",
-        type=_key_value,
-        action="append",
-        default=[],
-        metavar="NAME=VALUE",
-        help="keyword argument of the local optimizer (JSON value), repeatable: "
+        "keyword argument of the local optimizer (JSON value), repeatable: "
         "weight_decay=0.01 (adamw), momentum=0.5 (sgd)",
     )
     g.add_argument(
         "--local_learning_rate", type=float, default=0.1, help="local step size"
     )
-    g.add_argument(
-        "--lr_scale", type=float, default=1.0, help="factor on the step size"
-    )
-    g.add_argument("--bits", type=int, help="quantize pushes (1, 2, 4, 8, 16 bits)")
-    g.add_argument(
-        "--powersgd_rank",
-        type=int,
-        help="compress pushes to PowerSGD factors of this rank (not with --bits)",
-    )
-    g.add_argument(
-        "--compress_from_stage",
-        type=int,
-        help="with --work_plan: top-k sparsify pushes at the plan's "
-        "compress_ratio once the server's stage is at least this (ASHL's SHL: 1)",
-    )
-    g.add_argument(
-        "--no_error_feedback",
-        action="store_true",
-        help="with --bits or --powersgd_rank: drop the compression error "
-        "instead of carrying it",
-    )
-    g.add_argument(
-        "--staleness_lr", help="scale updates by f(staleness) on the worker (PS+)"
-    )
-    g.add_argument(
-        "--overlap",
-        choices=OVERLAP_MODES,
-        help="transfers during compute: pipeline (the previous push and the next "
-        "pull), eager (pipeline, pulling again while compute time is left, up to "
-        "--eager_pulls a round) or none (push and pull after compute); default: "
-        "the server's policy's, none under a synchronous policy (bsp: every push "
-        "has staleness 0), pipeline otherwise (each push at least 1 version stale)",
-    )
-    g.add_argument(
-        "--no_pull_with_push",
-        action="store_true",
-        help="with --overlap pipeline or eager, pull in a request of its own "
-        "rather than in the push (the PUSH_PULL message)",
-    )
-    g.add_argument(
-        "--eager_pulls",
-        type=int,
-        default=1,
-        help="with --overlap eager: pulls per round at most",
-    )
-    g.add_argument(
-        "--ignore_hints",
-        action="store_true",
-        help="ignore the server's local-step and plan hints",
-    )
-    g.add_argument("--max_steps", type=int, help="rounds to run")
-    g.add_argument("--max_seconds", type=float, help="seconds to run")
-    g.add_argument("--until_version", type=int, help="stop at this server version")
-    g.add_argument("--seed", type=int, default=0, help="quantizer seed")
-    g.add_argument(
-        "--on_nonfinite",
-        default="stop",
-        choices=NONFINITE_ACTIONS,
-        help="a round whose loss or update is not finite (NaN, inf) is never "
-        f"pushed: stop the run (exit status {DIVERGED}) or skip that push and go on",
-    )
 
-    g = p.add_argument_group("heterogeneity and faults")
+    g = groups["faults"]
     g.add_argument(
         "--slowdown",
         default="1",
@@ -311,13 +226,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="link cap in bytes/s (none: no cap), or a schedule",
     )
     g.add_argument("--latency", type=float, default=0.0, help="seconds per message")
-    g.add_argument(
-        "--fail_after_steps",
-        type=int,
-        help="raise after this many rounds (fault injection)",
-    )
 
-    g = p.add_argument_group("outputs")
+    g = groups["outputs"]
     g.add_argument("--metrics", help="append per-round metrics (JSON lines) here")
     g.add_argument(
         "--tensorboard_dir",
@@ -382,13 +292,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="seconds between status lines (step, rate, loss, staleness, time "
         "left; a bar on a terminal), 0: none",
     )
+    add_flags(p, WorkerConfig, groups)
     return p.parse_args(argv)
 
 
 def _dataset(args: argparse.Namespace, *, test: bool = False):
     """The training split, or the held-out split with ``test``."""
-    from hpsjax import data
-
     kwargs = dict(args.dataset_arg)
     if args.data_path is not None:
         if args.dataset != "npz":
@@ -413,8 +322,6 @@ def _dataset(args: argparse.Namespace, *, test: bool = False):
 
 
 def _model(args: argparse.Namespace, train):
-    from hpsjax import models
-
     if ":" in args.model:
         return models.resolve_model(
             args.model,
@@ -449,8 +356,6 @@ def write_init(args: argparse.Namespace, path: str | pathlib.Path) -> None:
     The format of :func:`hpsjax.models.save_params_npz`, which
     ``hpsjax-server --init`` reads.
     """
-    from hpsjax import models
-
     _, params, _ = models.split_trainable(_model(args, _dataset(args)))
     models.save_params_npz(path, params)
 
@@ -584,8 +489,6 @@ class Evaluator:
     ):
         import jax
 
-        from hpsjax import models
-
         if not args.eval_batch_size >= 1:
             raise ValueError(
                 f"--eval_batch_size must be >= 1, got {args.eval_batch_size}"
@@ -664,9 +567,7 @@ async def _evaluate_every(evaluator, watched, args, sink, t0, done) -> None:
 def _build(args: argparse.Namespace, *, metrics=None):
     """``(worker, client, params, graphdef)``: :func:`build_worker`, its client
     (which keeps the last pulled parameters with ``--eval_every``) and model."""
-    from hpsjax import models
     from hpsjax.profiling import WorkPlan
-    from hpsjax.worker._runtime import Worker, WorkerConfig
 
     servers = args.servers
     if servers is not None and args.port is not None:
@@ -677,10 +578,6 @@ def _build(args: argparse.Namespace, *, metrics=None):
         servers = [(args.host, args.port)]
     if not args.connect_timeout >= 0:
         raise ValueError(f"--connect_timeout must be >= 0, got {args.connect_timeout}")
-    if not 0 <= args.reconnect_timeout < float("inf"):
-        raise ValueError(
-            f"--reconnect_timeout must be >= 0 seconds, got {args.reconnect_timeout}"
-        )
     if args.eager_pulls != 1 and args.overlap != "eager":
         raise ValueError("--eager_pulls needs --overlap eager")
     if args.split_leaves and len(servers) == 1:
@@ -689,13 +586,8 @@ def _build(args: argparse.Namespace, *, metrics=None):
     work_plan = None
     if args.work_plan is not None:
         work_plan = WorkPlan.from_json(pathlib.Path(args.work_plan).read_text())
-    if args.compress_from_stage is not None:
-        if work_plan is None:
-            raise ValueError("--compress_from_stage needs --work_plan (the ratio)")
-        if args.compress_from_stage < 0:
-            raise ValueError(
-                f"--compress_from_stage must be >= 0, got {args.compress_from_stage}"
-            )
+    if args.compress_from_stage is not None and work_plan is None:
+        raise ValueError("--compress_from_stage needs --work_plan (the ratio)")
     train = _train_shard(args, work_plan, index, count)
     graphdef, params, batch_stats = models.split_trainable(_model(args, train))
     if len(servers) > 1:
@@ -707,32 +599,12 @@ def _build(args: argparse.Namespace, *, metrics=None):
             raise ValueError(f"--eval_every must be > 0, got {args.eval_every}")
         client = _Watched(client)
     config = WorkerConfig(
+        **config_kwargs(WorkerConfig, args),
         host=servers[0][0],
         port=servers[0][1],
-        worker_id=args.worker_id,
         secret=_secret(args.secret_file),
-        batch_size=args.batch_size,
-        local_steps=args.local_steps,
-        lr_scale=args.lr_scale,
         work_plan=work_plan,
-        bits=args.bits,
-        powersgd_rank=args.powersgd_rank,
-        compress_from_stage=args.compress_from_stage,
-        error_feedback=not args.no_error_feedback,
-        staleness_lr=args.staleness_lr,
-        overlap=args.overlap,
-        pull_with_push=not args.no_pull_with_push,
-        eager_pulls=args.eager_pulls,
-        follow_hints=not args.ignore_hints,
-        max_steps=args.max_steps,
-        max_seconds=args.max_seconds,
-        until_version=args.until_version,
         heterogeneity=_heterogeneity(args),
-        timeout=args.timeout,
-        seed=args.seed,
-        fail_after_steps=args.fail_after_steps,
-        on_nonfinite=args.on_nonfinite,
-        reconnect_timeout=args.reconnect_timeout,
     )
     _, batch_size, _, _ = config.planned()
     seed = index if args.data_seed is None else args.data_seed
@@ -896,7 +768,6 @@ def measure_step(args: argparse.Namespace, *, pace=None):
     import jax.numpy as jnp
     import optax
 
-    from hpsjax import models
     from hpsjax.profiling import profile
 
     index, count = _shard(args)
