@@ -235,7 +235,6 @@ def launch_command(config: Any, profiles: Sequence[Any]) -> tuple[str, str, list
       the config fields the ``hpsjax-launch`` command cannot carry.
     """
     from experiments.backends import _worker_flags
-    from experiments.frontier import KNOBS
 
     n = len(profiles)
     server = config.server
@@ -283,17 +282,16 @@ def launch_command(config: Any, profiles: Sequence[Any]) -> tuple[str, str, list
         if value is not None:
             launch += ["--policy_arg", f"{key}={value}"]
     launch += ["--", *worker_flags]
-    knob = KNOBS.get(config.scheme)
+    knob = _step_knob(config.scheme)
     run = [
         "python", "-m", "experiments.run",
         f"--config=experiments/configs/{config.scheme}.py:{config.setting}",
         "--config.backend=processes",
     ]  # fmt: skip
-    if knob is not None:
-        node = config
-        for key in knob.split("."):
-            node = node[key]
-        run.append(f"--config.{knob}={float(node):g}")
+    node = config
+    for key in knob.split("."):
+        node = node[key]
+    run.append(f"--config.{knob}={float(node):g}")
     run.append(f"--workdir=runs/{config.scheme}")
     return shlex.join(launch), shlex.join(run), not_carried
 

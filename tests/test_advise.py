@@ -94,6 +94,9 @@ def test_launch_command_names_what_it_cannot_carry():
     assert "--slowdown" not in launch and "--worker_id" not in launch
     assert any(s.startswith("server.clip_norm=") for s in not_carried)
     assert "experiments/configs/clipped_asgd.py:quick" in run
+    assert "--config.server.learning_rate=0.1" in run
+    hps = advise.cluster_config("hps", profiles, setting="quick")
+    assert "--config.server.learning_rate=" in advise.launch_command(hps, profiles)[1]
     _, _, none = advise.launch_command(
         advise.cluster_config("asp", profiles, setting="quick"), profiles
     )
