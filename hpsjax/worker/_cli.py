@@ -599,12 +599,14 @@ def _build(args: argparse.Namespace, *, metrics=None):
             raise ValueError(f"--eval_every must be > 0, got {args.eval_every}")
         client = _Watched(client)
     config = WorkerConfig(
-        **config_kwargs(WorkerConfig, args),
-        host=servers[0][0],
-        port=servers[0][1],
-        secret=_secret(args.secret_file),
-        work_plan=work_plan,
-        heterogeneity=_heterogeneity(args),
+        **{
+            **config_kwargs(WorkerConfig, args),
+            "host": servers[0][0],
+            "port": servers[0][1],
+            "secret": _secret(args.secret_file),
+            "work_plan": work_plan,
+            "heterogeneity": _heterogeneity(args),
+        }
     )
     _, batch_size, _, _ = config.planned()
     seed = index if args.data_seed is None else args.data_seed
