@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from hpsjax.launch import LaunchError, main
+from hpsjax.launch import LaunchError, _actor, main
 from hpsjax.launch import _ray as _ray_launch
 from hpsjax.launch._ray import parse_resources, worker_resources_from_flags
 
@@ -87,7 +87,7 @@ def test_an_actor_reports_a_crash_with_its_exit_status(monkeypatch, tmp_path):
     # poll between the process's death and the reader's decision once read
     # "exited with status -9" and ended a run that Ray was about to restart.
     pytest.importorskip("ray")  # the actor asks Ray for its node's address
-    crashed = _ray_launch.is_crash
+    crashed = _actor.is_crash
 
     def slow_decision(code):
         time.sleep(1.0)
@@ -98,10 +98,10 @@ def test_an_actor_reports_a_crash_with_its_exit_status(monkeypatch, tmp_path):
     def fake_end():  # the actor's end, for Ray to restart it
         exits.append(1)
 
-    monkeypatch.setattr(_ray_launch, "is_crash", slow_decision)
-    monkeypatch.setattr(_ray_launch, "_end_actor", fake_end)
-    monkeypatch.setattr(_ray_launch, "_DRAIN_SECONDS", 0.1)
-    actor = _ray_launch._ProcessActor(
+    monkeypatch.setattr(_actor, "is_crash", slow_decision)
+    monkeypatch.setattr(_actor, "_end_actor", fake_end)
+    monkeypatch.setattr(_actor, "_DRAIN_SECONDS", 0.1)
+    actor = _actor.ProcessActor(
         "worker 0", ["-c", "import time; time.sleep(60)"], {}, True, str(tmp_path)
     )
     os.kill(actor._popen.pid, signal.SIGKILL)

@@ -53,17 +53,14 @@ flags do). The Ray backend's flag of the same name restarts workers only.
 For several hosts, see LAUNCH.md.
 
 The package, one layer per module: ``_job`` (what a launch starts and watches,
-whichever backend: the job's command lines, its processes, the version monitor,
-the console, the exit-status rules), ``_prepare`` (checks, the work directory, the
-profiling pass and its plan), ``_local`` (:func:`launch`), ``_ray``
-(:func:`launch_ray`) and ``_cli`` (``hpsjax-launch``).
+whichever backend: the job's command lines, its processes, the console, the
+exit-status rules), ``_monitor`` (the server's version, polled), ``_prepare``
+(checks, the work directory, the profiling pass and its plan), ``_local``
+(:func:`launch`), ``_ray`` (:func:`launch_ray`), ``_actor`` (the process a Ray
+actor runs) and ``_cli`` (``hpsjax-launch``).
 """
 
-from hpsjax.launch._cli import main
 from hpsjax.launch._job import DIVERGED, LaunchError, LaunchResult, PerWorkerArgs
-from hpsjax.launch._local import launch
-from hpsjax.launch._prepare import run_cache_env, run_env
-from hpsjax.launch._ray import launch_ray
 
 __all__ = [
     "DIVERGED",
@@ -76,3 +73,31 @@ __all__ = [
     "run_cache_env",
     "run_env",
 ]
+
+
+def __getattr__(name: str):
+    # The launchers are loaded on first use, for start-up time only (no circle):
+    # every Ray actor imports this package on its node for ``_actor`` alone, and
+    # the launchers would add the server package, profiling and the worker's
+    # command line (seconds) to each actor's start, within ``start_timeout``.
+    if name == "launch":
+        from hpsjax.launch._local import launch
+
+        return launch
+    if name == "launch_ray":
+        from hpsjax.launch._ray import launch_ray
+
+        return launch_ray
+    if name == "main":
+        from hpsjax.launch._cli import main
+
+        return main
+    if name in ("run_env", "run_cache_env"):
+        from hpsjax.launch import _prepare
+
+        return getattr(_prepare, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

@@ -1,14 +1,13 @@
 """What a launch starts and watches, whichever backend places it.
 
 The job's command lines (:class:`Job`), a child process in its own group with
-its output streamed (:class:`Process`), the server-version monitor, the console
+its output streamed (:class:`Process`), the console
 with its progress bar, and the rules on exit statuses (what is a crash to
 restart, a diverged run, how a launch ends).
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import dataclasses
 import os
@@ -19,9 +18,11 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import TextIO
+from typing import TYPE_CHECKING, TextIO
 
-from hpsjax.ps import Client, HpsError
+if TYPE_CHECKING:
+    from hpsjax.launch._monitor import Monitor
+
 
 PerWorkerArgs = Mapping[int, Sequence[str]] | Sequence[Sequence[str]]
 
@@ -203,46 +204,6 @@ def start_server(
             )
             raise LaunchError(f"the {name} {what}")
     return found[0]
-
-
-class Monitor:
-    """Polls the server's version from a background thread (for the bar)."""
-
-    def __init__(
-        self, port: int, secret: bytes, interval: float = 0.5, host: str = "127.0.0.1"
-    ):
-        self._host = host
-        self._port = port
-        self.secret = secret
-        self._interval = interval
-        self._stop = threading.Event()
-        self.version: int | None = None
-        self._thread = threading.Thread(target=self._run, name="monitor", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        asyncio.run(self._poll())
-
-    async def _poll(self) -> None:
-        client = Client(
-            self._host,
-            self._port,
-            worker_id="hpsjax-launch-monitor",
-            secret=self.secret,
-            timeout=5.0,
-        )
-        with contextlib.suppress(HpsError, OSError, TimeoutError):
-            info = await client.connect()
-            self.version = info.version
-            while not self._stop.is_set():
-                self.version = (await client.refresh_info()).version
-                await asyncio.sleep(self._interval)
-        with contextlib.suppress(HpsError, OSError, TimeoutError):
-            await client.close(timeout=1.0)
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(self._interval + 6.0)
 
 
 class Console:

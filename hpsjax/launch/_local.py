@@ -16,7 +16,6 @@ from hpsjax.launch._job import (
     Job,
     LaunchError,
     LaunchResult,
-    Monitor,
     PerWorkerArgs,
     Process,
     end_launch,
@@ -27,6 +26,7 @@ from hpsjax.launch._job import (
     start_server,
     worker_ended,
 )
+from hpsjax.launch._monitor import Monitor
 from hpsjax.launch._prepare import check_launch, prepare_workdir, run_env
 
 # Seconds between the server's checkpoints when the launcher may restart it
