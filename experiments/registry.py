@@ -79,10 +79,8 @@ SCHEMES: tuple[str, ...] = (
 )
 """Schemes with a config file ``experiments/configs/<scheme>.py``, in table order."""
 
-SIM_ONLY_SCHEMES: tuple[str, ...] = ("sparseloco", "streaming_diloco")
-"""Schemes left out of the processes suites and smoke runs: their workers need
-``hpsjax-worker --push_transform``, which the worker's flags made from its
-configuration's fields provide."""
+SIM_ONLY_SCHEMES: tuple[str, ...] = ()
+"""Schemes left out of the processes suites and smoke runs (none today)."""
 
 BACKENDS: tuple[str, ...] = ("sim", "processes")
 """``sim``: the virtual-clock simulator; ``processes``: a real server and workers."""
