@@ -72,7 +72,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from hpsjax._checks import check_int, check_positive, is_int
 
 if TYPE_CHECKING:
-    from hpsjax.ps._core import ServerCore, WorkerInfo
+    from hpsjax.ps._core import ServerCore
 
 __all__ = [
     "ADSP",
@@ -134,12 +134,26 @@ class PolicyView:
 
     Args:
       core: the server core.
+
+    Attributes:
+      clock: ``clock(worker_id)``, a worker's clock :math:`c_i` (pushes done).
+      pulled_version: ``pulled_version(worker_id)``, the version last sent to
+        a worker.
+      is_waiting: ``is_waiting(worker_id)``, whether a worker's pull is blocked.
+      worker: ``worker(worker_id)``, a snapshot of a worker's bookkeeping
+        (:class:`~hpsjax.ps.WorkerInfo`: its measured times, its loss).
     """
 
-    __slots__ = ("_core",)
+    __slots__ = ("_core", "clock", "is_waiting", "pulled_version", "worker")
 
     def __init__(self, core: ServerCore):
         self._core = core
+        # The core's own methods, so that a policy's reads of every worker
+        # (SemiAsync's) cost no more through the view.
+        self.clock = core.clock
+        self.pulled_version = core.pulled_version
+        self.is_waiting = core.is_waiting
+        self.worker = core.worker
 
     @property
     def version(self) -> int:
@@ -170,22 +184,6 @@ class PolicyView:
     def buffer_contributors(self) -> frozenset:
         """Ids of the workers with an update in the buffer."""
         return self._core.buffer_contributors
-
-    def clock(self, worker_id: Any) -> int:
-        """A worker's clock :math:`c_i` (pushes done)."""
-        return self._core.clock(worker_id)
-
-    def pulled_version(self, worker_id: Any) -> int:
-        """The version last sent to a worker."""
-        return self._core.pulled_version(worker_id)
-
-    def is_waiting(self, worker_id: Any) -> bool:
-        """Whether a worker's pull is blocked."""
-        return self._core.is_waiting(worker_id)
-
-    def worker(self, worker_id: Any) -> WorkerInfo:
-        """A snapshot of a worker's bookkeeping (its measured times, its loss)."""
-        return self._core.worker(worker_id)
 
 
 def _stale_verdict(
