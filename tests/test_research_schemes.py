@@ -12,7 +12,7 @@ import pytest
 
 from experiments import build, registry
 from hpsjax.profiling import WorkerProfile, plan
-from hpsjax.ps import HybridStage, ServerCore
+from hpsjax.ps import HybridStage, PushMeta, ServerCore
 
 NEW_SCHEMES = ("ashl_reference", "diloco", "async_diloco")
 
@@ -267,7 +267,7 @@ def test_the_worker_sends_top_k_pushes_at_its_ratio():
     params = {"w": np.zeros(200, np.float32)}
     worker._initialise(params)
     update = {"w": jnp.linspace(-1.0, 1.0, 200)}
-    push = wc.Push(0, 1, 0, 1.0, 8, 1, None, None, 1.0, 0, compress_ratio=0.1)
+    push = wc.Push(0, 1, PushMeta(0, 1.0, 8, 1), 1.0, 0, compress_ratio=0.1)
     prepared = worker._prepare(type("C", (), {"update": update})(), push)
     assert prepared.codec.schemes == ("topk",)  # the wire's top-k codec
     (enc,) = prepared.encoded

@@ -20,6 +20,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import msgspec
 import numpy as np
 import optax
 import pytest
@@ -650,6 +651,11 @@ def test_server_rejects_a_bad_replanner():
 # ---------------------------------------------------------------- scripted server
 
 
+def _meta_fields(meta) -> dict:
+    """A PushMeta's fields, ``None`` ones too (none without one)."""
+    return {} if meta is None else msgspec.structs.asdict(meta)
+
+
 class ScriptedClient:
     """Stands in for ``hpsjax.ps.Client``: serves fixed parameters, records pushes.
 
@@ -687,12 +693,14 @@ class ScriptedClient:
         self.bytes_received += 1000
         return jax.tree.map(np.copy, self.params), self.version
 
-    async def push(self, update=None, *, version, **fields):
+    async def push(self, update=None, meta=None, **fields):
         await asyncio.sleep(0)
         if len(self.pushes) == self._drop_after:
             self._drop_after = -1
             raise WorkerDropped("dropped for the test")
-        self.pushes.append({"update": update, "version": version, **fields})
+        fields = {**_meta_fields(meta), **fields}
+        version = fields["version"]
+        self.pushes.append({"update": update, **fields})
         self.bytes_sent += 1000
         ack = dict(
             worker_id="w0",
@@ -708,9 +716,9 @@ class ScriptedClient:
             ack.update(self.acks.pop(0))
         return PushAck(**ack)
 
-    async def push_pull(self, update=None, *, version, **fields):
+    async def push_pull(self, update=None, meta=None, **fields):
         self.push_pulls += 1
-        ack = await self.push(update, version=version, **fields)
+        ack = await self.push(update, meta, **fields)
         params, new_version = await self.pull()
         return ack, params, new_version
 

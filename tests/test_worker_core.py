@@ -55,8 +55,8 @@ def test_round_trip_without_pipeline():
     after = finish(core, compute, 1.0, 1.0, loss=2.5)
     assert kinds(after) == ["Push"]
     push = after[0]
-    assert push.with_pull and push.version == 0 and push.num_samples == 32
-    assert push.metadata() == {
+    assert push.with_pull and push.version == 0 and push.meta.num_samples == 32
+    assert push.meta.to_wire() == {
         "version": 0,
         "step_time": 1.0,
         "num_samples": 32,
@@ -80,7 +80,7 @@ def test_pipeline_pushes_previous_round_and_pulls_at_round_start():
     assert kinds(second) == ["KeepParams", "Push", "Pull", "Compute"]
     push = second[1]
     assert (push.round, push.version, push.with_pull) == (0, 0, False)
-    assert push.num_samples == 16 and push.local_steps == 2
+    assert push.meta.num_samples == 16 and push.meta.local_steps == 2
     # The pull answered before the compute ended: the next round starts at once.
     core.handle(Pulled(1, 4, 1.6))
     third = finish(core, second[-1], 2.5, 1.0)
@@ -253,7 +253,7 @@ def test_stage_travels_with_the_push():
     core = WorkerCore(device_batches=(8,), local_steps=4)
     compute = started(core)
     push = finish(core, compute, 1.0, 2.0, loss=0.1, local_steps=4, stage=1)[0]
-    assert push.stage == 1 and push.metadata()["stage"] == 1
+    assert push.meta.stage == 1 and push.meta.to_wire()["stage"] == 1
     assert Report(8, 0.5, 1.0) != push
 
 

@@ -199,11 +199,15 @@ def test_the_core_never_pushes_a_round_that_is_not_finite():
 
 
 def test_push_metadata_carries_no_non_finite_loss():
-    from hpsjax.worker._core import Push
+    from hpsjax.worker._core import Compute, Computed, Pulled, Reported, WorkerCore
 
-    push = Push(0, 1, 0, 0.1, 8, 1, math.inf, None, 1.0, 0)
-    assert push.metadata()["loss"] is None
-    assert push._replace(loss=2.5).metadata()["loss"] == 2.5
+    core = WorkerCore(device_batches=(8,))
+    core.handle(Joined(0.0))
+    (compute,) = [a for a in core.handle(Pulled(1, 0, 0.1)) if type(a) is Compute]
+    # A skipped round never gets here: this is a loss the check let through.
+    core.handle(Computed(compute.round, 1.0, 0.9, loss=math.inf))
+    (push,) = core.handle(Reported(1.0))
+    assert push.meta.loss is None and "loss" not in push.meta.to_wire()
 
 
 def _poisoned(setup, at: int):

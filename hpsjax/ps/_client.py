@@ -140,6 +140,30 @@ class _Latest:
     changed: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
 
 
+def push_meta(meta: PushMeta | None, fields: Mapping[str, Any]) -> PushMeta:
+    """A push's :class:`PushMeta`: ``meta`` as given, or made of ``fields``
+    (keywords of :meth:`Client.push`), checked here so that a bad one fails the
+    call with a one-line ``ValueError``, not the server.
+
+    Examples:
+      >>> push_meta(None, {"version": 3, "loss": 0.5})
+      PushMeta(version=3, step_time=None, num_samples=None, local_steps=None, \
+loss=0.5, stage=None)
+      >>> push_meta(None, {"version": -1})
+      Traceback (most recent call last):
+      ...
+      ValueError: malformed push metadata: Expected `int` >= 0 - at `$.version`
+    """
+    if meta is None:
+        plain = {k: getattr(v, "item", lambda v=v: v)() for k, v in fields.items()}
+        return PushMeta.from_wire(plain, error=ValueError)
+    if fields:
+        raise ValueError(f"give meta or its fields, not both: {', '.join(fields)}")
+    if not isinstance(meta, PushMeta):
+        raise ValueError(f"meta must be a PushMeta, got {type(meta).__name__}")
+    return meta
+
+
 class Subscription:
     """Parameters the server sends after every applied update (PHub-style).
 
@@ -490,20 +514,20 @@ class Client:
     async def push(
         self,
         update: Any = None,
+        meta: PushMeta | None = None,
         *,
-        version: int,
         codec: Any = None,
         encoded: Any = None,
-        step_time: float | None = None,
-        num_samples: int | None = None,
-        local_steps: int | None = None,
-        loss: float | None = None,
-        stage: int | None = None,
         timeout: float | None = _UNSET,
+        **fields: Any,
     ) -> PushAck:
-        """Sends an update computed on parameters of ``version``.
+        """Sends an update, with what the push says about it (``meta``).
 
-        Three forms: ``push(update, version=v)`` sends raw leaves;
+        ``meta`` is a :class:`~hpsjax.ps.PushMeta` (the worker core's push
+        carries one; the server checks it on arrival), or its fields are given
+        as keywords, ``push(update, version=v, loss=0.3)``, checked here.
+
+        Three forms of the update: ``push(update, version=v)`` sends raw leaves;
         ``push(update, version=v, codec=c)`` quantizes them here (no error
         feedback); ``push(version=v, codec=c, encoded=e)`` sends the packed
         bytes of an already encoded tree (the ``encoded`` kept by
@@ -518,25 +542,25 @@ class Client:
 
         Args:
           update: pytree of the model's structure, shapes and dtypes.
-          version: the version the update was computed on.
+          meta: the push's :class:`~hpsjax.ps.PushMeta`: the version the update
+            was computed on, its compute seconds (for adaptive deadlines), its
+            samples (for weighted averaging), its local steps, the worker's
+            latest loss (for staged policies) and its staged optimizer's stage
+            (ASHL).
           codec: a ``hpsjax.transforms.Codec`` for a compressed push, or
             ``"topk"`` or ``"powersgd"`` with ``encoded``.
           encoded: the encoded leaves in leaf order (requires ``codec``): the
             ``Encoded`` returned by ``encode_tree`` or ``last_encoded(opt_state)``,
             the ``TopKEncoded`` by ``last_topk_encoded(opt_state)`` or the
             ``PowerSGDEncoded`` by ``last_powersgd_encoded(opt_state)``.
-          step_time: compute seconds this update took (for adaptive deadlines).
-          num_samples: samples it was computed on (for weighted averaging).
-          local_steps: local steps it accumulates.
-          loss: the worker's latest training loss (for staged policies).
-          stage: the stage of this worker's staged optimizer (ASHL); under the
-            hybrid policy a stage beyond the server's moves the server to it.
           timeout: seconds to wait (default: the client's).
+          **fields: instead of ``meta``, its fields (``version=`` at least).
 
         Returns:
           The :class:`~hpsjax.ps.PushAck`.
 
         Raises:
+          ValueError: a bad field (given as a keyword), or ``meta`` and fields.
           InvalidUpdate: the server refused the update (shape, dtype, NaN); its
             parameters are unchanged.
           SpecMismatch: ``encoded`` does not fit the model (leaf count, sizes,
@@ -544,15 +568,7 @@ class Client:
           WorkerDropped: this worker was dropped; pull to rejoin.
         """
         meta, buffers = self._push_message(
-            update,
-            version=version,
-            codec=codec,
-            encoded=encoded,
-            step_time=step_time,
-            num_samples=num_samples,
-            local_steps=local_steps,
-            loss=loss,
-            stage=stage,
+            update, push_meta(meta, fields), codec=codec, encoded=encoded
         )
         frame = await self._request(
             MsgType.PUSH, meta, buffers, timeout=timeout, expect=MsgType.PUSH_ACK
@@ -562,16 +578,12 @@ class Client:
     async def push_pull(
         self,
         update: Any = None,
+        meta: PushMeta | None = None,
         *,
-        version: int,
         codec: Any = None,
         encoded: Any = None,
-        step_time: float | None = None,
-        num_samples: int | None = None,
-        local_steps: int | None = None,
-        loss: float | None = None,
-        stage: int | None = None,
         timeout: float | None = _UNSET,
+        **fields: Any,
     ) -> tuple[PushAck, Any, int]:
         """Pushes an update and pulls the parameters in one round trip.
 
@@ -582,15 +594,7 @@ class Client:
           ``(result, params, version)``.
         """
         meta, buffers = self._push_message(
-            update,
-            version=version,
-            codec=codec,
-            encoded=encoded,
-            step_time=step_time,
-            num_samples=num_samples,
-            local_steps=local_steps,
-            loss=loss,
-            stage=stage,
+            update, push_meta(meta, fields), codec=codec, encoded=encoded
         )
         frame = await self._request(
             MsgType.PUSH_PULL, meta, buffers, timeout=timeout, expect=MsgType.PARAMS
@@ -629,11 +633,7 @@ class Client:
 
     # ------------------------------------------------------------ internals
 
-    def _push_message(self, update, *, version, codec, encoded, **fields):
-        # Checked here, so that a bad field fails the call, not the server.
-        fields = {"version": version, **fields}
-        fields = {k: getattr(v, "item", lambda v=v: v)() for k, v in fields.items()}
-        fields = PushMeta.from_wire(fields, error=ValueError)
+    def _push_message(self, update, fields: PushMeta, *, codec, encoded):
         if encoded is not None:
             if codec is None:
                 raise ValueError("encoded= needs the codec it was encoded with")

@@ -57,10 +57,12 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import jax
+import msgspec
 
-from hpsjax.ps._client import Client, ServerInfo
+from hpsjax._checks import check_int
+from hpsjax.ps._client import Client, ServerInfo, push_meta
 from hpsjax.ps._errors import HpsError, SpecMismatch
-from hpsjax.ps._messages import ForcePullNotice, PlanNotice, PushAck
+from hpsjax.ps._messages import ForcePullNotice, PlanNotice, PushAck, PushMeta
 from hpsjax.ps._partition import KeyRangePartition
 
 __all__ = [
@@ -346,16 +348,28 @@ class ShardedClient:
         return {} if timeout is _UNSET else {"timeout": timeout}
 
     async def _push_to_shards(
-        self, method: str, update: Any, *, version, encoded, timeout, **fields
+        self, method: str, update: Any, meta, fields, *, codec, encoded, timeout
     ) -> list[Any]:
-        """Calls ``Client.<method>`` on every shard with its part of an update."""
-        versions = self._versions(version)
+        """Calls ``Client.<method>`` on every shard with its part of an update
+        and the push's :class:`~hpsjax.ps.PushMeta` at that shard's version."""
+        if meta is None:
+            fields = dict(fields)
+            if "version" not in fields:
+                raise ValueError("push needs version= (or meta)")
+            version = fields.pop("version")
+            meta = push_meta(None, {**fields, "version": 0})
+        else:
+            version = push_meta(meta, fields).version
+        metas = [
+            msgspec.structs.replace(meta, version=check_int("version", v, low=0))
+            for v in self._versions(version)
+        ]
         updates, encodeds = self._split_update(update, encoded)
         kw = self._timeout_kw(timeout)
         return await self._fan_out(
             method,
             lambda i, c: getattr(c, method)(
-                updates[i], version=versions[i], encoded=encodeds[i], **fields, **kw
+                updates[i], metas[i], codec=codec, encoded=encodeds[i], **kw
             ),
         )
 
@@ -478,24 +492,20 @@ class ShardedClient:
     async def push(
         self,
         update: Any = None,
+        meta: PushMeta | None = None,
         *,
-        version: Any,
         codec: Any = None,
         encoded: Any = None,
-        step_time: float | None = None,
-        num_samples: int | None = None,
-        local_steps: int | None = None,
-        loss: float | None = None,
-        stage: int | None = None,
         timeout: float | None = _UNSET,
+        **fields: Any,
     ) -> PushAck:
         """Sends each shard its part of an update.
 
         Arguments are those of :meth:`Client.push <hpsjax.ps.Client.push>`,
-        but ``version`` is the :class:`ShardedVersion` the update was computed
-        on (or one int per shard, or one int for all), and ``encoded`` needs a
-        partition of whole leaves. ``step_time``, ``num_samples``,
-        ``local_steps``, ``loss`` and ``stage`` go to every shard. Cancelling is
+        but the version (``meta.version`` or ``version=``) is the
+        :class:`ShardedVersion` the update was computed on (or one int per
+        shard, or one int for all), and ``encoded`` needs a partition of whole
+        leaves. The other fields of the push go to every shard. Cancelling is
         safe for the connections, but a shard may still apply a part already
         sent; ``timeout`` bounds each shard's wait.
 
@@ -510,33 +520,19 @@ class ShardedClient:
             acknowledgements of the shards that took their part.
         """
         results = await self._push_to_shards(
-            "push",
-            update,
-            version=version,
-            encoded=encoded,
-            timeout=timeout,
-            codec=codec,
-            step_time=step_time,
-            num_samples=num_samples,
-            local_steps=local_steps,
-            loss=loss,
-            stage=stage,
+            "push", update, meta, fields, codec=codec, encoded=encoded, timeout=timeout
         )
         return _combine(results)
 
     async def push_pull(
         self,
         update: Any = None,
+        meta: PushMeta | None = None,
         *,
-        version: Any,
         codec: Any = None,
         encoded: Any = None,
-        step_time: float | None = None,
-        num_samples: int | None = None,
-        local_steps: int | None = None,
-        loss: float | None = None,
-        stage: int | None = None,
         timeout: float | None = _UNSET,
+        **fields: Any,
     ) -> tuple[PushAck, Any, ShardedVersion]:
         """Pushes each shard its part and pulls, one round trip per shard.
 
@@ -549,15 +545,11 @@ class ShardedClient:
         results = await self._push_to_shards(
             "push_pull",
             update,
-            version=version,
+            meta,
+            fields,
+            codec=codec,
             encoded=encoded,
             timeout=timeout,
-            codec=codec,
-            step_time=step_time,
-            num_samples=num_samples,
-            local_steps=local_steps,
-            loss=loss,
-            stage=stage,
         )
         params = self._partition.merge([p for _, p, _ in results])
         return (

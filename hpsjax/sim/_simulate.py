@@ -58,6 +58,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import jax
+import msgspec
 import numpy as np
 import optax
 
@@ -74,7 +75,6 @@ from hpsjax.ps._core import (
     Wait,
 )
 from hpsjax.ps._errors import HpsError, NonFiniteUpdate, WorkerDropped
-from hpsjax.ps._messages import PushMeta
 from hpsjax.ps._policies import ADSP, BSP, Hybrid, Policy, get_policy
 from hpsjax.sim._deferred import DeferredAggregator
 from hpsjax.sim._engine import DeferredLeaves, Engine, IndexStream, Round, SummedRow
@@ -1151,13 +1151,14 @@ class _Simulation:
                 update = self.engine.tree(job.update)
                 if not (self.prechecked and r.finite):
                     update = core.aggregator.check_update(update)
-            meta = PushMeta(
-                version,
-                push.step_time,
-                r.batch_size * r.steps if self.weigh_samples else None,
-                r.steps,
-                loss,
-                r.stage,
+            # The worker core's meta, with what this lazily evaluated round
+            # knows only now.
+            meta = msgspec.structs.replace(
+                push.meta,
+                num_samples=r.batch_size * r.steps if self.weigh_samples else None,
+                local_steps=r.steps,
+                loss=loss,
+                stage=r.stage,
             )
             actions = core.push_message(w.id, update, meta, now=now)
         except HpsError as err:

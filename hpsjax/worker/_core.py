@@ -30,8 +30,9 @@ Actions::
   KeepParams(version)            the parameters just pulled are the newest:
                                  compute the next round on them
   Compute(round, version, device_batches, local_steps, lr_scale)
-  Push(round, session, version, step_time, num_samples, local_steps, loss,
-       stage, lr_factor, staleness_estimate, with_pull, final, compress_ratio)
+  Push(round, session, meta, lr_factor, staleness_estimate, with_pull, final,
+       compress_ratio)            ``meta``: the push's PushMeta (version,
+                                 step time, samples, local steps, loss, stage)
   Discard(round)                 throw the round's update away
   Report(batch_size, time_per_step, now)   a measured round, for a replanner;
                                  answer with Reported before anything else
@@ -107,6 +108,7 @@ from typing import Any, ClassVar, NamedTuple
 
 from hpsjax._checks import check_choice, check_fraction, check_int, check_positive
 from hpsjax._ewma import EWMA_ALPHA, ewma
+from hpsjax.ps._messages import PushMeta
 
 __all__ = [
     "EWMA_ALPHA",
@@ -291,7 +293,9 @@ class Compute(NamedTuple):
 
 
 class Push(NamedTuple):
-    """Push round ``round``'s update scaled by ``lr_factor``, with this metadata.
+    """Push round ``round``'s update scaled by ``lr_factor``; ``meta`` is what
+    the push says about it, the :class:`~hpsjax.ps.PushMeta` the client sends
+    as it is (``client.push(update, push.meta)``) and the server's core reads.
 
     ``with_pull``: in one round trip with the next pull (``push_pull``).
     ``final``: the last push of the run. ``compress_ratio``: the share of the
@@ -300,33 +304,17 @@ class Push(NamedTuple):
 
     round: int
     session: int
-    version: int
-    step_time: float
-    num_samples: int
-    local_steps: int
-    loss: float | None
-    stage: int | None
+    meta: PushMeta
     lr_factor: float
     staleness_estimate: int
     with_pull: bool = False
     final: bool = False
     compress_ratio: float = 1.0
 
-    def metadata(self) -> dict[str, Any]:
-        """The push's fields as :meth:`hpsjax.ps.Client.push` takes them."""
-        loss = self.loss
-        fields = {
-            "version": self.version,
-            "step_time": self.step_time,
-            "num_samples": self.num_samples,
-            "local_steps": self.local_steps,
-            # The wire carries finite floats only (a diverged round is never
-            # pushed; this keeps a stray one from failing the push).
-            "loss": loss if loss is None or math.isfinite(loss) else None,
-        }
-        if self.stage is not None:
-            fields["stage"] = self.stage
-        return fields
+    @property
+    def version(self) -> int:
+        """The version the update was computed on (``meta.version``)."""
+        return self.meta.version
 
 
 class Discard(NamedTuple):
@@ -897,12 +885,16 @@ class WorkerCore:
         return Push(
             round=r.round,
             session=self.session,
-            version=r.version,
-            step_time=r.step_time,
-            num_samples=r.batch_size * r.local_steps,
-            local_steps=r.local_steps,
-            loss=r.loss,
-            stage=r.stage,
+            meta=PushMeta(
+                version=r.version,
+                step_time=r.step_time,
+                num_samples=r.batch_size * r.local_steps,
+                local_steps=r.local_steps,
+                # The wire carries finite floats only (a diverged round is
+                # never pushed; this keeps a stray one from failing the push).
+                loss=r.loss if r.loss is None or math.isfinite(r.loss) else None,
+                stage=r.stage,
+            ),
             lr_factor=self._factor(tau),
             staleness_estimate=tau,
             with_pull=with_pull,

@@ -1655,11 +1655,11 @@ class _Run:
                 record["staleness_estimate"] = push.staleness_estimate
                 record["lr_factor"] = push.lr_factor
             link = await w._injector.transfer(prepared.nbytes)
-            fields = push.metadata()
+            encoding = {}
             if prepared.encoded is not None:
-                fields.update(codec=prepared.codec, encoded=prepared.encoded)
+                encoding = {"codec": prepared.codec, "encoded": prepared.encoded}
             method = self.client.push_pull if push.with_pull else self.client.push
-            task = asyncio.ensure_future(method(prepared.update, **fields))
+            task = asyncio.ensure_future(method(prepared.update, push.meta, **encoding))
             await asyncio.sleep(0)  # the frame is handed to the transport
             sending.set()
             if push.with_pull and record is not None:
