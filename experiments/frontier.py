@@ -342,6 +342,8 @@ def verdict(claim: Claim, method: dict[str, Any], base: dict[str, Any]) -> str:
     if rule == "faster_by":
         if speed != "faster":
             return "refuted" if speed == "slower" else "level"
+        if base["mean"] is None:
+            return "reproduced"  # the baseline never reached the target
         cut = 1.0 - method["mean"] / base["mean"]
         return "reproduced" if cut >= float(arg) else "refuted"
     if rule == "fewer_bytes":

@@ -227,6 +227,10 @@ def test_verdict_rules():
         frontier.verdict(by["ashl_reference"], _stats([10, 10.2]), _stats([20, 20.2]))
         == "reproduced"
     )
+    never = _stats([None, None])
+    assert frontier.verdict(by["ashl_reference"], _stats([10, 11]), never) == (
+        "reproduced"
+    )
     # MuLoCo: 8x fewer bytes at no loss of time.
     assert (
         frontier.verdict(
