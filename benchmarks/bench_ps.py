@@ -121,7 +121,7 @@ class PsServer:
         self, shapes, workdir: pathlib.Path, loop: str, policy="asp", extra=()
     ):
         init = workdir / f"init-{len(shapes)}-{_nbytes(shapes)}.npz"
-        save_params_npz(init, {k: np.zeros(s, np.float32) for k, s in shapes.items()})
+        save_params_npz(init, _tree(shapes))
         secret = workdir / "secret"
         secret.write_bytes(SECRET)
         self.proc = subprocess.Popen(
