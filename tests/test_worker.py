@@ -628,7 +628,12 @@ def test_a_worker_made_slow_mid_run_gets_less_work():
             [slow, fast],
             steps=None,
             seconds=80.0,
-            server_kwargs={"replanner": replanner},
+            # Both join before either computes: under a parallel suite w0's
+            # compile once let w1 push long enough for a first re-plan.
+            server_kwargs={
+                "replanner": replanner,
+                "core_kwargs": {"expected_workers": 2},
+            },
             until=lambda records: any(map(less_work_after_the_slowdown, records)),
         )
     )

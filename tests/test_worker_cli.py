@@ -429,3 +429,20 @@ def test_a_worker_with_powersgd_rank_pushes_its_factors(tmp_path, monkeypatch):
         assert payload == promised
         # The rest of the frame: its header and metadata (four leaves' entries).
         assert on_wire == frame_bytes < promised + 512
+
+
+def test_a_profile_is_slowed_as_the_worker_will_be():
+    # The launcher's profiling pass times the bare step; the worker's injected
+    # slowdown at the start multiplies the profile's step times, whatever the
+    # machine's load made of the timing.
+    import jax
+    import numpy as np
+
+    from hpsjax.profiling import WorkerProfile
+
+    spec = {"w": jax.ShapeDtypeStruct((4,), "float32")}
+    measured = WorkerProfile.synthetic(0, 100.0)
+    plain = worker_cli.with_injection(measured, _args(), spec)
+    slowed = worker_cli.with_injection(measured, _args("--slowdown", "3"), spec)
+    times = [np.asarray(p.devices[0].step_times) for p in (plain, slowed)]
+    np.testing.assert_allclose(times[1], 3 * times[0], rtol=1e-12)
