@@ -284,23 +284,18 @@ def test_launch_with_a_profiled_plan(tmp_path):
     plan = json.loads((tmp_path / "plan.json").read_text())
     batches = [w["batch_size"] for w in plan["workers"]]
     assert sum(batches) == 32
-    # The plan is H-PS's plan of the profiles the pass measured, in which the
-    # worker timed slower gets less. Which one that is depends on the
-    # machine's load as much as on worker 0's slowdown when a step takes a
-    # fraction of a millisecond: under a parallel suite worker 1's bare step
-    # has been timed 15 times worker 0's. That the slowdown multiplies the
-    # profile's step times is tested in test_worker_cli.py.
+    # The plan is H-PS's plan of the profiles the pass measured. How those
+    # profiles rank the two workers depends on the machine's load as much as
+    # on worker 0's slowdown when a step takes a fraction of a millisecond:
+    # under a parallel suite worker 1's bare step has been timed 15 times
+    # worker 0's. That the slowdown multiplies a profile's step times is
+    # tested in test_worker_cli.py, how a plan shares a batch in test_plan.py.
     profiles = [
         profiling.WorkerProfile.from_json((tmp_path / f"profile_{i}.json").read_text())
         for i in range(2)
     ]
     replanned = profiling.plan(profiles, "hps", global_batch=32)
     assert [w.batch_size for w in replanned.workers] == batches
-    per_sample = [
-        p.devices[0].step_times[-1] / p.devices[0].batch_sizes[-1] for p in profiles
-    ]
-    slower = int(np.argmax(per_sample))
-    assert batches[slower] <= batches[1 - slower]
     first = _rounds(tmp_path / "metrics_0.jsonl")[0]
     assert first["batch_size"] == batches[0]
     # The server holds the plan too, and sent it on joining.
