@@ -549,9 +549,11 @@ def test_worker_runtime_trains_against_shards():
     async def main():
         # No deadline drops a worker that a loaded machine holds back: a drop
         # and rejoin would make a version more than the rounds counted here.
+        # The start waits for both workers: a worker that joins first and
+        # finds itself alone at the barrier would run round 0 by itself.
         async with _running(
             partition, params, optax.sgd(0.2), "bsp",
-            core_kwargs=dict(min_timeout=120.0),
+            core_kwargs=dict(min_timeout=120.0, expected_workers=2),
         ) as servers:  # fmt: skip
             workers = []
             for i, extra in enumerate(
