@@ -32,8 +32,8 @@ to the server; ``H_i`` its local steps per round. A worker's round takes
 
   R_i = H_i \, t_i + T_i,
 
-and the plan predicts the round time ``R = max_i R_i`` and the idle fraction of a
-barrier round, the share of device time spent waiting for the slowest:
+and the plan predicts the round time ``R = max_i R_i + Q`` and the idle fraction
+of a barrier round, the share of device time spent waiting for the slowest:
 
 .. math::
 
@@ -41,6 +41,21 @@ barrier round, the share of device time spent waiting for the slowest:
 
 over all ``D`` devices, ``i(d)`` the worker of device ``d``. For ``adsp`` the same
 is computed over the commit intervals.
+
+``Q`` is the wait of a barrier round's pushes at the server (``hps``,
+``equal`` and ``ashl``; 0 for the others, whose pushes wait for no round). The
+server takes ``s`` seconds of its own for each push (receiving, decoding and
+applying it: :attr:`hpsjax.profiling.TransferProfile.server_seconds`, or
+``plan(server_seconds=...)``) and serves pushes one at a time, first come
+first served. Worker ``i``'s push would be done at ``A_i = H_i t_i + P_i``
+alone (``P_i`` the push's part of ``T_i``, its own ``s`` in it); in arrival
+order, push ``k`` is done at ``D_k = max(D_{k-1} + s, A_{(k)})``, and the
+barrier opens at ``D_N`` instead of ``max_i A_i``: ``Q = D_N - max_i A_i``,
+up to ``(N - 1) s`` when all arrive together, 0 when they arrive at least
+``s`` apart. A round balanced so that all finish together is the one that
+queues most; ``hps`` therefore also tries finish times staggered by ``s``
+(the fastest worker last) and keeps the batches with the shorter predicted
+round. The arithmetic is float64 (NumPy) whatever JAX's default device.
 
 A running plan is revised by :class:`Replanner` when measured speeds drift.
 
@@ -61,6 +76,8 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
+
 from hpsjax._checks import check_int, is_int, is_number
 from hpsjax._ewma import ewma
 from hpsjax.profiling._profile import WorkerProfile
@@ -79,6 +96,9 @@ __all__ = [
 ]
 
 SCHEMES = ("hps", "ashl", "adsp", "equal", "ashl_reference", "dylu")
+# The schemes whose rounds end at a barrier of every worker's push: the
+# server's queue of pushes is part of their round.
+_BARRIER_SCHEMES = ("hps", "equal", "ashl")
 LR_SCALINGS = ("linear", "sqrt", "none")
 # The default smallest batch of a worker, as a share of the equal share B / n.
 MIN_BATCH_SHARE = 1 / 8
@@ -313,6 +333,10 @@ class WorkPlan:
       base_compress_ratio: ``ashl_reference`` only: the top-k ratio of the
         worker with the longest SHL round, which sets the others' ratios; 1
         for the other schemes.
+      server_seconds: the server's own seconds per push the plan counted
+        (see :func:`plan`); 0 for none.
+      queue_seconds: the wait of the round's last push behind the others at
+        the server, part of ``round_time`` (0 for schemes without a barrier).
 
     The plan's ``round_time`` and ``idle_fraction`` are those of the first
     stage when workers have several.
@@ -334,9 +358,15 @@ class WorkPlan:
     revision: int = 0
     stage_multipliers: tuple[int, ...] = ()
     base_compress_ratio: float = 1.0
+    server_seconds: float = 0.0
+    queue_seconds: float = 0.0
 
     def __post_init__(self):
         _check_scheme(self.scheme)
+        for name in ("server_seconds", "queue_seconds"):
+            value = getattr(self, name)
+            if not (is_number(value) and math.isfinite(value) and value >= 0):
+                raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
         _check_lr_scaling(self.lr_scaling)
         if not self.workers:
             raise ValueError("a WorkPlan needs at least one worker")
@@ -728,13 +758,21 @@ def _limits(model: _WorkerModel, min_device_batch: int, min_batch: int):
     return lo, hi
 
 
-def _hps_batches(models, limits, global_batch: int, local_steps: int):
-    """Per worker, its devices' batches with which all finish a round together."""
+def _hps_batches(
+    models, limits, global_batch: int, local_steps: int, stagger: float = 0.0
+):
+    """Per worker, its devices' batches with which all finish a round together,
+    or, with ``stagger`` > 0, one after another ``stagger`` seconds apart, the
+    fastest worker last."""
     # Every device of worker i finishes its H local steps and the transfer at
-    # the same time: lane time H t_d(b) + T_i.
+    # the same time: lane time H t_d(b) + T_i (+ its place times the stagger).
+    speed = [sum(1.0 / d.slope for d in m.devices) for m in models]
+    place = [0] * len(models)
+    for k, i in enumerate(sorted(range(len(models)), key=lambda j: -speed[j])):
+        place[i] = k
     lanes = [
-        _Lane(d, m.transfer, local_steps, low, high)
-        for m, (m_lo, m_hi) in zip(models, limits, strict=True)
+        _Lane(d, m.transfer + place[i] * stagger, local_steps, low, high)
+        for i, (m, (m_lo, m_hi)) in enumerate(zip(models, limits, strict=True))
         for d, low, high in zip(m.devices, m_lo, m_hi, strict=True)
     ]
     flat = iter(_water_fill(lanes, global_batch))
@@ -763,6 +801,41 @@ def _warn_min_batch(models, global_batch, local_steps, min_device_batch, min_bat
         )
 
 
+def _queue_seconds(arrivals: Sequence[float], server_seconds: float) -> float:
+    """The wait of a barrier round's last push behind the others at the server.
+
+    ``arrivals``: when each push would be done alone (its own service in it);
+    the server serves them one at a time, ``server_seconds`` each, in arrival
+    order: push ``k`` is done at ``D_k = max(D_{k-1} + s, A_(k))``. Returns
+    ``D_N - max A``.
+    """
+    if server_seconds <= 0 or len(arrivals) < 2:
+        return 0.0
+    a = np.sort(np.asarray(arrivals, dtype=np.float64))
+    done = a[0]
+    for x in a[1:]:
+        done = max(done + np.float64(server_seconds), x)
+    return float(done - a[-1])
+
+
+def _round_and_queue(models, device_batches, steps, server_seconds, scheme):
+    """The predicted round (the slowest worker's, plus the queue) and the
+    queue's seconds, of workers running ``steps`` local steps on their
+    devices' ``device_batches``."""
+    compute = [
+        h * max(d.time(b) for d, b in zip(m.devices, batches, strict=True))
+        for m, batches, h in zip(models, device_batches, steps, strict=True)
+    ]
+    slowest = max(c + m.transfer for c, m in zip(compute, models, strict=True))
+    if scheme not in _BARRIER_SCHEMES:
+        return slowest, 0.0
+    queue = _queue_seconds(
+        [c + m.push_seconds for c, m in zip(compute, models, strict=True)],
+        server_seconds,
+    )
+    return slowest + queue, queue
+
+
 def _solve(
     models: Sequence[_WorkerModel],
     scheme: str,
@@ -779,11 +852,25 @@ def _solve(
     revision: int,
     stage_multipliers: tuple[int, ...] = (),
     base_compress_ratio: float = 1.0,
+    server_seconds: float = 0.0,
 ) -> WorkPlan:
     limits = _checked_limits(models, global_batch, min_device_batch, min_batch)
     device_batches = _device_batches(
         models, limits, scheme, global_batch, local_steps, min_device_batch, min_batch
     )
+    if scheme == "hps" and server_seconds > 0 and len(models) > 1:
+        # Finishing together queues every push at the server; finishing one
+        # after another, s apart, queues none but asks more of the fast ones.
+        staggered = _hps_batches(
+            models, limits, global_batch, local_steps, stagger=server_seconds
+        )
+        steps = [local_steps] * len(models)
+        rounds = [
+            _round_and_queue(models, b, steps, server_seconds, scheme)[0]
+            for b in (device_batches, staggered)
+        ]
+        if rounds[1] < rounds[0]:
+            device_batches = staggered
     step_times = [
         max(d.time(b) for d, b in zip(m.devices, batches, strict=True))
         for m, batches in zip(models, device_batches, strict=True)
@@ -819,7 +906,12 @@ def _solve(
         )  # fmt: skip
         busy += device_busy
         workers.append(worker)
-    round_time = max(w.round_time for w in workers)
+    round_time, queue = _round_and_queue(
+        models, device_batches, [w.local_steps for w in workers], server_seconds,
+        scheme,
+    )  # fmt: skip
+    if scheme == "adsp":
+        round_time = max(w.round_time for w in workers)
     idle = 1.0 - sum(busy) / (len(busy) * round_time) if round_time > 0 else 0.0
     return WorkPlan(
         scheme=scheme,
@@ -838,6 +930,8 @@ def _solve(
         revision=revision,
         stage_multipliers=stage_multipliers,
         base_compress_ratio=base_compress_ratio,
+        server_seconds=float(server_seconds),
+        queue_seconds=queue,
     )
 
 
@@ -1067,6 +1161,7 @@ def plan(
     memory_fraction: float = 0.9,
     stage_multipliers: Sequence[int] | None = None,
     compress_ratio: float | None = None,
+    server_seconds: float | None = None,
 ) -> WorkPlan:
     r"""Plans per-worker batches, local steps and step-size scales from profiles.
 
@@ -1206,6 +1301,10 @@ def plan(
       compress_ratio: ``ashl_reference`` only: the SHL top-k ratio of the
         worker with the longest round, in ``[MIN_COMPRESS_RATIO, 1]``; 1 by
         default.
+      server_seconds: the server's own seconds per push, ``s`` of the barrier
+        round's queue (see the module's notes); by default the median of the
+        profiles' measured ``transfer.server_seconds``, 0 when none has one.
+        Pass 0 to leave the queue out.
 
     Returns:
       The :class:`WorkPlan`.
@@ -1314,6 +1413,21 @@ def plan(
         stage_multipliers = ()
     if not is_number(memory_fraction) or not 0 < memory_fraction <= 1:
         raise ValueError(f"memory_fraction must be in (0, 1], got {memory_fraction}")
+    if server_seconds is None:
+        measured = [
+            p.transfer.server_seconds
+            for p in profiles
+            if p.transfer is not None and p.transfer.server_seconds is not None
+        ]
+        server_seconds = float(np.median(measured)) if measured else 0.0
+    elif not (
+        is_number(server_seconds)
+        and math.isfinite(server_seconds)
+        and server_seconds >= 0
+    ):
+        raise ValueError(
+            f"server_seconds must be a finite number >= 0, got {server_seconds!r}"
+        )
     models = [_model_from_profile(p, memory_fraction) for p in profiles]
     return _solve(
         models,
@@ -1330,6 +1444,7 @@ def plan(
         revision=0,
         stage_multipliers=stage_multipliers,
         base_compress_ratio=base_compress_ratio,
+        server_seconds=float(server_seconds),
     )
 
 
@@ -1516,6 +1631,7 @@ class Replanner:
             revision=old.revision + 1,
             stage_multipliers=old.stage_multipliers,
             base_compress_ratio=old.base_compress_ratio,
+            server_seconds=old.server_seconds,
         )
         self._last_revision = now
         self._reset()

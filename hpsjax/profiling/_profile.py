@@ -356,6 +356,11 @@ class TransferProfile:
       pull_bytes: payload bytes of one pull.
       method: ``"measured"`` (real round trips) or ``"estimated"`` (from a
         :class:`Link`).
+      server_seconds: the server's own time per push (receiving, decoding and
+        applying it), ``None`` when not measured: a push's time beyond a bare
+        request's round trip to the same server (:func:`measure_transfer`).
+        Pushes that arrive together wait for each other's, which a barrier
+        round's plan counts (:func:`hpsjax.profiling.plan`).
     """
 
     round_trip_seconds: float
@@ -364,10 +369,11 @@ class TransferProfile:
     push_bytes: int
     pull_bytes: int
     method: str
+    server_seconds: float | None = None
 
     def __post_init__(self):
         _check_finite("round_trip_seconds", self.round_trip_seconds, positive=False)
-        for name in ("push_seconds", "pull_seconds"):
+        for name in ("push_seconds", "pull_seconds", "server_seconds"):
             value = getattr(self, name)
             if value is not None:
                 _check_finite(name, value, positive=False)
@@ -683,7 +689,11 @@ async def measure_transfer(
     ``push(update, version=..., codec=...)`` are timed one after the other (a
     client not yet connected is connected first and closed after), or an async
     callable ``transfer(update)`` that performs one whole round trip (push
-    ``update``, pull the parameters) and is timed as one. The update pushed is a
+    ``update``, pull the parameters) and is timed as one. A client is also
+    timed on a bare request (``refresh_info``, a few bytes each way): the
+    push's time beyond it is the server's own time per push, receiving,
+    decoding and applying it (``server_seconds``; it also holds the client's
+    encoding, small beside the server's apply). The update pushed is a
     tree of zeros shaped like ``params``: it measures the wire and the server's
     handling of a real-sized message, and moves parameters only as far as the
     server's optimizer moves them on a zero gradient (not at all for SGD). Under a
@@ -716,7 +726,7 @@ async def measure_transfer(
     update = jax.tree.map(np.zeros_like, params)
     push_bytes = tree_wire_nbytes(params, codec)
     pull_bytes = tree_wire_nbytes(params)
-    pushes, pulls, trips = [], [], []
+    pushes, pulls, trips, bare = [], [], [], []
     opened = is_client and getattr(transfer, "closed", False)
     if opened:
         await transfer.connect()
@@ -728,6 +738,10 @@ async def measure_transfer(
                 t1 = time.perf_counter()
                 version = _pulled_version(pulled)
                 await transfer.push(update, version=version, codec=codec)
+                t2 = time.perf_counter()
+                if i >= warmup and callable(getattr(transfer, "refresh_info", None)):
+                    await transfer.refresh_info()
+                    bare.append(time.perf_counter() - t2)
             else:
                 result = transfer(update)
                 if not inspect.isawaitable(result):
@@ -736,7 +750,7 @@ async def measure_transfer(
                     )
                 await result
                 t1 = None
-            t2 = time.perf_counter()
+                t2 = time.perf_counter()
             if i >= warmup:
                 trips.append(t2 - t0)
                 if t1 is not None:
@@ -752,6 +766,11 @@ async def measure_transfer(
         push_bytes=push_bytes,
         pull_bytes=pull_bytes,
         method="measured",
+        server_seconds=(
+            max(statistics.median(pushes) - statistics.median(bare), 0.0)
+            if pushes and bare
+            else None
+        ),
     )
 
 
