@@ -18,10 +18,12 @@ import pytest
 from hpsjax.ps._core import (
     Applied,
     Drop,
+    PlanChanged,
     PushAck,
     Release,
     SendParams,
     ServerCore,
+    StageChanged,
     Wait,
 )
 from hpsjax.ps._errors import (
@@ -32,7 +34,7 @@ from hpsjax.ps._errors import (
     WorkerDropped,
 )
 from hpsjax.ps._messages import PushMeta
-from hpsjax.ps._policies import BSP, Policy, PolicyView
+from hpsjax.ps._policies import BSP, Hybrid, HybridStage, Policy, PolicyView
 
 CORE = pathlib.Path(__file__).resolve().parents[1] / "hpsjax" / "ps" / "_core.py"
 
@@ -310,8 +312,160 @@ def test_the_core_feeds_its_replanner_the_workers_of_its_plan():
     replanner = _Replanner(["a", "b"])
     core = numpy_core("asp", replanner=replanner)
     assert core.replanner is replanner
-    assert core.observe_speed("a", 32, 0.5, 1.0) is None
-    assert core.observe_speed("nobody", 32, 0.5, 2.0) is None  # not planned
-    assert core.observe_speed("b", 16, 0.25, 3.0) == "revised"
+    assert core.observe_speed("a", 32, 0.5, 1.0) == []
+    assert core.observe_speed("nobody", 32, 0.5, 2.0) == []  # not planned
+    assert core.observe_speed("b", 16, 0.25, 3.0) == [
+        PlanChanged("revised", 0, "worker b's speed drifted")
+    ]
     assert replanner.seen == [("a", 32, 0.5, 1.0), ("b", 16, 0.25, 3.0)]
-    assert numpy_core("asp").observe_speed("a", 32, 0.5, 1.0) is None
+    assert numpy_core("asp").observe_speed("a", 32, 0.5, 1.0) == []
+
+
+def announcements(actions):
+    return [a for a in actions if isinstance(a, StageChanged | PlanChanged)]
+
+
+def test_the_push_that_revises_the_plan_announces_it_once():
+    replanner = _Replanner(["a", "b"])
+    core = numpy_core("asp", replanner=replanner)
+    core.join("a", 0.0)
+    core.join("b", 0.0)
+    timed = {"step_time": 0.8, "num_samples": 64, "local_steps": 2}
+    # A push without a measured speed feeds nothing.
+    assert announcements(core.push("a", upd(1.0), version=0, now=1.0)) == []
+    assert announcements(core.push("a", upd(1.0), version=1, now=2.0, **timed)) == []
+    # Each local step: 32 samples in 0.4 s.
+    acts = core.push("b", upd(1.0), version=2, now=3.0, **timed)
+    assert replanner.seen == [("a", 32, 0.4, 2.0), ("b", 32, 0.4, 3.0)]
+    assert announcements(acts) == [
+        PlanChanged("revised", 3, "worker b's speed drifted")
+    ]
+    assert acts[-1] == announcements(acts)[0]  # after the push's own actions
+    acts = core.push("b", upd(1.0), version=3, now=4.0, **timed)
+    assert announcements(acts) == []  # the replanner revised nothing more
+
+
+def test_a_driver_that_feeds_speeds_itself_gets_no_plan_from_pushes():
+    replanner = _Replanner(["a"])
+    core = numpy_core("asp", replanner=replanner, replan_from_pushes=False)
+    core.join("a", 0.0)
+    for step in range(3):
+        acts = core.push(
+            "a", upd(1.0), version=step, now=1.0 + step, step_time=0.5, num_samples=8
+        )
+        assert announcements(acts) == []
+    assert replanner.seen == []
+
+
+def hybrid_core(**kwargs):
+    stages = [
+        HybridStage("async", local_steps=4, until_version=2),
+        HybridStage("sync"),
+        HybridStage("async", local_steps=2),
+    ]
+    return numpy_core(Hybrid(stages), **kwargs)
+
+
+def test_a_stage_reached_by_version_is_announced_once_by_the_push_that_applies():
+    core = hybrid_core()
+    assert core.stage == 0
+    core.join("a", 0.0)
+    core.join("b", 0.0)
+    acts = core.push("a", upd(1.0), version=0, now=1.0)
+    assert announcements(acts) == []
+    acts = core.push("b", upd(1.0), version=0, now=2.0)
+    # Version 2 ends stage 0: announced after the apply that made it.
+    assert [type(a) for a in acts[1:]] == [Applied, StageChanged]
+    assert acts[2] == StageChanged(1, 2)
+    assert acts[0].stage == 1  # and the pusher's acknowledgement says so
+    assert core.stage == 1
+    for step, w in enumerate(("a", "b", "a")):
+        assert announcements(core.pull(w, 3.0 + step)) == []
+        assert announcements(core.push(w, upd(1.0), version=2, now=3.0 + step)) == []
+    assert core.stage == 1 and core.policy.stage == 1
+
+
+def test_a_stage_reached_by_an_apply_after_a_drop_is_announced_by_the_tick():
+    stages = [HybridStage("sync", until_version=1), HybridStage("async", 3)]
+    core = numpy_core(Hybrid(stages), initial_timeout=10.0)
+    core.join("a", 0.0)
+    core.join("b", 0.0)
+    core.push("a", upd(1.0), version=0, now=1.0)
+    assert isinstance(core.pull("a", 1.0)[0], Wait)
+    acts = core.tick(10.0)
+    assert [type(a) for a in acts] == [Drop, Applied, StageChanged, Release, SendParams]
+    assert acts[2] == StageChanged(1, 1)
+    # The released worker gets the new stage's hint after the announcement.
+    assert acts[4] == SendParams("a", 1, 3)
+    assert announcements(core.tick(20.0)) == []
+
+
+def test_a_pushed_stage_is_announced_once():
+    core = hybrid_core()
+    core.join("a", 0.0)
+    core.join("b", 0.0)
+    acts = core.push("a", upd(1.0), version=0, now=1.0, stage=0)
+    assert announcements(acts) == [] and acts[0].stage is None
+    acts = core.push("b", upd(1.0), version=1, now=2.0, stage=2)
+    # Version 2 moved it to stage 1, then the pushed stage to 2: each change
+    # once, in order.
+    assert announcements(acts) == [StageChanged(1, 2), StageChanged(2, 2)]
+    assert acts[0].stage == 2
+    acts = core.push("a", upd(1.0), version=2, now=3.0, stage=2)
+    assert announcements(acts) == [] and acts[0].stage is None
+
+
+def test_set_stage_announces_a_change_only():
+    core = hybrid_core()
+    core.join("a", 0.0)
+    assert core.set_stage(0, 1.0) == []
+    acts = core.set_stage(2, 2.0)
+    assert acts == [StageChanged(2, 0)]
+    assert core.set_stage(2, 3.0) == []
+    with pytest.raises(ValueError, match="Stage index"):
+        core.set_stage(3, 4.0)
+    assert core.stage == 2
+
+
+def test_a_stage_the_policy_moves_on_a_push_is_announced_once():
+    class Switching(Hybrid):
+        """Moves to stage 1 on the first push that reports a loss below 1."""
+
+        def on_push(self, core, worker_id, now):
+            super().on_push(core, worker_id, now)
+            loss = core.worker(worker_id).last_loss
+            if self.stage == 0 and loss is not None and loss < 1.0:
+                self.set_stage(core, 1)
+
+    core = numpy_core(Switching([HybridStage("async", 4), HybridStage("async", 1)]))
+    core.join("a", 0.0)
+    assert announcements(core.push("a", upd(1.0), version=0, now=1.0, loss=2.0)) == []
+    acts = core.push("a", upd(1.0), version=1, now=2.0, loss=0.5)
+    # Decided before the push's apply: announced ahead of it.
+    assert [type(a) for a in acts] == [PushAck, StageChanged, Applied]
+    assert acts[1] == StageChanged(1, 1) and acts[0].stage == 1
+    assert acts[0].local_steps == 1
+    assert announcements(core.push("a", upd(1.0), version=2, now=3.0, loss=0.1)) == []
+
+
+def test_policies_without_stages_announce_nothing():
+    core = numpy_core("bsp")
+    assert core.stage is None
+    core.join("a", 0.0)
+    for step in range(3):
+        acts = core.push("a", upd(1.0), version=step, now=1.0 + step, stage=1)
+        assert announcements(acts) == [] and acts[0].stage is None
+        core.pull("a", 1.0 + step)
+
+
+def test_a_restored_stage_is_in_force_without_an_announcement():
+    core = hybrid_core()
+    core.join("a", 0.0)
+    core.set_stage(2, 1.0)
+    state = core.state_dict()
+    other = hybrid_core()
+    other.load_state_dict(state)
+    assert other.stage == 2
+    other.join("a", 0.0)
+    acts = other.push("a", upd(1.0), version=0, now=1.0)
+    assert announcements(acts) == [] and acts[0].local_steps == 2

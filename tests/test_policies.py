@@ -18,6 +18,7 @@ from hpsjax.ps._core import (
     Release,
     SendParams,
     ServerCore,
+    StageChanged,
     Wait,
 )
 from hpsjax.ps._policies import (
@@ -471,6 +472,7 @@ def test_hybrid_set_stage_reexamines_waiters_and_buffer():
     assert only(core.pull("a", 1.0), Wait)
     actions = core.set_stage(1, 2.0)
     assert actions == [
+        StageChanged(1, 0),
         Applied(1, ("a",), 0, 1),
         Release("a", 1, 1.0),
         SendParams("a", 1, 8),

@@ -21,6 +21,8 @@ Events (methods), each returning ``list[Action]``:
 * ``leave(worker_id, now)``: the worker says goodbye (or its connection died).
 * ``tick(now)``: time passed; call it at ``next_deadline()``.
 * ``set_stage(index, now)``: a staged policy moves to stage ``index``.
+* ``observe_speed(worker_id, batch_size, time_per_step, now)``: a worker's
+  measured speed, for the re-planner (pushes feed it by default).
 
 Actions (frozen dataclasses):
 
@@ -35,6 +37,14 @@ Actions (frozen dataclasses):
 * :class:`Drop`: the worker was removed (missed deadline); close it, it may rejoin.
 * :class:`Applied`: a new version exists (for logs and for subscribers that get
   fresh parameters pushed to them, PHub-style).
+* :class:`StageChanged`: a staged policy moved to another stage; tell every
+  worker (the event that moved it returns it, once).
+* :class:`PlanChanged`: the re-planner revised the work plan; hand each worker
+  its entry (a push's measured speed, or :meth:`~ServerCore.observe_speed`).
+
+The core decides what to announce and when; a driver only carries the
+announcements out (the asyncio server as NOTICEs, the simulator on its
+simulated workers).
 
 Sign convention. A worker pushes a *gradient-like* update :math:`u`: its gradient,
 or, after local steps, its pseudo-gradient :math:`w_{\text{pulled}} -
@@ -129,10 +139,12 @@ __all__ = [
     "Applied",
     "Drop",
     "ForcePull",
+    "PlanChanged",
     "PushAck",
     "Release",
     "SendParams",
     "ServerCore",
+    "StageChanged",
     "Wait",
     "WorkerInfo",
 ]
@@ -237,7 +249,51 @@ class Applied:
     num_updates: int
 
 
-Action = SendParams | PushAck | Wait | Release | ForcePull | Drop | Applied
+@dataclasses.dataclass(frozen=True, slots=True)
+class StageChanged:
+    """A staged policy moved to another stage: tell every worker.
+
+    Returned by the event in which the stage changed, whatever moved it (a
+    version reaching the stage's ``until_version``, a pushed ``stage``, the
+    policy's own rule, :meth:`ServerCore.set_stage`), once per change and
+    before the releases the new stage allows. A worker whose push moved the
+    stage also learns it from its :class:`~hpsjax.ps.PushAck`'s ``stage``.
+
+    Attributes:
+      stage: the new stage index.
+      version: the server version when it changed.
+    """
+
+    stage: int
+    version: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PlanChanged:
+    """The re-planner revised the work plan: hand every worker its entry.
+
+    Attributes:
+      plan: the revised :class:`~hpsjax.profiling.WorkPlan`.
+      version: the server version when it was revised.
+      reason: why (whose measured speed drifted).
+    """
+
+    plan: Any
+    version: int
+    reason: str
+
+
+Action = (
+    SendParams
+    | PushAck
+    | Wait
+    | Release
+    | ForcePull
+    | Drop
+    | Applied
+    | StageChanged
+    | PlanChanged
+)
 """Any action returned by a :class:`ServerCore` event."""
 
 
@@ -423,7 +479,14 @@ class ServerCore:
         push leaf by leaf as it arrives (``hpsjax.ps._overlap``). The core
         reads no array: any object with the aggregator's methods will do.
       replanner: a :class:`~hpsjax.profiling.Replanner` (H-PS dynamic
-        scheduling) that :meth:`observe_speed` feeds, or ``None``.
+        scheduling) that :meth:`observe_speed` feeds, or ``None``; a revised
+        plan is returned as a :class:`PlanChanged` action.
+      replan_from_pushes: feed the re-planner every push's measured speed (its
+        ``step_time`` over its ``num_samples`` and ``local_steps``), so the
+        push that revises the plan returns the :class:`PlanChanged`. ``False``
+        where the driver measures speeds otherwise and calls
+        :meth:`observe_speed` itself (the simulator, as each round's compute
+        ends).
 
     Aggregation. Updates accepted by the policy are buffered with a weight
     :math:`n_j d_j`, :math:`n_j` the ``num_samples`` of the push (1 when not
@@ -499,6 +562,7 @@ class ServerCore:
         push_weights: Mapping[Any, float] | None = None,
         aggregator: Callable[..., Aggregator] = Aggregator,
         replanner: Any = None,
+        replan_from_pushes: bool = True,
     ):
         self._check_args(
             policy_kwargs=policy_kwargs,
@@ -534,6 +598,10 @@ class ServerCore:
         self._straggler_factor = float(straggler_factor)
         self._keep_stale = bool(keep_stale_params)
         self._replanner = replanner
+        self._replan_from_pushes = bool(replan_from_pushes)
+        # The stage last announced (StageChanged), or None for a policy
+        # without stages.
+        self._stage = self._policy.stage
         self._init_workers()
 
     @staticmethod
@@ -765,28 +833,45 @@ class ServerCore:
         """The re-planner :meth:`observe_speed` feeds, or ``None``."""
         return self._replanner
 
+    @property
+    def stage(self) -> int | None:
+        """The staged policy's stage as last announced (:class:`StageChanged`),
+        or ``None`` for a policy without stages."""
+        return self._stage
+
     def observe_speed(
         self, worker_id: WorkerId, batch_size: int, time_per_step: float, now: float
-    ) -> Any:
+    ) -> list[Action]:
         """Feeds a worker's measured speed to the re-planner.
 
         Both drivers give the same input: one local step of ``batch_size``
         samples (over the worker's devices) took ``time_per_step`` seconds of
-        compute (the asyncio server from a push's ``num_samples``,
-        ``local_steps`` and ``step_time``; the simulator from its worker's
-        report of a kept round).
+        compute (a push's ``num_samples``, ``local_steps`` and ``step_time``,
+        fed by :meth:`push_message` itself unless ``replan_from_pushes`` is
+        off; the simulator's worker's report of a kept round).
 
         Returns:
-          The revised :class:`~hpsjax.profiling.WorkPlan` to hand to the
-          workers when the speeds drifted, else ``None`` (and always without a
-          re-planner, or for a worker its plan does not name).
+          ``[PlanChanged]`` when the speeds drifted and the plan was revised,
+          else ``[]`` (and always without a re-planner, or for a worker its
+          plan does not name).
         """
         replanner = self._replanner
         if replanner is None or worker_id not in {
             entry.worker_id for entry in replanner.plan.workers
         }:
-            return None
-        return replanner.observe(worker_id, batch_size, time_per_step, now)
+            return []
+        revised = replanner.observe(worker_id, batch_size, time_per_step, now)
+        if revised is None:
+            return []
+        reason = f"worker {worker_id}'s speed drifted"
+        return [PlanChanged(revised, self._version, reason)]
+
+    def _note_stage(self, actions: list[Action]) -> None:
+        """Announces a change of the policy's stage (once)."""
+        stage = self._policy.stage
+        if stage != self._stage:
+            self._stage = stage
+            actions.append(StageChanged(stage, self._version))
 
     def clock(self, worker_id: WorkerId) -> int:
         """A worker's clock (iterations done); raises for an unknown worker."""
@@ -993,7 +1078,8 @@ class ServerCore:
             hybrid policy a stage beyond the server's moves the server to it.
 
         Returns:
-          ``[PushAck, ForcePull?, Applied?, Release/SendParams...]``.
+          ``[PushAck, ForcePull?, Applied?, StageChanged?,
+          Release/SendParams..., PlanChanged?]``.
 
         Raises:
           UnexpectedMessage: for a worker that never joined.
@@ -1040,7 +1126,8 @@ class ServerCore:
         ``meta.stage`` against the policy's stages.
 
         Returns:
-          ``[PushAck, ForcePull?, Applied?, Release/SendParams...]``.
+          ``[PushAck, ForcePull?, Applied?, StageChanged?,
+          Release/SendParams..., PlanChanged?]``.
         """
         now = self._check_now(now)
         version = meta.version
@@ -1073,6 +1160,7 @@ class ServerCore:
             )
         self._begin(now)
         self._record_push(rec, meta, now)
+        tail: list[Action] = []
 
         if pending is not None:
             self._agg.commit(pending)
@@ -1084,7 +1172,8 @@ class ServerCore:
             rec.dropped_updates += 1
             status = "dropped"
         policy.on_push(view, worker_id, now)
-        tail: list[Action] = []
+        if policy.stage != self._stage:
+            self._note_stage(tail)
         if self._buffer_contributors and policy.ready(view):
             self._apply(now, tail)
             if status == "buffered":
@@ -1095,8 +1184,11 @@ class ServerCore:
             # server follows, after the push was handled in the stage it was
             # computed in.
             policy.set_stage(view, meta.stage)
+            self._note_stage(tail)
             self._admit_key = _UNKNOWN_KEY
             self._settle(now, tail)
+        if self._replanner is not None and self._replan_from_pushes:
+            tail += self._observe_push(worker_id, meta, now)
         stage = policy.stage if stage_before is not None else None
         actions: list[Action] = [
             PushAck(
@@ -1115,6 +1207,18 @@ class ServerCore:
             actions.append(ForcePull(worker_id, reason or "pull fresh parameters"))
         actions.extend(tail)
         return actions
+
+    def _observe_push(
+        self, worker_id: WorkerId, meta: PushMeta, now: float
+    ) -> list[Action]:
+        """Feeds one push's measured speed to the re-planner."""
+        step_time, samples = meta.step_time, meta.num_samples
+        if not step_time or not samples:
+            return []
+        steps = meta.local_steps or 1
+        return self.observe_speed(
+            worker_id, max(1, samples // steps), step_time / steps, now
+        )
 
     def _judge(
         self, worker_id: WorkerId, version: int, staleness: int
@@ -1264,7 +1368,8 @@ class ServerCore:
           now: the time (s).
 
         Returns:
-          The applies and releases the new stage allows.
+          ``[StageChanged]`` where the stage changed, then the applies and
+          releases the new stage allows.
 
         Raises:
           ValueError: if the policy has no stages or the index is out of range.
@@ -1274,6 +1379,7 @@ class ServerCore:
         self._begin(now)
         self._admit_key = _UNKNOWN_KEY
         actions: list[Action] = []
+        self._note_stage(actions)
         self._settle(now, actions)
         return actions
 
@@ -1446,7 +1552,10 @@ class ServerCore:
             )
         )
         self._reset_buffer()
-        self._policy.on_apply(self._view, now)
+        policy = self._policy
+        policy.on_apply(self._view, now)
+        if policy.stage != self._stage:
+            self._note_stage(actions)
 
     # Checkpoints.
 
@@ -1542,6 +1651,8 @@ class ServerCore:
         # The policy checks its state before changing anything, and nothing
         # after it can fail, so a bad state leaves the core as it was.
         self._policy.load_state_dict(state["policy_state"])
+        # The restored stage is in force; workers learn it as they join again.
+        self._stage = self._policy.stage
         self._agg.restore(new_params, new_opt_state)
         self._epoch += 1
         self._version = int(state["version"])

@@ -62,9 +62,11 @@ from hpsjax.ps._core import (
     Applied,
     Drop,
     ForcePull,
+    PlanChanged,
     PushAck,
     SendParams,
     ServerCore,
+    StageChanged,
 )
 from hpsjax.ps._decoders import DecoderCache
 from hpsjax.ps._errors import (
@@ -712,9 +714,7 @@ class Server:
         Raises:
           ValueError: the policy has no such stage (nothing changes).
         """
-        actions = self._core.set_stage(index, self._now())
-        self._carry_out(actions)
-        self._announce(StageNotice(index))
+        self._carry_out(self._core.set_stage(index, self._now()))
         self._rearm()
 
     def _announce(self, notice: Notice, *, skip: Any = None) -> None:
@@ -754,23 +754,13 @@ class Server:
         replanner = self._core.replanner
         return None if replanner is None else replanner.plan
 
-    def _observe_speed(self, worker_id: Any, meta: PushMeta) -> None:
-        """Feeds one push's timing to the core's replanner; sends a revised
-        plan out."""
-        step_time = meta.step_time
-        samples = meta.num_samples
-        steps = meta.local_steps or 1
-        if not step_time or not samples:
-            return
-        revised = self._core.observe_speed(
-            worker_id, max(1, samples // steps), step_time / steps, self._now()
-        )
-        if revised is None:
-            return
+    def _send_plans(self, change: PlanChanged) -> None:
+        """Hands every worker its entry of a revised plan (H-PS re-planning)."""
+        revised = change.plan
         logger.info(
-            "re-planned (revision %d) after worker %s's speed drifted: batches %s",
+            "re-planned (revision %d) after %s: batches %s",
             revised.revision,
-            worker_id,
+            change.reason,
             {entry.worker_id: entry.batch_size for entry in revised.workers},
         )
         for entry in revised.workers:
@@ -1052,7 +1042,7 @@ class Server:
         return {
             "policy": getattr(policy, "name", type(policy).__name__),
             "version": self._core.version,
-            "stage": int(getattr(policy, "stage", 0) or 0),
+            "stage": int(self._core.stage or 0),
             "synchronous": bool(getattr(policy, "synchronous", False)),
             "spec": self._spec_meta,
             "limits": {
@@ -1168,8 +1158,6 @@ class Server:
         self._pushes += 1
         if self._metrics is not None and any(isinstance(a, Applied) for a in actions):
             self._metrics.apply(self._loop.time() - started)
-        if self._core.replanner is not None:
-            self._observe_speed(session.worker_id, meta)
         ack = None
         for action in actions:
             if isinstance(action, PushAck) and action.worker_id == session.worker_id:
@@ -1182,16 +1170,13 @@ class Server:
         if self._progress is not None:
             self._progress.observe(loss=meta.loss, staleness=ack.staleness)
         ack_meta = ack.to_wire()
-        if ack.stage is not None:
-            # The pusher learns of the switch from its acknowledgement.
-            self._announce(StageNotice(ack.stage), skip=session)
         if frame.msg_type == MsgType.PUSH:
             session.protocol.send(
                 _frames.encode_frame(MsgType.PUSH_ACK, frame.request_id, ack_meta)
             )
-            self._carry_out(actions, skip_force=session.worker_id)
+            self._carry_out(actions, pusher=session.worker_id)
         else:
-            self._carry_out(actions, skip_force=session.worker_id)
+            self._carry_out(actions, pusher=session.worker_id)
             entry = (frame.request_id, ack_meta)
             session.pulls.append(entry)
             try:
@@ -1293,7 +1278,10 @@ class Server:
 
     # ---------------------------------------------------------- actions
 
-    def _carry_out(self, actions, *, skip_force: Any = None) -> None:
+    def _carry_out(self, actions, *, pusher: Any = None) -> None:
+        """Carries out the core's actions; ``pusher``, the worker whose push
+        they answer, learns a forced pull and a stage change from its
+        acknowledgement instead."""
         applied = False
         for action in actions:
             if isinstance(action, SendParams):
@@ -1310,7 +1298,7 @@ class Server:
                     extra["ack"] = ack_meta
                 self._send_params(session, request_id, extra)
             elif isinstance(action, ForcePull):
-                if action.worker_id == skip_force:
+                if action.worker_id == pusher:
                     continue
                 session = self._sessions.get(action.worker_id)
                 if session is not None:
@@ -1331,6 +1319,12 @@ class Server:
                     self._notify_error(session, error)
             elif isinstance(action, Applied):
                 applied = True
+            elif isinstance(action, StageChanged):
+                self._announce(
+                    StageNotice(action.stage), skip=self._sessions.get(pusher)
+                )
+            elif isinstance(action, PlanChanged):
+                self._send_plans(action)
         if applied:
             self._publish()
             every = self._checkpoint_every_updates

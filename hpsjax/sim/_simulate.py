@@ -68,10 +68,12 @@ from hpsjax.ps._core import (
     Applied,
     Drop,
     ForcePull,
+    PlanChanged,
     PushAck,
     Release,
     SendParams,
     ServerCore,
+    StageChanged,
     Wait,
 )
 from hpsjax.ps._errors import HpsError, NonFiniteUpdate, WorkerDropped
@@ -806,6 +808,8 @@ class _Simulation:
             server_optimizer,
             policy,
             replanner=self.replanner,
+            # Fed as each round's compute ends (_report), not at its push.
+            replan_from_pushes=False,
             **core_kwargs,
         )
         aggregator = self.core.aggregator
@@ -815,6 +819,9 @@ class _Simulation:
         )
         engine.sums = engine.sums and self.deferring is not None
         self.policy = self.core.policy
+        # The server's stage as announced (StageChanged); acknowledgements
+        # carry it to workers whose pushes it compresses.
+        self.stage = self.core.stage
         self.deferred: dict[int, DeferredLeaves] = {}
         engine.resolve = self._resolve
         self.pull_bytes = tree_wire_nbytes(params)
@@ -1013,11 +1020,11 @@ class _Simulation:
         self._carry_out_worker(w, actions)
 
     def _report(self, w: _Worker, report: wc.Report) -> None:
-        revised = self.core.observe_speed(
+        actions = self.core.observe_speed(
             w.id, report.batch_size, report.time_per_step, report.now
         )
-        if revised is not None:
-            self._apply_plan(revised)
+        if actions:
+            self._carry_out(actions)
         self._carry_out_worker(w, w.core.handle(wc.Reported(self.now)))
 
     def _send_push(self, w: _Worker, r: Round, push: wc.Push) -> None:
@@ -1218,7 +1225,10 @@ class _Simulation:
                 session,
                 ack.version,
                 ack.local_steps,
-                getattr(self.policy, "stage", None) if compresses else None,
+                # This push's stage change, or the one announced before it.
+                (self.stage if ack.stage is None else ack.stage)
+                if compresses
+                else None,
             )
         self._carry_out(actions)
         if push.with_pull and session == w.session:
@@ -1320,6 +1330,10 @@ class _Simulation:
                 self._close_server_wait(w)
                 self.errors.append(f"worker {w.id!r} dropped: {action.reason}")
                 self.schedule(now + w.latency, self._dropped_arrive, w, w.session)
+            elif kind is StageChanged:
+                self.stage = action.stage
+            elif kind is PlanChanged:
+                self._apply_plan(action.plan)
             elif kind is not PushAck:
                 raise TypeError(f"unexpected action {action!r}")
         deadline = core.next_deadline()
