@@ -16,6 +16,7 @@ from hpsjax._optimizers import (
     resolve_optimizer,
 )
 from hpsjax.ps import _cli as server_cli
+from hpsjax.worker import _build as worker_build
 from hpsjax.worker import _cli as worker_cli
 
 TARGET = {"w": jnp.arange(12.0).reshape(4, 3) / 10, "b": jnp.array([0.5, -0.5, 1.0])}
@@ -158,7 +159,7 @@ SMALL = ["--model", "mlp", "--dataset", "synthetic_digits", "--dataset_arg",
 )  # fmt: skip
 def test_worker_cli_local_optimizer_by_name(argv, kind):
     args = worker_cli.parse_args([*SMALL, *argv])
-    assert isinstance(worker_cli._local_optimizer(args), kind)
+    assert isinstance(worker_build.make_local_optimizer(args), kind)
 
 
 @pytest.mark.parametrize(
@@ -174,7 +175,7 @@ def test_worker_cli_local_optimizer_by_name(argv, kind):
 def test_worker_cli_bad_local_optimizer_is_one_line(argv, message):
     args = worker_cli.parse_args([*SMALL, *argv])
     with pytest.raises(ValueError) as err:
-        worker_cli._local_optimizer(args)
+        worker_build.make_local_optimizer(args)
     assert "\n" not in str(err.value) and str(err.value).startswith(message)
 
 

@@ -12,6 +12,7 @@ import pytest
 
 from hpsjax import ps
 from hpsjax.ps import _cli as server_cli
+from hpsjax.worker import _build as worker_build
 from hpsjax.worker import _cli as worker_cli
 from tests.test_powersgd_wire import _promised, _RecordingClient
 
@@ -32,10 +33,10 @@ def _server_params(tmp_path, *argv: str):
 
 async def _join(server_params, args, **server_kw):
     """Joins a worker of ``args`` to a server of ``server_params``."""
-    _, _, params, _ = worker_cli._build(args)
+    _, _, params, _ = worker_build.build(args)
     server_kw.setdefault("secret", None)
     async with ps.Server(server_params, optax.sgd(0.1), "asp", **server_kw) as s:
-        client = worker_cli._client(args, (args.host, s.port))
+        client = worker_build.make_client(args, (args.host, s.port))
         try:
             await worker_cli.connect(client, params, connect_timeout=2, where="here")
         finally:
@@ -242,7 +243,7 @@ def test_tensorboard_dir_none_writes_json_lines_only(tmp_path):
     assert (tmp_path / "m.jsonl").read_text().count("\n") == 1
     assert not (tmp_path / "tensorboard").exists()
     with pytest.raises(ValueError, match="--eval_every must be > 0"):
-        worker_cli._build(_args("--eval_every", "0"))
+        worker_build.build(_args("--eval_every", "0"))
 
 
 @pytest.mark.slow
@@ -263,9 +264,9 @@ def test_two_workers_train_a_resnet_keeping_batch_stats_to_themselves(tmp_path):
         "resnet", input_shape=(8, 8, 1), num_classes=10, widths=(8, 16)
     )
     _, params, stats = models.split_with_batch_stats(model)
-    paths = worker_cli._leaf_specs
-    assert set(paths(server_params)) == set(paths(worker_cli._server_tree(params)))
-    assert not set(paths(server_params)) & set(paths(worker_cli._server_tree(stats)))
+    paths = worker_build.leaf_specs
+    assert set(paths(server_params)) == set(paths(worker_build.server_tree(params)))
+    assert not set(paths(server_params)) & set(paths(worker_build.server_tree(stats)))
 
     async def train(port):
         runs = []
@@ -278,7 +279,7 @@ def test_two_workers_train_a_resnet_keeping_batch_stats_to_themselves(tmp_path):
                  "--tensorboard_dir", "none", "--log_level", "WARNING"]
             )  # fmt: skip
             sink = worker_cli._metrics_sink(args)
-            worker, client, params, graphdef = worker_cli._build(args, metrics=sink)
+            worker, client, params, graphdef = worker_build.build(args, metrics=sink)
             evaluator = worker_cli.Evaluator(args, graphdef, lambda w=worker: w.state)
             runs.append((worker, client, params, args, evaluator, sink))
         await asyncio.gather(*(worker_cli._serve(*run) for run in runs))
@@ -311,7 +312,7 @@ def test_two_workers_train_a_resnet_keeping_batch_stats_to_themselves(tmp_path):
     ("argv", "pull_with_push"), [((), True), (("--no_pull_with_push",), False)]
 )
 def test_pull_with_push_is_the_default_and_can_be_turned_off(argv, pull_with_push):
-    worker, _, _, _ = worker_cli._build(_args(*argv))
+    worker, _, _, _ = worker_build.build(_args(*argv))
     assert worker.config.pull_with_push is pull_with_push
     assert worker.config.overlap is None  # the server's policy's
 
@@ -326,7 +327,7 @@ def test_pull_with_push_is_the_default_and_can_be_turned_off(argv, pull_with_pus
     ],
 )
 def test_overlap_flag_reaches_the_worker(argv, overlap, eager_pulls):
-    worker, _, _, _ = worker_cli._build(_args(*argv))
+    worker, _, _, _ = worker_build.build(_args(*argv))
     assert worker.config.overlap == overlap
     assert worker.config.eager_pulls == eager_pulls
 

@@ -449,12 +449,12 @@ def test_help_says_each_default_once(capsys):
 
 
 def test_your_npz_data_from_the_command_line(tmp_path, capsys):
-    from hpsjax.worker import _cli
+    from hpsjax.worker import _build, _cli
 
     rng = np.random.default_rng(0)
     path = tmp_path / "mine.npz"
     np.savez(path, x=rng.random((50, 6, 6, 1)), y=rng.integers(0, 3, 50))
-    worker, _, params, _ = _cli._build(
+    worker, _, params, _ = _build.build(
         _cli_args("--dataset", "npz", "--data_path", str(path), "--batch_size", "4")
     )
     assert worker.config.batch_size == 4

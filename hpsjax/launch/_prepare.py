@@ -21,7 +21,8 @@ from hpsjax.launch._job import (
     shutdown,
     start_server,
 )
-from hpsjax.worker._cli import _heterogeneity, parse_args, write_init
+from hpsjax.worker._build import make_heterogeneity, write_init
+from hpsjax.worker._cli import parse_args
 
 
 def check_launch(
@@ -75,7 +76,7 @@ def check_launch(
     try:
         parse_args(shared)
         for extra in flags:
-            _heterogeneity(parse_args([*shared, *extra]))
+            make_heterogeneity(parse_args([*shared, *extra]))
     except SystemExit:
         raise LaunchError("bad worker flags (see the message above)") from None
     except ValueError as e:

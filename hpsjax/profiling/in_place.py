@@ -36,20 +36,20 @@ from hpsjax._compile_cache import use_compile_cache
 from hpsjax._logs import quiet_backend_probe
 from hpsjax.profiling import measure_transfer, tree_wire_nbytes
 from hpsjax.transforms import Codec
-from hpsjax.worker._cli import (
+from hpsjax.worker._build import (
     JoinError,
-    _client,
-    _dataset,
-    _heterogeneity,
-    _model,
-    _shard,
-    _sharded_client,
-    _where,
     connect,
+    data_shard,
+    load_dataset,
+    make_client,
+    make_heterogeneity,
+    make_model,
+    make_sharded_client,
     measure_step,
-    parse_args,
+    server_address,
     with_injection,
 )
+from hpsjax.worker._cli import parse_args
 
 __all__ = ["add_link", "main", "profile_in_place"]
 
@@ -85,9 +85,9 @@ def _has_server(args: argparse.Namespace) -> bool:
 
 def _spec(args: argparse.Namespace) -> Any:
     """The shapes and dtypes of the flags' model parameters."""
-    index, count = _shard(args)
+    index, count = data_shard(args)
     _, params, _ = models.split_trainable(
-        _model(args, _dataset(args).shard(count, index))
+        make_model(args, load_dataset(args).shard(count, index))
     )
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
 
@@ -110,17 +110,17 @@ async def _measure(args: argparse.Namespace) -> tuple[Any, Any, Any]:
     warm = argparse.Namespace(**{**vars(args), "profile_repeats": 1})
     await asyncio.to_thread(measure_step, warm)
     # As slowed in the run: a sleep of (k - 1) times each step.
-    slowdown = _heterogeneity(args).slowdown_at(0.0)
+    slowdown = make_heterogeneity(args).slowdown_at(0.0)
 
     def pace(seconds: float) -> None:
         time.sleep((slowdown - 1.0) * seconds)
 
     if args.servers is not None:
-        client = _sharded_client(args, args.servers, spec)
+        client = make_sharded_client(args, args.servers, spec)
     else:
-        client = _client(args, (args.host, args.port))
+        client = make_client(args, (args.host, args.port))
     await connect(
-        client, spec, connect_timeout=args.connect_timeout, where=_where(args)
+        client, spec, connect_timeout=args.connect_timeout, where=server_address(args)
     )
     try:
         server_params, _ = await client.pull()

@@ -1,0 +1,587 @@
+"""Building a worker from its parsed ``hpsjax-worker`` flags.
+
+One place turns the flags into what a worker is made of: its data set and
+shard, its model (a built-in name or a factory), its local optimizer, its
+injected heterogeneity, its client (one server or several shards, TLS and
+secret included), the :class:`~hpsjax.worker.Worker` itself, and the
+profiling pass's measured step. ``hpsjax-worker`` (:mod:`hpsjax.worker._cli`),
+the launcher's checks and work directory (:mod:`hpsjax.launch`) and the
+in-place profiler (:mod:`hpsjax.profiling.in_place`) all build from here, so
+a flag means the same to each of them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import logging
+import pathlib
+import ssl
+import typing
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from hpsjax import data, models, profiling, ps
+from hpsjax._config_flags import config_kwargs
+from hpsjax._flags import check_kwargs
+from hpsjax._npz import nest_named_arrays
+from hpsjax._optimizers import make_optimizer
+from hpsjax._progress import Progress
+from hpsjax.profiling import Link, TransferProfile, WorkPlan, tree_wire_nbytes
+from hpsjax.ps import (
+    AuthError,
+    ConnectionClosed,
+    KeyRangePartition,
+    ShardedClient,
+    SpecMismatch,
+)
+from hpsjax.transforms import Codec
+from hpsjax.worker._hetero import Heterogeneity
+from hpsjax.worker._runtime import Worker, WorkerConfig
+
+__all__ = [
+    "JoinError",
+    "Watched",
+    "build",
+    "build_worker",
+    "connect",
+    "data_shard",
+    "leaf_specs",
+    "load_dataset",
+    "make_client",
+    "make_heterogeneity",
+    "make_local_optimizer",
+    "make_model",
+    "make_progress",
+    "make_sharded_client",
+    "measure_step",
+    "read_secret",
+    "server_address",
+    "server_tree",
+    "spec_mismatch",
+    "tls_context",
+    "train_shard",
+    "with_injection",
+    "write_init",
+    "write_profile",
+]
+
+# Model arguments the registry's factories set from the data, not from flags.
+_MODEL_SHAPE_ARGS = (
+    "self", "input_shape", "in_features", "in_channels", "image_size",
+    "num_classes", "rngs",
+)  # fmt: skip
+
+
+def load_dataset(args: argparse.Namespace, *, test: bool = False):
+    """The training split, or the held-out split with ``test``."""
+    kwargs = dict(args.dataset_arg)
+    if args.data_path is not None:
+        if args.dataset != "npz":
+            raise ValueError(
+                f"--data_path is the file of --dataset npz, not of --dataset "
+                f"{args.dataset}"
+            )
+        if "path" in kwargs:
+            raise ValueError("give --data_path or --dataset_arg path=..., not both")
+        kwargs["path"] = args.data_path
+    elif args.dataset == "npz" and "path" not in kwargs:
+        raise ValueError(
+            "--dataset npz needs --data_path FILE.npz (arrays x and y, as "
+            "np.savez(path, x=inputs, y=labels) writes)"
+        )
+    if args.dataset in data.DATASETS:
+        loader = data.DATASETS[args.dataset]
+        check_kwargs(loader, kwargs, "--dataset_arg", what=f"dataset {args.dataset!r}")
+    dataset = data.get_dataset(args.dataset, **kwargs)
+    train, held_out = dataset.split(args.test_fraction, seed=0)
+    return held_out if test else train
+
+
+def make_model(args: argparse.Namespace, train):
+    if ":" in args.model:
+        return models.resolve_model(
+            args.model,
+            input_shape=train.input_shape,
+            seed=args.model_seed,
+            **dict(args.model_arg),
+        ).model
+    if args.model in models.MODELS:
+        # The registry's factories build a class from the data's shapes; the
+        # flags give the class's other arguments.
+        factory = models.MODELS[args.model]
+        built = typing.get_type_hints(factory).get("return", factory)
+        check_kwargs(
+            built.__init__ if isinstance(built, type) else built,
+            dict(args.model_arg),
+            "--model_arg",
+            what=f"model {args.model!r}",
+            skip=_MODEL_SHAPE_ARGS,
+        )
+    return models.get_model(
+        args.model,
+        input_shape=train.input_shape,
+        num_classes=train.num_classes,
+        seed=args.model_seed,
+        **dict(args.model_arg),
+    )
+
+
+def write_init(args: argparse.Namespace, path: str | pathlib.Path) -> None:
+    """Writes the initial parameters of the flags' model for ``hpsjax-server``.
+
+    The format of :func:`hpsjax.models.save_params_npz`, which
+    ``hpsjax-server --init`` reads.
+    """
+    _, params, _ = models.split_trainable(make_model(args, load_dataset(args)))
+    models.save_params_npz(path, params)
+
+
+def make_heterogeneity(args: argparse.Namespace):
+
+    return Heterogeneity(
+        slowdown=args.slowdown, bandwidth=args.bandwidth, latency=args.latency
+    )
+
+
+def read_secret(path: str | None) -> bytes | None:
+    if path is None:
+        return None
+    secret = pathlib.Path(path).read_bytes().strip()
+    if not secret:
+        raise ValueError(f"secret file {path} is empty")
+    return secret
+
+
+def tls_context(args: argparse.Namespace):
+    if args.cafile is None:
+        if args.server_hostname is not None:
+            raise ValueError("--server_hostname needs --cafile (TLS)")
+        return None
+
+    return ssl.create_default_context(cafile=args.cafile)
+
+
+def make_local_optimizer(args: argparse.Namespace):
+
+    lr = args.local_learning_rate
+    if not lr > 0:
+        raise ValueError(f"--local_learning_rate must be > 0, got {lr}")
+    kwargs = dict(args.local_optimizer_arg)
+    if args.local_optimizer == "none":
+        if kwargs:
+            raise ValueError("--local_optimizer_arg needs a --local_optimizer")
+        return None
+    return make_optimizer(args.local_optimizer, lr, **kwargs)
+
+
+def data_shard(args: argparse.Namespace) -> tuple[int, int]:
+    index, count = args.shard_index, args.shard_count
+    if count < 1:
+        raise ValueError(f"--shard_count must be >= 1, got {count}")
+    derived = index is None
+    if derived:
+        index = args.worker_id if isinstance(args.worker_id, int) else 0
+    if not 0 <= index < count:
+        source = " (taken from --worker_id; pass --shard_index)" if derived else ""
+        raise ValueError(f"--shard_index must be in [0, {count}), got {index}{source}")
+    return index, count
+
+
+def train_shard(args: argparse.Namespace, work_plan, index: int, count: int):
+    """This worker's training data: its share of them where the plan gives
+    every worker a ``data_share`` (ASHL's reference), else shard ``index`` of
+    ``count``."""
+    data = load_dataset(args)
+    if work_plan is not None and all(
+        w.data_share is not None for w in work_plan.workers
+    ):
+        work_plan.worker(args.worker_id)  # raises for a worker not in it
+        ids = [w.worker_id for w in work_plan.workers]
+        position = ids.index(args.worker_id)
+        shares = [w.data_share for w in work_plan.workers]
+        return data.shard_by_shares(shares, position)
+    return data.shard(count, index)
+
+
+def build_worker(args: argparse.Namespace, *, metrics=None):
+    """The :class:`~hpsjax.worker.Worker` the parsed flags describe.
+
+    Its client (a :class:`~hpsjax.ps.Client`, or a
+    :class:`~hpsjax.ps.ShardedClient` with ``--servers``) is built here, TLS
+    name included, and not connected yet.
+
+    Raises:
+      ValueError: bad or inconsistent flags.
+    """
+    return build(args, metrics=metrics)[0]
+
+
+class Watched:
+    """A client that keeps the last parameters it pulled, for evaluation.
+
+    Everything else goes to the client it wraps.
+    """
+
+    def __init__(self, client: Any):
+        self._client = client
+        self.latest: tuple[Any, int] | None = None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._client, name)
+
+    async def pull(self, **kwargs: Any):
+        params, version = await self._client.pull(**kwargs)
+        self.latest = (params, version)
+        return params, version
+
+    async def push_pull(self, *args: Any, **kwargs: Any):
+        result, params, version = await self._client.push_pull(*args, **kwargs)
+        self.latest = (params, version)
+        return result, params, version
+
+
+def build(args: argparse.Namespace, *, metrics=None):
+    """``(worker, client, params, graphdef)``: :func:`build_worker`, its client
+    (which keeps the last pulled parameters with ``--eval_every``) and model."""
+
+    servers = args.servers
+    if servers is not None and args.port is not None:
+        raise ValueError("give --servers or --host/--port, not both")
+    if servers is None:
+        if args.port is None:
+            raise ValueError("--port (or --servers) is required to train")
+        servers = [(args.host, args.port)]
+    if not args.connect_timeout >= 0:
+        raise ValueError(f"--connect_timeout must be >= 0, got {args.connect_timeout}")
+    if args.eager_pulls != 1 and args.overlap != "eager":
+        raise ValueError("--eager_pulls needs --overlap eager")
+    if args.split_leaves and len(servers) == 1:
+        raise ValueError("--split_leaves needs several --servers")
+    index, count = data_shard(args)
+    work_plan = None
+    if args.work_plan is not None:
+        work_plan = WorkPlan.from_json(pathlib.Path(args.work_plan).read_text())
+    if args.compress_from_stage is not None and work_plan is None:
+        raise ValueError("--compress_from_stage needs --work_plan (the ratio)")
+    train = train_shard(args, work_plan, index, count)
+    graphdef, params, batch_stats = models.split_trainable(make_model(args, train))
+    if len(servers) > 1:
+        client = make_sharded_client(args, servers, params)
+    else:
+        client = make_client(args, servers[0])
+    if args.eval_every is not None:
+        if not args.eval_every > 0:
+            raise ValueError(f"--eval_every must be > 0, got {args.eval_every}")
+        client = Watched(client)
+    config = WorkerConfig(
+        **{
+            **config_kwargs(WorkerConfig, args),
+            "host": servers[0][0],
+            "port": servers[0][1],
+            "secret": read_secret(args.secret_file),
+            "work_plan": work_plan,
+            "heterogeneity": make_heterogeneity(args),
+        }
+    )
+    _, batch_size, _, _ = config.planned()
+    seed = index if args.data_seed is None else args.data_seed
+    stream = train.batches(batch_size, seed=seed)
+
+    if batch_stats is None:
+
+        def loss_fn(params, batch):
+            return models.per_example_loss(params, graphdef, batch)
+
+    else:
+        # BatchNorm's statistics stay on this worker (FedBN, see
+        # models.split_with_batch_stats): the server sees only params.
+        def loss_fn(params, stats, batch):
+            return models.per_example_loss_with_stats(params, stats, graphdef, batch)
+
+    worker = Worker(
+        config,
+        loss_fn=loss_fn,
+        batches=stream.next,
+        local_optimizer=make_local_optimizer(args),
+        metrics=metrics,
+        ssl=tls_context(args),
+        client=client,
+        state=batch_stats,
+        progress=make_progress(args, config),
+    )
+    return worker, client, params, graphdef
+
+
+def make_progress(args: argparse.Namespace, config: Any) -> Any:
+    """The status line of ``--status_interval``, or ``None``."""
+    if args.status_interval < 0:
+        raise ValueError(f"--status_interval must be >= 0, got {args.status_interval}")
+    if not args.status_interval:
+        return None
+
+    return Progress(
+        f"worker {config.worker_id}",
+        "step",
+        total=config.max_steps,
+        max_seconds=config.max_seconds,
+        until_version=config.until_version,
+        interval=args.status_interval,
+        logger=logging.getLogger("hpsjax.worker"),
+    )
+
+
+def server_tree(params):
+    """``params`` in the structure ``hpsjax-server --init`` serves them in."""
+
+    return nest_named_arrays(
+        {
+            "/".join(str(getattr(k, "key", k)) for k in key_path): leaf
+            for key_path, leaf in jax.tree_util.tree_leaves_with_path(params)
+        }
+    )
+
+
+def make_client(args: argparse.Namespace, server: tuple[str, int]):
+    """The :class:`~hpsjax.ps.Client` of one server, TLS name included."""
+
+    return ps.Client(
+        server[0],
+        server[1],
+        worker_id=args.worker_id,
+        secret=read_secret(args.secret_file),
+        ssl=tls_context(args),
+        server_hostname=args.server_hostname,
+        timeout=args.timeout,
+        seed=args.seed,
+    )
+
+
+def _path_name(key_path) -> str:
+    return "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in key_path)
+
+
+def leaf_specs(tree) -> dict[str, str]:
+    """``{"a/b": "float32[784,256]"}`` of a tree of arrays or shape structs."""
+
+    return {
+        _path_name(key_path): f"{np.dtype(leaf.dtype).name}{list(leaf.shape)}"
+        for key_path, leaf in jax.tree_util.tree_leaves_with_path(tree)
+    }
+
+
+def spec_mismatch(params, server_spec) -> str | None:
+    """The first leaf where this worker's model and the server's differ.
+
+    Args:
+      params: the worker's own parameters (its model as built from the flags).
+      server_spec: the server's model, ``ServerInfo.spec``.
+
+    Returns:
+      ``None`` when paths, shapes and dtypes all agree; else one line naming
+      the first differing leaf, with its shape and dtype on both sides.
+    """
+    mine = leaf_specs(server_tree(params))
+    theirs = leaf_specs(server_spec)
+    for path in [*mine, *(p for p in theirs if p not in mine)]:
+        here, there = mine.get(path, "nothing"), theirs.get(path, "nothing")
+        if here != there:
+            return (
+                f"this worker's model does not match the server's at {path!r}: "
+                f"the worker has {here}, the server has {there} (check --model, "
+                "--model_arg and --dataset_arg against the server's --init)"
+            )
+    return None
+
+
+def make_sharded_client(args: argparse.Namespace, servers, params):
+    """A :class:`~hpsjax.ps.ShardedClient` over the server shards."""
+
+    spec = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), server_tree(params)
+    )
+    partition = KeyRangePartition.from_tree(
+        spec, len(servers), split_leaves=args.split_leaves
+    )
+    # Each sends its pushes encoded as whole arrays (top-k from the stage on).
+    for flag in ("bits", "powersgd_rank", "compress_from_stage"):
+        if getattr(args, flag) is not None and partition.cuts_leaves:
+            raise ValueError(
+                f"--{flag} encodes whole arrays, but with --split_leaves the "
+                "shards cut some by rows: drop one of the two"
+            )
+    return ShardedClient(
+        servers,
+        partition,
+        worker_id=args.worker_id,
+        secret=read_secret(args.secret_file),
+        ssl=tls_context(args),
+        server_hostname=args.server_hostname,
+        timeout=args.timeout,
+        seed=args.seed,
+    )
+
+
+def measure_step(args: argparse.Namespace, *, pace=None):
+    """Profiles the flags' train step on this machine, nothing injected.
+
+    ``pace`` goes to :func:`hpsjax.profiling.profile` (a slowed-down worker
+    profiled beside others sleeps after its steps as it will in the run).
+
+    Returns:
+      ``(profile, spec)``: the :class:`~hpsjax.profiling.WorkerProfile` (no
+      transfer) and the parameters' shapes and dtypes.
+    """
+
+    index, count = data_shard(args)
+    train = load_dataset(args).shard(count, index)
+    graphdef, params, stats = models.split_trainable(make_model(args, train))
+    stream = train.batches(1, seed=index)
+    optimizer = make_local_optimizer(args) or optax.sgd(1.0)
+
+    def mean_loss(params, batch):
+        if stats is None:
+            return models.loss_fn(params, graphdef, batch)
+        losses, _ = models.per_example_loss_with_stats(params, stats, graphdef, batch)
+        return jnp.mean(losses)
+
+    def step(params, batch):
+        grads = jax.grad(lambda p: mean_loss(p, batch))(params)
+        updates, _ = optimizer.update(grads, optimizer.init(params), params)
+        return optax.apply_updates(params, updates)
+
+    try:
+        sizes = [int(s) for s in args.profile_batch_sizes.split(",") if s.strip()]
+    except ValueError:
+        raise ValueError(
+            f"--profile_batch_sizes must be integers, got {args.profile_batch_sizes!r}"
+        ) from None
+    measured = profiling.profile(
+        step,
+        params,
+        lambda b: jax.tree.map(jnp.asarray, stream.next(b)),
+        batch_sizes=sizes,
+        repeats=args.profile_repeats,
+        worker_id=args.worker_id,
+        pace=pace,
+    )
+    spec = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
+    return measured, spec
+
+
+def with_injection(measured, args: argparse.Namespace, spec):
+    """A measured profile as the flags' worker will train: slowed, linked.
+
+    The slowdown in force at the start multiplies the step times
+    (``WorkerProfile.with_slowdown``); an injected link cap or latency gives the
+    transfer estimate, for pushes encoded with ``--bits`` or as the factors of
+    ``--powersgd_rank`` (``powersgd_nbytes`` per leaf).
+
+    Args:
+      measured: a :class:`~hpsjax.profiling.WorkerProfile` from
+        :func:`measure_step`.
+      args: the worker's parsed flags.
+      spec: the parameters' shapes and dtypes.
+
+    Returns:
+      The profile, with ``worker_id`` from the flags.
+    """
+
+    het = make_heterogeneity(args)
+    codec = None
+    if args.bits is not None:
+        codec = Codec("sign" if args.bits == 1 else "uniform", args.bits)
+    push_bytes = tree_wire_nbytes(spec, codec, powersgd_rank=args.powersgd_rank)
+    pull_bytes = tree_wire_nbytes(spec)
+    bandwidth = het.bandwidth_at(0.0)
+    if bandwidth is not None:
+        transfer = Link(bandwidth=bandwidth, latency=het.latency).estimate(
+            push_bytes, pull_bytes
+        )
+    elif het.latency > 0:
+        transfer = TransferProfile(
+            round_trip_seconds=2 * het.latency,
+            push_seconds=het.latency,
+            pull_seconds=het.latency,
+            push_bytes=push_bytes,
+            pull_bytes=pull_bytes,
+            method="estimated",
+        )
+    else:
+        transfer = None
+    return dataclasses.replace(
+        measured.with_slowdown(het.slowdown_at(0.0)),
+        worker_id=args.worker_id,
+        transfer=transfer,
+    )
+
+
+def write_profile(args: argparse.Namespace, path: str | pathlib.Path) -> None:
+    """Profiles the flags' worker on this machine and writes its profile (JSON)."""
+    measured, spec = measure_step(args)
+    pathlib.Path(path).write_text(with_injection(measured, args, spec).to_json())
+
+
+class JoinError(Exception):
+    """The worker could not join: the server is unreachable, refuses it, or
+    serves another model (one line, for the user)."""
+
+
+async def connect(client, params, *, connect_timeout: float, where: str) -> None:
+    """Connects ``client``, retrying with backoff, and checks the server's model.
+
+    Connection failures (refused, reset, timed out) are retried, 0.1 s apart
+    doubling up to 2 s, for ``connect_timeout`` seconds; authentication
+    failures are not. Cancelling is safe.
+
+    Args:
+      client: a :class:`~hpsjax.ps.Client` or :class:`~hpsjax.ps.ShardedClient`.
+      params: this worker's own parameters, to compare with the server's model.
+      connect_timeout: seconds to keep retrying.
+      where: the server's address, for messages.
+
+    Raises:
+      JoinError: one line saying why the worker cannot join.
+    """
+
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + connect_timeout
+    delay = 0.1
+    while True:
+        try:
+            info = await client.connect()
+            break
+        except AuthError as e:
+            raise JoinError(
+                f"the server at {where} refused the secret ({e}); pass the "
+                "server's --secret_file"
+            ) from None
+        except SpecMismatch as e:
+            raise JoinError(str(e)) from None
+        except ssl.SSLError as e:
+            raise JoinError(f"TLS with the server at {where} failed: {e}") from None
+        except (OSError, ConnectionClosed, TimeoutError) as e:
+            if loop.time() + delay > deadline:
+                reason = str(e) or type(e).__name__
+                raise JoinError(
+                    f"no server answered at {where} within --connect_timeout="
+                    f"{connect_timeout:g}s ({reason})"
+                ) from None
+            await asyncio.sleep(delay)
+            delay = min(2 * delay, 2.0)
+    if hasattr(info, "spec"):  # a ShardedClient checks each shard itself
+        problem = spec_mismatch(params, info.spec)
+        if problem is not None:
+            await client.close()
+            raise JoinError(problem)
+
+
+def server_address(args: argparse.Namespace) -> str:
+    if args.servers is not None:
+        return ",".join(f"{h}:{p}" for h, p in args.servers)
+    return f"{args.host}:{args.port}"
