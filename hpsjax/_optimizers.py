@@ -98,11 +98,15 @@ def _ordered_momentum(learning_rate, *, momentum=None, **kwargs):
     )
 
 
+_EAGER_ARGS = ("eager", "fragments", "outer_learning_rate", "outer_momentum", "workers")
+
+
 def _streaming_local(learning_rate, *, momentum=None, inner="adam", mixing=0.0, **kw):
     if inner == "streaming_local":
         raise ValueError("streaming_local cannot wrap itself")
+    eager = {k: kw.pop(k) for k in _EAGER_ARGS if k in kw}
     inner_tx = make_optimizer(inner, learning_rate, momentum=momentum, **kw)
-    return streaming_local(inner_tx, mixing=mixing)
+    return streaming_local(inner_tx, mixing=mixing, **eager)
 
 
 def _streaming_nesterov(learning_rate, *, momentum=None, fragments=1):
@@ -135,7 +139,9 @@ keyword ``delay``), ``ordered_momentum`` OrMo's server momentum
 ``streaming_local`` Streaming DiLoCo's inner optimizer
 (``hpsjax.transforms.streaming_local`` around the optimizer named by keyword
 ``inner``, default ``adam``, which takes the other keywords; ``mixing``: the
-merge's alpha) and ``streaming_nesterov`` its outer step
+merge's alpha; ``eager``, ``fragments``, ``outer_learning_rate``,
+``outer_momentum``, ``workers``: its eager updates) and ``streaming_nesterov``
+its outer step
 (``hpsjax.transforms.streaming_outer``, keyword ``fragments``). Any other name
 is looked up in optax."""
 

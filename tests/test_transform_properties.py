@@ -189,6 +189,19 @@ CASES = [
         static_args=("inner",),
     ),
     Case(
+        "streaming_local_eager",
+        streaming_local,
+        {
+            "inner": optax.adam(0.1),
+            "eager": True,
+            "fragments": 2,
+            "outer_learning_rate": 0.7,
+            "outer_momentum": 0.9,
+            "workers": 4,
+        },
+        static_args=("inner", "eager", "fragments", "workers"),
+    ),
+    Case(
         "streaming_push",
         streaming_push,
         {"fragments": 2, "bits": 4, "error_feedback": True},

@@ -24,7 +24,8 @@ any optax optimizer.
 * :func:`sparseloco`: SparseLoCo's push (decayed error feedback, top-k, few-bit
   values); :func:`sparseloco_nbytes` its bytes.
 * :func:`streaming_local`, :func:`streaming_push` and :func:`streaming_outer`:
-  Streaming DiLoCo (fragments synchronised in turn, few-bit outer gradients);
+  Streaming DiLoCo (fragments synchronised in turn, few-bit outer gradients;
+  ``streaming_local(eager=True)``: its eager updates);
   :func:`streaming_fragment_nbytes` the bytes of each fragment.
 * :func:`sparse_push_transform` and :func:`sparse_encoded`: a worker's
   SparseLoCo or Streaming DiLoCo push from a JSON spec, sent as top-k leaves.
@@ -96,6 +97,7 @@ from hpsjax.transforms._staleness import (
     staleness_factor,
 )
 from hpsjax.transforms._streaming import (
+    StreamingEagerState,
     StreamingLocalState,
     StreamingOuterState,
     StreamingPushState,
@@ -139,6 +141,7 @@ __all__ = [
     "SparseLoCoState",
     "Stage",
     "StageInfo",
+    "StreamingEagerState",
     "StreamingLocalState",
     "StreamingOuterState",
     "StreamingPushState",

@@ -30,16 +30,21 @@ floating-point outer gradients, accumulated in float32; the merge with a
 mixing factor :math:`\alpha`), and torchft's public implementation
 (``fragment_sync_delay`` is :math:`\tau`; ``fragment_update_alpha`` is
 :math:`\alpha`, which it supports at 0 only). Where the paper's exact
-algorithm differs, this module has not read it. The eager variant (Kale,
-Douillard, Donchev 2025, arXiv 2502.12996: the worker applies its own outer
-gradient while the average travels) is not built. In hpsjax the overlap is
+algorithm differs, this module has not read it. In hpsjax the overlap is
 the worker's ``overlap='pipeline'``: a fragment merges one round
 (:math:`\tau = H/P` steps) after it was pushed. A pull brings the whole
 model, not only the fragment synchronised.
+
+**Eager updates** (Kale, Douillard, Donchev 2025, arXiv 2502.12996) are
+``streaming_local(..., eager=True)``: while a fragment's outer gradient
+travels, the worker steps that fragment with a stand-in for the average (its
+own fresh outer gradient and the others' last ones), and corrects the step
+when the true global fragment arrives; see :func:`streaming_local`.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, NamedTuple
 
@@ -55,6 +60,7 @@ from hpsjax.transforms._outer import _check_number
 from hpsjax.transforms._quantize import decode, encode, encoded_nbytes
 
 __all__ = [
+    "StreamingEagerState",
     "StreamingLocalState",
     "StreamingOuterState",
     "StreamingPushState",
@@ -160,6 +166,16 @@ def streaming_fragment_nbytes(
     return tuple(totals)
 
 
+class StreamingEagerState(NamedTuple):
+    """The eager updates' part of :class:`StreamingLocalState`."""
+
+    merges: jax.Array  # shape=(), int32: rounds merged (push c's fragment: c mod P)
+    momentum: Any  # float32 tree: the server's outer momentum, as its steps show it
+    average: Any  # float32 tree: each fragment's last averaged outer gradient
+    own: Any  # float32 tree: each fragment's last outer gradient of this worker
+    pending: Any  # float32 tree: the eager step not yet corrected (0 elsewhere)
+
+
 class StreamingLocalState(NamedTuple):
     """State of :func:`streaming_local`."""
 
@@ -167,10 +183,28 @@ class StreamingLocalState(NamedTuple):
     local: Any  # tree like the params: the worker's own parameters
     anchor: Any  # tree like the params: each leaf's global value last merged
     inner_state: Any  # the inner optimizer's state
+    eager: StreamingEagerState | None = None  # with eager=True only
+
+
+def _check_positive_number(name: str, value: Any) -> float | Any:
+    """A concrete number > 0; arrays (``inject_hyperparams``) pass unchecked."""
+    if isinstance(value, jax.Array | np.ndarray):
+        return value
+    _check_number(name, value, 0.0, None)
+    if value == 0:
+        raise ValueError(f"{name} must be > 0, got {value!r}")
+    return float(value)
 
 
 def streaming_local(
-    inner: optax.GradientTransformation, mixing: float = 0.0
+    inner: optax.GradientTransformation,
+    mixing: float = 0.0,
+    *,
+    eager: bool = False,
+    fragments: int = 2,
+    outer_learning_rate: float = 0.7,
+    outer_momentum: float = 0.9,
+    workers: int = 1,
 ) -> optax.GradientTransformationExtraArgs:
     r"""Streaming DiLoCo's inner optimizer: the worker's own parameters kept.
 
@@ -201,16 +235,65 @@ def streaming_local(
     1: no work plan's ``lr_scale``), so that the worker can tell its own
     parameters from pulled ones.
 
+    **Eager updates** (``eager=True``). With the pipelined rounds
+    (``overlap='pipeline'``, BSP, every worker from the start) the fragment
+    :math:`q` pushed at the end of round :math:`k - 1` travels during round
+    :math:`k` and merges at the start of round :math:`k + 1`. Without eager
+    updates the worker goes on from its own values of :math:`q` and the merge
+    overwrites them (:math:`\alpha = 0`): the :math:`\tau` inner steps taken on
+    :math:`q` meanwhile are lost. With them, round :math:`k`'s merge step
+    also steps :math:`q` from its global value :math:`\tilde\theta_q` with
+    the server's outer rule (Nesterov, ``outer_learning_rate`` :math:`\eta`,
+    ``outer_momentum`` :math:`\beta`) on a stand-in for the average the server
+    will use, built as the paper builds it: this worker's fresh outer gradient
+    :math:`\Delta^m_q` in place of its share of the others' last average,
+
+    .. math::
+
+       \hat\Delta_q = \bar\Delta^{\text{prev}}_q
+       + (\Delta^m_q - \Delta^{m,\text{prev}}_q) / M, \qquad
+       d_q = -\eta\,(\beta(\beta m_q + \hat\Delta_q) + \hat\Delta_q), \qquad
+       \theta_{m,q} \leftarrow \tilde\theta_q + d_q,
+
+    (:math:`M` = ``workers``), and when the server's step :math:`s_q` on
+    :math:`q` arrives, replaces the estimate by it and keeps the inner steps
+    taken since: :math:`\theta_{m,q} \leftarrow \theta_{m,q} + s_q - d_q`.
+    The worker needs the server's momentum :math:`m_q`, the last average
+    :math:`\bar\Delta^\text{prev}_q` and its own last outer gradient: it
+    reads the first two off the server's steps (:math:`s = -\eta((1 + \beta)
+    m' - \beta m)` gives :math:`m'`, and :math:`\bar\Delta = m' - \beta m`)
+    and keeps the third (state ``eager``, a :class:`StreamingEagerState`).
+    The :math:`c`-th merge steps fragment :math:`c \bmod P`: the workers'
+    :func:`streaming_push` order (``fragments`` must be the same :math:`P`,
+    at least 2 so that the fragment stepped and the one merged differ).
+
+    Our reading: the paper's abstract and public summaries of it (outer
+    gradients overlapped with the next inner phase; the *eager* variant
+    applies, before the others' outer gradients arrive, a mixture of the
+    worker's current local outer gradient and the delayed outer gradients of
+    the other replicas), not its full text. Its setting is DiLoCo with the
+    outer optimizer run on every worker after an all-reduce; here the server
+    runs it, so the worker mirrors it from its steps and its estimate is
+    replaced by the server's step when that arrives. Not read: the paper's
+    exact algorithm, its handling of the first rounds (here: no last average,
+    zero momentum) and of a fragment schedule (it studies whole-model DiLoCo).
+
     Args:
       inner: the inner optimizer (DiLoCo's AdamW).
-      mixing: :math:`\alpha` in [0, 1].
+      mixing: :math:`\alpha` in [0, 1] (without ``eager``: with it, a merge
+        keeps the inner steps taken since the eager step).
+      eager: take eager updates.
+      fragments: :math:`P` of the workers' pushes (``eager`` only; >= 2).
+      outer_learning_rate: the server's :math:`\eta` (``eager`` only; > 0).
+      outer_momentum: the server's :math:`\beta` in [0, 1) (``eager`` only).
+      workers: :math:`M`, the workers averaged (``eager`` only; >= 1).
 
     Returns:
       An ``optax.GradientTransformationExtraArgs`` whose ``update`` needs
       ``params``; its state is a :class:`StreamingLocalState`.
 
     Raises:
-      ValueError: ``mixing`` out of range; at update, no ``params``.
+      ValueError: an argument out of range; at update, no ``params``.
 
     Examples:
       >>> import jax.numpy as jnp, optax
@@ -230,16 +313,43 @@ def streaming_local(
       Shen, Ramé, Szlam, Ranzato, Barham, `Streaming DiLoCo with overlapping
       communication: Towards a Distributed Free Lunch
       <https://arxiv.org/abs/2501.18512>`_, 2025.
+
+      Kale, Douillard, Donchev, `Eager Updates For Overlapped Communication
+      and Computation in DiLoCo <https://arxiv.org/abs/2502.12996>`_, 2025.
     """
     alpha = _check_fraction("mixing", mixing, high_inclusive=True)
+    if not isinstance(eager, bool):
+        raise ValueError(f"eager must be a bool, got {eager!r}")
+    if eager:
+        fragments = _check_fragments(fragments)
+        if fragments < 2:
+            raise ValueError(f"eager updates need fragments >= 2, got {fragments}")
+        eta = _check_positive_number("outer_learning_rate", outer_learning_rate)
+        beta = _check_fraction("outer_momentum", outer_momentum, high_inclusive=False)
+        if isinstance(workers, bool) or not is_int(workers) or workers < 1:
+            raise ValueError(f"workers must be an int >= 1, got {workers!r}")
     inner = optax.with_extra_args_support(inner)
 
+    def zeros(params):
+        return jax.tree.map(lambda p: jnp.zeros(p.shape, _F32), params)
+
     def init_fn(params):
+        if eager:
+            fragment_bounds(params, fragments)  # checks the count
         return StreamingLocalState(
             count=jnp.zeros([], jnp.int32),
             local=params,
             anchor=params,
             inner_state=inner.init(params),
+            eager=StreamingEagerState(
+                merges=jnp.zeros([], jnp.int32),
+                momentum=zeros(params),
+                average=zeros(params),
+                own=zeros(params),
+                pending=zeros(params),
+            )
+            if eager
+            else None,
         )
 
     def update_fn(updates, state, params=None, **extra_args):
@@ -266,7 +376,13 @@ def streaming_local(
             mixed = alpha * kept.astype(_F32) + (1 - alpha) * p.astype(_F32)
             return jnp.where(mine, p, jnp.where(changed, mixed.astype(p.dtype), kept))
 
-        goal = jax.tree.map(target, params, local, is_own, synced)
+        if eager:
+            goal, eager_state = _eager_goal(
+                state.eager, params, local, anchor, is_own, synced, merging
+            )
+        else:
+            goal = jax.tree.map(target, params, local, is_own, synced)
+            eager_state = None
         jump = jax.tree.map(lambda g, p: (g - p).astype(p.dtype), goal, params)
         step, inner_state = inner.update(
             updates, state.inner_state, params, **extra_args
@@ -289,6 +405,54 @@ def streaming_local(
             local=optax.apply_updates(params, out),
             anchor=new_anchor,
             inner_state=inner_state,
+            eager=eager_state,
+        )
+
+    def _eager_goal(es, params, local, anchor, is_own, synced, merging):
+        """Eager updates: where each element goes at this step, and the state.
+
+        On a merge: the synchronised elements take the server's step in place of
+        the eager one (the inner steps since are kept), then the fragment of
+        the push just sent takes its eager step from its global value.
+        """
+        p_leaves, treedef = jax.tree.flatten(params)
+        flat = [
+            treedef.flatten_up_to(t)
+            for t in (local, anchor, is_own, synced, es.momentum, es.average)
+        ]
+        flat += [treedef.flatten_up_to(t) for t in (es.own, es.pending)]
+        pushed = _masks(p_leaves, fragments, es.merges % fragments)
+        goals, moms, avgs, owns, pends = [], [], [], [], []
+        for p, kept, a, mine, changed, m, avg, own, d, q in zip(
+            p_leaves, *flat, pushed, strict=True
+        ):
+            p32, kept32, a32 = p.astype(_F32), kept.astype(_F32), a.astype(_F32)
+            sync = merging & ~mine & changed
+            # The server's step s = -eta ((1 + beta) m' - beta m) gives m'.
+            s = p32 - a32
+            m_seen = (-s / eta + beta * m) / (1 + beta)
+            m_new = jnp.where(sync, m_seen, m)
+            avg_new = jnp.where(sync, m_seen - beta * m, avg)
+            corrected = jnp.where(sync, kept32 + s - d, kept32)
+            d_left = jnp.where(sync, 0.0, d)
+            # The eager step of the fragment just pushed, from its global value.
+            step_now = merging & q
+            delta = a32 - kept32  # what the worker pushed: global minus own
+            proxy = avg_new + (delta - own) / workers
+            d_new = -eta * (beta * (beta * m_new + proxy) + proxy)
+            goal = jnp.where(step_now, a32 + d_new, corrected)
+            goals.append(goal.astype(p.dtype))
+            moms.append(m_new)
+            avgs.append(avg_new)
+            owns.append(jnp.where(step_now, delta, own))
+            pends.append(jnp.where(step_now, d_new, d_left))
+        unflat = functools.partial(jax.tree.unflatten, treedef)
+        return unflat(goals), StreamingEagerState(
+            merges=es.merges + merging.astype(jnp.int32),
+            momentum=unflat(moms),
+            average=unflat(avgs),
+            own=unflat(owns),
+            pending=unflat(pends),
         )
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
