@@ -70,6 +70,7 @@ from hpsjax._flags import HelpFormatter, add_key_value_flag
 from hpsjax._logs import LOG_LEVELS, check_log_level, setup_logging
 from hpsjax._optimizers import OPTIMIZERS
 from hpsjax.metrics import MetricsWriter
+from hpsjax.profiling._worker_profile import write_worker_profile
 from hpsjax.worker._build import (
     JoinError,
     build,
@@ -264,7 +265,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     g.add_argument(
         "--profile_out",
         metavar="PATH",
-        help="run the profiling pass, write the profile JSON and exit",
+        help="run the profiling pass, write the profile JSON and exit; with "
+        "--port/--servers the push and pull are timed against that server",
+    )
+    g.add_argument(
+        "--profile_link",
+        metavar="BYTES_PER_S[,LATENCY_S]",
+        help="without a server: the link the profile counts",
     )
     g.add_argument(
         "--profile_batch_sizes",
@@ -468,8 +475,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
             return 0
         if args.profile_out is not None:
-            write_profile(args, args.profile_out)
-            print(f"hpsjax-worker: wrote the profile to {args.profile_out}", flush=True)
+            try:
+                print(f"hpsjax-worker: {write_worker_profile(args)}", flush=True)
+            except JoinError as e:
+                print(f"hpsjax-worker: {e}", file=sys.stderr)
+                return 1
             return 0
         sink = _metrics_sink(args)
         try:
