@@ -70,7 +70,11 @@ myst_heading_anchors = 3
 
 # The tutorials run at every build, so the pages show what the code does now.
 # HPSJAX_TUTORIAL_SMALL=1 in the environment shrinks them, as in the tests.
-nb_execution_mode = "force"
+# HPSJAX_DOCS_EXECUTED_TUTORIALS=DIR renders the tutorials of DIR (same names,
+# executed already) as they are instead: the tests execute each tutorial once
+# and build the site from those runs.
+EXECUTED_TUTORIALS = os.environ.get("HPSJAX_DOCS_EXECUTED_TUTORIALS")
+nb_execution_mode = "off" if EXECUTED_TUTORIALS else "force"
 nb_execution_timeout = 600
 nb_execution_raise_on_error = True
 nb_execution_show_tb = True
@@ -171,7 +175,15 @@ def _add_imported_data(app, docname, source):
         )
 
 
+def _executed_tutorial(app, docname, source):
+    if docname.startswith("colab/"):
+        name = docname.removeprefix("colab/") + ".ipynb"
+        source[0] = (pathlib.Path(EXECUTED_TUTORIALS) / name).read_text("utf-8")
+
+
 def setup(app):
+    if EXECUTED_TUTORIALS:
+        app.connect("source-read", _executed_tutorial)
     app.connect("source-read", _link_directories)
     app.connect("source-read", _add_imported_data)
     app.connect("include-read", _relink_included)

@@ -16,6 +16,10 @@ session starts with an empty cache, so a test also passes cold: the cache
 changes how long a compile takes, never what a test checks. Tests without the
 fixture see no cache, as a user's command without one does.
 
+Each Colab tutorial runs once a session too (``tests/_tutorials.py``): the
+tests of what it computes and the docs build that renders it share that run,
+through a directory named in ``HPSJAX_TESTS_TUTORIALS``.
+
 The slow tests are started first, the longest of them before the others, so
 that the test processes end together instead of one running a two-minute test
 while the other has nothing left to do.
@@ -33,11 +37,17 @@ import pytest
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 _SESSION_CACHE = "HPSJAX_TESTS_JAX_CACHE"
-if _SESSION_CACHE not in os.environ:
-    # The session's first process (pytest-xdist's controller, or the only one
-    # with -n 0); the test processes it starts inherit the variable.
-    os.environ[_SESSION_CACHE] = tempfile.mkdtemp(prefix="hpsjax-tests-jax-cache-")
-    atexit.register(shutil.rmtree, os.environ[_SESSION_CACHE], ignore_errors=True)
+# The tutorials executed this session (tests/_tutorials.py).
+_SESSION_TUTORIALS = "HPSJAX_TESTS_TUTORIALS"
+for _variable, _prefix in (
+    (_SESSION_CACHE, "hpsjax-tests-jax-cache-"),
+    (_SESSION_TUTORIALS, "hpsjax-tests-tutorials-"),
+):
+    if _variable not in os.environ:
+        # The session's first process (pytest-xdist's controller, or the only
+        # one with -n 0); the test processes it starts inherit the variable.
+        os.environ[_variable] = tempfile.mkdtemp(prefix=_prefix)
+        atexit.register(shutil.rmtree, os.environ[_variable], ignore_errors=True)
 
 
 @pytest.fixture

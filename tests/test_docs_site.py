@@ -1,7 +1,10 @@
 """The docs site (``docs/``): it builds with warnings as errors, and covers the API.
 
-Building it executes the four tutorials (with their small settings), so the
-build test is slow; the checks of what the configuration covers are fast.
+Building it renders the four tutorials executed (with their small settings),
+so the build test is slow; the checks of what the configuration covers are
+fast. The test build renders the tutorials as ``tests/test_notebooks.py``'s
+tests executed them (``tests/_tutorials.py``: each runs once a session), not
+executing them a second time; a build outside the tests executes them itself.
 """
 
 from __future__ import annotations
@@ -10,10 +13,13 @@ import importlib
 import os
 import pathlib
 import re
+import runpy
 import subprocess
 import sys
 
+import nbformat
 import pytest
+from _tutorials import executed, without_claims
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
@@ -80,10 +86,32 @@ def test_included_readme_links_point_at_the_same_files_from_the_index():
             assert (DOCS / new).resolve() == (ROOT / old).resolve(), (old, new)
 
 
+def test_a_build_executes_the_tutorials_unless_given_executed_ones(monkeypatch):
+    monkeypatch.delenv("HPSJAX_DOCS_EXECUTED_TUTORIALS", raising=False)
+    conf = runpy.run_path(str(DOCS / "conf.py"))
+    assert conf["nb_execution_mode"] == "force"
+    assert conf["nb_execution_raise_on_error"]
+    monkeypatch.setenv("HPSJAX_DOCS_EXECUTED_TUTORIALS", "/x")
+    conf = runpy.run_path(str(DOCS / "conf.py"))
+    assert conf["nb_execution_mode"] == "off"
+
+
 @pytest.mark.slow
 def test_docs_build_without_warnings_and_document_every_public_name(tmp_path):
     out = tmp_path / "html"
-    env = dict(os.environ, HPSJAX_TUTORIAL_SMALL="1", JAX_PLATFORMS="cpu")
+    runs = tmp_path / "tutorials"
+    runs.mkdir()
+    # Last first: a test process running tests/test_notebooks.py's tests at the
+    # same time starts with the first (tests/_tutorials.py).
+    for tutorial in reversed(TUTORIALS):
+        nb = without_claims(executed(f"{tutorial}.ipynb"))
+        nbformat.write(nb, runs / f"{tutorial}.ipynb")
+    env = dict(
+        os.environ,
+        HPSJAX_TUTORIAL_SMALL="1",
+        JAX_PLATFORMS="cpu",
+        HPSJAX_DOCS_EXECUTED_TUTORIALS=str(runs),
+    )
     build = subprocess.run(
         [
             sys.executable, "-m", "sphinx", "-W", "--keep-going", "-q",
@@ -109,6 +137,6 @@ def test_docs_build_without_warnings_and_document_every_public_name(tmp_path):
         assert not missing, f"{module}: undocumented {missing}"
     for tutorial in TUTORIALS:
         html = (out / "colab" / f"{tutorial}.html").read_text()
-        # Executed at build time: the page carries the cells' outputs and plots.
+        # Executed: the page carries the cells' outputs and plots.
         assert re.search(r'class="cell_output', html), tutorial
         assert "<img" in html, tutorial

@@ -6,23 +6,21 @@ it here never reaches the network), read ``HPSJAX_TUTORIAL_SMALL`` for its small
 settings, and be committed without outputs or execution counts. Those checks are
 fast. Executing each notebook top to bottom in a fresh ``python3`` kernel of this
 interpreter, with ``HPSJAX_TUTORIAL_SMALL=1`` and a timeout on every cell, takes
-tens of seconds (mostly compiling), so those tests are marked slow.
+tens of seconds (mostly compiling), so those tests are marked slow; each tutorial
+runs once a session, shared with the docs build (``tests/_tutorials.py``).
 """
 
 from __future__ import annotations
 
-import copy
 import json
-import pathlib
 import re
 
 import nbformat
 import pytest
-from nbclient import NotebookClient
+from _tutorials import CLAIM_MARK, COLAB, SMALL_VARIABLE, executed, load
 
 from hpsjax._project import colab_badge, install_spec
 
-COLAB = pathlib.Path(__file__).resolve().parent.parent / "colab"
 TUTORIALS = (
     "01_transforms.ipynb",
     "02_parameter_server.ipynb",
@@ -32,20 +30,11 @@ TUTORIALS = (
 # Badges and install lines name the repository of hpsjax._project, nothing else.
 BADGE = colab_badge("{name}")
 INSTALL = f'%pip install -q "{install_spec()}"'
-SMALL_VARIABLE = "HPSJAX_TUTORIAL_SMALL"
-# Per cell, on a busy 2-core machine; the longest cell of a small run takes about
-# 20 seconds there.
-CELL_TIMEOUT_S = 300
-KERNEL_START_TIMEOUT_S = 120
 
 _INSTALL = re.compile(r"\bpip\s+install\b")
 # The guard that makes the install cell safe: try importing first, install only
 # on ImportError.
 _GUARD = re.compile(r"^try:\n\s+import hpsjax\nexcept ImportError:\n", re.MULTILINE)
-
-
-def _load(path: pathlib.Path) -> nbformat.NotebookNode:
-    return nbformat.read(path, as_version=nbformat.NO_CONVERT)
 
 
 def committed_problems(nb: nbformat.NotebookNode, name: str) -> list[str]:
@@ -93,7 +82,7 @@ def test_every_tutorial_is_present():
 
 @pytest.mark.parametrize("name", TUTORIALS)
 def test_tutorial_is_committed_clean(name):
-    assert committed_problems(_load(COLAB / name), name) == []
+    assert committed_problems(load(COLAB / name), name) == []
 
 
 def _good_notebook(name: str) -> nbformat.NotebookNode:
@@ -191,9 +180,8 @@ def _outputs(nb: nbformat.NotebookNode, output_type: str) -> list:
 
 
 # What each tutorial says in words, checked on what it computed: a cell run after
-# the tutorial's own prints these values of its namespace as JSON, and the
-# function asserts the claim on them.
-_CLAIM_MARK = "HPSJAX-CLAIMS "
+# the tutorial's own prints values of its namespace as JSON (_tutorials.CLAIMS),
+# and the function asserts the claim on them.
 
 
 def _ef_claims(v):
@@ -247,60 +235,19 @@ def _staleness_rule_claims(v):
 
 
 CLAIMS = {
-    "01_transforms.ipynb": ("{'final_loss': final_loss}", _ef_claims),
-    "02_parameter_server.ipynb": (
-        "{'checkpoint_dir_exists': os.path.exists(checkpoint_dir),"
-        " 'resumed_equal': bool(equal)}",
-        _cleanup_claims,
-    ),
-    "03_heterogeneity.ipynb": (
-        "{'balanced': bool(balanced),"
-        " 'planned_idle': {k: p.idle_fraction for k, p in plans.items()},"
-        " 'results': {k: {'versions': r.num_updates,"
-        " 'idle': r.idle_fraction(),"
-        " 'accuracy': float(r.metrics['accuracy'][-1]),"
-        " 'loss': float(r.metrics['loss'][-1])}"
-        " for k, r in results.items()}}",
-        _heterogeneity_claims,
-    ),
-    "04_custom_scheme.ipynb": (
-        "{'learning_rates': ASP_LEARNING_RATES,"
-        " 'final_accuracy': {str(lr): {k: float(r.metrics['accuracy'][-1])"
-        " for k, r in rs.items()} for lr, rs in stale_results.items()}}",
-        _staleness_rule_claims,
-    ),
+    "01_transforms.ipynb": _ef_claims,
+    "02_parameter_server.ipynb": _cleanup_claims,
+    "03_heterogeneity.ipynb": _heterogeneity_claims,
+    "04_custom_scheme.ipynb": _staleness_rule_claims,
 }
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", TUTORIALS)
-def test_tutorial_runs_top_to_bottom(name, tmp_path, monkeypatch):
-    import hpsjax  # the kernel runs this interpreter: its install cell is a no-op
-
-    del hpsjax
-    monkeypatch.setenv(SMALL_VARIABLE, "1")
-    # Were the install cell ever to run pip, it would fail here instead of
-    # reaching the network.
-    monkeypatch.setenv("PIP_NO_INDEX", "1")
-    nb = copy.deepcopy(_load(COLAB / name))
-    claims = CLAIMS.get(name)
-    if claims is not None:
-        nb.cells.append(
-            nbformat.v4.new_code_cell(
-                "import json as _json\n"
-                f"print({_CLAIM_MARK!r} + _json.dumps({claims[0]}))"
-            )
-        )
-    client = NotebookClient(
-        nb,
-        timeout=CELL_TIMEOUT_S,
-        startup_timeout=KERNEL_START_TIMEOUT_S,
-        kernel_name="python3",
-        resources={"metadata": {"path": str(tmp_path)}},
-    )
+def test_tutorial_runs_top_to_bottom(name):
     # Raises CellExecutionError, with the failing cell and its traceback, on
     # any error; a cell over the timeout raises as well.
-    client.execute()
+    nb = executed(name)
     code = [c for c in nb.cells if c.cell_type == "code"]
     assert all(c.execution_count is not None for c in code)
     assert _outputs(nb, "error") == []
@@ -309,11 +256,10 @@ def test_tutorial_runs_top_to_bottom(name, tmp_path, monkeypatch):
     assert any("image/png" in o.data for o in _outputs(nb, "display_data")), (
         "the tutorial drew no plot"
     )
-    if claims is not None:
-        (line,) = [
-            line
-            for o in _outputs(nb, "stream")
-            for line in o.text.splitlines()
-            if line.startswith(_CLAIM_MARK)
-        ]
-        claims[1](json.loads(line.removeprefix(_CLAIM_MARK)))
+    (line,) = [
+        line
+        for o in _outputs(nb, "stream")
+        for line in o.text.splitlines()
+        if line.startswith(CLAIM_MARK)
+    ]
+    CLAIMS[name](json.loads(line.removeprefix(CLAIM_MARK)))
