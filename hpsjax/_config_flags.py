@@ -7,9 +7,15 @@ default the field's. The metadata may also give:
 
 * ``flag``: the flag's name, where it is not ``--<field>``; a ``bool`` field
   whose default is ``True`` is turned off by its flag (``--ignore_hints``,
-  ``--no_error_feedback``), and needs one;
-* ``choices``, ``metavar``, ``type`` (a parser of the flag's text);
+  ``--no_error_feedback``), and needs one, unless its ``action`` is
+  ``argparse.BooleanOptionalAction`` (``--malloc_tuning`` and
+  ``--no-malloc_tuning``);
+* ``choices``, ``metavar``, ``type`` (a parser of the flag's text), ``action``;
 * ``group``: the key of the argument group the flag is listed under.
+
+A ``Mapping`` field is a repeatable ``NAME=VALUE`` flag, the value JSON
+(:func:`hpsjax._flags.add_key_value_flag`; ``--policy_arg
+staleness_bound=2``).
 
 :func:`add_flags` adds the flags to a parser, :func:`config_kwargs` reads
 the parsed values back as the dataclass's keyword arguments (its checks then
@@ -38,10 +44,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import types
 import typing
 from collections.abc import Iterator, Mapping
 from typing import Any
+
+from hpsjax._flags import add_key_value_flag
 
 __all__ = ["add_flags", "config_kwargs", "flag_fields", "to_argv"]
 
@@ -84,6 +93,18 @@ def add_flags(
     for field, flag, dest in flag_fields(cls):
         meta = field.metadata
         target = parser if groups is None else groups.get(meta.get("group"), parser)
+        if _is_mapping(hints[field.name]):
+            add_key_value_flag(target, flag, meta["help"])
+            continue
+        if "action" in meta:
+            target.add_argument(
+                flag,
+                dest=dest,
+                action=meta["action"],
+                default=field.default,
+                help=meta["help"],
+            )
+            continue
         kind = meta.get("type") or _scalar(hints[field.name])
         if kind is bool:
             if field.default is True and "flag" not in meta:
@@ -108,10 +129,17 @@ def config_kwargs(cls: type, args: argparse.Namespace) -> dict[str, Any]:
     kwargs = {}
     for field, _, dest in flag_fields(cls):
         value = getattr(args, dest)
-        if field.default is True and isinstance(value, bool):
-            value = not value  # the flag turns the field off
+        if _turns_off(field):
+            value = not value
+        elif isinstance(value, list):
+            value = dict(value)  # NAME=VALUE pairs, the last of a name kept
         kwargs[field.name] = value
     return kwargs
+
+
+def _turns_off(field: dataclasses.Field) -> bool:
+    """Whether the field's flag turns it off (a ``True`` default)."""
+    return field.default is True and "action" not in field.metadata
 
 
 def to_argv(config: Any, *, skip: tuple[str, ...] = ()) -> list[str]:
@@ -134,10 +162,28 @@ def to_argv(config: Any, *, skip: tuple[str, ...] = ()) -> list[str]:
                 "command-line flag"
             )
         if isinstance(value, bool):
-            argv.append(flag)
+            # Away from its default: a BooleanOptionalAction's off form, or
+            # the flag itself (on, or turning the field off).
+            negated = "action" in field.metadata and not value
+            argv.append("--no-" + flag.removeprefix("--") if negated else flag)
+        elif isinstance(value, Mapping):
+            for name, item in value.items():
+                argv += [flag, f"{name}={json.dumps(item, default=_jsonable)}"]
         else:
             argv += [flag, str(value)]
     return argv
+
+
+def _is_mapping(annotation: Any) -> bool:
+    return typing.get_origin(annotation) in (Mapping, dict)
+
+
+def _jsonable(value: Any) -> Any:
+    """A dataclass in a ``NAME=VALUE`` flag's value as the object of its
+    fields (a hybrid policy's stages)."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return dataclasses.asdict(value)
+    raise TypeError(f"{value!r} cannot be written as JSON")
 
 
 def _default(field: dataclasses.Field) -> Any:

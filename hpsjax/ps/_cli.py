@@ -61,22 +61,35 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import ctypes
+import ctypes.util
 import math
 import os
 import pathlib
 import signal
+import ssl
 import sys
 import zipfile
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import jax
 import numpy as np
 import numpy.lib.format as npy_format
 
-from hpsjax._flags import add_key_value_flag, check_kwargs
-from hpsjax._logs import LOG_LEVELS, check_log_level, setup_logging
+from hpsjax import data, models
+from hpsjax._config_flags import add_flags, config_kwargs
+from hpsjax._devices import resolve_device
+from hpsjax._logs import setup_logging
 from hpsjax._npz import check_params_file, nest_named_arrays
-from hpsjax._optimizers import OPTIMIZERS, make_optimizer
+from hpsjax._optimizers import make_optimizer
+from hpsjax.export import check_export_path, export_params
+from hpsjax.metrics import ServerMetrics
+from hpsjax.profiling import Replanner, WorkPlan
+from hpsjax.ps._options import ServerOptions
+from hpsjax.ps._partition import KeyRangePartition
+from hpsjax.ps._policies import HybridStage
+from hpsjax.ps._server import Server
 
 __all__ = [
     "keep_freed_memory",
@@ -87,6 +100,7 @@ __all__ = [
     "make_optimizer",
     "nest_named_arrays",
     "parse_args",
+    "server_options",
 ]
 
 
@@ -112,10 +126,8 @@ def load_npz_tree(path: str | pathlib.Path) -> dict[str, Any]:
       >>> sorted(tree), sorted(tree["conv"])
       (['b', 'conv'], ['w'])
     """
-    from hpsjax.models import load_params_npz
-
     _check_is_npz(path)
-    return load_params_npz(path)
+    return models.load_params_npz(path)
 
 
 def _check_is_npz(path: str | pathlib.Path) -> None:
@@ -216,8 +228,6 @@ def load_npz_shard(
       ValueError: bad names (as :func:`load_npz_tree`), object arrays, a bad
         shard index, or more shards than arrays (or rows).
     """
-    from hpsjax.ps._partition import KeyRangePartition
-
     _check_is_npz(path)
     lazy = nest_named_arrays(_read_npz_members(path), path)
     partition = KeyRangePartition.from_tree(lazy, num_shards, split_leaves=split_leaves)
@@ -260,10 +270,6 @@ def initial_params(
     Raises:
       ValueError: an unknown model or dataset, or bad arguments.
     """
-    import jax
-
-    from hpsjax import data, models
-
     input_shape = num_classes = None
     if ":" not in model:
         loaded = data.get_dataset(dataset, **dict(dataset_args or {}))
@@ -279,228 +285,46 @@ def initial_params(
     return jax.tree.map(np.asarray, params)
 
 
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    """Parses the command line (see the module docstring)."""
-    from hpsjax import data, models
-    from hpsjax.ps import DEFAULT_POLICY, POLICIES
+# The argument groups of --help, by the key the options' fields give.
+_GROUPS = {
+    "model": "model",
+    "shards": "shards",
+    "network": "network and security",
+    "policy": "policy and optimizer",
+    "plan": "work plan",
+    "checkpoints": "checkpoints",
+    "metrics": "metrics",
+    "process": "process",
+}
 
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """Parses the command line (see the module docstring).
+
+    The flags are :class:`~hpsjax.ps._options.ServerOptions`'s fields
+    (:mod:`hpsjax._config_flags`); :func:`server_options` checks the result
+    and makes it the configuration.
+    """
     p = argparse.ArgumentParser(
         prog="hpsjax-server",
         description="Run an hpsjax parameter server.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    g = p.add_argument_group("model")
-    init = g.add_mutually_exclusive_group(required=True)
-    init.add_argument("--init", help=".npz file of initial params")
-    init.add_argument(
-        "--init_from",
-        metavar="MODEL",
-        help="build the initial params from this model instead: "
-        f"{', '.join(sorted(models.MODELS))} or package.module:factory",
-    )
-    add_key_value_flag(
-        g,
-        "--model_arg",
-        "with --init_from: model argument (JSON value), repeatable",
-    )
-    g.add_argument(
-        "--model_seed",
-        type=int,
-        default=0,
-        help="with --init_from: seed of the initial weights",
-    )
-    g.add_argument(
-        "--dataset",
-        default="synthetic_digits",
-        help="with --init_from a built-in model: the dataset that sizes it: "
-        f"{', '.join(sorted(data.DATASETS))}",
-    )
-    add_key_value_flag(
-        g,
-        "--dataset_arg",
-        "with --init_from: dataset argument (JSON value), repeatable",
-    )
-
-    g = p.add_argument_group("shards")
-    g.add_argument(
-        "--server_shard",
-        type=int,
-        help="serve only this shard's key range of the model (0-based)",
-    )
-    g.add_argument(
-        "--server_shards",
-        type=int,
-        default=1,
-        help="number of server shards the model is split over by key range",
-    )
-    g.add_argument(
-        "--split_leaves",
-        action="store_true",
-        help="with --server_shards: cut arrays by rows to balance the shards "
-        "(the workers need the same flag)",
-    )
-
-    g = p.add_argument_group("network and security")
-    g.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    g.add_argument("--port", type=int, default=0, help="port (0: any free one)")
-    g.add_argument("--secret_file", help="file holding the shared secret")
-    g.add_argument(
-        "--insecure",
-        action="store_true",
-        help="allow serving without a secret on a non-loopback address",
-    )
-    g.add_argument("--certfile", help="TLS certificate (PEM); enables TLS")
-    g.add_argument("--keyfile", help="TLS private key (PEM)")
-
-    g = p.add_argument_group("policy and optimizer")
-    g.add_argument(
-        "--policy",
-        default=DEFAULT_POLICY,
-        help=f"synchronisation policy: {', '.join(sorted(POLICIES))} (the "
-        "default is hpsjax-launch's too)",
-    )
-    add_key_value_flag(
-        g,
-        "--policy_arg",
-        "policy keyword argument (JSON value), repeatable: staleness_bound=2 "
-        "(ssp), threshold=4 or on_straggler=drop (saps: a push more than "
-        "threshold versions stale is damped or dropped and its worker forced to "
-        'pull), and for hybrid stages=\'[{"mode": "async", "local_steps": '
-        '8, "max_staleness": 16, "until_version": 100}, {"mode": '
-        '"semi_async", "max_staleness": 2}]\' (mode async, semi_async or '
-        "sync; local_steps, max_staleness, until_version optional; LAUNCH.md)",
-    )
-    add_key_value_flag(
-        g,
-        "--core_arg",
-        "ServerCore keyword argument (e.g. expected_workers=4), repeatable",
-    )
-    g.add_argument(
-        "--optimizer",
-        default="sgd",
-        help=f"server optimizer: {', '.join(OPTIMIZERS)}, or any optax optimizer "
-        "by name (adamw, lion, muon, ...)",
-    )
-    add_key_value_flag(
-        g,
-        "--optimizer_arg",
-        "keyword argument of the optimizer (JSON value), repeatable: "
-        "weight_decay=0.01 (adamw), b1=0.95 (lion), delay=4 (delayed_nesterov)",
-    )
-    g.add_argument("--learning_rate", type=float, default=0.1, help="step size")
-    g.add_argument(
-        "--momentum",
-        type=float,
-        help="momentum of sgd and momentum (which defaults to 0.9), or of an "
-        "optax optimizer that takes one",
-    )
-    g.add_argument(
-        "--allow_nonfinite",
-        action="store_true",
-        help="accept updates holding NaN or infinity",
-    )
-    g.add_argument(
-        "--overlap_apply_bytes",
-        type=int,
-        default=1 << 20,
-        help="apply pushes of at least this many raw bytes leaf by leaf as they "
-        "arrive, where the optimizer allows it (-1: never)",
-    )
-
-    g = p.add_argument_group("work plan")
-    g.add_argument(
-        "--work_plan",
-        help="WorkPlan JSON (hpsjax.profiling.plan): sent to the workers and "
-        "re-planned as their measured speeds drift (H-PS)",
-    )
-    g.add_argument(
-        "--replan_threshold",
-        type=float,
-        default=0.2,
-        help="relative speed drift that triggers a re-plan",
-    )
-    g.add_argument(
-        "--replan_cooldown",
-        type=float,
-        default=30.0,
-        help="least seconds between two re-plans",
-    )
-    g.add_argument(
-        "--replan_window",
-        type=int,
-        default=10,
-        help="pushes the speed average spans",
-    )
-
-    g = p.add_argument_group("checkpoints")
-    g.add_argument("--checkpoint_dir", help="checkpoint (and resume) directory")
-    g.add_argument(
-        "--checkpoint_every_s", type=float, help="seconds between checkpoints"
-    )
-    g.add_argument(
-        "--checkpoint_every_updates", type=int, help="updates between checkpoints"
-    )
-    g.add_argument(
-        "--checkpoint_keep", type=int, default=3, help="checkpoints kept on disk"
-    )
-    g.add_argument(
-        "--export_params",
-        metavar="PATH",
-        help="when the server stops, write its parameters to this .npz (the "
-        "--init format; load them into your flax module with "
-        "hpsjax.export.load_params)",
-    )
-
-    g = p.add_argument_group("metrics")
-    g.add_argument(
-        "--metrics_port",
-        type=int,
-        help="serve Prometheus metrics on http://METRICS_HOST:PORT/metrics "
-        "(0: any free port, printed)",
-    )
-    g.add_argument(
-        "--metrics_host", default="127.0.0.1", help="address of the metrics server"
-    )
-    g.add_argument(
-        "--tensorboard_dir",
-        help="write the server's TensorBoard scalars (version, pushes/s, "
-        "staleness, barrier wait, drops) under DIR/server, e.g. the workers' "
-        "tensorboard directory",
-    )
-    g.add_argument(
-        "--status_interval",
-        type=float,
-        default=10.0,
-        help="seconds between status lines (a bar on a terminal) and "
-        "TensorBoard points (0: none)",
-    )
-
-    g = p.add_argument_group("process")
-    g.add_argument(
-        "--device",
-        default="cpu",
-        help="where the parameters and optimizer state live and the optimizer "
-        "runs: cpu (the host, where the sockets' bytes are) or a platform such "
-        "as gpu, cuda or tpu, optionally :INDEX (e.g. gpu:1)",
-    )
-    g.add_argument(
-        "--loop", default="auto", choices=("auto", "uvloop", "asyncio"),
-        help="event loop (auto: uvloop when installed)",
-    )  # fmt: skip
-    g.add_argument(
-        "--malloc_tuning",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="keep freed memory for reuse (see keep_freed_memory)",
-    )
-    g.add_argument(
-        "--log_level",
-        default="INFO",
-        type=check_log_level,
-        help=f"{', '.join(LOG_LEVELS)} (DEBUG: also the libraries' INFO lines, and "
-        "every checkpoint written)",
-    )
+    groups = {key: p.add_argument_group(title) for key, title in _GROUPS.items()}
+    groups["init"] = groups["model"].add_mutually_exclusive_group(required=True)
+    add_flags(p, ServerOptions, groups)
     return p.parse_args(argv)
+
+
+def server_options(args: argparse.Namespace | ServerOptions) -> ServerOptions:
+    """The configuration of parsed flags (checked), or ``args`` if it is one.
+
+    Raises:
+      ValueError: a bad or inconsistent setting, in one line.
+    """
+    if isinstance(args, ServerOptions):
+        return args
+    return ServerOptions(**config_kwargs(ServerOptions, args))
 
 
 # mallopt parameters of glibc (malloc.h).
@@ -525,9 +349,6 @@ def keep_freed_memory() -> bool:
     """
     if not sys.platform.startswith("linux"):
         return False
-    import ctypes
-    import ctypes.util
-
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
         mallopt = libc.mallopt
@@ -550,54 +371,35 @@ def _read_secret(path: str | None) -> bytes | None:
 
 def _tls_context(certfile: str | None, keyfile: str | None):
     if certfile is None:
-        if keyfile is not None:
-            raise ValueError("--keyfile needs --certfile")
-        return None
-    import ssl
-
+        return None  # a key without a certificate: refused by ServerOptions
     context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     context.load_cert_chain(certfile, keyfile)
     return context
 
 
-def _server_shard(args: argparse.Namespace) -> tuple[int, int]:
-    shard, count = args.server_shard, args.server_shards
-    if count < 1:
-        raise ValueError(f"--server_shards must be >= 1, got {count}")
-    if shard is None:
-        if count > 1:
-            raise ValueError(f"--server_shards {count} needs --server_shard")
-        return 0, 1
-    if not 0 <= shard < count:
-        raise ValueError(f"--server_shard must be in [0, {count}), got {shard}")
-    return shard, count
-
-
-def _params_and_checkpoints(args: argparse.Namespace) -> tuple[Any, str | None]:
+def _params_and_checkpoints(options: ServerOptions) -> tuple[Any, str | None]:
     """This server's parameters (its shard's) and checkpoint directory."""
-    shard, num_shards = _server_shard(args)
-    checkpoint_dir = args.checkpoint_dir
-    if args.init_from is not None:
+    shard, num_shards = options.shard()
+    checkpoint_dir = options.checkpoint_dir
+    if options.init_from is not None:
         params = initial_params(
-            args.init_from,
-            model_args=dict(args.model_arg),
-            seed=args.model_seed,
-            dataset=args.dataset,
-            dataset_args=dict(args.dataset_arg),
+            options.init_from,
+            model_args=options.model_arg,
+            seed=options.model_seed,
+            dataset=options.dataset,
+            dataset_args=options.dataset_arg,
         )
     if num_shards == 1:
-        if args.init is not None:
-            params = load_npz_tree(args.init)
+        if options.init is not None:
+            params = load_npz_tree(options.init)
         return params, checkpoint_dir
-    if args.init is not None:
+    if options.init is not None:
         params, partition = load_npz_shard(
-            args.init, shard, num_shards, split_leaves=args.split_leaves
+            options.init, shard, num_shards, split_leaves=options.split_leaves
         )
     else:
-        from hpsjax.ps._partition import KeyRangePartition
-
         partition = KeyRangePartition.from_tree(
-            params, num_shards, split_leaves=args.split_leaves
+            params, num_shards, split_leaves=options.split_leaves
         )
         params = partition.split(params)[shard]
     if checkpoint_dir is not None:
@@ -609,14 +411,12 @@ def _params_and_checkpoints(args: argparse.Namespace) -> tuple[Any, str | None]:
     return params, checkpoint_dir
 
 
-def _policy_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+def _policy_kwargs(options: argparse.Namespace | ServerOptions) -> dict[str, Any]:
     """``--policy_arg`` values, hybrid stages given as objects made stages."""
-    policy_kwargs = dict(args.policy_arg)
-    if args.policy.lower() == "hybrid" and isinstance(
+    policy_kwargs = dict(options.policy_arg)
+    if options.policy.lower() == "hybrid" and isinstance(
         policy_kwargs.get("stages"), list
     ):
-        from hpsjax.ps._policies import HybridStage
-
         # JSON has no HybridStage: stages come as objects of its fields.
         try:
             policy_kwargs["stages"] = [
@@ -628,62 +428,31 @@ def _policy_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     return policy_kwargs
 
 
-def _replanner(args: argparse.Namespace) -> Any:
+def _replanner(options: ServerOptions) -> Replanner | None:
     """The re-planner of ``--work_plan``, or ``None``."""
-    if args.work_plan is None:
+    if options.work_plan is None:
         return None
-    from hpsjax.profiling import Replanner, WorkPlan
-
     try:
-        plan = WorkPlan.from_json(pathlib.Path(args.work_plan).read_text())
+        plan = WorkPlan.from_json(pathlib.Path(options.work_plan).read_text())
     except OSError as e:
-        raise ValueError(f"--work_plan {args.work_plan}: {e.strerror}") from None
+        raise ValueError(f"--work_plan {options.work_plan}: {e.strerror}") from None
     except ValueError as e:
-        raise ValueError(f"--work_plan {args.work_plan}: {e}") from None
+        raise ValueError(f"--work_plan {options.work_plan}: {e}") from None
     return Replanner(
         plan,
-        threshold=args.replan_threshold,
-        window=args.replan_window,
-        cooldown=args.replan_cooldown,
+        threshold=options.replan_threshold,
+        window=options.replan_window,
+        cooldown=options.replan_cooldown,
     )
 
 
-def _make_server(args: argparse.Namespace) -> tuple[Any, Any]:
-    """The server of the parsed arguments, not started, and its metrics (or
-    ``None``)."""
-    from hpsjax.ps._core import ServerCore
-    from hpsjax.ps._server import Server, _is_loopback
-
-    core_kwargs = dict(args.core_arg)
-    check_kwargs(
-        ServerCore,
-        core_kwargs,
-        "--core_arg",
-        what="ServerCore",
-        skip=(
-            "params",
-            "optimizer",
-            "policy",
-            "policy_kwargs",
-            "check_finite",
-            "aggregator",
-            "replanner",
-        ),
-    )
-    if args.secret_file is None and not (args.insecure or _is_loopback(args.host)):
-        raise ValueError(
-            f"refusing to serve on {args.host!r} without a secret: anyone who can "
-            "reach the port could push updates; pass --secret_file (or --insecure "
-            "to accept that)"
-        )
-    from hpsjax._devices import resolve_device
-
-    device = resolve_device(args.device, what="--device")
-    params, checkpoint_dir = _params_and_checkpoints(args)
-    policy_kwargs = _policy_kwargs(args)
+def _make_server(options: ServerOptions) -> tuple[Server, ServerMetrics | None]:
+    """The server of the options, not started, and its metrics (or ``None``)."""
+    device = resolve_device(options.device, what="--device")
+    params, checkpoint_dir = _params_and_checkpoints(options)
+    policy_kwargs = _policy_kwargs(options)
     metrics = None
-    if args.metrics_port is not None or args.tensorboard_dir is not None:
-        from hpsjax.metrics import ServerMetrics
+    if options.metrics_port is not None or options.tensorboard_dir is not None:
 
         def state() -> dict[str, Any]:
             # Read at each scrape; the server exists before serving starts.
@@ -693,35 +462,35 @@ def _make_server(args: argparse.Namespace) -> tuple[Any, Any]:
             state=state,
             tensorboard_dir=(
                 None
-                if args.tensorboard_dir is None
-                else pathlib.Path(args.tensorboard_dir) / "server"
+                if options.tensorboard_dir is None
+                else pathlib.Path(options.tensorboard_dir) / "server"
             ),
         )
     server = Server(
         params,
         make_optimizer(
-            args.optimizer,
-            args.learning_rate,
-            momentum=args.momentum,
-            **dict(args.optimizer_arg),
+            options.optimizer,
+            options.learning_rate,
+            momentum=options.momentum,
+            **options.optimizer_arg,
         ),
-        args.policy,
-        host=args.host,
-        port=args.port,
-        secret=_read_secret(args.secret_file),
-        insecure=args.insecure,
-        ssl=_tls_context(args.certfile, args.keyfile),
+        options.policy,
+        host=options.host,
+        port=options.port,
+        secret=_read_secret(options.secret_file),
+        insecure=options.insecure,
+        ssl=_tls_context(options.certfile, options.keyfile),
         checkpoint_dir=checkpoint_dir,
-        checkpoint_every_s=args.checkpoint_every_s,
-        checkpoint_every_updates=args.checkpoint_every_updates,
-        checkpoint_keep=args.checkpoint_keep,
-        check_finite=not args.allow_nonfinite,
+        checkpoint_every_s=options.checkpoint_every_s,
+        checkpoint_every_updates=options.checkpoint_every_updates,
+        checkpoint_keep=options.checkpoint_keep,
+        check_finite=not options.allow_nonfinite,
         overlap_apply_bytes=(
-            None if args.overlap_apply_bytes == -1 else args.overlap_apply_bytes
+            None if options.overlap_apply_bytes == -1 else options.overlap_apply_bytes
         ),
-        core_kwargs=core_kwargs,
-        replanner=_replanner(args),
-        status_interval=args.status_interval,
+        core_kwargs=dict(options.core_arg),
+        replanner=_replanner(options),
+        status_interval=options.status_interval,
         metrics=metrics,
         device=device,
         **policy_kwargs,
@@ -729,28 +498,32 @@ def _make_server(args: argparse.Namespace) -> tuple[Any, Any]:
     return server, metrics
 
 
-async def _serve_metrics(server: Any, metrics: Any, args: argparse.Namespace) -> None:
+async def _serve_metrics(
+    server: Server, metrics: ServerMetrics, options: ServerOptions
+) -> None:
     """Serves ``/metrics`` for a started server (``--metrics_port``)."""
+    host, port = options.metrics_host, options.metrics_port
     try:
-        port = metrics.serve(args.metrics_port, args.metrics_host)
+        port = metrics.serve(port, host)
     except (OSError, ValueError) as e:
         await server.close()
-        raise ValueError(
-            f"cannot serve metrics on {args.metrics_host}:{args.metrics_port}: {e}"
-        ) from None
-    print(
-        f"hpsjax-server metrics on http://{args.metrics_host}:{port}/metrics",
-        flush=True,
-    )
+        raise ValueError(f"cannot serve metrics on {host}:{port}: {e}") from None
+    print(f"hpsjax-server metrics on http://{host}:{port}/metrics", flush=True)
     if server.resumed_from is not None:
         metrics.checkpoint_saved()
 
 
-async def serve(args: argparse.Namespace) -> None:
-    """Builds the server from parsed arguments and serves until a signal."""
-    if args.export_params is not None:
-        _check_export(args)
-    server, metrics = _make_server(args)
+async def serve(args: argparse.Namespace | ServerOptions) -> None:
+    """Builds the server of parsed flags (or options) and serves until a signal.
+
+    Raises:
+      ValueError: bad settings or files, in one line (:func:`server_options`).
+    """
+    options = server_options(args)
+    if options.export_params is not None:
+        # Refused at the start, not after the run.
+        check_export_path(options.export_params)
+    server, metrics = _make_server(options)
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     received: list[signal.Signals] = []
@@ -763,9 +536,9 @@ async def serve(args: argparse.Namespace) -> None:
         with contextlib.suppress(NotImplementedError):
             loop.add_signal_handler(sig, on_signal, sig)
     await server.start()
-    if metrics is not None and args.metrics_port is not None:
-        await _serve_metrics(server, metrics, args)
-    print(f"hpsjax-server listening on {args.host}:{server.port}", flush=True)
+    if metrics is not None and options.metrics_port is not None:
+        await _serve_metrics(server, metrics, options)
+    print(f"hpsjax-server listening on {options.host}:{server.port}", flush=True)
     if server.resumed_from is not None:
         print(f"hpsjax-server resumed from step {server.resumed_from}", flush=True)
     try:
@@ -774,7 +547,7 @@ async def serve(args: argparse.Namespace) -> None:
             f"hpsjax-server: {received[0].name if received else 'asked to stop'}: "
             f"stopping at version {server.version} with "
             f"{len(server.core.live)} live workers (telling them goodbye"
-            + (", writing a last checkpoint)" if args.checkpoint_dir else ")"),
+            + (", writing a last checkpoint)" if options.checkpoint_dir else ")"),
             flush=True,
         )
     finally:
@@ -784,28 +557,13 @@ async def serve(args: argparse.Namespace) -> None:
             if metrics is not None:
                 metrics.close()
     print(f"hpsjax-server stopped at version {server.version}", flush=True)
-    if args.export_params is not None:
-        from hpsjax.export import export_params
-
-        export_params(args.export_params, server.params)
+    if options.export_params is not None:
+        export_params(options.export_params, server.params)
         print(
             f"hpsjax-server wrote the parameters of version {server.version} to "
-            f"{args.export_params}",
+            f"{options.export_params}",
             flush=True,
         )
-
-
-def _check_export(args: argparse.Namespace) -> None:
-    """Refuses ``--export_params`` at start, not after the run, when it cannot be."""
-    from hpsjax.export import check_export_path
-
-    if args.server_shards > 1:
-        raise ValueError(
-            "--export_params writes a whole model, and each of the "
-            f"{args.server_shards} shards holds a part: export the shards' "
-            "checkpoints instead with python -m hpsjax.export CKPT_DIR OUT.npz"
-        )
-    check_export_path(args.export_params)
 
 
 def _host_only(device: str) -> None:
@@ -818,32 +576,35 @@ def _host_only(device: str) -> None:
     if device.strip().lower().partition(":")[0] == "cpu" and not os.environ.get(
         "JAX_PLATFORMS"
     ):
-        import jax
-
         jax.config.update("jax_platforms", "cpu")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Console entry point ``hpsjax-server``; returns the exit status."""
-    args = parse_args(argv)
-    if args.malloc_tuning:
+    try:
+        options = server_options(parse_args(argv))
+    except ValueError as e:
+        print(f"hpsjax-server: {e}", file=sys.stderr)
+        return 2
+    if options.malloc_tuning:
         keep_freed_memory()
-    setup_logging(args.log_level)
+    setup_logging(options.log_level)
     if argv is None:
         # The command's own process (not a caller's, whose JAX is its own).
-        _host_only(args.device)
+        _host_only(options.device)
     runner = asyncio.run
-    if args.loop in ("auto", "uvloop"):
+    if options.loop in ("auto", "uvloop"):
         try:
+            # An optional dependency, tried only when asked for.
             import uvloop
 
             runner = uvloop.run
         except ImportError:
-            if args.loop == "uvloop":
+            if options.loop == "uvloop":
                 print("hpsjax-server: uvloop is not installed", file=sys.stderr)
                 return 2
     try:
-        runner(serve(args))
+        runner(serve(options))
     except (ValueError, OSError) as e:
         print(f"hpsjax-server: {e}", file=sys.stderr)
         return 2

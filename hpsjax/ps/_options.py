@@ -1,0 +1,311 @@
+"""The configuration of one ``hpsjax-server``: :class:`ServerOptions`.
+
+One frozen dataclass holds every setting of a server process, checked once,
+here; ``hpsjax-server``'s flags are made from its fields
+(:mod:`hpsjax._config_flags`), and :func:`hpsjax._config_flags.to_argv`
+writes a configuration back as the flags that make it, for a launcher that
+starts the server in another process.
+
+It lives apart from :mod:`hpsjax.ps`'s public names: the flags' help lists the
+built-in models and data sets, and importing :mod:`hpsjax.ps` should not load
+the model library.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+from hpsjax import data, models
+from hpsjax._flags import check_kwargs
+from hpsjax._logs import LOG_LEVELS, check_log_level
+from hpsjax._optimizers import OPTIMIZERS
+from hpsjax.ps._core import ServerCore
+from hpsjax.ps._policies import DEFAULT_POLICY, POLICIES
+from hpsjax.ps._server import _is_loopback
+
+__all__ = ["ServerOptions"]
+
+# What the server builds its core with itself: not ``--core_arg``'s to give.
+_CORE_OWN = (
+    "params",
+    "optimizer",
+    "policy",
+    "policy_kwargs",
+    "check_finite",
+    "aggregator",
+    "replanner",
+)
+
+_KEY_VALUES = ("model_arg", "dataset_arg", "policy_arg", "core_arg", "optimizer_arg")
+
+
+def _option(default: Any, help: str, **flag: Any) -> Any:
+    """A field that is a flag (``flag``: see :mod:`hpsjax._config_flags`)."""
+    return dataclasses.field(default=default, metadata={"help": help, **flag})
+
+
+def _key_values(help: str, group: str) -> Any:
+    """A repeatable ``NAME=VALUE`` flag: a mapping, empty by default."""
+    return dataclasses.field(
+        default_factory=dict, metadata={"help": help, "group": group}
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerOptions:
+    """Settings of one parameter server process (``hpsjax-server``'s flags).
+
+    Each field is the flag of its name (``init_from`` is ``--init_from``; see
+    ``hpsjax-server --help`` for what each means); the ``*_arg`` fields are
+    the repeatable ``NAME=VALUE`` flags, as mappings. What no later step
+    checks is checked here, once, in one line naming the flags: the shard
+    index and count, a TLS key without its certificate, a secret on a
+    non-loopback address, ``--core_arg``'s names, and ``--export_params``
+    with shards. The values the server itself takes (``--status_interval``,
+    the checkpoint and re-plan settings, ...) are checked by it.
+
+    Raises:
+      ValueError: a bad or inconsistent setting, in one line.
+
+    Examples:
+      >>> from hpsjax._config_flags import to_argv
+      >>> to_argv(ServerOptions(init="init.npz", policy_arg={"staleness_bound": 2}))
+      ['--init', 'init.npz', '--policy_arg', 'staleness_bound=2']
+      >>> ServerOptions(init="init.npz", server_shards=2)
+      Traceback (most recent call last):
+      ...
+      ValueError: --server_shards 2 needs --server_shard
+    """
+
+    init: str | None = _option(None, ".npz file of initial params", group="init")
+    init_from: str | None = _option(
+        None,
+        "build the initial params from this model instead: "
+        f"{', '.join(sorted(models.MODELS))} or package.module:factory",
+        metavar="MODEL",
+        group="init",
+    )
+    model_arg: Mapping[str, Any] = _key_values(
+        "with --init_from: model argument (JSON value), repeatable", "model"
+    )
+    model_seed: int = _option(
+        0, "with --init_from: seed of the initial weights", group="model"
+    )
+    dataset: str = _option(
+        "synthetic_digits",
+        "with --init_from a built-in model: the dataset that sizes it: "
+        f"{', '.join(sorted(data.DATASETS))}",
+        group="model",
+    )
+    dataset_arg: Mapping[str, Any] = _key_values(
+        "with --init_from: dataset argument (JSON value), repeatable", "model"
+    )
+
+    server_shard: int | None = _option(
+        None,
+        "serve only this shard's key range of the model (0-based)",
+        group="shards",
+    )
+    server_shards: int = _option(
+        1,
+        "number of server shards the model is split over by key range",
+        group="shards",
+    )
+    split_leaves: bool = _option(
+        False,
+        "with --server_shards: cut arrays by rows to balance the shards "
+        "(the workers need the same flag)",
+        group="shards",
+    )
+
+    host: str = _option("127.0.0.1", "address to listen on", group="network")
+    port: int = _option(0, "port (0: any free one)", group="network")
+    secret_file: str | None = _option(
+        None, "file holding the shared secret", group="network"
+    )
+    insecure: bool = _option(
+        False,
+        "allow serving without a secret on a non-loopback address",
+        group="network",
+    )
+    certfile: str | None = _option(
+        None, "TLS certificate (PEM); enables TLS", group="network"
+    )
+    keyfile: str | None = _option(None, "TLS private key (PEM)", group="network")
+
+    policy: str = _option(
+        DEFAULT_POLICY,
+        f"synchronisation policy: {', '.join(sorted(POLICIES))} (the "
+        "default is hpsjax-launch's too)",
+        group="policy",
+    )
+    policy_arg: Mapping[str, Any] = _key_values(
+        "policy keyword argument (JSON value), repeatable: staleness_bound=2 "
+        "(ssp), threshold=4 or on_straggler=drop (saps: a push more than "
+        "threshold versions stale is damped or dropped and its worker forced to "
+        'pull), and for hybrid stages=\'[{"mode": "async", "local_steps": '
+        '8, "max_staleness": 16, "until_version": 100}, {"mode": '
+        '"semi_async", "max_staleness": 2}]\' (mode async, semi_async or '
+        "sync; local_steps, max_staleness, until_version optional; LAUNCH.md)",
+        "policy",
+    )
+    core_arg: Mapping[str, Any] = _key_values(
+        "ServerCore keyword argument (e.g. expected_workers=4), repeatable",
+        "policy",
+    )
+    optimizer: str = _option(
+        "sgd",
+        f"server optimizer: {', '.join(OPTIMIZERS)}, or any optax optimizer "
+        "by name (adamw, lion, muon, ...)",
+        group="policy",
+    )
+    optimizer_arg: Mapping[str, Any] = _key_values(
+        "keyword argument of the optimizer (JSON value), repeatable: "
+        "weight_decay=0.01 (adamw), b1=0.95 (lion), delay=4 (delayed_nesterov)",
+        "policy",
+    )
+    learning_rate: float = _option(0.1, "step size", group="policy")
+    momentum: float | None = _option(
+        None,
+        "momentum of sgd and momentum (which defaults to 0.9), or of an "
+        "optax optimizer that takes one",
+        group="policy",
+    )
+    allow_nonfinite: bool = _option(
+        False, "accept updates holding NaN or infinity", group="policy"
+    )
+    overlap_apply_bytes: int = _option(
+        1 << 20,
+        "apply pushes of at least this many raw bytes leaf by leaf as they "
+        "arrive, where the optimizer allows it (-1: never)",
+        group="policy",
+    )
+
+    work_plan: str | None = _option(
+        None,
+        "WorkPlan JSON (hpsjax.profiling.plan): sent to the workers and "
+        "re-planned as their measured speeds drift (H-PS)",
+        group="plan",
+    )
+    replan_threshold: float = _option(
+        0.2, "relative speed drift that triggers a re-plan", group="plan"
+    )
+    replan_cooldown: float = _option(
+        30.0, "least seconds between two re-plans", group="plan"
+    )
+    replan_window: int = _option(10, "pushes the speed average spans", group="plan")
+
+    checkpoint_dir: str | None = _option(
+        None, "checkpoint (and resume) directory", group="checkpoints"
+    )
+    checkpoint_every_s: float | None = _option(
+        None, "seconds between checkpoints", group="checkpoints"
+    )
+    checkpoint_every_updates: int | None = _option(
+        None, "updates between checkpoints", group="checkpoints"
+    )
+    checkpoint_keep: int = _option(3, "checkpoints kept on disk", group="checkpoints")
+    export_params: str | None = _option(
+        None,
+        "when the server stops, write its parameters to this .npz (the "
+        "--init format; load them into your flax module with "
+        "hpsjax.export.load_params)",
+        metavar="PATH",
+        group="checkpoints",
+    )
+
+    metrics_port: int | None = _option(
+        None,
+        "serve Prometheus metrics on http://METRICS_HOST:PORT/metrics "
+        "(0: any free port, printed)",
+        group="metrics",
+    )
+    metrics_host: str = _option(
+        "127.0.0.1", "address of the metrics server", group="metrics"
+    )
+    tensorboard_dir: str | None = _option(
+        None,
+        "write the server's TensorBoard scalars (version, pushes/s, "
+        "staleness, barrier wait, drops) under DIR/server, e.g. the workers' "
+        "tensorboard directory",
+        group="metrics",
+    )
+    status_interval: float = _option(
+        10.0,
+        "seconds between status lines (a bar on a terminal) and "
+        "TensorBoard points (0: none)",
+        group="metrics",
+    )
+
+    device: str = _option(
+        "cpu",
+        "where the parameters and optimizer state live and the optimizer "
+        "runs: cpu (the host, where the sockets' bytes are) or a platform such "
+        "as gpu, cuda or tpu, optionally :INDEX (e.g. gpu:1)",
+        group="process",
+    )
+    loop: str = _option(
+        "auto",
+        "event loop (auto: uvloop when installed)",
+        choices=("auto", "uvloop", "asyncio"),
+        group="process",
+    )
+    malloc_tuning: bool = _option(
+        True,
+        "keep freed memory for reuse (see keep_freed_memory)",
+        action=argparse.BooleanOptionalAction,
+        group="process",
+    )
+    log_level: str = _option(
+        "INFO",
+        f"{', '.join(LOG_LEVELS)} (DEBUG: also the libraries' INFO lines, and "
+        "every checkpoint written)",
+        type=check_log_level,
+        group="process",
+    )
+
+    def __post_init__(self):
+        for name in _KEY_VALUES:
+            # NAME=VALUE pairs as they come from the flags, or a mapping.
+            object.__setattr__(self, name, dict(getattr(self, name)))
+        if (self.init is None) == (self.init_from is None):
+            raise ValueError("give one of --init and --init_from")
+        self.shard()
+        if self.keyfile is not None and self.certfile is None:
+            raise ValueError("--keyfile needs --certfile")
+        if self.secret_file is None and not (self.insecure or _is_loopback(self.host)):
+            raise ValueError(
+                f"refusing to serve on {self.host!r} without a secret: anyone who "
+                "can reach the port could push updates; pass --secret_file (or "
+                "--insecure to accept that)"
+            )
+        check_kwargs(
+            ServerCore,
+            self.core_arg,
+            "--core_arg",
+            what="ServerCore",
+            skip=_CORE_OWN,
+        )
+        if self.export_params is not None and self.server_shards > 1:
+            raise ValueError(
+                "--export_params writes a whole model, and each of the "
+                f"{self.server_shards} shards holds a part: export the shards' "
+                "checkpoints instead with python -m hpsjax.export CKPT_DIR OUT.npz"
+            )
+
+    def shard(self) -> tuple[int, int]:
+        """``(shard, num_shards)`` this server serves (``(0, 1)``: the whole
+        model)."""
+        shard, count = self.server_shard, self.server_shards
+        if count < 1:
+            raise ValueError(f"--server_shards must be >= 1, got {count}")
+        if shard is None:
+            if count > 1:
+                raise ValueError(f"--server_shards {count} needs --server_shard")
+            return 0, 1
+        if not 0 <= shard < count:
+            raise ValueError(f"--server_shard must be in [0, {count}), got {shard}")
+        return shard, count
