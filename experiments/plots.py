@@ -76,6 +76,8 @@ SCHEME_NAMES: Mapping[str, str] = {
     "sparseloco": "SparseLoCo",
     "muloco": "MuLoCo",
     "streaming_diloco": "Streaming DiLoCo",
+    "asgd_momentum": "ASGD, naive momentum",
+    "streaming_diloco_eager": "Streaming DiLoCo, eager",
 }
 """The name a figure or table shows for each scheme of ``experiments.registry``."""
 

@@ -76,6 +76,8 @@ SCHEMES: tuple[str, ...] = (
     "sparseloco",
     "muloco",
     "streaming_diloco",
+    "asgd_momentum",
+    "streaming_diloco_eager",
 )
 """Schemes with a config file ``experiments/configs/<scheme>.py``, in table order."""
 
@@ -367,6 +369,19 @@ def _check_streaming(config: ml_collections.ConfigDict) -> None:
             "worker.compression='streaming' compresses every push: set "
             "stages.compress_from_stage=None"
         )
+    args = worker.get("local_optimizer_args") or {}
+    if args.get("eager"):
+        # Eager updates mirror the server's outer step: the same numbers.
+        for key, want in (
+            ("fragments", fragments),
+            ("outer_learning_rate", config.server.learning_rate),
+            ("outer_momentum", config.server.momentum),
+        ):
+            if args.get(key) != want:
+                raise ValueError(
+                    f"eager updates need worker.local_optimizer_args.{key} = "
+                    f"{want!r} (the server's), got {args.get(key)!r}"
+                )
 
 
 def _check_power_sgd(config: ml_collections.ConfigDict) -> None:

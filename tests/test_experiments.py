@@ -49,6 +49,10 @@ PROCESSES_PATH_OF = {
     "dc_asgd": "asp (the server compensates each push's delay)",
     "clipped_asgd": "asp (the server clips each push)",
     "ormo": "asp (the server optimizer is ordered_momentum)",
+    "asgd_momentum": "asp (the server optimizer is momentum)",
+    "streaming_diloco_eager": (
+        "streaming_diloco (the workers' local optimizer takes eager updates)"
+    ),
     "local_sgd": "muloco (BSP rounds of local steps; sgd inside)",
     "diloco": "muloco (BSP rounds of local steps; adam inside, nesterov outside)",
     "ashl_reference": (

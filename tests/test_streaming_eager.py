@@ -209,3 +209,23 @@ def test_the_optimizer_registry_builds_eager_updates_by_name():
     assert (
         make_optimizer("streaming_local", 0.01).init({"w": jnp.zeros(4)}).eager is None
     )
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "field"),
+    [
+        ("server.learning_rate", 0.5, "outer_learning_rate"),
+        ("server.momentum", 0.5, "outer_momentum"),
+        ("worker.streaming_fragments", 4, "fragments"),
+    ],
+)
+def test_eager_config_must_mirror_the_servers_step(key, value, field):
+    from experiments import registry
+
+    config = registry.load_config("streaming_diloco_eager", "quick")
+    registry.check_config(config)
+    section, name = key.split(".")
+    config[section][name] = value
+    with pytest.raises(ValueError, match=rf"local_optimizer_args\.{field} = ") as e:
+        registry.check_config(config)
+    assert "\n" not in str(e.value)

@@ -1,0 +1,38 @@
+"""Streaming DiLoCo with eager updates.
+
+``streaming_diloco.py`` (P = 2 fragments, 4-bit outer gradients, BSP with
+pipelined pushes) whose workers take eager updates
+(``hpsjax.transforms.streaming_local(eager=True)``): while a fragment's outer
+gradient travels, the worker steps that fragment from its global value with
+the server's Nesterov rule on a stand-in for the average (its own fresh outer
+gradient in place of its share of the others' last average, M = the setting's
+workers), and when the server's step arrives replaces its estimate by it,
+keeping the inner steps taken since. Without eager updates those steps are
+overwritten by the merge. The workers' ``outer_learning_rate``,
+``outer_momentum`` and ``fragments`` must be the server's (checked).
+
+Launch::
+
+  python -m experiments.run \\
+      --config=experiments/configs/streaming_diloco_eager.py:sim8 \\
+      --workdir=/tmp/hpsjax/streaming_diloco_eager
+
+References:
+  Kale, Douillard, Donchev, "Eager Updates For Overlapped Communication and
+  Computation in DiLoCo", 2025, https://arxiv.org/abs/2502.12996
+"""
+
+from experiments.configs import streaming_diloco
+
+
+def get_config(arg=None):
+    """Streaming DiLoCo with eager updates for setting ``arg``."""
+    config = streaming_diloco.get_config(arg)
+    config.scheme = "streaming_diloco_eager"
+    args = config.worker.local_optimizer_args
+    args.eager = True
+    args.fragments = config.worker.streaming_fragments
+    args.outer_learning_rate = config.server.learning_rate
+    args.outer_momentum = config.server.momentum
+    args.workers = len(config.workers.slowdowns)
+    return config
