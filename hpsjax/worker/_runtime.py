@@ -146,6 +146,8 @@ from hpsjax.transforms import (
     power_sgd,
     push_due,
     quantize,
+    sparse_encoded,
+    sparse_push_transform,
     top_k,
 )
 from hpsjax.worker._core import (
@@ -329,8 +331,6 @@ class WorkerConfig(WorkerOptions):
         if self.bits is not None and self.powersgd_rank is not None:
             raise ValueError("give bits or powersgd_rank, not both")
         if self.push_transform is not None:
-            from hpsjax.transforms import sparse_push_transform
-
             if self.bits is not None or self.powersgd_rank is not None:
                 raise ValueError("give push_transform or bits or powersgd_rank")
             sparse_push_transform(self.push_transform)  # checks it
@@ -765,9 +765,6 @@ class Worker:
         if config.push_transform is not None:
             # SparseLoCo's or Streaming DiLoCo's: its output's nonzero entries
             # go out as top-k leaves (hpsjax.transforms.sparse_encoded).
-            from hpsjax.ps._codecs import TopKCodec
-            from hpsjax.transforms import sparse_push_transform
-
             self._codec = TopKCodec
             self._compressor = sparse_push_transform(config.push_transform)
         elif config.powersgd_rank is not None:
@@ -1081,8 +1078,6 @@ class Worker:
         sent, state = self._compress_update(update, self._compressor_state)
         self._compressor_state = state
         if self._config.push_transform is not None:
-            from hpsjax.transforms import sparse_encoded
-
             encoded = sparse_encoded(sent)
         else:
             encoded = jax.device_get(self._codec.last_encoded(state))
