@@ -25,7 +25,10 @@ of a run's round records:
   bandwidth``; two messages of different sizes give both terms, two of the
   same size cannot tell them apart and are charged by the byte (latency 0).
   The simulator has one link model for all workers: the workers' median is
-  used, and the table says so when their links differ by more than 2x;
+  used, and the table says so when their links differ by more than 2x.
+  ``--link=MB_PER_S[,LATENCY_MS]`` replaces every profile's link by that one
+  (a profile's link measured on a loaded machine can be off by 10x: see
+  RESULTS.md), e.g. ``--link=50,1`` for 50 MB/s and 1 ms;
 * **server**: ``--service_time`` seconds per push at one server (a measured
   push already holds the server's answer; default 0).
 
@@ -69,6 +72,7 @@ __all__ = [
     "launch_command",
     "link_of",
     "load_profiles",
+    "parse_link",
 ]
 
 _PROG = "advise"
@@ -132,13 +136,49 @@ def _link(transfer: Any) -> tuple[float, float] | None:
     return 0.0, (nbytes / seconds if seconds > 0 else math.inf)
 
 
-def link_of(profiles: Sequence[Any]) -> tuple[float, float, str]:
-    """One link for the simulator: the workers' median latency and bandwidth.
+def parse_link(text: str) -> tuple[float, float]:
+    """``--link``'s value, ``MB_PER_S[,LATENCY_MS]``, as ``(latency_s, bytes_per_s)``.
+
+    Raises:
+      ValueError: anything else, or a bandwidth that is not a finite number
+        > 0 or a latency that is not a finite number >= 0 (one line).
+
+    Examples:
+      >>> parse_link("50,1")
+      (0.001, 50000000.0)
+      >>> parse_link("4.5")
+      (0.0, 4500000.0)
+    """
+    parts = str(text).split(",")
+    try:
+        if len(parts) > 2:
+            raise ValueError
+        mbps = float(parts[0])
+        latency_ms = float(parts[1]) if len(parts) == 2 else 0.0
+    except ValueError:
+        mbps = latency_ms = math.nan
+    if not (math.isfinite(mbps) and mbps > 0):
+        raise ValueError(
+            f"--link: expected MB_PER_S[,LATENCY_MS] with MB_PER_S > 0, got {text!r}"
+        )
+    if not (math.isfinite(latency_ms) and latency_ms >= 0):
+        raise ValueError(f"--link: the latency must be >= 0 ms, got {text!r}")
+    return latency_ms / 1e3, mbps * 1e6
+
+
+def link_of(
+    profiles: Sequence[Any], link: tuple[float, float] | None = None
+) -> tuple[float, float, str]:
+    """One link for the simulator: the workers' median latency and bandwidth,
+    or ``link`` (``(latency, bandwidth)``, :func:`parse_link`) in their place.
 
     Returns:
       ``(latency, bandwidth, note)``: bandwidth ``inf`` for no link; the note
-      says where the workers' links differ by more than 2x, else ``""``.
+      says where the workers' links differ by more than 2x, or that ``link``
+      replaced them, else ``""``.
     """
+    if link is not None:
+        return link[0], link[1], "the link given by --link replaces the profiled ones"
     links = [link for link in map(_link, (p.transfer for p in profiles)) if link]
     if not links:
         return 0.0, math.inf, "no profile measured a link: transfers cost nothing"
@@ -181,8 +221,12 @@ def cluster_config(
     budget: float | None = None,
     jitter: float = 0.1,
     service_time: float = 0.0,
+    link: tuple[float, float] | None = None,
 ) -> Any:
     """The scheme's config on the simulated twin of the profiled cluster.
+
+    ``link`` (``(latency, bandwidth)``, :func:`parse_link`) replaces the
+    profiles' measured link.
 
     Raises:
       ValueError: an unknown scheme or setting (the message lists valid
@@ -215,9 +259,9 @@ def cluster_config(
     for i, p in enumerate(profiles):
         intercept, slope = _step_fit(p, b0)
         fits[i] = ComputeFit(intercept, slope, jitter, b0, 0, "profile")
-    latency, bandwidth, _ = link_of(profiles)
-    link = LinkFit(latency, bandwidth, "profile", 0)
-    sim = simulated_config(config, fits, link, service_time)
+    latency, bandwidth, _ = link_of(profiles, link)
+    fit = LinkFit(latency, bandwidth, "profile" if link is None else "given", 0)
+    sim = simulated_config(config, fits, fit, service_time)
     # The workers' own speeds stand for every slowdown the setting injected.
     sim.workers.startup_times = ()
     registry.check_config(sim)
@@ -402,8 +446,13 @@ def advise(
     return sorted(rows, key=key)
 
 
-def format_advice(rows: Sequence[dict[str, Any]], profiles: Sequence[Any]) -> str:
-    """The ranked table and the winner's commands."""
+def format_advice(
+    rows: Sequence[dict[str, Any]],
+    profiles: Sequence[Any],
+    link: tuple[float, float] | None = None,
+) -> str:
+    """The ranked table and the winner's commands (``link``: as given to
+    :func:`cluster_config`)."""
     first = rows[0]["config"]
     target = float(first.eval.target_accuracy)
     unit = "s, predicted"
@@ -422,7 +471,7 @@ def format_advice(rows: Sequence[dict[str, Any]], profiles: Sequence[Any]) -> st
             f"{r['bytes_moved'] / 1e6:.1f} | {r['idle_fraction']:.2f} | "
             f"{r['knob']}={r['value']:g} |"
         )
-    latency, bandwidth, note = link_of(profiles)
+    latency, bandwidth, note = link_of(profiles, link)
     w = first.workers
     head = (
         f"{len(profiles)} workers: slowdowns "
@@ -472,6 +521,12 @@ def _define_flags() -> None:
     flags.DEFINE_integer("seed", 0, "Seed of every run.")
     flags.DEFINE_integer("jobs", 1, "Runs at once.")
     flags.DEFINE_string("workdir", None, "Where the runs go (default: a temp dir).")
+    flags.DEFINE_string(
+        "link",
+        None,
+        "MB_PER_S[,LATENCY_MS]: this link for every worker instead of the "
+        "profiled ones (e.g. 50,1).",
+    )
 
 
 def main(argv):
@@ -492,6 +547,7 @@ def main(argv):
             ) from None
         if values.jobs < 1:
             raise ValueError(f"--jobs must be >= 1, got {values.jobs}")
+        link = None if values.link is None else parse_link(values.link)
         profiles = load_profiles(values.profiles)
         cluster = {
             "setting": values.setting,
@@ -502,6 +558,7 @@ def main(argv):
             "budget": values.budget,
             "jitter": values.jitter,
             "service_time": values.service_time,
+            "link": link,
         }
         # Every config is checked before anything runs.
         for s in values.schemes or registry.SCHEMES:
@@ -515,7 +572,7 @@ def main(argv):
             workdir=values.workdir,
             **cluster,
         )
-    print(format_advice(rows, profiles), end="")
+    print(format_advice(rows, profiles, link), end="")
     logging.info("runs in %s", values.workdir or "a temporary directory")
 
 

@@ -85,6 +85,53 @@ def test_cluster_config_follows_the_profiles():
         advise.cluster_config("asp", profiles, setting="quick", target=1.5)
 
 
+def test_a_given_link_replaces_every_profiled_one():
+    assert advise.parse_link("50,1") == pytest.approx((0.001, 5e7))
+    assert advise.parse_link("0.5") == pytest.approx((0.0, 5e5))
+    profiles = [_profile(i, 100.0, link=Link(2e6, 0.005)) for i in range(2)]
+    profiles.append(_profile(2, 100.0, link=None))
+    latency, bandwidth, note = advise.link_of(profiles, (0.001, 5e7))
+    assert (latency, bandwidth) == (0.001, 5e7)
+    assert "--link" in note
+    config = advise.cluster_config(
+        "asp", profiles, setting="quick", link=advise.parse_link("50,1")
+    )
+    assert config.workers.bandwidth == pytest.approx(5e7)
+    assert config.workers.latency == pytest.approx(0.001)
+    # Without it, the profiles' own (the median of the two measured).
+    config = advise.cluster_config("asp", profiles, setting="quick")
+    assert config.workers.bandwidth == pytest.approx(2e6)
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("fast", "expected MB_PER_S"),
+        ("0", "expected MB_PER_S"),
+        ("-5", "expected MB_PER_S"),
+        ("inf", "expected MB_PER_S"),
+        ("50,1,2", "expected MB_PER_S"),
+        ("50,-1", "latency must be >= 0"),
+        ("50,x", "expected MB_PER_S"),
+    ],
+)
+def test_a_bad_link_is_one_line(text, message):
+    with pytest.raises(ValueError, match=message) as err:
+        advise.parse_link(text)
+    assert "\n" not in str(err.value) and repr(text) in str(err.value)
+
+
+def test_cli_bad_link_is_one_line_and_runs_nothing(tmp_path):
+    pattern = _write(tmp_path, [_profile(0, 100.0)])
+    result = _cli(f"--profiles={pattern}", "--link=fast", f"--workdir={tmp_path}/w")
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        "advise: error: --link: expected MB_PER_S[,LATENCY_MS] with MB_PER_S > 0, "
+        "got 'fast'"
+    ]
+    assert not (tmp_path / "w").exists()
+
+
 def test_launch_command_names_what_it_cannot_carry():
     profiles = [_profile(i, 100.0 * (i + 1)) for i in range(3)]
     config = advise.cluster_config("clipped_asgd", profiles, setting="quick")
