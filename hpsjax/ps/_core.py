@@ -77,6 +77,8 @@ virtual clock)::
                 reply(action.worker_id, action)
             elif isinstance(action, (ForcePull, Drop)):
                 notify(action.worker_id, action)
+            elif isinstance(action, (StageChanged, PlanChanged)):
+                announce(action)  # to every worker
             # Wait, Release and Applied need nothing more (log them).
 
     carry_out(core.join("w0", now=clock()))
