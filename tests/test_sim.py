@@ -690,6 +690,69 @@ def test_hybrid_policy_moves_to_the_second_stage():
     assert result.applies[-1].version > 40
 
 
+def _recording_core(monkeypatch):
+    """Makes the simulator's core record the announcements it returns."""
+    from hpsjax.ps import PlanChanged, StageChanged
+    from hpsjax.sim import _simulate
+
+    seen = []
+
+    class Recording(_simulate.ServerCore):
+        pass
+
+    def recorded(name):
+        method = getattr(_simulate.ServerCore, name)
+
+        def call(self, *args, **kwargs):
+            actions = method(self, *args, **kwargs)
+            seen.extend(a for a in actions if isinstance(a, StageChanged | PlanChanged))
+            return actions
+
+        return call
+
+    for name in ("join", "leave", "pull", "push_message", "tick", "observe_speed"):
+        setattr(Recording, name, recorded(name))
+    monkeypatch.setattr(_simulate, "ServerCore", Recording)
+    return seen
+
+
+def test_the_simulator_follows_the_stage_its_core_announces_once(monkeypatch):
+    from hpsjax.ps import StageChanged
+
+    seen = _recording_core(monkeypatch)
+    workers = [
+        WorkerSpec(ComputeModel(step_time=0.05), batch_size=16, worker_id=i)
+        for i in range(3)
+    ]
+    result = run(workers, SimConfig(duration=3.0, **SCHEMES["hybrid"]))
+    # The workers' staged optimizers move on, a push says so: announced once.
+    assert len(seen) == 1 and seen[0] == StageChanged(1, seen[0].version)
+    after = [p for p in result.pushes if p.version > seen[0].version]
+    assert after and {p.local_steps for p in after} == {1}
+
+
+def test_the_simulator_applies_the_plans_its_core_announces(monkeypatch):
+    seen = _recording_core(monkeypatch)
+    profiles = [WorkerProfile.synthetic(i, 160.0) for i in range(2)]
+    workers = [
+        WorkerSpec(ComputeModel.from_profile(profiles[0]), worker_id=0),
+        WorkerSpec(
+            ComputeModel.from_profile(profiles[1]),
+            heterogeneity=Heterogeneity(slowdown=[(0.0, 1.0), (2.0, 3.0)]),
+            worker_id=1,
+        ),
+    ]
+    result = run(
+        workers,
+        SimConfig(policy="bsp", learning_rate=0.1, duration=8.0),
+        work_plan=Replanner(
+            plan(profiles, "hps", global_batch=32), cooldown=4.0, min_observations=2
+        ),
+    )
+    assert seen and [a.plan for a in seen] == list(result.work_plans[1:])
+    assert all(a.reason.endswith("speed drifted") for a in seen)
+
+
 @pytest.mark.parametrize("scheme", ["asp", "local_sgd", "hps"])
 def test_sequential_evaluation_matches_batched(scheme):
     settings = dict(SCHEMES[scheme])
