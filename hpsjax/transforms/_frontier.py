@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import numbers
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -172,6 +173,41 @@ def _value_codec(bits: int) -> Codec:
     return Codec("sign", 1) if bits == 1 else Codec("uniform", bits)
 
 
+def _zero_errors(params: Any) -> Any:
+    """An error-feedback accumulator's start: float32 zeros like ``params``."""
+    return jax.tree.map(lambda p: jnp.zeros(p.shape, _F32), params)
+
+
+def _push_leaves(
+    updates: Any,
+    errors: Any,
+    key_data: jax.Array,
+    per_leaf: Callable[[int, jax.Array, jax.Array, jax.Array], tuple[Any, Any]],
+) -> tuple[Any, jax.Array, Any]:
+    """One push of an error-feedback push transform, leaf by leaf.
+
+    ``per_leaf(i, g, e, key)`` takes leaf ``i``'s update, its accumulator and
+    a key of its own (``key_data``'s step key folded with ``i``) and returns
+    what is sent (float32) and what the accumulator keeps.
+
+    Returns:
+      ``(sent, key_data, errors)``: the sent tree in the updates' dtypes, the
+      next key data and the new accumulator.
+    """
+    key, step_key = jax.random.split(jax.random.wrap_key_data(key_data))
+    leaves, treedef = jax.tree.flatten(updates)
+    sent, kept = [], []
+    for i, (g, e) in enumerate(zip(leaves, treedef.flatten_up_to(errors), strict=True)):
+        out, rest = per_leaf(i, g, e, jax.random.fold_in(step_key, i))
+        sent.append(out.astype(g.dtype))
+        kept.append(rest)
+    return (
+        jax.tree.unflatten(treedef, sent),
+        jax.random.key_data(key),
+        jax.tree.unflatten(treedef, kept),
+    )
+
+
 def sparseloco(
     ratio: float = 0.02,
     *,
@@ -248,7 +284,7 @@ def sparseloco(
         return SparseLoCoState(
             count=jnp.zeros([], jnp.int32),
             key=jax.random.key_data(jax.random.PRNGKey(seed)),
-            error=jax.tree.map(lambda p: jnp.zeros(p.shape, _F32), params),
+            error=_zero_errors(params),
             nbytes=jnp.asarray(sparseloco_nbytes(params, ratio, bits), jnp.int32),
         )
 
@@ -262,21 +298,19 @@ def sparseloco(
         )
         return topk_decode(TopKEncoded(sparse.indices, values), e.shape, _F32)
 
+    def leaf(i, g, e, key):
+        del i
+        acc = beta * e + g.astype(_F32)
+        out = send(acc, key)
+        return out, acc - out
+
     def update_fn(updates, state, params=None, **extra_args):
         del params, extra_args
-        key, step_key = jax.random.split(jax.random.wrap_key_data(state.key))
-        leaves, treedef = jax.tree.flatten(updates)
-        errors = treedef.flatten_up_to(state.error)
-        sent, kept = [], []
-        for i, (g, e) in enumerate(zip(leaves, errors, strict=True)):
-            acc = beta * e + g.astype(_F32)
-            out = send(acc, jax.random.fold_in(step_key, i))
-            sent.append(out.astype(g.dtype))
-            kept.append(acc - out)
-        return jax.tree.unflatten(treedef, sent), SparseLoCoState(
+        sent, key, error = _push_leaves(updates, state.error, state.key, leaf)
+        return sent, SparseLoCoState(
             count=optax.safe_increment(state.count),
-            key=jax.random.key_data(key),
-            error=jax.tree.unflatten(treedef, kept),
+            key=key,
+            error=error,
             nbytes=state.nbytes,
         )
 

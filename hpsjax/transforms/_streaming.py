@@ -55,7 +55,12 @@ import optax
 
 from hpsjax._checks import is_int
 from hpsjax.transforms._common import find_one_state
-from hpsjax.transforms._frontier import _check_fraction, _value_codec
+from hpsjax.transforms._frontier import (
+    _check_fraction,
+    _push_leaves,
+    _value_codec,
+    _zero_errors,
+)
 from hpsjax.transforms._outer import _check_number
 from hpsjax.transforms._quantize import decode, encode, encoded_nbytes
 
@@ -539,33 +544,29 @@ def streaming_push(
         return StreamingPushState(
             count=jnp.zeros([], jnp.int32),
             key=jax.random.key_data(jax.random.PRNGKey(seed)),
-            error=jax.tree.map(lambda p: jnp.zeros(p.shape, _F32), params),
+            error=_zero_errors(params),
             nbytes=jnp.asarray(math.ceil(sum(sizes) / len(sizes)), jnp.int32),
         )
 
     def update_fn(updates, state, params=None, **extra_args):
         del params, extra_args
-        key, step_key = jax.random.split(jax.random.wrap_key_data(state.key))
-        leaves, treedef = jax.tree.flatten(updates)
-        errors = treedef.flatten_up_to(state.error)
-        masks = _masks(leaves, fragments, state.count % fragments)
-        sent, kept = [], []
-        for i, (g, e, mine) in enumerate(zip(leaves, errors, masks, strict=True)):
+        masks = _masks(jax.tree.leaves(updates), fragments, state.count % fragments)
+
+        def leaf(i, g, e, key):
             # The fragment's part of the leaf, quantized on its own scale.
+            mine = masks[i]
             acc = jnp.where(mine, g.astype(_F32) + e, 0)
-            if codec is None:
-                out = acc
-            else:
-                k = jax.random.fold_in(step_key, i)
-                out = decode(encode(acc, codec, k), codec, acc.shape, _F32)
-            out = jnp.where(mine, out, 0)
-            sent.append(out.astype(g.dtype))
+            if codec is not None:
+                acc_q = decode(encode(acc, codec, key), codec, acc.shape, _F32)
+            out = jnp.where(mine, acc if codec is None else acc_q, 0)
             rest = acc - out if error_feedback else jnp.zeros_like(acc)
-            kept.append(jnp.where(mine, rest, e))
-        return jax.tree.unflatten(treedef, sent), StreamingPushState(
+            return out, jnp.where(mine, rest, e)
+
+        sent, key, error = _push_leaves(updates, state.error, state.key, leaf)
+        return sent, StreamingPushState(
             count=optax.safe_increment(state.count),
-            key=jax.random.key_data(key),
-            error=jax.tree.unflatten(treedef, kept),
+            key=key,
+            error=error,
             nbytes=state.nbytes,
         )
 
