@@ -28,7 +28,9 @@ about 5 s of compute. Example::
 Verdicts compare means against the seeds' spread: a method is *faster* than
 its baseline when its mean time to the target is below the baseline's by more
 than the larger of the two standard deviations (and every seed reached the
-target), *slower* in the mirror case, *level* otherwise; each claim's rule in
+target), *slower* in the mirror case, *level* otherwise; where neither reached
+the target in any seed, the best accuracy decides the same way (higher beyond
+the larger standard deviation is *faster*); each claim's rule in
 :data:`CLAIMS` turns that (and the bytes) into *reproduced*, *refuted* or
 *level*. A claim these small simulated tasks cannot test says so in its
 ``untestable`` note, which the table prints beside the verdict.
@@ -302,6 +304,11 @@ def choose(summaries: dict[float, dict[str, Any]]) -> float:
     return min(summaries.items(), key=key)[0]
 
 
+def _std(values: Sequence[float]) -> float:
+    mean = sum(values) / len(values)
+    return (sum((v - mean) ** 2 for v in values) / len(values)) ** 0.5
+
+
 def _stats(summaries: Sequence[dict[str, Any]]) -> dict[str, Any]:
     times = [s["time_to_target"] for s in summaries]
     reached = [t for t in times if t is not None]
@@ -331,6 +338,7 @@ def _stats(summaries: Sequence[dict[str, Any]]) -> dict[str, Any]:
         "mb_to_target": sum(to_target) / len(to_target) / 1e6 if to_target else None,
         "bytes_per_push": sum(bytes_sent) / max(sum(pushes), 1),
         "best_accuracy": sum(s["best_accuracy"] for s in summaries) / n,
+        "best_accuracy_std": _std([s["best_accuracy"] for s in summaries]),
         "diverged": sum(s.get("diverged_at") is not None for s in summaries),
     }
 
@@ -340,11 +348,22 @@ def compare_times(method: dict[str, Any], base: dict[str, Any]) -> str:
     target against the baseline's, beyond the larger standard deviation.
 
     A scheme that reached the target in fewer runs than the other is the
-    slower; neither reaching it is level.
+    slower; where neither ever reached it, the best accuracy decides (higher
+    beyond the larger standard deviation is faster), level without it.
     """
     if method["reached"] != base["reached"]:
         return "faster" if method["reached"] > base["reached"] else "slower"
     if method["reached"] == 0:
+        mine, theirs = method.get("best_accuracy"), base.get("best_accuracy")
+        if mine is None or theirs is None:
+            return "level"
+        noise = max(
+            method.get("best_accuracy_std", 0.0), base.get("best_accuracy_std", 0.0)
+        )
+        if mine > theirs + noise:
+            return "faster"
+        if mine < theirs - noise:
+            return "slower"
         return "level"
     noise = max(method["std"], base["std"])
     if method["mean"] < base["mean"] - noise:
@@ -369,9 +388,13 @@ def verdict(claim: Claim, method: dict[str, Any], base: dict[str, Any]) -> str:
         cut = 1.0 - method["mean"] / base["mean"]
         return "reproduced" if cut >= float(arg) else "refuted"
     if rule == "fewer_bytes":
-        # Bytes to the same accuracy where both reach it, else in the budget.
+        # Bytes to the same accuracy where both reach it; where only the
+        # method does, the baseline's bytes in the whole budget (it needs
+        # more); else the bytes in the budget.
         mine, theirs = method.get("mb_to_target"), base.get("mb_to_target")
-        if mine is None or theirs is None:
+        if mine is not None and theirs is None:
+            theirs = base["mb"]
+        elif mine is None or theirs is None:
             mine, theirs = method["mb"], base["mb"]
         ratio = theirs / mine if mine > 0 else float("inf")
         if speed == "slower" or ratio < float(arg):
@@ -385,7 +408,11 @@ def verdict(claim: Claim, method: dict[str, Any], base: dict[str, Any]) -> str:
 
 def _time_text(st: dict[str, Any]) -> str:
     if st["reached"] == 0:
-        return f"not reached (0/{st['runs']})"
+        best = st.get("best_accuracy")
+        if best is None:
+            return f"not reached (0/{st['runs']})"
+        spread = st.get("best_accuracy_std") or 0.0
+        return f"not reached (0/{st['runs']}; best {best:.3f} ± {spread:.3f})"
     if st["reached"] < st["runs"]:
         return f"{st['mean']:.1f} ({st['reached']}/{st['runs']})"
     return f"{st['mean']:.1f} ± {st['std']:.1f}"

@@ -310,6 +310,36 @@ def test_bytes_claims_count_the_bytes_to_the_target():
     assert frontier.verdict(by["muloco"], method, base) == "refuted"
 
 
+def test_neither_reaching_the_target_is_judged_by_the_best_accuracy():
+    def never(accuracies):
+        st = _stats([None] * len(accuracies))
+        mean = sum(accuracies) / len(accuracies)
+        std = (sum((a - mean) ** 2 for a in accuracies) / len(accuracies)) ** 0.5
+        return {**st, "best_accuracy": mean, "best_accuracy_std": std}
+
+    low, high = never([0.85, 0.86, 0.84]), never([0.89, 0.90, 0.88])
+    assert frontier.compare_times(low, high) == "slower"
+    assert frontier.compare_times(high, low) == "faster"
+    assert frontier.compare_times(low, never([0.855, 0.845, 0.86])) == "level"
+    by = {c.method: c for c in frontier.CLAIMS}
+    # Fewer bytes a push but a lower accuracy is not DiLoCo's quality.
+    low["bytes_per_push"] = 10.0
+    assert frontier.verdict(by["streaming_diloco"], low, high) == "refuted"
+    better = {**high, "bytes_per_push": 5.0}
+    assert frontier.verdict(by["streaming_diloco"], better, low) == "reproduced"
+
+
+def test_bytes_against_a_baseline_that_never_reached_the_target():
+    by = {c.method: c for c in frontier.CLAIMS}
+    # The baseline pushed 12 MB without reaching the target: it needs more;
+    # the method reached it with 0.6 MB, and 1.6 in its budget.
+    method = {**_stats([17, 18, 16], mb=1.6), "mb_to_target": 0.6}
+    base = {**_stats([None, None, None], mb=12.0), "mb_to_target": None}
+    assert frontier.verdict(by["muloco"], method, base) == "reproduced"
+    method["mb_to_target"] = 2.0
+    assert frontier.verdict(by["muloco"], method, base) == "refuted"
+
+
 def test_choose_prefers_reaching_the_target_soonest():
     runs = {
         0.1: {"time_to_target": None, "best_accuracy": 0.8, "diverged_at": None},
