@@ -229,3 +229,30 @@ def test_eager_config_must_mirror_the_servers_step(key, value, field):
     with pytest.raises(ValueError, match=rf"local_optimizer_args\.{field} = ") as e:
         registry.check_config(config)
     assert "\n" not in str(e.value)
+
+
+def test_a_server_step_of_zero_still_corrects_the_eager_step():
+    """The fragment synchronised is known from the merges, not from a change
+    of value: a 4-bit push can leave an element's step exactly 0, and its
+    eager step must still be taken back."""
+    tx = streaming_local(
+        optax.sgd(1.0),
+        eager=True,
+        fragments=2,
+        outer_learning_rate=0.5,
+        outer_momentum=0.0,
+        workers=1,
+    )
+    params = {"b": jnp.zeros(1), "w": jnp.zeros(1)}
+    g = {"b": jnp.ones(1), "w": jnp.ones(1)}
+    state = tx.init(params)
+    _, state = tx.update(g, state, params)  # own: -1, -1
+    u, state = tx.update(g, state, params)  # merge: b eager-stepped to -0.5
+    p = optax.apply_updates(params, u)
+    u, state = tx.update(g, state, p)  # b = -1.5
+    p = optax.apply_updates(p, u)
+    # The server's step on b was 0: b takes back its eager -0.5, keeps -1.
+    u, state = tx.update(g, state, {"b": jnp.zeros(1), "w": jnp.zeros(1)})
+    p = optax.apply_updates({"b": jnp.zeros(1), "w": jnp.zeros(1)}, u)
+    np.testing.assert_allclose(p["b"], [-1.0], rtol=1e-6)
+    np.testing.assert_allclose(state.eager.pending["b"], [0.0])

@@ -382,6 +382,13 @@ def streaming_local(
             return jnp.where(mine, p, jnp.where(changed, mixed.astype(p.dtype), kept))
 
         if eager:
+            # The fragment synchronised is known from the count of merges, not
+            # seen from the values: a 4-bit push may leave an element's step 0.
+            leaves, treedef = jax.tree.flatten(params)
+            merges = state.eager.merges
+            due = _masks(leaves, fragments, (merges - 1) % fragments)
+            synced = jax.tree.unflatten(treedef, [m & (merges >= 1) for m in due])
+            is_own = jax.tree.map(lambda _: jnp.zeros((), bool), is_own)
             goal, eager_state = _eager_goal(
                 state.eager, params, local, anchor, is_own, synced, merging
             )
