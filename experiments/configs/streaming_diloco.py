@@ -20,7 +20,7 @@ two synchronisations, as ``diloco.py``'s rounds do.
 The simulator charges a push the fragments' mean bytes on 4 bits; real
 workers (``hpsjax-worker --push_transform``) send the fragment as top-k
 leaves at float32 (no few-bit sparse codec on the wire yet). A pull is the
-whole model in both. The eager updates variant is not built.
+whole model in both. With eager updates: ``streaming_diloco_eager.py``.
 
 Launch::
 
