@@ -2,7 +2,8 @@
 
 * ``sim``: :func:`hpsjax.sim.simulate` on simulated workers (virtual time);
 * ``processes``: a real :class:`hpsjax.ps.Server` in this process and one
-  ``hpsjax-worker`` process per worker on loopback (wall time).
+  ``hpsjax-worker`` process per worker on loopback, started and watched by
+  :mod:`hpsjax.launch` (wall time).
 
 Both return a :class:`RunOutput`: evaluations over time, per-worker totals,
 per-worker timelines (compute, transfer, wait, discarded), and raw records.
@@ -18,10 +19,10 @@ import logging
 import os
 import pathlib
 import signal
-import subprocess
 import sys
+import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -395,12 +396,21 @@ def _worker_flags(
     config: ml_collections.ConfigDict, index: int, *, plan_file: pathlib.Path | None
 ) -> list[str]:
     """The ``hpsjax-worker`` flags of worker ``index`` (without server flags)."""
+    n = len(config.workers.slowdowns)
+    return [
+        "--worker_id", str(index), "--shard_index", str(index),
+        "--shard_count", str(n), *_own_flags(config, index, plan_file=plan_file),
+    ]  # fmt: skip
+
+
+def _own_flags(
+    config: ml_collections.ConfigDict, index: int, *, plan_file: pathlib.Path | None
+) -> list[str]:
+    """Worker ``index``'s flags but its identity and the server's address,
+    which :class:`hpsjax.launch.Job` adds."""
     from experiments.build import dataset_kwargs, model_kwargs, slowdown_schedule
 
-    n = len(config.workers.slowdowns)
     flags = [
-        "--worker_id", str(index), "--shard_index", str(index),
-        "--shard_count", str(n),
         "--model", config.model.name, "--model_seed", str(config.model.seed),
         "--dataset", config.data.name,
         "--test_fraction", repr(float(config.data.test_fraction)),
@@ -513,40 +523,38 @@ def _placements(
     return place(devices, server_cores=int(config.server.get("cores", 0)))
 
 
-async def _await_children(
-    children: _Children,
+def _job(
     config: ml_collections.ConfigDict,
-    logs: pathlib.Path,
     *,
-    late: str,
-    failed: str,
-    ok: tuple[int, ...] = (0,),
-) -> None:
-    """Waits up to the start timeout for ``children`` to end, each with a
-    status in ``ok``; raises naming their logs otherwise."""
-    timeout = config.processes.start_timeout
-    if not await children.wait(float(timeout)):
-        raise RuntimeError(f"{late} within {timeout}s; see {logs}")
-    codes = [p.poll() for p in children.procs]
-    if any(code not in ok for code in codes):
-        raise RuntimeError(f"{failed} (exit statuses {codes}); see {logs}")
+    plan_file: pathlib.Path | None,
+    steps: int | None = None,
+    shared: Sequence[str] = (),
+) -> Any:
+    """The run's :class:`hpsjax.launch.Job`: one ``hpsjax-worker`` per worker
+    with its own flags (its server is this process's)."""
+    from hpsjax.launch import Job
+
+    n = len(config.workers.slowdowns)
+    return Job(
+        num_workers=n,
+        policy=str(config.server.policy),
+        steps=steps,
+        server_args=[],
+        shared=list(shared),
+        flags=[_own_flags(config, i, plan_file=plan_file) for i in range(n)],
+        plan_server_args=[],
+        server_shards=1,
+        split_leaves=False,
+    )
 
 
-def _spawn(
-    children: _Children,
-    config: ml_collections.ConfigDict,
-    index: int,
-    argv: list[str],
-    log_path: pathlib.Path,
-    env: Mapping[str, str],
-) -> subprocess.Popen:
-    """Starts worker ``index``'s process (or its profiling pass) on its
-    device and core set, where the config places workers."""
+def _worker_places(config: ml_collections.ConfigDict) -> Any:
+    """Each worker's :data:`hpsjax.launch.WorkerPlaces` entry (its device and
+    core set, ``workers.devices``), or ``None`` where the config places none."""
     placements, _, _ = _placements(config)
-    if placements is not None:
-        argv = placements[index].wrap(argv)
-        env = {**env, **placements[index].env()}
-    return children.spawn(argv, log_path, env)
+    if placements is None:
+        return None
+    return [(p.wrap([sys.executable]), p.env()) for p in placements]
 
 
 def _run_env(workdir: pathlib.Path) -> dict[str, str]:
@@ -561,71 +569,107 @@ def _run_env(workdir: pathlib.Path) -> dict[str, str]:
     return run_env(workdir, os.environ.get(CACHE_ENV) or None)
 
 
-async def _profile_in_place(
+def _server(
+    config: ml_collections.ConfigDict,
+    setup: build.Setup,
+    secret: bytes,
+    policy: Any = "asp",
+    core_kwargs: Mapping[str, Any] | None = None,
+    policy_kwargs: Mapping[str, Any] | None = None,
+    replanner: Any = None,
+) -> Any:
+    """A server of the run in this process, on loopback: the config's
+    optimizer, holding the first pull until every worker joined."""
+    from hpsjax.ps import Server
+
+    return Server(
+        setup.params,
+        build.server_optimizer(config),
+        policy,
+        host="127.0.0.1",
+        port=0,
+        secret=secret,
+        core_kwargs={
+            **(core_kwargs or {}),
+            "expected_workers": len(config.workers.slowdowns),
+        },
+        replanner=replanner,
+        **(policy_kwargs or {}),
+    )
+
+
+@contextlib.contextmanager
+def _serving_on_a_thread(make: Callable[[], Any], timeout: float) -> Any:
+    """The server ``make()`` builds, serving on an event loop of a thread of
+    its own while the block runs (for a pass of :mod:`hpsjax.launch` that
+    watches its processes from this thread); yields it."""
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, name="server", daemon=True)
+    thread.start()
+
+    async def start() -> Any:
+        server = make()
+        await server.start()
+        return server
+
+    try:
+        server = asyncio.run_coroutine_threadsafe(start(), loop).result(timeout)
+        try:
+            yield server
+        finally:
+            asyncio.run_coroutine_threadsafe(server.close(), loop).result(timeout)
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join()
+        loop.close()
+
+
+def _profile_in_place(
     config: ml_collections.ConfigDict,
     setup: build.Setup,
     workdir: pathlib.Path,
     env: Mapping[str, str],
+    secret: bytes,
+    secret_file: pathlib.Path,
 ) -> tuple[list[Any], float]:
     """The profiling pass in place, one profile per worker.
 
-    Every worker is profiled in its own process with its own flags (slowdown,
-    link, codec), all at once (``python -m hpsjax.profiling.in_place``): its
-    step is timed beside the others, under the run's contention, and its push
-    and pull against a throwaway server of the model (ASP, holding the first
-    pull until all joined), its injected link added. The pass is charged at
-    what the slowest worker spends in it: its warm-up and timed steps, slowed,
-    plus one round trip. Compiling is not charged, as no scheme's compiling is
-    (the workers compile before the clock starts).
+    :func:`hpsjax.launch.profile_in_place`: every worker is profiled in its
+    own process with its own flags (slowdown, link, codec) and placement, all
+    at once: its step is timed beside the others, under the run's contention,
+    and its push and pull against a throwaway server of the model in this
+    process, as the run's will be (the run's optimizer; ASP, holding the
+    first pull until all joined), its injected link added. The
+    pass is charged at what the slowest worker spends in it: its warm-up and
+    timed steps, slowed, plus one round trip. Compiling is not charged, as no
+    scheme's compiling is (the workers compile before the clock starts).
+    The processes' output is in ``workers/profile.log``.
     """
-    import secrets
+    from hpsjax.launch import Console, LaunchError, profile_in_place
 
-    from hpsjax.profiling import WorkerProfile
-    from hpsjax.ps import Server
-
-    n = len(config.workers.slowdowns)
     logs = workdir / "workers"
-    logs.mkdir(parents=True, exist_ok=True)
-    secret = secrets.token_urlsafe(32)
-    secret_file = logs / "profile_secret.txt"
-    secret_file.touch(mode=0o600)
-    secret_file.write_text(secret)
+    timeout = float(config.processes.start_timeout)
     sizes = sorted({int(b) for b in config.plan.profile_batch_sizes})
     repeats = int(config.plan.profile_repeats)
-    outs = [logs / f"profile_{i}.json" for i in range(n)]
-    server = Server(
-        setup.params,
-        build.server_optimizer(config),
-        "asp",
-        host="127.0.0.1",
-        port=0,
-        secret=secret,
-        core_kwargs={"expected_workers": n},
-    )
-    await server.start()
-    children = _Children()
-    try:
-        for i, out in enumerate(outs):
-            out.unlink(missing_ok=True)
-            argv = [
-                sys.executable, "-m", "hpsjax.profiling.in_place",
-                "--host", "127.0.0.1", "--port", str(server.port),
-                "--secret_file", str(secret_file), "--profile_out", str(out),
-                "--profile_batch_sizes", ",".join(map(str, sizes)),
-                "--profile_repeats", str(repeats),
-                *_worker_flags(config, i, plan_file=None),
-            ]  # fmt: skip
-            _spawn(children, config, i, argv, logs / f"profile_{i}.log", env)
-        await _await_children(
-            children, config, logs / "profile_*.log",
-            late="the profiling pass did not end",
-            failed="a worker's profiling pass failed",
-        )  # fmt: skip
-    finally:
-        children.kill()
-        await server.close()
-        secret_file.unlink(missing_ok=True)
-    profiles = [WorkerProfile.from_json(out.read_text()) for out in outs]
+    log_path = logs / "profile.log"
+    with (
+        open(log_path, "w", encoding="utf-8") as log,
+        _serving_on_a_thread(lambda: _server(config, setup, secret), timeout) as server,
+    ):
+        try:
+            profiles = profile_in_place(
+                _job(config, plan_file=None), logs, secret_file, None, Console(log),
+                python=sys.executable, env=env, start_timeout=timeout,
+                shutdown_timeout=float(config.processes.shutdown_timeout),
+                places=_worker_places(config),
+                profile_args=[
+                    "--profile_batch_sizes", ",".join(map(str, sizes)),
+                    "--profile_repeats", str(repeats),
+                ],
+                ports=[server.port],
+            )  # fmt: skip
+        except LaunchError as e:
+            raise RuntimeError(f"{e}; see {log_path}") from None
     cost = max(
         sum((1 + repeats) * t for d in p.devices for t in d.step_times)
         + p.transfer_seconds
@@ -634,51 +678,25 @@ async def _profile_in_place(
     return profiles, cost
 
 
-class _Children:
-    """Worker processes, each in its own session, stopped for sure on exit."""
+async def _watch(run: Any, end: float) -> str:
+    """:meth:`hpsjax.launch.LocalRun.poll` until the workers end (why) or the
+    monotonic time ``end`` passes (``"timeout"``), serving meanwhile."""
+    while (reason := run.poll()) is None:
+        if time.monotonic() > end:
+            return "timeout"
+        await asyncio.sleep(0.02)
+    return reason
 
-    def __init__(self):
-        self.procs: list[subprocess.Popen] = []
-        self.logs: list[Any] = []
 
-    def spawn(
-        self, argv: list[str], log_path: pathlib.Path, env: Mapping[str, str]
-    ) -> subprocess.Popen:
-        log = open(log_path, "w", encoding="utf-8")  # noqa: SIM115
-        self.logs.append(log)
-        proc = subprocess.Popen(
-            argv,
-            stdin=subprocess.DEVNULL,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-            env=dict(env),
-        )
-        self.procs.append(proc)
-        return proc
-
-    def signal(self, sig: int) -> None:
-        for proc in self.procs:
-            if proc.poll() is None:
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.killpg(proc.pid, sig)
-
-    async def wait(self, timeout: float) -> bool:
-        """Waits for every child to exit; ``False`` if some are still running."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if all(p.poll() is not None for p in self.procs):
-                return True
-            await asyncio.sleep(0.05)
-        return all(p.poll() is not None for p in self.procs)
-
-    def kill(self) -> None:
-        self.signal(signal.SIGKILL)
-        for proc in self.procs:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(5.0)
-        for log in self.logs:
-            log.close()
+async def _ended(workers: Sequence[Any], timeout: float) -> bool:
+    """Waits up to ``timeout`` for every worker to exit; ``False`` if some
+    are still running."""
+    deadline = time.monotonic() + timeout
+    while any(w.poll() is None for w in workers):
+        if time.monotonic() > deadline:
+            return False
+        await asyncio.sleep(0.05)
+    return True
 
 
 async def _serve_and_train(
@@ -693,28 +711,25 @@ async def _serve_and_train(
     duration: float,
     offset: float,
     workdir: pathlib.Path,
+    secret: bytes,
+    secret_file: pathlib.Path,
     progress: bool,
 ) -> tuple[list[tuple[float, int, Any]], dict[str, Any]]:
     """Runs the server and the workers; returns parameter snapshots over time.
 
-    With ``replan``, the server re-plans from ``plan_file``'s plan; the
-    revisions are in ``info["replans"]`` (run time since the workers started,
-    without the profiling ``offset``).
+    The server is this process's, the workers a
+    :class:`hpsjax.launch.LocalRun` against its port (their output in
+    ``workers/run.log``). With ``replan``, the server re-plans from
+    ``plan_file``'s plan; the revisions are in ``info["replans"]`` (run time
+    since the workers started, without the profiling ``offset``).
     """
-    import secrets
+    from hpsjax.launch import Console, LocalRun
 
-    from hpsjax.ps import Server
-
-    n = len(config.workers.slowdowns)
-    secret = secrets.token_urlsafe(32)
-    secret_file = workdir / "secret.txt"
-    secret_file.touch(mode=0o600)
-    secret_file.write_text(secret)
     logs = workdir / "workers"
-    logs.mkdir(exist_ok=True)
     for stale in logs.glob("metrics_*.jsonl"):
         stale.unlink()
     env = _run_env(workdir)
+    start_timeout = float(config.processes.start_timeout)
     if config.processes.warmup:
         await _warm_up(
             config,
@@ -724,11 +739,7 @@ async def _serve_and_train(
             secret_file,
             logs,
             env,
-            server_args=(
-                policy,
-                {**core_kwargs, "expected_workers": n},
-                policy_kwargs,
-            ),
+            server_args=(policy, core_kwargs, policy_kwargs),
         )
     replanned: list[tuple[float, int]] = []
     replanner = None
@@ -740,41 +751,33 @@ async def _serve_and_train(
             WorkPlan.from_json(plan_file.read_text()),
             lambda now, revision: replanned.append((time.monotonic(), revision)),
         )
-    server = Server(
-        setup.params,
-        build.server_optimizer(config),
-        policy,
-        host="127.0.0.1",
-        port=0,
-        secret=secret,
-        core_kwargs={**core_kwargs, "expected_workers": n},
-        replanner=replanner,
-        **policy_kwargs,
+    server = _server(
+        config, setup, secret, policy, core_kwargs, policy_kwargs, replanner
     )
     await server.start()
-    children = _Children()
+    log_path = logs / "run.log"
+    log = open(log_path, "w", encoding="utf-8")  # noqa: SIM115
+    run = None
     info: dict[str, Any] = {}
     snapshots: list[tuple[float, int, Any]] = []
     bar = None
     try:
-        for i in range(n):
-            argv = [
-                sys.executable, "-m", "hpsjax.worker._cli",
-                "--host", "127.0.0.1", "--port", str(server.port),
-                "--secret_file", str(secret_file),
-                "--metrics", str(logs / f"metrics_{i}.jsonl"),
-                "--max_seconds",
-                repr(float(config.processes.start_timeout) + duration),
-                *_worker_flags(config, i, plan_file=plan_file),
-            ]  # fmt: skip
-            _spawn(children, config, i, argv, logs / f"worker_{i}.log", env)
-        start_deadline = time.monotonic() + float(config.processes.start_timeout)
+        max_seconds = repr(start_timeout + duration)
+        run = LocalRun(
+            _job(config, plan_file=plan_file, shared=["--max_seconds", max_seconds]),
+            Console(log), sys.executable, 0, start_timeout, env,
+            _worker_places(config),
+        )  # fmt: skip
+        run.start_workers(str(secret_file), logs, ports=[server.port])
+        start_deadline = time.monotonic() + start_timeout
         while not server.core.started:
-            _check_children(children, logs)
+            reason = run.poll()
+            if reason is not None:
+                raise RuntimeError(f"{reason} before all joined; see {log_path}")
             if time.monotonic() > start_deadline:
                 raise RuntimeError(
                     f"the workers did not all join within "
-                    f"{config.processes.start_timeout}s; see {logs}"
+                    f"{config.processes.start_timeout}s; see {log_path}"
                 )
             await asyncio.sleep(0.02)
         t0 = time.monotonic()
@@ -796,20 +799,26 @@ async def _serve_and_train(
                     bar.set_postfix(v=server.core.version)
             if elapsed >= duration:
                 break
-            diverged = _check_children(children, logs)
-            if diverged is not None:
+            reason = run.poll()
+            if reason is not None:
+                diverged = [
+                    i for i, w in enumerate(run.workers) if w.poll() == DIVERGED
+                ]
+                if not diverged:
+                    raise RuntimeError(f"{reason} before the end; see {log_path}")
                 # The run ends here: the table says when, not a traceback.
-                info["diverged"] = {"worker": diverged, "time": offset + elapsed}
+                info["diverged"] = {"worker": diverged[0], "time": offset + elapsed}
                 snapshots.append((elapsed, server.core.version, server.core.params))
                 break
             await asyncio.sleep(min(0.02, max(0.0, next_eval - elapsed)))
-        children.signal(signal.SIGTERM)
-        shutdown = float(config.processes.shutdown_timeout)
-        if not await children.wait(shutdown):
+        for worker in run.workers:
+            if worker.poll() is None:
+                worker.signal(signal.SIGTERM)
+        if not await _ended(run.workers, float(config.processes.shutdown_timeout)):
             # Workers blocked on a barrier end when the server says goodbye.
             await server.close()
-            await children.wait(5.0)
-        info["worker_returncodes"] = [p.poll() for p in children.procs]
+            await _ended(run.workers, 5.0)
+        info["worker_returncodes"] = [w.poll() for w in run.workers]
         info["final_version"] = server.core.version
         info["replans"] = [
             {"time": max(0.0, at - t0), "revision": revision}
@@ -818,7 +827,9 @@ async def _serve_and_train(
     finally:
         if bar is not None:
             bar.close()
-        children.kill()
+        if run is not None:
+            run.stop(0.0)
+        log.close()
         await server.close()
     failed = [
         (i, code)
@@ -828,7 +839,7 @@ async def _serve_and_train(
     if failed:
         raise RuntimeError(
             f"worker {failed[0][0]} exited with status {failed[0][1]}; see "
-            f"{logs / f'worker_{failed[0][0]}.log'}"
+            f"{log_path} (its lines are [worker {failed[0][0]}])"
         )
     return snapshots, info
 
@@ -837,7 +848,7 @@ async def _warm_up(
     config: ml_collections.ConfigDict,
     setup: build.Setup,
     plan_file: pathlib.Path | None,
-    secret: str,
+    secret: bytes,
     secret_file: pathlib.Path,
     logs: pathlib.Path,
     env: Mapping[str, str],
@@ -851,10 +862,11 @@ async def _warm_up(
     one's optimizer, policy (a name; an ASP stand-in for a stateful policy
     object) and core settings, and this process uses the same cache, so the
     timed server loads its compiled steps too (compiled on its first apply
-    they held every worker's first round by 4 to 5 s on proc4).
+    they held every worker's first round by 4 to 5 s on proc4). The workers'
+    output is in ``workers/warmup.log``, their metrics in ``workers/warmup/``.
     """
     from hpsjax._compile_cache import CACHE_ENV, use_compile_cache
-    from hpsjax.ps import Server
+    from hpsjax.launch import Console, LocalRun
 
     policy, core_kwargs, policy_kwargs = server_args
     if not isinstance(policy, str):
@@ -867,51 +879,33 @@ async def _warm_up(
         os.environ.pop(CACHE_ENV, None)
     else:
         os.environ[CACHE_ENV] = before
-    server = Server(
-        setup.params,
-        build.server_optimizer(config),
-        policy,
-        host="127.0.0.1",
-        port=0,
-        secret=secret,
-        core_kwargs=core_kwargs,
-        **policy_kwargs,
-    )
+    server = _server(config, setup, secret, policy, core_kwargs, policy_kwargs)
     await server.start()
-    children = _Children()
-    try:
-        for i in range(len(config.workers.slowdowns)):
-            argv = [
-                sys.executable, "-m", "hpsjax.worker._cli",
-                "--host", "127.0.0.1", "--port", str(server.port),
-                "--secret_file", str(secret_file), "--max_steps", "2",
-                *_worker_flags(config, i, plan_file=plan_file),
-            ]  # fmt: skip
-            _spawn(children, config, i, argv, logs / f"warmup_{i}.log", env)
-        # A warm-up only compiles: a run that diverges within its two rounds
-        # (a step size far too large) says so in the timed run instead.
-        await _await_children(
-            children, config, logs / "warmup_*.log",
-            late="the warm-up workers did not finish",
-            failed="a warm-up worker failed",
-            ok=(0, DIVERGED),
-        )  # fmt: skip
-    finally:
-        children.kill()
-        await server.close()
-
-
-def _check_children(children: _Children, logs: pathlib.Path) -> int | None:
-    """Raises for a worker that exited early; returns one that diverged."""
-    for i, proc in enumerate(children.procs):
-        code = proc.poll()
-        if code == DIVERGED:
-            return i
-        if code is not None:
-            raise RuntimeError(
-                f"worker {i} exited early with status {code}; see "
-                f"{logs / f'worker_{i}.log'}"
-            )
+    timeout = float(config.processes.start_timeout)
+    log_path = logs / "warmup.log"
+    (logs / "warmup").mkdir(exist_ok=True)
+    run = None
+    with open(log_path, "w", encoding="utf-8") as log:
+        try:
+            run = LocalRun(
+                _job(config, plan_file=plan_file, steps=2), Console(log),
+                sys.executable, 0, timeout, env, _worker_places(config),
+            )  # fmt: skip
+            run.start_workers(str(secret_file), logs / "warmup", ports=[server.port])
+            reason = await _watch(run, time.monotonic() + timeout)
+            codes = [w.poll() for w in run.workers]
+        finally:
+            if run is not None:
+                run.stop(0.0)
+            await server.close()
+    if reason == "timeout":
+        raise RuntimeError(
+            f"the warm-up workers did not finish within {timeout}s; see {log_path}"
+        )
+    # A warm-up only compiles: a run that diverges within its two rounds (a
+    # step size far too large) says so in the timed run instead.
+    if any(code not in (None, 0, DIVERGED) for code in codes):
+        raise RuntimeError(f"a warm-up worker failed: {reason}; see {log_path}")
 
 
 def _read_worker_records(path: pathlib.Path) -> list[dict[str, Any]]:
@@ -1001,9 +995,17 @@ def run_processes(
     push, as ``hpsjax-server --work_plan`` does) and sends each worker its new
     batch; ASHL's stage switch is the server version.
 
-    Outputs besides the returned ones: ``workers/worker_<i>.log`` and
-    ``workers/metrics_<i>.jsonl`` (the workers' own round records) in
-    ``workdir``.
+    The workers are :mod:`hpsjax.launch`'s (:class:`~hpsjax.launch.LocalRun`,
+    :func:`~hpsjax.launch.profile_in_place`): their command lines, process
+    groups, exit-status rules and shutdown are a launch's; the server stays
+    here for what no ``hpsjax-server`` flag carries (any optax chain, a
+    policy object read after the run, parameter snapshots at the evaluation
+    times).
+
+    Outputs besides the returned ones, in ``workdir``: ``workers/run.log``
+    (the workers' output, ``[worker i]`` lines; ``profile.log`` and
+    ``warmup.log`` beside it for the passes before) and
+    ``workers/metrics_<i>.jsonl`` (the workers' own round records).
 
     Returns:
       The :class:`RunOutput`; times are wall seconds.
@@ -1048,14 +1050,18 @@ def _run_processes(
     info: dict[str, Any],
 ) -> RunOutput:
     """:func:`run_processes` once the server's cores are set."""
+    from hpsjax.launch import write_secret
+
     plan_scheme = registry.lookup("plan scheme", config.plan.scheme)
     offset = 0.0
     plan_file = None
     stage_plans: list[Any] = []
     plans: list[Any] = []
+    (workdir / "workers").mkdir(parents=True, exist_ok=True)
+    secret, secret_file = write_secret(workdir)
     if plan_scheme != "none":
-        profiles, offset = asyncio.run(
-            _profile_in_place(config, setup, workdir, _run_env(workdir))
+        profiles, offset = _profile_in_place(
+            config, setup, workdir, _run_env(workdir), secret, secret_file
         )
         info["profile_seconds"] = offset
         first, stage_plans = build.plans(config, profiles)
@@ -1084,6 +1090,8 @@ def _run_processes(
         duration=duration,
         offset=offset,
         workdir=workdir,
+        secret=secret,
+        secret_file=secret_file,
         progress=progress,
     )
     try:

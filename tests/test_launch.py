@@ -453,3 +453,82 @@ def test_a_crashed_worker_is_restarted_until_its_restarts_are_used_up(tmp_path):
     assert list((tmp_path / "checkpoints").iterdir())
     assert len(result.pids) == 4
     assert not any(alive(pid) for pid in result.pids)
+
+
+# ------------------------------------------------- beneath launch: LocalRun
+
+
+def test_worker_places_must_match_the_workers(tmp_path):
+    from hpsjax.launch import Console, Job, LocalRun, profile_in_place
+
+    job = Job(2, "asp", 1, [], [], [[], []], [], 1, False)
+    places = [([sys.executable], {})]
+    with pytest.raises(LaunchError, match=r"^1 worker places for 2 workers$"):
+        LocalRun(job, Console(io.StringIO()), sys.executable, 0, 1.0, {}, places)
+    with pytest.raises(LaunchError, match=r"^1 worker places for 2 workers$"):
+        profile_in_place(
+            job, tmp_path, tmp_path / "secret.txt", tmp_path / "init.npz",
+            Console(io.StringIO()), python=sys.executable, env={},
+            start_timeout=1.0, shutdown_timeout=1.0, places=places,
+        )  # fmt: skip
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.slow
+def test_a_local_run_trains_against_the_callers_server_in_its_places(tmp_path):
+    # As the experiments' processes backend runs: the caller serves the model
+    # itself (any optax chain or policy object), the launcher starts, watches
+    # and stops the workers, each in its place.
+    import asyncio
+
+    import optax
+
+    from hpsjax.launch import Console, Job, LocalRun, run_env, write_secret
+    from hpsjax.ps import Server
+    from hpsjax.ps._cli import load_npz_tree
+
+    init = tmp_path / "init.npz"
+    assert _cli.main([*SMALL_MODEL, "--write_init", str(init)]) == 0
+    secret, secret_file = write_secret(tmp_path)
+    # Each worker's head records its place's variable, then runs the worker.
+    record = (
+        "import os, sys; open(sys.argv[1], 'w').write(os.environ['PLACE']); "
+        "os.execvp(sys.argv[2], sys.argv[2:])"
+    )
+    marks = [str(tmp_path / f"place_{i}") for i in range(2)]
+    places = [
+        ([sys.executable, "-c", record, mark, sys.executable], {"PLACE": f"p{i}"})
+        for i, mark in enumerate(marks)
+    ]
+    job = Job(2, "bsp", 3, [], list(SMALL_MODEL), [[], []], [], 1, False)
+    log = io.StringIO()
+    env = run_env(tmp_path, None)
+
+    async def serve_and_watch():
+        server = Server(
+            load_npz_tree(init), optax.sgd(0.05), "bsp", host="127.0.0.1",
+            port=0, secret=secret, core_kwargs={"expected_workers": 2},
+        )  # fmt: skip
+        await server.start()
+        run = LocalRun(job, Console(log), sys.executable, 0, 60.0, env, places)
+        try:
+            run.start_workers(str(secret_file), tmp_path, ports=[server.port])
+            deadline = time.monotonic() + 240
+            while (reason := run.poll()) is None and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            return reason, server.core.version, run
+        finally:
+            run.stop(5.0)
+            await server.close()
+
+    reason, version, run = asyncio.run(serve_and_watch())
+    assert reason == "completed", log.getvalue()
+    # BSP: a version a round (more where a loaded machine's deadline dropped a
+    # worker and the other's push made one alone).
+    assert version >= 3
+    for i in range(2):
+        assert (tmp_path / f"place_{i}").read_text() == f"p{i}"
+        rounds = _rounds(tmp_path / f"metrics_{i}.jsonl")
+        assert [r["step"] for r in rounds] == [0, 1, 2]
+    assert len(run.processes) == 2
+    assert not any(alive(p.pid) for p in run.processes)

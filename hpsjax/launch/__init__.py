@@ -58,20 +58,42 @@ exit-status rules), ``_monitor`` (the server's version, polled), ``_prepare``
 (checks, the work directory, the profiling pass and its plan), ``_local``
 (:func:`launch`), ``_ray`` (:func:`launch_ray`), ``_actor`` (the process a Ray
 actor runs) and ``_cli`` (``hpsjax-launch``).
+
+Beneath :func:`launch`, for a caller that serves the model itself (an
+:class:`hpsjax.ps.Server` in its own process: any optax chain, a policy
+object, its parameters read while it runs; ``experiments``' processes
+backend): :class:`Job` (the command lines), :func:`write_secret`,
+:func:`profile_in_place` (the profiling pass, each worker where it will run:
+:data:`WorkerPlaces`) and :class:`LocalRun` (the workers started against the
+caller's port, watched by :func:`launch`'s rules, stopped for sure).
 """
 
-from hpsjax.launch._job import DIVERGED, LaunchError, LaunchResult, PerWorkerArgs
+from hpsjax.launch._job import (
+    DIVERGED,
+    Console,
+    Job,
+    LaunchError,
+    LaunchResult,
+    PerWorkerArgs,
+    WorkerPlaces,
+)
 
 __all__ = [
     "DIVERGED",
+    "Console",
+    "Job",
     "LaunchError",
     "LaunchResult",
+    "LocalRun",
     "PerWorkerArgs",
+    "WorkerPlaces",
     "launch",
     "launch_ray",
     "main",
+    "profile_in_place",
     "run_cache_env",
     "run_env",
+    "write_secret",
 ]
 
 
@@ -80,10 +102,10 @@ def __getattr__(name: str):
     # every Ray actor imports this package on its node for ``_actor`` alone, and
     # the launchers would add the server package, profiling and the worker's
     # command line (seconds) to each actor's start, within ``start_timeout``.
-    if name == "launch":
-        from hpsjax.launch._local import launch
+    if name in ("launch", "LocalRun"):
+        from hpsjax.launch import _local
 
-        return launch
+        return getattr(_local, name)
     if name == "launch_ray":
         from hpsjax.launch._ray import launch_ray
 
@@ -92,7 +114,7 @@ def __getattr__(name: str):
         from hpsjax.launch._cli import main
 
         return main
-    if name in ("run_env", "run_cache_env"):
+    if name in ("run_env", "run_cache_env", "profile_in_place", "write_secret"):
         from hpsjax.launch import _prepare
 
         return getattr(_prepare, name)

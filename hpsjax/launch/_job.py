@@ -26,6 +26,12 @@ if TYPE_CHECKING:
 
 PerWorkerArgs = Mapping[int, Sequence[str]] | Sequence[Sequence[str]]
 
+#: Where each local worker process runs, in worker order: the command line's
+#: head (what goes before ``-m module``, the interpreter last, e.g. a wrapper
+#: that pins the process to its cores) and the environment variables it gets
+#: beside the run's (e.g. ``CUDA_VISIBLE_DEVICES``).
+WorkerPlaces = Sequence[tuple[Sequence[str], Mapping[str, str]]]
+
 LISTENING = re.compile(r"hpsjax-server listening on (\S+):(\d+)")
 
 # A process exiting with this status is not restarted (bad flags: argparse).

@@ -1,4 +1,5 @@
-"""The local backend: a launch's processes on this machine (:func:`launch`)."""
+"""The local backend: a launch's processes on this machine (:func:`launch`,
+on :class:`LocalRun`)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from hpsjax.launch._job import (
     LaunchResult,
     PerWorkerArgs,
     Process,
+    WorkerPlaces,
     end_launch,
     final_reason,
     is_crash,
@@ -165,7 +167,7 @@ def launch(
         # A restarted server resumes from here: nothing from an earlier
         # launch in the same workdir may be there.
         shutil.rmtree(work / "checkpoints", ignore_errors=True)
-    run = _LocalRun(job, console, python, max_restarts, start_timeout, env)
+    run = LocalRun(job, console, python, max_restarts, start_timeout, env)
     reason = "completed"
     try:
         run.start_servers(str(init), str(secret_file), work / "checkpoints")
@@ -185,7 +187,7 @@ def launch(
             console,
             run.monitor,
             lambda: shutdown(run.servers, shutdown_timeout),
-            lambda: shutdown(run.processes, shutdown_timeout),
+            lambda: run.stop(shutdown_timeout),
         )
     server_codes = tuple(s.poll() for s in run.servers)
     reason = final_reason(reason, [s.name for s in run.servers], server_codes)
@@ -209,8 +211,24 @@ def launch(
     )
 
 
-class _LocalRun:
-    """The local backend's processes: started, restarted, watched."""
+class LocalRun:
+    """A job's processes on this machine: started, restarted, watched.
+
+    :func:`launch` starts its servers and workers with it; a caller that
+    serves the model itself (an :class:`hpsjax.ps.Server` in its own process,
+    e.g. for an optax chain or a policy object no flag names) starts only the
+    workers, against its server's port, and watches them with :meth:`poll`.
+
+    Args:
+      job: the command lines (:class:`~hpsjax.launch.Job`).
+      console: where the processes' prefixed output goes.
+      python: the interpreter of the processes.
+      max_restarts: how often each process is started again after a crash.
+      start_timeout: seconds a server has to listen.
+      env: the processes' environment (:func:`~hpsjax.launch.run_env`).
+      places: where each worker runs (:data:`~hpsjax.launch.WorkerPlaces`);
+        by default ``python`` in ``env``.
+    """
 
     def __init__(
         self,
@@ -220,8 +238,14 @@ class _LocalRun:
         max_restarts: int,
         start_timeout: float,
         env: Mapping[str, str],
+        places: WorkerPlaces | None = None,
     ):
+        if places is not None and len(places) != job.num_workers:
+            raise LaunchError(
+                f"{len(places)} worker places for {job.num_workers} workers"
+            )
         self.job = job
+        self.places = places
         self.console = console
         self.python = python
         self.max_restarts = max_restarts
@@ -266,8 +290,17 @@ class _LocalRun:
             self.ports.append(self._start_server(name, argv))
             self.servers.append(self.processes[-1])
 
-    def start_workers(self, secret_file: str, work: pathlib.Path) -> None:
+    def start_workers(
+        self,
+        secret_file: str,
+        work: pathlib.Path,
+        ports: Sequence[int] | None = None,
+    ) -> None:
+        """Starts every worker, its metrics in ``work/metrics_<i>.jsonl``,
+        against the servers this run started or those on ``ports``."""
         job = self.job
+        if ports is not None:
+            self.ports = list(ports)
         where = job.where([("127.0.0.1", p) for p in self.ports])
         if job.server_shards > 1:
             self.console.emit(
@@ -283,35 +316,56 @@ class _LocalRun:
         self.started = time.monotonic()
         for i in range(job.num_workers):
             metrics = str(work / f"metrics_{i}.jsonl")
-            argv = job.worker(i, [self.python], where, secret_file, metrics)
+            head = [self.python] if self.places is None else self.places[i][0]
+            argv = job.worker(i, list(head), where, secret_file, metrics)
             self.worker_argvs.append(argv)
-            self.workers.append(self._process(f"worker {i}", argv))
+            self.workers.append(self._process(f"worker {i}", argv, i))
 
-    def _process(self, name: str, argv: list[str]) -> Process:
-        process = Process(name, argv, self.console.emit, self.env)
+    def _process(
+        self, name: str, argv: list[str], worker: int | None = None
+    ) -> Process:
+        env = self.env
+        if worker is not None and self.places is not None:
+            env = {**env, **self.places[worker][1]}
+        process = Process(name, argv, self.console.emit, env)
         self.processes.append(process)
         return process
+
+    def poll(self) -> str | None:
+        """One look at the run, restarting what crashed (``max_restarts``):
+        ``None`` while it goes on, else why it ended: ``"completed"`` (every
+        worker exited with 0) or what ended it early (:func:`worker_ended`'s
+        line for a worker, or a server's)."""
+        codes = self._restart_workers()
+        failed = [(i, c) for i, c in enumerate(codes) if c is not None and c != 0]
+        if failed:
+            i, code = failed[0]
+            return worker_ended(i, code, time.monotonic() - self.started)
+        if all(c == 0 for c in codes):
+            return "completed"
+        reason = self._restart_servers()
+        if reason is not None:
+            return reason
+        exited = [(s.name, s.poll()) for s in self.servers if s.poll() is not None]
+        if exited:
+            return f"{exited[0][0]} exited early with status {exited[0][1]}"
+        return None
 
     def watch(self, end: float | None) -> str:
         """Polls until the run ends: ``"completed"``, or what ended it early."""
         while True:
-            codes = self._restart_workers()
-            failed = [(i, c) for i, c in enumerate(codes) if c is not None and c != 0]
-            if failed:
-                i, code = failed[0]
-                return worker_ended(i, code, time.monotonic() - self.started)
-            if all(c == 0 for c in codes):
-                return "completed"
-            reason = self._restart_servers()
+            reason = self.poll()
             if reason is not None:
                 return reason
-            exited = [(s.name, s.poll()) for s in self.servers if s.poll() is not None]
-            if exited:
-                return f"{exited[0][0]} exited early with status {exited[0][1]}"
             if end is not None and time.monotonic() > end:
                 return "timeout"
             self.console.show(self.monitor.version)
             time.sleep(0.1)
+
+    def stop(self, timeout: float) -> None:
+        """Stops every process: SIGTERM to each group, ``timeout`` seconds,
+        then SIGKILL (:func:`shutdown`)."""
+        shutdown(self.processes, timeout)
 
     def _restart_workers(self) -> list[int | None]:
         """Starts crashed workers again (``max_restarts``); returns each
@@ -324,7 +378,7 @@ class _LocalRun:
                     f"[launch] worker {i} crashed (status {code}); restarting "
                     f"it ({self.worker_restarts[i]} of {self.max_restarts})"
                 )
-                self.workers[i] = self._process(f"worker {i}", self.worker_argvs[i])
+                self.workers[i] = self._process(f"worker {i}", self.worker_argvs[i], i)
                 codes[i] = None
         return codes
 

@@ -18,6 +18,7 @@ from hpsjax.launch._job import (
     LaunchError,
     PerWorkerArgs,
     Process,
+    WorkerPlaces,
     shutdown,
     start_server,
 )
@@ -129,10 +130,7 @@ def prepare_workdir(
     flags with ``--work_plan``, shard 0's with the plan when it re-plans) and
     the profiling pass's seconds.
     """
-    secret = secrets.token_urlsafe(32).encode()
-    secret_file = work / "secret.txt"
-    secret_file.touch(mode=0o600)
-    secret_file.write_bytes(secret)
+    secret, secret_file = write_secret(work)
     init = work / "init.npz"
     try:
         write_init(parse_args(job.shared), init)
@@ -162,6 +160,16 @@ def prepare_workdir(
     return secret, secret_file, init, job, profile_seconds
 
 
+def write_secret(work: pathlib.Path) -> tuple[bytes, pathlib.Path]:
+    """A fresh secret in ``work/secret.txt``, readable by its owner only;
+    returns it and its file."""
+    secret = secrets.token_urlsafe(32).encode()
+    secret_file = work / "secret.txt"
+    secret_file.touch(mode=0o600)
+    secret_file.write_bytes(secret)
+    return secret, secret_file
+
+
 def _profile_and_plan(
     scheme: str,
     job: Job,
@@ -176,17 +184,94 @@ def _profile_and_plan(
     start_timeout: float,
     shutdown_timeout: float,
 ) -> tuple[pathlib.Path, float]:
-    """Profiles every worker in place and plans; returns the plan file and cost.
+    """Profiles every worker in place and plans; returns the plan file and cost
+    (the pass's seconds, :func:`profile_in_place`)."""
+    emit = console.emit
+    start = time.monotonic()
+    n = job.num_workers
+    profiles = profile_in_place(
+        job, workdir, secret_file, init, console, python=python, env=env,
+        start_timeout=start_timeout, shutdown_timeout=shutdown_timeout,
+    )  # fmt: skip
+    seconds = time.monotonic() - start
+    batch = parse_args(job.shared).batch_size
+    emit(
+        f"[launch] profiled {n} worker(s) in place in {seconds:.1f}s: "
+        f"{[round(p.devices[0].step_time(batch) * 1e3, 1) for p in profiles]} ms "
+        f"a step of {batch}, "
+        f"{[round(p.transfer_seconds * 1e3, 1) for p in profiles]} ms push+pull"
+    )
+    if global_batch is None:
+        global_batch = batch * n
+    work_plan = profiling.plan(profiles, scheme, global_batch=global_batch)
+    path = workdir / "plan.json"
+    path.write_text(work_plan.to_json())
+    emit(
+        f"[launch] {scheme} plan: batches "
+        f"{[w.batch_size for w in work_plan.workers]}, local steps "
+        f"{[w.local_steps for w in work_plan.workers]}, predicted round "
+        f"{work_plan.round_time * 1e3:.1f} ms, idle {work_plan.idle_fraction:.1%}"
+    )
+    return path, seconds
+
+
+def profile_in_place(
+    job: Job,
+    workdir: pathlib.Path,
+    secret_file: pathlib.Path,
+    init: pathlib.Path | None,
+    console: Console,
+    *,
+    python: str,
+    env: Mapping[str, str],
+    start_timeout: float,
+    shutdown_timeout: float,
+    places: WorkerPlaces | None = None,
+    profile_args: Sequence[str] = (),
+    ports: Sequence[int] | None = None,
+) -> list[profiling.WorkerProfile]:
+    """Profiles every worker of ``job`` in place; returns their profiles.
 
     A throwaway server of the run's model (ASP, so that no push waits for
-    another; it holds the first pull until every worker joined) and one
+    another; it holds the first pull until every worker joined; or the
+    caller's, on ``ports``) and one
     profiling process per worker, all at once, each with its worker's command
     line: the step times are taken beside the other workers and the push and
-    pull against a real server, as the run will see them.
+    pull against a real server, as the run will see them. Worker ``i``'s
+    profile is also in ``workdir/profile_<i>.json``.
+
+    Args:
+      job: the run's job; its workers' flags are profiled.
+      workdir: where the profiles go.
+      secret_file: the run's secret (:func:`write_secret`).
+      init: the model's initial parameters, ``hpsjax-server --init``'s file
+        (``None`` with ``ports``).
+      console: where the processes' prefixed output goes.
+      python: the interpreter of the processes.
+      env: their environment.
+      start_timeout: seconds the server has to listen, and the pass to end.
+      shutdown_timeout: seconds each process gets after SIGTERM.
+      places: where each worker's profiling process runs, as its worker
+        would (:data:`WorkerPlaces`); by default ``python`` in ``env``.
+      profile_args: more flags for every profiling process
+        (``python -m hpsjax.profiling.in_place --help``: batch sizes, repeats).
+      ports: the ports of a throwaway server the caller runs on loopback
+        (one per shard), e.g. in its own process with the run's optimizer, to
+        profile against instead of an ``hpsjax-server`` of ``init``.
+
+    Raises:
+      LaunchError: a profiling process failed, or the pass did not end within
+        ``start_timeout`` (everything it started is stopped first).
     """
     emit = console.emit
     start = time.monotonic()
     n = job.num_workers
+    if places is not None and len(places) != n:
+        raise LaunchError(f"{len(places)} worker places for {n} workers")
+    if ports is not None and len(ports) != job.server_shards:
+        raise LaunchError(f"{len(ports)} ports for {job.server_shards} server shards")
+    if ports is None and init is None:
+        raise LaunchError("profile_in_place needs the model's init file or ports")
     probe = dataclasses.replace(
         job,
         policy="asp",
@@ -202,29 +287,33 @@ def _profile_and_plan(
     )
     processes: list[Process] = []
     try:
-        ports = []
-        for shard in range(job.server_shards):
-            name, argv = probe.server(
-                shard, [python], str(init), str(secret_file), "127.0.0.1"
-            )
-            ports.append(
-                start_server(
-                    f"profile {name}", argv, emit, env, processes, start_timeout
+        if ports is None:
+            ports = []
+            for shard in range(job.server_shards):
+                name, argv = probe.server(
+                    shard, [python], str(init), str(secret_file), "127.0.0.1"
                 )
-            )
+                ports.append(
+                    start_server(
+                        f"profile {name}", argv, emit, env, processes, start_timeout
+                    )
+                )
         where = probe.where([("127.0.0.1", p) for p in ports])
         outs = [workdir / f"profile_{i}.json" for i in range(n)]
         profilers = []
         for i, out in enumerate(outs):
             out.unlink(missing_ok=True)
+            head, own_env = [python], env
+            if places is not None:
+                head, own_env = list(places[i][0]), {**env, **places[i][1]}
             argv = [
                 *probe.worker(
-                    i, [python], where, str(secret_file), None,
+                    i, head, where, str(secret_file), None,
                     module="hpsjax.profiling.in_place",
                 ),
-                "--profile_out", str(out),
+                "--profile_out", str(out), *profile_args,
             ]  # fmt: skip
-            profilers.append(Process(f"profile {i}", argv, emit, env))
+            profilers.append(Process(f"profile {i}", argv, emit, own_env))
             processes.append(profilers[-1])
         deadline = start + start_timeout
         while any(p.poll() is None for p in profilers):
@@ -247,27 +336,7 @@ def _profile_and_plan(
             )
     finally:
         shutdown(processes, shutdown_timeout)
-    profiles = [profiling.WorkerProfile.from_json(out.read_text()) for out in outs]
-    seconds = time.monotonic() - start
-    batch = parse_args(job.shared).batch_size
-    emit(
-        f"[launch] profiled {n} worker(s) in place in {seconds:.1f}s: "
-        f"{[round(p.devices[0].step_time(batch) * 1e3, 1) for p in profiles]} ms "
-        f"a step of {batch}, "
-        f"{[round(p.transfer_seconds * 1e3, 1) for p in profiles]} ms push+pull"
-    )
-    if global_batch is None:
-        global_batch = batch * n
-    work_plan = profiling.plan(profiles, scheme, global_batch=global_batch)
-    path = workdir / "plan.json"
-    path.write_text(work_plan.to_json())
-    emit(
-        f"[launch] {scheme} plan: batches "
-        f"{[w.batch_size for w in work_plan.workers]}, local steps "
-        f"{[w.local_steps for w in work_plan.workers]}, predicted round "
-        f"{work_plan.round_time * 1e3:.1f} ms, idle {work_plan.idle_fraction:.1%}"
-    )
-    return path, seconds
+    return [profiling.WorkerProfile.from_json(out.read_text()) for out in outs]
 
 
 def run_cache_env(
