@@ -11,31 +11,42 @@ The optax transforms are re-exported here; the rest lives in subpackages:
 * :mod:`hpsjax.profiling`: the profiling pass and work plans;
 * :mod:`hpsjax.sim`: the virtual-clock simulator driving the same server core;
 * :mod:`hpsjax.worker`: the worker runtime and heterogeneity injection.
+
+``import hpsjax`` loads nothing more: the transforms (and JAX behind them)
+are imported on first use of one of their names, so a module of the package
+that needs no JAX (the launcher's process handling, flag parsing) can be
+imported without it.
 """
 
-from hpsjax.transforms import (
-    Codec,
-    Stage,
-    current_stage,
-    decode,
-    delay_compensation,
-    delayed_nesterov,
-    diloco_outer,
-    encode,
-    hybrid_stages,
-    last_encoded,
-    local_steps,
-    ordered_momentum,
-    pending_update,
-    power_sgd,
-    push_due,
-    quantize,
-    scale_by_staleness,
-    sparseloco,
-    stage_settings,
-    staleness_factor,
-    top_k,
-)
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from hpsjax.transforms import (
+        Codec,
+        Stage,
+        current_stage,
+        decode,
+        delay_compensation,
+        delayed_nesterov,
+        diloco_outer,
+        encode,
+        hybrid_stages,
+        last_encoded,
+        local_steps,
+        ordered_momentum,
+        pending_update,
+        power_sgd,
+        push_due,
+        quantize,
+        scale_by_staleness,
+        sparseloco,
+        stage_settings,
+        staleness_factor,
+        top_k,
+    )
 
 __version__ = "0.1.0"
 
@@ -62,3 +73,17 @@ __all__ = [
     "staleness_factor",
     "top_k",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    # PEP 562: the transforms (and JAX behind them) load on first use.
+    if name in __all__ or name == "transforms":
+        transforms = importlib.import_module("hpsjax.transforms")
+        value = transforms if name == "transforms" else getattr(transforms, name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'hpsjax' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})
