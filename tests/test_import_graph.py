@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import ast
 import pathlib
+import subprocess
+import sys
 
 import pytest
 
@@ -152,3 +154,21 @@ def test_the_check_finds_a_circle():
     node = ast.parse("from . import _job").body[0]
     path = modules["hpsjax.launch._ray"]
     assert _targets("hpsjax.launch._ray", path, node, modules) == ["hpsjax.launch._job"]
+
+
+def test_importing_the_package_loads_no_jax_until_a_transform_is_used():
+    code = (
+        "import sys, hpsjax; assert 'jax' not in sys.modules, 'jax loaded'; "
+        "from hpsjax import quantize; assert 'jax' in sys.modules; "
+        "assert all(getattr(hpsjax, n) is not None for n in hpsjax.__all__); "
+        "assert hpsjax.transforms.top_k is hpsjax.top_k; "
+        "assert set(hpsjax.__all__) <= set(dir(hpsjax))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0, out.stderr
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        import hpsjax
+
+        hpsjax.nope  # noqa: B018
