@@ -109,6 +109,7 @@ from typing import Any, ClassVar, NamedTuple
 from hpsjax._checks import check_choice, check_fraction, check_int, check_positive
 from hpsjax._ewma import EWMA_ALPHA, ewma
 from hpsjax.ps._messages import PushMeta
+from hpsjax.transforms import STALENESS_POLICIES, staleness_factor
 
 __all__ = [
     "EWMA_ALPHA",
@@ -486,14 +487,15 @@ class WorkerOptions:
         if self.overlap is not None:
             check_overlap(self.overlap)
         put("eager_pulls", check_int("eager_pulls", self.eager_pulls, low=1))
-        if self.staleness_lr is not None and not callable(self.staleness_lr):
-            from hpsjax.transforms import STALENESS_POLICIES
-
-            if self.staleness_lr not in STALENESS_POLICIES:
-                raise ValueError(
-                    f"unknown staleness_lr {self.staleness_lr!r}; valid: "
-                    f"{', '.join(sorted(STALENESS_POLICIES))}, or a callable"
-                )
+        if not (
+            self.staleness_lr is None
+            or callable(self.staleness_lr)
+            or self.staleness_lr in STALENESS_POLICIES
+        ):
+            raise ValueError(
+                f"unknown staleness_lr {self.staleness_lr!r}; valid: "
+                f"{', '.join(sorted(STALENESS_POLICIES))}, or a callable"
+            )
         check_int("max_steps", self.max_steps, low=1, allow_none=True)
         check_positive("max_seconds", self.max_seconds, allow_none=True)
         check_int("until_version", self.until_version, low=1, allow_none=True)
@@ -869,8 +871,6 @@ class WorkerCore:
             if callable(self.staleness_lr):
                 factor = float(self.staleness_lr(tau))
             else:
-                from hpsjax.transforms import staleness_factor
-
                 factor = float(staleness_factor(self.staleness_lr, tau))
             self._factors[tau] = factor
         return factor
