@@ -13,6 +13,7 @@ import sys
 import pytest
 
 from experiments import compare
+from experiments.configs.suites import SUITES
 from experiments.placement import Placement, parse_spec, place
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
@@ -121,24 +122,30 @@ def test_compare_refuses_a_bad_worker_spec_in_one_line():
 @pytest.mark.slow
 def test_the_devices_suite_at_smoke_size(tmp_path, session_compile_cache):
     # Two workers: the GPU worker (on CPU cores where there is no GPU) and a
-    # single-core CPU worker; every scheme of the suite for a few seconds.
+    # single-core CPU worker, for a few seconds. The suite's synchronous
+    # planned scheme and an asynchronous one: every scheme is placed alike
+    # (experiments.placement), and each scheme's own path on processes is run
+    # by tests/test_experiments.py's processes smoke runs (ASHL's reference:
+    # tests/test_research_schemes.py).
+    assert SUITES["devices"].schemes == ("bsp", "hps", "asp", "ashl_reference")
     result = compare.run_suite(
         "devices",
         tmp_path,
+        schemes=("hps", "asp"),
         progress=False,
         budget_seconds=4.0,
         devices="gpu:0, cpu:1",
     )
     summaries = result["summaries"]
-    assert [s["scheme"] for s in summaries] == ["bsp", "hps", "asp", "ashl_reference"]
+    assert [s["scheme"] for s in summaries] == ["hps", "asp"]
     for s in summaries:
         info = s["info"]
         assert len(info["placement"]) == 2
         assert info["placement"][1].startswith("cpu:1 ")
         assert s["updates"] > 0
-    hps = summaries[1]["info"]
+    hps = summaries[0]["info"]
     assert hps["predicted_round_s"] > 0 and hps["measured_round_s"] > 0
-    assert "| ashl_reference |" in result["table"]
+    assert "| hps |" in result["table"] and "| asp |" in result["table"]
 
 
 def _gpu_check(env: dict[str, str], tmp_path: pathlib.Path):

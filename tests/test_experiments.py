@@ -57,8 +57,7 @@ PROCESSES_PATH_OF = {
     "diloco": "muloco (BSP rounds of local steps; adam inside, nesterov outside)",
     "ashl_reference": (
         "tests/test_research_schemes.py::"
-        "test_ashl_reference_on_processes_switches_and_pushes_top_k and "
-        "tests/test_devices_suite.py::test_the_devices_suite_at_smoke_size"
+        "test_ashl_reference_on_processes_switches_and_pushes_top_k"
     ),
 }
 PROCESSES_SMOKE_SCHEMES = [
