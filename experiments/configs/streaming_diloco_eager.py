@@ -11,6 +11,11 @@ keeping the inner steps taken since. Without eager updates those steps are
 overwritten by the merge. The workers' ``outer_learning_rate``,
 ``outer_momentum`` and ``fragments`` must be the server's (checked).
 
+The outer step is a quarter of Streaming DiLoCo's: 0.175, tuned on sim8's
+seed 0 among 0.7, 0.35 and 0.175 (RESULTS.md, "The frontier"). With eager
+updates a fragment's outer gradient spans all H inner steps, not the H / P
+since its merge, and at 0.7 the runs diverge.
+
 Launch::
 
   python -m experiments.run \\
@@ -29,6 +34,7 @@ def get_config(arg=None):
     """Streaming DiLoCo with eager updates for setting ``arg``."""
     config = streaming_diloco.get_config(arg)
     config.scheme = "streaming_diloco_eager"
+    config.server.learning_rate = 0.175
     args = config.worker.local_optimizer_args
     args.eager = True
     args.fragments = config.worker.streaming_fragments
