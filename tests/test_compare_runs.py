@@ -6,7 +6,9 @@ import json
 import logging
 import os
 
+import jax
 import pytest
+from jax.experimental.compilation_cache import compilation_cache
 
 from experiments import compare
 from experiments.configs.suites import Suite
@@ -91,8 +93,30 @@ def test_jobs_are_bounded_by_the_cores(monkeypatch):
     assert compare._check_jobs(1) == 1
 
 
+@pytest.fixture
+def shared_compiles(session_compile_cache):
+    """This process compiles into the session's compilation cache, which the
+    processes of ``--jobs`` read (``session_compile_cache``): a run in one of
+    them loads the programs the same run here compiled. The cache changes how
+    long a compile takes, never a run's result."""
+    options = (
+        "jax_compilation_cache_dir",
+        "jax_persistent_cache_min_compile_time_secs",
+        "jax_persistent_cache_min_entry_size_bytes",
+    )
+    saved = {name: getattr(jax.config, name) for name in options}
+    compilation_cache.reset_cache()
+    jax.config.update(options[0], session_compile_cache)
+    jax.config.update(options[1], 0.0)
+    jax.config.update(options[2], 0)
+    yield
+    for name, value in saved.items():
+        jax.config.update(name, value)
+    compilation_cache.reset_cache()
+
+
 @pytest.mark.slow
-def test_parallel_runs_match_serial_ones(tmp_path, caplog):
+def test_parallel_runs_match_serial_ones(tmp_path, caplog, shared_compiles):
     caplog.set_level(logging.INFO)
     caplog.set_level(logging.INFO, logger="absl")  # see the resume test
     serial = compare.run_suite(SMALLEST, tmp_path / "serial", progress=False)
