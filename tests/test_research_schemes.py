@@ -332,9 +332,15 @@ def test_ashl_reference_on_processes_switches_and_pushes_top_k(tmp_path):
         sent = [r["bytes_sent"] for r in rounds]
         assert len(sent) >= 2, (i, sent)
         if ratio < 1:
-            # AHL's first push whole; after the switch, top-k at the ratio.
-            assert min(sent) < 0.3 * sent[0], (i, sent)
-            assert sent[-1] < 0.3 * sent[0], (i, sent)
+            # AHL's first push whole; after the switch, top-k at the worker's
+            # ratio r: a kept element costs its float32 value and a 16- or
+            # 32-bit index, at most 2 r of the whole push (plus one element a
+            # leaf and the metadata). The plan's ratios follow the measured
+            # profiles, which a loaded machine makes noisy: the bound is the
+            # ratio's, not a fixed one.
+            bound = (2 * ratio + 0.05) * sent[0]
+            assert min(sent) < bound, (i, ratio, sent)
+            assert sent[-1] < bound, (i, ratio, sent)
         else:
             assert min(sent) > 0.5 * max(sent), (i, sent)
 
