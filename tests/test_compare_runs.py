@@ -23,7 +23,31 @@ def _mtimes(workdir):
     }
 
 
-def test_progress_then_resume_runs_only_what_is_missing(tmp_path, caplog):
+@pytest.fixture
+def shared_compiles(session_compile_cache):
+    """This process compiles into the session's compilation cache, which the
+    processes of ``--jobs`` read (``session_compile_cache``): a run here or in
+    one of them loads the programs an earlier run of the same model compiled.
+    The cache changes how long a compile takes, never a run's result."""
+    options = (
+        "jax_compilation_cache_dir",
+        "jax_persistent_cache_min_compile_time_secs",
+        "jax_persistent_cache_min_entry_size_bytes",
+    )
+    saved = {name: getattr(jax.config, name) for name in options}
+    compilation_cache.reset_cache()
+    jax.config.update(options[0], session_compile_cache)
+    jax.config.update(options[1], 0.0)
+    jax.config.update(options[2], 0)
+    yield
+    for name, value in saved.items():
+        jax.config.update(name, value)
+    compilation_cache.reset_cache()
+
+
+def test_progress_then_resume_runs_only_what_is_missing(
+    tmp_path, caplog, shared_compiles
+):
     caplog.set_level(logging.INFO)
     # experiments.compare logs through absl's logger, which a command run
     # earlier in this process (hpsjax._logs.setup_logging) may have quieted.
@@ -91,28 +115,6 @@ def test_jobs_are_bounded_by_the_cores(monkeypatch):
     monkeypatch.setattr(os, "cpu_count", lambda: 2)
     assert compare._check_jobs(64) == 2
     assert compare._check_jobs(1) == 1
-
-
-@pytest.fixture
-def shared_compiles(session_compile_cache):
-    """This process compiles into the session's compilation cache, which the
-    processes of ``--jobs`` read (``session_compile_cache``): a run in one of
-    them loads the programs the same run here compiled. The cache changes how
-    long a compile takes, never a run's result."""
-    options = (
-        "jax_compilation_cache_dir",
-        "jax_persistent_cache_min_compile_time_secs",
-        "jax_persistent_cache_min_entry_size_bytes",
-    )
-    saved = {name: getattr(jax.config, name) for name in options}
-    compilation_cache.reset_cache()
-    jax.config.update(options[0], session_compile_cache)
-    jax.config.update(options[1], 0.0)
-    jax.config.update(options[2], 0)
-    yield
-    for name, value in saved.items():
-        jax.config.update(name, value)
-    compilation_cache.reset_cache()
 
 
 @pytest.mark.slow
