@@ -79,7 +79,9 @@ def test_progress_then_resume_runs_only_what_is_missing(
     assert len(result["summaries"]) == 2
 
 
-def test_a_finished_run_of_another_config_is_never_overwritten_silently(tmp_path):
+def test_a_finished_run_of_another_config_is_never_overwritten_silently(
+    tmp_path, shared_compiles
+):
     compare.run_suite(Suite("quick", schemes=("bsp",)), tmp_path, progress=False)
     before = _mtimes(tmp_path)
     other = Suite("demo", schemes=("bsp",))
