@@ -11,6 +11,7 @@ import contextlib
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -102,17 +103,24 @@ def procs():
         p.kill()
 
 
-@pytest.fixture
-def setup(tmp_path):
-    secret = tmp_path / "secret.txt"
-    secret.write_bytes(SECRET)
-    os.chmod(secret, 0o600)
-    init = tmp_path / "init.npz"
+@pytest.fixture(scope="module")
+def init_file(tmp_path_factory):
+    """The model's initial parameters, written once for the module's tests."""
+    init = tmp_path_factory.mktemp("join_e2e") / "init.npz"
     subprocess.run(
         [*_command("hpsjax.worker._cli"), *MODEL, "--write_init", str(init)],
         check=True, timeout=120, capture_output=True,
         env={**os.environ, "JAX_PLATFORMS": "cpu"},
     )  # fmt: skip
+    return init
+
+
+@pytest.fixture
+def setup(tmp_path, init_file):
+    secret = tmp_path / "secret.txt"
+    secret.write_bytes(SECRET)
+    os.chmod(secret, 0o600)
+    shutil.copyfile(init_file, tmp_path / "init.npz")
     return tmp_path
 
 
