@@ -20,6 +20,7 @@ import enum
 import hashlib
 import hmac
 import os
+import pathlib
 from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
 
@@ -40,6 +41,7 @@ __all__ = [
     "HandshakeState",
     "auth_proof",
     "check_worker_id",
+    "read_secret",
     "secret_bytes",
 ]
 
@@ -305,3 +307,15 @@ class Handshake:
         ("server", HandshakeState.AUTH): _server_auth,
         ("client", HandshakeState.AUTH_OK): _client_auth_ok,
     }
+
+
+def read_secret(path: str | os.PathLike | None) -> bytes | None:
+    """The shared secret in the file at ``path``: its text, stripped of
+    surrounding whitespace (PROTOCOL.md: not a base64 decoding); ``None``
+    for no file. An empty file is a ``ValueError`` in one line."""
+    if path is None:
+        return None
+    secret = pathlib.Path(path).read_bytes().strip()
+    if not secret:
+        raise ValueError(f"secret file {path} is empty")
+    return secret

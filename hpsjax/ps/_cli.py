@@ -86,6 +86,7 @@ from hpsjax._optimizers import make_optimizer
 from hpsjax.export import check_export_path, export_params
 from hpsjax.metrics import ServerMetrics
 from hpsjax.profiling import Replanner, WorkPlan
+from hpsjax.ps._auth import read_secret
 from hpsjax.ps._options import ServerOptions
 from hpsjax.ps._partition import KeyRangePartition
 from hpsjax.ps._policies import HybridStage
@@ -360,15 +361,6 @@ def keep_freed_memory() -> bool:
     return bool(ok)
 
 
-def _read_secret(path: str | None) -> bytes | None:
-    if path is None:
-        return None
-    secret = pathlib.Path(path).read_bytes().strip()
-    if not secret:
-        raise ValueError(f"secret file {path} is empty")
-    return secret
-
-
 def _tls_context(certfile: str | None, keyfile: str | None):
     if certfile is None:
         return None  # a key without a certificate: refused by ServerOptions
@@ -477,7 +469,7 @@ def _make_server(options: ServerOptions) -> tuple[Server, ServerMetrics | None]:
         options.policy,
         host=options.host,
         port=options.port,
-        secret=_read_secret(options.secret_file),
+        secret=read_secret(options.secret_file),
         insecure=options.insecure,
         ssl=_tls_context(options.certfile, options.keyfile),
         checkpoint_dir=checkpoint_dir,

@@ -40,6 +40,7 @@ from hpsjax.ps import (
     ShardedClient,
     SpecMismatch,
 )
+from hpsjax.ps._auth import read_secret
 from hpsjax.transforms import Codec
 from hpsjax.worker._hetero import Heterogeneity
 from hpsjax.worker._runtime import Worker, WorkerConfig
@@ -147,15 +148,6 @@ def make_heterogeneity(args: argparse.Namespace):
     return Heterogeneity(
         slowdown=args.slowdown, bandwidth=args.bandwidth, latency=args.latency
     )
-
-
-def read_secret(path: str | None) -> bytes | None:
-    if path is None:
-        return None
-    secret = pathlib.Path(path).read_bytes().strip()
-    if not secret:
-        raise ValueError(f"secret file {path} is empty")
-    return secret
 
 
 def tls_context(args: argparse.Namespace):
