@@ -342,9 +342,13 @@ def server_tree(params):
 def make_client(args: argparse.Namespace, server: tuple[str, int]):
     """The :class:`~hpsjax.ps.Client` of one server, TLS name included."""
 
-    return ps.Client(
-        server[0],
-        server[1],
+    return ps.Client(server[0], server[1], **_connection_kwargs(args))
+
+
+def _connection_kwargs(args: argparse.Namespace) -> dict:
+    """What every client of the flags connects with: identity, secret, TLS,
+    timeout and its random seed."""
+    return dict(
         worker_id=args.worker_id,
         secret=read_secret(args.secret_file),
         ssl=tls_context(args),
@@ -407,16 +411,7 @@ def make_sharded_client(args: argparse.Namespace, servers, params):
                 f"--{flag} encodes whole arrays, but with --split_leaves the "
                 "shards cut some by rows: drop one of the two"
             )
-    return ShardedClient(
-        servers,
-        partition,
-        worker_id=args.worker_id,
-        secret=read_secret(args.secret_file),
-        ssl=tls_context(args),
-        server_hostname=args.server_hostname,
-        timeout=args.timeout,
-        seed=args.seed,
-    )
+    return ShardedClient(servers, partition, **_connection_kwargs(args))
 
 
 def measure_step(args: argparse.Namespace, *, pace=None):
