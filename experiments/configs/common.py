@@ -32,8 +32,9 @@ A simulated worker :math:`i` with slowdown :math:`k_i(t)` takes
 :math:`b` samples (:math:`T` = ``workers.step_time`` at :math:`b_0` =
 ``batch_size``, :math:`o` = ``workers.step_overhead``), times a mean-one lognormal
 jitter and, with probability ``workers.straggle_probability``, times
-``workers.straggle_slowdown``. A real worker sleeps :math:`(k_i(t) - 1)\,c` after
-each step that computed for :math:`c` seconds. Every message of :math:`n` bytes
+``workers.straggle_slowdown``. A real worker sleeps :math:`(k_i(t) - 1)\,\bar c` after
+each step, :math:`\bar c` the median compute time of its last steps of that
+batch (``hpsjax.worker.Injector``). Every message of :math:`n` bytes
 takes ``latency`` + :math:`n` / ``bandwidth`` on a worker's link.
 
 Data: the offline ``synthetic_digits`` (8x8) by default. To train on your own

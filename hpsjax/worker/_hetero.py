@@ -4,8 +4,12 @@ Real heterogeneous clusters have slow devices and slow links. To study them on
 one machine, each worker is given
 
 * a **slowdown factor** :math:`k \ge 1`: after every local step that computed
-  for :math:`c` seconds, the worker sleeps :math:`(k - 1)\,c` seconds, so its
-  steps take :math:`k c`, a device :math:`k` times slower;
+  for :math:`c` seconds, the worker sleeps :math:`(k - 1)\,\bar c` seconds, where
+  :math:`\bar c` is the median of its last steps of the same shape (this one
+  included), so its typical step takes :math:`k \bar c`: a device :math:`k`
+  times slower, whose step varies as much as this machine's does, not :math:`k`
+  times as much (a step slowed by a busy core would otherwise have that delay
+  multiplied by :math:`k - 1`);
 * a **bandwidth cap** :math:`B` (bytes per second) and a **latency**
   :math:`\ell` (seconds): every message of :math:`n` bytes it sends or receives
   is held back by :math:`\ell + n / B`, as a link of that speed would take;
@@ -23,9 +27,11 @@ carries it out against a clock and keeps totals of the delays it injected.
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import itertools
 import math
+import statistics
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -297,9 +303,14 @@ class Injector:
 
     Examples:
       >>> injector = Injector(Heterogeneity(slowdown=3.0))
-      >>> injector.after_compute(0.01)   # sleeps 0.02 s
-      0.02
+      >>> injector.after_compute(0.25, key=32)   # sleeps 0.5 s
+      0.5
+      >>> injector.after_compute(0.75, key=32)   # (3 - 1) * median(0.25, 0.75)
+      1.0
     """
+
+    window = 8
+    """Steps of one shape whose median compute time the slowdown multiplies."""
 
     def __init__(
         self,
@@ -322,6 +333,7 @@ class Injector:
         self._lock = threading.Lock()
         self._compute_delay = 0.0
         self._transfer_delay = 0.0
+        self._recent: dict[Any, collections.deque[float]] = {}
 
     @property
     def heterogeneity(self) -> Heterogeneity:
@@ -343,8 +355,26 @@ class Injector:
         """The slowdown factor in force now."""
         return self._het.slowdown_at(self.elapsed())
 
-    def after_compute(self, compute_seconds: float) -> float:
-        """Sleeps :math:`(k - 1)` times ``compute_seconds``; returns seconds slept."""
+    def after_compute(self, compute_seconds: float, *, key: Any = None) -> float:
+        """Sleeps after a step; returns the seconds slept.
+
+        Args:
+          compute_seconds: what the step computed for.
+          key: the step's shape (e.g. its batch sizes): the sleep is
+            :math:`(k - 1)` times the median of the last :attr:`window` steps
+            with this key, this one included (the profile's statistic too).
+            ``None``: :math:`(k - 1)` times
+            this step's own time.
+        """
+        if not compute_seconds >= 0:
+            raise ValueError(f"compute_seconds must be >= 0, got {compute_seconds}")
+        if key is not None:
+            with self._lock:
+                recent = self._recent.setdefault(
+                    key, collections.deque(maxlen=self.window)
+                )
+                recent.append(float(compute_seconds))
+                compute_seconds = statistics.median(recent)
         delay = self._het.compute_delay(compute_seconds, now=self.elapsed())
         if delay > 0:
             self._sleep(delay)

@@ -53,7 +53,8 @@ worker that slowed down gets less. Barrier waits (BSP, SSP) need nothing: the
 server holds the pull's answer.
 
 **Heterogeneity.** A :class:`~hpsjax.worker.Heterogeneity` makes the worker
-slower (sleep :math:`(k-1) c` after a step that computed for :math:`c` s) and its
+slower (sleep :math:`(k-1) \bar c` after a step, :math:`\bar c` the median of its
+last steps of that shape) and its
 link narrower (hold each message of :math:`n` bytes for :math:`\ell + n/B`).
 
 **Metrics.** After each round the worker hands one record (a flat dict of JSON
@@ -1034,7 +1035,9 @@ class Worker:
                 self._state = state
             spent = time.perf_counter() - t
             compute += spent
-            slowdown += self._injector.after_compute(spent)
+            # The slowdown multiplies the typical step of this shape, so a
+            # busy core's hiccup is not made k - 1 times longer.
+            slowdown += self._injector.after_compute(spent, key=tuple(device_batches))
             losses.append(float(loss))
             steps += 1
             if self._tx is None or bool(push_due(self._opt_state)):
