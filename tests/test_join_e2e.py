@@ -20,7 +20,9 @@ import time
 
 import pytest
 
-pytestmark = pytest.mark.slow
+# The session's compilation cache: a worker's step compiled by an earlier
+# worker of the session is loaded from disk (conftest.py).
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("session_compile_cache")]
 
 MODEL = [
     "--model", "mlp", "--model_arg", "hidden=[64]",
