@@ -278,10 +278,10 @@ def _keep_finished(config, where: pathlib.Path, label: str) -> bool:
     )
 
 
-def _train_quietly(config, where: pathlib.Path) -> None:
+def _train_quietly(config, where: pathlib.Path, formats: Sequence[str]) -> None:
     # The body of a worker process of --jobs: no progress bars from several
     # processes on one terminal.
-    train.train_and_evaluate(config, where, progress=False)
+    train.train_and_evaluate(config, where, progress=False, formats=formats)
 
 
 def _progress_label(
@@ -314,6 +314,7 @@ def run_suite(
     overwrite: bool = False,
     budget_seconds: float | None = None,
     devices: str | Sequence[str] | None = None,
+    formats: Sequence[str] = plots.FORMATS,
 ) -> dict[str, Any]:
     """Runs a suite's schemes and writes the comparison.
 
@@ -338,9 +339,12 @@ def run_suite(
       devices: the workers' devices instead of the setting's, a worker spec
         such as ``"gpu:0, cpu:4, cpu:2, cpu:1"`` (one worker each, see
         :mod:`experiments.placement`; real processes only).
+      formats: the figures' file formats (each run's and the comparison's),
+        some of :data:`experiments.plots.FORMATS`.
 
     Returns:
-      ``{"table": markdown, "table_path", "plot_path", "summaries"}``.
+      ``{"table": markdown, "table_path", "plot_path", "summaries"}``
+      (``plot_path`` in the first format).
 
     Raises:
       ValueError: an unknown suite or scheme (the message lists valid names),
@@ -370,6 +374,8 @@ def run_suite(
         if not seeds or any(s < 0 for s in seeds) or len(set(seeds)) != len(seeds):
             raise ValueError(f"seeds must be distinct ints >= 0, got {seeds}")
     jobs = _check_jobs(jobs)
+    formats = tuple(formats)
+    plots.check_formats(formats)
     if budget_seconds is not None and not (
         isinstance(budget_seconds, int | float) and budget_seconds > 0
     ):
@@ -410,7 +416,9 @@ def run_suite(
             if overwrite or not _keep_finished(config, where, label)
         ]
         workdir.mkdir(parents=True, exist_ok=True)
-        _run_all(todo, total=len(planned), jobs=jobs, progress=progress)
+        _run_all(
+            todo, total=len(planned), jobs=jobs, progress=progress, formats=formats
+        )
 
     summaries, runs = [], {}
     for scheme, _, where, _ in planned:
@@ -431,6 +439,7 @@ def run_suite(
         + f" ({first.backend})",
         caption=suite.description or None,
         time_unit=unit,
+        formats=formats,
     )
     command = f"python -m experiments.compare --suite={name} --workdir={workdir}"
     if seeds is not None:
@@ -440,7 +449,9 @@ def run_suite(
         f"Setting `{suite.setting}`, backend `{first.backend}`, budget "
         f"{first.budget_seconds:g} {unit} per run, target accuracy "
         f"{first.eval.target_accuracy:g}.\n\n{table}\n"
-        f"Accuracy against time and updates: `{plot_path.name}` (and PDF, SVG)."
+        f"Accuracy against time and updates: `{plot_path.name}`"
+        + "".join(f", `{plot_path.with_suffix('.' + f).name}`" for f in formats[1:])
+        + "."
         f"\n\nCommand: `{command}`\n"
     )
     table_path = workdir / "results.md"
@@ -486,6 +497,7 @@ def _run_all(
     total: int,
     jobs: int,
     progress: bool,
+    formats: Sequence[str],
 ) -> None:
     """Runs ``(config, where, label)`` runs, logging each start and end."""
     if len(todo) < total:
@@ -501,7 +513,7 @@ def _run_all(
         with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=context) as pool:
             logging.info("%d simulated runs, %d at a time", len(parallel), jobs)
             futures = {
-                pool.submit(_train_quietly, config, where): label
+                pool.submit(_train_quietly, config, where, formats): label
                 for config, where, label in parallel
             }
             for future in concurrent.futures.as_completed(futures):
@@ -510,7 +522,7 @@ def _run_all(
                 logging.info("%s: done (%d/%d runs)", futures[future], done, len(todo))
     for config, where, label in serial:
         logging.info("%s: running (%s, %s)", label, config.setting, config.backend)
-        train.train_and_evaluate(config, where, progress=progress)
+        train.train_and_evaluate(config, where, progress=progress, formats=formats)
         done += 1
         logging.info("%s: done (%d/%d runs)", label, done, len(todo))
 
@@ -557,6 +569,12 @@ def _define_flags() -> None:
         "The workers' devices instead of the setting's (real processes), e.g. "
         "'gpu:0, cpu:4, cpu:2, cpu:1': a GPU, or a set of CPU cores, per worker.",
     )
+    flags.DEFINE_list(
+        "formats",
+        list(plots.FORMATS),
+        "The figures' file formats, comma-separated: some of "
+        f"{', '.join(plots.FORMATS)} (each run's and the comparison's).",
+    )
     flags.mark_flags_as_required(["suite", "workdir"])
 
 
@@ -564,8 +582,8 @@ _PROG = "experiments.compare"
 
 
 def _check_flags(values: flags.FlagValues) -> list[int] | None:
-    """Checks --suite, --schemes, --seeds, --devices and --budget_seconds;
-    returns the seeds as ints."""
+    """Checks --suite, --schemes, --seeds, --devices, --budget_seconds and
+    --formats; returns the seeds as ints."""
     suite = registry.lookup("suite", values.suite)
     for scheme in values.schemes or ():
         registry.lookup("scheme", scheme)
@@ -580,6 +598,10 @@ def _check_flags(values: flags.FlagValues) -> list[int] | None:
         parse_spec(values.devices)
     if values.budget_seconds is not None and not values.budget_seconds > 0:
         raise ValueError(f"--budget_seconds must be > 0, got {values.budget_seconds}")
+    try:
+        plots.check_formats(values.formats)
+    except ValueError as e:
+        raise ValueError(f"--formats: {e}") from None
     if values.seeds is None:
         return None
     try:
@@ -606,6 +628,7 @@ def main(argv):
         overwrite=values.overwrite,
         budget_seconds=values.budget_seconds,
         devices=values.devices,
+        formats=values.formats,
     )
     print(result["table"])
     print(f"table: {result['table_path']}")

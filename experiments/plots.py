@@ -43,6 +43,7 @@ __all__ = [
     "MAX_LINES",
     "SCHEME_NAMES",
     "TIMELINE_COLORS",
+    "check_formats",
     "display_name",
     "line_groups",
     "main",
@@ -182,7 +183,8 @@ def _write_caption(path: pathlib.Path, caption: str | None) -> None:
         path.with_suffix(".caption.txt").write_text(caption.strip() + "\n")
 
 
-def _check_formats(formats: Sequence[str]) -> None:
+def check_formats(formats: Sequence[str]) -> None:
+    """Raises ValueError unless ``formats`` are one or more of :data:`FORMATS`."""
     unknown = sorted(set(formats) - set(FORMATS))
     if unknown or not formats:
         raise ValueError(f"formats must be some of {FORMATS}, got {list(formats)}")
@@ -195,7 +197,7 @@ def _save(
     caption: str | None = None,
 ) -> pathlib.Path:
     path = pathlib.Path(path)
-    _check_formats(formats)
+    check_formats(formats)
     for fmt in formats:
         fig.savefig(path.with_suffix(f".{fmt}"))
     _write_caption(path, caption)
@@ -381,7 +383,7 @@ def plot_accuracy(
     _check_runs(runs, "plot_accuracy")
     if x not in _X_LABELS:
         raise ValueError(f"x must be one of {sorted(_X_LABELS)}, got {x!r}")
-    _check_formats(formats)
+    check_formats(formats)
     groups = line_groups(list(runs), max_lines)
     styles = {label: _style(i) for i, label in enumerate(runs)}
     fig = Figure(figsize=(7.5, 0.8 + 3.4 * len(groups)), dpi=110, layout="constrained")
@@ -450,7 +452,7 @@ def plot_comparison(
         ``max_lines``, reference or format.
     """
     _check_runs(runs, "plot_comparison")
-    _check_formats(formats)
+    check_formats(formats)
     groups = line_groups(list(runs), max_lines, reference=_reference(runs, reference))
     styles = {label: _style(i) for i, label in enumerate(runs)}
     fig = Figure(figsize=(11.0, 0.8 + 3.4 * len(groups)), dpi=110, layout="constrained")

@@ -26,6 +26,10 @@ tests and notebooks call directly. It checks the config, runs it on its backend
                    :func:`timeline_marks`; also ``.pdf`` and ``.svg``)
 =================  ==========================================================
 
+The figures are written in every format of :data:`experiments.plots.FORMATS`
+unless ``formats=`` names fewer (``("png",)``, or ``()`` for no figure: a
+study of many runs that draws its own comparison).
+
 Time is virtual seconds in the simulator and wall seconds after every worker
 joined for real processes; profiling, where a scheme profiles, is part of it.
 """
@@ -37,6 +41,7 @@ import logging
 import math
 import pathlib
 import shutil
+from collections.abc import Sequence
 from typing import Any
 
 import ml_collections
@@ -243,14 +248,20 @@ def write_outputs(
     output: backends.RunOutput,
     summary: dict[str, Any],
     workdir: pathlib.Path,
+    *,
+    formats: Sequence[str] = plots.FORMATS,
 ) -> dict[str, pathlib.Path]:
-    """Writes metrics, timelines, summary and plots; returns their paths."""
+    """Writes metrics, timelines, summary and plots; returns their paths.
+
+    The plots are written in ``formats`` (some of
+    :data:`experiments.plots.FORMATS`; the paths returned are the first
+    format's), none where ``formats`` is empty.
+    """
+    formats = _check_formats(formats)
     paths = {
         "metrics": workdir / "metrics.jsonl",
         "timeline": workdir / "timeline.json",
         "summary": workdir / "summary.json",
-        "accuracy_plot": workdir / "accuracy.png",
-        "timeline_plot": workdir / "timeline.png",
     }
     paths["tensorboard"] = tensorboard_dir(config, workdir)
     paths["metrics"].unlink(missing_ok=True)
@@ -277,26 +288,41 @@ def write_outputs(
         )
     )
     paths["summary"].write_text(json.dumps(_jsonable(summary), indent=2) + "\n")
+    if not formats:
+        return paths
     time_unit = "virtual s" if config.backend == "sim" else "s"
-    plots.plot_accuracy(
+    paths["accuracy_plot"] = plots.plot_accuracy(
         {config.scheme: output.evals},
-        paths["accuracy_plot"],
+        workdir / "accuracy.png",
         target=float(config.eval.target_accuracy),
         title=f"{plots.display_name(config.scheme)} ({config.setting}, "
         f"{config.backend})",
         time_unit=time_unit,
-        formats=plots.FORMATS,
+        formats=formats,
     )
-    plots.plot_timeline(
+    paths["timeline_plot"] = plots.plot_timeline(
         output.timelines,
-        paths["timeline_plot"],
+        workdir / "timeline.png",
         title=f"{plots.display_name(config.scheme)}: worker timelines "
         f"({config.setting})",
         time_unit=time_unit,
         marks=marks,
-        formats=plots.FORMATS,
+        formats=formats,
     )
     return paths
+
+
+def _check_formats(formats: Sequence[str]) -> tuple[str, ...]:
+    """``formats`` as a tuple, checked: some of :data:`experiments.plots.FORMATS`
+    (none: no figure)."""
+    if isinstance(formats, str) or not all(isinstance(f, str) for f in formats):
+        raise ValueError(
+            f"formats must be a sequence of some of {plots.FORMATS}, got {formats!r}"
+        )
+    formats = tuple(formats)
+    if formats:
+        plots.check_formats(formats)
+    return formats
 
 
 def train_and_evaluate(
@@ -304,6 +330,7 @@ def train_and_evaluate(
     workdir: str | pathlib.Path,
     *,
     progress: bool = True,
+    formats: Sequence[str] = plots.FORMATS,
 ) -> dict[str, Any]:
     """Runs one scheme's config and writes its outputs to ``workdir``.
 
@@ -312,16 +339,19 @@ def train_and_evaluate(
       workdir: the output directory (created if missing; files in it are
         overwritten).
       progress: show a tqdm progress bar while it runs.
+      formats: the figures' file formats, some of
+        :data:`experiments.plots.FORMATS`; ``()`` draws no figure.
 
     Returns:
       The summary (see :func:`summarize`).
 
     Raises:
-      ValueError: an unknown registry name or an impossible setting (nothing
-        is written), or a run that failed.
+      ValueError: an unknown registry name, an impossible setting or an
+        unknown format (nothing is written), or a run that failed.
       FileNotFoundError: ``data.name="npz"`` and no file at ``data.path``.
     """
     registry.check_config(config)
+    formats = _check_formats(formats)
     setup = build.setup(config)
     workdir = pathlib.Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
@@ -330,7 +360,7 @@ def train_and_evaluate(
     output = backend(config, setup, workdir=workdir, progress=progress)
     output = output._replace(evals=with_initial_evaluation(output.evals))
     summary = summarize(config, output)
-    write_outputs(config, output, summary, workdir)
+    write_outputs(config, output, summary, workdir, formats=formats)
     return summary
 
 

@@ -14,6 +14,8 @@ from experiments import compare
 from experiments.configs.suites import Suite
 
 SMALLEST = Suite("quick", schemes=("bsp", "asp"))
+# These tests read tables and run directories, not figures: PNGs alone.
+PNG = ("png",)
 
 
 def _mtimes(workdir):
@@ -53,7 +55,7 @@ def test_progress_then_resume_runs_only_what_is_missing(
     # earlier in this process (hpsjax._logs.setup_logging) may have quieted.
     caplog.set_level(logging.INFO, logger="absl")
     suite = Suite("quick", schemes=("asp",))
-    compare.run_suite(suite, tmp_path, seeds=[0, 1], progress=False)
+    compare.run_suite(suite, tmp_path, seeds=[0, 1], progress=False, formats=PNG)
     log = caplog.text
     assert "scheme 1/1 (asp), seed 1/2 (0): done (1/2 runs)" in log
     assert "scheme 1/1 (asp), seed 2/2 (1): done (2/2 runs)" in log
@@ -70,7 +72,9 @@ def test_progress_then_resume_runs_only_what_is_missing(
         )
     )
     caplog.clear()
-    result = compare.run_suite(suite, tmp_path, seeds=[0, 1], progress=False)
+    result = compare.run_suite(
+        suite, tmp_path, seeds=[0, 1], progress=False, formats=PNG
+    )
     assert "1 of 2 runs already finished: kept" in caplog.text
     assert "scheme 1/1 (asp), seed 2/2 (1): done (1/1 runs)" in caplog.text
     after = _mtimes(tmp_path)
@@ -82,18 +86,24 @@ def test_progress_then_resume_runs_only_what_is_missing(
 def test_a_finished_run_of_another_config_is_never_overwritten_silently(
     tmp_path, shared_compiles
 ):
-    compare.run_suite(Suite("quick", schemes=("bsp",)), tmp_path, progress=False)
+    compare.run_suite(
+        Suite("quick", schemes=("bsp",)), tmp_path, progress=False, formats=PNG
+    )
     before = _mtimes(tmp_path)
     other = Suite("demo", schemes=("bsp",))
     with pytest.raises(ValueError, match=r"finished run .* pass --overwrite"):
-        compare.run_suite(other, tmp_path, progress=False)
+        compare.run_suite(other, tmp_path, progress=False, formats=PNG)
     assert _mtimes(tmp_path) == before
     config = json.loads((tmp_path / "bsp" / "config.json").read_text())
     assert config["setting"] == "quick"
 
     # --overwrite runs it again (here with the first suite, seconds long).
     compare.run_suite(
-        Suite("quick", schemes=("bsp",)), tmp_path, progress=False, overwrite=True
+        Suite("quick", schemes=("bsp",)),
+        tmp_path,
+        progress=False,
+        formats=PNG,
+        overwrite=True,
     )
     assert _mtimes(tmp_path)["bsp"] != before["bsp"]
 
@@ -101,7 +111,7 @@ def test_a_finished_run_of_another_config_is_never_overwritten_silently(
 @pytest.mark.parametrize("jobs", [0, -1, 1.5, True])
 def test_bad_jobs_are_refused_before_anything_runs(tmp_path, jobs):
     with pytest.raises(ValueError, match="jobs must be an int >= 1"):
-        compare.run_suite(SMALLEST, tmp_path, jobs=jobs, progress=False)
+        compare.run_suite(SMALLEST, tmp_path, jobs=jobs, progress=False, formats=PNG)
     assert not any(tmp_path.iterdir())
 
 
@@ -123,9 +133,11 @@ def test_jobs_are_bounded_by_the_cores(monkeypatch):
 def test_parallel_runs_match_serial_ones(tmp_path, caplog, shared_compiles):
     caplog.set_level(logging.INFO)
     caplog.set_level(logging.INFO, logger="absl")  # see the resume test
-    serial = compare.run_suite(SMALLEST, tmp_path / "serial", progress=False)
+    serial = compare.run_suite(
+        SMALLEST, tmp_path / "serial", progress=False, formats=PNG
+    )
     parallel = compare.run_suite(
-        SMALLEST, tmp_path / "parallel", progress=False, jobs=2
+        SMALLEST, tmp_path / "parallel", progress=False, formats=PNG, jobs=2
     )
     assert "2 simulated runs, 2 at a time" in caplog.text
     # The simulator is deterministic: the same runs in other processes give

@@ -34,6 +34,10 @@ from hpsjax.profiling import WorkerProfile
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+# The figures' format of runs whose PNGs a test looks at: PDF and SVG are
+# drawn from the same figures (test_timeline_marks_of_simulated_replans_and_
+# stage_switch writes all three).
+PNG = ("png",)
 
 # The processes smoke test kept in the fast default set: it profiles, plans,
 # pipelines and quantizes, so it runs the most of the processes backend.
@@ -478,7 +482,7 @@ def test_format_table_speedups_and_missing_targets():
 @pytest.mark.parametrize("scheme", registry.SCHEMES)
 def test_sim_smoke(tmp_path, scheme):
     config = _quick(scheme)
-    summary = train.train_and_evaluate(config, tmp_path, progress=False)
+    summary = train.train_and_evaluate(config, tmp_path, progress=False, formats=PNG)
     _check_outputs(tmp_path, config, summary)
     if config.plan.scheme != "none":
         assert summary["info"]["profile_seconds"] > 0
@@ -489,7 +493,7 @@ def test_sim_run_with_power_sgd_pushes_its_factors(tmp_path):
     from hpsjax.transforms import powersgd_nbytes
 
     config = _power_sgd("hps")
-    summary = train.train_and_evaluate(config, tmp_path, progress=False)
+    summary = train.train_and_evaluate(config, tmp_path, progress=False, formats=PNG)
     _check_outputs(tmp_path, config, summary)
     params = build.setup(config).params
     promised = sum(
@@ -510,7 +514,9 @@ def test_sim_smoke_on_user_npz_data(tmp_path):
     config.data.path = str(path)
     config.data.x_key = "images"
     config.data.y_key = "labels"
-    summary = train.train_and_evaluate(config, tmp_path / "out", progress=False)
+    summary = train.train_and_evaluate(
+        config, tmp_path / "out", progress=False, formats=PNG
+    )
     _check_outputs(tmp_path / "out", config, summary)
 
 
@@ -519,7 +525,7 @@ def test_a_diverging_sim_run_says_when_instead_of_failing(tmp_path, capsys):
 
     config = _quick("asp")
     config.server.learning_rate = 1e20  # the next loss overflows float32
-    summary = train.train_and_evaluate(config, tmp_path, progress=False)
+    summary = train.train_and_evaluate(config, tmp_path, progress=False, formats=())
     at = summary["diverged_at"]
     assert at is not None and 0 < at < config.budget_seconds
     assert summary["info"]["diverged"]["time"] == at
@@ -532,10 +538,27 @@ def test_a_diverging_sim_run_says_when_instead_of_failing(tmp_path, capsys):
 
 def test_sim_runs_are_reproducible(tmp_path):
     config = _quick("ssp")
-    first = train.train_and_evaluate(config, tmp_path / "a", progress=False)
-    second = train.train_and_evaluate(config, tmp_path / "b", progress=False)
+    # formats=(): the runs write no figure, and everything else.
+    first = train.train_and_evaluate(config, tmp_path / "a", progress=False, formats=())
+    second = train.train_and_evaluate(
+        config, tmp_path / "b", progress=False, formats=()
+    )
     assert first["final_accuracy"] == second["final_accuracy"]
     assert first["updates"] == second["updates"]
+    for run in ("a", "b"):
+        written = {p.name for p in (tmp_path / run).iterdir()}
+        assert {"metrics.jsonl", "timeline.json", "summary.json"} <= written
+        assert not {n for n in written if n.endswith((".png", ".pdf", ".svg"))}
+
+
+@pytest.mark.parametrize("formats", [("jpg",), "png", ("png", 3)])
+def test_bad_figure_formats_are_one_line_and_run_nothing(tmp_path, formats):
+    with pytest.raises(ValueError, match="formats must be") as e:
+        train.train_and_evaluate(
+            _quick("asp"), tmp_path / "out", progress=False, formats=formats
+        )
+    assert "\n" not in str(e.value)
+    assert not (tmp_path / "out").exists()
 
 
 def test_every_schemes_processes_path_is_run_somewhere():
@@ -563,7 +586,7 @@ def test_processes_smoke(tmp_path, scheme, session_compile_cache):
     # The quick setting's 8 s: on a machine loaded ten times over, ASHL's first
     # round of planned local steps took 7.5 s.
     config = _quick(scheme, backend="processes")
-    summary = train.train_and_evaluate(config, tmp_path, progress=False)
+    summary = train.train_and_evaluate(config, tmp_path, progress=False, formats=PNG)
     _check_outputs(tmp_path, config, summary)
     for i in range(len(config.workers.slowdowns)):
         own = _read_jsonl(tmp_path / "workers" / f"metrics_{i}.jsonl")
@@ -585,7 +608,7 @@ def test_processes_re_plan_on_the_server_and_workers_follow(
     config.plan.replan_threshold = 1e-6
     config.plan.replan_cooldown = 0.0
     config.plan.replan_window = 2
-    summary = train.train_and_evaluate(config, tmp_path, progress=False)
+    summary = train.train_and_evaluate(config, tmp_path, progress=False, formats=())
     replans = [
         r for r in _read_jsonl(tmp_path / "metrics.jsonl") if r["event"] == "replan"
     ]
@@ -611,7 +634,9 @@ def test_processes_refuse_a_plateau_stage_switch(tmp_path):
 
 def test_compare_writes_a_row_per_scheme(tmp_path):
     suite = Suite("quick", schemes=("bsp", "asp", "local_sgd"))
-    result = compare.run_suite(suite, tmp_path, seeds=[0, 1], progress=False)
+    result = compare.run_suite(
+        suite, tmp_path, seeds=[0, 1], progress=False, formats=PNG
+    )
     text = result["table_path"].read_text()
     rows = [line for line in text.splitlines() if line.startswith("| ")]
     assert "mean of 2 runs" in rows[0]
@@ -631,7 +656,7 @@ def test_compare_writes_a_row_per_scheme(tmp_path):
         "bsp", "bsp", "asp", "asp", "local_sgd", "local_sgd"
     ]  # fmt: skip
     again = compare.run_suite(
-        suite, tmp_path, seeds=[0, 1], render_only=True, progress=False
+        suite, tmp_path, seeds=[0, 1], render_only=True, progress=False, formats=PNG
     )
     assert again["table"] == result["table"]
 
@@ -728,13 +753,17 @@ def test_run_and_compare_commands(tmp_path):
     out = subprocess.run(
         [
             sys.executable, "-m", "experiments.compare", "--suite=quick",
-            "--schemes=bsp,asp", f"--workdir={tmp_path / 'cmp'}",
+            "--schemes=bsp,asp", f"--workdir={tmp_path / 'cmp'}", "--formats=png",
         ],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-2000:]
     assert "| bsp |" in out.stdout and "| asp |" in out.stdout
     assert f"plot: {tmp_path / 'cmp' / 'accuracy.png'}" in out.stdout
+    # --formats=png: each run's figures and the comparison's in PNG alone.
+    for where in ("cmp", "cmp/bsp", "cmp/asp"):
+        assert (tmp_path / where / "accuracy.png").is_file(), where
+        assert not list((tmp_path / where).glob("*.pdf")), where
 
 
 @pytest.mark.parametrize(
@@ -847,7 +876,7 @@ def test_summary_of_a_simulated_run(tmp_path, capsys):
     from experiments import summary as run_summary
 
     config = _quick("asp")
-    train.train_and_evaluate(config, tmp_path, progress=False)
+    train.train_and_evaluate(config, tmp_path, progress=False, formats=())
     assert run_summary.main(["--workdir", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert out.splitlines()[0].split() == [

@@ -103,7 +103,7 @@ def _quick(scheme, **changes):
 
 def test_ringmaster_in_the_simulator_drops_exactly_the_late_gradients(tmp_path):
     config = _quick("ringmaster", **{"server.policy_kwargs.delay_threshold": 2})
-    summary = train.train_and_evaluate(config, tmp_path, progress=False)
+    summary = train.train_and_evaluate(config, tmp_path, progress=False, formats=())
     info = summary["info"]
     late = sum(n for tau, n in info["staleness_histogram"].items() if int(tau) >= 2)
     # Every gradient delayed 2 or more is ignored, every other one applied (one
@@ -238,7 +238,7 @@ def test_sparseloco_bytes():
 
 def test_sparseloco_in_the_simulator_counts_its_bytes_and_trains(tmp_path):
     config = _quick("sparseloco")
-    summary = train.train_and_evaluate(config, tmp_path, progress=False)
+    summary = train.train_and_evaluate(config, tmp_path, progress=False, formats=())
     setup = build.setup(config)
     per_push = sparseloco_nbytes(setup.params, config.worker.compress_ratio, 2)
     dense = sum(np.asarray(p).nbytes for p in jax.tree.leaves(setup.params))
@@ -594,7 +594,7 @@ def test_streaming_diloco_in_the_simulator_counts_fragments_and_trains(tmp_path)
     from hpsjax.transforms import streaming_fragment_nbytes
 
     config = _quick("streaming_diloco")
-    summary = train.train_and_evaluate(config, tmp_path, progress=False)
+    summary = train.train_and_evaluate(config, tmp_path, progress=False, formats=())
     setup = build.setup(config)
     fragments = config.worker.streaming_fragments
     sizes = streaming_fragment_nbytes(setup.params, fragments, bits=4)
