@@ -55,6 +55,9 @@ __all__ = [
     "tree_wire_nbytes",
 ]
 
+MIN_SPREAD_SAMPLES = 5
+"""Timed steps at a batch size from which a profile reports the step's spread."""
+
 PROFILE_FORMAT = "hpsjax.WorkerProfile"
 PROFILE_FORMAT_VERSION = 1
 
@@ -173,6 +176,12 @@ class DeviceProfile:
         ``"synthetic"``; ``None`` with ``peak_memory``.
       memory_capacity: bytes the device can hold (``bytes_limit``), or ``None``
         for no known limit.
+      step_spread: how much the step time varies from step to step at each
+        batch size: the standard deviation of the timed steps over their mean
+        (their coefficient of variation), or ``None`` when not measured (fewer
+        than :data:`MIN_SPREAD_SAMPLES` timed steps at some size). A barrier
+        round waits for the slowest of its workers' steps, so a planner counts
+        it (:func:`hpsjax.profiling.plan`).
     """
 
     device_id: int
@@ -183,6 +192,7 @@ class DeviceProfile:
     peak_memory: tuple[int, ...] | None = None
     memory_source: str | None = None
     memory_capacity: int | None = None
+    step_spread: tuple[float, ...] | None = None
 
     def __post_init__(self):
         if isinstance(self.device_id, bool) or not isinstance(self.device_id, int):
@@ -224,6 +234,24 @@ class DeviceProfile:
                 "memory_capacity",
                 _check_positive_int("memory_capacity", self.memory_capacity),
             )
+        if self.step_spread is not None:
+            spread = tuple(
+                _check_finite("step spread", x, positive=False)
+                for x in self.step_spread
+            )
+            if len(spread) != len(sizes):
+                raise ValueError(
+                    f"{len(spread)} step spreads for {len(sizes)} batch sizes; "
+                    "give one per batch size"
+                )
+            object.__setattr__(self, "step_spread", spread)
+
+    def spread_at(self, batch_size: float) -> float:
+        """The step's relative spread at ``batch_size``: interpolated between
+        the profiled sizes, the nearest one's outside them; 0 when unmeasured."""
+        if self.step_spread is None:
+            return 0.0
+        return float(np.interp(batch_size, self.batch_sizes, self.step_spread))
 
     @classmethod
     def synthetic(
@@ -335,10 +363,18 @@ class DeviceProfile:
         return math.floor(budget / fit.slope)
 
     def with_slowdown(self, factor: float) -> DeviceProfile:
-        """This profile with every step ``factor`` times as long."""
+        """This profile with every step ``factor`` times as long.
+
+        The spread is divided by ``factor``: an injected slowdown sleeps in
+        proportion to the typical step (:class:`hpsjax.worker.Injector`), which
+        lengthens the step but adds nothing to how much it varies.
+        """
         factor = _check_finite("slowdown factor", factor, positive=True)
+        spread = self.step_spread
         return dataclasses.replace(
-            self, step_times=tuple(t * factor for t in self.step_times)
+            self,
+            step_times=tuple(t * factor for t in self.step_times),
+            step_spread=None if spread is None else tuple(x / factor for x in spread),
         )
 
 
@@ -590,6 +626,9 @@ class WorkerProfile:
                         "peak_memory": None
                         if d["peak_memory"] is None
                         else tuple(d["peak_memory"]),
+                        "step_spread": None
+                        if d.get("step_spread") is None
+                        else tuple(d["step_spread"]),
                     }
                 )
                 for d in data["devices"]
@@ -800,7 +839,7 @@ def _profile_device(
     device_params = jax.device_put(params, device)
     stats = device.memory_stats()
     use_device_stats = bool(stats) and "peak_bytes_in_use" in stats
-    times, marks, compiled_peaks = [], [], []
+    times, spreads, marks, compiled_peaks = [], [], [], []
     rose = True
     compile_seconds = 0.0
     for b in batch_sizes:
@@ -828,6 +867,11 @@ def _profile_device(
             if pace is not None:
                 pace(samples[-1])
         times.append(statistics.median(samples))
+        spreads.append(
+            statistics.pstdev(samples) / statistics.fmean(samples)
+            if len(samples) >= MIN_SPREAD_SAMPLES
+            else None
+        )
         compiled_peaks.append(_compiled_peak_bytes(compiled))
         if use_device_stats:
             # Batch sizes run in increasing order, so the process high-water mark
@@ -856,6 +900,7 @@ def _profile_device(
         peak_memory=peak,
         memory_source=source,
         memory_capacity=capacity,
+        step_spread=None if None in spreads else tuple(spreads),
     )
     return device_profile, compile_seconds
 
