@@ -25,6 +25,7 @@ from hpsjax.profiling import (
     profile,
 )
 from hpsjax.profiling._plan import _expected_slowest
+from hpsjax.profiling._profile import _filled_spread
 
 SPEEDS = [100.0, 100.0, 200.0, 400.0]  # samples per second
 
@@ -181,3 +182,9 @@ def test_a_real_profile_measures_the_spread_from_enough_steps():
     # Too few steps for a spread: none is claimed.
     few = profile(step, params, make_batch, batch_sizes=(8, 32), repeats=2)
     assert all(d.step_spread is None for d in few.devices)
+
+
+def test_a_size_with_too_few_steps_takes_the_nearest_measured_spread():
+    assert _filled_spread((8, 16, 64), (0.2, None, 0.1)) == (0.2, 0.2, 0.1)
+    assert _filled_spread((8, 16, 64), (None, None, 0.1)) == (0.1, 0.1, 0.1)
+    assert _filled_spread((8, 16), (None, None)) is None

@@ -179,7 +179,8 @@ class DeviceProfile:
       step_spread: how much the step time varies from step to step at each
         batch size: the standard deviation of the timed steps over their mean
         (their coefficient of variation), or ``None`` when not measured (fewer
-        than :data:`MIN_SPREAD_SAMPLES` timed steps at some size). A barrier
+        than :data:`MIN_SPREAD_SAMPLES` timed steps at every size; a size
+        with too few takes the nearest measured size's). A barrier
         round waits for the slowest of its workers' steps, so a planner counts
         it (:func:`hpsjax.profiling.plan`).
     """
@@ -900,9 +901,25 @@ def _profile_device(
         peak_memory=peak,
         memory_source=source,
         memory_capacity=capacity,
-        step_spread=None if None in spreads else tuple(spreads),
+        step_spread=_filled_spread(batch_sizes, spreads),
     )
     return device_profile, compile_seconds
+
+
+def _filled_spread(
+    batch_sizes: Sequence[int], spreads: Sequence[float | None]
+) -> tuple[float, ...] | None:
+    """Each size's measured spread; a size whose time budget allowed too few
+    steps takes the nearest measured size's. ``None`` when none was measured."""
+    measured = [
+        (b, x) for b, x in zip(batch_sizes, spreads, strict=True) if x is not None
+    ]
+    if not measured:
+        return None
+    return tuple(
+        x if x is not None else min(measured, key=lambda m: abs(m[0] - b))[1]
+        for b, x in zip(batch_sizes, spreads, strict=True)
+    )
 
 
 def profile(
