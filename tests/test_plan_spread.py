@@ -188,3 +188,22 @@ def test_a_size_with_too_few_steps_takes_the_nearest_measured_spread():
     assert _filled_spread((8, 16, 64), (0.2, None, 0.1)) == (0.2, 0.2, 0.1)
     assert _filled_spread((8, 16, 64), (None, None, 0.1)) == (0.1, 0.1, 0.1)
     assert _filled_spread((8, 16), (None, None)) is None
+
+
+def test_the_measured_round_as_median_or_mean():
+    from experiments.backends import measured_round
+
+    def rounds(starts):
+        return [{"event": "round", "time": t} for t in starts]
+
+    # After the first 3 rounds: gaps 1, 1, 4 and 2, 2.
+    records = [rounds([0, 5, 6, 7, 8, 9, 13]), rounds([0, 1, 2, 3, 5, 7])]
+    assert measured_round(records) == 2.0
+    assert measured_round(records, statistic="mean") == pytest.approx(10 / 5)
+    # Gaps 1, 1, 7: one long round moves the mean, not the median.
+    skewed = [rounds([0, 1, 2, 3, 4, 5, 12])]
+    assert measured_round(skewed) == 1.0
+    assert measured_round(skewed, statistic="mean") == 3.0
+    assert measured_round([rounds([0, 1])]) is None
+    with pytest.raises(ValueError, match="statistic must be"):
+        measured_round(records, statistic="max")
