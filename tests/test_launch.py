@@ -1,7 +1,9 @@
 """Tests of the local launcher and the ``hpsjax-worker`` command line.
 
 End-to-end launches start real processes (a server and workers on loopback) and
-check that every process started is gone afterwards, whatever happened.
+check that every process started is gone afterwards, whatever happened. They
+share the session's compilation cache (``session_compile_cache``); the work
+directory's own cache, the default, is tested in test_plan_link.py.
 """
 
 from __future__ import annotations
@@ -210,13 +212,14 @@ def test_server_cli_refuses_a_bad_work_plan(tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_launch_runs_to_completion(tmp_path):
+def test_launch_runs_to_completion(tmp_path, session_compile_cache):
     log = io.StringIO()
     result = launch(
         2,
         policy="bsp",
         steps=4,
         worker_args=SMALL_MODEL,
+        compile_cache=session_compile_cache,
         workdir=tmp_path,
         progress=False,
         log=log,
@@ -237,7 +240,7 @@ def test_launch_runs_to_completion(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_crashing_worker_stops_everything(tmp_path):
+def test_a_crashing_worker_stops_everything(tmp_path, session_compile_cache):
     log = io.StringIO()
     start = time.monotonic()
     result = launch(
@@ -246,6 +249,7 @@ def test_a_crashing_worker_stops_everything(tmp_path):
         steps=100000,
         worker_args=SMALL_MODEL,
         per_worker_args={1: ["--fail_after_steps", "3"]},
+        compile_cache=session_compile_cache,
         workdir=tmp_path,
         progress=False,
         log=log,
@@ -262,7 +266,7 @@ def test_a_crashing_worker_stops_everything(tmp_path):
 
 
 @pytest.mark.slow
-def test_launch_with_a_profiled_plan(tmp_path):
+def test_launch_with_a_profiled_plan(tmp_path, session_compile_cache):
     result = launch(
         2,
         policy="bsp",
@@ -274,6 +278,7 @@ def test_launch_with_a_profiled_plan(tmp_path):
         # Both workers join before either computes, so the re-planner has
         # reports from both before it may revise the plan.
         server_args=["--core_arg", "expected_workers=2"],
+        compile_cache=session_compile_cache,
         workdir=tmp_path,
         progress=False,
         log=io.StringIO(),
@@ -304,7 +309,7 @@ def test_launch_with_a_profiled_plan(tmp_path):
 
 
 @pytest.mark.slow
-def test_launch_over_server_shards_with_a_plan(tmp_path):
+def test_launch_over_server_shards_with_a_plan(tmp_path, session_compile_cache):
     log = io.StringIO()
     result = launch(
         2,
@@ -318,6 +323,7 @@ def test_launch_over_server_shards_with_a_plan(tmp_path):
         # reports from both before it may revise the plan.
         server_args=["--core_arg", "expected_workers=2"],
         server_shards=2,
+        compile_cache=session_compile_cache,
         workdir=tmp_path,
         progress=False,
         log=log,
@@ -366,13 +372,18 @@ def test_a_temporary_workdir_is_removed_when_a_launch_fails(tmp_path, monkeypatc
 
 
 @pytest.mark.slow
-def test_a_launch_without_tqdm_removes_its_temporary_workdir(tmp_path, monkeypatch):
+def test_a_launch_without_tqdm_removes_its_temporary_workdir(
+    tmp_path, monkeypatch, session_compile_cache
+):
     import tempfile
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     monkeypatch.setitem(sys.modules, "tqdm", None)  # not installed
     log = io.StringIO()
-    result = launch(1, steps=2, worker_args=SMALL_MODEL, log=log, timeout=240)
+    result = launch(
+        1, steps=2, worker_args=SMALL_MODEL, log=log, timeout=240,
+        compile_cache=session_compile_cache,
+    )  # fmt: skip
     assert result.returncode == 0, log.getvalue()
     assert list(tmp_path.glob("hpsjax-launch-*")) == []
     # Nothing points at the removed directory.
@@ -426,7 +437,9 @@ def test_max_restarts_reaches_the_local_launcher(monkeypatch):
 
 
 @pytest.mark.slow
-def test_a_crashed_worker_is_restarted_until_its_restarts_are_used_up(tmp_path):
+def test_a_crashed_worker_is_restarted_until_its_restarts_are_used_up(
+    tmp_path, session_compile_cache
+):
     # Worker 1 fails after 3 rounds every time it runs: restarted once, with
     # the same flags, it fails again and that ends the run.
     log = io.StringIO()
@@ -437,6 +450,7 @@ def test_a_crashed_worker_is_restarted_until_its_restarts_are_used_up(tmp_path):
         worker_args=SMALL_MODEL,
         per_worker_args={1: ["--fail_after_steps", "3"]},
         max_restarts=1,
+        compile_cache=session_compile_cache,
         workdir=tmp_path,
         progress=False,
         log=log,
@@ -475,7 +489,9 @@ def test_worker_places_must_match_the_workers(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_local_run_trains_against_the_callers_server_in_its_places(tmp_path):
+def test_a_local_run_trains_against_the_callers_server_in_its_places(
+    tmp_path, session_compile_cache
+):
     # As the experiments' processes backend runs: the caller serves the model
     # itself (any optax chain or policy object), the launcher starts, watches
     # and stops the workers, each in its place.
@@ -502,7 +518,7 @@ def test_a_local_run_trains_against_the_callers_server_in_its_places(tmp_path):
     ]
     job = Job(2, "bsp", 3, [], list(SMALL_MODEL), [[], []], [], 1, False)
     log = io.StringIO()
-    env = run_env(tmp_path, None)
+    env = run_env(tmp_path, session_compile_cache)
 
     async def serve_and_watch():
         server = Server(
