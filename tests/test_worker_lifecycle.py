@@ -294,7 +294,8 @@ def _env():
 
 
 @pytest.fixture
-def workdir(tmp_path):
+def workdir(tmp_path, session_compile_cache):
+    """Its processes use the session's compilation cache (conftest.py)."""
     secret = tmp_path / "secret.txt"
     secret.write_bytes(PROCESS_SECRET)
     os.chmod(secret, 0o600)

@@ -260,7 +260,7 @@ def _versions(paths) -> int:
 
 
 @pytest.mark.slow
-def test_workers_outlive_a_server_stopped_and_killed(tmp_path):
+def test_workers_outlive_a_server_stopped_and_killed(tmp_path, session_compile_cache):
     tmp, ckpt = tmp_path, tmp_path / "ckpt"
     (tmp / "secret.txt").write_bytes(PROCESS_SECRET)
     os.chmod(tmp / "secret.txt", 0o600)
