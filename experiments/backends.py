@@ -137,17 +137,17 @@ def _push_compression(
 def _replanner(
     config: ml_collections.ConfigDict,
     work_plan: Any,
-    on_revision: Callable[[float, int], None],
+    on_revision: Callable[[float, Any], None],
 ) -> Any:
     """The run's :class:`~hpsjax.profiling.Replanner` (``config.plan.replan_*``),
-    telling ``on_revision(now, revision)`` of every revision it makes."""
+    telling ``on_revision(now, plan)`` of every revision it makes."""
     from hpsjax.profiling import Replanner
 
     class RecordedReplanner(Replanner):
         def observe(self, worker_id, batch_size, step_time, now):
             revised = super().observe(worker_id, batch_size, step_time, now)
             if revised is not None:
-                on_revision(now, revised.revision)
+                on_revision(now, revised)
             return revised
 
     return RecordedReplanner(
@@ -218,8 +218,13 @@ def run_sim(
         plan_arg = _replanner(
             config,
             work_plan,
-            lambda now, revision: replans.append(
-                {"event": "replan", "time": profile_seconds + now, "revision": revision}
+            lambda now, revised: replans.append(
+                {
+                    "event": "replan",
+                    "time": profile_seconds + now,
+                    "revision": revised.revision,
+                    "predicted_round_s": revised.round_time,
+                }
             ),
         )
     sim_config = SimConfig(
@@ -741,7 +746,7 @@ async def _serve_and_train(
             env,
             server_args=(policy, core_kwargs, policy_kwargs),
         )
-    replanned: list[tuple[float, int]] = []
+    replanned: list[tuple[float, Any]] = []
     replanner = None
     if replan:
         from hpsjax.profiling import WorkPlan
@@ -749,7 +754,7 @@ async def _serve_and_train(
         replanner = _replanner(
             config,
             WorkPlan.from_json(plan_file.read_text()),
-            lambda now, revision: replanned.append((time.monotonic(), revision)),
+            lambda now, revised: replanned.append((time.monotonic(), revised)),
         )
     server = _server(
         config, setup, secret, policy, core_kwargs, policy_kwargs, replanner
@@ -821,8 +826,12 @@ async def _serve_and_train(
         info["worker_returncodes"] = [w.poll() for w in run.workers]
         info["final_version"] = server.core.version
         info["replans"] = [
-            {"time": max(0.0, at - t0), "revision": revision}
-            for at, revision in replanned
+            {
+                "time": max(0.0, at - t0),
+                "revision": revised.revision,
+                "predicted_round_s": revised.round_time,
+            }
+            for at, revised in replanned
         ]
     finally:
         if bar is not None:
@@ -1126,7 +1135,7 @@ def _run_processes(
         timelines[i] = ([(0.0, offset, "profile")] if offset > 0 else []) + spans
         records.extend({**r, "worker": i} for r in own)
     records.extend(
-        {"event": "replan", "time": offset + r["time"], "revision": r["revision"]}
+        {"event": "replan", **r, "time": offset + r["time"]}
         for r in info.pop("replans", [])
     )
     info["num_updates"] = run_info["final_version"]

@@ -617,6 +617,8 @@ def test_processes_smoke_of_hps_re_plans_on_the_server_and_workers_follow(
         r for r in _read_jsonl(tmp_path / "metrics.jsonl") if r["event"] == "replan"
     ]
     assert replans and replans[0]["revision"] == 1
+    # Each revision's predicted round, to set against the rounds after it.
+    assert all(r["predicted_round_s"] > 0 for r in replans)
     times = [r["time"] for r in replans]
     assert times == sorted(times) and times[0] > 0
     followed = [
