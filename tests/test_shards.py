@@ -733,7 +733,7 @@ def _group_alive(pgid: int) -> bool:
 
 
 @pytest.mark.slow
-def test_sharded_servers_and_workers_as_processes(tmp_path):
+def test_sharded_servers_and_workers_as_processes(tmp_path, session_compile_cache):
     model = ["--dataset_arg", "num_examples=600", "--model_arg", "hidden=[32]",
              "--log_level", "WARNING", "--loop", "asyncio"]  # fmt: skip
     (tmp_path / "secret").write_text("sharded secret\n")
