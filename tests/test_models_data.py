@@ -684,65 +684,89 @@ def test_resolve_model_refuses_bad_specs(factory_module, spec, kwargs, match):
 
 # -- batch statistics ----------------------------------------------------------
 
+# One small ResNet serves the batch-statistics tests: its weights' initializers
+# compile once per kernel shape (about a second each on CPU), so the tests share
+# the widths and the batch shape of their jitted steps.
+_RESNET_WIDTHS = (4, 4)
+_RESNET_BATCH = 32
 
-def test_split_model_points_batchnorm_models_to_split_with_batch_stats():
-    model = models.get_model("resnet", input_shape=(8, 8, 1), num_classes=10)
+
+@pytest.fixture(scope="module")
+def resnet():
+    return models.get_model(
+        "resnet", input_shape=(8, 8, 1), num_classes=10, widths=_RESNET_WIDTHS
+    )
+
+
+@pytest.fixture(scope="module")
+def resnet_functions(resnet):
+    graphdef, _, _ = models.split_with_batch_stats(resnet)
+    return models.make_stateful_train_functions(graphdef)
+
+
+def test_split_model_points_batchnorm_models_to_split_with_batch_stats(resnet):
     with pytest.raises(ValueError, match=r"BatchStat.*split_with_batch_stats"):
-        split_model(model)
+        split_model(resnet)
     with pytest.raises(ValueError, match="also holds"):
         models.split_with_batch_stats(nnx.Dropout(0.5, rngs=nnx.Rngs(0)))
 
 
-def test_a_resnet_trains_and_keeps_its_batch_stats_apart():
+def test_a_resnet_trains_and_keeps_its_batch_stats_apart(resnet, resnet_functions):
     train, test = synthetic_digits(600, seed=0).split(0.2, seed=0)
-    model = models.get_model(
-        "resnet", input_shape=train.input_shape, num_classes=10, widths=(8, 16)
-    )
-    graphdef, params, stats = models.split_with_batch_stats(model)
+    assert train.input_shape == resnet.image_shape
+    graphdef, params, stats = models.split_with_batch_stats(resnet)
     assert sorted(stats["stem_bn"]) == ["mean", "var"]
     assert sorted(params["stem_bn"]) == ["bias", "scale"]
-    fns = models.make_stateful_train_functions(graphdef)
+    fns = resnet_functions
     optimizer = optax.adam(1e-2)
     opt_state = optimizer.init(params)
-    stream = train.batches(32, seed=0)
+
+    @jax.jit
+    def apply(params, opt_state, grads):
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    stream = train.batches(_RESNET_BATCH, seed=0)
     first = stats
     losses = []
     for _ in range(12):
         loss, grads, stats = fns.loss_and_grad(params, stats, stream.next())
-        updates, opt_state = optimizer.update(grads, opt_state, params)
-        params = optax.apply_updates(params, updates)
+        params, opt_state = apply(params, opt_state, grads)
         losses.append(float(loss))
     assert np.mean(losses[-3:]) < np.mean(losses[:3])
     assert jax.tree.structure(grads) == jax.tree.structure(params)
     assert not np.allclose(stats["stem_bn"]["mean"], first["stem_bn"]["mean"])
     evaluated = fns.evaluate(params, stats, (test.x, test.y))
-    merged = merge_model(graphdef, params, batch_stats=stats)
-    merged.eval()
-    logits = merged(test.x)
+
+    @jax.jit
+    def merged_logits(params, stats, x):
+        merged = merge_model(graphdef, params, batch_stats=stats)
+        merged.eval()
+        return merged(x)
+
+    logits = merged_logits(params, stats, test.x)
     accuracy_merged = float(np.mean(np.argmax(logits, -1) == test.y))
     assert float(evaluated["accuracy"]) == pytest.approx(accuracy_merged, abs=1e-6)
     with pytest.raises(ValueError, match="batch_stats do not fit"):
         merge_model(graphdef, params, batch_stats={**stats, "extra": {"x": 1.0}})
 
 
-def test_split_trainable_splits_either_kind_and_the_loss_updates_the_stats():
-    model = models.get_model(
-        "resnet", input_shape=(8, 8, 1), num_classes=10, widths=(4, 8)
-    )
-    graphdef, params, stats = models.split_trainable(model)
-    _, expected_params, expected_stats = models.split_with_batch_stats(model)
+def test_split_trainable_splits_either_kind_and_the_loss_updates_the_stats(
+    resnet, resnet_functions
+):
+    graphdef, params, stats = models.split_trainable(resnet)
+    _, expected_params, expected_stats = models.split_with_batch_stats(resnet)
     assert jax.tree.structure(params) == jax.tree.structure(expected_params)
     assert jax.tree.structure(stats) == jax.tree.structure(expected_stats)
-    x, y = _images(6, 8), np.arange(6, dtype=np.int32)
-    losses, new_stats = models.per_example_loss_with_stats(
+    x = _images(_RESNET_BATCH, 8)
+    y = np.arange(_RESNET_BATCH, dtype=np.int32) % 10
+    losses, new_stats = jax.jit(models.per_example_loss_with_stats, static_argnums=2)(
         params, stats, graphdef, Batch(x, y)
     )
-    assert losses.shape == (6,)
+    assert losses.shape == (_RESNET_BATCH,)
     assert jax.tree.structure(new_stats) == jax.tree.structure(stats)
     assert not np.allclose(new_stats["stem_bn"]["mean"], stats["stem_bn"]["mean"])
-    trained = models.make_stateful_train_functions(graphdef).loss_and_grad(
-        params, stats, (x, y)
-    )
+    trained = resnet_functions.loss_and_grad(params, stats, (x, y))
     assert float(np.mean(losses)) == pytest.approx(float(trained[0]), rel=1e-5)
     mlp = models.get_model("mlp", input_shape=(8, 8, 1), num_classes=10)
     _, mlp_params, none = models.split_trainable(mlp)
