@@ -11,6 +11,7 @@ import pathlib
 import pytest
 
 from experiments import chaos
+from hpsjax._compile_cache import cache_dir_for
 
 
 def test_the_kill_schedule_is_seeded_and_spread_over_the_run():
@@ -57,8 +58,13 @@ def _children() -> set[int]:
 
 @pytest.mark.slow
 def test_a_run_with_killed_workers_and_server_ends_like_an_undisturbed_one(
-    tmp_path,
+    tmp_path, session_compile_cache
 ):
+    # Both runs' work directories hold the session's compilation cache as
+    # their own: the chaos run's processes load what the calm run compiled.
+    for name in ("calm", "chaos"):
+        (tmp_path / name).mkdir()
+        cache_dir_for(tmp_path / name).symlink_to(session_compile_cache)
     calm = chaos.run(tmp_path / "calm", 0, until_version=150, timeout=150)
     stormy = chaos.run(
         tmp_path / "chaos", 0, until_version=150, kills=3, server_kills=1,
