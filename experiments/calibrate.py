@@ -669,12 +669,18 @@ def _run_once(config: Any, where: pathlib.Path) -> dict[str, Any]:
 
 
 def _measured_config(
-    scheme: str, setting: str, seed: int, overrides: Mapping[str, Any]
+    scheme: str,
+    setting: str,
+    seed: int,
+    overrides: Mapping[str, Any],
+    budget_seconds: float | None = None,
 ) -> Any:
     config = registry.load_config(scheme, setting)
     config.backend = "processes"
     config.seed = seed
     config.model.seed = seed
+    if budget_seconds is not None:
+        config.budget_seconds = float(budget_seconds)
     for key, value in overrides.items():
         if value is not None:
             config.workers[key] = value
@@ -690,6 +696,7 @@ def calibrate(
     seeds: Sequence[int] = (1,),
     label: str | None = None,
     overrides: Mapping[str, Any] | None = None,
+    budget_seconds: float | None = None,
 ) -> dict[str, Any]:
     """Measures, fits, simulates and compares every scheme; writes the outputs.
 
@@ -703,12 +710,24 @@ def calibrate(
         name by default.
       overrides: ``config.workers`` fields to change (``slowdowns``,
         ``bandwidth``, ``latency``), ``None`` values ignored.
+      budget_seconds: every run's budget instead of the setting's (the
+        simulated runs take the measured ones'), or ``None``.
 
     Returns:
       ``{"rows": [...], "table": markdown, "paths": {...}, ...}``.
+
+    Raises:
+      ValueError: an unknown setting or scheme, or a budget that is not a
+        positive number, before anything runs.
     """
     from experiments import build
 
+    if budget_seconds is not None and (
+        isinstance(budget_seconds, bool)
+        or not isinstance(budget_seconds, int | float)
+        or not budget_seconds > 0
+    ):
+        raise ValueError(f"budget_seconds must be > 0, got {budget_seconds!r}")
     workdir = pathlib.Path(workdir)
     label = label or setting
     overrides = dict(overrides or {})
@@ -717,7 +736,7 @@ def calibrate(
     apply_s = None
     for scheme in schemes:
         for seed in seeds:
-            config = _measured_config(scheme, setting, seed, overrides)
+            config = _measured_config(scheme, setting, seed, overrides, budget_seconds)
             name = scheme if len(seeds) == 1 else f"{scheme} (seed {seed})"
             logging.info("%s: measuring on processes", name)
             measured = _run_once(config, workdir / "measured" / scheme / f"seed_{seed}")
@@ -784,6 +803,7 @@ def calibrate(
         "setting": setting,
         "label": label,
         "overrides": overrides,
+        "budget_seconds": budget_seconds,
         "schemes": list(schemes),
         "seeds": list(seeds),
         "profile_shape": shape,
@@ -836,6 +856,9 @@ def _define_flags() -> None:
     flags.DEFINE_list("slowdowns", None, "Override the workers' slowdowns.")
     flags.DEFINE_float("bandwidth", None, "Override the link cap (bytes/s).")
     flags.DEFINE_float("latency", None, "Override the link latency (s).")
+    flags.DEFINE_float(
+        "budget_seconds", None, "Every run's budget instead of the setting's."
+    )
     flags.mark_flags_as_required(["workdir"])
 
 
@@ -851,6 +874,10 @@ def main(argv):
         for scheme in values.schemes:
             registry.lookup("scheme", scheme)
         seeds = [int(s) for s in values.seeds]
+        if values.budget_seconds is not None and not values.budget_seconds > 0:
+            raise ValueError(
+                f"--budget_seconds must be > 0, got {values.budget_seconds}"
+            )
         slowdowns = (
             None
             if values.slowdowns is None
@@ -867,6 +894,7 @@ def main(argv):
             "bandwidth": values.bandwidth,
             "latency": values.latency,
         },
+        budget_seconds=values.budget_seconds,
     )
     print(result["table"])
     print(

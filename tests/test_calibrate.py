@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import numpy as np
@@ -204,9 +205,21 @@ def test_compare_table_ranking_and_plot(tmp_path):
 
 @pytest.mark.slow
 def test_calibrate_end_to_end_on_processes(tmp_path, session_compile_cache):
+    # 4 s of ASP's rounds of one step (tens of milliseconds each at a load of
+    # 12) instead of the quick setting's 8 s.
     result = calibrate.calibrate(
-        tmp_path, setting="quick", schemes=("asp",), seeds=(0,), label="smoke"
+        tmp_path,
+        setting="quick",
+        schemes=("asp",),
+        seeds=(0,),
+        label="smoke",
+        budget_seconds=4.0,
     )
+    for run in ("measured", "simulated"):
+        config = json.loads(
+            (tmp_path / run / "asp" / "seed_0" / "config.json").read_text()
+        )
+        assert config["budget_seconds"] == 4.0, run
     (row,) = result["rows"]
     assert row["measured"]["updates_per_s"] > 0
     assert row["predicted"]["updates_per_s"] > 0
@@ -214,6 +227,16 @@ def test_calibrate_end_to_end_on_processes(tmp_path, session_compile_cache):
     for path in result["paths"].values():
         assert path.is_file()
     assert "| asp |" in result["table"]
+
+
+@pytest.mark.parametrize("budget", [0, -1.0, True, "4"])
+def test_a_bad_budget_is_one_line_before_anything_runs(tmp_path, budget):
+    with pytest.raises(ValueError, match="budget_seconds must be > 0") as e:
+        calibrate.calibrate(
+            tmp_path / "out", setting="quick", schemes=("asp",), budget_seconds=budget
+        )
+    assert "\n" not in str(e.value)
+    assert not (tmp_path / "out").exists()
 
 
 def test_a_finished_run_is_kept_across_fields_added_to_the_configs():
