@@ -683,10 +683,13 @@ def _profile_in_place(
     return profiles, cost
 
 
-async def _watch(run: Any, end: float) -> str:
-    """:meth:`hpsjax.launch.LocalRun.poll` until the workers end (why) or the
-    monotonic time ``end`` passes (``"timeout"``), serving meanwhile."""
+async def _watch(run: Any, end: float, done: Callable[[], bool] = lambda: False) -> str:
+    """:meth:`hpsjax.launch.LocalRun.poll` until the workers end (why), ``done()``
+    holds (``"done"``) or the monotonic time ``end`` passes (``"timeout"``),
+    serving meanwhile."""
     while (reason := run.poll()) is None:
+        if done():
+            return "done"
         if time.monotonic() > end:
             return "timeout"
         await asyncio.sleep(0.02)
@@ -871,7 +874,9 @@ async def _warm_up(
     one's optimizer, policy (a name; an ASP stand-in for a stateful policy
     object) and core settings, and this process uses the same cache, so the
     timed server loads its compiled steps too (compiled on its first apply
-    they held every worker's first round by 4 to 5 s on proc4). The workers'
+    they held every worker's first round by 4 to 5 s on proc4). It ends when
+    every worker has left the throwaway server; a process still tearing down
+    its JAX runtime then is stopped rather than awaited. The workers'
     output is in ``workers/warmup.log``, their metrics in ``workers/warmup/``.
     """
     from hpsjax._compile_cache import CACHE_ENV, use_compile_cache
@@ -901,7 +906,16 @@ async def _warm_up(
                 sys.executable, 0, timeout, env, _worker_places(config),
             )  # fmt: skip
             run.start_workers(str(secret_file), logs / "warmup", ports=[server.port])
-            reason = await _watch(run, time.monotonic() + timeout)
+            # Done when every worker has joined and left again: its rounds
+            # are over and what it compiled is in the cache. A process that
+            # used JAX then takes about a second to tear its runtime down,
+            # which the timed run need not wait for: it is stopped below.
+            reason = await _watch(
+                run,
+                time.monotonic() + timeout,
+                lambda: server.core.started and not server.core.live,
+            )
+            reason = run.poll() or reason
             codes = [w.poll() for w in run.workers]
         finally:
             if run is not None:
