@@ -280,16 +280,16 @@ def test_jit_with_traced_or_static_extra_args(case):
 
     # Extra arguments passed as jit arguments are traced; closed over, they are
     # concrete while tracing (the checks on static values run). Both must agree.
+    # Both trajectories are traced into one program: one compile, not two.
     @jax.jit
-    def traced(params, extra):
-        return _trajectory(tx, params, extra, 2)
+    def traced_and_static(params, traced_extra):
+        return (
+            _trajectory(tx, params, traced_extra, 2),
+            _trajectory(tx, params, extra, 2),
+        )
 
-    @jax.jit
-    def static(params):
-        return _trajectory(tx, params, extra, 2)
-
-    updates_traced, state_traced = traced(params, extra)
-    updates_static, state_static = static(params)
+    traced, static = traced_and_static(params, extra)
+    (updates_traced, state_traced), (updates_static, state_static) = traced, static
     _assert_trees_close(updates_traced, updates_static, rtol=1e-5, atol=1e-6)
     assert _avals(state_traced) == _avals(state_static) == _avals(tx.init(params))
 
