@@ -204,6 +204,19 @@ def _check_roundtrip_tree(tree, codec, encoded, out):
         np.testing.assert_array_equal(scales, 0.0)
 
 
+@functools.partial(jax.jit, static_argnums=1)
+def _encode_trees(tree, codecs, key):
+    return [encode_tree(tree, codec, key) for codec in codecs]
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _decode_trees(encoded_per_codec, codecs, shapes):
+    return [
+        [decode(e, codec, shape) for e, shape in zip(encoded, shapes, strict=True)]
+        for encoded, codec in zip(encoded_per_codec, codecs, strict=True)
+    ]
+
+
 def test_zero_blocks_decode_to_exact_zeros_on_every_path():
     # Normal numbers beside the zeros, so that no flush of subnormals to zero
     # can make a zero out of a small step: only a zero step does.
@@ -215,13 +228,18 @@ def test_zero_blocks_decode_to_exact_zeros_on_every_path():
         "zeros": jnp.zeros((7,), jnp.float32),
     }
     specs = [(leaf.shape, "float32") for leaf in tree.values()]
+    shapes = tuple(leaf.shape for leaf in tree.values())
+    # Each group encodes, and decodes with decode, in one compiled program.
+    encoded_all, decoded_all = {}, {}
+    for codecs in CODEC_GROUPS.values():
+        encoded_group = _encode_trees(tree, codecs, jax.random.key(1))
+        decoded_group = _decode_trees(encoded_group, codecs, shapes)
+        encoded_all.update(zip(codecs, encoded_group, strict=True))
+        decoded_all.update(zip(codecs, decoded_group, strict=True))
     for codec in CODECS:
-        encoded = encode_tree(tree, codec, jax.random.key(1))
+        encoded = encoded_all[codec]
         decoders = {
-            "decode": lambda enc, codec=codec: [
-                decode(e, codec, leaf.shape)
-                for e, leaf in zip(enc, tree.values(), strict=True)
-            ],
+            "decode": lambda enc, codec=codec: decoded_all[codec],
             "wire, numpy": DecoderCache(specs).decoder(codec),
             "wire, compiled": DecoderCache(specs).compile(codec),
         }
