@@ -697,7 +697,7 @@ def test_valid_encoded_leaves_pass_the_check():
     from hpsjax.transforms._quantize import encode
 
     x = np.linspace(-3, 3, 37, dtype=np.float32)
-    for codec in [
+    codecs = (
         _codec("uniform", 8),
         _codec("uniform", 4, block_size=5),
         _codec("uniform", 2),
@@ -705,8 +705,12 @@ def test_valid_encoded_leaves_pass_the_check():
         _codec("qsgd", 8, levels=5),
         _codec("sign"),
         _codec("none"),
-    ]:
-        enc = encode(x, codec, key=jax.random.key(0))
+    )
+    # All the codecs' encodings in one compiled program.
+    encoded = jax.jit(lambda x, key: [encode(x, codec, key=key) for codec in codecs])(
+        x, jax.random.key(0)
+    )
+    for codec, enc in zip(codecs, encoded, strict=True):
         codes, scales = np.asarray(enc.codes), np.asarray(enc.scales)
         _quantized.check_encoded_leaf(codes, scales, x.size, codec)
 
