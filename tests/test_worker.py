@@ -489,10 +489,14 @@ def test_slowdown_makes_steps_k_times_longer():
     slow_ratio = statistics.median(_compute_wall(r) for r in slow[1:]) / (
         statistics.median(r["compute_s"] for r in slow[1:])
     )
-    assert base_ratio < 1.5
-    # Steps that got faster as the run warmed up keep the window's median
-    # above the typical step for a while: the bound above is loose.
-    assert 3.3 < slow_ratio < 8.0
+    # Nothing is slept without a slowdown; what a round spends beyond its
+    # compute (the next batch, the dispatch) grows with the machine's load and
+    # is in both ratios, so the slowdown shows as their difference, (k - 1)
+    # times the typical step. Steps that got faster as the run warmed up keep
+    # the window's median above the typical step for a while: the upper bound
+    # is loose (the exact sleep is checked below).
+    assert all(r["slowdown_s"] == 0 for r in base)
+    assert 2.3 < slow_ratio - base_ratio < 7.0
     # Each round's wall holds its compute and its sleep.
     assert (
         statistics.median(
