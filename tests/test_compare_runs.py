@@ -6,9 +6,8 @@ import json
 import logging
 import os
 
-import jax
 import pytest
-from jax.experimental.compilation_cache import compilation_cache
+from _jax_cache import compiling_into
 
 from experiments import compare
 from experiments.configs.suites import Suite
@@ -31,20 +30,8 @@ def shared_compiles(session_compile_cache):
     processes of ``--jobs`` read (``session_compile_cache``): a run here or in
     one of them loads the programs an earlier run of the same model compiled.
     The cache changes how long a compile takes, never a run's result."""
-    options = (
-        "jax_compilation_cache_dir",
-        "jax_persistent_cache_min_compile_time_secs",
-        "jax_persistent_cache_min_entry_size_bytes",
-    )
-    saved = {name: getattr(jax.config, name) for name in options}
-    compilation_cache.reset_cache()
-    jax.config.update(options[0], session_compile_cache)
-    jax.config.update(options[1], 0.0)
-    jax.config.update(options[2], 0)
-    yield
-    for name, value in saved.items():
-        jax.config.update(name, value)
-    compilation_cache.reset_cache()
+    with compiling_into(session_compile_cache):
+        yield
 
 
 def test_progress_then_resume_runs_only_what_is_missing(

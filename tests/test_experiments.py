@@ -24,7 +24,7 @@ import jax
 import numpy as np
 import optax
 import pytest
-from jax.experimental.compilation_cache import compilation_cache
+from _jax_cache import compiling_into
 
 from experiments import build, compare, registry, train
 from experiments.configs import common
@@ -73,20 +73,8 @@ PROCESSES_SMOKE_SCHEMES = [
 
 @pytest.fixture(scope="module", autouse=True)
 def _compilation_cache():
-    options = (
-        "jax_compilation_cache_dir",
-        "jax_persistent_cache_min_compile_time_secs",
-        "jax_persistent_cache_min_entry_size_bytes",
-    )
-    saved = {name: getattr(jax.config, name) for name in options}
-    compilation_cache.reset_cache()
-    jax.config.update(options[0], os.environ["HPSJAX_TESTS_JAX_CACHE"])
-    jax.config.update(options[1], 0.0)
-    jax.config.update(options[2], 0)
-    yield
-    for name, value in saved.items():
-        jax.config.update(name, value)
-    compilation_cache.reset_cache()
+    with compiling_into(os.environ["HPSJAX_TESTS_JAX_CACHE"]):
+        yield
 
 
 def _quick(scheme: str, backend: str = "sim"):
