@@ -247,13 +247,6 @@ class DeviceProfile:
                 )
             object.__setattr__(self, "step_spread", spread)
 
-    def spread_at(self, batch_size: float) -> float:
-        """The step's relative spread at ``batch_size``: interpolated between
-        the profiled sizes, the nearest one's outside them; 0 when unmeasured."""
-        if self.step_spread is None:
-            return 0.0
-        return float(np.interp(batch_size, self.batch_sizes, self.step_spread))
-
     @classmethod
     def synthetic(
         cls,
