@@ -363,8 +363,7 @@ class Injector:
           key: the step's shape (e.g. its batch sizes): the sleep is
             :math:`(k - 1)` times the median of the last :attr:`window` steps
             with this key, this one included (the profile's statistic too).
-            ``None``: :math:`(k - 1)` times
-            this step's own time.
+            ``None``: :math:`(k - 1)` times this step's own time.
         """
         if not compute_seconds >= 0:
             raise ValueError(f"compute_seconds must be >= 0, got {compute_seconds}")
