@@ -89,6 +89,17 @@ def _push_compression(
     ``push_bytes`` is one push's payload, what the profiling pass's link
     estimate uses: ``powersgd_nbytes`` per leaf for PowerSGD.
     """
+    layout = str(jax.tree.map(lambda x: f"{np.shape(x)} {np.dtype(x.dtype)}", params))
+    return build.reused(
+        "push compression",
+        (config.worker, int(config.seed), layout),
+        lambda: _make_push_compression(config, params),
+    )
+
+
+def _make_push_compression(
+    config: ml_collections.ConfigDict, params: Any
+) -> tuple[Any, Any, int]:
     from hpsjax.profiling import tree_wire_nbytes
     from hpsjax.transforms import Codec, power_sgd, quantize
 

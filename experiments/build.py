@@ -18,8 +18,11 @@ functions here, so a config means the same thing on either:
 
 from __future__ import annotations
 
+import collections
+import functools
+import json
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -66,6 +69,45 @@ class Setup(NamedTuple):
     eval_fn: Any
 
 
+_REUSED: collections.OrderedDict = collections.OrderedDict()
+_REUSED_KEPT = 64
+
+
+def reused(kind: str, settings: Any, make: Callable[[], Any]) -> Any:
+    """``make()``, or the object an earlier call of equal ``settings`` made.
+
+    The simulator and the server keep their compiled programs per optimizer,
+    transform and loss *object*; building equal settings into the same object
+    lets every run in a process that repeats them (a comparison's seeds, a
+    suite's schemes, a test session) reuse those programs instead of tracing
+    and compiling them again. What is built here is pure (optax transforms,
+    loss functions), so sharing it changes no result.
+
+    Args:
+      kind: what is built (part of the key).
+      settings: everything ``make`` reads, as config dicts, numbers or strings;
+        compared by value.
+      make: builds the object.
+    """
+    key = (kind, json.dumps(_plain(settings), sort_keys=True, default=repr))
+    hit = _REUSED.get(key)
+    if hit is None:
+        hit = _REUSED[key] = make()
+        while len(_REUSED) > _REUSED_KEPT:
+            _REUSED.popitem(last=False)
+    else:
+        _REUSED.move_to_end(key)
+    return hit
+
+
+def _plain(settings: Any) -> Any:
+    if isinstance(settings, ml_collections.ConfigDict):
+        return settings.to_dict()
+    if isinstance(settings, tuple | list):
+        return [_plain(s) for s in settings]
+    return settings
+
+
 def dataset_kwargs(config: ml_collections.ConfigDict) -> dict[str, Any]:
     """Keyword arguments of ``hpsjax.data.get_dataset`` for the config's data."""
     data = config.data
@@ -109,6 +151,15 @@ def setup(config: ml_collections.ConfigDict) -> Setup:
         **model_kwargs(config),
     ).model
     graphdef, params = models.split_model(model)
+    loss_fn, eval_fn = _model_functions(graphdef)
+    return Setup(train, test, graphdef, params, loss_fn, eval_fn)
+
+
+@functools.lru_cache(maxsize=16)
+def _model_functions(graphdef: Any) -> tuple[Callable, Callable]:
+    """The loss and the jitted evaluation of a model graph, one pair per graph
+    (equal graphs share them, and so their compiled programs)."""
+    from hpsjax import models
 
     def loss_fn(params, batch):
         return models.loss_fn(params, graphdef, batch)
@@ -120,7 +171,7 @@ def setup(config: ml_collections.ConfigDict) -> Setup:
             "accuracy": models.accuracy(params, graphdef, batch),
         }
 
-    return Setup(train, test, graphdef, params, loss_fn, eval_fn)
+    return loss_fn, eval_fn
 
 
 def server_optimizer(config: ml_collections.ConfigDict) -> optax.GradientTransformation:
@@ -131,6 +182,16 @@ def server_optimizer(config: ml_collections.ConfigDict) -> optax.GradientTransfo
     Clipped ASGD), the damping and the compensation see the raw update, the
     optimizer the result.
     """
+    return reused(
+        "server optimizer",
+        (config.server, len(config.workers.slowdowns)),
+        lambda: _server_optimizer(config),
+    )
+
+
+def _server_optimizer(
+    config: ml_collections.ConfigDict,
+) -> optax.GradientTransformation:
     from hpsjax.transforms import delay_compensation, scale_by_staleness
 
     server = config.server
@@ -199,10 +260,14 @@ def local_optimizer(
     if worker.local_optimizer == "none":
         return None
     make = registry.lookup("optimizer", worker.local_optimizer)
-    return make(
-        float(worker.local_learning_rate),
-        momentum=float(worker.local_momentum) or None,
-        **(worker.get("local_optimizer_args") or {}),
+    return reused(
+        "local optimizer",
+        config.worker,
+        lambda: make(
+            float(worker.local_learning_rate),
+            momentum=float(worker.local_momentum) or None,
+            **(worker.get("local_optimizer_args") or {}),
+        ),
     )
 
 
@@ -239,7 +304,7 @@ def hybrid_stages(config: ml_collections.ConfigDict) -> optax.GradientTransforma
     inner = local_optimizer(config)
     if inner is None:
         raise ValueError("ASHL's stages need worker.local_optimizer (local steps)")
-    return make_stages(
+    return reused("hybrid stages", (config.stages, config.worker), lambda: make_stages(
         [
             Stage(
                 inner,
@@ -257,7 +322,7 @@ def hybrid_stages(config: ml_collections.ConfigDict) -> optax.GradientTransforma
             ),
         ],
         loss_smoothing=0.9,
-    )
+    ))
 
 
 class LossSwitchedHybrid(PlannedHybrid):
