@@ -592,8 +592,14 @@ def test_processes_smoke(tmp_path, scheme, session_compile_cache):
         and not config.stages.enabled
     ):
         config.budget_seconds = 4.0
+    # The warm-up (every worker's first rounds against a throwaway server, so
+    # that the timed run loads its compiled step) is for timings, which these
+    # runs do not check; without it each run starts its workers once instead
+    # of twice. The H-PS smoke run below keeps it and checks it.
+    config.processes.warmup = False
     summary = train.train_and_evaluate(config, tmp_path, progress=False, formats=PNG)
     _check_processes_run(tmp_path, config, summary)
+    assert not (tmp_path / "workers" / "warmup.log").exists()
 
 
 def test_processes_smoke_of_hps_re_plans_on_the_server_and_workers_follow(
@@ -608,8 +614,13 @@ def test_processes_smoke_of_hps_re_plans_on_the_server_and_workers_follow(
     config.plan.replan_threshold = 1e-6
     config.plan.replan_cooldown = 0.0
     config.plan.replan_window = 2
+    assert config.processes.warmup
     summary = train.train_and_evaluate(config, tmp_path, progress=False, formats=PNG)
     _check_processes_run(tmp_path, config, summary)
+    # The warm-up ran every worker for its two rounds first.
+    for i in range(len(config.workers.slowdowns)):
+        warm = _read_jsonl(tmp_path / "workers" / "warmup" / f"metrics_{i}.jsonl")
+        assert 1 <= sum(r["event"] == "round" for r in warm) <= 2, warm
     replans = [
         r for r in _read_jsonl(tmp_path / "metrics.jsonl") if r["event"] == "replan"
     ]
