@@ -686,8 +686,12 @@ def test_a_worker_made_slow_mid_run_gets_less_work():
     w0, w1 = _rounds(records, "w0"), _rounds(records, "w1")
     assert w0[0]["batch_size"] == w1[0]["batch_size"] == 128
     assert w0[0]["plan_revision"] == 0
-    final = {entry.worker_id: entry.batch_size for entry in replanner.plan.workers}
-    assert replanner.plan.revision >= 1 and final["w0"] < final["w1"]
+    # Every revision keeps the global batch, so w0's round on fewer than half
+    # of it is a plan that gave w1 more. (The plan in force when the run stops
+    # can be a later revision, made from a noisy stretch of a loaded machine:
+    # one ended at 141 and 115 after w0 had run on less work.)
+    assert replanner.plan.revision >= 1
+    assert sum(w.batch_size for w in replanner.plan.workers) == 256
     moved = [r for r in w0 if less_work_after_the_slowdown(r)]
     assert moved, [(r["time"], r["plan_revision"], r["batch_size"]) for r in w0]
     assert all(r["lr_scale"] == 1.0 for r in moved)
