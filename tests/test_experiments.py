@@ -581,16 +581,13 @@ def _check_processes_run(workdir: pathlib.Path, config, summary: dict) -> None:
 )
 def test_processes_smoke(tmp_path, scheme, session_compile_cache):
     # The quick setting's 8 s: on a machine loaded ten times over, ASHL's first
-    # round of planned local steps took 7.5 s. A scheme of one local step a
-    # round, with no profiling pass and no stages, trains 4 s: its rounds take
-    # tens of milliseconds (at a load of 12, in 4 s, every worker of these
-    # seven schemes pushed 28 to 169 times and all made 9 evaluations).
+    # round of planned local steps took 7.5 s. A scheme with no profiling pass
+    # and no stages trains 4 s: its rounds take tens of milliseconds (at a load
+    # of 12, in 4 s, every worker of the seven schemes of one local step a
+    # round pushed 28 to 169 times and all made 9 evaluations), or a few
+    # hundred with 5 to 8 fixed local steps.
     config = _quick(scheme, backend="processes")
-    if (
-        config.worker.local_steps == 1
-        and config.plan.scheme == "none"
-        and not config.stages.enabled
-    ):
+    if config.plan.scheme == "none" and not config.stages.enabled:
         config.budget_seconds = 4.0
     # The warm-up (every worker's first rounds against a throwaway server, so
     # that the timed run loads its compiled step) is for timings, which these

@@ -134,7 +134,7 @@ class _SlowCompile(Worker):
     the other workers too (separate processes in a real run).
     """
 
-    DELAY = 12.0
+    DELAY = 5.0
 
     def _compile(self, args):
         compiled = super()._compile(args)
