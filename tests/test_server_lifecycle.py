@@ -273,9 +273,15 @@ def test_leaves_are_counted_by_reason_and_refusals_too(tmp_path):
                 if not server.core.live:
                     break
                 await asyncio.sleep(0.01)
-            await asyncio.sleep(0.1)
+            # A point before the one the close writes, so that the last has a
+            # rate of versions (a rate needs an earlier point).
+            for _ in range(1000):
+                if metrics._points:
+                    break
+                await asyncio.sleep(0.01)
 
     _run(main)
+    metrics.close()
     assert metrics._leaves == {"done": 1, "crashed": 1, "dropped": 0, "replaced": 0}
     assert metrics.dropped_workers == 1
     scalars = read_tensorboard(tmp_path)[""]
