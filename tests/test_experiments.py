@@ -580,20 +580,26 @@ def _check_processes_run(workdir: pathlib.Path, config, summary: dict) -> None:
     "scheme", [s for s in PROCESSES_SMOKE_SCHEMES if s != FAST_PROCESS_SCHEME]
 )
 def test_processes_smoke(tmp_path, scheme, session_compile_cache):
-    # The quick setting's 8 s: on a machine loaded ten times over, ASHL's first
-    # round of planned local steps took 7.5 s. A scheme with no profiling pass
-    # and no stages trains 4 s: its rounds take tens of milliseconds (at a load
-    # of 12, in 4 s, every worker of the seven schemes of one local step a
-    # round pushed 28 to 169 times and all made 9 evaluations), or a few
-    # hundred with 5 to 8 fixed local steps.
+    # No warm-up (every worker's first rounds against a throwaway server, so
+    # that the timed run loads its compiled step): it is for timings, which
+    # these runs do not check, and without it each run starts its workers once
+    # instead of twice. The H-PS smoke run below keeps it and checks it. The
+    # workers then compile inside the budget (3 s at a load of 4): the quick
+    # setting's 8 s, in which ASHL's first round of planned local steps once
+    # took 7.5 s on a machine loaded ten times over, and MuLoCo's synchronous
+    # rounds of 8 local steps made a version every second beside two busy
+    # processes. A scheme of one local step a round, with no profiling pass
+    # and no stages, trains 6 s: once compiled its rounds take tens of
+    # milliseconds (at a load of 12, in 4 s after a warm-up, every worker of
+    # these seven schemes pushed 28 to 169 times).
     config = _quick(scheme, backend="processes")
-    if config.plan.scheme == "none" and not config.stages.enabled:
-        config.budget_seconds = 4.0
-    # The warm-up (every worker's first rounds against a throwaway server, so
-    # that the timed run loads its compiled step) is for timings, which these
-    # runs do not check; without it each run starts its workers once instead
-    # of twice. The H-PS smoke run below keeps it and checks it.
     config.processes.warmup = False
+    if (
+        config.worker.local_steps == 1
+        and config.plan.scheme == "none"
+        and not config.stages.enabled
+    ):
+        config.budget_seconds = 6.0
     summary = train.train_and_evaluate(config, tmp_path, progress=False, formats=PNG)
     _check_processes_run(tmp_path, config, summary)
     assert not (tmp_path / "workers" / "warmup.log").exists()
