@@ -320,7 +320,8 @@ class Kernels:
     def __init__(self, loss_fn, treedef, local_optimizer, params):
         self.treedef = treedef
         self.value_and_grad = value_and_grad = jax.value_and_grad(loss_fn)
-        self.flops: dict[Any, float | None] = {}
+        # Per data layout: the FLOPs counted at each of (at most) two batch sizes.
+        self.flops: dict[Any, dict[int, float | None]] = {}
 
         def gather(data, idx):
             return jax.tree.map(lambda a: a[idx], data)
@@ -407,20 +408,32 @@ class Kernels:
         self.scale_leaves = jax.jit(scale_leaves)
 
     def gradient_flops(self, params: Any, data: Any, batch_size: int) -> float | None:
-        """XLA's FLOP count of one gradient on ``batch_size`` examples."""
+        """XLA's FLOP count of one gradient on ``batch_size`` examples.
+
+        Each count compiles the gradient, so two batch sizes are counted per
+        data layout and the rest follow the line through them: a gradient's
+        FLOPs are affine in the batch size (the same operations on a longer
+        batch axis, plus the parameters' own).
+        """
+        layout = tuple((a.shape[1:], a.dtype) for a in jax.tree.leaves(data))
+        counted = self.flops.setdefault(layout, {})
+        if batch_size in counted:
+            return counted[batch_size]
+        if len(counted) >= 2:
+            (b0, f0), (b1, f1) = list(counted.items())[:2]
+            if f0 is None or f1 is None:
+                return None
+            return f0 + (f1 - f0) * (batch_size - b0) / (b1 - b0)
         batch = jax.tree.map(
             lambda a: jax.ShapeDtypeStruct((batch_size, *a.shape[1:]), a.dtype), data
         )
         specs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
-        key = (batch_size, tuple((a.shape, a.dtype) for a in jax.tree.leaves(batch)))
-        if key in self.flops:
-            return self.flops[key]
         try:
             cost = jax.jit(self.value_and_grad).lower(specs, batch).cost_analysis()
             flops = float(cost["flops"]) if cost and "flops" in cost else None
         except Exception:  # a backend without cost analysis: batch as usual
             flops = None
-        self.flops[key] = flops
+        counted[batch_size] = flops
         return flops
 
 
@@ -836,9 +849,20 @@ def _stack_rows(rows: list[Leaves], pad: int) -> list[np.ndarray]:
 
 
 def _stack(state: Any, n: int) -> Any:
-    return jax.tree.map(
-        lambda x: jnp.broadcast_to(jnp.asarray(x), (n, *jnp.shape(x))).copy(), state
-    )
+    """``n`` copies of every leaf, stacked on a new first axis, on the device.
+
+    Built on the host and put on the device once (a leaf's broadcast and copy
+    as jitted calls would compile for every leaf shape); typed random keys,
+    which the host cannot hold, are broadcast on the device.
+    """
+
+    def stack(x):
+        if _is_key(x):
+            return jnp.broadcast_to(x, (n, *x.shape)).copy()
+        x = np.asarray(x, jnp.asarray(x).dtype)  # JAX's dtype of a Python number
+        return jax.device_put(np.ascontiguousarray(np.broadcast_to(x, (n, *x.shape))))
+
+    return jax.tree.map(stack, state)
 
 
 def _is_key(x: Any) -> bool:
