@@ -135,6 +135,7 @@ def test_the_devices_suite_at_smoke_size(tmp_path, session_compile_cache):
         progress=False,
         budget_seconds=4.0,
         devices="gpu:0, cpu:1",
+        formats=(),  # the table is checked, no figure
     )
     summaries = result["summaries"]
     assert [s["scheme"] for s in summaries] == ["hps", "asp"]
@@ -207,7 +208,7 @@ def test_a_diverging_processes_run_says_when_in_the_table(
     config = registry.load_config("asp", "quick")
     config.backend = "processes"
     config.server.learning_rate = 1e12  # the loss overflows within a few pushes
-    summary = train.train_and_evaluate(config, tmp_path, progress=False)
+    summary = train.train_and_evaluate(config, tmp_path, progress=False, formats=())
     diverged = summary["info"]["diverged"]
     assert diverged["worker"] in range(len(config.workers.slowdowns))
     assert 0 < diverged["time"] <= config.budget_seconds

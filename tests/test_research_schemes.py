@@ -315,7 +315,7 @@ def test_ashl_reference_on_processes_switches_and_pushes_top_k(tmp_path):
     config = registry.load_config("ashl_reference", "quick")
     config.backend = "processes"
     config.stages.switch_loss = 2.1  # switch to SHL early
-    summary = train.train_and_evaluate(config, tmp_path, progress=False)
+    summary = train.train_and_evaluate(config, tmp_path, progress=False, formats=())
     info = summary["info"]
     assert info["final_stage"] == 1
     ratios = info["plans"][0].get("compress_ratios")
