@@ -18,7 +18,6 @@ functions here, so a config means the same thing on either:
 
 from __future__ import annotations
 
-import collections
 import functools
 import json
 import math
@@ -31,6 +30,7 @@ import numpy as np
 import optax
 
 from experiments import registry
+from hpsjax._lru import LruCache
 from hpsjax.ps import Hybrid, HybridStage, PlannedHybrid
 
 __all__ = [
@@ -69,8 +69,7 @@ class Setup(NamedTuple):
     eval_fn: Any
 
 
-_REUSED: collections.OrderedDict = collections.OrderedDict()
-_REUSED_KEPT = 64
+_REUSED = LruCache(64)
 
 
 def reused(kind: str, settings: Any, make: Callable[[], Any]) -> Any:
@@ -90,14 +89,7 @@ def reused(kind: str, settings: Any, make: Callable[[], Any]) -> Any:
       make: builds the object.
     """
     key = (kind, json.dumps(_plain(settings), sort_keys=True, default=repr))
-    hit = _REUSED.get(key)
-    if hit is None:
-        hit = _REUSED[key] = make()
-        while len(_REUSED) > _REUSED_KEPT:
-            _REUSED.popitem(last=False)
-    else:
-        _REUSED.move_to_end(key)
-    return hit
+    return _REUSED.get(key, make)
 
 
 def _plain(settings: Any) -> Any:
@@ -304,25 +296,29 @@ def hybrid_stages(config: ml_collections.ConfigDict) -> optax.GradientTransforma
     inner = local_optimizer(config)
     if inner is None:
         raise ValueError("ASHL's stages need worker.local_optimizer (local steps)")
-    return reused("hybrid stages", (config.stages, config.worker), lambda: make_stages(
-        [
-            Stage(
-                inner,
-                mode="async",
-                local_steps=int(stages.ahl_local_steps),
-                max_staleness=int(stages.ahl_max_staleness),
-                plateau_window=int(stages.plateau_window),
-                plateau_threshold=float(stages.plateau_threshold),
-            ),
-            Stage(
-                inner,
-                mode="semi_async",
-                local_steps=int(stages.shl_local_steps),
-                max_staleness=int(stages.shl_max_staleness),
-            ),
-        ],
-        loss_smoothing=0.9,
-    ))
+    return reused(
+        "hybrid stages",
+        (config.stages, config.worker),
+        lambda: make_stages(
+            [
+                Stage(
+                    inner,
+                    mode="async",
+                    local_steps=int(stages.ahl_local_steps),
+                    max_staleness=int(stages.ahl_max_staleness),
+                    plateau_window=int(stages.plateau_window),
+                    plateau_threshold=float(stages.plateau_threshold),
+                ),
+                Stage(
+                    inner,
+                    mode="semi_async",
+                    local_steps=int(stages.shl_local_steps),
+                    max_staleness=int(stages.shl_max_staleness),
+                ),
+            ],
+            loss_smoothing=0.9,
+        ),
+    )
 
 
 class LossSwitchedHybrid(PlannedHybrid):

@@ -41,7 +41,6 @@ simulations of the same loss and transforms.
 
 from __future__ import annotations
 
-import collections
 import math
 from collections.abc import Callable
 from typing import Any
@@ -51,6 +50,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from hpsjax._lru import LruCache
 from hpsjax.ps._separable import all_finite
 from hpsjax.sim._deferred import LazyUpdate
 from hpsjax.transforms._quantize import QuantizeState
@@ -437,23 +437,8 @@ class Kernels:
         return flops
 
 
-_KERNELS: collections.OrderedDict = collections.OrderedDict()
-_KERNELS_KEPT = 32
-
-
-def _cached(key: Any, build: Callable[[], Any]) -> Any:
-    """``build()``, kept in a small cache under ``key`` when it is hashable."""
-    try:
-        hit = _KERNELS.get(key)
-    except TypeError:  # an unhashable loss or transform: build afresh
-        return build()
-    if hit is None:
-        hit = _KERNELS[key] = build()
-        while len(_KERNELS) > _KERNELS_KEPT:
-            _KERNELS.popitem(last=False)
-    else:
-        _KERNELS.move_to_end(key)
-    return hit
+# The kernels of recent combinations, kept between simulations.
+_KERNELS = LruCache(32)
 
 
 def _layout(params: Any) -> tuple:
@@ -464,7 +449,7 @@ def _layout(params: Any) -> tuple:
 def kernels(loss_fn, params, local_optimizer) -> Kernels:
     """The :class:`Kernels` of a combination, from a small cache when possible."""
     treedef, signature = _layout(params)
-    return _cached(
+    return _KERNELS.get(
         ("grad", loss_fn, treedef, signature, local_optimizer),
         lambda: Kernels(loss_fn, treedef, local_optimizer, params),
     )
@@ -473,7 +458,7 @@ def kernels(loss_fn, params, local_optimizer) -> Kernels:
 def push_kernel(params, push_transform) -> PushKernel:
     """The :class:`PushKernel` of a layout and transform, cached likewise."""
     treedef, signature = _layout(params)
-    return _cached(
+    return _KERNELS.get(
         ("push", treedef, signature, push_transform),
         lambda: PushKernel(treedef, push_transform),
     )
