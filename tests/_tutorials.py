@@ -47,7 +47,8 @@ CLAIMS = {
         " 'results': {k: {'versions': r.num_updates,"
         " 'idle': r.idle_fraction(),"
         " 'accuracy': float(r.metrics['accuracy'][-1]),"
-        " 'loss': float(r.metrics['loss'][-1])}"
+        " 'loss': float(r.metrics['loss'][-1]),"
+        " 'late_loss': float(sum(r.metrics['loss'][-5:]) / 5)}"
         " for k, r in results.items()}}"
     ),
     "04_custom_scheme.ipynb": (

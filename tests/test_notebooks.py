@@ -209,11 +209,14 @@ def _heterogeneity_claims(v):
     assert v["balanced"] == (planned["hps"] < planned["equal"] / 2), v
     if v["balanced"]:
         # "in the same time it applies two to three times as many versions, its
-        # workers are idle a fraction of the time BSP's are, and its test loss
-        # ends well below BSP's".
+        # workers are idle a fraction of the time BSP's are, and over its last
+        # evaluations its test loss stays well below BSP's" (the mean of the
+        # last five of 30: late in the run H-PS's curve spikes, from about 1.0
+        # to 1.3-1.6 in three runs beside two busy processes, and one run's
+        # final point, 1.72, was no lower than BSP's).
         assert hps["versions"] >= 2 * bsp["versions"], results
         assert hps["idle"] < bsp["idle"] / 2, results
-        assert hps["loss"] < 0.9 * bsp["loss"], results
+        assert hps["late_loss"] < 0.9 * bsp["late_loss"], results
     else:
         # "H-PS cannot balance the round, and its workers sit idle about as
         # much as BSP's".
