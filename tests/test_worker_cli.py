@@ -7,10 +7,12 @@ import ssl
 import subprocess
 import sys
 
+import jax
+import jax.numpy as jnp
 import optax
 import pytest
 
-from hpsjax import ps
+from hpsjax import models, ps
 from hpsjax.ps import _cli as server_cli
 from hpsjax.worker import _build as worker_build
 from hpsjax.worker import _cli as worker_cli
@@ -46,6 +48,38 @@ async def _join(server_params, args, **server_kw):
 def test_the_same_model_joins(tmp_path):
     server = _server_params(tmp_path, "--model_arg", "hidden=[32]")
     asyncio.run(_join(server, _args("--model_arg", "hidden=[32]")))
+
+
+def test_a_training_worker_builds_its_model_for_shapes_only(monkeypatch):
+    # Its values come from the server: the initializers run no program.
+    args = _args("--model_arg", "hidden=[32]")
+    train = worker_build.train_shard(args, None, 0, 1)
+    graphdef, params, stats = worker_build.model_structure(args, train)
+    assert stats is None
+    assert all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(params))
+    # The same structure, shapes and dtypes as the model built for real.
+    real_graphdef, real, _ = models.split_trainable(
+        worker_build.make_model(args, train)
+    )
+    assert graphdef == real_graphdef
+    assert jax.tree.map(lambda x: (x.shape, x.dtype), params) == jax.tree.map(
+        lambda x: (x.shape, x.dtype), real
+    )
+    # A model with batch statistics is built for real: they start from its values.
+    args = _args("--model", "resnet", "--dataset_arg", "image_size=8")
+    train = worker_build.train_shard(args, None, 0, 1)
+    _, params, stats = worker_build.model_structure(args, train)
+    assert stats is not None
+    assert all(isinstance(x, jax.Array) for x in jax.tree.leaves((params, stats)))
+    # So is one whose factory looks at a value.
+    monkeypatch.setattr(
+        worker_build, "make_model",
+        lambda args, train: float(jnp.ones(())) and models.get_model(
+            "mlp", input_shape=train.input_shape, num_classes=10, hidden=(4,)
+        ),
+    )  # fmt: skip
+    _, params, _ = worker_build.model_structure(_args(), train)
+    assert all(isinstance(x, jax.Array) for x in jax.tree.leaves(params))
 
 
 @pytest.mark.parametrize(

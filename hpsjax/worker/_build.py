@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from flax import nnx
 
 from hpsjax import data, models, profiling, ps
 from hpsjax._config_flags import config_kwargs
@@ -61,6 +62,7 @@ __all__ = [
     "make_progress",
     "make_sharded_client",
     "measure_step",
+    "model_structure",
     "read_secret",
     "server_address",
     "server_tree",
@@ -131,6 +133,39 @@ def make_model(args: argparse.Namespace, train):
         seed=args.model_seed,
         **dict(args.model_arg),
     )
+
+
+# What a model factory may raise when it is traced for shapes only (it looks at
+# a value); it is then built for real.
+_NEEDS_VALUES = (
+    jax.errors.ConcretizationTypeError,
+    jax.errors.TracerArrayConversionError,
+    jax.errors.TracerIntegerConversionError,
+)
+
+
+def model_structure(args: argparse.Namespace, train):
+    """``(graphdef, params, batch_stats)`` of the flags' model, for training.
+
+    A training worker takes its parameters' values from the server when it
+    joins: its own are needed only for their paths, shapes and dtypes (the
+    check against the server's model, a sharded client's partition). So the
+    model is built for shapes only (``nnx.eval_shape``: ``params`` holds
+    ``jax.ShapeDtypeStruct`` leaves), which runs none of the initializers'
+    programs: each would be compiled, or loaded from the compilation cache,
+    at every start. A model with batch statistics (they stay on the worker and
+    start from the model's own values) or whose factory needs values is built
+    for real.
+    """
+    try:
+        abstract = nnx.eval_shape(lambda: make_model(args, train))
+    except _NEEDS_VALUES:
+        abstract = None
+    if abstract is not None:
+        graphdef, params, batch_stats = models.split_trainable(abstract)
+        if batch_stats is None:
+            return graphdef, params, None
+    return models.split_trainable(make_model(args, train))
 
 
 def write_init(args: argparse.Namespace, path: str | pathlib.Path) -> None:
@@ -240,7 +275,9 @@ class Watched:
 
 def build(args: argparse.Namespace, *, metrics=None):
     """``(worker, client, params, graphdef)``: :func:`build_worker`, its client
-    (which keeps the last pulled parameters with ``--eval_every``) and model."""
+    (which keeps the last pulled parameters with ``--eval_every``) and model
+    (``params`` as :func:`model_structure` gives them: shapes, unless the model
+    has batch statistics)."""
 
     servers = args.servers
     if servers is not None and args.port is not None:
@@ -262,7 +299,7 @@ def build(args: argparse.Namespace, *, metrics=None):
     if args.compress_from_stage is not None and work_plan is None:
         raise ValueError("--compress_from_stage needs --work_plan (the ratio)")
     train = train_shard(args, work_plan, index, count)
-    graphdef, params, batch_stats = models.split_trainable(make_model(args, train))
+    graphdef, params, batch_stats = model_structure(args, train)
     if len(servers) > 1:
         client = make_sharded_client(args, servers, params)
     else:
