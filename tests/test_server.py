@@ -7,6 +7,7 @@ import shutil
 import ssl
 import subprocess
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -184,6 +185,37 @@ def test_asp_several_clients(loop):
                 await c.close()
 
     _run(main, loop=loop)
+
+
+@pytest.mark.parametrize("device", [None, "cpu:0"])
+def test_a_stateful_optimizer_is_compiled_once(device):
+    # Adam's count starts uncommitted; on a server placed on a device its
+    # state is placed there too, or the second update compiles the step again.
+    async def main():
+        params = _params()
+        server = Server(params, optax.adam(0.1), "asp", secret=SECRET, device=device)
+        async with server:
+            c = _client(server, "w0")
+            await c.connect()
+            for _ in range(4):
+                _, version = await c.pull()
+                await c.push(_update(1.0), version=version)
+            await c.close()
+            assert server.version == 4
+            steps = server.core._agg._steps
+            assert steps.checked_apply._cache_size() == 1
+            # So is a state restored from numpy arrays (a checkpoint).
+            state = jax.tree.map(np.asarray, server.core.opt_state)
+            server.core._agg.restore(*server.core._agg.check_restore(None, state))
+            c = _client(server, "w0")
+            await c.connect()
+            for _ in range(2):
+                _, version = await c.pull()
+                await c.push(_update(1.0), version=version)
+            await c.close()
+            assert steps.checked_apply._cache_size() == 1
+
+    _run(main)
 
 
 def test_bsp_rounds_wait_for_everyone():

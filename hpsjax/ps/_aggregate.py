@@ -110,6 +110,20 @@ class _Steps(NamedTuple):
     checked_accumulate: Any
 
 
+def _placed_like(tree: Any, leaf: jax.Array) -> Any:
+    """``tree`` committed to ``leaf``'s device where ``leaf`` is committed to
+    one (the server's ``device``), else as it is.
+
+    A jitted step called first with an uncommitted state (an optimizer's
+    ``init`` makes its counts uncommitted) and then with its own committed
+    output is compiled twice.
+    """
+    if not getattr(leaf, "committed", False) or len(leaf.devices()) != 1:
+        return tree
+    (device,) = leaf.devices()
+    return jax.device_put(tree, device)
+
+
 @functools.lru_cache(maxsize=32)
 def _make_steps(optimizer: optax.GradientTransformation) -> _Steps:
     """Jitted apply, accumulate and check steps for one optimizer.
@@ -209,7 +223,7 @@ class Aggregator:
         self._shapes = tuple(x.shape for x in leaves)
         self._dtypes = tuple(x.dtype for x in leaves)
         self._params = jax.tree.unflatten(treedef, leaves)
-        self._opt_state = optimizer.init(self._params)
+        self._opt_state = _placed_like(optimizer.init(self._params), leaves[0])
         self._optimizer = optimizer
         self._steps = _make_steps(optimizer)
         self._leaf_paths = tuple(
@@ -513,14 +527,19 @@ class Aggregator:
                     "params to restore differ in structure, shape or dtype from the "
                     "core's parameters."
                 )
-            new_params = jax.tree.unflatten(treedef, [jnp.asarray(x) for x in leaves])
+            new_params = _placed_like(
+                jax.tree.unflatten(treedef, [jnp.asarray(x) for x in leaves]),
+                jax.tree.leaves(self._params)[0],
+            )
         new_opt_state = None
         if opt_state is not None:
             if jax.tree.structure(opt_state) != jax.tree.structure(self._opt_state):
                 raise ValueError(
                     "opt_state to restore differs in structure from the optimizer's."
                 )
-            new_opt_state = jax.tree.map(jnp.asarray, opt_state)
+            new_opt_state = _placed_like(
+                jax.tree.map(jnp.asarray, opt_state), jax.tree.leaves(self._params)[0]
+            )
         return new_params, new_opt_state
 
     def restore(self, params: Any, opt_state: Any) -> None:

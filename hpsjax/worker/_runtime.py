@@ -1095,7 +1095,8 @@ class Worker:
                 error_feedback=self._config.error_feedback,
                 seed=self._config.seed,
             )
-            self._topk = (ratio, jax.jit(tx.update), tx.init(update))
+            state = jax.device_put(tx.init(update), self._devices[0])
+            self._topk = (ratio, jax.jit(tx.update), state)
         _, apply, state = self._topk
         _, state = apply(update, state)
         self._topk = (ratio, apply, state)
@@ -1195,8 +1196,12 @@ class Worker:
         self._spec_like = jax.tree.map(
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params
         )
+        # States are committed to the home device, as every step's outputs
+        # are: a jitted function called with an uncommitted state, then with
+        # its own committed output, is compiled twice (the second time on the
+        # second push, which waited for it).
         if self._tx is not None:
-            self._opt_state = self._tx.init(device_params)
+            self._opt_state = jax.device_put(self._tx.init(device_params), home)
             if len(self._devices) > 1:
                 self._apply = self._apply_fn()
         config = self._config
@@ -1206,7 +1211,9 @@ class Worker:
             or config.push_transform is not None
         ):
             self._make_compressor()
-            self._compressor_state = self._compressor.init(device_params)
+            self._compressor_state = jax.device_put(
+                self._compressor.init(device_params), home
+            )
 
     def _warm_compressor(self) -> None:
         """Traces and compiles the compressor's update on zeros, its state
