@@ -181,6 +181,8 @@ def run_sim(
     Schemes with a work plan first run the profiling pass on the simulated
     workers (:func:`experiments.build.simulated_profiles`); its virtual time is
     charged to the scheme: training starts after it, within the same budget.
+    The run ends at the budget, or once the server made ``max_updates``
+    versions.
 
     Args:
       config: the experiment config (``backend="sim"``).
@@ -249,6 +251,7 @@ def run_sim(
         eager_pulls=int(config.worker.eager_pulls),
         staleness_lr=config.worker.staleness_lr,
         duration=duration,
+        max_updates=config.get("max_updates"),
         eval_every=float(config.eval.every_seconds),
         eval_batch_size=int(config.eval.batch_size),
         core_kwargs=build.core_kwargs(config, work_plan),
@@ -802,11 +805,15 @@ async def _serve_and_train(
         t0 = time.monotonic()
         bar = _progress_bar(progress, offset + duration, "s")
         every = float(config.eval.every_seconds)
+        max_updates = config.get("max_updates")
         snapshots.append((0.0, server.core.version, server.core.params))
         next_eval = every
         while True:
             elapsed = time.monotonic() - t0
-            if elapsed >= next_eval or elapsed >= duration:
+            end = elapsed >= duration or (
+                max_updates is not None and server.core.version >= max_updates
+            )
+            if elapsed >= next_eval or end:
                 # Parameters are immutable arrays replaced at each update, so a
                 # reference is a snapshot; evaluation waits until the end.
                 snapshots.append(
@@ -816,7 +823,7 @@ async def _serve_and_train(
                 if bar is not None:
                     bar.update(round(offset + min(elapsed, duration) - bar.n, 6))
                     bar.set_postfix(v=server.core.version)
-            if elapsed >= duration:
+            if end:
                 break
             reason = run.poll()
             if reason is not None:
@@ -1015,7 +1022,8 @@ def run_processes(
     slowdown and link cap injected. The server holds every pull until all
     workers joined; time 0 is that moment. The parameters are snapshot every
     ``eval.every_seconds`` and evaluated on the test set after the run, so
-    evaluation takes no time from training. After ``budget_seconds`` the workers
+    evaluation takes no time from training. After ``budget_seconds``, or once
+    the server made ``max_updates`` versions (checked every 20 ms), the workers
     get SIGTERM, finish their round and push it.
 
     Schemes with a work plan are profiled first, in place (see

@@ -477,6 +477,27 @@ def test_sim_smoke(tmp_path, scheme):
         assert summary["info"]["plans"]
 
 
+def test_a_simulated_run_ends_at_max_updates(tmp_path):
+    config = _quick("asp")
+    config.max_updates = 25
+    summary = train.train_and_evaluate(config, tmp_path, progress=False, formats=())
+    assert summary["updates"] == 25
+    evals = [r for r in _read_jsonl(tmp_path / "metrics.jsonl") if r["event"] == "eval"]
+    assert evals[-1]["version"] == 25
+    assert evals[-1]["time"] < config.budget_seconds
+    assert all(e["version"] < 25 for e in evals[:-1])
+
+
+@pytest.mark.parametrize("value", [0, -3, True])
+def test_a_bad_max_updates_is_one_line_and_runs_nothing(tmp_path, value):
+    config = _quick("asp")
+    config.max_updates = value
+    with pytest.raises(ValueError, match="max_updates must be a whole number") as e:
+        train.train_and_evaluate(config, tmp_path / "out", progress=False)
+    assert "\n" not in str(e.value)
+    assert not (tmp_path / "out").exists()
+
+
 def test_sim_run_with_power_sgd_pushes_its_factors(tmp_path):
     from hpsjax.transforms import powersgd_nbytes
 
@@ -575,6 +596,10 @@ def _check_processes_run(workdir: pathlib.Path, config, summary: dict) -> None:
     assert summary["info"]["worker_returncodes"] == [0] * len(config.workers.slowdowns)
 
 
+# The versions a processes smoke run ends at: one local step a round, several.
+SMOKE_UPDATES = {False: 100, True: 20}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "scheme", [s for s in PROCESSES_SMOKE_SCHEMES if s != FAST_PROCESS_SCHEME]
@@ -593,13 +618,29 @@ def test_processes_smoke(tmp_path, scheme, session_compile_cache):
     # (once compiled its rounds take tens of milliseconds; at a load of 12,
     # in 4 s after a warm-up, every worker of these seven schemes pushed 28
     # to 169 times).
+    #
+    # Each run ends at SMOKE_UPDATES versions where that comes before the
+    # budget (on an idle machine in 1 to 4 s), evaluated every 0.2 s so as to
+    # evaluate at least three times; the budget is for a loaded machine. The
+    # server holds the first pull until every worker joined, and every worker
+    # pushed by version 20 in every scheme's run to the budget (the slowest
+    # pushes about a quarter of the versions: the quick setting's rounds are
+    # mostly the link's and the server's), so each worker pushes many times.
     config = _quick(scheme, backend="processes")
     config.processes.warmup = False
     if config.plan.scheme == "none" and not config.stages.enabled:
         config.budget_seconds = 5.0 if config.worker.local_steps == 1 else 6.0
+    config.max_updates = SMOKE_UPDATES[config.worker.local_steps > 1]
+    config.eval.every_seconds = 0.2
     summary = train.train_and_evaluate(config, tmp_path, progress=False, formats=PNG)
     _check_processes_run(tmp_path, config, summary)
     assert not (tmp_path / "workers" / "warmup.log").exists()
+    # It ended at the first evaluation at its versions (or at the budget,
+    # before them).
+    evals = [r for r in _read_jsonl(tmp_path / "metrics.jsonl") if r["event"] == "eval"]
+    assert all(e["version"] < config.max_updates for e in evals[:-1])
+    if evals[-1]["version"] < config.max_updates:
+        assert evals[-1]["time"] == pytest.approx(config.budget_seconds)
 
 
 def test_processes_smoke_of_hps_re_plans_on_the_server_and_workers_follow(

@@ -196,6 +196,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # Virtual seconds (sim) or wall seconds after every worker joined
     # (processes); the same budget for every scheme of a setting.
     config.budget_seconds = s["budget_seconds"]
+    # End the run sooner, once the server made this many versions (None: the
+    # budget alone ends it).
+    config.max_updates = config_dict.placeholder(int)
     # Samples per local step of each worker; a work plan re-divides
     # batch_size * num_workers among the workers.
     config.batch_size = 32
