@@ -315,6 +315,9 @@ def test_ashl_reference_on_processes_switches_and_pushes_top_k(tmp_path):
     config = registry.load_config("ashl_reference", "quick")
     config.backend = "processes"
     config.stages.switch_loss = 2.1  # switch to SHL early
+    # No warm-up (its workers' first rounds against a throwaway server are for
+    # timings, which this run does not check): its workers start once.
+    config.processes.warmup = False
     summary = train.train_and_evaluate(config, tmp_path, progress=False, formats=())
     info = summary["info"]
     assert info["final_stage"] == 1
