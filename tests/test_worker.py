@@ -578,10 +578,13 @@ def test_slowdown_schedule_changes_mid_run():
         i = rounds.index(r)
         recent = computes[max(0, i - Injector.window + 1) : i + 1]
         assert r["slowdown_s"] == pytest.approx(4 * statistics.median(recent))
-    wall = statistics.median(_compute_wall(r) for r in after) / statistics.median(
-        r["compute_s"] for r in after
+    # And each of those rounds spent it: its wall holds its compute and its
+    # sleep (a timer may fire a millisecond early). A ratio of medians of wall
+    # to compute fell to 3.4 beside busy processes, steps varying as they do.
+    assert all(
+        _compute_wall(r) >= r["compute_s"] + r["slowdown_s"] - 0.002 for r in after
     )
-    assert wall > 3.5
+    assert all(r["slowdown_s"] > 0 for r in after)
 
 
 def test_bandwidth_cap_delays_transfers():
