@@ -36,6 +36,19 @@ import pytest
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
+# The session's programs are small and run briefly: compiling them is most of
+# their time, and LLVM's optimization passes most of a compile. Without them
+# (XLA_FLAGS, read by every test process and by the processes it starts) the
+# suite spends about a fifth less CPU (test_sim.py, test_quantize.py: 73 ->
+# 53 CPU-s; the tutorials and the decisions regression: 142 -> 114). XLA's
+# numerics do not depend on it (no fast-math either way): the regression
+# fixtures and the tutorials' claims hold with it. Users' runs and the
+# benchmarks keep XLA's default level; a level given in XLA_FLAGS is kept.
+if "--xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = " ".join(
+        [os.environ.get("XLA_FLAGS", ""), "--xla_backend_optimization_level=0"]
+    ).strip()
+
 _SESSION_CACHE = "HPSJAX_TESTS_JAX_CACHE"
 # The tutorials executed this session (tests/_tutorials.py).
 _SESSION_TUTORIALS = "HPSJAX_TESTS_TUTORIALS"
