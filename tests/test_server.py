@@ -191,28 +191,27 @@ def test_asp_several_clients(loop):
 def test_a_stateful_optimizer_is_compiled_once(device):
     # Adam's count starts uncommitted; on a server placed on a device its
     # state is placed there too, or the second update compiles the step again.
+    async def push(server, times):
+        c = _client(server, "w0")
+        await c.connect()
+        for _ in range(times):
+            _, version = await c.pull()
+            await c.push(_update(1.0), version=version)
+        await c.close()
+
     async def main():
         params = _params()
         server = Server(params, optax.adam(0.1), "asp", secret=SECRET, device=device)
         async with server:
-            c = _client(server, "w0")
-            await c.connect()
-            for _ in range(4):
-                _, version = await c.pull()
-                await c.push(_update(1.0), version=version)
-            await c.close()
+            await push(server, 4)
             assert server.version == 4
             steps = server.core._agg._steps
             assert steps.checked_apply._cache_size() == 1
             # So is a state restored from numpy arrays (a checkpoint).
             state = jax.tree.map(np.asarray, server.core.opt_state)
             server.core._agg.restore(*server.core._agg.check_restore(None, state))
-            c = _client(server, "w0")
-            await c.connect()
-            for _ in range(2):
-                _, version = await c.pull()
-                await c.push(_update(1.0), version=version)
-            await c.close()
+            await push(server, 2)
+            assert server.version == 6
             assert steps.checked_apply._cache_size() == 1
 
     _run(main)
