@@ -27,6 +27,7 @@ from typing import Any
 import ml_collections
 import optax
 
+from hpsjax._checks import check_int
 from hpsjax._optimizers import OptimizerRegistry
 from hpsjax.worker import OVERLAP_MODES
 
@@ -269,15 +270,7 @@ def check_config(config: ml_collections.ConfigDict) -> None:
         raise ValueError("data.name='npz' needs data.path (the .npz file)")
     if config.data.name == "npz" and not pathlib.Path(config.data.path).is_file():
         raise FileNotFoundError(f"data.path: no .npz file at {config.data.path!r}")
-    max_updates = config.get("max_updates")
-    if max_updates is not None and (
-        isinstance(max_updates, bool)
-        or not isinstance(max_updates, int)
-        or max_updates < 1
-    ):
-        raise ValueError(
-            f"max_updates must be a whole number >= 1 or None, got {max_updates!r}"
-        )
+    check_int("max_updates", config.get("max_updates"), low=1, allow_none=True)
     speeds = tuple(config.workers.slowdowns)
     if not speeds or any(not s >= 1 for s in speeds):
         raise ValueError(

@@ -492,7 +492,9 @@ def test_a_simulated_run_ends_at_max_updates(tmp_path):
 def test_a_bad_max_updates_is_one_line_and_runs_nothing(tmp_path, value):
     config = _quick("asp")
     config.max_updates = value
-    with pytest.raises(ValueError, match="max_updates must be a whole number") as e:
+    with pytest.raises(
+        ValueError, match="max_updates must be an int >= 1 or None"
+    ) as e:
         train.train_and_evaluate(config, tmp_path / "out", progress=False)
     assert "\n" not in str(e.value)
     assert not (tmp_path / "out").exists()

@@ -516,6 +516,8 @@ class Aggregator:
         Raises:
           ValueError: they differ in structure, shape or dtype.
         """
+        # A leaf of the current parameters: where the restored trees go.
+        home = jax.tree.leaves(self._params)[0]
         new_params = None
         if params is not None:
             leaves, treedef = jax.tree.flatten(params)
@@ -528,8 +530,7 @@ class Aggregator:
                     "core's parameters."
                 )
             new_params = _placed_like(
-                jax.tree.unflatten(treedef, [jnp.asarray(x) for x in leaves]),
-                jax.tree.leaves(self._params)[0],
+                jax.tree.unflatten(treedef, [jnp.asarray(x) for x in leaves]), home
             )
         new_opt_state = None
         if opt_state is not None:
@@ -537,9 +538,7 @@ class Aggregator:
                 raise ValueError(
                     "opt_state to restore differs in structure from the optimizer's."
                 )
-            new_opt_state = _placed_like(
-                jax.tree.map(jnp.asarray, opt_state), jax.tree.leaves(self._params)[0]
-            )
+            new_opt_state = _placed_like(jax.tree.map(jnp.asarray, opt_state), home)
         return new_params, new_opt_state
 
     def restore(self, params: Any, opt_state: Any) -> None:
