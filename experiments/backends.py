@@ -240,6 +240,7 @@ def run_sim(
                 }
             ),
         )
+    info["overlap"] = _overlap(config, work_plan)
     sim_config = SimConfig(
         policy=policy,
         policy_kwargs=policy_kwargs or None,
@@ -247,7 +248,7 @@ def run_sim(
         local_optimizer=local_optimizer,
         push_transform=push_transform,
         codec=codec,
-        overlap=registry.lookup("overlap", config.worker.overlap),
+        overlap=info["overlap"],
         eager_pulls=int(config.worker.eager_pulls),
         staleness_lr=config.worker.staleness_lr,
         duration=duration,
@@ -367,6 +368,18 @@ def run_sim(
     return RunOutput(evals, workers, timelines, records, info)
 
 
+def _overlap(config: ml_collections.ConfigDict, work_plan: Any) -> str:
+    """The workers' overlap: ``worker.overlap``, or where
+    ``plan.overlap_link_share`` is set and there is a plan, the plan's choice
+    (:func:`hpsjax.profiling.choose_overlap`)."""
+    from hpsjax.profiling import choose_overlap
+
+    share = config.plan.get("overlap_link_share")
+    if share is None or work_plan is None:
+        return registry.lookup("overlap", config.worker.overlap)
+    return choose_overlap(work_plan, float(share))
+
+
 def _with_startup(config: ml_collections.ConfigDict, specs: list[Any]) -> list[Any]:
     """``specs`` with ``config.workers.startup_times`` as their start-up times
     (after the profiling pass, which measures warm workers)."""
@@ -428,6 +441,7 @@ def _own_flags(
     """Worker ``index``'s flags but its identity and the server's address,
     which :class:`hpsjax.launch.Job` adds."""
     from experiments.build import dataset_kwargs, model_kwargs, slowdown_schedule
+    from hpsjax.profiling import WorkPlan
 
     flags = [
         "--model", config.model.name, "--model_seed", str(config.model.seed),
@@ -472,7 +486,8 @@ def _own_flags(
     if worker.staleness_lr is not None:
         registry.lookup("staleness policy", worker.staleness_lr)
         flags += ["--staleness_lr", worker.staleness_lr]
-    overlap = registry.lookup("overlap", worker.overlap)
+    plan = None if plan_file is None else WorkPlan.from_json(plan_file.read_text())
+    overlap = _overlap(config, plan)
     flags += ["--overlap", overlap]
     if overlap == "eager":
         flags += ["--eager_pulls", str(int(worker.eager_pulls))]

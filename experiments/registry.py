@@ -13,8 +13,9 @@ Examples:
   Traceback (most recent call last):
   ...
   ValueError: unknown optimizer 'sgdd'; valid names: adam, delayed_nesterov, \
-momentum, nesterov, ordered_momentum, sgd, streaming_local, streaming_nesterov \
-or any optimizer of optax or optax.contrib (closest: sgd, dpsgd, amsgrad)
+lookahead_momentum, momentum, nesterov, ordered_momentum, sgd, streaming_local, \
+streaming_nesterov or any optimizer of optax or optax.contrib (closest: sgd, \
+dpsgd, amsgrad)
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from typing import Any
 import ml_collections
 import optax
 
-from hpsjax._checks import check_int
+from hpsjax._checks import check_fraction, check_int
 from hpsjax._optimizers import OptimizerRegistry
 from hpsjax.worker import OVERLAP_MODES
 
@@ -247,6 +248,10 @@ def check_config(config: ml_collections.ConfigDict) -> None:
     lookup("overlap", config.worker.overlap)
     lookup("plan scheme", config.plan.scheme)
     lookup("lr scaling", config.plan.lr_scaling)
+    if config.plan.get("overlap_link_share") is not None:
+        check_fraction("plan.overlap_link_share", config.plan.overlap_link_share)
+        if config.plan.scheme == "none":
+            raise ValueError("plan.overlap_link_share needs a plan.scheme")
     if config.worker.local_optimizer != "none":
         lookup("optimizer", config.worker.local_optimizer)
     elif config.worker.local_steps != 1:

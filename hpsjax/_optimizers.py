@@ -23,8 +23,9 @@ Examples:
   Traceback (most recent call last):
   ...
   ValueError: unknown optimizer 'adamm'; valid names: adam, delayed_nesterov, \
-momentum, nesterov, ordered_momentum, sgd, streaming_local, streaming_nesterov \
-or any optimizer of optax or optax.contrib (closest: adam, radam, nadam)
+lookahead_momentum, momentum, nesterov, ordered_momentum, sgd, streaming_local, \
+streaming_nesterov or any optimizer of optax or optax.contrib (closest: adam, \
+radam, nadam)
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ import optax
 from hpsjax.transforms import (
     delayed_nesterov,
     diloco_outer,
+    lookahead_momentum,
     ordered_momentum,
     streaming_local,
     streaming_outer,
@@ -92,6 +94,12 @@ def _delayed_nesterov(learning_rate, *, momentum=None, **kwargs):
     )
 
 
+def _lookahead_momentum(learning_rate, *, momentum=None, **kwargs):
+    return lookahead_momentum(
+        learning_rate, momentum=0.9 if momentum is None else momentum, **kwargs
+    )
+
+
 def _ordered_momentum(learning_rate, *, momentum=None, **kwargs):
     return ordered_momentum(
         learning_rate, momentum=0.9 if momentum is None else momentum, **kwargs
@@ -123,6 +131,7 @@ OPTIMIZERS: Mapping[str, Callable[..., optax.GradientTransformation]] = {
     "adam": _adam,
     "nesterov": _nesterov,
     "delayed_nesterov": _delayed_nesterov,
+    "lookahead_momentum": _lookahead_momentum,
     "ordered_momentum": _ordered_momentum,
     "streaming_local": _streaming_local,
     "streaming_nesterov": _streaming_nesterov,
@@ -134,7 +143,11 @@ not 0), ``momentum`` SGD with heavy-ball momentum 0.9 (or ``momentum``),
 ``adam`` optax's Adam (``momentum`` unused), ``nesterov`` DiLoCo's outer
 optimizer (``hpsjax.transforms.diloco_outer``) and ``delayed_nesterov`` the
 outer optimizer of asynchronous local SGD (``hpsjax.transforms.delayed_nesterov``,
-keyword ``delay``), ``ordered_momentum`` OrMo's server momentum
+keyword ``delay``), ``lookahead_momentum`` heavy-ball momentum whose
+parameters run ahead by each update's staleness
+(``hpsjax.transforms.lookahead_momentum``, momentum 0.9 unless given, keyword
+``gamma``: the step's factor per version of staleness), ``ordered_momentum``
+OrMo's server momentum
 (``hpsjax.transforms.ordered_momentum``, momentum 0.9 unless given);
 ``streaming_local`` Streaming DiLoCo's inner optimizer
 (``hpsjax.transforms.streaming_local`` around the optimizer named by keyword

@@ -20,6 +20,7 @@ import pytest
 
 from hpsjax.transforms._frontier import ordered_momentum, sparseloco
 from hpsjax.transforms._local_steps import local_steps
+from hpsjax.transforms._lookahead import lookahead_momentum
 from hpsjax.transforms._outer import delayed_nesterov, diloco_outer
 from hpsjax.transforms._powersgd import power_sgd
 from hpsjax.transforms._quantize import quantize
@@ -174,6 +175,13 @@ CASES = [
         ordered_momentum,
         {"learning_rate": 0.5, "momentum": 0.9},
         _staleness(3),
+        required=("staleness",),
+    ),
+    Case(
+        "lookahead_momentum",
+        lookahead_momentum,
+        {"learning_rate": 0.5, "momentum": 0.9, "gamma": 0.5},
+        _staleness(1),
         required=("staleness",),
     ),
     Case(

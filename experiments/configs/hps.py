@@ -11,9 +11,15 @@ slowing down gets a smaller batch).
 
 Pipelined transfer (``--config.worker.overlap=pipeline``: each push travels
 while the next round computes) hides the transfers but applies every gradient
-one round late; with momentum 0.9 that diverges here, and with the momentum
-and learning rate it tolerates it reaches the target later (RESULTS.md), so it
-is off by default.
+one round late. The server's ``lookahead_momentum`` is heavy-ball momentum 0.9
+for fresh rounds and, for a round one version late, serves the parameters the
+momentum will have reached (Nesterov's look-ahead) and takes a quarter of the
+step (``gamma``): without both the stale gradient diverges at this step size.
+The pipeline then converges, but needs about three times the rounds, more
+than the at most twice as many rounds per second that hiding the link can give
+(RESULTS.md, "H-PS's pipelined transfer"), so it is off by default;
+``plan.overlap_link_share`` lets the plan turn it on where the link takes more
+than that share of a predicted round (``hpsjax.profiling.choose_overlap``).
 
 Launch::
 
@@ -26,6 +32,9 @@ References:
   https://doi.org/10.1109/ACCESS.2021.3060154
 """
 
+import ml_collections
+from ml_collections import config_dict
+
 from experiments.configs import common
 
 
@@ -34,8 +43,12 @@ def get_config(arg=None):
     config = common.get_config(arg)
     config.scheme = "hps"
     config.server.policy = "bsp"
-    config.server.optimizer = "momentum"
+    # Heavy-ball momentum 0.9 for fresh rounds (the same steps as "momentum");
+    # a pipelined round's one-version-late gradient gets the look-ahead and a
+    # quarter of the step (gamma, tuned on sim8's seed 0: 0.03-0.05 of 0.15).
+    config.server.optimizer = "lookahead_momentum"
     config.server.momentum = 0.9
+    config.server.optimizer_args = ml_collections.ConfigDict({"gamma": 0.25})
     config.server.learning_rate = common.pick(
         config, {"proc4": 0.0375, "default": 0.15}
     )
@@ -49,9 +62,12 @@ def get_config(arg=None):
     # (slow workers' batches 16 -> 4 -> 23), every new batch is one more
     # compile on the shared cores, and the run reached 0.9 later (RESULTS.md).
     config.plan.replan = common.pick(config, {"proc4": False, "default": True})
-    # Pipelining delays every gradient by one round, which with momentum 0.9
-    # diverges; set "pipeline" to overlap transfers (RESULTS.md has both).
+    # Pipelining delays every gradient by one round, which costs more rounds
+    # than hiding the link saves on sim8 and sim8_slowlink; set "pipeline" to
+    # overlap transfers, or a link share in (0, 1] to let the plan decide
+    # (RESULTS.md has both).
     config.worker.overlap = "none"
+    config.plan.overlap_link_share = config_dict.placeholder(float)
     config.worker.bits = 8
     config.worker.error_feedback = True
     return config

@@ -9,6 +9,7 @@ ASHL (our reading and the reference's), ADSP, DyLU or equal scheme;
 :class:`Replanner` revises a plan as measured speeds drift.
 """
 
+from hpsjax.profiling._overlap import LINK_SHARE_THRESHOLD, choose_overlap, link_share
 from hpsjax.profiling._plan import (
     ASHL_STAGE_MULTIPLIERS,
     LR_SCALINGS,
@@ -35,6 +36,7 @@ from hpsjax.profiling._profile import (
 
 __all__ = [
     "ASHL_STAGE_MULTIPLIERS",
+    "LINK_SHARE_THRESHOLD",
     "LR_SCALINGS",
     "MIN_BATCH_SHARE",
     "MIN_COMPRESS_RATIO",
@@ -48,6 +50,8 @@ __all__ = [
     "WorkPlan",
     "WorkerPlan",
     "WorkerProfile",
+    "choose_overlap",
+    "link_share",
     "measure_transfer",
     "multi_device_grad",
     "plan",

@@ -17,6 +17,9 @@ any optax optimizer.
   indices and values.
 * :func:`power_sgd`: PowerSGD's rank-r compression with warm start and error
   feedback; :func:`powersgd_encode` / :func:`powersgd_decode` send the factors.
+* :func:`lookahead_momentum`: heavy-ball momentum whose parameters run ahead
+  by the update's staleness (extra argument ``staleness``), for pipelined
+  pushes' known one-round delay; :func:`lookahead_coefficient` its look-ahead.
 * :func:`delayed_nesterov` and :func:`diloco_outer`: outer optimizers for the
   server's step on pseudo-gradients (async local SGD, DiLoCo).
 * :func:`ordered_momentum`: OrMo, momentum for asynchronous SGD ordered by the
@@ -44,6 +47,11 @@ from hpsjax.transforms._local_steps import (
     local_steps,
     pending_update,
     push_due,
+)
+from hpsjax.transforms._lookahead import (
+    LookaheadMomentumState,
+    lookahead_coefficient,
+    lookahead_momentum,
 )
 from hpsjax.transforms._outer import (
     DelayedNesterovState,
@@ -133,6 +141,7 @@ __all__ = [
     "Encoded",
     "HybridStagesState",
     "LocalStepsState",
+    "LookaheadMomentumState",
     "OrderedMomentumState",
     "PowerSGDEncoded",
     "PowerSGDState",
@@ -164,6 +173,8 @@ __all__ = [
     "last_streaming_nbytes",
     "last_topk_encoded",
     "local_steps",
+    "lookahead_coefficient",
+    "lookahead_momentum",
     "ordered_momentum",
     "pending_update",
     "power_sgd",
