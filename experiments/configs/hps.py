@@ -14,8 +14,8 @@ while the next round computes) hides the transfers but applies every gradient
 one round late. The server's ``lookahead_momentum`` is heavy-ball momentum 0.9
 for fresh rounds and, for a round one version late, serves the parameters the
 momentum will have reached (Nesterov's look-ahead) and takes a quarter of the
-step (``gamma``): without both the stale gradient diverges at this step size.
-The pipeline then converges, but needs about three times the rounds, more
+step (``gamma``): without both, no stale run reached the target. The
+pipeline then converges, but needs about three times the rounds, more
 than the at most twice as many rounds per second that hiding the link can give
 (RESULTS.md, "H-PS's pipelined transfer"), so it is off by default;
 ``plan.overlap_link_share`` lets the plan turn it on where the link takes more

@@ -5,13 +5,17 @@ pulls while the next round computes: its round takes about
 :math:`\max(c, T)` instead of :math:`c + T` (compute :math:`c`, transfer
 :math:`T`), at the price of every gradient being applied one version late.
 The plan predicts both terms, so it can say when the link's share of a round,
-:math:`\max_i T_i / R` (:math:`R` the plan's predicted round), is large enough
-for that trade: above :data:`LINK_SHARE_THRESHOLD` (or a threshold of the
-caller's), :func:`choose_overlap` picks ``"pipeline"``. The threshold is set
-from the simulator's runs of H-PS (experiments/RESULTS.md): at a link share of
-0.14 (``sim8``) hiding the link gains a round 1.16 times shorter and loses more
-to the stale gradient; at 0.53 (``sim8_slowlink``) it gains a round 1.9 times
-shorter.
+:math:`s = \max_i T_i / R` (:math:`R` the plan's predicted round), is large
+enough for that trade: above :data:`LINK_SHARE_THRESHOLD` (or a threshold of
+the caller's), :func:`choose_overlap` picks ``"pipeline"``.
+
+Hiding a share :math:`s` shortens the round at most :math:`1 / \max(s, 1 - s)`
+times, never more than twice, so the pipeline pays only where the stale
+gradient costs fewer extra rounds than that. For H-PS on the simulator's
+``sim8`` (:math:`s` = 0.10 to 0.15) and ``sim8_slowlink`` (0.45 to 0.56) it costs
+about 3 times the rounds to the target (2.5 to 3.6 by seed) even with the
+server's ``lookahead_momentum`` (experiments/RESULTS.md, "H-PS's pipelined
+transfer"), so the experiments' H-PS config leaves this choice off.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ __all__ = ["LINK_SHARE_THRESHOLD", "choose_overlap", "link_share"]
 
 LINK_SHARE_THRESHOLD = 0.25
 """The link share of a predicted round above which :func:`choose_overlap`
-pipelines by default."""
+pipelines by default: the round then shrinks by more than a quarter."""
 
 
 def _check_plan(work_plan: Any) -> None:
