@@ -276,6 +276,18 @@ def test_the_plan_chooses_the_overlap_where_the_config_asks():
     assert backends._overlap(asked, None) == "none"
 
 
+def test_real_workers_get_the_plans_choice(tmp_path):
+    from experiments import backends
+
+    plan_file = tmp_path / "plan.json"
+    plan_file.write_text(_plan(0.1).to_json())
+    asked = _hps(overlap_link_share=0.25)
+    flags = backends._worker_flags(asked, 0, plan_file=plan_file)
+    assert flags[flags.index("--overlap") + 1] == "pipeline"
+    flags = backends._worker_flags(_hps(), 0, plan_file=plan_file)
+    assert flags[flags.index("--overlap") + 1] == "none"
+
+
 @pytest.mark.parametrize(
     ("plan_fields", "match"),
     [
