@@ -11,10 +11,10 @@ on a quadratic of curvature :math:`h` the stale recursion is stable only for
 Most of the way the iterate moves in :math:`\tau` versions is known when the
 parameters are sent: the momentum's own part, :math:`-\eta \sum_{j=1}^{\tau}
 \beta^j m`. :func:`lookahead_momentum` keeps the heavy-ball iterate :math:`x`
-implicit and holds (and so serves) the parameters :math:`w = x - \eta c\, m`
-with :math:`c = \sum_{j=1}^{\tau} \beta^j` (:func:`lookahead_coefficient`),
-where :math:`x` will be when the next gradient comes back; the gradient's
-error is then the last gradient's step alone, not the momentum's. At
+implicit and holds (and so serves) the parameters :math:`w = x - \eta c\, m`,
+:math:`c = \sum_{j=1}^{\tau} \beta^j` (:func:`lookahead_coefficient`): where
+the momentum takes :math:`x` by the time the next gradient comes back. That
+gradient's error is then the last gradient's step alone, not the momentum's. At
 :math:`\tau = 0` it is heavy-ball momentum (``optax.sgd(lr, momentum)``), at a
 constant :math:`\tau = 1` Nesterov's momentum (``optax.sgd(lr, momentum,
 nesterov=True)``), whose stale recursion is stable up to :math:`\eta h = 0.25`
@@ -149,13 +149,12 @@ def lookahead_momentum(
 
     which keeps :math:`w_k = x_k - \eta s_{k-1} c_{k-1} m_{k-1}` for the
     heavy-ball iterate :math:`x_{k+1} = x_k - \eta s_k m_k`: the parameters
-    served are where
-    the momentum takes :math:`x` in :math:`\tau` versions, so that a gradient
-    computed on them and applied :math:`\tau` versions later was computed near
-    the iterate it moves. The next update is assumed as stale as this one
-    (a pipelined worker's are all one version late). :math:`\tau = 0` gives
-    ``optax.sgd(learning_rate, momentum)`` whatever :math:`\gamma`; a constant
-    :math:`\tau = 1` ``optax.sgd(gamma * learning_rate, momentum,
+    served are where the momentum takes :math:`x` in :math:`\tau` versions, so
+    that a gradient computed on them and applied :math:`\tau` versions later was
+    computed near the iterate it moves. The next update is assumed as stale as
+    this one (a pipelined worker's are all one version late). :math:`\tau = 0`
+    gives ``optax.sgd(learning_rate, momentum)`` whatever :math:`\gamma`; a
+    constant :math:`\tau = 1` ``optax.sgd(gamma * learning_rate, momentum,
     nesterov=True)`` after the first update.
 
     Not ``optax.lookahead`` (Zhang et al.'s slow and fast weights).
@@ -173,8 +172,8 @@ def lookahead_momentum(
 
     Raises:
       ValueError: at construction, for ``momentum`` outside [0, 1) or ``gamma``
-        outside (0, 1]; at update,
-        for a missing, non-scalar, negative or NaN static ``staleness``.
+        outside (0, 1]; at update, for a missing, non-scalar, negative or NaN
+        static ``staleness``.
 
     Examples:
       >>> import jax.numpy as jnp
