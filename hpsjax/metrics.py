@@ -56,7 +56,9 @@ from typing import Any
 
 __all__ = [
     "LEAVE_REASONS",
+    "ROUND_PARTS",
     "MetricsWriter",
+    "RoundMetrics",
     "ServerMetrics",
     "jsonable",
     "read_jsonl",
@@ -117,9 +119,11 @@ class MetricsWriter:
       jsonl: path of the JSON-lines file (created, or appended to), or None.
       tensorboard_dir: directory of the event files (created), or None.
       flush_secs: how often the event files are flushed, in seconds.
+      prometheus: a :class:`RoundMetrics` (any callable) also handed every
+        record, e.g. to serve a worker's rounds to Prometheus; or None.
 
     Raises:
-      ValueError: neither output given, or a bad ``flush_secs``.
+      ValueError: no output given, or a bad ``flush_secs`` or ``prometheus``.
     """
 
     def __init__(
@@ -128,9 +132,15 @@ class MetricsWriter:
         *,
         tensorboard_dir: str | os.PathLike | None = None,
         flush_secs: float = 10.0,
+        prometheus: Callable[[Mapping[str, Any]], None] | None = None,
     ):
-        if jsonl is None and tensorboard_dir is None:
-            raise ValueError("MetricsWriter needs a jsonl path or a tensorboard_dir")
+        if jsonl is None and tensorboard_dir is None and prometheus is None:
+            raise ValueError(
+                "MetricsWriter needs a jsonl path, a tensorboard_dir or prometheus"
+            )
+        if prometheus is not None and not callable(prometheus):
+            raise ValueError("prometheus must be a RoundMetrics (callable) or None")
+        self._prometheus = prometheus
         if isinstance(flush_secs, bool) or not isinstance(flush_secs, int | float):
             raise ValueError(f"flush_secs must be a number, got {flush_secs!r}")
         if not flush_secs > 0:
@@ -179,6 +189,8 @@ class MetricsWriter:
             self._file.flush()
         if self._tb_dir is not None:
             self._write_scalars(record)
+        if self._prometheus is not None:
+            self._prometheus(record)
 
     def _write_scalars(self, record: dict[str, Any]) -> None:
         event = record.get("event")
@@ -344,17 +356,178 @@ class _Histogram:
     def count(self) -> int:
         return sum(self.counts)
 
-    def family(self, name: str, documentation: str):
-        from prometheus_client.core import HistogramMetricFamily
-
-        counts = list(self.counts)
+    def buckets(self) -> list[tuple[str, int]]:
+        """The cumulative counts, as prometheus-client takes them."""
         cumulative, total = [], 0
+        counts = list(self.counts)
         for bound, count in zip((*self.bounds, math.inf), counts, strict=True):
             total += count
             cumulative.append(("+Inf" if bound == math.inf else repr(bound), total))
+        return cumulative
+
+    def family(self, name: str, documentation: str):
+        from prometheus_client.core import HistogramMetricFamily
+
         return HistogramMetricFamily(
-            name, documentation, buckets=cumulative, sum_value=self.sum
+            name, documentation, buckets=self.buckets(), sum_value=self.sum
         )
+
+
+class _Exporter:
+    """Serves a collector's families on ``/metrics`` (prometheus-client)."""
+
+    def _init_exporter(self) -> None:
+        from prometheus_client import CollectorRegistry
+
+        self._http = None
+        self._lock = threading.Lock()
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(self)
+
+    def exposition(self) -> bytes:
+        """The text ``/metrics`` serves."""
+        from prometheus_client import generate_latest
+
+        return generate_latest(self.registry)
+
+    def serve(self, port: int = 0, host: str = "127.0.0.1") -> int:
+        """Serves ``/metrics`` over HTTP from a daemon thread.
+
+        Args:
+          port: TCP port; 0 picks a free one.
+          host: address to bind, loopback by default.
+
+        Returns:
+          The bound port.
+
+        Raises:
+          ValueError: a bad port, or already serving.
+          OSError: the address cannot be bound.
+        """
+        from prometheus_client import start_http_server
+
+        if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port < 65536:
+            raise ValueError(f"port must be an int in [0, 65536), got {port!r}")
+        with self._lock:
+            if self._http is not None:
+                raise ValueError(f"{type(self).__name__} is already serving")
+            server, thread = start_http_server(port, addr=host, registry=self.registry)
+            self._http = (server, thread)
+        return server.server_port
+
+    def stop(self) -> None:
+        """Stops serving and joins the thread; idempotent."""
+        with self._lock:
+            http, self._http = self._http, None
+        if http is not None:
+            server, thread = http
+            server.shutdown()
+            server.server_close()
+            thread.join()
+
+
+# The parts of a worker's round that RoundMetrics exports: the seconds fields
+# of its "round" record (hpsjax.telemetry.RoundTelemetry).
+ROUND_PARTS = (
+    "compute",
+    "slowdown",
+    "encode",
+    "decode",
+    "push",
+    "pull",
+    "server",
+    "wait",
+    "round",
+)
+
+
+class RoundMetrics(_Exporter):
+    """A worker's rounds, served to Prometheus on ``/metrics``.
+
+    A callable sink of metrics records (pass it as
+    ``MetricsWriter(..., prometheus=RoundMetrics())``): each ``"round"``
+    record adds its seconds by part to a histogram; other records are
+    ignored. Exported (prefix ``hpsjax_worker_``), labelled by ``worker``:
+
+    ==============================  ===========================================
+    ``round_part_seconds``          histogram, by ``part`` (one of
+                                    :data:`ROUND_PARTS`): the round's seconds
+                                    of compute, injected slowdown, encode,
+                                    decode, push, pull, server hold, idle wait
+                                    and the whole round
+    ``rounds_total``                counter: rounds
+    ``samples_total``               counter: samples computed
+    ``tokens_per_second``           gauge: the last round's tokens (samples)
+                                    per second
+    ==============================  ===========================================
+
+    Args:
+      seconds_buckets: upper bounds of the histograms.
+
+    Examples:
+      >>> m = RoundMetrics()
+      >>> m({"event": "round", "worker": "w0", "compute_s": 0.02, "round_s": 0.03,
+      ...    "samples": 32, "tokens_per_s": 1066.7})
+      >>> b'hpsjax_worker_rounds_total{worker="w0"} 1.0' in m.exposition()
+      True
+    """
+
+    def __init__(self, *, seconds_buckets: Iterable[float] = _SECONDS_BUCKETS):
+        self._bounds = _check_buckets("seconds_buckets", seconds_buckets)
+        # Per worker: its histograms by part, rounds, samples, tokens/s.
+        self._workers: dict[str, tuple[dict[str, _Histogram], list[float]]] = {}
+        self._init_exporter()
+
+    def __call__(self, record: Mapping[str, Any]) -> None:
+        """Adds a ``"round"`` record (others are ignored)."""
+        if record.get("event") != "round":
+            return
+        worker = str(record.get("worker"))
+        entry = self._workers.get(worker)
+        if entry is None:
+            parts = {part: _Histogram(self._bounds) for part in ROUND_PARTS}
+            entry = self._workers[worker] = (parts, [0, 0, 0.0])
+        parts, counts = entry
+        for part, histogram in parts.items():
+            value = _scalar(record.get(f"{part}_s"))
+            if value is not None:
+                histogram.observe(value)
+        counts[0] += 1
+        counts[1] += int(_scalar(record.get("samples")) or 0)
+        counts[2] = _scalar(record.get("tokens_per_s")) or 0.0
+
+    def collect(self):
+        """The metric families, built now (the prometheus-client collector API)."""
+        from prometheus_client.core import (
+            CounterMetricFamily,
+            GaugeMetricFamily,
+            HistogramMetricFamily,
+        )
+
+        p = "hpsjax_worker_"
+        seconds = HistogramMetricFamily(
+            p + "round_part_seconds",
+            "A round's seconds by part.",
+            labels=["worker", "part"],
+        )
+        rounds = CounterMetricFamily(p + "rounds", "Rounds.", labels=["worker"])
+        samples = CounterMetricFamily(
+            p + "samples", "Samples computed.", labels=["worker"]
+        )
+        tokens = GaugeMetricFamily(
+            p + "tokens_per_second",
+            "The last round's tokens (samples) per second.",
+            labels=["worker"],
+        )
+        for worker, (parts, counts) in list(self._workers.items()):
+            for part, histogram in parts.items():
+                seconds.add_metric(
+                    [worker, part], histogram.buckets(), sum_value=histogram.sum
+                )
+            rounds.add_metric([worker], float(counts[0]))
+            samples.add_metric([worker], float(counts[1]))
+            tokens.add_metric([worker], float(counts[2]))
+        yield from (seconds, rounds, samples, tokens)
 
 
 # Why a worker left (ServerMetrics.worker_left): it said goodbye, its
@@ -365,7 +538,7 @@ LEAVE_REASONS = ("done", "crashed", "dropped", "replaced")
 _DROPPED = frozenset({"crashed", "dropped"})
 
 
-class ServerMetrics:
+class ServerMetrics(_Exporter):
     """A parameter server's metrics, served to Prometheus on ``/metrics`` and
     written to TensorBoard.
 
@@ -395,6 +568,8 @@ class ServerMetrics:
     ``staleness``                   histogram: staleness of each push
     ``barrier_wait_seconds``        histogram: time a worker waited at a barrier
     ``apply_seconds``               histogram: time to apply an update
+    ``serve_seconds``               histogram: time to answer a pull (prepare
+                                    and hand over the parameters' frame)
     ``checkpoint_age_seconds``      gauge: seconds since the last checkpoint
                                     (absent before the first)
     ==============================  ===========================================
@@ -404,9 +579,17 @@ class ServerMetrics:
     of the scalars ``server/version``, ``server/live_workers``,
     ``server/pushes_per_s``, ``server/versions_per_s``, ``server/staleness``
     (the mean since the last point), ``server/barrier_wait_s`` (likewise),
-    ``server/dropped_workers`` and ``server/nonfinite_updates`` (totals), at
-    the model version as its step (the number of points written without a
-    ``state``).
+    ``server/dropped_workers`` and ``server/nonfinite_updates`` (totals),
+    ``server/apply_s`` and ``server/serve_s`` (the mean apply and the mean
+    answer to a pull since the last point), at the model version as its step
+    (the number of points written without a ``state``).
+
+    **Per version.** Given the version with :meth:`apply` and :meth:`serve`,
+    it keeps the server's seconds on each version, and with a ``jsonl`` file
+    writes one record per version when the next is made (or it closes):
+    ``{"event": "version", "version", "time", "apply_s", "serve_s",
+    "pulls"}`` (:class:`hpsjax.telemetry.VersionTelemetry`), to the file and
+    to TensorBoard (``version/apply_s``, ...).
 
     Args:
       state: a callable returning a mapping with ``"version"`` and
@@ -415,6 +598,8 @@ class ServerMetrics:
       seconds_buckets: upper bounds of the wait and apply histograms.
       tensorboard_dir: directory of the TensorBoard event files (created), or
         None.
+      jsonl: a JSON-lines file (created, or appended to) of the per-version
+        records and the TensorBoard points' records, or None.
 
     Examples:
       >>> m = ServerMetrics(state=lambda: {"version": 7, "live_workers": 2})
@@ -430,9 +615,8 @@ class ServerMetrics:
         staleness_buckets: Iterable[float] = _STALENESS_BUCKETS,
         seconds_buckets: Iterable[float] = _SECONDS_BUCKETS,
         tensorboard_dir: str | os.PathLike | None = None,
+        jsonl: str | os.PathLike | None = None,
     ):
-        from prometheus_client import CollectorRegistry
-
         if state is not None and not callable(state):
             raise ValueError("state must be callable or None")
         self._state = state
@@ -442,23 +626,25 @@ class ServerMetrics:
         seconds = _check_buckets("seconds_buckets", seconds_buckets)
         self._barrier_wait = _Histogram(seconds)
         self._apply = _Histogram(seconds)
+        self._serve = _Histogram(seconds)
         self._pushes = self._pulls = self._nonfinite = 0
         self._leaves = dict.fromkeys(LEAVE_REASONS, 0)
         self._received = self._sent = 0
         self._writer = (
             None
-            if tensorboard_dir is None
-            else MetricsWriter(tensorboard_dir=tensorboard_dir)
+            if tensorboard_dir is None and jsonl is None
+            else MetricsWriter(jsonl, tensorboard_dir=tensorboard_dir)
         )
+        self._version_records = jsonl is not None
+        self._t0 = time.monotonic()
+        # The version being served: [version, time, apply_s, serve_s, pulls].
+        self._version: list | None = None
         self._points = 0
-        # What the last TensorBoard point saw: (time, version, pushes,
-        # staleness count and sum, barrier wait count and sum).
-        self._last_point = (time.monotonic(), None, 0, 0, 0.0, 0, 0.0)
+        # What the last TensorBoard point saw: (time, version, pushes, and the
+        # count and sum of staleness, barrier wait, apply and serve).
+        self._last_point = (time.monotonic(), None, 0, 0, 0.0, 0, 0.0, 0, 0.0, 0, 0.0)
         self._checkpoint_time: float | None = None
-        self._http = None
-        self._lock = threading.Lock()
-        self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(self)
+        self._init_exporter()
 
     # -- events (the server's event loop) ------------------------------------
 
@@ -482,9 +668,45 @@ class ServerMetrics:
         """Records how long one worker waited at a barrier."""
         self._barrier_wait.observe(seconds)
 
-    def apply(self, seconds: float) -> None:
-        """Records how long applying one update took."""
+    def apply(self, seconds: float, *, version: int | None = None) -> None:
+        """Records how long applying one update took; ``version``, the one it
+        made, starts that version's record."""
         self._apply.observe(seconds)
+        if version is not None:
+            self._at_version(version)[2] += seconds
+
+    def serve(self, seconds: float, *, version: int, pull: bool = True) -> None:
+        """Records how long sending the parameters of ``version`` took, for a
+        pull (or, ``pull=False``, to a subscriber)."""
+        if pull:
+            self._serve.observe(seconds)
+        entry = self._at_version(version)
+        entry[3] += seconds
+        entry[4] += int(pull)
+
+    def _at_version(self, version: int) -> list:
+        """The record of ``version``, the last one's written when it is new."""
+        entry = self._version
+        if entry is None or entry[0] != version:
+            self._write_version()
+            entry = self._version = [version, time.monotonic() - self._t0, 0.0, 0.0, 0]
+        return entry
+
+    def _write_version(self) -> None:
+        entry, self._version = self._version, None
+        if entry is None or not self._version_records or self._writer is None:
+            return
+        version, t, apply_s, serve_s, pulls = entry
+        self._writer(
+            {
+                "event": "version",
+                "version": version,
+                "time": t,
+                "apply_s": apply_s,
+                "serve_s": serve_s,
+                "pulls": pulls,
+            }
+        )
 
     def worker_left(self, reason: str) -> None:
         """Counts a worker leaving for ``reason``, one of :data:`LEAVE_REASONS`.
@@ -544,53 +766,13 @@ class ServerMetrics:
             p + "barrier_wait_seconds", "Time a worker waited at a barrier."
         )
         yield self._apply.family(p + "apply_seconds", "Time to apply an update.")
+        yield self._serve.family(p + "serve_seconds", "Time to answer a pull.")
         if self._checkpoint_time is not None:
             yield GaugeMetricFamily(
                 p + "checkpoint_age_seconds",
                 "Seconds since the last checkpoint.",
                 value=max(0.0, time.time() - self._checkpoint_time),
             )
-
-    def exposition(self) -> bytes:
-        """The text ``/metrics`` serves."""
-        from prometheus_client import generate_latest
-
-        return generate_latest(self.registry)
-
-    def serve(self, port: int = 0, host: str = "127.0.0.1") -> int:
-        """Serves ``/metrics`` over HTTP from a daemon thread.
-
-        Args:
-          port: TCP port; 0 picks a free one.
-          host: address to bind, loopback by default.
-
-        Returns:
-          The bound port.
-
-        Raises:
-          ValueError: a bad port, or already serving.
-          OSError: the address cannot be bound.
-        """
-        from prometheus_client import start_http_server
-
-        if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port < 65536:
-            raise ValueError(f"port must be an int in [0, 65536), got {port!r}")
-        with self._lock:
-            if self._http is not None:
-                raise ValueError("ServerMetrics is already serving")
-            server, thread = start_http_server(port, addr=host, registry=self.registry)
-            self._http = (server, thread)
-        return server.server_port
-
-    def stop(self) -> None:
-        """Stops serving and joins the thread; idempotent."""
-        with self._lock:
-            http, self._http = self._http, None
-        if http is not None:
-            server, thread = http
-            server.shutdown()
-            server.server_close()
-            thread.join()
 
     # -- TensorBoard (the server's event loop) -------------------------------
 
@@ -609,10 +791,13 @@ class ServerMetrics:
         if state is None:
             state = dict(self._state()) if self._state is not None else {}
         version = state.get("version")
-        t, version0, pushes, s_count, s_sum, w_count, w_sum = self._last_point
+        t, version0, pushes, s_count, s_sum, w_count, w_sum, *last = self._last_point
+        a_count, a_sum, v_count, v_sum = last
         seconds = max(now - t, 1e-9)
         stale_count = self._staleness.count() - s_count
         waits = self._barrier_wait.count() - w_count
+        applies = self._apply.count() - a_count
+        serves = self._serve.count() - v_count
         self._points += 1
         record = {
             "event": "server",
@@ -633,15 +818,18 @@ class ServerMetrics:
             ),
             "dropped_workers": self.dropped_workers,
             "nonfinite_updates": self._nonfinite,
+            "apply_s": (self._apply.sum - a_sum) / applies if applies else None,
+            "serve_s": (self._serve.sum - v_sum) / serves if serves else None,
         }
         self._last_point = (
             now,
             version,
             self._pushes,
-            self._staleness.count(),
-            self._staleness.sum,
-            self._barrier_wait.count(),
-            self._barrier_wait.sum,
+            *(
+                value
+                for h in (self._staleness, self._barrier_wait, self._apply, self._serve)
+                for value in (h.count(), h.sum)
+            ),
         )
         if self._writer is not None:
             self._writer(record)
@@ -649,8 +837,10 @@ class ServerMetrics:
         return record
 
     def close(self) -> None:
-        """Stops serving (:meth:`stop`) and closes the event files; idempotent."""
+        """Stops serving (:meth:`stop`), writes the last version's record and
+        closes the files; idempotent."""
         self.stop()
+        self._write_version()
         writer, self._writer = self._writer, None
         if writer is not None:
             writer.close()

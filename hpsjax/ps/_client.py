@@ -320,6 +320,7 @@ class Client:
         self._subscription: Subscription | None = None
         self._latest = None
         self._local_steps: int | None = None
+        self._held_s = 0.0
         self._plan: PlanNotice | None = None
         self._stage: int | None = None
         self._force_pull: ForcePullNotice | None = None
@@ -347,6 +348,12 @@ class Client:
     def local_steps(self) -> int | None:
         """The server's latest local-steps hint (steps before the next push)."""
         return self._local_steps
+
+    @property
+    def held_s(self) -> float:
+        """Seconds the server held the last parameters' answer before sending
+        it (a barrier; a push-pull's apply), as it said; 0 when it did not."""
+        return self._held_s
 
     @property
     def plan(self) -> PlanNotice | None:
@@ -678,6 +685,12 @@ class Client:
             if isinstance(local_steps, bool) or not isinstance(local_steps, int):
                 raise ProtocolError(f"bad local_steps in PARAMS: {local_steps!r}")
             self._local_steps = local_steps
+        held = frame.metadata.get("held_s")
+        self._held_s = (
+            float(held)
+            if isinstance(held, int | float) and not isinstance(held, bool) and held > 0
+            else 0.0
+        )
         # Fresh parameters are what a forced pull asked for.
         self._force_pull = None
         return frame.payload.tree(), version

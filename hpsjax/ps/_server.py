@@ -43,6 +43,7 @@ import logging
 import math
 import os
 import ssl as ssl_lib
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -108,6 +109,9 @@ _HANDSHAKE_LIMITS = _frames.WireLimits(max_message_bytes=4096, max_metadata_byte
 # at DEBUG), and between two lines about refused non-finite updates.
 _CHECKPOINT_LOG_EVERY_S = 60.0
 _NONFINITE_LOG_EVERY_S = 10.0
+# A pull answered within this many seconds is not said to have been held: its
+# answer is the version's cached frame (workers count it as 0).
+_HELD_REPORTED_S = 1e-3
 
 # What a client's BYE says when it simply ends its run.
 _CLEAN_BYE = "client closing"
@@ -1061,7 +1065,8 @@ class Server:
     def _request(self, session: _Session, frame: Frame) -> None:
         t = frame.msg_type
         rid = frame.request_id
-        if self._metrics is not None and t in (MsgType.PULL, MsgType.PUSH_PULL):
+        if t in (MsgType.PULL, MsgType.PUSH_PULL):
+            # When the answer leaves, the worker hears how long it was held.
             if len(self._pull_started) > 65536:  # unanswered ones of lost sessions
                 self._pull_started.clear()
             self._pull_started[id(session), rid] = self._loop.time()
@@ -1157,7 +1162,7 @@ class Server:
             aggregator.prepare(None)
         self._pushes += 1
         if self._metrics is not None and any(isinstance(a, Applied) for a in actions):
-            self._metrics.apply(self._loop.time() - started)
+            self._metrics.apply(self._loop.time() - started, version=self._core.version)
         ack = None
         for action in actions:
             if isinstance(action, PushAck) and action.worker_id == session.worker_id:
@@ -1289,11 +1294,15 @@ class Server:
                 if session is None or not session.pulls:
                     continue
                 request_id, ack_meta = session.pulls.popleft()
-                if self._metrics is not None:
-                    started = self._pull_started.pop((id(session), request_id), None)
-                    if started is not None:
-                        self._metrics.barrier_wait(self._loop.time() - started)
                 extra = {"local_steps": action.local_steps}
+                started = self._pull_started.pop((id(session), request_id), None)
+                if started is not None:
+                    held = self._loop.time() - started
+                    if self._metrics is not None:
+                        self._metrics.barrier_wait(held)
+                    # An answer at once keeps the version's cached frame.
+                    if held >= _HELD_REPORTED_S:
+                        extra["held_s"] = held
                 if ack_meta is not None:
                     extra["ack"] = ack_meta
                 self._send_params(session, request_id, extra)
@@ -1398,9 +1407,15 @@ class Server:
     def _send_params(self, session: _Session, request_id: int, extra=None) -> None:
         if session.protocol.closed:
             return
+        started = time.perf_counter()
         frame = self._params_frame(extra)
         session.protocol.send(frame.parts(request_id), frame.nbytes)
         if self._metrics is not None:
+            self._metrics.serve(
+                time.perf_counter() - started,
+                version=self._core.version,
+                pull=bool(request_id),
+            )
             if request_id:
                 self._metrics.pull(sent_bytes=frame.nbytes)
             else:  # a subscriber's parameters

@@ -68,11 +68,20 @@ values) to its metrics sink, e.g. :class:`JsonLinesSink`. Times are seconds;
 ``batch_size``     samples per local step, ``device_batches`` per device
 ``local_steps``    local steps taken; ``lr_scale`` the step-size scale
 ``loss``           mean training loss over the round's local steps
-``compute_s``      seconds of real compute; ``compile_s`` of compiling
+``samples``        samples computed (``batch_size`` times ``local_steps``)
+``compute_s``      seconds of real compute, every result waited for;
+                   ``compile_s`` of compiling
 ``slowdown_s``     seconds slept to inject the slowdown
+``decode_s``       seconds putting the pulled parameters on the device
+``encode_s``       seconds preparing the pushed update for the wire
+``push_s``,        seconds from a push's hand-off (a pull's request) to its
+``pull_s``         answer; a push-pull's whole trip is ``pull_s``
+``server_s``       of those, seconds the server held the answers (a barrier,
+                   a push-pull's apply), as the server said
 ``wait_s``         idle seconds: from the end of compute until the parameters
                    for the next round were there
 ``round_s``        seconds from the round's start until the next could start
+``tokens_per_s``   ``samples`` times ``tokens_per_example`` per ``round_s``
 ``transfer_s``     seconds the round's transfers took (push, pull, link delays,
                    and any barrier wait in the pull), overlapped or not
 ``link_delay_s``   of which injected by the bandwidth cap and latency
@@ -89,7 +98,9 @@ values) to its metrics sink, e.g. :class:`JsonLinesSink`. Times are seconds;
 ``plan_revision``  revision of the plan hint in force, or ``None``
 ================== ==========================================================
 
-The last record (``event: "final"``) carries the flush of the last update. A
+These are :class:`hpsjax.telemetry.RoundTelemetry`'s fields; the worker logs
+their :func:`~hpsjax.telemetry.round_summary` when it ends. The last record
+(``event: "final"``) carries the flush of the last update. A
 ``"compile"`` record gives the seconds the first round's step took to compile,
 before the worker joined; a ``"diverged"`` record marks a round whose loss or
 update was not finite (never pushed; ``action`` ``"stop"`` or ``"skip"``), whose
@@ -137,6 +148,7 @@ from hpsjax.ps import (
     WorkerDropped,
 )
 from hpsjax.ps._codecs import PowerSGDCodec, QuantizedCodec, TopKCodec
+from hpsjax.telemetry import RoundTelemetry, format_summary, from_record, round_summary
 from hpsjax.transforms import (
     Codec,
     Stage,
@@ -536,6 +548,10 @@ def _lost_errors() -> tuple[type[BaseException], ...]:
     return (ConnectionClosed, ShuttingDown, OSError)
 
 
+# A round's transfer seconds by part (see hpsjax.telemetry.RoundTelemetry).
+_TRANSFER_PARTS = ("encode_s", "push_s", "pull_s", "server_s")
+
+
 class _Computed(NamedTuple):
     update: Any  # tree like params, float (device arrays)
     version: int
@@ -547,6 +563,7 @@ class _Computed(NamedTuple):
     compile_s: float
     stage: int | None
     finite: bool = True  # the loss and every value of the update
+    decode_s: float = 0.0  # putting the pulled parameters on the device
 
 
 @jax.jit
@@ -565,6 +582,7 @@ class _Prepared(NamedTuple):
     encoded: Any  # Encoded (TopKEncoded, PowerSGDEncoded) per leaf, or None
     nbytes: int
     codec: Any = None  # the wire codec (hpsjax.ps._codecs) of `encoded`
+    encode_s: float = 0.0  # scaling, compressing and copying it to the host
 
 
 def _scale_by_lr_scale() -> optax.GradientTransformationExtraArgs:
@@ -627,6 +645,8 @@ class Worker:
       progress: a :class:`hpsjax._progress.Progress` told of every round
         (steps, version, loss, staleness) and closed at the end of
         :meth:`run`, or ``None`` (``hpsjax-worker`` makes one).
+      tokens_per_example: tokens in one example (a language model's sequence
+        length), for the rounds' ``tokens_per_s``; 1 counts samples.
 
     Raises:
       ValueError: inconsistent arguments (for example local steps without a
@@ -669,7 +689,9 @@ class Worker:
         client: Any = None,
         state: Any = None,
         progress: Any = None,
+        tokens_per_example: int = 1,
     ):
+        check_int("tokens_per_example", tokens_per_example, low=1)
         if not isinstance(config, WorkerConfig):
             raise ValueError(f"config must be a WorkerConfig, got {type(config)}")
         if not callable(loss_fn) or not callable(batches):
@@ -713,6 +735,9 @@ class Worker:
         self._batches = batches
         self._metrics = metrics
         self._progress = progress
+        self._tokens_per_example = int(tokens_per_example)
+        # The run's rounds as telemetry, summarised when it ends.
+        self._telemetry: list[RoundTelemetry] = []
         self._devices = devices
         self._ssl = ssl
         self._client = client
@@ -791,6 +816,11 @@ class Worker:
                 seed=config.seed,
             )
         self._compress_update = jax.jit(self._compressor.update)
+
+    @property
+    def telemetry(self) -> list[RoundTelemetry]:
+        """The rounds of the last (or current) :meth:`run`, as telemetry."""
+        return list(self._telemetry)
 
     @property
     def config(self) -> WorkerConfig:
@@ -984,7 +1014,9 @@ class Worker:
         """Runs one round of local steps; called in the compute thread."""
         home = self._devices[0]
         device_batches = settings.device_batches
-        local = jax.device_put(params, home)
+        t = time.perf_counter()
+        local = jax.block_until_ready(jax.device_put(params, home))
+        decode_s = time.perf_counter() - t
         lr_scale = jnp.asarray(settings.lr_scale, jnp.float32)
         steps_arg = jnp.asarray(settings.local_steps, jnp.int32)
         compute = slowdown = compile_s = 0.0
@@ -1058,9 +1090,16 @@ class Worker:
             compile_s=compile_s,
             stage=None if self._stages is None else int(current_stage(self._opt_state)),
             finite=math.isfinite(loss) and bool(_all_finite(update)),
+            decode_s=decode_s,
         )
 
     def _prepare(self, computed: _Computed, push: Push) -> _Prepared:
+        """:meth:`_encode`, timed (every result on the host when it returns)."""
+        t = time.perf_counter()
+        prepared = self._encode(computed, push)
+        return prepared._replace(encode_s=time.perf_counter() - t)
+
+    def _encode(self, computed: _Computed, push: Push) -> _Prepared:
         """Scales an update by the push's factor and encodes it for the wire.
 
         Runs in the encoding thread right before the push, so the quantizer's
@@ -1134,6 +1173,7 @@ class Worker:
         """
         self._stop.clear()
         self._t0 = time.monotonic()
+        self._telemetry = []
         self._injector.start()
         client = self._client if self._client is not None else self._make_client()
         if client.closed:
@@ -1188,6 +1228,8 @@ class Worker:
             if self._last_status == "buffered"
             else "",
         )
+        if self._telemetry:
+            logger.info("%s", format_summary(round_summary(self._telemetry)))
         return summary
 
     def _initialise(self, params: Any) -> None:
@@ -1442,6 +1484,7 @@ class _Run:
             "_bytes": (self.client.bytes_sent, self.client.bytes_received),
             "transfer_s": 0.0,
             "link_delay_s": 0.0,
+            **dict.fromkeys(_TRANSFER_PARTS, 0.0),
             "pull_start": None,
             "pull_end": None,
             "pulls": 0,
@@ -1472,6 +1515,7 @@ class _Run:
             local_steps=computed.local_steps,
             loss=_finite_or_none(computed.loss),
             compute_s=computed.compute_s,
+            decode_s=computed.decode_s,
             compile_s=computed.compile_s,
             slowdown_s=computed.slowdown_s,
         )
@@ -1546,15 +1590,22 @@ class _Run:
         self.records.pop(record["step"], None)
         start, compute_end = record.pop("_start"), record.pop("_compute_end", ready)
         sent0, received0 = record.pop("_bytes")
+        record.setdefault("local_steps", 0)
+        samples = record["batch_size"] * record["local_steps"]
+        round_s = ready - start
         record.update(
             wait_s=ready - compute_end,
-            round_s=ready - start,
+            round_s=round_s,
+            samples=samples,
+            tokens_per_s=(
+                samples * w._tokens_per_example / round_s if round_s > 0 else 0.0
+            ),
             bytes_sent=self.client.bytes_sent - sent0,
             bytes_received=self.client.bytes_received - received0,
             pulled_version=self.version,
         )
-        record.setdefault("local_steps", 0)
         w._emit(record)
+        w._telemetry.append(from_record(record))
         for key in ("compute_s", "slowdown_s", "transfer_s", "wait_s"):
             totals[key] += record.get(key, 0.0)
         totals["bytes_sent"] += record["bytes_sent"]
@@ -1611,8 +1662,9 @@ class _Run:
             return self.dropped(session, error)
         except _lost_errors() as error:
             return await self.lost(session, connection, error)
+        held = self.client_held()
         link = await w._injector.transfer(_tree_nbytes(params))
-        self.transferred(record, start, link)
+        self.transferred(record, start, link, "pull_s", held)
         if record is not None:
             record["pull_end"] = w._elapsed()
         if join and not self.joined:
@@ -1644,6 +1696,7 @@ class _Run:
                 "time": w._elapsed(),
                 "transfer_s": 0.0,
                 "link_delay_s": 0.0,
+                **dict.fromkeys(_TRANSFER_PARTS, 0.0),
                 "_bytes": (self.client.bytes_sent, self.client.bytes_received),
             }
         computed = self.computed.pop(push.round)
@@ -1659,6 +1712,8 @@ class _Run:
             if record is not None:
                 record["staleness_estimate"] = push.staleness_estimate
                 record["lr_factor"] = push.lr_factor
+                record["encode_s"] += prepared.encode_s
+            sent = time.monotonic()
             link = await w._injector.transfer(prepared.nbytes)
             encoding = {}
             if prepared.encoded is not None:
@@ -1688,10 +1743,17 @@ class _Run:
             if self.sending is sending:
                 self.sending = None
         ack, params, version = reply if push.with_pull else (reply, None, None)
+        held = self.client_held() if push.with_pull else 0.0
         events = []
         if push.with_pull:
             link += await w._injector.transfer(_tree_nbytes(params))
         self.transferred(record, start, link)
+        if record is not None:
+            # A push-pull's acknowledgement comes with the parameters: its
+            # whole trip is the pull's.
+            part = "pull_s" if push.with_pull else "push_s"
+            record[part] += time.monotonic() - sent
+            record["server_s"] += held
         self.totals["pushes"] += 1
         w._last_status = ack.status
         if record is not None:
@@ -1734,11 +1796,31 @@ class _Run:
             w._emit(record)
         return events
 
-    def transferred(self, record: dict | None, start: float, link: float) -> None:
+    def transferred(
+        self,
+        record: dict | None,
+        start: float,
+        link: float,
+        part: str = "",
+        held: float = 0.0,
+    ) -> None:
+        """Counts a transfer from ``start`` (with ``link`` seconds of injected
+        link delay) towards ``record``; a ``part`` (``"pull_s"``) too, and
+        ``held``, the seconds the server held its answer."""
         if record is None:
             return
-        record["transfer_s"] += time.monotonic() - start
+        seconds = time.monotonic() - start
+        record["transfer_s"] += seconds
         record["link_delay_s"] += link
+        if part:
+            record[part] += seconds
+            record["server_s"] += held
+
+    def client_held(self) -> float:
+        """Seconds the server held the answer the client read last (0 for a
+        client that does not say); read before the next ``await``."""
+        held = getattr(self.client, "held_s", None)
+        return float(held) if isinstance(held, int | float) else 0.0
 
     async def lost(self, session: int, connection: int, error: Exception) -> list:
         """The server went away while a request of ``connection`` was in
