@@ -10,8 +10,12 @@ below 100% while a small MLP passes 90% within a few hundred SGD steps. With the
 handwritten digits bundled with scikit-learn. For bigger benchmarks,
 :func:`load_npz` reads the user's own arrays.
 
-A :class:`Dataset` holds images ``x`` (float32, ``(n, height, width, channels)``
-or ``(n, features)``) and integer labels ``y``. ``split`` makes train/test sets,
+:func:`text` gives byte-level language modelling on the English prose every
+CPython carries, :func:`synthetic_regression` generated regression data.
+
+A :class:`Dataset` holds inputs ``x`` (float32, ``(n, height, width, channels)``
+or ``(n, features)``; int32 tokens ``(n, L)``) and targets ``y``: integer labels,
+next tokens or real values (its ``target``). ``split`` makes train/test sets,
 ``shard`` gives each worker a disjoint part, and ``batches`` returns a
 :class:`BatchStream`: an endless, deterministic sequence of shuffled batches whose
 batch size may change from one call to the next, as a work plan requires.
@@ -46,9 +50,12 @@ __all__ = [
     "Dataset",
     "get_dataset",
     "load_npz",
+    "TARGETS",
     "share_split",
     "sklearn_digits",
     "synthetic_digits",
+    "synthetic_regression",
+    "text",
 ]
 
 
@@ -56,12 +63,13 @@ class Batch(NamedTuple):
     """One batch; a pytree that jitted functions take as is.
 
     Attributes:
-      x: inputs, ``(b, *input_shape)``, float32.
-      y: labels, ``(b,)``, int32.
+      x: inputs, ``(b, *input_shape)``, float32 (int32 for tokens).
+      y: targets, as the :class:`Dataset`'s ``y``: labels ``(b,)`` int32, next
+        tokens ``(b, L)`` int32 or values ``(b,)``/``(b, k)`` float32.
     """
 
-    x: np.ndarray  # shape=(b, *input_shape), float32
-    y: np.ndarray  # shape=(b,), int32
+    x: np.ndarray  # shape=(b, *input_shape), float32 or int32
+    y: np.ndarray  # shape=(b,) int32 | (b, L) int32 | (b,) or (b, k) float32
 
 
 def _check_positive_int(name: str, value: Any) -> int:
@@ -86,21 +94,77 @@ def _readonly(a: np.ndarray) -> np.ndarray:
     return a
 
 
+TARGETS = ("labels", "tokens", "values")
+"""What a :class:`Dataset`'s ``y`` holds (its ``target``): class labels, next
+tokens of token sequences, or real values to regress."""
+
+
+def _check_target_shape(name: str, target: str, x: np.ndarray, y: np.ndarray):
+    if target == "labels" and y.ndim != 1:
+        raise ValueError(f"{name}: y must be 1-D, got shape {y.shape}")
+    if target == "tokens" and (x.ndim != 2 or y.shape != x.shape):
+        raise ValueError(
+            f"{name}: tokens x and next tokens y must both be (n, L), got shapes "
+            f"{x.shape} and {y.shape}"
+        )
+    if target == "values" and y.ndim not in (1, 2):
+        raise ValueError(f"{name}: values y must be (n,) or (n, k), got {y.shape}")
+
+
+def _real_inputs(name: str, x: np.ndarray) -> np.ndarray:
+    """``x`` as float32 (``uint8`` scaled to ``[0, 1]``), checked finite."""
+    real = np.issubdtype(x.dtype, np.integer) or np.issubdtype(x.dtype, np.floating)
+    if x.dtype == np.uint8:
+        x = x.astype(np.float32) / np.float32(255)
+    elif real or x.dtype == np.bool_:
+        x = x.astype(np.float32, copy=False)
+    else:
+        raise ValueError(f"{name}: x must be real numbers, got dtype {x.dtype}")
+    if not np.isfinite(x).all():
+        raise ValueError(f"{name}: x holds NaN or infinite values")
+    return x
+
+
+def _integers(name: str, what: str, a: np.ndarray) -> np.ndarray:
+    """``a`` as int32, checked to hold non-negative integers."""
+    label = what.rsplit(" ", 1)[0]
+    if np.issubdtype(a.dtype, np.floating):
+        if not np.isfinite(a).all() or (a != np.round(a)).any():
+            raise ValueError(f"{name}: {what} must be integers")
+    elif not np.issubdtype(a.dtype, np.integer):
+        raise ValueError(f"{name}: {what} must be integers, got dtype {a.dtype}")
+    if a.min() < 0:
+        raise ValueError(f"{name}: {label} must be non-negative, found {a.min()}")
+    return a.astype(np.int32)
+
+
 class Dataset:
-    """Labelled examples held in memory, exposed read-only.
+    """Examples and their targets held in memory, exposed read-only.
+
+    ``target`` says what ``y`` holds:
+
+    * ``"labels"`` (the default): integer class labels ``(n,)`` in
+      ``[0, num_classes)``; ``x`` is converted to float32 (``uint8`` images
+      are scaled to ``[0, 1]``).
+    * ``"tokens"``: next-token sequences ``(n, L)`` of the token sequences
+      ``x`` ``(n, L)``, both integers in ``[0, num_classes)`` (the
+      vocabulary), kept int32.
+    * ``"values"``: real regression targets ``(n,)`` or ``(n, k)``, float32;
+      ``num_classes`` is the output width (1 or ``k``); ``x`` as for labels.
 
     Args:
-      x: inputs with a leading example axis, at least 2-D; converted to float32
-        (``uint8`` images are scaled to ``[0, 1]``). A float32 array is kept
-        without a copy, so the caller should not modify it afterwards.
-      y: integer class labels, shape ``(n,)``, in ``[0, num_classes)``.
-      num_classes: number of classes; ``max(y) + 1`` when omitted.
+      x: inputs with a leading example axis, at least 2-D. A float32 array is
+        kept without a copy, so the caller should not modify it afterwards.
+      y: the targets, as ``target`` says.
+      num_classes: number of classes or tokens; ``max(y) + 1`` when omitted
+        (labels, tokens); the output width for values (given or not).
       name: a label for messages and reports.
+      target: ``"labels"``, ``"tokens"`` or ``"values"``.
 
     Raises:
-      ValueError: empty data, lengths that differ, a non-numeric or non-finite
-        ``x``, labels that are not non-negative integers or not below
-        ``num_classes``.
+      ValueError: empty data, lengths or shapes that differ, a non-numeric or
+        non-finite ``x`` or ``y``, labels or tokens that are not non-negative
+        integers or not below ``num_classes``.
     """
 
     def __init__(
@@ -110,7 +174,10 @@ class Dataset:
         *,
         num_classes: int | None = None,
         name: str = "dataset",
+        target: str = "labels",
     ):
+        if target not in TARGETS:
+            raise ValueError(f"{name}: target must be one of {TARGETS}, got {target!r}")
         x = np.asarray(x)
         y = np.asarray(y)
         if x.ndim < 2:
@@ -118,57 +185,70 @@ class Dataset:
                 f"{name}: x must have a leading example axis and at least one "
                 f"feature axis, got shape {x.shape}"
             )
-        if y.ndim != 1:
-            raise ValueError(f"{name}: y must be 1-D, got shape {y.shape}")
+        _check_target_shape(name, target, x, y)
         if len(x) != len(y):
             raise ValueError(
                 f"{name}: x has {len(x)} examples but y has {len(y)} labels"
             )
         if len(x) == 0:
             raise ValueError(f"{name}: no examples")
-        real = np.issubdtype(x.dtype, np.integer) or np.issubdtype(x.dtype, np.floating)
-        if x.dtype == np.uint8:
-            x = x.astype(np.float32) / np.float32(255)
-        elif real or x.dtype == np.bool_:
-            x = x.astype(np.float32, copy=False)
+        if target == "tokens":
+            x = _integers(name, "tokens x", x)
+            y = _integers(name, "next tokens y", y)
+            top = int(max(x.max(), y.max()))
         else:
-            raise ValueError(f"{name}: x must be real numbers, got dtype {x.dtype}")
-        if not np.isfinite(x).all():
-            raise ValueError(f"{name}: x holds NaN or infinite values")
-        if np.issubdtype(y.dtype, np.floating):
-            if not np.isfinite(y).all() or (y != np.round(y)).any():
-                raise ValueError(f"{name}: labels y must be integers")
-        elif not np.issubdtype(y.dtype, np.integer):
-            raise ValueError(f"{name}: labels y must be integers, got dtype {y.dtype}")
-        if y.min() < 0:
-            raise ValueError(f"{name}: labels must be non-negative, found {y.min()}")
-        top = int(y.max())
-        if num_classes is None:
-            num_classes = top + 1
-        num_classes = _check_positive_int("num_classes", num_classes)
-        if top >= num_classes:
-            raise ValueError(
-                f"{name}: label {top} is not below num_classes={num_classes}"
-            )
+            x = _real_inputs(name, x)
+        if target == "values":
+            if not (np.issubdtype(y.dtype, np.number) or y.dtype == np.bool_):
+                raise ValueError(f"{name}: values y must be numbers, got {y.dtype}")
+            y = y.astype(np.float32)
+            if not np.isfinite(y).all():
+                raise ValueError(f"{name}: y holds NaN or infinite values")
+            width = 1 if y.ndim == 1 else y.shape[1]
+            if num_classes is not None and num_classes != width:
+                raise ValueError(
+                    f"{name}: num_classes of values is their width {width}, got "
+                    f"{num_classes}"
+                )
+            num_classes = width
+        elif target == "labels":
+            y = _integers(name, "labels y", y)
+            top = int(y.max())
+        if target != "values":
+            if num_classes is None:
+                num_classes = top + 1
+            num_classes = _check_positive_int("num_classes", num_classes)
+            if top >= num_classes:
+                what = "label" if target == "labels" else "token"
+                raise ValueError(
+                    f"{name}: {what} {top} is not below num_classes={num_classes}"
+                )
         self._x = _readonly(x)
-        self._y = _readonly(y.astype(np.int32))
+        self._y = _readonly(y)
         self._num_classes = num_classes
         self._name = name
+        self._target = target
 
     @property
     def x(self) -> np.ndarray:
-        """Inputs, ``(n, *input_shape)`` float32, read-only."""
+        """Inputs, ``(n, *input_shape)``, read-only: float32, or int32 tokens."""
         return self._x
 
     @property
     def y(self) -> np.ndarray:
-        """Labels, ``(n,)`` int32, read-only."""
+        """Targets, read-only: labels ``(n,)`` int32, next tokens ``(n, L)``
+        int32, or values ``(n,)`` or ``(n, k)`` float32."""
         return self._y
 
     @property
     def num_classes(self) -> int:
-        """Number of classes."""
+        """Number of classes, the vocabulary's size, or the values' width."""
         return self._num_classes
+
+    @property
+    def target(self) -> str:
+        """What ``y`` holds: ``"labels"``, ``"tokens"`` or ``"values"``."""
+        return self._target
 
     @property
     def input_shape(self) -> tuple[int, ...]:
@@ -184,9 +264,10 @@ class Dataset:
         return len(self._y)
 
     def __repr__(self) -> str:
+        target = "" if self._target == "labels" else f", target={self._target!r}"
         return (
             f"Dataset({self._name!r}, n={len(self)}, input_shape={self.input_shape}, "
-            f"num_classes={self._num_classes})"
+            f"num_classes={self._num_classes}{target})"
         )
 
     def _subset(self, index: np.ndarray, name: str) -> Dataset:
@@ -196,6 +277,7 @@ class Dataset:
         subset._y = _readonly(self._y[index])
         subset._num_classes = self._num_classes
         subset._name = name
+        subset._target = self._target
         return subset
 
     def split(
@@ -742,6 +824,130 @@ def sklearn_digits(*, image_size: int = 8) -> Dataset:
 
 
 # ---------------------------------------------------------------------------
+# Text every CPython carries, and generated regression data.
+# ---------------------------------------------------------------------------
+
+
+def _corpus() -> bytes:
+    """The English prose of ``pydoc_data.topics`` (Python's documentation
+    topics, part of every CPython install), as UTF-8 bytes, topics in name
+    order."""
+    from pydoc_data.topics import topics
+
+    return "".join(topics[key] for key in sorted(topics)).encode("utf-8")
+
+
+def text(seq_len: int = 64, *, num_examples: int | None = None) -> Dataset:
+    """Byte-level language modelling on English prose that ships with Python.
+
+    The corpus is the documentation topics of the standard library's
+    ``pydoc_data.topics`` (``help()``'s pages on the language, about 466k
+    bytes, mostly ASCII; the Python Software Foundation License), so nothing
+    is downloaded. The bytes are cut into consecutive windows of ``seq_len + 1``
+    starting every ``seq_len`` bytes; example ``i`` is the window's first
+    ``seq_len`` bytes ``x`` and the next byte of each, ``y`` (the window
+    shifted by one). ``split`` with a seed makes the train/validation split,
+    as for the other datasets.
+
+    Args:
+      seq_len: tokens per example, >= 1.
+      num_examples: keep only the first this many windows (all, about
+        ``466000 / seq_len``, when omitted).
+
+    Returns:
+      A :class:`Dataset` named ``"text"`` with ``target="tokens"``, int32
+      ``x`` and ``y`` of shape ``(n, seq_len)`` and ``num_classes`` 256.
+
+    Raises:
+      ValueError: a bad ``seq_len`` or ``num_examples``.
+
+    Examples:
+      >>> data = text(32)
+      >>> data.input_shape, data.num_classes, data.target
+      ((32,), 256, 'tokens')
+      >>> bytes(data.x[0, 1:].tolist()) == bytes(data.y[0, :-1].tolist())
+      True
+    """
+    seq_len = _check_positive_int("seq_len", seq_len)
+    corpus = np.frombuffer(_corpus(), np.uint8)
+    count = (len(corpus) - 1) // seq_len
+    if num_examples is not None:
+        num_examples = _check_positive_int("num_examples", num_examples)
+        if num_examples > count:
+            raise ValueError(
+                f"the text holds {count} windows of {seq_len} bytes, got "
+                f"num_examples={num_examples}"
+            )
+        count = num_examples
+    if count < 2:
+        raise ValueError(f"seq_len={seq_len} leaves fewer than two windows")
+    starts = np.arange(count)[:, None] * seq_len + np.arange(seq_len + 1)
+    windows = corpus[starts].astype(np.int32)
+    return Dataset(
+        windows[:, :-1], windows[:, 1:], num_classes=256, name="text", target="tokens"
+    )
+
+
+def synthetic_regression(
+    num_examples: int = 2000,
+    *,
+    num_features: int = 8,
+    num_outputs: int = 1,
+    noise: float = 0.1,
+    seed: int = 0,
+) -> Dataset:
+    r"""Generated regression data: a fixed random smooth function plus noise.
+
+    Inputs :math:`x \sim \mathcal{N}(0, I)` in ``num_features`` dimensions;
+    targets :math:`y = \sin(x W_1 + b) W_2 + \epsilon` with 32 hidden
+    directions :math:`W_1 \sim \mathcal{N}(0, 1/d)`, phases :math:`b` uniform
+    in :math:`[0, 2\pi)`, :math:`W_2 \sim \mathcal{N}(0, 1/32)` and
+    :math:`\epsilon \sim \mathcal{N}(0, \sigma^2)` (``noise``), all drawn from
+    ``seed``: the best mean squared error is about :math:`\sigma^2`.
+
+    Args:
+      num_examples: number of examples, >= 2.
+      num_features: input dimensions.
+      num_outputs: output dimensions; ``y`` is ``(n,)`` for 1, else ``(n, k)``.
+      noise: standard deviation of the noise, >= 0.
+      seed: seed of every random draw.
+
+    Returns:
+      A :class:`Dataset` with ``target="values"`` and ``num_classes``
+      ``num_outputs``.
+
+    Raises:
+      ValueError: an argument out of range.
+
+    Examples:
+      >>> data = synthetic_regression(100, num_features=4, num_outputs=2)
+      >>> data.input_shape, data.y.shape, data.num_classes
+      ((4,), (100, 2), 2)
+    """
+    num_examples = _check_positive_int("num_examples", num_examples)
+    if num_examples < 2:
+        raise ValueError(f"num_examples must be at least 2, got {num_examples}")
+    num_features = _check_positive_int("num_features", num_features)
+    num_outputs = _check_positive_int("num_outputs", num_outputs)
+    if isinstance(noise, bool) or not isinstance(noise, int | float) or noise < 0:
+        raise ValueError(f"noise must be a number >= 0, got {noise!r}")
+    rng = np.random.default_rng(_check_seed(seed))
+    hidden = 32
+    w1 = rng.normal(0.0, 1.0 / math.sqrt(num_features), (num_features, hidden))
+    phase = rng.uniform(0.0, 2.0 * math.pi, hidden)
+    w2 = rng.normal(0.0, 1.0 / math.sqrt(hidden), (hidden, num_outputs))
+    x = rng.normal(0.0, 1.0, (num_examples, num_features))
+    y = np.sin(x @ w1 + phase) @ w2
+    y += rng.normal(0.0, noise, y.shape)
+    return Dataset(
+        x.astype(np.float32),
+        y[:, 0] if num_outputs == 1 else y,
+        name="synthetic_regression",
+        target="values",
+    )
+
+
+# ---------------------------------------------------------------------------
 # User data.
 # ---------------------------------------------------------------------------
 
@@ -752,6 +958,7 @@ def load_npz(
     y_key: str = "y",
     *,
     num_classes: int | None = None,
+    target: str = "labels",
 ) -> Dataset:
     """Loads a :class:`Dataset` from a ``.npz`` file of the user's arrays.
 
@@ -766,6 +973,8 @@ def load_npz(
       x_key: name of the input array in the file.
       y_key: name of the label array in the file.
       num_classes: number of classes; ``max(y) + 1`` when omitted.
+      target: what ``y`` holds, as :class:`Dataset` takes it: ``"labels"``,
+        ``"tokens"`` or ``"values"`` (real targets to regress).
 
     Returns:
       The dataset, named after the file.
@@ -787,13 +996,17 @@ def load_npz(
             x, y = archive[x_key], archive[y_key]
         except (ValueError, OSError, zipfile.BadZipFile) as e:
             raise ValueError(f"cannot read arrays from {path!r}: {e}") from e
-    return Dataset(x, y, num_classes=num_classes, name=os.path.basename(path))
+    return Dataset(
+        x, y, num_classes=num_classes, name=os.path.basename(path), target=target
+    )
 
 
 DATASETS: dict[str, Callable[..., Dataset]] = {
     "synthetic_digits": synthetic_digits,
     "sklearn_digits": sklearn_digits,
     "npz": load_npz,
+    "text": text,
+    "synthetic_regression": synthetic_regression,
 }
 """The datasets by the name :func:`get_dataset` and ``--dataset`` take."""
 
@@ -806,7 +1019,8 @@ def get_dataset(name: str, **kwargs: Any) -> Dataset:
 
     Args:
       name: a key of :data:`DATASETS`: ``"synthetic_digits"``,
-        ``"sklearn_digits"`` or ``"npz"``.
+        ``"sklearn_digits"``, ``"npz"``, ``"text"`` or
+        ``"synthetic_regression"``.
       **kwargs: arguments of that loader (e.g. ``image_size=28`` or
         ``path="data.npz"``).
 

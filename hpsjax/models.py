@@ -33,7 +33,6 @@ Examples:
 from __future__ import annotations
 
 import functools
-import importlib
 import itertools
 import math
 import os
@@ -46,6 +45,7 @@ import numpy as np
 import optax
 from flax import nnx
 
+from hpsjax._factory import import_factory
 from hpsjax._npz import PARAMS_MARKER, nest_named_arrays, open_npz, params_marker
 
 __all__ = [
@@ -55,7 +55,9 @@ __all__ = [
     "SmallCNN",
     "SmallResNet",
     "StatefulTrainFunctions",
+    "TRANSFORMER_PRESETS",
     "TrainFunctions",
+    "Transformer",
     "accuracy",
     "get_model",
     "load_params_npz",
@@ -285,6 +287,155 @@ class SmallResNet(nnx.Module):
         for block in self.blocks:
             x = block(x)
         return self.head(jnp.mean(x, axis=(1, 2)))
+
+
+def _rotary(x: jax.Array) -> jax.Array:
+    """Rotary position embedding of ``x``, ``(b, length, heads, head_dim)``:
+    each pair of features ``(i, i + head_dim / 2)`` of position ``p`` turned by
+    the angle ``p * 10000 ** (-2 i / head_dim)``."""
+    half = x.shape[-1] // 2
+    frequencies = 10000.0 ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    angles = jnp.arange(x.shape[1], dtype=jnp.float32)[:, None] * frequencies
+    sin = jnp.sin(angles)[None, :, None, :].astype(x.dtype)
+    cos = jnp.cos(angles)[None, :, None, :].astype(x.dtype)
+    x1, x2 = x[..., :half], x[..., half:]
+    return jnp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1)
+
+
+class _CausalSelfAttention(nnx.Module):
+    """Multi-head causal self-attention with rotary positions on queries and
+    keys."""
+
+    def __init__(self, d_model: int, num_heads: int, *, rngs: nnx.Rngs):
+        self.num_heads = num_heads
+        self.qkv = nnx.Linear(d_model, 3 * d_model, use_bias=False, rngs=rngs)
+        self.out = nnx.Linear(d_model, d_model, use_bias=False, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        b, length, d = x.shape
+        head_dim = d // self.num_heads
+        qkv = self.qkv(x).reshape(b, length, 3, self.num_heads, head_dim)
+        q, k, v = _rotary(qkv[:, :, 0]), _rotary(qkv[:, :, 1]), qkv[:, :, 2]
+        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(head_dim)
+        causal = jnp.tril(jnp.ones((length, length), bool))
+        scores = jnp.where(causal, scores, jnp.finfo(scores.dtype).min)
+        weights = jax.nn.softmax(scores, axis=-1)
+        y = jnp.einsum("bhqk,bkhd->bqhd", weights, v).reshape(b, length, d)
+        return self.out(y)
+
+
+class _DecoderBlock(nnx.Module):
+    """Pre-norm block: ``x + attention(norm(x))``, then ``x + mlp(norm(x))``."""
+
+    def __init__(self, d_model: int, num_heads: int, mlp_ratio: int, *, rngs):
+        self.norm1 = nnx.RMSNorm(d_model, rngs=rngs)
+        self.attention = _CausalSelfAttention(d_model, num_heads, rngs=rngs)
+        self.norm2 = nnx.RMSNorm(d_model, rngs=rngs)
+        self.up = nnx.Linear(d_model, mlp_ratio * d_model, rngs=rngs)
+        self.down = nnx.Linear(mlp_ratio * d_model, d_model, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x = x + self.attention(self.norm1(x))
+        return x + self.down(nnx.gelu(self.up(self.norm2(x))))
+
+
+class Transformer(nnx.Module):
+    r"""A decoder-only transformer language model.
+
+    Tokens are embedded, pass ``num_layers`` pre-norm blocks (RMSNorm, causal
+    multi-head self-attention with rotary positions, a GELU MLP of
+    ``mlp_ratio * d_model`` units, each with a residual connection) and a final
+    RMSNorm; the logits are the products with the token embeddings (tied input
+    and output embeddings). Position ``t``'s logits see tokens ``0 .. t`` only.
+
+    The parameters number about :math:`V d + L (4 + 2 r) d^2` for vocabulary
+    :math:`V`, ``d_model`` :math:`d`, ``num_layers`` :math:`L` and
+    ``mlp_ratio`` :math:`r`: :data:`TRANSFORMER_PRESETS` gives about 1M and
+    30M (``--model transformer_1m`` or ``transformer_30m``).
+
+    References:
+      Vaswani et al., "Attention Is All You Need", NeurIPS 2017,
+      https://arxiv.org/abs/1706.03762. Su et al., "RoFormer: Enhanced
+      Transformer with Rotary Position Embedding", 2021,
+      https://arxiv.org/abs/2104.09864. Press, Wolf, "Using the Output
+      Embedding to Improve Language Models", EACL 2017,
+      https://arxiv.org/abs/1608.05859.
+
+    Args:
+      vocab_size: number of token values (256 for bytes).
+      seq_len: the longest sequence it takes.
+      d_model: width of the residual stream, a multiple of ``num_heads``
+        whose per-head width is even.
+      num_layers: number of blocks.
+      num_heads: attention heads.
+      mlp_ratio: MLP width over ``d_model``.
+      rngs: random streams for the initial weights.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> model = Transformer(256, seq_len=16, d_model=32, num_layers=1,
+      ...                     num_heads=2, rngs=nnx.Rngs(0))
+      >>> model(jnp.zeros((2, 16), jnp.int32)).shape
+      (2, 16, 256)
+    """
+
+    def __init__(
+        self,
+        vocab_size: int = 256,
+        *,
+        seq_len: int = 64,
+        d_model: int = 128,
+        num_layers: int = 5,
+        num_heads: int = 4,
+        mlp_ratio: int = 4,
+        rngs: nnx.Rngs,
+    ):
+        vocab_size = _check_positive_int("vocab_size", vocab_size)
+        self.seq_len = _check_positive_int("seq_len", seq_len)
+        d_model = _check_positive_int("d_model", d_model)
+        num_layers = _check_positive_int("num_layers", num_layers)
+        num_heads = _check_positive_int("num_heads", num_heads)
+        mlp_ratio = _check_positive_int("mlp_ratio", mlp_ratio)
+        if d_model % num_heads or (d_model // num_heads) % 2:
+            raise ValueError(
+                f"d_model must be num_heads times an even head width, got "
+                f"d_model={d_model}, num_heads={num_heads}"
+            )
+        self.embed = nnx.Embed(
+            vocab_size,
+            d_model,
+            embedding_init=nnx.initializers.normal(0.02),
+            rngs=rngs,
+        )
+        self.blocks = nnx.List(
+            [
+                _DecoderBlock(d_model, num_heads, mlp_ratio, rngs=rngs)
+                for _ in range(num_layers)
+            ]
+        )
+        self.norm = nnx.RMSNorm(d_model, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        """Logits ``(b, length, vocab_size)`` of tokens ``x``, ``(b, length)``
+        (integers, or floats holding integers: they are cast)."""
+        if x.ndim != 2 or not 0 < x.shape[1] <= self.seq_len:
+            raise ValueError(
+                f"Transformer expects tokens (batch, length <= {self.seq_len}), got "
+                f"shape {tuple(x.shape)}"
+            )
+        h = self.embed(x.astype(jnp.int32))
+        for block in self.blocks:
+            h = block(h)
+        return self.embed.attend(self.norm(h))
+
+
+TRANSFORMER_PRESETS: dict[str, dict[str, int]] = {
+    "transformer_1m": {"d_model": 128, "num_layers": 5, "num_heads": 4},
+    "transformer_30m": {"d_model": 512, "num_layers": 10, "num_heads": 8},
+}
+"""The :class:`Transformer` sizes of the registry's ``transformer_1m`` (about
+1.0M parameters with 256 byte tokens) and ``transformer_30m`` (about 31.6M,
+126 MB in float32); other keyword arguments replace the preset's."""
 
 
 def _stringify_keys(tree: Any) -> Any:
@@ -675,10 +826,38 @@ def _make_resnet(
     )
 
 
+def _make_transformer(
+    input_shape: Sequence[int], num_classes: int, *, rngs: nnx.Rngs, **kwargs: Any
+) -> Transformer:
+    if len(input_shape) != 1:
+        raise ValueError(
+            f"transformer takes token sequences (seq_len,), got input shape "
+            f"{tuple(input_shape)}"
+        )
+    return Transformer(num_classes, seq_len=input_shape[0], rngs=rngs, **kwargs)
+
+
+def _make_transformer_1m(
+    input_shape: Sequence[int], num_classes: int, *, rngs: nnx.Rngs, **kwargs: Any
+) -> Transformer:
+    preset = TRANSFORMER_PRESETS["transformer_1m"]
+    return _make_transformer(input_shape, num_classes, rngs=rngs, **preset | kwargs)
+
+
+def _make_transformer_30m(
+    input_shape: Sequence[int], num_classes: int, *, rngs: nnx.Rngs, **kwargs: Any
+) -> Transformer:
+    preset = TRANSFORMER_PRESETS["transformer_30m"]
+    return _make_transformer(input_shape, num_classes, rngs=rngs, **preset | kwargs)
+
+
 MODELS: dict[str, Callable[..., nnx.Module]] = {
     "mlp": _make_mlp,
     "cnn": _make_cnn,
     "resnet": _make_resnet,
+    "transformer": _make_transformer,
+    "transformer_1m": _make_transformer_1m,
+    "transformer_30m": _make_transformer_30m,
 }
 """The models by the name :func:`get_model` and ``--model`` take."""
 
@@ -735,26 +914,6 @@ def _input_shape(spec: Any, source: str) -> tuple[int, ...]:
         f"{source} must return (module, input_shape) with input_shape a tuple of "
         f"positive ints or a jax.ShapeDtypeStruct, got {spec!r}"
     )
-
-
-def _import_factory(spec: str) -> Callable[..., Any]:
-    module_name, _, attribute = spec.partition(":")
-    if not module_name or not attribute:
-        raise ValueError(f"model {spec!r} must be 'package.module:factory'")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise ValueError(
-            f"cannot import module {module_name!r} of {spec!r}: {e}"
-        ) from e
-    factory = module
-    for part in attribute.split("."):
-        if not hasattr(factory, part):
-            raise ValueError(f"module {module_name!r} has no attribute {attribute!r}")
-        factory = getattr(factory, part)
-    if not callable(factory):
-        raise ValueError(f"{spec!r} is not callable")
-    return factory
 
 
 def resolve_model(
@@ -820,7 +979,7 @@ def resolve_model(
             spec, input_shape=input_shape, num_classes=num_classes, seed=seed, **kwargs
         )
         return ResolvedModel(model, tuple(input_shape))
-    factory = _import_factory(spec)
+    factory = import_factory(spec, "model")
     try:
         result = factory(rngs=nnx.Rngs(seed), **kwargs)
     except TypeError as e:
