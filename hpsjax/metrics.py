@@ -136,7 +136,7 @@ class MetricsWriter:
     ):
         if jsonl is None and tensorboard_dir is None and prometheus is None:
             raise ValueError(
-                "MetricsWriter needs a jsonl path, a tensorboard_dir or prometheus"
+                "MetricsWriter needs a jsonl path or a tensorboard_dir (or prometheus)"
             )
         if prometheus is not None and not callable(prometheus):
             raise ValueError("prometheus must be a RoundMetrics (callable) or None")
@@ -543,7 +543,7 @@ class ServerMetrics(_Exporter):
     written to TensorBoard.
 
     The server calls the event methods (:meth:`push`, :meth:`pull`,
-    :meth:`barrier_wait`, :meth:`apply`, :meth:`worker_left`,
+    :meth:`barrier_wait`, :meth:`apply`, :meth:`served`, :meth:`worker_left`,
     :meth:`nonfinite_update`, :meth:`checkpoint_saved`) from its event loop,
     one thread; each adds to a few Python numbers. Gauges of the server's state
     come from ``state``, called at each scrape from the HTTP thread. Exported
@@ -584,7 +584,7 @@ class ServerMetrics(_Exporter):
     answer to a pull since the last point), at the model version as its step
     (the number of points written without a ``state``).
 
-    **Per version.** Given the version with :meth:`apply` and :meth:`serve`,
+    **Per version.** Given the version with :meth:`apply` and :meth:`served`,
     it keeps the server's seconds on each version, and with a ``jsonl`` file
     writes one record per version when the next is made (or it closes):
     ``{"event": "version", "version", "time", "apply_s", "serve_s",
@@ -675,7 +675,7 @@ class ServerMetrics(_Exporter):
         if version is not None:
             self._at_version(version)[2] += seconds
 
-    def serve(self, seconds: float, *, version: int, pull: bool = True) -> None:
+    def served(self, seconds: float, *, version: int, pull: bool = True) -> None:
         """Records how long sending the parameters of ``version`` took, for a
         pull (or, ``pull=False``, to a subscriber)."""
         if pull:

@@ -343,10 +343,10 @@ def test_round_metrics_export_each_part():
 
 def test_server_metrics_write_one_record_per_version(tmp_path):
     m = ServerMetrics(jsonl=tmp_path / "s.jsonl")
-    m.serve(0.001, version=0)
+    m.served(0.001, version=0)
     m.apply(0.01, version=1)
-    m.serve(0.002, version=1)
-    m.serve(0.003, version=1, pull=False)
+    m.served(0.002, version=1)
+    m.served(0.003, version=1, pull=False)
     m.apply(0.02, version=2)
     point = m.write_scalars({"version": 2, "live_workers": 1})
     m.close()

@@ -1411,7 +1411,7 @@ class Server:
         frame = self._params_frame(extra)
         session.protocol.send(frame.parts(request_id), frame.nbytes)
         if self._metrics is not None:
-            self._metrics.serve(
+            self._metrics.served(
                 time.perf_counter() - started,
                 version=self._core.version,
                 pull=bool(request_id),
