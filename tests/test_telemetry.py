@@ -20,7 +20,7 @@ from _models import digits_mlp
 from hpsjax import telemetry
 from hpsjax.metrics import MetricsWriter, RoundMetrics, ServerMetrics, read_tensorboard
 from hpsjax.ps import Server
-from hpsjax.worker import Heterogeneity, Worker, WorkerConfig
+from hpsjax.worker import Heterogeneity, Worker, WorkerConfig, summarize
 
 SECRET = "test-secret"
 SLOWDOWN = 6
@@ -224,6 +224,11 @@ def test_the_reader_round_trips_and_the_worker_prints_its_summary(bsp_run):
     assert telemetry.read_rounds([tmp_path / "metrics_0.jsonl"]) == [
         r for r in read if r.worker == "w0"
     ]
+    # The worker's summary of a run takes its other idle from the telemetry.
+    records = telemetry.read_records(tmp_path / "metrics_1.jsonl")
+    assert summarize(records)["other_idle_fraction"] == pytest.approx(
+        telemetry.idle_fraction(records)["w1"]
+    )
 
 
 def _value(text: str, name: str) -> float:

@@ -148,7 +148,13 @@ from hpsjax.ps import (
     WorkerDropped,
 )
 from hpsjax.ps._codecs import PowerSGDCodec, QuantizedCodec, TopKCodec
-from hpsjax.telemetry import RoundTelemetry, format_summary, from_record, round_summary
+from hpsjax.telemetry import (
+    RoundTelemetry,
+    format_summary,
+    from_record,
+    round_summary,
+)
+from hpsjax.telemetry import rounds as telemetry_rounds
 from hpsjax.transforms import (
     Codec,
     Stage,
@@ -478,14 +484,16 @@ def summarize(records: Sequence[Mapping[str, Any]]) -> dict[str, float]:
       \text{overlap} = 1 - \frac{\sum_r \text{wait}_r}{\sum_r \text{transfer}_r},
 
     the overlap being the share of transfer time hidden behind compute (clipped to
-    ``[0, 1]``; meaningful without barrier waits, which also count as transfer).
+    ``[0, 1]``; meaningful without barrier waits, which also count as transfer),
+    and ``other_idle_fraction`` the share of the rounds' time idle for neither
+    the wire nor the server (:attr:`hpsjax.telemetry.RoundTelemetry.other_s`).
 
     Args:
       records: metrics records of :class:`Worker` (``"round"`` events are used).
 
     Returns:
-      ``{"rounds", "idle_fraction", "overlap", "compute_s", "slowdown_s",
-      "wait_s", "transfer_s", "round_s"}``.
+      ``{"rounds", "idle_fraction", "other_idle_fraction", "overlap",
+      "compute_s", "slowdown_s", "wait_s", "transfer_s", "round_s"}``.
 
     Raises:
       ValueError: no round records.
@@ -503,9 +511,13 @@ def summarize(records: Sequence[Mapping[str, Any]]) -> dict[str, float]:
         if total["transfer_s"] > 0
         else 1.0
     )
+    other = sum(r.other_s for r in telemetry_rounds(rounds))
     return {
         "rounds": float(len(rounds)),
         "idle_fraction": idle,
+        "other_idle_fraction": other / total["round_s"]
+        if total["round_s"] > 0
+        else 0.0,
         "overlap": overlap,
         **total,
     }
