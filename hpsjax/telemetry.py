@@ -68,6 +68,7 @@ __all__ = [
     "VersionTelemetry",
     "format_summary",
     "from_record",
+    "from_simulation",
     "idle_fraction",
     "read_records",
     "read_rounds",
@@ -235,6 +236,79 @@ def from_record(record: Mapping[str, Any]) -> RoundTelemetry | None:
         compile_s=_number(record, "compile_s"),
         discarded=bool(record.get("discarded", False)),
     )
+
+
+def _seconds(spans: Iterable[Any], start: float, stop: float, kind: str) -> float:
+    """Seconds of the ``kind`` spans that start in ``[start, stop)``."""
+    return sum(
+        s.end - s.start for s in spans if s.kind == kind and start <= s.start < stop
+    )
+
+
+def from_simulation(
+    result: Any, *, tokens_per_example: int = 1
+) -> list[RoundTelemetry]:
+    """The rounds of a simulated run (:func:`hpsjax.sim.simulate`'s result) as
+    the real workers report theirs, so that one reader serves both.
+
+    A worker's round starts with each of its compute spans (``"discarded"``
+    ones are discarded rounds) and runs to the next. Its kept rounds take, in
+    order, the batch size, local steps and version of its pushes. The
+    simulator has no encode or decode: those are 0; ``push_s`` and ``pull_s``
+    are its link's push and pull seconds that start in the round, ``pull_s``
+    with the server's waits (``server_s``) as a real pull holds them;
+    ``wait_s`` is what its timeline has blocked after the compute. A round
+    whose compute the run's end cut short is left out.
+
+    Args:
+      result: a ``SimResult`` (``timelines``, ``transfers``, ``pushes``).
+      tokens_per_example: as :class:`hpsjax.worker.Worker`'s.
+    """
+    found = []
+    for worker, timeline in result.timelines.items():
+        pushes = iter([p for p in result.pushes if p.worker_id == worker])
+        links = result.transfers.get(worker, ())
+        starts = [iv for iv in timeline if iv.kind in ("compute", "discarded")]
+        ends = [iv.start for iv in starts[1:]] + [timeline[-1].end if timeline else 0]
+        last = None
+        for index, (span, end) in enumerate(zip(starts, ends, strict=True)):
+            if span.end >= result.end_time:
+                break  # cut short by the end of the run
+            discarded = span.kind == "discarded"
+            if not discarded:
+                last = next(pushes, last)
+            batch, steps = (
+                (0, 0) if last is None else (last.batch_size, last.local_steps)
+            )
+            server = _seconds(timeline, span.start, end, "wait")
+            blocked = server + _seconds(timeline, span.start, end, "transfer")
+            round_s = end - span.start
+            found.append(
+                RoundTelemetry(
+                    worker=worker,
+                    round=index,
+                    version=0 if last is None else last.version,
+                    time=span.start,
+                    batch_size=batch,
+                    samples=batch * steps,
+                    local_steps=steps,
+                    compute_s=span.end - span.start,
+                    encode_s=0.0,
+                    decode_s=0.0,
+                    push_s=_seconds(links, span.start, end, "push"),
+                    pull_s=_seconds(links, span.start, end, "pull") + server,
+                    server_s=server,
+                    wait_s=blocked,
+                    round_s=round_s,
+                    tokens_per_s=(
+                        batch * steps * tokens_per_example / round_s
+                        if round_s > 0
+                        else 0.0
+                    ),
+                    discarded=discarded,
+                )
+            )
+    return found
 
 
 def rounds(records: Iterable[Mapping[str, Any]]) -> list[RoundTelemetry]:

@@ -13,13 +13,16 @@ import json
 import logging
 import math
 
+import numpy as np
 import optax
 import pytest
 from _models import digits_mlp
 
 from hpsjax import telemetry
+from hpsjax.data import Batch
 from hpsjax.metrics import MetricsWriter, RoundMetrics, ServerMetrics, read_tensorboard
 from hpsjax.ps import Server
+from hpsjax.sim import ComputeModel, SimConfig, WorkerSpec, simulate
 from hpsjax.worker import Heterogeneity, Worker, WorkerConfig, summarize
 
 SECRET = "test-secret"
@@ -382,3 +385,44 @@ def test_bad_input_is_refused_in_one_line(setup, tmp_path):
     with pytest.raises(ValueError, match="strictly increasing"):
         RoundMetrics(seconds_buckets=(1, 0.5))
     assert not math.isnan(_record().other_s)
+
+
+# ---------------------------------------------------------------- the simulator
+
+
+def test_simulated_rounds_read_as_the_real_ones():
+    train, params, loss_fn = digits_mlp(256)
+    data = (np.asarray(train.x), np.asarray(train.y))
+
+    def mean_loss(p, batch):
+        return loss_fn(p, Batch(*batch)).mean()
+
+    workers = [
+        WorkerSpec(
+            ComputeModel(step_time=t),
+            heterogeneity=Heterogeneity(bandwidth=1e6, latency=0.005),
+            batch_size=16,
+            worker_id=i,
+        )
+        for i, t in enumerate((0.1, 0.4))
+    ]
+    result = simulate(
+        mean_loss, params, data, workers, SimConfig(policy="bsp", duration=5.0)
+    )
+    rounds = telemetry.from_simulation(result, tokens_per_example=TOKENS)
+    assert {r.worker for r in rounds} == {0, 1}
+    kept = [r for r in rounds if r.round >= 1 and r.samples]
+    for r in kept:
+        assert r.samples == 16 and r.local_steps == 1
+        assert r.compute_s == pytest.approx((0.1, 0.4)[r.worker], rel=1e-6)
+        assert r.server_s <= r.pull_s and r.wait_s <= r.round_s + 1e-9
+        assert r.tokens_per_s == pytest.approx(16 * TOKENS / r.round_s)
+    summary = telemetry.round_summary(kept)
+    # The fast worker waits at the barrier, the slow one computes; their
+    # rounds take the same time.
+    assert summary["0"]["server"] > 0.5 > summary["1"]["server"]
+    assert summary["1"]["compute"] > 0.8
+    assert summary["0"]["round_s"] == pytest.approx(summary["1"]["round_s"], rel=0.1)
+    assert summary["0"]["round_s"] == pytest.approx(
+        np.diff([a.time for a in result.applies]).mean(), rel=0.1
+    )
