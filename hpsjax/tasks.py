@@ -58,6 +58,7 @@ __all__ = [
     "classification",
     "evaluate",
     "get_task",
+    "higher_is_better",
     "language_model",
     "per_example_loss",
     "per_example_loss_with_stats",
@@ -183,6 +184,11 @@ def _squared_error(outputs: jax.Array, batch: Any) -> jax.Array:
     b = outputs.shape[0]
     predicted = jnp.reshape(outputs.astype(jnp.float32), (b, -1))
     target = jnp.reshape(batch[1].astype(jnp.float32), (b, -1))
+    if predicted.shape != target.shape:
+        raise ValueError(
+            f"regression outputs {predicted.shape[1]} values per example, the "
+            f"targets {target.shape[1]}"
+        )
     return jnp.mean(jnp.square(predicted - target), axis=-1)
 
 
@@ -299,6 +305,33 @@ def check_target(task: Task, metric: str) -> None:
             f"task {task.name!r} reports no metric {metric!r}; its metrics: "
             f"{', '.join(reported)}"
         )
+
+
+_DIRECTIONS = {"accuracy": True, "loss": False, "perplexity": False}
+
+
+def higher_is_better(task: Task, metric: str) -> bool:
+    """Whether a higher ``metric`` is better: the task's own direction for its
+    target metric, else the known one of ``accuracy`` (up), ``loss`` and
+    ``perplexity`` (down).
+
+    Raises:
+      ValueError: a metric the task does not report, or one of a user's task
+        whose direction is not known (one line each).
+
+    Examples:
+      >>> higher_is_better(get_task("lm"), "perplexity")
+      False
+    """
+    check_target(task, metric)
+    if metric == task.target_metric:
+        return task.higher_is_better
+    if metric not in _DIRECTIONS:
+        raise ValueError(
+            f"the direction of task {task.name!r}'s metric {metric!r} is not "
+            f"known; set the target on {task.target_metric!r}"
+        )
+    return _DIRECTIONS[metric]
 
 
 def per_example_loss(

@@ -54,6 +54,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="the workers' model (sets their --model): a built-in name or "
         "package.module:factory, importable from here or PYTHONPATH",
     )
+    g.add_argument(
+        "--task",
+        help="what the workers learn (sets their --task): classification, lm, "
+        "regression or package.module:make_task",
+    )
     g.add_argument("--steps", type=int, default=100, help="rounds per worker")
     g.add_argument(
         "--worker_flags",
@@ -118,6 +123,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.model is not None:
             worker_args = ["--model", args.model, *worker_args]
+        if args.task is not None:
+            worker_args = ["--task", args.task, *worker_args]
         for index, text in args.worker_flags:
             per_worker.setdefault(int(index), []).extend(shlex.split(text))
         backend = _ray.backend_from_flags(args) or functools.partial(

@@ -22,6 +22,7 @@ from hpsjax.launch._job import (
     shutdown,
     start_server,
 )
+from hpsjax.tasks import get_task
 from hpsjax.worker._build import make_heterogeneity, write_init
 from hpsjax.worker._cli import parse_args
 
@@ -75,9 +76,11 @@ def check_launch(
     flags = _worker_flags(per_worker_args, num_workers)
     shared = [str(a) for a in worker_args]
     try:
-        parse_args(shared)
+        get_task(parse_args(shared).task)
         for extra in flags:
-            make_heterogeneity(parse_args([*shared, *extra]))
+            parsed = parse_args([*shared, *extra])
+            get_task(parsed.task)
+            make_heterogeneity(parsed)
     except SystemExit:
         raise LaunchError("bad worker flags (see the message above)") from None
     except ValueError as e:

@@ -27,7 +27,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from hpsjax import data, models, profiling, ps
+from hpsjax import data, models, profiling, ps, tasks
 from hpsjax._config_flags import config_kwargs
 from hpsjax._flags import check_kwargs
 from hpsjax._npz import nest_named_arrays
@@ -51,6 +51,7 @@ __all__ = [
     "Watched",
     "build",
     "build_worker",
+    "check_task_fits",
     "connect",
     "data_shard",
     "leaf_specs",
@@ -61,12 +62,14 @@ __all__ = [
     "make_model",
     "make_progress",
     "make_sharded_client",
+    "make_task",
     "measure_step",
     "model_structure",
     "read_secret",
     "server_address",
     "server_tree",
     "spec_mismatch",
+    "task_loss",
     "tls_context",
     "train_shard",
     "with_injection",
@@ -77,8 +80,62 @@ __all__ = [
 # Model arguments the registry's factories set from the data, not from flags.
 _MODEL_SHAPE_ARGS = (
     "self", "input_shape", "in_features", "in_channels", "image_size",
-    "num_classes", "rngs",
+    "num_classes", "vocab_size", "seq_len", "rngs",
 )  # fmt: skip
+
+
+def make_task(args: argparse.Namespace) -> tasks.Task:
+    """The :class:`~hpsjax.tasks.Task` of ``--task``.
+
+    Raises:
+      ValueError: an unknown task, or a factory that is missing or returns
+        something else than a task (one line each).
+    """
+    return tasks.get_task(args.task)
+
+
+def task_loss(task: tasks.Task, graphdef, batch_stats) -> Any:
+    """The worker's ``loss_fn``: ``task``'s per-example losses of the model,
+    ``(params, batch)``, or ``(params, stats, batch) -> (losses, stats)`` for a
+    model with batch statistics (they stay on this worker, FedBN, see
+    :func:`hpsjax.models.split_with_batch_stats`: the server sees only
+    params)."""
+    if batch_stats is None:
+
+        def loss_fn(params, batch):
+            return tasks.per_example_loss(task, params, graphdef, batch)
+
+        return loss_fn
+
+    def loss_with_stats(params, stats, batch):
+        return tasks.per_example_loss_with_stats(task, params, stats, graphdef, batch)
+
+    return loss_with_stats
+
+
+def check_task_fits(task: tasks.Task, loss_fn, params, batch_stats, batch) -> None:
+    """Traces ``loss_fn`` on one batch for shapes only (nothing is compiled or
+    run), so that a task that does not fit the data or the model is refused
+    before the worker starts.
+
+    Raises:
+      ValueError: one line, from the error the trace raised.
+    """
+    args = (params, batch) if batch_stats is None else (params, batch_stats, batch)
+    try:
+        out = jax.eval_shape(loss_fn, *args)
+    except Exception as e:  # any failure of the user's code, said in one line
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise ValueError(
+            f"task {task.name!r} does not fit the data and model: {first}"
+        ) from None
+    losses = out if batch_stats is None else out[0]
+    b = len(batch[1])
+    if getattr(losses, "shape", None) != (b,):
+        raise ValueError(
+            f"task {task.name!r}'s loss must give one loss per example, shape "
+            f"({b},), got {getattr(losses, 'shape', type(losses).__name__)}"
+        )
 
 
 def load_dataset(args: argparse.Namespace, *, test: bool = False):
@@ -273,11 +330,12 @@ class Watched:
         return result, params, version
 
 
-def build(args: argparse.Namespace, *, metrics=None):
+def build(args: argparse.Namespace, *, metrics=None, task=None):
     """``(worker, client, params, graphdef)``: :func:`build_worker`, its client
     (which keeps the last pulled parameters with ``--eval_every``) and model
     (``params`` as :func:`model_structure` gives them: shapes, unless the model
-    has batch statistics)."""
+    has batch statistics). ``task`` is ``--task``'s, resolved when not given."""
+    task = make_task(args) if task is None else task
 
     servers = args.servers
     if servers is not None and args.port is not None:
@@ -321,18 +379,8 @@ def build(args: argparse.Namespace, *, metrics=None):
     _, batch_size, _, _ = config.planned()
     seed = index if args.data_seed is None else args.data_seed
     stream = train.batches(batch_size, seed=seed)
-
-    if batch_stats is None:
-
-        def loss_fn(params, batch):
-            return models.per_example_loss(params, graphdef, batch)
-
-    else:
-        # BatchNorm's statistics stay on this worker (FedBN, see
-        # models.split_with_batch_stats): the server sees only params.
-        def loss_fn(params, stats, batch):
-            return models.per_example_loss_with_stats(params, stats, graphdef, batch)
-
+    loss_fn = task_loss(task, graphdef, batch_stats)
+    check_task_fits(task, loss_fn, params, batch_stats, train.batches(2, seed=0).next())
     worker = Worker(
         config,
         loss_fn=loss_fn,
@@ -343,6 +391,7 @@ def build(args: argparse.Namespace, *, metrics=None):
         client=client,
         state=batch_stats,
         progress=make_progress(args, config),
+        tokens_per_example=task.tokens_per_example(train),
     )
     return worker, client, params, graphdef
 
@@ -462,16 +511,19 @@ def measure_step(args: argparse.Namespace, *, pace=None):
       transfer) and the parameters' shapes and dtypes.
     """
 
+    task = make_task(args)
     index, count = data_shard(args)
     train = load_dataset(args).shard(count, index)
     graphdef, params, stats = models.split_trainable(make_model(args, train))
     stream = train.batches(1, seed=index)
     optimizer = make_local_optimizer(args) or optax.sgd(1.0)
+    loss_fn = task_loss(task, graphdef, stats)
+    check_task_fits(task, loss_fn, params, stats, train.batches(2, seed=0).next())
 
     def mean_loss(params, batch):
         if stats is None:
-            return models.loss_fn(params, graphdef, batch)
-        losses, _ = models.per_example_loss_with_stats(params, stats, graphdef, batch)
+            return jnp.mean(loss_fn(params, batch))
+        losses, _ = loss_fn(params, stats, batch)
         return jnp.mean(losses)
 
     def step(params, batch):

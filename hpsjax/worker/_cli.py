@@ -59,11 +59,11 @@ import signal
 import sys
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 
-from hpsjax import data, models
+from hpsjax import data, models, tasks
 from hpsjax._compile_cache import use_compile_cache
 from hpsjax._config_flags import add_flags
 from hpsjax._flags import HelpFormatter, add_key_value_flag
@@ -89,6 +89,7 @@ __all__ = [
     "DIVERGED",
     "SERVER_GONE",
     "Evaluator",
+    "Target",
     "JoinError",
     "build_worker",
     "connect",
@@ -96,6 +97,7 @@ __all__ = [
     "measure_step",
     "parse_args",
     "with_injection",
+    "worker_target",
     "write_init",
     "write_profile",
 ]
@@ -120,6 +122,13 @@ def _addresses(text: str) -> list[tuple[str, int]]:
         out.append((host, int(port)))
     return out
 
+
+# The --dataset and --model of each built-in task when the flags name none.
+_TASK_DEFAULTS = {
+    "classification": ("synthetic_digits", "mlp"),
+    "lm": ("text", "transformer"),
+    "regression": ("synthetic_regression", "mlp"),
+}
 
 _GROUPS = {
     "server": "server",
@@ -170,9 +179,17 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
     g = groups["data"]
     g.add_argument(
+        "--task",
+        default="classification",
+        help=f"what is learned: {', '.join(sorted(tasks.TASKS))} or "
+        "package.module:make_task (a function returning an hpsjax.tasks.Task); "
+        "it sets the loss, the eval metrics and the defaults of --dataset and "
         "--model",
-        default="mlp",
-        help=f"model: {', '.join(sorted(models.MODELS))} or package.module:factory",
+    )
+    g.add_argument(
+        "--model",
+        help=f"model: {', '.join(sorted(models.MODELS))} or package.module:factory "
+        "(default: the task's, transformer for lm, else mlp)",
     )
     add_key_value_flag(g, "--model_arg", "model argument (JSON value)")
     g.add_argument(
@@ -183,8 +200,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     g.add_argument(
         "--dataset",
-        default="synthetic_digits",
-        help=f"dataset: {', '.join(sorted(data.DATASETS))}",
+        help=f"dataset: {', '.join(sorted(data.DATASETS))} (default: the task's, "
+        "text for lm, synthetic_regression for regression, else synthetic_digits)",
     )
     g.add_argument(
         "--data_path",
@@ -258,6 +275,17 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--eval_batch_size", type=int, default=256, help="examples per eval batch"
     )
     g.add_argument(
+        "--target_metric",
+        help="with --target_value: the eval metric of the target (default: the "
+        "task's, accuracy for classification, loss for lm and regression)",
+    )
+    g.add_argument(
+        "--target_value",
+        type=float,
+        help="with --eval_every: stop once an eval reaches this value of "
+        "--target_metric (in the task's direction: accuracy up, loss down)",
+    )
+    g.add_argument(
         "--write_init",
         metavar="PATH",
         help="write the model's initial parameters (.npz) and exit",
@@ -312,14 +340,59 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "left; a bar on a terminal), 0: none",
     )
     add_flags(p, WorkerConfig, groups)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    dataset, model = _TASK_DEFAULTS.get(args.task, _TASK_DEFAULTS["classification"])
+    args.dataset = dataset if args.dataset is None else args.dataset
+    args.model = model if args.model is None else args.model
+    return args
+
+
+class Target(NamedTuple):
+    """The eval value at which ``--target_value`` stops the worker.
+
+    Attributes:
+      metric: the eval metric (``--target_metric``, or the task's).
+      value: the value to reach.
+      higher_is_better: the direction (the task's, see
+        :func:`hpsjax.tasks.higher_is_better`).
+    """
+
+    metric: str
+    value: float
+    higher_is_better: bool
+
+    def reached(self, result: dict[str, float]) -> bool:
+        """Whether an eval ``result`` reached the target."""
+        got = result[self.metric]
+        return got >= self.value if self.higher_is_better else got <= self.value
+
+
+def worker_target(args: argparse.Namespace, task: tasks.Task) -> Target | None:
+    """The target of ``--target_metric``/``--target_value``, or ``None``.
+
+    Raises:
+      ValueError: a metric the task does not report, or the flags without
+        the ones they need (one line each).
+    """
+    metric = args.target_metric or task.target_metric
+    higher = tasks.higher_is_better(task, metric)
+    if args.target_value is None:
+        if args.target_metric is not None:
+            raise ValueError("--target_metric needs --target_value")
+        return None
+    if args.eval_every is None:
+        raise ValueError("--target_value needs --eval_every (the evals it checks)")
+    return Target(metric, float(args.target_value), higher)
 
 
 class Evaluator:
-    """Test loss and accuracy of parameters on the dataset's held-out split.
+    """The task's metrics of parameters on the dataset's held-out split.
 
     The split is the one every worker holds out (``--test_fraction``, seed 0),
-    whole, not sharded.
+    whole, not sharded. The metrics are the task's (``task.metrics``, averaged
+    over the examples, then ``task.summarize``): a classifier's loss and
+    accuracy, a language model's loss, next-token accuracy and perplexity, a
+    regression's loss.
 
     Args:
       args: the worker's parsed flags.
@@ -327,6 +400,7 @@ class Evaluator:
       batch_stats: for a model with BatchNorm, a callable returning this
         worker's current batch statistics, which evaluation normalises with
         (``Worker.state``); ``None`` for a model without.
+      task: the :class:`hpsjax.tasks.Task`; ``--task``'s when omitted.
     """
 
     def __init__(
@@ -334,48 +408,63 @@ class Evaluator:
         args: argparse.Namespace,
         graphdef: Any,
         batch_stats: Callable[[], Any] | None = None,
+        task: tasks.Task | None = None,
     ):
         if not args.eval_batch_size >= 1:
             raise ValueError(
                 f"--eval_batch_size must be >= 1, got {args.eval_batch_size}"
             )
+        self._task = tasks.get_task(args.task) if task is None else task
         self._test = load_dataset(args, test=True)
         if not len(self._test):
             raise ValueError("--eval_every needs held-out examples (--test_fraction)")
         self._batch_size = args.eval_batch_size
+        task = self._task
         if batch_stats is not None:
-            evaluate = models.make_stateful_train_functions(graphdef).evaluate
 
-            def stateful(params, batch):
-                result = evaluate(params, batch_stats(), (batch[0], batch[1]))
-                return result["loss"], result["accuracy"]
+            @jax.jit
+            def stateful(params, stats, batch):
+                return tasks.evaluate(task, params, graphdef, batch, batch_stats=stats)
 
-            self._fn = stateful
+            self._fn = lambda params, batch: stateful(params, batch_stats(), batch)
             return
 
-        def losses(params, batch):
-            return (
-                models.loss_fn(params, graphdef, batch),
-                models.accuracy(params, graphdef, batch),
-            )
+        @jax.jit
+        def evaluate(params, batch):
+            return tasks.evaluate(task, params, graphdef, batch)
 
-        self._fn = jax.jit(losses)
+        self._fn = evaluate
+
+    @property
+    def target_metric(self) -> str:
+        """The task's target metric, the first an eval line shows."""
+        return self._task.target_metric
 
     def __call__(self, params: Any) -> dict[str, float]:
-        """``{"loss": ..., "accuracy": ..., "examples": n}`` of ``params``."""
-        loss = accuracy = 0.0
+        """The task's metrics of ``params`` (``{"loss": ..., "accuracy": ...}``
+        for a classifier) and ``"examples"``, their count."""
+        sums: dict[str, float] = {}
         count = 0
         for batch in self._test.eval_batches(self._batch_size):
-            batch_loss, batch_accuracy = self._fn(params, batch)
             n = len(batch.y)
-            loss += float(batch_loss) * n
-            accuracy += float(batch_accuracy) * n
+            for name, value in self._fn(params, (batch[0], batch[1])).items():
+                sums[name] = sums.get(name, 0.0) + float(value) * n
             count += n
-        return {"loss": loss / count, "accuracy": accuracy / count, "examples": count}
+        means = {name: total / count for name, total in sums.items()}
+        return {**self._task.summarize(means), "examples": count}
 
 
-async def _evaluate(evaluator, watched, args, sink, t0: float, done: set) -> None:
-    """Evaluates the last pulled parameters, once per new version."""
+def _eval_line(result: dict[str, float], first: str) -> str:
+    """``"accuracy 0.9012, loss 0.3101"``: the target's metric first."""
+    names = [first, *(k for k in result if k not in (first, "examples"))]
+    return ", ".join(f"{k} {result[k]:.4f}" for k in names if k in result)
+
+
+async def _evaluate(
+    evaluator, watched, args, sink, t0: float, done: set, target=None, stop=None
+) -> None:
+    """Evaluates the last pulled parameters, once per new version; calls
+    ``stop`` once ``target`` is reached."""
     if watched.latest is None:
         return
     params, version = watched.latest
@@ -393,23 +482,39 @@ async def _evaluate(evaluator, watched, args, sink, t0: float, done: set) -> Non
         "version": int(version),
         **result,
     }
+    reached = target is not None and target.reached(result)
+    if target is not None:
+        record["target_reached"] = reached
     if sink is not None:
         sink(record)
+    first = target.metric if target is not None else evaluator.target_metric
     print(
-        f"hpsjax-worker eval: version {int(version)}, accuracy "
-        f"{result['accuracy']:.4f}, loss {result['loss']:.4f}",
+        f"hpsjax-worker eval: version {int(version)}, {_eval_line(result, first)}",
         flush=True,
     )
+    if reached and stop is not None:
+        print(
+            f"hpsjax-worker: {target.metric} {result[target.metric]:.4f} reached "
+            f"the target {target.value:g}; stopping",
+            flush=True,
+        )
+        stop()
 
 
-async def _evaluate_every(evaluator, watched, args, sink, t0, done) -> None:
+async def _evaluate_every(evaluator, watched, args, sink, t0, done, target, stop):
     while True:
         await asyncio.sleep(args.eval_every)
-        await _evaluate(evaluator, watched, args, sink, t0, done)
+        await _evaluate(evaluator, watched, args, sink, t0, done, target, stop)
 
 
 async def _serve(
-    worker, client, params, args: argparse.Namespace, evaluator=None, sink=None
+    worker,
+    client,
+    params,
+    args: argparse.Namespace,
+    evaluator=None,
+    sink=None,
+    target=None,
 ) -> Any:
     loop = asyncio.get_running_loop()
     await connect(
@@ -425,7 +530,7 @@ async def _serve(
         return await worker.run()
     t0, done = time.monotonic(), set()
     task = asyncio.ensure_future(
-        _evaluate_every(evaluator, client, args, sink, t0, done)
+        _evaluate_every(evaluator, client, args, sink, t0, done, target, worker.stop)
     )
     try:
         summary = await worker.run()
@@ -434,7 +539,7 @@ async def _serve(
         with contextlib.suppress(asyncio.CancelledError):
             await task
     # The parameters the run ended on.
-    await _evaluate(evaluator, client, args, sink, t0, done)
+    await _evaluate(evaluator, client, args, sink, t0, done, target)
     return summary
 
 
@@ -466,6 +571,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     setup_logging(args.log_level)
     log = logging.getLogger("hpsjax.worker")
     try:
+        task = tasks.get_task(args.task)
+        target = worker_target(args, task)
         _compile_cache(args, log)
         if args.write_init is not None:
             write_init(args, args.write_init)
@@ -483,11 +590,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 0
         sink = _metrics_sink(args)
         try:
-            worker, client, params, graphdef = build(args, metrics=sink)
+            worker, client, params, graphdef = build(args, metrics=sink, task=task)
             evaluator = None
             if args.eval_every is not None:
                 stats = None if worker.state is None else (lambda: worker.state)
-                evaluator = Evaluator(args, graphdef, stats)
+                evaluator = Evaluator(args, graphdef, stats, task)
         except BaseException:
             if sink is not None:
                 sink.close()
@@ -506,7 +613,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print("hpsjax-worker: uvloop is not installed", file=sys.stderr)
                 return 2
     try:
-        summary = runner(_serve(worker, client, params, args, evaluator, sink))
+        summary = runner(_serve(worker, client, params, args, evaluator, sink, target))
     except JoinError as e:
         print(f"hpsjax-worker: {e}", file=sys.stderr)
         return 1
