@@ -24,6 +24,15 @@ machines:
    bytes per second (the update's fp32 size over the time per push) against
    uncompressed pushes, and the bytes each push puts on the wire.
 
+``--model lm30m`` gives **big** and **compressed** the tree of the 30M-parameter
+byte-level transformer language model (``hpsjax.models`` "transformer",
+``d_model`` 512, 10 layers: 31.6M float32 parameters, 126 MB, 102 leaves)
+instead of the CNN: **big** then also reports the push and the pull apart, the
+server's own apply time per push (its Prometheus ``apply_seconds``), and the
+server's resident memory per model byte (its resident set with the model
+loaded, less that of the same server holding a one-float model, over the
+model's bytes).
+
 The servers run in their own processes (``hpsjax-server`` from an ``.npz`` of the
 model, and an echo server), on uvloop when it is installed; the clients in this
 one. Run::
@@ -92,6 +101,33 @@ def cnn_shapes(total_bytes: int) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def lm_shapes(
+    d_model: int = 512, num_layers: int = 10, vocab: int = 256, mlp_ratio: int = 4
+) -> dict[str, tuple[int, ...]]:
+    """Leaf shapes of a decoder-only transformer language model.
+
+    Tied token embeddings (``vocab x d_model``), per layer a pre-attention and a
+    pre-MLP norm scale, the query, key, value and output projections
+    (``d_model x d_model``) and a two-layer MLP of width ``mlp_ratio *
+    d_model`` with biases, and a final norm: ``12 d^2`` parameters a layer. The
+    defaults hold 31.6M parameters (126 MB of float32).
+    """
+    d, hidden = d_model, mlp_ratio * d_model
+    shapes: dict[str, tuple[int, ...]] = {"embed/embedding": (vocab, d)}
+    for i in range(num_layers):
+        layer = f"layers_{i}"
+        shapes[f"{layer}/attn_norm/scale"] = (d,)
+        for name in ("query", "key", "value", "out"):
+            shapes[f"{layer}/attn/{name}/kernel"] = (d, d)
+        shapes[f"{layer}/mlp_norm/scale"] = (d,)
+        shapes[f"{layer}/mlp/up/kernel"] = (d, hidden)
+        shapes[f"{layer}/mlp/up/bias"] = (hidden,)
+        shapes[f"{layer}/mlp/down/kernel"] = (hidden, d)
+        shapes[f"{layer}/mlp/down/bias"] = (d,)
+    shapes["final_norm/scale"] = (d,)
+    return shapes
+
+
 def _nested(flat: dict[str, np.ndarray]) -> dict:
     tree: dict = {}
     for name, value in flat.items():
@@ -118,12 +154,21 @@ class PsServer:
     """``hpsjax-server`` in a subprocess, serving a model from an .npz file."""
 
     def __init__(
-        self, shapes, workdir: pathlib.Path, loop: str, policy="asp", extra=()
+        self,
+        shapes,
+        workdir: pathlib.Path,
+        loop: str,
+        policy="asp",
+        extra=(),
+        metrics=False,
     ):
         init = workdir / f"init-{len(shapes)}-{_nbytes(shapes)}.npz"
         save_params_npz(init, _tree(shapes))
         secret = workdir / "secret"
         secret.write_bytes(SECRET)
+        self.metrics_port = _free_port() if metrics else None
+        if metrics:
+            extra = (*extra, "--metrics_port", str(self.metrics_port))
         self.proc = subprocess.Popen(
             [
                 sys.executable, "-m", "hpsjax.ps._cli", "--init", str(init),
@@ -135,6 +180,8 @@ class PsServer:
             text=True,
         )  # fmt: skip
         line = self.proc.stdout.readline()
+        while line.startswith("hpsjax-server metrics on"):
+            line = self.proc.stdout.readline()
         if "listening on" not in line:
             self.proc.kill()
             raise RuntimeError(f"server failed to start: {line!r}")
@@ -150,9 +197,30 @@ class PsServer:
                     fields[key] = int(value.split()[0]) * 1024
         return fields["VmRSS"], fields["VmHWM"]
 
+    def apply_seconds(self) -> tuple[float, int]:
+        """The server's summed apply time and its count of applied updates
+        (its Prometheus ``apply_seconds`` histogram; needs ``metrics=True``)."""
+        import urllib.request
+
+        url = f"http://127.0.0.1:{self.metrics_port}/metrics"
+        text = urllib.request.urlopen(url, timeout=30).read().decode()
+        found = {}
+        for line in text.splitlines():
+            name, _, value = line.partition(" ")
+            for key in ("apply_seconds_sum", "apply_seconds_count"):
+                if name.endswith(key):
+                    found[key] = float(value)
+        return found["apply_seconds_sum"], int(found["apply_seconds_count"])
+
     def close(self):
         self.proc.terminate()
         self.proc.wait(60)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 _ECHO_SERVER = textwrap.dedent(
@@ -243,67 +311,108 @@ def _pace(sock: socket.socket, rate: float | None) -> None:
         sock.setsockopt(socket.SOL_SOCKET, _SO_MAX_PACING_RATE, int(rate))
 
 
-def bench_big(shapes, workdir, loop_name, repeats, link_rate=None):
+def bench_big(shapes, workdir, loop_name, repeats, link_rate=None, detail=False):
+    """A push then a pull, and a ``push_pull``, of the tree against blocking
+    echoes of the same bytes; with ``detail`` also the push and the pull apart,
+    the server's apply time and its resident memory per model byte."""
     nbytes = _nbytes(shapes)
     echo = ThreadEcho(nbytes)
     payload = np.ones(nbytes, np.uint8)
     back = memoryview(bytearray(nbytes))
-    server = PsServer(shapes, workdir, loop_name)
+    empty_rss = _empty_server_rss(workdir, loop_name) if detail else None
+    server = PsServer(shapes, workdir, loop_name, metrics=detail)
     update = _tree(shapes, 1e-3)
 
     async def run():
-        base, sep, push_pull = [], [], []
+        t = {"base": [], "push": [], "pull": [], "push_pull": []}
         with socket.create_connection(("127.0.0.1", echo.port)) as sock:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             _pace(sock, link_rate)
             async with Client(
-                "127.0.0.1", server.port, worker_id="big", secret=SECRET, timeout=120
+                "127.0.0.1", server.port, worker_id="big", secret=SECRET, timeout=300
             ) as c:
                 _pace(c._protocol.transport.get_extra_info("socket"), link_rate)
                 _, version = await c.pull()
                 # The model and its optimizer state are in; no push yet.
                 rss_before, _ = server.memory()
                 # Interleaved, so that baseline and server see the same load.
-                for _ in range(repeats + 1):
+                apply0 = (0.0, 0)
+                for i in range(repeats + 1):
+                    if i == 1 and detail:
+                        # After the warm-up (the first apply compiles).
+                        apply0 = server.apply_seconds()
                     t0 = time.perf_counter()
                     sock.sendall(payload)
                     _recv_into(sock, back)
                     t1 = time.perf_counter()
                     ack = await c.push(update, version=version)
-                    _, version = await c.pull()
                     t2 = time.perf_counter()
-                    _, _, version = await c.push_pull(update, version=version)
+                    _, version = await c.pull()
                     t3 = time.perf_counter()
+                    _, _, version = await c.push_pull(update, version=version)
+                    t4 = time.perf_counter()
                     assert ack.applied
-                    base.append(t1 - t0)
-                    sep.append(t2 - t1)
-                    push_pull.append(t3 - t2)
+                    for key, dt in zip(t, (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
+                        t[key].append(dt)
                 _, peak = server.memory()
-        return base, sep, push_pull, (peak - rss_before) / nbytes
+                apply = None
+                if detail:
+                    total, count = server.apply_seconds()
+                    apply = (total - apply0[0], count - apply0[1])
+        return t, rss_before, (peak - rss_before) / nbytes, apply
 
     try:
-        base_t, sep_t, pp_t, extra_copies = _run(run(), loop_name)
+        t, rss_loaded, extra_copies, apply = _run(run(), loop_name)
     finally:
         server.close()
         echo.close()
     # The first repeat includes warm-up (compilation, first touch of memory).
-    base = statistics.median(base_t[1:])
-    ps_sep = statistics.median(sep_t[1:])
-    ps_pp = statistics.median(pp_t[1:])
-    return {
+    med = {k: statistics.median(v[1:]) for k, v in t.items()}
+    base, ps_sep = med["base"], med["push"] + med["pull"]
+    result = {
         "tree_bytes": nbytes,
         "leaves": len(shapes),
         "baseline_echo_s": base,
         "push_then_pull_s": ps_sep,
-        "push_pull_s": ps_pp,
+        "push_pull_s": med["push_pull"],
         "ratio_push_then_pull": base / ps_sep,
-        "ratio_push_pull": base / ps_pp,
+        "ratio_push_pull": base / med["push_pull"],
         "baseline_GBps": 2 * nbytes / base / 1e9,
         "push_then_pull_GBps": 2 * nbytes / ps_sep / 1e9,
         # Peak server memory over what it held before the first push, in
         # copies of the model (one push in flight at a time here).
         "peak_extra_model_copies": extra_copies,
     }
+    if detail:
+        apply_sum, applied = apply
+        result.update(
+            push_s=med["push"],
+            pull_s=med["pull"],
+            # Half the echo's round trip: the same bytes one way.
+            ratio_push=base / 2 / med["push"],
+            ratio_pull=base / 2 / med["pull"],
+            server_apply_s=apply_sum / max(1, applied),
+            server_rss_per_model_byte=(rss_loaded - empty_rss) / nbytes,
+        )
+    return result
+
+
+def _empty_server_rss(workdir, loop_name) -> int:
+    """The resident bytes of a server holding a one-float model, after a
+    pull (its runtime, libraries and buffers: what a model adds to nothing)."""
+    server = PsServer({"w": (1,)}, workdir, loop_name)
+
+    async def run():
+        async with Client(
+            "127.0.0.1", server.port, worker_id="e", secret=SECRET, timeout=60
+        ) as c:
+            await c.pull()
+            return server.memory()[0]
+
+    try:
+        return _run(run(), loop_name)
+    finally:
+        server.close()
 
 
 def bench_big_bsp(shapes, workdir, loop_name, repeats, link_rate=None, clients=2):
@@ -546,6 +655,13 @@ def main() -> None:
         "--only", default="big,small,fan_in,compressed", help="benches to run"
     )
     parser.add_argument(
+        "--model",
+        choices=("cnn", "lm30m"),
+        default="cnn",
+        help="big and compressed: a CNN-shaped tree of 64 MiB (4 MiB with "
+        "--quick), or the 30M-parameter language model's tree (126 MB)",
+    )
+    parser.add_argument(
         "--link_rate",
         type=float,
         help="big: pace what the client sends (its pushes, the baseline's "
@@ -562,6 +678,8 @@ def main() -> None:
         except ImportError:
             loop_name = "asyncio"
     big = 4 * 2**20 if args.quick else 64 * 2**20
+    big_shapes = cnn_shapes(big) if args.model == "cnn" else lm_shapes()
+    detail = args.model == "lm30m"
     repeats = args.repeats or (3 if args.quick else 10)
     only = set(args.only.split(","))
     results = {
@@ -579,12 +697,12 @@ def main() -> None:
         workdir = pathlib.Path(d)
         if "big" in only:
             results["big"] = bench_big(
-                cnn_shapes(big), workdir, loop_name, repeats, args.link_rate
+                big_shapes, workdir, loop_name, repeats, args.link_rate, detail
             )
             _show("big", results["big"])
         if "big_bsp" in only:
             results["big_bsp"] = bench_big_bsp(
-                cnn_shapes(big), workdir, loop_name, repeats, args.link_rate
+                big_shapes, workdir, loop_name, repeats, args.link_rate
             )
             _show("big_bsp", results["big_bsp"])
         if "small" in only:
@@ -603,7 +721,7 @@ def main() -> None:
             _show("fan_in", results["fan_in"])
         if "compressed" in only:
             results["compressed"] = bench_compressed(
-                cnn_shapes(big), workdir, loop_name, repeats
+                big_shapes, workdir, loop_name, repeats
             )
             _show("compressed", results["compressed"])
     if args.json:
