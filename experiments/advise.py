@@ -8,7 +8,8 @@ its measured push and pull), builds the calibrated simulator's twin of that
 cluster, runs every scheme on it (``--schemes``, all by default) with a short
 tuning of each scheme's step size (``--factors``: 0.5, 1 and 2 times its
 config's value, one seed each), and prints a table ranked by the predicted
-time to the target accuracy, with the bytes moved (pushed and pulled) and the
+time to the target (the setting's task's: test accuracy, a language model's
+validation loss), with the bytes moved (pushed and pulled) and the
 workers' idle fraction, followed by the command that launches the winner.
 
 The twin is :func:`experiments.calibrate.simulated_config`, the mapping the
@@ -32,10 +33,11 @@ of a run's round records:
 * **server**: ``--service_time`` seconds per push at one server (a measured
   push already holds the server's answer; default 0).
 
-The model, data, target accuracy and budget come from ``--setting`` (a name of
+The task, model, data, target and budget come from ``--setting`` (a name of
 ``experiments.configs.common.SETTINGS``; the simulated workers replace its
-own), or from ``--model``, ``--dataset`` (``--data_path`` for ``npz``),
-``--target`` and ``--budget``. Schemes that plan (H-PS, ADSP, ASHL) plan in
+own; ``lm_sim8`` trains the language model), or from ``--model``,
+``--dataset`` (``--data_path`` for ``npz``), ``--target`` (a value of the
+task's target metric) and ``--budget``. Schemes that plan (H-PS, ADSP, ASHL) plan in
 the simulator from the twin's workers, as on the real cluster they would from
 these profiles.
 
@@ -63,7 +65,8 @@ from typing import Any
 
 from absl import app, flags, logging
 
-from experiments import _cli, registry
+from experiments import _cli, build, registry, train
+from experiments.target import Target
 
 __all__ = [
     "advise",
@@ -243,9 +246,7 @@ def cluster_config(
     if data_path is not None:
         config.data.path = data_path
     if target is not None:
-        if not 0 < target <= 1:
-            raise ValueError(f"--target must be in (0, 1], got {target}")
-        config.eval.target_accuracy = float(target)
+        config.eval.target_value = float(target)
     if budget is not None:
         if not budget > 0:
             raise ValueError(f"--budget must be > 0, got {budget}")
@@ -375,10 +376,10 @@ def advise(
 
     Returns:
       Per scheme: ``scheme``, ``knob``, ``value`` (the step size chosen),
-      ``time_to_target`` (``None``: not reached), ``best_accuracy``,
-      ``bytes_moved``, ``idle_fraction``, ``diverged``, ``config``, ranked
-      by the time to the target (those that never reach it last, by best
-      accuracy).
+      ``time_to_target`` (``None``: not reached), ``best_metric`` (the best
+      value of the target's metric), ``bytes_moved``, ``idle_fraction``,
+      ``diverged``, ``config``, ranked by the time to the target (those that
+      never reach it last, by their best value of its metric).
 
     Raises:
       ValueError: an unknown scheme, no schemes, bad factors or settings.
@@ -431,7 +432,7 @@ def advise(
                 "knob": knob,
                 "value": value,
                 "time_to_target": s["time_to_target"],
-                "best_accuracy": s["best_accuracy"],
+                "best_metric": train._best(s, Target.of_summary(s)),
                 "bytes_moved": s["bytes_sent"] + s.get("bytes_received", 0),
                 "idle_fraction": s["idle_fraction"],
                 "diverged": s.get("diverged_at") is not None,
@@ -441,7 +442,8 @@ def advise(
 
     def key(r):
         t = r["time_to_target"]
-        return (r["diverged"], t is None, t or 0.0, -r["best_accuracy"])
+        goal = build.target(r["config"])
+        return (r["diverged"], t is None, t or 0.0, goal.sort_key(r["best_metric"]))
 
     return sorted(rows, key=key)
 
@@ -454,10 +456,10 @@ def format_advice(
     """The ranked table and the winner's commands (``link``: as given to
     :func:`cluster_config`)."""
     first = rows[0]["config"]
-    target = float(first.eval.target_accuracy)
+    target = build.target(first)
     unit = "s, predicted"
     lines = [
-        f"| rank | scheme | time to {target:g} accuracy ({unit}) | best accuracy | "
+        f"| rank | scheme | time to {target.label} ({unit}) | best {target.metric} | "
         "MB moved | idle fraction | step size |",
         "|---:|---|---:|---:|---:|---:|---|",
     ]
@@ -466,8 +468,9 @@ def format_advice(
         cell = (
             "diverged" if r["diverged"] else "not reached" if t is None else f"{t:.1f}"
         )
+        best = "-" if r["best_metric"] is None else f"{r['best_metric']:.3f}"
         lines.append(
-            f"| {i} | {r['scheme']} | {cell} | {r['best_accuracy']:.3f} | "
+            f"| {i} | {r['scheme']} | {cell} | {best} | "
             f"{r['bytes_moved'] / 1e6:.1f} | {r['idle_fraction']:.2f} | "
             f"{r['knob']}={r['value']:g} |"
         )
@@ -482,13 +485,13 @@ def format_advice(
             if not math.isfinite(bandwidth)
             else f"{latency * 1e3:.2f} ms + bytes / {bandwidth / 1e6:.3g} MB/s"
         )
-        + f"; model {first.model.name}, data {first.data.name}, "
+        + f"; task {first.task}, model {first.model.name}, data {first.data.name}, "
         f"budget {first.budget_seconds:g} s" + (f"\nnote: {note}" if note else "")
     )
     best = rows[0]
     launch, run, not_carried = launch_command(best["config"], profiles)
     if best["time_to_target"] is None:
-        verdict = f"no scheme reached {target:g} within the budget; the closest:"
+        verdict = f"no scheme reached {target.label} within the budget; the closest:"
     else:
         verdict = f"predicted winner: {best['scheme']}"
     tail = f"{verdict}\n  {launch}\n"
@@ -512,7 +515,12 @@ def _define_flags() -> None:
     flags.DEFINE_string("model", None, "The model instead of the setting's.")
     flags.DEFINE_string("dataset", None, "The dataset instead of the setting's.")
     flags.DEFINE_string("data_path", None, "With --dataset=npz: the file.")
-    flags.DEFINE_float("target", None, "Target accuracy instead of the setting's.")
+    flags.DEFINE_float(
+        "target",
+        None,
+        "The target's value instead of the setting's, on the task's target "
+        "metric (a test accuracy, a language model's validation loss).",
+    )
     flags.DEFINE_float("budget", None, "Simulated seconds per run.")
     flags.DEFINE_list("schemes", None, "Schemes to simulate (default: all).")
     flags.DEFINE_list("factors", ["0.5", "1", "2"], "Step sizes tried (x config's).")

@@ -16,6 +16,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import math
 import os
 import pathlib
 import signal
@@ -43,8 +44,9 @@ class RunOutput(NamedTuple):
 
     Attributes:
       evals: one dict per evaluation, in time order: ``time`` (seconds since
-        the start, profiling included), ``version``, ``accuracy``, ``loss``
-        (on the test set), and where known ``train_loss`` and ``gradients``.
+        the start, profiling included), ``version``, the task's metrics on
+        the test set (``loss``, and ``accuracy``, ``perplexity``, ... as the
+        task reports them), and where known ``train_loss`` and ``gradients``.
       workers: per worker id, totals: ``compute_s``, ``transfer_s``,
         ``wait_s``, ``discarded_s``, ``idle_fraction``, ``bytes_sent``,
         ``bytes_received``, ``pushes``, ``local_steps``.
@@ -62,16 +64,17 @@ class RunOutput(NamedTuple):
 
 
 def _evaluate(setup: build.Setup, params: Any, batch_size: int) -> dict[str, float]:
-    """Test-set loss and accuracy of ``params``, averaged over examples."""
-    totals = {"loss": 0.0, "accuracy": 0.0}
+    """The task's metrics of ``params`` on the test set, averaged over examples
+    and summarized (:meth:`experiments.build.Setup.summarize`)."""
+    totals: dict[str, float] = {}
     count = 0
     for batch in setup.test.eval_batches(batch_size):
         values = jax.device_get(setup.eval_fn(params, batch))
         n = len(batch.y)
-        for key in totals:
-            totals[key] += float(values[key]) * n
+        for key, value in values.items():
+            totals[key] = totals.get(key, 0.0) + float(value) * n
         count += n
-    return {key: value / count for key, value in totals.items()}
+    return setup.summarize({key: value / count for key, value in totals.items()})
 
 
 def _push_compression(
@@ -263,10 +266,13 @@ def run_sim(
 
     bar = _progress_bar(progress, float(config.budget_seconds), "virtual s")
 
+    metric = setup.target.metric
+
     def callback(record: dict) -> None:
         if bar is not None:
             bar.update(round(profile_seconds + record["time"] - bar.n, 6))
-            bar.set_postfix(acc=f"{record['accuracy']:.3f}", v=record["version"])
+            value = setup.summarize(_eval_metrics(record)).get(metric, math.nan)
+            bar.set_postfix({metric: f"{value:.3f}", "v": record["version"]})
 
     try:
         result = simulate(
@@ -287,14 +293,14 @@ def run_sim(
     metrics = result.metrics
     evals = []
     for j in range(len(metrics["time"])):
+        row = {key: column[j] for key, column in metrics.items()}
         evals.append(
             {
-                "time": profile_seconds + float(metrics["time"][j]),
-                "version": int(metrics["version"][j]),
-                "accuracy": float(metrics["accuracy"][j]),
-                "loss": float(metrics["loss"][j]),
-                "train_loss": build.finite_or_none(metrics["train_loss"][j]),
-                "gradients": int(metrics["gradients"][j]),
+                "time": profile_seconds + float(row["time"]),
+                "version": int(row["version"]),
+                **setup.summarize(_eval_metrics(row)),
+                "train_loss": build.finite_or_none(row["train_loss"]),
+                "gradients": int(row["gradients"]),
             }
         )
     pushes: dict[Any, int] = {}
@@ -366,6 +372,16 @@ def run_sim(
         info["final_stage"] = int(getattr(policy, "stage", -1))
         info["switched_at"] = getattr(policy, "switched_at", None)
     return RunOutput(evals, workers, timelines, records, info)
+
+
+# What the simulator records beside the evaluation's metrics.
+_SIM_COLUMNS = ("time", "version", "gradients", "train_loss")
+
+
+def _eval_metrics(record: Mapping[str, Any]) -> dict[str, float]:
+    """The task's metrics of a simulator's evaluation record (its columns
+    ``time``, ``version``, ``gradients`` and ``train_loss`` left out)."""
+    return {k: float(v) for k, v in record.items() if k not in _SIM_COLUMNS}
 
 
 def _overlap(config: ml_collections.ConfigDict, work_plan: Any) -> str:
@@ -451,6 +467,8 @@ def _own_flags(
         "--local_steps", str(int(config.worker.local_steps)),
         "--seed", str(int(config.seed) * 1000 + index),
     ]  # fmt: skip
+    if config.task != "classification":  # hpsjax-worker's default
+        flags += ["--task", str(config.task)]
     for key, value in model_kwargs(config).items():
         flags += ["--model_arg", f"{key}={json.dumps(_plain(value))}"]
     for key, value in dataset_kwargs(config).items():

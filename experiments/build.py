@@ -3,8 +3,10 @@ r"""From a config to hpsjax objects: data, model, optimizers, policy, workers, p
 Both backends (the simulator and real processes) build a scheme from the same
 functions here, so a config means the same thing on either:
 
-* :func:`setup`: the dataset (split into train and test), the model's graph and
-  initial parameters, and the jitted loss and evaluation functions;
+* :func:`setup`: the task (``config.task``, :mod:`hpsjax.tasks`) and the run's
+  target (:class:`experiments.target.Target`), the dataset (split into train
+  and test), the model's graph and initial parameters, and the task's loss and
+  jitted evaluation functions;
 * :func:`server_optimizer`: the server's optax chain, with
   ``scale_by_staleness`` (staleness-aware ASP) or ``delay_compensation``
   (DC-ASGD) ahead of the optimizer;
@@ -30,6 +32,7 @@ import numpy as np
 import optax
 
 from experiments import registry
+from experiments.target import Target
 from hpsjax._lru import LruCache
 from hpsjax.ps import Hybrid, HybridStage, PlannedHybrid
 
@@ -44,6 +47,8 @@ __all__ = [
     "setup",
     "simulated_profiles",
     "slowdown_schedule",
+    "target",
+    "task_of",
     "work_plan",
     "worker_specs",
 ]
@@ -54,11 +59,15 @@ class Setup(NamedTuple):
 
     Attributes:
       train: the training set (workers shard it).
-      test: the held-out set the accuracy is measured on.
+      test: the held-out set the evaluation metrics are measured on.
       graphdef: the model's graph (``hpsjax.models.split_model``).
       params: the initial parameters, a dict of arrays.
-      loss_fn: ``(params, batch) -> scalar`` mean training loss.
-      eval_fn: ``(params, batch) -> {"loss", "accuracy"}``, jitted.
+      loss_fn: ``(params, batch) -> scalar``: the mean of the task's
+        per-example losses, what the workers train.
+      eval_fn: ``(params, batch) -> {metric: scalar}``, the task's metrics of
+        a batch (``"loss"`` and the task's others), jitted.
+      task: the :class:`hpsjax.tasks.Task` of ``config.task``.
+      target: the run's :class:`experiments.target.Target`.
     """
 
     train: Any
@@ -67,6 +76,14 @@ class Setup(NamedTuple):
     params: Any
     loss_fn: Any
     eval_fn: Any
+    task: Any
+    target: Target
+
+    def summarize(self, means: Mapping[str, float]) -> dict[str, float]:
+        """What an evaluation reports, from its metrics averaged over the
+        held-out examples (``task.summarize``: a language model's
+        perplexity)."""
+        return {k: float(v) for k, v in self.task.summarize(dict(means)).items()}
 
 
 _REUSED = LruCache(64)
@@ -101,38 +118,71 @@ def _plain(settings: Any) -> Any:
 
 
 def dataset_kwargs(config: ml_collections.ConfigDict) -> dict[str, Any]:
-    """Keyword arguments of ``hpsjax.data.get_dataset`` for the config's data."""
+    """Keyword arguments of ``hpsjax.data.get_dataset`` for the config's data:
+    its own fields for ``npz`` and the generated datasets, then ``data.args``."""
     data = config.data
+    kwargs: dict[str, Any] = {}
     if data.name == "npz":
-        return {"path": data.path, "x_key": data.x_key, "y_key": data.y_key}
-    if data.name == "synthetic_digits":
-        return {
-            "num_examples": int(data.num_examples),
-            "image_size": int(data.image_size),
-            "seed": int(config.data.seed),
-        }
-    return {}
+        kwargs = {"path": data.path, "x_key": data.x_key, "y_key": data.y_key}
+    elif data.name in ("synthetic_digits", "synthetic_regression"):
+        kwargs = {"num_examples": int(data.num_examples), "seed": int(data.seed)}
+        if data.name == "synthetic_digits":
+            kwargs["image_size"] = int(data.image_size)
+    return {**kwargs, **_plain(data.get("args") or {})}
 
 
 def model_kwargs(config: ml_collections.ConfigDict) -> dict[str, Any]:
-    """Keyword arguments of ``hpsjax.models.get_model`` beyond shapes and seed."""
+    """Keyword arguments of ``hpsjax.models.get_model`` beyond shapes and seed:
+    the MLP's ``model.hidden``, then ``model.args``."""
+    kwargs: dict[str, Any] = {}
     if config.model.name == "mlp":
-        return {"hidden": tuple(int(h) for h in config.model.hidden)}
-    return {}
+        kwargs = {"hidden": tuple(int(h) for h in config.model.hidden)}
+    return {**kwargs, **_plain(config.model.get("args") or {})}
+
+
+@functools.lru_cache(maxsize=16)
+def task_of(spec: str) -> Any:
+    """The :class:`hpsjax.tasks.Task` of ``config.task``, one object per spec
+    (so that the loss and evaluation built from it, and their compiled
+    programs, are shared by every run of a process).
+
+    Raises:
+      ValueError: an unknown task, or a factory that is missing or returns
+        something else than a task (one line each).
+    """
+    from hpsjax.tasks import get_task
+
+    if not isinstance(spec, str) or not spec:
+        raise ValueError(
+            f"config.task must be a task name or 'module:function', got {spec!r}"
+        )
+    return get_task(spec)
+
+
+def target(config: ml_collections.ConfigDict) -> Target:
+    """The run's target for its task (:meth:`Target.of_config`).
+
+    Raises:
+      ValueError: an unknown task, or a target the task cannot have.
+    """
+    return Target.of_config(config, task_of(config.task))
 
 
 def setup(config: ml_collections.ConfigDict) -> Setup:
-    """Loads the data and builds the model of ``config``.
+    """Loads the data and builds the model and the task of ``config``.
 
     The train/test split uses seed 0, as the worker command line does, so both
     backends hold out the same examples.
 
     Raises:
       FileNotFoundError: ``data.name="npz"`` and no file at ``data.path``.
-      ValueError: an unreadable ``.npz`` file, or bad data or model settings.
+      ValueError: an unknown task, a target on a metric it does not report, an
+        unreadable ``.npz`` file, or bad data or model settings.
     """
     from hpsjax import data, models
 
+    task = task_of(config.task)
+    goal = Target.of_config(config, task)
     dataset = data.get_dataset(config.data.name, **dataset_kwargs(config))
     train, test = dataset.split(float(config.data.test_fraction), seed=0)
     model = models.resolve_model(
@@ -143,25 +193,23 @@ def setup(config: ml_collections.ConfigDict) -> Setup:
         **model_kwargs(config),
     ).model
     graphdef, params = models.split_model(model)
-    loss_fn, eval_fn = _model_functions(graphdef)
-    return Setup(train, test, graphdef, params, loss_fn, eval_fn)
+    loss_fn, eval_fn = _task_functions(task, graphdef)
+    return Setup(train, test, graphdef, params, loss_fn, eval_fn, task, goal)
 
 
 @functools.lru_cache(maxsize=16)
-def _model_functions(graphdef: Any) -> tuple[Callable, Callable]:
-    """The loss and the jitted evaluation of a model graph, one pair per graph
-    (equal graphs share them, and so their compiled programs)."""
-    from hpsjax import models
+def _task_functions(task: Any, graphdef: Any) -> tuple[Callable, Callable]:
+    """The loss and the jitted evaluation of a task on a model graph, one pair
+    per task and graph (equal graphs share them, and so their compiled
+    programs)."""
+    from hpsjax import tasks
 
     def loss_fn(params, batch):
-        return models.loss_fn(params, graphdef, batch)
+        return jax.numpy.mean(tasks.per_example_loss(task, params, graphdef, batch))
 
     @jax.jit
     def eval_fn(params, batch):
-        return {
-            "loss": models.loss_fn(params, graphdef, batch),
-            "accuracy": models.accuracy(params, graphdef, batch),
-        }
+        return tasks.evaluate(task, params, graphdef, batch)
 
     return loss_fn, eval_fn
 

@@ -5,13 +5,16 @@ setting, one work directory each (``DIR/<scheme>``, see
 :mod:`experiments.train`), then writes
 
 * ``DIR/results.md``: a markdown table with, per scheme, the time to the
-  target accuracy, the speedup over BSP to that accuracy, the final and best
-  test accuracy, the megabytes the workers pushed, the idle fraction of the
-  workers' time and the server versions made;
+  target (``0.9 accuracy``, or a language model's ``val loss 2.1``: the
+  target's metric and direction follow the task, see
+  :mod:`experiments.target`), the speedup over BSP to that target, the final
+  and best value of the target's metric, the megabytes the workers pushed, the
+  idle fraction of the workers' time and the server versions made;
 * ``DIR/results.json``: the same figures and each scheme's summary;
-* ``DIR/accuracy.png`` (and ``.pdf``, ``.svg``): test accuracy against time
-  and against updates of every scheme, the mean and a band over seeds, with
-  the suite's description in ``DIR/accuracy.caption.txt``;
+* ``DIR/<metric>.png`` (``accuracy.png``, ``loss.png``; and ``.pdf``,
+  ``.svg``): the target's metric against time and against updates of every
+  scheme, the mean and a band over seeds, with the suite's description in
+  ``DIR/<metric>.caption.txt``;
 
 and prints the table and the plot's path. ``--schemes=bsp,hps`` runs a subset;
 ``--seeds=1,2,3`` runs every scheme once per seed and reports the mean (and
@@ -39,6 +42,7 @@ from absl import app, flags, logging
 
 from experiments import _cli, plots, registry, train
 from experiments.configs.suites import Suite
+from experiments.target import Target, metric_label
 from hpsjax._logs import quiet_backend_probe
 
 __all__ = [
@@ -65,13 +69,17 @@ def aggregate(summaries: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """One table row from one scheme's runs (one per seed).
 
     Returns:
-      ``scheme``, ``backend``, ``target_accuracy``, ``runs``, ``reached`` (runs
-      that reached the target), ``time_to_target`` (the mean over the runs when
-      all reached it, else ``None``), ``time_to_target_std``,
-      ``time_to_target_reached`` (the mean over those that reached it, or
-      ``None``), ``end_time`` (the longest), and the means of
-      ``final_accuracy``, ``best_accuracy``, ``bytes_sent``, ``idle_fraction``
-      and ``updates``; ``diverged_at``, when each run that diverged did
+      ``scheme``, ``backend``, ``target`` (the runs'
+      :class:`~experiments.target.Target`), ``target_accuracy``, ``runs``,
+      ``reached`` (runs that reached the target), ``time_to_target`` (the
+      mean over the runs when all reached it, else ``None``),
+      ``time_to_target_std``, ``time_to_target_reached`` (the mean over those
+      that reached it, or ``None``), ``end_time`` (the longest), the means of
+      ``final_metric`` and ``best_metric`` (the target metric's, over the
+      runs where it was finite; ``None`` where it never was), of
+      ``bytes_sent``, ``idle_fraction`` and ``updates``, and of
+      ``final_accuracy`` and ``best_accuracy`` where the runs have them;
+      ``diverged_at``, when each run that diverged did
       (:func:`diverged_at`); and where the runs planned on processes, the
       means of the plan's ``predicted_round_s`` and the ``measured_round_s``.
 
@@ -85,6 +93,7 @@ def aggregate(summaries: Sequence[dict[str, Any]]) -> dict[str, Any]:
         raise ValueError(f"aggregate takes one scheme's runs, got {sorted(schemes)}")
     times = [s["time_to_target"] for s in summaries if s["time_to_target"] is not None]
     first = summaries[0]
+    target = Target.of_summary(first)
     rounds = {}
     for key in ("predicted_round_s", "measured_round_s"):
         values = [(s.get("info") or {}).get(key) for s in summaries]
@@ -93,7 +102,8 @@ def aggregate(summaries: Sequence[dict[str, Any]]) -> dict[str, Any]:
     return {
         "scheme": first["scheme"],
         "backend": first["backend"],
-        "target_accuracy": first["target_accuracy"],
+        "target": target,
+        "target_accuracy": first.get("target_accuracy"),
         "runs": len(summaries),
         "reached": len(times),
         "time_to_target": _mean(times) if len(times) == len(summaries) else None,
@@ -102,17 +112,24 @@ def aggregate(summaries: Sequence[dict[str, Any]]) -> dict[str, Any]:
         "end_time": max(s["end_time"] for s in summaries),
         **{
             key: _mean([s[key] for s in summaries])
-            for key in (
-                "final_accuracy",
-                "best_accuracy",
-                "bytes_sent",
-                "idle_fraction",
-                "updates",
-            )
+            for key in ("bytes_sent", "idle_fraction", "updates")
+        },
+        "final_metric": _mean_of_finite([train._final(s, target) for s in summaries]),
+        "best_metric": _mean_of_finite([train._best(s, target) for s in summaries]),
+        **{
+            key: _mean_of_finite([s.get(key) for s in summaries])
+            for key in ("final_accuracy", "best_accuracy")
         },
         "diverged_at": [t for t in map(diverged_at, summaries) if t is not None],
         **rounds,
     }
+
+
+def _mean_of_finite(values: Sequence[float | None]) -> float | None:
+    """The mean of the values that are not ``None`` (a run's metric that was
+    not finite), or ``None`` when none is."""
+    kept = [v for v in values if v is not None]
+    return _mean(kept) if kept else None
 
 
 def diverged_at(summary: dict[str, Any]) -> float | None:
@@ -171,13 +188,14 @@ def format_table(summaries: Sequence[dict[str, Any]], *, baseline: str = "bsp") 
       The table, ending with a newline.
 
     Raises:
-      ValueError: no summaries, or runs with different target accuracies.
+      ValueError: no summaries, or runs with different targets.
     """
     if not summaries:
         raise ValueError("format_table needs at least one summary")
-    targets = {s["target_accuracy"] for s in summaries}
+    targets = {Target.of_summary(s) for s in summaries}
     if len(targets) != 1:
-        raise ValueError(f"the runs have different target accuracies: {targets}")
+        labels = sorted(t.label for t in targets)
+        raise ValueError(f"the runs have different targets: {', '.join(labels)}")
     target = targets.pop()
     groups: dict[str, list[dict[str, Any]]] = {}
     for s in summaries:
@@ -188,14 +206,14 @@ def format_table(summaries: Sequence[dict[str, Any]], *, baseline: str = "bsp") 
     unit = "virtual s" if all(s["backend"] == "sim" for s in summaries) else "s"
     mean = f", mean of {runs} runs" if runs > 1 else ""
     header = (
-        f"| scheme | time to {target:g} accuracy ({unit}{mean}) | speedup vs "
-        f"{baseline.upper()} | final accuracy | best accuracy | MB pushed | "
-        "idle fraction | updates |\n"
+        f"| scheme | time to {target.label} ({unit}{mean}) | speedup vs "
+        f"{baseline.upper()} | final {target.metric} | best {target.metric} | "
+        "MB pushed | idle fraction | updates |\n"
         "|---|---:|---:|---:|---:|---:|---:|---:|\n"
     )
     lines = [
         f"| {r['scheme']} | {_time_cell(r)} | {_speedup(base, r)} | "
-        f"{r['final_accuracy']:.3f} | {r['best_accuracy']:.3f} | "
+        f"{_metric_cell(r['final_metric'])} | {_metric_cell(r['best_metric'])} | "
         f"{r['bytes_sent'] / 1e6:.1f} | {r['idle_fraction']:.2f} | "
         f"{r['updates']:.0f} |"
         for r in rows
@@ -203,26 +221,31 @@ def format_table(summaries: Sequence[dict[str, Any]], *, baseline: str = "bsp") 
     return header + "\n".join(lines) + "\n"
 
 
-def mean_curve(
-    runs: Sequence[Sequence[dict[str, Any]]], *, points: int = 241
-) -> list[dict[str, float]]:
-    """The mean test accuracy of several runs on a common time grid.
+def _metric_cell(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"
 
-    Each run's accuracy is interpolated linearly between its evaluations (held
-    at its last value after its end); the grid spans the longest run.
+
+def mean_curve(
+    runs: Sequence[Sequence[dict[str, Any]]],
+    *,
+    points: int = 241,
+    metric: str = "accuracy",
+) -> list[dict[str, float]]:
+    """The mean of an evaluation metric of several runs on a common time grid.
+
+    Each run's ``metric`` is interpolated linearly between its evaluations
+    (held at its last value after its end); the grid spans the longest run.
     """
     if not runs or any(not r for r in runs):
         raise ValueError("mean_curve needs runs with evaluations")
     end = max(r[-1]["time"] for r in runs)
     grid = np.linspace(0.0, end, points)
     curves = [
-        np.interp(grid, [e["time"] for e in r], [e["accuracy"] for e in r])
-        for r in runs
+        np.interp(grid, [e["time"] for e in r], [e[metric] for e in r]) for r in runs
     ]
     mean = np.mean(curves, axis=0)
     return [
-        {"time": float(t), "accuracy": float(a)}
-        for t, a in zip(grid, mean, strict=True)
+        {"time": float(t), metric: float(a)} for t, a in zip(grid, mean, strict=True)
     ]
 
 
@@ -429,11 +452,13 @@ def run_suite(
 
     first = planned[0][1]
     table = format_table(summaries)
+    target = Target.of_summary(summaries[0])
     unit = "virtual s" if first.backend == "sim" else "s"
     plot_path = plots.plot_comparison(
         runs,
-        workdir / "accuracy.png",
-        target=float(first.eval.target_accuracy),
+        workdir / f"{target.metric}.png",
+        target=target.value,
+        metric=target.metric,
         title=f"suite {name}"
         + ("" if suite.setting == name else f": {suite.setting}")
         + f" ({first.backend})",
@@ -446,10 +471,11 @@ def run_suite(
         command += f" --seeds={','.join(map(str, seeds))}"
     text = (
         f"# Suite `{name}`\n\n{suite.description}\n\n"
-        f"Setting `{suite.setting}`, backend `{first.backend}`, budget "
-        f"{first.budget_seconds:g} {unit} per run, target accuracy "
-        f"{first.eval.target_accuracy:g}.\n\n{table}\n"
-        f"Accuracy against time and updates: `{plot_path.name}`"
+        f"Setting `{suite.setting}`, backend `{first.backend}`, task "
+        f"`{first.task}`, budget {first.budget_seconds:g} {unit} per run, "
+        f"target {target.label}.\n\n{table}\n"
+        f"{metric_label(target.metric).capitalize()} against time and updates: "
+        f"`{plot_path.name}`"
         + "".join(f", `{plot_path.with_suffix('.' + f).name}`" for f in formats[1:])
         + "."
         f"\n\nCommand: `{command}`\n"
@@ -462,7 +488,8 @@ def run_suite(
                 "suite": name,
                 "seeds": seeds,
                 "summaries": summaries,
-                "curves": _curves(runs),
+                "metric": target.metric,
+                "curves": _curves(runs, target.metric),
             },
             indent=2,
         )
@@ -476,19 +503,26 @@ def run_suite(
     }
 
 
-def _curves(runs: dict[str, list[list[dict]]]) -> dict[str, list[list[list]]]:
-    """Per scheme and seed, ``[time, version, accuracy]`` of each evaluation.
+def _curves(
+    runs: dict[str, list[list[dict]]], metric: str
+) -> dict[str, list[list[list]]]:
+    """Per scheme and seed, ``[time, version, value]`` of each evaluation,
+    the value the target's ``metric`` (``results.json``'s ``"metric"``).
 
     What :func:`experiments.plots.plot_comparison` needs to draw the
     comparison again from ``results.json`` alone.
     """
     return {
         scheme: [
-            [[e["time"], e["version"], round(e["accuracy"], 5)] for e in evals]
+            [[e["time"], e["version"], _rounded(e[metric])] for e in evals]
             for evals in seeds
         ]
         for scheme, seeds in runs.items()
     }
+
+
+def _rounded(value: float | None) -> float | None:
+    return None if value is None else round(value, 5)
 
 
 def _run_all(

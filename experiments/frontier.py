@@ -233,7 +233,7 @@ def _run(config: Any, where: str) -> dict[str, Any]:
     record = {
         "config": _config_text(config),
         "summary": train._jsonable(summary),
-        "evals": [[e["time"], e["accuracy"]] for e in output.evals],
+        "evals": [[e["time"], e[setup.target.metric]] for e in output.evals],
         "compute_s": time.perf_counter() - start,
     }
     (out / "run.json").write_text(json.dumps(record) + "\n")
@@ -286,7 +286,8 @@ def _run_many(
 
 
 def choose(summaries: dict[float, dict[str, Any]]) -> float:
-    """The tuned value: soonest to the target, else the best accuracy.
+    """The tuned value: soonest to the target, else the best value of the
+    target's metric (its direction: :class:`experiments.target.Target`).
 
     Args:
       summaries: one tuning run's summary per candidate value.
@@ -299,9 +300,19 @@ def choose(summaries: dict[float, dict[str, Any]]) -> float:
         _, s = item
         diverged = s.get("diverged_at") is not None
         t = s["time_to_target"]
-        return (diverged, t is None, t if t is not None else 0.0, -s["best_accuracy"])
+        return (diverged, t is None, t if t is not None else 0.0, _best_key(s))
 
     return min(summaries.items(), key=key)[0]
+
+
+def _best_key(summary: dict[str, Any]) -> float:
+    """Sorts a run's best value of its target's metric, better first (a
+    summary of before targets had a metric: its best accuracy)."""
+    from experiments.target import Target
+
+    if summary.get("target_metric") is None:
+        return -summary["best_accuracy"]
+    return Target.of_summary(summary).sort_key(summary.get("best_metric"))
 
 
 def _std(values: Sequence[float]) -> float:

@@ -1,4 +1,8 @@
-"""Plots: test accuracy against time and updates, and per-worker timelines.
+"""Plots: an evaluation metric against time and updates, and per-worker timelines.
+
+The metric is the run's target metric (:mod:`experiments.target`): a
+classifier's test accuracy, a language model's validation loss; the axis names
+it (:func:`experiments.target.metric_label`).
 
 Each plot draws on a :class:`matplotlib.figure.Figure` of its own and writes it
 with the Agg renderer, so it works without a display and leaves pyplot's state
@@ -36,6 +40,8 @@ import numpy as np
 from matplotlib import patches
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
+
+from experiments.target import Target, metric_label
 
 __all__ = [
     "FORMATS",
@@ -211,24 +217,34 @@ def _as_runs(value: Sequence[Any]) -> list[Sequence[Mapping[str, Any]]]:
     return list(value)
 
 
+def _values(run: Sequence[Mapping[str, Any]], key: str) -> np.ndarray:
+    """A run's ``key`` over its evaluations, a value that was not finite (in
+    a record read back from JSON, ``None``) as NaN: a gap in the line."""
+    return np.array(
+        [np.nan if e.get(key) is None else e[key] for e in run], dtype=float
+    )
+
+
 def seed_band(
     runs: Sequence[Sequence[Mapping[str, Any]]],
     *,
     x: str = "time",
     band: str = "std",
     points: int = 241,
+    metric: str = "accuracy",
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """The mean accuracy of several runs, and a band around it, on one grid.
+    """The mean of a metric over several runs, and a band around it, on one grid.
 
-    Each run's accuracy is interpolated linearly between its evaluations and
+    Each run's ``metric`` is interpolated linearly between its evaluations and
     held at its last value after its end; the grid spans the longest run.
 
     Args:
       runs: the runs (one per seed), each a list of evaluation records with
-        ``accuracy`` and ``x``.
+        ``metric`` and ``x``.
       x: the record's key to plot against: ``"time"`` or ``"version"``.
       band: ``"std"`` (mean ± one standard deviation) or ``"minmax"``.
       points: the grid's size.
+      metric: the record's key to average (``"accuracy"``, ``"loss"``, ...).
 
     Returns:
       ``(grid, mean, low, high)``.
@@ -242,7 +258,7 @@ def seed_band(
         raise ValueError("seed_band needs runs with evaluations")
     grid = np.linspace(0.0, max(r[-1][x] for r in runs), points)
     curves = np.array(
-        [np.interp(grid, [e[x] for e in r], [e["accuracy"] for e in r]) for r in runs]
+        [np.interp(grid, _values(r, x), _values(r, metric)) for r in runs]
     )
     mean = curves.mean(axis=0)
     if band == "std":
@@ -267,8 +283,15 @@ def _style(index: int) -> dict[str, Any]:
     }
 
 
-def _draw_accuracy(
-    ax, runs, *, x: str, band: str, target: float | None, styles=None
+def _draw_metric(
+    ax,
+    runs,
+    *,
+    x: str,
+    band: str,
+    target: float | None,
+    styles=None,
+    metric: str = "accuracy",
 ) -> list:
     lines = []
     for i, (label, value) in enumerate(runs.items()):
@@ -277,10 +300,10 @@ def _draw_accuracy(
             raise ValueError(f"run {label!r} has no evaluations to plot")
         style = _style(i) if styles is None else styles[label]
         if len(seeds) == 1:
-            xs = [e[x] for e in seeds[0]]
-            ys = [e["accuracy"] for e in seeds[0]]
+            xs = _values(seeds[0], x)
+            ys = _values(seeds[0], metric)
         else:
-            xs, ys, low, high = seed_band(seeds, x=x, band=band)
+            xs, ys, low, high = seed_band(seeds, x=x, band=band, metric=metric)
             ax.fill_between(
                 xs, low, high, color=style["color"], alpha=0.18, linewidth=0
             )
@@ -309,7 +332,8 @@ def _draw_accuracy(
             zorder=5,
             bbox={"facecolor": "white", "edgecolor": "none", "alpha": 0.8, "pad": 1},
         )
-    ax.set_ylim(0.0, 1.0)
+    if metric == "accuracy":
+        ax.set_ylim(0.0, 1.0)
     ax.grid(True, alpha=0.3)
     if x == "version":
         _updates_scale(ax, runs)
@@ -354,16 +378,19 @@ def plot_accuracy(
     formats: Sequence[str] = ("png",),
     max_lines: int = MAX_LINES,
     caption: str | None = None,
+    metric: str = "accuracy",
 ) -> pathlib.Path:
-    """Plots test accuracy against time (or updates) of one or several runs.
+    """Plots test accuracy (or another metric) against time or updates of one
+    or several runs.
 
     Args:
       runs: label (a scheme name, shown by :func:`display_name`) -> its
         evaluation records (dicts with ``time``, ``version`` and
-        ``accuracy``), or a list of such lists, one per seed: then the mean
+        ``metric``), or a list of such lists, one per seed: then the mean
         is drawn with a band (see :func:`seed_band`).
       path: the file to write; its suffix is replaced by each format's.
-      target: a target accuracy to draw as a dashed line, or ``None``.
+      target: a target value of ``metric`` to draw as a dashed line, or
+        ``None``.
       title: the figure title, wrapped to the figure's width.
       time_unit: the unit of ``time`` for the axis label.
       x: ``"time"`` or ``"version"`` (server updates).
@@ -372,6 +399,8 @@ def plot_accuracy(
       max_lines: the most lines in one panel; more runs are drawn in several
         panels, one above the other (:func:`line_groups`).
       caption: text written to ``<path>.caption.txt`` beside the figure.
+      metric: the records' metric drawn: ``"accuracy"`` (on a 0-1 axis),
+        ``"loss"``, ...
 
     Returns:
       The path written in the first format.
@@ -390,15 +419,16 @@ def plot_accuracy(
     FigureCanvasAgg(fig)
     axes = fig.subplots(len(groups), 1, sharex=True, squeeze=False)[:, 0]
     for ax, group in zip(axes, groups, strict=True):
-        _draw_accuracy(
+        _draw_metric(
             ax,
             {k: runs[k] for k in group},
             x=x,
             band=band,
             target=target,
             styles=styles,
+            metric=metric,
         )
-        ax.set_ylabel("test accuracy")
+        ax.set_ylabel(metric_label(metric))
         ax.legend(
             loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False
         )
@@ -421,10 +451,12 @@ def plot_comparison(
     max_lines: int = MAX_LINES,
     reference: str | None = None,
     caption: str | None = None,
+    metric: str = "accuracy",
 ) -> pathlib.Path:
-    """One setting's schemes: accuracy against time and against updates.
+    """One setting's schemes: a metric (test accuracy by default) against time
+    and against updates.
 
-    Two panels side by side share the accuracy axis and a legend, outside them
+    Two panels side by side share the metric's axis and a legend, outside them
     on the right; with several seeds a scheme is its mean and a band. More
     schemes than ``max_lines`` take several rows of such panels, each with the
     reference scheme (BSP where it ran) and an even share of the others; a
@@ -433,7 +465,8 @@ def plot_comparison(
     Args:
       runs: scheme -> its runs, one list of evaluation records per seed.
       path: the file to write; its suffix is replaced by each format's.
-      target: a target accuracy to draw as a dashed line, or ``None``.
+      target: a target value of ``metric`` to draw as a dashed line, or
+        ``None``.
       title: the figure title (the setting), wrapped to the figure's width.
       time_unit: the unit of ``time`` for the axis label.
       band: ``"std"`` or ``"minmax"`` over seeds.
@@ -443,6 +476,7 @@ def plot_comparison(
         ran.
       caption: text written to ``<path>.caption.txt`` beside the figure (a
         setting's description, too long for a title).
+      metric: the records' metric drawn (``"accuracy"``, ``"loss"``, ...).
 
     Returns:
       The path written in the first format.
@@ -461,13 +495,10 @@ def plot_comparison(
     seeds = max(len(_as_runs(v)) for v in runs.values())
     for (by_time, by_updates), group in zip(panels, groups, strict=True):
         chosen = {k: runs[k] for k in group}
-        lines = _draw_accuracy(
-            by_time, chosen, x="time", band=band, target=target, styles=styles
-        )
-        _draw_accuracy(
-            by_updates, chosen, x="version", band=band, target=target, styles=styles
-        )
-        by_time.set_ylabel("test accuracy")
+        drawn = {"band": band, "target": target, "styles": styles, "metric": metric}
+        lines = _draw_metric(by_time, chosen, x="time", **drawn)
+        _draw_metric(by_updates, chosen, x="version", **drawn)
+        by_time.set_ylabel(metric_label(metric))
         by_updates.legend(
             handles=lines,
             loc="upper left",
@@ -658,7 +689,8 @@ def plot_timeline(
 def _runs_of_results(
     results: Mapping[str, Any], source: str = "it"
 ) -> dict[str, list[list[dict]]]:
-    """Scheme -> its runs' evaluation records, from a ``results.json``."""
+    """Scheme -> its runs' evaluation records, from a ``results.json`` (its
+    curves hold its ``"metric"``, test accuracy in one written before)."""
     from experiments.train import with_initial_evaluation
 
     curves = results.get("curves")
@@ -667,10 +699,11 @@ def _runs_of_results(
             f"{source} holds no curves (an older results.json, written before "
             "experiments.compare kept them, cannot be drawn again)"
         )
+    metric = results.get("metric", "accuracy")
     return {
         scheme: [
             with_initial_evaluation(
-                [{"time": t, "version": v, "accuracy": a} for t, v, a in seed]
+                [{"time": t, "version": v, metric: a} for t, v, a in seed]
             )
             for seed in seeds
         ]
@@ -684,7 +717,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m experiments.plots",
         description="Draws a comparison again from the results.json that "
-        "experiments.compare wrote: accuracy against time and updates.",
+        "experiments.compare wrote: the target's metric against time and updates.",
     )
     p.add_argument("--results", required=True, help="a results.json")
     p.add_argument(
@@ -725,10 +758,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             from experiments.configs.suites import SUITES
 
             description = getattr(SUITES.get(suite), "description", "") or None
+        first = summaries[0]
+        target = Target.of_summary(first) if "target_accuracy" in first else None
         path = plot_comparison(
             runs,
             args.out,
-            target=summaries[0].get("target_accuracy"),
+            target=None if target is None else target.value,
+            metric=results.get("metric", "accuracy"),
             title=args.title or f"{suite} ({backend})",
             time_unit="virtual s" if backend == "sim" else "s",
             max_lines=args.max_lines,

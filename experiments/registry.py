@@ -235,11 +235,15 @@ def check_config(config: ml_collections.ConfigDict) -> None:
     """Checks every registry name in a config, before anything runs.
 
     Raises:
-      ValueError: the first unknown name (the message lists the valid ones), or
-        a setting that cannot run (e.g. local steps without a local optimizer).
+      ValueError: the first unknown name (the message lists the valid ones), an
+        unknown task or a target on a metric it does not report, or a setting
+        that cannot run (e.g. local steps without a local optimizer).
     """
     lookup("scheme", config.scheme)
     lookup("backend", config.backend)
+    from experiments.build import target
+
+    target(config)  # the task, and a target on a metric it reports
     lookup("dataset", config.data.name)
     if ":" not in config.model.name:  # else a factory, "package.module:make"
         lookup("model", config.model.name)

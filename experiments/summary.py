@@ -3,7 +3,9 @@ r"""Per-worker table and plots of a run's metrics files.
 ``python -m experiments.summary --workdir W`` reads what a run wrote into ``W``
 and prints one row per worker, writing ``W/summary_workers.json``, and the
 plots ``W/summary_staleness.png`` (staleness histogram per worker) and, when
-the run has evaluations, ``W/summary_accuracy.png``:
+the run has evaluations, ``W/summary_<metric>.png`` of its target's metric
+(``summary_accuracy.png``, a language model's ``summary_loss.png``; see
+:mod:`experiments.target`):
 
 =================  ==========================================================
 ``rounds``         rounds a worker computed (a simulated worker's pushes)
@@ -40,10 +42,12 @@ from typing import Any
 
 import numpy as np
 
+from experiments.target import Target, metric_label
 from hpsjax.metrics import read_jsonl
 
 __all__ = [
     "divergences",
+    "evaluated_metric",
     "format_table",
     "is_metrics_file",
     "main",
@@ -261,22 +265,38 @@ def write_summary(workdir: str | pathlib.Path) -> dict[str, Any]:
     if any(row["staleness"] for row in table.values()):
         paths["staleness_plot"] = root / "summary_staleness.png"
         _plot_staleness(table, paths["staleness_plot"])
+    metric = evaluated_metric(records)
     evals = [
         r
         for r in records
-        if r.get("event") == "eval" and _number(r.get("accuracy")) is not None
+        if r.get("event") == "eval" and _number(r.get(metric)) is not None
     ]
     if evals:
-        paths["accuracy_plot"] = root / "summary_accuracy.png"
+        path = paths[f"{metric}_plot"] = root / f"summary_{metric}.png"
         runs: dict[str, list] = {}
         for record in evals:
             worker = record.get("worker")
             name = "run" if worker is None else f"worker {worker}"
             runs.setdefault(name, []).append(record)
         plots.plot_accuracy(
-            runs, paths["accuracy_plot"], title=f"{root.name}: test accuracy per worker"
+            runs,
+            path,
+            metric=metric,
+            title=f"{root.name}: {metric_label(metric)} per worker",
         )
     return {"table": table, "paths": paths, "diverged": divergences(records)}
+
+
+def evaluated_metric(records: Sequence[Mapping[str, Any]]) -> str:
+    """The metric a run's evaluations are plotted by: its summary's target
+    metric, else ``accuracy`` where evaluations hold one, else ``loss``."""
+    for r in records:
+        if r.get("event") == "summary" and (
+            r.get("target_metric") or r.get("target_accuracy") is not None
+        ):
+            return Target.of_summary(r).metric
+    evals = [r for r in records if r.get("event") == "eval"]
+    return "accuracy" if any("accuracy" in r for r in evals) else "loss"
 
 
 def main(argv: Sequence[str] | None = None) -> int:

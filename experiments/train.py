@@ -6,12 +6,12 @@ tests and notebooks call directly. It checks the config, runs it on its backend
 
 =================  ==========================================================
 ``config.json``    the config used
-``metrics.jsonl``  one JSON object per line: ``{"event": "eval", ...}`` (test
-                   accuracy and loss over time), ``"push"`` and ``"replan"``
-                   (sim) or ``"round"`` (processes) records, one
-                   ``"worker"`` record per worker (compute, transfer, wait
-                   and idle time, bytes sent and received) and a final
-                   ``"summary"``
+``metrics.jsonl``  one JSON object per line: ``{"event": "eval", ...}`` (the
+                   task's metrics on the test set over time), ``"push"``
+                   and ``"replan"`` (sim) or ``"round"`` (processes)
+                   records, one ``"worker"`` record per worker (compute,
+                   transfer, wait and idle time, bytes sent and received)
+                   and a final ``"summary"``
 ``timeline.json``  every worker's time cut into compute, transfer, wait,
                    discarded and profiling spans, and the ``marks``
                    (``[time, label]``) of :func:`timeline_marks`
@@ -19,8 +19,9 @@ tests and notebooks call directly. It checks the config, runs it on its backend
 ``tensorboard/``   the same records as TensorBoard event files, one run per
                    scheme and seed (``<scheme>_seed<seed>``, its workers'
                    records under ``worker<id>``)
-``accuracy.png``   test accuracy against time, the target as a line (and as
-                   ``.pdf`` and ``.svg``)
+``<metric>.png``   the target's metric against time (``accuracy.png``: test
+                   accuracy; ``loss.png``: validation loss), the target as
+                   a line (and as ``.pdf`` and ``.svg``)
 ``timeline.png``   per-worker timeline of compute, transfer and idle time, the
                    stage switch and re-plans marked (see
                    :func:`timeline_marks`; also ``.pdf`` and ``.svg``)
@@ -47,6 +48,7 @@ from typing import Any
 import ml_collections
 
 from experiments import backends, build, plots, registry
+from experiments.target import Target
 from hpsjax.metrics import MetricsWriter
 
 __all__ = [
@@ -62,16 +64,20 @@ __all__ = [
 logger = logging.getLogger("experiments")
 
 
-def time_to_target(evals: list[dict[str, Any]], target: float) -> float | None:
-    """The first evaluation time at which the test accuracy reached ``target``.
+def time_to_target(evals: list[dict[str, Any]], target: float | Target) -> float | None:
+    """The first evaluation time at which the run reached ``target``.
+
+    Args:
+      evals: the run's evaluation records, in time order.
+      target: a :class:`~experiments.target.Target`, or a number: a test
+        accuracy.
 
     Returns:
       Seconds, or ``None`` when the run never reached it.
     """
-    for record in evals:
-        if record["accuracy"] >= target:
-            return float(record["time"])
-    return None
+    if not isinstance(target, Target):
+        target = Target("accuracy", float(target), higher_is_better=True)
+    return target.time_to(evals)
 
 
 def with_initial_evaluation(evals: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -103,16 +109,21 @@ def summarize(
 
     Returns:
       A JSON-serialisable dict: ``scheme``, ``setting``, ``backend``,
-      ``target_accuracy``, ``time_to_target`` (``None`` if not reached),
-      ``final_accuracy``, ``best_accuracy``, ``final_loss``, ``end_time``,
-      ``bytes_sent``, ``bytes_received``, ``idle_fraction``, ``pushes``,
-      ``updates``, ``diverged_at`` (when the run diverged, its backend's
+      ``task``, the target (``target_metric``, ``target_value``,
+      ``higher_is_better``, and ``target_accuracy``: the value of an accuracy
+      target, else ``None``), ``time_to_target`` (``None`` if not reached),
+      ``final_metric`` and ``best_metric`` (the target metric's last and best
+      value), ``final_accuracy`` and ``best_accuracy`` (``None`` for a task
+      without accuracy), ``final_loss``, ``end_time``, ``bytes_sent``,
+      ``bytes_received``, ``idle_fraction``, ``pushes``, ``updates``,
+      ``diverged_at`` (when the run diverged, its backend's
       ``info["diverged"]["time"]``, else ``None``) and the backend's ``info``.
     """
     evals = output.evals
     if not evals:
         raise ValueError("the run made no evaluation; is the budget too short?")
-    target = float(config.eval.target_accuracy)
+    target = build.target(config)
+    accuracy = Target("accuracy", 1.0, higher_is_better=True)
     compute = sum(w["compute_s"] for w in output.workers.values())
     total = 0.0
     for w in output.workers.values():
@@ -132,10 +143,13 @@ def summarize(
         "setting": config.setting,
         "backend": config.backend,
         "num_workers": len(config.workers.slowdowns),
-        "target_accuracy": target,
-        "time_to_target": time_to_target(evals, target),
-        "final_accuracy": evals[-1]["accuracy"],
-        "best_accuracy": max(e["accuracy"] for e in evals),
+        "task": str(config.task),
+        **target.fields(),
+        "time_to_target": target.time_to(evals),
+        "final_metric": build.finite_or_none(evals[-1][target.metric]),
+        "best_metric": target.best([e[target.metric] for e in evals]),
+        "final_accuracy": evals[-1].get("accuracy"),
+        "best_accuracy": accuracy.best([e.get("accuracy") for e in evals]),
         "final_loss": build.finite_or_none(evals[-1]["loss"]),
         "end_time": evals[-1]["time"],
         "bytes_sent": int(sum(w["bytes_sent"] for w in output.workers.values())),
@@ -291,10 +305,12 @@ def write_outputs(
     if not formats:
         return paths
     time_unit = "virtual s" if config.backend == "sim" else "s"
-    paths["accuracy_plot"] = plots.plot_accuracy(
+    target = build.target(config)
+    paths["metric_plot"] = plots.plot_accuracy(
         {config.scheme: output.evals},
-        workdir / "accuracy.png",
-        target=float(config.eval.target_accuracy),
+        workdir / f"{target.metric}.png",
+        target=target.value,
+        metric=target.metric,
         title=f"{plots.display_name(config.scheme)} ({config.setting}, "
         f"{config.backend})",
         time_unit=time_unit,
@@ -365,21 +381,39 @@ def train_and_evaluate(
 
 
 def describe(summary: dict[str, Any]) -> str:
-    """One line of a run's result: time to the target and final accuracy, or
-    when it diverged."""
+    """One line of a run's result: time to the target and the target metric's
+    final value, or when it diverged and its best value."""
+    target = Target.of_summary(summary)
     reached = summary["time_to_target"]
+    time = (
+        f"time to {target.label} "
+        f"{'not reached' if reached is None else f'{reached:.2f}s'}"
+    )
     diverged = summary.get("diverged_at")
     if diverged is not None:
         where = (summary.get("info") or {}).get("diverged") or {}
         worker = f" (worker {where['worker']})" if "worker" in where else ""
         return (
             f"{summary['scheme']}: diverged at t = {diverged:.1f} s{worker}; "
-            f"time to {summary['target_accuracy']:g} accuracy "
-            f"{'not reached' if reached is None else f'{reached:.2f}s'}; "
-            f"best accuracy {summary['best_accuracy']:.4f}"
+            f"{time}; best {target.metric} {_value(_best(summary, target))}"
         )
     return (
-        f"{summary['scheme']}: time to {summary['target_accuracy']:g} accuracy "
-        f"{'not reached' if reached is None else f'{reached:.2f}s'}; final "
-        f"accuracy {summary['final_accuracy']:.4f}"
+        f"{summary['scheme']}: {time}; final {target.metric} "
+        f"{_value(_final(summary, target))}"
     )
+
+
+def _final(summary: dict[str, Any], target: Target) -> float | None:
+    """The target metric's last value (``final_accuracy`` in a summary of
+    before targets had a metric)."""
+    return summary.get("final_metric", summary.get(f"final_{target.metric}"))
+
+
+def _best(summary: dict[str, Any], target: Target) -> float | None:
+    """The target metric's best value (``best_accuracy`` in a summary of
+    before targets had a metric)."""
+    return summary.get("best_metric", summary.get(f"best_{target.metric}"))
+
+
+def _value(value: float | None) -> str:
+    return "not finite" if value is None else f"{value:.4f}"

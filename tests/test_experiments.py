@@ -456,7 +456,7 @@ def test_format_table_speedups_and_missing_targets():
     assert lines[4].startswith("| asp | not reached | - |")
     no_base = compare.format_table([summary("bsp", None), summary("hps", 4.0)])
     assert "| hps | 4.0 | > 2.50x |" in no_base
-    with pytest.raises(ValueError, match="different target accuracies"):
+    with pytest.raises(ValueError, match=r"different targets: 0\.5 accuracy, 0\.9"):
         compare.format_table(
             [summary("bsp", 1.0), {**summary("a", 1.0), "target_accuracy": 0.5}]
         )
@@ -852,8 +852,8 @@ def test_run_and_compare_commands(tmp_path):
         ),
         (
             ["--config=experiments/configs/bsp.py:quik"],
-            "unknown setting 'quik'; valid names: demo, devices, proc4, quick, sim32, "
-            "sim8, sim8_slowlink",
+            "unknown setting 'quik'; valid names: demo, devices, lm_proc4, lm_sim32, "
+            "lm_sim8, proc4, quick, sim32, sim8, sim8_slowlink",
         ),
     ],
 )
@@ -892,7 +892,8 @@ def test_check_config_refuses_a_missing_npz_file():
         (
             ["experiments.compare", "--suite=huge"],
             "experiments.compare: error: unknown suite 'huge'; valid names: demo, "
-            "devices, proc4, quick, sim32, sim8, sim8_slowlink",
+            "devices, lm_proc4, lm_sim32, lm_sim8, proc4, quick, sim32, sim8, "
+            "sim8_slowlink",
         ),
         (
             ["experiments.compare", "--suite=quick", "--schemes=bsp,bspp"],

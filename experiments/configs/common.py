@@ -160,6 +160,31 @@ SETTINGS["sim32"] = dict(
     eval_every=1.0,
 )
 
+# The language model of the lm_* settings (task "lm"): a byte-level
+# decoder-only transformer on the offline "text" corpus, timed to a
+# validation loss (nats per byte) that BSP reaches within each budget.
+_LM = {
+    "task": "lm",
+    "dataset": "text",
+    "data_args": {"seq_len": 64},
+    "model": "transformer",
+    "model_args": {"d_model": 32, "num_layers": 2, "num_heads": 2},
+    "eval_batch_size": 512,
+    "target_accuracy": None,
+}
+_CLASSIFIER_ONLY = ("num_examples", "image_size", "hidden")
+
+
+def _lm(base: str, **changes: Any) -> dict[str, Any]:
+    """Setting ``base``'s workers, links and budget with :data:`_LM`'s task."""
+    setting = {k: v for k, v in SETTINGS[base].items() if k not in _CLASSIFIER_ONLY}
+    return {**setting, **_LM, **changes}
+
+
+SETTINGS["lm_sim8"] = _lm("sim8", target_value=2.5)
+SETTINGS["lm_sim32"] = _lm("sim32", target_value=2.5)
+SETTINGS["lm_proc4"] = _lm("proc4", target_value=2.5)
+
 DEFAULT_SETTING = "sim8"
 
 
@@ -192,6 +217,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.scheme = ""
     config.setting = setting
     config.backend = s["backend"]
+    # What is learned (hpsjax.tasks): "classification", "lm", "regression",
+    # or a factory "package.module:make_task"; it sets the workers' loss, the
+    # evaluation's metrics and the direction of the target.
+    config.task = s.get("task", "classification")
     config.seed = 0
     # Virtual seconds (sim) or wall seconds after every worker joined
     # (processes); the same budget for every scheme of a setting.
@@ -204,8 +233,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.batch_size = 32
 
     config.data = ml_collections.ConfigDict()
-    config.data.name = "synthetic_digits"
-    config.data.num_examples = s["num_examples"]
+    config.data.name = s.get("dataset", "synthetic_digits")
+    config.data.num_examples = s.get("num_examples", 6000)
     config.data.image_size = s.get("image_size", 8)
     config.data.path = ""
     config.data.x_key = "x"
@@ -213,16 +242,32 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.data.test_fraction = 0.2
     # Seed of the generated examples; config.seed varies the run, not the data.
     config.data.seed = 0
+    # Further keyword arguments of the dataset (hpsjax.data.get_dataset), e.g.
+    # the text's seq_len.
+    config.data.args = ml_collections.ConfigDict(dict(s.get("data_args", {})))
 
     config.model = ml_collections.ConfigDict()
     config.model.name = s.get("model", "mlp")
-    config.model.hidden = s["hidden"]
+    config.model.hidden = s.get("hidden", (64, 64))
     config.model.seed = 0
+    # Further keyword arguments of the model's factory (hpsjax.models), e.g.
+    # the transformer's d_model, num_layers and num_heads.
+    config.model.args = ml_collections.ConfigDict(dict(s.get("model_args", {})))
 
     config.eval = ml_collections.ConfigDict()
     config.eval.every_seconds = s["eval_every"]
-    config.eval.target_accuracy = s["target_accuracy"]
-    config.eval.batch_size = 2048
+    # The target a run is timed to (experiments/target.py): the metric (None:
+    # the task's own, a classifier's accuracy, a language model's loss) and
+    # the value; the direction is the task's. An accuracy target without
+    # target_value takes target_accuracy.
+    config.eval.target_metric = config_dict.placeholder(str)
+    config.eval.target_value = config_dict.placeholder(float)
+    config.eval.target_accuracy = config_dict.placeholder(float)
+    if s.get("target_value") is not None:
+        config.eval.target_value = float(s["target_value"])
+    if s.get("target_accuracy") is not None:
+        config.eval.target_accuracy = float(s["target_accuracy"])
+    config.eval.batch_size = s.get("eval_batch_size", 2048)
 
     config.workers = ml_collections.ConfigDict()
     config.workers.slowdowns = s["slowdowns"]

@@ -23,6 +23,10 @@ schemes is named after its setting.
   precisions) get slowdowns 2470 / throughput: 1, 2.06, 2.63, 6.73 (setting
   ``sim32`` of ``common.SETTINGS``).
 * ``quick``: all schemes at smoke-test size (setting ``quick``), seconds each.
+* ``lm_sim8``, ``lm_sim32``, ``lm_proc4``: every scheme training the byte-level
+  transformer language model (task ``lm``, to a validation loss) on sim8's and
+  sim32's simulated workers and on proc4's four real processes (settings
+  ``lm_sim8``, ``lm_sim32``, ``lm_proc4`` of ``common.SETTINGS``).
 * ``devices``: BSP, H-PS, ASP and ASHL (the reference's) on real devices:
   worker processes on ``gpu:0, cpu:4, cpu:2, cpu:1`` (CPU core sets only on a
   machine without a GPU), the server on cores of its own (setting
@@ -103,6 +107,28 @@ SUITES: dict[str, Suite] = {
         ),
     ),
     "quick": Suite("quick", description="every scheme at smoke-test size"),
+    "lm_sim8": Suite(
+        "lm_sim8",
+        description=(
+            "a byte-level transformer language model on sim8's 8 simulated "
+            "workers (step times 1, 1, 1.5, 2, 2, 3, 4, 6, stragglers, 4 MB/s links)"
+        ),
+    ),
+    "lm_sim32": Suite(
+        "lm_sim32",
+        description=(
+            "a byte-level transformer language model on sim32's 32 simulated "
+            "workers (8 each at slowdowns 1, 2.06, 2.63, 6.73)"
+        ),
+    ),
+    "lm_proc4": Suite(
+        "lm_proc4",
+        schemes=tuple(s for s in SCHEMES if s not in SIM_ONLY_SCHEMES),
+        description=(
+            "a byte-level transformer language model on 4 worker processes, "
+            "speeds 1:1:2:4, a real server on loopback"
+        ),
+    ),
     "devices": Suite(
         "devices",
         schemes=("bsp", "hps", "asp", "ashl_reference"),
