@@ -6,6 +6,7 @@ one line with nothing started."""
 import json
 import math
 import os
+import pathlib
 import re
 import subprocess
 import sys
@@ -19,7 +20,10 @@ import pytest
 
 from hpsjax import data, models, tasks
 from hpsjax.launch import _cli as launch_cli
+from hpsjax.worker import _build as worker_build
 from hpsjax.worker import _cli as worker_cli
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 # A user's code: a regression model's factory and tasks, good and bad.
 USER_MODULE = textwrap.dedent(
@@ -434,3 +438,23 @@ def test_launch_task_regression_reaches_the_workers(tmp_path, session_compile_ca
     ]
     evals = [r for r in records if r.get("event") == "eval"]
     assert evals and "loss" in evals[-1] and "accuracy" not in evals[-1]
+
+
+def test_launch_mds_own_task_runs_as_written(tmp_path, monkeypatch):
+    text = (ROOT / "LAUNCH.md").read_text()
+    section = text.split("### Your own task", 1)[1].split("\n### ", 1)[0]
+    (block,) = re.findall(r"```python\n(.*?)```", section, re.S)
+    (tmp_path / "my_tasks.py").write_text(block)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    task = tasks.get_task("my_tasks:make_task")
+    assert tasks.reported_metrics(task) == ("loss",)
+    losses = task.loss(jnp.array([[0.5], [3.0]]), (None, jnp.zeros(2)))
+    np.testing.assert_allclose(losses, [0.125, 2.5])
+    # The commands' flags parse, and the task fits the regression MLP.
+    args = worker_cli.parse_args(
+        ["--task", "my_tasks:make_task", "--dataset", "synthetic_regression",
+         "--eval_every", "10", "--target_value", "0.05", "--port", "1"]
+    )  # fmt: skip
+    assert worker_cli.worker_target(args, task) == ("loss", 0.05, False)
+    worker_build.build(args, task=task)
+    sys.modules.pop("my_tasks", None)
