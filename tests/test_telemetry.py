@@ -234,6 +234,48 @@ def test_the_reader_round_trips_and_the_worker_prints_its_summary(bsp_run):
     )
 
 
+def test_pipelined_rounds_time_their_push_and_pull_apart(setup):
+    train, params, loss_fn = setup
+    records: list[dict] = []
+
+    async def main():
+        async with Server(
+            params, optax.sgd(0.1), "asp", secret=SECRET, port=0
+        ) as server:
+            workers = [
+                Worker(
+                    WorkerConfig(
+                        port=server.port,
+                        secret=SECRET,
+                        worker_id=f"w{i}",
+                        batch_size=32,
+                        max_steps=8,
+                        overlap="pipeline",
+                        pull_with_push=False,
+                    ),
+                    loss_fn=loss_fn,
+                    batches=train.shard(2, i).batches(32, seed=i).next,
+                    metrics=records.append,
+                )
+                for i in range(2)
+            ]
+            await asyncio.wait_for(asyncio.gather(*(w.run() for w in workers)), 120)
+
+    asyncio.run(main())
+    rounds = telemetry.rounds(records)
+    assert len(rounds) == 16
+    # From round 1 on each round pushes the last one's update and pulls on
+    # its own request; the server's hold (an apply) is within the trips.
+    later = [r for r in rounds if r.round >= 1]
+    assert all(r.push_s > 0 and r.pull_s > 0 and r.encode_s > 0 for r in later)
+    assert all(0.0 <= r.server_s <= r.push_s + r.pull_s for r in rounds)
+    assert all(r.wire_s <= r.push_s + r.pull_s for r in rounds)
+    # The transfers run beside the compute: the idle wait is at most theirs.
+    assert sum(r.wait_s for r in later) <= sum(
+        r.encode_s + r.push_s + r.pull_s for r in later
+    ) + SLACK * len(later)
+
+
 def _value(text: str, name: str) -> float:
     for line in text.splitlines():
         if line.startswith(name + " "):

@@ -351,8 +351,8 @@ class Client:
 
     @property
     def held_s(self) -> float:
-        """Seconds the server held the last parameters' answer before sending
-        it (a barrier; a push-pull's apply), as it said; 0 when it did not."""
+        """Seconds the server held its last answer to a pull or push after the
+        request arrived (a barrier, an apply), as it said; 0 when it did not."""
         return self._held_s
 
     @property
@@ -580,6 +580,7 @@ class Client:
         frame = await self._request(
             MsgType.PUSH, meta, buffers, timeout=timeout, expect=MsgType.PUSH_ACK
         )
+        self._note_held(frame.metadata)
         return self._note_ack(frame.metadata)
 
     async def push_pull(
@@ -685,15 +686,20 @@ class Client:
             if isinstance(local_steps, bool) or not isinstance(local_steps, int):
                 raise ProtocolError(f"bad local_steps in PARAMS: {local_steps!r}")
             self._local_steps = local_steps
-        held = frame.metadata.get("held_s")
+        self._note_held(frame.metadata)
+        # Fresh parameters are what a forced pull asked for.
+        self._force_pull = None
+        return frame.payload.tree(), version
+
+    def _note_held(self, meta: Mapping[str, Any]) -> None:
+        """Notes the seconds the server says it held an answer (0 if it does
+        not say, or says something else than a positive number)."""
+        held = meta.get("held_s")
         self._held_s = (
             float(held)
             if isinstance(held, int | float) and not isinstance(held, bool) and held > 0
             else 0.0
         )
-        # Fresh parameters are what a forced pull asked for.
-        self._force_pull = None
-        return frame.payload.tree(), version
 
     def _note_ack(self, meta: Any) -> PushAck:
         """The acknowledgement, validated (once, here); its hints noted."""

@@ -1134,6 +1134,7 @@ class Server:
         self._carry_out(actions)
 
     def _push(self, session: _Session, frame: Frame) -> None:
+        arrived = self._loop.time()
         # The one place a push's fields are validated.
         meta = PushMeta.from_wire(frame.metadata)
         self._check_pusher(session, meta.version)
@@ -1176,6 +1177,10 @@ class Server:
             self._progress.observe(loss=meta.loss, staleness=ack.staleness)
         ack_meta = ack.to_wire()
         if frame.msg_type == MsgType.PUSH:
+            held = self._loop.time() - arrived
+            if held >= _HELD_REPORTED_S:
+                # The acknowledgement says how long decoding and applying took.
+                ack_meta = {**ack_meta, "held_s": held}
             session.protocol.send(
                 _frames.encode_frame(MsgType.PUSH_ACK, frame.request_id, ack_meta)
             )

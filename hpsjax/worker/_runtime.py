@@ -1731,14 +1731,20 @@ class _Run:
             if prepared.encoded is not None:
                 encoding = {"codec": prepared.codec, "encoded": prepared.encoded}
             method = self.client.push_pull if push.with_pull else self.client.push
-            task = asyncio.ensure_future(method(prepared.update, push.meta, **encoding))
+
+            async def send():
+                # What the server says it held the answer is read with it.
+                reply = await method(prepared.update, push.meta, **encoding)
+                return reply, self.client_held()
+
+            task = asyncio.ensure_future(send())
             await asyncio.sleep(0)  # the frame is handed to the transport
             sending.set()
             if push.with_pull and record is not None:
                 record["pull_start"] = w._elapsed()
                 record["pulls"] += 1
             try:
-                reply = await task
+                reply, held = await task
             except WorkerDropped as error:
                 return self.dropped(push.session, error, last=push.final)
             except _lost_errors() as error:
@@ -1755,14 +1761,14 @@ class _Run:
             if self.sending is sending:
                 self.sending = None
         ack, params, version = reply if push.with_pull else (reply, None, None)
-        held = self.client_held() if push.with_pull else 0.0
         events = []
         if push.with_pull:
             link += await w._injector.transfer(_tree_nbytes(params))
         self.transferred(record, start, link)
         if record is not None:
             # A push-pull's acknowledgement comes with the parameters: its
-            # whole trip is the pull's.
+            # whole trip is the pull's. The server's hold is an apply's (and
+            # a push-pull's barrier).
             part = "pull_s" if push.with_pull else "push_s"
             record[part] += time.monotonic() - sent
             record["server_s"] += held
