@@ -10,7 +10,11 @@ The optax transforms are re-exported here; the rest lives in subpackages:
   client, wire codec and checkpoints;
 * :mod:`hpsjax.profiling`: the profiling pass and work plans;
 * :mod:`hpsjax.sim`: the virtual-clock simulator driving the same server core;
-* :mod:`hpsjax.worker`: the worker runtime and heterogeneity injection.
+* :mod:`hpsjax.worker`: the worker runtime and heterogeneity injection;
+* :mod:`hpsjax.tasks`: what is learned (classification, next-token language
+  modelling, regression, or a user's task), :mod:`hpsjax.models` the flax
+  models (an MLP, CNN, ResNet and a transformer language model, or any flax
+  NNX module from a factory) and :mod:`hpsjax.data` the offline datasets.
 
 ``import hpsjax`` loads nothing more: the transforms (and JAX behind them)
 are imported on first use of one of their names, so a module of the package

@@ -1,14 +1,31 @@
 r"""Flax NNX models and the functional bridge the parameter server trades in.
 
+Which models train. The registry :data:`MODELS` (``--model NAME``) holds an
+:class:`MLP`, a :class:`SmallCNN` and a :class:`SmallResNet` (with BatchNorm)
+for classification or regression, and a decoder-only :class:`Transformer`
+language model (``transformer``, and the presets ``transformer_1m`` and
+``transformer_30m``). Any other flax NNX module comes from a factory
+``"package.module:make_model"`` (:func:`resolve_model`), on two conditions:
+its state is ``nnx.Param`` (plus ``nnx.BatchStat``, which stays on each
+worker: :func:`split_with_batch_stats`; random-number streams or other
+variables are refused), and its outputs on a batch ``(b, *input_shape)`` are
+what the run's task takes (:mod:`hpsjax.tasks`): logits ``(b, classes)`` for
+classification, ``(b, L, vocab)`` for a language model, values ``(b, k)`` for
+regression, or whatever a user's task's loss reads. The loss, not the model,
+is the task's: every path (``hpsjax-worker --task``, the simulator,
+``experiments``' ``config.task``) trains ``task.loss`` of the model's outputs.
+
 The parameter server and the wire move plain pytrees: a nested ``dict`` of
 arrays with ``str`` keys. :func:`split_model` turns an ``nnx.Module`` into its
 static ``graphdef`` and such a dict; :func:`merge_model` rebuilds the module.
-:func:`loss_fn`, :func:`per_example_loss` and :func:`accuracy` are pure
-functions of ``(params, graphdef, batch)``, and :func:`make_train_functions`
-returns their jitted forms for one model.
+:func:`loss_fn`, :func:`per_example_loss` and :func:`accuracy` are the
+classification task's pure functions of ``(params, graphdef, batch)`` (kept
+for callers of earlier versions; :func:`hpsjax.tasks.per_example_loss` takes
+any task), and :func:`make_train_functions` returns their jitted forms for one
+model.
 
-The training objective is the mean softmax cross-entropy over a batch of
-``n`` examples with logits :math:`z_i = f_\theta(x_i)` and labels
+The classification objective is the mean softmax cross-entropy over a batch
+of ``n`` examples with logits :math:`z_i = f_\theta(x_i)` and labels
 :math:`y_i`:
 
 .. math::
@@ -859,7 +876,8 @@ MODELS: dict[str, Callable[..., nnx.Module]] = {
     "transformer_1m": _make_transformer_1m,
     "transformer_30m": _make_transformer_30m,
 }
-"""The models by the name :func:`get_model` and ``--model`` take."""
+"""The models by the name :func:`get_model` and ``--model`` take: each builds
+its module from ``(input_shape, num_classes, *, rngs, **kwargs)``."""
 
 
 def get_model(
@@ -873,10 +891,14 @@ def get_model(
     """Builds a model by registry name (for configs).
 
     Args:
-      name: a key of :data:`MODELS`: ``"mlp"``, ``"cnn"`` or ``"resnet"``
-        (a :class:`SmallResNet`, split with :func:`split_with_batch_stats`).
+      name: a key of :data:`MODELS`: ``"mlp"``, ``"cnn"``, ``"resnet"``
+        (a :class:`SmallResNet`, split with :func:`split_with_batch_stats`),
+        ``"transformer"``, ``"transformer_1m"`` or ``"transformer_30m"``
+        (a :class:`Transformer`; its ``seq_len`` is ``input_shape[0]``).
       input_shape: shape of one example, e.g. ``dataset.input_shape``.
-      num_classes: number of classes.
+      num_classes: number of classes, the vocabulary's size (a
+        transformer's), or the number of values to regress (an MLP's
+        outputs): ``dataset.num_classes``.
       seed: seed of the initial weights.
       **kwargs: further arguments of the model (e.g. ``hidden=(128,)``).
 
@@ -942,7 +964,10 @@ def resolve_model(
     returns the initialised module, whose state is ``nnx.Param`` (and
     ``nnx.BatchStat``, see :func:`split_with_batch_stats`), and the shape of one
     example it takes, without the batch axis. The model maps a batch
-    ``(b, *input_shape)`` to logits ``(b, num_classes)``.
+    ``(b, *input_shape)`` to the outputs the run's task takes
+    (:mod:`hpsjax.tasks`): logits ``(b, num_classes)`` for classification,
+    ``(b, L, vocab)`` for a language model, values ``(b, k)`` for
+    regression.
 
     Args:
       spec: a key of :data:`MODELS`, or ``"package.module:factory"``.

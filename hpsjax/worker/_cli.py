@@ -24,14 +24,23 @@ Heterogeneity is injected with ``--slowdown 4`` (or a schedule
 instead of training and writes the worker's profile (JSON, slowdown applied) for
 :func:`hpsjax.profiling.plan`; ``--work_plan`` then reads the plan.
 
+``--task`` says what is learned: ``classification`` (the default), ``lm``
+(next-token language modelling; by default a byte-level ``transformer`` on the
+offline ``text``, evaluated by validation loss, next-token accuracy and
+perplexity, with tokens per second in the round records), ``regression``
+(mean squared error on ``synthetic_regression`` by default) or a user's
+``my_pkg.my_module:make_task`` returning an :class:`hpsjax.tasks.Task`; it
+sets the loss, the eval metrics and the direction of ``--target_value``,
+which stops the worker once an eval reaches it.
+
 ``--model`` takes a built-in name or any flax model's factory,
 ``my_pkg.my_module:make_model`` (importable from the working directory or
 ``PYTHONPATH``; the contract is :func:`hpsjax.models.resolve_model`'s), and
 ``--model_arg`` its keyword arguments. ``--metrics w0.jsonl`` also writes
 TensorBoard event files (``tensorboard/worker<id>`` beside it, or
-``--tensorboard_dir``), and ``--eval_every 30`` adds the test accuracy of the
-last pulled parameters, on the dataset's held-out split, every 30 seconds
-(``"eval"`` records).
+``--tensorboard_dir``), and ``--eval_every 30`` adds the task's metrics (a
+classifier's test accuracy and loss) of the last pulled parameters, on the
+dataset's held-out split, every 30 seconds (``"eval"`` records).
 
 A server that says goodbye or whose connection is lost (stopped, killed,
 restarted) is reconnected to for ``--reconnect_timeout`` seconds (60 by
