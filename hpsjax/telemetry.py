@@ -8,8 +8,8 @@ figures a plan, a re-planner, an advisor or an experiment takes from a run:
 
 * :class:`RoundTelemetry`: a worker's round. Its compute is waited for
   (``block_until_ready``); encode, decode, push and pull are timed where they
-  happen; ``server_s`` is what the server said it held the round's pulls
-  (a barrier, and a push-pull's apply).
+  happen; ``server_s`` is what the server said it held the round's requests
+  (a pull at a barrier, a push decoded and applied).
 * :class:`VersionTelemetry`: the server's seconds applying and serving a
   version.
 
@@ -101,7 +101,7 @@ class RoundTelemetry(NamedTuple):
       pull_s: seconds from a pull's request to its parameters (a push-pull's
         whole trip).
       server_s: of ``push_s + pull_s``, seconds the server held the answers
-        (a barrier; a push-pull's apply), as it said.
+        (a pull at a barrier; a push decoded and applied), as it said.
       wait_s: seconds idle after computing until the next parameters were there.
       round_s: seconds from the round's start until the next could start.
       tokens_per_s: ``samples * tokens_per_example / round_s``.

@@ -76,8 +76,8 @@ values) to its metrics sink, e.g. :class:`JsonLinesSink`. Times are seconds;
 ``encode_s``       seconds preparing the pushed update for the wire
 ``push_s``,        seconds from a push's hand-off (a pull's request) to its
 ``pull_s``         answer; a push-pull's whole trip is ``pull_s``
-``server_s``       of those, seconds the server held the answers (a barrier,
-                   a push-pull's apply), as the server said
+``server_s``       of those, seconds the server held the answers (a pull at a
+                   barrier, a push decoded and applied), as the server said
 ``wait_s``         idle seconds: from the end of compute until the parameters
                    for the next round were there
 ``round_s``        seconds from the round's start until the next could start
@@ -119,6 +119,7 @@ References:
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import contextlib
 import dataclasses
@@ -560,6 +561,8 @@ def _lost_errors() -> tuple[type[BaseException], ...]:
     return (ConnectionClosed, ShuttingDown, OSError)
 
 
+# Rounds a worker keeps in memory for its summary (about 25 MB at most).
+_TELEMETRY_KEPT = 100_000
 # A round's transfer seconds by part (see hpsjax.telemetry.RoundTelemetry).
 _TRANSFER_PARTS = ("encode_s", "push_s", "pull_s", "server_s")
 
@@ -748,8 +751,10 @@ class Worker:
         self._metrics = metrics
         self._progress = progress
         self._tokens_per_example = int(tokens_per_example)
-        # The run's rounds as telemetry, summarised when it ends.
-        self._telemetry: list[RoundTelemetry] = []
+        # The run's (last) rounds as telemetry, summarised when it ends.
+        self._telemetry: collections.deque[RoundTelemetry] = collections.deque(
+            maxlen=_TELEMETRY_KEPT
+        )
         self._devices = devices
         self._ssl = ssl
         self._client = client
@@ -831,7 +836,8 @@ class Worker:
 
     @property
     def telemetry(self) -> list[RoundTelemetry]:
-        """The rounds of the last (or current) :meth:`run`, as telemetry."""
+        """The rounds of the last (or current) :meth:`run`, as telemetry (its
+        last 100,000 in a longer run)."""
         return list(self._telemetry)
 
     @property
@@ -1185,7 +1191,7 @@ class Worker:
         """
         self._stop.clear()
         self._t0 = time.monotonic()
-        self._telemetry = []
+        self._telemetry.clear()
         self._injector.start()
         client = self._client if self._client is not None else self._make_client()
         if client.closed:
