@@ -458,3 +458,23 @@ def test_launch_mds_own_task_runs_as_written(tmp_path, monkeypatch):
     assert worker_cli.worker_target(args, task) == ("loss", 0.05, False)
     worker_build.build(args, task=task)
     sys.modules.pop("my_tasks", None)
+
+
+def test_the_profiling_pass_times_the_tasks_loss(user_module, monkeypatch):
+    seen = []
+    loss = tasks.per_example_loss
+
+    def spy(task, *args):
+        seen.append(task.name)
+        return loss(task, *args)
+
+    monkeypatch.setattr(tasks, "per_example_loss", spy)
+    args = worker_cli.parse_args(
+        ["--task", f"{user_module}:make_task", "--dataset", "synthetic_regression",
+         "--model", f"{user_module}:make_model", "--dataset_arg", "num_examples=64",
+         "--profile_batch_sizes", "4", "--profile_repeats", "1"]
+    )  # fmt: skip
+    profile, spec = worker_cli.measure_step(args)
+    assert seen and set(seen) == {"absolute_error"}
+    assert tuple(profile.devices[0].batch_sizes) == (4,)
+    assert spec["out"]["kernel"].shape == (32, 1)  # the user's regression model
