@@ -14,6 +14,10 @@ only::
         --worker_flags 0 "--slowdown 4" --worker_flags 1 "--slowdown 4" \\
         --worker_flags 2 "--slowdown 2" -- --batch_size 64
 
+``--task lm`` (or ``regression``, or a user's ``my_pkg.my_module:make_task``)
+sets every worker's ``--task``, as ``--model`` sets their model; a task that
+does not exist is refused before anything starts.
+
 With ``--plan SCHEME`` the workers are profiled first, in place: a throwaway
 server of the run's model is started and every worker, in its own process and
 all at once (``python -m hpsjax.profiling.in_place``), times its train step
