@@ -115,6 +115,16 @@ SETTINGS: dict[str, dict[str, Any]] = {
 }
 """Heterogeneity settings by name (see the module docstring)."""
 SETTINGS["sim8_slowlink"] = dict(SETTINGS["sim8"], bandwidth=5e5, latency=0.01)
+# The advisor's checks on processes (RESULTS.md, "The advisor from a pilot's
+# telemetry"): proc4's CNN on 3 workers at slowdowns 1, 2.5, 6 behind 20 MB/s;
+# an MLP (128, 128) on 3 workers at 1, 2, 4 behind 5 MB/s, 2 ms, to 0.85.
+SETTINGS["proc3_hidden"] = dict(
+    SETTINGS["proc4"], budget_seconds=20.0, slowdowns=(1.0, 2.5, 6.0), bandwidth=2e7
+)
+SETTINGS["proc3_mlp"] = dict(
+    SETTINGS["proc4"], budget_seconds=20.0, model="mlp", hidden=(128, 128),
+    slowdowns=(1.0, 2.0, 4.0), bandwidth=5e6, latency=0.002, target_accuracy=0.85,
+)  # fmt: skip
 # Real devices: each worker process on a GPU or a CPU core set, the server on
 # cores of its own (experiments/placement.py); no injected slowdown or link.
 SETTINGS["devices"] = {

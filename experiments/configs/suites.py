@@ -97,6 +97,16 @@ SUITES: dict[str, Suite] = {
         schemes=tuple(s for s in SCHEMES if s not in SIM_ONLY_SCHEMES),
         description="4 worker processes, speeds 1:1:2:4, a real server on loopback",
     ),
+    "proc3_hidden": Suite(
+        "proc3_hidden",
+        schemes=tuple(s for s in SCHEMES if s not in SIM_ONLY_SCHEMES),
+        description="proc4's CNN on 3 worker processes, slowdowns 1, 2.5, 6, 20 MB/s",
+    ),
+    "proc3_mlp": Suite(
+        "proc3_mlp",
+        schemes=tuple(s for s in SCHEMES if s not in SIM_ONLY_SCHEMES),
+        description="an MLP on 3 worker processes, slowdowns 1, 2, 4, 5 MB/s, 2 ms",
+    ),
     "sim32": Suite(
         "sim32",
         schemes=RESEARCH_SCHEMES,
