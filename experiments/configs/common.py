@@ -116,11 +116,13 @@ SETTINGS: dict[str, dict[str, Any]] = {
 """Heterogeneity settings by name (see the module docstring)."""
 SETTINGS["sim8_slowlink"] = dict(SETTINGS["sim8"], bandwidth=5e5, latency=0.01)
 # The advisor's checks on processes (RESULTS.md, "The advisor from a pilot's
-# telemetry"): proc4's CNN on 3 workers at slowdowns 1, 2.5, 6 behind 20 MB/s;
+# telemetry"): proc4's CNN on 3 workers at slowdowns 1, 2.5, 6 behind 20 MB/s
+# with proc4's step sizes (pick() reads "tuned_as");
 # an MLP (128, 128) on 3 workers at 1, 2, 4 behind 5 MB/s, 2 ms, to 0.85.
 SETTINGS["proc3_hidden"] = dict(
-    SETTINGS["proc4"], budget_seconds=20.0, slowdowns=(1.0, 2.5, 6.0), bandwidth=2e7
-)
+    SETTINGS["proc4"], budget_seconds=20.0, slowdowns=(1.0, 2.5, 6.0), bandwidth=2e7,
+    tuned_as="proc4",
+)  # fmt: skip
 SETTINGS["proc3_mlp"] = dict(
     SETTINGS["proc4"], budget_seconds=20.0, model="mlp", hidden=(128, 128),
     slowdowns=(1.0, 2.0, 4.0), bandwidth=5e6, latency=0.002, target_accuracy=0.85,
@@ -199,9 +201,11 @@ DEFAULT_SETTING = "sim8"
 
 
 def pick(config: ml_collections.ConfigDict, values: dict[str, Any]) -> Any:
-    """The value of ``values`` for the config's setting (``values["default"]``
-    when the setting has no entry): per-setting tuning in scheme files."""
-    return values.get(config.setting, values.get("default"))
+    """The value of ``values`` for the config's setting, else for the setting
+    it is tuned as (its ``tuned_as``), else ``values["default"]``: per-setting
+    tuning in scheme files."""
+    like = SETTINGS.get(config.setting, {}).get("tuned_as")
+    return values.get(config.setting, values.get(like, values.get("default")))
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
