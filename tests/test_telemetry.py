@@ -156,18 +156,18 @@ def test_the_slow_worker_computes_and_the_fast_one_waits_on_the_server(bsp_run):
     steady = [r for r in telemetry.read_rounds(tmp_path) if r.round >= 2]
     summary = telemetry.round_summary(steady)
     slow, fast = summary["w0"], summary["w1"]
-    assert slow["compute"] > fast["compute"]
-    assert slow["compute"] > 0.3
+    assert slow["compute"] > 2 * fast["compute"]
     # The fast worker waits at the barrier for the slow one: the server held
     # its pulls, and says so.
     assert fast["server"] > slow["server"]
-    assert fast["server"] > 0.2
-    assert fast["server_s"] > 0.5 * fast["wait_s"]
+    assert fast["server_s"] > 0.3 * fast["wait_s"]
     idle = telemetry.idle_fraction(steady)
     assert set(idle) == {"w0", "w1"}
     assert all(0.0 <= f <= 1.0 for f in idle.values())
-    # The server's hold and the wire account for most of the fast one's wait.
-    assert idle["w1"] < fast["wait"]
+    # The fast one's idle wait is its exposed transfers: their trips cover it.
+    fast_rounds = [r for r in steady if r.worker == "w1"]
+    exposed = sum(min(r.wait_s, r.encode_s + r.push_s + r.pull_s) for r in fast_rounds)
+    assert exposed >= 0.8 * sum(r.wait_s for r in fast_rounds)
 
 
 def test_the_server_reports_apply_and_serve_time_per_version(bsp_run):
