@@ -552,13 +552,32 @@ async def _serve(
     return summary
 
 
-def _metrics_sink(args: argparse.Namespace):
-    """The sink of ``--metrics`` and ``--tensorboard_dir``, or None."""
+class _OpensLater:
+    """The worker's metrics sink, set once it is open (after the worker is
+    built, before it runs)."""
+
+    def __init__(self) -> None:
+        self.sink: Callable[[dict], None] | None = None
+
+    def __call__(self, record: dict) -> None:
+        if self.sink is not None:
+            self.sink(record)
+
+
+def _tensorboard_dir(args: argparse.Namespace) -> Any:
+    """Where ``--tensorboard_dir`` (or its default beside ``--metrics``) puts
+    the event files, or None."""
     tensorboard = args.tensorboard_dir
     if tensorboard is None and args.metrics is not None:
         tensorboard = pathlib.Path(args.metrics).resolve().parent / "tensorboard"
     if tensorboard is not None and str(tensorboard).lower() == "none":
         tensorboard = None
+    return tensorboard
+
+
+def _metrics_sink(args: argparse.Namespace):
+    """The sink of ``--metrics`` and ``--tensorboard_dir``, or None."""
+    tensorboard = _tensorboard_dir(args)
     if args.metrics is None and tensorboard is None:
         return None
     return MetricsWriter(args.metrics, tensorboard_dir=tensorboard)
@@ -597,17 +616,18 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(f"hpsjax-worker: {e}", file=sys.stderr)
                 return 1
             return 0
+        # The sink opens once the worker is built: flags refused while
+        # building leave no file behind.
+        wanted = args.metrics is not None or _tensorboard_dir(args) is not None
+        opens_later = _OpensLater() if wanted else None
+        worker, client, params, graphdef = build(args, metrics=opens_later, task=task)
+        evaluator = None
+        if args.eval_every is not None:
+            stats = None if worker.state is None else (lambda: worker.state)
+            evaluator = Evaluator(args, graphdef, stats, task)
         sink = _metrics_sink(args)
-        try:
-            worker, client, params, graphdef = build(args, metrics=sink, task=task)
-            evaluator = None
-            if args.eval_every is not None:
-                stats = None if worker.state is None else (lambda: worker.state)
-                evaluator = Evaluator(args, graphdef, stats, task)
-        except BaseException:
-            if sink is not None:
-                sink.close()
-            raise
+        if opens_later is not None:
+            opens_later.sink = sink
     except (ValueError, OSError) as e:
         print(f"hpsjax-worker: {e}", file=sys.stderr)
         return 2
