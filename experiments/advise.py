@@ -54,6 +54,7 @@ try, not as a result. Example::
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import math
 import pathlib
@@ -69,6 +70,7 @@ from experiments import _cli, build, registry, train
 from experiments.target import Target
 
 __all__ = [
+    "Twin",
     "advise",
     "cluster_config",
     "format_advice",
@@ -76,6 +78,9 @@ __all__ = [
     "link_of",
     "load_profiles",
     "parse_link",
+    "parse_seeds",
+    "spearman",
+    "twin_from_telemetry",
 ]
 
 _PROG = "advise"
@@ -212,9 +217,290 @@ def _step_fit(profile: Any, batch_size: int) -> tuple[float, float]:
     return float(fit.intercept), float(fit.slope) / len(devices)
 
 
+@dataclasses.dataclass(frozen=True)
+class Twin:
+    """A cluster fitted from its own run's telemetry (:func:`twin_from_telemetry`).
+
+    Attributes:
+      workers: the workers' ids, in the simulated workers' order.
+      fits: per worker (by position), its seconds per local step
+        (:class:`experiments.calibrate.ComputeFit`), encode, decode and the
+        gap between rounds included in the fixed part.
+      link: the link's time per message (:class:`experiments.calibrate.LinkFit`).
+      service_s: the server's seconds per push.
+      startup: per worker (by position), seconds its first round computed
+        beyond its fit.
+      notes: what the telemetry could not tell, one line each.
+      source: where the telemetry came from.
+    """
+
+    workers: tuple[str, ...]
+    fits: dict[int, Any]
+    link: Any
+    service_s: float
+    startup: dict[int, float]
+    notes: tuple[str, ...]
+    source: str
+
+
+def _worker_order(worker: str) -> tuple[int, int, str]:
+    return (0, int(worker), "") if worker.isdigit() else (1, 0, worker)
+
+
+def _telemetry_records(paths: str | Sequence[str]) -> list[dict[str, Any]]:
+    """The round and version records of the metrics files at ``paths``, each once.
+
+    A directory is searched for ``*.jsonl`` files (a run's workdir), leaving
+    out ``warmup`` folders (the experiments' warm-up rounds against a
+    throwaway server); a round in two files (an experiments workdir copies
+    the workers' rounds into its ``metrics.jsonl``) counts once.
+    """
+    from hpsjax import telemetry
+
+    paths = [paths] if isinstance(paths, str | pathlib.Path) else list(paths)
+    files = []
+    for path in map(pathlib.Path, paths):
+        if path.is_dir():
+            files += [
+                f
+                for f in sorted(path.rglob("*.jsonl"))
+                if "warmup" not in f.relative_to(path).parts
+            ]
+        elif path.is_file():
+            files.append(path)
+        else:
+            raise ValueError(
+                f"--telemetry: no metrics file or directory at {str(path)!r}"
+            )
+    try:
+        records = telemetry.read_records(files)
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise ValueError(f"--telemetry: {e}".splitlines()[0]) from None
+    seen, found = set(), []
+    for r in records:
+        event = r.get("event")
+        if event == "round":
+            key = (event, str(r.get("worker")), r.get("step"), r.get("time"))
+        elif event == "version":
+            key = (event, r.get("version"), r.get("time"))
+        else:
+            continue
+        if key not in seen:
+            seen.add(key)
+            found.append(r)
+    return found
+
+
+def _pushed(r: dict[str, Any]) -> bool:
+    return r.get("status") is not None or float(r.get("push_s") or 0.0) > 0
+
+
+def fit_wire(records: Sequence[dict[str, Any]]) -> Any:
+    """The link, ``latency + bytes / bandwidth`` per message, fitted to the
+    rounds' wire seconds (:attr:`hpsjax.telemetry.RoundTelemetry.wire_s`: push
+    and pull less the server's hold) against their messages and bytes.
+
+    Where every message moves about the same bytes the two terms cannot be
+    told apart and the whole wire time is charged by the byte (latency 0), as
+    a profile's push and pull of one size are.
+
+    Returns:
+      A :class:`experiments.calibrate.LinkFit` (``method`` ``"wire fitted"``,
+      ``"wire by the byte"``, ``"wire latency only"`` (no bytes on record) or
+      ``"none"`` (no round moved anything)).
+    """
+    import numpy as np
+
+    from experiments.calibrate import LinkFit
+    from hpsjax import telemetry
+
+    rows = []
+    for r in records:
+        t = telemetry.from_record(r)
+        if t is None:
+            continue
+        pulls = r.get("pulls")
+        pulls = int(pulls) if isinstance(pulls, int) else int(t.pull_s > 0)
+        messages = int(_pushed(r)) + pulls
+        nbytes = int(r.get("bytes_sent") or 0) + int(r.get("bytes_received") or 0)
+        if messages and t.wire_s > 0:
+            rows.append((messages, nbytes, t.wire_s))
+    if not rows:
+        return LinkFit(0.0, math.inf, "none", 0)
+    n, nbytes, wire = (np.array(c, dtype=float) for c in zip(*rows, strict=True))
+    if nbytes.sum() == 0:
+        return LinkFit(
+            float(wire.sum() / n.sum()), math.inf, "wire latency only", len(rows)
+        )
+    per_message = nbytes / n
+    if np.std(per_message) >= 0.1 * np.mean(per_message):
+        design = np.stack([n, nbytes], axis=1)
+        (latency, per_byte), *_ = np.linalg.lstsq(design, wire, rcond=None)
+        if latency >= 0 and per_byte > 0:
+            return LinkFit(
+                float(latency), float(1 / per_byte), "wire fitted", len(rows)
+            )
+    return LinkFit(0.0, float(nbytes.sum() / wire.sum()), "wire by the byte", len(rows))
+
+
+def _service(
+    steady: dict[str, list[dict[str, Any]]], records: Sequence[dict[str, Any]]
+) -> tuple[float, str]:
+    """The server's seconds per push and how they were found."""
+    import numpy as np
+
+    from hpsjax import telemetry
+
+    versions = telemetry.versions(records)
+    pushes = sum(_pushed(r) for r in records if r.get("event") == "round")
+    if versions and pushes:
+        busy = sum(v.apply_s + v.serve_s for v in versions)
+        return busy / pushes, "the server's version records (apply and serve)"
+    # A barrier holds every pull but the last one's: the worker held least
+    # (its median round) is held for the push's decode and apply alone.
+    held = [
+        float(np.median([t.server_s for t in telemetry.rounds(rs)]))
+        for rs in steady.values()
+    ]
+    return min(held), (
+        "no server version records: the server's share per push is the least "
+        "of the workers' median holds (server_s)"
+    )
+
+
+def twin_from_telemetry(paths: str | Sequence[str], *, skip_rounds: int = 1) -> Twin:
+    """The cluster a run's telemetry saw, for :func:`cluster_config`.
+
+    Args:
+      paths: metrics files or directories (a run's workdir): the workers'
+        ``"round"`` records (:class:`hpsjax.telemetry.RoundTelemetry`), and
+        the server's ``"version"`` records where there are any.
+      skip_rounds: each worker's first rounds left out of the fits (its first
+        round's extra compute is its start-up).
+
+    Returns:
+      A :class:`Twin`: per worker, its step time ``a + c b`` at its batch sizes
+      (:func:`experiments.calibrate.fit_compute`; with one batch size all of
+      it per sample, as noted) with its encode, decode and the gap between
+      rounds added to ``a``, and its start-up; the link from the wire
+      seconds (:func:`fit_wire`); the server's seconds per push.
+
+    Raises:
+      ValueError: no such file, a file that is not JSON lines, no worker's
+        rounds, or a worker without a round to fit (one line each).
+    """
+    import numpy as np
+
+    from experiments.calibrate import fit_compute, fit_startup, round_gap
+    from hpsjax import telemetry
+
+    records = _telemetry_records(paths)
+    source = ", ".join(map(str, [paths] if isinstance(paths, str) else paths))
+    by_worker: dict[str, list[dict[str, Any]]] = {}
+    for r in records:
+        if r["event"] == "round" and telemetry.from_record(r) is not None:
+            by_worker.setdefault(str(r.get("worker")), []).append(r)
+    if not by_worker:
+        raise ValueError(f"--telemetry: no workers' round records in {source}")
+    ids = sorted(by_worker, key=_worker_order)
+    fits, startup, steady, notes = {}, {}, {}, []
+    for i, w in enumerate(ids):
+        rs = sorted(by_worker[w], key=lambda r: float(r.get("time") or 0.0))
+        kept = [
+            r for r in rs if int(r["step"]) >= skip_rounds and not r.get("discarded")
+        ]
+        try:
+            fit = fit_compute(kept)
+        except ValueError:
+            raise ValueError(
+                f"--telemetry: worker {w} has no round to fit after its first "
+                f"{skip_rounds} in {source}"
+            ) from None
+        typed = telemetry.rounds(kept)
+        extra = float(np.mean([t.encode_s + t.decode_s for t in typed])) + round_gap(
+            kept
+        )
+        steps = float(np.mean([max(t.local_steps, 1) for t in typed]))
+        fits[i] = dataclasses.replace(fit, intercept=fit.intercept + extra / steps)
+        startup[i] = fit_startup(rs, fit)
+        steady[w] = kept
+    one = [w for i, w in enumerate(ids) if fits[i].method != "batches"]
+    if one:
+        notes.append(
+            f"worker(s) {', '.join(one)} ran one batch size: the step is charged "
+            "per sample (no fixed cost); a pilot at two batch sizes fits both"
+        )
+    link = fit_wire([r for rs in steady.values() for r in rs])
+    if link.method == "wire by the byte":
+        notes.append(
+            "every message moved about the same bytes: the link's latency is "
+            "charged by the byte"
+        )
+    service, how = _service(steady, records)
+    if how.startswith("no server"):
+        notes.append(how)
+    return Twin(tuple(ids), fits, link, service, startup, tuple(notes), source)
+
+
+def parse_seeds(text: str | Sequence[str]) -> list[int]:
+    """``--seeds``' value, comma-separated ints (two or more, distinct).
+
+    Raises:
+      ValueError: anything else (one line).
+
+    Examples:
+      >>> parse_seeds("1,2")
+      [1, 2]
+    """
+    parts = text.split(",") if isinstance(text, str) else list(text)
+    try:
+        seeds = [int(str(p).strip()) for p in parts]
+    except ValueError:
+        raise ValueError(
+            f"--seeds: expected comma-separated integers, got {text!r}"
+        ) from None
+    if len(seeds) < 2 or len(set(seeds)) != len(seeds):
+        raise ValueError(
+            f"--seeds: at least two distinct seeds give the spread, got {text!r}"
+        )
+    return seeds
+
+
+def spearman(a: Sequence[float], b: Sequence[float]) -> float:
+    """Spearman's rank correlation of two equally long lists, ties averaged.
+
+    Examples:
+      >>> spearman([1, 2, 3], [10, 20, 30])
+      1.0
+      >>> spearman([1, 2, 3], [3, 2, 1])
+      -1.0
+    """
+    import numpy as np
+
+    def ranks(values):
+        values = np.asarray(values, dtype=float)
+        order = values.argsort(kind="stable")
+        r = np.empty(len(values))
+        r[order] = np.arange(1, len(values) + 1)
+        for v in np.unique(values):
+            r[values == v] = r[values == v].mean()
+        return r
+
+    if len(a) != len(b) or len(a) < 2:
+        raise ValueError("spearman needs two lists of the same length >= 2")
+    ra, rb = ranks(a), ranks(b)
+    if ra.std() == 0 or rb.std() == 0:
+        return 0.0
+    return float(np.corrcoef(ra, rb)[0, 1])
+
+
+def _count(cluster: Any) -> int:
+    return len(cluster.workers) if isinstance(cluster, Twin) else len(cluster)
+
+
 def cluster_config(
     scheme: str,
-    profiles: Sequence[Any],
+    cluster: Sequence[Any] | Twin,
     *,
     setting: str = "sim8",
     model: str | None = None,
@@ -223,13 +509,17 @@ def cluster_config(
     target: float | None = None,
     budget: float | None = None,
     jitter: float = 0.1,
-    service_time: float = 0.0,
+    service_time: float | None = None,
     link: tuple[float, float] | None = None,
 ) -> Any:
-    """The scheme's config on the simulated twin of the profiled cluster.
+    """The scheme's config on the simulated twin of the cluster.
 
-    ``link`` (``(latency, bandwidth)``, :func:`parse_link`) replaces the
-    profiles' measured link.
+    ``cluster`` is the workers' profiles (:func:`load_profiles`) or a
+    :class:`Twin` of a run's telemetry (:func:`twin_from_telemetry`: its own
+    jitter, link, server share and start-ups). ``link`` (``(latency,
+    bandwidth)``, :func:`parse_link`) replaces the measured link,
+    ``service_time`` (seconds per push) the measured server share (0 with
+    profiles, which hold none); ``jitter`` applies to profiles only.
 
     Raises:
       ValueError: an unknown scheme or setting (the message lists valid
@@ -253,23 +543,32 @@ def cluster_config(
         config.budget_seconds = float(budget)
     if not (jitter >= 0 and math.isfinite(jitter)):
         raise ValueError(f"--jitter must be >= 0, got {jitter}")
-    if not (service_time >= 0 and math.isfinite(service_time)):
+    if service_time is not None and not (
+        service_time >= 0 and math.isfinite(service_time)
+    ):
         raise ValueError(f"--service_time must be >= 0, got {service_time}")
-    b0 = int(config.batch_size)
-    fits = {}
-    for i, p in enumerate(profiles):
-        intercept, slope = _step_fit(p, b0)
-        fits[i] = ComputeFit(intercept, slope, jitter, b0, 0, "profile")
-    latency, bandwidth, _ = link_of(profiles, link)
-    fit = LinkFit(latency, bandwidth, "profile" if link is None else "given", 0)
-    sim = simulated_config(config, fits, fit, service_time)
+    if isinstance(cluster, Twin):
+        fits, startup = cluster.fits, cluster.startup
+        fit = cluster.link if link is None else LinkFit(*link, "given", 0)
+        service = cluster.service_s if service_time is None else service_time
+    else:
+        b0 = int(config.batch_size)
+        fits, startup = {}, None
+        for i, p in enumerate(cluster):
+            intercept, slope = _step_fit(p, b0)
+            fits[i] = ComputeFit(intercept, slope, jitter, b0, 0, "profile")
+        latency, bandwidth, _ = link_of(cluster, link)
+        fit = LinkFit(latency, bandwidth, "profile" if link is None else "given", 0)
+        service = service_time or 0.0
     # The workers' own speeds stand for every slowdown the setting injected.
-    sim.workers.startup_times = ()
+    sim = simulated_config(config, fits, fit, service, startup)
     registry.check_config(sim)
     return sim
 
 
-def launch_command(config: Any, profiles: Sequence[Any]) -> tuple[str, str, list[str]]:
+def launch_command(
+    config: Any, cluster: Sequence[Any] | Twin
+) -> tuple[str, str, list[str]]:
     """How to run ``config`` on the real cluster.
 
     Returns:
@@ -281,14 +580,13 @@ def launch_command(config: Any, profiles: Sequence[Any]) -> tuple[str, str, list
     """
     from experiments.backends import _worker_flags
 
-    n = len(profiles)
+    n = _count(cluster)
     server = config.server
     not_carried = []
     for path, default in (
         ("server.clip_norm", None),
         ("server.staleness_lr", None),
         ("server.dc_lambda", None),
-        ("server.outer_delay", None),
         ("stages.enabled", False),
     ):
         node = config
@@ -323,6 +621,8 @@ def launch_command(config: Any, profiles: Sequence[Any]) -> tuple[str, str, list
     launch += ["--learning_rate", f"{float(server.learning_rate):g}"]
     if float(server.momentum):
         launch += ["--momentum", f"{float(server.momentum):g}"]
+    for key, value in _optimizer_args(config, n).items():
+        launch += ["--optimizer_arg", f"{key}={value}"]
     for key, value in (server.policy_kwargs or {}).items():
         if value is not None:
             launch += ["--policy_arg", f"{key}={value}"]
@@ -341,6 +641,17 @@ def launch_command(config: Any, profiles: Sequence[Any]) -> tuple[str, str, list
     return shlex.join(launch), shlex.join(run), not_carried
 
 
+def _optimizer_args(config: Any, workers: int) -> dict[str, Any]:
+    """The server optimizer's keyword arguments beyond its step size and
+    momentum, as :func:`experiments.build.server_optimizer` passes them."""
+    server = config.server
+    extra: dict[str, Any] = {}
+    if server.optimizer == "delayed_nesterov":
+        extra["delay"] = int(server.get("outer_delay") or workers)
+    extra.update(server.get("optimizer_args") or {})
+    return {k: v for k, v in extra.items() if v is not None}
+
+
 def _step_knob(scheme: str) -> str:
     from experiments.frontier import KNOBS
 
@@ -353,36 +664,46 @@ def _step_knob(scheme: str) -> str:
 
 
 def advise(
-    profiles: Sequence[Any],
+    cluster: Sequence[Any] | Twin,
     *,
     schemes: Sequence[str] | None = None,
     factors: Sequence[float] = (0.5, 1.0, 2.0),
-    seed: int = 0,
+    seeds: Sequence[int] = (0,),
     jobs: int = 1,
     workdir: str | pathlib.Path | None = None,
-    **cluster: Any,
+    **options: Any,
 ) -> list[dict[str, Any]]:
-    """Simulates every scheme on the profiled cluster; rows ranked best first.
+    """Simulates every scheme on the cluster's twin; rows ranked best first.
+
+    Each scheme's step size is tuned on the first seed (``factors``); the
+    chosen one runs on every seed, and the row gives the seeds' mean and
+    spread (standard deviation) of the time to the target.
 
     Args:
-      profiles: the workers' profiles (:func:`load_profiles`).
+      cluster: the workers' profiles (:func:`load_profiles`) or a run's
+        :class:`Twin` (:func:`twin_from_telemetry`).
       schemes: scheme names, ``None`` for every scheme.
       factors: step sizes tried, as multiples of each config's value.
-      seed: the seed of every run.
+      seeds: the seeds of the chosen step size's runs (the first tunes).
       jobs: runs at once.
       workdir: where the runs go (kept: a second call reuses them); a
         temporary directory by default.
-      **cluster: :func:`cluster_config`'s keyword arguments.
+      **options: :func:`cluster_config`'s keyword arguments.
 
     Returns:
       Per scheme: ``scheme``, ``knob``, ``value`` (the step size chosen),
-      ``time_to_target`` (``None``: not reached), ``best_metric`` (the best
-      value of the target's metric), ``bytes_moved``, ``idle_fraction``,
-      ``diverged``, ``config``, ranked by the time to the target (those that
-      never reach it last, by their best value of its metric).
+      ``times`` (per seed, ``None``: not reached), ``time_to_target`` (their
+      mean over the seeds that reached it, ``None`` if none did), ``spread``
+      (their standard deviation), ``reached`` (seeds that reached it),
+      ``best_metric`` (the best value of the target's metric, mean over the
+      seeds), ``bytes_moved``, ``idle_fraction``, ``updates_per_s`` (means),
+      ``diverged``, ``tied`` (within the spread of the first row:
+      :func:`experiments.frontier.compare_times` says level) and ``config``;
+      ranked by the seeds that reached the target, the mean time to it, and
+      the best value of its metric.
 
     Raises:
-      ValueError: an unknown scheme, no schemes, bad factors or settings.
+      ValueError: an unknown scheme, no schemes, bad factors, seeds or settings.
     """
     from experiments.frontier import _run_many, _set, choose
 
@@ -394,106 +715,189 @@ def advise(
     factors = [float(f) for f in factors]
     if not factors or min(factors) <= 0 or not all(map(math.isfinite, factors)):
         raise ValueError(f"factors must be positive numbers, got {factors}")
-    if not profiles:
+    seeds = [int(s) for s in seeds]
+    if not seeds or len(set(seeds)) != len(seeds):
+        raise ValueError(f"seeds must be distinct integers, got {seeds}")
+    if not _count(cluster):
         raise ValueError("no profiles")
     workdir = pathlib.Path(
         workdir if workdir is not None else tempfile.mkdtemp(prefix="hpsjax_advise_")
     )
-    todo, index = [], {}
-    for scheme in chosen:
-        base = cluster_config(scheme, profiles, **cluster)
-        knob = _step_knob(scheme)
+
+    def plan(config, knob, value, seed):
+        config = config.copy_and_resolve_references()
+        _set(config, knob, value)
+        config.seed = seed
+        config.model.seed = seed
+        tag = f"lr_{value:g}" + (
+            "" if seed == seeds[0] and len(seeds) == 1 else f"_seed_{seed}"
+        )
+        return config, workdir / config.scheme / tag
+
+    bases = {s: cluster_config(s, cluster, **options) for s in chosen}
+    knobs = {s: _step_knob(s) for s in chosen}
+    tuning = {}
+    for scheme, base in bases.items():
         node = base
-        for key in knob.split("."):
+        for key in knobs[scheme].split("."):
             node = node[key]
         for f in factors:
-            value = float(node) * f
-            config = base.copy_and_resolve_references()
-            _set(config, knob, value)
-            config.seed = seed
-            config.model.seed = seed
-            where = workdir / scheme / f"lr_{value:g}"
-            todo.append((config, where))
-            index[(scheme, value)] = (config, where, knob)
-    done = _run_many(todo, jobs)
-    rows = []
+            tuning[(scheme, float(node) * f)] = plan(
+                base, knobs[scheme], float(node) * f, seeds[0]
+            )
+    done = _run_many(list(tuning.values()), jobs)
+    picked = {}
     for scheme in chosen:
         tried = {
-            v: done[where]["summary"]
-            for (s, v), (_, where, _) in index.items()
-            if s == scheme
+            v: done[w]["summary"] for (s, v), (_, w) in tuning.items() if s == scheme
         }
-        value = choose(tried)
-        config, _, knob = index[(scheme, value)]
-        s = tried[value]
-        rows.append(
-            {
-                "scheme": scheme,
-                "knob": knob,
-                "value": value,
-                "time_to_target": s["time_to_target"],
-                "best_metric": train._best(s, Target.of_summary(s)),
-                "bytes_moved": s["bytes_sent"] + s.get("bytes_received", 0),
-                "idle_fraction": s["idle_fraction"],
-                "diverged": s.get("diverged_at") is not None,
-                "config": config,
-            }
-        )
+        picked[scheme] = choose(tried)
+    more = [
+        plan(bases[s], knobs[s], picked[s], seed) for s in chosen for seed in seeds[1:]
+    ]
+    done.update(_run_many(more, jobs))
+    rows = []
+    for s in chosen:
+        runs = [plan(bases[s], knobs[s], picked[s], seed) for seed in seeds]
+        summaries = [done[where]["summary"] for _, where in runs]
+        rows.append(_row(s, knobs[s], picked[s], summaries, runs[0][0]))
+    return _rank(rows)
+
+
+def _rank(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``rows`` best first, each marked ``tied`` where its mean time to the
+    target is within the seeds' spread of the first's (level by
+    :func:`experiments.frontier.compare_times`)."""
+    from experiments.frontier import compare_times
 
     def key(r):
         t = r["time_to_target"]
         goal = build.target(r["config"])
-        return (r["diverged"], t is None, t or 0.0, goal.sort_key(r["best_metric"]))
+        return (r["diverged"], -r["reached"], t or 0.0, goal.sort_key(r["best_metric"]))
 
-    return sorted(rows, key=key)
+    ranked = sorted(rows, key=key)
+    for r in ranked:
+        r["tied"] = r is not ranked[0] and (
+            compare_times(r["stats"], ranked[0]["stats"]) == "level"
+        )
+    return ranked
+
+
+def _row(
+    scheme: str,
+    knob: str,
+    value: float,
+    summaries: Sequence[dict[str, Any]],
+    config: Any,
+) -> dict[str, Any]:
+    """One scheme's row of :func:`advise` from its seeds' run summaries."""
+    from experiments.frontier import _stats
+
+    stats = _stats(summaries)
+    bests = [train._best(s, Target.of_summary(s)) for s in summaries]
+    bests = [b for b in bests if b is not None]
+
+    def mean(key):
+        return statistics.fmean(float(s.get(key) or 0.0) for s in summaries)
+
+    ends = [max(float(s["end_time"]), 1e-9) for s in summaries]
+    return {
+        "scheme": scheme,
+        "knob": knob,
+        "value": value,
+        "times": stats["times"],
+        "time_to_target": stats["mean"],
+        "spread": stats["std"],
+        "reached": stats["reached"],
+        "best_metric": statistics.fmean(bests) if bests else None,
+        "bytes_moved": statistics.fmean(
+            s["bytes_sent"] + s.get("bytes_received", 0) for s in summaries
+        ),
+        "idle_fraction": mean("idle_fraction"),
+        "updates_per_s": statistics.fmean(
+            float(s.get("pushes") or 0) / e
+            for s, e in zip(summaries, ends, strict=True)
+        ),
+        "diverged": any(s.get("diverged_at") is not None for s in summaries),
+        "stats": stats,
+        "config": config,
+    }
+
+
+def _describe(first: Any, cluster: Sequence[Any] | Twin, link: Any) -> str:
+    """The header: the twin's workers, link, server and task."""
+    w = first.workers
+    bandwidth = w.bandwidth
+    link_text = (
+        "none"
+        if bandwidth is None and not w.latency
+        else f"{w.latency * 1e3:.2f} ms + bytes / "
+        + ("inf" if bandwidth is None else f"{bandwidth / 1e6:.3g} MB/s")
+    )
+    if isinstance(cluster, Twin):
+        source = f"telemetry of {cluster.source}"
+        notes = list(cluster.notes)
+        if link is not None:
+            notes.append("the link given by --link replaces the measured one")
+    else:
+        source = "profiles"
+        note = link_of(cluster, link)[2]
+        notes = [note] if note else []
+    return (
+        f"{_count(cluster)} workers ({source}): slowdowns "
+        + ", ".join(f"{k:.2f}" for k in w.slowdowns)
+        + f" x {w.step_time * 1e3:.2f} ms a step of {first.batch_size}; link "
+        + link_text
+        + f"; server {first.server.service_time * 1e3:.2f} ms a push"
+        + f"; task {first.task}, model {first.model.name}, data {first.data.name}, "
+        f"budget {first.budget_seconds:g} s" + "".join(f"\nnote: {n}" for n in notes)
+    )
 
 
 def format_advice(
     rows: Sequence[dict[str, Any]],
-    profiles: Sequence[Any],
+    cluster: Sequence[Any] | Twin,
     link: tuple[float, float] | None = None,
 ) -> str:
     """The ranked table and the winner's commands (``link``: as given to
     :func:`cluster_config`)."""
     first = rows[0]["config"]
     target = build.target(first)
-    unit = "s, predicted"
+    seeds = len(rows[0]["times"])
     lines = [
-        f"| rank | scheme | time to {target.label} ({unit}) | best {target.metric} | "
-        "MB moved | idle fraction | step size |",
-        "|---:|---|---:|---:|---:|---:|---|",
+        f"| rank | scheme | time to {target.label} (s, predicted, mean ± spread "
+        f"of {seeds} seed{'s' if seeds > 1 else ''}) | best {target.metric} | "
+        "MB moved | updates/s | idle fraction | step size |",
+        "|---:|---|---|---:|---:|---:|---:|---|",
     ]
     for i, r in enumerate(rows, 1):
         t = r["time_to_target"]
-        cell = (
-            "diverged" if r["diverged"] else "not reached" if t is None else f"{t:.1f}"
-        )
+        if r["diverged"]:
+            cell = "diverged"
+        elif t is None:
+            cell = "not reached"
+        else:
+            cell = f"{t:.1f} ± {r['spread']:.1f}"
+            if r["reached"] < seeds:
+                cell += f" ({r['reached']}/{seeds} reached)"
+        if r.get("tied"):
+            cell += f" (tied with {rows[0]['scheme']})"
         best = "-" if r["best_metric"] is None else f"{r['best_metric']:.3f}"
         lines.append(
             f"| {i} | {r['scheme']} | {cell} | {best} | "
-            f"{r['bytes_moved'] / 1e6:.1f} | {r['idle_fraction']:.2f} | "
-            f"{r['knob']}={r['value']:g} |"
+            f"{r['bytes_moved'] / 1e6:.1f} | {r['updates_per_s']:.1f} | "
+            f"{r['idle_fraction']:.2f} | {r['knob']}={r['value']:g} |"
         )
-    latency, bandwidth, note = link_of(profiles, link)
-    w = first.workers
-    head = (
-        f"{len(profiles)} workers: slowdowns "
-        + ", ".join(f"{k:.2f}" for k in w.slowdowns)
-        + f" x {w.step_time * 1e3:.2f} ms a step of {first.batch_size}; link "
-        + (
-            "none"
-            if not math.isfinite(bandwidth)
-            else f"{latency * 1e3:.2f} ms + bytes / {bandwidth / 1e6:.3g} MB/s"
-        )
-        + f"; task {first.task}, model {first.model.name}, data {first.data.name}, "
-        f"budget {first.budget_seconds:g} s" + (f"\nnote: {note}" if note else "")
-    )
+    head = _describe(first, cluster, link)
     best = rows[0]
-    launch, run, not_carried = launch_command(best["config"], profiles)
+    launch, run, not_carried = launch_command(best["config"], cluster)
+    tied = [r["scheme"] for r in rows if r.get("tied")]
     if best["time_to_target"] is None:
         verdict = f"no scheme reached {target.label} within the budget; the closest:"
     else:
-        verdict = f"predicted winner: {best['scheme']}"
+        verdict = f"predicted winner: {best['scheme']}" + (
+            f" (tied within the seeds' spread with {', '.join(tied)})" if tied else ""
+        )
     tail = f"{verdict}\n  {launch}\n"
     if not_carried:
         tail += (
@@ -509,6 +913,12 @@ def format_advice(
 
 def _define_flags() -> None:
     flags.DEFINE_list("profiles", None, "Glob(s) of the workers' profile files.")
+    flags.DEFINE_list(
+        "telemetry",
+        None,
+        "Instead of --profiles: a pilot run's workdir(s) or metrics files "
+        "(the workers' round records, the server's version records).",
+    )
     flags.DEFINE_string(
         "setting", "sim8", "Model, data, target and budget of this setting."
     )
@@ -524,17 +934,41 @@ def _define_flags() -> None:
     flags.DEFINE_float("budget", None, "Simulated seconds per run.")
     flags.DEFINE_list("schemes", None, "Schemes to simulate (default: all).")
     flags.DEFINE_list("factors", ["0.5", "1", "2"], "Step sizes tried (x config's).")
-    flags.DEFINE_float("jitter", 0.1, "Lognormal spread of a step's time.")
-    flags.DEFINE_float("service_time", 0.0, "Server seconds per push.")
-    flags.DEFINE_integer("seed", 0, "Seed of every run.")
+    flags.DEFINE_float(
+        "jitter", 0.1, "Lognormal spread of a step's time (with --profiles)."
+    )
+    flags.DEFINE_float(
+        "service_time",
+        None,
+        "Server seconds per push (default: 0 with --profiles, the measured "
+        "share with --telemetry).",
+    )
+    flags.DEFINE_string(
+        "seeds",
+        "1,2",
+        "Seeds of each scheme's prediction (two or more: the spread); the "
+        "first tunes the step size.",
+    )
     flags.DEFINE_integer("jobs", 1, "Runs at once.")
     flags.DEFINE_string("workdir", None, "Where the runs go (default: a temp dir).")
     flags.DEFINE_string(
         "link",
         None,
         "MB_PER_S[,LATENCY_MS]: this link for every worker instead of the "
-        "profiled ones (e.g. 50,1).",
+        "measured ones (e.g. 50,1).",
     )
+
+
+def _cluster(values: Any) -> Sequence[Any] | Twin:
+    """The profiles or the telemetry's twin the flags name."""
+    if bool(values.profiles) == bool(values.telemetry):
+        raise ValueError(
+            "give one of --profiles (a glob of profile files) and --telemetry "
+            "(a pilot run's workdir or metrics files)"
+        )
+    if values.profiles:
+        return load_profiles(values.profiles)
+    return twin_from_telemetry(values.telemetry)
 
 
 def main(argv):
@@ -545,8 +979,6 @@ def main(argv):
     quiet_backend_probe()
     values = flags.FLAGS
     with _cli.usage_errors(_PROG):
-        if not values.profiles:
-            raise ValueError("--profiles is required (a glob of profile files)")
         try:
             factors = [float(f) for f in values.factors]
         except ValueError:
@@ -555,9 +987,10 @@ def main(argv):
             ) from None
         if values.jobs < 1:
             raise ValueError(f"--jobs must be >= 1, got {values.jobs}")
+        seeds = parse_seeds(values.seeds)
         link = None if values.link is None else parse_link(values.link)
-        profiles = load_profiles(values.profiles)
-        cluster = {
+        cluster = _cluster(values)
+        options = {
             "setting": values.setting,
             "model": values.model,
             "dataset": values.dataset,
@@ -570,17 +1003,17 @@ def main(argv):
         }
         # Every config is checked before anything runs.
         for s in values.schemes or registry.SCHEMES:
-            cluster_config(s, profiles, **cluster)
+            cluster_config(s, cluster, **options)
         rows = advise(
-            profiles,
+            cluster,
             schemes=values.schemes,
             factors=factors,
-            seed=values.seed,
+            seeds=seeds,
             jobs=values.jobs,
             workdir=values.workdir,
-            **cluster,
+            **options,
         )
-    print(format_advice(rows, profiles, link), end="")
+    print(format_advice(rows, cluster, link), end="")
     logging.info("runs in %s", values.workdir or "a temporary directory")
 
 
