@@ -1,5 +1,26 @@
 r"""The scheme advisor: which scheme to run on your own cluster.
 
+``python -m experiments.advise --telemetry RUN_DIR`` takes the cluster from a
+short pilot run on it: the per-round telemetry every worker records
+(:mod:`hpsjax.telemetry`; a run's workdir, or its metrics files). Per worker,
+its step time at the batch sizes it ran (:func:`experiments.calibrate.fit_compute`:
+fixed and per-sample cost where it ran two or more sizes; with one size all
+of it per sample, as the output notes), plus its encode, decode and the gap
+between its rounds as fixed cost, and its first round's extra compute as its
+start-up; the link, ``latency + bytes / bandwidth`` fitted to the rounds' wire
+seconds (push and pull less the server's hold) and bytes (:func:`fit_wire`);
+the server's seconds per push from its version records (apply and serve)
+where the files hold them, else the least of the workers' median holds. Each
+scheme's prediction runs over ``--seeds`` (two or more, default 1 and 2): the
+table gives the mean and spread (standard deviation) of the time to the
+target and marks the schemes whose mean is within the spread of the
+winner's ("tied with"). Example::
+
+  python -m experiments.run --config=experiments/configs/bsp.py:proc4 \
+      --config.budget_seconds=8 --workdir=runs/pilot
+  python -m experiments.advise --telemetry=runs/pilot --setting=proc4 \
+      --schemes=bsp,asp,hps,ssp,ps_plus,adsp --factors=1
+
 ``python -m experiments.advise --profiles 'profile_*.json'`` reads the
 profiles of your workers (the files ``hpsjax-worker --profile_out`` or
 ``python -m hpsjax.profiling.in_place --profile_out`` write, one per worker,
@@ -7,10 +28,13 @@ each with the worker's measured step times and, where it reached a server,
 its measured push and pull), builds the calibrated simulator's twin of that
 cluster, runs every scheme on it (``--schemes``, all by default) with a short
 tuning of each scheme's step size (``--factors``: 0.5, 1 and 2 times its
-config's value, one seed each), and prints a table ranked by the predicted
-time to the target (the setting's task's: test accuracy, a language model's
-validation loss), with the bytes moved (pushed and pulled) and the
-workers' idle fraction, followed by the command that launches the winner.
+config's value, on the first seed; the chosen one on every seed), and prints
+a table ranked by the predicted time to the target (the setting's task's:
+test accuracy, a language model's validation loss), with the bytes moved
+(pushed and pulled), the updates per second and the workers' idle fraction,
+followed by the command that launches the winner (the server optimizer's
+arguments as ``--optimizer_arg``; the fields ``hpsjax-launch`` cannot carry
+are named).
 
 The twin is :func:`experiments.calibrate.simulated_config`, the mapping the
 calibration measured against real processes, fed from the profiles instead
@@ -31,7 +55,8 @@ of a run's round records:
   (a profile's link measured on a loaded machine can be off by 10x: see
   RESULTS.md), e.g. ``--link=50,1`` for 50 MB/s and 1 ms;
 * **server**: ``--service_time`` seconds per push at one server (a measured
-  push already holds the server's answer; default 0).
+  push already holds the server's answer; default 0 with profiles, the
+  measured share with ``--telemetry``).
 
 The task, model, data, target and budget come from ``--setting`` (a name of
 ``experiments.configs.common.SETTINGS``; the simulated workers replace its
