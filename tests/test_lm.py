@@ -25,6 +25,12 @@ def _count(params) -> int:
     return sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(params))
 
 
+def _jitted(model):
+    """The model's forward pass, compiled (eager flax runs op by op)."""
+    graphdef, params = models.split_model(model)
+    return jax.jit(lambda x: models.merge_model(graphdef, params)(x))
+
+
 def test_the_presets_have_about_1m_and_30m_parameters():
     counts = {}
     for name in models.TRANSFORMER_PRESETS:
@@ -42,7 +48,7 @@ def test_the_presets_have_about_1m_and_30m_parameters():
     assert _count(models.split_model(abstract)[1]) < 300_000
 
 
-def test_built_from_the_text_dataset_it_gives_logits_per_position():
+def test_built_from_the_text_it_gives_causal_logits_per_position():
     text = data.get_dataset("text", seq_len=16, num_examples=64)
     resolved = models.resolve_model(
         "transformer",
@@ -53,29 +59,24 @@ def test_built_from_the_text_dataset_it_gives_logits_per_position():
     assert resolved.input_shape == (16,)
     model = resolved.model
     assert isinstance(model, models.Transformer)
-    logits = model(jnp.asarray(text.x[:3]))
+    forward = _jitted(model)
+    logits = forward(text.x[:3])
     assert logits.shape == (3, 16, 256)
     # Float tokens (as a float32 pipeline may carry them) give the same logits.
-    np.testing.assert_allclose(
-        model(jnp.asarray(text.x[:3], jnp.float32)), logits, rtol=1e-6
-    )
+    np.testing.assert_allclose(forward(text.x[:3].astype(np.float32)), logits)
     # Tied embeddings: no separate output matrix.
     _, params = models.split_model(model)
     assert sorted(params) == ["blocks", "embed", "norm"]
     # Small initial logits: the first loss is about ln 256.
     loss = tasks.get_task("lm").loss(logits, (None, jnp.asarray(text.y[:3])))
     np.testing.assert_allclose(loss, math.log(256), atol=0.1)
-
-
-def test_attention_is_causal():
-    model = models.Transformer(64, seq_len=8, rngs=nnx.Rngs(0), **TINY)
-    tokens = jnp.arange(8)[None] % 64
-    changed = tokens.at[0, 5].set(63)
-    a, b = model(tokens), model(changed)
-    np.testing.assert_allclose(a[0, :5], b[0, :5], rtol=1e-5, atol=1e-6)
-    assert not np.allclose(a[0, 5:], b[0, 5:])
-    # Shorter sequences than seq_len are taken.
-    assert model(tokens[:, :3]).shape == (1, 3, 64)
+    # Causal: a token changes the logits of its position and later ones only.
+    tokens = text.x[:3].copy()
+    tokens[0, 5] = (tokens[0, 5] + 1) % 256
+    changed = forward(tokens)
+    np.testing.assert_allclose(changed[0, :5], logits[0, :5], rtol=1e-5, atol=1e-6)
+    assert not np.allclose(changed[0, 5:], logits[0, 5:])
+    np.testing.assert_array_equal(changed[1:], logits[1:])
 
 
 def test_bad_settings_are_one_line():

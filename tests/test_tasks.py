@@ -312,6 +312,7 @@ def test_the_worker_refuses_bad_tasks_in_one_line(
     assert not metrics.exists()  # nothing started
 
 
+@pytest.mark.slow
 def test_the_worker_cli_exits_2_for_an_unknown_task():
     done = subprocess.run(
         [sys.executable, "-m", "hpsjax.worker._cli", "--task", "ranking"],
