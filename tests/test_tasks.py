@@ -349,6 +349,19 @@ def test_the_launcher_refuses_a_bad_task_before_starting(tmp_path, capsys):
     assert not work.exists() or not any(work.iterdir())
 
 
+def test_the_launcher_refuses_a_target_the_task_does_not_report(tmp_path, capsys):
+    work = tmp_path / "run"
+    code = launch_cli.main(
+        ["--workers", "1", "--task", "regression", "--workdir", str(work),
+         "--no_progress", "--", "--target_metric", "accuracy",
+         "--target_value", "0.9", "--eval_every", "1"]
+    )  # fmt: skip
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1, err
+    assert "reports no metric 'accuracy'" in err
+    assert not work.exists() or not any(work.iterdir())
+
+
 # ------------------------------------------------- real processes, end to end
 
 

@@ -24,7 +24,7 @@ from hpsjax.launch._job import (
 )
 from hpsjax.tasks import get_task
 from hpsjax.worker._build import make_heterogeneity, write_init
-from hpsjax.worker._cli import parse_args
+from hpsjax.worker._cli import parse_args, worker_target
 
 
 def check_launch(
@@ -79,7 +79,7 @@ def check_launch(
         get_task(parse_args(shared).task)
         for extra in flags:
             parsed = parse_args([*shared, *extra])
-            get_task(parsed.task)
+            worker_target(parsed, get_task(parsed.task))
             make_heterogeneity(parsed)
     except SystemExit:
         raise LaunchError("bad worker flags (see the message above)") from None
