@@ -852,8 +852,8 @@ def test_run_and_compare_commands(tmp_path):
         ),
         (
             ["--config=experiments/configs/bsp.py:quik"],
-            "unknown setting 'quik'; valid names: demo, devices, lm_proc4, lm_sim32, "
-            "lm_sim8, proc4, quick, sim32, sim8, sim8_slowlink",
+            "unknown setting 'quik'; valid names: "
+            f"{', '.join(sorted(common.SETTINGS))}",
         ),
     ],
 )
@@ -891,9 +891,8 @@ def test_check_config_refuses_a_missing_npz_file():
         ),
         (
             ["experiments.compare", "--suite=huge"],
-            "experiments.compare: error: unknown suite 'huge'; valid names: demo, "
-            "devices, lm_proc4, lm_sim32, lm_sim8, proc4, quick, sim32, sim8, "
-            "sim8_slowlink",
+            "experiments.compare: error: unknown suite 'huge'; valid names: "
+            f"{', '.join(sorted(SUITES))}",
         ),
         (
             ["experiments.compare", "--suite=quick", "--schemes=bsp,bspp"],

@@ -200,11 +200,13 @@ def test_a_language_model_trains_in_the_simulator_to_a_loss_target(tmp_path):
     assert summary.write_summary(tmp_path)["paths"]["loss_plot"].is_file()
 
 
-def test_a_planned_scheme_trains_the_language_model_in_the_simulator(tmp_path):
+@pytest.mark.slow
+@pytest.mark.parametrize("scheme", registry.SCHEMES)
+def test_every_scheme_trains_the_language_model_in_the_simulator(tmp_path, scheme):
     result = train.train_and_evaluate(
-        _tiny_lm("hps"), tmp_path, progress=False, formats=()
+        _tiny_lm(scheme), tmp_path, progress=False, formats=()
     )
-    assert result["updates"] > 0 and result["info"]["plans"]
+    assert result["updates"] > 0 and result["diverged_at"] is None
     assert result["best_metric"] < math.log(256)
 
 

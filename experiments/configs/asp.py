@@ -18,5 +18,5 @@ def get_config(arg=None):
     config.scheme = "asp"
     config.server.policy = "asp"
     config.server.optimizer = "sgd"
-    config.server.learning_rate = common.pick(config, {"default": 0.1})
+    config.server.learning_rate = common.pick(config, {"lm_sim8": 0.2, "default": 0.1})
     return config

@@ -178,9 +178,12 @@ SETTINGS["sim32"] = dict(
 _LM = {
     "task": "lm",
     "dataset": "text",
-    "data_args": {"seq_len": 64},
+    "data_args": {"seq_len": 32},
+    "test_fraction": 0.1,
+    "batch_size": 16,
     "model": "transformer",
     "model_args": {"d_model": 32, "num_layers": 2, "num_heads": 2},
+    "eval_every": 1.0,
     "eval_batch_size": 512,
     "target_accuracy": None,
 }
@@ -193,9 +196,11 @@ def _lm(base: str, **changes: Any) -> dict[str, Any]:
     return {**setting, **_LM, **changes}
 
 
-SETTINGS["lm_sim8"] = _lm("sim8", target_value=2.5)
-SETTINGS["lm_sim32"] = _lm("sim32", target_value=2.5)
-SETTINGS["lm_proc4"] = _lm("proc4", target_value=2.5)
+SETTINGS["lm_sim8"] = _lm("sim8", budget_seconds=45.0, target_value=2.8)
+SETTINGS["lm_sim32"] = _lm("sim32", target_value=2.8, tuned_as="lm_sim8")
+SETTINGS["lm_proc4"] = _lm(
+    "proc4", budget_seconds=60.0, target_value=2.8, tuned_as="lm_sim8"
+)
 
 DEFAULT_SETTING = "sim8"
 
@@ -244,7 +249,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.max_updates = config_dict.placeholder(int)
     # Samples per local step of each worker; a work plan re-divides
     # batch_size * num_workers among the workers.
-    config.batch_size = 32
+    config.batch_size = s.get("batch_size", 32)
 
     config.data = ml_collections.ConfigDict()
     config.data.name = s.get("dataset", "synthetic_digits")
@@ -253,7 +258,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.data.path = ""
     config.data.x_key = "x"
     config.data.y_key = "y"
-    config.data.test_fraction = 0.2
+    config.data.test_fraction = s.get("test_fraction", 0.2)
     # Seed of the generated examples; config.seed varies the run, not the data.
     config.data.seed = 0
     # Further keyword arguments of the dataset (hpsjax.data.get_dataset), e.g.
