@@ -105,7 +105,7 @@ def test_every_scheme_has_a_config_on_the_lm_settings(setting):
 
 def test_the_lm_settings_keep_their_workers_and_links():
     for lm, base in zip(LM_SETTINGS, ("sim8", "sim32", "proc4"), strict=True):
-        for key in ("backend", "slowdowns", "bandwidth", "latency", "budget_seconds"):
+        for key in ("backend", "slowdowns", "bandwidth", "latency", "speed_changes"):
             assert common.SETTINGS[lm][key] == common.SETTINGS[base][key], key
 
 
