@@ -31,7 +31,7 @@ line picks one of :data:`SETTINGS`:
   a byte-level decoder-only transformer (``d_model`` 32, 2 layers, 2 heads,
   33k parameters) on windows of 32 bytes of the offline ``text`` corpus (10%
   held out), 16 sequences per local step, timed to a validation loss (nats
-  per byte) that BSP reaches within the budget: 2.8 in 45 virtual s, 3.0 in
+  per byte) that BSP reaches within the budget: 2.9 in 45 virtual s, 3.0 in
   60 and 2.5 in 40 wall s. Step sizes are tuned on ``lm_sim8``
   (``tuned_as``).
 
@@ -204,7 +204,7 @@ def _lm(base: str, **changes: Any) -> dict[str, Any]:
     return {**setting, **_LM, **changes}
 
 
-SETTINGS["lm_sim8"] = _lm("sim8", budget_seconds=45.0, target_value=2.8)
+SETTINGS["lm_sim8"] = _lm("sim8", budget_seconds=45.0, target_value=2.9)
 SETTINGS["lm_sim32"] = _lm(
     "sim32", budget_seconds=60.0, target_value=3.0, tuned_as="lm_sim8"
 )
