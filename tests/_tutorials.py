@@ -56,6 +56,10 @@ CLAIMS = {
         " 'final_accuracy': {str(lr): {k: float(r.metrics['accuracy'][-1])"
         " for k, r in rs.items()} for lr, rs in stale_results.items()}}"
     ),
+    "05_language_model.ipynb": (
+        "{k: {'time_to_target': s['time_to_target'], 'updates': s['updates'],"
+        " 'losses': [e['loss'] for e in evals[k]]} for k, s in summaries.items()}"
+    ),
 }
 
 # The session's directory of executed tutorials: made by the session's first

@@ -12,6 +12,7 @@ runs once a session, shared with the docs build (``tests/_tutorials.py``).
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 
@@ -26,6 +27,7 @@ TUTORIALS = (
     "02_parameter_server.ipynb",
     "03_heterogeneity.ipynb",
     "04_custom_scheme.ipynb",
+    "05_language_model.ipynb",
 )
 # Badges and install lines name the repository of hpsjax._project, nothing else.
 BADGE = colab_badge("{name}")
@@ -237,11 +239,35 @@ def _staleness_rule_claims(v):
     assert small["grace_then_halving"] > small["inverse (1/tau)"] + 0.03, small
 
 
+def _language_model_claims(v):
+    bsp, asp, hps = v["bsp"], v["asp"], v["hps"]
+
+    def time(run):  # never reaching the target: the budget's end, at least
+        return run["time_to_target"] or float("inf")
+
+    # "H-PS reaches the target first" ...
+    assert hps["time_to_target"] is not None, v
+    assert time(hps) < time(bsp) and time(hps) < time(asp), v
+    # ... "in the same time it applies more updates than BSP"; "ASP applies
+    # many more updates".
+    assert hps["updates"] > bsp["updates"] and asp["updates"] > hps["updates"], v
+
+    # "its loss jumps where a slow worker's stale gradient lands, while BSP's
+    # and H-PS's fall smoothly" (after the first seconds' fall to the plateau).
+    def largest_rise(losses):
+        return max(b - a for a, b in itertools.pairwise(losses[3:]))
+
+    assert largest_rise(asp["losses"]) > 0.1, v
+    for smooth in (bsp, hps):
+        assert largest_rise(smooth["losses"]) < largest_rise(asp["losses"]) / 2, v
+
+
 CLAIMS = {
     "01_transforms.ipynb": _ef_claims,
     "02_parameter_server.ipynb": _cleanup_claims,
     "03_heterogeneity.ipynb": _heterogeneity_claims,
     "04_custom_scheme.ipynb": _staleness_rule_claims,
+    "05_language_model.ipynb": _language_model_claims,
 }
 
 
