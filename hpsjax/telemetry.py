@@ -375,9 +375,13 @@ def read_versions(paths: str | os.PathLike | Sequence) -> list[VersionTelemetry]
     return versions(read_records(paths))
 
 
-def _by_worker(
-    records: Iterable[RoundTelemetry | Mapping[str, Any]],
-) -> dict[str, list[RoundTelemetry]]:
+# Rounds as the summaries take them: a metrics file or workdir, or records.
+Rounds = str | os.PathLike | Iterable[RoundTelemetry | Mapping[str, Any]]
+
+
+def _by_worker(records: Rounds) -> dict[str, list[RoundTelemetry]]:
+    if isinstance(records, str | os.PathLike):
+        records = read_rounds(records)
     grouped: dict[str, list[RoundTelemetry]] = {}
     for r in records:
         if not isinstance(r, RoundTelemetry):
@@ -388,13 +392,12 @@ def _by_worker(
     return dict(sorted(grouped.items()))
 
 
-def round_summary(
-    records: Iterable[RoundTelemetry | Mapping[str, Any]],
-) -> dict[str, dict[str, float]]:
+def round_summary(records: Rounds) -> dict[str, dict[str, float]]:
     """Where each worker's round went: means and shares of its round.
 
     Args:
-      records: :class:`RoundTelemetry` s or metrics records (others skipped).
+      records: :class:`RoundTelemetry` s or metrics records (others skipped),
+        or a metrics file or a run's workdir (read by :func:`read_rounds`).
 
     Returns:
       Per worker (its id as a string): ``rounds``, ``round_s`` (the mean
@@ -441,11 +444,12 @@ def format_summary(summary: Mapping[str, Mapping[str, float]]) -> str:
     return "\n".join(lines)
 
 
-def idle_fraction(
-    records: Iterable[RoundTelemetry | Mapping[str, Any]],
-) -> dict[str, float]:
+def idle_fraction(records: Rounds) -> dict[str, float]:
     """Each worker's share of its rounds' time idle for something other than
     the wire or the server: :attr:`RoundTelemetry.other_s` over ``round_s``.
+
+    Args:
+      records: as :func:`round_summary`'s.
 
     Returns:
       Per worker (its id as a string), a fraction in ``[0, 1]``.

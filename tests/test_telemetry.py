@@ -353,6 +353,14 @@ def test_read_records_walks_a_workdir(tmp_path):
     assert telemetry.read_rounds(tmp_path) == [_record()]
     assert telemetry.read_versions(tmp_path) == [version]
     assert len(telemetry.read_records(tmp_path)) == 3
+    # The summaries read a workdir or a file as they take its records.
+    records = telemetry.read_records(tmp_path)
+    assert telemetry.round_summary(tmp_path) == telemetry.round_summary(records)
+    file = tmp_path / "workers" / "metrics_0.jsonl"
+    assert telemetry.round_summary(str(file)) == telemetry.round_summary(records)
+    assert telemetry.idle_fraction(file) == telemetry.idle_fraction(records)
+    with pytest.raises(ValueError, match="no metrics file or directory"):
+        telemetry.round_summary(tmp_path / "nope")
 
 
 def test_reader_refuses_a_missing_path_and_a_bad_line(tmp_path):
