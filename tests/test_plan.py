@@ -528,7 +528,7 @@ def test_replanner_gives_a_slowed_worker_less_work():
 def test_replanner_fits_intercept_and_slope():
     # Planned as 0.1 s + 0.1 ms per sample; in fact 20 ms + 0.3 ms per sample.
     p = plan(_fixed_cost_workers()[:2], global_batch=128)
-    replanner = Replanner(p, window=8, cooldown=0.0, min_observations=8)
+    replanner = Replanner(p, window=8, cooldown=0.0, min_observations=8, warmup=0)
     rng = random.Random(3)
     revised = None
     for k, batch in enumerate([4, 8, 16, 24, 32, 48, 64, 96]):
@@ -547,7 +547,7 @@ def test_replanner_keeps_a_batch_one_worker_from_the_biggest_batch():
     # and 3, with the same cost per sample. Its reports all come at batch 1.
     p = plan(_fixed_cost_workers(), global_batch=256, min_batch=1)
     assert _batches(p) == [1, 127, 1, 127]
-    replanner = Replanner(p, cooldown=0.0, min_observations=3)
+    replanner = Replanner(p, cooldown=0.0, min_observations=3, warmup=0)
     revised = None
     for k in range(3):
         revised = replanner.observe(0, 1, 0.05 + 1e-4, now=float(k))
@@ -560,9 +560,66 @@ def test_replanner_keeps_a_batch_one_worker_from_the_biggest_batch():
     assert b[2] == 1 and max(b) - min(b[0], b[1], b[3]) <= 1
 
 
+def _proc4_like(run_factor=1.0):
+    """proc4's workers (slowdowns 8, 8, 4, 1): 1.5 ms + 0.31 ms per sample,
+    slowed; ``run_factor`` times the profile's step in the run."""
+    slowdowns = (8, 8, 4, 1)
+
+    def step(i, b):
+        return run_factor * slowdowns[i] * (1.5e-3 + 3.1e-4 * b)
+
+    profiles = [
+        WorkerProfile(
+            i,
+            (
+                DeviceProfile(
+                    0, "cpu", "cpu", (8, 32), tuple(step(i, b) / run_factor for b in (8, 32))
+                ),
+            ),
+        )
+        for i in range(4)
+    ]
+    return profiles, step
+
+
+@pytest.mark.parametrize("warmup", [0, 2])
+def test_replanner_leaves_out_the_first_rounds(warmup):
+    # As measured on proc4's real processes: every step in the run is 1.8x the
+    # profile's, and a worker's first two rounds take 10x and 4x its steady
+    # step (first executions, the others still starting). Fitted with them, the
+    # revised plan predicted rounds 3-5x too long.
+    profiles, step = _proc4_like(run_factor=1.8)
+    p = plan(profiles, global_batch=128)
+    replanner = Replanner(p, cooldown=1e9, warmup=warmup)
+    revised, now = None, 0.0
+    for k in range(8):
+        for w in p.workers:
+            now += 0.1
+            t = step(w.worker_id, w.batch_size) * (10.0, 4.0, 1.0, 1.0)[min(k, 3)]
+            revised = replanner.observe(w.worker_id, w.batch_size, t, now) or revised
+    assert revised is not None
+    true_round = max(step(w.worker_id, w.batch_size) for w in revised.workers)
+    if warmup:
+        assert revised.round_time == pytest.approx(true_round, rel=0.05)
+    else:
+        assert revised.round_time > 3 * true_round
+
+
+def test_replanner_warms_up_again_at_a_new_batch():
+    p = plan(_speeds(1, 1), global_batch=64)
+    replanner = Replanner(p, window=1, cooldown=0.0, min_observations=1, warmup=1)
+    # Each worker's first report at a batch is left out, however slow.
+    assert replanner.observe(0, 32, 640.0, now=0.0) is None
+    assert replanner.speed_ratio(0) == 1.0
+    assert replanner.observe(0, 16, 640.0, now=1.0) is None
+    assert replanner.speed_ratio(0) == 1.0
+    revised = replanner.observe(0, 16, 32.0, now=2.0)
+    assert revised is not None and _batches(revised) == [21, 43]
+
+
 def test_replanner_cooldown():
     p = plan(_speeds(1, 1), global_batch=64)
-    replanner = Replanner(p, threshold=0.2, window=1, cooldown=10.0, min_observations=1)
+    replanner = Replanner(p, threshold=0.2, window=1, cooldown=10.0, min_observations=1, warmup=0)
     first = replanner.observe(0, 32, 64.0, now=0.0)
     assert first is not None and _batches(first) == [21, 43]
     # worker 1 slows too, but within the cooldown nothing changes
@@ -577,7 +634,7 @@ def test_replanner_waits_until_every_reporting_worker_has_settled():
     # in first. Re-planning on them alone would keep worker 1's planned speed
     # and hand worker 0 nearly all the work.
     p = plan(_speeds(1, 1), global_batch=64)
-    replanner = Replanner(p, threshold=0.2, window=2, cooldown=0.0, min_observations=3)
+    replanner = Replanner(p, threshold=0.2, window=2, cooldown=0.0, min_observations=3, warmup=0)
     assert replanner.observe(1, 32, 3.2, now=0.0) is None
     for k in range(3):
         assert replanner.observe(0, 32, 3.2, now=1.0 + k) is None
@@ -586,7 +643,7 @@ def test_replanner_waits_until_every_reporting_worker_has_settled():
     assert revised is not None and _batches(revised) == [32, 32]
     # A worker never heard from does not hold a revision back.
     q = plan(_speeds(1, 1), global_batch=64)
-    alone = Replanner(q, threshold=0.2, window=1, cooldown=0.0, min_observations=2)
+    alone = Replanner(q, threshold=0.2, window=1, cooldown=0.0, min_observations=2, warmup=0)
     assert alone.observe(0, 32, 64.0, now=0.0) is None
     assert _batches(alone.observe(0, 32, 64.0, now=1.0)) == [21, 43]
 
@@ -594,7 +651,7 @@ def test_replanner_waits_until_every_reporting_worker_has_settled():
 def test_replanner_keeps_scheme_and_settings():
     workers = _ashl_workers()
     p = plan(workers, "ashl", global_batch=3, local_steps=2)
-    replanner = Replanner(p, cooldown=0.0, min_observations=1, window=1)
+    replanner = Replanner(p, cooldown=0.0, min_observations=1, window=1, warmup=0)
     # the fastest worker runs at half speed: 0.5 s per step
     new = replanner.observe(2, 1, 0.5, now=0.0)
     assert new.scheme == "ashl" and new.local_steps == 2
@@ -620,6 +677,7 @@ def test_replanner_bad_input_changes_nothing():
         ({"window": 0}, "window"),
         ({"cooldown": -1.0}, "cooldown"),
         ({"min_observations": 0}, "min_observations"),
+        ({"warmup": -1}, "warmup"),
     ]:
         with pytest.raises(ValueError, match=message):
             Replanner(p, **kwargs)

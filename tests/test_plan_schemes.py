@@ -172,7 +172,7 @@ def test_dylu_steps_by_hand():
 
 def test_dylu_replans_steps_when_speeds_drift():
     p = plan(_dylu_workers(), "dylu", global_batch=18, local_steps=10)
-    replanner = Replanner(p, cooldown=0.0)
+    replanner = Replanner(p, cooldown=0.0, warmup=0)
     new = None
     # the fastest worker drops to a third of its speed: 6 s per step
     for k in range(3):
@@ -192,7 +192,7 @@ def test_ashl_reference_replans_with_its_settings():
         compress_ratio=0.25,
         stage_multipliers=(6, 2),
     )
-    replanner = Replanner(p, cooldown=0.0, min_observations=1, window=1)
+    replanner = Replanner(p, cooldown=0.0, min_observations=1, window=1, warmup=0)
     # worker 2 at half its speed: c_2 = 0.5, as worker 1
     new = replanner.observe(2, 1, 0.5, now=0.0)
     assert new.stage_multipliers == (6, 2) and new.base_compress_ratio == 0.25

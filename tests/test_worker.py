@@ -624,7 +624,7 @@ def test_server_replans_from_the_reported_step_times(caplog):
 
     _, params, _ = _heavy_loss()
     zeros = jax.tree.map(np.zeros_like, params)
-    settings = dict(threshold=0.5, window=3, cooldown=0.0)
+    settings = dict(threshold=0.5, window=3, cooldown=0.0, warmup=0)
     replanner = Replanner(_two_worker_plan(), **settings)
     # What the server should see: each push of 2 local steps on 256 samples is
     # two steps of 128 samples; w0 becomes four times slower from its 3rd push.

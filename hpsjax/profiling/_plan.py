@@ -1541,6 +1541,14 @@ class Replanner:
     kept, so a batch-1 worker whose fixed cost was overestimated is not taken to
     be fast per sample and handed the biggest batch.
 
+    A worker's first ``warmup`` reports, and its first ``warmup`` at each batch
+    it has not reported just before (a revised plan's), are left out of both the
+    average and the fit: a worker's first rounds on real processes take many
+    times its steady step (first executions of the step, the other workers
+    still starting, an injected slowdown's median over one or two steps; on
+    proc4 the first two rounds took 4-17 times the third), and fitted with them
+    a revision predicted rounds 2-5 times too long.
+
     The replanner does no I/O and reads no clock: callers pass ``now``.
 
     Args:
@@ -1549,6 +1557,7 @@ class Replanner:
       window: span ``w`` of the moving average, in observations.
       cooldown: least seconds between two revisions.
       min_observations: reports from a worker before its drift counts.
+      warmup: reports left out after a worker starts or changes batch.
 
     Examples:
       >>> workers = [WorkerProfile.synthetic(i, 100.0) for i in range(2)]
@@ -1573,6 +1582,7 @@ class Replanner:
         window: int = 10,
         cooldown: float = 30.0,
         min_observations: int = 3,
+        warmup: int = 2,
     ):
         if not isinstance(plan, WorkPlan):
             raise ValueError(f"plan must be a WorkPlan, got {type(plan).__name__}")
@@ -1582,6 +1592,10 @@ class Replanner:
             raise ValueError(f"cooldown must be a number >= 0, got {cooldown!r}")
         self._cooldown = float(cooldown)
         self._min_observations = check_int("min_observations", min_observations, low=1)
+        self._warmup = check_int("warmup", warmup, low=0)
+        # Per worker: the batch of its last report, and its reports since that
+        # batch began.
+        self._run: dict = {}
         self._alpha = 2.0 / (window + 1)
         self._plan = plan
         self._last_revision: float | None = None
@@ -1607,6 +1621,14 @@ class Replanner:
         self._plan.worker(worker_id)
         return self._ratio[worker_id]
 
+    def _warming(self, worker_id: int | str, batch_size: int) -> bool:
+        """Counts a report; whether it is one of the first ``warmup`` of its
+        worker at this batch (left out)."""
+        batch, seen = self._run.get(worker_id, (None, 0))
+        seen = seen + 1 if batch == batch_size else 1
+        self._run[worker_id] = (batch_size, seen)
+        return seen <= self._warmup
+
     def observe(
         self, worker_id: int | str, batch_size: int, step_time: float, now: float
     ) -> WorkPlan | None:
@@ -1620,7 +1642,7 @@ class Replanner:
 
         Returns:
           A new plan (``revision`` one higher) when a revision is due, else
-          ``None``.
+          ``None`` (always for a report of the warm-up).
 
         Raises:
           ValueError: an unknown worker, or a non-positive batch size or step
@@ -1633,6 +1655,8 @@ class Replanner:
             raise ValueError(f"now must be a number, got {now!r}")
         if not math.isfinite(now):
             raise ValueError(f"now must be finite, got {now}")
+        if self._warming(worker_id, batch_size):
+            return None
         # The plan's prediction at the reported batch, split over the devices as
         # planned, so a report from before a revision is still judged fairly.
         model = _model_from_worker_plan(worker)
