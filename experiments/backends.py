@@ -31,6 +31,7 @@ import ml_collections
 import numpy as np
 
 from experiments import build, registry
+from hpsjax import telemetry
 from hpsjax.launch import DIVERGED
 
 __all__ = ["BACKENDS", "RunOutput", "run_processes", "run_sim"]
@@ -327,10 +328,12 @@ def run_sim(
     records.extend(replans)
     workers = {}
     timelines = {}
+    other_idle = telemetry.idle_fraction(telemetry.from_simulation(result))
     for w, spans in result.timelines.items():
         t = result.time_in(w)
         total = sum(t.values()) + profile_seconds
         workers[w] = {
+            "other_idle_fraction": other_idle.get(str(w)),
             "compute_s": t["compute"],
             "transfer_s": t["transfer"],
             "wait_s": t["wait"],
@@ -1197,6 +1200,10 @@ def _run_processes(
         )
         totals["profile_s"] = offset
         totals["idle_fraction"] = 0.0 if total <= 0 else 1 - totals["compute_s"] / total
+        # Idle for neither the wire nor the server, from the round telemetry.
+        totals["other_idle_fraction"] = telemetry.idle_fraction(
+            [{**r, "worker": i} for r in own if r.get("event") == "round"]
+        ).get(str(i))
         workers[i] = totals
         timelines[i] = ([(0.0, offset, "profile")] if offset > 0 else []) + spans
         records.extend({**r, "worker": i} for r in own)

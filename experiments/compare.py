@@ -114,6 +114,9 @@ def aggregate(summaries: Sequence[dict[str, Any]]) -> dict[str, Any]:
             key: _mean([s[key] for s in summaries])
             for key in ("bytes_sent", "idle_fraction", "updates")
         },
+        "other_idle_fraction": _mean_of_finite(
+            [s.get("other_idle_fraction") for s in summaries]
+        ),
         "final_metric": _mean_of_finite([train._final(s, target) for s in summaries]),
         "best_metric": _mean_of_finite([train._best(s, target) for s in summaries]),
         **{
@@ -208,14 +211,14 @@ def format_table(summaries: Sequence[dict[str, Any]], *, baseline: str = "bsp") 
     header = (
         f"| scheme | time to {target.label} ({unit}{mean}) | speedup vs "
         f"{baseline.upper()} | final {target.metric} | best {target.metric} | "
-        "MB pushed | idle fraction | updates |\n"
-        "|---|---:|---:|---:|---:|---:|---:|---:|\n"
+        "MB pushed | idle fraction | idle outside wire and server holds | updates |\n"
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|\n"
     )
     lines = [
         f"| {r['scheme']} | {_time_cell(r)} | {_speedup(base, r)} | "
         f"{_metric_cell(r['final_metric'])} | {_metric_cell(r['best_metric'])} | "
         f"{r['bytes_sent'] / 1e6:.1f} | {r['idle_fraction']:.2f} | "
-        f"{r['updates']:.0f} |"
+        f"{_metric_cell(r.get('other_idle_fraction'))} | {r['updates']:.0f} |"
         for r in rows
     ]
     return header + "\n".join(lines) + "\n"

@@ -42,7 +42,7 @@ import logging
 import math
 import pathlib
 import shutil
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import ml_collections
@@ -157,6 +157,7 @@ def summarize(
             sum(w["bytes_received"] for w in output.workers.values())
         ),
         "idle_fraction": 0.0 if total <= 0 else 1.0 - compute / total,
+        "other_idle_fraction": _other_idle(output.workers),
         "pushes": int(sum(w["pushes"] for w in output.workers.values())),
         "updates": int(evals[-1]["version"]),
         "diverged_at": (output.info.get("diverged") or {}).get("time"),
@@ -417,3 +418,15 @@ def _best(summary: dict[str, Any], target: Target) -> float | None:
 
 def _value(value: float | None) -> str:
     return "not finite" if value is None else f"{value:.4f}"
+
+
+def _other_idle(workers: Mapping[Any, Mapping[str, Any]]) -> float | None:
+    """The workers' mean share of their rounds idle for neither the wire nor
+    the server (``hpsjax.telemetry.idle_fraction``), or ``None`` without round
+    telemetry."""
+    shares = [
+        w["other_idle_fraction"]
+        for w in workers.values()
+        if w.get("other_idle_fraction") is not None
+    ]
+    return sum(shares) / len(shares) if shares else None
