@@ -573,7 +573,11 @@ def _proc4_like(run_factor=1.0):
             i,
             (
                 DeviceProfile(
-                    0, "cpu", "cpu", (8, 32), tuple(step(i, b) / run_factor for b in (8, 32))
+                    0,
+                    "cpu",
+                    "cpu",
+                    (8, 32),
+                    tuple(step(i, b) / run_factor for b in (8, 32)),
                 ),
             ),
         )
@@ -619,7 +623,9 @@ def test_replanner_warms_up_again_at_a_new_batch():
 
 def test_replanner_cooldown():
     p = plan(_speeds(1, 1), global_batch=64)
-    replanner = Replanner(p, threshold=0.2, window=1, cooldown=10.0, min_observations=1, warmup=0)
+    replanner = Replanner(
+        p, threshold=0.2, window=1, cooldown=10.0, min_observations=1, warmup=0
+    )
     first = replanner.observe(0, 32, 64.0, now=0.0)
     assert first is not None and _batches(first) == [21, 43]
     # worker 1 slows too, but within the cooldown nothing changes
@@ -634,7 +640,9 @@ def test_replanner_waits_until_every_reporting_worker_has_settled():
     # in first. Re-planning on them alone would keep worker 1's planned speed
     # and hand worker 0 nearly all the work.
     p = plan(_speeds(1, 1), global_batch=64)
-    replanner = Replanner(p, threshold=0.2, window=2, cooldown=0.0, min_observations=3, warmup=0)
+    replanner = Replanner(
+        p, threshold=0.2, window=2, cooldown=0.0, min_observations=3, warmup=0
+    )
     assert replanner.observe(1, 32, 3.2, now=0.0) is None
     for k in range(3):
         assert replanner.observe(0, 32, 3.2, now=1.0 + k) is None
@@ -643,7 +651,9 @@ def test_replanner_waits_until_every_reporting_worker_has_settled():
     assert revised is not None and _batches(revised) == [32, 32]
     # A worker never heard from does not hold a revision back.
     q = plan(_speeds(1, 1), global_batch=64)
-    alone = Replanner(q, threshold=0.2, window=1, cooldown=0.0, min_observations=2, warmup=0)
+    alone = Replanner(
+        q, threshold=0.2, window=1, cooldown=0.0, min_observations=2, warmup=0
+    )
     assert alone.observe(0, 32, 64.0, now=0.0) is None
     assert _batches(alone.observe(0, 32, 64.0, now=1.0)) == [21, 43]
 

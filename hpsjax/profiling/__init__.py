@@ -6,10 +6,12 @@ step against batch size, peak memory) and its transfer time to the server;
 device: batch size, local steps, step-size scale, and for the schemes that have
 them stage steps, data shares, push weights and top-k ratios) under the H-PS,
 ASHL (our reading and the reference's), ADSP, DyLU or equal scheme;
-:class:`Replanner` revises a plan as measured speeds drift.
+:class:`Replanner` revises a plan as measured speeds drift; a :class:`Pilot` makes
+the plan from the run's own first rounds, then re-plans as a Replanner.
 """
 
 from hpsjax.profiling._overlap import LINK_SHARE_THRESHOLD, choose_overlap, link_share
+from hpsjax.profiling._pilot import Pilot, WorkerFit
 from hpsjax.profiling._plan import (
     ASHL_STAGE_MULTIPLIERS,
     LR_SCALINGS,
@@ -45,9 +47,11 @@ __all__ = [
     "DeviceProfile",
     "LinearFit",
     "Link",
+    "Pilot",
     "Replanner",
     "TransferProfile",
     "WorkPlan",
+    "WorkerFit",
     "WorkerPlan",
     "WorkerProfile",
     "choose_overlap",

@@ -1197,6 +1197,17 @@ def _ashl_reference(models, step_times, multipliers, base_ratio, max_local_steps
     return list(zip(ahl, shl, strict=True)), shares, ratios
 
 
+def _checked_report(batch_size: Any, step_time: Any, now: Any) -> tuple[int, float]:
+    """A report's batch and step time, checked (``now`` too)."""
+    batch_size = check_int("batch_size", batch_size, low=1)
+    step_time = _check_positive("step_time", step_time)
+    if not is_number(now):
+        raise ValueError(f"now must be a number, got {now!r}")
+    if not math.isfinite(now):
+        raise ValueError(f"now must be finite, got {now}")
+    return batch_size, step_time
+
+
 def _check_positive(name: str, value: Any) -> float:
     if not is_number(value) or not math.isfinite(value) or value <= 0:
         raise ValueError(f"{name} must be a positive finite number, got {value!r}")
@@ -1601,9 +1612,9 @@ class Replanner:
         self._last_revision: float | None = None
         # Reports outlive a revision: those at the old batch and the new one
         # together pin down both terms of a worker's time.
+        self._keep = max(window, min_observations)
         self._reports = {
-            w.worker_id: collections.deque(maxlen=max(window, min_observations))
-            for w in plan.workers
+            w.worker_id: collections.deque(maxlen=self._keep) for w in plan.workers
         }
         self._reset()
 
@@ -1649,12 +1660,7 @@ class Replanner:
             time; nothing is recorded then.
         """
         worker = self._plan.worker(worker_id)
-        batch_size = check_int("batch_size", batch_size, low=1)
-        step_time = _check_positive("step_time", step_time)
-        if not is_number(now):
-            raise ValueError(f"now must be a number, got {now!r}")
-        if not math.isfinite(now):
-            raise ValueError(f"now must be finite, got {now}")
+        batch_size, step_time = _checked_report(batch_size, step_time, now)
         if self._warming(worker_id, batch_size):
             return None
         # The plan's prediction at the reported batch, split over the devices as
@@ -1698,7 +1704,7 @@ class Replanner:
             for w in self._plan.workers
         ]
         old = self._plan
-        self._plan = _solve(
+        revised = _solve(
             models,
             old.scheme,
             global_batch=old.global_batch,
@@ -1715,6 +1721,13 @@ class Replanner:
             base_compress_ratio=old.base_compress_ratio,
             server_seconds=old.server_seconds,
         )
-        self._last_revision = now
-        self._reset()
+        self._install(revised, now)
         return self._plan
+
+    def _install(self, revised: WorkPlan, now: float) -> None:
+        """Puts ``revised`` in force at ``now``; the averages restart."""
+        self._plan = revised
+        self._last_revision = now
+        for w in revised.workers:
+            self._reports.setdefault(w.worker_id, collections.deque(maxlen=self._keep))
+        self._reset()

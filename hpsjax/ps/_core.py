@@ -1218,6 +1218,11 @@ class ServerCore:
         if not step_time or not samples:
             return []
         steps = meta.local_steps or 1
+        # A pilot (hpsjax.profiling.Pilot) plans with the link's seconds too.
+        observe_link = getattr(self._replanner, "observe_link", None)
+        overhead = self._record(worker_id).overhead
+        if observe_link is not None and overhead is not None:
+            observe_link(worker_id, overhead)
         return self.observe_speed(
             worker_id, max(1, samples // steps), step_time / steps, now
         )

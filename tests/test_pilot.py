@@ -1,0 +1,291 @@
+"""Tests of plans made from the run: the Pilot, and the Replanner following a
+worker whose speed changes (hpsjax.profiling)."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from hpsjax.profiling import Pilot, Replanner, WorkerProfile, WorkPlan, plan
+from hpsjax.ps import ServerCore
+from hpsjax.sim import ComputeModel, SimConfig, WorkerSpec, simulate
+from hpsjax.worker import Heterogeneity
+
+# Worker i's true step: COSTS[i] = (fixed seconds, seconds per sample).
+COSTS = {"a": (0.010, 0.0010), "b": (0.030, 0.0010), "c": (0.005, 0.0030)}
+
+
+def _drive(pilot, costs, *, noise=0.0, seed=0, rounds=200):
+    """Feeds the pilot every worker's step per round as its plan says (noise:
+    lognormal spread of each step); returns the plans it installed."""
+    rng = random.Random(seed)
+    installed, now = [], 0.0
+    for _ in range(rounds):
+        if pilot.done:
+            break
+        for w in pilot.plan.workers:
+            now += 0.1
+            a, c = costs[w.worker_id]
+            t = (a + c * w.batch_size) * math.exp(rng.gauss(0.0, noise))
+            new = pilot.observe(w.worker_id, w.batch_size, t, now)
+            if new is not None:
+                installed.append(new)
+    return installed
+
+
+def test_pilot_recovers_known_costs_from_noisy_reports():
+    pilot = Pilot(["a", "b", "c"], global_batch=96, tolerance=0.02, max_rounds=400)
+    installed = _drive(pilot, COSTS, noise=0.05, seed=1, rounds=400)
+    assert pilot.done
+    for w, (a, c) in COSTS.items():
+        fit = pilot.fits[w]
+        assert len(fit.batch_sizes) >= 2
+        assert fit.slope == pytest.approx(c, rel=0.1)
+        assert fit.intercept == pytest.approx(a, abs=0.2 * a + 0.002)
+    # Every plan it installed is one revision further; the last is the fitted
+    # hps plan, whose workers finish a step together.
+    assert [p.revision for p in installed] == list(range(1, len(installed) + 1))
+    final = installed[-1]
+    assert final.scheme == "hps" and final.global_batch == 96
+    times = [COSTS[w.worker_id][0] + COSTS[w.worker_id][1] * w.batch_size
+             for w in final.workers]  # fmt: skip
+    assert max(times) / min(times) < 1.15
+
+
+def test_pilot_stops_early_on_clean_data_and_not_on_noisy_data():
+    clean = Pilot(["a", "b"], global_batch=64, tolerance=0.05, max_rounds=60)
+    _drive(clean, COSTS)
+    # Two batches, each after its two warm-up reports and three kept ones.
+    assert clean.done and clean.pilot_rounds <= 10
+    noisy = Pilot(["a", "b"], global_batch=64, tolerance=0.05, max_rounds=60)
+    _drive(noisy, COSTS, noise=0.3, seed=2)
+    assert noisy.done and noisy.pilot_rounds > 3 * clean.pilot_rounds
+
+
+def test_pilot_passes_through_two_or_more_batches_per_worker():
+    pilot = Pilot(["a", "b", "c", "d"], global_batch=64, max_rounds=60)
+    assert [w.batch_size for w in pilot.plan.workers] == [16, 16, 16, 16]
+    costs = {w: (0.01, 0.001) for w in "abcd"}
+    installed = _drive(pilot, costs, noise=0.02, seed=3)
+    pilots = installed[:-1]
+    assert pilots and all(p.global_batch == 64 for p in pilots)
+    assert [w.batch_size for w in pilots[0].workers] == [24, 8, 24, 8]
+    for w in "abcd":
+        assert len(pilot.fits[w].batch_sizes) >= 2
+
+
+def test_equal_workers_come_out_equal():
+    for seed in range(3):
+        pilot = Pilot(["a", "b", "c"], global_batch=90, tolerance=0.02)
+        costs = {w: (0.02, 0.002) for w in "abc"}
+        _drive(pilot, costs, noise=0.15, seed=seed, rounds=400)
+        batches = [w.batch_size for w in pilot.plan.workers]
+        assert pilot.done and max(batches) - min(batches) <= 3, batches
+
+
+def test_pilot_counts_the_link():
+    pilot = Pilot(["a", "b"], global_batch=64, plan_options={"min_batch": 1})
+    pilot.observe_link("a", 0.05)
+    pilot.observe_link("nobody", 1.0)  # not in the run: ignored
+    _drive(pilot, COSTS)
+    final = pilot.plan
+    assert final.worker("a").transfer_seconds == pytest.approx(0.05)
+    # Worker a's round is its step plus the link: it gets less than without.
+    alone = Pilot(["a", "b"], global_batch=64, plan_options={"min_batch": 1})
+    _drive(alone, COSTS)
+    assert final.worker("a").batch_size < alone.plan.worker("a").batch_size
+    a, b = (final.worker(w) for w in "ab")
+    assert a.round_time == pytest.approx(b.round_time, rel=0.1)
+
+
+def test_after_the_pilot_it_replans_as_a_replanner():
+    pilot = Pilot(["a", "b"], global_batch=64, cooldown=0.0)
+    _drive(pilot, COSTS)
+    final = pilot.plan
+    now, revised = 1e3, None
+    slower = {"a": (0.02, 0.002), "b": COSTS["b"]}
+    for _ in range(8):
+        for w in pilot.plan.workers:
+            a, c = slower[w.worker_id]
+            now += 0.1
+            revised = pilot.observe(
+                w.worker_id, w.batch_size, a + c * w.batch_size, now
+            )
+            if revised is not None:
+                break
+        if revised is not None:
+            break
+    assert revised is not None and revised.revision == final.revision + 1
+    assert revised.worker("a").batch_size < final.worker("a").batch_size
+
+
+def test_server_core_passes_the_link_to_a_pilot():
+    pilot = Pilot(["a", "b"], global_batch=8)
+    core = ServerCore({"w": np.zeros(2)}, optax.sgd(0.1), "asp", replanner=pilot)
+    core.join("a", now=0.0)
+    core.pull("a", now=0.0)
+    # Sent at 0 s, pushed at 1 s after 0.75 s of compute: 0.25 s on the link.
+    core.push("a", {"w": np.zeros(2)}, version=0, now=1.0, step_time=0.75,
+              num_samples=4, local_steps=1)  # fmt: skip
+    assert pilot._links == {"a": pytest.approx(0.25)}
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"worker_ids": []}, "worker_ids is empty"),
+        ({"worker_ids": "ab"}, "worker_ids must be a sequence"),
+        ({"worker_ids": ["a", "a"]}, "worker ids repeat"),
+        ({"worker_ids": [True]}, "a worker id must be"),
+        ({"global_batch": 1}, "global_batch must be an int >= 2"),
+        ({"scheme": "fastest"}, "unknown scheme 'fastest'"),
+        ({"tolerance": 0.0}, "tolerance"),
+        ({"max_rounds": 0}, "max_rounds"),
+        ({"min_reports": 0}, "min_reports"),
+        ({"spread": 1.0}, "spread must be in"),
+        ({"warmup": 0}, "warmup"),
+        ({"plan_options": {"global_batch": 3}}, "unknown plan option"),
+        ({"plan_options": {"lr_scaling": "cubic"}}, "unknown lr_scaling"),
+        ({"plan_options": {"min_batch": 64}}, "min_batch"),
+    ],
+)
+def test_pilot_bad_arguments_are_one_line_errors(kwargs, message):
+    args = {"worker_ids": ["a", "b"], "global_batch": 64, **kwargs}
+    with pytest.raises(ValueError, match=message) as info:
+        Pilot(args.pop("worker_ids"), args.pop("global_batch"), **args)
+    assert "\n" not in str(info.value)
+
+
+def test_pilot_bad_reports_change_nothing():
+    pilot = Pilot(["a", "b"], global_batch=64)
+    for args, message in [
+        (("nobody", 10, 1.0, 0.0), "no worker 'nobody'"),
+        (("a", 0, 1.0, 0.0), "batch_size must be an int >= 1"),
+        (("a", 10, -1.0, 0.0), "step_time must be a positive"),
+        (("a", 10, 1.0, math.nan), "now must be finite"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            pilot.observe(*args)
+    with pytest.raises(ValueError, match="seconds must be a finite number"):
+        pilot.observe_link("a", -1.0)
+    assert pilot.pilot_rounds == 0 and pilot.plan.revision == 0
+
+
+# --- on the simulator ----------------------------------------------------------
+
+_X = np.random.default_rng(0).normal(size=(512, 4)).astype(np.float32)
+_DATA = (_X, _X @ np.arange(1.0, 5.0, dtype=np.float32))
+
+
+def _loss(w, batch):
+    return jnp.mean((batch[0] @ w - batch[1]) ** 2)
+
+
+class _Timed:
+    """Remembers when each plan came (the simulator's clock)."""
+
+    def __init__(self):
+        self.times: list[tuple[float, WorkPlan]] = []
+
+    def wrap(self, replanner):
+        observe = replanner.observe
+
+        def timed(worker_id, batch_size, step_time, now):
+            new = observe(worker_id, batch_size, step_time, now)
+            if new is not None:
+                self.times.append((now, new))
+            return new
+
+        replanner.observe = timed
+        return replanner
+
+
+def _measured_round(result, since, batches, until=math.inf) -> float:
+    """The median seconds between a worker's pushes at ``batches`` from
+    ``since`` to ``until``."""
+    gaps = []
+    for w, b in batches.items():
+        times = [p.time for p in result.pushes
+                 if p.worker_id == w and since < p.time < until
+                 and p.batch_size == b]  # fmt: skip
+        gaps += np.diff(times).tolist()
+    return float(np.median(gaps))
+
+
+def _workers(profiles, slowdown=None):
+    return [
+        WorkerSpec(
+            ComputeModel.from_profile(p),
+            worker_id=p.worker_id,
+            heterogeneity=Heterogeneity(slowdown=slowdown)
+            if i == 1 and slowdown
+            else None,
+        )
+        for i, p in enumerate(profiles)
+    ]
+
+
+def test_replanner_follows_a_worker_whose_step_doubles_on_the_simulator():
+    profiles = [WorkerProfile.synthetic(i, 400.0, overhead=0.01) for i in range(2)]
+    start = plan(profiles, "hps", global_batch=64)
+    timed = _Timed()
+    replanner = timed.wrap(Replanner(start, cooldown=1.0))
+    result = simulate(
+        _loss,
+        jnp.zeros(4),
+        _DATA,
+        _workers(profiles, slowdown=[(0.0, 1.0), (3.0, 2.0)]),
+        SimConfig(policy="bsp", learning_rate=0.01, duration=14.0),
+        work_plan=replanner,
+    )
+    after = [(t, p) for t, p in timed.times if t > 3.0]
+    # Within two re-plans of the change, the plan's round is the run's: the
+    # first may come on reports from before the change too.
+    assert 1 <= len(after) <= 3
+    errors = []
+    for k, (when, followed) in enumerate(after):
+        until = after[k + 1][0] if k + 1 < len(after) else math.inf
+        batches = {w.worker_id: w.batch_size for w in followed.workers}
+        measured = _measured_round(result, when + 0.3, batches, until)
+        errors.append(abs(followed.round_time / measured - 1))
+    assert min(errors[:2]) <= 0.15, errors
+    assert errors[-1] <= 0.15, errors
+    # The final plan: worker 0's 0.01 + b / 400 s and worker 1's twice that
+    # finish together at 44 and 20 samples.
+    assert [w.batch_size for w in replanner.plan.workers] == [44, 20]
+
+
+def test_pilot_then_its_plan_on_the_simulator():
+    # Worker 1 is three times slower per sample, both with a fixed cost.
+    truth = [WorkerProfile.synthetic(0, 600.0, overhead=0.01),
+             WorkerProfile.synthetic(1, 200.0, overhead=0.01)]  # fmt: skip
+    timed = _Timed()
+    pilot = timed.wrap(Pilot([0, 1], global_batch=64, tolerance=0.05))
+    workers = [
+        WorkerSpec(ComputeModel.from_profile(p, sigma=0.05), worker_id=p.worker_id)
+        for p in truth
+    ]
+    result = simulate(
+        _loss, jnp.zeros(4), _DATA, workers,
+        SimConfig(policy="bsp", learning_rate=0.01, duration=12.0, seed=0),
+        work_plan=pilot,
+    )  # fmt: skip
+    assert pilot.done
+    assert [p.revision for p in result.work_plans] == list(
+        range(len(result.work_plans))
+    )
+    final_at, final = next(
+        (t, p) for t, p in timed.times if p.revision == pilot.plan.revision
+    )
+    expected = plan(truth, "hps", global_batch=64)
+    assert [w.batch_size for w in final.workers] == pytest.approx(
+        [w.batch_size for w in expected.workers], abs=2
+    )
+    batches = {w.worker_id: w.batch_size for w in final.workers}
+    measured = _measured_round(result, final_at + 0.5, batches)
+    assert final.round_time == pytest.approx(measured, rel=0.15)
