@@ -74,6 +74,8 @@ def test_pilot_passes_through_two_or_more_batches_per_worker():
     installed = _drive(pilot, costs, noise=0.02, seed=3)
     pilots = installed[:-1]
     assert pilots and all(p.global_batch == 64 for p in pilots)
+    # Each phase keeps three reports of each worker (after its warm-up).
+    assert pilot.pilot_rounds >= 3 * len(installed)
     assert [w.batch_size for w in pilots[0].workers] == [24, 8, 24, 8]
     for w in "abcd":
         assert len(pilot.fits[w].batch_sizes) >= 2

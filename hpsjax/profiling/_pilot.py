@@ -221,9 +221,12 @@ class Pilot(Replanner):
         self._phase = 0
         self._pilot_reports: dict = {w: [] for w in ids}
         self._links: dict = {}
+        self._start_phase()
         self._rounds = 0
         self._done = False
         self.fits: dict[int | str, WorkerFit] = {}
+        # Why the last plan came (a pilot phase, its fit), None for a drift.
+        self.reason: str | None = None
         # The final plan's settings must hold before anything runs.
         self._final_plan([_nominal_fit(w) for w in ids], revision=0)
         super().__init__(
@@ -242,7 +245,8 @@ class Pilot(Replanner):
 
     @property
     def pilot_rounds(self) -> int:
-        """Rounds (reports of the worker that reported most) in the pilot."""
+        """Rounds of the pilot past the warm-ups: the kept reports of the
+        worker that has most."""
         return self._rounds
 
     def observe_link(self, worker_id: int | str, seconds: float) -> None:
@@ -266,6 +270,7 @@ class Pilot(Replanner):
         """Records one local step; returns the next pilot plan, the final plan
         or a revision (see :meth:`Replanner.observe`), else ``None``."""
         if self._done:
+            self.reason = None
             return super().observe(worker_id, batch_size, step_time, now)
         self._plan.worker(worker_id)
         batch_size, step_time = _checked_report(batch_size, step_time, now)
@@ -289,11 +294,18 @@ class Pilot(Replanner):
             )
             if sure or self._rounds >= self._max_rounds:
                 self._done = True
+                self.reason = f"the pilot's fit after {self._rounds} rounds"
                 self._install(final, now)
                 return final
         self._phase = 1 if self._phase == 2 else self._phase + 1
+        self.reason = f"pilot phase {self._phase}"
+        self._start_phase()
         self._install(self._pilot_plan(self._phase, self._plan.revision + 1), now)
         return self._plan
+
+    def _start_phase(self) -> None:
+        """A phase counts the reports that come after it begins."""
+        self._phase_start = {w: len(r) for w, r in self._pilot_reports.items()}
 
     def _phase_over(self) -> bool:
         """Whether every worker has ``min_reports`` kept reports at its batch
@@ -301,8 +313,8 @@ class Pilot(Replanner):
         if self._rounds >= self._max_rounds:
             return True
         for w in self._plan.workers:
-            at = [r for r in self._pilot_reports[w.worker_id] if r[0] == w.batch_size]
-            if len(at) < self._min_reports:
+            since = self._pilot_reports[w.worker_id][self._phase_start[w.worker_id] :]
+            if sum(b == w.batch_size for b, _ in since) < self._min_reports:
                 return False
         return True
 

@@ -865,7 +865,8 @@ class ServerCore:
         revised = replanner.observe(worker_id, batch_size, time_per_step, now)
         if revised is None:
             return []
-        reason = f"worker {worker_id}'s speed drifted"
+        reason = getattr(replanner, "reason", None)  # a Pilot's phase
+        reason = reason or f"worker {worker_id}'s speed drifted"
         return [PlanChanged(revised, self._version, reason)]
 
     def _note_stage(self, actions: list[Action]) -> None:
