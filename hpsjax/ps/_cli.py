@@ -41,6 +41,13 @@ sends each worker its share of the plan when it joins and re-plans (H-PS) when a
 worker's reported step times drift from the plan by more than
 ``--replan_threshold``: a worker that slows down gets a smaller batch.
 
+With ``--pilot SCHEME --global_batch N --expected_workers K`` the plan is made
+from the run itself (:class:`hpsjax.profiling.Pilot`), with no profile: the
+workers (``--worker_id 0`` to ``K-1``, on any host) start on an even split of
+``N``, run real training rounds at two or more batches each while the server
+fits each worker's step and link, and then get the scheme's plan, re-planned as
+above.
+
 A model too big for one server is split by key range over several server
 processes (:class:`hpsjax.ps.KeyRangePartition`): start one per shard from the
 same ``--init`` file with ``--server_shard I --server_shards N``; each reads only
@@ -85,7 +92,7 @@ from hpsjax._npz import check_params_file, nest_named_arrays
 from hpsjax._optimizers import make_optimizer
 from hpsjax.export import check_export_path, export_params
 from hpsjax.metrics import ServerMetrics
-from hpsjax.profiling import Replanner, WorkPlan
+from hpsjax.profiling import Pilot, Replanner, WorkPlan
 from hpsjax.ps._auth import read_secret
 from hpsjax.ps._options import ServerOptions
 from hpsjax.ps._partition import KeyRangePartition
@@ -421,7 +428,17 @@ def _policy_kwargs(options: argparse.Namespace | ServerOptions) -> dict[str, Any
 
 
 def _replanner(options: ServerOptions) -> Replanner | None:
-    """The re-planner of ``--work_plan``, or ``None``."""
+    """The re-planner of ``--work_plan``, the pilot of ``--pilot``, or ``None``."""
+    if options.pilot is not None:
+        return Pilot(
+            list(range(options.expected_workers)),
+            options.global_batch,
+            options.pilot,
+            tolerance=options.pilot_tolerance,
+            threshold=options.replan_threshold,
+            window=options.replan_window,
+            cooldown=options.replan_cooldown,
+        )
     if options.work_plan is None:
         return None
     try:
@@ -436,6 +453,14 @@ def _replanner(options: ServerOptions) -> Replanner | None:
         window=options.replan_window,
         cooldown=options.replan_cooldown,
     )
+
+
+def _core_kwargs(options: ServerOptions) -> dict[str, Any]:
+    """``--core_arg``'s, with ``--expected_workers``."""
+    kwargs = dict(options.core_arg)
+    if options.expected_workers is not None:
+        kwargs["expected_workers"] = options.expected_workers
+    return kwargs
 
 
 def _make_server(options: ServerOptions) -> tuple[Server, ServerMetrics | None]:
@@ -480,7 +505,7 @@ def _make_server(options: ServerOptions) -> tuple[Server, ServerMetrics | None]:
         overlap_apply_bytes=(
             None if options.overlap_apply_bytes == -1 else options.overlap_apply_bytes
         ),
-        core_kwargs=dict(options.core_arg),
+        core_kwargs=_core_kwargs(options),
         replanner=_replanner(options),
         status_interval=options.status_interval,
         metrics=metrics,

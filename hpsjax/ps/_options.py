@@ -19,9 +19,11 @@ from collections.abc import Mapping
 from typing import Any
 
 from hpsjax import data, models
+from hpsjax._checks import is_int, is_number
 from hpsjax._flags import check_kwargs
 from hpsjax._logs import LOG_LEVELS, check_log_level
 from hpsjax._optimizers import OPTIMIZERS
+from hpsjax.profiling._plan import SCHEMES
 from hpsjax.ps._core import ServerCore
 from hpsjax.ps._policies import DEFAULT_POLICY, POLICIES
 from hpsjax.ps._server import _is_loopback
@@ -197,6 +199,32 @@ class ServerOptions:
         30.0, "least seconds between two re-plans", group="plan"
     )
     replan_window: int = _option(10, "pushes the speed average spans", group="plan")
+    pilot: str | None = _option(
+        None,
+        "plan from the run itself: a pilot of real rounds at two or more "
+        "batches per worker fits each worker's step, then installs this "
+        "scheme's plan (hps, ashl, adsp, equal, ashl_reference, dylu) and "
+        "re-plans as speeds drift; needs --global_batch and --expected_workers "
+        "(workers --worker_id 0 .. K-1)",
+        metavar="SCHEME",
+        group="plan",
+    )
+    global_batch: int | None = _option(
+        None, "--pilot: samples per step over all workers", group="plan"
+    )
+    expected_workers: int | None = _option(
+        None,
+        "--pilot: the workers of the run, ids 0 .. K-1 (the server starts "
+        "when all K are live)",
+        metavar="K",
+        group="plan",
+    )
+    pilot_tolerance: float = _option(
+        0.05,
+        "--pilot: the largest relative standard error of a worker's fitted "
+        "step at its planned batch before the plan is made",
+        group="plan",
+    )
 
     checkpoint_dir: str | None = _option(
         None, "checkpoint (and resume) directory", group="checkpoints"
@@ -289,11 +317,49 @@ class ServerOptions:
             what="ServerCore",
             skip=_CORE_OWN,
         )
+        self._check_pilot()
         if self.export_params is not None and self.server_shards > 1:
             raise ValueError(
                 "--export_params writes a whole model, and each of the "
                 f"{self.server_shards} shards holds a part: export the shards' "
                 "checkpoints instead with python -m hpsjax.export CKPT_DIR OUT.npz"
+            )
+
+    def _check_pilot(self) -> None:
+        """``--pilot`` and the flags it needs, or none of them."""
+        if self.pilot is None:
+            for name in ("global_batch", "expected_workers"):
+                if getattr(self, name) is not None:
+                    raise ValueError(f"--{name} needs --pilot")
+            return
+        if self.pilot not in SCHEMES:
+            raise ValueError(
+                f"unknown --pilot scheme {self.pilot!r}; valid schemes: "
+                f"{', '.join(SCHEMES)}"
+            )
+        if self.work_plan is not None:
+            raise ValueError("give one of --pilot and --work_plan")
+        if self.expected_workers is None or self.global_batch is None:
+            raise ValueError("--pilot needs --global_batch and --expected_workers")
+        if not (is_int(self.expected_workers) and self.expected_workers >= 1):
+            raise ValueError(
+                f"--expected_workers must be an int >= 1, got {self.expected_workers!r}"
+            )
+        if not (
+            is_int(self.global_batch) and self.global_batch >= self.expected_workers
+        ):
+            raise ValueError(
+                f"--global_batch must be an int >= --expected_workers "
+                f"({self.expected_workers}), got {self.global_batch!r}"
+            )
+        if not (is_number(self.pilot_tolerance) and self.pilot_tolerance > 0):
+            raise ValueError(
+                f"--pilot_tolerance must be a number > 0, got {self.pilot_tolerance!r}"
+            )
+        if "expected_workers" in self.core_arg:
+            raise ValueError(
+                "give the workers once: --expected_workers, not --core_arg "
+                "expected_workers"
             )
 
     def shard(self) -> tuple[int, int]:
