@@ -18,6 +18,7 @@ import time
 
 import pytest
 
+from hpsjax.launch import _prepare
 from hpsjax.launch import _ray as _ray_launch
 
 # Ray binds its own services to the node's address: on Linux the routed one,
@@ -37,14 +38,16 @@ SMALL_MODEL = [
     "--batch_size", "16", "--log_level", "WARNING",
 ]  # fmt: skip
 
-_ACTOR_SECRET = re.compile(r"/hpsjax-(server|worker)-[^ /]*/secret\.txt")
+_ACTOR_SECRET = re.compile(
+    r"/hpsjax-(profile-)?(server|worker|\d+)-[^ /]*/secret\.txt"
+)
 
 
 def _hpsjax_processes() -> dict[int, str]:
     """Live servers and workers of Ray launches on this machine, from /proc.
 
     They are told apart from other hpsjax processes by their secret files, in
-    the actors' own directories.
+    the actors' own directories (the profiling pass's too).
     """
     found = {}
     for entry in pathlib.Path("/proc").iterdir():
@@ -107,7 +110,12 @@ def _run_in_thread(**kwargs):
 
 
 @pytest.mark.slow
-def test_a_planned_run_survives_a_killed_worker(ray_cluster, tmp_path):
+def test_a_planned_run_survives_a_killed_worker(ray_cluster, tmp_path, monkeypatch):
+    def on_the_launchers_host(*args, **kwargs):
+        raise AssertionError("the Ray backend profiled on the launcher's host")
+
+    # Each worker is profiled in an actor of its own resources, never here.
+    monkeypatch.setattr(_prepare, "profile_in_place", on_the_launchers_host)
     log = io.StringIO()
     steps = 15
     thread, box = _run_in_thread(
@@ -147,6 +155,9 @@ def test_a_planned_run_survives_a_killed_worker(ray_cluster, tmp_path):
     assert out.count("worker 0 joined") == 2, out
     assert len(metrics.read_text().splitlines()) >= steps + 3
     assert "hps plan: batches" in out and result.profile_seconds > 0
+    assert "[launch] profiled 2 worker(s) on their Ray nodes" in out, out
+    for i in range(2):
+        assert (tmp_path / f"profile_{i}.json").read_text().startswith("{")
     # Everything is gone, and the secret is in none of Ray's logs.
     assert not _gone(result.pids)
     logs = pathlib.Path(ray_cluster._private.worker._global_node.get_logs_dir_path())
@@ -173,3 +184,29 @@ def test_a_worker_that_cannot_be_placed_stops_the_run(ray_cluster, tmp_path):
     assert result.reason.startswith("worker 1 was not placed within 15")
     assert "'accelerator_type:H100': 1.0" in result.reason
     assert result.pids and not _gone(result.pids)
+
+
+@pytest.mark.slow
+def test_a_worker_is_profiled_with_its_own_resources(ray_cluster, tmp_path):
+    # The profiling actor asks for the worker's resources: one the cluster
+    # lacks leaves it unplaced, and the launch ends before any run starts.
+    log = io.StringIO()
+    with pytest.raises(_ray_launch.LaunchError) as e:
+        _ray_launch.launch_ray(
+            2,
+            steps=5,
+            plan="hps",
+            worker_args=SMALL_MODEL,
+            worker_resources={1: {"accelerator_type:H100": 1}},
+            workdir=tmp_path,
+            start_timeout=20,
+            timeout=120,
+            progress=False,
+            log=log,
+        )
+    message = str(e.value)
+    assert message.startswith("profiling worker 1 was not placed"), message
+    assert "'accelerator_type:H100': 1.0" in message and "\n" not in message
+    assert not (tmp_path / "plan.json").exists()
+    assert not (tmp_path / "metrics_0.jsonl").exists()
+    assert not _gone(_hpsjax_processes())

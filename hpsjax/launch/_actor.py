@@ -157,6 +157,15 @@ class ProcessActor:
             self._drained.set()
         return state
 
+    def read(self, file_name: str) -> bytes | None:
+        """A file the process wrote into the actor's directory (a profile),
+        ``None`` when there is none."""
+        try:
+            with open(os.path.join(self._dir, file_name), "rb") as f:
+                return f.read()
+        except FileNotFoundError:
+            return None
+
     def stop(self, timeout: float) -> dict[str, Any]:
         """SIGTERM to the process group, SIGKILL after ``timeout``; final poll."""
         with self._lock:

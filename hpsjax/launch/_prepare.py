@@ -146,21 +146,27 @@ def prepare_workdir(
             python=python, env=env, start_timeout=start_timeout,
             shutdown_timeout=shutdown_timeout,
         )  # fmt: skip
-        # Flags for shard 0 only: the plan the workers follow comes from it.
-        plan_server_args: list[str] = []
-        if replan is not None:
-            plan_server_args = [
-                "--work_plan",
-                str(plan_file),
-                "--replan_threshold",
-                repr(float(replan)),
-            ]
-        job = dataclasses.replace(
-            job,
-            shared=[*job.shared, "--work_plan", str(plan_file)],
-            plan_server_args=plan_server_args,
-        )
+        job = with_plan(job, plan_file, replan)
     return secret, secret_file, init, job, profile_seconds
+
+
+def with_plan(job: Job, plan_file: pathlib.Path, replan: float | None) -> Job:
+    """``job`` with its workers following ``plan_file`` (``--work_plan``) and,
+    when it re-plans (``replan``), server shard 0 re-planning from it."""
+    # Flags for shard 0 only: the plan the workers follow comes from it.
+    plan_server_args: list[str] = []
+    if replan is not None:
+        plan_server_args = [
+            "--work_plan",
+            str(plan_file),
+            "--replan_threshold",
+            repr(float(replan)),
+        ]
+    return dataclasses.replace(
+        job,
+        shared=[*job.shared, "--work_plan", str(plan_file)],
+        plan_server_args=plan_server_args,
+    )
 
 
 def write_secret(work: pathlib.Path) -> tuple[bytes, pathlib.Path]:
@@ -189,17 +195,33 @@ def _profile_and_plan(
 ) -> tuple[pathlib.Path, float]:
     """Profiles every worker in place and plans; returns the plan file and cost
     (the pass's seconds, :func:`profile_in_place`)."""
-    emit = console.emit
     start = time.monotonic()
-    n = job.num_workers
     profiles = profile_in_place(
         job, workdir, secret_file, init, console, python=python, env=env,
         start_timeout=start_timeout, shutdown_timeout=shutdown_timeout,
     )  # fmt: skip
     seconds = time.monotonic() - start
+    path = write_plan(scheme, profiles, job, workdir, global_batch, console, seconds)
+    return path, seconds
+
+
+def write_plan(
+    scheme: str,
+    profiles: Sequence[profiling.WorkerProfile],
+    job: Job,
+    workdir: pathlib.Path,
+    global_batch: int | None,
+    console: Console,
+    seconds: float,
+    where: str = "in place",
+) -> pathlib.Path:
+    """Plans ``scheme`` from the workers' ``profiles`` (taken ``where``, in
+    ``seconds``) into ``workdir/plan.json``; returns that file."""
+    emit = console.emit
+    n = job.num_workers
     batch = parse_args(job.shared).batch_size
     emit(
-        f"[launch] profiled {n} worker(s) in place in {seconds:.1f}s: "
+        f"[launch] profiled {n} worker(s) {where} in {seconds:.1f}s: "
         f"{[round(p.devices[0].step_time(batch) * 1e3, 1) for p in profiles]} ms "
         f"a step of {batch}, "
         f"{[round(p.transfer_seconds * 1e3, 1) for p in profiles]} ms push+pull"
@@ -215,7 +237,26 @@ def _profile_and_plan(
         f"{[w.local_steps for w in work_plan.workers]}, predicted round "
         f"{work_plan.round_time * 1e3:.1f} ms, idle {work_plan.idle_fraction:.1%}"
     )
-    return path, seconds
+    return path
+
+
+def profiling_job(job: Job) -> Job:
+    """The profiling pass's job: ``job``'s workers against a throwaway server
+    (ASP, so that no push waits for another; it holds the first pull until
+    every worker joined)."""
+    return dataclasses.replace(
+        job,
+        policy="asp",
+        steps=None,
+        # Its joins and leaves would read as the run's: warnings only.
+        server_args=[
+            "--core_arg",
+            f"expected_workers={job.num_workers}",
+            "--log_level",
+            "WARNING",
+        ],
+        plan_server_args=[],
+    )
 
 
 def profile_in_place(
@@ -275,19 +316,7 @@ def profile_in_place(
         raise LaunchError(f"{len(ports)} ports for {job.server_shards} server shards")
     if ports is None and init is None:
         raise LaunchError("profile_in_place needs the model's init file or ports")
-    probe = dataclasses.replace(
-        job,
-        policy="asp",
-        steps=None,
-        # Its joins and leaves would read as the run's: warnings only.
-        server_args=[
-            "--core_arg",
-            f"expected_workers={n}",
-            "--log_level",
-            "WARNING",
-        ],
-        plan_server_args=[],
-    )
+    probe = profiling_job(job)
     processes: list[Process] = []
     try:
         if ports is None:

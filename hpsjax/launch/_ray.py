@@ -24,8 +24,11 @@ prints it with the usual ``[server]`` / ``[worker i]`` prefix.
   actors when the launcher ends, so no process outlives the launch. A cluster
   the launcher started is shut down.
 
-The work plan (``plan``) is profiled on the launcher's machine, as the local
-launcher does. Workers' metrics are streamed back into ``workdir`` as
+The work plan (``plan``) is profiled where the workers run: each worker's
+profiling process is an actor with that worker's resource request, timed
+against a throwaway server actor placed as the run's server is, so a plan for
+unequal nodes sees each node's own devices and link (never the launcher's
+host). Workers' metrics are streamed back into ``workdir`` as
 ``metrics_<i>.jsonl``, whatever node the worker ran on (a restarted worker's
 rounds are appended).
 """
@@ -46,6 +49,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TextIO
 
+from hpsjax import profiling
 from hpsjax.launch._actor import ACTOR_DIR, NODE_IP, ProcessActor
 from hpsjax.launch._job import (
     Console,
@@ -59,7 +63,15 @@ from hpsjax.launch._job import (
     worker_ended,
 )
 from hpsjax.launch._monitor import Monitor
-from hpsjax.launch._prepare import check_launch, prepare_workdir, run_cache_env, run_env
+from hpsjax.launch._prepare import (
+    check_launch,
+    prepare_workdir,
+    profiling_job,
+    run_cache_env,
+    run_env,
+    with_plan,
+    write_plan,
+)
 
 __all__ = ["launch_ray", "parse_resources", "worker_resources_from_flags"]
 
@@ -323,8 +335,9 @@ def launch_ray(
 
     Takes every argument of :func:`hpsjax.launch.launch` (but ``python``: each
     node runs its own interpreter, where hpsjax must be installed), and:
-    the profiling pass (``plan``) runs on this machine, its processes all at
-    once against a throwaway server here; every actor's process gets the run's
+    the profiling pass (``plan``) runs on Ray, each worker's profiling process
+    placed with that worker's resources and all at once against a throwaway
+    server placed with ``server_resources``; every actor's process gets the run's
     compilation cache (``compile_cache``, by default ``jax_cache`` in
     ``workdir``: a path each node creates for itself where it has no shared
     file system).
@@ -389,25 +402,38 @@ def launch_ray(
         num_workers, policy, steps, [str(a) for a in server_args], shared, flags,
         [], server_shards, split_leaves,
     )  # fmt: skip
-    secret, _, init, job, profile_seconds = prepare_workdir(
-        work, job, plan, replan, global_batch, console, python=sys.executable,
+    secret, _, init, job, _ = prepare_workdir(
+        work, job, None, None, global_batch, console, python=sys.executable,
         env=env, start_timeout=start_timeout, shutdown_timeout=shutdown_timeout,
     )  # fmt: skip
-    files, local = _actor_files(work, secret, init, plan is not None)
-    job = dataclasses.replace(
-        job,
-        shared=local(job.shared),
-        flags=[local(f) for f in job.flags],
-        plan_server_args=local(job.plan_server_args),
-    )
     actor_env = run_cache_env(work, compile_cache)
     cpus = server_request.get("num_cpus", 0) * server_shards + sum(
         r.get("num_cpus", 0) for r in resources
     )
     started_ray = _connect_keeping_sigterm(ray_address, cpus, runtime_env)
-    run = _RayRun(job, console, files, max_restarts, start_timeout, actor_env)
+    run = _RayRun(job, console, {}, max_restarts, start_timeout, actor_env)
+    profile_seconds = None
     reason = "completed"
     try:
+        if plan is not None:
+            profiles, profile_seconds = _profile_on_ray(
+                profiling_job(job), _actor_files(work, secret, init, False)[0],
+                console, resources, server_request, start_timeout,
+                shutdown_timeout, actor_env, work,
+            )  # fmt: skip
+            plan_file = write_plan(
+                plan, profiles, job, work, global_batch, console,
+                profile_seconds, where="on their Ray nodes",
+            )  # fmt: skip
+            job = with_plan(job, plan_file, replan)
+        files, local = _actor_files(work, secret, init, plan is not None)
+        run.files = files
+        run.job = job = dataclasses.replace(
+            job,
+            shared=local(job.shared),
+            flags=[local(f) for f in job.flags],
+            plan_server_args=local(job.plan_server_args),
+        )
         run.start_servers(server_request)
         run.start_workers(resources, work)
         run.monitor = Monitor(run.servers[0].port, secret, host=run.servers[0].host)
@@ -473,6 +499,91 @@ def _actor_files(
     return files, local
 
 
+def _profile_on_ray(
+    probe: Job,
+    files: dict[str, bytes],
+    console: Console,
+    resources: Sequence[dict[str, float]],
+    server_request: dict[str, float],
+    start_timeout: float,
+    shutdown_timeout: float,
+    env: Mapping[str, str],
+    work: pathlib.Path,
+) -> tuple[list[profiling.WorkerProfile], float]:
+    """Profiles every worker of ``probe`` (:func:`profiling_job`) where it runs.
+
+    A throwaway server actor (``server_request``) and one profiling actor per
+    worker (its own ``resources``), all at once; worker ``i``'s profile comes
+    back from its actor into ``work/profile_<i>.json``. Returns the profiles
+    and the pass's seconds.
+
+    Raises:
+      LaunchError: a profiling process failed or was not placed, or the pass
+        did not end within ``start_timeout`` (everything it started is stopped).
+    """
+    import ray
+
+    start = time.monotonic()
+    prober = _RayRun(probe, console, files, 0, start_timeout, env, prefix="profile ")
+    try:
+        prober.start_servers(server_request)
+        where = probe.where([(s.host, s.port) for s in prober.servers])
+        for i in range(probe.num_workers):
+            argv = [
+                *probe.worker(
+                    i, [], where, f"{ACTOR_DIR}/secret.txt", None,
+                    module="hpsjax.profiling.in_place",
+                ),
+                "--profile_out", f"{ACTOR_DIR}/profile.json",
+            ]  # fmt: skip
+            name = f"profile {i}"
+            actor = prober.actor_class.options(
+                **_actor_options(resources[i]), max_restarts=0
+            ).remote(name, argv, files, False, prober.cwd, env)
+            prober.workers.append(_Member(name, actor, console.emit))
+        prober.members.extend(prober.workers)
+        _wait_for_profilers(prober.workers, resources, start + start_timeout)
+        blobs = ray.get([w.actor.read.remote("profile.json") for w in prober.workers])
+    finally:
+        _stop_all(prober.members, shutdown_timeout)
+    profiles = []
+    for i, blob in enumerate(blobs):
+        if blob is None:
+            raise LaunchError(f"profiling worker {i} wrote no profile")
+        (work / f"profile_{i}.json").write_bytes(blob)
+        profiles.append(profiling.WorkerProfile.from_json(blob.decode()))
+    return profiles, time.monotonic() - start
+
+
+def _wait_for_profilers(
+    profilers: Sequence[_Member], resources: Sequence[dict[str, float]], end: float
+) -> None:
+    """Waits until every profiling process ended well.
+
+    Raises:
+      LaunchError: one failed, died, or had not ended (or been placed) by ``end``.
+    """
+    import ray
+
+    while not all(p.returncode == 0 for p in profilers):
+        _poll_all(profilers, 0.2)
+        for i, p in enumerate(profilers):
+            if p.died is not None or p.returncode not in (None, 0):
+                what = p.died or f"status {p.returncode}"
+                raise LaunchError(
+                    f"profiling worker {i} failed ({what}; its lines are above)"
+                )
+        if time.monotonic() > end:
+            unplaced = [i for i, p in enumerate(profilers) if not p.pids]
+            if unplaced:
+                i = unplaced[0]
+                raise LaunchError(
+                    f"profiling worker {i} was not placed (it asks for "
+                    f"{resources[i]}; the cluster has {ray.available_resources()})"
+                )
+            raise LaunchError("the profiling pass did not end within its start_timeout")
+
+
 def _connect_keeping_sigterm(
     ray_address: str | None, cpus_needed: float, runtime_env: Mapping | None
 ) -> bool:
@@ -497,9 +608,11 @@ class _RayRun:
         max_restarts: int,
         start_timeout: float,
         env: Mapping[str, str] | None = None,
+        prefix: str = "",
     ):
         import ray
 
+        self.prefix = prefix
         self.env = dict(env or {})
         self.started: float | None = None
         self.job = job
@@ -531,6 +644,7 @@ class _RayRun:
                 f"{ACTOR_DIR}/secret.txt",
                 NODE_IP,
             )
+            name = self.prefix + name
             actor = self.actor_class.options(
                 **_actor_options(request), max_restarts=0
             ).remote(name, argv, self.files, False, self.cwd, self.env)
