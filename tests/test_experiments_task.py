@@ -149,7 +149,8 @@ def test_a_target_on_a_metric_the_task_does_not_report_is_refused(tmp_path):
             ["--config.task=regression", "--config.data.name=synthetic_regression",
              "--config.eval.target_metric=accuracy",
              "--config.eval.target_value=0.5"],
-            "experiments.run: error: ",
+            "experiments.run: error: task 'regression' reports no metric "
+            "'accuracy'; its metrics: loss",
         ),
     ],
 )  # fmt: skip
