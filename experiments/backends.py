@@ -155,21 +155,40 @@ def _replanner(
     on_revision: Callable[[float, Any], None],
 ) -> Any:
     """The run's :class:`~hpsjax.profiling.Replanner` (``config.plan.replan_*``),
-    telling ``on_revision(now, plan)`` of every revision it makes."""
-    from hpsjax.profiling import Replanner
+    or with ``work_plan=None`` its :class:`~hpsjax.profiling.Pilot`
+    (``config.plan.pilot``), telling ``on_revision(now, plan)`` of every
+    revision it makes."""
+    from hpsjax.profiling import Pilot, Replanner
 
-    class RecordedReplanner(Replanner):
+    base = Replanner if work_plan is not None else Pilot
+
+    # A pilot without plan.replan plans once, from its fit, and keeps it.
+    keep = work_plan is None and not config.plan.replan
+
+    class Recorded(base):
         def observe(self, worker_id, batch_size, step_time, now):
+            if keep and self.done:
+                return None
             revised = super().observe(worker_id, batch_size, step_time, now)
             if revised is not None:
                 on_revision(now, revised)
             return revised
 
-    return RecordedReplanner(
-        work_plan,
-        threshold=float(config.plan.replan_threshold),
-        window=int(config.plan.replan_window),
-        cooldown=float(config.plan.replan_cooldown),
+    settings = {
+        "threshold": float(config.plan.replan_threshold),
+        "window": int(config.plan.replan_window),
+        "cooldown": float(config.plan.replan_cooldown),
+    }
+    if work_plan is not None:
+        return Recorded(work_plan, **settings)
+    n = len(config.workers.slowdowns)
+    return Recorded(
+        range(n),
+        int(config.batch_size) * n,
+        str(config.plan.scheme),
+        tolerance=float(config.plan.pilot_tolerance),
+        max_rounds=int(config.plan.pilot_rounds),
+        **settings,
     )
 
 
@@ -806,7 +825,7 @@ async def _serve_and_train(
 
         replanner = _replanner(
             config,
-            WorkPlan.from_json(plan_file.read_text()),
+            None if plan_file is None else WorkPlan.from_json(plan_file.read_text()),
             lambda now, revised: replanned.append((time.monotonic(), revised)),
         )
     server = _server(
@@ -1137,7 +1156,10 @@ def _run_processes(
     plans: list[Any] = []
     (workdir / "workers").mkdir(parents=True, exist_ok=True)
     secret, secret_file = write_secret(workdir)
-    if plan_scheme != "none":
+    pilot = plan_scheme != "none" and bool(config.plan.get("pilot"))
+    if pilot:
+        info["pilot"] = True
+    elif plan_scheme != "none":
         profiles, offset = _profile_in_place(
             config, setup, workdir, _run_env(workdir), secret, secret_file
         )
@@ -1164,7 +1186,7 @@ def _run_processes(
         policy_kwargs=policy_kwargs,
         core_kwargs=build.core_kwargs(config, plans[0] if plans else None),
         plan_file=plan_file,
-        replan=bool(plans) and bool(config.plan.replan),
+        replan=pilot or (bool(plans) and bool(config.plan.replan)),
         duration=duration,
         offset=offset,
         workdir=workdir,
@@ -1212,6 +1234,8 @@ def _run_processes(
         for r in info.pop("replans", [])
     )
     info["num_updates"] = run_info["final_version"]
+    if pilot:
+        _pilot_rounds(info, records)
     if plans:
         info["predicted_round_s"] = plans[0].round_time
         own = [
@@ -1223,6 +1247,25 @@ def _run_processes(
         # worker), which the mean, not the median, measures.
         info["measured_mean_round_s"] = measured_round(own, statistic="mean")
     return RunOutput(evals, workers, timelines, records, info)
+
+
+def _pilot_rounds(info: dict[str, Any], records: list[dict[str, Any]]) -> None:
+    """A piloted run's plan against its rounds: the last revision's predicted
+    round, and the mean measured round of the rounds that started after it
+    (each worker's first two at its new batch left out, as the pilot does)."""
+    revisions = [r for r in records if r.get("event") == "replan"]
+    if not revisions:
+        return
+    last = revisions[-1]
+    info["predicted_round_s"] = last["predicted_round_s"]
+    info["pilot_seconds"] = last["time"]
+    after: dict[Any, list[float]] = {}
+    for r in records:
+        if r.get("event") == "round" and float(r.get("time", 0.0)) >= last["time"]:
+            after.setdefault(r["worker"], []).append(float(r["round_s"]))
+    kept = [t for rounds in after.values() for t in rounds[2:]]
+    if kept:
+        info["measured_mean_round_s"] = sum(kept) / len(kept)
 
 
 def measured_round(

@@ -252,6 +252,11 @@ def check_config(config: ml_collections.ConfigDict) -> None:
     lookup("overlap", config.worker.overlap)
     lookup("plan scheme", config.plan.scheme)
     lookup("lr scaling", config.plan.lr_scaling)
+    if config.plan.get("pilot"):
+        if config.plan.scheme == "none":
+            raise ValueError("plan.pilot needs a plan.scheme")
+        if config.backend != "processes":
+            raise ValueError("plan.pilot runs on real processes (backend='processes')")
     if config.plan.get("overlap_link_share") is not None:
         check_fraction("plan.overlap_link_share", config.plan.overlap_link_share)
         if config.plan.scheme == "none":

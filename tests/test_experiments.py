@@ -451,7 +451,7 @@ def test_format_table_speedups_and_missing_targets():
     lines = table.strip().splitlines()
     assert len(lines) == 5
     assert "time to 0.9 accuracy (virtual s)" in lines[0]
-    assert lines[2].startswith("| bsp | 8.0 | 1.00x | 0.910 | 0.920 | 2.0 | 0.25 | 7 |")
+    assert lines[2].startswith("| bsp | 8.0 | 1.00x | 0.910 | 0.920 | 2.0 | 0.25 | - | 7 |")
     assert lines[3].startswith("| hps | 4.0 | 2.00x |")
     assert lines[4].startswith("| asp | not reached | - |")
     no_base = compare.format_table([summary("bsp", None), summary("hps", 4.0)])

@@ -373,6 +373,13 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.plan.local_steps = 1
     config.plan.max_local_steps = 64
     config.plan.replan = False
+    # Real processes: plan from the run's own first rounds (the server's
+    # hpsjax.profiling.Pilot) instead of a profiling pass before it.
+    config.plan.pilot = False
+    # The pilot's stopping rule: the relative standard error of each worker's
+    # fitted step, and the most rounds of a worker before it plans anyway.
+    config.plan.pilot_tolerance = 0.05
+    config.plan.pilot_rounds = 60
     config.plan.replan_threshold = 0.2
     config.plan.replan_cooldown = 5.0
     config.plan.replan_window = 10

@@ -1,0 +1,61 @@
+"""The experiments' piloted plans (``config.plan.pilot``): the server's
+:class:`hpsjax.profiling.Pilot` plans real processes from their first rounds."""
+
+from __future__ import annotations
+
+import pytest
+
+from experiments import backends, registry
+
+
+def test_a_pilot_needs_a_plan_scheme_and_real_processes():
+    config = registry.load_config("bsp", "proc4")
+    config.plan.pilot = True
+    with pytest.raises(ValueError, match=r"^plan.pilot needs a plan.scheme$"):
+        registry.check_config(config)
+    config = registry.load_config("hps", "quick")
+    config.plan.pilot = True
+    with pytest.raises(ValueError, match=r"runs on real processes"):
+        registry.check_config(config)
+    config = registry.load_config("hps", "proc4")
+    config.plan.pilot = True
+    registry.check_config(config)
+
+
+def test_the_replanner_of_a_pilot_keeps_its_plan_without_replan():
+    config = registry.load_config("hps", "proc4")
+    config.plan.pilot = True
+    config.plan.pilot_tolerance = 0.5
+    config.plan.pilot_rounds = 4
+    seen = []
+    pilot = backends._replanner(config, None, lambda now, p: seen.append(p))
+    assert [w.batch_size for w in pilot.plan.workers] == [32, 32, 32, 32]
+    now, speeds = 0.0, {0: 0.1, 1: 0.1, 2: 0.05, 3: 0.025}
+    while not pilot.done and now < 500:
+        for w in pilot.plan.workers:
+            steps = speeds[w.worker_id] * (1 + w.batch_size / 32)
+            pilot.observe(w.worker_id, w.batch_size, steps, now)
+        now += 1.0
+    assert pilot.done and seen, "the pilot never planned"
+    planned = [w.batch_size for w in pilot.plan.workers]
+    assert planned[3] > planned[2] > planned[0], planned  # faster, more
+    revisions = len(seen)
+    for _ in range(40):  # a worker slows 4x: without plan.replan, no re-plan
+        pilot.observe(0, planned[0], 4 * speeds[0] * (1 + planned[0] / 32), now)
+        now += 1.0
+    assert len(seen) == revisions
+
+
+def test_pilot_rounds_compares_the_last_plan_with_the_rounds_after_it():
+    info = {}
+    records = [
+        {"event": "replan", "time": 5.0, "predicted_round_s": 0.2},
+        *({"event": "round", "worker": 0, "time": 1.0 + i, "round_s": 9.0}
+          for i in range(3)),  # before the plan
+        *({"event": "round", "worker": 0, "time": 6.0 + i, "round_s": s}
+          for i, s in enumerate((5.0, 4.0, 0.2, 0.3))),  # 2 warm-up rounds
+    ]  # fmt: skip
+    backends._pilot_rounds(info, records)
+    assert info["predicted_round_s"] == 0.2
+    assert info["measured_mean_round_s"] == pytest.approx(0.25)
+    assert info["pilot_seconds"] == 5.0
