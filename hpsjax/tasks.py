@@ -117,25 +117,26 @@ def _hits(outputs: jax.Array, batch: Any) -> jax.Array:
     return (jnp.argmax(outputs, axis=-1) == batch[1]).astype(jnp.float32)
 
 
-def classification() -> Task:
-    """Softmax cross-entropy on integer labels ``(b,)``; the target is the
-    test accuracy, up."""
+def _softmax_task(name, loss, summarize, target, higher, tokens) -> Task:
+    """A task of softmax outputs that reports its loss and the accuracy of
+    its top output."""
 
     def metrics(outputs, batch):
         return {
-            "loss": jnp.mean(_classification_loss(outputs, batch)),
+            "loss": jnp.mean(loss(outputs, batch)),
             "accuracy": jnp.mean(_hits(outputs, batch)),
         }
 
     return Task(
-        "classification",
-        _classification_loss,
-        metrics,
-        _as_dict,
-        "accuracy",
-        True,
-        _one_token,
-        ("loss", "accuracy"),
+        name, loss, metrics, summarize, target, higher, tokens, ("loss", "accuracy")
+    )
+
+
+def classification() -> Task:
+    """Softmax cross-entropy on integer labels ``(b,)``; the target is the
+    test accuracy, up."""
+    return _softmax_task(
+        "classification", _classification_loss, _as_dict, "accuracy", True, _one_token
     )
 
 
@@ -161,22 +162,8 @@ def language_model() -> Task:
     an example's loss is its mean token cross-entropy; reports ``loss``,
     ``accuracy`` (next token) and ``perplexity``; the target is the
     validation loss, down."""
-
-    def metrics(outputs, batch):
-        return {
-            "loss": jnp.mean(_sequence_loss(outputs, batch)),
-            "accuracy": jnp.mean(_hits(outputs, batch)),
-        }
-
-    return Task(
-        "lm",
-        _sequence_loss,
-        metrics,
-        _with_perplexity,
-        "loss",
-        False,
-        _sequence_length,
-        ("loss", "accuracy"),
+    return _softmax_task(
+        "lm", _sequence_loss, _with_perplexity, "loss", False, _sequence_length
     )
 
 
