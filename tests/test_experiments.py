@@ -511,7 +511,12 @@ def test_sim_run_with_power_sgd_pushes_its_factors(tmp_path):
         powersgd_nbytes(x.shape, x.dtype, 2) for x in jax.tree.leaves(params)
     )
     assert promised < 0.2 * sum(x.nbytes for x in jax.tree.leaves(params))
-    assert summary["bytes_sent"] == promised * summary["pushes"]
+    # Every push carries the factors' bytes; a worker's push still on the
+    # wire when the run ends is counted in bytes but not yet as a push.
+    sent, pushes = summary["bytes_sent"], summary["pushes"]
+    workers = summary["num_workers"]
+    assert sent % promised == 0, (sent, promised)
+    assert pushes <= sent // promised <= pushes + workers, (sent, promised, pushes)
 
 
 def test_sim_smoke_on_user_npz_data(tmp_path):
