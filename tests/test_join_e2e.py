@@ -227,7 +227,9 @@ def test_second_batch_joins_a_running_server(setup, procs):
 
 def test_a_dropped_worker_rejoins_by_itself(setup, procs):
     tmp = setup
-    server = _server(procs, tmp)
+    # Both workers take part from the first round: on a loaded machine the
+    # victim would otherwise finish alone before the other one joins.
+    server = _server(procs, tmp, "--core_arg", "expected_workers=2")
     steps = 30
     fast = _worker(procs, tmp, server.port, 0, steps + 20)
     victim = _worker(procs, tmp, server.port, 1, steps)
