@@ -107,14 +107,7 @@ class WorkerFit:
         spread = tuple(self.sigma / t for t in times)
         transfer = None
         if transfer_seconds is not None:
-            transfer = TransferProfile(
-                round_trip_seconds=transfer_seconds,
-                push_seconds=None,
-                pull_seconds=None,
-                push_bytes=0,
-                pull_bytes=0,
-                method="measured",
-            )
+            transfer = TransferProfile.of_round_trip(transfer_seconds, "measured")
         device = DeviceProfile(
             0, "pilot", "pilot", self.batch_sizes, times, step_spread=spread
         )

@@ -416,6 +416,18 @@ class TransferProfile:
                 f"method must be one of {_TRANSFER_METHODS}, got {self.method!r}"
             )
 
+    @classmethod
+    def of_round_trip(cls, seconds: float, method: str) -> TransferProfile:
+        """A profile that knows only the round trip's ``seconds`` (no bytes)."""
+        return cls(
+            round_trip_seconds=seconds,
+            push_seconds=None,
+            pull_seconds=None,
+            push_bytes=0,
+            pull_bytes=0,
+            method=method,
+        )
+
 
 @dataclasses.dataclass(frozen=True)
 class Link:
@@ -545,14 +557,7 @@ class WorkerProfile:
             transfer_seconds = _check_finite(
                 "transfer_seconds", transfer_seconds, positive=False
             )
-            transfer = TransferProfile(
-                round_trip_seconds=transfer_seconds,
-                push_seconds=None,
-                pull_seconds=None,
-                push_bytes=0,
-                pull_bytes=0,
-                method="estimated",
-            )
+            transfer = TransferProfile.of_round_trip(transfer_seconds, "estimated")
         return cls(worker_id=worker_id, devices=devices, transfer=transfer)
 
     @property
