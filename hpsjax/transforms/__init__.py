@@ -30,10 +30,23 @@ any optax optimizer.
   Streaming DiLoCo (fragments synchronised in turn, few-bit outer gradients;
   ``streaming_local(eager=True)``: its eager updates);
   :func:`streaming_fragment_nbytes` the bytes of each fragment.
+* :func:`demo` and :func:`demo_outer`: DeMo, a worker's push of the top DCT
+  coefficients of its momentum per chunk (the momentum is the error
+  feedback) and the server's signed step on them; :func:`demo_nbytes` its
+  bytes.
 * :func:`sparse_push_transform` and :func:`sparse_encoded`: a worker's
   SparseLoCo or Streaming DiLoCo push from a JSON spec, sent as top-k leaves.
 """
 
+from hpsjax.transforms._demo import (
+    DeMoState,
+    block_dct,
+    block_idct,
+    demo,
+    demo_chunk,
+    demo_nbytes,
+    demo_outer,
+)
 from hpsjax.transforms._frontier import (
     OrderedMomentumState,
     SparseLoCoState,
@@ -137,6 +150,7 @@ __all__ = [
     "STALENESS_POLICIES",
     "Codec",
     "DelayCompensationState",
+    "DeMoState",
     "DelayedNesterovState",
     "Encoded",
     "HybridStagesState",
@@ -156,11 +170,17 @@ __all__ = [
     "StreamingPushState",
     "TopKEncoded",
     "TopKState",
+    "block_dct",
+    "block_idct",
     "current_stage",
     "decode",
     "decode_tree",
     "delay_compensation",
     "delayed_nesterov",
+    "demo",
+    "demo_chunk",
+    "demo_nbytes",
+    "demo_outer",
     "diloco_outer",
     "encode",
     "encode_tree",

@@ -1,7 +1,9 @@
 """Pushes whose transform leaves most entries zero, sent as top-k leaves.
 
-SparseLoCo's push (:func:`~hpsjax.transforms.sparseloco`: the top
-``ratio`` of entries, their values on a few bits) and Streaming DiLoCo's
+DeMo's push (:func:`~hpsjax.transforms.demo`: the top DCT coefficients of
+each chunk of its momentum), SparseLoCo's
+(:func:`~hpsjax.transforms.sparseloco`: the top ``ratio`` of entries, their
+values on a few bits) and Streaming DiLoCo's
 (:func:`~hpsjax.transforms.streaming_push`: one fragment of the parameters)
 output a tree that is zero but for the entries they send. A worker runs one of
 them, named by a JSON spec (:func:`sparse_push_transform`), and sends its
@@ -36,6 +38,12 @@ def _sparseloco(**kwargs: Any) -> optax.GradientTransformation:
     return sparseloco(**kwargs)
 
 
+def _demo(**kwargs: Any) -> optax.GradientTransformation:
+    from hpsjax.transforms._demo import demo
+
+    return demo(**kwargs)
+
+
 def _streaming_push(**kwargs: Any) -> optax.GradientTransformation:
     from hpsjax.transforms._streaming import streaming_push
 
@@ -43,6 +51,7 @@ def _streaming_push(**kwargs: Any) -> optax.GradientTransformation:
 
 
 SPARSE_PUSHES: dict[str, Callable[..., optax.GradientTransformation]] = {
+    "demo": _demo,
     "sparseloco": _sparseloco,
     "streaming_push": _streaming_push,
 }
@@ -59,10 +68,10 @@ def sparse_push_transform(spec: str) -> optax.GradientTransformation:
     Examples:
       >>> from hpsjax.transforms import sparse_push_transform
       >>> tx = sparse_push_transform('{"name": "sparseloco", "ratio": 0.02}')
-      >>> sparse_push_transform('{"name": "topk"}')
+      >>> sparse_push_transform('{"name": "topk"}')  # doctest: +ELLIPSIS
       Traceback (most recent call last):
       ...
-      ValueError: unknown push transform 'topk'; valid names: sparseloco, streaming_push
+      ValueError: unknown push transform 'topk'; valid names: demo, sparseloco, ...
     """
     try:
         fields = json.loads(spec)
