@@ -29,6 +29,7 @@ MODULES = (
     "hpsjax.models",
     "hpsjax.export",
     "hpsjax.ps",
+    "hpsjax.launch",
     "hpsjax.profiling",
     "hpsjax.sim",
     "hpsjax.worker",

@@ -10,7 +10,7 @@
   with authentication, optional TLS and compressed pushes; their typed messages
   (:class:`PushMeta`, :class:`PushAck`, notices) are validated once, on arrival;
   :class:`WireLimits` bounds what either side accepts in a frame.
-* :class:`CheckpointManager` writes tensorstore checkpoints, committed atomically.
+* :class:`CheckpointManager` writes orbax checkpoints, committed atomically.
 * :class:`KeyRangePartition` splits a model by key range over several server
   shards (ps-lite, PHub); :class:`ShardedClient` talks to all of them at once.
 """

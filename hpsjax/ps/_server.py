@@ -291,7 +291,7 @@ class Server:
         ``insecure=True``).
       ssl: an ``ssl.SSLContext`` (server side) for TLS, or ``None``.
       insecure: allow ``secret=None`` on a non-loopback address.
-      checkpoint_dir: directory for tensorstore checkpoints; the server resumes
+      checkpoint_dir: directory for orbax checkpoints; the server resumes
         from the newest one on :meth:`start` and saves a final one on
         :meth:`close`. ``None`` disables checkpoints.
       checkpoint_every_s: also save every this many seconds (if the version
