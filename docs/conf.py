@@ -136,6 +136,8 @@ def _attribute_doc(package, name: str) -> str:
     from sphinx.pycode import ModuleAnalyzer
 
     for info in pkgutil.iter_modules(package.__path__, package.__name__ + "."):
+        if info.name.endswith(".__main__"):  # reading it would run the command
+            continue
         try:
             docs = ModuleAnalyzer.for_module(info.name).find_attr_docs()
         except Exception:  # a module without source: nothing to read there
