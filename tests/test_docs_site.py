@@ -30,6 +30,7 @@ MODULES = (
     "hpsjax.export",
     "hpsjax.ps",
     "hpsjax.launch",
+    "hpsjax.planning",
     "hpsjax.profiling",
     "hpsjax.sim",
     "hpsjax.worker",

@@ -301,7 +301,10 @@ def test_bad_fields():
 def test_module_doctests():
     import doctest
 
-    from hpsjax.profiling import _plan
+    import hpsjax.planning
+    from hpsjax.planning import _plan, _replan, _workplan
 
-    results = doctest.testmod(_plan)
-    assert results.attempted > 0 and results.failed == 0
+    names = vars(hpsjax.planning)
+    for module in (_plan, _replan, _workplan):
+        results = doctest.testmod(module, extraglobs=names)
+        assert results.attempted > 0 and results.failed == 0, module.__name__

@@ -23,7 +23,7 @@ from hpsjax.profiling import (
     measure_transfer,
     plan,
 )
-from hpsjax.profiling._plan import _queue_seconds
+from hpsjax.planning._solve import _queue_seconds
 
 SPEEDS = [100.0, 100.0, 200.0, 400.0]  # samples per second
 

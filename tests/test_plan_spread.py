@@ -24,7 +24,7 @@ from hpsjax.profiling import (
     plan,
     profile,
 )
-from hpsjax.profiling._plan import _expected_slowest
+from hpsjax.planning._solve import _expected_slowest
 from hpsjax.profiling._profile import _filled_spread
 
 SPEEDS = [100.0, 100.0, 200.0, 400.0]  # samples per second

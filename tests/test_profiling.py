@@ -160,15 +160,15 @@ def test_profile_bad_arguments_run_nothing(mlp_state):
     cases = [
         ({"batch_sizes": ()}, "distinct and non-empty"),
         ({"batch_sizes": (8, 8)}, "distinct and non-empty"),
-        ({"batch_sizes": (0, 8)}, "batch size must be positive"),
-        ({"batch_sizes": (8.5,)}, "batch size must be an integer"),
-        ({"repeats": 0}, "repeats must be positive"),
+        ({"batch_sizes": (0, 8)}, "batch size must be an int >= 1"),
+        ({"batch_sizes": (8.5,)}, "batch size must be an int >= 1"),
+        ({"repeats": 0}, "repeats must be an int >= 1"),
         ({"warmup": -1}, "warmup must be a non-negative int"),
-        ({"time_budget": 0.0}, "time_budget must be positive"),
+        ({"time_budget": 0.0}, "time_budget must be a finite number > 0"),
         ({"devices": []}, "devices is empty"),
         ({"transfer": 1e9}, "transfer must be None, a Link"),
         ({"worker_id": 1.5}, "worker_id must be an int or a str"),
-        ({"memory_capacity": 0}, "memory_capacity must be positive"),
+        ({"memory_capacity": 0}, "memory_capacity must be an int >= 1"),
     ]
     for kwargs, message in cases:
         with pytest.raises(ValueError, match=message):

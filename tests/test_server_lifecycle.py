@@ -20,7 +20,7 @@ from hpsjax.metrics import ServerMetrics, read_tensorboard
 from hpsjax.models import save_params_npz
 from hpsjax.ps import _cli
 from hpsjax.ps._client import Client
-from hpsjax.ps._errors import NonFiniteUpdate
+from hpsjax.wire._errors import NonFiniteUpdate
 from hpsjax.ps._server import Server
 
 
@@ -328,7 +328,7 @@ def test_the_server_and_the_launcher_default_to_the_same_policy():
     ],
 )
 def test_a_bad_plan_file_is_one_readable_line(tmp_path, capsys, text, message):
-    from hpsjax.profiling._plan import PLAN_FORMAT, PLAN_FORMAT_VERSION
+    from hpsjax.planning import PLAN_FORMAT, PLAN_FORMAT_VERSION
 
     init, plan = tmp_path / "init.npz", tmp_path / "plan.json"
     save_params_npz(init, {"w": np.zeros(3, np.float32)})

@@ -7,15 +7,8 @@ pulls while the next round computes: its round takes about
 The plan predicts both terms, so it can say when the link's share of a round,
 :math:`s = \max_i T_i / R` (:math:`R` the plan's predicted round), is large
 enough for that trade: above :data:`LINK_SHARE_THRESHOLD` (or a threshold of
-the caller's), :func:`choose_overlap` picks ``"pipeline"``.
-
-Hiding a share :math:`s` shortens the round at most :math:`1 / \max(s, 1 - s)`
-times, never more than twice, so the pipeline pays only where the stale
-gradient costs fewer extra rounds than that. For H-PS on the simulator's
-``sim8`` (:math:`s` = 0.10 to 0.15) and ``sim8_slowlink`` (0.45 to 0.56) it costs
-about 3 times the rounds to the target (2.5 to 3.6 by seed) even with the
-server's ``lookahead_momentum`` (experiments/RESULTS.md, "H-PS's pipelined
-transfer"), so the experiments' H-PS config leaves this choice off.
+the caller's), :func:`choose_overlap` picks ``"pipeline"`` (the docs' planning
+notes say when that pays).
 """
 
 from __future__ import annotations
@@ -24,7 +17,7 @@ import math
 from typing import Any
 
 from hpsjax._checks import check_fraction
-from hpsjax.profiling._plan import WorkPlan
+from hpsjax.planning._workplan import WorkPlan
 
 __all__ = ["LINK_SHARE_THRESHOLD", "choose_overlap", "link_share"]
 

@@ -42,19 +42,20 @@ from typing import Any
 
 import numpy as np
 
-from hpsjax._checks import check_int, is_number
-from hpsjax.profiling._plan import (
+from hpsjax._checks import check_int, check_positive, is_number
+from hpsjax.planning import (
     SCHEMES,
     DevicePlan,
+    DeviceProfile,
     Replanner,
+    TransferProfile,
     WorkerPlan,
+    WorkerProfile,
     WorkPlan,
-    _check_positive,
-    _checked_report,
-    _lr_scale,
+    check_report,
     plan,
 )
-from hpsjax.profiling._profile import DeviceProfile, TransferProfile, WorkerProfile
+from hpsjax.planning import lr_scale as _lr_scale
 
 __all__ = ["Pilot", "WorkerFit"]
 
@@ -202,7 +203,7 @@ class Pilot(Replanner):
         if scheme not in SCHEMES:
             raise ValueError(f"unknown scheme {scheme!r}; valid schemes: {SCHEMES}")
         self._scheme = scheme
-        self._tolerance = _check_positive("tolerance", tolerance)
+        self._tolerance = check_positive("tolerance", tolerance)
         self._max_rounds = check_int("max_rounds", max_rounds, low=1)
         self._min_reports = check_int("min_reports", min_reports, low=1)
         if not (is_number(spread) and 0 < spread < 1):
@@ -266,7 +267,7 @@ class Pilot(Replanner):
             self.reason = None
             return super().observe(worker_id, batch_size, step_time, now)
         self._plan.worker(worker_id)
-        batch_size, step_time = _checked_report(batch_size, step_time, now)
+        batch_size, step_time = check_report(batch_size, step_time, now)
         if self._warming(worker_id, batch_size):
             return None
         reports = self._pilot_reports[worker_id]

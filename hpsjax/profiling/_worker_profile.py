@@ -1,4 +1,4 @@
-"""A worker's profile from its own flags, its link measured or given.
+"""A worker's profile from its own ``hpsjax-worker`` flags, its link measured or given.
 
 :func:`profile_in_place` is what ``hpsjax-worker --profile_out`` and
 ``python -m hpsjax.profiling.in_place`` run: the train step timed in this
@@ -22,33 +22,37 @@ import time
 from typing import Any
 
 import jax
+import jax.numpy as jnp
+import optax
 
-from hpsjax import models
+from hpsjax import models, profiling
 from hpsjax._compile_cache import use_compile_cache
-from hpsjax.profiling._profile import (
-    Link,
-    measure_transfer,
-    tree_wire_nbytes,
-)
+from hpsjax.planning import Link, TransferProfile
+from hpsjax.profiling._profile import measure_transfer, tree_wire_nbytes
 from hpsjax.transforms import Codec
 from hpsjax.worker._build import (
+    check_task_fits,
     connect,
     data_shard,
     load_dataset,
     make_client,
     make_heterogeneity,
+    make_local_optimizer,
     make_model,
     make_sharded_client,
-    measure_step,
+    make_task,
     server_address,
-    with_injection,
+    task_loss,
 )
 
 __all__ = [
     "add_link",
+    "measure_step",
     "parse_profile_link",
     "profile_in_place",
     "profile_summary",
+    "with_injection",
+    "write_profile",
     "write_worker_profile",
 ]
 
@@ -257,3 +261,107 @@ def write_worker_profile(args: argparse.Namespace) -> str:
     profile = profile_in_place(args)
     pathlib.Path(args.profile_out).write_text(profile.to_json())
     return f"{profile_summary(args, profile)}; wrote the profile to {args.profile_out}"
+
+
+def measure_step(args: argparse.Namespace, *, pace=None):
+    """Profiles the flags' train step on this machine, nothing injected.
+
+    ``pace`` goes to :func:`hpsjax.profiling.profile` (a slowed-down worker
+    profiled beside others sleeps after its steps as it will in the run).
+
+    Returns:
+      ``(profile, spec)``: the :class:`~hpsjax.profiling.WorkerProfile` (no
+      transfer) and the parameters' shapes and dtypes.
+    """
+
+    task = make_task(args)
+    index, count = data_shard(args)
+    train = load_dataset(args).shard(count, index)
+    graphdef, params, stats = models.split_trainable(make_model(args, train))
+    stream = train.batches(1, seed=index)
+    optimizer = make_local_optimizer(args) or optax.sgd(1.0)
+    loss_fn = task_loss(task, graphdef, stats)
+    check_task_fits(task, loss_fn, params, stats, train.batches(2, seed=0).next())
+
+    def mean_loss(params, batch):
+        if stats is None:
+            return jnp.mean(loss_fn(params, batch))
+        losses, _ = loss_fn(params, stats, batch)
+        return jnp.mean(losses)
+
+    def step(params, batch):
+        grads = jax.grad(lambda p: mean_loss(p, batch))(params)
+        updates, _ = optimizer.update(grads, optimizer.init(params), params)
+        return optax.apply_updates(params, updates)
+
+    try:
+        sizes = [int(s) for s in args.profile_batch_sizes.split(",") if s.strip()]
+    except ValueError:
+        raise ValueError(
+            f"--profile_batch_sizes must be integers, got {args.profile_batch_sizes!r}"
+        ) from None
+    # Through the package, so that a test can stand in for the pass.
+    measured = profiling.profile(
+        step,
+        params,
+        lambda b: jax.tree.map(jnp.asarray, stream.next(b)),
+        batch_sizes=sizes,
+        repeats=args.profile_repeats,
+        worker_id=args.worker_id,
+        pace=pace,
+    )
+    spec = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
+    return measured, spec
+
+
+def with_injection(measured, args: argparse.Namespace, spec):
+    """A measured profile as the flags' worker will train: slowed, linked.
+
+    The slowdown in force at the start multiplies the step times
+    (``WorkerProfile.with_slowdown``); an injected link cap or latency gives the
+    transfer estimate, for pushes encoded with ``--bits`` or as the factors of
+    ``--powersgd_rank`` (``powersgd_nbytes`` per leaf).
+
+    Args:
+      measured: a :class:`~hpsjax.profiling.WorkerProfile` from
+        :func:`measure_step`.
+      args: the worker's parsed flags.
+      spec: the parameters' shapes and dtypes.
+
+    Returns:
+      The profile, with ``worker_id`` from the flags.
+    """
+
+    het = make_heterogeneity(args)
+    codec = None
+    if args.bits is not None:
+        codec = Codec("sign" if args.bits == 1 else "uniform", args.bits)
+    push_bytes = tree_wire_nbytes(spec, codec, powersgd_rank=args.powersgd_rank)
+    pull_bytes = tree_wire_nbytes(spec)
+    bandwidth = het.bandwidth_at(0.0)
+    if bandwidth is not None:
+        transfer = Link(bandwidth=bandwidth, latency=het.latency).estimate(
+            push_bytes, pull_bytes
+        )
+    elif het.latency > 0:
+        transfer = TransferProfile(
+            round_trip_seconds=2 * het.latency,
+            push_seconds=het.latency,
+            pull_seconds=het.latency,
+            push_bytes=push_bytes,
+            pull_bytes=pull_bytes,
+            method="estimated",
+        )
+    else:
+        transfer = None
+    return dataclasses.replace(
+        measured.with_slowdown(het.slowdown_at(0.0)),
+        worker_id=args.worker_id,
+        transfer=transfer,
+    )
+
+
+def write_profile(args: argparse.Namespace, path: str | pathlib.Path) -> None:
+    """Profiles the flags' worker on this machine and writes its profile (JSON)."""
+    measured, spec = measure_step(args)
+    pathlib.Path(path).write_text(with_injection(measured, args, spec).to_json())

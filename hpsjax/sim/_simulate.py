@@ -63,7 +63,8 @@ import numpy as np
 import optax
 
 from hpsjax.data import Batch, Dataset, share_split
-from hpsjax.profiling import Replanner, WorkPlan, tree_wire_nbytes
+from hpsjax.planning import Replanner, WorkPlan
+from hpsjax.profiling import tree_wire_nbytes
 from hpsjax.ps._core import (
     Applied,
     Drop,
@@ -76,7 +77,7 @@ from hpsjax.ps._core import (
     StageChanged,
     Wait,
 )
-from hpsjax.ps._errors import HpsError, NonFiniteUpdate, WorkerDropped
+from hpsjax.wire._errors import HpsError, NonFiniteUpdate, WorkerDropped
 from hpsjax.ps._policies import ADSP, BSP, Hybrid, Policy, get_policy
 from hpsjax.sim._deferred import DeferredAggregator
 from hpsjax.sim._engine import DeferredLeaves, Engine, IndexStream, Round, SummedRow

@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 
 from hpsjax._checks import check_int, check_number
-from hpsjax.profiling import WorkerProfile
+from hpsjax.planning import WorkerProfile
 from hpsjax.worker._hetero import Heterogeneity
 
 __all__ = ["ComputeModel", "WorkerSpec", "make_workers"]

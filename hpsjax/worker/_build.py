@@ -3,8 +3,8 @@
 One place turns the flags into what a worker is made of: its data set and
 shard, its model (a built-in name or a factory), its local optimizer, its
 injected heterogeneity, its client (one server or several shards, TLS and
-secret included), the :class:`~hpsjax.worker.Worker` itself, and the
-profiling pass's measured step. ``hpsjax-worker`` (:mod:`hpsjax.worker._cli`),
+secret included) and the :class:`~hpsjax.worker.Worker` itself.
+``hpsjax-worker`` (:mod:`hpsjax.worker._cli`),
 the launcher's checks and work directory (:mod:`hpsjax.launch`) and the
 in-place profiler (:mod:`hpsjax.profiling.in_place`) all build from here, so
 a flag means the same to each of them.
@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
 import logging
 import pathlib
 import ssl
@@ -22,18 +21,16 @@ import typing
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-import optax
 from flax import nnx
 
-from hpsjax import data, models, profiling, ps, tasks
+from hpsjax import data, models, ps, tasks
 from hpsjax._config_flags import config_kwargs
 from hpsjax._flags import check_kwargs
 from hpsjax._npz import nest_named_arrays
 from hpsjax._optimizers import make_optimizer
 from hpsjax._progress import Progress
-from hpsjax.profiling import Link, TransferProfile, WorkPlan, tree_wire_nbytes
+from hpsjax.planning import WorkPlan
 from hpsjax.ps import (
     AuthError,
     ConnectionClosed,
@@ -42,7 +39,6 @@ from hpsjax.ps import (
     SpecMismatch,
 )
 from hpsjax.ps._auth import read_secret
-from hpsjax.transforms import Codec
 from hpsjax.worker._hetero import Heterogeneity
 from hpsjax.worker._runtime import Worker, WorkerConfig
 
@@ -63,7 +59,6 @@ __all__ = [
     "make_progress",
     "make_sharded_client",
     "make_task",
-    "measure_step",
     "model_structure",
     "read_secret",
     "server_address",
@@ -72,9 +67,7 @@ __all__ = [
     "task_loss",
     "tls_context",
     "train_shard",
-    "with_injection",
     "write_init",
-    "write_profile",
 ]
 
 # Model arguments the registry's factories set from the data, not from flags.
@@ -498,109 +491,6 @@ def make_sharded_client(args: argparse.Namespace, servers, params):
                 "shards cut some by rows: drop one of the two"
             )
     return ShardedClient(servers, partition, **_connection_kwargs(args))
-
-
-def measure_step(args: argparse.Namespace, *, pace=None):
-    """Profiles the flags' train step on this machine, nothing injected.
-
-    ``pace`` goes to :func:`hpsjax.profiling.profile` (a slowed-down worker
-    profiled beside others sleeps after its steps as it will in the run).
-
-    Returns:
-      ``(profile, spec)``: the :class:`~hpsjax.profiling.WorkerProfile` (no
-      transfer) and the parameters' shapes and dtypes.
-    """
-
-    task = make_task(args)
-    index, count = data_shard(args)
-    train = load_dataset(args).shard(count, index)
-    graphdef, params, stats = models.split_trainable(make_model(args, train))
-    stream = train.batches(1, seed=index)
-    optimizer = make_local_optimizer(args) or optax.sgd(1.0)
-    loss_fn = task_loss(task, graphdef, stats)
-    check_task_fits(task, loss_fn, params, stats, train.batches(2, seed=0).next())
-
-    def mean_loss(params, batch):
-        if stats is None:
-            return jnp.mean(loss_fn(params, batch))
-        losses, _ = loss_fn(params, stats, batch)
-        return jnp.mean(losses)
-
-    def step(params, batch):
-        grads = jax.grad(lambda p: mean_loss(p, batch))(params)
-        updates, _ = optimizer.update(grads, optimizer.init(params), params)
-        return optax.apply_updates(params, updates)
-
-    try:
-        sizes = [int(s) for s in args.profile_batch_sizes.split(",") if s.strip()]
-    except ValueError:
-        raise ValueError(
-            f"--profile_batch_sizes must be integers, got {args.profile_batch_sizes!r}"
-        ) from None
-    measured = profiling.profile(
-        step,
-        params,
-        lambda b: jax.tree.map(jnp.asarray, stream.next(b)),
-        batch_sizes=sizes,
-        repeats=args.profile_repeats,
-        worker_id=args.worker_id,
-        pace=pace,
-    )
-    spec = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
-    return measured, spec
-
-
-def with_injection(measured, args: argparse.Namespace, spec):
-    """A measured profile as the flags' worker will train: slowed, linked.
-
-    The slowdown in force at the start multiplies the step times
-    (``WorkerProfile.with_slowdown``); an injected link cap or latency gives the
-    transfer estimate, for pushes encoded with ``--bits`` or as the factors of
-    ``--powersgd_rank`` (``powersgd_nbytes`` per leaf).
-
-    Args:
-      measured: a :class:`~hpsjax.profiling.WorkerProfile` from
-        :func:`measure_step`.
-      args: the worker's parsed flags.
-      spec: the parameters' shapes and dtypes.
-
-    Returns:
-      The profile, with ``worker_id`` from the flags.
-    """
-
-    het = make_heterogeneity(args)
-    codec = None
-    if args.bits is not None:
-        codec = Codec("sign" if args.bits == 1 else "uniform", args.bits)
-    push_bytes = tree_wire_nbytes(spec, codec, powersgd_rank=args.powersgd_rank)
-    pull_bytes = tree_wire_nbytes(spec)
-    bandwidth = het.bandwidth_at(0.0)
-    if bandwidth is not None:
-        transfer = Link(bandwidth=bandwidth, latency=het.latency).estimate(
-            push_bytes, pull_bytes
-        )
-    elif het.latency > 0:
-        transfer = TransferProfile(
-            round_trip_seconds=2 * het.latency,
-            push_seconds=het.latency,
-            pull_seconds=het.latency,
-            push_bytes=push_bytes,
-            pull_bytes=pull_bytes,
-            method="estimated",
-        )
-    else:
-        transfer = None
-    return dataclasses.replace(
-        measured.with_slowdown(het.slowdown_at(0.0)),
-        worker_id=args.worker_id,
-        transfer=transfer,
-    )
-
-
-def write_profile(args: argparse.Namespace, path: str | pathlib.Path) -> None:
-    """Profiles the flags' worker on this machine and writes its profile (JSON)."""
-    measured, spec = measure_step(args)
-    pathlib.Path(path).write_text(with_injection(measured, args, spec).to_json())
 
 
 class JoinError(Exception):

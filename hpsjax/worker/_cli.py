@@ -79,18 +79,20 @@ from hpsjax._flags import HelpFormatter, add_key_value_flag
 from hpsjax._logs import LOG_LEVELS, check_log_level, setup_logging
 from hpsjax._optimizers import OPTIMIZERS
 from hpsjax.metrics import MetricsWriter
-from hpsjax.profiling._worker_profile import write_worker_profile
+from hpsjax.profiling._worker_profile import (
+    measure_step,
+    with_injection,
+    write_profile,
+    write_worker_profile,
+)
 from hpsjax.worker._build import (
     JoinError,
     build,
     build_worker,
     connect,
     load_dataset,
-    measure_step,
     server_address,
-    with_injection,
     write_init,
-    write_profile,
 )
 from hpsjax.worker._runtime import WorkerConfig
 

@@ -140,7 +140,8 @@ import numpy as np
 import optax
 
 from hpsjax._checks import check_choice, check_int, check_number, check_positive
-from hpsjax.profiling import WorkPlan, multi_device_grad
+from hpsjax._devices import multi_device_grad
+from hpsjax.planning import WorkPlan
 from hpsjax.ps import (
     Client,
     ConnectionClosed,
@@ -148,7 +149,7 @@ from hpsjax.ps import (
     ShuttingDown,
     WorkerDropped,
 )
-from hpsjax.ps._codecs import PowerSGDCodec, QuantizedCodec, TopKCodec
+from hpsjax.wire._codecs import PowerSGDCodec, QuantizedCodec, TopKCodec
 from hpsjax.telemetry import (
     RoundTelemetry,
     format_summary,
@@ -596,7 +597,7 @@ class _Prepared(NamedTuple):
     update: Any  # numpy tree, or a ShapeDtypeStruct tree when `encoded` is set
     encoded: Any  # Encoded (TopKEncoded, PowerSGDEncoded) per leaf, or None
     nbytes: int
-    codec: Any = None  # the wire codec (hpsjax.ps._codecs) of `encoded`
+    codec: Any = None  # the wire codec (hpsjax.wire._codecs) of `encoded`
     encode_s: float = 0.0  # scaling, compressing and copying it to the host
 
 
