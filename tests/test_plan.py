@@ -4,6 +4,8 @@ import dataclasses
 import json
 import math
 import random
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -709,3 +711,19 @@ def test_numpy_numbers_are_accepted():
 def test_public_names():
     assert SCHEMES == ("hps", "ashl", "adsp", "equal", "ashl_reference", "dylu")
     assert LR_SCALINGS == ("linear", "sqrt", "none")
+
+
+def test_planning_is_pure_arithmetic_below_the_server():
+    # The server's layer plans with hpsjax.planning: importing it loads no JAX
+    # and nothing of the packages above it.
+    code = (
+        "import sys, hpsjax.planning; "
+        "above = ('hpsjax.ps', 'hpsjax.worker', 'hpsjax.profiling', "
+        "'hpsjax.sim', 'hpsjax.launch', 'hpsjax.transforms'); "
+        "print(sorted(m for m in sys.modules if m.split('.')[0] == 'jax' "
+        "or m.startswith(above)))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    )
+    assert out.stdout.strip() == "[]"

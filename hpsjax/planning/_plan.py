@@ -233,14 +233,7 @@ def plan(
       "Asynchronous Local-SGD Training for Language Modeling" (Dynamic Local
       Updates), 2024, https://arxiv.org/abs/2401.09135
     """
-    profiles = list(profiles)
-    if not profiles:
-        raise ValueError("profiles is empty: plan needs at least one worker")
-    if not all(isinstance(p, WorkerProfile) for p in profiles):
-        raise ValueError("profiles must be WorkerProfile objects")
-    ids = [p.worker_id for p in profiles]
-    if len(set(ids)) != len(ids):
-        raise ValueError(f"worker ids repeat: {ids}")
+    profiles = _checked_profiles(profiles)
     _check_scheme(scheme)
     _check_lr_scaling(lr_scaling)
     global_batch = check_int("global_batch", global_batch, low=1)
@@ -260,6 +253,50 @@ def plan(
         commits_per_period = check_int("commits_per_period", commits_per_period, low=1)
     if scheme != "adsp" and (check_period, commits_per_period) != (None, None):
         raise ValueError("check_period and commits_per_period apply to 'adsp' only")
+    stage_multipliers, base_compress_ratio = _ashl_reference_options(
+        scheme, stage_multipliers, compress_ratio
+    )
+    if not is_number(memory_fraction) or not 0 < memory_fraction <= 1:
+        raise ValueError(f"memory_fraction must be in (0, 1], got {memory_fraction}")
+    server_seconds = _server_seconds(profiles, server_seconds)
+    models = [_model_from_profile(p, memory_fraction) for p in profiles]
+    return _solve(
+        models,
+        scheme,
+        global_batch=global_batch,
+        lr_scaling=lr_scaling,
+        reference_batch=reference_batch,
+        local_steps=local_steps,
+        min_device_batch=min_device_batch,
+        min_batch=min_batch,
+        max_local_steps=max_local_steps,
+        check_period=check_period,
+        commits_per_period=commits_per_period,
+        revision=0,
+        stage_multipliers=stage_multipliers,
+        base_compress_ratio=base_compress_ratio,
+        server_seconds=float(server_seconds),
+    )
+
+
+def _checked_profiles(profiles: Sequence[WorkerProfile]) -> list[WorkerProfile]:
+    """The profiles as a list: at least one, all ``WorkerProfile``, ids unique."""
+    profiles = list(profiles)
+    if not profiles:
+        raise ValueError("profiles is empty: plan needs at least one worker")
+    if not all(isinstance(p, WorkerProfile) for p in profiles):
+        raise ValueError("profiles must be WorkerProfile objects")
+    ids = [p.worker_id for p in profiles]
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"worker ids repeat: {ids}")
+    return profiles
+
+
+def _ashl_reference_options(
+    scheme: str, stage_multipliers: Sequence[int] | None, compress_ratio: float | None
+) -> tuple[tuple[int, ...], float]:
+    """``ashl_reference``'s stage multipliers and base top-k ratio, checked
+    (``()`` and 1 for the other schemes, which take neither)."""
     if scheme != "ashl_reference" and (stage_multipliers, compress_ratio) != (
         None,
         None,
@@ -294,8 +331,11 @@ def plan(
             base_compress_ratio = float(compress_ratio)
     else:
         stage_multipliers = ()
-    if not is_number(memory_fraction) or not 0 < memory_fraction <= 1:
-        raise ValueError(f"memory_fraction must be in (0, 1], got {memory_fraction}")
+    return stage_multipliers, base_compress_ratio
+
+
+def _server_seconds(profiles: Sequence[WorkerProfile], server_seconds) -> float:
+    """The server's seconds per push: as given, else the profiles' median."""
     if server_seconds is None:
         measured = [
             p.transfer.server_seconds
@@ -311,21 +351,4 @@ def plan(
         raise ValueError(
             f"server_seconds must be a finite number >= 0, got {server_seconds!r}"
         )
-    models = [_model_from_profile(p, memory_fraction) for p in profiles]
-    return _solve(
-        models,
-        scheme,
-        global_batch=global_batch,
-        lr_scaling=lr_scaling,
-        reference_batch=reference_batch,
-        local_steps=local_steps,
-        min_device_batch=min_device_batch,
-        min_batch=min_batch,
-        max_local_steps=max_local_steps,
-        check_period=check_period,
-        commits_per_period=commits_per_period,
-        revision=0,
-        stage_multipliers=stage_multipliers,
-        base_compress_ratio=base_compress_ratio,
-        server_seconds=float(server_seconds),
-    )
+    return float(server_seconds)
