@@ -1,6 +1,6 @@
 """Decoding and validating a push's metadata and an acknowledgement.
 
-Compares the typed messages of :mod:`hpsjax.ps._messages` (msgspec structs,
+Compares the typed messages of :mod:`hpsjax.wire._messages` (msgspec structs,
 validated in C) with the same checks written in Python (the checks the server,
 the core and the client made before the messages were typed), in the two places
 a message becomes an object:
@@ -24,8 +24,8 @@ from typing import Any
 import msgpack
 import msgspec
 
-from hpsjax.ps._errors import MalformedMetadata
-from hpsjax.ps._messages import PushAck, PushMeta, _AckWire
+from hpsjax.wire._errors import MalformedMetadata
+from hpsjax.wire._messages import PushAck, PushMeta, _AckWire
 
 _PUSH_FIELDS = {
     "step_time": (float, 0.0),

@@ -1,7 +1,7 @@
 """The server's PowerSGD decode in PROTOCOL.md's order against a BLAS product.
 
 The server rebuilds a factored leaf as ``p q^T`` with
-:func:`hpsjax.ps._codecs._powersgd.powersgd_product`: the rank's terms added in order,
+:func:`hpsjax.wire._codecs._powersgd.powersgd_product`: the rank's terms added in order,
 each product and sum rounded to float32, row block by row block, so that any
 decoder following PROTOCOL.md section 2.6 gets the same bits. This compares its
 time with ``numpy.matmul`` (a BLAS product, whose order is the library's) on
@@ -17,7 +17,7 @@ import timeit
 
 import numpy as np
 
-from hpsjax.ps._codecs._powersgd import powersgd_product
+from hpsjax.wire._codecs._powersgd import powersgd_product
 
 SHAPES = [(512, 784, 2), (1024, 1024, 8), (4096, 4096, 4)]
 

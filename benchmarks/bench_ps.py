@@ -63,7 +63,7 @@ import numpy as np
 
 from hpsjax.models import save_params_npz
 from hpsjax.ps._client import Client
-from hpsjax.ps._frames import HEADER_SIZE
+from hpsjax.wire._frames import HEADER_SIZE
 
 SECRET = b"bench secret"
 # Extra hpsjax-server arguments (--server_args), e.g. "--no-malloc_tuning".

@@ -7,8 +7,6 @@ import numpy as np
 import pytest
 
 from hpsjax.profiling import tree_wire_nbytes
-from hpsjax.ps import _codecs, _treecodec
-from hpsjax.ps._errors import MalformedMetadata
 from hpsjax.transforms import (
     Codec,
     encode_tree,
@@ -18,6 +16,8 @@ from hpsjax.transforms import (
     top_k,
     topk_nbytes,
 )
+from hpsjax.wire import _codecs, _treecodec
+from hpsjax.wire._errors import MalformedMetadata
 
 TREE = {
     "b": np.linspace(-1.0, 1.0, 7, dtype=np.float32),

@@ -20,7 +20,9 @@ from hpsjax.ps._core import (
     ServerCore,
     Wait,
 )
-from hpsjax.ps._errors import (
+from hpsjax.ps._policies import ASP, BSP, SSP, Policy, SemiAsync, Verdict
+from hpsjax.sim._deferred import DeferredAggregator, LazyUpdate
+from hpsjax.wire._errors import (
     HpsError,
     InvalidUpdate,
     NonFiniteUpdate,
@@ -28,9 +30,7 @@ from hpsjax.ps._errors import (
     UnexpectedMessage,
     WorkerDropped,
 )
-from hpsjax.ps._messages import PushMeta
-from hpsjax.ps._policies import ASP, BSP, SSP, Policy, SemiAsync, Verdict
-from hpsjax.sim._deferred import DeferredAggregator, LazyUpdate
+from hpsjax.wire._messages import PushMeta
 
 
 def params0():

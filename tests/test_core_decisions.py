@@ -26,15 +26,15 @@ from hpsjax.ps._core import (
     StageChanged,
     Wait,
 )
-from hpsjax.ps._errors import (
+from hpsjax.ps._policies import BSP, Hybrid, HybridStage, Policy, PolicyView
+from hpsjax.wire._errors import (
     InvalidUpdate,
     NonFiniteUpdate,
     SpecMismatch,
     UnexpectedMessage,
     WorkerDropped,
 )
-from hpsjax.ps._messages import PushMeta
-from hpsjax.ps._policies import BSP, Hybrid, HybridStage, Policy, PolicyView
+from hpsjax.wire._messages import PushMeta
 
 CORE = pathlib.Path(__file__).resolve().parents[1] / "hpsjax" / "ps" / "_core.py"
 

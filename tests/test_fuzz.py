@@ -14,13 +14,14 @@ import optax
 import pytest
 from test_server import SECRET, Raw, _client, _params, _run, _server, _update
 
-from hpsjax.ps import _auth, _frames, _treecodec
-from hpsjax.ps import _errors as errors
+from hpsjax.ps import _auth
 from hpsjax.ps._core import ServerCore
-from hpsjax.ps._frames import Frame, MsgType
-from hpsjax.ps._stream import FrameDecoder
 from hpsjax.transforms import _quantize as quantize
 from hpsjax.transforms._quantize import Codec
+from hpsjax.wire import _errors as errors
+from hpsjax.wire import _frames, _treecodec
+from hpsjax.wire._frames import Frame, MsgType
+from hpsjax.wire._stream import FrameDecoder
 
 
 async def _until(predicate, timeout=5.0):
@@ -102,7 +103,7 @@ def _codec_push(client, block_size, version):
 @pytest.fixture
 def compile_decoders(monkeypatch):
     """Servers compile the decoders of even these small models."""
-    from hpsjax.ps import _decoders
+    from hpsjax.wire import _decoders
 
     monkeypatch.setattr(_decoders, "COMPILE_MIN_ELEMENTS", 0)
 

@@ -2,7 +2,7 @@
 
 The graph is read from the source (``ast``), not by importing: an edge from
 module A to module B for every ``import`` in A that loads B, and to each
-package above B that A is not inside (importing ``hpsjax.ps._frames`` runs
+package above B that A is not inside (importing ``hpsjax.wire._frames`` runs
 ``hpsjax/ps/__init__.py`` first). Imports inside functions count too: an import
 moved into a function to dodge a circle still makes one, only later.
 """

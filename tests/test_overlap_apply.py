@@ -20,9 +20,9 @@ import pytest
 
 from hpsjax import ps
 from hpsjax.ps._core import ServerCore
-from hpsjax.ps._errors import NonFiniteUpdate
-from hpsjax.ps._messages import PushMeta
 from hpsjax.ps._overlap import OverlapAggregator
+from hpsjax.wire._errors import NonFiniteUpdate
+from hpsjax.wire._messages import PushMeta
 
 
 def _params(seed: int = 0):

@@ -17,12 +17,7 @@ import optax
 import pytest
 
 from hpsjax import data
-from hpsjax.ps import _codecs, _frames, _treecodec
-from hpsjax.ps import _errors as errors
 from hpsjax.ps._client import Client
-from hpsjax.ps._decoders import DecoderCache
-from hpsjax.ps._frames import MsgType
-from hpsjax.ps._stream import FrameDecoder
 from hpsjax.sim import ComputeModel, SimConfig, WorkerSpec, simulate
 from hpsjax.transforms import (
     PowerSGDEncoded,
@@ -32,6 +27,11 @@ from hpsjax.transforms import (
     powersgd_encode,
     powersgd_nbytes,
 )
+from hpsjax.wire import _codecs, _frames, _treecodec
+from hpsjax.wire import _errors as errors
+from hpsjax.wire._decoders import DecoderCache
+from hpsjax.wire._frames import MsgType
+from hpsjax.wire._stream import FrameDecoder
 from hpsjax.worker import Worker, WorkerConfig
 from tests.test_server import SECRET, Raw, _client, _run, _server, _server_params
 

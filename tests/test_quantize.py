@@ -11,7 +11,6 @@ import numpy as np
 import optax
 import pytest
 
-from hpsjax.ps._decoders import DecoderCache
 from hpsjax.transforms._quantize import (
     Codec,
     Encoded,
@@ -24,6 +23,7 @@ from hpsjax.transforms._quantize import (
     last_encoded,
     quantize,
 )
+from hpsjax.wire._decoders import DecoderCache
 
 # Grouped so that each group compiles as one program.
 CODEC_GROUPS = {

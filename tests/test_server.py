@@ -13,9 +13,12 @@ import numpy as np
 import optax
 import pytest
 
-from hpsjax.ps import PlanNotice, _auth, _frames
+from hpsjax.ps import PlanNotice, _auth
 from hpsjax.ps._client import Client
-from hpsjax.ps._errors import (
+from hpsjax.ps._policies import HybridStage
+from hpsjax.ps._server import Server
+from hpsjax.wire import _frames
+from hpsjax.wire._errors import (
     AuthError,
     ConnectionClosed,
     InvalidUpdate,
@@ -23,10 +26,8 @@ from hpsjax.ps._errors import (
     SpecMismatch,
     WorkerDropped,
 )
-from hpsjax.ps._frames import MsgType
-from hpsjax.ps._policies import HybridStage
-from hpsjax.ps._server import Server
-from hpsjax.ps._stream import FrameDecoder
+from hpsjax.wire._frames import MsgType
+from hpsjax.wire._stream import FrameDecoder
 
 try:
     import uvloop

@@ -17,10 +17,10 @@ import pytest
 from test_server import SECRET, Raw, _client, _run, _server, _server_params, _update
 
 from hpsjax.models import save_params_npz
-from hpsjax.ps import _errors as errors
-from hpsjax.ps import _frames, _treecodec
-from hpsjax.ps._codecs import _quantized
-from hpsjax.ps._frames import MsgType
+from hpsjax.wire import _errors as errors
+from hpsjax.wire import _frames, _treecodec
+from hpsjax.wire._codecs import _quantized
+from hpsjax.wire._frames import MsgType
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 

@@ -10,12 +10,6 @@ import numpy as np
 import optax
 import pytest
 
-from hpsjax.ps import _codecs, _frames, _treecodec
-from hpsjax.ps import _errors as errors
-from hpsjax.ps._codecs import _topk as _codecs_topk
-from hpsjax.ps._decoders import DecoderCache
-from hpsjax.ps._frames import MsgType
-from hpsjax.ps._stream import FrameDecoder
 from hpsjax.transforms import (
     last_topk_encoded,
     top_k,
@@ -23,6 +17,12 @@ from hpsjax.transforms import (
     topk_encode_tree,
     topk_nbytes,
 )
+from hpsjax.wire import _codecs, _frames, _treecodec
+from hpsjax.wire import _errors as errors
+from hpsjax.wire._codecs import _topk as _codecs_topk
+from hpsjax.wire._decoders import DecoderCache
+from hpsjax.wire._frames import MsgType
+from hpsjax.wire._stream import FrameDecoder
 from tests.test_server import Raw, _client, _run, _server, _server_params
 
 

@@ -9,11 +9,12 @@ import msgpack
 import numpy as np
 import pytest
 
-from hpsjax.ps import _auth, _codecs, _decoders, _frames, _stream, _treecodec
-from hpsjax.ps import _errors as errors
-from hpsjax.ps._codecs import _powersgd, _quantized, _topk
-from hpsjax.ps._frames import MsgType
-from hpsjax.ps._stream import FrameDecoder
+from hpsjax.ps import _auth
+from hpsjax.wire import _codecs, _decoders, _frames, _stream, _treecodec
+from hpsjax.wire import _errors as errors
+from hpsjax.wire._codecs import _powersgd, _quantized, _topk
+from hpsjax.wire._frames import MsgType
+from hpsjax.wire._stream import FrameDecoder
 
 # Representative metadata of every message type (PROTOCOL.md).
 _TREE = {"w": np.arange(6, dtype=np.float32).reshape(2, 3)}

@@ -30,34 +30,6 @@ from hpsjax.ps._core import (
     Wait,
     WorkerInfo,
 )
-from hpsjax.ps._errors import (
-    AuthError,
-    BadMagic,
-    ConnectionClosed,
-    HpsError,
-    InvalidUpdate,
-    MalformedMetadata,
-    NonFiniteUpdate,
-    PayloadTooBig,
-    ProtocolError,
-    ServerError,
-    ShuttingDown,
-    SpecMismatch,
-    TooManyLeaves,
-    UnexpectedMessage,
-    UnsupportedDtype,
-    UnsupportedVersion,
-    WorkerDropped,
-)
-from hpsjax.ps._frames import WireLimits
-from hpsjax.ps._messages import (
-    ForcePullNotice,
-    Notice,
-    PlanNotice,
-    PushAck,
-    PushMeta,
-    StageNotice,
-)
 from hpsjax.ps._partition import KeyRangePartition
 from hpsjax.ps._policies import (
     ADSP,
@@ -80,6 +52,34 @@ from hpsjax.ps._server import Server
 from hpsjax.ps._shards import (
     ShardedClient,
     ShardedVersion,
+)
+from hpsjax.wire._errors import (
+    AuthError,
+    BadMagic,
+    ConnectionClosed,
+    HpsError,
+    InvalidUpdate,
+    MalformedMetadata,
+    NonFiniteUpdate,
+    PayloadTooBig,
+    ProtocolError,
+    ServerError,
+    ShuttingDown,
+    SpecMismatch,
+    TooManyLeaves,
+    UnexpectedMessage,
+    UnsupportedDtype,
+    UnsupportedVersion,
+    WorkerDropped,
+)
+from hpsjax.wire._frames import WireLimits
+from hpsjax.wire._messages import (
+    ForcePullNotice,
+    Notice,
+    PlanNotice,
+    PushAck,
+    PushMeta,
+    StageNotice,
 )
 
 __all__ = [

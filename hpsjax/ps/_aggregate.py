@@ -40,8 +40,8 @@ import numpy as np
 import optax
 
 from hpsjax._checks import check_int
-from hpsjax.ps._errors import NonFiniteUpdate, SpecMismatch
 from hpsjax.ps._separable import all_finite, finite
+from hpsjax.wire._errors import NonFiniteUpdate, SpecMismatch
 
 __all__ = ["Aggregator", "Pending"]
 

@@ -26,13 +26,13 @@ from typing import Any, ClassVar
 
 import msgpack
 
-from hpsjax.ps._errors import (
+from hpsjax.wire._errors import (
     AuthError,
     MalformedMetadata,
     ProtocolError,
     UnexpectedMessage,
 )
-from hpsjax.ps._frames import MsgType
+from hpsjax.wire._frames import MsgType
 
 __all__ = [
     "AUTH_SCHEME",

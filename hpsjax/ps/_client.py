@@ -34,9 +34,11 @@ from typing import Any, NamedTuple
 import jax
 import msgpack
 
-from hpsjax.ps import _auth, _frames, _treecodec
+from hpsjax.ps import _auth
 from hpsjax.ps._connection import FrameProtocol
-from hpsjax.ps._errors import (
+from hpsjax.transforms import _quantize as q
+from hpsjax.wire import _frames, _treecodec
+from hpsjax.wire._errors import (
     ConnectionClosed,
     HpsError,
     ProtocolError,
@@ -44,8 +46,8 @@ from hpsjax.ps._errors import (
     WorkerDropped,
     error_from_wire,
 )
-from hpsjax.ps._frames import Frame, FrameError, MsgType
-from hpsjax.ps._messages import (
+from hpsjax.wire._frames import Frame, FrameError, MsgType
+from hpsjax.wire._messages import (
     ForcePullNotice,
     PlanNotice,
     PushAck,
@@ -53,7 +55,6 @@ from hpsjax.ps._messages import (
     StageNotice,
     notice_from_wire,
 )
-from hpsjax.transforms import _quantize as q
 
 __all__ = ["Client", "ServerInfo", "Subscription"]
 

@@ -1,7 +1,7 @@
 """The asyncio connection layer: hpsjax frames over a transport, both ends.
 
 :class:`FrameProtocol` only moves bytes: received bytes go into the buffers of a
-sans-I/O :class:`~hpsjax.ps._stream.FrameDecoder`, and frames are written whole.
+sans-I/O :class:`~hpsjax.wire._stream.FrameDecoder`, and frames are written whole.
 What the frames mean is up to its owner (a :class:`~hpsjax.ps.Client`, or a
 connection of the :class:`~hpsjax.ps.Server`).
 """
@@ -12,13 +12,13 @@ import asyncio
 from collections.abc import Callable
 from typing import Any
 
-from hpsjax.ps._errors import (
+from hpsjax.wire._errors import (
     ConnectionClosed,
     HpsError,
     ProtocolError,
     error_to_wire,
 )
-from hpsjax.ps._frames import (
+from hpsjax.wire._frames import (
     DEFAULT_LIMITS,
     Allocator,
     BufferPool,
@@ -28,8 +28,8 @@ from hpsjax.ps._frames import (
     WireLimits,
     encode_frame,
 )
-from hpsjax.ps._stream import FrameDecoder
-from hpsjax.ps._treecodec import default_allocator
+from hpsjax.wire._stream import FrameDecoder
+from hpsjax.wire._treecodec import default_allocator
 
 __all__ = ["FrameProtocol", "error_frame"]
 
@@ -38,7 +38,7 @@ class FrameProtocol(asyncio.BufferedProtocol):
     """An ``asyncio.BufferedProtocol`` that reads and writes hpsjax frames.
 
     Received bytes go straight into the buffers a
-    :class:`~hpsjax.ps._stream.FrameDecoder` hands out (payloads land in
+    :class:`~hpsjax.wire._stream.FrameDecoder` hands out (payloads land in
     preallocated arrays); complete frames are given to ``on_frame``. Writes are
     scatter lists passed to ``writelines`` whole, so frames from concurrent
     coroutines never interleave. Flow control follows the transport's
@@ -52,11 +52,11 @@ class FrameProtocol(asyncio.BufferedProtocol):
       limits: frame limits.
       allocate: payload allocator for the decoder (default: validate tree
         metadata, and receive into blocks of a
-        :class:`~hpsjax.ps._frames.BufferPool`).
+        :class:`~hpsjax.wire._frames.BufferPool`).
       on_made: called once the connection is established (after the TLS
         handshake, with TLS); ``on_lost`` is only ever called after it.
       on_filled: the decoder's per-buffer hook (see
-        :class:`~hpsjax.ps._stream.FrameDecoder`), or ``None``.
+        :class:`~hpsjax.wire._stream.FrameDecoder`), or ``None``.
     """
 
     def __init__(

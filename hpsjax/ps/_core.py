@@ -108,7 +108,7 @@ are when it carries the action out, which is the version named, because actions
 are carried out before the next event is fed in.
 
 Errors: a call that raises changes nothing. Bad arguments raise ``ValueError``;
-requests the protocol does not allow raise classes of :mod:`hpsjax.ps._errors`:
+requests the protocol does not allow raise classes of :mod:`hpsjax.wire._errors`:
 ``UnexpectedMessage`` (a worker that never joined), ``WorkerDropped`` (a worker
 that left or was dropped and must rejoin), ``InvalidUpdate`` (a version from the
 future, or one whose stale copy was dropped), ``SpecMismatch`` (tree structure,
@@ -128,13 +128,13 @@ import numpy as np
 from hpsjax._checks import check_fraction, check_int, check_positive, is_int, is_number
 from hpsjax._ewma import ewma
 from hpsjax.ps._aggregate import Aggregator
-from hpsjax.ps._errors import (
+from hpsjax.ps._policies import PolicyView, Verdict, get_policy
+from hpsjax.wire._errors import (
     InvalidUpdate,
     UnexpectedMessage,
     WorkerDropped,
 )
-from hpsjax.ps._messages import PushAck, PushMeta
-from hpsjax.ps._policies import PolicyView, Verdict, get_policy
+from hpsjax.wire._messages import PushAck, PushMeta
 
 __all__ = [
     "Action",

@@ -21,8 +21,8 @@ from typing import Any
 import numpy as np
 
 from hpsjax.ps._aggregate import Aggregator, Pending
-from hpsjax.ps._errors import NonFiniteUpdate
 from hpsjax.ps._separable import LeafApply, LeafSteps, leaf_steps
+from hpsjax.wire._errors import NonFiniteUpdate
 
 __all__ = ["OverlapAggregator"]
 

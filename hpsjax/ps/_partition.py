@@ -42,7 +42,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hpsjax.ps._treecodec import unflatten_tree as _unflatten
+from hpsjax.wire._treecodec import unflatten_tree as _unflatten
 
 __all__ = ["KeyRangePartition"]
 
@@ -56,7 +56,7 @@ _FORMAT_VERSION = 1
 def _flatten(node: Any, path: str, leaves: list, paths: list) -> Any:
     """The JSON structure of ``node``; appends its leaves and their key paths.
 
-    The structure is the wire's (``hpsjax.ps._treecodec.flatten_tree``): a leaf is
+    The structure is the wire's (``hpsjax.wire._treecodec.flatten_tree``): a leaf is
     its index, ``None`` is ``None``, ``["d", {key: child}]`` a mapping (keys in
     sorted order, as JAX flattens them), ``["l", [...]]`` a list and
     ``["t", [...]]`` a tuple.

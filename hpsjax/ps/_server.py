@@ -1,7 +1,7 @@
 """The asyncio parameter server: moves bytes, and lets ``ServerCore`` decide.
 
 :class:`Server` accepts worker connections, authenticates them, reads frames into
-preallocated arrays (see :mod:`hpsjax.ps._stream`) and turns every complete,
+preallocated arrays (see :mod:`hpsjax.wire._stream`) and turns every complete,
 validated request into an event of :class:`~hpsjax.ps.ServerCore`: the first
 ``PULL`` of a connection joins its worker, ``PULL`` pulls, ``PUSH`` pushes, a
 closed connection leaves, and a timer ticks the core at ``core.next_deadline()``.
@@ -56,7 +56,7 @@ from hpsjax._devices import describe_device, resolve_device
 from hpsjax._logs import Every
 from hpsjax._progress import Progress
 from hpsjax.profiling import Replanner
-from hpsjax.ps import _auth, _frames, _treecodec
+from hpsjax.ps import _auth
 from hpsjax.ps._checkpoint import CheckpointManager
 from hpsjax.ps._connection import FrameProtocol, error_frame
 from hpsjax.ps._core import (
@@ -69,8 +69,12 @@ from hpsjax.ps._core import (
     ServerCore,
     StageChanged,
 )
-from hpsjax.ps._decoders import DecoderCache
-from hpsjax.ps._errors import (
+from hpsjax.ps._overlap import OverlapAggregator
+from hpsjax.ps._policies import DEFAULT_POLICY
+from hpsjax.ps._separable import LeafApply
+from hpsjax.wire import _frames, _treecodec
+from hpsjax.wire._decoders import DecoderCache
+from hpsjax.wire._errors import (
     AuthError,
     HpsError,
     MalformedMetadata,
@@ -81,8 +85,8 @@ from hpsjax.ps._errors import (
     UnexpectedMessage,
     WorkerDropped,
 )
-from hpsjax.ps._frames import Frame, FrameError, MsgType
-from hpsjax.ps._messages import (
+from hpsjax.wire._frames import Frame, FrameError, MsgType
+from hpsjax.wire._messages import (
     ForcePullNotice,
     Notice,
     PlanNotice,
@@ -90,9 +94,6 @@ from hpsjax.ps._messages import (
     StageNotice,
     notice_to_wire,
 )
-from hpsjax.ps._overlap import OverlapAggregator
-from hpsjax.ps._policies import DEFAULT_POLICY
-from hpsjax.ps._separable import LeafApply
 
 __all__ = ["Server"]
 
@@ -1253,7 +1254,7 @@ class Server:
     def _check_received(self, payload: _treecodec.WireTree, index: int) -> None:
         """Refuses a raw push as soon as a leaf holding NaN or infinity is in
         (a compressed one as soon as its codec refuses a part: see
-        ``check_part`` of :class:`~hpsjax.ps._codecs.WireCodec`).
+        ``check_part`` of :class:`~hpsjax.wire._codecs.WireCodec`).
 
         Called by the decoder for each buffer once its bytes have arrived, so
         the check overlaps the transfer of the following ones.

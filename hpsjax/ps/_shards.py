@@ -61,9 +61,9 @@ import msgspec
 
 from hpsjax._checks import check_int
 from hpsjax.ps._client import Client, ServerInfo, push_meta
-from hpsjax.ps._errors import HpsError, SpecMismatch
-from hpsjax.ps._messages import ForcePullNotice, PlanNotice, PushAck, PushMeta
 from hpsjax.ps._partition import KeyRangePartition
+from hpsjax.wire._errors import HpsError, SpecMismatch
+from hpsjax.wire._messages import ForcePullNotice, PlanNotice, PushAck, PushMeta
 
 __all__ = [
     "ShardedClient",

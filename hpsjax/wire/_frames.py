@@ -1,8 +1,8 @@
 """hpsjax frames: the fixed header, msgpack metadata, limits and receive buffers.
 
 Everything here is pure: functions turn messages into lists of buffers and back.
-No sockets, no event loop; :mod:`hpsjax.ps._treecodec` describes trees inside a
-frame, :mod:`hpsjax.ps._stream` parses a byte stream into frames.
+No sockets, no event loop; :mod:`hpsjax.wire._treecodec` describes trees inside a
+frame, :mod:`hpsjax.wire._stream` parses a byte stream into frames.
 
 A frame is a fixed 24-byte little-endian header, msgpack metadata, and a raw
 payload::
@@ -36,7 +36,7 @@ import ml_dtypes
 import msgpack
 import numpy as np
 
-from hpsjax.ps._errors import (
+from hpsjax.wire._errors import (
     BadMagic,
     HpsError,
     MalformedMetadata,

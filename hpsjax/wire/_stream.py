@@ -10,14 +10,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from hpsjax.ps._errors import (
+from hpsjax.wire._errors import (
     ConnectionClosed,
     HpsError,
     MalformedMetadata,
     ProtocolError,
     ServerError,
 )
-from hpsjax.ps._frames import (
+from hpsjax.wire._frames import (
     DEFAULT_LIMITS,
     HEADER_SIZE,
     PAYLOAD_TYPES,
@@ -29,7 +29,7 @@ from hpsjax.ps._frames import (
     _header_at,
     unpack_metadata,
 )
-from hpsjax.ps._treecodec import default_allocator
+from hpsjax.wire._treecodec import default_allocator
 
 __all__ = ["FrameDecoder"]
 
@@ -67,7 +67,7 @@ class FrameDecoder:
       on_filled: ``(payload, buffer index) -> None``, or ``None``.
 
     Examples:
-      >>> from hpsjax.ps._frames import MsgType, encode_frame
+      >>> from hpsjax.wire._frames import MsgType, encode_frame
       >>> dec = FrameDecoder()
       >>> parts = encode_frame(MsgType.PULL, 5, {"x": 1})
       >>> [(f.msg_type.name, f.request_id, f.metadata) for f in dec.feed(parts[0])]

@@ -14,7 +14,7 @@ stays bounded.
 Codecs whose parameters change from worker to worker (a count or a rank per
 leaf: their class's ``compiles`` is false) need no compiled program: their numpy
 decoder is made on demand and never stored. Each codec's decoders are its
-class's (:mod:`hpsjax.ps._codecs`); this cache only keeps the compiled ones.
+class's (:mod:`hpsjax.wire._codecs`); this cache only keeps the compiled ones.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from hpsjax.ps._codecs import as_wire_codec
+from hpsjax.wire._codecs import as_wire_codec
 
 __all__ = ["COMPILE_MIN_ELEMENTS", "DecoderCache"]
 
@@ -85,7 +85,7 @@ class DecoderCache:
     def get(self, codec: Any) -> Callable | None:
         """The decoder of ``codec`` (``encoded leaves -> leaves``), or ``None``.
 
-        ``codec`` is a wire codec object (:mod:`hpsjax.ps._codecs`) or a
+        ``codec`` is a wire codec object (:mod:`hpsjax.wire._codecs`) or a
         quantization ``Codec``. One that is not compiled (``compiles`` false)
         always has one if it fits the model's leaves, and it is not kept.
         """

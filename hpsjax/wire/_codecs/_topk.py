@@ -14,21 +14,21 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from hpsjax.ps._codecs._base import (
+from hpsjax.transforms import _topk
+from hpsjax.wire._codecs._base import (
     LikeLeaf,
     Shape,
     as_leaf,
     per_leaf_ints,
     require_float,
 )
-from hpsjax.ps._errors import (
+from hpsjax.wire._errors import (
     InvalidUpdate,
     MalformedMetadata,
     NonFiniteUpdate,
     SpecMismatch,
 )
-from hpsjax.ps._frames import DTYPES
-from hpsjax.transforms import _topk
+from hpsjax.wire._frames import DTYPES
 
 __all__ = ["TOPK_SCHEME", "TopKCodec", "check_topk_leaf", "topk_index_dtype"]
 

@@ -24,7 +24,7 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
-from hpsjax.ps._errors import MalformedMetadata
+from hpsjax.wire._errors import MalformedMetadata
 
 __all__ = [
     "ForcePullNotice",
@@ -88,7 +88,7 @@ loss=None, stage=1)
           >>> PushMeta.from_wire({"version": -1})
           Traceback (most recent call last):
           ...
-          hpsjax.ps._errors.MalformedMetadata: malformed push metadata: Expected \
+          hpsjax.wire._errors.MalformedMetadata: malformed push metadata: Expected \
 `int` >= 0 - at `$.version`
         """
         return _convert(meta, cls, "push metadata", error)

@@ -2,10 +2,10 @@
 
 Trees travel as metadata (structure, per-leaf dtype, shape, byte offset and
 length, codec) plus the leaves' bytes concatenated in leaf order (see
-:mod:`hpsjax.ps._frames` for the frame around them). Received descriptions are
+:mod:`hpsjax.wire._frames` for the frame around them). Received descriptions are
 validated from the metadata alone before anything is allocated, and received
 leaves are views of one aligned block. Compressed trees name their codec, one
-class per compressor (:mod:`hpsjax.ps._codecs`): this module asks it for each
+class per compressor (:mod:`hpsjax.wire._codecs`): this module asks it for each
 leaf's bytes and never names a scheme itself.
 """
 
@@ -19,14 +19,14 @@ import msgpack
 import numpy as np
 
 from hpsjax._checks import is_int
-from hpsjax.ps._codecs import LikeLeaf, WireCodec, as_leaf, codec_class, from_wire
-from hpsjax.ps._errors import (
+from hpsjax.wire._codecs import LikeLeaf, WireCodec, as_leaf, codec_class, from_wire
+from hpsjax.wire._errors import (
     MalformedMetadata,
     SpecMismatch,
     TooManyLeaves,
     UnsupportedDtype,
 )
-from hpsjax.ps._frames import (
+from hpsjax.wire._frames import (
     ALIGNMENT,
     DEFAULT_LIMITS,
     DTYPES,
@@ -214,7 +214,7 @@ class LeafSpec(NamedTuple):
       offset: byte offset of its buffer in the payload.
       nbytes: byte length of its buffer.
       code_nbytes: for a compressed leaf, bytes of the first of the two arrays
-        its buffer holds (see :mod:`hpsjax.ps._codecs`); ``None`` for a raw leaf.
+        its buffer holds (see :mod:`hpsjax.wire._codecs`); ``None`` for a raw leaf.
     """
 
     dtype: np.dtype
@@ -233,7 +233,7 @@ class TreeLayout(NamedTuple):
       codec: the codec dict of a compressed tree, else ``None``.
       nbytes: total payload bytes.
       wire: the codec object of a compressed tree (see
-        :mod:`hpsjax.ps._codecs`), else ``None``.
+        :mod:`hpsjax.wire._codecs`), else ``None``.
     """
 
     structure: Any
@@ -254,7 +254,7 @@ class TreeLayout(NamedTuple):
         Returns:
           Per leaf, an array of its dtype and shape, or for a compressed leaf
           the pair of arrays its codec sends (``leaf_parts`` of
-          :class:`~hpsjax.ps._codecs.WireCodec`).
+          :class:`~hpsjax.wire._codecs.WireCodec`).
         """
         if self.wire is None:
             return self._allocate_raw(pool, None)
@@ -391,7 +391,7 @@ def encoded_tree_to_wire(
         dtype (arrays or ``jax.ShapeDtypeStruct``).
       codec: the codec, as a push names it: a quantization ``Codec``, or the
         scheme, class or object of a codec whose leaves say their parameters
-        (see ``codec_class`` of :mod:`hpsjax.ps._codecs`).
+        (see ``codec_class`` of :mod:`hpsjax.wire._codecs`).
       limits: bounds and allowed dtypes.
 
     Returns:

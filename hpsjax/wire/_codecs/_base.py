@@ -9,7 +9,7 @@ from typing import Any, ClassVar, NamedTuple, Protocol
 import numpy as np
 
 from hpsjax._checks import is_int
-from hpsjax.ps._errors import MalformedMetadata
+from hpsjax.wire._errors import MalformedMetadata
 
 __all__ = ["FLOAT_NAMES", "LikeLeaf", "WireCodec", "as_leaf", "per_leaf_ints"]
 
@@ -38,8 +38,8 @@ class WireCodec(Protocol):
     them from what the compressing transform kept, checks them as they arrive
     and decodes them.
 
-    Adding a compressor is a module of ``hpsjax/ps/_codecs`` with a class
-    following this protocol, and its line in ``hpsjax.ps._codecs.CODECS``.
+    Adding a compressor is a module of ``hpsjax/wire/_codecs`` with a class
+    following this protocol, and its line in ``hpsjax.wire._codecs.CODECS``.
 
     Attributes:
       schemes: the ``scheme`` values of the codec maps the class reads.

@@ -16,10 +16,10 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-from hpsjax.ps._codecs._base import LikeLeaf, Shape, as_leaf, require_float
-from hpsjax.ps._errors import InvalidUpdate, MalformedMetadata, SpecMismatch
-from hpsjax.ps._frames import DTYPES
 from hpsjax.transforms import _quantize as q
+from hpsjax.wire._codecs._base import LikeLeaf, Shape, as_leaf, require_float
+from hpsjax.wire._errors import InvalidUpdate, MalformedMetadata, SpecMismatch
+from hpsjax.wire._frames import DTYPES
 
 __all__ = ["QuantizedCodec", "check_encoded_leaf", "compressed_sizes"]
 

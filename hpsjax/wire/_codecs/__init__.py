@@ -9,7 +9,7 @@ class                       ``scheme`` values                   a leaf's two arr
 :class:`PowerSGDCodec`      ``powersgd``                        factors ``p``, ``q``
 ==========================  ==================================  ===================
 
-Each follows :class:`WireCodec`: the tree codec (``hpsjax.ps._treecodec``)
+Each follows :class:`WireCodec`: the tree codec (``hpsjax.wire._treecodec``)
 asks it for a leaf's byte count and buffers, the server for its checks and
 decoder, the worker and the profiling pass for what the compressing transform
 kept and what it weighs. Nothing outside this package names a scheme.
@@ -22,12 +22,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from hpsjax.ps._codecs._base import FLOAT_NAMES, LikeLeaf, WireCodec, as_leaf
-from hpsjax.ps._codecs._powersgd import PowerSGDCodec
-from hpsjax.ps._codecs._quantized import QuantizedCodec
-from hpsjax.ps._codecs._topk import TopKCodec
-from hpsjax.ps._errors import MalformedMetadata
 from hpsjax.transforms import _quantize as q
+from hpsjax.wire._codecs._base import FLOAT_NAMES, LikeLeaf, WireCodec, as_leaf
+from hpsjax.wire._codecs._powersgd import PowerSGDCodec
+from hpsjax.wire._codecs._quantized import QuantizedCodec
+from hpsjax.wire._codecs._topk import TopKCodec
+from hpsjax.wire._errors import MalformedMetadata
 
 __all__ = [
     "CODECS",

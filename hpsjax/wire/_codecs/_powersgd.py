@@ -15,16 +15,16 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from hpsjax.ps._codecs._base import (
+from hpsjax.transforms import _powersgd
+from hpsjax.wire._codecs._base import (
     LikeLeaf,
     Shape,
     as_leaf,
     per_leaf_ints,
     require_float,
 )
-from hpsjax.ps._errors import MalformedMetadata, SpecMismatch
-from hpsjax.ps._frames import DTYPES
-from hpsjax.transforms import _powersgd
+from hpsjax.wire._errors import MalformedMetadata, SpecMismatch
+from hpsjax.wire._frames import DTYPES
 
 __all__ = ["POWERSGD_SCHEME", "PowerSGDCodec", "powersgd_product"]
 
