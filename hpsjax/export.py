@@ -39,8 +39,11 @@ import numpy as np
 from flax import nnx
 
 from hpsjax.models import load_params_npz, save_params_npz
-from hpsjax.ps._checkpoint import CheckpointError, CheckpointManager
-from hpsjax.ps._server import _CHECKPOINT_FORMAT
+from hpsjax.storage import (
+    SERVER_CHECKPOINT_FORMAT,
+    CheckpointError,
+    CheckpointManager,
+)
 
 __all__ = [
     "check_export_path",
@@ -176,7 +179,7 @@ def _server_params(directory: pathlib.Path, step: int | None):
     tree = restored.tree
     if not (
         isinstance(meta, dict)
-        and meta.get("format") == _CHECKPOINT_FORMAT
+        and meta.get("format") == SERVER_CHECKPOINT_FORMAT
         and isinstance(tree, list | tuple)  # (params, opt_state), a list in orbax's
         and len(tree) == 2
         and isinstance(tree[0], dict)

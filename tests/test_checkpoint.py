@@ -1,4 +1,4 @@
-"""Tests of hpsjax.ps._checkpoint: round trips, atomicity, pruning, bad input."""
+"""Tests of hpsjax.storage._checkpoint: round trips, atomicity, pruning, bad input."""
 
 from __future__ import annotations
 
@@ -21,10 +21,10 @@ import optax
 import pytest
 from orbax.checkpoint._src.path.atomicity import AtomicRenameTemporaryPath
 
-from hpsjax.ps import _checkpoint, _checkpoint_orbax
-from hpsjax.ps._checkpoint import Checkpoint, CheckpointError, CheckpointManager
+from hpsjax.storage import _checkpoint, _checkpoint_orbax
+from hpsjax.storage._checkpoint import Checkpoint, CheckpointError, CheckpointManager
 
-LOGGER = "hpsjax.ps._checkpoint"
+LOGGER = "hpsjax.storage._checkpoint"
 TMP = _checkpoint_orbax.TMP_SUFFIX
 
 
@@ -291,8 +291,8 @@ _CHILD = textwrap.dedent(
     import pathlib, sys, time
     import numpy as np
     from orbax.checkpoint._src.path.atomicity import AtomicRenameTemporaryPath
-    from hpsjax.ps import _checkpoint_orbax
-    from hpsjax.ps._checkpoint import CheckpointManager
+    from hpsjax.storage import _checkpoint_orbax
+    from hpsjax.storage._checkpoint import CheckpointManager
 
     directory, stage, marker = sys.argv[1:4]
     manager = CheckpointManager(directory)
@@ -367,7 +367,7 @@ _HOLDER = textwrap.dedent(
     """
     import pathlib, sys, time
     import numpy as np
-    from hpsjax.ps._checkpoint import CheckpointManager
+    from hpsjax.storage._checkpoint import CheckpointManager
 
     manager = CheckpointManager(sys.argv[1])
     manager.save(2, {"w": np.zeros(1)})
@@ -406,7 +406,7 @@ _LOOP_CHILD = textwrap.dedent(
     """
     import sys
     import numpy as np
-    from hpsjax.ps._checkpoint import CheckpointManager
+    from hpsjax.storage._checkpoint import CheckpointManager
 
     manager = CheckpointManager(sys.argv[1], keep=2)
     start = (manager.latest_step() or 0) + 1

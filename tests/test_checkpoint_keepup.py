@@ -23,12 +23,12 @@ import numpy as np
 import optax
 import pytest
 
-from hpsjax.ps import _checkpoint, _checkpoint_orbax
-from hpsjax.ps._checkpoint import CheckpointManager
 from hpsjax.ps._client import Client
 from hpsjax.ps._server import Server
+from hpsjax.storage import _checkpoint, _checkpoint_orbax
+from hpsjax.storage._checkpoint import CheckpointManager
 
-LOGGER = "hpsjax.ps._checkpoint"
+LOGGER = "hpsjax.storage._checkpoint"
 SAVE_DELAY_S = 0.2
 
 
@@ -215,8 +215,8 @@ _PRUNE_CHILD = textwrap.dedent(
     """
     import os, pathlib, shutil, sys, time
     import numpy as np
-    from hpsjax.ps import _checkpoint
-    from hpsjax.ps._checkpoint import CheckpointManager
+    from hpsjax.storage import _checkpoint
+    from hpsjax.storage._checkpoint import CheckpointManager
 
     directory, stage, marker = sys.argv[1:4]
     manager = CheckpointManager(directory, keep=2)
@@ -308,7 +308,8 @@ def test_pruning_keeps_the_newest_and_leaves_nothing_aside(tmp_path):
 _SLOW_SERVER = textwrap.dedent(
     """
     import sys, time
-    from hpsjax.ps import _checkpoint_orbax, _cli
+    from hpsjax.ps import _cli
+    from hpsjax.storage import _checkpoint_orbax
 
     real = _checkpoint_orbax.save
 

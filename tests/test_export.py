@@ -23,8 +23,8 @@ import pytest
 
 from hpsjax import data, export, models
 from hpsjax.ps import KeyRangePartition
-from hpsjax.ps._checkpoint import CheckpointManager
 from hpsjax.ps._client import Client
+from hpsjax.storage._checkpoint import CheckpointManager
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SECRET = b"export-secret-0123456789abcdef"

@@ -23,7 +23,7 @@ from hpsjax.models import (
     per_example_loss,
     split_model,
 )
-from hpsjax.ps._checkpoint import CheckpointManager
+from hpsjax.storage._checkpoint import CheckpointManager
 
 
 def _ids(n: int = 23, classes: int = 3) -> Dataset:

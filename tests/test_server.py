@@ -605,7 +605,7 @@ def test_graceful_close_fails_waiting_requests_and_checkpoints(tmp_path):
         return server.version
 
     version = _run(main)
-    from hpsjax.ps._checkpoint import CheckpointManager
+    from hpsjax.storage._checkpoint import CheckpointManager
 
     with CheckpointManager(tmp_path / "ckpt") as manager:
         assert manager.latest_step() == version == 1

@@ -367,7 +367,7 @@ async def _collect(stream, lines):
 
 
 def test_server_killed_and_restarted_resumes_from_its_checkpoint(tmp_path):
-    from hpsjax.ps._checkpoint import CheckpointManager
+    from hpsjax.storage._checkpoint import CheckpointManager
 
     init = tmp_path / "init.npz"
     save_params_npz(

@@ -15,7 +15,6 @@
   shards (ps-lite, PHub); :class:`ShardedClient` talks to all of them at once.
 """
 
-from hpsjax.ps._checkpoint import Checkpoint, CheckpointError, CheckpointManager
 from hpsjax.ps._client import Client, ServerInfo, Subscription
 from hpsjax.ps._core import (
     Action,
@@ -53,6 +52,7 @@ from hpsjax.ps._shards import (
     ShardedClient,
     ShardedVersion,
 )
+from hpsjax.storage._checkpoint import Checkpoint, CheckpointError, CheckpointManager
 from hpsjax.wire._errors import (
     AuthError,
     BadMagic,

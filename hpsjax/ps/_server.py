@@ -57,7 +57,6 @@ from hpsjax._logs import Every
 from hpsjax._progress import Progress
 from hpsjax.profiling import Replanner
 from hpsjax.ps import _auth
-from hpsjax.ps._checkpoint import CheckpointManager
 from hpsjax.ps._connection import FrameProtocol, error_frame
 from hpsjax.ps._core import (
     Applied,
@@ -72,6 +71,11 @@ from hpsjax.ps._core import (
 from hpsjax.ps._overlap import OverlapAggregator
 from hpsjax.ps._policies import DEFAULT_POLICY
 from hpsjax.ps._separable import LeafApply
+from hpsjax.storage import (
+    SERVER_CHECKPOINT_FORMAT,
+    SERVER_CHECKPOINT_FORMAT_VERSION,
+    CheckpointManager,
+)
 from hpsjax.wire import _frames, _treecodec
 from hpsjax.wire._decoders import DecoderCache
 from hpsjax.wire._errors import (
@@ -98,9 +102,6 @@ from hpsjax.wire._messages import (
 __all__ = ["Server"]
 
 logger = logging.getLogger(__name__)
-
-_CHECKPOINT_FORMAT = "hpsjax-server"
-_CHECKPOINT_FORMAT_VERSION = 1
 
 # Until a connection has authenticated, its frames are small handshake messages:
 # nothing larger is read, so a stranger cannot make the server allocate much.
@@ -781,7 +782,7 @@ class Server:
         if restored is None:
             return
         meta = restored.metadata or {}
-        if meta.get("format") != _CHECKPOINT_FORMAT:
+        if meta.get("format") != SERVER_CHECKPOINT_FORMAT:
             raise ValueError(
                 f"{self._checkpoint_dir} holds checkpoints of another kind"
             )
@@ -798,8 +799,8 @@ class Server:
 
     def _checkpoint_metadata(self) -> dict:
         return {
-            "format": _CHECKPOINT_FORMAT,
-            "format_version": _CHECKPOINT_FORMAT_VERSION,
+            "format": SERVER_CHECKPOINT_FORMAT,
+            "format_version": SERVER_CHECKPOINT_FORMAT_VERSION,
             "core": self._core.state_dict(),
         }
 

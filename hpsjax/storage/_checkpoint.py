@@ -1,7 +1,7 @@
 """Atomic orbax checkpoints of pytrees: parameters, optimizer state, metadata.
 
 A checkpoint is one orbax-checkpoint directory: orbax saves and describes the
-tree (tensorstore, OCDBT; ``hpsjax.ps._checkpoint_orbax``), and a small msgpack
+tree (tensorstore, OCDBT; ``hpsjax.storage._checkpoint_orbax``), and a small msgpack
 file beside it holds the step, a msgpack-able metadata dict and a crc32 of
 each array. Nothing is pickled, so restoring never executes code.
 
@@ -61,9 +61,20 @@ import tensorstore as ts
 
 from hpsjax._checks import check_int
 
-__all__ = ["Checkpoint", "CheckpointError", "CheckpointManager"]
+__all__ = [
+    "SERVER_CHECKPOINT_FORMAT",
+    "SERVER_CHECKPOINT_FORMAT_VERSION",
+    "Checkpoint",
+    "CheckpointError",
+    "CheckpointManager",
+]
 
 logger = logging.getLogger(__name__)
+
+# The "format" of a parameter server's checkpoint metadata: the server writes it and
+# resumes only from it, hpsjax.export reads only it.
+SERVER_CHECKPOINT_FORMAT = "hpsjax-server"
+SERVER_CHECKPOINT_FORMAT_VERSION = 1
 
 _FORMAT = "hpsjax-checkpoint"
 _MAGIC = b"HPSJCKP3"
@@ -287,7 +298,7 @@ class CheckpointManager:
         if self._directory.exists() and not self._directory.is_dir():
             raise ValueError(f"{self._directory} exists and is not a directory")
         self._directory.mkdir(parents=True, exist_ok=True)
-        from hpsjax.ps import _checkpoint_orbax  # about a second to import
+        from hpsjax.storage import _checkpoint_orbax  # about a second to import
 
         self._orbax = _checkpoint_orbax
         self._checkpointer = _checkpoint_orbax.new_checkpointer()
