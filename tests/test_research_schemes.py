@@ -265,10 +265,10 @@ def test_the_worker_sends_top_k_pushes_at_its_ratio():
         local_optimizer=optax.sgd(0.1),
     )
     params = {"w": np.zeros(200, np.float32)}
-    worker._initialise(params)
+    worker._compute.initialise(params)
     update = {"w": jnp.linspace(-1.0, 1.0, 200)}
     push = wc.Push(0, 1, PushMeta(0, 1.0, 8, 1), 1.0, 0, compress_ratio=0.1)
-    prepared = worker._prepare(type("C", (), {"update": update})(), push)
+    prepared = worker._compute.prepare(type("C", (), {"update": update})(), push)
     assert prepared.codec.schemes == ("topk",)  # the wire's top-k codec
     (enc,) = prepared.encoded
     assert enc.indices.size == 20 and prepared.nbytes == 20 * (2 + 4)
