@@ -369,18 +369,8 @@ class _Run:
         return [*self.hints(), (event, params)]
 
     async def push(self, push: Push) -> list:
-        w, record = self.w, self.current
-        if push.final:
-            record = {
-                "event": "final",
-                "worker": w._config.worker_id,
-                "step": self.totals["steps"],
-                "time": w._elapsed(),
-                "transfer_s": 0.0,
-                "link_delay_s": 0.0,
-                **dict.fromkeys(_TRANSFER_PARTS, 0.0),
-                "_bytes": (self.client.bytes_sent, self.client.bytes_received),
-            }
+        w = self.w
+        record = self.final_record() if push.final else self.current
         computed = self.computed.pop(push.round)
         if push.session <= self.lost_session:  # computed for a lost connection
             return [] if push.final else [(Dropped(push.session, w._elapsed()), None)]
@@ -397,24 +387,8 @@ class _Run:
                 record["encode_s"] += prepared.encode_s
             sent = time.monotonic()
             link = await w._injector.transfer(prepared.nbytes)
-            encoding = {}
-            if prepared.encoded is not None:
-                encoding = {"codec": prepared.codec, "encoded": prepared.encoded}
-            method = self.client.push_pull if push.with_pull else self.client.push
-
-            async def send():
-                # What the server says it held the answer is read with it.
-                reply = await method(prepared.update, push.meta, **encoding)
-                return reply, self.client_held()
-
-            task = asyncio.ensure_future(send())
-            await asyncio.sleep(0)  # the frame is handed to the transport
-            sending.set()
-            if push.with_pull and record is not None:
-                record["pull_start"] = w._elapsed()
-                record["pulls"] += 1
             try:
-                reply, held = await task
+                reply, held = await self.send(push, prepared, record, sending)
             except WorkerDropped as error:
                 return self.dropped(push.session, error, last=push.final)
             except _lost_errors() as error:
@@ -431,7 +405,6 @@ class _Run:
             if self.sending is sending:
                 self.sending = None
         ack, params, version = reply if push.with_pull else (reply, None, None)
-        events = []
         if push.with_pull:
             link += await w._injector.transfer(_tree_nbytes(params))
         self.transferred(record, start, link)
@@ -442,8 +415,57 @@ class _Run:
             part = "pull_s" if push.with_pull else "push_s"
             record[part] += time.monotonic() - sent
             record["server_s"] += held
+        events = self.acknowledged(push, record, ack)
+        if push.with_pull:
+            now = w._elapsed()
+            if record is not None:
+                record["pull_end"] = now
+            hint = self.client.local_steps
+            events += self.hints()
+            events.append((Pulled(push.session, version, now, hint), params))
+        if push.final:
+            self.close_final(record)
+        return events
+
+    def final_record(self) -> dict:
+        """The record of the run's last push, which no round follows."""
+        return {
+            "event": "final",
+            "worker": self.w._config.worker_id,
+            "step": self.totals["steps"],
+            "time": self.w._elapsed(),
+            "transfer_s": 0.0,
+            "link_delay_s": 0.0,
+            **dict.fromkeys(_TRANSFER_PARTS, 0.0),
+            "_bytes": (self.client.bytes_sent, self.client.bytes_received),
+        }
+
+    async def send(self, push: Push, prepared, record, sending) -> tuple:
+        """Hands a push (a push-pull) to the client, sets ``sending`` once its
+        frame is on the transport; returns the reply and the seconds the
+        server held it."""
+        encoding = {}
+        if prepared.encoded is not None:
+            encoding = {"codec": prepared.codec, "encoded": prepared.encoded}
+        method = self.client.push_pull if push.with_pull else self.client.push
+
+        async def send():
+            # What the server says it held the answer is read with it.
+            reply = await method(prepared.update, push.meta, **encoding)
+            return reply, self.client_held()
+
+        task = asyncio.ensure_future(send())
+        await asyncio.sleep(0)  # the frame is handed to the transport
+        sending.set()
+        if push.with_pull and record is not None:
+            record["pull_start"] = self.w._elapsed()
+            record["pulls"] += 1
+        return await task
+
+    def acknowledged(self, push: Push, record: dict | None, ack) -> list:
+        """Counts an acknowledged push towards ``record``; its event."""
         self.totals["pushes"] += 1
-        w._last_status = ack.status
+        self.w._last_status = ack.status
         if record is not None:
             record.update(
                 pushed_step=push.round,
@@ -452,37 +474,27 @@ class _Run:
                 weight=ack.weight,
             )
             record["force_pull"] = record.get("force_pull", False) or ack.force_pull
-        now = w._elapsed()
-        events.append(
-            (
-                Acked(
-                    push.session,
-                    ack.version,
-                    now,
-                    ack.local_steps,
-                    ack.force_pull,
-                    getattr(self.client, "stage", None),
-                ),
-                None,
-            )
+        acked = Acked(
+            push.session,
+            ack.version,
+            self.w._elapsed(),
+            ack.local_steps,
+            ack.force_pull,
+            getattr(self.client, "stage", None),
         )
-        if push.with_pull:
-            if record is not None:
-                record["pull_end"] = now
-            hint = self.client.local_steps
-            events += self.hints()
-            events.append((Pulled(push.session, version, now, hint), params))
-        if push.final:
-            sent0, received0 = record.pop("_bytes")
-            record.update(
-                bytes_sent=self.client.bytes_sent - sent0,
-                bytes_received=self.client.bytes_received - received0,
-            )
-            self.totals["transfer_s"] += record["transfer_s"]
-            self.totals["bytes_sent"] += record["bytes_sent"]
-            self.totals["bytes_received"] += record["bytes_received"]
-            w._emit(record)
-        return events
+        return [(acked, None)]
+
+    def close_final(self, record: dict) -> None:
+        """Emits the last push's record, its bytes and transfer in the totals."""
+        sent0, received0 = record.pop("_bytes")
+        record.update(
+            bytes_sent=self.client.bytes_sent - sent0,
+            bytes_received=self.client.bytes_received - received0,
+        )
+        self.totals["transfer_s"] += record["transfer_s"]
+        self.totals["bytes_sent"] += record["bytes_sent"]
+        self.totals["bytes_received"] += record["bytes_received"]
+        self.w._emit(record)
 
     def transferred(
         self,
