@@ -27,8 +27,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from hpsjax.apply._overlap import OverlapAggregator
 from hpsjax.ps import ServerCore
-from hpsjax.ps._overlap import OverlapAggregator
 
 _POLICIES = {
     "asp": {},

@@ -9,7 +9,8 @@ import numpy as np
 import optax
 import pytest
 
-from hpsjax.ps._aggregate import Aggregator
+from hpsjax.apply._aggregate import Aggregator
+from hpsjax.apply._deferred import DeferredAggregator, LazyUpdate
 from hpsjax.ps._core import (
     Applied,
     Drop,
@@ -21,7 +22,6 @@ from hpsjax.ps._core import (
     Wait,
 )
 from hpsjax.ps._policies import ASP, BSP, SSP, Policy, SemiAsync, Verdict
-from hpsjax.sim._deferred import DeferredAggregator, LazyUpdate
 from hpsjax.wire._errors import (
     HpsError,
     InvalidUpdate,

@@ -19,8 +19,8 @@ import optax
 import pytest
 
 from hpsjax import ps
+from hpsjax.apply._overlap import OverlapAggregator
 from hpsjax.ps._core import ServerCore
-from hpsjax.ps._overlap import OverlapAggregator
 from hpsjax.wire._errors import NonFiniteUpdate
 from hpsjax.wire._messages import PushMeta
 

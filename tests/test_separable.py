@@ -9,9 +9,9 @@ import numpy as np
 import optax
 import pytest
 
+from hpsjax.apply._overlap import OverlapAggregator
+from hpsjax.apply._separable import LeafSteps
 from hpsjax.ps import ServerCore
-from hpsjax.ps._overlap import OverlapAggregator
-from hpsjax.ps._separable import LeafSteps
 from hpsjax.transforms import delay_compensation, scale_by_staleness
 
 

@@ -3,7 +3,7 @@ r"""The parameter server's decisions as a sans-I/O state machine.
 :class:`ServerCore` holds the version and the bookkeeping of every worker, and
 decides, event by event, what is applied, who waits, who is released and who is
 dropped; the arithmetic (parameters, optimizer state, the buffered mean, stale
-copies) is its aggregator's (:mod:`hpsjax.ps._aggregate`), and its policy sees a
+copies) is its aggregator's (:mod:`hpsjax.apply._aggregate`), and its policy sees a
 :class:`~hpsjax.ps._policies.PolicyView` of it. It does no I/O, starts no task and reads
 no clock: the driver (the asyncio server, or the virtual-clock simulator) passes the
 time ``now`` (float seconds, never decreasing) into every call, and carries out the
@@ -127,7 +127,7 @@ import numpy as np
 
 from hpsjax._checks import check_fraction, check_int, check_positive, is_int, is_number
 from hpsjax._ewma import ewma
-from hpsjax.ps._aggregate import Aggregator
+from hpsjax.apply._aggregate import Aggregator
 from hpsjax.ps._policies import PolicyView, Verdict, get_policy
 from hpsjax.wire._errors import (
     InvalidUpdate,
@@ -476,9 +476,9 @@ class ServerCore:
       aggregator: what builds the arithmetic behind the decisions, called as
         ``aggregator(params, optimizer, check_finite=..., check_result=...,
         keep_stale_params=..., max_stale_copies=...)``: by default
-        :class:`~hpsjax.ps._aggregate.Aggregator`; the simulator's defers its
-        applies (``hpsjax.sim._deferred``), the asyncio server's applies a
-        push leaf by leaf as it arrives (``hpsjax.ps._overlap``). The core
+        :class:`~hpsjax.apply._aggregate.Aggregator`; the simulator's defers its
+        applies (``hpsjax.apply._deferred``), the asyncio server's applies a
+        push leaf by leaf as it arrives (``hpsjax.apply._overlap``). The core
         reads no array: any object with the aggregator's methods will do.
       replanner: a :class:`~hpsjax.profiling.Replanner` (H-PS dynamic
         scheduling) that :meth:`observe_speed` feeds, or ``None``; a revised
@@ -812,7 +812,7 @@ class ServerCore:
         the policy applies at once (:meth:`~hpsjax.ps.Policy.completes`: BSP's
         last push of a round, ASP's push), ``(weight, samples, staleness)`` of
         its apply: what an aggregator needs to start it before the push is
-        whole (``hpsjax.ps._overlap``). ``None`` where that does not hold or
+        whole (``hpsjax.apply._overlap``). ``None`` where that does not hold or
         cannot be known yet. Changes nothing: the weight is the one known
         before the policy judges the push (its ``push_weights`` entry), and a
         push the policy weighs otherwise is aggregated whole.

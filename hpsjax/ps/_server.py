@@ -55,6 +55,8 @@ from hpsjax._checks import check_int
 from hpsjax._devices import describe_device, resolve_device
 from hpsjax._logs import Every
 from hpsjax._progress import Progress
+from hpsjax.apply._overlap import OverlapAggregator
+from hpsjax.apply._separable import LeafApply
 from hpsjax.profiling import Replanner
 from hpsjax.ps import _auth
 from hpsjax.ps._connection import FrameProtocol, error_frame
@@ -68,9 +70,7 @@ from hpsjax.ps._core import (
     ServerCore,
     StageChanged,
 )
-from hpsjax.ps._overlap import OverlapAggregator
 from hpsjax.ps._policies import DEFAULT_POLICY
-from hpsjax.ps._separable import LeafApply
 from hpsjax.storage import (
     SERVER_CHECKPOINT_FORMAT,
     SERVER_CHECKPOINT_FORMAT_VERSION,

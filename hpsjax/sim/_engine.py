@@ -51,8 +51,8 @@ import numpy as np
 import optax
 
 from hpsjax._lru import LruCache
-from hpsjax.ps._separable import all_finite
-from hpsjax.sim._deferred import LazyUpdate
+from hpsjax.apply._deferred import LazyUpdate
+from hpsjax.apply._separable import all_finite
 from hpsjax.transforms._quantize import QuantizeState
 from hpsjax.transforms._stages import current_stage
 

@@ -62,6 +62,7 @@ import msgspec
 import numpy as np
 import optax
 
+from hpsjax.apply._deferred import DeferredAggregator
 from hpsjax.data import Batch, Dataset, share_split
 from hpsjax.planning import Replanner, WorkPlan
 from hpsjax.profiling import tree_wire_nbytes
@@ -77,9 +78,7 @@ from hpsjax.ps._core import (
     StageChanged,
     Wait,
 )
-from hpsjax.wire._errors import HpsError, NonFiniteUpdate, WorkerDropped
 from hpsjax.ps._policies import ADSP, BSP, Hybrid, Policy, get_policy
-from hpsjax.sim._deferred import DeferredAggregator
 from hpsjax.sim._engine import DeferredLeaves, Engine, IndexStream, Round, SummedRow
 from hpsjax.sim._workers import WorkerSpec, finish_time
 from hpsjax.transforms import (
@@ -90,6 +89,7 @@ from hpsjax.transforms import (
     topk_nbytes,
 )
 from hpsjax.transforms._staleness import STALENESS_POLICIES
+from hpsjax.wire._errors import HpsError, NonFiniteUpdate, WorkerDropped
 from hpsjax.worker import _core as wc
 from hpsjax.worker._core import OVERLAP_MODES
 

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from hpsjax.ps._aggregate import (
+from hpsjax.apply._aggregate import (
     Aggregator,
     Pending,
     accumulate,
@@ -137,10 +137,10 @@ def _make_chain(optimizer: optax.GradientTransformation):
 
 
 class DeferredAggregator(Aggregator):
-    """An :class:`~hpsjax.ps._aggregate.Aggregator` whose applies wait until
+    """An :class:`~hpsjax.apply._aggregate.Aggregator` whose applies wait until
     the parameters are read (see the module docstring).
 
-    Takes the arguments of :class:`~hpsjax.ps._aggregate.Aggregator`;
+    Takes the arguments of :class:`~hpsjax.apply._aggregate.Aggregator`;
     ``check_result`` is ignored (deferred applies are not checked).
 
     Raises:

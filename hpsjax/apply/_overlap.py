@@ -4,7 +4,7 @@ PHub's aggregation and optimizer step fused per chunk. Where the server core
 says a coming push completes a version at once (:meth:`ServerCore.completing_push
 <hpsjax.ps.ServerCore.completing_push>`: BSP's last push of a round, ASP's
 push), :meth:`OverlapAggregator.start` returns a
-:class:`~hpsjax.ps._separable.LeafApply` that the server feeds each leaf of the
+:class:`~hpsjax.apply._separable.LeafApply` that the server feeds each leaf of the
 update as its bytes arrive; the server then hands it back
 (:meth:`OverlapAggregator.prepare`) right before the core takes the push, and
 :meth:`OverlapAggregator.candidate` takes its buffered mean and apply instead of
@@ -20,18 +20,18 @@ from typing import Any
 
 import numpy as np
 
-from hpsjax.ps._aggregate import Aggregator, Pending
-from hpsjax.ps._separable import LeafApply, LeafSteps, leaf_steps
+from hpsjax.apply._aggregate import Aggregator, Pending
+from hpsjax.apply._separable import LeafApply, LeafSteps, leaf_steps
 from hpsjax.wire._errors import NonFiniteUpdate
 
 __all__ = ["OverlapAggregator"]
 
 
 class OverlapAggregator(Aggregator):
-    """An :class:`~hpsjax.ps._aggregate.Aggregator` that can take a push's
+    """An :class:`~hpsjax.apply._aggregate.Aggregator` that can take a push's
     apply worked out leaf by leaf (see the module docstring).
 
-    Takes the arguments of :class:`~hpsjax.ps._aggregate.Aggregator`.
+    Takes the arguments of :class:`~hpsjax.apply._aggregate.Aggregator`.
 
     Attributes:
       overlapped_applies: how many pushes were applied with the result of a
@@ -49,7 +49,7 @@ class OverlapAggregator(Aggregator):
         """The optimizer's per-leaf step, or ``None`` where it is not separable.
 
         Decided on first use by running the whole-tree and the per-leaf steps
-        on random inputs (see :mod:`hpsjax.ps._separable`); a tree of one leaf
+        on random inputs (see :mod:`hpsjax.apply._separable`); a tree of one leaf
         has no per-leaf step. Applies still run on the whole tree: this is the
         step an apply overlapped with receipt can run leaf by leaf.
         """

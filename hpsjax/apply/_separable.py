@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-__all__ = ["LeafApply", "LeafSteps", "leaf_steps"]
+__all__ = ["LeafApply", "LeafSteps", "all_finite", "finite", "leaf_steps"]
 
 
 def _leaf_apply(opt, param, state, update, staleness, stale):
@@ -188,7 +188,7 @@ class LeafApply:
 
     The server's aggregator starts one for a push whose apply follows at once
     (``ServerCore.completing_push`` says when that is: an ASP push, the last
-    push of a BSP round; see ``hpsjax.ps._overlap``), the server feeds it each
+    push of a BSP round; see ``hpsjax.apply._overlap``), the server feeds it each
     leaf of the update as its bytes arrive, and the aggregator takes its
     result in place of the whole-tree average and apply, if nothing changed
     meanwhile: the parameters, optimizer state

@@ -11,9 +11,9 @@ versions that workers may still push against (stale copies, for
 delay-compensated optimizers).
 
 Two variants live beside their drivers: the simulator's, which defers applies
-and carries many out in one compiled call (``hpsjax.sim._deferred``), and the
+and carries many out in one compiled call (``hpsjax.apply._deferred``), and the
 asyncio server's, which applies a push leaf by leaf as it arrives
-(``hpsjax.ps._overlap``).
+(``hpsjax.apply._overlap``).
 
 The weighted mean. A push of weight :math:`d_j` (the policy's damping, times
 its ``push_weights`` entry) and :math:`n_j` samples joins the buffer as the
@@ -40,7 +40,7 @@ import numpy as np
 import optax
 
 from hpsjax._checks import check_int
-from hpsjax.ps._separable import all_finite, finite
+from hpsjax.apply._separable import all_finite, finite
 from hpsjax.wire._errors import NonFiniteUpdate, SpecMismatch
 
 __all__ = ["Aggregator", "Pending"]
