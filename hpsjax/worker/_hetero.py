@@ -9,7 +9,10 @@ one machine, each worker is given
   included), so its typical step takes :math:`k \bar c`: a device :math:`k`
   times slower, whose step varies as much as this machine's does, not :math:`k`
   times as much (a step slowed by a busy core would otherwise have that delay
-  multiplied by :math:`k - 1`);
+  multiplied by :math:`k - 1`). The first execution of a shape (where XLA
+  finishes compiling and allocating: several times a steady step) is not
+  slowed and not in the median: slower hardware runs its steps slower, not the
+  compiler;
 * a **bandwidth cap** :math:`B` (bytes per second) and a **latency**
   :math:`\ell` (seconds): every message of :math:`n` bytes it sends or receives
   is held back by :math:`\ell + n / B`, as a link of that speed would take;
@@ -303,10 +306,14 @@ class Injector:
 
     Examples:
       >>> injector = Injector(Heterogeneity(slowdown=3.0))
+      >>> injector.after_compute(2.0, key=32)    # the shape's first execution
+      0.0
       >>> injector.after_compute(0.25, key=32)   # sleeps 0.5 s
       0.5
       >>> injector.after_compute(0.75, key=32)   # (3 - 1) * median(0.25, 0.75)
       1.0
+      >>> injector.first_executions
+      1
     """
 
     window = 8
@@ -334,6 +341,7 @@ class Injector:
         self._compute_delay = 0.0
         self._transfer_delay = 0.0
         self._recent: dict[Any, collections.deque[float]] = {}
+        self._first_executions = 0
 
     @property
     def heterogeneity(self) -> Heterogeneity:
@@ -362,16 +370,20 @@ class Injector:
           compute_seconds: what the step computed for.
           key: the step's shape (e.g. its batch sizes): the sleep is
             :math:`(k - 1)` times the median of the last :attr:`window` steps
-            with this key, this one included (the profile's statistic too).
-            ``None``: :math:`(k - 1)` times this step's own time.
+            with this key, this one included (the profile's statistic too);
+            the first step with a key is its first execution, not slowed (0
+            returned) and not in the median. ``None``: :math:`(k - 1)` times
+            this step's own time.
         """
         if not compute_seconds >= 0:
             raise ValueError(f"compute_seconds must be >= 0, got {compute_seconds}")
         if key is not None:
             with self._lock:
-                recent = self._recent.setdefault(
-                    key, collections.deque(maxlen=self.window)
-                )
+                recent = self._recent.get(key)
+                if recent is None:
+                    self._recent[key] = collections.deque(maxlen=self.window)
+                    self._first_executions += 1
+                    return 0.0
                 recent.append(float(compute_seconds))
                 compute_seconds = statistics.median(recent)
         delay = self._het.compute_delay(compute_seconds, now=self.elapsed())
@@ -392,6 +404,11 @@ class Injector:
             with self._lock:
                 self._transfer_delay += delay
         return delay
+
+    @property
+    def first_executions(self) -> int:
+        """Steps not slowed as the first execution of their shape."""
+        return self._first_executions
 
     @property
     def total_compute_delay(self) -> float:
