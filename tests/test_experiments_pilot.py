@@ -32,10 +32,15 @@ def test_the_replanner_of_a_pilot_keeps_its_plan_without_replan():
     assert [w.batch_size for w in pilot.plan.workers] == [32, 32, 32, 32]
     now, speeds = 0.0, {0: 0.1, 1: 0.1, 2: 0.05, 3: 0.025}
     while not pilot.done and now < 500:
+        # A barrier's rounds: each push its step (and 10 ms) after the round
+        # starts, the next round at the last push.
+        pushes = []
         for w in pilot.plan.workers:
             steps = speeds[w.worker_id] * (1 + w.batch_size / 32)
-            pilot.observe(w.worker_id, w.batch_size, steps, now)
-        now += 1.0
+            pushes.append((now + steps + 0.01, w.worker_id, w.batch_size, steps))
+        for at, worker, batch, steps in sorted(pushes):
+            pilot.observe(worker, batch, steps, at)
+        now = max(p[0] for p in pushes)
     assert pilot.done and seen, "the pilot never planned"
     planned = [w.batch_size for w in pilot.plan.workers]
     assert planned[3] > planned[2] > planned[0], planned  # faster, more

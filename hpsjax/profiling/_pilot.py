@@ -2,41 +2,58 @@ r"""A plan made from the run itself: a pilot of real training rounds.
 
 A :class:`Pilot` takes the place of a :class:`~hpsjax.profiling.Replanner` at
 the server. It starts from an even split of the global batch over the named
-workers, moves every worker through two or more batch sizes (each pilot plan
-is a plan revision, so every pilot round is a real training round, on the real
-server and links, under the run's own contention), and fits each worker's
-step time
+workers; once every worker has ``min_reports`` kept reports there, it gives
+each worker a second batch in proportion to its measured speed (the global
+batch split so that every worker's step takes about as long: a worker of half
+the speed gets half the samples), so the second phase is already a balanced
+round and every worker has two batch sizes (equal workers keep their share).
+Every pilot round is a real training round, on the real server and links,
+under the run's own contention. From the reports it fits each worker's step
 
 .. math::
 
   t_i(b) = a_i + c_i\, b
 
-by least squares over its reports, leaving out its first ``warmup`` reports at
-each batch (compiles, first executions). It stops once the fit is sure enough:
-for every worker the relative standard error of the predicted step at the
-batch the fits would plan for it,
+robustly: the median step at each batch, its standard error from the pooled
+median absolute deviation of the steps around their batch's median (relative,
+times 1.4826 for a normal's deviation, times 1.2533 for a median's error), and
+a weighted least-squares line through the medians (one batch only: through the
+origin, as where the batches are within a factor 1.15). Reports are left
+out of the fit when they hold a compile or a first
+execution: a worker's first ``warmup`` reports at each batch, its reports at a
+batch other than the one planned for it (its new step still compiling beside
+the rounds), and a phase's reports until every worker has reported at its new
+batch (no compile left running beside the rounds). The pilot stops once the
+fit is sure enough: for every worker the relative standard error of the
+predicted step at the batch the fits would plan for it,
 
 .. math::
 
   \frac{\operatorname{se}\big(\hat a_i + \hat c_i B_i\big)}{\hat a_i + \hat c_i B_i}
   \le \text{tolerance},
 
-or once ``max_rounds`` pilot rounds have passed. It then installs the plan of
+or once ``max_rounds`` pilot rounds have passed; until then the second phase
+goes on (no further batch, no further compile). It then installs the plan of
 the chosen scheme, made by :func:`~hpsjax.profiling.plan` from the fits (as
-:class:`~hpsjax.profiling.WorkerProfile` objects whose transfer is the link's
-round trip the server measured, :meth:`Pilot.observe_link`), and from then on
+:class:`~hpsjax.profiling.WorkerProfile` objects whose step spread is the fit's
+robust spread and whose transfer is the worker's link), and from then on
 re-plans as the ordinary :class:`~hpsjax.profiling.Replanner` does.
 
-The batches of a pilot phase: phase 0 gives every worker its even share
-``e``; phase 1 gives workers 0, 2, 4, ... ``e (1 + spread)`` and workers 1, 3,
-5, ... ``e (1 - spread)``; phase 2 the other way round; then phases 1 and 2
-repeat. With an even number of workers the global batch stays the same.
+The link: under a scheme whose rounds end at a barrier (``hps``, ``equal``)
+the pilot replays the barrier from its reports' times: a round ends at the
+push that completes it, and a worker's next push comes its round trip after
+that plus its compute, so its link is the median of ``push time - round end -
+compute`` (the wire both ways and the server's handling, without the time it
+waited at the barrier for the others). Under other schemes it is what
+:meth:`Pilot.observe_link` was told last (the server's moving average of a
+push's interval less its compute).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import statistics
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -69,6 +86,17 @@ _PLAN_OPTIONS = (
     "max_local_steps",
     "server_seconds",
 )
+# The schemes whose rounds end at a barrier of every worker's push: the pilot
+# takes their links from the barrier it replays.
+_BARRIER_SCHEMES = ("hps", "equal")
+# A normal's standard deviation per median absolute deviation, and a median's
+# standard error per the mean's.
+_MAD_TO_SIGMA = 1.4826
+# The least ratio of a worker's largest batch to its smallest for a line with
+# a fixed cost: closer batches pin down the step there, not its slope (a slope
+# fitted too flat would hand the worker samples it cannot take).
+_LINE_SPAN = 1.15
+_MEDIAN_EFFICIENCY = math.sqrt(math.pi / 2)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,7 +107,8 @@ class WorkerFit:
       worker_id: the worker.
       intercept: ``a``, fixed seconds per step (>= 0).
       slope: ``c``, seconds per sample (> 0).
-      sigma: the residuals' standard deviation (s).
+      spread: the steps' robust relative spread around their batch's median
+        (1.4826 times the median absolute relative deviation).
       reports: reports in the fit.
       batch_sizes: the distinct batches reported, ascending.
     """
@@ -87,10 +116,10 @@ class WorkerFit:
     worker_id: int | str
     intercept: float
     slope: float
-    sigma: float
+    spread: float
     reports: int
     batch_sizes: tuple[int, ...]
-    _inverse: Any = dataclasses.field(repr=False, compare=False, default=None)
+    _covariance: Any = dataclasses.field(repr=False, compare=False, default=None)
 
     def step_time(self, batch_size: float) -> float:
         """The fitted seconds per step at ``batch_size``."""
@@ -99,45 +128,87 @@ class WorkerFit:
     def relative_error(self, batch_size: float) -> float:
         """The relative standard error of :meth:`step_time` at ``batch_size``."""
         x = np.array([1.0, float(batch_size)])
-        se = self.sigma * math.sqrt(max(float(x @ self._inverse @ x), 0.0))
+        se = math.sqrt(max(float(x @ self._covariance @ x), 0.0))
         return se / self.step_time(batch_size)
 
     def profile(self, transfer_seconds: float | None) -> WorkerProfile:
-        """The fit as a one-device :class:`WorkerProfile` for :func:`plan`."""
-        times = tuple(self.step_time(b) for b in self.batch_sizes)
-        spread = tuple(self.sigma / t for t in times)
+        """The fit as a one-device :class:`WorkerProfile` for :func:`plan`
+        (its line at two batches or more: one batch, and twice it)."""
+        sizes = self.batch_sizes
+        if len(sizes) == 1:
+            sizes = (sizes[0], 2 * sizes[0])
+        times = tuple(self.step_time(b) for b in sizes)
         transfer = None
         if transfer_seconds is not None:
             transfer = TransferProfile.of_round_trip(transfer_seconds, "measured")
         device = DeviceProfile(
-            0, "pilot", "pilot", self.batch_sizes, times, step_spread=spread
+            0,
+            "pilot",
+            "pilot",
+            sizes,
+            times,
+            step_spread=(self.spread,) * len(times),
         )
         return WorkerProfile(self.worker_id, (device,), transfer)
 
 
 def fit_reports(worker_id: int | str, reports: Sequence[tuple[int, float]]):
-    """Least squares ``t = a + c b`` over ``(batch, seconds)`` reports.
+    """The robust fit ``t = a + c b`` of ``(batch, seconds)`` reports.
 
-    Returns ``None`` for fewer than three reports or one batch only. A negative
+    Per batch, the median step and its standard error (the pooled robust
+    relative spread of every report around its batch's median, over the
+    square root of the batch's reports); a weighted least-squares line through
+    the medians, or where the batches span less than a factor 1.15 the line
+    through the origin (they fix the step there, not its slope). A negative
     ``a`` is fitted again through the origin; a non-positive ``c`` (steps that
-    did not grow with the batch) gives ``a = 0`` and the mean seconds per
-    sample.
+    did not grow with the batch) gives ``a = 0`` and the weighted mean seconds
+    per sample. Returns ``None`` for fewer than two reports.
     """
-    b = np.array([r[0] for r in reports], dtype=np.float64)
-    t = np.array([r[1] for r in reports], dtype=np.float64)
-    sizes = tuple(sorted({int(x) for x in b}))
-    if len(reports) < 3 or len(sizes) < 2:
+    if len(reports) < 2:
         return None
-    x = np.stack([np.ones_like(b), b], axis=1)
-    inverse = np.linalg.inv(x.T @ x)
-    a, c = inverse @ x.T @ t
-    if c <= 0:
-        a, c = 0.0, float(np.mean(t / b))
-    elif a < 0:
-        a, c = 0.0, float(b @ t / (b @ b))
-    residual = t - (a + c * b)
-    sigma = math.sqrt(float(residual @ residual) / (len(reports) - 2))
-    return WorkerFit(worker_id, float(a), float(c), sigma, len(reports), sizes, inverse)
+    groups: dict[int, list[float]] = {}
+    for b, t in reports:
+        groups.setdefault(int(b), []).append(float(t))
+    sizes = tuple(sorted(groups))
+    b = np.array(sizes, dtype=np.float64)
+    m = np.array([statistics.median(groups[s]) for s in sizes])
+    deviations = [
+        abs(t / mi - 1) for s, mi in zip(sizes, m, strict=True) for t in groups[s]
+    ]
+    spread = _MAD_TO_SIGMA * statistics.median(deviations)
+    counts = np.array([len(groups[s]) for s in sizes], dtype=np.float64)
+    # A floor keeps identical reports (no noise) a finite weight.
+    se = np.maximum(_MEDIAN_EFFICIENCY * spread * m / np.sqrt(counts), 1e-9 * m)
+    w = 1.0 / se**2
+    a, c, covariance = 0.0, 0.0, None
+    if len(sizes) >= 2 and sizes[-1] >= _LINE_SPAN * sizes[0]:
+        x = np.stack([np.ones_like(b), b], axis=1)
+        covariance = np.linalg.inv(x.T @ (w[:, None] * x))
+        a, c = covariance @ x.T @ (w * m)
+    if covariance is None or c <= 0 or a < 0:
+        # Through the origin: t = c b, var(c) = 1 / sum(w b^2).
+        a, c = 0.0, float(np.sum(w * b * m) / np.sum(w * b * b))
+        covariance = np.array([[0.0, 0.0], [0.0, 1.0 / float(np.sum(w * b * b))]])
+    return WorkerFit(
+        worker_id, float(a), float(c), float(spread), len(reports), sizes, covariance
+    )
+
+
+def _proportional(total: int, speeds: Sequence[float], low: int = 1) -> list[int]:
+    """``total`` split in proportion to ``speeds``, each at least ``low``, by
+    largest remainders (the parts add up to ``total``)."""
+    share = np.asarray(speeds, dtype=np.float64)
+    share = share / share.sum() * total
+    parts = np.maximum(np.floor(share), low).astype(int)
+    order = np.argsort(-(share - np.floor(share)))
+    k = 0
+    while parts.sum() < total:
+        parts[order[k % len(parts)]] += 1
+        k += 1
+    while parts.sum() > total:
+        largest = int(np.argmax(parts))
+        parts[largest] -= 1
+    return [int(p) for p in parts]
 
 
 class Pilot(Replanner):
@@ -145,17 +216,15 @@ class Pilot(Replanner):
 
     Args:
       worker_ids: the workers of the run (at least one, no repeats).
-      global_batch: samples per round-step over all workers of the final plan
-        (and of the pilot, with an even number of workers).
+      global_batch: samples per round-step over all workers, in the pilot's
+        phases and the final plan.
       scheme: the final plan's scheme, one of :data:`SCHEMES`.
       tolerance: the largest relative standard error of a worker's predicted
         step at its planned batch at which the pilot stops.
-      max_rounds: pilot rounds (reports of a worker) after which the plan is
-        made from the fits as they are.
-      min_reports: reports of each worker at each pilot batch, after the
-        warm-up, before the pilot moves on.
-      spread: how far the pilot's batches move from the even share, in
-        ``(0, 1)``.
+      max_rounds: pilot rounds (kept reports of a worker) after which the plan
+        is made from the fits as they are.
+      min_reports: kept reports of each worker at each pilot batch before the
+        pilot moves on.
       plan_options: further arguments of :func:`plan` (``lr_scaling``,
         ``reference_batch``, ``local_steps``, ``min_device_batch``,
         ``min_batch``, ``max_local_steps``, ``server_seconds``).
@@ -171,14 +240,17 @@ class Pilot(Replanner):
       >>> pilot = Pilot(["a", "b"], global_batch=64, tolerance=0.05)
       >>> [w.batch_size for w in pilot.plan.workers]
       [32, 32]
-      >>> revised, now = None, 0.0
+      >>> revised, start = None, 0.0   # rounds at a barrier, links of 5 ms
       >>> while not pilot.done:
+      ...     ends = []
       ...     for w in pilot.plan.workers:
-      ...         now += 1.0
       ...         t = (0.01 if w.worker_id == "a" else 0.03) + 0.001 * w.batch_size
-      ...         revised = pilot.observe(w.worker_id, w.batch_size, t, now) or revised
-      >>> [w.batch_size for w in revised.workers]
-      [42, 22]
+      ...         ends.append(start + t + 0.005)
+      ...         new = pilot.observe(w.worker_id, w.batch_size, t, ends[-1])
+      ...         revised = new or revised
+      ...     start = max(ends)
+      >>> [w.batch_size for w in revised.workers], round(pilot.link("a"), 3)
+      ([42, 22], 0.005)
     """
 
     def __init__(
@@ -190,7 +262,6 @@ class Pilot(Replanner):
         tolerance: float = 0.05,
         max_rounds: int = 60,
         min_reports: int = 3,
-        spread: float = 0.5,
         plan_options: Mapping[str, Any] | None = None,
         threshold: float = 0.2,
         window: int = 10,
@@ -206,15 +277,14 @@ class Pilot(Replanner):
         self._tolerance = check_positive("tolerance", tolerance)
         self._max_rounds = check_int("max_rounds", max_rounds, low=1)
         self._min_reports = check_int("min_reports", min_reports, low=1)
-        if not (is_number(spread) and 0 < spread < 1):
-            raise ValueError(f"spread must be in (0, 1), got {spread!r}")
-        self._spread = float(spread)
         self._options = _checked_options(plan_options)
         check_int("warmup", warmup, low=1)
         self._ids = ids
         self._phase = 0
         self._pilot_reports: dict = {w: [] for w in ids}
         self._links: dict = {}
+        self._barrier = _Barrier(ids) if scheme in _BARRIER_SCHEMES else None
+        self._link_samples: dict = {w: [] for w in ids}
         self._start_phase()
         self._rounds = 0
         self._done = False
@@ -224,7 +294,7 @@ class Pilot(Replanner):
         # The final plan's settings must hold before anything runs.
         self._final_plan([_nominal_fit(w) for w in ids], revision=0)
         super().__init__(
-            self._pilot_plan(0, revision=0),
+            self._pilot_plan(self._even(), revision=0),
             threshold=threshold,
             window=window,
             cooldown=cooldown,
@@ -243,12 +313,21 @@ class Pilot(Replanner):
         worker that has most."""
         return self._rounds
 
+    def link(self, worker_id: int | str) -> float | None:
+        """The link's seconds the pilot plans ``worker_id`` with (see the
+        module docstring), ``None`` before it knows any."""
+        samples = self._link_samples.get(worker_id)
+        if samples:
+            return float(statistics.median(samples))
+        return self._links.get(worker_id)
+
     def observe_link(self, worker_id: int | str, seconds: float) -> None:
         """Records a worker's round trip to the server beyond its compute.
 
         The server's moving average of a push's interval less its step time
-        (the wire both ways and the server's handling): the final plan's
-        transfer seconds for the worker. Unknown workers are ignored.
+        (the wire both ways and the server's handling, and under a barrier the
+        wait for the others): the final plan's transfer seconds for the worker
+        under a scheme without a barrier. Unknown workers are ignored.
 
         Raises:
           ValueError: ``seconds`` not a finite number >= 0.
@@ -266,40 +345,65 @@ class Pilot(Replanner):
         if self._done:
             self.reason = None
             return super().observe(worker_id, batch_size, step_time, now)
-        self._plan.worker(worker_id)
+        planned = self._plan.worker(worker_id)
         batch_size, step_time = check_report(batch_size, step_time, now)
-        if self._warming(worker_id, batch_size):
+        link = None
+        if self._barrier is not None:
+            link = self._barrier.push(worker_id, now, planned.local_steps * step_time)
+        if not self._kept(worker_id, batch_size, planned.batch_size):
             return None
+        if link is not None:
+            self._link_samples[worker_id].append(link)
         reports = self._pilot_reports[worker_id]
         reports.append((batch_size, step_time))
         self._rounds = max(self._rounds, len(reports))
         if not self._phase_over():
             return None
+        return self._next(now)
+
+    def _kept(self, worker_id: int | str, batch_size: int, planned: int) -> bool:
+        """Whether a report goes into the fit (see the module docstring)."""
+        warming = self._warming(worker_id, batch_size)
+        if batch_size != planned:
+            return False  # its planned batch's step still compiles
+        self._switched.add(worker_id)
+        return not warming and len(self._switched) == len(self._ids)
+
+    def _next(self, now: float) -> WorkPlan | None:
+        """At the end of a phase: the second phase's plan, the final plan, or
+        ``None`` (the second phase goes on)."""
+        if self._phase == 0:
+            self._phase = 1
+            batches = self._second_batches()
+            if batches != [w.batch_size for w in self._plan.workers]:
+                self.reason = "pilot phase 1"
+                self._start_phase()
+                self._install(self._pilot_plan(batches, self._plan.revision + 1), now)
+                return self._plan
         self.fits = {
             w: fit for w in self._ids if (fit := fit_reports(w, self._pilot_reports[w]))
         }
-        if len(self.fits) == len(self._ids):
-            final = self._final_plan(
-                [self.fits[w] for w in self._ids], self._plan.revision + 1
-            )
-            sure = all(
-                self.fits[w.worker_id].relative_error(w.batch_size) <= self._tolerance
-                for w in final.workers
-            )
-            if sure or self._rounds >= self._max_rounds:
-                self._done = True
-                self.reason = f"the pilot's fit after {self._rounds} rounds"
-                self._install(final, now)
-                return final
-        self._phase = 1 if self._phase == 2 else self._phase + 1
-        self.reason = f"pilot phase {self._phase}"
-        self._start_phase()
-        self._install(self._pilot_plan(self._phase, self._plan.revision + 1), now)
-        return self._plan
+        if len(self.fits) < len(self._ids):
+            return None
+        final = self._final_plan(
+            [self.fits[w] for w in self._ids], self._plan.revision + 1
+        )
+        sure = all(
+            self.fits[w.worker_id].relative_error(w.batch_size) <= self._tolerance
+            for w in final.workers
+        )
+        if not (sure or self._rounds >= self._max_rounds):
+            return None
+        self._done = True
+        self.reason = f"the pilot's fit after {self._rounds} rounds"
+        self._install(final, now)
+        return final
 
     def _start_phase(self) -> None:
-        """A phase counts the reports that come after it begins."""
+        """A phase counts the reports that come after it begins, and none
+        until every worker has reported at its batch of the phase."""
         self._phase_start = {w: len(r) for w, r in self._pilot_reports.items()}
+        self._switched: set = set()
 
     def _phase_over(self) -> bool:
         """Whether every worker has ``min_reports`` kept reports at its batch
@@ -312,19 +416,21 @@ class Pilot(Replanner):
                 return False
         return True
 
-    def _pilot_batches(self, phase: int) -> list[int]:
+    def _even(self) -> list[int]:
         n, total = len(self._ids), self._global_batch
-        even = [total // n + (1 if i < total % n else 0) for i in range(n)]
-        if phase == 0:
-            return even
-        sign = 1 if phase == 1 else -1
-        return [
-            max(1, round(e * (1 + sign * (1 if i % 2 == 0 else -1) * self._spread)))
-            for i, e in enumerate(even)
-        ]
+        return [total // n + (1 if i < total % n else 0) for i in range(n)]
 
-    def _pilot_plan(self, phase: int, revision: int) -> WorkPlan:
-        batches = self._pilot_batches(phase)
+    def _second_batches(self) -> list[int]:
+        """The global batch split in proportion to each worker's samples per
+        second at its first batch (the median of its kept reports there)."""
+        speeds = []
+        for w, e in zip(self._ids, self._even(), strict=True):
+            times = [t for b, t in self._pilot_reports[w] if b == e]
+            speeds.append(e / statistics.median(times))
+        low = max(1, int(self._options.get("min_batch", 1)))
+        return _proportional(self._global_batch, speeds, low)
+
+    def _pilot_plan(self, batches: Sequence[int], revision: int) -> WorkPlan:
         options = self._options
         steps = options.get("local_steps", 1)
         reference = options.get("reference_batch") or self._global_batch / len(batches)
@@ -335,7 +441,7 @@ class Pilot(Replanner):
         for w, b in zip(self._ids, batches, strict=True):
             fit = self.fits.get(w) or _nominal_fit(w)
             t = fit.step_time(b)
-            link = self._links.get(w, 0.0)
+            link = self.link(w) or 0.0
             device = DevicePlan(0, b, t, fit.intercept, fit.slope, fit.slope, None)
             workers.append(
                 WorkerPlan(w, b, steps, lr_scale, t, link, steps * t + link, (device,))
@@ -353,16 +459,50 @@ class Pilot(Replanner):
         )
 
     def _final_plan(self, fits: Sequence[WorkerFit], revision: int) -> WorkPlan:
-        profiles = [f.profile(self._links.get(f.worker_id)) for f in fits]
+        profiles = [f.profile(self.link(f.worker_id)) for f in fits]
         made = plan(
             profiles, self._scheme, global_batch=self._global_batch, **self._options
         )
         return dataclasses.replace(made, revision=revision)
 
 
+class _Barrier:
+    """The barrier a barrier scheme's rounds end at, replayed from the times
+    of the workers' pushes: a round ends at the push that completes it."""
+
+    def __init__(self, ids: Sequence[int | str]):
+        self._ids = frozenset(ids)
+        self._pushed: set = set()
+        # When the last round ended, and per worker its value at the
+        # worker's last push: a round ended since when the two differ.
+        self._end: float | None = None
+        self._since: dict = {}
+        self._latest = 0.0
+
+    def push(self, worker_id: int | str, now: float, compute: float) -> float | None:
+        """Counts a push; returns the worker's link seconds in it (``now`` less
+        the last round's end and ``compute``), or ``None`` when no round ended
+        since its last push (it joined late, or the rounds are out of step)."""
+        ended = self._end if self._since.get(worker_id) != self._end else None
+        if worker_id in self._pushed:
+            # Two pushes in one round: this is not the barrier's round.
+            self._pushed.clear()
+            self._end = None
+            ended = None
+        self._pushed.add(worker_id)
+        self._since[worker_id] = self._end
+        self._latest = now if len(self._pushed) == 1 else max(self._latest, now)
+        if self._pushed == self._ids:
+            self._end = self._latest
+            self._pushed.clear()
+        if ended is None:
+            return None
+        return max(now - ended - compute, 0.0)
+
+
 def _nominal_fit(worker_id: int | str) -> WorkerFit:
     """A stand-in before any fit: 1 ms per sample, no fixed cost."""
-    return WorkerFit(worker_id, 0.0, 1e-3, 0.0, 0, (1, 2), np.eye(2))
+    return WorkerFit(worker_id, 0.0, 1e-3, 0.0, 0, (1, 2), np.zeros((2, 2)))
 
 
 def _checked_ids(worker_ids: Any) -> list:
