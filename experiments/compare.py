@@ -21,7 +21,9 @@ and prints the table and the plot's path. ``--schemes=bsp,hps`` runs a subset;
 standard deviation) of the time to target; ``--render_only`` rebuilds the table
 and plot from the work directories of an earlier run. Runs already finished in
 ``DIR`` are kept, so an interrupted comparison resumes where it stopped
-(``--overwrite`` runs them again); ``--jobs=N`` runs N simulated runs at once.
+(``--overwrite`` runs them again); ``--jobs=N`` runs N simulated runs at once;
+``--set=[SCHEME:]KEY=VALUE`` sets a config field on every run, or on one
+scheme's (``--set=hps:plan.pilot=True``: H-PS planned by its pilot).
 Example::
 
   python -m experiments.compare --suite=demo --workdir=/tmp/hpsjax/demo
@@ -29,6 +31,7 @@ Example::
 
 from __future__ import annotations
 
+import ast
 import concurrent.futures
 import json
 import multiprocessing
@@ -52,6 +55,7 @@ __all__ = [
     "load_run",
     "mean_curve",
     "run_finished",
+    "parse_settings",
     "run_suite",
 ]
 
@@ -310,6 +314,54 @@ def _train_quietly(config, where: pathlib.Path, formats: Sequence[str]) -> None:
     train.train_and_evaluate(config, where, progress=False, formats=formats)
 
 
+def parse_settings(settings: Sequence[str]) -> list[tuple[str | None, str, Any]]:
+    """Reads ``[SCHEME:]KEY=VALUE`` settings into ``(scheme, key, value)``.
+
+    ``KEY`` is a dotted config field (``plan.pilot_tolerance``); ``VALUE`` a
+    Python literal (``True``, ``0.05``, ``(1, 2)``) or else a string; a scheme
+    limits the setting to that scheme's runs.
+
+    Raises:
+      ValueError: a setting without ``=`` or with an empty key, in one line.
+
+    Examples:
+      >>> parse_settings(["hps:plan.pilot=True", "budget_seconds=20"])
+      [('hps', 'plan.pilot', True), (None, 'budget_seconds', 20)]
+    """
+    parsed = []
+    for setting in settings:
+        key, sep, text = setting.partition("=")
+        scheme, _, key = key.rpartition(":")
+        if not sep or not key.strip():
+            raise ValueError(f"a setting is [SCHEME:]KEY=VALUE, got {setting!r}")
+        try:
+            value = ast.literal_eval(text)
+        except (ValueError, SyntaxError):
+            value = text
+        parsed.append((scheme.strip() or None, key.strip(), value))
+    return parsed
+
+
+def _apply_settings(config, scheme: str, settings) -> None:
+    """Sets each of ``settings`` (:func:`parse_settings`'s) that applies to
+    ``scheme`` on ``config``; an unknown field is a one-line error."""
+    for only, key, value in settings:
+        if only is not None and only not in registry.SCHEMES:
+            raise ValueError(f"--set: unknown scheme {only!r} in {only}:{key}")
+        if only is not None and only != scheme:
+            continue
+        *path, leaf = key.split(".")
+        node = config
+        for part in path:
+            node = node.get(part) if hasattr(node, "get") else None
+        if node is None or not hasattr(node, "keys") or leaf not in node:
+            raise ValueError(f"--set: {scheme}'s config has no field {key!r}")
+        try:
+            node[leaf] = value
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"--set: {key}={value!r}: {e}") from None
+
+
 def _progress_label(
     scheme: str, seed: int | None, chosen: Sequence[str], seeds: Sequence[int] | None
 ) -> str:
@@ -341,6 +393,7 @@ def run_suite(
     budget_seconds: float | None = None,
     devices: str | Sequence[str] | None = None,
     formats: Sequence[str] = plots.FORMATS,
+    settings: Sequence[str] = (),
 ) -> dict[str, Any]:
     """Runs a suite's schemes and writes the comparison.
 
@@ -367,6 +420,9 @@ def run_suite(
         :mod:`experiments.placement`; real processes only).
       formats: the figures' file formats (each run's and the comparison's),
         some of :data:`experiments.plots.FORMATS`.
+      settings: ``[SCHEME:]KEY=VALUE`` config fields set on every run (of
+        that scheme), see :func:`parse_settings`
+        (``"hps:plan.pilot=True"``).
 
     Returns:
       ``{"table": markdown, "table_path", "plot_path", "summaries"}``
@@ -410,6 +466,13 @@ def run_suite(
         from experiments.placement import parse_spec
 
         devices = tuple(f"{kind}:{n}" for kind, n in parse_spec(devices))
+    settings = parse_settings(settings)
+    for only, key, _ in settings:
+        if only is not None and only not in chosen:
+            raise ValueError(
+                f"--set {only}:{key}: {only!r} is not a scheme of this "
+                f"comparison ({', '.join(chosen)})"
+            )
     workdir = pathlib.Path(workdir)
     planned = []
     for scheme in chosen:
@@ -427,6 +490,7 @@ def run_suite(
                     )
                 config.workers.devices = devices
                 config.workers.slowdowns = (1.0,) * len(devices)
+            _apply_settings(config, scheme, settings)
             where = workdir / scheme
             if seed is not None:
                 config.seed = seed
@@ -612,6 +676,12 @@ def _define_flags() -> None:
         "The figures' file formats, comma-separated: some of "
         f"{', '.join(plots.FORMATS)} (each run's and the comparison's).",
     )
+    flags.DEFINE_multi_string(
+        "set",
+        [],
+        "[SCHEME:]KEY=VALUE: set a config field on every run, or on that "
+        "scheme's runs (repeatable), e.g. --set=hps:plan.pilot=True.",
+    )
     flags.mark_flags_as_required(["suite", "workdir"])
 
 
@@ -639,6 +709,11 @@ def _check_flags(values: flags.FlagValues) -> list[int] | None:
         plots.check_formats(values.formats)
     except ValueError as e:
         raise ValueError(f"--formats: {e}") from None
+    settings = parse_settings(values.set)
+    for scheme in values.schemes or suite.schemes:
+        config = registry.load_config(scheme, suite.setting)
+        _apply_settings(config, scheme, settings)
+        registry.check_config(config)
     if values.seeds is None:
         return None
     try:
@@ -666,6 +741,7 @@ def main(argv):
         budget_seconds=values.budget_seconds,
         devices=values.devices,
         formats=values.formats,
+        settings=values.set,
     )
     print(result["table"])
     print(f"table: {result['table_path']}")

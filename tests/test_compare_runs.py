@@ -130,3 +130,45 @@ def test_parallel_runs_match_serial_ones(tmp_path, caplog, shared_compiles):
     # The simulator is deterministic: the same runs in other processes give
     # the same table.
     assert parallel["table"] == serial["table"]
+
+
+def test_settings_apply_to_their_scheme_only():
+    from experiments import registry
+
+    settings = compare.parse_settings(
+        ["hps:plan.pilot=True", "hps:plan.pilot_tolerance=0.1", "budget_seconds=12"]
+    )
+    assert settings[0] == ("hps", "plan.pilot", True)
+    for scheme in ("bsp", "hps"):
+        config = registry.load_config(scheme, "proc4")
+        compare._apply_settings(config, scheme, settings)
+        registry.check_config(config)
+        assert config.budget_seconds == 12.0
+        assert bool(config.plan.pilot) == (scheme == "hps")
+    assert config.plan.pilot_tolerance == 0.1
+
+
+@pytest.mark.parametrize(
+    ("setting", "message"),
+    [
+        ("plan.pilot", "a setting is [SCHEME:]KEY=VALUE, got 'plan.pilot'"),
+        ("hps:plan.nothing=1", "--set: hps's config has no field 'plan.nothing'"),
+        ("hsp:plan.pilot=True", "--set: unknown scheme 'hsp' in hsp:plan.pilot"),
+        ("hps:plan.pilot_tolerance=abc", "--set: plan.pilot_tolerance='abc'"),
+        ("plan.pilot=True", "plan.pilot needs a plan.scheme"),
+    ],
+)
+def test_bad_settings_are_one_line_and_start_nothing(tmp_path, setting, message):
+    import subprocess
+    import sys
+
+    workdir = tmp_path / "cmp"
+    done = subprocess.run(
+        [sys.executable, "-m", "experiments.compare", "--suite=proc4",
+         "--schemes=bsp,hps", f"--workdir={workdir}", f"--set={setting}"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    lines = [line for line in done.stderr.splitlines() if "error" in line]
+    assert len(lines) == 1 and message in lines[0], done.stderr
+    assert "Traceback" not in done.stderr and not workdir.exists()
