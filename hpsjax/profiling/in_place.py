@@ -3,19 +3,10 @@
 ``python -m hpsjax.profiling.in_place [hpsjax-worker flags] --profile_out PATH``
 takes a worker's own command line (its model, data shard, injected slowdown
 and link, and its server's address) and writes the worker's profile: the train
-step timed in this process (:func:`hpsjax.worker._build.measure_step`), slowed as
-the flags slow it, and the push and pull of the real model timed against the
-server it names (:func:`hpsjax.profiling.measure_transfer`), an injected link's
-delay added. The launcher runs one such process per worker, all at once, against
-a throwaway server of the run's model: every worker is measured beside the
-others, under the contention of the run, and the plan counts each one's link.
-
-``hpsjax-worker --profile_out`` runs the same pass
-(:mod:`hpsjax.profiling._worker_profile`). Without a server address the
-profile has no measured link: the one ``--profile_link BYTES_PER_S[,LATENCY_S]``
-gives, an injected one (``--bandwidth``, ``--latency``), both added, or none
-at all (``"transfer": null``, and the plan then counts no transfer time).
-
+step timed in this process, slowed as the flags slow it, and the push and pull
+of the real model timed against the server it names, an injected link's delay
+added; the launcher runs one per worker, all at once, so that every worker is
+measured under the contention of the run (the docs' profiling notes say more).
 Exit status: 0 when the profile was written, 1 when the server could not be
 reached, 2 for bad flags.
 """
