@@ -11,7 +11,7 @@ import pytest
 
 from hpsjax.apply._aggregate import Aggregator
 from hpsjax.apply._deferred import DeferredAggregator, LazyUpdate
-from hpsjax.ps._core import (
+from hpsjax.decisions._core import (
     Applied,
     Drop,
     ForcePull,
@@ -21,7 +21,7 @@ from hpsjax.ps._core import (
     ServerCore,
     Wait,
 )
-from hpsjax.ps._policies import ASP, BSP, SSP, Policy, SemiAsync, Verdict
+from hpsjax.decisions._policies import ASP, BSP, SSP, Policy, SemiAsync, Verdict
 from hpsjax.wire._errors import (
     HpsError,
     InvalidUpdate,

@@ -15,7 +15,7 @@ import pathlib
 import numpy as np
 import pytest
 
-from hpsjax.ps._core import (
+from hpsjax.decisions._core import (
     Applied,
     Drop,
     PlanChanged,
@@ -26,7 +26,7 @@ from hpsjax.ps._core import (
     StageChanged,
     Wait,
 )
-from hpsjax.ps._policies import BSP, Hybrid, HybridStage, Policy, PolicyView
+from hpsjax.decisions._policies import BSP, Hybrid, HybridStage, Policy, PolicyView
 from hpsjax.wire._errors import (
     InvalidUpdate,
     NonFiniteUpdate,
@@ -36,7 +36,7 @@ from hpsjax.wire._errors import (
 )
 from hpsjax.wire._messages import PushMeta
 
-CORE = pathlib.Path(__file__).resolve().parents[1] / "hpsjax" / "ps" / "_core.py"
+CORE = pathlib.Path(__file__).resolve().parents[1] / "hpsjax" / "decisions" / "_core.py"
 
 
 class NumpyAggregator:

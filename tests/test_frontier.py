@@ -9,8 +9,8 @@ import optax
 import pytest
 
 from experiments import build, registry, train
-from hpsjax.ps._core import ForcePull, PushAck, ServerCore
-from hpsjax.ps._policies import Ringmaster, SaPS, get_policy
+from hpsjax.decisions._core import ForcePull, PushAck, ServerCore
+from hpsjax.decisions._policies import Ringmaster, SaPS, get_policy
 from hpsjax.transforms import (
     last_sparseloco_nbytes,
     ordered_momentum,

@@ -20,7 +20,7 @@ import pytest
 
 from hpsjax import ps
 from hpsjax.apply._overlap import OverlapAggregator
-from hpsjax.ps._core import ServerCore
+from hpsjax.decisions._core import ServerCore
 from hpsjax.wire._errors import NonFiniteUpdate
 from hpsjax.wire._messages import PushMeta
 

@@ -10,7 +10,7 @@ import numpy as np
 import optax
 import pytest
 
-from hpsjax.ps._core import (
+from hpsjax.decisions._core import (
     Applied,
     Drop,
     ForcePull,
@@ -21,7 +21,7 @@ from hpsjax.ps._core import (
     StageChanged,
     Wait,
 )
-from hpsjax.ps._policies import (
+from hpsjax.decisions._policies import (
     ADSP,
     ASP,
     BSP,

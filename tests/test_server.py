@@ -13,9 +13,9 @@ import numpy as np
 import optax
 import pytest
 
+from hpsjax.decisions._policies import HybridStage
 from hpsjax.ps import PlanNotice, _auth
 from hpsjax.ps._client import Client
-from hpsjax.ps._policies import HybridStage
 from hpsjax.ps._server import Server
 from hpsjax.wire import _frames
 from hpsjax.wire._errors import (

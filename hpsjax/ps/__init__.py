@@ -15,8 +15,7 @@
   shards (ps-lite, PHub); :class:`ShardedClient` talks to all of them at once.
 """
 
-from hpsjax.ps._client import Client, ServerInfo, Subscription
-from hpsjax.ps._core import (
+from hpsjax.decisions._core import (
     Action,
     Applied,
     Drop,
@@ -29,8 +28,7 @@ from hpsjax.ps._core import (
     Wait,
     WorkerInfo,
 )
-from hpsjax.ps._partition import KeyRangePartition
-from hpsjax.ps._policies import (
+from hpsjax.decisions._policies import (
     ADSP,
     ASP,
     BSP,
@@ -47,6 +45,8 @@ from hpsjax.ps._policies import (
     Verdict,
     get_policy,
 )
+from hpsjax.ps._client import Client, ServerInfo, Subscription
+from hpsjax.ps._partition import KeyRangePartition
 from hpsjax.ps._server import Server
 from hpsjax.ps._shards import (
     ShardedClient,

@@ -90,13 +90,13 @@ from hpsjax._devices import resolve_device
 from hpsjax._logs import setup_logging
 from hpsjax._npz import check_params_file, nest_named_arrays
 from hpsjax._optimizers import make_optimizer
+from hpsjax.decisions._policies import HybridStage
 from hpsjax.export import check_export_path, export_params
 from hpsjax.metrics import ServerMetrics
 from hpsjax.profiling import Pilot, Replanner, WorkPlan
 from hpsjax.ps._auth import read_secret
 from hpsjax.ps._options import ServerOptions
 from hpsjax.ps._partition import KeyRangePartition
-from hpsjax.ps._policies import HybridStage
 from hpsjax.ps._server import Server
 
 __all__ = [

@@ -23,9 +23,9 @@ from hpsjax._checks import is_int, is_number
 from hpsjax._flags import check_kwargs
 from hpsjax._logs import LOG_LEVELS, check_log_level
 from hpsjax._optimizers import OPTIMIZERS
+from hpsjax.decisions._core import ServerCore
+from hpsjax.decisions._policies import DEFAULT_POLICY, POLICIES
 from hpsjax.planning import SCHEMES
-from hpsjax.ps._core import ServerCore
-from hpsjax.ps._policies import DEFAULT_POLICY, POLICIES
 from hpsjax.ps._server import _is_loopback
 
 __all__ = ["ServerOptions"]

@@ -57,10 +57,8 @@ from hpsjax._logs import Every
 from hpsjax._progress import Progress
 from hpsjax.apply._overlap import OverlapAggregator
 from hpsjax.apply._separable import LeafApply
-from hpsjax.profiling import Replanner
-from hpsjax.ps import _auth
-from hpsjax.ps._connection import FrameProtocol, error_frame
-from hpsjax.ps._core import (
+from hpsjax.decisions import ReplannerProtocol
+from hpsjax.decisions._core import (
     Applied,
     Drop,
     ForcePull,
@@ -70,7 +68,9 @@ from hpsjax.ps._core import (
     ServerCore,
     StageChanged,
 )
-from hpsjax.ps._policies import DEFAULT_POLICY
+from hpsjax.decisions._policies import DEFAULT_POLICY
+from hpsjax.ps import _auth
+from hpsjax.ps._connection import FrameProtocol, error_frame
 from hpsjax.storage import (
     SERVER_CHECKPOINT_FORMAT,
     SERVER_CHECKPOINT_FORMAT_VERSION,
@@ -268,9 +268,10 @@ def _check_server_args(
     if not isinstance(limits, _frames.WireLimits):
         raise ValueError("limits must be a WireLimits")
     check_int("overlap_apply_bytes", overlap_apply_bytes, low=0, allow_none=True)
-    if replanner is not None and not isinstance(replanner, Replanner):
+    if replanner is not None and not isinstance(replanner, ReplannerProtocol):
         raise ValueError(
-            f"replanner must be a Replanner, got {type(replanner).__name__}"
+            "replanner must have a plan and observe() (a Replanner), got "
+            f"{type(replanner).__name__}"
         )
 
 
@@ -307,7 +308,7 @@ class Server:
       core_kwargs: more keyword arguments of ``ServerCore`` (for example
         ``expected_workers``, ``deadline_factor``, ``min_timeout``,
         ``initial_timeout``, ``keep_stale_params``).
-      replanner: a :class:`hpsjax.profiling.Replanner` for H-PS dynamic
+      replanner: a :class:`hpsjax.planning.Replanner` for H-PS dynamic
         scheduling, or ``None``. Each worker of its plan gets its entry
         (``batch_size``, ``device_batches``, ``local_steps``, ``lr_scale``)
         when it joins; every push's ``step_time``, ``num_samples`` and
@@ -1186,9 +1187,9 @@ class Server:
             session.protocol.send(
                 _frames.encode_frame(MsgType.PUSH_ACK, frame.request_id, ack_meta)
             )
-            self._carry_out(actions, pusher=session.worker_id)
+            self._carry_out(actions, pusher=session.worker_id, arrived=arrived)
         else:
-            self._carry_out(actions, pusher=session.worker_id)
+            self._carry_out(actions, pusher=session.worker_id, arrived=arrived)
             entry = (frame.request_id, ack_meta)
             session.pulls.append(entry)
             try:
@@ -1290,10 +1291,13 @@ class Server:
 
     # ---------------------------------------------------------- actions
 
-    def _carry_out(self, actions, *, pusher: Any = None) -> None:
+    def _carry_out(
+        self, actions, *, pusher: Any = None, arrived: float | None = None
+    ) -> None:
         """Carries out the core's actions; ``pusher``, the worker whose push
         they answer, learns a forced pull and a stage change from its
-        acknowledgement instead."""
+        acknowledgement instead; ``arrived``: when that push arrived (a pull
+        held before it waited for the others: ``barrier_s``)."""
         applied = False
         for action in actions:
             if isinstance(action, SendParams):
@@ -1310,6 +1314,9 @@ class Server:
                     # An answer at once keeps the version's cached frame.
                     if held >= _HELD_REPORTED_S:
                         extra["held_s"] = held
+                        waited = held if arrived is None else arrived - started
+                        if waited >= _HELD_REPORTED_S:
+                            extra["barrier_s"] = min(waited, held)
                 if ack_meta is not None:
                     extra["ack"] = ack_meta
                 self._send_params(session, request_id, extra)

@@ -64,9 +64,7 @@ import optax
 
 from hpsjax.apply._deferred import DeferredAggregator
 from hpsjax.data import Batch, Dataset, share_split
-from hpsjax.planning import Replanner, WorkPlan
-from hpsjax.profiling import tree_wire_nbytes
-from hpsjax.ps._core import (
+from hpsjax.decisions._core import (
     Applied,
     Drop,
     ForcePull,
@@ -78,7 +76,9 @@ from hpsjax.ps._core import (
     StageChanged,
     Wait,
 )
-from hpsjax.ps._policies import ADSP, BSP, Hybrid, Policy, get_policy
+from hpsjax.decisions._policies import ADSP, BSP, Hybrid, Policy, get_policy
+from hpsjax.planning import Replanner, WorkPlan
+from hpsjax.profiling import tree_wire_nbytes
 from hpsjax.sim._engine import DeferredLeaves, Engine, IndexStream, Round, SummedRow
 from hpsjax.sim._workers import WorkerSpec, finish_time
 from hpsjax.transforms import (

@@ -72,7 +72,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from hpsjax._checks import check_int, check_positive, is_int
 
 if TYPE_CHECKING:
-    from hpsjax.ps._core import ServerCore
+    from hpsjax.decisions._core import ServerCore
 
 __all__ = [
     "ADSP",
@@ -358,7 +358,7 @@ class ASP(Policy):
       on_stale: ``"damp"`` or ``"drop"``.
 
     Examples:
-      >>> from hpsjax.ps._policies import ASP
+      >>> from hpsjax.decisions._policies import ASP
       >>> ASP(aggregate=4)
       ASP(aggregate=4, max_staleness=None, on_stale='damp')
 
@@ -415,7 +415,7 @@ class BSP(Policy):
     in it (it joins at the smallest live clock).
 
     Examples:
-      >>> from hpsjax.ps._policies import BSP
+      >>> from hpsjax.decisions._policies import BSP
       >>> BSP()
       BSP()
     """
@@ -452,7 +452,7 @@ class SSP(Policy):
       staleness_bound: :math:`s`, an int >= 0.
 
     Examples:
-      >>> from hpsjax.ps._policies import SSP
+      >>> from hpsjax.decisions._policies import SSP
       >>> SSP(staleness_bound=3)
       SSP(staleness_bound=3)
 
@@ -503,7 +503,7 @@ class SaPS(Policy):
       on_straggler: ``"damp"`` or ``"drop"``.
 
     Examples:
-      >>> from hpsjax.ps._policies import SaPS
+      >>> from hpsjax.decisions._policies import SaPS
       >>> SaPS(threshold=4, on_straggler="drop")
       SaPS(threshold=4, on_straggler='drop')
 
@@ -564,7 +564,7 @@ class SemiAsync(Policy):
       on_stale: ``"damp"`` or ``"drop"``.
 
     Examples:
-      >>> from hpsjax.ps._policies import SemiAsync
+      >>> from hpsjax.decisions._policies import SemiAsync
       >>> SemiAsync(max_staleness=2)
       SemiAsync(max_staleness=2, on_stale='damp')
 
@@ -670,7 +670,7 @@ class ADSP(Policy):
       max_local_steps: :math:`H_{\max}`, an int >= 1.
 
     Examples:
-      >>> from hpsjax.ps._policies import ADSP
+      >>> from hpsjax.decisions._policies import ADSP
       >>> policy = ADSP(check_period=30.0, commits_per_period=6)
       >>> policy.target, policy.check_period
       (6, 30.0)
@@ -935,7 +935,7 @@ class Hybrid(Policy):
       on_stale: ``"damp"`` or ``"drop"`` for pushes beyond a stage's bound.
 
     Examples:
-      >>> from hpsjax.ps._policies import Hybrid, HybridStage
+      >>> from hpsjax.decisions._policies import Hybrid, HybridStage
       >>> policy = Hybrid([
       ...     HybridStage("async", local_steps=8, max_staleness=16,
       ...                 until_version=100),
@@ -1052,7 +1052,7 @@ class PlannedHybrid(Hybrid):
 
     :class:`Hybrid` hints the same local step count to every worker of a stage.
     ASHL plans :math:`H_i` per worker so that :math:`H_i t_i + T_i` is equal for
-    all (``hpsjax.profiling.plan(..., "ashl")``); this policy hints worker
+    all (``hpsjax.planning.plan(..., "ashl")``); this policy hints worker
     :math:`i` its planned :math:`H_i` of the current stage (the stage's own count
     for a worker the plan does not name). Everything else is :class:`Hybrid`'s.
 
@@ -1143,7 +1143,7 @@ class Ringmaster(Policy):
         workers.
 
     Examples:
-      >>> from hpsjax.ps._policies import Ringmaster
+      >>> from hpsjax.decisions._policies import Ringmaster
       >>> Ringmaster(delay_threshold=4)
       Ringmaster(delay_threshold=4)
 
@@ -1213,7 +1213,7 @@ def get_policy(name_or_obj: str | Policy | type[Policy], **kwargs: Any) -> Polic
         keyword arguments given with an object.
 
     Examples:
-      >>> from hpsjax.ps._policies import get_policy
+      >>> from hpsjax.decisions._policies import get_policy
       >>> get_policy("ssp", staleness_bound=2)
       SSP(staleness_bound=2)
       >>> get_policy("nope")

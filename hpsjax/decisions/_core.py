@@ -4,7 +4,7 @@ r"""The parameter server's decisions as a sans-I/O state machine.
 decides, event by event, what is applied, who waits, who is released and who is
 dropped; the arithmetic (parameters, optimizer state, the buffered mean, stale
 copies) is its aggregator's (:mod:`hpsjax.apply._aggregate`), and its policy sees a
-:class:`~hpsjax.ps._policies.PolicyView` of it. It does no I/O, starts no task and reads
+:class:`~hpsjax.decisions.PolicyView` of it. It does no I/O, starts no task and reads
 no clock: the driver (the asyncio server, or the virtual-clock simulator) passes the
 time ``now`` (float seconds, never decreasing) into every call, and carries out the
 list of *actions* each call returns, in order.
@@ -128,7 +128,7 @@ import numpy as np
 from hpsjax._checks import check_fraction, check_int, check_positive, is_int, is_number
 from hpsjax._ewma import ewma
 from hpsjax.apply._aggregate import Aggregator
-from hpsjax.ps._policies import PolicyView, Verdict, get_policy
+from hpsjax.decisions._policies import PolicyView, Verdict, get_policy
 from hpsjax.wire._errors import (
     InvalidUpdate,
     UnexpectedMessage,
@@ -275,7 +275,7 @@ class PlanChanged:
     """The re-planner revised the work plan: hand every worker its entry.
 
     Attributes:
-      plan: the revised :class:`~hpsjax.profiling.WorkPlan`.
+      plan: the revised :class:`~hpsjax.planning.WorkPlan`.
       version: the server version when it was revised.
       reason: why (whose measured speed drifted).
     """
@@ -480,7 +480,7 @@ class ServerCore:
         applies (``hpsjax.apply._deferred``), the asyncio server's applies a
         push leaf by leaf as it arrives (``hpsjax.apply._overlap``). The core
         reads no array: any object with the aggregator's methods will do.
-      replanner: a :class:`~hpsjax.profiling.Replanner` (H-PS dynamic
+      replanner: a :class:`~hpsjax.decisions.ReplannerProtocol` (H-PS dynamic
         scheduling) that :meth:`observe_speed` feeds, or ``None``; a revised
         plan is returned as a :class:`PlanChanged` action.
       replan_from_pushes: feed the re-planner every push's measured speed (its
@@ -508,7 +508,7 @@ class ServerCore:
     moves the average less.
     This average is the one place where batches are weighted: a BSP round of
     unequal batches is one step on the mean gradient of all their samples, and
-    a work plan's ``lr_scale`` (:func:`hpsjax.profiling.plan`) is the same for
+    a work plan's ``lr_scale`` (:func:`hpsjax.planning.plan`) is the same for
     every worker, so no split of the batch changes the step.
 
     Deadlines. While any pull is blocked, every live worker that is not blocked
@@ -532,7 +532,7 @@ class ServerCore:
 
     Examples:
       >>> import jax.numpy as jnp, optax
-      >>> from hpsjax.ps._core import ServerCore
+      >>> from hpsjax.decisions._core import ServerCore
       >>> core = ServerCore({"w": jnp.zeros(2)}, optax.sgd(0.5), "asp")
       >>> core.join("a", now=0.0)
       [SendParams(worker_id='a', version=0, local_steps=None)]

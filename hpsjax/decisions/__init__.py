@@ -1,0 +1,80 @@
+"""The server's decisions: a sans-I/O state machine and the synchronization policies.
+
+:class:`ServerCore` decides everything a parameter server decides (versions and
+staleness, who waits and until when, what is applied, refused or dropped, the
+stages and the re-planning) and does no I/O: the asyncio server
+(:mod:`hpsjax.net`) and the virtual-clock simulator (:mod:`hpsjax.sim`) both drive
+it and carry out the actions it returns. The arithmetic sits behind an aggregator
+(:mod:`hpsjax.apply`). A :class:`Policy` (BSP, ASP, SSP, SaPS, ADSP, Ringmaster,
+semi-async, hybrid; :data:`POLICIES`, :func:`get_policy`) answers the core's
+questions through a narrow :class:`PolicyView`. A re-planner is anything with the
+:class:`ReplannerProtocol`, so the server never imports planning.
+"""
+
+from hpsjax.decisions._core import (
+    Action,
+    Applied,
+    Drop,
+    ForcePull,
+    PlanChanged,
+    PushAck,
+    Release,
+    SendParams,
+    ServerCore,
+    StageChanged,
+    Wait,
+    WorkerInfo,
+)
+from hpsjax.decisions._policies import (
+    ADSP,
+    ASP,
+    BSP,
+    DEFAULT_POLICY,
+    POLICIES,
+    SSP,
+    Hybrid,
+    HybridStage,
+    PlannedHybrid,
+    Policy,
+    PolicyView,
+    Ringmaster,
+    SaPS,
+    SemiAsync,
+    Verdict,
+    get_policy,
+)
+from hpsjax.decisions._replan import (
+    ReplannerProtocol,
+)
+
+__all__ = [
+    "ADSP",
+    "ASP",
+    "BSP",
+    "DEFAULT_POLICY",
+    "POLICIES",
+    "SSP",
+    "Action",
+    "Applied",
+    "Drop",
+    "ForcePull",
+    "Hybrid",
+    "HybridStage",
+    "PlanChanged",
+    "PlannedHybrid",
+    "Policy",
+    "PolicyView",
+    "PushAck",
+    "Release",
+    "ReplannerProtocol",
+    "Ringmaster",
+    "SaPS",
+    "SemiAsync",
+    "SendParams",
+    "ServerCore",
+    "StageChanged",
+    "Verdict",
+    "Wait",
+    "WorkerInfo",
+    "get_policy",
+]
