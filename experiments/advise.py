@@ -381,15 +381,17 @@ def _service(
     if versions and pushes:
         busy = sum(v.apply_s + v.serve_s for v in versions)
         return busy / pushes, "the server's version records (apply and serve)"
-    # A barrier holds every pull but the last one's: the worker held least
-    # (its median round) is held for the push's decode and apply alone.
+    # A barrier holds every pull but the last one's: the server says which
+    # part of a hold was the barrier's (barrier_s); what is left is its
+    # decode and apply, least for the worker held least (its median round).
     held = [
-        float(np.median([t.server_s for t in telemetry.rounds(rs)]))
+        float(np.median([t.server_own_s for t in telemetry.rounds(rs)]))
         for rs in steady.values()
     ]
     return min(held), (
         "no server version records: the server's share per push is the least "
-        "of the workers' median holds (server_s)"
+        "of the workers' median holds less their barrier waits (server_s - "
+        "barrier_s)"
     )
 
 

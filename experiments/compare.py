@@ -215,7 +215,7 @@ def format_table(summaries: Sequence[dict[str, Any]], *, baseline: str = "bsp") 
     header = (
         f"| scheme | time to {target.label} ({unit}{mean}) | speedup vs "
         f"{baseline.upper()} | final {target.metric} | best {target.metric} | "
-        "MB pushed | idle fraction | idle outside wire and server holds | updates |\n"
+        "MB pushed | idle fraction | idle outside wire and server work | updates |\n"
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|\n"
     )
     lines = [

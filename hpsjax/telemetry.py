@@ -9,7 +9,9 @@ figures a plan, a re-planner, an advisor or an experiment takes from a run:
 * :class:`RoundTelemetry`: a worker's round. Its compute is waited for
   (``block_until_ready``); encode, decode, push and pull are timed where they
   happen; ``server_s`` is what the server said it held the round's requests
-  (a pull at a barrier, a push decoded and applied).
+  (a pull at a barrier, a push decoded and applied), and ``barrier_s`` the
+  part of that hold before the push that released the barrier arrived (the
+  wait for the other workers: idle, not the server's work).
 * :class:`VersionTelemetry`: the server's seconds applying and serving a
   version.
 
@@ -25,24 +27,27 @@ compute until the next round could start):
 there. ``push_s`` and ``pull_s`` run from a request's hand-off to its answer
 (the wire both ways plus ``server_s``; a push-pull's whole trip is ``pull_s``);
 with a pipelined transfer they overlap the compute. The idle seconds that are
-neither compute nor communication (:attr:`RoundTelemetry.other_s`) are
+neither compute, nor the wire, nor the server's own work
+(:attr:`RoundTelemetry.other_s`) are
 
 .. math::
 
   \text{other} = \max(0,\ \text{round} - \text{compute} - \text{slowdown}
   - \text{decode} - \min(\text{wait},\ \text{encode} + \text{push} +
-  \text{pull})),
+  \text{pull} - \text{barrier})),
 
 exact without overlap and a lower bound with it (a transfer counts as exposed
-up to the wait only).
+up to the wait only): a barrier's wait for the other workers is idle time, the
+server's decode, apply and serve (``server_s - barrier_s``) is not.
 
 Examples:
   >>> r = RoundTelemetry(worker="w0", round=3, version=2, time=1.0,
   ...     batch_size=32, samples=64, local_steps=2, compute_s=0.08,
   ...     encode_s=0.001, decode_s=0.001, push_s=0.004, pull_s=0.01,
-  ...     server_s=0.006, wait_s=0.015, round_s=0.1, tokens_per_s=640.0)
-  >>> round(r.wire_s, 3), round(r.other_s, 3)
-  (0.008, 0.004)
+  ...     server_s=0.006, wait_s=0.015, round_s=0.1, tokens_per_s=640.0,
+  ...     barrier_s=0.005)
+  >>> round(r.wire_s, 3), round(r.server_own_s, 3), round(r.other_s, 3)
+  (0.008, 0.001, 0.009)
   >>> from_record(r.to_record()) == r
   True
   >>> summary = round_summary([r])
@@ -108,6 +113,8 @@ class RoundTelemetry(NamedTuple):
       slowdown_s: seconds slept to inject a slowdown (counts as compute).
       compile_s: seconds compiling a step in the round.
       discarded: whether the server had the round's work thrown away.
+      barrier_s: of ``server_s``, seconds a pull waited at a barrier for the
+        other workers' pushes (before the push that released it arrived).
     """
 
     worker: Any
@@ -129,6 +136,7 @@ class RoundTelemetry(NamedTuple):
     slowdown_s: float = 0.0
     compile_s: float = 0.0
     discarded: bool = False
+    barrier_s: float = 0.0
 
     @property
     def busy_s(self) -> float:
@@ -141,10 +149,18 @@ class RoundTelemetry(NamedTuple):
         return max(self.push_s + self.pull_s - self.server_s, 0.0)
 
     @property
+    def server_own_s(self) -> float:
+        """Seconds the server worked on the round's requests: its hold less
+        the barrier's wait."""
+        return max(self.server_s - self.barrier_s, 0.0)
+
+    @property
     def other_s(self) -> float:
-        """Idle seconds that are neither compute nor communication (see the
-        module docstring)."""
-        exposed = min(self.wait_s, self.encode_s + self.push_s + self.pull_s)
+        """Idle seconds that are neither compute, nor the wire, nor the
+        server's own work: a barrier's wait is idle (see the module
+        docstring)."""
+        comm = self.encode_s + self.push_s + self.pull_s - self.barrier_s
+        exposed = min(self.wait_s, max(comm, 0.0))
         return max(self.round_s - self.busy_s - self.decode_s - exposed, 0.0)
 
     def to_record(self) -> dict[str, Any]:
@@ -184,7 +200,8 @@ PARTS = (
     ("decode", "decode_s"),
     ("push", "push_s"),
     ("pull", "pull_s"),
-    ("server", "server_s"),
+    ("server", "server_own_s"),
+    ("barrier", "barrier_s"),
     ("wait", "wait_s"),
     ("other", "other_s"),
 )
@@ -235,6 +252,7 @@ def from_record(record: Mapping[str, Any]) -> RoundTelemetry | None:
         slowdown_s=_number(record, "slowdown_s"),
         compile_s=_number(record, "compile_s"),
         discarded=bool(record.get("discarded", False)),
+        barrier_s=_number(record, "barrier_s"),
     )
 
 
@@ -256,7 +274,8 @@ def from_simulation(
     order, the batch size, local steps and version of its pushes. The
     simulator has no encode or decode: those are 0; ``push_s`` and ``pull_s``
     are its link's push and pull seconds that start in the round, ``pull_s``
-    with the server's waits (``server_s``) as a real pull holds them;
+    with the server's waits (``server_s``, all of it a barrier's: ``barrier_s``)
+    as a real pull holds them;
     ``wait_s`` is what its timeline has blocked after the compute. A round
     whose compute the run's end cut short is left out.
 
@@ -298,6 +317,7 @@ def from_simulation(
                     push_s=_seconds(links, span.start, end, "push"),
                     pull_s=_seconds(links, span.start, end, "pull") + server,
                     server_s=server,
+                    barrier_s=server,
                     wait_s=blocked,
                     round_s=round_s,
                     tokens_per_s=(
@@ -446,7 +466,8 @@ def format_summary(summary: Mapping[str, Mapping[str, float]]) -> str:
 
 def idle_fraction(records: Rounds) -> dict[str, float]:
     """Each worker's share of its rounds' time idle for something other than
-    the wire or the server: :attr:`RoundTelemetry.other_s` over ``round_s``.
+    the wire or the server's own work (a barrier's wait is idle):
+    :attr:`RoundTelemetry.other_s` over ``round_s``.
 
     Args:
       records: as :func:`round_summary`'s.

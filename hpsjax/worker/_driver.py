@@ -414,7 +414,8 @@ class _Run:
             # a push-pull's barrier).
             part = "pull_s" if push.with_pull else "push_s"
             record[part] += time.monotonic() - sent
-            record["server_s"] += held
+            record["server_s"] += held[0]
+            record["barrier_s"] += held[1]
         events = self.acknowledged(push, record, ack)
         if push.with_pull:
             now = w._elapsed()
@@ -502,11 +503,12 @@ class _Run:
         start: float,
         link: float,
         part: str = "",
-        held: float = 0.0,
+        held: tuple[float, float] = (0.0, 0.0),
     ) -> None:
         """Counts a transfer from ``start`` (with ``link`` seconds of injected
         link delay) towards ``record``; a ``part`` (``"pull_s"``) too, and
-        ``held``, the seconds the server held its answer."""
+        ``held``, the seconds the server held its answer and of them its wait
+        at a barrier (:meth:`client_held`)."""
         if record is None:
             return
         seconds = time.monotonic() - start
@@ -514,13 +516,19 @@ class _Run:
         record["link_delay_s"] += link
         if part:
             record[part] += seconds
-            record["server_s"] += held
+            record["server_s"] += held[0]
+            record["barrier_s"] += held[1]
 
-    def client_held(self) -> float:
-        """Seconds the server held the answer the client read last (0 for a
-        client that does not say); read before the next ``await``."""
-        held = getattr(self.client, "held_s", None)
-        return float(held) if isinstance(held, int | float) else 0.0
+    def client_held(self) -> tuple[float, float]:
+        """Seconds the server held the answer the client read last, and of
+        them its wait at a barrier (0 for a client that does not say); read
+        before the next ``await``."""
+        held, barrier = (
+            getattr(self.client, name, None) for name in ("held_s", "barrier_s")
+        )
+        return tuple(
+            float(x) if isinstance(x, int | float) else 0.0 for x in (held, barrier)
+        )
 
     async def lost(self, session: int, connection: int, error: Exception) -> list:
         """The server went away while a request of ``connection`` was in

@@ -24,7 +24,7 @@ _TELEMETRY_KEPT = 100_000
 
 
 # A round's transfer seconds by part (see hpsjax.telemetry.RoundTelemetry).
-_TRANSFER_PARTS = ("encode_s", "push_s", "pull_s", "server_s")
+_TRANSFER_PARTS = ("encode_s", "push_s", "pull_s", "server_s", "barrier_s")
 
 
 def _finite_or_none(value: float | None) -> float | None:
