@@ -1251,19 +1251,26 @@ def _run_processes(
 
 def _pilot_rounds(info: dict[str, Any], records: list[dict[str, Any]]) -> None:
     """A piloted run's plan against its rounds: the last revision's predicted
-    round, and the mean measured round of the rounds that started after it
-    (each worker's first two at its new batch left out, as the pilot does)."""
+    round, and the mean measured round of the rounds that started after it at
+    each worker's batch of the plan (its last; before it, the new batch's
+    step compiles beside rounds at the old one), each worker's first two there
+    left out, as the pilot does."""
     revisions = [r for r in records if r.get("event") == "replan"]
     if not revisions:
         return
     last = revisions[-1]
     info["predicted_round_s"] = last["predicted_round_s"]
     info["pilot_seconds"] = last["time"]
-    after: dict[Any, list[float]] = {}
+    after: dict[Any, list[tuple[Any, float]]] = {}
     for r in records:
         if r.get("event") == "round" and float(r.get("time", 0.0)) >= last["time"]:
-            after.setdefault(r["worker"], []).append(float(r["round_s"]))
-    kept = [t for rounds in after.values() for t in rounds[2:]]
+            batch = (r.get("batch_size"), float(r["round_s"]))
+            after.setdefault(r["worker"], []).append(batch)
+    kept = [
+        t
+        for rounds in after.values()
+        for t in [t for b, t in rounds if b == rounds[-1][0]][2:]
+    ]
     if kept:
         info["measured_mean_round_s"] = sum(kept) / len(kept)
 

@@ -57,7 +57,10 @@ def test_pilot_rounds_compares_the_last_plan_with_the_rounds_after_it():
         {"event": "replan", "time": 5.0, "predicted_round_s": 0.2},
         *({"event": "round", "worker": 0, "time": 1.0 + i, "round_s": 9.0}
           for i in range(3)),  # before the plan
-        *({"event": "round", "worker": 0, "time": 6.0 + i, "round_s": s}
+        *({"event": "round", "worker": 0, "time": 5.5, "round_s": 7.0,
+           "batch_size": 32},),  # the old batch, while the new one compiles
+        *({"event": "round", "worker": 0, "time": 6.0 + i, "round_s": s,
+           "batch_size": 16}
           for i, s in enumerate((5.0, 4.0, 0.2, 0.3))),  # 2 warm-up rounds
     ]  # fmt: skip
     backends._pilot_rounds(info, records)
