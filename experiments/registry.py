@@ -28,7 +28,7 @@ from typing import Any
 import ml_collections
 import optax
 
-from hpsjax._checks import check_fraction, check_int
+from hpsjax._checks import check_choice, check_fraction, check_int, check_number
 from hpsjax._optimizers import OptimizerRegistry
 from hpsjax.worker import OVERLAP_MODES
 
@@ -180,6 +180,7 @@ def _registry(kind: str) -> Any:
 
 
 _LAZY = ("policy", "model", "dataset", "staleness policy", "suite", "setting")
+_BITS = (1, 2, 4, 8, 16)
 
 
 def lookup(kind: str, name: Any) -> Any:
@@ -312,9 +313,7 @@ def _check_compression(config: ml_collections.ConfigDict) -> None:
     if compression == "streaming":
         _check_streaming(config)
         return
-    ratio = worker.compress_ratio
-    if not (isinstance(ratio, int | float) and 0 < ratio <= 1):
-        raise ValueError(f"worker.compress_ratio must be in (0, 1], got {ratio!r}")
+    check_fraction("worker.compress_ratio", worker.compress_ratio)
     if config.plan.scheme in ("none", "ashl_reference"):
         raise ValueError(
             "worker.compression='top_k' needs a plan scheme other than "
@@ -336,17 +335,11 @@ def _check_compression(config: ml_collections.ConfigDict) -> None:
 def _check_sparseloco(config: ml_collections.ConfigDict) -> None:
     """What ``worker.compression='sparseloco'`` needs (one-line errors)."""
     worker = config.worker
-    ratio = worker.compress_ratio
-    if not (isinstance(ratio, int | float) and 0 < ratio <= 1):
-        raise ValueError(f"worker.compress_ratio must be in (0, 1], got {ratio!r}")
-    bits = worker.get("sparseloco_bits")
-    if bits not in (1, 2, 4, 8, 16) or isinstance(bits, bool):
-        raise ValueError(
-            f"worker.sparseloco_bits must be one of 1, 2, 4, 8, 16, got {bits!r}"
-        )
-    decay = worker.get("sparseloco_decay")
-    if not (isinstance(decay, int | float) and 0 <= decay <= 1):
-        raise ValueError(f"worker.sparseloco_decay must be in [0, 1], got {decay!r}")
+    check_fraction("worker.compress_ratio", worker.compress_ratio)
+    check_choice("worker.sparseloco_bits", worker.get("sparseloco_bits"), _BITS)
+    check_number(
+        "worker.sparseloco_decay", worker.get("sparseloco_decay"), low=0, high=1
+    )
     if config.stages.get("compress_from_stage") is not None:
         raise ValueError(
             "worker.compression='sparseloco' compresses every push: set "
@@ -358,17 +351,9 @@ def _check_streaming(config: ml_collections.ConfigDict) -> None:
     """What ``worker.compression='streaming'`` needs (one-line errors)."""
     worker = config.worker
     fragments = worker.get("streaming_fragments")
-    if isinstance(fragments, bool) or not (
-        isinstance(fragments, int) and fragments >= 1
-    ):
-        raise ValueError(
-            f"worker.streaming_fragments must be an int >= 1, got {fragments!r}"
-        )
+    check_int("worker.streaming_fragments", fragments, low=1)
     bits = worker.get("streaming_bits")
-    if bits is not None and (isinstance(bits, bool) or bits not in (1, 2, 4, 8, 16)):
-        raise ValueError(
-            f"worker.streaming_bits must be one of 1, 2, 4, 8, 16 or None, got {bits!r}"
-        )
+    check_choice("worker.streaming_bits", bits, _BITS, allow_none=True)
     if worker.local_optimizer != "streaming_local":
         raise ValueError(
             "worker.compression='streaming' needs worker.local_optimizer="
@@ -402,9 +387,7 @@ def _check_streaming(config: ml_collections.ConfigDict) -> None:
 
 def _check_power_sgd(config: ml_collections.ConfigDict) -> None:
     """What ``worker.compression='power_sgd'`` needs (one-line errors)."""
-    rank = config.worker.powersgd_rank
-    if isinstance(rank, bool) or not (isinstance(rank, int) and rank >= 1):
-        raise ValueError(f"worker.powersgd_rank must be an int >= 1, got {rank!r}")
+    check_int("worker.powersgd_rank", config.worker.powersgd_rank, low=1)
     if config.stages.get("compress_from_stage") is not None:
         raise ValueError(
             "worker.compression='power_sgd' compresses every push: set "

@@ -1,8 +1,12 @@
-"""Argument checks shared across hpsjax: one version of each.
+"""Argument checks shared across hpsjax: one version of each rule.
 
 Each check raises ``ValueError`` naming the argument, what it must be and the
 value given, and returns the value converted to a plain Python ``int`` or
-``float`` (numpy scalars are accepted; ``bool`` is never a number).
+``float`` (numpy scalars are accepted; ``bool`` is never a number). Every rule
+lives here once: a module that needs one calls it rather than keeping a private
+copy (``tests/test_checks.py`` scans the library for copies).
+:func:`check_hyperparameter` is the array-aware form for an optax transform's
+hyperparameters, which ``optax.inject_hyperparams`` turns into arrays.
 
 Examples:
   >>> check_int("local_steps", 4, low=1)
@@ -20,6 +24,7 @@ Examples:
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -27,10 +32,13 @@ import numpy as np
 
 __all__ = [
     "check_choice",
+    "check_float_dtype",
     "check_fraction",
+    "check_hyperparameter",
     "check_int",
     "check_number",
     "check_positive",
+    "check_worker_id",
     "is_int",
     "is_number",
 ]
@@ -48,15 +56,42 @@ def is_number(value: Any) -> bool:
     )
 
 
+def _interval(
+    low: float, high: float, low_inclusive: bool, high_inclusive: bool
+) -> str:
+    """How a range reads in a message: ``>= 1``, ``> 0``, ``in [0, 1)``."""
+    if high == math.inf:
+        return f"{'>=' if low_inclusive else '>'} {low}"
+    if low == -math.inf:
+        return f"{'<=' if high_inclusive else '<'} {high}"
+    left, right = "[" if low_inclusive else "(", "]" if high_inclusive else ")"
+    return f"in {left}{low}, {high}{right}"
+
+
+def _inside(
+    value: float, low: float, high: float, low_inclusive: bool, high_inclusive: bool
+) -> bool:
+    above = value >= low if low_inclusive else value > low
+    below = value <= high if high_inclusive else value < high
+    return above and below
+
+
 def check_int(
-    name: str, value: Any, *, low: int, allow_none: bool = False
+    name: str,
+    value: Any,
+    *,
+    low: int,
+    high: int | None = None,
+    allow_none: bool = False,
 ) -> int | None:
-    """``value`` as an ``int`` >= ``low`` (or ``None`` when ``allow_none``)."""
+    """``value`` as an ``int`` >= ``low`` (and <= ``high``; or ``None`` when
+    ``allow_none``)."""
     if value is None and allow_none:
         return None
-    if not is_int(value) or value < low:
+    if not is_int(value) or value < low or (high is not None and value > high):
         none = " or None" if allow_none else ""
-        raise ValueError(f"{name} must be an int >= {low}{none}, got {value!r}.")
+        bound = f">= {low}" if high is None else f"in [{low}, {high}]"
+        raise ValueError(f"{name} must be an int {bound}{none}, got {value!r}.")
     return int(value)
 
 
@@ -71,15 +106,35 @@ def check_positive(name: str, value: Any, *, allow_none: bool = False) -> float 
 
 
 def check_number(
-    name: str, value: Any, *, low: float, low_inclusive: bool = True
-) -> float:
-    """``value`` as a finite ``float`` >= ``low`` (> ``low`` if not inclusive)."""
+    name: str,
+    value: Any,
+    *,
+    low: float = -math.inf,
+    high: float = math.inf,
+    low_inclusive: bool = True,
+    high_inclusive: bool = True,
+    allow_none: bool = False,
+) -> float | None:
+    """``value`` as a finite ``float`` >= ``low`` and <= ``high`` (strictly
+    where not inclusive; or ``None`` when ``allow_none``).
+
+    Examples:
+      >>> check_number("momentum", 0.9, low=0, high=1, high_inclusive=False)
+      0.9
+      >>> check_number("momentum", 1, low=0, high=1, high_inclusive=False)
+      Traceback (most recent call last):
+      ...
+      ValueError: momentum must be in [0, 1), got 1.0.
+    """
+    if value is None and allow_none:
+        return None
     if not is_number(value) or not math.isfinite(value):
-        raise ValueError(f"{name} must be a finite number, got {value!r}.")
+        none = " or None" if allow_none else ""
+        raise ValueError(f"{name} must be a finite number{none}, got {value!r}.")
     value = float(value)
-    if value < low or (value == low and not low_inclusive):
-        bound = ">=" if low_inclusive else ">"
-        raise ValueError(f"{name} must be {bound} {low}, got {value}.")
+    if not _inside(value, low, high, low_inclusive, high_inclusive):
+        bound = _interval(low, high, low_inclusive, high_inclusive)
+        raise ValueError(f"{name} must be {bound}, got {value}.")
     return value
 
 
@@ -113,4 +168,112 @@ def check_choice(
         valid = ", ".join(map(str, choices))
         none = " or None" if allow_none else ""
         raise ValueError(f"{name} must be one of {valid}{none}, got {value!r}.")
+    return value
+
+
+def check_worker_id(name: str, value: Any) -> int | str:
+    """``value`` unchanged if it is a worker id: an ``int`` or a ``str``.
+
+    Examples:
+      >>> check_worker_id("worker_id", "gpu0")
+      'gpu0'
+      >>> check_worker_id("worker_id", True)
+      Traceback (most recent call last):
+      ...
+      ValueError: worker_id must be an int or a str, got True.
+    """
+    if isinstance(value, np.integer):
+        return int(value)
+    if isinstance(value, bool) or not isinstance(value, int | str):
+        raise ValueError(f"{name} must be an int or a str, got {value!r}.")
+    return value
+
+
+def check_float_dtype(name: str, dtype: Any) -> np.dtype:
+    """``dtype`` as a numpy dtype, if it is a floating one (bfloat16 included).
+
+    Examples:
+      >>> check_float_dtype("dtype", "bfloat16")
+      dtype(bfloat16)
+      >>> check_float_dtype("dtype", "int8")
+      Traceback (most recent call last):
+      ...
+      ValueError: dtype must be a floating dtype, got int8.
+    """
+    # Imported here: the layers below JAX (hpsjax.planning) use this module.
+    import jax.numpy as jnp
+
+    try:
+        dtype = jnp.dtype(dtype)
+    except TypeError:
+        raise ValueError(f"{name} must be a floating dtype, got {dtype!r}.") from None
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise ValueError(f"{name} must be a floating dtype, got {dtype}.")
+    return dtype
+
+
+def check_hyperparameter(
+    name: str,
+    value: Any,
+    *,
+    low: float = -math.inf,
+    high: float = math.inf,
+    low_inclusive: bool = True,
+    high_inclusive: bool = True,
+    integer: bool = False,
+    schedule: bool = False,
+) -> Any:
+    """A transform's numeric hyperparameter, which may be an array.
+
+    A Python or numpy number is checked like :func:`check_number` (or
+    :func:`check_int` when ``integer``) and returned as a ``float`` (``int``).
+    A scalar array, which is what ``optax.inject_hyperparams`` passes, must be
+    0-d of a real (integer when ``integer``) dtype; its value is checked when
+    it is concrete, not when it is traced, and it is returned unchanged. A
+    callable passes unchanged when ``schedule`` (an optax schedule).
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> check_hyperparameter("gamma", jnp.float32(0.5), low=0, high=1)
+      Array(0.5, dtype=float32)
+      >>> check_hyperparameter("k", 0, low=1, integer=True)
+      Traceback (most recent call last):
+      ...
+      ValueError: k must be an int >= 1, got 0.
+    """
+    if schedule and callable(value):
+        return value
+    # A JAX array exists only once JAX is loaded, which this module never does.
+    jax = sys.modules.get("jax")
+    arrays = np.ndarray if jax is None else (np.ndarray, jax.Array)
+    if not isinstance(value, arrays):
+        if integer:
+            if not is_int(value) or not _inside(
+                value, low, high, low_inclusive, high_inclusive
+            ):
+                bound = _interval(low, high, low_inclusive, high_inclusive)
+                raise ValueError(f"{name} must be an int {bound}, got {value!r}.")
+            return int(value)
+        return check_number(
+            name,
+            value,
+            low=low,
+            high=high,
+            low_inclusive=low_inclusive,
+            high_inclusive=high_inclusive,
+        )
+    kinds = (np.integer,) if integer else (np.integer, np.floating)
+    subdtype = np.issubdtype if jax is None else jax.numpy.issubdtype
+    if np.ndim(value) != 0 or not any(subdtype(value.dtype, k) for k in kinds):
+        what = "an integer" if integer else "a real"
+        raise ValueError(
+            f"{name} must be {what} scalar, got an array of shape "
+            f"{np.shape(value)} and dtype {value.dtype}."
+        )
+    traced = jax is not None and isinstance(value, jax.core.Tracer)
+    if not traced and not _inside(
+        float(value), low, high, low_inclusive, high_inclusive
+    ):
+        bound = _interval(low, high, low_inclusive, high_inclusive)
+        raise ValueError(f"{name} must be {bound}, got {float(value)}.")
     return value

@@ -39,6 +39,7 @@ from typing import Any
 
 import optax
 
+from hpsjax._checks import check_number
 from hpsjax.transforms import (
     delayed_nesterov,
     diloco_outer,
@@ -58,22 +59,15 @@ __all__ = [
 ]
 
 
-def _check_momentum(momentum: Any) -> None:
-    if isinstance(momentum, bool) or not (
-        isinstance(momentum, int | float) and 0 <= momentum < 1
-    ):
-        raise ValueError(f"momentum must be in [0, 1), got {momentum!r}")
-
-
 def _sgd(learning_rate, *, momentum=None, **kwargs):
     if momentum:
-        _check_momentum(momentum)
+        check_number("momentum", momentum, low=0, high=1, high_inclusive=False)
     return optax.sgd(learning_rate, momentum=momentum or None, **kwargs)
 
 
 def _momentum(learning_rate, *, momentum=None, **kwargs):
     momentum = 0.9 if momentum is None else momentum
-    _check_momentum(momentum)
+    check_number("momentum", momentum, low=0, high=1, high_inclusive=False)
     return optax.sgd(learning_rate, momentum=momentum or None, **kwargs)
 
 

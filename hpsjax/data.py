@@ -40,7 +40,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from hpsjax._checks import is_int
+from hpsjax._checks import check_int, is_int
 from hpsjax._npz import open_npz
 
 __all__ = [
@@ -70,22 +70,6 @@ class Batch(NamedTuple):
 
     x: np.ndarray  # shape=(b, *input_shape), float32 or int32
     y: np.ndarray  # shape=(b,) int32 | (b, L) int32 | (b,) or (b, k) float32
-
-
-def _check_positive_int(name: str, value: Any) -> int:
-    if not is_int(value):
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
-    if value <= 0:
-        raise ValueError(f"{name} must be a positive int, got {value}")
-    return int(value)
-
-
-def _check_seed(value: Any) -> int:
-    if not is_int(value):
-        raise ValueError(f"seed must be a non-negative int, got {value!r}")
-    if value < 0:
-        raise ValueError(f"seed must be a non-negative int, got {value}")
-    return int(value)
 
 
 def _readonly(a: np.ndarray) -> np.ndarray:
@@ -217,7 +201,7 @@ class Dataset:
         if target != "values":
             if num_classes is None:
                 num_classes = top + 1
-            num_classes = _check_positive_int("num_classes", num_classes)
+            num_classes = check_int("num_classes", num_classes, low=1)
             if top >= num_classes:
                 what = "label" if target == "labels" else "token"
                 raise ValueError(
@@ -303,7 +287,7 @@ class Dataset:
             raise ValueError(f"test_fraction must be a number, got {test_fraction!r}")
         if not 0.0 < test_fraction < 1.0:
             raise ValueError(f"test_fraction must be in (0, 1), got {test_fraction}")
-        seed = _check_seed(seed)
+        seed = check_int("seed", seed, low=0)
         n = len(self)
         if n < 2:
             raise ValueError(f"{self._name}: cannot split {n} example(s)")
@@ -332,7 +316,7 @@ class Dataset:
         Raises:
           ValueError: a bad count or index.
         """
-        num_shards = _check_positive_int("num_shards", num_shards)
+        num_shards = check_int("num_shards", num_shards, low=1)
         if num_shards > len(self):
             raise ValueError(
                 f"{self._name}: cannot cut {len(self)} examples into {num_shards} "
@@ -377,7 +361,7 @@ class Dataset:
         Raises:
           ValueError: a non-positive batch size.
         """
-        batch_size = _check_positive_int("batch_size", batch_size)
+        batch_size = check_int("batch_size", batch_size, low=1)
 
         def generate() -> Iterator[Batch]:
             for start in range(0, len(self), batch_size):
@@ -408,7 +392,7 @@ def share_split(num_examples: int, shares: Sequence[float]) -> list[np.ndarray]:
     Raises:
       ValueError: bad shares, or a part with a positive share left empty.
     """
-    num_examples = _check_positive_int("num_examples", num_examples)
+    num_examples = check_int("num_examples", num_examples, low=1)
     p = np.asarray(shares, dtype=np.float64)
     if p.ndim != 1 or p.size == 0 or not np.all(np.isfinite(p)) or np.any(p < 0):
         raise ValueError(f"shares must be finite numbers >= 0, got {shares!r}")
@@ -477,8 +461,8 @@ class BatchStream:
         if not isinstance(dataset, Dataset):
             raise ValueError(f"dataset must be a Dataset, got {type(dataset).__name__}")
         self._dataset = dataset
-        self._batch_size = _check_positive_int("batch_size", batch_size)
-        self._seed = _check_seed(seed)
+        self._batch_size = check_int("batch_size", batch_size, low=1)
+        self._seed = check_int("seed", seed, low=0)
         if not is_int(epoch):
             raise ValueError(f"epoch must be a non-negative int, got {epoch!r}")
         if epoch < 0:
@@ -503,7 +487,7 @@ class BatchStream:
 
     @batch_size.setter
     def batch_size(self, value: int) -> None:
-        self._batch_size = _check_positive_int("batch_size", value)
+        self._batch_size = check_int("batch_size", value, low=1)
 
     @property
     def epoch(self) -> int:
@@ -525,7 +509,7 @@ class BatchStream:
           A :class:`Batch` of exactly ``batch_size`` examples.
         """
         size = self._batch_size if batch_size is None else batch_size
-        size = _check_positive_int("batch_size", size)
+        size = check_int("batch_size", size, low=1)
         n = len(self._dataset)
         parts = []
         while size > 0:
@@ -720,13 +704,13 @@ def synthetic_digits(
     Raises:
       ValueError: an argument out of range.
     """
-    num_examples = _check_positive_int("num_examples", num_examples)
+    num_examples = check_int("num_examples", num_examples, low=1)
     if num_examples < 10:
         raise ValueError(f"num_examples must be at least 10, got {num_examples}")
-    image_size = _check_positive_int("image_size", image_size)
+    image_size = check_int("image_size", image_size, low=1)
     if not 8 <= image_size <= 64:
         raise ValueError(f"image_size must be in [8, 64], got {image_size}")
-    seed = _check_seed(seed)
+    seed = check_int("seed", seed, low=0)
     for name, value, high in (("noise", noise, 1.0), ("jitter", jitter, 0.2)):
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise ValueError(f"{name} must be a number, got {value!r}")
@@ -868,11 +852,11 @@ def text(seq_len: int = 64, *, num_examples: int | None = None) -> Dataset:
       >>> bytes(data.x[0, 1:].tolist()) == bytes(data.y[0, :-1].tolist())
       True
     """
-    seq_len = _check_positive_int("seq_len", seq_len)
+    seq_len = check_int("seq_len", seq_len, low=1)
     corpus = np.frombuffer(_corpus(), np.uint8)
     count = (len(corpus) - 1) // seq_len
     if num_examples is not None:
-        num_examples = _check_positive_int("num_examples", num_examples)
+        num_examples = check_int("num_examples", num_examples, low=1)
         if num_examples > count:
             raise ValueError(
                 f"the text holds {count} windows of {seq_len} bytes, got "
@@ -924,14 +908,14 @@ def synthetic_regression(
       >>> data.input_shape, data.y.shape, data.num_classes
       ((4,), (100, 2), 2)
     """
-    num_examples = _check_positive_int("num_examples", num_examples)
+    num_examples = check_int("num_examples", num_examples, low=1)
     if num_examples < 2:
         raise ValueError(f"num_examples must be at least 2, got {num_examples}")
-    num_features = _check_positive_int("num_features", num_features)
-    num_outputs = _check_positive_int("num_outputs", num_outputs)
+    num_features = check_int("num_features", num_features, low=1)
+    num_outputs = check_int("num_outputs", num_outputs, low=1)
     if isinstance(noise, bool) or not isinstance(noise, int | float) or noise < 0:
         raise ValueError(f"noise must be a number >= 0, got {noise!r}")
-    rng = np.random.default_rng(_check_seed(seed))
+    rng = np.random.default_rng(check_int("seed", seed, low=0))
     hidden = 32
     w1 = rng.normal(0.0, 1.0 / math.sqrt(num_features), (num_features, hidden))
     phase = rng.uniform(0.0, 2.0 * math.pi, hidden)

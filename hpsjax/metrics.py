@@ -54,6 +54,8 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
+from hpsjax._checks import check_number
+
 __all__ = [
     "LEAVE_REASONS",
     "ROUND_PARTS",
@@ -331,11 +333,9 @@ _SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 
 
 def _check_buckets(name: str, buckets: Iterable[float]) -> tuple[float, ...]:
     buckets = tuple(buckets)
-    if not buckets or any(
-        isinstance(b, bool) or not isinstance(b, int | float) or not math.isfinite(b)
-        for b in buckets
-    ):
+    if not buckets:
         raise ValueError(f"{name} must be finite numbers, got {buckets!r}")
+    buckets = tuple(check_number(name, b) for b in buckets)
     if list(buckets) != sorted(set(buckets)):
         raise ValueError(f"{name} must be strictly increasing, got {buckets!r}")
     return tuple(float(b) for b in buckets)

@@ -62,6 +62,7 @@ import numpy as np
 import optax
 from flax import nnx
 
+from hpsjax._checks import check_int
 from hpsjax._factory import import_factory
 from hpsjax._npz import PARAMS_MARKER, nest_named_arrays, open_npz, params_marker
 
@@ -94,14 +95,6 @@ __all__ = [
 Params = dict[str, Any]
 
 
-def _check_positive_int(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
-    if value <= 0:
-        raise ValueError(f"{name} must be a positive int, got {value}")
-    return value
-
-
 class MLP(nnx.Module):
     """A multilayer perceptron classifier with ReLU hidden layers.
 
@@ -130,11 +123,11 @@ class MLP(nnx.Module):
         *,
         rngs: nnx.Rngs,
     ):
-        in_features = _check_positive_int("in_features", in_features)
-        num_classes = _check_positive_int("num_classes", num_classes)
+        in_features = check_int("in_features", in_features, low=1)
+        num_classes = check_int("num_classes", num_classes, low=1)
         if isinstance(hidden, int):
             raise ValueError(f"hidden must be a sequence of widths, got {hidden!r}")
-        widths = [_check_positive_int("hidden width", h) for h in hidden]
+        widths = [check_int("hidden width", h, low=1) for h in hidden]
         sizes = [in_features, *widths, num_classes]
         self.in_features = in_features
         self.layers = nnx.List(
@@ -181,11 +174,11 @@ class SmallCNN(nnx.Module):
         image_size: int | tuple[int, int] = 28,
         rngs: nnx.Rngs,
     ):
-        num_classes = _check_positive_int("num_classes", num_classes)
-        in_channels = _check_positive_int("in_channels", in_channels)
+        num_classes = check_int("num_classes", num_classes, low=1)
+        in_channels = check_int("in_channels", in_channels, low=1)
         if isinstance(image_size, int):
             image_size = (image_size, image_size)
-        height, width = (_check_positive_int("image_size", s) for s in image_size)
+        height, width = (check_int("image_size", s, low=1) for s in image_size)
         if min(height, width) < 4:
             raise ValueError(f"image_size must be at least 4, got {image_size}")
         self.image_shape = (height, width, in_channels)
@@ -273,14 +266,14 @@ class SmallResNet(nnx.Module):
         widths: Sequence[int] = (16, 32),
         rngs: nnx.Rngs,
     ):
-        num_classes = _check_positive_int("num_classes", num_classes)
-        in_channels = _check_positive_int("in_channels", in_channels)
+        num_classes = check_int("num_classes", num_classes, low=1)
+        in_channels = check_int("in_channels", in_channels, low=1)
         if isinstance(image_size, int):
             image_size = (image_size, image_size)
-        height, width = (_check_positive_int("image_size", s) for s in image_size)
+        height, width = (check_int("image_size", s, low=1) for s in image_size)
         if isinstance(widths, int) or not widths:
             raise ValueError(f"widths must be a non-empty sequence, got {widths!r}")
-        widths = [_check_positive_int("width", w) for w in widths]
+        widths = [check_int("width", w, low=1) for w in widths]
         self.image_shape = (height, width, in_channels)
         self.stem = nnx.Conv(in_channels, widths[0], (3, 3), use_bias=False, rngs=rngs)
         self.stem_bn = nnx.BatchNorm(widths[0], rngs=rngs)
@@ -407,12 +400,12 @@ class Transformer(nnx.Module):
         mlp_ratio: int = 4,
         rngs: nnx.Rngs,
     ):
-        vocab_size = _check_positive_int("vocab_size", vocab_size)
-        self.seq_len = _check_positive_int("seq_len", seq_len)
-        d_model = _check_positive_int("d_model", d_model)
-        num_layers = _check_positive_int("num_layers", num_layers)
-        num_heads = _check_positive_int("num_heads", num_heads)
-        mlp_ratio = _check_positive_int("mlp_ratio", mlp_ratio)
+        vocab_size = check_int("vocab_size", vocab_size, low=1)
+        self.seq_len = check_int("seq_len", seq_len, low=1)
+        d_model = check_int("d_model", d_model, low=1)
+        num_layers = check_int("num_layers", num_layers, low=1)
+        num_heads = check_int("num_heads", num_heads, low=1)
+        mlp_ratio = check_int("mlp_ratio", mlp_ratio, low=1)
         if d_model % num_heads or (d_model // num_heads) % 2:
             raise ValueError(
                 f"d_model must be num_heads times an even head width, got "

@@ -1,6 +1,9 @@
 """The shared helpers: argument checks, one state in an optax chain, npz names."""
 
+import ast
 import doctest
+import pathlib
+import re
 
 import jax.numpy as jnp
 import numpy as np
@@ -11,6 +14,8 @@ from hpsjax import _checks, _npz
 from hpsjax._checks import check_int, check_number, check_positive, is_int, is_number
 from hpsjax.transforms import LocalStepsState, _common, local_steps
 from hpsjax.transforms._common import find_one_state
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def test_module_doctests():
@@ -53,3 +58,110 @@ def test_find_one_state_words_none_and_several():
         find_one_state(optax.sgd(0.1).init(jnp.ones(2)), LocalStepsState, error=error)
     with pytest.raises(ValueError, match=r"^want one 2$"):
         find_one_state(two, LocalStepsState, error=error)
+
+
+# The messages of hpsjax._checks's rules, as a private copy would word them
+# ("{}" stands for an interpolated value).
+_NUMBER = r"(-?[\d.]+|\{\})"
+_RANGE = r"in [(\[][^,]*, [^)\]]*[)\]]"
+_RULE = re.compile(
+    r"must (be|lie) (an int|an integer|a positive int|a non-negative int"
+    r"|an int or a str|a str or an int|a (positive |non-negative )?(finite )?"
+    r"(number|float|real scalar)|positive|non-negative|finite|(a )?floating( dtype)?"
+    rf"|{_RANGE}|one of [^,]*(, [^,]*)*|[<>]=? {_NUMBER})"
+    rf"( [<>]=? {_NUMBER}| {_RANGE})?( or None)?[.,]? *(got|\{{\}}|$)"
+)
+_CHECKER = ("_check", "_require", "_valid")
+_SHARED = ("is_int", "is_number", "_is_int", "_is_number")
+
+
+def _message(exc: ast.expr) -> str:
+    """The constant text of a raised exception's message, ``{}`` for the rest."""
+    node = exc.args[0] if isinstance(exc, ast.Call) and exc.args else exc
+    if isinstance(node, ast.JoinedStr):
+        return "".join(
+            v.value if isinstance(v, ast.Constant) else "{}" for v in node.values
+        )
+    return node.value if isinstance(node, ast.Constant) else ""
+
+
+def private_rule_copies(root: pathlib.Path) -> list[str]:
+    """Functions outside ``hpsjax/_checks.py`` that copy one of its rules: a
+    check (``_check_*``, ``_require_*``, ``_valid*``) raising one of its
+    messages, or a second ``is_int`` / ``is_number``."""
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        if path == ROOT / "hpsjax" / "_checks.py":
+            continue
+        for fn in ast.walk(ast.parse(path.read_text(), str(path))):
+            if not isinstance(fn, ast.FunctionDef | ast.AsyncFunctionDef):
+                continue
+            where = f"{path.relative_to(root.parent)}:{fn.lineno} {fn.name}"
+            if fn.name in _SHARED:
+                found.append(where)
+            elif fn.name.startswith(_CHECKER):
+                texts = [
+                    _message(n.exc)
+                    for n in ast.walk(fn)
+                    if isinstance(n, ast.Raise) and n.exc is not None
+                ]
+                found += [f"{where}: {t!r}" for t in texts if _RULE.search(t)][:1]
+    return found
+
+
+def test_the_rule_scan_finds_a_private_copy(tmp_path):
+    copy = tmp_path / "copy.py"
+    copy.write_text(
+        "def _check_positive_int(name, value):\n"
+        "    if value < 1:\n"
+        "        raise ValueError(f'{name} must be an int >= 1, got {value}')\n"
+        "def _check_shape(shape):\n"
+        "    raise ValueError(f'shape must hold non-negative ints, got {shape}')\n"
+        "def is_number(value):\n"
+        "    return True\n"
+    )
+    found = private_rule_copies(tmp_path)
+    assert [_name(f) for f in found] == [
+        "_check_positive_int",
+        "is_number",
+    ]
+
+
+# Copies in modules being moved by their owners as this is written, each to be
+# replaced by a call to hpsjax._checks; the list only shrinks.
+_PENDING = {
+    "_check_worker_id",  # hpsjax/decisions/_core.py, hpsjax/planning/_profiles.py
+    "_check_stale_action",  # hpsjax/decisions/_policies.py
+    "_check_positive_int",  # hpsjax/planning/_profiles.py
+    "_check_finite",  # hpsjax/planning/_profiles.py
+    "_check_positive",  # hpsjax/planning/_workplan.py
+    "_checked_ids",  # hpsjax/profiling/_pilot.py
+    "_check_shard",  # hpsjax/net/_partition.py
+    "_check_server_args",  # hpsjax/net/_server.py
+    "_is_number",  # hpsjax/sim/_config.py
+    "_check_workers",  # hpsjax/sim/_config.py
+    "_check_optional",  # hpsjax/sim/_config.py
+    "_check_worker_side",  # hpsjax/sim/_config.py
+    "_check_jobs",  # experiments/compare.py
+    "_check_pilot",  # hpsjax/ps/_options.py
+    "_check_flags",  # experiments/compare.py
+}
+
+
+def _name(found: str) -> str:
+    return found.split(":")[1].split()[1]
+
+
+@pytest.mark.parametrize("package", ["hpsjax", "experiments"])
+def test_no_private_copies_of_the_shared_checks(package):
+    """Every rule of ``hpsjax._checks`` lives there once: call it."""
+    found = private_rule_copies(ROOT / package)
+    assert [f for f in found if _name(f) not in _PENDING] == []
+
+
+def test_the_pending_copies_still_exist():
+    """A copy replaced by a call leaves the pending list too."""
+    found = private_rule_copies(ROOT / "hpsjax") + private_rule_copies(
+        ROOT / "experiments"
+    )
+    assert _PENDING - {_name(f) for f in found} == set()

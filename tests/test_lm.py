@@ -83,7 +83,7 @@ def test_bad_settings_are_one_line():
     bad = [
         (dict(d_model=30, num_heads=4), "num_heads times an even head width"),
         (dict(d_model=12, num_heads=4), "num_heads times an even head width"),
-        (dict(num_layers=0), "num_layers must be a positive int"),
+        (dict(num_layers=0), "num_layers must be an int >= 1"),
     ]
     for kwargs, match in bad:
         with pytest.raises(ValueError, match=match):

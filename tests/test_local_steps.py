@@ -127,7 +127,7 @@ def test_local_steps_extra_argument_overrides_k():
     dues, _, _ = _run(local_steps(5), 4, local_steps=2)
     assert dues == [False, True, False, True]
     tx = local_steps(5)
-    with pytest.raises(ValueError, match="k must be >= 1"):
+    with pytest.raises(ValueError, match="k must be an int >= 1"):
         tx.update(_updates(0), tx.init(PARAMS), local_steps=0)
 
 

@@ -195,7 +195,7 @@ def test_prometheus_stop_frees_the_port_and_state_is_optional():
         ({"state": 3}, "state must be callable"),
         ({"staleness_buckets": ()}, "staleness_buckets must be finite numbers"),
         ({"seconds_buckets": (1, 0.5)}, "strictly increasing"),
-        ({"seconds_buckets": (1, math.inf)}, "finite numbers"),
+        ({"seconds_buckets": (1, math.inf)}, "seconds_buckets must be a finite number"),
     ],
 )
 def test_server_metrics_refuses_bad_arguments(kwargs, match):

@@ -120,10 +120,10 @@ def test_diloco_outer_averages_like_fedavg():
     [
         ({"learning_rate": -1.0}, "learning_rate"),
         ({"learning_rate": 0.1, "momentum": 1.5}, "momentum must be in"),
-        ({"learning_rate": 0.1, "delay": 0}, "delay must be a positive int"),
-        ({"learning_rate": 0.1, "delay": 2.5}, "delay must be a positive int"),
+        ({"learning_rate": 0.1, "delay": 0}, "delay must be an int >= 1"),
+        ({"learning_rate": 0.1, "delay": 2.5}, "delay must be an int >= 1"),
         ({"learning_rate": 0.1, "delay": 4, "momentum_fraction": 0.5}, "momentum_f"),
-        ({"learning_rate": "fast"}, "learning_rate must be a number"),
+        ({"learning_rate": "fast"}, "learning_rate must be a finite number"),
     ],
 )
 def test_bad_hyperparameters_raise(kwargs, match):

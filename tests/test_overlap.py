@@ -215,11 +215,11 @@ def test_state_structure_is_stable_under_cond():
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"momentum": 1.0}, "momentum must lie in"),
-        ({"momentum": -0.1}, "momentum must lie in"),
-        ({"momentum": True}, "momentum must be a real scalar"),
-        ({"gamma": 0.0}, "gamma must lie in"),
-        ({"gamma": 1.5}, "gamma must lie in"),
+        ({"momentum": 1.0}, r"momentum must be in \[0, 1\)"),
+        ({"momentum": -0.1}, r"momentum must be in \[0, 1\)"),
+        ({"momentum": True}, "momentum must be a finite number"),
+        ({"gamma": 0.0}, r"gamma must be in \(0, 1\]"),
+        ({"gamma": 1.5}, r"gamma must be in \(0, 1\]"),
     ],
 )
 def test_bad_hyperparameters_fail_at_construction(kwargs, match):

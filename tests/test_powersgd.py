@@ -138,8 +138,8 @@ def test_matrix_shape_rules():
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"rank": 0}, "rank must be a positive int"),
-        ({"rank": 1.5}, "rank must be a positive int"),
+        ({"rank": 0}, "rank must be an int >= 1"),
+        ({"rank": 1.5}, "rank must be an int >= 1"),
         ({"rank": jnp.int32(2)}, "static_args"),
         ({"rank": 2, "warm_start": "yes"}, "warm_start"),
         ({"rank": 2, "error_feedback": None}, "error_feedback"),

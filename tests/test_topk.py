@@ -155,7 +155,7 @@ def test_inject_hyperparams_with_static_ratio():
     [
         ({"ratio": 0.0}, "ratio must be in"),
         ({"ratio": 1.5}, "ratio must be in"),
-        ({"ratio": True}, "ratio must be a float"),
+        ({"ratio": True}, "ratio must be in"),
         ({"ratio": jnp.float32(0.1)}, "static_args"),
         ({"ratio": 0.1, "error_feedback": 1}, "error_feedback"),
         ({"ratio": 0.1, "seed": 1.5}, "seed"),

@@ -50,6 +50,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TextIO
 
 from hpsjax import profiling
+from hpsjax._checks import check_number
 from hpsjax.launch._actor import ACTOR_DIR, NODE_IP, ProcessActor
 from hpsjax.launch._job import (
     Console,
@@ -157,11 +158,10 @@ def _checked(resources: Resources, what: str) -> dict[str, float]:
     for name, amount in resources.items():
         if not (isinstance(name, str) and _NAME.fullmatch(name)):
             raise LaunchError(f"{what}: bad resource name {name!r}")
-        if isinstance(amount, bool) or not isinstance(amount, int | float):
-            raise LaunchError(f"{what}: {name} must be a number, got {amount!r}")
-        if not 0 <= amount < float("inf"):
-            raise LaunchError(f"{what}: {name} must be >= 0, got {amount!r}")
-        out[name] = float(amount)
+        try:
+            out[name] = check_number(f"{what}: {name}", amount, low=0)
+        except ValueError as e:
+            raise LaunchError(str(e)) from None
     return {**_DEFAULT_RESOURCES, **out}
 
 

@@ -11,7 +11,6 @@ r"""Transforms of the newer asynchronous and low-communication methods.
 from __future__ import annotations
 
 import math
-import numbers
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -20,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from hpsjax._checks import check_hyperparameter
 from hpsjax.transforms._common import find_one_state
 from hpsjax.transforms._quantize import Codec, decode, encode, encoded_nbytes
 from hpsjax.transforms._staleness import _as_staleness
@@ -41,19 +41,6 @@ __all__ = [
 ]
 
 _F32 = jnp.float32
-
-
-def _check_fraction(name: str, value: Any, *, high_inclusive: bool) -> Any:
-    """Checks a concrete number; arrays (``inject_hyperparams``) pass unchecked."""
-    if isinstance(value, jax.Array | np.ndarray):
-        return value
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise ValueError(f"{name} must be a number in [0, 1), got {value!r}")
-    ok = 0 <= value <= 1 if high_inclusive else 0 <= value < 1
-    if not ok:
-        bounds = "[0, 1]" if high_inclusive else "[0, 1)"
-        raise ValueError(f"{name} must be in {bounds}, got {value!r}")
-    return float(value)
 
 
 class OrderedMomentumState(NamedTuple):
@@ -125,13 +112,12 @@ def ordered_momentum(
       Shi, Yang, Li, `Ordered Momentum for Asynchronous SGD
       <https://arxiv.org/abs/2407.19234>`_, NeurIPS 2024.
     """
-    if not (callable(learning_rate) or isinstance(learning_rate, jax.Array)) and (
-        isinstance(learning_rate, bool)
-        or not isinstance(learning_rate, numbers.Real)
-        or not learning_rate > 0
-    ):
-        raise ValueError(f"learning_rate must be > 0, got {learning_rate!r}")
-    beta = _check_fraction("momentum", momentum, high_inclusive=False)
+    check_hyperparameter(
+        "learning_rate", learning_rate, low=0, low_inclusive=False, schedule=True
+    )
+    beta = check_hyperparameter(
+        "momentum", momentum, low=0, high=1, high_inclusive=False
+    )
 
     def init_fn(params):
         return OrderedMomentumState(
@@ -277,7 +263,7 @@ def sparseloco(
     topk_count(1, ratio)  # checks the ratio
     if isinstance(bits, bool) or bits not in (1, 2, 4, 8, 16):
         raise ValueError(f"bits must be one of 1, 2, 4, 8, 16, got {bits!r}")
-    beta = _check_fraction("decay", decay, high_inclusive=True)
+    beta = check_hyperparameter("decay", decay, low=0, high=1)
     codec = _value_codec(bits)
 
     def init_fn(params):

@@ -14,10 +14,9 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
-from hpsjax._checks import is_int
+from hpsjax._checks import check_hyperparameter
 from hpsjax.transforms._common import find_one_state
 
 __all__ = [
@@ -41,16 +40,6 @@ class LocalStepsState(NamedTuple):
     count: jax.Array  # shape=(), int32
     accumulated: Any  # tree like params; dtype of params or accumulator_dtype
     push_due: jax.Array  # shape=(), bool
-
-
-def _check_k(k: Any) -> None:
-    is_int_array = isinstance(k, jax.Array | np.ndarray) and jnp.issubdtype(
-        k.dtype, jnp.integer
-    )
-    if not (is_int(k) or is_int_array) or np.ndim(k) != 0:
-        raise ValueError(f"k must be an integer scalar >= 1, got {k!r}.")
-    if not isinstance(k, jax.core.Tracer) and int(k) < 1:
-        raise ValueError(f"k must be >= 1, got {int(k)}.")
 
 
 def _init_local_steps(params: Any, accumulator_dtype: Any) -> LocalStepsState:
@@ -139,7 +128,7 @@ def local_steps(
       <https://doi.org/10.1109/TC.2023.3315847>`_, IEEE Trans. Computers 73(1),
       2024.
     """
-    _check_k(k)
+    check_hyperparameter("k", k, low=1, integer=True)
     if accumulator_dtype is not None:
         try:
             accumulator_dtype = jax.dtypes.canonicalize_dtype(accumulator_dtype)
@@ -154,7 +143,7 @@ def local_steps(
     def update_fn(updates, state, params=None, *, local_steps=None, **extra_args):
         del params, extra_args
         if local_steps is not None:
-            _check_k(local_steps)
+            check_hyperparameter("k", local_steps, low=1, integer=True)
         steps = k if local_steps is None else local_steps
         return updates, _accumulate(updates, state, steps)
 

@@ -29,10 +29,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from hpsjax._checks import check_hyperparameter
 from hpsjax.transforms._staleness import (
     _as_staleness,
-    _check_range,
-    _is_traced,
     staleness_factor,
 )
 
@@ -56,12 +55,6 @@ class LookaheadMomentumState(NamedTuple):
 
     momentum: Any  # tree like params
     lookahead: jax.Array  # shape=(), float32
-
-
-def _check_momentum(momentum: Any) -> None:
-    _check_range("momentum", momentum, low=0.0, low_inclusive=True, high=1.0)
-    if not _is_traced(momentum) and float(momentum) == 1.0:
-        raise ValueError("momentum must lie in [0, 1), got 1.0.")
 
 
 def lookahead_coefficient(momentum: Any, staleness: Any) -> jax.Array:
@@ -92,7 +85,7 @@ def lookahead_coefficient(momentum: Any, staleness: Any) -> jax.Array:
       >>> [round(float(lookahead_coefficient(0.5, t)), 3) for t in (0, 1, 2)]
       [0.0, 0.5, 0.75]
     """
-    _check_momentum(momentum)
+    check_hyperparameter("momentum", momentum, low=0, high=1, high_inclusive=False)
     tau = _as_staleness(staleness).astype(jnp.float32)
     beta = jnp.asarray(momentum, jnp.float32)
     return beta * (1 - beta**tau) / (1 - beta)
@@ -197,8 +190,8 @@ def lookahead_momentum(
       Application to Deep Learning <https://arxiv.org/abs/1605.09774>`_,
       Allerton 2016.
     """
-    _check_momentum(momentum)
-    _check_range("gamma", gamma, low=0.0, low_inclusive=False, high=1.0)
+    check_hyperparameter("momentum", momentum, low=0, high=1, high_inclusive=False)
+    check_hyperparameter("gamma", gamma, low=0, high=1, low_inclusive=False)
     return optax.chain(
         _scale_by_lookahead(momentum, gamma),
         optax.scale_by_learning_rate(learning_rate),

@@ -18,13 +18,14 @@ synchronous DiLoCo round) is the caller's job.
 
 from __future__ import annotations
 
-import numbers
+import math
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
+
+from hpsjax._checks import check_hyperparameter
 
 __all__ = [
     "DelayedNesterovState",
@@ -41,17 +42,6 @@ class DelayedNesterovState(NamedTuple):
     count: jax.Array  # shape=(), int32: pseudo-gradients applied so far (t)
     momentum: Any  # float32 tree like the updates: m, changed every N updates
     buffer: Any  # float32 tree: the sum of the pseudo-gradients since m changed
-
-
-def _check_number(name: str, value: Any, low: float, high: float | None) -> None:
-    """Checks a concrete number; arrays (inject_hyperparams) pass unchecked."""
-    if callable(value) or isinstance(value, (jax.Array, np.ndarray)):
-        return
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise ValueError(f"{name} must be a number, got {value!r}")
-    if value < low or (high is not None and value > high):
-        bounds = f"[{low}, {high}]" if high is not None else f">= {low}"
-        raise ValueError(f"{name} must be in {bounds}, got {value!r}")
 
 
 def delayed_nesterov(
@@ -120,16 +110,13 @@ def delayed_nesterov(
       Local-SGD Training for Language Modeling", 2024,
       https://arxiv.org/abs/2401.09135
     """
-    _check_number("learning_rate", learning_rate, 0.0, None)
-    _check_number("momentum", momentum, 0.0, 1.0)
-    if isinstance(delay, bool) or not isinstance(
-        delay, (numbers.Integral, jax.Array, np.ndarray)
-    ):
-        raise ValueError(f"delay must be a positive int, got {delay!r}")
-    if isinstance(delay, numbers.Integral) and delay < 1:
-        raise ValueError(f"delay must be a positive int, got {delay!r}")
-    high = 1.0 / delay if isinstance(delay, numbers.Integral) else None
-    _check_number("momentum_fraction", momentum_fraction, 0.0, high)
+    check_hyperparameter("learning_rate", learning_rate, low=0, schedule=True)
+    check_hyperparameter("momentum", momentum, low=0, high=1, schedule=True)
+    delay = check_hyperparameter("delay", delay, low=1, integer=True)
+    high = 1.0 / delay if isinstance(delay, int) else math.inf
+    check_hyperparameter(
+        "momentum_fraction", momentum_fraction, low=0, high=high, schedule=True
+    )
 
     def init_fn(params):
         zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, _F32), params)
@@ -209,8 +196,8 @@ def diloco_outer(
       "DiLoCo: Distributed Low-Communication Training of Language Models", 2023,
       https://arxiv.org/abs/2311.08105
     """
-    _check_number("learning_rate", learning_rate, 0.0, None)
-    _check_number("momentum", momentum, 0.0, 1.0)
+    check_hyperparameter("learning_rate", learning_rate, low=0, schedule=True)
+    check_hyperparameter("momentum", momentum, low=0, high=1, schedule=True)
     return optax.with_extra_args_support(
         optax.sgd(learning_rate, momentum=momentum, nesterov=True)
     )

@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from hpsjax._checks import is_int
+from hpsjax._checks import check_float_dtype, check_int
 from hpsjax.transforms._common import (
     check_seed,
     decode_leaves,
@@ -41,7 +41,6 @@ from hpsjax.transforms._common import (
     initial_error,
 )
 from hpsjax.transforms._topk import (
-    _check_float,
     _check_shape,
     _raw_key,
 )
@@ -89,9 +88,7 @@ def _check_rank(rank: Any) -> int:
             "power_sgd's rank fixes the factors' shapes and must be a Python int, "
             "got an array; under optax.inject_hyperparams pass static_args=('rank',)"
         )
-    if not is_int(rank) or rank < 1:
-        raise ValueError(f"rank must be a positive int, got {rank!r}")
-    return int(rank)
+    return check_int("rank", rank, low=1)
 
 
 def powersgd_matrix_shape(shape: Sequence[int], rank: int) -> tuple[int, int] | None:
@@ -124,7 +121,7 @@ def powersgd_nbytes(shape: Sequence[int], dtype: Any, rank: int) -> int:
       >>> powersgd_nbytes((1024, 1024), jnp.float32, 4)  # 4 * 2048 * 4 bytes
       32768
     """
-    itemsize = _check_float(dtype, "dtype").itemsize
+    itemsize = check_float_dtype("dtype", dtype).itemsize
     matrix = powersgd_matrix_shape(shape, rank)
     if matrix is None:
         return math.prod(_check_shape(shape)) * itemsize
@@ -178,9 +175,9 @@ def powersgd_encode(
     """
     rank = _check_rank(rank)
     x = jnp.asarray(x)
-    _check_float(x.dtype, "powersgd_encode's input dtype")
-    value_dtype = _check_float(
-        x.dtype if value_dtype is None else value_dtype, "value_dtype"
+    check_float_dtype("powersgd_encode's input dtype", x.dtype)
+    value_dtype = check_float_dtype(
+        "value_dtype", x.dtype if value_dtype is None else value_dtype
     )
     matrix = powersgd_matrix_shape(x.shape, rank)
     if matrix is None:
@@ -214,7 +211,7 @@ def powersgd_decode(
       ValueError: the factors do not fit ``shape``.
     """
     shape = _check_shape(shape)
-    dtype = _check_float(dtype, "dtype")
+    dtype = check_float_dtype("dtype", dtype)
     p, q = encoded
     size = math.prod(shape)
     if q.shape == (0,):

@@ -61,7 +61,7 @@ import numpy as np
 import optax
 from jax import lax
 
-from hpsjax._checks import is_int
+from hpsjax._checks import check_float_dtype, is_int
 from hpsjax.transforms._common import (
     check_seed,
     decode_leaves,
@@ -534,16 +534,6 @@ def _bytes_float(codes: jax.Array) -> jax.Array:
     return lax.bitcast_convert_type(word, _F32)
 
 
-def _check_float(dtype: Any, what: str) -> np.dtype:
-    try:
-        dtype = jnp.dtype(dtype)
-    except TypeError:
-        raise ValueError(f"{what} must be a floating dtype, got {dtype!r}") from None
-    if not jnp.issubdtype(dtype, jnp.floating):
-        raise ValueError(f"{what} must be a floating dtype, got {dtype}")
-    return dtype
-
-
 def encode(x: jax.Array, codec: Codec, key: jax.Array | None = None) -> Encoded:
     """Quantizes one array into wire bytes: codes and float32 scales.
 
@@ -619,7 +609,7 @@ def encode(x: jax.Array, codec: Codec, key: jax.Array | None = None) -> Encoded:
 
 def _check_input(x: Any, codec: Codec) -> jax.Array:
     x = jnp.asarray(x)
-    _check_float(x.dtype, "encode's input dtype")
+    check_float_dtype("encode's input dtype", x.dtype)
     if codec.stochastic and x.size >= 2**32:
         raise ValueError(
             f"stochastic rounding counts elements in 32 bits; split arrays of "
@@ -677,7 +667,7 @@ def decode(
     """
     codec = _check_codec(codec)
     shape = _check_shape(shape)
-    dtype = _check_float(dtype, "decode's dtype")
+    dtype = check_float_dtype("decode's dtype", dtype)
     if not isinstance(encoded, Encoded):
         raise ValueError(f"expected an Encoded, got {type(encoded).__name__}")
     codes, scales = jnp.asarray(encoded.codes), jnp.asarray(encoded.scales)

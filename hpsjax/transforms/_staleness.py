@@ -16,15 +16,15 @@ update, and :data:`STALENESS_POLICIES` names the built-in policies.
 
 from __future__ import annotations
 
-import math
 import types
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
+
+from hpsjax._checks import check_hyperparameter
 
 __all__ = [
     "STALENESS_POLICIES",
@@ -101,37 +101,6 @@ def _is_traced(value: Any) -> bool:
     return isinstance(value, jax.core.Tracer)
 
 
-def _check_scalar(name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(
-        value, int | float | np.number | np.ndarray | jax.Array
-    ):
-        raise ValueError(f"{name} must be a real scalar, got {value!r}.")
-    if np.ndim(value) != 0:
-        raise ValueError(f"{name} must be a scalar, got shape {np.shape(value)}.")
-    dtype = jnp.result_type(value)
-    if not (jnp.issubdtype(dtype, jnp.integer) or jnp.issubdtype(dtype, jnp.floating)):
-        raise ValueError(f"{name} must be a real scalar, got dtype {dtype}.")
-
-
-def _check_range(
-    name: str,
-    value: Any,
-    *,
-    low: float,
-    low_inclusive: bool,
-    high: float = math.inf,
-) -> None:
-    """Checks a numeric hyperparameter; traced values are checked for shape only."""
-    _check_scalar(name, value)
-    if _is_traced(value):
-        return
-    number = float(value)
-    above = number >= low if low_inclusive else number > low
-    if not (above and number <= high):
-        bracket = "[" if low_inclusive else "("
-        raise ValueError(f"{name} must lie in {bracket}{low}, {high}], got {number}.")
-
-
 def _check_policy(
     policy: StalenessPolicy, gamma: Any, power: Any, max_staleness: Any
 ) -> None:
@@ -146,10 +115,10 @@ def _check_policy(
         raise ValueError(
             f"policy must be a policy name or a callable tau -> factor, got {policy!r}."
         )
-    _check_range("gamma", gamma, low=0.0, low_inclusive=False, high=1.0)
-    _check_range("power", power, low=0.0, low_inclusive=True)
+    check_hyperparameter("gamma", gamma, low=0, high=1, low_inclusive=False)
+    check_hyperparameter("power", power, low=0)
     if max_staleness is not None:
-        _check_range("max_staleness", max_staleness, low=0.0, low_inclusive=True)
+        check_hyperparameter("max_staleness", max_staleness, low=0)
     elif policy == "drop":
         raise ValueError("policy='drop' needs max_staleness (an int >= 0).")
 
@@ -162,11 +131,7 @@ def _as_staleness(staleness: Any) -> jax.Array:
             "server versions the update is behind, an int >= 0): call "
             "update(updates, state, params, staleness=tau)."
         )
-    _check_scalar("staleness", staleness)
-    if not _is_traced(staleness):
-        number = float(staleness)
-        if not number >= 0:  # also catches NaN
-            raise ValueError(f"staleness must be >= 0, got {number}.")
+    check_hyperparameter("staleness", staleness, low=0)
     tau = jnp.asarray(staleness)
     tau = tau.astype(jnp.promote_types(tau.dtype, jnp.float32))
     # A traced value cannot raise; `tau > 0` is False for negatives and NaN, so
@@ -402,13 +367,11 @@ def delay_compensation(
       Descent with Delay Compensation <https://arxiv.org/abs/1609.08326>`_, ICML
       2017.
     """
-    _check_range("lam", lam, low=0.0, low_inclusive=True)
+    check_hyperparameter("lam", lam, low=0)
     if not isinstance(adaptive, bool):
         raise ValueError(f"adaptive must be a bool, got {adaptive!r}.")
-    _check_range("decay", decay, low=0.0, low_inclusive=True, high=1.0)
-    if not _is_traced(decay) and float(decay) == 1.0:
-        raise ValueError("decay must lie in [0, 1), got 1.0.")
-    _check_range("eps", eps, low=0.0, low_inclusive=False)
+    check_hyperparameter("decay", decay, low=0, high=1, high_inclusive=False)
+    check_hyperparameter("eps", eps, low=0, low_inclusive=False)
 
     def init_fn(params):
         if not adaptive:

@@ -53,15 +53,13 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from hpsjax._checks import is_int
+from hpsjax._checks import check_choice, check_hyperparameter, check_int, is_int
 from hpsjax.transforms._common import find_one_state
 from hpsjax.transforms._frontier import (
-    _check_fraction,
     _push_leaves,
     _value_codec,
     _zero_errors,
 )
-from hpsjax.transforms._outer import _check_number
 from hpsjax.transforms._quantize import decode, encode, encoded_nbytes
 
 __all__ = [
@@ -84,18 +82,6 @@ _BITS = (1, 2, 4, 8, 16)
 _SAME_RTOL = 1e-6
 
 
-def _check_fragments(fragments: Any) -> int:
-    if isinstance(fragments, bool) or not is_int(fragments) or fragments < 1:
-        raise ValueError(f"fragments must be an int >= 1, got {fragments!r}")
-    return int(fragments)
-
-
-def _check_bits(bits: Any) -> int | None:
-    if bits is not None and (isinstance(bits, bool) or bits not in _BITS):
-        raise ValueError(f"bits must be one of 1, 2, 4, 8, 16 or None, got {bits!r}")
-    return bits
-
-
 def fragment_bounds(tree: Any, fragments: int) -> tuple[int, ...]:
     r"""Where each fragment starts in the flattened parameters, and the end.
 
@@ -116,7 +102,7 @@ def fragment_bounds(tree: Any, fragments: int) -> tuple[int, ...]:
       >>> fragment_bounds(tree, 2)  # b, v, w: 104 elements
       (0, 52, 104)
     """
-    fragments = _check_fragments(fragments)
+    fragments = check_int("fragments", fragments, low=1)
     total = sum(int(math.prod(np.shape(leaf))) for leaf in jax.tree.leaves(tree))
     if fragments > total:
         raise ValueError(
@@ -154,7 +140,7 @@ def streaming_fragment_nbytes(
       >>> streaming_fragment_nbytes(tree, 2, bits=4)  # b, v, 12 of w | 52 of w
       (38, 30)
     """
-    bits = _check_bits(bits)
+    bits = check_choice("bits", bits, _BITS, allow_none=True)
     bounds = fragment_bounds(tree, fragments)
     sizes = [int(math.prod(np.shape(leaf))) for leaf in jax.tree.leaves(tree)]
     totals = []
@@ -189,16 +175,6 @@ class StreamingLocalState(NamedTuple):
     anchor: Any  # tree like the params: each leaf's global value last merged
     inner_state: Any  # the inner optimizer's state
     eager: StreamingEagerState | None = None  # with eager=True only
-
-
-def _check_positive_number(name: str, value: Any) -> float | Any:
-    """A concrete number > 0; arrays (``inject_hyperparams``) pass unchecked."""
-    if isinstance(value, jax.Array | np.ndarray):
-        return value
-    _check_number(name, value, 0.0, None)
-    if value == 0:
-        raise ValueError(f"{name} must be > 0, got {value!r}")
-    return float(value)
 
 
 def streaming_local(
@@ -322,15 +298,19 @@ def streaming_local(
       Kale, Douillard, Donchev, `Eager Updates For Overlapped Communication
       and Computation in DiLoCo <https://arxiv.org/abs/2502.12996>`_, 2025.
     """
-    alpha = _check_fraction("mixing", mixing, high_inclusive=True)
+    alpha = check_hyperparameter("mixing", mixing, low=0, high=1)
     if not isinstance(eager, bool):
         raise ValueError(f"eager must be a bool, got {eager!r}")
     if eager:
-        fragments = _check_fragments(fragments)
+        fragments = check_int("fragments", fragments, low=1)
         if fragments < 2:
             raise ValueError(f"eager updates need fragments >= 2, got {fragments}")
-        eta = _check_positive_number("outer_learning_rate", outer_learning_rate)
-        beta = _check_fraction("outer_momentum", outer_momentum, high_inclusive=False)
+        eta = check_hyperparameter(
+            "outer_learning_rate", outer_learning_rate, low=0, low_inclusive=False
+        )
+        beta = check_hyperparameter(
+            "outer_momentum", outer_momentum, low=0, high=1, high_inclusive=False
+        )
         if isinstance(workers, bool) or not is_int(workers) or workers < 1:
             raise ValueError(f"workers must be an int >= 1, got {workers!r}")
     inner = optax.with_extra_args_support(inner)
@@ -540,8 +520,8 @@ def streaming_push(
       Douillard et al., `Streaming DiLoCo with overlapping communication
       <https://arxiv.org/abs/2501.18512>`_, 2025.
     """
-    fragments = _check_fragments(fragments)
-    bits = _check_bits(bits)
+    fragments = check_int("fragments", fragments, low=1)
+    bits = check_choice("bits", bits, _BITS, allow_none=True)
     if not isinstance(error_feedback, bool):
         raise ValueError(f"error_feedback must be a bool, got {error_feedback!r}")
     codec = None if bits is None else _value_codec(bits)
@@ -645,9 +625,11 @@ def streaming_outer(
       Douillard et al., `Streaming DiLoCo with overlapping communication
       <https://arxiv.org/abs/2501.18512>`_, 2025.
     """
-    _check_number("learning_rate", learning_rate, 0.0, None)
-    beta = _check_fraction("momentum", momentum, high_inclusive=False)
-    fragments = _check_fragments(fragments)
+    check_hyperparameter("learning_rate", learning_rate, low=0, schedule=True)
+    beta = check_hyperparameter(
+        "momentum", momentum, low=0, high=1, high_inclusive=False
+    )
+    fragments = check_int("fragments", fragments, low=1)
 
     def init_fn(params):
         fragment_bounds(params, fragments)  # checks the count

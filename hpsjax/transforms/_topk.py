@@ -26,7 +26,6 @@ stay in the error-feedback residual of :func:`top_k` and go out later.
 from __future__ import annotations
 
 import math
-import numbers
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -36,7 +35,7 @@ import numpy as np
 import optax
 from jax import lax
 
-from hpsjax._checks import is_int
+from hpsjax._checks import check_float_dtype, check_fraction, is_int
 from hpsjax.transforms._common import (
     check_seed,
     decode_leaves,
@@ -95,11 +94,7 @@ def _check_ratio(ratio: Any) -> float:
             "float, got an array; under optax.inject_hyperparams pass "
             "static_args=('ratio',)"
         )
-    if isinstance(ratio, bool) or not isinstance(ratio, numbers.Real):
-        raise ValueError(f"ratio must be a float in (0, 1], got {ratio!r}")
-    if not 0.0 < float(ratio) <= 1.0:
-        raise ValueError(f"ratio must be in (0, 1], got {ratio!r}")
-    return float(ratio)
+    return check_fraction("ratio", ratio)
 
 
 def _check_shape(shape: Any) -> tuple[int, ...]:
@@ -110,13 +105,6 @@ def _check_shape(shape: Any) -> tuple[int, ...]:
     if not all(is_int(d) and d >= 0 for d in dims):
         raise ValueError(f"shape must hold non-negative ints, got {shape!r}")
     return tuple(int(d) for d in dims)
-
-
-def _check_float(dtype: Any, what: str) -> jnp.dtype:
-    dtype = jnp.dtype(dtype)
-    if not jnp.issubdtype(dtype, jnp.floating):
-        raise ValueError(f"{what} must be floating, got {dtype}")
-    return dtype
 
 
 def topk_count(size: int, ratio: float) -> int:
@@ -173,7 +161,7 @@ def topk_nbytes(shape: Sequence[int], dtype: Any, ratio: float) -> int:
     """
     size = math.prod(_check_shape(shape))
     k = topk_count(size, ratio)
-    value_bytes = _check_float(dtype, "dtype").itemsize
+    value_bytes = check_float_dtype("dtype", dtype).itemsize
     return k * (topk_index_dtype(size).itemsize + value_bytes)
 
 
@@ -280,9 +268,9 @@ def topk_encode(
     """
     ratio = _check_ratio(ratio)
     x = jnp.asarray(x)
-    _check_float(x.dtype, "topk_encode's input dtype")
+    check_float_dtype("topk_encode's input dtype", x.dtype)
     value_dtype = x.dtype if value_dtype is None else value_dtype
-    value_dtype = _check_float(value_dtype, "value_dtype")
+    value_dtype = check_float_dtype("value_dtype", value_dtype)
     size = x.size
     if key is None and size > SAMPLE_SIZE and topk_count(size, ratio) < size:
         raise ValueError(
@@ -315,7 +303,7 @@ def topk_decode(
         differs from the indices'.
     """
     shape = _check_shape(shape)
-    dtype = _check_float(dtype, "dtype")
+    dtype = check_float_dtype("dtype", dtype)
     indices, values = encoded
     size = math.prod(shape)
     index_dtype = topk_index_dtype(size)
