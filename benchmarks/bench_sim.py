@@ -42,7 +42,7 @@ import optax
 
 from hpsjax import data as hdata
 from hpsjax import models
-from hpsjax.sim import SimConfig, _simulate, make_workers, simulate
+from hpsjax.sim import SimConfig, _server_side, make_workers, simulate
 
 _MODELS = {
     "small": dict(image_size=8, hidden=(64, 64), batch=32, rounds=32),
@@ -50,7 +50,7 @@ _MODELS = {
 }
 
 
-class _TimedCore(_simulate.ServerCore):
+class _TimedCore(_server_side.ServerCore):
     """A ServerCore that adds up the wall time of its event calls."""
 
     seconds = 0.0
@@ -191,7 +191,7 @@ def main() -> None:
             for n in (int(v) for v in args.workers.split(",")):
                 _sum_kernel(name, n, max(args.repeats, 5))
         return
-    _simulate.ServerCore = _TimedCore  # the simulator builds its core from here
+    _server_side.ServerCore = _TimedCore  # the simulator builds its core from here
 
     print(
         f"{'model':>7} {'workers':>7} {'policy':>6} {'grads':>6} {'sim s':>8} "

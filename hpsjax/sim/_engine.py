@@ -7,36 +7,6 @@ scale. The result is needed only when its compute ends (its push). So a round is
 needed: then every submitted round is evaluated together, one local step at a
 time, the same step of many workers in one ``jax.vmap``-ed call (per batch size).
 With :math:`n` workers in flight this turns :math:`n` small dispatches into one.
-
-Batching pays while a gradient is cheap next to a dispatch. For a gradient of
-many FLOPs a batch of per-worker parameters turns each matrix product into a
-batched one, which XLA's CPU backend runs slower than the same products one by
-one; such models are evaluated one worker-step per call. The choice is made per
-batch size from XLA's FLOP count of one gradient (:data:`BATCH_FLOPS_LIMIT`).
-
-Parameters live on the host as tuples of numpy leaves: a version's leaves are
-zero-copy views of the server's arrays, stacking rows for a batched call is one
-copy per leaf, and a pushed update is a zero-copy view of the call's output.
-Per-worker state that must persist across rounds (the worker optimizer's, the
-push transform's error feedback and random key) stays on the device, stacked over
-workers, read and written by row inside the same jitted call (the buffers are
-donated, so in place).
-
-Workers whose rounds start from the same version with plain gradients (a
-synchronous round of BSP, SSP's first rounds) are evaluated *summed*: one call
-gives :math:`\sum_j n_j s_j \nabla L_j`, the weighted sum of their gradients
-(:math:`n_j` samples, step-size scale :math:`s_j`), with each worker's loss, as
-the gradient of the weighted sum of their losses (:class:`SummedRows`). The
-matrix products of all those workers are then one product each, which a plain
-loop of small steps cannot match. The server core carries out a version made of
-exactly those pushes, weighted in proportion to their samples (as the
-num_samples-weighted mean weighs them), from the sum; any other use of one of
-the gradients evaluates them one by one, exactly as without the sum.
-
-Fixed shapes keep compilation bounded: a call evaluates a power-of-two number of
-rows (padded, or split into power-of-two chunks), so each batch size compiles at
-most :math:`\log_2 n` shapes, each once; the jitted functions are kept between
-simulations of the same loss and transforms.
 """
 
 from __future__ import annotations

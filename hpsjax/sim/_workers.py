@@ -7,25 +7,6 @@ with random jitter and transient stragglers), its **heterogeneity** (the same
 schedule, a bandwidth schedule and a latency), and its work per round (batch
 size, local steps, step-size scale; a :class:`~hpsjax.profiling.WorkPlan`
 overrides them).
-
-A local step of worker :math:`i` on :math:`b` samples, started at time :math:`t`
-(seconds since the worker joined), takes
-
-.. math::
-
-   d = k_i(t)\,\big(a_i + c_i b\big)\,\epsilon\,\sigma, \qquad
-   \epsilon = e^{s z - s^2/2},\ z \sim \mathcal N(0, 1), \qquad
-   \sigma = \begin{cases} m & \text{with probability } p \\
-                          1 & \text{otherwise,} \end{cases}
-
-with :math:`a_i + c_i b` the compute model's mean step time, :math:`s` its
-lognormal jitter (mean one), :math:`p, m` its transient straggler probability and
-slowdown, and :math:`k_i(t)` the heterogeneity's slowdown schedule. A message of
-:math:`n` bytes sent at time :math:`t` takes :math:`\ell_i + n / B_i(t)`.
-
-:func:`make_workers` draws a population of workers from distributions: speeds
-spread lognormally, a fraction of heavy stragglers, link bandwidths spread
-lognormally.
 """
 
 from __future__ import annotations

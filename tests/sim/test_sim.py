@@ -693,15 +693,15 @@ def test_hybrid_policy_moves_to_the_second_stage():
 def _recording_core(monkeypatch):
     """Makes the simulator's core record the announcements it returns."""
     from hpsjax.ps import PlanChanged, StageChanged
-    from hpsjax.sim import _simulate
+    from hpsjax.sim import _server_side
 
     seen = []
 
-    class Recording(_simulate.ServerCore):
+    class Recording(_server_side.ServerCore):
         pass
 
     def recorded(name):
-        method = getattr(_simulate.ServerCore, name)
+        method = getattr(_server_side.ServerCore, name)
 
         def call(self, *args, **kwargs):
             actions = method(self, *args, **kwargs)
@@ -712,7 +712,7 @@ def _recording_core(monkeypatch):
 
     for name in ("join", "leave", "pull", "push_message", "tick", "observe_speed"):
         setattr(Recording, name, recorded(name))
-    monkeypatch.setattr(_simulate, "ServerCore", Recording)
+    monkeypatch.setattr(_server_side, "ServerCore", Recording)
     return seen
 
 
