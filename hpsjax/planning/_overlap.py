@@ -29,7 +29,7 @@ pipelines by default: the round then shrinks by more than a quarter."""
 def _check_plan(work_plan: Any) -> None:
     if not isinstance(work_plan, WorkPlan):
         raise ValueError(
-            f"work_plan must be a hpsjax.profiling.WorkPlan, got "
+            f"work_plan must be a hpsjax.planning.WorkPlan, got "
             f"{type(work_plan).__name__}"
         )
 
@@ -45,7 +45,7 @@ def link_share(work_plan: WorkPlan) -> float:
     the plan's ``round_time``; 0 for a plan whose predicted round is 0.
 
     Args:
-      work_plan: a plan of :func:`hpsjax.profiling.plan`.
+      work_plan: a plan of :func:`hpsjax.planning.plan`.
 
     Returns:
       :math:`s`, in [0, 1].
@@ -72,7 +72,7 @@ def choose_overlap(work_plan: WorkPlan, threshold: float = LINK_SHARE_THRESHOLD)
     ``"none"``: the workers' ``overlap`` for this plan.
 
     Args:
-      work_plan: a plan of :func:`hpsjax.profiling.plan`.
+      work_plan: a plan of :func:`hpsjax.planning.plan`.
       threshold: the link share (:func:`link_share`) above which the transfers
         are worth hiding behind compute, in (0, 1].
 

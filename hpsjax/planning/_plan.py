@@ -58,7 +58,7 @@ def plan(
 
     solved exactly for ``tau``, where ``t_d(b) = max(a_d + c_d b, r_d b)`` is the
     device's profiled step time
-    (:meth:`hpsjax.profiling.DeviceProfile.step_time`; ``r_d`` the fewest
+    (:meth:`hpsjax.planning.DeviceProfile.step_time`; ``r_d`` the fewest
     seconds per sample measured); with no fixed cost (``a_d = T_i = 0``) this is
     ``b_d`` proportional to throughput ``1 / c_d``. ``b_min`` is the larger of
     ``min_device_batch`` and the device's part of ``min_batch``: where a step is

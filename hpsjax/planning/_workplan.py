@@ -57,7 +57,7 @@ class DevicePlan:
       max_batch: the largest batch that fits the device's memory, ``None`` for no
         limit. The model is kept so that a plan can be revised on its own.
       step_spread: the step time's coefficient of variation at ``batch_size``
-        as profiled (:attr:`~hpsjax.profiling.DeviceProfile.step_spread`), 0
+        as profiled (:attr:`~hpsjax.planning.DeviceProfile.step_spread`), 0
         when not measured.
     """
 

@@ -7,7 +7,7 @@ process (slowed as the flags slow it) and, when the flags name a server
 against it (:func:`hpsjax.profiling.measure_transfer`, with the server's own
 time per push), an injected link's delay added. Without a server,
 ``--profile_link BYTES_PER_S[,LATENCY_S]`` gives the link the profile counts
-(:class:`hpsjax.profiling.Link`); with neither, only an injected link
+(:class:`hpsjax.planning.Link`); with neither, only an injected link
 (``--bandwidth``, ``--latency``) or none (``"transfer": null``).
 """
 
@@ -87,7 +87,7 @@ def add_link(measured: Any, injected: Any) -> Any:
     """A measured transfer with an injected link's delay added to each message.
 
     Args:
-      measured: the :class:`~hpsjax.profiling.TransferProfile` timed against
+      measured: the :class:`~hpsjax.planning.TransferProfile` timed against
         the server.
       injected: the injected link's estimate, or ``None``.
 
@@ -193,7 +193,7 @@ def profile_in_place(args: argparse.Namespace) -> Any:
     (``JAX_COMPILATION_CACHE_DIR``) is used when set.
 
     Returns:
-      A :class:`~hpsjax.profiling.WorkerProfile`, slowed as the flags slow the
+      A :class:`~hpsjax.planning.WorkerProfile`, slowed as the flags slow the
       worker at the start.
 
     Raises:
@@ -270,7 +270,7 @@ def measure_step(args: argparse.Namespace, *, pace=None):
     profiled beside others sleeps after its steps as it will in the run).
 
     Returns:
-      ``(profile, spec)``: the :class:`~hpsjax.profiling.WorkerProfile` (no
+      ``(profile, spec)``: the :class:`~hpsjax.planning.WorkerProfile` (no
       transfer) and the parameters' shapes and dtypes.
     """
 
@@ -323,7 +323,7 @@ def with_injection(measured, args: argparse.Namespace, spec):
     ``--powersgd_rank`` (``powersgd_nbytes`` per leaf).
 
     Args:
-      measured: a :class:`~hpsjax.profiling.WorkerProfile` from
+      measured: a :class:`~hpsjax.planning.WorkerProfile` from
         :func:`measure_step`.
       args: the worker's parsed flags.
       spec: the parameters' shapes and dtypes.

@@ -90,9 +90,9 @@ def simulate(
       eval_data: held-out data like ``train_data``, or ``None`` (no evaluation).
       eval_fn: ``(params, batch) -> {name: scalar}``, metrics averaged over the
         held-out set; ``None`` uses ``{"loss": loss_fn}``.
-      work_plan: a :class:`~hpsjax.profiling.WorkPlan` (per worker batch size,
+      work_plan: a :class:`~hpsjax.planning.WorkPlan` (per worker batch size,
         local steps and step-size scale; its worker ids are the workers'), or a
-        :class:`~hpsjax.profiling.Replanner` that is fed every round's measured
+        :class:`~hpsjax.planning.Replanner` that is fed every round's measured
         step time and revises the plan as speeds drift, or ``None``.
       callback: called with each evaluation's record (a dict of the metric
         columns' values); returning ``True`` stops the simulation.

@@ -5,7 +5,7 @@ A simulated worker is described by a :class:`WorkerSpec`: its **compute model**
 with random jitter and transient stragglers), its **heterogeneity** (the same
 :class:`~hpsjax.worker._hetero.Heterogeneity` that real runs inject: a slowdown
 schedule, a bandwidth schedule and a latency), and its work per round (batch
-size, local steps, step-size scale; a :class:`~hpsjax.profiling.WorkPlan`
+size, local steps, step-size scale; a :class:`~hpsjax.planning.WorkPlan`
 overrides them).
 """
 
@@ -101,7 +101,7 @@ class ComputeModel:
 
         Args:
           profile: the worker's profile (measured, or
-            :meth:`~hpsjax.profiling.WorkerProfile.synthetic`).
+            :meth:`~hpsjax.planning.WorkerProfile.synthetic`).
           sigma: lognormal jitter, as for the constructor.
           straggle_probability: as for the constructor.
           straggle_slowdown: as for the constructor.

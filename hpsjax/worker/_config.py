@@ -70,7 +70,7 @@ class WorkerConfig(WorkerOptions):
         without authentication.
       batch_size: samples per local step, over all local devices; ignored when
         ``work_plan`` has an entry for this worker.
-      work_plan: a :class:`~hpsjax.profiling.WorkPlan` whose entry for
+      work_plan: a :class:`~hpsjax.planning.WorkPlan` whose entry for
         ``worker_id`` sets the batch per device, local steps and step-size scale.
       bits: quantize pushes to this many bits: 1 (scaled sign), 2, 4, 8 or 16
         (uniform levels), ``None`` to push float32.

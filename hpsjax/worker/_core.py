@@ -237,7 +237,7 @@ class Discard(NamedTuple):
 
 
 class Report(NamedTuple):
-    """A kept round's measured speed, for a :class:`~hpsjax.profiling.Replanner`."""
+    """A kept round's measured speed, for a :class:`~hpsjax.planning.Replanner`."""
 
     batch_size: int
     time_per_step: float
