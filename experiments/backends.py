@@ -182,12 +182,19 @@ def _replanner(
     if work_plan is not None:
         return Recorded(work_plan, **settings)
     n = len(config.workers.slowdowns)
+    # The pilot's plans scale the step size as build.work_plan's plan does.
+    options = {
+        "lr_scaling": registry.lookup("lr scaling", config.plan.lr_scaling),
+        "local_steps": int(config.plan.local_steps),
+        "max_local_steps": int(config.plan.max_local_steps),
+    }
     return Recorded(
         range(n),
         int(config.batch_size) * n,
         str(config.plan.scheme),
         tolerance=float(config.plan.pilot_tolerance),
         max_rounds=int(config.plan.pilot_rounds),
+        plan_options=options,
         **settings,
     )
 

@@ -30,6 +30,9 @@ def test_the_replanner_of_a_pilot_keeps_its_plan_without_replan():
     seen = []
     pilot = backends._replanner(config, None, lambda now, p: seen.append(p))
     assert [w.batch_size for w in pilot.plan.workers] == [32, 32, 32, 32]
+    # H-PS's proc4 config scales no step size (plan.lr_scaling "none"): nor
+    # do the pilot's plans.
+    assert [w.lr_scale for w in pilot.plan.workers] == [1.0] * 4
     now, speeds = 0.0, {0: 0.1, 1: 0.1, 2: 0.05, 3: 0.025}
     while not pilot.done and now < 500:
         # A barrier's rounds: each push its step (and 10 ms) after the round
@@ -44,6 +47,7 @@ def test_the_replanner_of_a_pilot_keeps_its_plan_without_replan():
     assert pilot.done and seen, "the pilot never planned"
     planned = [w.batch_size for w in pilot.plan.workers]
     assert planned[3] > planned[2] > planned[0], planned  # faster, more
+    assert all(p.workers[0].lr_scale == 1.0 for p in seen)
     revisions = len(seen)
     for _ in range(40):  # a worker slows 4x: without plan.replan, no re-plan
         pilot.observe(0, planned[0], 4 * speeds[0] * (1 + planned[0] / 32), now)

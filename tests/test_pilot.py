@@ -70,8 +70,8 @@ def test_pilot_recovers_known_costs_from_noisy_reports():
             _true_step(COSTS, w), rel=0.03
         )
     # Where the two batches are far apart, the line is the true one at both
-    # (its slope within 15%; only the first phase's three reports at 32,
-    # whose median has a standard error of 3.6% at a spread of 5%).
+    # (its slope within 15%; only the first phase's five reports at 32,
+    # whose median has a standard error of 2.8% at a spread of 5%).
     for w in "ac":
         a, c = COSTS[w]
         fit = pilot.fits[w]
@@ -90,7 +90,7 @@ def test_pilot_recovers_known_costs_from_noisy_reports():
 def test_pilot_stops_early_on_clean_data_and_not_on_noisy_data():
     clean = Pilot(["a", "b"], global_batch=64, tolerance=0.05, max_rounds=60)
     _drive(clean, COSTS)
-    # Two batches, each after its two warm-up reports and three kept ones.
+    # Two batches, each after its two warm-up reports and five kept ones.
     assert clean.done and clean.pilot_rounds <= 10
     noisy = Pilot(["a", "b"], global_batch=64, tolerance=0.05, max_rounds=60)
     _drive(noisy, COSTS, noise=0.3, seed=2)

@@ -1,6 +1,6 @@
 r"""A plan made from the run itself: a pilot of real training rounds.
 
-A :class:`Pilot` takes the place of a :class:`~hpsjax.profiling.Replanner` at
+A :class:`Pilot` takes the place of a :class:`~hpsjax.planning.Replanner` at
 the server. It starts from an even split of the global batch over the named
 workers; once every worker has ``min_reports`` kept reports there, it gives
 each worker a second batch in proportion to its measured speed (the global
@@ -34,10 +34,10 @@ predicted step at the batch the fits would plan for it,
 
 or once ``max_rounds`` pilot rounds have passed; until then the second phase
 goes on (no further batch, no further compile). It then installs the plan of
-the chosen scheme, made by :func:`~hpsjax.profiling.plan` from the fits (as
-:class:`~hpsjax.profiling.WorkerProfile` objects whose step spread is the fit's
+the chosen scheme, made by :func:`~hpsjax.planning.plan` from the fits (as
+:class:`~hpsjax.planning.WorkerProfile` objects whose step spread is the fit's
 robust spread and whose transfer is the worker's link), and from then on
-re-plans as the ordinary :class:`~hpsjax.profiling.Replanner` does.
+re-plans as the ordinary :class:`~hpsjax.planning.Replanner` does.
 
 The link: under a scheme whose rounds end at a barrier (``hps``, ``equal``)
 the pilot replays the barrier from its reports' times: a round ends at the
@@ -229,7 +229,7 @@ class Pilot(Replanner):
         ``reference_batch``, ``local_steps``, ``min_device_batch``,
         ``min_batch``, ``max_local_steps``, ``server_seconds``).
       threshold, window, cooldown, min_observations, warmup: the
-        :class:`~hpsjax.profiling.Replanner`'s, for after the pilot;
+        :class:`~hpsjax.planning.Replanner`'s, for after the pilot;
         ``warmup`` also sets the reports left out at each pilot batch (at
         least 1).
 
@@ -261,7 +261,7 @@ class Pilot(Replanner):
         *,
         tolerance: float = 0.05,
         max_rounds: int = 60,
-        min_reports: int = 3,
+        min_reports: int = 5,
         plan_options: Mapping[str, Any] | None = None,
         threshold: float = 0.2,
         window: int = 10,
