@@ -727,3 +727,22 @@ def test_planning_is_pure_arithmetic_below_the_server():
         [sys.executable, "-c", code], capture_output=True, text=True, check=True
     )
     assert out.stdout.strip() == "[]"
+
+
+def test_the_helpers_a_re_planner_shares():
+    # The Replanner and the Pilot check reports and scale step sizes alike.
+    from hpsjax.planning import check_report, lr_scale
+
+    assert check_report(np.int64(8), 0.5, 3) == (8, 0.5)
+    cases = [
+        ((0, 1.0, 0.0), "batch_size must be an int >= 1"),
+        ((8, 0.0, 0.0), "step_time must be a positive"),
+        ((8, 1.0, math.nan), "now must be finite"),
+        ((8, 1.0, "soon"), "now must be a number"),
+    ]
+    for args, message in cases:
+        with pytest.raises(ValueError, match=message):
+            check_report(*args)
+    assert lr_scale(256, 64, "linear") == 4.0
+    assert lr_scale(256, 64, "sqrt") == 2.0
+    assert lr_scale(256, 64, "none") == 1.0

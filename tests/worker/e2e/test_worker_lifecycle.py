@@ -136,12 +136,19 @@ class _SlowCompile(Worker):
 
     DELAY = 5.0
 
-    def _compile(self, args):
-        compiled = super()._compile(args)
-        if not getattr(self, "_slowed", False):
-            self._slowed = True
-            time.sleep(self.DELAY)
-        return compiled
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        compile_step = self._compute._compile  # the worker's round arithmetic
+        slowed = []
+
+        def slow(args):
+            compiled = compile_step(args)
+            if not slowed:
+                slowed.append(True)
+                time.sleep(self.DELAY)
+            return compiled
+
+        self._compute._compile = slow
 
 
 def test_a_slow_compile_keeps_no_barrier_waiting(setup, caplog):
