@@ -32,7 +32,10 @@ import numpy as np
 
 from experiments import build, registry
 from hpsjax import telemetry
+from hpsjax._config_flags import argv_of
 from hpsjax.launch import DIVERGED
+from hpsjax.worker import WorkerConfig
+from hpsjax.worker._command import WorkerCommand
 
 __all__ = ["BACKENDS", "RunOutput", "run_processes", "run_sim"]
 
@@ -475,9 +478,10 @@ def _worker_flags(
     """The ``hpsjax-worker`` flags of worker ``index`` (without server flags)."""
     n = len(config.workers.slowdowns)
     return [
-        "--worker_id", str(index), "--shard_index", str(index),
-        "--shard_count", str(n), *_own_flags(config, index, plan_file=plan_file),
-    ]  # fmt: skip
+        *argv_of(WorkerCommand, shard_index=index, shard_count=n),
+        *argv_of(WorkerConfig, worker_id=index),
+        *_own_flags(config, index, plan_file=plan_file),
+    ]
 
 
 def _own_flags(
@@ -485,71 +489,78 @@ def _own_flags(
 ) -> list[str]:
     """Worker ``index``'s flags but its identity and the server's address,
     which :class:`hpsjax.launch.Job` adds."""
+    command, settings = _worker_settings(config, index, plan_file=plan_file)
+    return argv_of(WorkerCommand, **command) + argv_of(WorkerConfig, **settings)
+
+
+def _worker_settings(
+    config: ml_collections.ConfigDict, index: int, *, plan_file: pathlib.Path | None
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Worker ``index``'s :class:`WorkerCommand` and :class:`WorkerConfig`
+    fields set by ``config`` (its identity and server address left out)."""
     from experiments.build import dataset_kwargs, model_kwargs, slowdown_schedule
     from hpsjax.profiling import WorkPlan
 
-    flags = [
-        "--model", config.model.name, "--model_seed", str(config.model.seed),
-        "--dataset", config.data.name,
-        "--test_fraction", repr(float(config.data.test_fraction)),
-        "--batch_size", str(int(config.batch_size)),
-        "--local_steps", str(int(config.worker.local_steps)),
-        "--seed", str(int(config.seed) * 1000 + index),
-    ]  # fmt: skip
-    if config.task != "classification":  # hpsjax-worker's default
-        flags += ["--task", str(config.task)]
-    for key, value in model_kwargs(config).items():
-        flags += ["--model_arg", f"{key}={json.dumps(_plain(value))}"]
-    for key, value in dataset_kwargs(config).items():
-        flags += ["--dataset_arg", f"{key}={json.dumps(_plain(value))}"]
     worker = config.worker
+    command: dict[str, Any] = dict(
+        task=str(config.task),
+        model=config.model.name,
+        model_seed=int(config.model.seed),
+        dataset=config.data.name,
+        test_fraction=float(config.data.test_fraction),
+        model_arg={k: _plain(v) for k, v in model_kwargs(config).items()},
+        dataset_arg={k: _plain(v) for k, v in dataset_kwargs(config).items()},
+    )
+    settings: dict[str, Any] = dict(
+        batch_size=int(config.batch_size),
+        local_steps=int(worker.local_steps),
+        seed=int(config.seed) * 1000 + index,
+        push_transform=_push_transform_spec(config, index),
+    )
     if worker.local_optimizer != "none":
-        registry.lookup("optimizer", worker.local_optimizer)
-        name = worker.local_optimizer
-        if name == "sgd" and float(worker.local_momentum) > 0:
-            if float(worker.local_momentum) != 0.9:
-                raise ValueError(
-                    "the processes backend runs local momentum 0.9 only "
-                    f"(hpsjax-worker --local_optimizer momentum), got "
-                    f"{worker.local_momentum}"
-                )
-            name = "momentum"
-        flags += [
-            "--local_optimizer", name,
-            "--local_learning_rate", repr(float(worker.local_learning_rate)),
-        ]  # fmt: skip
-        for key, value in (worker.get("local_optimizer_args") or {}).items():
-            flags += ["--local_optimizer_arg", f"{key}={json.dumps(_plain(value))}"]
-    spec = _push_transform_spec(config, index)
-    if spec is not None:
-        flags += ["--push_transform", spec]
+        command.update(
+            local_optimizer=_local_optimizer(worker),
+            local_learning_rate=float(worker.local_learning_rate),
+            local_optimizer_arg=dict(worker.get("local_optimizer_args") or {}),
+        )
     power_sgd = worker.get("compression", "none") == "power_sgd"
     if worker.bits is not None:
-        flags += ["--bits", str(int(worker.bits))]
+        settings["bits"] = int(worker.bits)
     if power_sgd:
-        flags += ["--powersgd_rank", str(int(worker.powersgd_rank))]
-    if (worker.bits is not None or power_sgd) and not worker.error_feedback:
-        flags.append("--no_error_feedback")
+        settings["powersgd_rank"] = int(worker.powersgd_rank)
+    if worker.bits is not None or power_sgd:
+        settings["error_feedback"] = bool(worker.error_feedback)
     if worker.staleness_lr is not None:
         registry.lookup("staleness policy", worker.staleness_lr)
-        flags += ["--staleness_lr", worker.staleness_lr]
+        settings["staleness_lr"] = worker.staleness_lr
     plan = None if plan_file is None else WorkPlan.from_json(plan_file.read_text())
-    overlap = _overlap(config, plan)
-    flags += ["--overlap", overlap]
-    if overlap == "eager":
-        flags += ["--eager_pulls", str(int(worker.eager_pulls))]
+    settings["overlap"] = _overlap(config, plan)
+    if settings["overlap"] == "eager":
+        settings["eager_pulls"] = int(worker.eager_pulls)
     if plan_file is not None:
-        flags += ["--work_plan", str(plan_file)]
-        compress_from = config.stages.get("compress_from_stage")
-        if compress_from is not None:
-            # Top-k at the plan's compress_ratio from this stage on.
-            flags += ["--compress_from_stage", str(int(compress_from))]
+        command["work_plan"] = str(plan_file)
+        # Top-k at the plan's compress_ratio from this stage on.
+        settings["compress_from_stage"] = config.stages.get("compress_from_stage")
     schedule = slowdown_schedule(config, index)
-    flags += ["--slowdown", ",".join(f"{t:g}:{k:g}" for t, k in schedule)]
+    command["slowdown"] = ",".join(f"{t:g}:{k:g}" for t, k in schedule)
     if config.workers.bandwidth is not None:
-        flags += ["--bandwidth", repr(float(config.workers.bandwidth))]
-    flags += ["--latency", repr(float(config.workers.latency))]
-    return flags
+        command["bandwidth"] = repr(float(config.workers.bandwidth))
+    command["latency"] = float(config.workers.latency)
+    return command, settings
+
+
+def _local_optimizer(worker: ml_collections.ConfigDict) -> str:
+    """``hpsjax-worker --local_optimizer``'s name for ``worker``'s."""
+    registry.lookup("optimizer", worker.local_optimizer)
+    if worker.local_optimizer != "sgd" or float(worker.local_momentum) <= 0:
+        return worker.local_optimizer
+    if float(worker.local_momentum) != 0.9:
+        raise ValueError(
+            "the processes backend runs local momentum 0.9 only "
+            f"(hpsjax-worker --local_optimizer momentum), got "
+            f"{worker.local_momentum}"
+        )
+    return "momentum"
 
 
 def _push_transform_spec(config: ml_collections.ConfigDict, index: int) -> str | None:
@@ -743,10 +754,11 @@ def _profile_in_place(
                 python=sys.executable, env=env, start_timeout=timeout,
                 shutdown_timeout=float(config.processes.shutdown_timeout),
                 places=_worker_places(config),
-                profile_args=[
-                    "--profile_batch_sizes", ",".join(map(str, sizes)),
-                    "--profile_repeats", str(repeats),
-                ],
+                profile_args=argv_of(
+                    WorkerCommand,
+                    profile_batch_sizes=",".join(map(str, sizes)),
+                    profile_repeats=repeats,
+                ),
                 ports=[server.port],
             )  # fmt: skip
         except LaunchError as e:
@@ -846,9 +858,9 @@ async def _serve_and_train(
     snapshots: list[tuple[float, int, Any]] = []
     bar = None
     try:
-        max_seconds = repr(start_timeout + duration)
+        shared = argv_of(WorkerConfig, max_seconds=start_timeout + duration)
         run = LocalRun(
-            _job(config, plan_file=plan_file, shared=["--max_seconds", max_seconds]),
+            _job(config, plan_file=plan_file, shared=shared),
             Console(log), sys.executable, 0, start_timeout, env,
             _worker_places(config),
         )  # fmt: skip

@@ -42,7 +42,11 @@ import threading
 import time
 from collections.abc import Sequence
 
+from hpsjax._config_flags import argv_of
 from hpsjax.launch import launch
+from hpsjax.ps._options import ServerOptions
+from hpsjax.worker import WorkerConfig
+from hpsjax.worker._command import WorkerCommand
 
 __all__ = ["ChaosRun", "Kill", "final_accuracy", "kill_schedule", "run", "main"]
 
@@ -50,8 +54,9 @@ NUM_WORKERS = 4
 
 # The task: BSP over 4 workers, the MLP on synthetic 8x8 digits, server SGD
 # with the step size and momentum chosen for bsp on sim8.
-WORKER_ARGS = ["--batch_size", "32", "--log_level", "WARNING"]
-SERVER_ARGS = ["--learning_rate", "0.2", "--momentum", "0.9", "--log_level", "WARNING"]
+WORKER = dict(batch_size=32)
+WORKER_COMMAND = dict(log_level="WARNING")
+SERVER = dict(learning_rate=0.2, momentum=0.9, log_level="WARNING")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -243,13 +248,13 @@ def run(
     killer = threading.Thread(
         target=_killer, args=(work, schedule, done, stop, start), daemon=True
     )
-    worker_args = [*WORKER_ARGS, "--model_seed", str(seed)]
-    worker_args += ["--until_version", str(until_version)]
-    worker_args += ["--eval_every", str(eval_every or 1e9)]
-    server_args = list(SERVER_ARGS)
+    worker_args = argv_of(
+        WorkerCommand, **WORKER_COMMAND, model_seed=seed, eval_every=eval_every or 1e9
+    ) + argv_of(WorkerConfig, **WORKER, until_version=until_version)
+    core = {}
     if hold > 0:
-        server_args += ["--core_arg", f"expected_workers={NUM_WORKERS}"]
-        server_args += ["--core_arg", f"start_timeout={float(hold)}"]
+        core = {"expected_workers": NUM_WORKERS, "start_timeout": float(hold)}
+    server_args = argv_of(ServerOptions, **SERVER, core_arg=core)
     killer.start()
     try:
         with contextlib.ExitStack() as stack:
@@ -261,7 +266,8 @@ def run(
                 steps=None,
                 worker_args=worker_args,
                 per_worker_args={
-                    i: ["--data_seed", str(1000 * seed + i)] for i in range(NUM_WORKERS)
+                    i: argv_of(WorkerCommand, data_seed=1000 * seed + i)
+                    for i in range(NUM_WORKERS)
                 },
                 server_args=server_args,
                 max_restarts=max_restarts if kills else 0,

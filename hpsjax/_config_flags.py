@@ -11,7 +11,11 @@ default the field's. The metadata may also give:
   ``argparse.BooleanOptionalAction`` (``--malloc_tuning`` and
   ``--no-malloc_tuning``);
 * ``choices``, ``metavar``, ``type`` (a parser of the flag's text), ``action``;
-* ``group``: the key of the argument group the flag is listed under.
+* ``format``: the inverse of ``type``, a value as the flag's text (a list of
+  addresses as ``host:port,host:port``), where ``str`` is not;
+* ``group``: the key of the argument group the flag is listed under;
+* ``aliases``: former names of the flag, still taken: the first use of one
+  says once, on stderr, which name replaced it (a rename is one edit).
 
 A ``Mapping`` field is a repeatable ``NAME=VALUE`` flag, the value JSON
 (:func:`hpsjax._flags.add_key_value_flag`; ``--policy_arg
@@ -21,7 +25,9 @@ staleness_bound=2``).
 the parsed values back as the dataclass's keyword arguments (its checks then
 run once, in its ``__post_init__``), and :func:`to_argv` writes a
 configuration as the flags that make it, for a launcher that starts the
-command in another process.
+command in another process; :func:`argv_of` writes some of a configuration's
+fields (a launcher's own: the address, the secret file) the same way. These
+two are the only writers of a command line in hpsjax.
 
 Examples:
   >>> import argparse, dataclasses
@@ -45,6 +51,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import sys
 import types
 import typing
 from collections.abc import Iterator, Mapping
@@ -52,7 +59,7 @@ from typing import Any
 
 from hpsjax._flags import add_key_value_flag
 
-__all__ = ["add_flags", "config_kwargs", "flag_fields", "to_argv"]
+__all__ = ["add_flags", "argv_of", "config_kwargs", "flag_fields", "to_argv"]
 
 _SCALARS = (bool, int, float, str)
 
@@ -93,35 +100,71 @@ def add_flags(
     for field, flag, dest in flag_fields(cls):
         meta = field.metadata
         target = parser if groups is None else groups.get(meta.get("group"), parser)
-        if _is_mapping(hints[field.name]):
-            add_key_value_flag(target, flag, meta["help"])
-            continue
-        if "action" in meta:
-            target.add_argument(
-                flag,
-                dest=dest,
-                action=meta["action"],
-                default=field.default,
-                help=meta["help"],
-            )
-            continue
-        kind = meta.get("type") or _scalar(hints[field.name])
-        if kind is bool:
-            if field.default is True and "flag" not in meta:
-                raise TypeError(
-                    f"{cls.__name__}.{field.name}: a flag that turns it off"
-                )
-            target.add_argument(flag, dest=dest, action="store_true", help=meta["help"])
-            continue
-        extra = {k: meta[k] for k in ("choices", "metavar") if k in meta}
+        before = len(target._actions)
+        _add_flag(target, cls, field, flag, dest, hints[field.name])
+        if meta.get("aliases"):
+            _deprecate(target._actions[before], flag, meta["aliases"], parser)
+
+
+def _add_flag(
+    target: argparse._ActionsContainer,
+    cls: type,
+    field: dataclasses.Field,
+    flag: str,
+    dest: str,
+    annotation: Any,
+) -> None:
+    """Adds one field's flag (see :func:`add_flags`)."""
+    meta = field.metadata
+    if _is_mapping(annotation):
+        add_key_value_flag(target, flag, meta["help"])
+        return
+    default = _default(field)
+    if "action" in meta:
         target.add_argument(
-            flag,
-            dest=dest,
-            type=kind,
-            default=field.default,
-            help=meta["help"],
-            **extra,
+            flag, dest=dest, action=meta["action"], default=default, help=meta["help"]
         )
+        return
+    kind = meta.get("type") or _scalar(annotation)
+    if kind is bool:
+        if field.default is True and "flag" not in meta:
+            raise TypeError(f"{cls.__name__}.{field.name}: a flag that turns it off")
+        target.add_argument(flag, dest=dest, action="store_true", help=meta["help"])
+        return
+    extra = {k: meta[k] for k in ("choices", "metavar") if k in meta}
+    target.add_argument(
+        flag, dest=dest, type=kind, default=default, help=meta["help"], **extra
+    )
+
+
+def _deprecate(
+    action: argparse.Action,
+    flag: str,
+    aliases: tuple[str, ...],
+    parser: argparse.ArgumentParser,
+) -> None:
+    """Lets ``action`` take ``aliases`` too, the first use of one saying once
+    which name replaced it."""
+    for alias in aliases:
+        parser._option_string_actions[alias] = action
+    action.option_strings = [*action.option_strings, *aliases]
+    said: set[str] = set()
+    call = action.__call__
+    prog = parser.prog
+
+    def deprecated_call(parser, namespace, values, option_string=None):
+        if option_string in aliases and option_string not in said:
+            said.add(option_string)
+            print(f"{prog}: {option_string} is deprecated; use {flag}", file=sys.stderr)
+        call(parser, namespace, values, option_string)
+
+    # argparse calls the action's __call__ through its class: give the one
+    # action a class of its own.
+    action.__class__ = type(
+        type(action).__name__,
+        (type(action),),
+        {"__call__": lambda self, *a, **k: deprecated_call(*a, **k)},
+    )
 
 
 def config_kwargs(cls: type, args: argparse.Namespace) -> dict[str, Any]:
@@ -149,29 +192,62 @@ def to_argv(config: Any, *, skip: tuple[str, ...] = ()) -> list[str]:
       ValueError: a field set away from its default has no flag (it cannot
         travel on a command line), unless named in ``skip``.
     """
+    values = {
+        field.name: getattr(config, field.name)
+        for field in dataclasses.fields(config)
+        if field.name not in skip
+    }
+    return argv_of(type(config), **values)
+
+
+def argv_of(cls: type, **values: Any) -> list[str]:
+    """The flags that set ``cls``'s fields to ``values`` (values at the
+    field's default left out), in the order of the fields.
+
+    Examples:
+      >>> import dataclasses
+      >>> @dataclasses.dataclass(frozen=True)
+      ... class Config:
+      ...     port: int = dataclasses.field(default=0, metadata={"help": "port"})
+      >>> argv_of(Config, port=5555)
+      ['--port', '5555']
+
+    Raises:
+      ValueError: a name that is not a field of ``cls``, or a value away from
+        its default for a field without a flag.
+    """
+    fields = {field.name: field for field in dataclasses.fields(cls)}
+    unknown = [name for name in values if name not in fields]
+    if unknown:
+        raise ValueError(f"{cls.__name__} has no field {unknown[0]!r}")
+    flags = {field.name: flag for field, flag, _ in flag_fields(cls)}
     argv: list[str] = []
-    flags = {field.name: flag for field, flag, _ in flag_fields(type(config))}
-    for field in dataclasses.fields(config):
-        value = getattr(config, field.name)
-        if field.name in skip or value == _default(field):
+    for name, field in fields.items():
+        if name not in values or values[name] == _default(field):
             continue
-        flag = flags.get(field.name)
-        if flag is None:
+        if name not in flags:
             raise ValueError(
-                f"{type(config).__name__}.{field.name} = {value!r} has no "
-                "command-line flag"
+                f"{cls.__name__}.{name} = {values[name]!r} has no command-line flag"
             )
-        if isinstance(value, bool):
-            # Away from its default: a BooleanOptionalAction's off form, or
-            # the flag itself (on, or turning the field off).
-            negated = "action" in field.metadata and not value
-            argv.append("--no-" + flag.removeprefix("--") if negated else flag)
-        elif isinstance(value, Mapping):
-            for name, item in value.items():
-                argv += [flag, f"{name}={json.dumps(item, default=_jsonable)}"]
-        else:
-            argv += [flag, str(value)]
+        argv += _field_argv(field, flags[name], values[name])
     return argv
+
+
+def _field_argv(field: dataclasses.Field, flag: str, value: Any) -> list[str]:
+    """One field's flags for ``value``, a value away from its default."""
+    if isinstance(value, bool):
+        # A BooleanOptionalAction's off form, or the flag itself (on, or
+        # turning the field off).
+        negated = "action" in field.metadata and not value
+        return ["--no-" + flag.removeprefix("--") if negated else flag]
+    if isinstance(value, Mapping):
+        argv = []
+        for name, item in value.items():
+            argv += [flag, f"{name}={json.dumps(item, default=_jsonable)}"]
+        return argv
+    if value is None:
+        raise ValueError(f"{flag} cannot be set back to None on a command line")
+    return [flag, field.metadata.get("format", str)(value)]
 
 
 def _is_mapping(annotation: Any) -> bool:

@@ -9,12 +9,14 @@ import signal
 import sys
 from collections.abc import Sequence
 
+from hpsjax._config_flags import argv_of
 from hpsjax._logs import quiet_backend_probe
 from hpsjax.launch import _ray
 from hpsjax.launch._job import LaunchError
 from hpsjax.launch._local import launch
 from hpsjax.profiling import SCHEMES
 from hpsjax.ps import POLICIES
+from hpsjax.worker._command import WorkerCommand
 
 
 def _split_argv(argv: Sequence[str]) -> tuple[list[str], list[str], list[str]]:
@@ -121,10 +123,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, terminate)
     per_worker: dict[int, list[str]] = {}
     try:
-        if args.model is not None:
-            worker_args = ["--model", args.model, *worker_args]
-        if args.task is not None:
-            worker_args = ["--task", args.task, *worker_args]
+        given = {k: v for k, v in (("task", args.task), ("model", args.model)) if v}
+        worker_args = [*argv_of(WorkerCommand, **given), *worker_args]
         for index, text in args.worker_flags:
             per_worker.setdefault(int(index), []).extend(shlex.split(text))
         backend = _ray.backend_from_flags(args) or functools.partial(

@@ -20,6 +20,11 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, TextIO
 
+from hpsjax._config_flags import argv_of
+from hpsjax.ps._options import ServerOptions
+from hpsjax.worker._command import WorkerCommand
+from hpsjax.worker._config import WorkerConfig
+
 if TYPE_CHECKING:
     from hpsjax.launch._monitor import Monitor
 
@@ -279,35 +284,34 @@ class Job:
     server_shards: int
     split_leaves: bool
 
-    @property
-    def shard_args(self) -> list[str]:
-        return ["--split_leaves"] if self.split_leaves else []
-
     def server(
         self, shard: int, head: list[str], init: str, secret_file: str, host: str
     ) -> tuple[str, list[str]]:
         """Server ``shard``'s name and command line."""
+        shards = {}
+        if self.server_shards > 1:
+            shards = dict(
+                server_shard=shard,
+                server_shards=self.server_shards,
+                split_leaves=self.split_leaves,
+            )
         argv = [
-            *head, "-m", "hpsjax.ps._cli", "--init", init,
-            "--secret_file", secret_file, "--policy", self.policy,
-            "--host", host, "--port", "0", *self.server_args,
-            *(self.plan_server_args if shard == 0 else []),
+            *head, "-m", "hpsjax.ps._cli",
+            *argv_of(ServerOptions, init=init, secret_file=secret_file,
+                     policy=self.policy, host=host),
+            *self.server_args, *(self.plan_server_args if shard == 0 else []),
+            *argv_of(ServerOptions, **shards),
         ]  # fmt: skip
-        if self.server_shards == 1:
-            return "server", argv
-        argv += [
-            "--server_shard", str(shard), "--server_shards",
-            str(self.server_shards), *self.shard_args,
-        ]  # fmt: skip
-        return f"server {shard}", argv
+        return ("server" if self.server_shards == 1 else f"server {shard}"), argv
 
     def where(self, addresses: Sequence[tuple[str, int]]) -> list[str]:
         """The workers' flags naming the server(s) at ``addresses``."""
         if self.server_shards > 1:
-            servers = ",".join(f"{host}:{port}" for host, port in addresses)
-            return ["--servers", servers, *self.shard_args]
+            return argv_of(
+                WorkerCommand, servers=tuple(addresses), split_leaves=self.split_leaves
+            )
         host, port = addresses[0]
-        return ["--host", host, "--port", str(port)]
+        return argv_of(WorkerConfig, host=host) + argv_of(WorkerCommand, port=port)
 
     def worker(
         self,
@@ -320,15 +324,16 @@ class Job:
         module: str = "hpsjax.worker._cli",
     ) -> list[str]:
         """Worker ``i``'s command line (``module`` takes a worker's flags)."""
-        return [
-            *head, "-m", module, *where,
-            "--secret_file", secret_file,
-            "--worker_id", str(i), "--shard_index", str(i),
-            "--shard_count", str(self.num_workers),
-            *([] if metrics is None else ["--metrics", metrics]),
-            *([] if self.steps is None else ["--max_steps", str(self.steps)]),
-            *self.shared, *self.flags[i],
-        ]  # fmt: skip
+        command = argv_of(
+            WorkerCommand,
+            secret_file=secret_file,
+            shard_index=i,
+            shard_count=self.num_workers,
+            metrics=metrics,
+        )
+        config = argv_of(WorkerConfig, worker_id=i, max_steps=self.steps)
+        return [*head, "-m", module, *where, *command, *config, *self.shared,
+                *self.flags[i]]  # fmt: skip
 
 
 def end_launch(

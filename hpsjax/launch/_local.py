@@ -12,6 +12,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import TextIO
 
+from hpsjax._config_flags import argv_of
 from hpsjax.launch._job import (
     Console,
     Job,
@@ -30,6 +31,7 @@ from hpsjax.launch._job import (
 )
 from hpsjax.launch._monitor import Monitor
 from hpsjax.launch._prepare import check_launch, prepare_workdir, run_env
+from hpsjax.ps._options import ServerOptions
 
 # Seconds between the server's checkpoints when the launcher may restart it
 # (``max_restarts``) and the server flags name no interval of their own.
@@ -78,7 +80,7 @@ def launch(
         list of lists).
       server_args: more flags for ``hpsjax-server`` (e.g. ``["--optimizer",
         "adam"]``).
-      plan: a :data:`hpsjax.profiling.SCHEMES` name to profile the workers
+      plan: a :data:`hpsjax.planning.SCHEMES` name to profile the workers
         (in place: all at once, each in its own process, its push and pull
         timed against a throwaway server of the model) and train with the
         resulting work plan, or ``None``.
@@ -285,7 +287,7 @@ class LocalRun:
                 board = checkpoints.parent / "tensorboard"
                 if job.server_shards > 1:
                     board = board / f"shard_{shard}"
-                argv += ["--tensorboard_dir", str(board)]
+                argv += argv_of(ServerOptions, tensorboard_dir=str(board))
             self.server_argvs.append(argv)
             self.ports.append(self._start_server(name, argv))
             self.servers.append(self.processes[-1])
@@ -396,7 +398,7 @@ class LocalRun:
                 f"it on port {port} from its checkpoints "
                 f"({self.server_restarts[shard]} of {self.max_restarts})"
             )
-            argv = [*self.server_argvs[shard], "--port", str(port)]
+            argv = [*self.server_argvs[shard], *argv_of(ServerOptions, port=port)]
             try:
                 self._start_server(server.name, argv)
             except LaunchError as e:
@@ -418,10 +420,10 @@ def _restart_checkpoint_args(
     """The checkpoint flags a server needs to be restarted, those that
     ``server_args`` leave out."""
     given = {str(a).split("=", 1)[0] for a in server_args}
-    extra: list[str] = []
+    extra = {}
     if "--checkpoint_dir" not in given:
         where = checkpoints if server_shards == 1 else checkpoints / f"shard_{shard}"
-        extra += ["--checkpoint_dir", str(where)]
+        extra["checkpoint_dir"] = str(where)
     if not given & {"--checkpoint_every_s", "--checkpoint_every_updates"}:
-        extra += ["--checkpoint_every_s", repr(_RESTART_CHECKPOINT_EVERY_S)]
-    return extra
+        extra["checkpoint_every_s"] = _RESTART_CHECKPOINT_EVERY_S
+    return argv_of(ServerOptions, **extra)

@@ -12,6 +12,7 @@ from collections.abc import Mapping, Sequence
 
 from hpsjax import profiling
 from hpsjax._compile_cache import cache_dir_for, cache_env
+from hpsjax._config_flags import argv_of
 from hpsjax.launch._job import (
     Console,
     Job,
@@ -22,9 +23,11 @@ from hpsjax.launch._job import (
     shutdown,
     start_server,
 )
+from hpsjax.ps._options import ServerOptions
 from hpsjax.tasks import get_task
 from hpsjax.worker._build import make_heterogeneity, write_init
 from hpsjax.worker._cli import parse_args, worker_target
+from hpsjax.worker._command import WorkerCommand
 
 
 def check_launch(
@@ -156,15 +159,12 @@ def with_plan(job: Job, plan_file: pathlib.Path, replan: float | None) -> Job:
     # Flags for shard 0 only: the plan the workers follow comes from it.
     plan_server_args: list[str] = []
     if replan is not None:
-        plan_server_args = [
-            "--work_plan",
-            str(plan_file),
-            "--replan_threshold",
-            repr(float(replan)),
-        ]
+        plan_server_args = argv_of(
+            ServerOptions, work_plan=str(plan_file), replan_threshold=float(replan)
+        )
     return dataclasses.replace(
         job,
-        shared=[*job.shared, "--work_plan", str(plan_file)],
+        shared=[*job.shared, *argv_of(WorkerCommand, work_plan=str(plan_file))],
         plan_server_args=plan_server_args,
     )
 
@@ -249,12 +249,11 @@ def profiling_job(job: Job) -> Job:
         policy="asp",
         steps=None,
         # Its joins and leaves would read as the run's: warnings only.
-        server_args=[
-            "--core_arg",
-            f"expected_workers={job.num_workers}",
-            "--log_level",
-            "WARNING",
-        ],
+        server_args=argv_of(
+            ServerOptions,
+            core_arg={"expected_workers": job.num_workers},
+            log_level="WARNING",
+        ),
         plan_server_args=[],
     )
 
@@ -343,7 +342,7 @@ def profile_in_place(
                     i, head, where, str(secret_file), None,
                     module="hpsjax.profiling.in_place",
                 ),
-                "--profile_out", str(out), *profile_args,
+                *argv_of(WorkerCommand, profile_out=str(out)), *profile_args,
             ]  # fmt: skip
             profilers.append(Process(f"profile {i}", argv, emit, own_env))
             processes.append(profilers[-1])

@@ -51,6 +51,7 @@ from typing import Any, TextIO
 
 from hpsjax import profiling
 from hpsjax._checks import check_number
+from hpsjax._config_flags import argv_of
 from hpsjax.launch._actor import ACTOR_DIR, NODE_IP, ProcessActor
 from hpsjax.launch._job import (
     Console,
@@ -73,6 +74,7 @@ from hpsjax.launch._prepare import (
     with_plan,
     write_plan,
 )
+from hpsjax.worker._command import WorkerCommand
 
 __all__ = ["launch_ray", "parse_resources", "worker_resources_from_flags"]
 
@@ -534,7 +536,7 @@ def _profile_on_ray(
                     i, [], where, f"{ACTOR_DIR}/secret.txt", None,
                     module="hpsjax.profiling.in_place",
                 ),
-                "--profile_out", f"{ACTOR_DIR}/profile.json",
+                *argv_of(WorkerCommand, profile_out=f"{ACTOR_DIR}/profile.json"),
             ]  # fmt: skip
             name = f"profile {i}"
             actor = prober.actor_class.options(

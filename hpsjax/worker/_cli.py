@@ -22,7 +22,7 @@ Heterogeneity is injected with ``--slowdown 4`` (or a schedule
 ``--slowdown 0:1,60:4``: four times slower after a minute), ``--bandwidth 1e6``
 (bytes/s) and ``--latency 0.002``. ``--profile_out`` runs the profiling pass
 instead of training and writes the worker's profile (JSON, slowdown applied) for
-:func:`hpsjax.profiling.plan`; ``--work_plan`` then reads the plan.
+:func:`hpsjax.planning.plan`; ``--work_plan`` then reads the plan.
 
 ``--task`` says what is learned: ``classification`` (the default), ``lm``
 (next-token language modelling; by default a byte-level ``transformer`` on the
@@ -72,12 +72,11 @@ from typing import Any, NamedTuple
 
 import jax
 
-from hpsjax import data, models, tasks
+from hpsjax import tasks
 from hpsjax._compile_cache import use_compile_cache
 from hpsjax._config_flags import add_flags
-from hpsjax._flags import HelpFormatter, add_key_value_flag
-from hpsjax._logs import LOG_LEVELS, check_log_level, setup_logging
-from hpsjax._optimizers import OPTIMIZERS
+from hpsjax._flags import HelpFormatter
+from hpsjax._logs import setup_logging
 from hpsjax.metrics import MetricsWriter
 from hpsjax.profiling._worker_profile import (
     measure_step,
@@ -94,6 +93,7 @@ from hpsjax.worker._build import (
     server_address,
     write_init,
 )
+from hpsjax.worker._command import WorkerCommand
 from hpsjax.worker._runtime import WorkerConfig
 
 __all__ = [
@@ -122,18 +122,6 @@ DIVERGED = 3
 SERVER_GONE = 4
 
 
-def _addresses(text: str) -> list[tuple[str, int]]:
-    """``"hostA:5555,[::1]:5556"`` as ``[("hostA", 5555), ("::1", 5556)]``."""
-    out = []
-    for item in text.split(","):
-        host, sep, port = item.strip().rpartition(":")
-        host = host.removeprefix("[").removesuffix("]")
-        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise argparse.ArgumentTypeError(f"expected HOST:PORT, got {item!r}")
-        out.append((host, int(port)))
-    return out
-
-
 # The --dataset and --model of each built-in task when the flags name none.
 _TASK_DEFAULTS = {
     "classification": ("synthetic_digits", "mlp"),
@@ -153,9 +141,10 @@ _GROUPS = {
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """Parses the command line (see the module docstring).
 
-    The flags of :class:`~hpsjax.worker.WorkerConfig`'s fields (``--local_steps``,
-    ``--overlap``, ``--ignore_hints``, ...) are made from the fields
-    (:mod:`hpsjax._config_flags`); the others are the command's own.
+    The flags are made from the fields of :class:`~hpsjax.worker.WorkerConfig`
+    (``--local_steps``, ``--overlap``, ``--ignore_hints``, ...) and of
+    :class:`WorkerCommand` (the command's own: ``--port``, ``--model``, ...),
+    by :mod:`hpsjax._config_flags`.
     """
     p = argparse.ArgumentParser(
         prog="hpsjax-worker",
@@ -163,193 +152,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         formatter_class=HelpFormatter,
     )
     groups = {key: p.add_argument_group(title) for key, title in _GROUPS.items()}
-    g = groups["server"]
-    g.add_argument("--port", type=int, help="server port")
-    g.add_argument(
-        "--servers",
-        type=_addresses,
-        metavar="HOST:PORT,...",
-        help="the server shards' addresses in shard order (instead of "
-        "--host/--port): the model is split over them by key range",
-    )
-    g.add_argument(
-        "--split_leaves",
-        action="store_true",
-        help="with --servers: the shards cut arrays by rows (as the servers' "
-        "--split_leaves)",
-    )
-    g.add_argument("--secret_file", help="file holding the shared secret")
-    g.add_argument("--cafile", help="CA certificates (PEM) to verify a TLS server")
-    g.add_argument("--server_hostname", help="name to check the certificate for")
-    g.add_argument(
-        "--connect_timeout",
-        type=float,
-        default=30.0,
-        help="seconds to keep retrying (with backoff) a server that is not up yet",
-    )
-
-    g = groups["data"]
-    g.add_argument(
-        "--task",
-        default="classification",
-        help=f"what is learned: {', '.join(sorted(tasks.TASKS))} or "
-        "package.module:make_task (a function returning an hpsjax.tasks.Task); "
-        "it sets the loss, the eval metrics and the defaults of --dataset and "
-        "--model",
-    )
-    g.add_argument(
-        "--model",
-        help=f"model: {', '.join(sorted(models.MODELS))} or package.module:factory "
-        "(default: the task's, transformer for lm, else mlp)",
-    )
-    add_key_value_flag(g, "--model_arg", "model argument (JSON value)")
-    g.add_argument(
-        "--model_seed",
-        type=int,
-        default=0,
-        help="seed of the initial weights (for --write_init)",
-    )
-    g.add_argument(
-        "--dataset",
-        help=f"dataset: {', '.join(sorted(data.DATASETS))} (default: the task's, "
-        "text for lm, synthetic_regression for regression, else synthetic_digits)",
-    )
-    g.add_argument(
-        "--data_path",
-        metavar="FILE.npz",
-        help="with --dataset npz: your data, an .npz file of arrays x (inputs, "
-        "a leading example axis) and y (integer labels), e.g. written by "
-        "np.savez(path, x=images, y=labels)",
-    )
-    add_key_value_flag(g, "--dataset_arg", "dataset argument (JSON value)")
-    g.add_argument(
-        "--test_fraction",
-        type=float,
-        default=0.2,
-        help="share held out from training (same split on every worker)",
-    )
-    g.add_argument("--shard_index", type=int, help="this worker's shard")
-    g.add_argument("--shard_count", type=int, default=1, help="number of shards")
-    g.add_argument(
-        "--data_seed",
-        type=int,
-        help="shuffle seed of this worker's batches (default: its shard index)",
-    )
-
-    g = groups["work"]
-    g.add_argument("--work_plan", help="WorkPlan JSON file (sets batch, steps, lr)")
-    g.add_argument(
-        "--local_optimizer",
-        default="none",
-        help="optimizer of local steps: none (push gradients), or any optimizer "
-        f"by name: {', '.join(OPTIMIZERS)}, or any optax optimizer (adamw, lion, "
-        "muon, ...)",
-    )
-    add_key_value_flag(
-        g,
-        "--local_optimizer_arg",
-        "keyword argument of the local optimizer (JSON value), repeatable: "
-        "weight_decay=0.01 (adamw), momentum=0.5 (sgd)",
-    )
-    g.add_argument(
-        "--local_learning_rate", type=float, default=0.1, help="local step size"
-    )
-
-    g = groups["faults"]
-    g.add_argument(
-        "--slowdown",
-        default="1",
-        help="slowdown factor k >= 1, or a schedule 't0:k0,t1:k1'",
-    )
-    g.add_argument(
-        "--bandwidth",
-        default="none",
-        help="link cap in bytes/s (none: no cap), or a schedule",
-    )
-    g.add_argument("--latency", type=float, default=0.0, help="seconds per message")
-
-    g = groups["outputs"]
-    g.add_argument("--metrics", help="append per-round metrics (JSON lines) here")
-    g.add_argument(
-        "--tensorboard_dir",
-        help="TensorBoard event files of the metrics (default: tensorboard/ "
-        "beside --metrics; none: no event files)",
-    )
-    g.add_argument(
-        "--eval_every",
-        type=float,
-        metavar="SECONDS",
-        help="evaluate the pulled parameters on the held-out split this often "
-        "(an eval record, and a line on stdout)",
-    )
-    g.add_argument(
-        "--eval_batch_size", type=int, default=256, help="examples per eval batch"
-    )
-    g.add_argument(
-        "--target_metric",
-        help="with --target_value: the eval metric of the target (default: the "
-        "task's, accuracy for classification, loss for lm and regression)",
-    )
-    g.add_argument(
-        "--target_value",
-        type=float,
-        help="with --eval_every: stop once an eval reaches this value of "
-        "--target_metric (in the task's direction: accuracy up, loss down)",
-    )
-    g.add_argument(
-        "--write_init",
-        metavar="PATH",
-        help="write the model's initial parameters (.npz) and exit",
-    )
-    g.add_argument(
-        "--profile_out",
-        metavar="PATH",
-        help="run the profiling pass, write the profile JSON and exit; with "
-        "--port/--servers the push and pull are timed against that server",
-    )
-    g.add_argument(
-        "--profile_link",
-        metavar="BYTES_PER_S[,LATENCY_S]",
-        help="without a server: the link the profile counts",
-    )
-    g.add_argument(
-        "--profile_batch_sizes",
-        default="16,64,256",
-        help="batch sizes the profiling pass measures",
-    )
-    g.add_argument(
-        "--profile_repeats",
-        type=int,
-        default=10,
-        help="timed steps per batch size (the median is kept)",
-    )
-    g.add_argument(
-        "--loop",
-        default="auto",
-        choices=("auto", "uvloop", "asyncio"),
-        help="event loop (auto: uvloop when installed)",
-    )
-    g.add_argument(
-        "--compile_cache_dir",
-        metavar="PATH",
-        help="JAX's persistent compilation cache, shared with the run's other "
-        "processes so a step is compiled once (default: $JAX_COMPILATION_CACHE_DIR, "
-        "which hpsjax-launch sets to <workdir>/jax_cache; unset: no cache; none: "
-        "no cache)",
-    )
-    g.add_argument(
-        "--log_level",
-        default="INFO",
-        type=check_log_level,
-        help=f"{', '.join(LOG_LEVELS)} (DEBUG: also the libraries' INFO lines)",
-    )
-    g.add_argument(
-        "--status_interval",
-        type=float,
-        default=10.0,
-        help="seconds between status lines (step, rate, loss, staleness, time "
-        "left; a bar on a terminal), 0: none",
-    )
+    add_flags(p, WorkerCommand, groups)
     add_flags(p, WorkerConfig, groups)
     args = p.parse_args(argv)
     dataset, model = _TASK_DEFAULTS.get(args.task, _TASK_DEFAULTS["classification"])
