@@ -357,3 +357,15 @@ def test_pilot_then_its_plan_on_the_simulator():
     batches = {w.worker_id: w.batch_size for w in final.workers}
     measured = _measured_round(result, final_at + 0.5, batches)
     assert final.round_time == pytest.approx(measured, rel=0.15)
+
+
+def test_the_pilots_plans_scale_the_step_size_as_its_final_plan():
+    # plan()'s default scales no step size: nor does a phase of the pilot (a
+    # phase at 4 times the step size set the model back on proc4).
+    costs = {"a": (0.0, 0.002), "b": (0.0, 0.004)}
+    for options, scale in [(None, 1.0), ({"lr_scaling": "linear"}, 2.0)]:
+        pilot = Pilot(["a", "b"], global_batch=64, plan_options=options)
+        installed = _drive(pilot, costs)
+        assert pilot.done
+        for p in [pilot.plan, *installed]:
+            assert [w.lr_scale for w in p.workers] == [scale, scale], options

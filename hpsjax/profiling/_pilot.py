@@ -435,7 +435,7 @@ class Pilot(Replanner):
         steps = options.get("local_steps", 1)
         reference = options.get("reference_batch") or self._global_batch / len(batches)
         lr_scale = _lr_scale(
-            self._global_batch, reference, options.get("lr_scaling", "linear")
+            self._global_batch, reference, options.get("lr_scaling", "none")
         )
         workers = []
         for w, b in zip(self._ids, batches, strict=True):
@@ -452,7 +452,7 @@ class Pilot(Replanner):
             workers=tuple(workers),
             round_time=max(w.round_time for w in workers),
             idle_fraction=0.0,
-            lr_scaling=options.get("lr_scaling", "linear"),
+            lr_scaling=options.get("lr_scaling", "none"),
             reference_batch=reference,
             local_steps=steps,
             revision=revision,
