@@ -69,8 +69,8 @@ def _queue_like_before(server) -> dict:
 
 
 async def _run(variant: str, seconds: float, directory: pathlib.Path) -> dict:
-    from hpsjax.ps._client import Client
-    from hpsjax.ps._server import Server
+    from hpsjax.net._client import Client
+    from hpsjax.net._server import Server
 
     params = {
         f"w{i}": np.zeros(LEAF_SHAPE, np.float32) for i in range(LEAVES)

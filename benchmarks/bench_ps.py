@@ -62,7 +62,7 @@ import time
 import numpy as np
 
 from hpsjax.models import save_params_npz
-from hpsjax.ps._client import Client
+from hpsjax.net._client import Client
 from hpsjax.wire._frames import HEADER_SIZE
 
 SECRET = b"bench secret"

@@ -23,8 +23,8 @@ import numpy as np
 import optax
 import pytest
 
-from hpsjax.ps._client import Client
-from hpsjax.ps._server import Server
+from hpsjax.net._client import Client
+from hpsjax.net._server import Server
 from hpsjax.storage import _checkpoint, _checkpoint_orbax
 from hpsjax.storage._checkpoint import CheckpointManager
 

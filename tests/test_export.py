@@ -22,8 +22,8 @@ import optax
 import pytest
 
 from hpsjax import data, export, models
+from hpsjax.net._client import Client
 from hpsjax.ps import KeyRangePartition
-from hpsjax.ps._client import Client
 from hpsjax.storage._checkpoint import CheckpointManager
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]

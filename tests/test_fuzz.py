@@ -15,7 +15,7 @@ import pytest
 from test_server import SECRET, Raw, _client, _params, _run, _server, _update
 
 from hpsjax.decisions._core import ServerCore
-from hpsjax.ps import _auth
+from hpsjax.net import _auth
 from hpsjax.transforms import _quantize as quantize
 from hpsjax.transforms._quantize import Codec
 from hpsjax.wire import _errors as errors

@@ -12,8 +12,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from test_server import SECRET, _run, _update
 
 from hpsjax.models import save_params_npz
+from hpsjax.net._client import Client
 from hpsjax.ps import _cli as server_cli
-from hpsjax.ps._client import Client
 
 
 def _scrape(port: int) -> dict[str, float]:

@@ -249,7 +249,7 @@ async def _serve_and_push(overlap_apply_bytes, optimizer, updates):
 @pytest.mark.parametrize("name", ["adam", "momentum"])
 def test_the_server_applies_pushes_as_they_arrive(name, caplog):
     updates = [_update(s) for s in range(4)]
-    with caplog.at_level(logging.INFO, logger="hpsjax.ps"):
+    with caplog.at_level(logging.INFO, logger="hpsjax.net"):
         overlapped, count = asyncio.run(_serve_and_push(0, OPTIMIZERS[name](), updates))
     assert count == len(updates)
     assert "applies: leaf by leaf" in caplog.text
@@ -260,7 +260,7 @@ def test_the_server_applies_pushes_as_they_arrive(name, caplog):
 
 def test_the_server_says_a_clipped_optimizer_is_applied_whole(caplog):
     clipped = optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(0.1))
-    with caplog.at_level(logging.INFO, logger="hpsjax.ps"):
+    with caplog.at_level(logging.INFO, logger="hpsjax.net"):
         _, count = asyncio.run(_serve_and_push(0, clipped, [_update(0)]))
     assert count == 0
     assert "applies: whole-tree" in caplog.text

@@ -17,7 +17,7 @@ import optax
 import pytest
 
 from hpsjax import data
-from hpsjax.ps._client import Client
+from hpsjax.net._client import Client
 from hpsjax.sim import ComputeModel, SimConfig, WorkerSpec, simulate
 from hpsjax.transforms import (
     PowerSGDEncoded,

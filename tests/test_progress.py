@@ -192,7 +192,7 @@ def test_a_worker_and_its_server_show_their_progress_in_their_logs(tmp_path):
         for line in lines
     ), lines
     server_lines = re.findall(
-        r"INFO hpsjax\.ps\._server: (server: version .*)",
+        r"INFO hpsjax\.net\._server: (server: version .*)",
         (tmp_path / "server.log").read_text(),
     )
     assert any("loss" in line and "1 live worker" in line for line in server_lines), (
@@ -215,7 +215,7 @@ def test_a_server_on_a_terminal_draws_a_bar_with_its_log_above(tmp_path):
     import numpy as np
 
     from hpsjax.models import save_params_npz
-    from hpsjax.ps._client import Client
+    from hpsjax.net._client import Client
 
     init = tmp_path / "init.npz"
     save_params_npz(init, {"w": np.zeros((4, 4), np.float32)})
@@ -254,4 +254,4 @@ def test_a_server_on_a_terminal_draws_a_bar_with_its_log_above(tmp_path):
         r"\rserver: \d+ versions \[[\d:]+, [\d.]+ versions/s, loss 1.5, staleness 0",
         text,
     ), text
-    assert re.search(r"INFO hpsjax\.ps\._server: worker 0 left: done", text), text
+    assert re.search(r"INFO hpsjax\.net\._server: worker 0 left: done", text), text

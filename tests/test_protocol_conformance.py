@@ -518,7 +518,7 @@ def test_the_pre_auth_limit_of_4096_bytes_is_inclusive(asp):
 
 
 def test_the_secret_is_the_stripped_text_of_its_file(tmp_path):
-    from hpsjax.ps._auth import read_secret
+    from hpsjax.net._auth import read_secret
 
     path = tmp_path / "secret.txt"
     path.write_bytes(b"  " + SECRET + b"\n")

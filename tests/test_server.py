@@ -14,9 +14,10 @@ import optax
 import pytest
 
 from hpsjax.decisions._policies import HybridStage
-from hpsjax.ps import PlanNotice, _auth
-from hpsjax.ps._client import Client
-from hpsjax.ps._server import Server
+from hpsjax.net import _auth
+from hpsjax.net._client import Client
+from hpsjax.net._server import Server
+from hpsjax.ps import PlanNotice
 from hpsjax.wire import _frames
 from hpsjax.wire._errors import (
     AuthError,
@@ -675,7 +676,7 @@ def test_handshake_timeout_closes_silent_connections():
 def test_compressed_push_is_decoded_on_the_server_exactly():
     import jax
 
-    from hpsjax.ps._client import _encode_tree
+    from hpsjax.net._client import _encode_tree
     from hpsjax.transforms._quantize import Codec, decode_tree
 
     codec = Codec("uniform", 8, block_size=64)

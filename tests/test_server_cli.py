@@ -11,8 +11,8 @@ import pytest
 from test_server import SECRET, _run, _update
 
 from hpsjax._npz import PARAMS_MARKER, params_marker
+from hpsjax.net._client import Client
 from hpsjax.ps import _cli
-from hpsjax.ps._client import Client
 
 # What save_params_npz adds: the server's --init refuses a file without it.
 MARKER = {PARAMS_MARKER: params_marker()}

@@ -386,7 +386,7 @@ def test_server_killed_and_restarted_resumes_from_its_checkpoint(tmp_path):
     async def first_life():
         proc, port, _, drain = await _start_cli(args)
         try:
-            from hpsjax.ps._client import Client
+            from hpsjax.net._client import Client
 
             c = Client("127.0.0.1", port, worker_id="w", secret=SECRET, timeout=20)
             await c.connect()
@@ -417,7 +417,7 @@ def test_server_killed_and_restarted_resumes_from_its_checkpoint(tmp_path):
     async def second_life():
         proc, port, lines, drain = await _start_cli(args)
         try:
-            from hpsjax.ps._client import Client
+            from hpsjax.net._client import Client
 
             c = Client("127.0.0.1", port, worker_id="w", secret=SECRET, timeout=20)
             info = await c.connect()
@@ -516,7 +516,7 @@ def test_finite_pushes_that_would_overflow_the_parameters_are_refused():
 
 
 def test_server_logs_joins_leaves_drops_checkpoints_status_and_resume(tmp_path, caplog):
-    caplog.set_level(logging.INFO, logger="hpsjax.ps._server")
+    caplog.set_level(logging.INFO, logger="hpsjax.net._server")
     kwargs = {
         "checkpoint_dir": tmp_path,
         "status_interval": 0.05,
@@ -577,7 +577,7 @@ def test_server_logs_joins_leaves_drops_checkpoints_status_and_resume(tmp_path, 
 
 
 def test_status_lines_can_be_turned_off(caplog):
-    caplog.set_level(logging.INFO, logger="hpsjax.ps._server")
+    caplog.set_level(logging.INFO, logger="hpsjax.net._server")
 
     async def main(interval):
         async with _server("asp", status_interval=interval):

@@ -18,10 +18,10 @@ from test_server import SECRET, _params, _run, _update
 from hpsjax._devices import describe_device
 from hpsjax.metrics import ServerMetrics, read_tensorboard
 from hpsjax.models import save_params_npz
+from hpsjax.net._client import Client
+from hpsjax.net._server import Server
 from hpsjax.ps import _cli
-from hpsjax.ps._client import Client
 from hpsjax.wire._errors import NonFiniteUpdate
-from hpsjax.ps._server import Server
 
 
 def _devices_of(tree):
@@ -103,7 +103,7 @@ def test_the_command_refuses_an_unavailable_device_in_one_line(tmp_path, capsys)
 
 _CRASHING_WORKER = """
 import asyncio, sys
-from hpsjax.ps._client import Client
+from hpsjax.net._client import Client
 
 async def main():
     client = Client("127.0.0.1", int(sys.argv[1]), worker_id="doomed", secret=None)
@@ -218,7 +218,7 @@ def test_debug_logs_the_libraries_and_every_checkpoint(tmp_path):
 
 
 def test_a_join_line_names_the_plan_sent_and_a_status_line_the_progress(caplog):
-    caplog.set_level(logging.INFO, logger="hpsjax.ps._server")
+    caplog.set_level(logging.INFO, logger="hpsjax.net._server")
 
     async def main():
         server = Server(_params(), optax.sgd(0.1), secret=SECRET, status_interval=0.05)

@@ -33,6 +33,7 @@ from _models import digits_mlp
 
 from hpsjax._npz import PARAMS_MARKER, params_marker
 from hpsjax.models import save_params_npz
+from hpsjax.net import _partition, _shards
 from hpsjax.ps import (
     AuthError,
     ConnectionClosed,
@@ -43,8 +44,6 @@ from hpsjax.ps import (
     ShardedClient,
     ShardedVersion,
     SpecMismatch,
-    _partition,
-    _shards,
 )
 from hpsjax.ps import _cli as server_cli
 from hpsjax.transforms import Codec, encode_tree

@@ -9,7 +9,7 @@ import msgpack
 import numpy as np
 import pytest
 
-from hpsjax.ps import _auth
+from hpsjax.net import _auth
 from hpsjax.wire import _codecs, _decoders, _frames, _stream, _treecodec
 from hpsjax.wire import _errors as errors
 from hpsjax.wire._codecs import _powersgd, _quantized, _topk
@@ -524,7 +524,7 @@ def _cnn_like():
 def test_compressed_payload_is_the_packed_size(codec_args, fraction):
     import jax
 
-    from hpsjax.ps._client import _encode_tree
+    from hpsjax.net._client import _encode_tree
     from hpsjax.transforms._quantize import Codec, encoded_nbytes
 
     codec = Codec(**codec_args)
@@ -548,7 +548,7 @@ def test_compressed_payload_is_the_packed_size(codec_args, fraction):
 def test_compressed_metadata_is_validated():
     import jax
 
-    from hpsjax.ps._client import _encode_tree
+    from hpsjax.net._client import _encode_tree
     from hpsjax.transforms._quantize import Codec
 
     codec = Codec("uniform", 8, block_size=64)

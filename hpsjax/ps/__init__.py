@@ -45,10 +45,10 @@ from hpsjax.decisions._policies import (
     Verdict,
     get_policy,
 )
-from hpsjax.ps._client import Client, ServerInfo, Subscription
-from hpsjax.ps._partition import KeyRangePartition
-from hpsjax.ps._server import Server
-from hpsjax.ps._shards import (
+from hpsjax.net._client import Client, ServerInfo, Subscription
+from hpsjax.net._partition import KeyRangePartition
+from hpsjax.net._server import Server
+from hpsjax.net._shards import (
     ShardedClient,
     ShardedVersion,
 )

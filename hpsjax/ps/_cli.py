@@ -93,11 +93,11 @@ from hpsjax._optimizers import make_optimizer
 from hpsjax.decisions._policies import HybridStage
 from hpsjax.export import check_export_path, export_params
 from hpsjax.metrics import ServerMetrics
+from hpsjax.net._auth import read_secret
+from hpsjax.net._partition import KeyRangePartition
+from hpsjax.net._server import Server
 from hpsjax.profiling import Pilot, Replanner, WorkPlan
-from hpsjax.ps._auth import read_secret
 from hpsjax.ps._options import ServerOptions
-from hpsjax.ps._partition import KeyRangePartition
-from hpsjax.ps._server import Server
 
 __all__ = [
     "keep_freed_memory",

@@ -25,8 +25,8 @@ from hpsjax._logs import LOG_LEVELS, check_log_level
 from hpsjax._optimizers import OPTIMIZERS
 from hpsjax.decisions._core import ServerCore
 from hpsjax.decisions._policies import DEFAULT_POLICY, POLICIES
+from hpsjax.net._server import is_loopback
 from hpsjax.planning import SCHEMES
-from hpsjax.ps._server import _is_loopback
 
 __all__ = ["ServerOptions"]
 
@@ -304,7 +304,7 @@ class ServerOptions:
         self.shard()
         if self.keyfile is not None and self.certfile is None:
             raise ValueError("--keyfile needs --certfile")
-        if self.secret_file is None and not (self.insecure or _is_loopback(self.host)):
+        if self.secret_file is None and not (self.insecure or is_loopback(self.host)):
             raise ValueError(
                 f"refusing to serve on {self.host!r} without a secret: anyone who "
                 "can reach the port could push updates; pass --secret_file (or "

@@ -1,7 +1,7 @@
 """The incremental frame reader: bytes in, frames out, payloads read in place.
 
 :class:`FrameDecoder` is a sans-I/O parser that an ``asyncio.BufferedProtocol``
-(or a test) feeds with bytes (see :mod:`hpsjax.ps._connection`). No sockets, no
+(or a test) feeds with bytes (see :mod:`hpsjax.net._connection`). No sockets, no
 event loop.
 """
 

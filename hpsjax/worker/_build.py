@@ -30,6 +30,7 @@ from hpsjax._flags import check_kwargs
 from hpsjax._npz import nest_named_arrays
 from hpsjax._optimizers import make_optimizer
 from hpsjax._progress import Progress
+from hpsjax.net._auth import read_secret
 from hpsjax.planning import WorkPlan
 from hpsjax.ps import (
     AuthError,
@@ -38,7 +39,6 @@ from hpsjax.ps import (
     ShardedClient,
     SpecMismatch,
 )
-from hpsjax.ps._auth import read_secret
 from hpsjax.worker._hetero import Heterogeneity
 from hpsjax.worker._runtime import Worker, WorkerConfig
 

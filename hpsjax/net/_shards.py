@@ -11,7 +11,7 @@ PHub's chunking of the model over its aggregators):
   concurrently, with each shard's part of the update.
 
 The partition itself is :class:`~hpsjax.ps.KeyRangePartition` (its own module,
-:mod:`hpsjax.ps._partition`).
+:mod:`hpsjax.net._partition`).
 
 **Versions.** Every shard runs its own :class:`~hpsjax.ps.ServerCore` and counts
 its own version. Every push goes to every shard, so the counts move together,
@@ -60,8 +60,8 @@ import jax
 import msgspec
 
 from hpsjax._checks import check_int
-from hpsjax.ps._client import Client, ServerInfo, push_meta
-from hpsjax.ps._partition import KeyRangePartition
+from hpsjax.net._client import Client, ServerInfo, push_meta
+from hpsjax.net._partition import KeyRangePartition
 from hpsjax.wire._errors import HpsError, SpecMismatch
 from hpsjax.wire._messages import ForcePullNotice, PlanNotice, PushAck, PushMeta
 

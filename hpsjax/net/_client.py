@@ -34,8 +34,8 @@ from typing import Any, NamedTuple
 import jax
 import msgpack
 
-from hpsjax.ps import _auth
-from hpsjax.ps._connection import FrameProtocol
+from hpsjax.net import _auth
+from hpsjax.net._connection import FrameProtocol
 from hpsjax.transforms import _quantize as q
 from hpsjax.wire import _frames, _treecodec
 from hpsjax.wire._errors import (

@@ -69,8 +69,8 @@ from hpsjax.decisions._core import (
     StageChanged,
 )
 from hpsjax.decisions._policies import DEFAULT_POLICY
-from hpsjax.ps import _auth
-from hpsjax.ps._connection import FrameProtocol, error_frame
+from hpsjax.net import _auth
+from hpsjax.net._connection import FrameProtocol, error_frame
 from hpsjax.storage import (
     SERVER_CHECKPOINT_FORMAT,
     SERVER_CHECKPOINT_FORMAT_VERSION,
@@ -99,7 +99,7 @@ from hpsjax.wire._messages import (
     notice_to_wire,
 )
 
-__all__ = ["Server"]
+__all__ = ["Server", "is_loopback"]
 
 logger = logging.getLogger(__name__)
 
@@ -129,7 +129,7 @@ _COMPILER = concurrent.futures.ThreadPoolExecutor(
 )
 
 
-def _is_loopback(host: str | None) -> bool:
+def is_loopback(host: str | None) -> bool:
     if host in (None, ""):
         return False
     if host == "localhost":
@@ -404,7 +404,7 @@ class Server:
             jax.config.jax_default_device is None and self._device == jax.devices()[0]
         )
         self._secret = _auth.secret_bytes(secret)
-        if self._secret is None and not (insecure or _is_loopback(host)):
+        if self._secret is None and not (insecure or is_loopback(host)):
             raise ValueError(
                 f"refusing to serve on {host!r} without a secret: anyone who can "
                 "reach the port could push updates; pass secret=... (or "
