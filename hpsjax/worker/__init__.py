@@ -1,12 +1,15 @@
-"""The worker runtime, heterogeneity injection and the ``hpsjax-worker`` command.
+"""The worker: its decisions, its asyncio runtime, heterogeneity injection.
 
-:class:`Worker` trains against a parameter server in rounds (pull, local steps,
-push) with the transfers overlapped with compute, follows the server's hints, and
-records per-round metrics; :func:`run_worker` runs one to the end.
-:class:`Heterogeneity` and :class:`Injector` make one machine stand for a mixed
-cluster (slower compute, narrower links, changing over time).
+:class:`WorkerCore` makes a worker's decisions without I/O; :class:`Worker`
+carries them out against a parameter server in rounds (pull, local steps,
+push) with the transfers overlapped with compute, and records per-round
+metrics (:class:`JsonLinesSink`, :func:`summarize`); :func:`run_worker` runs
+one to the end. :class:`Heterogeneity` and :class:`Injector` make one machine
+stand for a mixed cluster (slower compute, narrower links, changing over
+time); ``hpsjax-worker`` is the command line.
 """
 
+from hpsjax.worker._config import WorkerConfig
 from hpsjax.worker._core import (
     NONFINITE_ACTIONS,
     OVERLAP_MODES,
@@ -14,14 +17,8 @@ from hpsjax.worker._core import (
     WorkerOptions,
 )
 from hpsjax.worker._hetero import Heterogeneity, Injector, parse_schedule
-from hpsjax.worker._runtime import (
-    JsonLinesSink,
-    Worker,
-    WorkerConfig,
-    WorkerSummary,
-    run_worker,
-    summarize,
-)
+from hpsjax.worker._records import JsonLinesSink, WorkerSummary, summarize
+from hpsjax.worker._runtime import Worker, run_worker
 
 __all__ = [
     "NONFINITE_ACTIONS",

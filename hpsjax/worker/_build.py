@@ -39,8 +39,9 @@ from hpsjax.ps import (
     ShardedClient,
     SpecMismatch,
 )
+from hpsjax.worker._config import WorkerConfig
 from hpsjax.worker._hetero import Heterogeneity
-from hpsjax.worker._runtime import Worker, WorkerConfig
+from hpsjax.worker._runtime import Worker
 
 __all__ = [
     "JoinError",
