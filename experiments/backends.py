@@ -33,11 +33,12 @@ import numpy as np
 from experiments import build, registry
 from hpsjax import telemetry
 from hpsjax._config_flags import argv_of
+from hpsjax.config import RunConfig, WorkerSettings
 from hpsjax.launch import DIVERGED
 from hpsjax.worker import WorkerConfig
 from hpsjax.worker._command import WorkerCommand
 
-__all__ = ["BACKENDS", "RunOutput", "run_processes", "run_sim"]
+__all__ = ["BACKENDS", "RunOutput", "run_config", "run_processes", "run_sim"]
 
 TIMELINE_KINDS = ("profile", "compile", "compute", "transfer", "wait", "discarded")
 """Kinds of time in a worker's timeline (everything but compute is idle)."""
@@ -472,25 +473,34 @@ def _progress_bar(enabled: bool, total: float, unit: str) -> Any:
 # ---------------------------------------------------------------------------
 
 
+def run_config(
+    config: ml_collections.ConfigDict, *, plan_file: pathlib.Path | None = None
+) -> RunConfig:
+    """The experiment's real processes as a :class:`hpsjax.config.RunConfig`:
+    one worker per ``workers.slowdowns`` entry, worker ``i`` with id and data
+    shard ``i`` (the server runs in this process: no server settings).
+
+    The one place an experiment's config becomes the workers' settings; the
+    workers' command lines are written from it.
+    """
+    n = len(config.workers.slowdowns)
+    workers = []
+    for index in range(n):
+        command, settings = _worker_settings(config, index, plan_file=plan_file)
+        workers.append(
+            WorkerSettings(
+                WorkerCommand(**command, shard_index=index, shard_count=n),
+                WorkerConfig(**settings, worker_id=index),
+            )
+        )
+    return RunConfig(workers=tuple(workers))
+
+
 def _worker_flags(
     config: ml_collections.ConfigDict, index: int, *, plan_file: pathlib.Path | None
 ) -> list[str]:
     """The ``hpsjax-worker`` flags of worker ``index`` (without server flags)."""
-    n = len(config.workers.slowdowns)
-    return [
-        *argv_of(WorkerCommand, shard_index=index, shard_count=n),
-        *argv_of(WorkerConfig, worker_id=index),
-        *_own_flags(config, index, plan_file=plan_file),
-    ]
-
-
-def _own_flags(
-    config: ml_collections.ConfigDict, index: int, *, plan_file: pathlib.Path | None
-) -> list[str]:
-    """Worker ``index``'s flags but its identity and the server's address,
-    which :class:`hpsjax.launch.Job` adds."""
-    command, settings = _worker_settings(config, index, plan_file=plan_file)
-    return argv_of(WorkerCommand, **command) + argv_of(WorkerConfig, **settings)
+    return run_config(config, plan_file=plan_file).worker_argv(index)
 
 
 def _worker_settings(
@@ -626,14 +636,14 @@ def _job(
     with its own flags (its server is this process's)."""
     from hpsjax.launch import Job
 
-    n = len(config.workers.slowdowns)
+    run = run_config(config, plan_file=plan_file)
     return Job(
-        num_workers=n,
+        num_workers=len(run.workers),
         policy=str(config.server.policy),
         steps=steps,
         server_args=[],
         shared=list(shared),
-        flags=[_own_flags(config, i, plan_file=plan_file) for i in range(n)],
+        flags=[run.worker_argv(i) for i in range(len(run.workers))],
         plan_server_args=[],
         server_shards=1,
         split_leaves=False,

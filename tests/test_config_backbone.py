@@ -198,3 +198,64 @@ def test_a_renamed_flag_takes_its_old_name_and_says_the_new_one_once(capsys):
     assert capsys.readouterr().err == "cmd: --steps is deprecated; use --max_steps\n"
     assert argv_of(_Renamed, max_steps=4) == ["--max_steps", "4"]
     assert "--steps" in parser.format_help()
+
+
+def test_a_run_refuses_workers_it_cannot_tell_apart():
+    from hpsjax.config import RunConfig, WorkerSettings
+
+    def worker(worker_id, shard_index=None, shard_count=1):
+        return WorkerSettings(
+            WorkerCommand(shard_index=shard_index, shard_count=shard_count),
+            WorkerConfig(worker_id=worker_id),
+        )
+
+    run = RunConfig(workers=[worker(0, 0, 2), worker("b", 1, 2)])
+    assert run.workers[1].config.worker_id == "b"
+    bad = [
+        ([worker(0), worker(0)], "workers 0 and 1 both have worker_id 0"),
+        ([worker(0, 0, 2), worker(1, 0, 2)], "workers 0 and 1 both read shard 0"),
+        ([worker(0, 0, 2), worker(1, 1, 3)], "different --shard_count values"),
+        ([worker(0, 2, 2)], r"worker 0's --shard_index must be in \[0, 2\)"),
+        ([], "non-empty sequence of WorkerSettings"),
+    ]
+    for workers, match in bad:
+        with pytest.raises(ValueError, match=match) as e:
+            RunConfig(workers=workers)
+        assert "\n" not in str(e.value)
+    with pytest.raises(ValueError, match="no server configuration"):
+        run.server_argv()
+
+
+def test_parse_worker_and_parse_server_read_what_the_run_writes():
+    from hpsjax.config import RunConfig, parse_server, parse_worker
+
+    server = parse_server(["--init", "i.npz", "--policy", "asp", "--port", "7"])
+    worker = parse_worker(["--worker_id", "2", "--bits", "4", "--model", "cnn"])
+    run = RunConfig(workers=(worker,), server=server)
+    assert parse_server(run.server_argv()) == server
+    assert parse_worker(run.worker_argv(0)) == worker
+    assert (worker.config.bits, worker.command.model) == (4, "cnn")
+
+
+def test_the_experiments_workers_are_one_run_config():
+    from experiments import backends, registry
+
+    config = registry.load_config("hps")
+    run = backends.run_config(config)
+    assert [w.config.worker_id for w in run.workers] == list(
+        range(len(config.workers.slowdowns))
+    )
+    assert backends._worker_flags(config, 1, plan_file=None) == run.worker_argv(1)
+
+
+def test_a_launch_refuses_colliding_workers_and_bad_server_flags_before_starting(
+    tmp_path,
+):
+    from hpsjax.launch import LaunchError, launch
+
+    small = ["--model_arg", "hidden=[8]", "--batch_size", "8"]
+    with pytest.raises(LaunchError, match="workers 0 and 1 both have worker_id 7"):
+        launch(2, worker_args=[*small, "--worker_id", "7"], workdir=tmp_path)
+    with pytest.raises(LaunchError, match="bad server flags: --keyfile needs"):
+        launch(1, worker_args=small, server_args=["--keyfile", "k"], workdir=tmp_path)
+    assert list(tmp_path.iterdir()) == []

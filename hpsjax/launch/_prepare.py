@@ -13,6 +13,7 @@ from collections.abc import Mapping, Sequence
 from hpsjax import profiling
 from hpsjax._compile_cache import cache_dir_for, cache_env
 from hpsjax._config_flags import argv_of
+from hpsjax.config import RunConfig, parse_server, parse_worker
 from hpsjax.launch._job import (
     Console,
     Job,
@@ -28,6 +29,7 @@ from hpsjax.tasks import get_task
 from hpsjax.worker._build import make_heterogeneity, write_init
 from hpsjax.worker._cli import parse_args, worker_target
 from hpsjax.worker._command import WorkerCommand
+from hpsjax.worker._config import WorkerConfig
 
 
 def check_launch(
@@ -78,17 +80,50 @@ def check_launch(
         raise LaunchError(f"max_restarts must be an int >= 0, got {max_restarts!r}")
     flags = _worker_flags(per_worker_args, num_workers)
     shared = [str(a) for a in worker_args]
+    _check_flags(num_workers, shared, flags, server_args, server_shards, split_leaves)
+    return flags, shared
+
+
+def _check_flags(
+    num_workers: int,
+    shared: list[str],
+    flags: list[list[str]],
+    server_args: Sequence[str],
+    server_shards: int,
+    split_leaves: bool,
+) -> None:
+    """Reads the workers' and the server's flags as the processes will, the
+    launcher's own added, so that a bad one stops the launch before anything
+    starts."""
+    workers = []
+    what = "worker"
     try:
         get_task(parse_args(shared).task)
-        for extra in flags:
-            parsed = parse_args([*shared, *extra])
+        for i, extra in enumerate(flags):
+            own = [
+                *argv_of(WorkerConfig, worker_id=i),
+                *argv_of(WorkerCommand, shard_index=i, shard_count=num_workers),
+            ]
+            parsed = parse_args([*own, *shared, *extra])
             worker_target(parsed, get_task(parsed.task))
             make_heterogeneity(parsed)
+            workers.append(parse_worker([*own, *shared, *extra]))
+        what = "server"
+        shards = {}
+        if server_shards > 1:
+            shards = dict(
+                server_shard=0, server_shards=server_shards, split_leaves=split_leaves
+            )
+        server = parse_server(
+            argv_of(ServerOptions, init="init.npz", secret_file="secret.txt", **shards)
+            + [str(a) for a in server_args]
+        )
+        what = "worker"
+        RunConfig(workers=tuple(workers), server=server)
     except SystemExit:
-        raise LaunchError("bad worker flags (see the message above)") from None
+        raise LaunchError(f"bad {what} flags (see the message above)") from None
     except ValueError as e:
-        raise LaunchError(f"bad worker flags: {e}") from None
-    return flags, shared
+        raise LaunchError(f"bad {what} flags: {e}") from None
 
 
 def _worker_flags(
