@@ -54,7 +54,7 @@ def link_share(work_plan: WorkPlan) -> float:
       ValueError: ``work_plan`` is not a ``WorkPlan``.
 
     Examples:
-      >>> from hpsjax.profiling import WorkerProfile, link_share, plan
+      >>> from hpsjax.planning import WorkerProfile, link_share, plan
       >>> profiles = [WorkerProfile.synthetic(i, 1000.0, transfer_seconds=0.03)
       ...             for i in range(2)]
       >>> round(link_share(plan(profiles, "hps", global_batch=64)), 3)
@@ -84,7 +84,7 @@ def choose_overlap(work_plan: WorkPlan, threshold: float = LINK_SHARE_THRESHOLD)
         number in (0, 1].
 
     Examples:
-      >>> from hpsjax.profiling import WorkerProfile, choose_overlap, plan
+      >>> from hpsjax.planning import WorkerProfile, choose_overlap, plan
       >>> profiles = [WorkerProfile.synthetic(i, 1000.0, transfer_seconds=0.03)
       ...             for i in range(2)]
       >>> choose_overlap(plan(profiles, "hps", global_batch=64))

@@ -19,7 +19,7 @@ import numpy as np
 
 from hpsjax._checks import check_int, check_number
 from hpsjax.planning import WorkerProfile
-from hpsjax.worker._hetero import Heterogeneity
+from hpsjax.worker import Heterogeneity
 
 __all__ = ["ComputeModel", "WorkerSpec", "make_workers"]
 
@@ -110,7 +110,7 @@ class ComputeModel:
           A :class:`ComputeModel` with ``reference_batch=1``.
 
         Examples:
-          >>> from hpsjax.profiling import WorkerProfile
+          >>> from hpsjax.planning import WorkerProfile
           >>> model = ComputeModel.from_profile(
           ...     WorkerProfile.synthetic(0, 100.0, overhead=0.01))
           >>> round(model.mean_step_time(50), 6)

@@ -302,9 +302,9 @@ def test_module_doctests():
     import doctest
 
     import hpsjax.planning
-    from hpsjax.planning import _plan, _replan, _workplan
+    from hpsjax.planning import _overlap, _plan, _profiles, _replan, _workplan
 
     names = vars(hpsjax.planning)
-    for module in (_plan, _replan, _workplan):
+    for module in (_overlap, _plan, _profiles, _replan, _workplan):
         results = doctest.testmod(module, extraglobs=names)
         assert results.attempted > 0 and results.failed == 0, module.__name__
