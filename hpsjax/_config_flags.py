@@ -10,7 +10,10 @@ default the field's. The metadata may also give:
   ``--no_error_feedback``), and needs one, unless its ``action`` is
   ``argparse.BooleanOptionalAction`` (``--malloc_tuning`` and
   ``--no-malloc_tuning``);
-* ``choices``, ``metavar``, ``type`` (a parser of the flag's text), ``action``;
+* ``choices``, ``metavar``, ``type`` (a parser of the flag's text), ``action``,
+  ``nargs`` and ``required`` (argparse's); a field whose ``action`` is
+  ``"append"`` holds one entry per use of its flag (with ``nargs``, each a
+  tuple of the values);
 * ``format``: the inverse of ``type``, a value as the flag's text (a list of
   addresses as ``host:port,host:port``), where ``str`` is not;
 * ``group``: the key of the argument group the flag is listed under;
@@ -62,6 +65,9 @@ from hpsjax._flags import add_key_value_flag
 __all__ = ["add_flags", "argv_of", "config_kwargs", "flag_fields", "to_argv"]
 
 _SCALARS = (bool, int, float, str)
+
+# Field metadata handed to argparse as it is.
+_PASSED = ("action", "choices", "metavar", "nargs", "required")
 
 
 def _scalar(annotation: Any) -> type:
@@ -120,9 +126,13 @@ def _add_flag(
         add_key_value_flag(target, flag, meta["help"])
         return
     default = _default(field)
+    if meta.get("action") == "append":
+        default = list(default)  # argparse appends to it
+    extra = {k: meta[k] for k in _PASSED if k in meta}
     if "action" in meta:
+        kind = {"type": meta["type"]} if "type" in meta else {}
         target.add_argument(
-            flag, dest=dest, action=meta["action"], default=default, help=meta["help"]
+            flag, dest=dest, default=default, help=meta["help"], **kind, **extra
         )
         return
     kind = meta.get("type") or _scalar(annotation)
@@ -131,7 +141,6 @@ def _add_flag(
             raise TypeError(f"{cls.__name__}.{field.name}: a flag that turns it off")
         target.add_argument(flag, dest=dest, action="store_true", help=meta["help"])
         return
-    extra = {k: meta[k] for k in ("choices", "metavar") if k in meta}
     target.add_argument(
         flag, dest=dest, type=kind, default=default, help=meta["help"], **extra
     )
@@ -174,6 +183,8 @@ def config_kwargs(cls: type, args: argparse.Namespace) -> dict[str, Any]:
         value = getattr(args, dest)
         if _turns_off(field):
             value = not value
+        elif field.metadata.get("action") == "append":
+            value = tuple(tuple(v) if isinstance(v, list) else v for v in value)
         elif isinstance(value, list):
             value = dict(value)  # NAME=VALUE pairs, the last of a name kept
         kwargs[field.name] = value
@@ -240,6 +251,11 @@ def _field_argv(field: dataclasses.Field, flag: str, value: Any) -> list[str]:
         # turning the field off).
         negated = "action" in field.metadata and not value
         return ["--no-" + flag.removeprefix("--") if negated else flag]
+    if field.metadata.get("action") == "append":
+        argv = []
+        for item in value:
+            argv += [flag, *map(str, item if isinstance(item, tuple) else [item])]
+        return argv
     if isinstance(value, Mapping):
         argv = []
         for name, item in value.items():

@@ -259,3 +259,27 @@ def test_a_launch_refuses_colliding_workers_and_bad_server_flags_before_starting
     with pytest.raises(LaunchError, match="bad server flags: --keyfile needs"):
         launch(1, worker_args=small, server_args=["--keyfile", "k"], workdir=tmp_path)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_the_launchers_own_command_line_parses_back():
+    from hpsjax.launch._cli import parse_args as launch_parse_args
+    from hpsjax.launch._options import LaunchOptions
+
+    options = LaunchOptions(
+        workers=3,
+        model="cnn",
+        worker_flags=(("0", "--slowdown 2"), ("2", "--slowdown 4")),
+        plan="hps",
+        replan=0.3,
+        progress=False,
+        backend="ray",
+        worker_resources=(("all", "num_cpus=1"),),
+    )
+    argv = argv_of(LaunchOptions, **dataclasses.asdict(options))
+    assert argv[:4] == ["--workers", "3", "--model", "cnn"]
+    args = launch_parse_args(argv)
+    assert LaunchOptions(**config_kwargs(LaunchOptions, args)) == options
+    assert args.no_progress and args.worker_flags == [
+        ["0", "--slowdown 2"],
+        ["2", "--slowdown 4"],
+    ]

@@ -9,14 +9,22 @@ import signal
 import sys
 from collections.abc import Sequence
 
-from hpsjax._config_flags import argv_of
+from hpsjax._config_flags import add_flags, argv_of
+from hpsjax._flags import HelpFormatter
 from hpsjax._logs import quiet_backend_probe
 from hpsjax.launch import _ray
 from hpsjax.launch._job import LaunchError
 from hpsjax.launch._local import launch
-from hpsjax.profiling import SCHEMES
-from hpsjax.ps import POLICIES
+from hpsjax.launch._options import LaunchOptions
 from hpsjax.worker._command import WorkerCommand
+
+_GROUPS = {
+    "workers": "workers and model",
+    "server": "server",
+    "plan": "work plan",
+    "run": "run",
+    "backend": "backend",
+}
 
 
 def _split_argv(argv: Sequence[str]) -> tuple[list[str], list[str], list[str]]:
@@ -33,6 +41,20 @@ def _split_argv(argv: Sequence[str]) -> tuple[list[str], list[str], list[str]]:
     return own, server, worker
 
 
+def parse_args(own: Sequence[str]) -> argparse.Namespace:
+    """Parses the launcher's own flags, made from :class:`LaunchOptions`."""
+    p = argparse.ArgumentParser(
+        prog="hpsjax-launch",
+        formatter_class=HelpFormatter,
+        description="Run a parameter server and N workers on this machine.",
+        epilog="Flags after --server go to hpsjax-server, flags after -- to every "
+        "hpsjax-worker.",
+    )
+    groups = {key: p.add_argument_group(title) for key, title in _GROUPS.items()}
+    add_flags(p, LaunchOptions, groups)
+    return p.parse_args(own)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m hpsjax.launch``; returns the exit status.
 
@@ -42,78 +64,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     quiet_backend_probe()
     argv = list(sys.argv[1:] if argv is None else argv)
     own, server_args, worker_args = _split_argv(argv)
-    p = argparse.ArgumentParser(
-        prog="hpsjax-launch",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-        description="Run a parameter server and N workers on this machine.",
-        epilog="Flags after --server go to hpsjax-server, flags after -- to every "
-        "hpsjax-worker.",
-    )
-    g = p.add_argument_group("workers and model")
-    g.add_argument("--workers", type=int, required=True, help="number of workers")
-    g.add_argument(
-        "--model",
-        help="the workers' model (sets their --model): a built-in name or "
-        "package.module:factory, importable from here or PYTHONPATH",
-    )
-    g.add_argument(
-        "--task",
-        help="what the workers learn (sets their --task): classification, lm, "
-        "regression or package.module:make_task",
-    )
-    g.add_argument("--steps", type=int, default=100, help="rounds per worker")
-    g.add_argument(
-        "--worker_flags",
-        nargs=2,
-        action="append",
-        default=[],
-        metavar=("INDEX", "FLAGS"),
-        help="extra flags (one quoted string) for worker INDEX, repeatable",
-    )
-    g = p.add_argument_group("server")
-    g.add_argument(
-        "--policy",
-        default="bsp",
-        help=f"server synchronisation policy: {', '.join(sorted(POLICIES))}",
-    )
-    g.add_argument(
-        "--server_shards",
-        type=int,
-        default=1,
-        help="split the model by key range over this many server processes",
-    )
-    g.add_argument(
-        "--split_leaves",
-        action="store_true",
-        help="with --server_shards: cut arrays by rows between shards too",
-    )
-    g = p.add_argument_group("work plan")
-    g.add_argument(
-        "--plan",
-        choices=SCHEMES,
-        metavar="SCHEME",
-        help="profile the workers in place and plan with this scheme: "
-        f"{', '.join(SCHEMES)}",
-    )
-    g.add_argument("--global_batch", type=int, help="the plan's global batch")
-    g.add_argument(
-        "--replan",
-        type=float,
-        help="with --plan: the server re-plans when a worker's speed drifts by "
-        "more than this fraction",
-    )
-    g = p.add_argument_group("run")
-    g.add_argument("--workdir", help="directory for secret, init, plan, metrics")
-    g.add_argument(
-        "--compile_cache",
-        metavar="DIR",
-        help="the JAX compilation cache every process of the run shares "
-        "(default: jax_cache in the work directory)",
-    )
-    g.add_argument("--timeout", type=float, help="seconds the run may take")
-    g.add_argument("--no_progress", action="store_true", help="no progress bar")
-    _ray.add_ray_flags(p)
-    args = p.parse_args(own)
+    args = parse_args(own)
 
     def terminate(signum, frame):
         del signum, frame

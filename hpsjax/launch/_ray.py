@@ -762,40 +762,6 @@ def _run_state(
     return "running"
 
 
-def add_ray_flags(p: argparse.ArgumentParser) -> None:
-    """Adds ``--backend`` and the Ray backend's flags to ``hpsjax-launch``."""
-    p.add_argument(
-        "--backend",
-        choices=("local", "ray"),
-        default="local",
-        help="local: processes on this machine; ray: actors placed by Ray",
-    )
-    p.add_argument(
-        "--ray_address",
-        help="with --backend ray: the cluster to join (auto, host:6379, "
-        "ray://host:10001); by default a local one is started",
-    )
-    p.add_argument(
-        "--worker_resources",
-        nargs=2,
-        action="append",
-        default=[],
-        metavar=("INDEX", "RESOURCES"),
-        help="with --backend ray: resources for worker INDEX (or all), e.g. "
-        "'num_gpus=1,accelerator_type:A100=1'; repeatable",
-    )
-    p.add_argument(
-        "--server_resources",
-        help="with --backend ray: resources for each server shard, e.g. num_cpus=4",
-    )
-    p.add_argument(
-        "--max_restarts",
-        type=int,
-        help="how often a crashed worker is restarted (default 3 with --backend "
-        "ray, 0 locally); locally a crashed server too, from its checkpoints",
-    )
-
-
 def backend_from_flags(
     args: argparse.Namespace,
 ) -> Callable[..., LaunchResult] | None:
