@@ -8,7 +8,8 @@ The optax transforms are re-exported here; the rest lives in subpackages:
   and SparseLoCo's push (optax transforms);
 * :mod:`hpsjax.ps`: the sans-I/O server core, sync policies, asyncio server and
   client, wire codec and checkpoints;
-* :mod:`hpsjax.profiling`: the profiling pass and work plans;
+* :mod:`hpsjax.planning`: work plans from profiles (pure arithmetic, no JAX);
+* :mod:`hpsjax.profiling`: the profiling pass, the in-place profile, the pilot;
 * :mod:`hpsjax.sim`: the virtual-clock simulator driving the same server core;
 * :mod:`hpsjax.worker`: the worker runtime and heterogeneity injection;
 * :mod:`hpsjax.tasks`: what is learned (classification, next-token language
