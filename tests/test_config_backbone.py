@@ -215,7 +215,7 @@ def test_a_run_refuses_workers_it_cannot_tell_apart():
         ([worker(0), worker(0)], "workers 0 and 1 both have worker_id 0"),
         ([worker(0, 0, 2), worker(1, 0, 2)], "workers 0 and 1 both read shard 0"),
         ([worker(0, 0, 2), worker(1, 1, 3)], "different --shard_count values"),
-        ([worker(0, 2, 2)], r"worker 0's --shard_index must be in \[0, 2\)"),
+        ([worker(0, 2, 2)], r"worker 0's --shard_index must be an int in \[0, 1\]"),
         ([], "non-empty sequence of WorkerSettings"),
     ]
     for workers, match in bad:

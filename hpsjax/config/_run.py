@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
+from hpsjax._checks import check_int
 from hpsjax._config_flags import config_kwargs, to_argv
 from hpsjax.ps._cli import parse_args as _parse_server_args
 from hpsjax.ps._cli import server_options
@@ -107,11 +108,12 @@ class RunConfig:
             )
         indices: dict[int, int] = {}
         for i, command in sharded:
-            if not 0 <= command.shard_index < command.shard_count:
-                raise ValueError(
-                    f"worker {i}'s --shard_index must be in [0, "
-                    f"{command.shard_count}), got {command.shard_index}"
-                )
+            check_int(
+                f"worker {i}'s --shard_index",
+                command.shard_index,
+                low=0,
+                high=command.shard_count - 1,
+            )
             first = indices.setdefault(command.shard_index, i)
             if first != i:
                 raise ValueError(
