@@ -369,3 +369,33 @@ def test_the_pilots_plans_scale_the_step_size_as_its_final_plan():
         assert pilot.done
         for p in [pilot.plan, *installed]:
             assert [w.lr_scale for w in p.workers] == [scale, scale], options
+
+
+def test_the_second_phases_batches_are_kept_when_the_fit_gains_little():
+    # Small fixed costs: the fit's plan ([16, 16, 33, 63]) moves a sample or
+    # two from the proportional split ([17, 17, 33, 61]), for a round under
+    # 3% shorter; a new batch would be a compile beside the rounds, so the
+    # pilot keeps the split it runs, and predicts its round.
+    costs = {"a": (0.002, 0.008), "b": (0.002, 0.008), "c": (0.002, 0.004),
+             "d": (0.006, 0.002)}  # fmt: skip
+    pilot = Pilot(list(costs), global_batch=128)
+    installed = _drive(pilot, costs, links=dict.fromkeys(costs, 0.01))
+    assert pilot.done and len(installed) == 2
+    second, final = installed
+    assert [w.batch_size for w in final.workers] == [
+        w.batch_size for w in second.workers
+    ]
+    assert "the batches it ran kept" in pilot.reason
+    true_round = max(_true_step(costs, w) + 0.01 for w in final.workers)
+    assert final.round_time == pytest.approx(true_round, rel=0.05)
+    # Larger fixed costs: the fit's plan gains more, and comes.
+    heavy = {w: (0.03, c) for w, (_, c) in costs.items()}
+    pilot = Pilot(list(heavy), global_batch=128)
+    installed = _drive(pilot, heavy, links=dict.fromkeys(heavy, 0.01))
+    second, final = installed
+    assert "kept" not in pilot.reason
+    assert [w.batch_size for w in final.workers] != [
+        w.batch_size for w in second.workers
+    ]
+    times = [_true_step(heavy, w) for w in pilot.plan.workers]
+    assert max(times) / min(times) < 1.05

@@ -6,7 +6,8 @@ workers; once every worker has ``min_reports`` kept reports there, it gives
 each worker a second batch in proportion to its measured speed (the global
 batch split so that every worker's step takes about as long: a worker of half
 the speed gets half the samples), so the second phase is already a balanced
-round and every worker has two batch sizes (equal workers keep their share).
+round and every worker has two batch sizes (equal workers keep their share:
+speeds within twice their standard error of one another count as one).
 Every pilot round is a real training round, on the real server and links,
 under the run's own contention. From the reports it fits each worker's step
 
@@ -34,7 +35,9 @@ predicted step at the batch the fits would plan for it,
 
 or once ``max_rounds`` pilot rounds have passed; until then the second phase
 goes on (no further batch, no further compile). It then installs the plan of
-the chosen scheme, made by :func:`~hpsjax.planning.plan` from the fits (as
+the chosen scheme (under a barrier scheme, the batches it runs are kept where
+the fits predict them a round at most 3% longer: a new batch is a compile
+beside the rounds), made by :func:`~hpsjax.planning.plan` from the fits (as
 :class:`~hpsjax.planning.WorkerProfile` objects whose step spread is the fit's
 robust spread and whose transfer is the worker's link), and from then on
 re-plans as the ordinary :class:`~hpsjax.planning.Replanner` does.
@@ -92,6 +95,10 @@ _BARRIER_SCHEMES = ("hps", "equal")
 # A normal's standard deviation per median absolute deviation, and a median's
 # standard error per the mean's.
 _MAD_TO_SIGMA = 1.4826
+# How much longer a round the fits may predict at the batches the pilot runs
+# than at the final plan's for the pilot to keep them: a new batch is a
+# compile beside the rounds, seconds of them slowed on a shared machine.
+_KEEP = 0.03
 # The least ratio of a worker's largest batch to its smallest for a line with
 # a fixed cost: closer batches pin down the step there, not its slope (a slope
 # fitted too flat would hand the worker samples it cannot take).
@@ -394,10 +401,39 @@ class Pilot(Replanner):
         )
         if not (sure or self._rounds >= self._max_rounds):
             return None
+        kept = self._keeping(final)
         self._done = True
         self.reason = f"the pilot's fit after {self._rounds} rounds"
+        if kept is not final:
+            self.reason += (
+                ", the batches it ran kept (the fit's plan, "
+                f"{[w.batch_size for w in final.workers]}, predicts a round "
+                f"at most {_KEEP:.0%} shorter)"
+            )
+            final = kept
         self._install(final, now)
         return final
+
+    def _keeping(self, final: WorkPlan) -> WorkPlan:
+        """``final``, or under a barrier scheme the batches the pilot runs
+        where the fits put their round within :data:`_KEEP` of ``final``'s
+        (no new batch: no compile beside the rounds). The kept plan predicts
+        the fits' round at its batches plus what ``final`` adds to the
+        slowest median worker (the spread's expected maximum, the queue)."""
+        batches = [w.batch_size for w in self._plan.workers]
+        planned = [w.batch_size for w in final.workers]
+        if self._barrier is None or batches == planned:
+            return final
+        here = self._pilot_plan(batches, final.revision)
+        there = self._pilot_plan(planned, final.revision)
+        if here.round_time > (1 + _KEEP) * there.round_time:
+            return final
+        return dataclasses.replace(
+            final,
+            workers=here.workers,
+            global_batch=here.global_batch,
+            round_time=final.round_time + here.round_time - there.round_time,
+        )
 
     def _start_phase(self) -> None:
         """A phase counts the reports that come after it begins, and none
@@ -422,13 +458,20 @@ class Pilot(Replanner):
 
     def _second_batches(self) -> list[int]:
         """The global batch split in proportion to each worker's samples per
-        second at its first batch (the median of its kept reports there)."""
-        speeds = []
+        second at its first batch (the median of its kept reports there);
+        workers whose speeds are within twice their standard error of one
+        another's share their mean speed (noise moves no batch)."""
+        speeds, errors = [], []
         for w, e in zip(self._ids, self._even(), strict=True):
             times = [t for b, t in self._pilot_reports[w] if b == e]
-            speeds.append(e / statistics.median(times))
+            median = statistics.median(times)
+            spread = _MAD_TO_SIGMA * statistics.median(
+                abs(t / median - 1) for t in times
+            )
+            speeds.append(e / median)
+            errors.append(_MEDIAN_EFFICIENCY * spread / math.sqrt(len(times)))
         low = max(1, int(self._options.get("min_batch", 1)))
-        return _proportional(self._global_batch, speeds, low)
+        return _proportional(self._global_batch, _pooled(speeds, errors), low)
 
     def _pilot_plan(self, batches: Sequence[int], revision: int) -> WorkPlan:
         options = self._options
@@ -464,6 +507,27 @@ class Pilot(Replanner):
             profiles, self._scheme, global_batch=self._global_batch, **self._options
         )
         return dataclasses.replace(made, revision=revision)
+
+
+def _pooled(speeds: Sequence[float], errors: Sequence[float]) -> list[float]:
+    """``speeds`` with each run of them (in order of speed) that differ by at
+    most twice their combined relative standard ``errors`` from the run's
+    first replaced by the run's mean."""
+    order = sorted(range(len(speeds)), key=lambda i: speeds[i])
+    pooled = list(speeds)
+    group = [order[0]]
+    for i in [*order[1:], None]:
+        first = group[0]
+        if i is not None and speeds[i] / speeds[first] - 1 <= 2 * math.hypot(
+            errors[i], errors[first]
+        ):
+            group.append(i)
+            continue
+        mean = statistics.fmean(speeds[j] for j in group)
+        for j in group:
+            pooled[j] = mean
+        group = [i]
+    return pooled
 
 
 class _Barrier:
