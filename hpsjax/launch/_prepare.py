@@ -11,6 +11,7 @@ import time
 from collections.abc import Mapping, Sequence
 
 from hpsjax import profiling
+from hpsjax._checks import check_int, check_positive
 from hpsjax._compile_cache import cache_dir_for, cache_env
 from hpsjax._config_flags import argv_of
 from hpsjax.config import RunConfig, parse_server, parse_worker
@@ -47,37 +48,23 @@ def check_launch(
     max_restarts: int = 0,
 ) -> tuple[list[list[str]], list[str]]:
     """Checks a launch's arguments; returns each worker's and the shared flags."""
-    if (
-        isinstance(num_workers, bool)
-        or not isinstance(num_workers, int)
-        or num_workers < 1
-    ):
-        raise LaunchError(f"num_workers must be an int >= 1, got {num_workers!r}")
-    if steps is not None and (
-        isinstance(steps, bool) or not isinstance(steps, int) or steps < 1
-    ):
-        raise LaunchError(f"steps must be an int >= 1 or None, got {steps!r}")
     for name, value in (("worker_args", worker_args), ("server_args", server_args)):
         if isinstance(value, str):
             raise LaunchError(f"{name} must be a list of arguments, not a string")
-    if timeout is not None and not timeout > 0:
-        raise LaunchError(f"timeout must be > 0 or None, got {timeout!r}")
     if plan is not None and plan not in profiling.SCHEMES:
         raise LaunchError(f"unknown plan scheme {plan!r}; valid: {profiling.SCHEMES}")
     if replan is not None and (plan is None or not replan > 0):
         raise LaunchError(f"replan needs a plan and a threshold > 0, got {replan!r}")
-    if (
-        isinstance(server_shards, bool)
-        or not isinstance(server_shards, int)
-        or server_shards < 1
-    ):
-        raise LaunchError(f"server_shards must be an int >= 1, got {server_shards!r}")
     if split_leaves and server_shards == 1:
         raise LaunchError("split_leaves needs server_shards > 1")
-    if isinstance(max_restarts, bool) or not (
-        isinstance(max_restarts, int) and max_restarts >= 0
-    ):
-        raise LaunchError(f"max_restarts must be an int >= 0, got {max_restarts!r}")
+    try:
+        check_int("num_workers", num_workers, low=1)
+        check_int("steps", steps, low=1, allow_none=True)
+        check_positive("timeout", timeout, allow_none=True)
+        check_int("server_shards", server_shards, low=1)
+        check_int("max_restarts", max_restarts, low=0)
+    except ValueError as e:
+        raise LaunchError(str(e)) from None
     flags = _worker_flags(per_worker_args, num_workers)
     shared = [str(a) for a in worker_args]
     _check_flags(num_workers, shared, flags, server_args, server_shards, split_leaves)
