@@ -11,7 +11,13 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from hpsjax._checks import check_choice, check_int, check_number, check_positive
+from hpsjax._checks import (
+    check_choice,
+    check_int,
+    check_number,
+    check_positive,
+    check_worker_id,
+)
 from hpsjax.planning import WorkPlan
 from hpsjax.transforms import (
     sparse_push_transform,
@@ -152,13 +158,8 @@ class WorkerConfig(WorkerOptions):
         super().__post_init__()
         if not isinstance(self.host, str) or not self.host:
             raise ValueError(f"host must be a non-empty str, got {self.host!r}")
-        check_int("port", self.port, low=0)
-        if self.port > 65535:
-            raise ValueError(f"port must be below 65536, got {self.port}")
-        if isinstance(self.worker_id, bool) or not isinstance(
-            self.worker_id, str | int
-        ):
-            raise ValueError(f"worker_id must be a str or int, got {self.worker_id!r}")
+        check_int("port", self.port, low=0, high=65535)
+        check_worker_id("worker_id", self.worker_id)
         check_int("batch_size", self.batch_size, low=1)
         if self.work_plan is not None:
             if not isinstance(self.work_plan, WorkPlan):
