@@ -41,7 +41,7 @@ import optax
 
 from hpsjax._checks import check_int
 from hpsjax.apply._separable import all_finite, finite
-from hpsjax.wire._errors import NonFiniteUpdate, SpecMismatch
+from hpsjax.wire import NonFiniteUpdate, SpecMismatch
 
 __all__ = ["Aggregator", "Pending"]
 

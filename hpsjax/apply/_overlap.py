@@ -22,7 +22,7 @@ import numpy as np
 
 from hpsjax.apply._aggregate import Aggregator, Pending
 from hpsjax.apply._separable import LeafApply, LeafSteps, leaf_steps
-from hpsjax.wire._errors import NonFiniteUpdate
+from hpsjax.wire import NonFiniteUpdate
 
 __all__ = ["OverlapAggregator"]
 

@@ -127,14 +127,15 @@ import numpy as np
 
 from hpsjax._checks import check_fraction, check_int, check_positive, is_int, is_number
 from hpsjax._ewma import ewma
-from hpsjax.apply._aggregate import Aggregator
+from hpsjax.apply import Aggregator
 from hpsjax.decisions._policies import PolicyView, Verdict, get_policy
-from hpsjax.wire._errors import (
+from hpsjax.wire import (
     InvalidUpdate,
+    PushAck,
+    PushMeta,
     UnexpectedMessage,
     WorkerDropped,
 )
-from hpsjax.wire._messages import PushAck, PushMeta
 
 __all__ = [
     "Action",

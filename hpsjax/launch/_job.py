@@ -22,8 +22,8 @@ from typing import TYPE_CHECKING, TextIO
 
 from hpsjax._config_flags import argv_of
 from hpsjax.ps._options import ServerOptions
+from hpsjax.worker import WorkerConfig
 from hpsjax.worker._command import WorkerCommand
-from hpsjax.worker._config import WorkerConfig
 
 if TYPE_CHECKING:
     from hpsjax.launch._monitor import Monitor

@@ -27,10 +27,10 @@ from hpsjax.launch._job import (
 )
 from hpsjax.ps._options import ServerOptions
 from hpsjax.tasks import get_task
+from hpsjax.worker import WorkerConfig
 from hpsjax.worker._build import make_heterogeneity, write_init
 from hpsjax.worker._cli import parse_args, worker_target
 from hpsjax.worker._command import WorkerCommand
-from hpsjax.worker._config import WorkerConfig
 
 
 def check_launch(

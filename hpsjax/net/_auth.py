@@ -26,13 +26,13 @@ from typing import Any, ClassVar
 
 import msgpack
 
-from hpsjax.wire._errors import (
+from hpsjax.wire import (
     AuthError,
     MalformedMetadata,
+    MsgType,
     ProtocolError,
     UnexpectedMessage,
 )
-from hpsjax.wire._frames import MsgType
 
 __all__ = [
     "AUTH_SCHEME",

@@ -37,22 +37,23 @@ import msgpack
 from hpsjax.net import _auth
 from hpsjax.net._connection import FrameProtocol
 from hpsjax.transforms import _quantize as q
-from hpsjax.wire import _frames, _treecodec
-from hpsjax.wire._errors import (
+from hpsjax.wire import (
     ConnectionClosed,
-    HpsError,
-    ProtocolError,
-    UnexpectedMessage,
-    WorkerDropped,
-    error_from_wire,
-)
-from hpsjax.wire._frames import Frame, FrameError, MsgType
-from hpsjax.wire._messages import (
     ForcePullNotice,
+    Frame,
+    FrameError,
+    HpsError,
+    MsgType,
     PlanNotice,
+    ProtocolError,
     PushAck,
     PushMeta,
     StageNotice,
+    UnexpectedMessage,
+    WorkerDropped,
+    _frames,
+    _treecodec,
+    error_from_wire,
     notice_from_wire,
 )
 

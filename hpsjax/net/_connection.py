@@ -12,24 +12,22 @@ import asyncio
 from collections.abc import Callable
 from typing import Any
 
-from hpsjax.wire._errors import (
-    ConnectionClosed,
-    HpsError,
-    ProtocolError,
-    error_to_wire,
-)
-from hpsjax.wire._frames import (
+from hpsjax.wire import (
     DEFAULT_LIMITS,
     Allocator,
     BufferPool,
+    ConnectionClosed,
     Frame,
+    FrameDecoder,
     FrameError,
+    HpsError,
     MsgType,
+    ProtocolError,
     WireLimits,
+    default_allocator,
     encode_frame,
+    error_to_wire,
 )
-from hpsjax.wire._stream import FrameDecoder
-from hpsjax.wire._treecodec import default_allocator
 
 __all__ = ["FrameProtocol", "error_frame"]
 

@@ -42,7 +42,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hpsjax.wire._treecodec import unflatten_tree as _unflatten
+from hpsjax.wire import unflatten_tree as _unflatten
 
 __all__ = ["KeyRangePartition"]
 

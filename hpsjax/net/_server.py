@@ -55,20 +55,19 @@ from hpsjax._checks import check_int
 from hpsjax._devices import describe_device, resolve_device
 from hpsjax._logs import Every
 from hpsjax._progress import Progress
-from hpsjax.apply._overlap import OverlapAggregator
-from hpsjax.apply._separable import LeafApply
-from hpsjax.decisions import ReplannerProtocol
-from hpsjax.decisions._core import (
+from hpsjax.apply import LeafApply, OverlapAggregator
+from hpsjax.decisions import (
+    DEFAULT_POLICY,
     Applied,
     Drop,
     ForcePull,
     PlanChanged,
     PushAck,
+    ReplannerProtocol,
     SendParams,
     ServerCore,
     StageChanged,
 )
-from hpsjax.decisions._policies import DEFAULT_POLICY
 from hpsjax.net import _auth
 from hpsjax.net._connection import FrameProtocol, error_frame
 from hpsjax.storage import (
@@ -76,26 +75,27 @@ from hpsjax.storage import (
     SERVER_CHECKPOINT_FORMAT_VERSION,
     CheckpointManager,
 )
-from hpsjax.wire import _frames, _treecodec
-from hpsjax.wire._decoders import DecoderCache
-from hpsjax.wire._errors import (
+from hpsjax.wire import (
     AuthError,
+    DecoderCache,
+    ForcePullNotice,
+    Frame,
+    FrameError,
     HpsError,
     MalformedMetadata,
+    MsgType,
     NonFiniteUpdate,
-    ProtocolError,
-    ServerError,
-    ShuttingDown,
-    UnexpectedMessage,
-    WorkerDropped,
-)
-from hpsjax.wire._frames import Frame, FrameError, MsgType
-from hpsjax.wire._messages import (
-    ForcePullNotice,
     Notice,
     PlanNotice,
+    ProtocolError,
     PushMeta,
+    ServerError,
+    ShuttingDown,
     StageNotice,
+    UnexpectedMessage,
+    WorkerDropped,
+    _frames,
+    _treecodec,
     notice_to_wire,
 )
 

@@ -62,8 +62,14 @@ import msgspec
 from hpsjax._checks import check_int
 from hpsjax.net._client import Client, ServerInfo, push_meta
 from hpsjax.net._partition import KeyRangePartition
-from hpsjax.wire._errors import HpsError, SpecMismatch
-from hpsjax.wire._messages import ForcePullNotice, PlanNotice, PushAck, PushMeta
+from hpsjax.wire import (
+    ForcePullNotice,
+    HpsError,
+    PlanNotice,
+    PushAck,
+    PushMeta,
+    SpecMismatch,
+)
 
 __all__ = [
     "ShardedClient",

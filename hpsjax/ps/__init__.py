@@ -15,71 +15,69 @@
   shards (ps-lite, PHub); :class:`ShardedClient` talks to all of them at once.
 """
 
-from hpsjax.decisions._core import (
-    Action,
-    Applied,
-    Drop,
-    ForcePull,
-    PlanChanged,
-    Release,
-    SendParams,
-    ServerCore,
-    StageChanged,
-    Wait,
-    WorkerInfo,
-)
-from hpsjax.decisions._policies import (
+from hpsjax.decisions import (
     ADSP,
     ASP,
     BSP,
     DEFAULT_POLICY,
     POLICIES,
     SSP,
+    Action,
+    Applied,
+    Drop,
+    ForcePull,
     Hybrid,
     HybridStage,
+    PlanChanged,
     PlannedHybrid,
     Policy,
+    Release,
     Ringmaster,
     SaPS,
     SemiAsync,
+    SendParams,
+    ServerCore,
+    StageChanged,
     Verdict,
+    Wait,
+    WorkerInfo,
     get_policy,
 )
-from hpsjax.net._client import Client, ServerInfo, Subscription
-from hpsjax.net._partition import KeyRangePartition
-from hpsjax.net._server import Server
-from hpsjax.net._shards import (
+from hpsjax.net import (
+    Client,
+    KeyRangePartition,
+    Server,
+    ServerInfo,
     ShardedClient,
     ShardedVersion,
+    Subscription,
 )
-from hpsjax.storage._checkpoint import Checkpoint, CheckpointError, CheckpointManager
-from hpsjax.wire._errors import (
+from hpsjax.storage import Checkpoint, CheckpointError, CheckpointManager
+from hpsjax.wire import (
     AuthError,
     BadMagic,
     ConnectionClosed,
+    ForcePullNotice,
     HpsError,
     InvalidUpdate,
     MalformedMetadata,
     NonFiniteUpdate,
+    Notice,
     PayloadTooBig,
+    PlanNotice,
     ProtocolError,
+    PushAck,
+    PushMeta,
     ServerError,
     ShuttingDown,
     SpecMismatch,
+    StageNotice,
     TooManyLeaves,
     UnexpectedMessage,
     UnsupportedDtype,
     UnsupportedVersion,
+    WireLimits,
     WorkerDropped,
-)
-from hpsjax.wire._frames import WireLimits
-from hpsjax.wire._messages import (
-    ForcePullNotice,
-    Notice,
-    PlanNotice,
-    PushAck,
-    PushMeta,
-    StageNotice,
 )
 
 __all__ = [

@@ -90,12 +90,10 @@ from hpsjax._devices import resolve_device
 from hpsjax._logs import setup_logging
 from hpsjax._npz import check_params_file, nest_named_arrays
 from hpsjax._optimizers import make_optimizer
-from hpsjax.decisions._policies import HybridStage
+from hpsjax.decisions import HybridStage
 from hpsjax.export import check_export_path, export_params
 from hpsjax.metrics import ServerMetrics
-from hpsjax.net._auth import read_secret
-from hpsjax.net._partition import KeyRangePartition
-from hpsjax.net._server import Server
+from hpsjax.net import KeyRangePartition, Server, read_secret
 from hpsjax.profiling import Pilot, Replanner, WorkPlan
 from hpsjax.ps._options import ServerOptions
 

@@ -23,9 +23,8 @@ from hpsjax._checks import is_int, is_number
 from hpsjax._flags import check_kwargs
 from hpsjax._logs import LOG_LEVELS, check_log_level
 from hpsjax._optimizers import OPTIMIZERS
-from hpsjax.decisions._core import ServerCore
-from hpsjax.decisions._policies import DEFAULT_POLICY, POLICIES
-from hpsjax.net._server import is_loopback
+from hpsjax.decisions import DEFAULT_POLICY, POLICIES, ServerCore
+from hpsjax.net import is_loopback
 from hpsjax.planning import SCHEMES
 
 __all__ = ["ServerOptions"]

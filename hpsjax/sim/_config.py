@@ -19,11 +19,11 @@ import numpy as np
 import optax
 
 from hpsjax.data import Batch, Dataset
-from hpsjax.decisions._policies import ADSP, Hybrid
+from hpsjax.decisions import ADSP, Hybrid
 from hpsjax.sim._workers import WorkerSpec
-from hpsjax.transforms._staleness import STALENESS_POLICIES
+from hpsjax.transforms import STALENESS_POLICIES
+from hpsjax.worker import OVERLAP_MODES
 from hpsjax.worker import _core as wc
-from hpsjax.worker._core import OVERLAP_MODES
 
 __all__ = ["OVERLAP_MODES", "SimConfig"]
 

@@ -21,10 +21,8 @@ import numpy as np
 import optax
 
 from hpsjax._lru import LruCache
-from hpsjax.apply._deferred import LazyUpdate
-from hpsjax.apply._separable import all_finite
-from hpsjax.transforms._quantize import QuantizeState
-from hpsjax.transforms._stages import current_stage
+from hpsjax.apply import LazyUpdate, all_finite
+from hpsjax.transforms import QuantizeState, current_stage
 
 __all__: list[str] = []
 

@@ -18,12 +18,14 @@ import jax
 import msgspec
 import numpy as np
 
-from hpsjax.apply._deferred import DeferredAggregator
-from hpsjax.decisions._core import (
+from hpsjax.apply import DeferredAggregator
+from hpsjax.decisions import (
+    BSP,
     Applied,
     Drop,
     ForcePull,
     PlanChanged,
+    Policy,
     PushAck,
     Release,
     SendParams,
@@ -31,7 +33,6 @@ from hpsjax.decisions._core import (
     StageChanged,
     Wait,
 )
-from hpsjax.decisions._policies import BSP, Policy
 from hpsjax.planning import WorkPlan
 from hpsjax.profiling import tree_wire_nbytes
 from hpsjax.sim._config import SimConfig
@@ -43,7 +44,7 @@ from hpsjax.transforms import (
     last_sparseloco_nbytes,
     last_streaming_nbytes,
 )
-from hpsjax.wire._errors import HpsError, NonFiniteUpdate, WorkerDropped
+from hpsjax.wire import HpsError, NonFiniteUpdate, WorkerDropped
 from hpsjax.worker import _core as wc
 
 if TYPE_CHECKING:

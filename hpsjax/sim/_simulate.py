@@ -26,7 +26,7 @@ from hpsjax.sim._results import (
 )
 from hpsjax.sim._simulation import _Simulation
 from hpsjax.sim._workers import WorkerSpec
-from hpsjax.worker._core import OVERLAP_MODES
+from hpsjax.worker import OVERLAP_MODES
 
 __all__ = [
     "OVERLAP_MODES",

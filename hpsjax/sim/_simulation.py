@@ -23,7 +23,7 @@ import jax
 import numpy as np
 
 from hpsjax.data import share_split
-from hpsjax.decisions._policies import get_policy
+from hpsjax.decisions import get_policy
 from hpsjax.planning import Replanner, WorkPlan
 from hpsjax.sim._config import (
     SimConfig,

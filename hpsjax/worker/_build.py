@@ -24,21 +24,15 @@ import jax
 import numpy as np
 from flax import nnx
 
-from hpsjax import data, models, ps, tasks
+from hpsjax import data, models, tasks
 from hpsjax._config_flags import config_kwargs
 from hpsjax._flags import check_kwargs
 from hpsjax._npz import nest_named_arrays
 from hpsjax._optimizers import make_optimizer
 from hpsjax._progress import Progress
-from hpsjax.net._auth import read_secret
+from hpsjax.net import Client, KeyRangePartition, ShardedClient, read_secret
 from hpsjax.planning import WorkPlan
-from hpsjax.ps import (
-    AuthError,
-    ConnectionClosed,
-    KeyRangePartition,
-    ShardedClient,
-    SpecMismatch,
-)
+from hpsjax.wire import AuthError, ConnectionClosed, SpecMismatch
 from hpsjax.worker._config import WorkerConfig
 from hpsjax.worker._hetero import Heterogeneity
 from hpsjax.worker._runtime import Worker
@@ -290,8 +284,8 @@ def train_shard(args: argparse.Namespace, work_plan, index: int, count: int):
 def build_worker(args: argparse.Namespace, *, metrics=None):
     """The :class:`~hpsjax.worker.Worker` the parsed flags describe.
 
-    Its client (a :class:`~hpsjax.ps.Client`, or a
-    :class:`~hpsjax.ps.ShardedClient` with ``--servers``) is built here, TLS
+    Its client (a :class:`~hpsjax.net.Client`, or a
+    :class:`~hpsjax.net.ShardedClient` with ``--servers``) is built here, TLS
     name included, and not connected yet.
 
     Raises:
@@ -420,9 +414,9 @@ def server_tree(params):
 
 
 def make_client(args: argparse.Namespace, server: tuple[str, int]):
-    """The :class:`~hpsjax.ps.Client` of one server, TLS name included."""
+    """The :class:`~hpsjax.net.Client` of one server, TLS name included."""
 
-    return ps.Client(server[0], server[1], **_connection_kwargs(args))
+    return Client(server[0], server[1], **_connection_kwargs(args))
 
 
 def _connection_kwargs(args: argparse.Namespace) -> dict:
@@ -476,7 +470,7 @@ def spec_mismatch(params, server_spec) -> str | None:
 
 
 def make_sharded_client(args: argparse.Namespace, servers, params):
-    """A :class:`~hpsjax.ps.ShardedClient` over the server shards."""
+    """A :class:`~hpsjax.net.ShardedClient` over the server shards."""
 
     spec = jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), server_tree(params)
@@ -507,7 +501,7 @@ async def connect(client, params, *, connect_timeout: float, where: str) -> None
     failures are not. Cancelling is safe.
 
     Args:
-      client: a :class:`~hpsjax.ps.Client` or :class:`~hpsjax.ps.ShardedClient`.
+      client: a :class:`~hpsjax.net.Client` or :class:`~hpsjax.net.ShardedClient`.
       params: this worker's own parameters, to compare with the server's model.
       connect_timeout: seconds to keep retrying.
       where: the server's address, for messages.

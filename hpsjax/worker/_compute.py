@@ -38,7 +38,7 @@ from hpsjax.transforms import (
     sparse_push_transform,
     top_k,
 )
-from hpsjax.wire._codecs import PowerSGDCodec, QuantizedCodec, TopKCodec
+from hpsjax.wire import PowerSGDCodec, QuantizedCodec, TopKCodec
 from hpsjax.worker._core import (
     Compute,
     Push,

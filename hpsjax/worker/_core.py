@@ -21,7 +21,7 @@ from typing import Any, ClassVar, NamedTuple
 from hpsjax._checks import check_choice, check_fraction, check_int, check_positive
 from hpsjax._ewma import EWMA_ALPHA, ewma
 from hpsjax.transforms import STALENESS_POLICIES, staleness_factor
-from hpsjax.wire._messages import PushMeta
+from hpsjax.wire import PushMeta
 
 __all__ = [
     "EWMA_ALPHA",

@@ -17,14 +17,10 @@ import math
 import time
 from typing import Any
 
-from hpsjax.ps import (
-    ConnectionClosed,
-    ShuttingDown,
-    WorkerDropped,
-)
 from hpsjax.telemetry import (
     from_record,
 )
+from hpsjax.wire import ConnectionClosed, ShuttingDown, WorkerDropped
 from hpsjax.worker._compute import _Computed, _tree_nbytes
 from hpsjax.worker._core import (
     Acked,

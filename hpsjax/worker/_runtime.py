@@ -26,16 +26,13 @@ import jax
 import optax
 
 from hpsjax._checks import check_int
-from hpsjax.ps import (
-    Client,
-    ProtocolError,
-    ShuttingDown,
-)
+from hpsjax.net import Client
 from hpsjax.telemetry import (
     RoundTelemetry,
     format_summary,
     round_summary,
 )
+from hpsjax.wire import ProtocolError, ShuttingDown
 from hpsjax.worker._compute import RoundCompute, _split_evenly
 from hpsjax.worker._config import WorkerConfig
 from hpsjax.worker._core import (

@@ -442,7 +442,7 @@ def test_a_worker_with_powersgd_rank_pushes_its_factors(tmp_path, monkeypatch):
             super().__init__(*args, **kwargs)
             clients.append(self)
 
-    monkeypatch.setattr(ps, "Client", Recording)
+    monkeypatch.setattr("hpsjax.worker._build.Client", Recording)
     model = ["--model_arg", "hidden=[16]"]
     server_params = _server_params(tmp_path, *model)
     with _ServerThread(server_params) as server:
