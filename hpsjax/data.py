@@ -40,7 +40,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from hpsjax._checks import check_int, is_int
+from hpsjax._checks import check_int, check_number
 from hpsjax._npz import open_npz
 
 __all__ = [
@@ -281,12 +281,14 @@ class Dataset:
         Raises:
           ValueError: a fraction outside ``(0, 1)``, or fewer than two examples.
         """
-        if isinstance(test_fraction, bool) or not isinstance(
-            test_fraction, int | float
-        ):
-            raise ValueError(f"test_fraction must be a number, got {test_fraction!r}")
-        if not 0.0 < test_fraction < 1.0:
-            raise ValueError(f"test_fraction must be in (0, 1), got {test_fraction}")
+        test_fraction = check_number(
+            "test_fraction",
+            test_fraction,
+            low=0,
+            high=1,
+            low_inclusive=False,
+            high_inclusive=False,
+        )
         seed = check_int("seed", seed, low=0)
         n = len(self)
         if n < 2:
@@ -322,10 +324,7 @@ class Dataset:
                 f"{self._name}: cannot cut {len(self)} examples into {num_shards} "
                 "non-empty shards"
             )
-        if not is_int(index):
-            raise ValueError(f"shard index must be an int, got {index!r}")
-        if not 0 <= index < num_shards:
-            raise ValueError(f"shard index must be in [0, {num_shards}), got {index}")
+        index = check_int("shard index", index, low=0, high=num_shards - 1)
         return self._subset(
             np.arange(int(index), len(self), num_shards),
             f"{self._name}/shard{index}of{num_shards}",
@@ -340,10 +339,7 @@ class Dataset:
           ValueError: bad shares, a bad index, or a worker left without examples.
         """
         parts = share_split(len(self), shares)
-        if not is_int(index):
-            raise ValueError(f"shard index must be an int, got {index!r}")
-        if not 0 <= index < len(parts):
-            raise ValueError(f"shard index must be in [0, {len(parts)}), got {index}")
+        index = check_int("shard index", index, low=0, high=len(parts) - 1)
         return self._subset(
             parts[int(index)], f"{self._name}/share{index}of{len(parts)}"
         )
@@ -463,14 +459,8 @@ class BatchStream:
         self._dataset = dataset
         self._batch_size = check_int("batch_size", batch_size, low=1)
         self._seed = check_int("seed", seed, low=0)
-        if not is_int(epoch):
-            raise ValueError(f"epoch must be a non-negative int, got {epoch!r}")
-        if epoch < 0:
-            raise ValueError(f"epoch must be a non-negative int, got {epoch}")
-        if not is_int(offset):
-            raise ValueError(f"offset must be an int, got {offset!r}")
-        if not 0 <= offset < len(dataset):
-            raise ValueError(f"offset must be in [0, {len(dataset)}), got {offset}")
+        epoch = check_int("epoch", epoch, low=0)
+        offset = check_int("offset", offset, low=0, high=len(dataset) - 1)
         self._epoch = int(epoch)
         self._offset = int(offset)
         self._order = self._permutation(self._epoch)
@@ -707,15 +697,10 @@ def synthetic_digits(
     num_examples = check_int("num_examples", num_examples, low=1)
     if num_examples < 10:
         raise ValueError(f"num_examples must be at least 10, got {num_examples}")
-    image_size = check_int("image_size", image_size, low=1)
-    if not 8 <= image_size <= 64:
-        raise ValueError(f"image_size must be in [8, 64], got {image_size}")
+    image_size = check_int("image_size", image_size, low=8, high=64)
     seed = check_int("seed", seed, low=0)
-    for name, value, high in (("noise", noise, 1.0), ("jitter", jitter, 0.2)):
-        if isinstance(value, bool) or not isinstance(value, int | float):
-            raise ValueError(f"{name} must be a number, got {value!r}")
-        if not 0.0 <= value <= high:
-            raise ValueError(f"{name} must be in [0, {high}], got {value}")
+    check_number("noise", noise, low=0, high=1)
+    check_number("jitter", jitter, low=0, high=0.2)
 
     rng = np.random.default_rng(seed)
     vertices, segments, seg_mask = _digit_segments()
@@ -913,8 +898,7 @@ def synthetic_regression(
         raise ValueError(f"num_examples must be at least 2, got {num_examples}")
     num_features = check_int("num_features", num_features, low=1)
     num_outputs = check_int("num_outputs", num_outputs, low=1)
-    if isinstance(noise, bool) or not isinstance(noise, int | float) or noise < 0:
-        raise ValueError(f"noise must be a number >= 0, got {noise!r}")
+    noise = check_number("noise", noise, low=0)
     rng = np.random.default_rng(check_int("seed", seed, low=0))
     hidden = 32
     w1 = rng.normal(0.0, 1.0 / math.sqrt(num_features), (num_features, hidden))

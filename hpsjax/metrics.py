@@ -54,7 +54,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from hpsjax._checks import check_number
+from hpsjax._checks import check_int, check_number, check_positive
 
 __all__ = [
     "LEAVE_REASONS",
@@ -143,10 +143,7 @@ class MetricsWriter:
         if prometheus is not None and not callable(prometheus):
             raise ValueError("prometheus must be a RoundMetrics (callable) or None")
         self._prometheus = prometheus
-        if isinstance(flush_secs, bool) or not isinstance(flush_secs, int | float):
-            raise ValueError(f"flush_secs must be a number, got {flush_secs!r}")
-        if not flush_secs > 0:
-            raise ValueError(f"flush_secs must be positive, got {flush_secs}")
+        check_positive("flush_secs", flush_secs)
         self._file = None
         if jsonl is not None:
             self._file = open(jsonl, "a", encoding="utf-8")  # noqa: SIM115
@@ -406,8 +403,7 @@ class _Exporter:
         """
         from prometheus_client import start_http_server
 
-        if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port < 65536:
-            raise ValueError(f"port must be an int in [0, 65536), got {port!r}")
+        check_int("port", port, low=0, high=65535)
         with self._lock:
             if self._http is not None:
                 raise ValueError(f"{type(self).__name__} is already serving")

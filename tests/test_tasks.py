@@ -241,7 +241,7 @@ def test_synthetic_regression_is_seeded_and_learnable():
     assert two.y.shape == (50, 2) and two.num_classes == 2
     # Noise aside, y is a function of x: its variance is well above the noise's.
     assert float(np.var(a.y)) > 4 * 0.1**2
-    with pytest.raises(ValueError, match="noise must be a number >= 0"):
+    with pytest.raises(ValueError, match="noise must be >= 0"):
         data.synthetic_regression(noise=-1.0)
 
 

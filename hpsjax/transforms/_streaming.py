@@ -53,7 +53,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from hpsjax._checks import check_choice, check_hyperparameter, check_int, is_int
+from hpsjax._checks import check_choice, check_hyperparameter, check_int
 from hpsjax.transforms._common import find_one_state
 from hpsjax.transforms._frontier import (
     _push_leaves,
@@ -311,8 +311,7 @@ def streaming_local(
         beta = check_hyperparameter(
             "outer_momentum", outer_momentum, low=0, high=1, high_inclusive=False
         )
-        if isinstance(workers, bool) or not is_int(workers) or workers < 1:
-            raise ValueError(f"workers must be an int >= 1, got {workers!r}")
+        check_int("workers", workers, low=1)
     inner = optax.with_extra_args_support(inner)
 
     def zeros(params):
