@@ -30,6 +30,7 @@ MODULES = (
     "hpsjax.export",
     "hpsjax.ps",
     "hpsjax.launch",
+    "hpsjax.config",
     "hpsjax.planning",
     "hpsjax.profiling",
     "hpsjax.sim",
