@@ -32,7 +32,7 @@ import numpy as np
 import optax
 
 from experiments import registry
-from experiments.target import Target
+from experiments.target import Target, target, task_of
 from hpsjax._lru import LruCache
 from hpsjax.ps import Hybrid, HybridStage, PlannedHybrid
 
@@ -138,34 +138,6 @@ def model_kwargs(config: ml_collections.ConfigDict) -> dict[str, Any]:
     if config.model.name == "mlp":
         kwargs = {"hidden": tuple(int(h) for h in config.model.hidden)}
     return {**kwargs, **_plain(config.model.get("args") or {})}
-
-
-@functools.lru_cache(maxsize=16)
-def task_of(spec: str) -> Any:
-    """The :class:`hpsjax.tasks.Task` of ``config.task``, one object per spec
-    (so that the loss and evaluation built from it, and their compiled
-    programs, are shared by every run of a process).
-
-    Raises:
-      ValueError: an unknown task, or a factory that is missing or returns
-        something else than a task (one line each).
-    """
-    from hpsjax.tasks import get_task
-
-    if not isinstance(spec, str) or not spec:
-        raise ValueError(
-            f"config.task must be a task name or 'module:function', got {spec!r}"
-        )
-    return get_task(spec)
-
-
-def target(config: ml_collections.ConfigDict) -> Target:
-    """The run's target for its task (:meth:`Target.of_config`).
-
-    Raises:
-      ValueError: an unknown task, or a target the task cannot have.
-    """
-    return Target.of_config(config, task_of(config.task))
 
 
 def setup(config: ml_collections.ConfigDict) -> Setup:

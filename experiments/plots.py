@@ -41,7 +41,7 @@ from matplotlib import patches
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from experiments.target import Target, metric_label
+from experiments.target import Target, metric_label, with_initial_evaluation
 
 __all__ = [
     "FORMATS",
@@ -691,8 +691,6 @@ def _runs_of_results(
 ) -> dict[str, list[list[dict]]]:
     """Scheme -> its runs' evaluation records, from a ``results.json`` (its
     curves hold its ``"metric"``, test accuracy in one written before)."""
-    from experiments.train import with_initial_evaluation
-
     curves = results.get("curves")
     if not isinstance(curves, Mapping) or not curves:
         raise ValueError(

@@ -28,6 +28,8 @@ from typing import Any
 import ml_collections
 import optax
 
+from experiments.configs import SCHEMES, SIM_ONLY_SCHEMES
+from experiments.target import target
 from hpsjax._checks import check_choice, check_fraction, check_int, check_number
 from hpsjax._optimizers import OptimizerRegistry
 from hpsjax.worker import OVERLAP_MODES
@@ -56,35 +58,6 @@ The one registry of ``hpsjax._optimizers``: hpsjax's own names (``sgd``,
 ``server.outer_delay``) and any optax or optax.contrib optimizer by name
 (``adamw``, ``lion``, ``muon``, ...), its keyword arguments from
 ``server.optimizer_args`` or ``worker.local_optimizer_args``."""
-
-SCHEMES: tuple[str, ...] = (
-    "bsp",
-    "asp",
-    "ssp",
-    "staleness_aware_asp",
-    "dc_asgd",
-    "local_sgd",
-    "saps",
-    "hps",
-    "adsp",
-    "ashl",
-    "ps_plus",
-    "ashl_reference",
-    "diloco",
-    "async_diloco",
-    "ringmaster",
-    "clipped_asgd",
-    "ormo",
-    "sparseloco",
-    "muloco",
-    "streaming_diloco",
-    "asgd_momentum",
-    "streaming_diloco_eager",
-)
-"""Schemes with a config file ``experiments/configs/<scheme>.py``, in table order."""
-
-SIM_ONLY_SCHEMES: tuple[str, ...] = ()
-"""Schemes left out of the processes suites and smoke runs (none today)."""
 
 BACKENDS: tuple[str, ...] = ("sim", "processes")
 """``sim``: the virtual-clock simulator; ``processes``: a real server and workers."""
@@ -242,8 +215,6 @@ def check_config(config: ml_collections.ConfigDict) -> None:
     """
     lookup("scheme", config.scheme)
     lookup("backend", config.backend)
-    from experiments.build import target
-
     target(config)  # the task, and a target on a metric it reports
     lookup("dataset", config.data.name)
     if ":" not in config.model.name:  # else a factory, "package.module:make"

@@ -29,13 +29,20 @@ Examples:
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
 import ml_collections
 
-__all__ = ["Target", "metric_label"]
+__all__ = [
+    "Target",
+    "metric_label",
+    "target",
+    "task_of",
+    "with_initial_evaluation",
+]
 
 
 def metric_label(metric: str) -> str:
@@ -150,3 +157,45 @@ class Target(NamedTuple):
         if metric == "accuracy" and higher and not 0 < value <= 1:
             raise ValueError(f"an accuracy target must be in (0, 1], got {value!r}")
         return cls(metric, float(value), bool(higher))
+
+
+@functools.lru_cache(maxsize=16)
+def task_of(spec: str) -> Any:
+    """The :class:`hpsjax.tasks.Task` of ``config.task``, one object per spec
+    (so that the loss and evaluation built from it, and their compiled
+    programs, are shared by every run of a process).
+
+    Raises:
+      ValueError: an unknown task, or a factory that is missing or returns
+        something else than a task (one line each).
+    """
+    from hpsjax.tasks import get_task
+
+    if not isinstance(spec, str) or not spec:
+        raise ValueError(
+            f"config.task must be a task name or 'module:function', got {spec!r}"
+        )
+    return get_task(spec)
+
+
+def target(config: ml_collections.ConfigDict) -> Target:
+    """The run's target for its task (:meth:`Target.of_config`).
+
+    Raises:
+      ValueError: an unknown task, or a target the task cannot have.
+    """
+    return Target.of_config(config, task_of(config.task))
+
+
+def with_initial_evaluation(evals: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``evals`` with an evaluation at time 0 where the first came later.
+
+    A scheme that profiles its workers first evaluates when profiling ends;
+    until then the server held the initial parameters (version 0), so their
+    evaluation holds from time 0 as well: it is repeated there. Evaluations
+    that start at time 0, or of a later version, are returned as they are.
+    """
+    evals = list(evals)
+    if evals and evals[0]["time"] > 0 and evals[0]["version"] == 0:
+        evals.insert(0, {**evals[0], "time": 0.0})
+    return evals

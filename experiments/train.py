@@ -48,7 +48,7 @@ from typing import Any
 import ml_collections
 
 from experiments import backends, build, plots, registry
-from experiments.target import Target
+from experiments.target import Target, with_initial_evaluation
 from hpsjax.metrics import MetricsWriter
 
 __all__ = [
@@ -78,20 +78,6 @@ def time_to_target(evals: list[dict[str, Any]], target: float | Target) -> float
     if not isinstance(target, Target):
         target = Target("accuracy", float(target), higher_is_better=True)
     return target.time_to(evals)
-
-
-def with_initial_evaluation(evals: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """``evals`` with an evaluation at time 0 where the first came later.
-
-    A scheme that profiles its workers first evaluates when profiling ends;
-    until then the server held the initial parameters (version 0), so their
-    evaluation holds from time 0 as well: it is repeated there. Evaluations
-    that start at time 0, or of a later version, are returned as they are.
-    """
-    evals = list(evals)
-    if evals and evals[0]["time"] > 0 and evals[0]["version"] == 0:
-        evals.insert(0, {**evals[0], "time": 0.0})
-    return evals
 
 
 def summarize(

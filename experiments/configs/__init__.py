@@ -4,3 +4,32 @@ Each ``<scheme>.py`` has ``get_config(arg=None)``; pick a setting with
 ``--config=experiments/configs/<scheme>.py:<setting>`` (see ``common.SETTINGS``).
 Suites for ``python -m experiments.compare`` are in ``suites.py``.
 """
+
+SCHEMES: tuple[str, ...] = (
+    "bsp",
+    "asp",
+    "ssp",
+    "staleness_aware_asp",
+    "dc_asgd",
+    "local_sgd",
+    "saps",
+    "hps",
+    "adsp",
+    "ashl",
+    "ps_plus",
+    "ashl_reference",
+    "diloco",
+    "async_diloco",
+    "ringmaster",
+    "clipped_asgd",
+    "ormo",
+    "sparseloco",
+    "muloco",
+    "streaming_diloco",
+    "asgd_momentum",
+    "streaming_diloco_eager",
+)
+"""Schemes with a config file ``experiments/configs/<scheme>.py``, in table order."""
+
+SIM_ONLY_SCHEMES: tuple[str, ...] = ()
+"""Schemes left out of the processes suites and smoke runs (none today)."""

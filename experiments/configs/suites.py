@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from experiments.registry import SCHEMES, SIM_ONLY_SCHEMES
+from experiments.configs import SCHEMES, SIM_ONLY_SCHEMES
 
 __all__ = ["RESEARCH_SCHEMES", "SUITES", "Suite"]
 
