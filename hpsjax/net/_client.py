@@ -36,8 +36,10 @@ import msgpack
 
 from hpsjax.net import _auth
 from hpsjax.net._connection import FrameProtocol
-from hpsjax.transforms import _quantize as q
+from hpsjax.transforms import Codec, encode_tree
 from hpsjax.wire import (
+    DEFAULT_LIMITS,
+    DTYPES,
     ConnectionClosed,
     ForcePullNotice,
     Frame,
@@ -49,12 +51,18 @@ from hpsjax.wire import (
     PushAck,
     PushMeta,
     StageNotice,
+    TreeLayout,
     UnexpectedMessage,
+    WireLimits,
+    WireTree,
     WorkerDropped,
-    _frames,
-    _treecodec,
+    encode_frame,
+    encoded_tree_to_wire,
     error_from_wire,
     notice_from_wire,
+    tree_layout,
+    tree_to_wire,
+    unflatten_tree,
 )
 
 __all__ = ["Client", "ServerInfo", "Subscription"]
@@ -63,7 +71,7 @@ __all__ = ["Client", "ServerInfo", "Subscription"]
 @functools.partial(jax.jit, static_argnums=1)
 def _encode_tree(tree, codec, key):
     """Encodes a push in one compiled program (one per tree structure/codec)."""
-    return q.encode_tree(tree, codec, key)
+    return encode_tree(tree, codec, key)
 
 
 def _error_of(frame: Frame) -> HpsError:
@@ -92,7 +100,7 @@ class ServerInfo(NamedTuple):
     version: int
     stage: int
     spec: Any
-    layout: _treecodec.TreeLayout
+    layout: TreeLayout
     limits: dict[str, Any]
     synchronous: bool = False
 
@@ -103,14 +111,14 @@ def _server_info(meta: Mapping[str, Any]) -> ServerInfo:
         leaves, offset = [], 0
         for entry in spec_meta["leaves"]:
             name, shape = entry
-            dtype = _frames.DTYPES[name]
+            dtype = DTYPES[name]
             nbytes = math.prod(shape) * dtype.itemsize
             leaves.append([name, list(shape), offset, nbytes])
             offset += nbytes
-        layout = _treecodec.tree_layout(
+        layout = tree_layout(
             {"tree": spec_meta["tree"], "leaves": leaves, "codec": None}
         )
-        spec = _treecodec.unflatten_tree(
+        spec = unflatten_tree(
             layout.structure,
             [jax.ShapeDtypeStruct(leaf.shape, leaf.dtype) for leaf in layout.leaves],
         )
@@ -291,7 +299,7 @@ class Client:
         ssl: ssl_lib.SSLContext | None = None,
         server_hostname: str | None = None,
         timeout: float | None = 60.0,
-        limits: _frames.WireLimits = _frames.DEFAULT_LIMITS,
+        limits: WireLimits = DEFAULT_LIMITS,
         seed: int | None = None,
     ):
         _auth.check_worker_id(worker_id)
@@ -477,9 +485,7 @@ class Client:
         if protocol is None or protocol.closed:
             return
         try:
-            protocol.send(
-                _frames.encode_frame(MsgType.BYE, 0, {"reason": "client closing"})
-            )
+            protocol.send(encode_frame(MsgType.BYE, 0, {"reason": "client closing"}))
             async with asyncio.timeout(timeout):
                 await protocol.drain()
         except (HpsError, TimeoutError):
@@ -648,13 +654,13 @@ class Client:
             if codec is None:
                 raise ValueError("encoded= needs the codec it was encoded with")
             like = update if update is not None else self.info.spec
-            meta, buffers, _ = _treecodec.encoded_tree_to_wire(
+            meta, buffers, _ = encoded_tree_to_wire(
                 encoded, like, codec, limits=self._limits
             )
         elif update is None:
             raise ValueError("push needs an update (or encoded= and codec=)")
         elif codec is not None:
-            if not isinstance(codec, q.Codec):
+            if not isinstance(codec, Codec):
                 raise ValueError(
                     f"codec={codec!r} sends encoded= leaves (last_topk_encoded, "
                     "last_powersgd_encoded); only a Codec is encoded here"
@@ -667,19 +673,17 @@ class Client:
                 self._key = jax.random.key(seed % 2**32)
             self._key, key = jax.random.split(self._key)
             encoded = _encode_tree(update, codec, key)
-            meta, buffers, _ = _treecodec.encoded_tree_to_wire(
+            meta, buffers, _ = encoded_tree_to_wire(
                 encoded, update, codec, limits=self._limits
             )
         else:
-            meta, buffers, _ = _treecodec.tree_to_wire(update, limits=self._limits)
+            meta, buffers, _ = tree_to_wire(update, limits=self._limits)
         meta.update(fields.to_wire())
         return meta, buffers
 
     def _params_of(self, frame: Frame) -> tuple[Any, int]:
         version = frame.metadata.get("version")
-        if not isinstance(version, int) or not isinstance(
-            frame.payload, _treecodec.WireTree
-        ):
+        if not isinstance(version, int) or not isinstance(frame.payload, WireTree):
             raise ProtocolError("malformed PARAMS frame")
         if frame.payload.layout.codec is not None:
             raise ProtocolError("compressed PARAMS are not supported")
@@ -742,7 +746,7 @@ class Client:
         future = loop.create_future()
         self._pending[request_id] = future
         try:
-            protocol.send(_frames.encode_frame(msg_type, request_id, meta, buffers))
+            protocol.send(encode_frame(msg_type, request_id, meta, buffers))
             # The future holds the frame in a box that is emptied here: the
             # loop may keep the finished future (and what it holds) alive for
             # a while, and a frame pins its receive buffer.
@@ -804,9 +808,7 @@ class Client:
             version = frame.metadata.get("version")
             if slot is None or not isinstance(version, int):
                 return
-            if version > slot.version and isinstance(
-                frame.payload, _treecodec.WireTree
-            ):
+            if version > slot.version and isinstance(frame.payload, WireTree):
                 slot.params = frame.payload.tree()
                 slot.version = version
                 slot.changed.set()

@@ -76,27 +76,40 @@ from hpsjax.storage import (
     CheckpointManager,
 )
 from hpsjax.wire import (
+    DEFAULT_LIMITS,
     AuthError,
+    BufferPool,
     DecoderCache,
     ForcePullNotice,
     Frame,
     FrameError,
+    Header,
     HpsError,
+    LayoutCache,
     MalformedMetadata,
     MsgType,
     NonFiniteUpdate,
     Notice,
+    PackedFields,
     PlanNotice,
+    PreparedFrame,
     ProtocolError,
     PushMeta,
     ServerError,
     ShuttingDown,
     StageNotice,
     UnexpectedMessage,
+    WireLimits,
+    WireTree,
     WorkerDropped,
-    _frames,
-    _treecodec,
+    check_same_spec,
+    encode_frame,
+    flatten_tree,
+    leaf_buffers,
     notice_to_wire,
+    pack_fields,
+    prepare_frame,
+    tree_to_wire,
 )
 
 __all__ = ["Server", "is_loopback"]
@@ -105,7 +118,7 @@ logger = logging.getLogger(__name__)
 
 # Until a connection has authenticated, its frames are small handshake messages:
 # nothing larger is read, so a stranger cannot make the server allocate much.
-_HANDSHAKE_LIMITS = _frames.WireLimits(max_message_bytes=4096, max_metadata_bytes=4096)
+_HANDSHAKE_LIMITS = WireLimits(max_message_bytes=4096, max_metadata_bytes=4096)
 
 # Least seconds between two "checkpoint written" lines at INFO (the others
 # at DEBUG), and between two lines about refused non-finite updates.
@@ -265,7 +278,7 @@ def _check_server_args(
         )
     if checkpoint_dir is None and (checkpoint_every_s or checkpoint_every_updates):
         raise ValueError("checkpoint_every_* needs a checkpoint_dir")
-    if not isinstance(limits, _frames.WireLimits):
+    if not isinstance(limits, WireLimits):
         raise ValueError("limits must be a WireLimits")
     check_int("overlap_apply_bytes", overlap_apply_bytes, low=0, allow_none=True)
     if replanner is not None and not isinstance(replanner, ReplannerProtocol):
@@ -387,7 +400,7 @@ class Server:
         checkpoint_every_s: float | None = None,
         checkpoint_every_updates: int | None = None,
         checkpoint_keep: int | None = 3,
-        limits: _frames.WireLimits = _frames.DEFAULT_LIMITS,
+        limits: WireLimits = DEFAULT_LIMITS,
         check_finite: bool = True,
         handshake_timeout: float = 10.0,
         core_kwargs: Mapping[str, Any] | None = None,
@@ -462,13 +475,13 @@ class Server:
         self._pull_started: dict[tuple[int, int], float] = {}
         self._checkpoint_lines = Every(_CHECKPOINT_LOG_EVERY_S)
         self._nonfinite_lines = Every(_NONFINITE_LOG_EVERY_S)
-        meta, _, self._model = _treecodec.tree_to_wire(self._core.params, limits=limits)
+        meta, _, self._model = tree_to_wire(self._core.params, limits=limits)
         # Shapes and dtypes never change, so the parameters' description is
         # packed once; each version adds only its number.
-        self._params_description = _frames.pack_fields(meta)
+        self._params_description = pack_fields(meta)
         # Received leaves are put back into the parameters' own tree type, so
         # the wire's leaf order must be JAX's.
-        _, wire_leaves = _treecodec.flatten_tree(self._core.params, limits=limits)
+        _, wire_leaves = flatten_tree(self._core.params, limits=limits)
         jax_leaves, self._treedef = jax.tree.flatten(self._core.params)
         if len(wire_leaves) != len(jax_leaves) or any(
             a is not b for a, b in zip(wire_leaves, jax_leaves, strict=False)
@@ -483,9 +496,9 @@ class Server:
         }
         # Pushes are received into reused blocks (PHub's pre-registered
         # buffers); a block returns once the core and JAX let go of it.
-        self._pool = _frames.BufferPool(max_blocks=8)
-        self._layouts = _treecodec.LayoutCache(
-            limits, check=lambda layout: _treecodec.check_same_spec(layout, self._model)
+        self._pool = BufferPool(max_blocks=8)
+        self._layouts = LayoutCache(
+            limits, check=lambda layout: check_same_spec(layout, self._model)
         )
         self._decoders = DecoderCache(
             [(s.shape, s.dtype.name) for s in self._model.leaves], size=8
@@ -506,7 +519,7 @@ class Server:
         self._closed: asyncio.Future | None = None
         self._params_cache: tuple[int, list, list] | None = None
         # (version, {(has extra, local steps): PARAMS frame}), see _params_frame.
-        self._params_frames: tuple[int, dict[tuple, _frames.PreparedFrame]] = (-1, {})
+        self._params_frames: tuple[int, dict[tuple, PreparedFrame]] = (-1, {})
         self._manager: CheckpointManager | None = None
         self._saved_version: int | None = None
         self._checkpoint_task: asyncio.Task | None = None
@@ -684,7 +697,7 @@ class Server:
                 session.sub_task.cancel()
             with contextlib.suppress(HpsError):
                 session.protocol.send(
-                    _frames.encode_frame(MsgType.BYE, 0, {"reason": "server closing"})
+                    encode_frame(MsgType.BYE, 0, {"reason": "server closing"})
                 )
             session.protocol.close()
         # Server.wait_closed() does not wait for connections on every Python
@@ -889,7 +902,7 @@ class Server:
     def _new_protocol(self) -> FrameProtocol:
         session: _Session | None = None
 
-        def allocate(header: _frames.Header, meta: dict) -> tuple:
+        def allocate(header: Header, meta: dict) -> tuple:
             return self._allocate(session, header, meta)
 
         protocol = FrameProtocol(
@@ -923,7 +936,7 @@ class Server:
             session.protocol.fail(AuthError("handshake timed out"))
 
     @_on_device
-    def _allocate(self, session: _Session, header: _frames.Header, meta: dict):
+    def _allocate(self, session: _Session, header: Header, meta: dict):
         if session.state != "ready":
             raise UnexpectedMessage(f"{header.msg_type.name} before authentication")
         if header.msg_type not in (MsgType.PUSH, MsgType.PUSH_PULL):
@@ -950,7 +963,7 @@ class Server:
                 )
             )
             self._overlap_owner = session
-        return buffers, _treecodec.WireTree(layout, arrays)
+        return buffers, WireTree(layout, arrays)
 
     @_on_device
     def _on_event(self, session: _Session, event: Frame | FrameError) -> None:
@@ -1033,7 +1046,7 @@ class Server:
                 # Before the welcome, so the worker can compile its planned
                 # step before it joins a round.
                 self._notify(session, plan)
-        session.protocol.send(_frames.encode_frame(msg_type, frame.request_id, meta))
+        session.protocol.send(encode_frame(msg_type, frame.request_id, meta))
 
     def _replace(self, old: _Session) -> None:
         error = WorkerDropped("replaced by a newer connection of the same worker")
@@ -1089,14 +1102,14 @@ class Server:
                 raise MalformedMetadata("SUBSCRIBE needs a boolean 'on'")
             session.subscribed = on
             session.protocol.send(
-                _frames.encode_frame(
+                encode_frame(
                     MsgType.SUBSCRIBE, rid, {"on": on, "version": self._core.version}
                 )
             )
             if on:
                 self._send_params(session, 0)
         elif t == MsgType.INFO:
-            session.protocol.send(_frames.encode_frame(MsgType.INFO, rid, self._info()))
+            session.protocol.send(encode_frame(MsgType.INFO, rid, self._info()))
         elif t == MsgType.BYE:
             reason = frame.metadata.get("reason")
             said = (
@@ -1185,7 +1198,7 @@ class Server:
                 # The acknowledgement says how long decoding and applying took.
                 ack_meta = {**ack_meta, "held_s": held}
             session.protocol.send(
-                _frames.encode_frame(MsgType.PUSH_ACK, frame.request_id, ack_meta)
+                encode_frame(MsgType.PUSH_ACK, frame.request_id, ack_meta)
             )
             self._carry_out(actions, pusher=session.worker_id, arrived=arrived)
         else:
@@ -1234,7 +1247,7 @@ class Server:
                 "cannot compile a decoder for %s: %s", codec, future.exception()
             )
 
-    def _decode_update(self, payload: _treecodec.WireTree) -> list[Any]:
+    def _decode_update(self, payload: WireTree) -> list[Any]:
         """The update's leaves, in the parameters' leaf order."""
         layout = payload.layout
         if layout.codec is None:
@@ -1245,15 +1258,13 @@ class Server:
         return self._decoders.decoder(layout.wire)(payload.arrays)
 
     @_on_device
-    def _on_filled(
-        self, session: _Session, payload: _treecodec.WireTree, index: int
-    ) -> None:
+    def _on_filled(self, session: _Session, payload: WireTree, index: int) -> None:
         """Leaf ``index`` of a push is in: checked, and its apply started."""
         self._check_received(payload, index)
         if session.overlap is not None:
             session.overlap.add(index, payload.arrays[index])
 
-    def _check_received(self, payload: _treecodec.WireTree, index: int) -> None:
+    def _check_received(self, payload: WireTree, index: int) -> None:
         """Refuses a raw push as soon as a leaf holding NaN or infinity is in
         (a compressed one as soon as its codec refuses a part: see
         ``check_part`` of :class:`~hpsjax.wire._codecs.WireCodec`).
@@ -1357,7 +1368,7 @@ class Server:
     def _notify(self, session: _Session, notice: Notice) -> None:
         if not session.protocol.closed:
             session.protocol.send(
-                _frames.encode_frame(MsgType.NOTICE, 0, notice_to_wire(notice))
+                encode_frame(MsgType.NOTICE, 0, notice_to_wire(notice))
             )
 
     def _notify_error(self, session: _Session, error: HpsError) -> None:
@@ -1370,23 +1381,23 @@ class Server:
             if not session.protocol.closed:
                 session.protocol.send(error_frame(request_id, error))
 
-    def _params_parts(self) -> tuple[list[_frames.PackedFields], list[memoryview]]:
+    def _params_parts(self) -> tuple[list[PackedFields], list[memoryview]]:
         version = self._core.version
         if self._params_cache is None or self._params_cache[0] != version:
             # The model's description was checked once; its leaves are the
             # wire's in order, little-endian and contiguous (numpy views of
             # JAX's CPU buffers, no copy).
-            buffers = _treecodec.leaf_buffers(
+            buffers = leaf_buffers(
                 [np.asarray(leaf) for leaf in jax.tree.leaves(self._core.params)]
             )
             fields = [
                 self._params_description,
-                _frames.pack_fields({"version": version}),
+                pack_fields({"version": version}),
             ]
             self._params_cache = (version, fields, buffers)
         return self._params_cache[1], self._params_cache[2]
 
-    def _params_frame(self, extra: dict[str, Any] | None) -> _frames.PreparedFrame:
+    def _params_frame(self, extra: dict[str, Any] | None) -> PreparedFrame:
         """The PARAMS frame of the current version with ``extra`` fields.
 
         A pull's answer adds nothing or only the policy's local-steps hint,
@@ -1400,9 +1411,7 @@ class Server:
             or "local_steps" not in extra
             or not (steps is None or type(steps) is int)
         ):
-            return _frames.prepare_frame(
-                MsgType.PARAMS, [*fields, _frames.pack_fields(extra)], buffers
-            )
+            return prepare_frame(MsgType.PARAMS, [*fields, pack_fields(extra)], buffers)
         key = (extra is not None, steps)
         frames = self._params_frames
         if frames[0] != self._params_cache[0]:
@@ -1410,12 +1419,10 @@ class Server:
         frame = frames[1].get(key)
         if frame is None:
             if extra is not None:
-                fields = [*fields, _frames.pack_fields(extra)]
+                fields = [*fields, pack_fields(extra)]
             if len(frames[1]) >= 256:
                 frames[1].clear()
-            frame = frames[1][key] = _frames.prepare_frame(
-                MsgType.PARAMS, fields, buffers
-            )
+            frame = frames[1][key] = prepare_frame(MsgType.PARAMS, fields, buffers)
         return frame
 
     def _send_params(self, session: _Session, request_id: int, extra=None) -> None:
