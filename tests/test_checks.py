@@ -130,11 +130,8 @@ def test_the_rule_scan_finds_a_private_copy(tmp_path):
 # Copies in modules being moved by their owners as this is written, each to be
 # replaced by a call to hpsjax._checks; the list only shrinks.
 _PENDING = {
-    "_check_worker_id",  # hpsjax/decisions/_core.py, hpsjax/planning/_profiles.py
+    "_check_worker_id",  # hpsjax/decisions/_core.py
     "_check_stale_action",  # hpsjax/decisions/_policies.py
-    "_check_positive_int",  # hpsjax/planning/_profiles.py
-    "_check_finite",  # hpsjax/planning/_profiles.py
-    "_check_positive",  # hpsjax/planning/_workplan.py
     "_checked_ids",  # hpsjax/profiling/_pilot.py
     "_check_shard",  # hpsjax/net/_partition.py
     "_check_server_args",  # hpsjax/net/_server.py

@@ -234,7 +234,7 @@ def test_pilot_bad_reports_change_nothing():
     for args, message in [
         (("nobody", 10, 1.0, 0.0), "no worker 'nobody'"),
         (("a", 0, 1.0, 0.0), "batch_size must be an int >= 1"),
-        (("a", 10, -1.0, 0.0), "step_time must be a positive"),
+        (("a", 10, -1.0, 0.0), "step_time must be a finite number > 0"),
         (("a", 10, 1.0, math.nan), "now must be finite"),
     ]:
         with pytest.raises(ValueError, match=message):

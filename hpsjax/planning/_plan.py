@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from hpsjax._checks import check_int, is_number
+from hpsjax._checks import check_int, check_positive, is_number
 from hpsjax.planning._profiles import WorkerProfile
 from hpsjax.planning._solve import _model_from_profile, _solve
 from hpsjax.planning._workplan import (
@@ -21,7 +21,6 @@ from hpsjax.planning._workplan import (
     MIN_COMPRESS_RATIO,
     WorkPlan,
     _check_lr_scaling,
-    _check_positive,
     _check_scheme,
 )
 
@@ -246,9 +245,9 @@ def plan(
         max_local_steps = check_int("max_local_steps", max_local_steps, low=local_steps)
     if reference_batch is None:
         reference_batch = global_batch / len(profiles)
-    reference_batch = _check_positive("reference_batch", reference_batch)
+    reference_batch = check_positive("reference_batch", reference_batch)
     if check_period is not None:
-        check_period = _check_positive("check_period", check_period)
+        check_period = check_positive("check_period", check_period)
     if commits_per_period is not None:
         commits_per_period = check_int("commits_per_period", commits_per_period, low=1)
     if scheme != "adsp" and (check_period, commits_per_period) != (None, None):

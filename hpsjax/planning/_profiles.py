@@ -14,11 +14,15 @@ import dataclasses
 import json
 import math
 from collections.abc import Sequence
-from typing import Any
 
 import numpy as np
 
-from hpsjax._checks import is_int, is_number
+from hpsjax._checks import (
+    check_int,
+    check_number,
+    check_positive,
+    check_worker_id,
+)
 
 __all__ = [
     "PROFILE_FORMAT",
@@ -35,33 +39,6 @@ PROFILE_FORMAT_VERSION = 1
 
 _MEMORY_SOURCES = ("device", "compiled", "synthetic")
 _TRANSFER_METHODS = ("measured", "estimated")
-
-
-def _check_positive_int(name: str, value: Any) -> int:
-    if not is_int(value):
-        raise ValueError(f"{name} must be an integer, got {value!r}")
-    if value <= 0:
-        raise ValueError(f"{name} must be positive, got {value}")
-    return int(value)
-
-
-def _check_finite(name: str, value: Any, *, positive: bool) -> float:
-    if not is_number(value):
-        raise ValueError(f"{name} must be a number, got {value!r}")
-    value = float(value)
-    if not math.isfinite(value):
-        raise ValueError(f"{name} must be finite, got {value}")
-    if positive and value <= 0:
-        raise ValueError(f"{name} must be positive, got {value}")
-    if not positive and value < 0:
-        raise ValueError(f"{name} must be non-negative, got {value}")
-    return value
-
-
-def _check_worker_id(value: Any) -> int | str:
-    if isinstance(value, bool) or not isinstance(value, int | str):
-        raise ValueError(f"worker_id must be an int or a str, got {value!r}")
-    return value
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,8 +59,8 @@ class LinearFit:
     slope: float
 
     def __post_init__(self):
-        _check_finite("intercept", self.intercept, positive=False)
-        _check_finite("slope", self.slope, positive=False)
+        check_number("intercept", self.intercept, low=0)
+        check_number("slope", self.slope, low=0)
 
     @classmethod
     def fit(cls, xs: Sequence[float], ys: Sequence[float]) -> LinearFit:
@@ -171,15 +148,13 @@ class DeviceProfile:
         if isinstance(self.device_id, bool) or not isinstance(self.device_id, int):
             raise ValueError(f"device_id must be an int, got {self.device_id!r}")
         sizes = tuple(
-            _check_positive_int("batch size", b) for b in tuple(self.batch_sizes)
+            check_int("batch size", b, low=1) for b in tuple(self.batch_sizes)
         )
         if not sizes:
             raise ValueError("a DeviceProfile needs at least one batch size")
         if list(sizes) != sorted(set(sizes)):
             raise ValueError(f"batch_sizes must be increasing, got {sizes}")
-        times = tuple(
-            _check_finite("step time", t, positive=True) for t in self.step_times
-        )
+        times = tuple(check_positive("step time", t) for t in self.step_times)
         if len(times) != len(sizes):
             raise ValueError(
                 f"{len(times)} step times for {len(sizes)} batch sizes; "
@@ -205,12 +180,11 @@ class DeviceProfile:
             object.__setattr__(
                 self,
                 "memory_capacity",
-                _check_positive_int("memory_capacity", self.memory_capacity),
+                check_int("memory_capacity", self.memory_capacity, low=1),
             )
         if self.step_spread is not None:
             spread = tuple(
-                _check_finite("step spread", x, positive=False)
-                for x in self.step_spread
+                check_number("step spread", x, low=0) for x in self.step_spread
             )
             if len(spread) != len(sizes):
                 raise ValueError(
@@ -247,8 +221,8 @@ class DeviceProfile:
         Returns:
           A profile at batch sizes 1 and 1024 that lies exactly on the line.
         """
-        sps = _check_finite("samples_per_second", samples_per_second, positive=True)
-        overhead = _check_finite("overhead", overhead, positive=False)
+        sps = check_positive("samples_per_second", samples_per_second)
+        overhead = check_number("overhead", overhead, low=0)
         sizes = (1, 1024)
         memory = None
         if bytes_per_sample is not None:
@@ -335,7 +309,7 @@ class DeviceProfile:
         proportion to the typical step (:class:`hpsjax.worker.Injector`), which
         lengthens the step but adds nothing to how much it varies.
         """
-        factor = _check_finite("slowdown factor", factor, positive=True)
+        factor = check_positive("slowdown factor", factor)
         spread = self.step_spread
         return dataclasses.replace(
             self,
@@ -375,11 +349,11 @@ class TransferProfile:
     server_seconds: float | None = None
 
     def __post_init__(self):
-        _check_finite("round_trip_seconds", self.round_trip_seconds, positive=False)
+        check_number("round_trip_seconds", self.round_trip_seconds, low=0)
         for name in ("push_seconds", "pull_seconds", "server_seconds"):
             value = getattr(self, name)
             if value is not None:
-                _check_finite(name, value, positive=False)
+                check_number(name, value, low=0)
         for name in ("push_bytes", "pull_bytes"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
@@ -417,8 +391,8 @@ class Link:
     latency: float = 0.0
 
     def __post_init__(self):
-        _check_finite("bandwidth", self.bandwidth, positive=True)
-        _check_finite("latency", self.latency, positive=False)
+        check_positive("bandwidth", self.bandwidth)
+        check_number("latency", self.latency, low=0)
 
     def estimate(self, push_bytes: int, pull_bytes: int) -> TransferProfile:
         """The transfer profile of one push and one pull over this link."""
@@ -458,7 +432,7 @@ class WorkerProfile:
     compile_seconds: float = 0.0
 
     def __post_init__(self):
-        _check_worker_id(self.worker_id)
+        check_worker_id("worker_id", self.worker_id)
         devices = tuple(self.devices)
         if not devices:
             raise ValueError("a WorkerProfile needs at least one DeviceProfile")
@@ -474,8 +448,8 @@ class WorkerProfile:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name} must be a non-negative int, got {value!r}")
-        _check_finite("profile_seconds", self.profile_seconds, positive=False)
-        _check_finite("compile_seconds", self.compile_seconds, positive=False)
+        check_number("profile_seconds", self.profile_seconds, low=0)
+        check_number("compile_seconds", self.compile_seconds, low=0)
 
     @classmethod
     def synthetic(
@@ -527,9 +501,7 @@ class WorkerProfile:
         )
         transfer = None
         if transfer_seconds is not None:
-            transfer_seconds = _check_finite(
-                "transfer_seconds", transfer_seconds, positive=False
-            )
+            transfer_seconds = check_number("transfer_seconds", transfer_seconds, low=0)
             transfer = TransferProfile.of_round_trip(transfer_seconds, "estimated")
         return cls(worker_id=worker_id, devices=devices, transfer=transfer)
 

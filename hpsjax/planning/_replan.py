@@ -12,10 +12,10 @@ import collections
 import math
 from typing import Any
 
-from hpsjax._checks import check_int, is_number
+from hpsjax._checks import check_int, check_positive, is_number
 from hpsjax._ewma import ewma
 from hpsjax.planning._solve import _model_from_worker_plan, _solve, _WorkerModel
-from hpsjax.planning._workplan import WorkerPlan, WorkPlan, _check_positive
+from hpsjax.planning._workplan import WorkerPlan, WorkPlan
 
 __all__ = ["Replanner", "check_report"]
 
@@ -94,7 +94,7 @@ def check_report(batch_size: Any, step_time: Any, now: Any) -> tuple[int, float]
         positive finite number, or a ``now`` that is not a finite number.
     """
     batch_size = check_int("batch_size", batch_size, low=1)
-    step_time = _check_positive("step_time", step_time)
+    step_time = check_positive("step_time", step_time)
     if not is_number(now):
         raise ValueError(f"now must be a number, got {now!r}")
     if not math.isfinite(now):
@@ -182,7 +182,7 @@ class Replanner:
     ):
         if not isinstance(plan, WorkPlan):
             raise ValueError(f"plan must be a WorkPlan, got {type(plan).__name__}")
-        self._threshold = _check_positive("threshold", threshold)
+        self._threshold = check_positive("threshold", threshold)
         check_int("window", window, low=1)
         if not is_number(cooldown) or not cooldown >= 0:
             raise ValueError(f"cooldown must be a number >= 0, got {cooldown!r}")

@@ -412,9 +412,3 @@ def _check_lr_scaling(lr_scaling: Any) -> None:
         raise ValueError(
             f"unknown lr_scaling {lr_scaling!r}; valid values: {LR_SCALINGS}"
         )
-
-
-def _check_positive(name: str, value: Any) -> float:
-    if not is_number(value) or not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{name} must be a positive finite number, got {value!r}")
-    return float(value)

@@ -394,7 +394,7 @@ def test_profile_json_round_trip():
     with pytest.raises(ValueError, match="version 9 is not supported"):
         WorkerProfile.from_json(json.dumps({**data, "version": 9}))
     data["devices"][0]["step_times"] = [1.0, -1.0]
-    with pytest.raises(ValueError, match="step time must be positive"):
+    with pytest.raises(ValueError, match="step time must be a finite number > 0"):
         WorkerProfile.from_json(json.dumps(data))
 
 
@@ -410,11 +410,11 @@ def test_profile_json_round_trip():
         ({"min_device_batch": 0}, "min_device_batch must be an int >= 1"),
         ({"min_batch": 0}, "min_batch must be an int >= 1"),
         ({"max_local_steps": 0}, "max_local_steps must be an int >= 1"),
-        ({"reference_batch": -1.0}, "reference_batch must be a positive"),
+        ({"reference_batch": -1.0}, "reference_batch must be a finite number > 0"),
         ({"memory_fraction": 0.0}, r"memory_fraction must be in \(0, 1\]"),
         ({"memory_fraction": 1.5}, r"memory_fraction must be in \(0, 1\]"),
         ({"check_period": 1.0}, "apply to 'adsp' only"),
-        ({"scheme": "adsp", "check_period": 0.0}, "check_period must be a positive"),
+        ({"scheme": "adsp", "check_period": 0.0}, "check_period must be a finite number > 0"),
         ({"scheme": "adsp", "commits_per_period": 0}, "commits_per_period must"),
     ],
 )
@@ -431,13 +431,13 @@ def test_plan_bad_profiles():
         plan([W(0, 1.0), W(0, 2.0)], global_batch=8)
     with pytest.raises(ValueError, match="WorkerProfile objects"):
         plan([{"worker_id": 0}], global_batch=8)
-    with pytest.raises(ValueError, match="samples_per_second must be positive"):
+    with pytest.raises(ValueError, match="samples_per_second must be a finite number > 0"):
         plan([W(0, 1.0), W(1, 0.0)], global_batch=8)
-    with pytest.raises(ValueError, match="samples_per_second must be positive"):
+    with pytest.raises(ValueError, match="samples_per_second must be a finite number > 0"):
         W(1, [1.0, -2.0])
-    with pytest.raises(ValueError, match="step time must be positive"):
+    with pytest.raises(ValueError, match="step time must be a finite number > 0"):
         DeviceProfile(0, "cpu", "cpu", (8, 16), (0.1, 0.0))
-    with pytest.raises(ValueError, match="step time must be finite"):
+    with pytest.raises(ValueError, match="step time must be a finite number > 0"):
         DeviceProfile(0, "cpu", "cpu", (8, 16), (0.1, math.inf))
     with pytest.raises(ValueError, match="batch_sizes must be increasing"):
         DeviceProfile(0, "cpu", "cpu", (16, 8), (0.1, 0.2))
@@ -676,8 +676,8 @@ def test_replanner_bad_input_changes_nothing():
     for args, message in [
         (("nobody", 10, 1.0, 0.0), "no worker 'nobody'"),
         ((0, 0, 1.0, 0.0), "batch_size must be an int >= 1"),
-        ((0, 10, 0.0, 0.0), "step_time must be a positive"),
-        ((0, 10, math.nan, 0.0), "step_time must be a positive"),
+        ((0, 10, 0.0, 0.0), "step_time must be a finite number > 0"),
+        ((0, 10, math.nan, 0.0), "step_time must be a finite number > 0"),
         ((0, 10, 1.0, math.inf), "now must be finite"),
     ]:
         with pytest.raises(ValueError, match=message):
@@ -736,7 +736,7 @@ def test_the_helpers_a_re_planner_shares():
     assert check_report(np.int64(8), 0.5, 3) == (8, 0.5)
     cases = [
         ((0, 1.0, 0.0), "batch_size must be an int >= 1"),
-        ((8, 0.0, 0.0), "step_time must be a positive"),
+        ((8, 0.0, 0.0), "step_time must be a finite number > 0"),
         ((8, 1.0, math.nan), "now must be finite"),
         ((8, 1.0, "soon"), "now must be a number"),
     ]
