@@ -537,7 +537,7 @@ def busy_core():
         ),
         (lambda c: c.push("b", upd(1.0), version=0, now=0.5), ValueError, "backwards"),
         (lambda c: c.tick(float("nan")), ValueError, "finite"),
-        (lambda c: c.join(1.5, 2.0), ValueError, "str or an int"),
+        (lambda c: c.join(1.5, 2.0), ValueError, "an int or a str"),
         (lambda c: c.set_stage(1, 2.0), ValueError, "no stages"),
     ],
 )

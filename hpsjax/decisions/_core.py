@@ -125,7 +125,14 @@ from typing import Any
 
 import numpy as np
 
-from hpsjax._checks import check_fraction, check_int, check_positive, is_int, is_number
+from hpsjax._checks import (
+    check_fraction,
+    check_int,
+    check_positive,
+    check_worker_id,
+    is_int,
+    is_number,
+)
 from hpsjax._ewma import ewma
 from hpsjax.apply import Aggregator
 from hpsjax.decisions._policies import PolicyView, Verdict, get_policy
@@ -419,13 +426,6 @@ _SAVED_FIELDS = (
     "dropped_reason",
 )
 _STATE_FORMAT = 1
-
-
-def _check_worker_id(worker_id: Any) -> None:
-    if isinstance(worker_id, bool) or not isinstance(worker_id, str | int):
-        raise ValueError(
-            f"A worker id must be a str or an int, got {type(worker_id).__name__}."
-        )
 
 
 class ServerCore:
@@ -968,7 +968,7 @@ class ServerCore:
           ValueError: for a bad id or time.
         """
         now = self._check_now(now)
-        _check_worker_id(worker_id)
+        check_worker_id("worker_id", worker_id)
         self._begin(now)
         rec = self._workers.get(worker_id)
         if rec is None:
@@ -1646,7 +1646,7 @@ class ServerCore:
             }:
                 raise ValueError(f"Malformed worker entry in state: {entry!r}.")
             worker_id = entry["worker_id"]
-            _check_worker_id(worker_id)
+            check_worker_id("worker_id", worker_id)
             rec = _Worker(worker_id)
             try:
                 for name in _SAVED_FIELDS:

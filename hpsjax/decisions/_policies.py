@@ -69,7 +69,7 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from hpsjax._checks import check_int, check_positive, is_int
+from hpsjax._checks import check_choice, check_int, check_positive, is_int
 
 if TYPE_CHECKING:
     from hpsjax.decisions._core import ServerCore
@@ -98,14 +98,6 @@ STALE_ACTIONS = ("damp", "drop")
 
 HYBRID_MODES = ("async", "semi_async", "sync")
 """Modes of a :class:`HybridStage` (those of ``hpsjax.transforms.Stage``)."""
-
-
-def _check_stale_action(name: str, value: Any) -> None:
-    if value not in STALE_ACTIONS:
-        raise ValueError(
-            f"{name} must be one of {', '.join(map(repr, STALE_ACTIONS))}, "
-            f"got {value!r}."
-        )
 
 
 class Verdict(NamedTuple):
@@ -378,7 +370,7 @@ class ASP(Policy):
     ):
         check_int("aggregate", aggregate, low=1)
         check_int("max_staleness", max_staleness, low=0, allow_none=True)
-        _check_stale_action("on_stale", on_stale)
+        check_choice("on_stale", on_stale, STALE_ACTIONS)
         self.aggregate = int(aggregate)
         self.max_staleness = None if max_staleness is None else int(max_staleness)
         self.on_stale = on_stale
@@ -517,7 +509,7 @@ class SaPS(Policy):
 
     def __init__(self, *, threshold: int | None = None, on_straggler: str = "damp"):
         check_int("threshold", threshold, low=0, allow_none=True)
-        _check_stale_action("on_straggler", on_straggler)
+        check_choice("on_straggler", on_straggler, STALE_ACTIONS)
         self.threshold = None if threshold is None else int(threshold)
         self.on_straggler = on_straggler
 
@@ -578,7 +570,7 @@ class SemiAsync(Policy):
 
     def __init__(self, *, max_staleness: int = 4, on_stale: str = "damp"):
         check_int("max_staleness", max_staleness, low=0)
-        _check_stale_action("on_stale", on_stale)
+        check_choice("on_stale", on_stale, STALE_ACTIONS)
         self.max_staleness = int(max_staleness)
         self.on_stale = on_stale
         self._cache_epoch = -1
@@ -953,7 +945,7 @@ class Hybrid(Policy):
     name = "hybrid"
 
     def __init__(self, stages: Sequence[Any], *, on_stale: str = "damp"):
-        _check_stale_action("on_stale", on_stale)
+        check_choice("on_stale", on_stale, STALE_ACTIONS)
         if isinstance(stages, str | bytes) or not isinstance(stages, Sequence):
             raise ValueError(
                 f"stages must be a sequence of stages, got {type(stages).__name__}."

@@ -62,7 +62,7 @@ from typing import Any
 
 import numpy as np
 
-from hpsjax._checks import check_int, check_positive, is_number
+from hpsjax._checks import check_int, check_positive, check_worker_id, is_number
 from hpsjax.planning import (
     SCHEMES,
     DevicePlan,
@@ -576,8 +576,7 @@ def _checked_ids(worker_ids: Any) -> list:
     if not ids:
         raise ValueError("worker_ids is empty: a pilot needs at least one worker")
     for w in ids:
-        if isinstance(w, bool) or not isinstance(w, int | str):
-            raise ValueError(f"a worker id must be an int or a str, got {w!r}")
+        check_worker_id("a worker id", w)
     if len(set(ids)) != len(ids):
         raise ValueError(f"worker ids repeat: {ids}")
     return ids
