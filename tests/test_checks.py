@@ -130,8 +130,6 @@ def test_the_rule_scan_finds_a_private_copy(tmp_path):
 # Copies in modules being moved by their owners as this is written, each to be
 # replaced by a call to hpsjax._checks; the list only shrinks.
 _PENDING = {
-    "_check_shard",  # hpsjax/net/_partition.py
-    "_check_server_args",  # hpsjax/net/_server.py
     "_is_number",  # hpsjax/sim/_config.py
     "_check_workers",  # hpsjax/sim/_config.py
     "_check_optional",  # hpsjax/sim/_config.py

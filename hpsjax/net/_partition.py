@@ -42,6 +42,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from hpsjax._checks import check_int
 from hpsjax.wire import unflatten_tree as _unflatten
 
 __all__ = ["KeyRangePartition"]
@@ -548,11 +549,7 @@ class KeyRangePartition:
         return nbytes // shape[0] * (piece.stop - piece.start)
 
     def _check_shard(self, shard: int) -> int:
-        if isinstance(shard, bool) or not isinstance(shard, int | np.integer):
-            raise ValueError(f"shard must be an int, got {shard!r}")
-        if not 0 <= shard < self.num_shards:
-            raise ValueError(f"shard must be in [0, {self.num_shards}), got {shard}")
-        return int(shard)
+        return check_int("shard", shard, low=0, high=self.num_shards - 1)
 
     # ------------------------------------------------------- split, merge
 

@@ -51,7 +51,7 @@ import jax
 import numpy as np
 import optax
 
-from hpsjax._checks import check_int
+from hpsjax._checks import check_int, check_number, check_positive
 from hpsjax._devices import describe_device, resolve_device
 from hpsjax._logs import Every
 from hpsjax._progress import Progress
@@ -67,6 +67,12 @@ from hpsjax.decisions import (
     SendParams,
     ServerCore,
     StageChanged,
+    StageSet,
+    Tick,
+    WorkerJoined,
+    WorkerLeft,
+    WorkerPulled,
+    WorkerPushed,
 )
 from hpsjax.net import _auth
 from hpsjax.net._connection import FrameProtocol, error_frame
@@ -247,35 +253,13 @@ def _check_server_args(
     """Refuses :class:`Server`'s bad arguments, each in one line."""
     if ssl is not None and not isinstance(ssl, ssl_lib.SSLContext):
         raise ValueError("ssl must be an ssl.SSLContext or None")
-    if not isinstance(port, int) or not 0 <= port < 65536:
-        raise ValueError(f"bad port {port!r}")
-    for name, value in [
-        ("checkpoint_every_s", checkpoint_every_s),
-        ("handshake_timeout", handshake_timeout),
-    ]:
-        if value is not None and not (
-            isinstance(value, int | float) and math.isfinite(value) and value > 0
-        ):
-            raise ValueError(f"{name} must be a positive number, got {value!r}")
-    if not (
-        isinstance(status_interval, int | float)
-        and not isinstance(status_interval, bool)
-        and math.isfinite(status_interval)
-        and status_interval >= 0
-    ):
-        raise ValueError(
-            f"status_interval must be a number >= 0 (0: no status lines), "
-            f"got {status_interval!r}"
-        )
-    if checkpoint_every_updates is not None and (
-        isinstance(checkpoint_every_updates, bool)
-        or not isinstance(checkpoint_every_updates, int)
-        or checkpoint_every_updates < 1
-    ):
-        raise ValueError(
-            "checkpoint_every_updates must be a positive int, got "
-            f"{checkpoint_every_updates!r}"
-        )
+    check_int("port", port, low=0, high=65535)
+    check_positive("checkpoint_every_s", checkpoint_every_s, allow_none=True)
+    check_positive("handshake_timeout", handshake_timeout, allow_none=True)
+    check_number("status_interval", status_interval, low=0)
+    check_int(
+        "checkpoint_every_updates", checkpoint_every_updates, low=1, allow_none=True
+    )
     if checkpoint_dir is None and (checkpoint_every_s or checkpoint_every_updates):
         raise ValueError("checkpoint_every_* needs a checkpoint_dir")
     if not isinstance(limits, WireLimits):
@@ -734,7 +718,7 @@ class Server:
         Raises:
           ValueError: the policy has no such stage (nothing changes).
         """
-        self._carry_out(self._core.set_stage(index, self._now()))
+        self._carry_out(self._core.handle(StageSet(index, self._now())))
         self._rearm()
 
     def _announce(self, notice: Notice, *, skip: Any = None) -> None:
@@ -1130,14 +1114,14 @@ class Server:
     def _pull(self, session: _Session) -> None:
         now = self._now()
         if session.joined and session.worker_id in self._core.live:
-            actions = self._core.pull(session.worker_id, now)
+            actions = self._core.handle(WorkerPulled(session.worker_id, now))
         else:
             plan = self._plans.get(session.worker_id)
             if plan is not None:
                 # Before the answer to the join, so the plan is in force for
                 # the worker's first round.
                 self._notify(session, plan)
-            actions = self._core.join(session.worker_id, now)
+            actions = self._core.handle(WorkerJoined(session.worker_id, now))
             session.joined = True
             logger.info(
                 "worker %r joined from %s at version %d (%d live)%s",
@@ -1172,8 +1156,8 @@ class Server:
         # The apply started as the push arrived serves this push only.
         aggregator.prepare(prepared)
         try:
-            actions = self._core.push_message(
-                session.worker_id, update, meta, now=self._now()
+            actions = self._core.handle(
+                WorkerPushed(session.worker_id, update, meta, self._now())
             )
         finally:
             aggregator.prepare(None)
@@ -1480,7 +1464,7 @@ class Server:
         ):
             session.joined = False
             try:
-                actions = self._core.leave(session.worker_id, self._now())
+                actions = self._core.handle(WorkerLeft(session.worker_id, self._now()))
             except HpsError:
                 return
             logger.info(
@@ -1534,7 +1518,7 @@ class Server:
         self._timer = None
         self._last_tick_deadline = self._core.next_deadline()
         try:
-            self._carry_out(self._core.tick(self._now()))
+            self._carry_out(self._core.handle(Tick(self._now())))
         except Exception:
             logger.exception("core tick failed")
         self._rearm()
