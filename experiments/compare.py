@@ -46,6 +46,7 @@ from absl import app, flags, logging
 from experiments import _cli, plots, registry, train
 from experiments.configs.suites import Suite
 from experiments.target import Target, metric_label
+from hpsjax._checks import check_int, check_number
 from hpsjax._logs import quiet_backend_probe
 
 __all__ = [
@@ -372,8 +373,7 @@ def _progress_label(
 
 
 def _check_jobs(jobs: int) -> int:
-    if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
-        raise ValueError(f"jobs must be an int >= 1, got {jobs!r}")
+    jobs = check_int("jobs", jobs, low=1)
     cores = os.cpu_count() or 1
     if jobs > cores:
         logging.info("--jobs=%d lowered to the %d cores of this machine", jobs, cores)
@@ -703,8 +703,10 @@ def _check_flags(values: flags.FlagValues) -> list[int] | None:
         from experiments.placement import parse_spec
 
         parse_spec(values.devices)
-    if values.budget_seconds is not None and not values.budget_seconds > 0:
-        raise ValueError(f"--budget_seconds must be > 0, got {values.budget_seconds}")
+    check_number(
+        "--budget_seconds", values.budget_seconds, low=0, low_inclusive=False,
+        allow_none=True,
+    )  # fmt: skip
     try:
         plots.check_formats(values.formats)
     except ValueError as e:

@@ -134,9 +134,7 @@ _PENDING = {
     "_check_workers",  # hpsjax/sim/_config.py
     "_check_optional",  # hpsjax/sim/_config.py
     "_check_worker_side",  # hpsjax/sim/_config.py
-    "_check_jobs",  # experiments/compare.py
     "_check_pilot",  # hpsjax/ps/_options.py
-    "_check_flags",  # experiments/compare.py
 }
 
 
