@@ -331,6 +331,7 @@ class Client:
         self._latest = None
         self._local_steps: int | None = None
         self._held_s = 0.0
+        self._barrier_s = 0.0
         self._plan: PlanNotice | None = None
         self._stage: int | None = None
         self._force_pull: ForcePullNotice | None = None
@@ -364,6 +365,12 @@ class Client:
         """Seconds the server held its last answer to a pull or push after the
         request arrived (a barrier, an apply), as it said; 0 when it did not."""
         return self._held_s
+
+    @property
+    def barrier_s(self) -> float:
+        """Of :attr:`held_s`, the seconds the answer waited for other
+        workers' pushes (a barrier), as the server said; 0 when it did not."""
+        return self._barrier_s
 
     @property
     def plan(self) -> PlanNotice | None:
@@ -700,11 +707,12 @@ class Client:
     def _note_held(self, meta: Mapping[str, Any]) -> None:
         """Notes the seconds the server says it held an answer (0 if it does
         not say, or says something else than a positive number)."""
-        held = meta.get("held_s")
-        self._held_s = (
-            float(held)
-            if isinstance(held, int | float) and not isinstance(held, bool) and held > 0
+        held, barrier = meta.get("held_s"), meta.get("barrier_s")
+        self._held_s, self._barrier_s = (
+            float(x)
+            if isinstance(x, int | float) and not isinstance(x, bool) and x > 0
             else 0.0
+            for x in (held, barrier)
         )
 
     def _note_ack(self, meta: Any) -> PushAck:
