@@ -26,6 +26,15 @@ from hpsjax.decisions._core import (
     StageChanged,
     Wait,
 )
+from hpsjax.decisions._events import (
+    SpeedMeasured,
+    StageSet,
+    Tick,
+    WorkerJoined,
+    WorkerLeft,
+    WorkerPulled,
+    WorkerPushed,
+)
 from hpsjax.decisions._policies import BSP, Hybrid, HybridStage, Policy, PolicyView
 from hpsjax.wire._errors import (
     InvalidUpdate,
@@ -196,6 +205,34 @@ def test_the_numpy_aggregator_gets_the_decisions_of_the_compiled_one(policy, kwa
     assert answers[0] == answers[1]
     assert cores[0].version == cores[1].version > 0
     np.testing.assert_allclose(cores[0].params["w"], cores[1].params["w"], rtol=1e-5)
+
+
+def test_handle_takes_each_event_to_its_decision():
+    # The same round through the events as through the methods, action for action.
+    core, twin = (
+        numpy_core("bsp", initial_timeout=10.0),
+        numpy_core("bsp", initial_timeout=10.0),
+    )
+    meta = PushMeta(version=0, num_samples=1)
+    for w in ("a", "b"):
+        assert core.handle(WorkerJoined(w, 0.0)) == twin.join(w, 0.0)
+    assert core.handle(WorkerPushed("a", upd(1.0), meta, 1.0)) == twin.push_message(
+        "a", upd(1.0), meta, now=1.0
+    )
+    assert core.handle(WorkerPulled("a", 1.0)) == twin.pull("a", 1.0)
+    assert core.handle(Tick(10.0)) == twin.tick(10.0)
+    assert core.handle(WorkerLeft("a", 11.0)) == twin.leave("a", 11.0)
+    assert core.version == twin.version == 1 and core.live == twin.live
+    assert core.handle(SpeedMeasured("a", 8, 0.1, 12.0)) == []  # no re-planner
+    with pytest.raises(TypeError, match="not a server event"):
+        core.handle(("pull", "a", 12.0))
+
+
+def test_handle_sets_a_stage():
+    core = hybrid_core()
+    core.join("a", 0.0)
+    assert core.handle(StageSet(1, 1.0)) == [StageChanged(1, 0)]
+    assert core.handle(StageSet(1, 2.0)) == []
 
 
 def test_a_worker_past_its_deadline_is_dropped_and_the_round_goes_on():

@@ -3,11 +3,13 @@
 :class:`ServerCore` decides everything a parameter server decides (versions and
 staleness, who waits and until when, what is applied, refused or dropped, the
 stages and the re-planning) and does no I/O: the asyncio server
-(:mod:`hpsjax.net`) and the virtual-clock simulator (:mod:`hpsjax.sim`) both drive
-it and carry out the actions it returns. The arithmetic sits behind an aggregator
-(:mod:`hpsjax.apply`). A :class:`Policy` (BSP, ASP, SSP, SaPS, ADSP, Ringmaster,
-semi-async, hybrid; :data:`POLICIES`, :func:`get_policy`) answers the core's
-questions through a narrow :class:`PolicyView`. A re-planner is anything with the
+(:mod:`hpsjax.net`) and the virtual-clock simulator (:mod:`hpsjax.sim`) both hand
+it typed events (:class:`WorkerJoined`, :class:`WorkerPushed`, :class:`Tick`, ...)
+through :meth:`ServerCore.handle` and carry out the actions it returns. The
+arithmetic sits behind an aggregator (:mod:`hpsjax.apply`). A :class:`Policy`
+(BSP, ASP, SSP, SaPS, ADSP, Ringmaster, semi-async, hybrid; :data:`POLICIES`,
+:func:`get_policy`) answers the core's questions through a narrow
+:class:`PolicyView`. A re-planner is anything with the
 :class:`ReplannerProtocol`, so the server never imports planning.
 """
 
@@ -24,6 +26,16 @@ from hpsjax.decisions._core import (
     StageChanged,
     Wait,
     WorkerInfo,
+)
+from hpsjax.decisions._events import (
+    ServerEvent,
+    SpeedMeasured,
+    StageSet,
+    Tick,
+    WorkerJoined,
+    WorkerLeft,
+    WorkerPulled,
+    WorkerPushed,
 )
 from hpsjax.decisions._policies import (
     ADSP,
@@ -72,9 +84,17 @@ __all__ = [
     "SemiAsync",
     "SendParams",
     "ServerCore",
+    "ServerEvent",
+    "SpeedMeasured",
     "StageChanged",
+    "StageSet",
+    "Tick",
     "Verdict",
     "Wait",
     "WorkerInfo",
+    "WorkerJoined",
+    "WorkerLeft",
+    "WorkerPulled",
+    "WorkerPushed",
     "get_policy",
 ]

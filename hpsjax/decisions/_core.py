@@ -135,6 +135,16 @@ from hpsjax._checks import (
 )
 from hpsjax._ewma import ewma
 from hpsjax.apply import Aggregator
+from hpsjax.decisions._events import (
+    ServerEvent,
+    SpeedMeasured,
+    StageSet,
+    Tick,
+    WorkerJoined,
+    WorkerLeft,
+    WorkerPulled,
+    WorkerPushed,
+)
 from hpsjax.decisions._policies import PolicyView, Verdict, get_policy
 from hpsjax.wire import (
     InvalidUpdate,
@@ -1110,6 +1120,23 @@ class ServerCore:
             worker_id, self._agg.check_update(update), meta, now=now
         )
 
+    def handle(self, event: ServerEvent) -> list[Action]:
+        """Takes one event, returns the actions it calls for, in order.
+
+        The one way in for a driver: each event (:mod:`hpsjax.decisions._events`)
+        goes to the method of its decision (:meth:`join`, :meth:`leave`,
+        :meth:`pull`, :meth:`push_message`, :meth:`tick`, :meth:`set_stage`,
+        :meth:`observe_speed`), whose docstring says what it returns and
+        raises; a call that raises changes nothing.
+
+        Raises:
+          TypeError: ``event`` is not a server event.
+        """
+        handler = _HANDLERS.get(type(event))
+        if handler is None:
+            raise TypeError(f"not a server event: {event!r}")
+        return handler(self, event)
+
     def push_message(
         self,
         worker_id: WorkerId,
@@ -1696,3 +1723,18 @@ def _restore_field(name: str, value: Any) -> Any:
     if not is_int(value) or value < 0:
         raise ValueError(f"{name} must be an int >= 0, got {value!r}")
     return int(value)
+
+
+_HANDLERS: dict[type, Callable[[ServerCore, Any], list[Action]]] = {
+    WorkerJoined: lambda core, e: core.join(e.worker_id, e.now),
+    WorkerLeft: lambda core, e: core.leave(e.worker_id, e.now),
+    WorkerPulled: lambda core, e: core.pull(e.worker_id, e.now),
+    WorkerPushed: lambda core, e: core.push_message(
+        e.worker_id, e.update, e.meta, now=e.now
+    ),
+    Tick: lambda core, e: core.tick(e.now),
+    StageSet: lambda core, e: core.set_stage(e.index, e.now),
+    SpeedMeasured: lambda core, e: core.observe_speed(
+        e.worker_id, e.batch_size, e.time_per_step, e.now
+    ),
+}

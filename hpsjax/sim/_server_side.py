@@ -31,7 +31,12 @@ from hpsjax.decisions import (
     SendParams,
     ServerCore,
     StageChanged,
+    Tick,
     Wait,
+    WorkerJoined,
+    WorkerLeft,
+    WorkerPulled,
+    WorkerPushed,
 )
 from hpsjax.planning import WorkPlan
 from hpsjax.profiling import tree_wire_nbytes
@@ -141,11 +146,11 @@ class _ServerSide:
     def _server_join(self, w: _Worker, session: int) -> None:
         if session != w.session:
             return
-        self._carry_out(self.core.join(w.id, self.now))
+        self._carry_out(self.core.handle(WorkerJoined(w.id, self.now)))
 
     def _server_leave(self, w: _Worker) -> None:
         try:
-            actions = self.core.leave(w.id, self.now)
+            actions = self.core.handle(WorkerLeft(w.id, self.now))
         except HpsError as err:
             self.errors.append(f"leave of worker {w.id!r}: {err}")
             return
@@ -156,7 +161,7 @@ class _ServerSide:
         if session != w.session:
             return
         try:
-            actions = self.core.pull(w.id, self.now)
+            actions = self.core.handle(WorkerPulled(w.id, self.now))
         except HpsError as err:
             self._refused(w, "pull", err)
             return
@@ -187,7 +192,7 @@ class _ServerSide:
                 loss=loss,
                 stage=r.stage,
             )
-            actions = core.push_message(w.id, update, meta, now=now)
+            actions = core.handle(WorkerPushed(w.id, update, meta, now))
         except HpsError as err:
             self._push_refused(w, r, version, sent, err)
             return
@@ -215,7 +220,7 @@ class _ServerSide:
         self._carry_out(actions)
         if push.with_pull and session == w.session:
             try:
-                actions = core.pull(w.id, now)
+                actions = core.handle(WorkerPulled(w.id, now))
             except HpsError as err:
                 self._refused(w, "pull", err)
                 return
@@ -293,7 +298,7 @@ class _ServerSide:
     def _tick(self) -> None:
         self.tick_at = None
         self.ticked_at = self.now
-        self._carry_out(self.core.tick(self.now))
+        self._carry_out(self.core.handle(Tick(self.now)))
 
     def _carry_out(self, actions: list) -> None:
         now = self.now

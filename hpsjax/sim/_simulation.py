@@ -23,7 +23,7 @@ import jax
 import numpy as np
 
 from hpsjax.data import share_split
-from hpsjax.decisions import get_policy
+from hpsjax.decisions import SpeedMeasured, get_policy
 from hpsjax.planning import Replanner, WorkPlan
 from hpsjax.sim._config import (
     SimConfig,
@@ -454,8 +454,8 @@ class _Simulation(_ServerSide):
         self._carry_out_worker(w, actions)
 
     def _report(self, w: _Worker, report: wc.Report) -> None:
-        actions = self.core.observe_speed(
-            w.id, report.batch_size, report.time_per_step, report.now
+        actions = self.core.handle(
+            SpeedMeasured(w.id, report.batch_size, report.time_per_step, report.now)
         )
         if actions:
             self._carry_out(actions)
