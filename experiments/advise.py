@@ -93,6 +93,9 @@ from absl import app, flags, logging
 
 from experiments import _cli, build, registry, train
 from experiments.target import Target
+from hpsjax._config_flags import argv_of, flag_fields
+from hpsjax.launch._options import LaunchOptions
+from hpsjax.ps._options import ServerOptions
 
 __all__ = [
     "Twin",
@@ -605,8 +608,6 @@ def launch_command(
       runs exactly the simulated config on real processes on this machine, and
       the config fields the ``hpsjax-launch`` command cannot carry.
     """
-    from experiments.backends import _worker_flags
-
     n = _count(cluster)
     server = config.server
     not_carried = []
@@ -621,39 +622,37 @@ def launch_command(
             node = node.get(key) if hasattr(node, "get") else None
         if node not in (default, None):
             not_carried.append(f"{path}={node}")
-    worker_flags: list[str] = []
     try:
-        flags_ = _worker_flags(config, 0, plan_file=None)
+        worker_flags = _shared_worker_flags(config)
     except ValueError as e:
         not_carried.append(str(e).split(":")[0])
-        flags_ = []
-    skip = {
-        "--worker_id", "--shard_index", "--shard_count", "--seed", "--slowdown",
-        "--bandwidth", "--latency", "--model",
-    }  # fmt: skip
-    i = 0
-    while i < len(flags_):
-        flag = flags_[i]
-        takes_value = i + 1 < len(flags_) and not flags_[i + 1].startswith("--")
-        if flag not in skip:
-            worker_flags += flags_[i : i + 1 + takes_value]
-        i += 1 + takes_value
-    launch = ["hpsjax-launch", "--workers", str(n), "--model", config.model.name]
-    launch += ["--policy", config.server.policy]
-    if config.plan.scheme != "none":
-        launch += ["--plan", config.plan.scheme]
-        launch += ["--global_batch", str(int(config.batch_size) * n)]
-    launch += ["--workdir", f"runs/{config.scheme}", "--server"]
-    launch += ["--optimizer", server.optimizer]
-    launch += ["--learning_rate", f"{float(server.learning_rate):g}"]
-    if float(server.momentum):
-        launch += ["--momentum", f"{float(server.momentum):g}"]
-    for key, value in _optimizer_args(config, n).items():
-        launch += ["--optimizer_arg", f"{key}={value}"]
-    for key, value in (server.policy_kwargs or {}).items():
-        if value is not None:
-            launch += ["--policy_arg", f"{key}={value}"]
-    launch += ["--", *worker_flags]
+        worker_flags = []
+    planned = config.plan.scheme != "none"
+    launch = [
+        "hpsjax-launch",
+        *argv_of(
+            LaunchOptions,
+            workers=n,
+            model=config.model.name,
+            policy=config.server.policy,
+            plan=config.plan.scheme if planned else None,
+            global_batch=int(config.batch_size) * n if planned else None,
+            workdir=f"runs/{config.scheme}",
+        ),
+        "--server",
+        *argv_of(
+            ServerOptions,
+            optimizer=server.optimizer,
+            learning_rate=float(server.learning_rate),
+            momentum=float(server.momentum),
+            optimizer_arg=_optimizer_args(config, n),
+            policy_arg={
+                k: v for k, v in (server.policy_kwargs or {}).items() if v is not None
+            },
+        ),
+        "--",
+        *worker_flags,
+    ]
     knob = _step_knob(config.scheme)
     run = [
         "python", "-m", "experiments.run",
@@ -666,6 +665,30 @@ def launch_command(
     run.append(f"--config.{knob}={float(node):g}")
     run.append(f"--workdir=runs/{config.scheme}")
     return shlex.join(launch), shlex.join(run), not_carried
+
+
+# Worker fields each host sets for itself (its id, shard, seed, speed, link)
+# or the launcher sets for every worker (the model).
+_HOST_OWN = (
+    "worker_id", "shard_index", "shard_count", "seed", "slowdown", "bandwidth",
+    "latency", "model",
+)  # fmt: skip
+
+
+def _shared_worker_flags(config: Any) -> list[str]:
+    """The ``hpsjax-worker`` flags every worker of ``config`` shares (its first
+    worker's settings but those of :data:`_HOST_OWN`)."""
+    from experiments.backends import run_config
+
+    worker = run_config(config).workers[0]
+    argv = []
+    for part in (worker.command, worker.config):
+        flagged = {field.name for field, _, _ in flag_fields(type(part))}
+        fields = {
+            name: getattr(part, name) for name in flagged if name not in _HOST_OWN
+        }
+        argv += argv_of(type(part), **fields)
+    return argv
 
 
 def _optimizer_args(config: Any, workers: int) -> dict[str, Any]:

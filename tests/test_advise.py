@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from experiments import advise, frontier
+from hpsjax.config import parse_server
 from hpsjax.profiling import Link, WorkerProfile
 
 _LINK = Link(4e6, 0.002)
@@ -137,8 +138,12 @@ def test_launch_command_names_what_it_cannot_carry():
     config = advise.cluster_config("clipped_asgd", profiles, setting="quick")
     launch, run, not_carried = advise.launch_command(config, profiles)
     assert launch.startswith("hpsjax-launch --workers 3 ")
-    assert "--policy asp" in launch and "--learning_rate 0.1" in launch
+    assert "--policy asp" in launch
     assert "--slowdown" not in launch and "--worker_id" not in launch
+    # The server's flags read back as the config's (0.1 is the default step).
+    server_flags = launch.split(" --server ")[1].split(" -- ")[0].split()
+    options = parse_server(["--init", "init.npz", *server_flags])
+    assert (options.learning_rate, options.momentum) == (0.1, 0.0)
     assert any(s.startswith("server.clip_norm=") for s in not_carried)
     assert "experiments/configs/clipped_asgd.py:quick" in run
     assert "--config.server.learning_rate=0.1" in run

@@ -29,10 +29,6 @@ from hpsjax.worker._command import WorkerCommand, worker_argv
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 _FLAG = re.compile(r"^--[a-z]")
 
-# Command lines others' modules still write by hand, to be written from the
-# fields; the list only shrinks.
-_PENDING = {"experiments/advise.py"}
-
 
 def hand_written_argv(root: pathlib.Path) -> list[str]:
     """List displays in ``root`` holding a flag followed by a computed value
@@ -64,13 +60,7 @@ def test_the_scan_finds_a_flag_written_by_hand(tmp_path):
 
 @pytest.mark.parametrize("package", ["hpsjax", "experiments"])
 def test_no_command_line_is_written_by_hand(package):
-    found = hand_written_argv(ROOT / package)
-    assert [f for f in found if f.split(":")[0] not in _PENDING] == []
-
-
-def test_the_pending_hand_written_command_lines_still_exist():
-    found = {f.split(":")[0] for f in hand_written_argv(ROOT / "experiments")}
-    assert _PENDING - found == set()
+    assert hand_written_argv(ROOT / package) == []
 
 
 def test_a_worker_command_line_parses_back_to_its_settings():
