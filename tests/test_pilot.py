@@ -399,3 +399,32 @@ def test_the_second_phases_batches_are_kept_when_the_fit_gains_little():
     ]
     times = [_true_step(heavy, w) for w in pilot.plan.workers]
     assert max(times) / min(times) < 1.05
+
+
+def test_the_barrier_replay_gives_links_only_for_rounds_it_saw_end():
+    from hpsjax.profiling._pilot import _Barrier
+
+    barrier = _Barrier(["a", "b"])
+    # No round has ended yet: no link.
+    assert barrier.push("a", 1.0, 0.5) is None
+    assert barrier.push("b", 2.0, 1.5) is None  # the round ends at 2.0
+    # Each next push: the time since the round's end less its compute.
+    assert barrier.push("a", 2.8, 0.7) == pytest.approx(0.1)
+    assert barrier.push("b", 3.9, 1.6) == pytest.approx(0.3)  # ends at 3.9
+    # A worker pushing twice in one round (no barrier, or out of step): the
+    # replay starts over and gives no link until a round ends again.
+    assert barrier.push("a", 4.5, 0.5) == pytest.approx(0.1)
+    assert barrier.push("a", 5.0, 0.4) is None
+    assert barrier.push("b", 5.5, 1.5) is None  # ends at 5.5
+    assert barrier.push("a", 6.2, 0.6) == pytest.approx(0.1)
+
+
+def test_speeds_within_their_errors_are_pooled():
+    from hpsjax.profiling._pilot import _pooled
+
+    assert _pooled([1.0, 1.05, 2.0, 4.1], [0.05] * 4) == pytest.approx(
+        [1.025, 1.025, 2.0, 4.1]
+    )
+    # Tight errors tell 1.0 and 1.05 apart.
+    assert _pooled([1.0, 1.05, 2.0], [0.005] * 3) == [1.0, 1.05, 2.0]
+    assert _pooled([3.0], [0.0]) == [3.0]
