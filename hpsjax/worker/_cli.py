@@ -38,7 +38,9 @@ which stops the worker once an eval reaches it.
 ``PYTHONPATH``; the contract is :func:`hpsjax.models.resolve_model`'s), and
 ``--model_arg`` its keyword arguments. ``--metrics w0.jsonl`` also writes
 TensorBoard event files (``tensorboard/worker<id>`` beside it, or
-``--tensorboard_dir``), and ``--eval_every 30`` adds the task's metrics (a
+``--tensorboard_dir``), ``--metrics_port 9101`` serves the rounds' parts
+(:class:`hpsjax.metrics.RoundMetrics`) to Prometheus, and ``--eval_every 30``
+adds the task's metrics (a
 classifier's test accuracy and loss) of the last pulled parameters, on the
 dataset's held-out split, every 30 seconds (``"eval"`` records).
 
@@ -73,11 +75,12 @@ from typing import Any, NamedTuple
 import jax
 
 from hpsjax import tasks
+from hpsjax._checks import check_int
 from hpsjax._compile_cache import use_compile_cache
 from hpsjax._config_flags import add_flags
 from hpsjax._flags import HelpFormatter
 from hpsjax._logs import setup_logging
-from hpsjax.metrics import MetricsWriter
+from hpsjax.metrics import MetricsWriter, RoundMetrics
 from hpsjax.profiling._worker_profile import (
     measure_step,
     with_injection,
@@ -381,11 +384,22 @@ def _tensorboard_dir(args: argparse.Namespace) -> Any:
 
 
 def _metrics_sink(args: argparse.Namespace):
-    """The sink of ``--metrics`` and ``--tensorboard_dir``, or None."""
+    """The sink of ``--metrics``, ``--tensorboard_dir`` and
+    ``--metrics_port`` (serving from here on), or None."""
     tensorboard = _tensorboard_dir(args)
-    if args.metrics is None and tensorboard is None:
+    prometheus = None
+    if args.metrics_port is not None:
+        prometheus = RoundMetrics()
+        port = prometheus.serve(args.metrics_port)
+        print(
+            f"hpsjax-worker: round metrics on http://127.0.0.1:{port}/metrics",
+            flush=True,
+        )
+    if args.metrics is None and tensorboard is None and prometheus is None:
         return None
-    return MetricsWriter(args.metrics, tensorboard_dir=tensorboard)
+    return MetricsWriter(
+        args.metrics, tensorboard_dir=tensorboard, prometheus=prometheus
+    )
 
 
 def _compile_cache(args: argparse.Namespace, log: logging.Logger) -> None:
@@ -404,6 +418,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     setup_logging(args.log_level)
     log = logging.getLogger("hpsjax.worker")
     try:
+        if args.metrics_port is not None:
+            check_int("--metrics_port", args.metrics_port, low=0, high=65535)
         task = tasks.get_task(args.task)
         target = worker_target(args, task)
         _compile_cache(args, log)
@@ -424,6 +440,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         # The sink opens once the worker is built: flags refused while
         # building leave no file behind.
         wanted = args.metrics is not None or _tensorboard_dir(args) is not None
+        wanted = wanted or args.metrics_port is not None
         opens_later = _OpensLater() if wanted else None
         worker, client, params, graphdef = build(args, metrics=opens_later, task=task)
         evaluator = None

@@ -165,6 +165,12 @@ class WorkerCommand:
         "beside --metrics; none: no event files)",
         "outputs",
     )
+    metrics_port: int | None = _flag(
+        None,
+        "serve the rounds' metrics to Prometheus on "
+        "http://127.0.0.1:PORT/metrics (0: any free port, printed)",
+        "outputs",
+    )
     eval_every: float | None = _flag(
         None,
         "evaluate the pulled parameters on the held-out split this often "

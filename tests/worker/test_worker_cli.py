@@ -481,3 +481,37 @@ def test_a_profile_is_slowed_as_the_worker_will_be():
     slowed = worker_cli.with_injection(measured, _args("--slowdown", "3"), spec)
     times = [np.asarray(p.devices[0].step_times) for p in (plain, slowed)]
     np.testing.assert_allclose(times[1], 3 * times[0], rtol=1e-12)
+
+
+def test_metrics_port_serves_the_rounds_to_prometheus(capsys, monkeypatch):
+    import urllib.request
+
+    from hpsjax.metrics import RoundMetrics
+
+    served = []
+
+    class Served(RoundMetrics):
+        def serve(self, *args, **kwargs):
+            served.append(self)
+            return super().serve(*args, **kwargs)
+
+    monkeypatch.setattr(worker_cli, "RoundMetrics", Served)
+    sink = worker_cli._metrics_sink(_args("--metrics_port", "0"))
+    try:
+        url = capsys.readouterr().out.split(" on ")[1].strip()
+        assert url.startswith("http://127.0.0.1:") and url.endswith("/metrics")
+        sink({"event": "round", "worker": 0, "step": 0, "batch_size": 8,
+              "compute_s": 0.02, "round_s": 0.05, "barrier_s": 0.01})  # fmt: skip
+        with urllib.request.urlopen(url, timeout=10) as reply:
+            text = reply.read().decode()
+        assert 'part="compute"' in text and "round_part_seconds" in text
+    finally:
+        sink.close()
+        served[0].stop()
+
+
+def test_a_bad_metrics_port_is_one_line(capsys):
+    code = worker_cli.main([*SMALL, "--port", "1", "--metrics_port", "70000"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1
+    assert err.startswith("hpsjax-worker: --metrics_port must be an int")
