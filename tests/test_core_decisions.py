@@ -21,6 +21,7 @@ from hpsjax.decisions._core import (
     PlanChanged,
     PushAck,
     Release,
+    SaveCheckpoint,
     SendParams,
     ServerCore,
     StageChanged,
@@ -233,6 +234,34 @@ def test_handle_sets_a_stage():
     core.join("a", 0.0)
     assert core.handle(StageSet(1, 1.0)) == [StageChanged(1, 0)]
     assert core.handle(StageSet(1, 2.0)) == []
+
+
+def test_a_checkpoint_is_asked_for_every_so_many_versions():
+    core = numpy_core("asp", checkpoint_every_updates=2)
+    core.join("a", 0.0)
+    saves = []
+    for v in range(5):
+        acts = core.push("a", upd(1.0), version=v, now=1.0 + v)
+        saves += [a.version for a in acts if isinstance(a, SaveCheckpoint)]
+        # Asked for right after the apply that made the version.
+        kinds = [type(a) for a in acts]
+        if SaveCheckpoint in kinds:
+            assert kinds.index(SaveCheckpoint) == kinds.index(Applied) + 1
+    assert saves == [2, 4] and core.version == 5
+    # A restored core counts from the version it restored.
+    restored = numpy_core("asp", checkpoint_every_updates=2)
+    restored.load_state_dict(core.state_dict(), params=core.params, opt_state=None)
+    restored.join("a", 10.0)
+    acts = restored.push("a", upd(1.0), version=5, now=11.0)
+    assert not any(isinstance(a, SaveCheckpoint) for a in acts)
+    acts = restored.push("a", upd(1.0), version=6, now=12.0)
+    assert SaveCheckpoint(7) in acts
+    plain = numpy_core("asp")
+    plain.join("a", 0.0)
+    acts = [a for v in range(3) for a in plain.push("a", upd(1.0), version=v, now=1.0)]
+    assert not any(isinstance(a, SaveCheckpoint) for a in acts)
+    with pytest.raises(ValueError, match="checkpoint_every_updates"):
+        numpy_core("asp", checkpoint_every_updates=0)
 
 
 def test_a_worker_past_its_deadline_is_dropped_and_the_round_goes_on():

@@ -162,6 +162,7 @@ __all__ = [
     "PlanChanged",
     "PushAck",
     "Release",
+    "SaveCheckpoint",
     "SendParams",
     "ServerCore",
     "StageChanged",
@@ -270,6 +271,19 @@ class Applied:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class SaveCheckpoint:
+    """Save a checkpoint of version ``version``: the parameters, the optimizer
+    state and :meth:`ServerCore.state_dict` as they are now.
+
+    Returned after the :class:`Applied` of every ``checkpoint_every_updates``
+    new versions; the driver saves (the asyncio server, on its checkpoint
+    thread) and the simulator, which keeps none, never asks for it.
+    """
+
+    version: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class StageChanged:
     """A staged policy moved to another stage: tell every worker.
 
@@ -311,6 +325,7 @@ Action = (
     | ForcePull
     | Drop
     | Applied
+    | SaveCheckpoint
     | StageChanged
     | PlanChanged
 )
@@ -500,6 +515,9 @@ class ServerCore:
         where the driver measures speeds otherwise and calls
         :meth:`observe_speed` itself (the simulator, as each round's compute
         ends).
+      checkpoint_every_updates: return a :class:`SaveCheckpoint` after the
+        :class:`Applied` of every this many new versions (counted from the last
+        one asked for, or the version restored); ``None`` for never.
 
     Aggregation. Updates accepted by the policy are buffered with a weight
     :math:`n_j d_j`, :math:`n_j` the ``num_samples`` of the push (1 when not
@@ -576,7 +594,11 @@ class ServerCore:
         aggregator: Callable[..., Aggregator] = Aggregator,
         replanner: Any = None,
         replan_from_pushes: bool = True,
+        checkpoint_every_updates: int | None = None,
     ):
+        check_int(
+            "checkpoint_every_updates", checkpoint_every_updates, low=1, allow_none=True
+        )
         self._check_args(
             policy_kwargs=policy_kwargs,
             expected_workers=expected_workers,
@@ -612,6 +634,8 @@ class ServerCore:
         self._keep_stale = bool(keep_stale_params)
         self._replanner = replanner
         self._replan_from_pushes = bool(replan_from_pushes)
+        self._checkpoint_every = checkpoint_every_updates
+        self._checkpointed_version = 0
         # The stage last announced (StageChanged), or None for a policy
         # without stages.
         self._stage = self._policy.stage
@@ -1588,6 +1612,10 @@ class ServerCore:
             )
         )
         self._reset_buffer()
+        every = self._checkpoint_every
+        if every and self._version - self._checkpointed_version >= every:
+            self._checkpointed_version = self._version
+            actions.append(SaveCheckpoint(self._version))
         policy = self._policy
         policy.on_apply(self._view, now)
         if policy.stage != self._stage:
@@ -1691,7 +1719,7 @@ class ServerCore:
         self._stage = self._policy.stage
         self._agg.restore(new_params, new_opt_state)
         self._epoch += 1
-        self._version = int(state["version"])
+        self._version = self._checkpointed_version = int(state["version"])
         self._max_clock = int(state["max_clock"])
         self._workers = records
         self._live = set()

@@ -64,6 +64,7 @@ from hpsjax.decisions import (
     PlanChanged,
     PushAck,
     ReplannerProtocol,
+    SaveCheckpoint,
     SendParams,
     ServerCore,
     StageChanged,
@@ -430,6 +431,7 @@ class Server:
                 check_finite=False,
                 aggregator=OverlapAggregator,
                 replanner=replanner,
+                checkpoint_every_updates=checkpoint_every_updates,
                 **({"check_result": bool(check_finite)} | dict(core_kwargs or {})),
             )
         self._host = host
@@ -446,7 +448,6 @@ class Server:
         )
         self._checkpoint_dir = checkpoint_dir
         self._checkpoint_every_s = checkpoint_every_s
-        self._checkpoint_every_updates = checkpoint_every_updates
         self._checkpoint_keep = checkpoint_keep
         self._status_interval = float(status_interval)
         self._status_bar = status_bar
@@ -1293,7 +1294,7 @@ class Server:
         they answer, learns a forced pull and a stage change from its
         acknowledgement instead; ``arrived``: when that push arrived (a pull
         held before it waited for the others: ``barrier_s``)."""
-        applied = False
+        applied = save = False
         for action in actions:
             if isinstance(action, SendParams):
                 session = self._sessions.get(action.worker_id)
@@ -1337,6 +1338,8 @@ class Server:
                     self._notify_error(session, error)
             elif isinstance(action, Applied):
                 applied = True
+            elif isinstance(action, SaveCheckpoint):
+                save = True
             elif isinstance(action, StageChanged):
                 self._announce(
                     StageNotice(action.stage), skip=self._sessions.get(pusher)
@@ -1345,9 +1348,8 @@ class Server:
                 self._send_plans(action)
         if applied:
             self._publish()
-            every = self._checkpoint_every_updates
-            if every and self._core.version - (self._saved_version or 0) >= every:
-                self._save_async()
+        if save:
+            self._save_async()
 
     def _notify(self, session: _Session, notice: Notice) -> None:
         if not session.protocol.closed:
