@@ -432,6 +432,7 @@ ROUND_PARTS = (
     "push",
     "pull",
     "server",
+    "barrier",
     "wait",
     "round",
 )

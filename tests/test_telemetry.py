@@ -392,11 +392,15 @@ def test_reader_refuses_a_missing_path_and_a_bad_line(tmp_path):
 def test_round_metrics_export_each_part():
     m = RoundMetrics(seconds_buckets=(0.01, 0.1))
     m(_record().to_record())
-    m(_record(round=1, compute_s=0.2).to_record())
+    m(_record(round=1, compute_s=0.2, barrier_s=0.015).to_record())
     m({"event": "final", "worker": "w0"})
     text = m.exposition().decode()
     p = "hpsjax_worker_"
     assert _value(text, p + 'round_part_seconds_count{part="compute",worker="w0"}') == 2
+    # The server's hold (server) and, of it, the barrier's wait (barrier).
+    assert _value(text, p + 'round_part_seconds_sum{part="barrier",worker="w0"}') == (
+        pytest.approx(0.015)
+    )
     assert (
         _value(
             text, p + 'round_part_seconds_bucket{le="0.1",part="compute",worker="w0"}'
