@@ -91,9 +91,9 @@ def _push_compression(
     ``worker.bits``, with its codec, or PowerSGD for
     ``worker.compression='power_sgd'`` (its factors on the wire, no codec);
     ``None`` for float32 pushes or top-k, which the worker core applies;
-    SparseLoCo's push (``worker.compression='sparseloco'``) or Streaming
-    DiLoCo's (``'streaming'``: the fragments' mean bytes a push), which real
-    workers get as ``--push_transform``.
+    SparseLoCo's push (``worker.compression='sparseloco'``), DeMo's
+    (``'demo'``) or Streaming DiLoCo's (``'streaming'``: the fragments' mean
+    bytes a push), which real workers get as ``--push_transform``.
     ``push_bytes`` is one push's payload, what the profiling pass's link
     estimate uses: ``powersgd_nbytes`` per leaf for PowerSGD.
     """
@@ -131,6 +131,12 @@ def _make_push_compression(
             seed=int(config.seed),
         )
         return transform, None, last_streaming_nbytes(transform.init(params))
+    if worker.get("compression", "none") == "demo":
+        from hpsjax.transforms import demo, demo_nbytes
+
+        topk, chunk = int(worker.demo_topk), int(worker.demo_chunk)
+        transform = demo(float(worker.demo_decay), topk, chunk)
+        return transform, None, demo_nbytes(params, topk, chunk)
     if worker.get("compression", "none") == "power_sgd":
         rank = int(worker.powersgd_rank)
         transform = power_sgd(
@@ -574,8 +580,8 @@ def _local_optimizer(worker: ml_collections.ConfigDict) -> str:
 
 
 def _push_transform_spec(config: ml_collections.ConfigDict, index: int) -> str | None:
-    """``hpsjax-worker --push_transform``'s JSON for SparseLoCo's and Streaming
-    DiLoCo's pushes (the transforms ``_push_compression`` gives the
+    """``hpsjax-worker --push_transform``'s JSON for SparseLoCo's, DeMo's and
+    Streaming DiLoCo's pushes (the transforms ``_push_compression`` gives the
     simulator) of worker ``index``, or ``None``."""
     worker = config.worker
     compression = worker.get("compression", "none")
@@ -586,6 +592,14 @@ def _push_transform_spec(config: ml_collections.ConfigDict, index: int) -> str |
             "bits": int(worker.sparseloco_bits),
             "decay": float(worker.sparseloco_decay),
         }
+    elif compression == "demo":
+        fields = {
+            "name": "demo",
+            "decay": float(worker.demo_decay),
+            "topk": int(worker.demo_topk),
+            "chunk": int(worker.demo_chunk),
+        }
+        return json.dumps(fields)  # deterministic: no seed
     elif compression == "streaming":
         bits = worker.streaming_bits
         fields = {

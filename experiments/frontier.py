@@ -76,6 +76,8 @@ KNOBS: dict[str, str] = {
     "streaming_diloco_eager": "worker.local_learning_rate",
     "adsp": "worker.local_learning_rate",
     "ashl_reference": "worker.local_learning_rate",
+    "demo": "server.learning_rate",
+    "bsp": "server.learning_rate",
 }
 """The step size tuned per scheme and setting (a dotted config path)."""
 
@@ -182,6 +184,16 @@ CLAIMS: tuple[Claim, ...] = (
         "fewer_bytes:8",
         "Muon's gain is shown on LLMs; on a (64, 64) MLP its orthogonalised "
         "steps touch three small matrices",
+    ),
+    Claim(
+        "demo",
+        "bsp",
+        "DeMo, Peng, Quesnelle & Kingma, arXiv 2411.19870",
+        "comparable loss to all-reduce training with far fewer bytes",
+        "fewer_bytes:10",
+        "the paper's claim is on LLM loss against AdamW with all-reduce; here "
+        "time to an accuracy against BSP's momentum SGD (a server's average "
+        "for the all-reduce) on a small MLP",
     ),
     Claim(
         "ashl_reference",

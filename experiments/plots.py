@@ -85,6 +85,7 @@ SCHEME_NAMES: Mapping[str, str] = {
     "streaming_diloco": "Streaming DiLoCo",
     "asgd_momentum": "ASGD, naive momentum",
     "streaming_diloco_eager": "Streaming DiLoCo, eager",
+    "demo": "DeMo",
 }
 """The name a figure or table shows for each scheme of ``experiments.registry``."""
 

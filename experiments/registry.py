@@ -13,9 +13,9 @@ Examples:
   Traceback (most recent call last):
   ...
   ValueError: unknown optimizer 'sgdd'; valid names: adam, delayed_nesterov, \
-lookahead_momentum, momentum, nesterov, ordered_momentum, sgd, streaming_local, \
-streaming_nesterov or any optimizer of optax or optax.contrib (closest: sgd, \
-dpsgd, amsgrad)
+demo_outer, lookahead_momentum, momentum, nesterov, ordered_momentum, sgd, \
+streaming_local, streaming_nesterov or any optimizer of optax or optax.contrib \
+(closest: sgd, dpsgd, amsgrad)
 """
 
 from __future__ import annotations
@@ -90,6 +90,7 @@ COMPRESSIONS: tuple[str, ...] = (
     "power_sgd",
     "sparseloco",
     "streaming",
+    "demo",
 )
 """Push compressors besides quantization (``worker.compression``): ``top_k``
 (``hpsjax.top_k``, error feedback) through the worker core's top-k pushes,
@@ -102,9 +103,13 @@ push transform of the simulator, which counts ``sparseloco_nbytes`` per push;
 ``streaming`` (Streaming DiLoCo's
 ``hpsjax.streaming_push``: one of ``worker.streaming_fragments`` fragments a
 push, in turn, on ``worker.streaming_bits`` bits) as the push transform of the
-simulator, which counts the fragments' mean bytes per push. On processes both
-go through ``hpsjax-worker --push_transform`` and travel as top-k leaves at
-float32 (``hpsjax.transforms.sparse_encoded``: no few-bit sparse codec yet)."""
+simulator, which counts the fragments' mean bytes per push; ``demo`` (DeMo's
+``hpsjax.transforms.demo``: the top ``worker.demo_topk`` DCT coefficients per
+chunk of ``worker.demo_chunk`` of a momentum decayed by ``worker.demo_decay``;
+the server's ``demo_outer``) as the push transform of the simulator, which
+counts ``demo_nbytes`` per push. On processes all three go through
+``hpsjax-worker --push_transform`` and travel as top-k leaves at float32
+(``hpsjax.transforms.sparse_encoded``: no few-bit sparse codec yet)."""
 
 _REGISTRIES: dict[str, Any] = {
     "optimizer": OPTIMIZERS,
@@ -284,6 +289,9 @@ def _check_compression(config: ml_collections.ConfigDict) -> None:
     if compression == "streaming":
         _check_streaming(config)
         return
+    if compression == "demo":
+        _check_demo(config)
+        return
     check_fraction("worker.compress_ratio", worker.compress_ratio)
     if config.plan.scheme in ("none", "ashl_reference"):
         raise ValueError(
@@ -354,6 +362,27 @@ def _check_streaming(config: ml_collections.ConfigDict) -> None:
                     f"eager updates need worker.local_optimizer_args.{key} = "
                     f"{want!r} (the server's), got {args.get(key)!r}"
                 )
+
+
+def _check_demo(config: ml_collections.ConfigDict) -> None:
+    """What ``worker.compression='demo'`` needs (one-line errors)."""
+    worker = config.worker
+    check_int("worker.demo_topk", worker.get("demo_topk"), low=1)
+    chunk = check_int("worker.demo_chunk", worker.get("demo_chunk"), low=1)
+    check_number("worker.demo_decay", worker.get("demo_decay"), low=0, high=1,
+                 high_inclusive=False)  # fmt: skip
+    if config.stages.get("compress_from_stage") is not None:
+        raise ValueError(
+            "worker.compression='demo' compresses every push: set "
+            "stages.compress_from_stage=None"
+        )
+    args = config.server.get("optimizer_args") or {}
+    if config.server.optimizer != "demo_outer" or args.get("chunk") != chunk:
+        raise ValueError(
+            "worker.compression='demo' needs server.optimizer='demo_outer' with "
+            f"server.optimizer_args.chunk = worker.demo_chunk ({chunk}), got "
+            f"{config.server.optimizer!r} with chunk {args.get('chunk')!r}"
+        )
 
 
 def _check_power_sgd(config: ml_collections.ConfigDict) -> None:

@@ -23,9 +23,9 @@ Examples:
   Traceback (most recent call last):
   ...
   ValueError: unknown optimizer 'adamm'; valid names: adam, delayed_nesterov, \
-lookahead_momentum, momentum, nesterov, ordered_momentum, sgd, streaming_local, \
-streaming_nesterov or any optimizer of optax or optax.contrib (closest: adam, \
-radam, nadam)
+demo_outer, lookahead_momentum, momentum, nesterov, ordered_momentum, sgd, \
+streaming_local, streaming_nesterov or any optimizer of optax or optax.contrib \
+(closest: adam, radam, nadam)
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ import optax
 from hpsjax._checks import check_number
 from hpsjax.transforms import (
     delayed_nesterov,
+    demo_outer,
     diloco_outer,
     lookahead_momentum,
     ordered_momentum,
@@ -119,12 +120,18 @@ def _streaming_nesterov(learning_rate, *, momentum=None, fragments=1):
     )
 
 
+def _demo_outer(learning_rate, *, momentum=None, chunk=64, sign=True):
+    del momentum  # DeMo's momentum is the workers' (hpsjax.transforms.demo).
+    return demo_outer(learning_rate, chunk=chunk, sign=sign)
+
+
 OPTIMIZERS: Mapping[str, Callable[..., optax.GradientTransformation]] = {
     "sgd": _sgd,
     "momentum": _momentum,
     "adam": _adam,
     "nesterov": _nesterov,
     "delayed_nesterov": _delayed_nesterov,
+    "demo_outer": _demo_outer,
     "lookahead_momentum": _lookahead_momentum,
     "ordered_momentum": _ordered_momentum,
     "streaming_local": _streaming_local,
@@ -137,7 +144,10 @@ not 0), ``momentum`` SGD with heavy-ball momentum 0.9 (or ``momentum``),
 ``adam`` optax's Adam (``momentum`` unused), ``nesterov`` DiLoCo's outer
 optimizer (``hpsjax.transforms.diloco_outer``) and ``delayed_nesterov`` the
 outer optimizer of asynchronous local SGD (``hpsjax.transforms.delayed_nesterov``,
-keyword ``delay``), ``lookahead_momentum`` heavy-ball momentum whose
+keyword ``delay``), ``demo_outer`` the server's step on DeMo's pushes
+(``hpsjax.transforms.demo_outer``: decode the chunked DCT coefficients, sign,
+SGD; keywords ``chunk``, the workers' ``demo`` chunk, and ``sign``; no
+momentum, the workers keep it), ``lookahead_momentum`` heavy-ball momentum whose
 parameters run ahead by each update's staleness
 (``hpsjax.transforms.lookahead_momentum``, momentum 0.9 unless given, keyword
 ``gamma``: the step's factor per version of staleness), ``ordered_momentum``

@@ -162,3 +162,149 @@ def test_bad_server_hyperparameters_are_refused():
         demo_outer(0.1, chunk=0)
     with pytest.raises(ValueError, match="bad arguments for push transform 'demo'"):
         sparse_push_transform('{"name": "demo", "k": 2}')
+
+
+# ---------------------------------------------------------------------------
+# DeMo as a scheme: the optimizer's name, the config, the simulator's bytes,
+# the real worker's pushes.
+# ---------------------------------------------------------------------------
+
+
+def test_the_server_optimizer_is_named_demo_outer():
+    from hpsjax._optimizers import make_optimizer
+
+    q = block_dct(jnp.array([[0.5, -2.0], [3.0, 0.0]]), 2)
+    ours = make_optimizer("demo_outer", 0.1, momentum=0.9, chunk=2)
+    step, _ = ours.update(q, ours.init(q))
+    np.testing.assert_allclose(step, [[-0.1, 0.1], [-0.1, 0.0]], atol=1e-6)
+
+
+def _quick(**changes):
+    from experiments import registry
+
+    config = registry.load_config("demo", "quick")
+    for key, value in changes.items():
+        section, name = key.split(".")
+        config[section][name] = value
+    registry.check_config(config)
+    return config
+
+
+@pytest.mark.slow
+def test_the_demo_config_trains_in_the_simulator_and_counts_demo_nbytes(tmp_path):
+    from experiments import build, train
+
+    config = _quick()
+    assert (config.server.policy, config.worker.local_steps) == ("bsp", 1)
+    summary = train.train_and_evaluate(config, tmp_path, progress=False, formats=())
+    params = build.setup(config).params
+    per_push = demo_nbytes(params, topk=32, chunk=64)
+    dense = sum(np.asarray(p).nbytes for p in jax.tree.leaves(params))
+    assert per_push < dense / 10
+    assert summary["pushes"] > 0
+    # Every push is demo_nbytes of coefficients and indices.
+    assert summary["bytes_sent"] == per_push * summary["pushes"]
+    assert summary["final_loss"] < 2.0
+
+
+def test_a_real_worker_gets_the_simulators_demo_push():
+    import json
+
+    from experiments import backends, build
+
+    config = _quick()
+    flags = backends._worker_flags(config, 1, plan_file=None)
+    spec = flags[flags.index("--push_transform") + 1]
+    assert json.loads(spec) == {"name": "demo", "decay": 0.999, "topk": 32,
+                                "chunk": 64}  # fmt: skip
+    params = build.setup(config).params
+    sim_tx, _, nbytes = backends._push_compression(config, params)
+    g = jax.tree.map(jnp.ones_like, params)
+    ours, _ = sparse_push_transform(spec).update(g, sparse_push_transform(spec).init(g))
+    theirs, _ = sim_tx.update(g, sim_tx.init(g))
+    for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(theirs), strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert nbytes == demo_nbytes(params, topk=32, chunk=64)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"worker.demo_topk": 0}, r"^worker\.demo_topk must be an int >= 1"),
+        ({"worker.demo_decay": 1.0}, r"^worker\.demo_decay must be"),
+        ({"worker.demo_chunk": 32}, r"needs server\.optimizer='demo_outer' with"),
+        ({"server.optimizer": "sgd"}, r"needs server\.optimizer='demo_outer' with"),
+    ],
+)
+def test_demo_config_errors_are_one_line(change, message):
+    with pytest.raises(ValueError, match=message) as err:
+        _quick(**change)
+    assert "\n" not in str(err.value)
+
+
+def test_a_workers_bad_demo_push_transform_is_one_line():
+    from hpsjax.worker import WorkerConfig
+
+    with pytest.raises(ValueError, match=r"^topk must be an int >= 1, got 0") as err:
+        WorkerConfig(push_transform='{"name": "demo", "topk": 0}')
+    assert "\n" not in str(err.value)
+
+
+def test_a_real_worker_pushes_demo_coefficients_to_a_server():
+    """An asyncio server and worker on loopback: each push carries the top
+    coefficients a chunk (demo_nbytes) and the server takes signed steps."""
+    import asyncio
+
+    from hpsjax import data
+    from hpsjax._optimizers import make_optimizer
+    from hpsjax.net import Server
+    from hpsjax.worker import Worker, WorkerConfig
+
+    train_set = data.synthetic_digits(256, seed=0)
+    rng = np.random.default_rng(0)
+    params = {
+        "bias": np.zeros(10, np.float32),
+        "kernel": (rng.normal(size=(64, 10)) / 8).astype(np.float32),
+    }
+    per_push = demo_nbytes(params, topk=8, chunk=16)  # 4 chunks of the kernel
+
+    def loss_fn(p, batch):
+        x = jnp.reshape(batch.x, (batch.x.shape[0], -1))
+        logits = x @ p["kernel"] + p["bias"]
+        return optax.softmax_cross_entropy_with_integer_labels(logits, batch.y)
+
+    records = []
+
+    async def main():
+        server = Server(
+            params, make_optimizer("demo_outer", 0.01, chunk=16), "asp",
+            port=0, secret="s" * 32,
+        )  # fmt: skip
+        await server.start()
+        try:
+            config = WorkerConfig(
+                port=server.port, worker_id="w0", secret="s" * 32, batch_size=16,
+                overlap="none", max_steps=4,
+                push_transform='{"name": "demo", "topk": 8, "chunk": 16}',
+            )  # fmt: skip
+            worker = Worker(
+                config,
+                loss_fn=loss_fn,
+                batches=train_set.batches(16, seed=0).next,
+                metrics=records.append,
+            )
+            summary = await worker.run()
+            return summary, server.version, server.params
+        finally:
+            await server.close()
+
+    summary, version, final = asyncio.run(asyncio.wait_for(main(), 120))
+    assert summary.pushes == 4 and version == 4
+    rounds = [r for r in records if r.get("event") == "round"]
+    dense = sum(x.nbytes for x in params.values())
+    for r in rounds:  # a push (and a small pull request), far below dense
+        assert per_push <= r["bytes_sent"] < per_push + 200 < dense / 5
+    # Four signed steps of 0.01: every entry moved a whole number of them.
+    moved = (np.asarray(final["kernel"]) - params["kernel"]) / 0.01
+    np.testing.assert_allclose(moved, np.round(moved), atol=1e-3)
+    assert np.abs(moved).max() <= 4 + 1e-3 and np.abs(moved).max() >= 1 - 1e-3

@@ -88,7 +88,7 @@ def test_momentum_reaches_optax_only_where_it_is_an_argument():
         (
             lambda: make_optimizer("adamm", 0.1),
             "unknown optimizer 'adamm'; valid names: adam, delayed_nesterov, "
-            "lookahead_momentum, momentum, nesterov, ordered_momentum, sgd, "
+            "demo_outer, lookahead_momentum, momentum, nesterov, ordered_momentum, sgd, "
             "streaming_local, streaming_nesterov or any optimizer of optax or "
             "optax.contrib "
             "(closest: adam, radam, nadam)",

@@ -28,6 +28,7 @@ SCHEMES: tuple[str, ...] = (
     "streaming_diloco",
     "asgd_momentum",
     "streaming_diloco_eager",
+    "demo",
 )
 """Schemes with a config file ``experiments/configs/<scheme>.py``, in table order."""
 

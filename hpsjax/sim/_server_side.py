@@ -44,6 +44,7 @@ from hpsjax.sim._config import SimConfig
 from hpsjax.sim._engine import DeferredLeaves, SummedRow
 from hpsjax.sim._results import ApplyRecord, Divergence, PushRecord, SendRecord
 from hpsjax.transforms import (
+    last_demo_nbytes,
     last_encoded,
     last_powersgd_encoded,
     last_sparseloco_nbytes,
@@ -429,7 +430,8 @@ def _push_bytes(params: Any, config: SimConfig, raw: int) -> int:
 
     # SparseLoCo: k indices and k few-bit values per leaf; Streaming DiLoCo:
     # one fragment's few-bit codes (the fragments' mean).
-    for last in (last_sparseloco_nbytes, last_streaming_nbytes):
+    # DeMo: k DCT coefficients and their indices per chunk.
+    for last in (last_sparseloco_nbytes, last_streaming_nbytes, last_demo_nbytes):
         try:
             return last(state)
         except ValueError:

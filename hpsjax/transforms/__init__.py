@@ -35,7 +35,7 @@ any optax optimizer.
   feedback) and the server's signed step on them; :func:`demo_nbytes` its
   bytes.
 * :func:`sparse_push_transform` and :func:`sparse_encoded`: a worker's
-  SparseLoCo or Streaming DiLoCo push from a JSON spec, sent as top-k leaves.
+  DeMo, SparseLoCo or Streaming DiLoCo push from a JSON spec, sent as top-k leaves.
 """
 
 from hpsjax.transforms._demo import (
@@ -46,6 +46,7 @@ from hpsjax.transforms._demo import (
     demo_chunk,
     demo_nbytes,
     demo_outer,
+    last_demo_nbytes,
 )
 from hpsjax.transforms._frontier import (
     OrderedMomentumState,
@@ -187,6 +188,7 @@ __all__ = [
     "encoded_nbytes",
     "fragment_bounds",
     "hybrid_stages",
+    "last_demo_nbytes",
     "last_encoded",
     "last_powersgd_encoded",
     "last_sparseloco_nbytes",

@@ -5,7 +5,8 @@ cosine transform (DCT) coefficients of it that are largest, chunk by chunk;
 what it sent leaves its momentum, so the momentum is also the error feedback.
 The server decodes every worker's coefficients back to the parameters' space
 and takes a signed SGD step (:func:`demo_outer`). :func:`demo` is the
-worker's push, :func:`demo_nbytes` its bytes on the wire.
+worker's push, :func:`demo_nbytes` its bytes on the wire (also in its state,
+for the simulator: :func:`last_demo_nbytes`).
 
 Read: Peng, Quesnelle, Kingma, "DeMo: Decoupled Momentum Optimization",
 arXiv 2411.19870 (2024), Algorithm 1, and its reference optimizer
@@ -35,6 +36,7 @@ import numpy as np
 import optax
 
 from hpsjax._checks import check_int, check_number, check_positive
+from hpsjax.transforms._common import find_one_state
 from hpsjax.transforms._topk import topk_index_dtype
 
 __all__ = [
@@ -45,6 +47,7 @@ __all__ = [
     "demo_chunk",
     "demo_nbytes",
     "demo_outer",
+    "last_demo_nbytes",
 ]
 
 _F32 = jnp.float32
@@ -127,6 +130,7 @@ class DeMoState(NamedTuple):
     """State of :func:`demo`."""
 
     momentum: Any  # float32 tree like the updates: what is not yet sent
+    nbytes: jax.Array  # shape=(), int32: bytes of one push (demo_nbytes)
 
 
 def demo(
@@ -172,7 +176,10 @@ def demo(
     chunk = check_int("chunk", chunk, low=1)
 
     def init_fn(params):
-        return DeMoState(jax.tree.map(lambda p: jnp.zeros(p.shape, _F32), params))
+        return DeMoState(
+            jax.tree.map(lambda p: jnp.zeros(p.shape, _F32), params),
+            jnp.asarray(demo_nbytes(params, topk, chunk), jnp.int32),
+        )
 
     def push(m, g):
         m = decay * m + g.astype(_F32)
@@ -185,7 +192,7 @@ def demo(
         is_pair = lambda node: isinstance(node, tuple)
         sent = jax.tree.map(lambda pair: pair[0], pairs, is_leaf=is_pair)
         left = jax.tree.map(lambda pair: pair[1], pairs, is_leaf=is_pair)
-        return sent, DeMoState(left)
+        return sent, DeMoState(left, state.nbytes)
 
     return optax.GradientTransformation(init_fn, update_fn)
 
@@ -229,6 +236,16 @@ def demo_outer(
         return jax.tree.map(decode, updates)
 
     return optax.chain(optax.stateless(decode_tree), optax.sgd(learning_rate))
+
+
+def last_demo_nbytes(state: Any) -> int:
+    """Bytes of one push of the :func:`demo` inside an optax state
+    (:func:`demo_nbytes` of the tree it was built for).
+
+    Raises:
+      ValueError: no :func:`demo` (or more than one) in ``state``.
+    """
+    return int(find_one_state(state, DeMoState, "no demo").nbytes)
 
 
 def demo_nbytes(params: Any, topk: int = 32, chunk: int = 64) -> int:
