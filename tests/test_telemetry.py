@@ -498,3 +498,46 @@ def test_simulated_rounds_read_as_the_real_ones():
     assert summary["0"]["round_s"] == pytest.approx(
         np.diff([a.time for a in result.applies]).mean(), rel=0.1
     )
+
+
+@pytest.mark.slow
+def test_the_server_command_writes_its_versions_with_metrics(tmp_path):
+    """``hpsjax-server --metrics PATH``: one line per version, read back by
+    hpsjax.telemetry; a path that cannot be written is one line, exit 2."""
+    import subprocess
+    import sys
+
+    from hpsjax.worker import _cli as worker_cli
+
+    small = ["--dataset_arg", "num_examples=64", "--model_arg", "hidden=[16]"]
+    init = tmp_path / "init.npz"
+    worker_cli.write_init(worker_cli.parse_args(small), init)
+    versions = tmp_path / "versions.jsonl"
+    server = subprocess.Popen(
+        [sys.executable, "-m", "hpsjax.ps._cli", "--init", str(init),
+         "--policy", "asp", "--loop", "asyncio", "--metrics", str(versions),
+         "--log_level", "WARNING"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        port = server.stdout.readline().rsplit(":", 1)[1].strip()
+        worker = subprocess.run(
+            [sys.executable, "-m", "hpsjax.worker._cli", *small, "--port", port,
+             "--batch_size", "8", "--max_steps", "8", "--log_level", "WARNING"],
+            capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+    finally:
+        server.terminate()
+        server.communicate(timeout=60)
+    assert worker.returncode == 0, worker.stderr
+    read = telemetry.read_versions(versions)
+    assert len(read) >= 6
+    assert [v.version for v in read] == sorted({v.version for v in read})
+    assert all(v.apply_s >= 0 and v.serve_s >= 0 for v in read)
+    bad = subprocess.run(
+        [sys.executable, "-m", "hpsjax.ps._cli", "--init", str(init),
+         "--metrics", str(tmp_path / "no" / "such" / "v.jsonl")],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1, bad.stderr
+    assert bad.stderr.startswith("hpsjax-server: --metrics ") and not bad.stdout

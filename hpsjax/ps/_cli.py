@@ -467,20 +467,28 @@ def _make_server(options: ServerOptions) -> tuple[Server, ServerMetrics | None]:
     params, checkpoint_dir = _params_and_checkpoints(options)
     policy_kwargs = _policy_kwargs(options)
     metrics = None
-    if options.metrics_port is not None or options.tensorboard_dir is not None:
+    if (
+        options.metrics_port is not None
+        or options.tensorboard_dir is not None
+        or options.metrics is not None
+    ):
 
         def state() -> dict[str, Any]:
             # Read at each scrape; the server exists before serving starts.
             return {"version": server.version, "live_workers": len(server.core.live)}
 
-        metrics = ServerMetrics(
-            state=state,
-            tensorboard_dir=(
-                None
-                if options.tensorboard_dir is None
-                else pathlib.Path(options.tensorboard_dir) / "server"
-            ),
-        )
+        try:
+            metrics = ServerMetrics(
+                jsonl=options.metrics,
+                state=state,
+                tensorboard_dir=(
+                    None
+                    if options.tensorboard_dir is None
+                    else pathlib.Path(options.tensorboard_dir) / "server"
+                ),
+            )
+        except OSError as e:
+            raise ValueError(f"--metrics {options.metrics}: {e.strerror}") from None
     server = Server(
         params,
         make_optimizer(

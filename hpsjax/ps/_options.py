@@ -253,6 +253,13 @@ class ServerOptions:
     metrics_host: str = _option(
         "127.0.0.1", "address of the metrics server", group="metrics"
     )
+    metrics: str | None = _option(
+        None,
+        "append one JSON line per model version here: its apply and serve "
+        "seconds and pulls (hpsjax.telemetry.VersionTelemetry)",
+        group="metrics",
+        metavar="PATH",
+    )
     tensorboard_dir: str | None = _option(
         None,
         "write the server's TensorBoard scalars (version, pushes/s, "
