@@ -10,7 +10,16 @@ import numpy as np
 import pytest
 
 from hpsjax.net import _auth
-from hpsjax.wire import _codecs, _decoders, _frames, _stream, _treecodec
+from hpsjax.wire import (
+    InfoMessage,
+    Subscribe,
+    Subscribed,
+    _codecs,
+    _decoders,
+    _frames,
+    _stream,
+    _treecodec,
+)
 from hpsjax.wire import _errors as errors
 from hpsjax.wire._codecs import _powersgd, _quantized, _topk
 from hpsjax.wire._frames import MsgType
@@ -759,3 +768,23 @@ def test_handshake_state_machine_refuses_out_of_order_and_wrong_secrets():
     step = client.receive(*server.receive(*client.hello()))
     assert server.receive(*step) == (MsgType.AUTH_OK, {"proof": b""})
     assert server.ready and server.worker_id == 7
+
+
+def test_info_and_subscribe_are_typed_messages_checked_once():
+    info = InfoMessage(
+        policy="bsp", version=3, spec={"tree": 0, "leaves": []}, workers=2
+    ).to_wire()
+    assert InfoMessage.from_wire(info).workers == 2
+    assert InfoMessage.from_wire({"policy": "asp", "version": 0, "spec": {}}) == (
+        InfoMessage(policy="asp", version=0, spec={})
+    )
+    assert "workers" not in InfoMessage(policy="a", version=0, spec={}).to_wire()
+    with pytest.raises(errors.MalformedMetadata, match=r"server info.*\$\.version"):
+        InfoMessage.from_wire({**info, "version": -1})
+    assert Subscribe.from_wire(Subscribe(on=True).to_wire()) == Subscribe(on=True)
+    with pytest.raises(errors.MalformedMetadata, match=r"SUBSCRIBE.*\$\.on"):
+        Subscribe.from_wire({"on": 1})
+    reply = Subscribed(on=False, version=7)
+    assert Subscribed.from_wire(reply.to_wire()) == reply
+    with pytest.raises(errors.ProtocolError, match="SUBSCRIBE reply"):
+        Subscribed.from_wire({"on": True}, errors.ProtocolError)

@@ -45,12 +45,14 @@ from hpsjax.wire import (
     Frame,
     FrameError,
     HpsError,
+    InfoMessage,
     MsgType,
     PlanNotice,
     ProtocolError,
     PushAck,
     PushMeta,
     StageNotice,
+    Subscribe,
     TreeLayout,
     UnexpectedMessage,
     WireLimits,
@@ -107,7 +109,8 @@ class ServerInfo(NamedTuple):
 
 def _server_info(meta: Mapping[str, Any]) -> ServerInfo:
     try:
-        spec_meta = meta["spec"]
+        info = InfoMessage.from_wire(meta)
+        spec_meta = info.spec
         leaves, offset = [], 0
         for entry in spec_meta["leaves"]:
             name, shape = entry
@@ -123,13 +126,13 @@ def _server_info(meta: Mapping[str, Any]) -> ServerInfo:
             [jax.ShapeDtypeStruct(leaf.shape, leaf.dtype) for leaf in layout.leaves],
         )
         return ServerInfo(
-            policy=str(meta["policy"]),
-            version=int(meta["version"]),
-            stage=int(meta.get("stage", 0)),
+            policy=info.policy,
+            version=info.version,
+            stage=info.stage,
             spec=spec,
             layout=layout,
-            limits=dict(meta.get("limits", {})),
-            synchronous=meta.get("synchronous", False) is True,
+            limits=info.limits,
+            synchronous=info.synchronous,
         )
     except (KeyError, TypeError, ValueError, HpsError) as e:
         raise ProtocolError(f"malformed server info: {e}") from None
@@ -247,7 +250,7 @@ class Subscription:
         self._slot.changed.set()
         if not self._client.closed:
             await self._client._request(
-                MsgType.SUBSCRIBE, {"on": False}, timeout=timeout
+                MsgType.SUBSCRIBE, Subscribe(on=False).to_wire(), timeout=timeout
             )
         self._client._subscription = None
 
@@ -641,7 +644,10 @@ class Client:
         slot = _Latest()
         self._latest = slot
         await self._request(
-            MsgType.SUBSCRIBE, {"on": True}, timeout=timeout, expect=MsgType.SUBSCRIBE
+            MsgType.SUBSCRIBE,
+            Subscribe(on=True).to_wire(),
+            timeout=timeout,
+            expect=MsgType.SUBSCRIBE,
         )
         self._subscription = Subscription(self, slot)
         return self._subscription

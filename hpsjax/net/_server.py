@@ -92,6 +92,7 @@ from hpsjax.wire import (
     FrameError,
     Header,
     HpsError,
+    InfoMessage,
     LayoutCache,
     MalformedMetadata,
     MsgType,
@@ -105,6 +106,8 @@ from hpsjax.wire import (
     ServerError,
     ShuttingDown,
     StageNotice,
+    Subscribe,
+    Subscribed,
     UnexpectedMessage,
     WireLimits,
     WireTree,
@@ -1044,13 +1047,13 @@ class Server:
     def _info(self) -> dict[str, Any]:
         policy = self._core.policy
         limits = self._limits
-        return {
-            "policy": getattr(policy, "name", type(policy).__name__),
-            "version": self._core.version,
-            "stage": int(self._core.stage or 0),
-            "synchronous": bool(getattr(policy, "synchronous", False)),
-            "spec": self._spec_meta,
-            "limits": {
+        return InfoMessage(
+            policy=getattr(policy, "name", type(policy).__name__),
+            version=self._core.version,
+            stage=int(self._core.stage or 0),
+            synchronous=bool(getattr(policy, "synchronous", False)),
+            spec=self._spec_meta,
+            limits={
                 "max_message_bytes": limits.max_message_bytes,
                 "max_metadata_bytes": limits.max_metadata_bytes,
                 "max_leaves": limits.max_leaves,
@@ -1058,8 +1061,8 @@ class Server:
                 "max_rank": limits.max_rank,
                 "dtypes": sorted(limits.dtypes),
             },
-            "workers": len(self._core.live),
-        }
+            workers=len(self._core.live),
+        ).to_wire()
 
     # ---------------------------------------------------------- requests
 
@@ -1082,15 +1085,10 @@ class Server:
         elif t in (MsgType.PUSH, MsgType.PUSH_PULL):
             self._push(session, frame)
         elif t == MsgType.SUBSCRIBE:
-            on = frame.metadata.get("on")
-            if not isinstance(on, bool):
-                raise MalformedMetadata("SUBSCRIBE needs a boolean 'on'")
+            on = Subscribe.from_wire(frame.metadata).on
             session.subscribed = on
-            session.protocol.send(
-                encode_frame(
-                    MsgType.SUBSCRIBE, rid, {"on": on, "version": self._core.version}
-                )
-            )
+            reply = Subscribed(on=on, version=self._core.version)
+            session.protocol.send(encode_frame(MsgType.SUBSCRIBE, rid, reply.to_wire()))
             if on:
                 self._send_params(session, 0)
         elif t == MsgType.INFO:

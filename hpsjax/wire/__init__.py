@@ -77,11 +77,14 @@ from hpsjax.wire._frames import (
 )
 from hpsjax.wire._messages import (
     ForcePullNotice,
+    InfoMessage,
     Notice,
     PlanNotice,
     PushAck,
     PushMeta,
     StageNotice,
+    Subscribe,
+    Subscribed,
     notice_from_wire,
     notice_to_wire,
 )
@@ -127,6 +130,7 @@ __all__ = [
     "FrameError",
     "Header",
     "HpsError",
+    "InfoMessage",
     "InvalidUpdate",
     "LayoutCache",
     "LeafSpec",
@@ -148,6 +152,8 @@ __all__ = [
     "ShuttingDown",
     "SpecMismatch",
     "StageNotice",
+    "Subscribe",
+    "Subscribed",
     "TooManyLeaves",
     "TopKCodec",
     "TreeLayout",

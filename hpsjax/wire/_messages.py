@@ -6,7 +6,9 @@ request handling turns a PUSH's metadata into a :class:`PushMeta`
 (:meth:`PushMeta.from_wire`), the client turns a PUSH_ACK into a
 :class:`PushAck` (:meth:`PushAck.from_wire`) and a NOTICE into a
 :class:`PlanNotice`, :class:`StageNotice` or :class:`ForcePullNotice`
-(:func:`notice_from_wire`). Everything past that point trusts the types. A
+(:func:`notice_from_wire`); a server's description (INFO, and the handshake's
+``info``) becomes an :class:`InfoMessage`, a SUBSCRIBE a :class:`Subscribe`.
+Everything past that point trusts the types. A
 malformed field raises :class:`~hpsjax.ps.MalformedMetadata` naming it.
 
 The messages are msgspec structs: msgspec validates a decoded map against the
@@ -28,11 +30,14 @@ from hpsjax.wire._errors import MalformedMetadata
 
 __all__ = [
     "ForcePullNotice",
+    "InfoMessage",
     "Notice",
     "PlanNotice",
     "PushAck",
     "PushMeta",
     "StageNotice",
+    "Subscribe",
+    "Subscribed",
     "notice_from_wire",
     "notice_to_wire",
 ]
@@ -245,3 +250,70 @@ def notice_from_wire(meta: Mapping[str, Any]) -> Notice:
       StageNotice(stage=1)
     """
     return _convert(meta, Notice, "notice", MalformedMetadata)
+
+
+class InfoMessage(msgspec.Struct, frozen=True):
+    """What a server says about itself: an INFO reply, and the ``info`` of the
+    handshake's last step (PROTOCOL.md, INFO).
+
+    Attributes:
+      policy: the synchronization policy's name.
+      version: the current parameter version.
+      spec: the model: ``tree`` (the tree codec's structure) and ``leaves``, a
+        ``[dtype, shape]`` per leaf.
+      stage: the policy's stage index (0 unless the policy is staged).
+      limits: the server's frame limits (``max_message_bytes``, ...,
+        ``dtypes``).
+      workers: live workers, where the server says.
+      synchronous: the policy holds every round for every live worker (BSP).
+    """
+
+    policy: str
+    version: NonNegInt
+    spec: dict[str, Any]
+    stage: NonNegInt = 0
+    limits: dict[str, Any] = msgspec.field(default_factory=dict)
+    workers: NonNegInt | None = None
+    synchronous: bool = False
+
+    @classmethod
+    def from_wire(cls, meta: Any, error: type = MalformedMetadata) -> InfoMessage:
+        """Validates a server's description; ``error`` names a bad field."""
+        return _convert(meta, cls, "server info", error)
+
+    def to_wire(self) -> dict[str, Any]:
+        """The fields as metadata (``None`` fields left out)."""
+        return {k: v for k, v in msgspec.to_builtins(self).items() if v is not None}
+
+
+class Subscribe(msgspec.Struct, frozen=True):
+    """A SUBSCRIBE request: ``on`` starts the server's PARAMS after every
+    applied update, ``off`` stops them."""
+
+    on: bool
+
+    @classmethod
+    def from_wire(cls, meta: Any, error: type = MalformedMetadata) -> Subscribe:
+        """Validates a SUBSCRIBE request; ``error`` names a bad field."""
+        return _convert(meta, cls, "SUBSCRIBE", error)
+
+    def to_wire(self) -> dict[str, Any]:
+        """The request's metadata."""
+        return {"on": self.on}
+
+
+class Subscribed(msgspec.Struct, frozen=True):
+    """The server's answer to a SUBSCRIBE: the subscription's state and the
+    version the first PARAMS of a subscription hold."""
+
+    on: bool
+    version: NonNegInt
+
+    @classmethod
+    def from_wire(cls, meta: Any, error: type = MalformedMetadata) -> Subscribed:
+        """Validates a SUBSCRIBE reply; ``error`` names a bad field."""
+        return _convert(meta, cls, "SUBSCRIBE reply", error)
+
+    def to_wire(self) -> dict[str, Any]:
+        """The reply's metadata."""
+        return {"on": self.on, "version": self.version}
