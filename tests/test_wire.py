@@ -12,6 +12,7 @@ import pytest
 from hpsjax.net import _auth
 from hpsjax.wire import (
     InfoMessage,
+    ParamsMeta,
     Subscribe,
     Subscribed,
     _codecs,
@@ -770,7 +771,7 @@ def test_handshake_state_machine_refuses_out_of_order_and_wrong_secrets():
     assert server.ready and server.worker_id == 7
 
 
-def test_info_and_subscribe_are_typed_messages_checked_once():
+def test_info_params_and_subscribe_are_typed_messages_checked_once():
     info = InfoMessage(
         policy="bsp", version=3, spec={"tree": 0, "leaves": []}, workers=2
     ).to_wire()
@@ -784,6 +785,10 @@ def test_info_and_subscribe_are_typed_messages_checked_once():
     assert Subscribe.from_wire(Subscribe(on=True).to_wire()) == Subscribe(on=True)
     with pytest.raises(errors.MalformedMetadata, match=r"SUBSCRIBE.*\$\.on"):
         Subscribe.from_wire({"on": 1})
+    params = ParamsMeta.from_wire({"version": 4, "held_s": 0.5, "ack": {"x": 1}})
+    assert (params.version, params.held_s, params.barrier_s) == (4, 0.5, None)
+    with pytest.raises(errors.ProtocolError, match=r"PARAMS.*\$\.local_steps"):
+        ParamsMeta.from_wire({"version": 4, "local_steps": True}, errors.ProtocolError)
     reply = Subscribed(on=False, version=7)
     assert Subscribed.from_wire(reply.to_wire()) == reply
     with pytest.raises(errors.ProtocolError, match="SUBSCRIBE reply"):

@@ -47,6 +47,7 @@ from hpsjax.wire import (
     HpsError,
     InfoMessage,
     MsgType,
+    ParamsMeta,
     PlanNotice,
     ProtocolError,
     PushAck,
@@ -625,7 +626,8 @@ class Client:
         frame = await self._request(
             MsgType.PUSH_PULL, meta, buffers, timeout=timeout, expect=MsgType.PARAMS
         )
-        result = self._note_ack(frame.metadata.get("ack"))
+        meta = ParamsMeta.from_wire(frame.metadata, ProtocolError)
+        result = self._note_ack(meta.ack)
         params, new_version = self._params_of(frame)
         return result, params, new_version
 
@@ -695,20 +697,17 @@ class Client:
         return meta, buffers
 
     def _params_of(self, frame: Frame) -> tuple[Any, int]:
-        version = frame.metadata.get("version")
-        if not isinstance(version, int) or not isinstance(frame.payload, WireTree):
+        meta = ParamsMeta.from_wire(frame.metadata, ProtocolError)
+        if not isinstance(frame.payload, WireTree):
             raise ProtocolError("malformed PARAMS frame")
         if frame.payload.layout.codec is not None:
             raise ProtocolError("compressed PARAMS are not supported")
-        local_steps = frame.metadata.get("local_steps")
-        if local_steps is not None:
-            if isinstance(local_steps, bool) or not isinstance(local_steps, int):
-                raise ProtocolError(f"bad local_steps in PARAMS: {local_steps!r}")
-            self._local_steps = local_steps
-        self._note_held(frame.metadata)
+        if meta.local_steps is not None:
+            self._local_steps = meta.local_steps
+        self._held_s, self._barrier_s = meta.held_s or 0.0, meta.barrier_s or 0.0
         # Fresh parameters are what a forced pull asked for.
         self._force_pull = None
-        return frame.payload.tree(), version
+        return frame.payload.tree(), meta.version
 
     def _note_held(self, meta: Mapping[str, Any]) -> None:
         """Notes the seconds the server says it held an answer (0 if it does
@@ -819,8 +818,11 @@ class Client:
     def _on_unsolicited(self, frame: Frame) -> None:
         if frame.msg_type == MsgType.PARAMS:
             slot = self._latest
-            version = frame.metadata.get("version")
-            if slot is None or not isinstance(version, int):
+            try:
+                version = ParamsMeta.from_wire(frame.metadata).version
+            except HpsError:
+                return
+            if slot is None:
                 return
             if version > slot.version and isinstance(frame.payload, WireTree):
                 slot.params = frame.payload.tree()

@@ -7,7 +7,8 @@ request handling turns a PUSH's metadata into a :class:`PushMeta`
 :class:`PushAck` (:meth:`PushAck.from_wire`) and a NOTICE into a
 :class:`PlanNotice`, :class:`StageNotice` or :class:`ForcePullNotice`
 (:func:`notice_from_wire`); a server's description (INFO, and the handshake's
-``info``) becomes an :class:`InfoMessage`, a SUBSCRIBE a :class:`Subscribe`.
+``info``) becomes an :class:`InfoMessage`, a SUBSCRIBE a :class:`Subscribe`, a
+PARAMS frame's fields a :class:`ParamsMeta`.
 Everything past that point trusts the types. A
 malformed field raises :class:`~hpsjax.ps.MalformedMetadata` naming it.
 
@@ -31,6 +32,7 @@ from hpsjax.wire._errors import MalformedMetadata
 __all__ = [
     "ForcePullNotice",
     "InfoMessage",
+    "ParamsMeta",
     "Notice",
     "PlanNotice",
     "PushAck",
@@ -284,6 +286,30 @@ class InfoMessage(msgspec.Struct, frozen=True):
     def to_wire(self) -> dict[str, Any]:
         """The fields as metadata (``None`` fields left out)."""
         return {k: v for k, v in msgspec.to_builtins(self).items() if v is not None}
+
+
+class ParamsMeta(msgspec.Struct, frozen=True):
+    """What a PARAMS frame says besides its tree (PROTOCOL.md, PARAMS).
+
+    Attributes:
+      version: the parameters' version.
+      local_steps: hint: local steps to take before the next push, or ``None``.
+      held_s: the seconds the server held the answer (a barrier, an apply),
+        where it held it.
+      barrier_s: of ``held_s``, the seconds it waited for other workers' pushes.
+      ack: a PUSH_PULL's acknowledgement (:meth:`PushAck.from_wire` reads it).
+    """
+
+    version: NonNegInt
+    local_steps: NonNegInt | None = None
+    held_s: NonNegFloat | None = None
+    barrier_s: NonNegFloat | None = None
+    ack: dict[str, Any] | None = None
+
+    @classmethod
+    def from_wire(cls, meta: Any, error: type = MalformedMetadata) -> ParamsMeta:
+        """Validates a PARAMS frame's fields; ``error`` names a bad one."""
+        return _convert(meta, cls, "PARAMS", error)
 
 
 class Subscribe(msgspec.Struct, frozen=True):
