@@ -101,7 +101,15 @@ def _ordered_momentum(learning_rate, *, momentum=None, **kwargs):
     )
 
 
-_EAGER_ARGS = ("eager", "fragments", "outer_learning_rate", "outer_momentum", "workers")
+_EAGER_ARGS = (
+    "eager",
+    "fragments",
+    "outer_learning_rate",
+    "outer_momentum",
+    "workers",
+    "delay",
+    "layout",
+)
 
 
 def _streaming_local(learning_rate, *, momentum=None, inner="adam", mixing=0.0, **kw):
@@ -112,11 +120,14 @@ def _streaming_local(learning_rate, *, momentum=None, inner="adam", mixing=0.0, 
     return streaming_local(inner_tx, mixing=mixing, **eager)
 
 
-def _streaming_nesterov(learning_rate, *, momentum=None, fragments=1):
+def _streaming_nesterov(
+    learning_rate, *, momentum=None, fragments=1, layout="contiguous"
+):
     return streaming_outer(
         learning_rate,
         momentum=0.9 if momentum is None else momentum,
         fragments=fragments,
+        layout=layout,
     )
 
 
@@ -156,11 +167,11 @@ OrMo's server momentum
 ``streaming_local`` Streaming DiLoCo's inner optimizer
 (``hpsjax.transforms.streaming_local`` around the optimizer named by keyword
 ``inner``, default ``adam``, which takes the other keywords; ``mixing``: the
-merge's alpha; ``eager``, ``fragments``, ``outer_learning_rate``,
-``outer_momentum``, ``workers``: its eager updates) and ``streaming_nesterov``
-its outer step
-(``hpsjax.transforms.streaming_outer``, keyword ``fragments``). Any other name
-is looked up in optax."""
+merge's alpha; ``delay``: the merge's tau; ``eager``, ``fragments``,
+``outer_learning_rate``, ``outer_momentum``, ``workers``, ``layout``: its eager
+updates) and ``streaming_nesterov`` its outer step
+(``hpsjax.transforms.streaming_outer``, keywords ``fragments``, ``layout``).
+Any other name is looked up in optax."""
 
 
 def _positive(value: Any) -> bool:
