@@ -45,6 +45,19 @@ def test_strided_fragments_hold_every_pth_leaf():
     assert streaming_fragment_nbytes(tree, 2, None, "strided") == (12, 12)
 
 
+def test_a_strided_block_is_a_layer_of_the_parameters():
+    layers = {
+        f"l{i}": {"b": jnp.full(2, i + 1.0), "w": jnp.full((2, 2), i + 1.0)}
+        for i in range(3)
+    }
+    push = streaming_push(2, bits=None, layout="strided")
+    sent, _ = push.update(layers, push.init(layers))
+    # Fragment 0: layers 0 and 2, whole; layer 1 waits for the next push.
+    assert [float(jnp.abs(sent[f"l{i}"]["w"]).sum()) for i in range(3)] == [4, 0, 12]
+    assert [float(jnp.abs(sent[f"l{i}"]["b"]).sum()) for i in range(3)] == [2, 0, 6]
+    assert streaming_fragment_nbytes(layers, 2, None, "strided") == (48, 24)
+
+
 def test_strided_outer_steps_the_due_leaves_only():
     outer = streaming_outer(1.0, momentum=0.5, fragments=2, layout="strided")
     step, _ = outer.update(_tree(), outer.init(_tree()))
@@ -53,7 +66,9 @@ def test_strided_outer_steps_the_due_leaves_only():
 
 
 def test_strided_needs_a_leaf_a_fragment_and_a_known_layout():
-    with pytest.raises(ValueError, match=r"^strided fragments \(4\) must not exceed"):
+    with pytest.raises(
+        ValueError, match=r"^strided fragments \(4\) must not exceed the tree's 3 top"
+    ):
         streaming_fragment_nbytes(_tree(), 4, None, "strided")
     with pytest.raises(ValueError, match=r"^layout must be one of") as err:
         streaming_push(2, layout="striped")

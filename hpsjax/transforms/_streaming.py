@@ -22,8 +22,8 @@ The fragment due at a worker's :math:`c`-th push and at the server's
 message as long as every worker pushes every round (BSP, all workers from the
 start); fragment :math:`p` is either the :math:`p`-th of :math:`P` equal
 contiguous chunks of the flattened parameters (:func:`fragment_bounds`) or,
-``layout="strided"``, every :math:`P`-th leaf from leaf :math:`p`
-(:func:`check_layout`).
+``layout="strided"``, every :math:`P`-th top-level block (a layer) from block
+:math:`p` (:func:`check_layout`).
 
 Read: the paper (Douillard et al., arXiv 2501.18512: fragments synchronised
 in turn, strided blocks of layers, the outer gradient overlapped with
@@ -37,8 +37,9 @@ Here :math:`\tau` is ``streaming_local(delay=...)`` (the merge held for
 ``overlap='pipeline'``, one round of :math:`H/P` steps; :math:`\alpha` is
 ``mixing``; the 4-bit float is ``bits="e2m1"``. What differs: a pull brings
 the whole model, not only the fragment synchronised; a strided block is a
-leaf (a weight or a bias), not a whole layer; the E2M1 scale is one float32
-per leaf of a fragment.
+top-level child of the parameters (a layer of hpsjax's models; the paper
+strides transformer blocks); the E2M1 scale is one float32 per leaf of a
+fragment.
 
 **Eager updates** (Kale, Douillard, Donchev 2025, arXiv 2502.12996) are
 ``streaming_local(..., eager=True)``: while a fragment's outer gradient
@@ -79,6 +80,7 @@ __all__ = [
     "e2m1_round",
     "fragment_bounds",
     "last_streaming_nbytes",
+    "leaf_blocks",
     "streaming_fragment_nbytes",
     "streaming_local",
     "streaming_outer",
@@ -124,36 +126,56 @@ def fragment_bounds(tree: Any, fragments: int) -> tuple[int, ...]:
     return tuple(p * total // fragments for p in range(fragments + 1))
 
 
+def leaf_blocks(tree: Any) -> tuple[int, ...]:
+    """Per leaf of ``tree`` (``jax.tree.leaves`` order), its block: the index
+    of the top-level child it is in (a layer of a model's parameters; a bare
+    leaf is one block).
+
+    Examples:
+      >>> import numpy as np
+      >>> leaf_blocks({"l0": {"b": np.zeros(2), "w": np.zeros(4)},
+      ...              "l1": {"b": np.zeros(2), "w": np.zeros(4)}, "s": np.zeros(1)})
+      (0, 0, 1, 1, 2)
+    """
+    children = jax.tree.structure(tree).children()
+    if not children:
+        return (0,) * len(jax.tree.leaves(tree))
+    return tuple(b for b, c in enumerate(children) for _ in range(c.num_leaves))
+
+
 def check_layout(tree: Any, fragments: int, layout: str) -> str:
     r"""``layout`` checked against ``tree``: ``"contiguous"`` (equal chunks
-    of the flat parameters, :func:`fragment_bounds`) or ``"strided"`` (leaf
-    :math:`i`, in ``jax.tree.leaves`` order, in fragment :math:`i \bmod P`:
-    the paper's strided blocks of layers, a leaf standing for a block), which
-    needs at least ``fragments`` leaves.
+    of the flat parameters, :func:`fragment_bounds`) or ``"strided"`` (block
+    :math:`i` of :func:`leaf_blocks`, a top-level child of the tree such as a
+    layer, in fragment :math:`i \bmod P`: the paper's strided layers), which
+    needs at least ``fragments`` blocks.
 
     Raises:
-      ValueError: an unknown layout, or too few leaves to stride.
+      ValueError: an unknown layout, or too few blocks to stride.
     """
     layout = check_choice("layout", layout, LAYOUTS)
     if layout == "contiguous" or tree is None:
         return layout
     fragments = check_int("fragments", fragments, low=1)
-    count = len(jax.tree.leaves(tree))
+    count = len(set(leaf_blocks(tree)))
     if fragments > count:
         raise ValueError(
-            f"strided fragments ({fragments}) must not exceed the tree's {count} leaves"
+            f"strided fragments ({fragments}) must not exceed the tree's {count} "
+            "top-level blocks"
         )
     return layout
 
 
 def _masks(
-    leaves: list, fragments: int, due: jax.Array, layout: str = "contiguous"
+    tree: Any, fragments: int, due: jax.Array, layout: str = "contiguous"
 ) -> list[jax.Array]:
-    """Per leaf, a bool array: its elements in fragment ``due`` (traced)."""
+    """Per leaf of ``tree``, a bool array: its elements in fragment ``due``
+    (traced)."""
+    leaves = jax.tree.leaves(tree)
     if layout == "strided":
         return [
-            jnp.broadcast_to(jnp.asarray(i % fragments) == due, np.shape(leaf))
-            for i, leaf in enumerate(leaves)
+            jnp.broadcast_to(jnp.asarray(b % fragments) == due, np.shape(leaf))
+            for b, leaf in zip(leaf_blocks(tree), leaves, strict=True)
         ]
     bounds = jnp.asarray(fragment_bounds(leaves, fragments), jnp.int32)
     lo, hi = bounds[due], bounds[due + 1]
@@ -190,10 +212,10 @@ def streaming_fragment_nbytes(
     totals = []
     for p in range(fragments):
         total, offset = 0, 0
-        for i, size in enumerate(sizes):
+        for block, size in zip(leaf_blocks(tree), sizes, strict=True):
             n = max(0, min(bounds[p + 1], offset + size) - max(bounds[p], offset))
             if layout == "strided":
-                n = size if i % fragments == p else 0
+                n = size if block % fragments == p else 0
             offset += size
             if n and bits is None:
                 total += 4 * n
@@ -469,9 +491,9 @@ def streaming_local(
         if eager:
             # The fragment synchronised is known from the count of merges, not
             # seen from the values: a 4-bit push may leave an element's step 0.
-            leaves, treedef = jax.tree.flatten(params)
+            treedef = jax.tree.structure(params)
             merges = state.eager.merges
-            due = _masks(leaves, fragments, (merges - 1) % fragments, layout)
+            due = _masks(params, fragments, (merges - 1) % fragments, layout)
             synced = jax.tree.unflatten(treedef, [m & (merges >= 1) for m in due])
             is_own = jax.tree.map(lambda _: jnp.zeros((), bool), is_own)
             knobs = (fragments, layout, eta, beta, workers)
@@ -530,7 +552,7 @@ def _eager_goal(es, params, local, anchor, is_own, synced, merging, knobs):
         for t in (local, anchor, is_own, synced, es.momentum, es.average)
     ]
     flat += [treedef.flatten_up_to(t) for t in (es.own, es.pending)]
-    pushed = _masks(p_leaves, fragments, es.merges % fragments, layout)
+    pushed = _masks(params, fragments, es.merges % fragments, layout)
     goals, moms, avgs, owns, pends = [], [], [], [], []
     for p, kept, a, mine, changed, m, avg, own, d, q in zip(
         p_leaves, *flat, pushed, strict=True
@@ -649,13 +671,13 @@ def streaming_push(
     exact).
 
     Read: the paper (arXiv 2501.18512) quantizes the outer gradients to 4-bit
-    floats without error feedback (so it is off by default) and cuts the
-    model into strided fragments of layers (``layout="strided"``, a leaf
-    standing for a layer; ``"contiguous"``, equal chunks of the flattened
-    parameters, is the other option). What differs: the 4-bit float here is
-    E2M1 on a float32 scale per leaf (the paper's exact float format and
-    scaling were not read); the values travel as float32 top-k leaves on
-    real workers (the simulator counts the 4-bit bytes).
+    floats without error feedback (so it is off by default) and cuts the model
+    into strided fragments of layers (``layout="strided"``, a top-level block
+    of the parameters standing for a layer; ``"contiguous"``, equal chunks of
+    the flattened parameters, is the other option). What differs: the 4-bit
+    float here is E2M1 on a float32 scale per leaf (the paper's exact float
+    format and scaling were not read); the values travel as float32 top-k
+    leaves on real workers (the simulator counts the 4-bit bytes).
 
     Args:
       fragments: :math:`P`, the number of fragments (at most the elements).
@@ -707,9 +729,7 @@ def streaming_push(
 
     def update_fn(updates, state, params=None, **extra_args):
         del params, extra_args
-        masks = _masks(
-            jax.tree.leaves(updates), fragments, state.count % fragments, layout
-        )
+        masks = _masks(updates, fragments, state.count % fragments, layout)
 
         def leaf(i, g, e, key):
             # The fragment's part of the leaf, quantized on its own scale.
@@ -822,7 +842,7 @@ def streaming_outer(
         lr = jnp.asarray(lr, _F32)
         leaves, treedef = jax.tree.flatten(updates)
         moms = treedef.flatten_up_to(state.momentum)
-        masks = _masks(leaves, fragments, state.count % fragments, layout)
+        masks = _masks(updates, fragments, state.count % fragments, layout)
         steps, new_moms = [], []
         for g, m, mine in zip(leaves, moms, masks, strict=True):
             g32 = g.astype(_F32)
