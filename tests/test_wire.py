@@ -11,6 +11,7 @@ import pytest
 
 from hpsjax.net import _auth
 from hpsjax.wire import (
+    Hello,
     InfoMessage,
     ParamsMeta,
     Subscribe,
@@ -771,7 +772,7 @@ def test_handshake_state_machine_refuses_out_of_order_and_wrong_secrets():
     assert server.ready and server.worker_id == 7
 
 
-def test_info_params_and_subscribe_are_typed_messages_checked_once():
+def test_hello_info_params_and_subscribe_are_typed_messages_checked_once():
     info = InfoMessage(
         policy="bsp", version=3, spec={"tree": 0, "leaves": []}, workers=2
     ).to_wire()
@@ -789,6 +790,11 @@ def test_info_params_and_subscribe_are_typed_messages_checked_once():
     assert (params.version, params.held_s, params.barrier_s) == (4, 0.5, None)
     with pytest.raises(errors.ProtocolError, match=r"PARAMS.*\$\.local_steps"):
         ParamsMeta.from_wire({"version": 4, "local_steps": True}, errors.ProtocolError)
+    hello = Hello("w0", b"n" * 32, client="hpsjax")
+    assert Hello.from_wire(hello.to_wire()) == hello
+    for bad in ({"worker_id": "w0", "nonce": b"n" * 31}, {"worker_id": True}):
+        with pytest.raises(errors.MalformedMetadata, match="malformed HELLO"):
+            Hello.from_wire({"nonce": b"n" * 32, **bad})
     reply = Subscribed(on=False, version=7)
     assert Subscribed.from_wire(reply.to_wire()) == reply
     with pytest.raises(errors.ProtocolError, match="SUBSCRIBE reply"):

@@ -27,7 +27,9 @@ from typing import Any, ClassVar
 import msgpack
 
 from hpsjax.wire import (
+    NONCE_BYTES,
     AuthError,
+    Hello,
     MalformedMetadata,
     MsgType,
     ProtocolError,
@@ -45,7 +47,6 @@ __all__ = [
     "secret_bytes",
 ]
 
-NONCE_BYTES = 32
 AUTH_SCHEME = "hmac-sha256"
 _PROOF_LABELS = {
     "client": b"hpsjax-v1 client proof",
@@ -215,8 +216,8 @@ class Handshake:
             raise RuntimeError("only a client that has not started sends HELLO")
         self._client_nonce = os.urandom(NONCE_BYTES)
         self.state = HandshakeState.CHALLENGE
-        meta = {"worker_id": self.worker_id, "nonce": self._client_nonce}
-        return MsgType.HELLO, {**meta, "client": "hpsjax"}
+        hello = Hello(self.worker_id, self._client_nonce, client="hpsjax")
+        return MsgType.HELLO, hello.to_wire()
 
     def receive(self, msg_type: MsgType, metadata: Mapping[str, Any]) -> Reply | None:
         """Takes a received handshake frame; returns the frame to answer with.
@@ -253,15 +254,13 @@ class Handshake:
         )
 
     def _server_hello(self, meta: Mapping[str, Any]) -> Reply:
-        worker_id, nonce = meta.get("worker_id"), meta.get("nonce")
+        hello = Hello.from_wire(meta)
         try:
-            check_worker_id(worker_id)
+            check_worker_id(hello.worker_id)
         except ValueError as e:
             raise MalformedMetadata(str(e)) from None
-        if not isinstance(nonce, bytes) or len(nonce) != NONCE_BYTES:
-            raise MalformedMetadata("HELLO needs a 32-byte nonce")
-        self.worker_id = worker_id
-        self._client_nonce = nonce
+        self.worker_id = hello.worker_id
+        self._client_nonce = hello.nonce
         self._server_nonce = os.urandom(NONCE_BYTES)
         self.state = HandshakeState.AUTH
         auth = AUTH_SCHEME if self._secret else None

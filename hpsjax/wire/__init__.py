@@ -76,7 +76,9 @@ from hpsjax.wire._frames import (
     unpack_metadata,
 )
 from hpsjax.wire._messages import (
+    NONCE_BYTES,
     ForcePullNotice,
+    Hello,
     InfoMessage,
     Notice,
     ParamsMeta,
@@ -117,6 +119,7 @@ __all__ = [
     "HEADER_SIZE",
     "JOIN_PAYLOAD_BYTES",
     "MAGIC",
+    "NONCE_BYTES",
     "PAYLOAD_TYPES",
     "PROTOCOL_VERSION",
     "Allocator",
@@ -130,6 +133,7 @@ __all__ = [
     "FrameDecoder",
     "FrameError",
     "Header",
+    "Hello",
     "HpsError",
     "InfoMessage",
     "InvalidUpdate",

@@ -6,7 +6,8 @@ request handling turns a PUSH's metadata into a :class:`PushMeta`
 (:meth:`PushMeta.from_wire`), the client turns a PUSH_ACK into a
 :class:`PushAck` (:meth:`PushAck.from_wire`) and a NOTICE into a
 :class:`PlanNotice`, :class:`StageNotice` or :class:`ForcePullNotice`
-(:func:`notice_from_wire`); a server's description (INFO, and the handshake's
+(:func:`notice_from_wire`); a client's HELLO becomes a :class:`Hello`, a server's
+description (INFO, and the handshake's
 ``info``) becomes an :class:`InfoMessage`, a SUBSCRIBE a :class:`Subscribe`, a
 PARAMS frame's fields a :class:`ParamsMeta`.
 Everything past that point trusts the types. A
@@ -30,7 +31,9 @@ import msgspec
 from hpsjax.wire._errors import MalformedMetadata
 
 __all__ = [
+    "NONCE_BYTES",
     "ForcePullNotice",
+    "Hello",
     "InfoMessage",
     "ParamsMeta",
     "Notice",
@@ -43,6 +46,9 @@ __all__ = [
     "notice_from_wire",
     "notice_to_wire",
 ]
+
+NONCE_BYTES = 32
+"""Bytes of each end's random nonce in the handshake (HELLO, CHALLENGE)."""
 
 _MAX = sys.float_info.max
 NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
@@ -252,6 +258,31 @@ def notice_from_wire(meta: Mapping[str, Any]) -> Notice:
       StageNotice(stage=1)
     """
     return _convert(meta, Notice, "notice", MalformedMetadata)
+
+
+class Hello(msgspec.Struct, frozen=True):
+    """A client's HELLO, which opens the handshake (PROTOCOL.md, section 3).
+
+    Attributes:
+      worker_id: the worker's name, a ``str`` or an ``int``.
+      nonce: the client's 32 random bytes for the proofs.
+      client: the client's software (informative).
+    """
+
+    worker_id: str | int
+    nonce: Annotated[
+        bytes, msgspec.Meta(min_length=NONCE_BYTES, max_length=NONCE_BYTES)
+    ]
+    client: str | None = None
+
+    @classmethod
+    def from_wire(cls, meta: Any, error: type = MalformedMetadata) -> Hello:
+        """Validates a HELLO; ``error`` names a bad field."""
+        return _convert(meta, cls, "HELLO", error)
+
+    def to_wire(self) -> dict[str, Any]:
+        """The HELLO's metadata (``None`` fields left out)."""
+        return {k: v for k, v in msgspec.structs.asdict(self).items() if v is not None}
 
 
 class InfoMessage(msgspec.Struct, frozen=True):
