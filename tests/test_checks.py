@@ -134,7 +134,6 @@ _PENDING = {
     "_check_workers",  # hpsjax/sim/_config.py
     "_check_optional",  # hpsjax/sim/_config.py
     "_check_worker_side",  # hpsjax/sim/_config.py
-    "_check_pilot",  # hpsjax/ps/_options.py
 }
 
 

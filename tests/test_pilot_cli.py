@@ -42,7 +42,7 @@ def _command(module):
         (["--pilot", "hps", "--global_batch", "8", "--expected_workers", "0"],
          "--expected_workers must be an int >= 1"),
         (["--pilot", "hps", "--global_batch", "8", "--expected_workers", "2",
-          "--pilot_tolerance", "0"], "--pilot_tolerance must be a number > 0"),
+          "--pilot_tolerance", "0"], "--pilot_tolerance must be a finite number > 0"),
         (["--pilot", "hps", "--global_batch", "8", "--expected_workers", "2",
           "--work_plan", "plan.json"], "give one of --pilot and --work_plan"),
         (["--pilot", "hps", "--global_batch", "8", "--expected_workers", "2",

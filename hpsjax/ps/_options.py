@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from hpsjax import data, models
-from hpsjax._checks import is_int, is_number
+from hpsjax._checks import check_int, check_positive, is_int
 from hpsjax._flags import check_kwargs
 from hpsjax._logs import LOG_LEVELS, check_log_level
 from hpsjax._optimizers import OPTIMIZERS
@@ -187,7 +187,7 @@ class ServerOptions:
 
     work_plan: str | None = _option(
         None,
-        "WorkPlan JSON (hpsjax.profiling.plan): sent to the workers and "
+        "WorkPlan JSON (hpsjax.planning.plan): sent to the workers and "
         "re-planned as their measured speeds drift (H-PS)",
         group="plan",
     )
@@ -347,10 +347,7 @@ class ServerOptions:
             raise ValueError("give one of --pilot and --work_plan")
         if self.expected_workers is None or self.global_batch is None:
             raise ValueError("--pilot needs --global_batch and --expected_workers")
-        if not (is_int(self.expected_workers) and self.expected_workers >= 1):
-            raise ValueError(
-                f"--expected_workers must be an int >= 1, got {self.expected_workers!r}"
-            )
+        check_int("--expected_workers", self.expected_workers, low=1)
         if not (
             is_int(self.global_batch) and self.global_batch >= self.expected_workers
         ):
@@ -358,10 +355,7 @@ class ServerOptions:
                 f"--global_batch must be an int >= --expected_workers "
                 f"({self.expected_workers}), got {self.global_batch!r}"
             )
-        if not (is_number(self.pilot_tolerance) and self.pilot_tolerance > 0):
-            raise ValueError(
-                f"--pilot_tolerance must be a number > 0, got {self.pilot_tolerance!r}"
-            )
+        check_positive("--pilot_tolerance", self.pilot_tolerance)
         if "expected_workers" in self.core_arg:
             raise ValueError(
                 "give the workers once: --expected_workers, not --core_arg "
