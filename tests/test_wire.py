@@ -11,9 +11,11 @@ import pytest
 
 from hpsjax.net import _auth
 from hpsjax.wire import (
+    Challenge,
     Hello,
     InfoMessage,
     ParamsMeta,
+    Proof,
     Subscribe,
     Subscribed,
     _codecs,
@@ -795,6 +797,13 @@ def test_hello_info_params_and_subscribe_are_typed_messages_checked_once():
     for bad in ({"worker_id": "w0", "nonce": b"n" * 31}, {"worker_id": True}):
         with pytest.raises(errors.MalformedMetadata, match="malformed HELLO"):
             Hello.from_wire({"nonce": b"n" * 32, **bad})
+    challenge = Challenge(b"s" * 32, "hmac-sha256")
+    assert Challenge.from_wire(challenge.to_wire()) == challenge
+    with pytest.raises(errors.ProtocolError, match="malformed CHALLENGE"):
+        Challenge.from_wire({"nonce": "not bytes"}, errors.ProtocolError)
+    assert Proof.from_wire({"proof": b"p", "info": {}}) == Proof(b"p")
+    with pytest.raises(errors.AuthError, match="malformed proof"):
+        Proof.from_wire({"proof": "text"}, errors.AuthError)
     reply = Subscribed(on=False, version=7)
     assert Subscribed.from_wire(reply.to_wire()) == reply
     with pytest.raises(errors.ProtocolError, match="SUBSCRIBE reply"):

@@ -29,9 +29,11 @@ import msgpack
 from hpsjax.wire import (
     NONCE_BYTES,
     AuthError,
+    Challenge,
     Hello,
     MalformedMetadata,
     MsgType,
+    Proof,
     ProtocolError,
     UnexpectedMessage,
 )
@@ -264,12 +266,11 @@ class Handshake:
         self._server_nonce = os.urandom(NONCE_BYTES)
         self.state = HandshakeState.AUTH
         auth = AUTH_SCHEME if self._secret else None
-        return MsgType.CHALLENGE, {"nonce": self._server_nonce, "auth": auth}
+        return MsgType.CHALLENGE, Challenge(self._server_nonce, auth).to_wire()
 
     def _client_challenge(self, meta: Mapping[str, Any]) -> Reply:
-        server_nonce, scheme = meta.get("nonce"), meta.get("auth")
-        if not isinstance(server_nonce, bytes) or len(server_nonce) != NONCE_BYTES:
-            raise ProtocolError("malformed CHALLENGE")
+        challenge = Challenge.from_wire(meta, ProtocolError)
+        server_nonce, scheme = challenge.nonce, challenge.auth
         if scheme is None and self._secret is not None:
             raise AuthError("server does not authenticate; refusing to trust it")
         if scheme is not None and scheme != AUTH_SCHEME:
@@ -279,24 +280,22 @@ class Handshake:
         self._server_nonce = server_nonce
         self.state = HandshakeState.AUTH_OK
         proof = b"" if self._secret is None else self._proof("client")
-        return MsgType.AUTH, {"proof": proof}
+        return MsgType.AUTH, Proof(proof).to_wire()
 
     def _server_auth(self, meta: Mapping[str, Any]) -> Reply:
         proof = b""
         if self._secret is not None:
-            got = meta.get("proof")
-            want = self._proof("client")
-            if not isinstance(got, bytes) or not hmac.compare_digest(got, want):
+            got = Proof.from_wire(meta, AuthError).proof
+            if not hmac.compare_digest(got, self._proof("client")):
                 raise AuthError("authentication failed")
             proof = self._proof("server")
         self.state = HandshakeState.READY
-        return MsgType.AUTH_OK, {"proof": proof}
+        return MsgType.AUTH_OK, Proof(proof).to_wire()
 
     def _client_auth_ok(self, meta: Mapping[str, Any]) -> None:
         if self._secret is not None:
-            got = meta.get("proof")
-            want = self._proof("server")
-            if not isinstance(got, bytes) or not hmac.compare_digest(got, want):
+            got = Proof.from_wire(meta, AuthError).proof
+            if not hmac.compare_digest(got, self._proof("server")):
                 raise AuthError("server failed to prove it knows the secret")
         self.state = HandshakeState.READY
 

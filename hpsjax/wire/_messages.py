@@ -6,7 +6,8 @@ request handling turns a PUSH's metadata into a :class:`PushMeta`
 (:meth:`PushMeta.from_wire`), the client turns a PUSH_ACK into a
 :class:`PushAck` (:meth:`PushAck.from_wire`) and a NOTICE into a
 :class:`PlanNotice`, :class:`StageNotice` or :class:`ForcePullNotice`
-(:func:`notice_from_wire`); a client's HELLO becomes a :class:`Hello`, a server's
+(:func:`notice_from_wire`); the handshake's HELLO, CHALLENGE and proofs become a
+:class:`Hello`, a :class:`Challenge` and a :class:`Proof`, a server's
 description (INFO, and the handshake's
 ``info``) becomes an :class:`InfoMessage`, a SUBSCRIBE a :class:`Subscribe`, a
 PARAMS frame's fields a :class:`ParamsMeta`.
@@ -32,12 +33,14 @@ from hpsjax.wire._errors import MalformedMetadata
 
 __all__ = [
     "NONCE_BYTES",
+    "Challenge",
     "ForcePullNotice",
     "Hello",
     "InfoMessage",
     "ParamsMeta",
     "Notice",
     "PlanNotice",
+    "Proof",
     "PushAck",
     "PushMeta",
     "StageNotice",
@@ -61,7 +64,8 @@ PositiveFloat = Annotated[float, msgspec.Meta(gt=0, le=_MAX)]
 
 def _convert(meta: Any, kind: Any, what: str, error: type) -> Any:
     try:
-        return msgspec.convert(meta, kind)
+        # bytes fields take msgpack's bin only, never a str read as base64.
+        return msgspec.convert(meta, kind, builtin_types=(bytes,))
     except msgspec.ValidationError as e:
         raise error(f"malformed {what}: {e}"[:300]) from None
 
@@ -283,6 +287,41 @@ class Hello(msgspec.Struct, frozen=True):
     def to_wire(self) -> dict[str, Any]:
         """The HELLO's metadata (``None`` fields left out)."""
         return {k: v for k, v in msgspec.structs.asdict(self).items() if v is not None}
+
+
+class Challenge(msgspec.Struct, frozen=True):
+    """The server's CHALLENGE: its nonce, and the scheme it authenticates with
+    (``None``: it does not)."""
+
+    nonce: Annotated[
+        bytes, msgspec.Meta(min_length=NONCE_BYTES, max_length=NONCE_BYTES)
+    ]
+    auth: str | None = None
+
+    @classmethod
+    def from_wire(cls, meta: Any, error: type = MalformedMetadata) -> Challenge:
+        """Validates a CHALLENGE; ``error`` names a bad field."""
+        return _convert(meta, cls, "CHALLENGE", error)
+
+    def to_wire(self) -> dict[str, Any]:
+        """The CHALLENGE's metadata."""
+        return {"nonce": self.nonce, "auth": self.auth}
+
+
+class Proof(msgspec.Struct, frozen=True):
+    """An AUTH or AUTH_OK: one end's proof that it knows the secret (empty
+    bytes where the server does not authenticate)."""
+
+    proof: bytes
+
+    @classmethod
+    def from_wire(cls, meta: Any, error: type = MalformedMetadata) -> Proof:
+        """Validates an AUTH or AUTH_OK; ``error`` names a bad field."""
+        return _convert(meta, cls, "proof", error)
+
+    def to_wire(self) -> dict[str, Any]:
+        """The proof's metadata."""
+        return {"proof": self.proof}
 
 
 class InfoMessage(msgspec.Struct, frozen=True):
