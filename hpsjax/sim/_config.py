@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -18,6 +17,7 @@ import jax
 import numpy as np
 import optax
 
+from hpsjax._checks import check_int, check_number, check_positive, is_number
 from hpsjax.data import Batch, Dataset
 from hpsjax.decisions import ADSP, Hybrid
 from hpsjax.sim._workers import WorkerSpec
@@ -28,24 +28,6 @@ from hpsjax.worker import _core as wc
 __all__ = ["OVERLAP_MODES", "SimConfig"]
 
 _DATA_SHARDINGS = ("disjoint", "shared")
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, int | float | np.integer | np.floating) and not isinstance(
-        value, bool
-    )
-
-
-def _check_optional(name: str, value: Any, *, integer: bool = False) -> None:
-    if value is None:
-        return
-    if integer:
-        if isinstance(value, bool) or not isinstance(value, int | np.integer):
-            raise ValueError(f"{name} must be an int >= 1 or None, got {value!r}.")
-        if value < 1:
-            raise ValueError(f"{name} must be an int >= 1 or None, got {value}.")
-    elif not _is_number(value) or not (math.isfinite(value) and value > 0):
-        raise ValueError(f"{name} must be a finite number > 0 or None, got {value!r}.")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,10 +145,7 @@ class SimConfig:
             self.policy_kwargs, Mapping
         ):
             raise ValueError("policy_kwargs must be a mapping or None.")
-        if not _is_number(self.learning_rate) or not math.isfinite(self.learning_rate):
-            raise ValueError(
-                f"learning_rate must be a finite number, got {self.learning_rate!r}."
-            )
+        check_number("learning_rate", self.learning_rate)
         for name in ("server_optimizer", "local_optimizer", "push_transform"):
             value = getattr(self, name)
             if value is not None and not isinstance(
@@ -177,9 +156,9 @@ class SimConfig:
                     f"{type(value).__name__}."
                 )
         self._check_worker_side()
-        _check_optional("duration", self.duration)
-        _check_optional("max_updates", self.max_updates, integer=True)
-        _check_optional("max_gradients", self.max_gradients, integer=True)
+        check_positive("duration", self.duration, allow_none=True)
+        check_int("max_updates", self.max_updates, low=1, allow_none=True)
+        check_int("max_gradients", self.max_gradients, low=1, allow_none=True)
         if (
             self.duration is None
             and self.max_updates is None
@@ -189,10 +168,10 @@ class SimConfig:
                 "Give at least one of duration, max_updates and max_gradients, "
                 "or the simulation never ends."
             )
-        _check_optional("eval_every", self.eval_every)
-        _check_optional("eval_every_updates", self.eval_every_updates, integer=True)
-        _check_optional("eval_batch_size", self.eval_batch_size, integer=True)
-        _check_optional("batch_rows", self.batch_rows, integer=True)
+        check_positive("eval_every", self.eval_every, allow_none=True)
+        check_int("eval_every_updates", self.eval_every_updates, low=1, allow_none=True)
+        check_int("eval_batch_size", self.eval_batch_size, low=1, allow_none=True)
+        check_int("batch_rows", self.batch_rows, low=1, allow_none=True)
         if self.data_sharding not in _DATA_SHARDINGS:
             raise ValueError(
                 f"Unknown data_sharding {self.data_sharding!r}; valid values are "
@@ -205,35 +184,22 @@ class SimConfig:
                 "codec counts the bytes of compressed pushes; give the "
                 "push_transform that compresses them too."
             )
-        service = self.server_service_time
         if not isinstance(self.stop_on_divergence, bool):
             raise ValueError(
                 "stop_on_divergence must be True or False, got "
                 f"{self.stop_on_divergence!r}."
             )
-        if not _is_number(service) or not (math.isfinite(service) and service >= 0):
-            raise ValueError(
-                f"server_service_time must be a finite number >= 0, got {service!r}."
-            )
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int | np.integer):
-            raise ValueError(f"seed must be an int >= 0, got {self.seed!r}.")
-        if self.seed < 0:
-            raise ValueError(f"seed must be an int >= 0, got {self.seed}.")
+        check_number("server_service_time", self.server_service_time, low=0)
+        check_int("seed", self.seed, low=0)
 
     def _check_worker_side(self) -> None:
         """Checks the overlap, compression and staleness settings of the
         simulated workers."""
         wc.check_overlap(self.overlap)
-        _check_optional("eager_pulls", self.eager_pulls, integer=True)
-        if self.compress_from_stage is not None and (
-            isinstance(self.compress_from_stage, bool)
-            or not isinstance(self.compress_from_stage, int)
-            or self.compress_from_stage < 0
-        ):
-            raise ValueError(
-                f"compress_from_stage must be an int >= 0 or None, got "
-                f"{self.compress_from_stage!r}."
-            )
+        check_int("eager_pulls", self.eager_pulls, low=1)
+        check_int(
+            "compress_from_stage", self.compress_from_stage, low=0, allow_none=True
+        )
         if self.staleness_lr is not None and not callable(self.staleness_lr):
             if self.staleness_lr not in STALENESS_POLICIES:
                 raise ValueError(
@@ -277,12 +243,9 @@ def _default_optimizer(learning_rate: float) -> optax.GradientTransformation:
 
 
 def _check_workers(workers: Any) -> list[WorkerSpec]:
-    if isinstance(workers, bool):
-        raise ValueError(f"workers must be an int or WorkerSpecs, got {workers!r}.")
-    if isinstance(workers, int | np.integer):
-        if workers < 1:
-            raise ValueError(f"workers must be >= 1, got {workers}.")
-        return [WorkerSpec() for _ in range(int(workers))]
+    if is_number(workers) or isinstance(workers, bool):
+        count = check_int("workers", workers, low=1)
+        return [WorkerSpec() for _ in range(count)]
     if isinstance(workers, WorkerSpec) or not isinstance(workers, Sequence):
         raise ValueError(
             "workers must be a number of workers or a sequence of WorkerSpec, got "
