@@ -332,7 +332,16 @@ def _check_streaming(config: ml_collections.ConfigDict) -> None:
     fragments = worker.get("streaming_fragments")
     check_int("worker.streaming_fragments", fragments, low=1)
     bits = worker.get("streaming_bits")
-    check_choice("worker.streaming_bits", bits, _BITS, allow_none=True)
+    check_choice("worker.streaming_bits", bits, (*_BITS, "e2m1"), allow_none=True)
+    layout = worker.get("streaming_layout", "contiguous")
+    check_choice("worker.streaming_layout", layout, ("contiguous", "strided"))
+    server_args = config.server.get("optimizer_args") or {}
+    server_layout = server_args.get("layout", "contiguous")
+    if server_layout != layout:
+        raise ValueError(
+            f"worker.streaming_layout={layout!r} needs server.optimizer_args.layout "
+            f"= {layout!r} (the server steps the same fragments), got {server_layout!r}"
+        )
     if worker.local_optimizer != "streaming_local":
         raise ValueError(
             "worker.compression='streaming' needs worker.local_optimizer="
@@ -350,6 +359,13 @@ def _check_streaming(config: ml_collections.ConfigDict) -> None:
             "stages.compress_from_stage=None"
         )
     args = worker.get("local_optimizer_args") or {}
+    delay = check_int("worker.local_optimizer_args.delay", args.get("delay", 0), low=0)
+    if delay and delay >= int(worker.local_steps) - 1:
+        raise ValueError(
+            f"worker.local_optimizer_args.delay (tau = {delay}) must be below a "
+            f"round's inner steps ({int(worker.local_steps) - 1}), as torchft's "
+            "fragment_sync_delay < sync_every / fragments"
+        )
     if args.get("eager"):
         # Eager updates mirror the server's outer step: the same numbers.
         for key, want in (

@@ -597,10 +597,12 @@ def test_streaming_diloco_in_the_simulator_counts_fragments_and_trains(tmp_path)
     summary = train.train_and_evaluate(config, tmp_path, progress=False, formats=())
     setup = build.setup(config)
     fragments = config.worker.streaming_fragments
-    sizes = streaming_fragment_nbytes(setup.params, fragments, bits=4)
+    layout = config.worker.streaming_layout
+    assert (layout, config.worker.streaming_bits) == ("strided", "e2m1")
+    sizes = streaming_fragment_nbytes(setup.params, fragments, 4, layout)
     dense = sum(np.asarray(p).nbytes for p in jax.tree.leaves(setup.params))
-    # A push: one fragment of 1/P of the model, on 4 bits (plus scales).
-    assert max(sizes) < dense / fragments / 7
+    # A push: one fragment (a layer of the two), on 4 bits (plus scales).
+    assert sum(sizes) < dense / 7
     assert summary["pushes"] > 0
     per_push = -(-sum(sizes) // fragments)
     assert per_push * summary["pushes"] <= summary["bytes_sent"]
@@ -612,15 +614,21 @@ def test_streaming_diloco_in_the_simulator_counts_fragments_and_trains(tmp_path)
     ("key", "value", "message"),
     [
         ("worker.streaming_fragments", 0, r"worker\.streaming_fragments must be"),
-        ("worker.streaming_bits", 3, r"worker\.streaming_bits must be one of"),
+        ("worker.streaming_bits", "e3m0", r"worker\.streaming_bits must be one of"),
+        ("worker.streaming_layout", "rows", r"worker\.streaming_layout must be one"),
+        ("server.optimizer_args.layout", "contiguous", r"needs server\.optimizer_args"),
+        ("worker.local_optimizer_args.delay", 4, r"tau = 4\) must be below"),
         ("worker.local_optimizer", "adam", r"needs worker\.local_optimizer="),
         ("plan.scheme", "hps", r"needs plan\.scheme='none'"),
     ],
 )
 def test_streaming_diloco_config_errors_are_one_line(key, value, message):
     config = _quick("streaming_diloco")
-    section, name = key.split(".")
-    config[section][name] = value
+    *parents, name = key.split(".")
+    node = config
+    for part in parents:
+        node = node[part]
+    node[name] = value
     with pytest.raises(ValueError, match=message) as err:
         registry.check_config(config)
     assert "\n" not in str(err.value)

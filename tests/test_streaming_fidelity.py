@@ -153,3 +153,36 @@ def test_bad_knobs_are_one_line(kwargs, message):
     with pytest.raises(ValueError, match=message) as err:
         streaming_local(optax.sgd(1.0), **kwargs)
     assert "\n" not in str(err.value)
+
+
+# ---------------------------------------------------------------- billing
+
+
+def test_the_merge_step_costs_no_time_in_the_simulator():
+    from hpsjax.sim import ComputeModel, SimConfig, WorkerSpec, simulate
+
+    rng = np.random.default_rng(0)
+    params = {"w": jnp.zeros((4, 2))}
+    data = (rng.normal(size=(64, 4)).astype(np.float32), rng.integers(0, 2, 64))
+
+    def loss_fn(p, batch):
+        x, y = batch
+        logits = x @ p["w"]
+        return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+    computes = {}
+    for merge in (0, 1):
+        config = SimConfig(
+            policy="bsp", local_optimizer=streaming_local(optax.sgd(0.1)),
+            server_optimizer=optax.sgd(1.0), max_updates=3, merge_steps=merge,
+        )  # fmt: skip
+        workers = [WorkerSpec(ComputeModel(step_time=0.1), batch_size=8,
+                              local_steps=5)]  # fmt: skip
+        result = simulate(loss_fn, params, data, workers, config)
+        spans = [i for i in result.timelines[0] if i.kind == "compute"]
+        computes[merge] = [round(i.end - i.start, 6) for i in spans]
+    # Five local steps a round: five billed, or four with the merge free.
+    assert computes[0][:3] == [0.5, 0.5, 0.5]
+    assert computes[1][:3] == [0.4, 0.4, 0.4]
+    with pytest.raises(ValueError, match=r"^merge_steps must be an int >= 0"):
+        SimConfig(max_updates=1, merge_steps=-1)

@@ -1,26 +1,49 @@
-"""Streaming DiLoCo: DiLoCo's fragments synchronised in turn, on 4 bits.
+"""Streaming DiLoCo: DiLoCo's fragments synchronised in turn, on 4-bit floats.
 
-The parameters are split into ``worker.streaming_fragments`` = P equal
-chunks. Each round a worker goes on from its *own* parameters (inner Adam,
+The parameters are split into ``worker.streaming_fragments`` = P fragments,
+strided by layer (``worker.streaming_layout='strided'``: fragment p holds
+every P-th top-level block of the parameters from block p, the paper's
+layout; ``'contiguous'`` cuts the flat parameters into equal chunks). Each
+round a worker goes on from its *own* parameters (inner Adam,
 ``worker.local_optimizer='streaming_local'``), merging in the fragment the
-server synchronised last, and pushes the outer gradient of the fragment due
-(round c: fragment c mod P; global minus local parameters) quantized to
-``worker.streaming_bits`` bits (``hpsjax.transforms.streaming_push``). The
-server waits for all (BSP), averages and takes DiLoCo's Nesterov step on that
-fragment only (``server.optimizer='streaming_nesterov'``, outer learning rate
-0.7, momentum 0.9). With ``worker.overlap='pipeline'`` a push travels while
-the next round computes: the fragment merges one round later, the paper's
-overlap of tau = H / P inner steps.
+server synchronised last with torchft's ``fragment_update_alpha`` =
+``ALPHA`` (``local_optimizer_args.mixing``: the merged value is
+alpha * local + (1 - alpha) * global), and pushes the outer gradient of the
+fragment due (round c: fragment c mod P; global minus local parameters) as
+4-bit floats (``worker.streaming_bits='e2m1'``, one scale per leaf;
+``hpsjax.transforms.streaming_push``). The server waits for all (BSP),
+averages and takes DiLoCo's Nesterov step on that fragment only
+(``server.optimizer='streaming_nesterov'``, outer learning rate 0.7,
+momentum 0.9).
+
+The overlap tau, in inner steps, is ``TAU``: with ``TAU = None`` the push
+travels while the next round computes (``worker.overlap='pipeline'``) and
+the fragment merges one round later, tau = H / P; with an int in [0, H / P),
+torchft's ``fragment_sync_delay``, the worker waits for the server's step at
+the end of the round (``overlap='none'``) and holds the merge for tau inner
+steps (``local_optimizer_args.delay``), so the algorithm is torchft's but the
+round trip is not hidden behind those steps (a handicap in time, none in
+steps).
 
 Each fragment is synchronised every P rounds; a round is
-``worker.local_steps`` = H / P + 1 steps, the first of which is the merge
-(no gradient is used), so that every fragment sees H = 8 inner steps between
-two synchronisations, as ``diloco.py``'s rounds do.
+``worker.local_steps`` = H / P + 1 steps, the first of which is the merge: it
+takes no gradient, and the simulator bills it no time
+(``SimConfig.merge_steps``; a real worker still computes, and throws away,
+its gradient). Every fragment sees H = 8 inner steps between two
+synchronisations, as ``diloco.py``'s rounds do.
+
+Read: the paper (arXiv 2501.18512; fragments, strided layers, tau, alpha,
+4-bit float outer gradients) and torchft's ``torchft/local_sgd.py``
+(``DiLoCo``: ``fragment_sync_delay``, ``fragment_update_alpha`` in [0, 1]).
+What differs: ``TAU`` and ``ALPHA`` keep the values this config had (tau =
+H / P, alpha = 0) until the tuning protocol chooses them; the 4-bit float is
+E2M1 (the paper's exact format not read); a strided block is a top-level
+child of the parameters (an MLP's dense layer); a pull brings the whole model.
 
 The simulator charges a push the fragments' mean bytes on 4 bits; real
 workers (``hpsjax-worker --push_transform``) send the fragment as top-k
-leaves at float32 (no few-bit sparse codec on the wire yet). A pull is the
-whole model in both. With eager updates: ``streaming_diloco_eager.py``.
+leaves at float32 (no few-bit sparse codec on the wire yet). With eager
+updates: ``streaming_diloco_eager.py``.
 
 Launch::
 
@@ -40,6 +63,10 @@ from experiments.configs import common
 
 FRAGMENTS = 2
 INNER_STEPS = 8  # H: inner steps between two synchronisations of a fragment
+TAU = None  # the overlap in inner steps: None = one round (pipeline), or [0, H/P)
+ALPHA = 0.0  # torchft's fragment_update_alpha, in [0, 1]
+LAYOUT = "strided"  # or "contiguous"
+BITS = "e2m1"  # 4-bit floats; or 1, 2, 4, 8, 16 (uniform), None (float32)
 
 
 def get_config(arg=None):
@@ -50,10 +77,12 @@ def get_config(arg=None):
     config.server.optimizer = "streaming_nesterov"
     config.server.learning_rate = common.pick(config, {"default": 0.7})
     config.server.momentum = 0.9
-    config.server.optimizer_args = ml_collections.ConfigDict({"fragments": FRAGMENTS})
+    config.server.optimizer_args = ml_collections.ConfigDict(
+        {"fragments": FRAGMENTS, "layout": LAYOUT}
+    )
     config.worker.local_optimizer = "streaming_local"
     config.worker.local_optimizer_args = ml_collections.ConfigDict(
-        {"inner": "adam", "mixing": 0.0}
+        {"inner": "adam", "mixing": ALPHA, "delay": TAU or 0}
     )
     # lm_sim8 (and the settings tuned as it): tuned at 0.005, 0.01, 0.02 on
     # seed 0 (RESULTS.md, "LM"); 0.02, the grid's edge, was not extended.
@@ -61,9 +90,10 @@ def get_config(arg=None):
         config, {"lm_sim8": 0.02, "default": 0.01}
     )
     config.worker.local_steps = INNER_STEPS // FRAGMENTS + 1
-    config.worker.overlap = "pipeline"
+    config.worker.overlap = "pipeline" if TAU is None else "none"
     config.worker.compression = "streaming"
     config.worker.streaming_fragments = FRAGMENTS
-    config.worker.streaming_bits = 4
+    config.worker.streaming_layout = LAYOUT
+    config.worker.streaming_bits = BITS
     config.worker.error_feedback = False  # the paper quantizes without it
     return config

@@ -41,4 +41,6 @@ def get_config(arg=None):
     args.outer_learning_rate = config.server.learning_rate
     args.outer_momentum = config.server.momentum
     args.workers = len(config.workers.slowdowns)
+    args.layout = config.worker.streaming_layout
+    del args["delay"]  # eager updates merge at once
     return config

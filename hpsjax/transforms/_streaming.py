@@ -126,21 +126,45 @@ def fragment_bounds(tree: Any, fragments: int) -> tuple[int, ...]:
     return tuple(p * total // fragments for p in range(fragments + 1))
 
 
+def _key(entry: Any) -> Any:
+    for name in ("key", "idx", "name"):
+        if hasattr(entry, name):
+            return getattr(entry, name)
+    return str(entry)
+
+
+def _numbered(key: Any) -> bool:
+    return isinstance(key, int) or (isinstance(key, str) and key.isdigit())
+
+
 def leaf_blocks(tree: Any) -> tuple[int, ...]:
-    """Per leaf of ``tree`` (``jax.tree.leaves`` order), its block: the index
-    of the top-level child it is in (a layer of a model's parameters; a bare
-    leaf is one block).
+    """Per leaf of ``tree`` (``jax.tree.leaves`` order), the block (a layer)
+    it is in, numbered in order: below the nodes every leaf shares, each child
+    is a block, except that a child whose own children are numbered (a list
+    of layers, ``{"0": ..., "1": ...}``) gives a block each. A bare leaf is
+    one block.
 
     Examples:
       >>> import numpy as np
-      >>> leaf_blocks({"l0": {"b": np.zeros(2), "w": np.zeros(4)},
-      ...              "l1": {"b": np.zeros(2), "w": np.zeros(4)}, "s": np.zeros(1)})
-      (0, 0, 1, 1, 2)
+      >>> layer = {"b": np.zeros(2), "w": np.zeros(4)}
+      >>> leaf_blocks({"layers": {"0": layer, "1": layer, "2": layer}})
+      (0, 0, 1, 1, 2, 2)
+      >>> leaf_blocks({"blocks": [layer, layer], "head": layer})
+      (0, 0, 1, 1, 2, 2)
     """
-    children = jax.tree.structure(tree).children()
-    if not children:
-        return (0,) * len(jax.tree.leaves(tree))
-    return tuple(b for b, c in enumerate(children) for _ in range(c.num_leaves))
+    paths = [tuple(_key(k) for k in path) for path, _ in
+             jax.tree_util.tree_flatten_with_path(tree)[0]]  # fmt: skip
+    while paths and all(len(q) > 1 and q[0] == paths[0][0] for q in paths):
+        paths = [q[1:] for q in paths]  # one child: go down
+    numbered = {
+        q[0] for q in paths if len(q) > 1 and _numbered(q[1])
+    }  # children that are lists of layers
+    ids: dict[tuple, int] = {}
+    out = []
+    for q in paths:
+        block = q[:2] if q and q[0] in numbered else q[:1]
+        out.append(ids.setdefault(block, len(ids)))
+    return tuple(out)
 
 
 def check_layout(tree: Any, fragments: int, layout: str) -> str:
