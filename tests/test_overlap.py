@@ -90,7 +90,7 @@ def test_choose_overlap_rejects_a_bad_threshold(threshold):
 
 @pytest.mark.parametrize("fn", [link_share, choose_overlap])
 def test_choose_overlap_rejects_what_is_not_a_plan(fn):
-    with pytest.raises(ValueError, match=r"must be a hpsjax\.profiling\.WorkPlan"):
+    with pytest.raises(ValueError, match=r"must be a hpsjax\.planning\.WorkPlan"):
         fn({"round_time": 1.0})
 
 
