@@ -35,7 +35,7 @@ from hpsjax import telemetry
 from hpsjax._config_flags import argv_of
 from hpsjax.config import RunConfig, WorkerSettings
 from hpsjax.launch import DIVERGED
-from hpsjax.worker import WorkerConfig
+from hpsjax.worker import WorkerConfig, WorkerOptions
 from hpsjax.worker._command import WorkerCommand
 
 __all__ = ["BACKENDS", "RunOutput", "run_config", "run_processes", "run_sim"]
@@ -123,12 +123,12 @@ def _make_push_compression(
     if worker.get("compression", "none") == "streaming":
         from hpsjax.transforms import last_streaming_nbytes, streaming_push
 
+        bits = worker.streaming_bits
         transform = streaming_push(
             int(worker.streaming_fragments),
-            _streaming_bits(worker),
+            None if bits is None else int(bits),
             error_feedback=error_feedback,
             seed=int(config.seed),
-            layout=str(worker.get("streaming_layout", "contiguous")),
         )
         return transform, None, last_streaming_nbytes(transform.init(params))
     if worker.get("compression", "none") == "demo":
@@ -281,6 +281,7 @@ def run_sim(
             ),
         )
     info["overlap"] = _overlap(config, work_plan)
+    # The workers' side as the processes backend gives it (_worker_settings).
     sim_config = SimConfig(
         policy=policy,
         policy_kwargs=policy_kwargs or None,
@@ -288,18 +289,15 @@ def run_sim(
         local_optimizer=local_optimizer,
         push_transform=push_transform,
         codec=codec,
-        overlap=info["overlap"],
-        eager_pulls=int(config.worker.eager_pulls),
-        staleness_lr=config.worker.staleness_lr,
+        worker=WorkerOptions(
+            **{"compress_from_stage": None, **_worker_side(config, work_plan)}
+        ),
         duration=duration,
         max_updates=config.get("max_updates"),
         eval_every=float(config.eval.every_seconds),
         eval_batch_size=int(config.eval.batch_size),
         core_kwargs=build.core_kwargs(config, work_plan),
-        compress_from_stage=_compress_from_stage(config, work_plan),
         server_service_time=float(config.server.get("service_time", 0.0)),
-        # Streaming DiLoCo's merge step takes no gradient: not billed.
-        merge_steps=int(config.worker.local_optimizer == "streaming_local"),
         seed=int(config.seed),
     )
 
@@ -454,13 +452,21 @@ def _with_startup(config: ml_collections.ConfigDict, specs: list[Any]) -> list[A
     ]
 
 
-def _compress_from_stage(
-    config: ml_collections.ConfigDict, work_plan: Any
-) -> int | None:
-    """``stages.compress_from_stage`` where there is a plan to give the
-    ratios (``SimConfig``'s ``compress_from_stage``), else ``None``."""
-    value = config.stages.get("compress_from_stage")
-    return None if value is None or work_plan is None else int(value)
+def _worker_side(config: ml_collections.ConfigDict, work_plan: Any) -> dict[str, Any]:
+    """The :class:`~hpsjax.worker.WorkerOptions` fields that ``config`` sets on
+    every worker, simulated or real: the overlap, eager pulls, PS+'s staleness
+    step rule and, with a plan to give the ratios, top-k from a stage on."""
+    worker = config.worker
+    side: dict[str, Any] = {"overlap": _overlap(config, work_plan)}
+    if worker.staleness_lr is not None:
+        registry.lookup("staleness policy", worker.staleness_lr)
+        side["staleness_lr"] = worker.staleness_lr
+    if side["overlap"] == "eager":
+        side["eager_pulls"] = int(worker.eager_pulls)
+    if work_plan is not None:
+        value = config.stages.get("compress_from_stage")
+        side["compress_from_stage"] = None if value is None else int(value)
+    return side
 
 
 def _progress_bar(enabled: bool, total: float, unit: str) -> Any:
@@ -548,17 +554,10 @@ def _worker_settings(
         settings["powersgd_rank"] = int(worker.powersgd_rank)
     if worker.bits is not None or power_sgd:
         settings["error_feedback"] = bool(worker.error_feedback)
-    if worker.staleness_lr is not None:
-        registry.lookup("staleness policy", worker.staleness_lr)
-        settings["staleness_lr"] = worker.staleness_lr
     plan = None if plan_file is None else WorkPlan.from_json(plan_file.read_text())
-    settings["overlap"] = _overlap(config, plan)
-    if settings["overlap"] == "eager":
-        settings["eager_pulls"] = int(worker.eager_pulls)
+    settings.update(_worker_side(config, plan))
     if plan_file is not None:
         command["work_plan"] = str(plan_file)
-        # Top-k at the plan's compress_ratio from this stage on.
-        settings["compress_from_stage"] = config.stages.get("compress_from_stage")
     schedule = slowdown_schedule(config, index)
     command["slowdown"] = ",".join(f"{t:g}:{k:g}" for t, k in schedule)
     if config.workers.bandwidth is not None:
@@ -579,12 +578,6 @@ def _local_optimizer(worker: ml_collections.ConfigDict) -> str:
             f"{worker.local_momentum}"
         )
     return "momentum"
-
-
-def _streaming_bits(worker: ml_collections.ConfigDict) -> int | str | None:
-    """``worker.streaming_bits``: an int, ``"e2m1"`` (4-bit floats) or None."""
-    bits = worker.streaming_bits
-    return bits if bits is None or isinstance(bits, str) else int(bits)
 
 
 def _push_transform_spec(config: ml_collections.ConfigDict, index: int) -> str | None:
@@ -609,12 +602,12 @@ def _push_transform_spec(config: ml_collections.ConfigDict, index: int) -> str |
         }
         return json.dumps(fields)  # deterministic: no seed
     elif compression == "streaming":
+        bits = worker.streaming_bits
         fields = {
             "name": "streaming_push",
             "fragments": int(worker.streaming_fragments),
-            "bits": _streaming_bits(worker),
+            "bits": None if bits is None else int(bits),
             "error_feedback": bool(worker.error_feedback),
-            "layout": str(worker.get("streaming_layout", "contiguous")),
         }
     else:
         return None

@@ -21,13 +21,17 @@ from hpsjax._checks import check_int, check_number, check_positive, is_number
 from hpsjax.data import Batch, Dataset
 from hpsjax.decisions import ADSP, Hybrid
 from hpsjax.sim._workers import WorkerSpec
-from hpsjax.transforms import STALENESS_POLICIES
 from hpsjax.worker import OVERLAP_MODES
 from hpsjax.worker import _core as wc
 
 __all__ = ["OVERLAP_MODES", "SimConfig"]
 
 _DATA_SHARDINGS = ("disjoint", "shared")
+
+
+def _default_worker() -> wc.WorkerOptions:
+    """The simulated workers' default options (see ``SimConfig.worker``)."""
+    return wc.WorkerOptions(eager_pulls=3, compress_from_stage=None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,23 +62,26 @@ class SimConfig:
         :func:`~hpsjax.transforms.power_sgd`) in ``push_transform`` keeps for
         the wire, else float32-size (uncompressed) pushes. Pulls are never
         compressed.
-      compress_from_stage: with a work plan, each worker's pushes are top-k
-        sparsified at its plan's ``compress_ratio`` once the server's stage is
-        at least this (the worker core's rule; ASHL's SHL is stage 1), and
-        count the wire's top-k bytes; ``None`` never sparsifies. Only the bytes
-        are simulated: the update applied is the whole one.
-      overlap: ``"none"`` (compute, then push and pull in one round trip),
-        ``"pipeline"`` (H-PS, PS+: the previous round's push and the next pull
-        travel while a round computes) or ``"eager"`` (``"pipeline"`` with up to
-        ``eager_pulls`` pulls a round while compute time is left), as the
-        worker's ``overlap`` and ``eager_pulls``.
-      eager_pulls: the most pulls per round with ``overlap="eager"``, >= 1.
-      staleness_lr: PS+'s worker-side modulation: a policy name of
-        :data:`~hpsjax.transforms.STALENESS_POLICIES` or a callable ``tau ->
-        factor``; each update is scaled, when sent, by :math:`f(\hat\tau)` with
-        :math:`\hat\tau = V_\text{known} - v`, the newest version the worker
-        heard of (from pulls and push acknowledgements) minus the version it
-        computed on. ``None`` for no modulation.
+      worker: the simulated workers' side, a
+        :class:`~hpsjax.worker.WorkerOptions` (a
+        :class:`~hpsjax.worker.WorkerConfig` is taken as its options), declared
+        and checked there as for real workers. The simulator reads four of its
+        fields: ``overlap`` (``"none"``: compute, then push and pull in one
+        round trip, also for ``None``; ``"pipeline"``, H-PS and PS+: the
+        previous round's push and the next pull travel while a round computes;
+        ``"eager"``: ``"pipeline"`` with up to ``eager_pulls`` pulls a round
+        while compute time is left), ``eager_pulls``, ``staleness_lr`` (PS+'s
+        modulation: each update is scaled, when sent, by
+        :math:`f(\hat\tau)` with :math:`\hat\tau = V_\text{known} - v`, the
+        newest version the worker heard of minus the version it computed on;
+        ``"drop"`` is refused: use the policy's ``max_staleness``) and
+        ``compress_from_stage`` (with a work plan, each worker's pushes are
+        top-k sparsified at its plan's ``compress_ratio`` once the server's
+        stage is at least this, and count the wire's top-k bytes; only the
+        bytes are simulated: the update applied is the whole one; ``None``
+        never sparsifies). Batches, local steps and step-size scales are the
+        :class:`WorkerSpec`\ s'. The default:
+        ``WorkerOptions(eager_pulls=3, compress_from_stage=None)``.
       duration: stop at this virtual time (s), or ``None``.
       max_updates: stop once the server made this many versions, or ``None``.
       max_gradients: stop once this many local steps were pushed, or ``None``.
@@ -110,11 +117,6 @@ class SimConfig:
         non-finite. ``False``: the push is sent, the server refuses it and
         its worker leaves, and the others go on (the run's first such event
         is still recorded).
-      merge_steps: the first steps of a round that take no gradient (Streaming
-        DiLoCo's merge of a synchronised fragment,
-        :func:`~hpsjax.transforms.streaming_local`): run but not billed, so a
-        round of ``k`` local steps takes the time of ``max(k - merge_steps,
-        1)`` steps. ``0`` (the default): every step is billed.
       seed: seed of every random draw.
 
     Raises:
@@ -128,10 +130,7 @@ class SimConfig:
     local_optimizer: optax.GradientTransformation | None = None
     push_transform: optax.GradientTransformation | None = None
     codec: Any = None
-    compress_from_stage: int | None = None
-    overlap: str = "none"
-    eager_pulls: int = 3
-    staleness_lr: Any = None
+    worker: wc.WorkerOptions = dataclasses.field(default_factory=_default_worker)
     duration: float | None = None
     max_updates: int | None = None
     max_gradients: int | None = None
@@ -143,7 +142,6 @@ class SimConfig:
     batch_rows: int | None = None
     server_service_time: float = 0.0
     stop_on_divergence: bool = True
-    merge_steps: int = 0
     seed: int = 0
 
     def __post_init__(self):
@@ -196,28 +194,23 @@ class SimConfig:
                 f"{self.stop_on_divergence!r}."
             )
         check_number("server_service_time", self.server_service_time, low=0)
-        check_int("merge_steps", self.merge_steps, low=0)
         check_int("seed", self.seed, low=0)
 
     def _check_worker_side(self) -> None:
-        """Checks the overlap, compression and staleness settings of the
-        simulated workers."""
-        wc.check_overlap(self.overlap)
-        check_int("eager_pulls", self.eager_pulls, low=1)
-        check_int(
-            "compress_from_stage", self.compress_from_stage, low=0, allow_none=True
-        )
-        if self.staleness_lr is not None and not callable(self.staleness_lr):
-            if self.staleness_lr not in STALENESS_POLICIES:
-                raise ValueError(
-                    f"Unknown staleness_lr {self.staleness_lr!r}; valid names are "
-                    f"{', '.join(sorted(STALENESS_POLICIES))}, or a callable."
-                )
-            if self.staleness_lr == "drop":
-                raise ValueError(
-                    "staleness_lr='drop' needs a cut-off; use the server policy's "
-                    "max_staleness to drop stale updates."
-                )
+        """Takes the simulated workers' options (checked by
+        :class:`~hpsjax.worker.WorkerOptions`) and refuses what the simulator
+        cannot do with them."""
+        if not isinstance(self.worker, wc.WorkerOptions):
+            raise ValueError(
+                "worker must be a hpsjax.worker.WorkerOptions, got "
+                f"{type(self.worker).__name__}."
+            )
+        object.__setattr__(self, "worker", self.worker.core_options())
+        if self.worker.staleness_lr == "drop":
+            raise ValueError(
+                "worker.staleness_lr='drop' needs a cut-off; use the server "
+                "policy's max_staleness to drop stale updates."
+            )
 
 
 def _is_dataset(data: Any) -> bool:

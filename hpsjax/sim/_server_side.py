@@ -76,7 +76,7 @@ class _ServerSide:
         self.max_deferred = min(256, (64 << 20) // max(1, param_bytes))
         # Updates the engine checked itself need no second check by the core.
         self.prechecked = config.push_transform is None and (
-            config.staleness_lr is None
+            config.worker.staleness_lr is None
         )
         engine = self.engine
         # Sums pay where a version is made of the rounds started on the one
@@ -259,7 +259,7 @@ class _ServerSide:
         compressing worker."""
         compresses = w.core.compress_ratio < 1.0
         if (
-            self.config.staleness_lr is not None
+            self.config.worker.staleness_lr is not None
             or ack.local_steps is not None
             or compresses
         ):
@@ -405,9 +405,10 @@ class _ServerSide:
                     lr_scale=float(p.lr_scale),
                 )
             )
-            if self.config.compress_from_stage is not None:
+            stage = self.config.worker.compress_from_stage
+            if stage is not None:
                 w.core.compress_ratio = float(p.compress_ratio)
-                w.core.compress_from_stage = self.config.compress_from_stage
+                w.core.compress_from_stage = stage
         self.plans.append(work_plan)
 
 

@@ -28,7 +28,7 @@ from hpsjax.transforms import (
     quantize,
     scale_by_staleness,
 )
-from hpsjax.worker import Heterogeneity
+from hpsjax.worker import Heterogeneity, WorkerOptions
 
 # ---------------------------------------------------------------------------
 # A small problem: 4 Gaussian classes in 8 dimensions, a one-hidden-layer MLP.
@@ -213,7 +213,7 @@ def test_a_pull_queues_behind_the_pushes_at_the_server():
         policy="asp",
         duration=0.75,
         server_service_time=0.25,
-        overlap="pipeline",
+        worker=WorkerOptions(overlap="pipeline"),
         local_optimizer=LOCAL_SGD,
     )
     result = run(workers, config, eval_data=None, eval_fn=None)
@@ -409,7 +409,12 @@ def test_pipeline_hides_transfer_behind_compute():
     plain = run(workers, SimConfig(policy="asp", learning_rate=0.1, duration=20.0))
     piped = run(
         workers,
-        SimConfig(policy="asp", overlap="pipeline", learning_rate=0.1, duration=20.0),
+        SimConfig(
+            policy="asp",
+            worker=WorkerOptions(overlap="pipeline"),
+            learning_rate=0.1,
+            duration=20.0,
+        ),
     )
     plain_gaps = np.diff([p.sent for p in plain.pushes])
     piped_gaps = np.diff([p.sent for p in piped.pushes])
@@ -431,8 +436,11 @@ def test_eager_pulls_start_rounds_on_fresher_parameters():
         for i, t in enumerate((0.3, 0.3, 0.3, 0.3))
     ]
     common = dict(policy="asp", learning_rate=0.1, duration=10.0)
-    piped = run(workers, SimConfig(overlap="pipeline", **common))
-    eager = run(workers, SimConfig(overlap="eager", eager_pulls=3, **common))
+    piped = run(workers, SimConfig(worker=WorkerOptions(overlap="pipeline"), **common))
+    eager = run(
+        workers,
+        SimConfig(worker=WorkerOptions(overlap="eager", eager_pulls=3), **common),
+    )
     assert len(eager.sends) > 1.5 * len(piped.sends)
     mean = lambda r: np.mean([p.staleness for p in r.pushes])
     assert mean(eager) < mean(piped)
@@ -440,16 +448,27 @@ def test_eager_pulls_start_rounds_on_fresher_parameters():
 
 def test_ps_plus_scales_stale_updates_down():
     workers = constant_workers((0.1, 0.5), heterogeneity=Heterogeneity(latency=0.01))
-    common = dict(policy="asp", overlap="eager", learning_rate=0.1, duration=5.0)
-    plain = run(workers, SimConfig(**common))
-    modulated = run(workers, SimConfig(staleness_lr="inverse_plus_one", **common))
+    common = dict(policy="asp", learning_rate=0.1, duration=5.0)
+    eager = dict(overlap="eager", eager_pulls=3)
+    plain = run(workers, SimConfig(worker=WorkerOptions(**eager), **common))
+    modulated = run(
+        workers,
+        SimConfig(
+            worker=WorkerOptions(staleness_lr="inverse_plus_one", **eager), **common
+        ),
+    )
     # Same timing: the modulation changes the values, not the clock.
     assert [p.time for p in plain.pushes] == [p.time for p in modulated.pushes]
     assert not np.array_equal(plain.metrics["loss"], modulated.metrics["loss"])
     # A factor that zeroes every stale update leaves only the fresh ones.
     frozen = run(
         workers,
-        SimConfig(staleness_lr=lambda tau: jnp.where(tau > 0, 0.0, 1.0), **common),
+        SimConfig(
+            worker=WorkerOptions(
+                staleness_lr=lambda tau: jnp.where(tau > 0, 0.0, 1.0), **eager
+            ),
+            **common,
+        ),
     )
     assert not np.array_equal(frozen.metrics["loss"], plain.metrics["loss"])
 
@@ -466,7 +485,7 @@ def test_saps_force_pull_discards_the_round_computed_meanwhile():
         SimConfig(
             policy="saps",
             policy_kwargs={"threshold": 3, "on_straggler": "drop"},
-            overlap="pipeline",
+            worker=WorkerOptions(overlap="pipeline"),
             learning_rate=0.1,
             duration=6.0,
         ),
@@ -635,12 +654,17 @@ SCHEMES = {
     ),
     "hps": dict(
         policy="bsp",
-        overlap="pipeline",
+        worker=WorkerOptions(overlap="pipeline"),
         push_transform=QUANTIZE8,
         codec=CODEC8,
         plan=True,
     ),
-    "ps_plus": dict(policy="asp", overlap="eager", staleness_lr="inverse_plus_one"),
+    "ps_plus": dict(
+        policy="asp",
+        worker=WorkerOptions(
+            overlap="eager", eager_pulls=3, staleness_lr="inverse_plus_one"
+        ),
+    ),
     "ashl": dict(
         policy="hybrid",
         policy_kwargs={"stages": _STAGES},
@@ -813,13 +837,15 @@ def test_256_workers(policy):
     "kwargs, message",
     [
         (dict(), "at least one of duration"),
-        (dict(duration=1.0, overlap="sideways"), "Unknown overlap"),
-        (dict(duration=1.0, staleness_lr="nope"), "Unknown staleness_lr"),
+        (dict(duration=1.0, worker="pipeline"), "worker must be a"),
+        (
+            dict(duration=1.0, worker=WorkerOptions(staleness_lr="drop")),
+            "max_staleness",
+        ),
         (dict(duration=-1.0), "duration"),
         (dict(duration=1.0, data_sharding="mixed"), "data_sharding"),
         (dict(duration=1.0, codec=CODEC8), "push_transform"),
         (dict(duration=1.0, server_optimizer="sgd"), "server_optimizer"),
-        (dict(duration=1.0, eager_pulls=0), "eager_pulls"),
         (dict(duration=1.0, seed=-1), "seed"),
         (dict(duration=1.0, server_service_time=-0.1), "server_service_time"),
     ],
