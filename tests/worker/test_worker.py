@@ -517,8 +517,8 @@ def test_eager_pull_starts_before_compute_ends():
 
 
 def test_slowdown_makes_steps_k_times_longer():
-    # Each round's wall time is set against the compute measured in that same
-    # round, so load on the machine between rounds does not blur the ratio.
+    # k = 4: each round sleeps 3 times the typical step (checked exactly below)
+    # and its wall holds that sleep.
     base = _run(_solo(WorkerConfig(batch_size=256, overlap="none")))
     slow = _run(
         _solo(
@@ -529,26 +529,18 @@ def test_slowdown_makes_steps_k_times_longer():
             )
         )
     )
-    base_ratio = statistics.median(_compute_wall(r) / r["compute_s"] for r in base[1:])
-    # The sleep follows the typical (median) step, so the typical round is k
-    # times the typical compute.
-    slow_ratio = statistics.median(_compute_wall(r) for r in slow[1:]) / (
-        statistics.median(r["compute_s"] for r in slow[1:])
-    )
-    # Nothing is slept without a slowdown; what a round spends beyond its
-    # compute (the next batch, the dispatch) grows with the machine's load and
-    # is in both ratios, so the slowdown shows as their difference, (k - 1)
-    # times the typical step. Steps that got faster as the run warmed up keep
-    # the window's median above the typical step for a while: the upper bound
-    # is loose (the exact sleep is checked below).
+    # Nothing is slept without a slowdown; with it, every round's wall holds
+    # its sleep and its compute. Only lower bounds are checked: what a round
+    # spends beyond them (the next batch, the dispatch) grows with the load on
+    # the machine, so an upper bound would be a timing margin.
     assert all(r["slowdown_s"] == 0 for r in base)
-    assert 2.3 < slow_ratio - base_ratio < 7.0
-    # Each round's wall holds its compute and its sleep.
+    assert all(r["slowdown_s"] > 0 for r in slow[1:])
+    assert all(_compute_wall(r) >= r["slowdown_s"] for r in slow[1:])
     assert (
         statistics.median(
             _compute_wall(r) / (r["compute_s"] + r["slowdown_s"]) for r in slow[1:]
         )
-        < 1.5
+        > 0.9
     )
     # The sleep is (k - 1) times the median of the last steps of this shape,
     # its first execution (the first round) left out and not slowed.
