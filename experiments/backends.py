@@ -123,12 +123,12 @@ def _make_push_compression(
     if worker.get("compression", "none") == "streaming":
         from hpsjax.transforms import last_streaming_nbytes, streaming_push
 
-        bits = worker.streaming_bits
         transform = streaming_push(
             int(worker.streaming_fragments),
-            None if bits is None else int(bits),
+            _streaming_bits(worker),
             error_feedback=error_feedback,
             seed=int(config.seed),
+            layout=str(worker.get("streaming_layout", "contiguous")),
         )
         return transform, None, last_streaming_nbytes(transform.init(params))
     if worker.get("compression", "none") == "demo":
@@ -298,6 +298,8 @@ def run_sim(
         eval_batch_size=int(config.eval.batch_size),
         core_kwargs=build.core_kwargs(config, work_plan),
         server_service_time=float(config.server.get("service_time", 0.0)),
+        # Streaming DiLoCo's merge step takes no gradient: not billed.
+        merge_steps=int(config.worker.local_optimizer == "streaming_local"),
         seed=int(config.seed),
     )
 
@@ -580,6 +582,12 @@ def _local_optimizer(worker: ml_collections.ConfigDict) -> str:
     return "momentum"
 
 
+def _streaming_bits(worker: ml_collections.ConfigDict) -> int | str | None:
+    """``worker.streaming_bits``: an int, ``"e2m1"`` (4-bit floats) or None."""
+    bits = worker.streaming_bits
+    return bits if bits is None or isinstance(bits, str) else int(bits)
+
+
 def _push_transform_spec(config: ml_collections.ConfigDict, index: int) -> str | None:
     """``hpsjax-worker --push_transform``'s JSON for SparseLoCo's, DeMo's and
     Streaming DiLoCo's pushes (the transforms ``_push_compression`` gives the
@@ -602,12 +610,12 @@ def _push_transform_spec(config: ml_collections.ConfigDict, index: int) -> str |
         }
         return json.dumps(fields)  # deterministic: no seed
     elif compression == "streaming":
-        bits = worker.streaming_bits
         fields = {
             "name": "streaming_push",
             "fragments": int(worker.streaming_fragments),
-            "bits": None if bits is None else int(bits),
+            "bits": _streaming_bits(worker),
             "error_feedback": bool(worker.error_feedback),
+            "layout": str(worker.get("streaming_layout", "contiguous")),
         }
     else:
         return None

@@ -117,6 +117,11 @@ class SimConfig:
         non-finite. ``False``: the push is sent, the server refuses it and
         its worker leaves, and the others go on (the run's first such event
         is still recorded).
+      merge_steps: the first steps of a round that take no gradient (Streaming
+        DiLoCo's merge of a synchronised fragment,
+        :func:`~hpsjax.transforms.streaming_local`): run but not billed, so a
+        round of ``k`` local steps takes the time of ``max(k - merge_steps,
+        1)`` steps. ``0`` (the default): every step is billed.
       seed: seed of every random draw.
 
     Raises:
@@ -142,6 +147,7 @@ class SimConfig:
     batch_rows: int | None = None
     server_service_time: float = 0.0
     stop_on_divergence: bool = True
+    merge_steps: int = 0
     seed: int = 0
 
     def __post_init__(self):
@@ -194,6 +200,7 @@ class SimConfig:
                 f"{self.stop_on_divergence!r}."
             )
         check_number("server_service_time", self.server_service_time, low=0)
+        check_int("merge_steps", self.merge_steps, low=0)
         check_int("seed", self.seed, low=0)
 
     def _check_worker_side(self) -> None:

@@ -419,13 +419,15 @@ class _Simulation(_ServerSide):
             w.blocked_spans.append((w.blocked_since, now))
             w.blocked_since = None
         batch, steps = compute.batch_size, compute.local_steps
+        # A merge step takes no gradient: not billed (SimConfig.merge_steps).
+        billed = max(steps - self.config.merge_steps, 1)
         model = w.spec.compute
         start = now
         if w.startup:
             # The first round: the worker's start-up comes before its steps.
             start, w.startup = now + w.startup, 0.0
         if (
-            steps == 1
+            billed == 1
             and len(w.slowdown) == 1
             and model.sigma == 0
             and not (model.straggle_probability > 0 and model.straggle_slowdown > 1)
@@ -435,7 +437,7 @@ class _Simulation(_ServerSide):
             step = float(model.mean_step_time(batch))
             end = w.join_time + ((start - w.join_time) + w.slowdown[0][1] * step)
         else:
-            durations = model.draw(w.rng, batch, steps)
+            durations = model.draw(w.rng, batch, billed)
             end = w.join_time + finish_time(w.slowdown, start - w.join_time, durations)
         w.rounds[compute.round] = self.engine.submit(
             Round(w.index, w.params, steps, batch, compute.lr_scale, w.stream)
