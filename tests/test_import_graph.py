@@ -213,10 +213,6 @@ PRIVATE_IMPORTS_LEFT: frozenset[str] = frozenset(
         "hpsjax.profiling.in_place -> hpsjax.worker._build",
         "hpsjax.profiling.in_place -> hpsjax.worker._cli",
         "hpsjax.worker._cli -> hpsjax.profiling._worker_profile",
-        # The simulator drives the worker core through its private module.
-        "hpsjax.sim._config -> hpsjax.worker._core",
-        "hpsjax.sim._server_side -> hpsjax.worker._core",
-        "hpsjax.sim._simulation -> hpsjax.worker._core",
         # The wire's codecs share the transforms' encoders (one quantizer code
         # for the optax transform and the wire).
         "hpsjax.wire._codecs -> hpsjax.transforms._quantize",

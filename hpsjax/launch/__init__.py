@@ -22,7 +22,7 @@ With ``--plan SCHEME`` the workers are profiled first, in place: a throwaway
 server of the run's model is started and every worker, in its own process and
 all at once (``python -m hpsjax.profiling.in_place``), times its train step
 beside the others and its push and pull against that server (its injected
-slowdown and link added); :func:`hpsjax.profiling.plan` makes the work plan from
+slowdown and link added); :func:`hpsjax.planning.plan` makes the work plan from
 these profiles, link included, and the workers train with it (``--work_plan``).
 
 Every process of a run (the profiling pass, the server, the workers) shares one

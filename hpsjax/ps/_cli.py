@@ -36,7 +36,7 @@ SaPS (``--policy saps --policy_arg threshold=4``) damps or drops a push more
 than ``threshold`` versions stale and forces its worker to pull (the
 ``force_pull`` of its PUSH_ACK).
 
-With ``--work_plan plan.json`` (a :class:`hpsjax.profiling.WorkPlan`) the server
+With ``--work_plan plan.json`` (a :class:`hpsjax.planning.WorkPlan`) the server
 sends each worker its share of the plan when it joins and re-plans (H-PS) when a
 worker's reported step times drift from the plan by more than
 ``--replan_threshold``: a worker that slows down gets a smaller batch.

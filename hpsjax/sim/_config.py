@@ -17,12 +17,12 @@ import jax
 import numpy as np
 import optax
 
+from hpsjax import worker as wc
 from hpsjax._checks import check_int, check_number, check_positive, is_number
 from hpsjax.data import Batch, Dataset
 from hpsjax.decisions import ADSP, Hybrid
 from hpsjax.sim._workers import WorkerSpec
 from hpsjax.worker import OVERLAP_MODES
-from hpsjax.worker import _core as wc
 
 __all__ = ["OVERLAP_MODES", "SimConfig"]
 

@@ -18,6 +18,7 @@ import jax
 import msgspec
 import numpy as np
 
+from hpsjax import worker as wc
 from hpsjax.apply import DeferredAggregator
 from hpsjax.decisions import (
     BSP,
@@ -51,7 +52,6 @@ from hpsjax.transforms import (
     last_streaming_nbytes,
 )
 from hpsjax.wire import HpsError, NonFiniteUpdate, WorkerDropped
-from hpsjax.worker import _core as wc
 
 if TYPE_CHECKING:
     from hpsjax.sim._simulation import _Worker

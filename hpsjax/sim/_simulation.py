@@ -22,6 +22,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from hpsjax import worker as wc
 from hpsjax.data import share_split
 from hpsjax.decisions import SpeedMeasured, get_policy
 from hpsjax.planning import Replanner, WorkPlan
@@ -46,7 +47,6 @@ from hpsjax.sim._workers import finish_time
 from hpsjax.transforms import (
     topk_nbytes,
 )
-from hpsjax.worker import _core as wc
 
 
 class _Worker:
