@@ -17,6 +17,7 @@ import pathlib
 import pkgutil
 import re
 import sys
+import typing
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -158,7 +159,10 @@ def _imported_data(module_name: str) -> str:
     entries = []
     for name in module.__all__:
         value = getattr(module, name)
-        if inspect.isclass(value) or callable(value) or inspect.ismodule(value):
+        alias = typing.get_origin(value) is not None  # e.g. Sequence[...]: data
+        if not alias and (
+            inspect.isclass(value) or callable(value) or inspect.ismodule(value)
+        ):
             continue
         if re.search(rf"^{name}\s*[:=]", own, re.MULTILINE):
             continue  # defined in the package itself: automodule has it

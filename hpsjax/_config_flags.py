@@ -57,7 +57,7 @@ import json
 import sys
 import types
 import typing
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from hpsjax._flags import add_key_value_flag
@@ -211,9 +211,10 @@ def to_argv(config: Any, *, skip: tuple[str, ...] = ()) -> list[str]:
     return argv_of(type(config), **values)
 
 
-def argv_of(cls: type, **values: Any) -> list[str]:
+def argv_of(cls: type, /, *, always: Sequence[str] = (), **values: Any) -> list[str]:
     """The flags that set ``cls``'s fields to ``values`` (values at the
-    field's default left out), in the order of the fields.
+    field's default left out, but for the fields named in ``always``), in the
+    order of the fields.
 
     Examples:
       >>> import dataclasses
@@ -222,6 +223,8 @@ def argv_of(cls: type, **values: Any) -> list[str]:
       ...     port: int = dataclasses.field(default=0, metadata={"help": "port"})
       >>> argv_of(Config, port=5555)
       ['--port', '5555']
+      >>> argv_of(Config, port=0), argv_of(Config, always=("port",), port=0)
+      ([], ['--port', '0'])
 
     Raises:
       ValueError: a name that is not a field of ``cls``, or a value away from
@@ -234,7 +237,8 @@ def argv_of(cls: type, **values: Any) -> list[str]:
     flags = {field.name: flag for field, flag, _ in flag_fields(cls)}
     argv: list[str] = []
     for name, field in fields.items():
-        if name not in values or values[name] == _default(field):
+        at_default = name not in always and values.get(name) == _default(field)
+        if name not in values or at_default:
             continue
         if name not in flags:
             raise ValueError(

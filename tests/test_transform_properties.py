@@ -194,7 +194,7 @@ CASES = [
         "streaming_local",
         streaming_local,
         {"inner": optax.adam(0.1), "mixing": 0.5},
-        static_args=("inner",),
+        static_args=("inner", "delay"),
     ),
     Case(
         "streaming_local_eager",
@@ -207,7 +207,7 @@ CASES = [
             "outer_momentum": 0.9,
             "workers": 4,
         },
-        static_args=("inner", "eager", "fragments", "workers"),
+        static_args=("inner", "eager", "fragments", "workers", "delay"),
     ),
     Case(
         "streaming_push",

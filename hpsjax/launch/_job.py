@@ -331,7 +331,10 @@ class Job:
             shard_count=self.num_workers,
             metrics=metrics,
         )
-        config = argv_of(WorkerConfig, worker_id=i, max_steps=self.steps)
+        # Every worker names its id, 0 included: its processes tell apart.
+        config = argv_of(
+            WorkerConfig, always=("worker_id",), worker_id=i, max_steps=self.steps
+        )
         return [*head, "-m", module, *where, *command, *config, *self.shared,
                 *self.flags[i]]  # fmt: skip
 

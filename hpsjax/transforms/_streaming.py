@@ -407,7 +407,8 @@ def streaming_local(
       outer_momentum: the server's :math:`\beta` in [0, 1) (``eager`` only).
       workers: :math:`M`, the workers averaged (``eager`` only; >= 1).
       delay: :math:`\tau`, inner steps between a fragment's arrival and its
-        merge (>= 0; not with ``eager``).
+        merge (>= 0; not with ``eager``); it shapes the state, so
+        ``optax.inject_hyperparams`` must take it as a static argument.
       layout: the fragments' layout (``eager`` only; :func:`check_layout`).
 
     Returns:
