@@ -13,9 +13,12 @@ import pytest
 
 from hpsjax.ps._cli import main
 
+# A step of some milliseconds: a model whose step is a fraction of one is
+# all scheduler noise on a loaded machine, and the pilot then (rightly)
+# cannot tell a 4x slower worker from an equal one in five reports.
 MODEL = [
-    "--model", "mlp", "--model_arg", "hidden=[64]",
-    "--dataset", "synthetic_digits", "--dataset_arg", "image_size=8",
+    "--model", "mlp", "--model_arg", "hidden=[384,384]",
+    "--dataset", "synthetic_digits", "--dataset_arg", "image_size=16",
 ]  # fmt: skip
 SECRET = b"pilot-cli-secret-0123456789abcdef\n"
 ENV = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1"}
