@@ -132,9 +132,11 @@ def test_a_planned_run_survives_a_killed_worker(ray_cluster, tmp_path, monkeypat
         log=log,
     )
     metrics = tmp_path / "metrics_0.jsonl"
-    deadline = time.monotonic() + 200
+    # No deadline of its own: the launch ends by its timeout, and the server
+    # holds the run until both workers joined (profiling on Ray takes 10 s
+    # on an idle machine, 90 s beside two busy processes).
     while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
-        assert time.monotonic() < deadline and thread.is_alive(), log.getvalue()
+        assert thread.is_alive(), log.getvalue()
         time.sleep(0.2)
     secret = (tmp_path / "secret.txt").read_bytes()
     running = _hpsjax_processes()

@@ -240,6 +240,33 @@ def test_launch_runs_to_completion(tmp_path, session_compile_cache):
 
 
 @pytest.mark.slow
+def test_the_run_starts_once_every_worker_joined(tmp_path, session_compile_cache):
+    # Worker 1's interpreter starts 8 s late: without the launcher's hold,
+    # worker 0 would train its four BSP rounds alone meanwhile.
+    late = tmp_path / "python"
+    late.write_text(
+        "#!/bin/sh\n"
+        'case "$*" in *"hpsjax.worker._cli"*"--worker_id 1 "*) sleep 8;; esac\n'
+        f'exec {sys.executable} "$@"\n'
+    )
+    late.chmod(0o755)
+    log = io.StringIO()
+    result = launch(
+        2, policy="bsp", steps=4, worker_args=SMALL_MODEL, python=str(late),
+        compile_cache=session_compile_cache, workdir=tmp_path / "run",
+        progress=False, log=log, timeout=240,
+    )  # fmt: skip
+    assert result.returncode == 0, log.getvalue()
+    # Every version is a round of both workers: they saw the same versions
+    # (alone, worker 0 would have made the first four).
+    seen = [
+        [r["pulled_version"] for r in _rounds(tmp_path / "run" / f"metrics_{i}.jsonl")]
+        for i in range(2)
+    ]
+    assert seen[0] == seen[1] and len(seen[0]) == 4, seen
+
+
+@pytest.mark.slow
 def test_a_crashing_worker_stops_everything(tmp_path, session_compile_cache):
     log = io.StringIO()
     start = time.monotonic()

@@ -295,12 +295,18 @@ class Job:
                 server_shards=self.server_shards,
                 split_leaves=self.split_leaves,
             )
+        given = [*self.server_args, *(self.plan_server_args if shard == 0 else [])]
+        # The launcher knows its workers: the run starts once all have joined
+        # (a fast worker never trains alone while a slow one still compiles),
+        # unless the flags already name them (a pilot, --core_arg).
+        hold = {}
+        if not any("expected_workers" in a or a == "--pilot" for a in given):
+            hold = dict(core_arg={"expected_workers": self.num_workers})
         argv = [
             *head, "-m", "hpsjax.ps._cli",
             *argv_of(ServerOptions, init=init, secret_file=secret_file,
-                     policy=self.policy, host=host),
-            *self.server_args, *(self.plan_server_args if shard == 0 else []),
-            *argv_of(ServerOptions, **shards),
+                     policy=self.policy, host=host, **hold),
+            *given, *argv_of(ServerOptions, **shards),
         ]  # fmt: skip
         return ("server" if self.server_shards == 1 else f"server {shard}"), argv
 
