@@ -1,9 +1,11 @@
 """Sphinx configuration of the hpsjax docs.
 
 The source directory is the repository root (build with ``-c docs``), so that
-README.md, PROTOCOL.md, LAUNCH.md, BENCHMARKS.md, experiments/RESULTS.md and
-the tutorials in colab/ are pages as they are, with their links between each
-other intact; ``include_patterns`` keeps every other file out. One command::
+PROTOCOL.md, LAUNCH.md, BENCHMARKS.md, CONTRIBUTING.md, experiments/RESULTS.md
+and the tutorials in colab/ are pages as they are, with their links between
+each other intact; ``include_patterns`` keeps every other file out. README.md
+is the landing page (``docs/index.md`` includes it), not a page of its own:
+each source is one page. One command::
 
   sphinx-build -W --keep-going -c docs . docs/_build/html
 """
@@ -34,8 +36,8 @@ root_doc = "docs/index"
 include_patterns = [
     "docs/*.md",
     "docs/api/*.md",
-    "README.md",
     "PROTOCOL.md",
+    "CONTRIBUTING.md",
     "LAUNCH.md",
     "BENCHMARKS.md",
     "experiments/RESULTS.md",

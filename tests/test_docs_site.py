@@ -1,6 +1,6 @@
 """The docs site (``docs/``): it builds with warnings as errors, and covers the API.
 
-Building it renders the four tutorials executed (with their small settings),
+Building it renders the tutorials executed (with their small settings),
 so the build test is slow; the checks of what the configuration covers are
 fast. The test build renders the tutorials as ``tests/test_notebooks.py``'s
 tests executed them (``tests/_tutorials.py``: each runs once a session), not
@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib
 import os
 import pathlib
+import pkgutil
 import re
 import runpy
 import subprocess
@@ -25,6 +26,8 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
 MODULES = (
     "hpsjax",
+    "hpsjax.transforms",
+    "hpsjax.tasks",
     "hpsjax.data",
     "hpsjax.models",
     "hpsjax.export",
@@ -35,13 +38,36 @@ MODULES = (
     "hpsjax.profiling",
     "hpsjax.sim",
     "hpsjax.worker",
+    "hpsjax.telemetry",
+    "hpsjax.metrics",
 )
-PAGES = ("README", "PROTOCOL", "LAUNCH", "BENCHMARKS", "experiments/RESULTS")
+# Layers beneath hpsjax.ps, which re-exports their public names (CONTRIBUTING.md,
+# "Layers"): documented there, not on pages of their own.
+BENEATH_PS = (
+    "hpsjax.apply",
+    "hpsjax.decisions",
+    "hpsjax.net",
+    "hpsjax.storage",
+    "hpsjax.wire",
+)
+# Each a page of its own; README.md is the landing page (docs/index.md), once.
+PAGES = ("PROTOCOL", "LAUNCH", "BENCHMARKS", "CONTRIBUTING", "experiments/RESULTS")
 TUTORIALS = sorted(p.stem for p in (ROOT / "colab").glob("*.ipynb"))
 
 
 def _api_page(module: str) -> pathlib.Path:
     return DOCS / "api" / f"{module.removeprefix('hpsjax.') or 'hpsjax'}.md"
+
+
+def test_every_public_package_and_module_is_in_the_reference():
+    import hpsjax
+
+    public = {
+        info.name
+        for info in pkgutil.iter_modules(hpsjax.__path__, "hpsjax.")
+        if not info.name.rpartition(".")[2].startswith("_")
+    }
+    assert public == set(MODULES[1:]) | set(BENEATH_PS)
 
 
 @pytest.mark.parametrize("module", MODULES)
@@ -60,11 +86,17 @@ def test_index_lists_every_page_tutorial_and_api_page():
         assert f"\napi/{_api_page(module).stem}\n" in index
 
 
-def test_index_shows_the_readme_itself():
-    # The landing page is the README's text, not a pointer to it.
+def test_index_shows_the_readme_itself_and_only_there():
+    # The landing page is the README's text, not a pointer to it, and the
+    # README is no page of its own: one source, one page.
     index = (DOCS / "index.md").read_text()
-    assert "```{include} ../README.md\n```" in index
+    assert index.count("```{include} ../README.md\n```") == 1
     assert "README follows" not in index
+    assert "\n/README\n" not in index
+    conf = runpy.run_path(str(DOCS / "conf.py"))
+    assert "README.md" not in conf["include_patterns"]
+    for page in PAGES:
+        assert f"{page}.md" in conf["include_patterns"]
 
 
 def test_included_readme_links_point_at_the_same_files_from_the_index():
@@ -127,10 +159,11 @@ def test_docs_build_without_warnings_and_document_every_public_name(tmp_path):
     ]
     assert build.returncode == 0, "\n".join(warnings[-40:])
     assert "docs/index.html" in (out / "index.html").read_text()
-    # The landing page carries the README's text and figure.
+    # The landing page carries the README's text.
     landing = (out / "docs" / "index.html").read_text()
     assert "Train one JAX model on workers of unequal speed" in landing
-    assert "sim8_accuracy.png" in landing
+    assert "Your model on your machines" in landing
+    assert not (out / "README.html").exists()
     for page in PAGES:
         assert (out / f"{page}.html").is_file()
     for module in MODULES:
