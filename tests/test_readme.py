@@ -232,3 +232,27 @@ def test_recipe_trains_on_three_processes_and_exports(tmp_path, monkeypatch):
     sys.modules.pop("my_model", None)
     # "about 0.95": 300 rounds of the three workers train the digits well.
     assert ns["accuracy"] > 0.85, ns["accuracy"]
+
+
+def _help(command: str) -> str:
+    script = pathlib.Path(sys.executable).parent / command
+    run = subprocess.run(
+        [str(script), "--help"], capture_output=True, text=True, timeout=120
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    return run.stdout
+
+
+def test_scheme_table_names_flags_the_commands_take():
+    text = README.read_text()
+    table = text[text.index("| your cluster | scheme |") :]
+    rows = [line for line in table[: table.index("\n\n")].splitlines()[2:]]
+    assert len(rows) >= 3
+    given = {"hpsjax-server": set(), "hpsjax-worker": set()}
+    for row in rows:
+        _, _, _, server, worker, *_ = row.split("|")
+        given["hpsjax-server"] |= set(re.findall(r"--\w+", server))
+        given["hpsjax-worker"] |= set(re.findall(r"--\w+", worker))
+    for command, flags in given.items():
+        known = set(re.findall(r"--\w+", _help(command)))
+        assert flags and flags <= known, (command, flags - known)
