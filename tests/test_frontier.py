@@ -12,6 +12,7 @@ from experiments import build, registry, train
 from hpsjax.decisions._core import ForcePull, PushAck, ServerCore
 from hpsjax.decisions._policies import Ringmaster, SaPS, get_policy
 from hpsjax.transforms import (
+    centroid_quantize,
     last_sparseloco_nbytes,
     ordered_momentum,
     sparseloco,
@@ -193,47 +194,99 @@ def _deltas(n, shape=(40, 25)):
     return [{"w": jax.random.normal(k, shape), "b": jnp.ones(5)} for k in keys]
 
 
-def test_sparseloco_sends_k_entries_and_loses_nothing_without_decay():
-    ratio, pushes = 0.02, _deltas(6)
-    tx = sparseloco(ratio, bits=2, decay=1.0)
+def test_sparseloco_one_push_by_hand():
+    # Two chunks of 4 entries, k = ceil(2/16 * 4**2) = 2 per chunk: 4 and -4,
+    # 2 and -2 are kept. Their mean is 0, sigma = sqrt(40/3) = 3.651, the bin
+    # width 6 sigma / 4 = 5.477: 4 -> bin 3, -4 -> bin 1, 2 and -2 -> bin 2,
+    # whose centroid is 0.
+    push = sparseloco(2 / 16, bits=2, decay=0.5, chunk=4)
+    delta = jnp.array([4, -1, 0.5, -4, 0.1, 2, -2, 0.2])
+    sent, state = push.update(delta, push.init(delta))
+    np.testing.assert_allclose(sent, [4, 0, 0, -4, 0, 0, 0, 0], atol=1e-6)
+    np.testing.assert_allclose(state.error, [0, -1, 0.5, 0, 0.1, 2, -2, 0.2])
+    # Next push of nothing: e = 0.5 e sends -0.5, 0.25 | 1, -1; mean -0.0625,
+    # sigma 0.875, width 1.3125: -0.5 and 0.25 share bin 2 (centroid
+    # -0.0625, decoded -0.125), 1 -> bin 3, -1 -> bin 1.
+    sent, state = push.update(jnp.zeros(8), state)
+    np.testing.assert_allclose(sent, [0, -0.125, -0.125, 0, 0, 1, -1, 0], atol=1e-6)
+    np.testing.assert_allclose(
+        state.error, [0, -0.375, 0.375, 0, 0.05, 0, 0, 0.1], atol=1e-6
+    )
+    assert int(state.count) == 2
+
+
+def test_sparseloco_takes_top_k_per_chunk_not_per_leaf():
+    # A (4, 4) leaf in 2 x 2 chunks, one entry kept per chunk: the large
+    # entries all in the first chunk cannot crowd the other chunks out.
+    w = jnp.array([[9.0, 8, 0.1, 0.2], [7, 6, 0.3, 0.4], [1, 2, 3, 4], [5, 6, 7, 8]])
+    push = sparseloco(1 / 4, bits=32, decay=0.0, chunk=2)
+    sent, _ = push.update(w, push.init(w))
+    kept = np.argwhere(np.asarray(sent) != 0).tolist()
+    assert kept == [[0, 0], [1, 3], [3, 1], [3, 3]]
+    np.testing.assert_allclose(np.asarray(sent)[np.asarray(sent) != 0], [9, 0.4, 6, 8])
+
+
+def test_centroid_quantize_uses_four_bins_and_their_means():
+    values = jnp.array([-3.0, -2.9, -0.1, 0.0, 0.1, 1.0, 1.1, 3.0, 3.1, 9.0])
+    decoded = np.asarray(centroid_quantize(values, bits=2))
+    assert len(set(decoded.round(6).tolist())) <= 4
+    # Each value is decoded to the mean of its bin: the bins keep the sum.
+    np.testing.assert_allclose(decoded.sum(), float(values.sum()), rtol=1e-5)
+    assert decoded[0] == decoded[1] and decoded[-1] > decoded[5]
+
+
+def test_sparseloco_loses_nothing_without_decay():
+    pushes = _deltas(6)
+    tx = sparseloco(0.02, bits=2, decay=1.0)
     state = tx.init(pushes[0])
     total_sent = jax.tree.map(jnp.zeros_like, pushes[0])
     for delta in pushes:
         sent, state = tx.update(delta, state)
-        assert int(jnp.count_nonzero(sent["w"])) <= 20  # ceil(0.02 * 1000)
-        assert int(jnp.count_nonzero(sent["b"])) <= 1
+        # w (40, 25): chunks of 40 x 25 (divisors <= 64), ceil(0.02 * 4096) = 82
+        # kept of its 1000; b (5,): one chunk of 5, sent whole.
+        assert int(jnp.count_nonzero(sent["w"])) <= 82
         total_sent = jax.tree.map(jnp.add, total_sent, sent)
-    # decay 1: what was sent plus what is left is every pseudo-gradient.
-    for key in ("w", "b"):
+    for key in ("w", "b"):  # decay 1: sent plus left is every pseudo-gradient
         expected = sum(np.asarray(d[key]) for d in pushes)
         got = np.asarray(total_sent[key]) + np.asarray(state.error[key])
         np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
 
 
-def test_sparseloco_decays_its_accumulator():
-    tx = sparseloco(0.5, bits=16, decay=0.5)
-    delta = jnp.array([4.0, 1.0])
-    sent, state = tx.update(delta, tx.init(delta))
-    np.testing.assert_allclose(sent, [4.0, 0.0], atol=1e-3)
-    np.testing.assert_allclose(state.error, [0.0, 1.0], atol=1e-3)
-    sent, state = tx.update(jnp.zeros(2), state)  # e = 0.5 * [0, 1]
-    np.testing.assert_allclose(sent, [0.0, 0.5], atol=1e-3)
-
-
 def test_sparseloco_bytes():
-    params = {"w": np.zeros((40, 25), np.float32), "b": np.zeros(70000, np.float32)}
-    # w: 20 indices of 2 bytes, 20 codes of 2 bits (5 bytes) and a 4-byte scale;
-    # b: 1400 indices of 4 bytes (more than 65536 entries), 350 + 4 bytes.
-    assert sparseloco_nbytes(params, 0.02, bits=2) == (40 + 5 + 4) + (5600 + 354)
-    tx = sparseloco(0.02, bits=2)
+    params = {"w": np.zeros((128, 64), np.float32), "b": np.zeros(64, np.float32)}
+    # w: 2 chunks x 64 values: 12-bit indices (192 B), 2-bit codes (32 B), a
+    # mean and 4 centroids (20 B); b: one chunk sent whole, 96 + 16 + 20.
+    assert sparseloco_nbytes(params, 1 / 64, bits=2) == 244 + 132
+    assert sparseloco_nbytes(params, 1 / 64, bits=32) == (192 + 512) + (96 + 256)
+    tx = sparseloco(1 / 64, bits=2)
     state = optax.chain(tx, optax.sgd(1.0)).init(params)
-    assert last_sparseloco_nbytes(state) == sparseloco_nbytes(params, 0.02, 2)
+    assert last_sparseloco_nbytes(state) == sparseloco_nbytes(params, 1 / 64, 2)
     with pytest.raises(ValueError, match="sparseloco"):
         last_sparseloco_nbytes(optax.sgd(1.0).init(params))
     for kwargs, match in [({"bits": 3}, "bits"), ({"decay": 1.5}, "decay"),
-                          ({"ratio": 0.0}, "ratio")]:  # fmt: skip
+                          ({"ratio": 0.0}, "ratio"), ({"chunk": 0}, "chunk"),
+                          ({"range_in_sigmas": 0}, "range")]:  # fmt: skip
         with pytest.raises(ValueError, match=match):
             sparseloco(**{"ratio": 0.1, **kwargs})
+
+
+def test_sparseloco_with_an_outer_step_converges_on_a_quadratic():
+    # Four workers whose pseudo-gradient is a small step towards c plus noise
+    # of their own: SparseLoCo's pushes at 3% density, averaged, reach c.
+    c = jax.random.normal(jax.random.PRNGKey(0), (64, 64))
+    x = jnp.zeros((64, 64))
+    push = sparseloco(1 / 32, bits=2, decay=0.95)
+    update = jax.jit(push.update)
+    states = [push.init(x) for _ in range(4)]
+    noise = jax.random.normal(jax.random.PRNGKey(1), (100, 4, 64, 64))
+    start = float(jnp.linalg.norm(x - c))
+    for t in range(100):
+        sent = []
+        for i in range(4):
+            s, states[i] = update(0.05 * (x - c) + 0.01 * noise[t, i], states[i])
+            sent.append(s)
+        x = x - 1.0 * sum(sent) / 4  # the outer step, alpha = 1
+    assert float(jnp.linalg.norm(x - c)) < 0.05 * start
 
 
 def test_sparseloco_in_the_simulator_counts_its_bytes_and_trains(tmp_path):
@@ -260,7 +313,8 @@ def test_sparse_pushes_reach_the_workers_flags(scheme):
     config = _quick(scheme)
     flags = backends._worker_flags(config, 1, plan_file=None)
     spec = flags[flags.index("--push_transform") + 1]
-    assert json.loads(spec)["seed"] == int(config.seed) * 1000 + 1
+    if scheme == "streaming_diloco":  # SparseLoCo's push draws nothing
+        assert json.loads(spec)["seed"] == int(config.seed) * 1000 + 1
     params = build.setup(config).params
     tx = sparse_push_transform(spec)
     sim_tx, _, _ = backends._push_compression(config, params)
@@ -644,10 +698,12 @@ def test_streaming_diloco_config_errors_are_one_line(key, value, message):
             0.8,  # half the values, at 4 + 2 index bytes each
         ),
         (
-            '{"name": "sparseloco", "ratio": 0.02, "bits": 2}',
+            '{"name": "sparseloco", "ratio": 0.002, "bits": 2}',
             ("sgd", {}),
             ("adam", {}),
-            0.15,  # 2% of the values, at 4 + 2 index bytes each
+            # 9 of the kernel's 640 values (its one chunk) and the 10 biases
+            # (a chunk sent whole), at 4 + 2 index bytes each.
+            0.15,
         ),
     ],
     ids=["streaming_diloco", "sparseloco"],

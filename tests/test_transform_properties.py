@@ -188,7 +188,7 @@ CASES = [
         "sparseloco",
         sparseloco,
         {"ratio": 0.25, "bits": 2, "decay": 0.9},
-        static_args=("ratio", "bits"),
+        static_args=("ratio", "bits", "chunk"),
     ),
     Case(
         "streaming_local",

@@ -24,8 +24,9 @@ any optax optimizer.
   server's step on pseudo-gradients (async local SGD, DiLoCo).
 * :func:`ordered_momentum`: OrMo, momentum for asynchronous SGD ordered by the
   iteration each gradient was computed at (extra argument ``staleness``).
-* :func:`sparseloco`: SparseLoCo's push (decayed error feedback, top-k, few-bit
-  values); :func:`sparseloco_nbytes` its bytes.
+* :func:`sparseloco`: SparseLoCo's push (decayed error feedback, top-k per
+  chunk, values on 2 bits decoded to their bins' centroids,
+  :func:`centroid_quantize`); :func:`sparseloco_nbytes` its bytes.
 * :func:`streaming_local`, :func:`streaming_push` and :func:`streaming_outer`:
   Streaming DiLoCo (fragments synchronised in turn, few-bit outer gradients;
   ``streaming_local(eager=True)``: its eager updates);
@@ -51,6 +52,7 @@ from hpsjax.transforms._demo import (
 from hpsjax.transforms._frontier import (
     OrderedMomentumState,
     SparseLoCoState,
+    centroid_quantize,
     last_sparseloco_nbytes,
     ordered_momentum,
     sparseloco,
@@ -192,6 +194,7 @@ __all__ = [
     "demo_nbytes",
     "demo_outer",
     "diloco_outer",
+    "centroid_quantize",
     "check_layout",
     "e2m1_round",
     "encode",

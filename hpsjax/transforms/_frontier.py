@@ -19,21 +19,17 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from hpsjax._checks import check_hyperparameter
+from hpsjax._checks import check_hyperparameter, check_int
 from hpsjax.transforms._common import find_one_state
-from hpsjax.transforms._quantize import Codec, decode, encode, encoded_nbytes
+from hpsjax.transforms._demo import _blocks
+from hpsjax.transforms._quantize import Codec
 from hpsjax.transforms._staleness import _as_staleness
-from hpsjax.transforms._topk import (
-    TopKEncoded,
-    topk_count,
-    topk_decode,
-    topk_encode,
-    topk_nbytes,
-)
+from hpsjax.transforms._topk import topk_count
 
 __all__ = [
     "OrderedMomentumState",
     "SparseLoCoState",
+    "centroid_quantize",
     "last_sparseloco_nbytes",
     "ordered_momentum",
     "sparseloco",
@@ -150,12 +146,13 @@ class SparseLoCoState(NamedTuple):
     """State of :func:`sparseloco`."""
 
     count: jax.Array  # shape=(), int32: pushes so far
-    key: jax.Array  # shape=(2,), uint32: PRNG key data, split every push
     error: Any  # float32 tree like the updates: the accumulator e
     nbytes: jax.Array  # shape=(), int32: bytes of one push (sparseloco_nbytes)
 
 
 def _value_codec(bits: int) -> Codec:
+    """The quantizer of a few-bit push's values: the scaled sign at 1 bit,
+    else uniform (:func:`~hpsjax.transforms.encode`)."""
     return Codec("sign", 1) if bits == 1 else Codec("uniform", bits)
 
 
@@ -194,48 +191,154 @@ def _push_leaves(
     )
 
 
+def _to_chunks(x: jax.Array, chunk: int) -> jax.Array:
+    """``x`` as ``(chunks, entries)``: DeMo's chunks (``_blocks``: a matrix's
+    ``h x w`` blocks, leading axes merged into its rows; a vector's runs of
+    ``w`` entries), each block's entries row by row.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> _to_chunks(jnp.arange(8).reshape(2, 4), 2).tolist()
+      [[0, 1, 4, 5], [2, 3, 6, 7]]
+    """
+    rows, cols, h, w = _blocks(tuple(x.shape), chunk)
+    blocks = x.reshape(rows // h, h, cols // w, w).transpose(0, 2, 1, 3)
+    return blocks.reshape(-1, h * w)
+
+
+def _from_chunks(chunks: jax.Array, shape: tuple[int, ...], chunk: int) -> jax.Array:
+    """The inverse of :func:`_to_chunks`: the leaf of ``shape`` back."""
+    rows, cols, h, w = _blocks(tuple(shape), chunk)
+    blocks = chunks.reshape(rows // h, cols // w, h, w).transpose(0, 2, 1, 3)
+    return blocks.reshape(shape)
+
+
+def _chunk_topk(shape: tuple[int, ...], ratio: float, chunk: int) -> tuple[int, int]:
+    """``(chunks, k)``: a leaf's number of chunks and the entries kept per
+    chunk, ``ceil(ratio * chunk**2)`` but at most a chunk's entries."""
+    rows, cols, h, w = _blocks(tuple(shape), chunk)
+    return (rows // h) * (cols // w), min(topk_count(chunk * chunk, ratio), h * w)
+
+
+def centroid_quantize(
+    values: jax.Array, bits: int = 2, range_in_sigmas: float = 6.0
+) -> jax.Array:
+    r"""SparseLoCo's value quantizer as templar runs it: ``2**bits`` bins over
+    :math:`\pm` ``range_in_sigmas / 2`` standard deviations about the mean,
+    each value decoded to the mean of the values in its bin.
+
+    .. math::
+
+       \mu = \bar v,\quad s = \frac{\rho\, \sigma}{2^b},\quad
+       q_i = \operatorname{clip}(\operatorname{round}((v_i - \mu)/s) + 2^{b-1},
+       0, 2^b - 1),\quad \hat v_i = \mu + \operatorname{mean}\{v_j - \mu : q_j = q_i\}
+
+    with :math:`\sigma = \lVert v - \mu\rVert / \sqrt{n - 1}` and
+    :math:`\rho` = ``range_in_sigmas``; deterministic and biased, as the bins'
+    centroids are. What is sent per leaf: a ``bits``-bit code per value, the
+    mean and the ``2**bits`` centroids (float32).
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> from hpsjax.transforms import centroid_quantize
+      >>> centroid_quantize(jnp.array([4.0, -4.0, 2.0, -2.0])).tolist()
+      [4.0, -4.0, 0.0, 0.0]
+
+    References:
+      templar, ``src/tplr/compress.py``, ``TopKCompressor._quantize_values``
+      (``quantization_bins`` 4, ``quantization_range`` 6 in its hparams).
+    """
+    bins = 2**bits
+    v = values.astype(_F32).reshape(-1)
+    shift = jnp.mean(v)
+    centred = v - shift
+    std = jnp.linalg.norm(centred) / math.sqrt(max(v.size - 1, 1))
+    scale = range_in_sigmas * std / bins
+    scale = jnp.where((scale > 0) & jnp.isfinite(scale), scale, 1.0)
+    q = jnp.clip(jnp.round(centred / scale) + bins // 2, 0, bins - 1).astype(jnp.int32)
+    sums = jax.ops.segment_sum(centred, q, num_segments=bins)
+    counts = jax.ops.segment_sum(jnp.ones_like(centred), q, num_segments=bins)
+    centroids = jnp.where(counts > 0, sums / jnp.maximum(counts, 1), 0.0)
+    return (centroids[q] + shift).reshape(values.shape)
+
+
+def _sparseloco_send(
+    e: jax.Array, ratio: float, bits: int, chunk: int, range_in_sigmas: float
+) -> jax.Array:
+    """What one leaf's push sends: the accumulator's top-k per chunk, their
+    values quantized together (:func:`centroid_quantize`), zero elsewhere."""
+    if e.size == 0:
+        return e
+    _, k = _chunk_topk(tuple(e.shape), ratio, chunk)
+    blocks = _to_chunks(e, chunk)
+    _, idx = jax.lax.top_k(jnp.abs(blocks), k)
+    picked = jnp.take_along_axis(blocks, idx, axis=-1)
+    if bits < 32:
+        picked = centroid_quantize(picked, bits, range_in_sigmas)
+    rows = jnp.arange(blocks.shape[0])[:, None]
+    sent = jnp.zeros_like(blocks).at[rows, idx].set(picked)
+    return _from_chunks(sent, tuple(e.shape), chunk)
+
+
+_SPARSELOCO_BITS = (1, 2, 4, 8, 32)
+
+
 def sparseloco(
-    ratio: float = 0.02,
+    ratio: float = 1 / 64,
     *,
     bits: int = 2,
     decay: float = 0.95,
-    seed: int = 0,
+    chunk: int = 64,
+    range_in_sigmas: float = 6.0,
 ) -> optax.GradientTransformationExtraArgs:
-    r"""SparseLoCo's push: decayed error feedback, top-k, few-bit values.
+    r"""SparseLoCo's push: decayed error feedback, top-k per chunk, 2-bit values.
 
     A worker's pseudo-gradient :math:`\Delta` (the global parameters it
     started from minus its local ones after :math:`H` inner steps) is added to
-    its error-feedback accumulator, of which the largest ``ratio`` of entries
-    per leaf are sent, their values quantized to ``bits`` bits; what was not
-    sent stays in the accumulator:
+    its error-feedback accumulator; each leaf is cut in chunks
+    as DeMo's are (:func:`~hpsjax.transforms.demo_chunk`: ``chunk x chunk``
+    blocks of a matrix, runs of ``chunk`` entries of a vector, each side the
+    largest divisor not above ``chunk``) and the :math:`k` entries of largest magnitude of
+    every chunk are sent, their values quantized together per leaf
+    (:func:`centroid_quantize`); what was sent leaves the accumulator:
 
     .. math::
 
        e \leftarrow \beta e + \Delta, \qquad
-       \hat\Delta = Q_b(\mathrm{TopK}_r(e)), \qquad
-       e \leftarrow e - \hat\Delta.
+       \hat\Delta = Q_b(\mathrm{TopK}_{k}^{\text{chunk}}(e)), \qquad
+       e \leftarrow e - \hat\Delta,
 
-    The server averages the :math:`\hat\Delta` and takes a plain step,
+    with :math:`k = \lceil r\,c^2\rceil` (``ratio``, ``chunk``) but at most a
+    chunk's entries: templar's 64 of a 64 x 64 chunk is ``ratio=1/64``, and
+    a vector's 64-entry chunks are then sent whole. The server averages the
+    :math:`\hat\Delta` and takes a plain step,
     :math:`\theta \leftarrow \theta - \alpha \operatorname{mean}(\hat\Delta)`
-    (``optax.sgd(alpha)``): the decayed accumulator stands in for DiLoCo's
-    outer momentum, which SparseLoCo drops. :math:`Q_b` is hpsjax's uniform
-    quantizer (:func:`~hpsjax.transforms.encode`, one scale per leaf, stochastic
-    rounding; the scaled sign at ``bits=1``) applied to the :math:`k` kept
-    values; :math:`\mathrm{TopK}` is :func:`~hpsjax.transforms.topk_encode`.
-    :func:`sparseloco_nbytes` gives the bytes one push takes: :math:`k` indices
-    and :math:`k` codes of ``bits`` bits per leaf, plus its scale.
+    (``optax.sgd(alpha)``, :math:`\alpha` the outer step, to be tuned): the
+    decayed accumulator stands in for DiLoCo's outer momentum.
+    :func:`sparseloco_nbytes` counts one push's bytes.
 
-    Our reading: the paper's abstract and a public summary of its update (the
-    accumulator :math:`e \leftarrow \beta e + \Delta`, top-k per chunk, 2-bit
-    values, :math:`e \leftarrow e - \hat\Delta`, a plain averaged outer step).
-    The paper takes the top-k per chunk of a tensor; here it is per leaf.
+    What was read: the paper's Algorithm 1 as summarised publicly (the update
+    above, averaged over the :math:`R` workers) and templar's code
+    (``src/tplr/neurons.py``: the accumulator, ``compress.py``:
+    ``ChunkingTransformer`` with ``target_chunk`` 64, ``TopKCompressor`` with
+    ``topk_compression`` 64 and its 4-bin quantizer, ``hparams.json``:
+    ``momentum_decay`` 0.95, outer SGD at ``outer_learning_rate`` 1.0). What
+    differs from templar: it adds ``outer_learning_rate * Delta`` to the
+    accumulator (the step enters twice; the same at 1.0), its aggregator
+    averages each entry over the peers that sent it after clipping each
+    peer's norm to their median (here: the mean over all workers, as the
+    paper writes it), it keeps an even :math:`k` for its 12-bit index packing
+    and its codes travel as bytes; a leaf of more than two axes is a matrix
+    of its leading axes here, and 32 ``bits`` sends the values unquantized.
 
     Args:
-      ratio: the fraction of each leaf's entries sent, in (0, 1] (the paper:
-        1-3%).
-      bits: bits per value sent: 1 (scaled sign), 2, 4, 8 or 16.
+      ratio: :math:`r` in (0, 1]: the entries sent per full chunk, as a
+        fraction of ``chunk**2``.
+      bits: bits per value sent: 1, 2, 4 or 8 (``2**bits`` bins), or 32 (the
+        values as they are).
       decay: :math:`\beta` in [0, 1], the accumulator's decay.
-      seed: seed of the PRNG key of the stochastic rounding and top-k sampling.
+      chunk: the chunks' target side (an int >= 1).
+      range_in_sigmas: the quantizer's range in standard deviations (> 0).
 
     Returns:
       An ``optax.GradientTransformationExtraArgs``; its state is a
@@ -247,57 +350,49 @@ def sparseloco(
     Examples:
       >>> import jax.numpy as jnp
       >>> from hpsjax.transforms import sparseloco
-      >>> push = sparseloco(0.25, bits=2, decay=0.9)
-      >>> state = push.init(jnp.zeros(8))
-      >>> delta = jnp.array([0.5, 0, 0, 4, 0, 0, -4, 0.1])
-      >>> sent, state = push.update(delta, state)
-      >>> sent  # 2 of 8 entries, their values on 2 bits
-      Array([ 0.,  0.,  0.,  4.,  0.,  0., -4.,  0.], dtype=float32)
+      >>> push = sparseloco(2 / 16, bits=2, decay=0.5, chunk=4)
+      >>> delta = jnp.array([4, -1, 0.5, -4, 0.1, 2, -2, 0.2])
+      >>> sent, state = push.update(delta, push.init(delta))
+      >>> sent  # 2 per 4-entry chunk; 2 and -2 share a bin, its centroid 0
+      Array([ 4.,  0.,  0., -4.,  0.,  0.,  0.,  0.], dtype=float32)
       >>> state.error  # what was not sent, kept for the next push
-      Array([0.5, 0. , 0. , 0. , 0. , 0. , 0. , 0.1], dtype=float32)
+      Array([ 0. , -1. ,  0.5,  0. ,  0.1,  2. , -2. ,  0.2], dtype=float32)
 
     References:
       Sarfi, Thérien, Lidin, Belilovsky, `Communication Efficient LLM
-      Pre-training with SparseLoCo <https://arxiv.org/abs/2508.15706>`_, 2025.
+      Pre-training with SparseLoCo <https://arxiv.org/abs/2508.15706>`_, 2025;
+      templar (tplr-ai/templar), ``src/tplr/compress.py``, ``neurons.py``.
     """
     topk_count(1, ratio)  # checks the ratio
-    if isinstance(bits, bool) or bits not in (1, 2, 4, 8, 16):
-        raise ValueError(f"bits must be one of 1, 2, 4, 8, 16, got {bits!r}")
+    if isinstance(bits, bool) or bits not in _SPARSELOCO_BITS:
+        raise ValueError(f"bits must be one of 1, 2, 4, 8, 32, got {bits!r}")
     beta = check_hyperparameter("decay", decay, low=0, high=1)
-    codec = _value_codec(bits)
+    chunk = check_int("chunk", chunk, low=1)
+    spread = check_hyperparameter(
+        "range_in_sigmas", range_in_sigmas, low=0, low_inclusive=False
+    )
 
     def init_fn(params):
         return SparseLoCoState(
             count=jnp.zeros([], jnp.int32),
-            key=jax.random.key_data(jax.random.PRNGKey(seed)),
             error=_zero_errors(params),
-            nbytes=jnp.asarray(sparseloco_nbytes(params, ratio, bits), jnp.int32),
+            nbytes=jnp.asarray(
+                sparseloco_nbytes(params, ratio, bits, chunk=chunk), jnp.int32
+            ),
         )
 
-    def send(e, key):
-        k_top, k_q = jax.random.split(key)
-        sparse = topk_encode(e, ratio, k_top)
-        if sparse.values.size == 0:
-            return jnp.zeros_like(e)
-        values = decode(
-            encode(sparse.values, codec, k_q), codec, sparse.values.shape, _F32
-        )
-        return topk_decode(TopKEncoded(sparse.indices, values), e.shape, _F32)
-
-    def leaf(i, g, e, key):
-        del i
+    def leaf(g, e):
         acc = beta * e + g.astype(_F32)
-        out = send(acc, key)
-        return out, acc - out
+        out = _sparseloco_send(acc, ratio, bits, chunk, spread)
+        return out.astype(g.dtype), acc - out
 
     def update_fn(updates, state, params=None, **extra_args):
         del params, extra_args
-        sent, key, error = _push_leaves(updates, state.error, state.key, leaf)
+        pairs = jax.tree.map(leaf, updates, state.error)
+        outer = jax.tree.structure(updates)
+        sent, error = jax.tree.transpose(outer, jax.tree.structure((0, 0)), pairs)
         return sent, SparseLoCoState(
-            count=optax.safe_increment(state.count),
-            key=key,
-            error=error,
-            nbytes=state.nbytes,
+            count=optax.safe_increment(state.count), error=error, nbytes=state.nbytes
         )
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
@@ -312,22 +407,35 @@ def last_sparseloco_nbytes(state: Any) -> int:
     return int(find_one_state(state, SparseLoCoState, "no sparseloco").nbytes)
 
 
-def sparseloco_nbytes(params: Any, ratio: float, bits: int = 2) -> int:
+def _index_bits(entries: int) -> int:
+    """Bits of an index inside a chunk: templar packs them on 12 bits (chunks
+    of at most 4096 entries); larger chunks take 16 or 32."""
+    return 12 if entries <= 4096 else 16 if entries <= 65536 else 32
+
+
+def sparseloco_nbytes(
+    params: Any, ratio: float = 1 / 64, bits: int = 2, *, chunk: int = 64
+) -> int:
     """Bytes of one :func:`sparseloco` push of a tree like ``params``: per leaf,
-    ``k`` indices (2 bytes up to 65536 entries, else 4) and the ``k`` values'
-    codes of ``bits`` bits with their scale (:func:`encoded_nbytes`).
+    ``k`` indices per chunk (12 bits in chunks of up to 4096 entries), the
+    values' ``bits``-bit codes, and the quantizer's mean and ``2**bits``
+    centroids on 4 bytes each (values of 32 bits: 4 bytes each, no table).
 
     Examples:
       >>> import numpy as np
       >>> from hpsjax.transforms import sparseloco_nbytes
-      >>> sparseloco_nbytes({"w": np.zeros(1000, np.float32)}, 0.01, bits=2)
-      27
+      >>> sparseloco_nbytes({"w": np.zeros((128, 64), np.float32)}, 1 / 64)
+      244
     """
-    codec = _value_codec(bits)
     total = 0
     for leaf in jax.tree.leaves(params):
-        size = int(math.prod(np.shape(leaf)))
-        k = topk_count(size, ratio)
-        index_bytes = topk_nbytes((size,), np.float16, ratio) - 2 * k  # indices
-        total += index_bytes + (encoded_nbytes((k,), codec) if k else 0)
+        shape = tuple(np.shape(leaf))
+        if math.prod(shape) == 0:
+            continue
+        chunks, k = _chunk_topk(shape, ratio, chunk)
+        _, _, h, w = _blocks(shape, chunk)
+        sent = chunks * k
+        table = 0 if bits == 32 else 4 * (1 + 2**bits)
+        total += math.ceil(sent * _index_bits(h * w) / 8)
+        total += math.ceil(sent * bits / 8) + table
     return total
