@@ -1,8 +1,9 @@
 r"""Transforms of the newer asynchronous and low-communication methods.
 
-* :func:`ordered_momentum` (OrMo): the server's momentum for asynchronous SGD,
-  each gradient placed in the momentum at the iteration it was computed at
-  (keyword extra argument ``staleness``, as :func:`scale_by_staleness` takes).
+* :func:`ordered_momentum` (OrMo, OrMo-DA): the server's momentum for
+  asynchronous SGD over iterations of K gradients, each gradient placed in the
+  momentum at the iteration it was computed at (keyword extra argument
+  ``staleness``, as :func:`scale_by_staleness` takes).
 * :func:`sparseloco`: a worker's push of SparseLoCo, its pseudo-gradient added
   to a decayed error-feedback accumulator that is sent top-k sparsified and
   quantized to a few bits; :func:`sparseloco_nbytes` counts its bytes.
@@ -46,46 +47,66 @@ class OrderedMomentumState(NamedTuple):
     momentum: Any  # float32 tree like the updates: u
 
 
+def _ormo_lag(count: jax.Array, staleness: jax.Array, per_iteration: int) -> jax.Array:
+    """Iterations between the one a gradient was computed at and now: the
+    iteration index is ``count // per_iteration``, the gradient's version
+    ``count - staleness`` (floor division, so a delay is never negative)."""
+    now = jnp.floor_divide(count, per_iteration)
+    return now - jnp.floor_divide(count - staleness, per_iteration)
+
+
 def ordered_momentum(
     learning_rate: optax.ScalarOrSchedule,
     momentum: float = 0.9,
+    *,
+    gradients_per_iteration: int = 1,
+    delay_adaptive: float | None = None,
 ) -> optax.GradientTransformationExtraArgs:
     r"""OrMo: heavy-ball momentum for asynchronous SGD, ordered by iteration.
 
-    Sequential heavy-ball momentum, :math:`u_k = \beta u_{k-1} + g_k`,
-    :math:`x_{k+1} = x_k - \eta u_k`, moves the parameters by
-    :math:`\eta \beta^{j-k} g_k` at every iteration :math:`j \ge k` for the
-    gradient of iteration :math:`k`: :math:`\eta g_k / (1 - \beta)` in all.
-    In asynchronous SGD the gradient computed at iteration :math:`k` arrives
-    at iteration :math:`k + \tau` (:math:`\tau` its staleness); naive momentum
-    adds it to :math:`u` as if it were fresh. OrMo puts it where its
-    iteration index says: the part it would already have moved the parameters
-    by is applied at once, the rest joins the momentum at its decayed weight:
+    Sequential heavy-ball momentum over iterations of :math:`K` gradients
+    (``gradients_per_iteration``), :math:`u_t = \beta u_{t-1} + G_t`,
+    :math:`x_{t+1} = x_t - \eta u_t` with :math:`G_t` the sum of iteration
+    :math:`t`'s gradients, moves the parameters by :math:`\eta \beta^{j-k} g`
+    at every iteration :math:`j \ge k` for a gradient of iteration :math:`k`:
+    :math:`\eta g / (1 - \beta)` in all. In asynchronous SGD a gradient
+    computed at iteration :math:`k` arrives at iteration :math:`t = k + d`;
+    OrMo puts it where its iteration index says. The first gradient of each
+    iteration applies the momentum's step of that iteration; every gradient
+    then applies at once what it would have moved the parameters by in
+    iterations :math:`k..t` and joins the momentum at its decayed weight:
 
     .. math::
 
-       u \leftarrow \beta u + \beta^{\tau} g, \qquad
-       x \leftarrow x - \eta \Big(u + \frac{1 - \beta^{\tau}}{1 - \beta}\, g\Big).
+       \text{new iteration: } u \leftarrow \beta u,\; x \leftarrow x - \eta u;
+       \qquad x \leftarrow x - \eta \frac{1 - \beta^{d+1}}{1 - \beta}\, g,
+       \qquad u \leftarrow u + \beta^{d} g.
 
-    So every gradient moves the parameters by :math:`\eta g / (1 - \beta)` in
-    all, whatever its delay, in the order of the iteration it was computed
-    at; with :math:`\tau = 0` always this is ``optax.sgd(eta, momentum=beta)``,
-    and with :math:`\beta = 0` plain SGD. The iteration index is the server's
-    version (one per applied push in ASP), so :math:`\tau` is the push's
-    staleness, which :class:`~hpsjax.ps.ServerCore` passes as the extra
-    argument ``staleness``.
+    The iteration index is the count of gradients applied divided by
+    :math:`K` (the server's version in ASP, one per applied push, over
+    :math:`K`), and :math:`d` follows from the push's staleness (the extra
+    argument ``staleness``, which :class:`~hpsjax.ps.ServerCore` passes).
+    With :math:`K = 1` and :math:`\tau = 0` always this is
+    ``optax.sgd(eta, momentum=beta)``; with :math:`\beta = 0` plain SGD.
+    OrMo-DA (``delay_adaptive=D``) scales each gradient by
+    :math:`\min(1, D / d)`: the step of a gradient more than :math:`D`
+    iterations late shrinks as its delay grows.
 
-    Our reading: the paper's abstract ("momentum is incorporated into ASGD by
-    organizing the gradients in order based on their iteration indexes";
-    convergence without the maximum delay). Its algorithm's exact bookkeeping
-    (when its iteration index advances, and its delay-adaptive learning rate,
-    OrMo-DA) was not readable here; the rule above is the one that keeps
-    each gradient's total weight and its order, as the abstract says.
+    What was read: the paper's abstract and public summaries (momentum
+    "organised by the gradients' iteration indexes", an iteration of the
+    sequential method taking :math:`K` gradients, a delay-adaptive variant
+    OrMo-DA); the algorithm's text was not readable here. Our reading: the
+    bookkeeping above, which keeps each gradient's total weight and its
+    order; OrMo-DA's rule :math:`\min(1, D/d)` is the delay-adaptive step of
+    Mishchenko et al. (2022) that such analyses use, not a quote.
 
     Args:
       learning_rate: :math:`\eta` (a number > 0 or an optax schedule of the
         update count).
       momentum: :math:`\beta` in [0, 1).
+      gradients_per_iteration: :math:`K`, an int >= 1 (the paper: the
+        number of workers).
+      delay_adaptive: :math:`D` > 0 for OrMo-DA, or ``None`` (OrMo).
 
     Returns:
       An ``optax.GradientTransformationExtraArgs`` whose ``update`` requires
@@ -101,12 +122,14 @@ def ordered_momentum(
       >>> opt = ordered_momentum(1.0, momentum=0.5)
       >>> state = opt.init(jnp.zeros(1))
       >>> updates, state = opt.update(jnp.ones(1), state, staleness=2)
-      >>> updates, state.momentum  # 1 + 0.5 at once, 0.25 left in u
+      >>> updates, state.momentum  # 1 + 0.5 + 0.25 at once, 0.25 left in u
       (Array([-1.75], dtype=float32), Array([0.25], dtype=float32))
 
     References:
       Shi, Yang, Li, `Ordered Momentum for Asynchronous SGD
-      <https://arxiv.org/abs/2407.19234>`_, NeurIPS 2024.
+      <https://arxiv.org/abs/2407.19234>`_, NeurIPS 2024; Mishchenko,
+      Bach, Even, Woodworth, `Asynchronous SGD Beats Minibatch SGD Under
+      Arbitrary Delays <https://arxiv.org/abs/2206.07638>`_, NeurIPS 2022.
     """
     check_hyperparameter(
         "learning_rate", learning_rate, low=0, low_inclusive=False, schedule=True
@@ -114,6 +137,13 @@ def ordered_momentum(
     beta = check_hyperparameter(
         "momentum", momentum, low=0, high=1, high_inclusive=False
     )
+    per_iteration = check_hyperparameter(
+        "gradients_per_iteration", gradients_per_iteration, low=1, integer=True
+    )
+    if delay_adaptive is not None:
+        delay_adaptive = check_hyperparameter(
+            "delay_adaptive", delay_adaptive, low=0, low_inclusive=False
+        )
 
     def init_fn(params):
         return OrderedMomentumState(
@@ -123,20 +153,27 @@ def ordered_momentum(
 
     def update_fn(updates, state, params=None, *, staleness=None, **extra_args):
         del params, extra_args
-        tau = _as_staleness(staleness).astype(_F32)
-        decay = jnp.power(jnp.asarray(beta, _F32), tau)
-        # (1 - beta^tau) / (1 - beta) = sum_{i < tau} beta^i (0^0 = 1 in jnp).
-        catch_up = (1 - decay) / (1 - beta)
+        tau = jnp.round(_as_staleness(staleness)).astype(jnp.int32)
+        lag = _ormo_lag(state.count, tau, per_iteration).astype(_F32)
+        weight = jnp.ones([], _F32)
+        if delay_adaptive is not None:
+            weight = jnp.minimum(1.0, delay_adaptive / jnp.maximum(lag, 1.0))
+        new_iteration = (state.count % per_iteration) == 0
+        carry = jnp.where(new_iteration, beta, 1.0)
+        decay = jnp.power(jnp.asarray(beta, _F32), lag)
+        # sum_{i <= d} beta^i = (1 - beta^(d+1)) / (1 - beta).
+        catch_up = weight * (1 - decay * beta) / (1 - beta)
         lr = learning_rate(state.count) if callable(learning_rate) else learning_rate
         lr = jnp.asarray(lr, _F32)
-        u = jax.tree.map(
-            lambda m, g: beta * m + decay * g.astype(_F32), state.momentum, updates
-        )
+        u = jax.tree.map(lambda m: carry * m, state.momentum)
         steps = jax.tree.map(
-            lambda m, g: (-lr * (m + catch_up * g.astype(_F32))).astype(g.dtype),
+            lambda m, g: (
+                -lr * (jnp.where(new_iteration, m, 0.0) + catch_up * g.astype(_F32))
+            ).astype(g.dtype),
             u,
             updates,
         )
+        u = jax.tree.map(lambda m, g: m + weight * decay * g.astype(_F32), u, updates)
         return steps, OrderedMomentumState(optax.safe_increment(state.count), u)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
