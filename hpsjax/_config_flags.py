@@ -7,9 +7,9 @@ default the field's. The metadata may also give:
 
 * ``flag``: the flag's name, where it is not ``--<field>``; a ``bool`` field
   whose default is ``True`` is turned off by its flag (``--ignore_hints``,
-  ``--no_error_feedback``), and needs one, unless its ``action`` is
-  ``argparse.BooleanOptionalAction`` (``--malloc_tuning`` and
-  ``--no-malloc_tuning``);
+  ``--no_error_feedback``), and needs one (``--no_<field>``, the one
+  negation style of hpsjax's commands), unless its ``action`` is
+  ``argparse.BooleanOptionalAction``;
 * ``choices``, ``metavar``, ``type`` (a parser of the flag's text), ``action``,
   ``nargs`` and ``required`` (argparse's); a field whose ``action`` is
   ``"append"`` holds one entry per use of its flag (with ``nargs``, each a
@@ -18,7 +18,9 @@ default the field's. The metadata may also give:
   addresses as ``host:port,host:port``), where ``str`` is not;
 * ``group``: the key of the argument group the flag is listed under;
 * ``aliases``: former names of the flag, still taken: the first use of one
-  says once, on stderr, which name replaced it (a rename is one edit).
+  says once, on stderr, which name replaced it (a rename is one edit);
+* ``dest``: the name the parsed value has in the namespace, where it is not
+  the flag's (a renamed flag keeps the attribute its readers use).
 
 A ``Mapping`` field is a repeatable ``NAME=VALUE`` flag, the value JSON
 (:func:`hpsjax._flags.add_key_value_flag`; ``--policy_arg
@@ -90,7 +92,7 @@ def flag_fields(cls: type) -> Iterator[tuple[dataclasses.Field, str, str]]:
         if "help" not in field.metadata:
             continue
         flag = field.metadata.get("flag", f"--{field.name}")
-        yield field, flag, flag.removeprefix("--")
+        yield field, flag, field.metadata.get("dest", flag.removeprefix("--"))
 
 
 def add_flags(

@@ -99,7 +99,7 @@ def test_server_options_travel_as_flags_and_back():
         log_level="DEBUG",
     )
     argv = to_argv(options)
-    assert "--no-malloc_tuning" in argv and "--split_leaves" in argv
+    assert "--no_malloc_tuning" in argv and "--split_leaves" in argv
     back = server_cli.server_options(server_cli.parse_args(argv))
     # JSON has no HybridStage: a stage travels as the object of its fields.
     stages = [dataclasses.asdict(HybridStage("async", local_steps=4))]

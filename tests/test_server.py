@@ -23,6 +23,7 @@ from hpsjax.wire._errors import (
     AuthError,
     ConnectionClosed,
     InvalidUpdate,
+    ServerError,
     ShuttingDown,
     SpecMismatch,
     WorkerDropped,
@@ -640,12 +641,11 @@ def test_client_calls_fail_fast_after_the_server_is_gone():
     _run(main)
 
 
-def test_a_new_connection_replaces_the_old_one():
+def test_a_new_connection_replaces_one_that_has_not_joined():
     async def main():
         async with _server("asp") as server:
             first = _client(server, "w")
             await first.connect()
-            await first.pull()
             second = _client(server, "w")
             await second.connect()
             await asyncio.sleep(0.05)
@@ -654,6 +654,30 @@ def test_a_new_connection_replaces_the_old_one():
             _, v = await second.pull()
             assert (await second.push(_update(1), version=v)).applied
             await first.close()
+            await second.close()
+
+    _run(main)
+
+
+def test_a_second_worker_claiming_a_live_workers_id_is_refused():
+    async def main():
+        async with _server("asp") as server:
+            first = _client(server, "w")
+            await first.connect()
+            _, v = await first.pull()
+            second = _client(server, "w")
+            with pytest.raises(ServerError, match="live connected worker") as info:
+                await second.connect()
+            assert "\n" not in str(info.value)
+            # The first goes on; once its connection is gone, the id is free.
+            assert (await first.push(_update(1), version=v)).applied
+            await first.close()
+            await asyncio.sleep(0.05)
+            third = _client(server, "w")
+            await third.connect()
+            _, v = await third.pull()
+            assert (await third.push(_update(1), version=v)).applied
+            await third.close()
             await second.close()
 
     _run(main)

@@ -83,7 +83,7 @@ def test_main_reports_bad_input_and_exits_2(tmp_path, capsys):
     assert (
         _cli.main(["--init", str(path), "--policy", "nope", "--loop", "asyncio"]) == 2
     )
-    assert "Unknown policy" in capsys.readouterr().err
+    assert "unknown --policy 'nope'" in capsys.readouterr().err
     code = _cli.main(["--init", str(path), "--host", "0.0.0.0", "--loop", "asyncio"])
     assert code == 2 and "without a secret" in capsys.readouterr().err
 

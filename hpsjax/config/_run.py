@@ -9,12 +9,20 @@ from hpsjax._checks import check_int
 from hpsjax._config_flags import config_kwargs, to_argv
 from hpsjax.ps._cli import parse_args as _parse_server_args
 from hpsjax.ps._cli import server_options
-from hpsjax.ps._options import ServerOptions
+from hpsjax.ps._options import RUN_SCHEMES, Scheme, ServerOptions, get_scheme
 from hpsjax.worker import WorkerConfig
 from hpsjax.worker._cli import parse_args as _parse_worker_args
 from hpsjax.worker._command import WorkerCommand
 
-__all__ = ["RunConfig", "WorkerSettings", "parse_server", "parse_worker"]
+__all__ = [
+    "RUN_SCHEMES",
+    "RunConfig",
+    "Scheme",
+    "WorkerSettings",
+    "get_scheme",
+    "parse_server",
+    "parse_worker",
+]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from hpsjax._config_flags import add_flags, argv_of
 from hpsjax._flags import HelpFormatter
 from hpsjax._logs import quiet_backend_probe
+from hpsjax.config import get_scheme
 from hpsjax.launch import _ray
 from hpsjax.launch._job import LaunchError
 from hpsjax.launch._local import launch
@@ -74,6 +75,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, terminate)
     per_worker: dict[int, list[str]] = {}
     try:
+        scheme = get_scheme(args.policy)
+        plan = args.plan if args.plan is not None else scheme.plan
+        if scheme.policy != args.policy.lower() or scheme.worker_flags:
+            print(f"hpsjax.launch: {scheme.describe(args.policy)}", flush=True)
         given = {k: v for k, v in (("task", args.task), ("model", args.model)) if v}
         worker_args = [*argv_of(WorkerCommand, **given), *worker_args]
         for index, text in args.worker_flags:
@@ -88,7 +93,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             worker_args=worker_args,
             per_worker_args=per_worker,
             server_args=server_args,
-            plan=args.plan,
+            plan=plan,
             global_batch=args.global_batch,
             replan=args.replan,
             server_shards=args.server_shards,

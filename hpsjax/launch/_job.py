@@ -21,7 +21,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, TextIO
 
 from hpsjax._config_flags import argv_of
-from hpsjax.ps._options import ServerOptions
+from hpsjax.ps._options import ServerOptions, get_scheme
 from hpsjax.worker import WorkerConfig
 from hpsjax.worker._command import WorkerCommand
 
@@ -245,7 +245,7 @@ class Console:
         total = None
         if job.steps is not None:
             total = job.steps
-            if job.policy not in _ROUND_POLICIES:
+            if get_scheme(job.policy).policy not in _ROUND_POLICIES:
                 total *= job.num_workers
         with self._lock:
             self._bar = tqdm(total=total, desc="versions", unit="v", file=sys.stderr)

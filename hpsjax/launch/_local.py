@@ -140,18 +140,11 @@ def launch(
             return launch(**{**arguments, "workdir": _Temporary(tmp)})
     kept = not isinstance(workdir, _Temporary)
     flags, shared = check_launch(
-        num_workers,
-        steps=steps,
-        worker_args=worker_args,
-        per_worker_args=per_worker_args,
-        server_args=server_args,
-        timeout=timeout,
-        plan=plan,
-        replan=replan,
-        server_shards=server_shards,
-        split_leaves=split_leaves,
-        max_restarts=max_restarts,
-    )
+        num_workers, steps=steps, worker_args=worker_args,
+        per_worker_args=per_worker_args, server_args=server_args, timeout=timeout,
+        plan=plan, replan=replan, server_shards=server_shards,
+        split_leaves=split_leaves, max_restarts=max_restarts, policy=policy,
+    )  # fmt: skip
     console = Console(log)
     start = time.monotonic()
     work = pathlib.Path(workdir)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from hpsjax.decisions import POLICIES
+from hpsjax.config import RUN_SCHEMES
 from hpsjax.planning import SCHEMES
 
 __all__ = ["LaunchOptions"]
@@ -53,8 +53,11 @@ class LaunchOptions:
     )
     policy: str = _flag(
         "bsp",
-        f"server synchronisation policy: {', '.join(sorted(POLICIES))}",
+        f"the scheme: {', '.join(sorted(RUN_SCHEMES))} (a policy, or hps, "
+        "ashl, ps_plus, local_sgd: a policy with worker flags and, for hps, a "
+        "plan; printed at the start)",
         "server",
+        metavar="SCHEME",
     )
     server_shards: int = _flag(
         1, "split the model by key range over this many server processes", "server"
@@ -73,8 +76,11 @@ class LaunchOptions:
     replan: float | None = _flag(
         None,
         "with --plan: the server re-plans when a worker's speed drifts by "
-        "more than this fraction",
+        "more than this fraction (hpsjax-server's --replan_threshold)",
         "plan",
+        flag="--replan_threshold",
+        dest="replan",
+        aliases=("--replan",),
     )
     workdir: str | None = _flag(
         None, "directory for secret, init, plan, metrics", "run"
@@ -86,7 +92,14 @@ class LaunchOptions:
         "run",
         metavar="DIR",
     )
-    timeout: float | None = _flag(None, "seconds the run may take", "run")
+    timeout: float | None = _flag(
+        None,
+        "seconds the whole run may take",
+        "run",
+        flag="--run_timeout",
+        dest="timeout",
+        aliases=("--timeout",),
+    )
     progress: bool = _flag(True, "no progress bar", "run", flag="--no_progress")
     backend: str = _flag(
         "local",

@@ -14,7 +14,8 @@ from hpsjax import profiling
 from hpsjax._checks import check_int, check_positive
 from hpsjax._compile_cache import cache_dir_for, cache_env
 from hpsjax._config_flags import argv_of
-from hpsjax.config import RunConfig, parse_server, parse_worker
+from hpsjax.config import RunConfig, get_scheme, parse_server, parse_worker
+from hpsjax.decisions import DEFAULT_POLICY
 from hpsjax.launch._job import (
     Console,
     Job,
@@ -46,8 +47,10 @@ def check_launch(
     server_shards: int,
     split_leaves: bool,
     max_restarts: int = 0,
+    policy: str = DEFAULT_POLICY,
 ) -> tuple[list[list[str]], list[str]]:
-    """Checks a launch's arguments; returns each worker's and the shared flags."""
+    """Checks a launch's arguments; returns each worker's and the shared flags
+    (``policy``'s scheme's worker flags first)."""
     for name, value in (("worker_args", worker_args), ("server_args", server_args)):
         if isinstance(value, str):
             raise LaunchError(f"{name} must be a list of arguments, not a string")
@@ -66,7 +69,12 @@ def check_launch(
     except ValueError as e:
         raise LaunchError(str(e)) from None
     flags = _worker_flags(per_worker_args, num_workers)
-    shared = [str(a) for a in worker_args]
+    try:
+        scheme = get_scheme(policy)
+    except ValueError as e:
+        raise LaunchError(str(e)) from None
+    shared = [*scheme.worker_flags, *map(str, worker_args)]
+    server_args = [*argv_of(ServerOptions, policy=policy), *map(str, server_args)]
     _check_flags(num_workers, shared, flags, server_args, server_shards, split_leaves)
     return flags, shared
 

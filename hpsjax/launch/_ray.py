@@ -374,18 +374,11 @@ def launch_ray(
         with tempfile.TemporaryDirectory(prefix="hpsjax-launch-") as tmp:
             return launch_ray(**{**arguments, "workdir": tmp})
     flags, shared = check_launch(
-        num_workers,
-        steps=steps,
-        worker_args=worker_args,
-        per_worker_args=per_worker_args,
-        server_args=server_args,
-        timeout=timeout,
-        plan=plan,
-        replan=replan,
-        server_shards=server_shards,
-        split_leaves=split_leaves,
-        max_restarts=max_restarts,
-    )
+        num_workers, steps=steps, worker_args=worker_args,
+        per_worker_args=per_worker_args, server_args=server_args, timeout=timeout,
+        plan=plan, replan=replan, server_shards=server_shards,
+        split_leaves=split_leaves, max_restarts=max_restarts, policy=policy,
+    )  # fmt: skip
     resources = _per_worker_resources(worker_resources, num_workers)
     server_request = _checked(server_resources or {}, "server_resources")
     try:

@@ -1026,6 +1026,17 @@ class Server:
                 session.handshake_timer.cancel()
             old = self._sessions.get(session.worker_id)
             if old is not None and old is not session:
+                if old.joined and not old.closed and old.worker_id in self._core.live:
+                    # Two workers under one id: refused, not taken for a
+                    # reconnect (a dead connection's worker is dropped first).
+                    session.protocol.fail(
+                        ServerError(
+                            f"worker id {session.worker_id!r} belongs to a live "
+                            "connected worker: give each worker its own --worker_id"
+                        ),
+                        request_id=frame.request_id,
+                    )
+                    return
                 self._replace(old)
             self._sessions[session.worker_id] = session
             meta = {**meta, "info": self._info()}

@@ -384,7 +384,7 @@ def _params_and_checkpoints(options: ServerOptions) -> tuple[Any, str | None]:
             model_args=options.model_arg,
             seed=options.model_seed,
             dataset=options.dataset,
-            dataset_args=options.dataset_arg,
+            dataset_args=options.dataset_kwargs(),
         )
     if num_shards == 1:
         if options.init is not None:
@@ -408,10 +408,11 @@ def _params_and_checkpoints(options: ServerOptions) -> tuple[Any, str | None]:
     return params, checkpoint_dir
 
 
-def _policy_kwargs(options: argparse.Namespace | ServerOptions) -> dict[str, Any]:
-    """``--policy_arg`` values, hybrid stages given as objects made stages."""
-    policy_kwargs = dict(options.policy_arg)
-    if options.policy.lower() == "hybrid" and isinstance(
+def _policy_kwargs(options: ServerOptions) -> dict[str, Any]:
+    """The scheme's and ``--policy_arg``'s values, hybrid stages given as
+    objects made stages."""
+    policy_kwargs = options.policy_kwargs()
+    if options.scheme().policy == "hybrid" and isinstance(
         policy_kwargs.get("stages"), list
     ):
         # JSON has no HybridStage: stages come as objects of its fields.
@@ -497,7 +498,7 @@ def _make_server(options: ServerOptions) -> tuple[Server, ServerMetrics | None]:
             momentum=options.momentum,
             **options.optimizer_arg,
         ),
-        options.policy,
+        options.scheme().policy,
         host=options.host,
         port=options.port,
         secret=read_secret(options.secret_file),
@@ -547,6 +548,9 @@ async def serve(args: argparse.Namespace | ServerOptions) -> None:
         # Refused at the start, not after the run.
         check_export_path(options.export_params)
     server, metrics = _make_server(options)
+    scheme = options.scheme()
+    if scheme.policy != options.policy.lower() or scheme.worker_flags:
+        print(f"hpsjax-server {scheme.describe(options.policy)}", flush=True)
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     received: list[signal.Signals] = []

@@ -13,7 +13,6 @@ the model library.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 from collections.abc import Mapping
 from typing import Any
@@ -26,8 +25,9 @@ from hpsjax._optimizers import OPTIMIZERS
 from hpsjax.decisions import DEFAULT_POLICY, POLICIES, ServerCore
 from hpsjax.net import is_loopback
 from hpsjax.planning import SCHEMES
+from hpsjax.ps._schemes import RUN_SCHEMES, Scheme, get_scheme
 
-__all__ = ["ServerOptions"]
+__all__ = ["RUN_SCHEMES", "Scheme", "ServerOptions", "get_scheme"]
 
 # What the server builds its core with itself: not ``--core_arg``'s to give.
 _CORE_OWN = (
@@ -104,6 +104,13 @@ class ServerOptions:
     dataset_arg: Mapping[str, Any] = _key_values(
         "with --init_from: dataset argument (JSON value), repeatable", "model"
     )
+    data_path: str | None = _option(
+        None,
+        "with --init_from and --dataset npz: the .npz file of arrays x and y "
+        "(hpsjax-worker's --data_path)",
+        metavar="FILE.npz",
+        group="model",
+    )
 
     server_shard: int | None = _option(
         None,
@@ -139,7 +146,9 @@ class ServerOptions:
 
     policy: str = _option(
         DEFAULT_POLICY,
-        f"synchronisation policy: {', '.join(sorted(POLICIES))} (the "
+        "the scheme: a policy (" + ", ".join(sorted(POLICIES)) + ") or a scheme "
+        "made of one and worker flags (hps: bsp with 8-bit pushes; ashl: hybrid "
+        "with ASHL's stages; ps_plus; local_sgd), printed at the start (the "
         "default is hpsjax-launch's too)",
         group="policy",
     )
@@ -289,8 +298,10 @@ class ServerOptions:
     )
     malloc_tuning: bool = _option(
         True,
-        "keep freed memory for reuse (see keep_freed_memory)",
-        action=argparse.BooleanOptionalAction,
+        "return freed memory to the system instead of keeping it for reuse "
+        "(see keep_freed_memory)",
+        flag="--no_malloc_tuning",
+        aliases=("--no-malloc_tuning",),
         group="process",
     )
     log_level: str = _option(
@@ -316,6 +327,14 @@ class ServerOptions:
                 "can reach the port could push updates; pass --secret_file (or "
                 "--insecure to accept that)"
             )
+        self._check_policy()
+        if self.data_path is not None and (
+            self.dataset != "npz" or "path" in self.dataset_arg
+        ):
+            raise ValueError(
+                "--data_path is the file of --dataset npz, given once (not "
+                "with --dataset_arg path=...)"
+            )
         check_kwargs(
             ServerCore,
             self.core_arg,
@@ -330,6 +349,30 @@ class ServerOptions:
                 f"{self.server_shards} shards holds a part: export the shards' "
                 "checkpoints instead with python -m hpsjax.export CKPT_DIR OUT.npz"
             )
+
+    def dataset_kwargs(self) -> dict[str, Any]:
+        """The dataset's arguments: ``--dataset_arg``'s, with ``--data_path``."""
+        path = {} if self.data_path is None else {"path": self.data_path}
+        return {**self.dataset_arg, **path}
+
+    def scheme(self) -> Scheme:
+        """The :class:`Scheme` ``--policy`` names."""
+        return get_scheme(self.policy)
+
+    def policy_kwargs(self) -> dict[str, Any]:
+        """The policy's keyword arguments: the scheme's, then ``--policy_arg``'s."""
+        return {**self.scheme().policy_arg, **self.policy_arg}
+
+    def _check_policy(self) -> None:
+        """``--policy`` names a scheme, and ``--policy_arg`` its policy's
+        arguments."""
+        scheme = self.scheme()
+        check_kwargs(
+            POLICIES[scheme.policy],
+            self.policy_arg,
+            "--policy_arg",
+            what=f"policy {scheme.policy!r}",
+        )
 
     def _check_pilot(self) -> None:
         """``--pilot`` and the flags it needs, or none of them."""

@@ -230,6 +230,9 @@ class WorkerCommand:
         "no cache)",
         "outputs",
         metavar="PATH",
+        flag="--compile_cache",
+        dest="compile_cache_dir",
+        aliases=("--compile_cache_dir",),
     )
     log_level: str = _flag(
         "INFO",

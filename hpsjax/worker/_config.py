@@ -37,6 +37,19 @@ def _asyncio_default(name: str, default: Any) -> Any:
     return dataclasses.field(default=default, metadata=metadata)
 
 
+def _renamed(name: str, flag: str) -> Any:
+    """A :class:`WorkerOptions` field whose flag is ``flag``, its former name
+    still taken (:mod:`hpsjax._config_flags`' ``aliases``)."""
+    field = WorkerOptions.__dataclass_fields__[name]
+    metadata = {
+        **field.metadata,
+        "flag": flag,
+        "dest": name,
+        "aliases": (field.metadata.get("flag", f"--{name}"),),
+    }
+    return dataclasses.field(default=field.default, metadata=metadata)
+
+
 def _worker_id(text: str) -> str | int:
     """A ``--worker_id``: an int where it reads as one, else the text."""
     try:
@@ -91,6 +104,10 @@ class WorkerConfig(WorkerOptions):
         revised plan) on a thread of its own, the rounds meanwhile computing
         with the last batch (and saying so in their pushes' sample counts), so
         a re-plan never stalls a round; ``False`` compiles it in the round.
+      precompile: batch sizes (``"4,5,6"``) whose step the worker compiles
+        before it joins, beside its first batch's: a plan's later batches on
+        them (a pilot's :func:`~hpsjax.planning.batch_grid`) compile nothing
+        beside the rounds. ``None``: none.
       heterogeneity: injected slowdown and link limits.
       timeout: seconds any single request may take (``None``: no limit). Under
         BSP the pull waits for the slowest worker, so keep it above a round.
@@ -110,6 +127,8 @@ class WorkerConfig(WorkerOptions):
     overlap: str | None = _asyncio_default("overlap", None)
     pull_with_push: bool = _asyncio_default("pull_with_push", True)
     compress_from_stage: int | None = _asyncio_default("compress_from_stage", None)
+    # hpsjax-launch's name: rounds per worker.
+    max_steps: int | None = _renamed("max_steps", "--steps")
     host: str = _option("127.0.0.1", "server address", group="server")
     port: int = 0
     worker_id: str | int = _option(0, "unique id", type=_worker_id, group="server")
@@ -140,8 +159,21 @@ class WorkerConfig(WorkerOptions):
         group="work",
     )
     compile_beside: bool = True
+    precompile: str | None = _option(
+        None,
+        "batch sizes to compile before joining, comma-separated (a pilot's "
+        "batch_grid: its later batches then compile nothing beside the rounds)",
+        group="work",
+    )
     heterogeneity: Heterogeneity = dataclasses.field(default_factory=Heterogeneity)
-    timeout: float | None = _option(600.0, "request timeout (s)", group="server")
+    timeout: float | None = _option(
+        600.0,
+        "seconds any single request may take",
+        flag="--request_timeout",
+        dest="timeout",
+        aliases=("--timeout",),
+        group="server",
+    )
     seed: int = _option(0, "quantizer seed", group="work")
     fail_after_steps: int | None = _option(
         None, "raise after this many rounds (fault injection)", group="faults"
@@ -183,6 +215,24 @@ class WorkerConfig(WorkerOptions):
         check_int("seed", self.seed, low=0)
         check_int("fail_after_steps", self.fail_after_steps, low=1, allow_none=True)
         check_number("reconnect_timeout", self.reconnect_timeout, low=0)
+        self.precompile_sizes  # noqa: B018 (checks it)
+
+    @property
+    def precompile_sizes(self) -> tuple[int, ...]:
+        """``precompile`` read as batch sizes (empty for none).
+
+        Raises:
+          ValueError: not a comma-separated list of ints >= 1.
+        """
+        if self.precompile is None:
+            return ()
+        parts = str(self.precompile).split(",")
+        if not all(p.strip().isdigit() and int(p) >= 1 for p in parts):
+            raise ValueError(
+                "precompile must be batch sizes >= 1, comma-separated, "
+                f"got {self.precompile!r}"
+            )
+        return tuple(int(p) for p in parts)
 
     def planned(self) -> tuple[tuple[int, ...] | None, int, int, float]:
         """``(device_batches, batch_size, local_steps, lr_scale)`` to start with."""
