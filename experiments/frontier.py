@@ -2,38 +2,38 @@ r"""The frontier table: each recent method's claim against its baseline.
 
 ``python -m experiments.frontier --workdir=DIR`` runs, in each setting of
 ``--settings`` (sim8, sim8_slowlink and sim32 by default), every scheme of
-:data:`CLAIMS` (the methods and their baselines) in two steps:
+:data:`CLAIMS` (the methods and their baselines) under the verdict protocol of
+:mod:`experiments.protocol`:
 
-1. **tuning**, on ``--tune_seed`` (0) only: the scheme's step size
-   (:data:`KNOBS`: the one learning rate that sets the scheme's step) at
-   ``--factors`` (0.5, 1, 2) times its config's value for the setting; the
-   value that reaches the target accuracy soonest is chosen (the best
-   accuracy decides between values that never reach it; a diverged run is
-   never chosen);
-2. **the table**: the chosen value on each of ``--seeds`` (1, 2, 3), seeds that
-   took no part in the choice.
+1. **tuning**, on ``--tune_seed`` (0) only: every knob of :data:`KNOBS` (the
+   step sizes the scheme's paper tunes, and its own knobs: Ringmaster's
+   delay threshold R, Clipped ASGD's clip norm) from a grid of ``--factors``
+   (0.5, 1, 2) times its config's value, by :func:`experiments.protocol.tune`:
+   a coordinate search that extends a grid whose best value sits on an edge,
+   within ``--tune_budget`` runs, **the same budget for a method and its
+   baseline**;
+2. **the table**: the chosen values on each of ``--seeds``
+   (:data:`experiments.protocol.SEEDS`, five seeds that took no part in the
+   tuning);
+3. **the verdict** (:func:`verdict`): the ratio of mean times to the target,
+   method over baseline, with its percentile bootstrap interval at
+   :data:`experiments.protocol.LEVEL` (a run that never reached the target
+   counts as its budget, a lower bound); bytes are counted both ways, pushed
+   and pulled (:func:`experiments.protocol.total_bytes`).
 
-Then it writes ``DIR/frontier.md`` (per claim and setting: the time to the
-target, mean ± standard deviation over the seeds, the megabytes pushed, and the
-verdict of :func:`verdict`) and ``DIR/frontier.json`` (every run's summary, the
-tuning and the verdicts). Finished runs in ``DIR`` are kept (a run is
-``DIR/<setting>/<scheme>/<tag>/run.json``), so an interrupted table resumes;
-``--render_only`` rebuilds the table from them. Only the figures a table needs
-are written per run (no plots, no per-round records): a run of sim8 takes
-about 5 s of compute. Example::
+Then it writes ``DIR/frontier.md`` (per claim and setting: the times, the
+ratio and its interval, the megabytes moved both ways, the values chosen and
+the verdict; then every tuning run) and ``DIR/frontier.json`` (every run's
+summary, the tuning and the verdicts). Finished runs in ``DIR`` are kept (a
+run is ``DIR/<setting>/<scheme>/<tag>/run.json``), so an interrupted table
+resumes; ``--render_only`` rebuilds the table from them. Only the figures a
+table needs are written per run (no plots, no per-round records). Example::
 
   python -m experiments.frontier --workdir=/tmp/hpsjax/frontier \
-      --settings=sim8 --seeds=1 --factors=1 --budget=10
+      --settings=sim8 --schemes=ringmaster,asp --seeds=1,2 --tune_budget=6
 
-Verdicts compare means against the seeds' spread: a method is *faster* than
-its baseline when its mean time to the target is below the baseline's by more
-than the larger of the two standard deviations (and every seed reached the
-target), *slower* in the mirror case, *level* otherwise; where neither reached
-the target in any seed, the best accuracy decides the same way (higher beyond
-the larger standard deviation is *faster*); each claim's rule in
-:data:`CLAIMS` turns that (and the bytes) into *reproduced*, *refuted* or
-*level*. A claim these small simulated tasks cannot test says so in its
-``untestable`` note, which the table prints beside the verdict.
+A claim these small simulated tasks cannot test says so in its ``untestable``
+note, which the table prints beside the verdict.
 """
 
 from __future__ import annotations
@@ -49,37 +49,44 @@ from typing import Any
 
 from absl import app, flags, logging
 
-from experiments import _cli, registry
+from experiments import _cli, protocol, registry
+from hpsjax._checks import check_int, check_positive
 from hpsjax._logs import quiet_backend_probe
 
 __all__ = [
     "CLAIMS",
     "KNOBS",
     "Claim",
-    "choose",
-    "compare_times",
     "format_frontier",
     "run_frontier",
+    "scheme_stats",
+    "start_grid",
     "verdict",
 ]
 
-KNOBS: dict[str, str] = {
-    "asp": "server.learning_rate",
-    "ringmaster": "server.learning_rate",
-    "clipped_asgd": "server.learning_rate",
-    "ormo": "server.learning_rate",
-    "diloco": "worker.local_learning_rate",
-    "sparseloco": "worker.local_learning_rate",
-    "muloco": "worker.local_learning_rate",
-    "streaming_diloco": "worker.local_learning_rate",
-    "asgd_momentum": "server.learning_rate",
-    "streaming_diloco_eager": "worker.local_learning_rate",
-    "adsp": "worker.local_learning_rate",
-    "ashl_reference": "worker.local_learning_rate",
-    "demo": "server.learning_rate",
-    "bsp": "server.learning_rate",
+_LR, _LOCAL_LR = "server.learning_rate", "worker.local_learning_rate"
+_R = "server.policy_kwargs.delay_threshold"
+
+KNOBS: dict[str, tuple[str, ...]] = {
+    "asp": (_LR,),
+    "ringmaster": (_LR, _R),
+    "clipped_asgd": (_LR, "server.clip_norm"),
+    "ormo": (_LR,),
+    "diloco": (_LOCAL_LR, _LR),
+    "sparseloco": (_LOCAL_LR, _LR),
+    "muloco": (_LOCAL_LR, _LR),
+    "streaming_diloco": (_LOCAL_LR, _LR),
+    "asgd_momentum": (_LR,),
+    "streaming_diloco_eager": (_LOCAL_LR, _LR),
+    "adsp": (_LOCAL_LR,),
+    "ashl_reference": (_LOCAL_LR,),
+    "demo": (_LR,),
+    "bsp": (_LR,),
 }
-"""The step size tuned per scheme and setting (a dotted config path)."""
+"""The knobs tuned per scheme and setting (dotted config paths): the step
+sizes its paper tunes (inner and outer for DiLoCo's family, SparseLoCo's outer
+step among them), Ringmaster's delay threshold R and Clipped ASGD's clip
+norm."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,12 +98,11 @@ class Claim:
       baseline: the scheme it is claimed against.
       paper: the reference, short.
       claim: the claim, in a line.
-      rule: how the verdict is read: ``"faster"`` (reproduced when the method
-        reaches the target sooner than the baseline beyond the seeds'
-        spread), ``"faster_by:X"`` (sooner by at least the fraction X of the
-        baseline's time), ``"fewer_bytes:X"`` (at least X times fewer bytes
-        pushed, and not slower), ``"not_slower_fewer_bytes"`` (not slower and
-        fewer bytes).
+      rule: how the verdict is read (:func:`verdict`): ``"faster"`` (the
+        interval of the ratio of times below 1), ``"faster_by:X"`` (below
+        ``1 - X``), ``"fewer_bytes:X"`` (at least X times fewer bytes both
+        ways to the target, and not slower), ``"not_slower_fewer_bytes"``
+        (not slower and fewer bytes per push).
       untestable: what of the claim these runs cannot test, or ``""``.
     """
 
@@ -117,7 +123,8 @@ CLAIMS: tuple[Claim, ...] = (
         "faster",
         "the claim is a worst-case complexity bound; what runs here is its "
         "consequence, reaching the target no later than ASP with the slow "
-        "workers' stale gradients cut",
+        "workers' stale gradients cut (R tuned; the form that stops a "
+        "computation that can no longer arrive in time is not built)",
     ),
     Claim(
         "clipped_asgd",
@@ -126,7 +133,8 @@ CLAIMS: tuple[Claim, ...] = (
         "clipping removes the maximum delay from the complexity: robust to stragglers",
         "faster",
         "a complexity bound; the runs test the consequence (no slower than ASP "
-        "where delays are largest); the clip norm is not tuned",
+        "where delays are largest); the paper's threshold and step rules were "
+        "not readable, so the clip norm and the step are tuned",
     ),
     Claim(
         "ormo",
@@ -183,7 +191,8 @@ CLAIMS: tuple[Claim, ...] = (
         "8x less communication than DiLoCo",
         "fewer_bytes:8",
         "Muon's gain is shown on LLMs; on a (64, 64) MLP its orthogonalised "
-        "steps touch three small matrices",
+        "steps touch three small matrices; bytes both ways, so the dense "
+        "pulls count",
     ),
     Claim(
         "demo",
@@ -263,242 +272,241 @@ def _finished(config: Any, where: pathlib.Path) -> dict[str, Any] | None:
     return record if record.get("config") == _config_text(config) else None
 
 
-def _run_many(
-    todo: Sequence[tuple[Any, pathlib.Path]], jobs: int
-) -> dict[pathlib.Path, dict[str, Any]]:
-    """Runs ``(config, where)`` pairs not yet finished, ``jobs`` at a time."""
-    done, missing = {}, []
-    for config, where in todo:
-        record = _finished(config, where)
-        if record is None:
-            missing.append((config, where))
-        else:
-            done[where] = record
-    if not missing:
-        return done
-    logging.info("%d runs (%d kept), %d at a time", len(missing), len(done), jobs)
-    if jobs == 1:
-        for config, where in missing:
-            done[where] = _run(config, str(where))
-        return done
-    context = multiprocessing.get_context("spawn")  # jax is not fork-safe
-    with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=context) as pool:
-        futures = {pool.submit(_run, c, str(w)): w for c, w in missing}
-        for future in concurrent.futures.as_completed(futures):
-            where = futures[future]
-            done[where] = future.result()
-            s = done[where]["summary"]
-            logging.info(
-                "%s: time to target %s, %.0f s of compute",
-                where,
-                s["time_to_target"],
-                done[where]["compute_s"],
-            )
-    return done
+def start_grid(config: Any, path: str, factors: Sequence[float]) -> list[Any]:
+    """A knob's first grid: ``factors`` times its config's value (an int knob
+    stays int, at least 1; Ringmaster's R, ``None`` in its config, starts from
+    the number of workers, the value ``None`` stands for).
 
-
-def choose(summaries: dict[float, dict[str, Any]]) -> float:
-    """The tuned value: soonest to the target, else the best value of the
-    target's metric (its direction: :class:`experiments.target.Target`).
-
-    Args:
-      summaries: one tuning run's summary per candidate value.
-
-    Returns:
-      The chosen value; a run that diverged is chosen only if all did.
+    Examples:
+      >>> from experiments import registry
+      >>> config = registry.load_config("ringmaster", "sim8")
+      >>> start_grid(config, "server.policy_kwargs.delay_threshold", (0.5, 1, 2))
+      [4, 8, 16]
     """
-
-    def key(item):
-        _, s = item
-        diverged = s.get("diverged_at") is not None
-        t = s["time_to_target"]
-        return (diverged, t is None, t if t is not None else 0.0, _best_key(s))
-
-    return min(summaries.items(), key=key)[0]
-
-
-def _best_key(summary: dict[str, Any]) -> float:
-    """Sorts a run's best value of its target's metric, better first (a
-    summary of before targets had a metric: its best accuracy)."""
-    from experiments.target import Target
-
-    if summary.get("target_metric") is None:
-        return -summary["best_accuracy"]
-    return Target.of_summary(summary).sort_key(summary.get("best_metric"))
+    value = _get(config, path)
+    if value is None and path == _R:
+        value = len(config.workers.slowdowns)
+    if value is None:
+        raise ValueError(f"{path} is not set in {config.scheme}'s config: no grid")
+    if isinstance(value, int) and not isinstance(value, bool):
+        return sorted({max(1, round(value * f)) for f in factors})
+    return sorted({float(value) * f for f in factors})
 
 
-def _std(values: Sequence[float]) -> float:
-    mean = sum(values) / len(values)
-    return (sum((v - mean) ** 2 for v in values) / len(values)) ** 0.5
+def _censored(summaries: Sequence[dict[str, Any]], budget: float) -> list[float]:
+    return protocol.censored_times(summaries, budget)
 
 
-def _stats(summaries: Sequence[dict[str, Any]]) -> dict[str, Any]:
+def _bytes_to_target(summary: dict[str, Any]) -> float:
+    """Bytes moved both ways until the target, pro rata of the run's time (the
+    whole run's where it never reached it: a lower bound)."""
+    moved = protocol.total_bytes(summary)
+    t, end = summary.get("time_to_target"), summary.get("end_time") or 0.0
+    return moved * t / end if t is not None and end > 0 else float(moved)
+
+
+def scheme_stats(summaries: Sequence[dict[str, Any]], budget: float) -> dict[str, Any]:
+    """A scheme's figures over its seeds: times (censored at ``budget``),
+    reached count, megabytes both ways in the budget and to the target, bytes
+    per push, best accuracy, divergences."""
     times = [s["time_to_target"] for s in summaries]
     reached = [t for t in times if t is not None]
     n = len(summaries)
-    mean = sum(reached) / len(reached) if reached else None
-    std = (
-        (sum((t - mean) ** 2 for t in reached) / len(reached)) ** 0.5
-        if reached
-        else None
-    )
-    pushes = [s.get("pushes") or 0 for s in summaries]
-    bytes_sent = [s["bytes_sent"] for s in summaries]
-    # Bytes pushed until the target, pro rata of the run's time: the schemes
-    # compared by bytes (DiLoCo's family) push at a steady rate.
-    to_target = [
-        s["bytes_sent"] * s["time_to_target"] / s["end_time"]
-        for s in summaries
-        if s["time_to_target"] is not None and s["end_time"] > 0
-    ]
+    pushes = sum(s.get("pushes") or 0 for s in summaries)
     return {
         "runs": n,
         "reached": len(reached),
         "times": times,
-        "mean": mean,
-        "std": std,
-        "mb": sum(bytes_sent) / n / 1e6,
-        "mb_to_target": sum(to_target) / len(to_target) / 1e6 if to_target else None,
-        "bytes_per_push": sum(bytes_sent) / max(sum(pushes), 1),
+        "censored": _censored(summaries, budget),
+        "budget": budget,
+        "mean": sum(reached) / len(reached) if reached else None,
+        "mb": sum(protocol.total_bytes(s) for s in summaries) / n / 1e6,
+        "mb_to_target": sum(_bytes_to_target(s) for s in summaries) / n / 1e6,
+        "bytes_per_push": sum(s["bytes_sent"] for s in summaries) / max(pushes, 1),
         "best_accuracy": sum(s["best_accuracy"] for s in summaries) / n,
-        "best_accuracy_std": _std([s["best_accuracy"] for s in summaries]),
         "diverged": sum(s.get("diverged_at") is not None for s in summaries),
     }
 
 
-def compare_times(method: dict[str, Any], base: dict[str, Any]) -> str:
-    """``"faster"``, ``"slower"`` or ``"level"``: the method's time to the
-    target against the baseline's, beyond the larger standard deviation.
+def verdict(
+    claim: Claim, method: dict[str, Any], base: dict[str, Any]
+) -> tuple[str, tuple[float, float, float]]:
+    """The claim's verdict in one setting and the interval it was read from:
+    ``("reproduced" | "refuted" | "level", (ratio, low, high))``, the ratio of
+    mean times to the target (method over baseline, censored at the budget)
+    and its bootstrap interval at :data:`~experiments.protocol.LEVEL`.
 
-    A scheme that reached the target in fewer runs than the other is the
-    slower; where neither ever reached it, the best accuracy decides (higher
-    beyond the larger standard deviation is faster), level without it.
+    ``faster``: reproduced when the whole interval is below 1, refuted when
+    above, level otherwise. ``faster_by:X``: reproduced when the interval is
+    below ``1 - X``, refuted when above, level otherwise. ``fewer_bytes:X``:
+    at least X times fewer bytes, both ways, to the target (a run that never
+    reached it counts its whole run's bytes, a lower bound) and not slower.
+    ``not_slower_fewer_bytes``: fewer bytes per push and not slower.
     """
-    if method["reached"] != base["reached"]:
-        return "faster" if method["reached"] > base["reached"] else "slower"
-    if method["reached"] == 0:
-        mine, theirs = method.get("best_accuracy"), base.get("best_accuracy")
-        if mine is None or theirs is None:
-            return "level"
-        noise = max(
-            method.get("best_accuracy_std", 0.0), base.get("best_accuracy_std", 0.0)
-        )
-        if mine > theirs + noise:
-            return "faster"
-        if mine < theirs - noise:
-            return "slower"
-        return "level"
-    noise = max(method["std"], base["std"])
-    if method["mean"] < base["mean"] - noise:
-        return "faster"
-    if method["mean"] > base["mean"] + noise:
-        return "slower"
-    return "level"
-
-
-def verdict(claim: Claim, method: dict[str, Any], base: dict[str, Any]) -> str:
-    """The claim's verdict in one setting: ``reproduced``, ``refuted`` or
-    ``level`` (neither: the difference is within the seeds' spread)."""
-    speed = compare_times(method, base)
+    speed, interval = protocol.time_verdict(method["censored"], base["censored"])
+    _, low, high = interval
     rule, _, arg = claim.rule.partition(":")
     if rule == "faster":
-        return {"faster": "reproduced", "slower": "refuted"}.get(speed, "level")
+        word = {"faster": "reproduced", "slower": "refuted"}.get(speed, "level")
+        return word, interval
     if rule == "faster_by":
-        if speed != "faster":
-            return "refuted" if speed == "slower" else "level"
-        if base["mean"] is None:
-            return "reproduced"  # the baseline never reached the target
-        cut = 1.0 - method["mean"] / base["mean"]
-        return "reproduced" if cut >= float(arg) else "refuted"
+        bound = 1.0 - float(arg)
+        if high < bound:
+            return "reproduced", interval
+        return ("refuted" if low > bound else "level"), interval
     if rule == "fewer_bytes":
-        # Bytes to the same accuracy where both reach it; where only the
-        # method does, the baseline's bytes in the whole budget (it needs
-        # more); else the bytes in the budget.
-        mine, theirs = method.get("mb_to_target"), base.get("mb_to_target")
-        if mine is not None and theirs is None:
-            theirs = base["mb"]
-        elif mine is None or theirs is None:
-            mine, theirs = method["mb"], base["mb"]
+        mine, theirs = method["mb_to_target"], base["mb_to_target"]
         ratio = theirs / mine if mine > 0 else float("inf")
-        if speed == "slower" or ratio < float(arg):
-            return "refuted"
-        return "reproduced"
+        ok = speed != "slower" and ratio >= float(arg)
+        return ("reproduced" if ok else "refuted"), interval
     if rule == "not_slower_fewer_bytes":
         fewer = method["bytes_per_push"] < base["bytes_per_push"]
-        return "reproduced" if speed != "slower" and fewer else "refuted"
+        ok = speed != "slower" and fewer
+        return ("reproduced" if ok else "refuted"), interval
     raise ValueError(f"unknown claim rule {claim.rule!r}")
 
 
 def _time_text(st: dict[str, Any]) -> str:
     if st["reached"] == 0:
-        best = st.get("best_accuracy")
-        if best is None:
-            return f"not reached (0/{st['runs']})"
-        spread = st.get("best_accuracy_std") or 0.0
-        return f"not reached (0/{st['runs']}; best {best:.3f} ± {spread:.3f})"
+        return f"not reached (0/{st['runs']}; best {st['best_accuracy']:.3f})"
+    reached = [t for t in st["times"] if t is not None]
+    spread = f"{min(reached):.1f}-{max(reached):.1f}"
     if st["reached"] < st["runs"]:
-        return f"{st['mean']:.1f} ({st['reached']}/{st['runs']})"
-    return f"{st['mean']:.1f} ± {st['std']:.1f}"
+        return f"{st['mean']:.1f} [{spread}] ({st['reached']}/{st['runs']})"
+    return f"{st['mean']:.1f} [{spread}]"
 
 
-def _mb(st: dict[str, Any]) -> str:
-    mb = st.get("mb_to_target")
-    return "-" if mb is None else f"{mb:.2f}"
+def _point_text(point: dict[str, Any]) -> str:
+    return ", ".join(f"{k.rsplit('.', 1)[-1]}={v:g}" for k, v in sorted(point.items()))
 
 
 def format_frontier(result: dict[str, Any]) -> str:
     """The markdown tables of :func:`run_frontier`'s result."""
-    settings = result["settings"]
+    level = result.get("level", protocol.LEVEL)
     lines = [
-        "| claim | setting | method: time to target (s) | baseline: time to "
-        "target (s) | MB pushed in the budget (method / baseline) | MB pushed "
-        "to the target | step size chosen (method / baseline) | verdict |",
+        "| claim | setting | method: time to target (s) [range] | baseline: "
+        f"time to target (s) [range] | time ratio [{level:.0%} CI] | MB both ways "
+        "to the target (method / baseline) | chosen (method / baseline) | "
+        "verdict |",
         "|---|---|---:|---:|---:|---:|---|---|",
     ]
     for c in result["claims"]:
-        for setting in settings:
+        for setting in result["settings"]:
             cell = c["settings"].get(setting)
             if cell is None:
                 continue
             m, b = cell["method"], cell["baseline"]
+            ratio, low, high = cell["interval"]
             lines.append(
                 f"| {c['method']} vs {c['baseline']} | {setting} | "
-                f"{_time_text(m)} | {_time_text(b)} | {m['mb']:.2f} / "
-                f"{b['mb']:.2f} | {_mb(m)} / {_mb(b)} | {cell['chosen_method']:g} / "
-                f"{cell['chosen_baseline']:g} | {cell['verdict']} |"
+                f"{_time_text(m)} | {_time_text(b)} | {ratio:.2f} "
+                f"[{low:.2f}, {high:.2f}] | {m['mb_to_target']:.2f} / "
+                f"{b['mb_to_target']:.2f} | {_point_text(cell['chosen_method'])} / "
+                f"{_point_text(cell['chosen_baseline'])} | {cell['verdict']} |"
             )
     tuning = [
-        "| setting | scheme | step size (path) | tried: time to target on the "
-        "tuning seed (s) | chosen |",
-        "|---|---|---|---|---:|",
+        "| setting | scheme | tried (knobs: time to target on the tuning seed, s) "
+        "| chosen |",
+        "|---|---|---|---|",
     ]
-    for setting in settings:
+    for setting in result["settings"]:
         for scheme, t in result["tuning"].get(setting, {}).items():
-            tried = ", ".join(
-                f"{v:g}: "
+            tried = "; ".join(
+                f"{_point_text(trial['point'])}: "
                 + (
                     "diverged"
-                    if s["diverged"]
+                    if trial["diverged"]
                     else "-"
-                    if s["time"] is None
-                    else f"{s['time']:.1f}"
+                    if trial["time"] is None
+                    else f"{trial['time']:.1f}"
                 )
-                for v, s in sorted((float(k), s) for k, s in t["tried"].items())
+                for trial in t["trials"]
             )
             tuning.append(
-                f"| {setting} | {scheme} | {KNOBS[scheme]} | {tried} | "
-                f"{t['chosen']:g} |"
+                f"| {setting} | {scheme} | {tried} | {_point_text(t['chosen'])} |"
             )
     return "\n".join(lines) + "\n\n" + "\n".join(tuning) + "\n"
+
+
+class _Runner:
+    """Runs configs in ``workdir``, ``jobs`` at a time in processes of their
+    own, keeping finished runs (``render_only``: finished runs only)."""
+
+    def __init__(self, jobs: int, render_only: bool):
+        self.render_only = render_only
+        self.pool = None
+        if jobs > 1 and not render_only:
+            context = multiprocessing.get_context("spawn")  # jax is not fork-safe
+            self.pool = concurrent.futures.ProcessPoolExecutor(jobs, mp_context=context)
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown()
+
+    def run(self, config: Any, where: pathlib.Path) -> dict[str, Any]:
+        record = _finished(config, where)
+        if record is not None:
+            return record
+        if self.render_only:
+            raise ValueError(f"no finished run of this config in {where}")
+        if self.pool is None:
+            return _run(config, str(where))
+        record = self.pool.submit(_run, config, str(where)).result()
+        logging.info(
+            "%s: time to target %s, %.0f s of compute",
+            where,
+            record["summary"]["time_to_target"],
+            record["compute_s"],
+        )
+        return record
+
+
+def _tag(point: dict[str, Any]) -> str:
+    return "tune_" + "_".join(
+        f"{k.rsplit('.', 1)[-1]}{v:g}" for k, v in sorted(point.items())
+    )
+
+
+def _tune_scheme(scheme, setting, config_of, runner, workdir, factors, budget):
+    """One scheme's tuning in one setting: ``(chosen, trials)``."""
+    base = config_of(scheme, setting, 0, {})
+    knobs = {path: start_grid(base, path, factors) for path in KNOBS[scheme]}
+
+    def evaluate(point):
+        where = workdir / setting / scheme / _tag(point)
+        return runner.run(config_of(scheme, setting, None, point), where)["summary"]
+
+    return protocol.tune(evaluate, knobs, budget=budget)
+
+
+def _check_args(settings, seeds, tune_seed, factors, tune_budget) -> None:
+    from experiments.configs import common
+
+    if not seeds or len(set(seeds)) != len(seeds) or min(seeds) < 0:
+        raise ValueError(f"seeds must be distinct ints >= 0, got {list(seeds)}")
+    if tune_seed in seeds:
+        raise ValueError(f"the tuning seed {tune_seed} must not be a table seed")
+    if not factors:
+        raise ValueError("factors must hold at least one value, got none")
+    for f in factors:
+        check_positive("factors", f)
+    check_int("tune_budget", tune_budget, low=1)
+    for s in settings:
+        if s not in common.SETTINGS:
+            raise ValueError(
+                f"unknown setting {s!r}; valid names: "
+                f"{', '.join(sorted(common.SETTINGS))}"
+            )
 
 
 def run_frontier(
     workdir: str | pathlib.Path,
     *,
     settings: Sequence[str] = ("sim8", "sim8_slowlink", "sim32"),
-    seeds: Sequence[int] = (1, 2, 3),
+    seeds: Sequence[int] = protocol.SEEDS,
     tune_seed: int = 0,
     factors: Sequence[float] = (0.5, 1.0, 2.0),
+    tune_budget: int = 8,
     claims: Sequence[Claim] | None = None,
     schemes_by_setting: dict[str, Sequence[str]] | None = None,
     jobs: int = 1,
@@ -513,7 +521,9 @@ def run_frontier(
       settings: names of ``experiments.configs.common.SETTINGS``.
       seeds: the seeds of the table.
       tune_seed: the seed of the tuning runs (not among ``seeds``).
-      factors: the step sizes tried, as multiples of the config's value.
+      factors: each knob's first grid, as multiples of the config's value.
+      tune_budget: the tuning runs allowed per scheme and setting, the same
+        for every scheme.
       claims: the claims to test (``None``: :data:`CLAIMS` whose schemes have
         a config).
       schemes_by_setting: a subset of schemes per setting (claims whose method
@@ -524,28 +534,16 @@ def run_frontier(
       log: where progress lines go.
 
     Returns:
-      ``{"settings", "seeds", "tune_seed", "factors", "tuning", "claims"}``.
+      ``{"settings", "seeds", "tune_seed", "factors", "tune_budget", "level",
+      "tuning", "claims", "runs"}``.
 
     Raises:
       ValueError: an unknown setting or scheme, ``tune_seed`` among ``seeds``,
-        bad factors, or (``render_only``) a run that is not there.
+        bad factors or budget, or (``render_only``) a run that is not there.
     """
-    from experiments.configs import common
-
     seeds = [int(s) for s in seeds]
-    if not seeds or len(set(seeds)) != len(seeds) or min(seeds) < 0:
-        raise ValueError(f"seeds must be distinct ints >= 0, got {seeds}")
-    if tune_seed in seeds:
-        raise ValueError(f"the tuning seed {tune_seed} must not be a table seed")
     factors = [float(f) for f in factors]
-    if not factors or min(factors) <= 0:
-        raise ValueError(f"factors must be positive, got {factors}")
-    for s in settings:
-        if s not in common.SETTINGS:
-            raise ValueError(
-                f"unknown setting {s!r}; valid names: "
-                f"{', '.join(sorted(common.SETTINGS))}"
-            )
+    _check_args(settings, seeds, tune_seed, factors, tune_budget)
     if claims is None:
         claims = [
             c
@@ -554,120 +552,123 @@ def run_frontier(
         ]
     workdir = pathlib.Path(workdir)
 
-    def config_of(scheme, setting, seed, value):
+    def config_of(scheme, setting, seed, point):
         config = registry.load_config(scheme, setting)
-        config.seed = seed
-        config.model.seed = seed
+        config.seed = tune_seed if seed is None else seed
+        config.model.seed = config.seed
         if budget_seconds is not None:
             config.budget_seconds = float(budget_seconds)
-        if value is not None:
-            _set(config, KNOBS[scheme], value)
+        for path, value in point.items():
+            _set(config, path, value)
         return config
 
-    def runs(todo):
-        if render_only:
-            done = {}
-            for config, where in todo:
-                record = _finished(config, where)
-                if record is None:
-                    raise ValueError(f"no finished run of this config in {where}")
-                done[where] = record
-            return done
-        return _run_many(todo, jobs)
-
+    runner = _Runner(jobs, render_only)
     tuning: dict[str, dict[str, Any]] = {}
     table: dict[tuple[str, str], dict[str, Any]] = {}
-    for setting in settings:
-        wanted = {c.method for c in claims} | {c.baseline for c in claims}
-        if schemes_by_setting is not None:
-            wanted &= set(schemes_by_setting.get(setting, ()))
-        schemes = [s for s in KNOBS if s in wanted]
-        for scheme in schemes:
-            registry.lookup("scheme", scheme)
-        base_values = {
-            s: float(_get(registry.load_config(s, setting), KNOBS[s])) for s in schemes
-        }
-        todo, where_of = [], {}
-        for scheme in schemes:
-            for f in factors:
-                value = base_values[scheme] * f
-                where = workdir / setting / scheme / f"tune_{value:g}"
-                todo.append((config_of(scheme, setting, tune_seed, value), where))
-                where_of[(scheme, value)] = where
-        log(f"{setting}: tuning {len(schemes)} schemes at {len(factors)} step sizes")
-        done = runs(todo)
-        tuning[setting] = {}
-        for scheme in schemes:
-            tried = {
-                value: done[where]["summary"]
-                for (s, value), where in where_of.items()
-                if s == scheme
-            }
-            chosen = choose(tried)
-            tuning[setting][scheme] = {
-                "chosen": chosen,
-                "tried": {
-                    f"{v:g}": {
-                        "time": s["time_to_target"],
-                        "best_accuracy": s["best_accuracy"],
-                        "diverged": s.get("diverged_at") is not None,
-                    }
-                    for v, s in tried.items()
-                },
-            }
-        todo = []
-        for scheme in schemes:
-            value = tuning[setting][scheme]["chosen"]
-            for seed in seeds:
-                where = workdir / setting / scheme / f"seed_{seed}"
-                todo.append((config_of(scheme, setting, seed, value), where))
-        log(f"{setting}: {len(schemes)} schemes x {len(seeds)} seeds")
-        done = runs(todo)
-        for scheme in schemes:
-            summaries = [
-                done[workdir / setting / scheme / f"seed_{seed}"]["summary"]
-                for seed in seeds
-            ]
-            table[(setting, scheme)] = {
-                "stats": _stats(summaries),
-                "summaries": summaries,
-            }
+    try:
+        for setting in settings:
+            wanted = {c.method for c in claims} | {c.baseline for c in claims}
+            if schemes_by_setting is not None:
+                wanted &= set(schemes_by_setting.get(setting, ()))
+            schemes = [s for s in KNOBS if s in wanted]
+            for scheme in schemes:
+                registry.lookup("scheme", scheme)
+            log(f"{setting}: tuning {len(schemes)} schemes, {tune_budget} runs each")
+            tuning[setting] = _tune_all(
+                schemes, setting, config_of, runner, workdir, factors, tune_budget, jobs
+            )
+            log(f"{setting}: {len(schemes)} schemes x {len(seeds)} seeds")
+            for scheme in schemes:
+                table[(setting, scheme)] = _seed_runs(
+                    scheme, setting, seeds, tuning[setting][scheme]["chosen"],
+                    config_of, runner, workdir, jobs,
+                )  # fmt: skip
+    finally:
+        runner.close()
+    return {
+        "settings": list(settings),
+        "seeds": seeds,
+        "tune_seed": tune_seed,
+        "factors": factors,
+        "tune_budget": int(tune_budget),
+        "level": protocol.LEVEL,
+        "tuning": tuning,
+        "claims": _judge(claims, settings, table, tuning),
+        "runs": {f"{st}/{sc}": v["summaries"] for (st, sc), v in table.items()},
+    }
 
-    out_claims = []
+
+def _tune_all(schemes, setting, config_of, runner, workdir, factors, budget, jobs):
+    """Every scheme's tuning in one setting (schemes side by side when
+    ``jobs`` > 1, each tuning's runs one after the other)."""
+
+    def one(scheme):
+        return _tune_scheme(
+            scheme, setting, config_of, runner, workdir, factors, budget
+        )
+
+    with concurrent.futures.ThreadPoolExecutor(max(1, min(jobs, len(schemes)))) as ex:
+        results = dict(zip(schemes, ex.map(one, schemes), strict=True))
+    return {
+        scheme: {
+            "chosen": chosen,
+            "trials": [
+                {
+                    "point": point,
+                    "time": s["time_to_target"],
+                    "best_accuracy": s["best_accuracy"],
+                    "diverged": s.get("diverged_at") is not None,
+                }
+                for point, s in trials
+            ],
+        }
+        for scheme, (chosen, trials) in results.items()
+    }
+
+
+def _seed_runs(scheme, setting, seeds, chosen, config_of, runner, workdir, jobs):
+    """The chosen point on every seed: ``{"stats", "summaries"}``."""
+    configs = [config_of(scheme, setting, seed, chosen) for seed in seeds]
+    wheres = [workdir / setting / scheme / f"seed_{seed}" for seed in seeds]
+    with concurrent.futures.ThreadPoolExecutor(max(1, min(jobs, len(seeds)))) as ex:
+        records = list(ex.map(runner.run, configs, wheres))
+    summaries = [r["summary"] for r in records]
+    budget = float(configs[0].budget_seconds)
+    return {"stats": scheme_stats(summaries, budget), "summaries": summaries}
+
+
+def _judge(claims, settings, table, tuning) -> list[dict[str, Any]]:
+    out = []
     for c in claims:
         entry = {**dataclasses.asdict(c), "settings": {}}
         for setting in settings:
             m, b = table.get((setting, c.method)), table.get((setting, c.baseline))
             if m is None or b is None:
                 continue
+            word, interval = verdict(c, m["stats"], b["stats"])
             entry["settings"][setting] = {
                 "method": m["stats"],
                 "baseline": b["stats"],
                 "chosen_method": tuning[setting][c.method]["chosen"],
                 "chosen_baseline": tuning[setting][c.baseline]["chosen"],
-                "verdict": verdict(c, m["stats"], b["stats"]),
+                "interval": list(interval),
+                "verdict": word,
             }
-        out_claims.append(entry)
-    return {
-        "settings": list(settings),
-        "seeds": seeds,
-        "tune_seed": tune_seed,
-        "factors": factors,
-        "tuning": tuning,
-        "claims": out_claims,
-        "runs": {
-            f"{setting}/{scheme}": v["summaries"]
-            for (setting, scheme), v in table.items()
-        },
-    }
+        out.append(entry)
+    return out
 
 
 def _define_flags() -> None:
     flags.DEFINE_string("workdir", None, "Where the runs go (kept between calls).")
     flags.DEFINE_list("settings", ["sim8", "sim8_slowlink", "sim32"], "Settings.")
-    flags.DEFINE_list("seeds", ["1", "2", "3"], "Seeds of the table.")
+    flags.DEFINE_list("seeds", [str(s) for s in protocol.SEEDS], "Seeds of the table.")
     flags.DEFINE_integer("tune_seed", 0, "Seed of the tuning runs.")
-    flags.DEFINE_list("factors", ["0.5", "1", "2"], "Step sizes tried (x config's).")
+    flags.DEFINE_list(
+        "factors", ["0.5", "1", "2"], "Each knob's first grid (x config's value)."
+    )
+    flags.DEFINE_integer(
+        "tune_budget", 8, "Tuning runs per scheme and setting (the same for all)."
+    )
     flags.DEFINE_list(
         "schemes",
         None,
@@ -709,6 +710,7 @@ def main(argv):
             seeds=[int(s) for s in values.seeds],
             tune_seed=values.tune_seed,
             factors=[float(f) for f in values.factors],
+            tune_budget=values.tune_budget,
             schemes_by_setting=_schemes_by_setting(values.schemes, values.settings),
             jobs=values.jobs,
             budget_seconds=values.budget,

@@ -1,0 +1,137 @@
+"""The frontier table under the verdict protocol: equal tuning budgets, grids
+extended off their edges, the bootstrap interval of the ratio of times, bytes
+both ways."""
+
+import pytest
+
+from experiments import frontier, protocol, registry
+
+
+def _summary(t, *, sent=1000, received=3000, end=60.0, pushes=10, acc=0.9):
+    return {
+        "time_to_target": t,
+        "end_time": end,
+        "bytes_sent": sent,
+        "bytes_received": received,
+        "pushes": pushes,
+        "best_accuracy": acc,
+        "diverged_at": None,
+    }
+
+
+def _stats(times, budget=60.0, **kwargs):
+    return frontier.scheme_stats([_summary(t, **kwargs) for t in times], budget)
+
+
+CLAIM = {c.method: c for c in frontier.CLAIMS}
+
+
+def test_a_claim_is_read_from_the_interval_of_the_ratio_of_times():
+    fast, slow = _stats([10, 10.5, 11, 10.2, 10.8]), _stats([20, 20.5, 21, 19, 22])
+    word, (ratio, low, high) = frontier.verdict(CLAIM["ringmaster"], fast, slow)
+    assert word == "reproduced" and low <= ratio <= high < 1
+    assert frontier.verdict(CLAIM["ringmaster"], slow, fast)[0] == "refuted"
+    # Overlapping spreads: the interval holds 1.
+    a, b = _stats([10, 30, 20, 15, 25]), _stats([20, 10, 30, 25, 15])
+    assert frontier.verdict(CLAIM["ringmaster"], a, b)[0] == "level"
+
+
+def test_a_run_that_misses_the_target_counts_as_its_budget():
+    # The method never reaches the target in a 60 s budget: 60 s is a lower
+    # bound on its time, and the baseline's 20 s is surely faster.
+    never, base = _stats([None] * 5), _stats([20, 21, 19, 20, 22])
+    assert never["censored"] == [60.0] * 5 and never["reached"] == 0
+    assert frontier.verdict(CLAIM["ringmaster"], never, base)[0] == "refuted"
+    both_never = frontier.verdict(CLAIM["ringmaster"], never, _stats([None] * 5))
+    assert both_never == ("level", (1.0, 1.0, 1.0))
+
+
+def test_faster_by_needs_the_whole_interval_below_the_cut():
+    claim = CLAIM["ashl_reference"]  # 35% less time than ADSP
+    base = _stats([20, 20.2, 19.8, 20.1, 19.9])
+    assert frontier.verdict(claim, _stats([10, 10.2, 9.8, 10, 10.1]), base)[0] == (
+        "reproduced"
+    )
+    assert frontier.verdict(claim, _stats([15, 15.2, 14.8, 15, 15.1]), base)[0] == (
+        "refuted"
+    )
+    # 30-40% less: the interval straddles 0.65.
+    spread = _stats([12, 14, 13, 11.5, 14.5])
+    assert frontier.verdict(claim, spread, base)[0] == "level"
+
+
+def test_bytes_are_counted_both_ways_to_the_target():
+    # MuLoCo pushes 8x fewer bytes than DiLoCo but pulls as much: both ways it
+    # moves far less than 8x fewer, so the claim is refuted.
+    times = [20, 20.5, 19.5, 20.2, 19.8]
+    method = _stats(times, sent=1000, received=8000)
+    base = _stats(times, sent=8000, received=8000)
+    assert method["mb_to_target"] == pytest.approx(9000 * 20 / 60 / 1e6, rel=0.03)
+    assert frontier.verdict(CLAIM["muloco"], method, base)[0] == "refuted"
+    lean = _stats(times, sent=1000, received=1000)
+    assert frontier.verdict(CLAIM["muloco"], lean, base)[0] == "reproduced"
+    # 8x fewer bytes but slower is not the claim.
+    slow = _stats([40, 41, 39, 40, 40.5], sent=500, received=500)
+    assert frontier.verdict(CLAIM["muloco"], slow, base)[0] == "refuted"
+
+
+def test_start_grids_scale_the_configs_value_and_resolve_r():
+    config = registry.load_config("ringmaster", "sim8")
+    assert frontier.start_grid(config, "server.learning_rate", (0.5, 1, 2)) == (
+        pytest.approx([0.05, 0.1, 0.2])
+    )
+    r = "server.policy_kwargs.delay_threshold"
+    assert frontier.start_grid(config, r, (0.5, 1, 2)) == [4, 8, 16]
+    config = registry.load_config("clipped_asgd", "sim8")
+    assert frontier.start_grid(config, "server.clip_norm", (1,)) == [1.0]
+
+
+def test_every_knob_of_every_scheme_has_a_grid():
+    for scheme, knobs in frontier.KNOBS.items():
+        config = registry.load_config(scheme, "sim8")
+        for path in knobs:
+            assert len(frontier.start_grid(config, path, (0.5, 1, 2))) == 3, path
+
+
+def test_bad_arguments_are_one_line_errors(tmp_path):
+    cases = [
+        ({"seeds": (0,)}, "tuning seed"),
+        ({"settings": ("nowhere",)}, "unknown setting"),
+        ({"tune_budget": 0}, "tune_budget"),
+        ({"factors": (0.0,)}, "factors"),
+        ({"seeds": (1, 1)}, "distinct"),
+    ]
+    for kwargs, match in cases:
+        with pytest.raises(ValueError, match=match):
+            frontier.run_frontier(tmp_path, **kwargs)
+
+
+@pytest.mark.slow
+def test_frontier_tunes_with_equal_budgets_and_judges_a_claim(tmp_path):
+    claim = CLAIM["ringmaster"]
+    kwargs = dict(
+        settings=("quick",),
+        seeds=(1, 2),
+        tune_budget=3,
+        claims=[claim],
+        budget_seconds=2.0,
+        log=lambda _: None,
+    )
+    result = frontier.run_frontier(tmp_path, **kwargs)
+    tuning = result["tuning"]["quick"]
+    # The same cap for both; Ringmaster's search moves R as well as its step.
+    assert 1 <= len(tuning["asp"]["trials"]) <= 3
+    assert len(tuning["ringmaster"]["trials"]) == 3
+    knobs = {k for t in tuning["ringmaster"]["trials"] for k in t["point"]}
+    assert knobs == set(frontier.KNOBS["ringmaster"])
+    cell = result["claims"][0]["settings"]["quick"]
+    assert cell["verdict"] in ("reproduced", "refuted", "level")
+    ratio, low, high = cell["interval"]
+    assert low <= ratio <= high
+    assert cell["method"]["runs"] == 2 and len(cell["method"]["censored"]) == 2
+    text = frontier.format_frontier(result)
+    assert "| ringmaster vs asp | quick |" in text and "95% CI" in text
+    # Rendering again from the finished runs gives the same table.
+    again = frontier.run_frontier(tmp_path, render_only=True, **kwargs)
+    assert frontier.format_frontier(again) == text
+    assert protocol.SEEDS == (1, 2, 3, 4, 5)
