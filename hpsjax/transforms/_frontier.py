@@ -335,8 +335,8 @@ def sparseloco(
     its error-feedback accumulator; each leaf is cut in chunks
     as DeMo's are (:func:`~hpsjax.transforms.demo_chunk`: ``chunk x chunk``
     blocks of a matrix, runs of ``chunk`` entries of a vector, each side the
-    largest divisor not above ``chunk``) and the :math:`k` entries of largest magnitude of
-    every chunk are sent, their values quantized together per leaf
+    largest divisor not above ``chunk``) and the :math:`k` entries of largest
+    magnitude of every chunk are sent, their values quantized together per leaf
     (:func:`centroid_quantize`); what was sent leaves the accumulator:
 
     .. math::
