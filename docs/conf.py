@@ -173,7 +173,10 @@ def _imported_data(module_name: str) -> str:
     return "\n".join(entries)
 
 
-_AUTOMODULE = re.compile(r"^\.\. automodule:: ([\w.]+)\n", re.MULTILINE)
+# The directive with its option lines: the entries go after them.
+_AUTOMODULE = re.compile(
+    r"^\.\. automodule:: ([\w.]+)\n(?:   :[\w-]+:.*\n)*", re.MULTILINE
+)
 
 
 def _add_imported_data(app, docname, source):
