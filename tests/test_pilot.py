@@ -11,6 +11,7 @@ import numpy as np
 import optax
 import pytest
 
+from hpsjax.planning import batch_grid, on_grid
 from hpsjax.profiling import Pilot, Replanner, WorkerProfile, WorkPlan, plan
 from hpsjax.ps import ServerCore
 from hpsjax.sim import ComputeModel, SimConfig, WorkerSpec, simulate
@@ -428,3 +429,59 @@ def test_speeds_within_their_errors_are_pooled():
     # Tight errors tell 1.0 and 1.05 apart.
     assert _pooled([1.0, 1.05, 2.0], [0.005] * 3) == [1.0, 1.05, 2.0]
     assert _pooled([3.0], [0.0]) == [3.0]
+
+
+def test_the_pilots_batches_stay_on_its_grid():
+    # proc4's speeds 1:1:2:4 with a fixed cost of 30 ms and links of 10 ms;
+    # the grid of four sizes a doubling up to 128 (..., 16, 19, 23, 27, 32,
+    # 38, 45, 54, 64, 76, ...), the shapes the workers compiled ahead.
+    costs = {"a": (0.03, 0.008), "b": (0.03, 0.008), "c": (0.03, 0.004),
+             "d": (0.03, 0.002)}  # fmt: skip
+    links = dict.fromkeys(costs, 0.01)
+    grid = batch_grid(128)
+    free = Pilot(list(costs), global_batch=128)
+    free_second, _ = _drive(free, costs, links=links)
+    pilot = Pilot(list(costs), global_batch=128, batch_sizes=grid)
+    second, final = _drive(pilot, costs, links=links)
+    # The second phase: the proportional split [18, 19, 34, 57] (worker b
+    # takes the remainder) down on the grid, [16, 19, 32, 54], and worker a
+    # raised to 19, as fast as b's: its round stays within the slowest's.
+    assert [w.batch_size for w in free_second.workers] == [18, 19, 34, 57]
+    assert [w.batch_size for w in second.workers] == [19, 19, 32, 54]
+    # The final plan: the fit's [16, 16, 33, 63] down on the grid, [16, 16,
+    # 32, 54], worker d raised to 64: 30 + 2 * 64 = 158 ms, as long as a's
+    # 30 + 8 * 16; the round 158 + 10 ms of link, as the fits predict it.
+    assert [w.batch_size for w in final.workers] == [16, 16, 32, 64]
+    assert final.global_batch == 128
+    assert final.round_time == pytest.approx(0.168, rel=1e-6)
+    assert all(w.batch_size in grid for p in (second, final) for w in p.workers)
+
+
+def test_pilot_refuses_a_bad_grid_in_one_line():
+    for sizes, message in [
+        ([], "non-empty list"),
+        ("8,16", "non-empty list"),
+        ([8, 8], "ascend without repeats"),
+        ([16, 8], "ascend without repeats"),
+        ([0, 8], "a batch size of batch_sizes"),
+    ]:
+        with pytest.raises(ValueError, match=message) as info:
+            Pilot(["a", "b"], global_batch=64, batch_sizes=sizes)
+        assert "\n" not in str(info.value)
+
+
+def test_batch_grid_and_on_grid():
+    assert batch_grid(128) == (1, 2, 3, 4, 5, 6, 7, 8, 10, 11, 13, 16, 19, 23,
+                               27, 32, 38, 45, 54, 64, 76, 91, 108, 128)  # fmt: skip
+    assert batch_grid(100, per_doubling=1, low=3) == (3, 6, 12, 24, 48, 96, 100)
+    assert batch_grid(5, low=5) == (5,)
+    grid = (8, 10, 13)
+    assert [on_grid(b, grid) for b in (1, 8, 9, 12, 13, 99)] == [8, 8, 8, 10, 13, 13]
+    for kwargs, message in [
+        ({"high": 0}, "high"),
+        ({"high": 8, "low": 0}, "low"),
+        ({"high": 4, "low": 8}, "high"),
+        ({"high": 8, "per_doubling": 0}, "per_doubling"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            batch_grid(**kwargs)

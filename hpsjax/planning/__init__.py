@@ -5,11 +5,13 @@
 scale, and for the schemes that have them stage steps, data shares, push weights
 and top-k ratios) under the H-PS, ASHL (our reading and the reference's), ADSP,
 DyLU or equal scheme; :class:`Replanner` revises a plan as measured speeds drift;
-:func:`choose_overlap` picks the overlap mode from a plan's link share. No JAX,
+:func:`choose_overlap` picks the overlap mode from a plan's link share;
+:func:`batch_grid` and :func:`on_grid` keep batches to a few compiled shapes. No JAX,
 no I/O, nothing from the worker or the server: the server's layer plans with
 it, and :mod:`hpsjax.profiling` measures the profiles it takes.
 """
 
+from hpsjax.planning._grid import batch_grid, on_grid
 from hpsjax.planning._overlap import LINK_SHARE_THRESHOLD, choose_overlap, link_share
 from hpsjax.planning._plan import plan
 from hpsjax.planning._profiles import (
@@ -56,9 +58,11 @@ __all__ = [
     "WorkPlan",
     "WorkerPlan",
     "WorkerProfile",
+    "batch_grid",
     "check_report",
     "choose_overlap",
     "link_share",
     "lr_scale",
+    "on_grid",
     "plan",
 ]

@@ -40,7 +40,10 @@ the fits predict them a round at most 3% longer: a new batch is a compile
 beside the rounds), made by :func:`~hpsjax.planning.plan` from the fits (as
 :class:`~hpsjax.planning.WorkerProfile` objects whose step spread is the fit's
 robust spread and whose transfer is the worker's link), and from then on
-re-plans as the ordinary :class:`~hpsjax.planning.Replanner` does.
+re-plans as the ordinary :class:`~hpsjax.planning.Replanner` does. Given
+``batch_sizes`` (the shapes the workers compiled ahead), the second phase's
+and the final plan's batches are put on them, so that no new batch compiles
+beside the rounds.
 
 The link: under a scheme whose rounds end at a barrier (``hps``, ``equal``)
 the pilot replays the barrier from its reports' times: a round ends at the
@@ -55,9 +58,10 @@ push's interval less its compute).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import statistics
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -73,6 +77,7 @@ from hpsjax.planning import (
     WorkerProfile,
     WorkPlan,
     check_report,
+    on_grid,
     plan,
 )
 from hpsjax.planning import lr_scale as _lr_scale
@@ -232,6 +237,11 @@ class Pilot(Replanner):
         is made from the fits as they are.
       min_reports: kept reports of each worker at each pilot batch before the
         pilot moves on.
+      batch_sizes: the only batch sizes the second phase and the final plan
+        give a worker (ascending, e.g. :func:`~hpsjax.planning.batch_grid`'s,
+        the shapes the workers compiled ahead); each planned batch is put on
+        them at or below it (:func:`~hpsjax.planning.on_grid`), the plan's
+        round predicted at those batches. ``None``: any size.
       plan_options: further arguments of :func:`plan` (``lr_scaling``,
         ``reference_batch``, ``local_steps``, ``min_device_batch``,
         ``min_batch``, ``max_local_steps``, ``server_seconds``).
@@ -269,6 +279,7 @@ class Pilot(Replanner):
         tolerance: float = 0.05,
         max_rounds: int = 60,
         min_reports: int = 5,
+        batch_sizes: Sequence[int] | None = None,
         plan_options: Mapping[str, Any] | None = None,
         threshold: float = 0.2,
         window: int = 10,
@@ -285,6 +296,7 @@ class Pilot(Replanner):
         self._max_rounds = check_int("max_rounds", max_rounds, low=1)
         self._min_reports = check_int("min_reports", min_reports, low=1)
         self._options = _checked_options(plan_options)
+        self._grid = _checked_sizes(batch_sizes)
         check_int("warmup", warmup, low=1)
         self._ids = ids
         self._phase = 0
@@ -392,8 +404,8 @@ class Pilot(Replanner):
         }
         if len(self.fits) < len(self._ids):
             return None
-        final = self._final_plan(
-            [self.fits[w] for w in self._ids], self._plan.revision + 1
+        final = self._gridded(
+            self._final_plan([self.fits[w] for w in self._ids], self._plan.revision + 1)
         )
         sure = all(
             self.fits[w.worker_id].relative_error(w.batch_size) <= self._tolerance
@@ -428,11 +440,38 @@ class Pilot(Replanner):
         there = self._pilot_plan(planned, final.revision)
         if here.round_time > (1 + _KEEP) * there.round_time:
             return final
+        return self._at_batches(final, batches)
+
+    def _gridded(self, made: WorkPlan) -> WorkPlan:
+        """``made`` with its batches on the pilot's ``batch_sizes`` (see
+        :func:`_on_grid`; a worker's seconds from its fit and link), or
+        ``made`` itself without them."""
+        if self._grid is None:
+            return made
+        steps = self._options.get("local_steps", 1)
+        ids = [w.worker_id for w in made.workers]
+
+        def seconds(i: int, b: int) -> float:
+            return steps * self.fits[ids[i]].step_time(b) + (self.link(ids[i]) or 0.0)
+
+        batches = [w.batch_size for w in made.workers]
+        return self._at_batches(made, _on_grid(batches, self._grid, seconds))
+
+    def _at_batches(self, made: WorkPlan, batches: Sequence[int]) -> WorkPlan:
+        """``made`` at other ``batches``: the workers' plans from the fits
+        there, the round ``made``'s plus the fits' change of round between its
+        batches and these (what ``made`` adds to the slowest median worker,
+        the spread's expected maximum and the queue, kept)."""
+        planned = [w.batch_size for w in made.workers]
+        if list(batches) == planned:
+            return made
+        here = self._pilot_plan(batches, made.revision)
+        there = self._pilot_plan(planned, made.revision)
         return dataclasses.replace(
-            final,
+            made,
             workers=here.workers,
             global_batch=here.global_batch,
-            round_time=final.round_time + here.round_time - there.round_time,
+            round_time=made.round_time + here.round_time - there.round_time,
         )
 
     def _start_phase(self) -> None:
@@ -471,7 +510,11 @@ class Pilot(Replanner):
             speeds.append(e / median)
             errors.append(_MEDIAN_EFFICIENCY * spread / math.sqrt(len(times)))
         low = max(1, int(self._options.get("min_batch", 1)))
-        return _proportional(self._global_batch, _pooled(speeds, errors), low)
+        pooled = _pooled(speeds, errors)
+        batches = _proportional(self._global_batch, pooled, low)
+        if self._grid is not None:
+            batches = _on_grid(batches, self._grid, lambda i, b: b / pooled[i])
+        return batches
 
     def _pilot_plan(self, batches: Sequence[int], revision: int) -> WorkPlan:
         options = self._options
@@ -507,6 +550,24 @@ class Pilot(Replanner):
             profiles, self._scheme, global_batch=self._global_batch, **self._options
         )
         return dataclasses.replace(made, revision=revision)
+
+
+def _on_grid(
+    batches: Sequence[int], grid: Sequence[int], seconds: Callable[[int, int], float]
+) -> list[int]:
+    """``batches`` on ``grid``: each at the size at or below it
+    (:func:`~hpsjax.planning.on_grid`), then raised to the next size where
+    ``seconds(i, size)`` (worker ``i``'s predicted round there) stays within
+    the slowest worker's round at the sizes below (samples for nothing)."""
+    down = [on_grid(b, grid) for b in batches]
+    slowest = max(seconds(i, b) for i, b in enumerate(down))
+    out = []
+    for i, b in enumerate(down):
+        k = grid.index(b) + 1
+        if k < len(grid) and seconds(i, grid[k]) <= slowest * (1 + 1e-9):
+            b = grid[k]
+        out.append(int(b))
+    return out
 
 
 def _pooled(speeds: Sequence[float], errors: Sequence[float]) -> list[float]:
@@ -580,6 +641,20 @@ def _checked_ids(worker_ids: Any) -> list:
     if len(set(ids)) != len(ids):
         raise ValueError(f"worker ids repeat: {ids}")
     return ids
+
+
+def _checked_sizes(sizes: Any) -> tuple[int, ...] | None:
+    if sizes is None:
+        return None
+    if isinstance(sizes, str) or not isinstance(sizes, Sequence) or not sizes:
+        raise ValueError(
+            f"batch_sizes must be a non-empty list of sizes, got {sizes!r}"
+        )
+    for b in sizes:
+        check_int("a batch size of batch_sizes", b, low=1)
+    if any(later <= b for b, later in itertools.pairwise(sizes)):
+        raise ValueError(f"batch_sizes must ascend without repeats, got {list(sizes)}")
+    return tuple(int(b) for b in sizes)
 
 
 def _checked_options(options: Mapping[str, Any] | None) -> dict:

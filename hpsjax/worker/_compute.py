@@ -363,6 +363,32 @@ class RoundCompute:
         _all_finite(jax.device_put(zeros, home))  # compiled here too
         return seconds
 
+    def precompile(self, spec: Any, sizes: tuple[int, ...]) -> tuple[int, float]:
+        """Compiles the step for each batch size of ``sizes`` not compiled yet,
+        before joining (after :meth:`compile_first`): a plan's later batch
+        (a pilot's, on :func:`~hpsjax.planning.batch_grid`) then compiles
+        nothing beside the rounds. With a persistent compilation cache that
+        holds them, each is a load. Returns how many it compiled and the
+        seconds it took (none with several devices, whose step compiles at
+        its first call)."""
+        if len(self._devices) > 1:
+            return 0, 0.0
+        home = self._devices[0]
+        zeros = jax.device_put(
+            jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), spec), home
+        )
+        count, seconds = 0, 0.0
+        for size in sizes:
+            batch = jax.device_put(self._batches(int(size)), home)
+            if _shapes_key(batch) in self._compiled:
+                continue
+            args = self._step_args(
+                zeros, batch, jnp.asarray(1.0, jnp.float32), jnp.asarray(1, jnp.int32)
+            )
+            _, spent = self._compiled_step(args, batch)
+            count, seconds = count + 1, seconds + spent
+        return count, seconds
+
     def _next_batches(self, settings: Compute) -> list[Any]:
         total = sum(settings.device_batches)
         batch = self._take(total)

@@ -362,9 +362,33 @@ class Worker:
             planned = self._note_plan(plan).device_batches
             if planned is not None:
                 device_batches = planned
-        seconds = await asyncio.get_running_loop().run_in_executor(
+        loop = asyncio.get_running_loop()
+        seconds = await loop.run_in_executor(
             computer, self._compute.compile_first, spec, device_batches
         )
+        if self._config.precompile_sizes:
+            count, more = await loop.run_in_executor(
+                computer,
+                self._compute.precompile,
+                spec,
+                self._config.precompile_sizes,
+            )
+            logger.info(
+                "worker %s compiled its step for %d more batch sizes in %.2fs, "
+                "before joining",
+                self._config.worker_id,
+                count,
+                more,
+            )
+            self._emit(
+                {
+                    "event": "precompile",
+                    "worker": self._config.worker_id,
+                    "time": self._elapsed(),
+                    "batch_sizes": count,
+                    "compile_s": more,
+                }
+            )
         if seconds > 0:
             logger.info(
                 "worker %s compiled its step for batch %d in %.2fs, before joining",
