@@ -341,9 +341,13 @@ def verdict(
     below ``1 - X``, refuted when above, level otherwise. ``fewer_bytes:X``:
     at least X times fewer bytes, both ways, to the target (a run that never
     reached it counts its whole run's bytes, a lower bound) and not slower.
-    ``not_slower_fewer_bytes``: fewer bytes per push and not slower.
+    ``not_slower_fewer_bytes``: fewer bytes per push and not slower. With
+    one seed of either scheme there is no spread to test: ``"too few
+    seeds"``.
     """
     speed, interval = protocol.time_verdict(method["censored"], base["censored"])
+    if min(method["runs"], base["runs"]) < 2:
+        return "too few seeds", interval  # one seed has no spread to test
     _, low, high = interval
     rule, _, arg = claim.rule.partition(":")
     if rule == "faster":

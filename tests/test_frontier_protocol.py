@@ -36,6 +36,13 @@ def test_a_claim_is_read_from_the_interval_of_the_ratio_of_times():
     assert frontier.verdict(CLAIM["ringmaster"], a, b)[0] == "level"
 
 
+def test_one_seed_gives_no_verdict():
+    word, (ratio, _, _) = frontier.verdict(
+        CLAIM["ringmaster"], _stats([10]), _stats([20, 21, 19])
+    )
+    assert word == "too few seeds" and ratio == pytest.approx(0.5)
+
+
 def test_a_run_that_misses_the_target_counts_as_its_budget():
     # The method never reaches the target in a 60 s budget: 60 s is a lower
     # bound on its time, and the baseline's 20 s is surely faster.
