@@ -81,6 +81,7 @@ from __future__ import annotations
 
 import dataclasses
 import glob
+import logging
 import math
 import pathlib
 import shlex
@@ -88,8 +89,6 @@ import statistics
 import tempfile
 from collections.abc import Sequence
 from typing import Any
-
-from absl import app, flags, logging
 
 from experiments import _cli, build, registry, train
 from experiments.target import Target
@@ -111,7 +110,7 @@ __all__ = [
     "twin_from_telemetry",
 ]
 
-_PROG = "advise"
+_PROG = "experiments.advise"
 
 
 def load_profiles(pattern: str | Sequence[str]) -> list[Any]:
@@ -617,9 +616,7 @@ def launch_command(
         ("server.dc_lambda", None),
         ("stages.enabled", False),
     ):
-        node = config
-        for key in path.split("."):
-            node = node.get(key) if hasattr(node, "get") else None
+        node = config.get_path(path)
         if node not in (default, None):
             not_carried.append(f"{path}={node}")
     try:
@@ -697,8 +694,8 @@ def _optimizer_args(config: Any, workers: int) -> dict[str, Any]:
     server = config.server
     extra: dict[str, Any] = {}
     if server.optimizer == "delayed_nesterov":
-        extra["delay"] = int(server.get("outer_delay") or workers)
-    extra.update(server.get("optimizer_args") or {})
+        extra["delay"] = int(server.outer_delay or workers)
+    extra.update(server.optimizer_args or {})
     return {k: v for k, v in extra.items() if v is not None}
 
 
@@ -706,7 +703,7 @@ def _step_knob(scheme: str) -> str:
     from experiments.frontier import KNOBS
 
     if scheme in KNOBS:
-        return KNOBS[scheme]
+        return KNOBS[scheme][0]  # the first knob the frontier tunes
     config = registry.load_config(scheme)
     if config.worker.local_optimizer != "none":
         return "worker.local_learning_rate"
@@ -775,7 +772,7 @@ def advise(
     )
 
     def plan(config, knob, value, seed):
-        config = config.copy_and_resolve_references()
+        config = config.copy()
         _set(config, knob, value)
         config.seed = seed
         config.model.seed = seed
@@ -961,52 +958,57 @@ def format_advice(
     return head + "\n\n" + "\n".join(lines) + "\n\n" + tail
 
 
-def _define_flags() -> None:
-    flags.DEFINE_list("profiles", None, "Glob(s) of the workers' profile files.")
-    flags.DEFINE_list(
-        "telemetry",
-        None,
-        "Instead of --profiles: a pilot run's workdir(s) or metrics files "
+def parser() -> _cli.Parser:
+    """The command's flags."""
+    p = _cli.Parser(_PROG, description=__doc__.split("\n\n", 1)[0])
+    p.add_argument(
+        "--profiles", type=_cli.comma_list, default=None, metavar="GLOB,GLOB",
+        help="Glob(s) of the workers' profile files.",
+    )  # fmt: skip
+    p.add_argument(
+        "--telemetry", type=_cli.comma_list, default=None, metavar="PATH,PATH",
+        help="Instead of --profiles: a pilot run's workdir(s) or metrics files "
         "(the workers' round records, the server's version records).",
-    )
-    flags.DEFINE_string(
-        "setting", "sim8", "Model, data, target and budget of this setting."
-    )
-    flags.DEFINE_string("model", None, "The model instead of the setting's.")
-    flags.DEFINE_string("dataset", None, "The dataset instead of the setting's.")
-    flags.DEFINE_string("data_path", None, "With --dataset=npz: the file.")
-    flags.DEFINE_float(
-        "target",
-        None,
-        "The target's value instead of the setting's, on the task's target "
+    )  # fmt: skip
+    _cli.add_setting_flag(p, "sim8", "Model, data, target and budget of this setting.")
+    p.add_argument("--model", help="The model instead of the setting's.")
+    p.add_argument("--dataset", help="The dataset instead of the setting's.")
+    p.add_argument("--data_path", help="With --dataset=npz: the file.")
+    p.add_argument(
+        "--target", type=float, default=None,
+        help="The target's value instead of the setting's, on the task's target "
         "metric (a test accuracy, a language model's validation loss).",
-    )
-    flags.DEFINE_float("budget", None, "Simulated seconds per run.")
-    flags.DEFINE_list("schemes", None, "Schemes to simulate (default: all).")
-    flags.DEFINE_list("factors", ["0.5", "1", "2"], "Step sizes tried (x config's).")
-    flags.DEFINE_float(
-        "jitter", 0.1, "Lognormal spread of a step's time (with --profiles)."
-    )
-    flags.DEFINE_float(
-        "service_time",
-        None,
-        "Server seconds per push (default: 0 with --profiles, the measured "
+    )  # fmt: skip
+    _cli.add_budget_flag(p, "Simulated seconds per run")
+    p.add_argument(
+        "--schemes", type=_cli.scheme_list, default=None, metavar="A,B",
+        help="Schemes to simulate (comma-separated; default: all).",
+    )  # fmt: skip
+    p.add_argument(
+        "--factors", type=_cli.float_list, default=[0.5, 1.0, 2.0], metavar="F,F",
+        help="Step sizes tried (x config's; default 0.5,1,2).",
+    )  # fmt: skip
+    p.add_argument(
+        "--jitter", type=float, default=0.1,
+        help="Lognormal spread of a step's time (with --profiles).",
+    )  # fmt: skip
+    p.add_argument(
+        "--service_time", type=float, default=None,
+        help="Server seconds per push (default: 0 with --profiles, the measured "
         "share with --telemetry).",
-    )
-    flags.DEFINE_string(
-        "seeds",
-        "1,2",
-        "Seeds of each scheme's prediction (two or more: the spread); the "
+    )  # fmt: skip
+    p.add_argument(
+        "--seeds", default="1,2", metavar="1,2",
+        help="Seeds of each scheme's prediction (two or more: the spread); the "
         "first tunes the step size.",
-    )
-    flags.DEFINE_integer("jobs", 1, "Runs at once.")
-    flags.DEFINE_string("workdir", None, "Where the runs go (default: a temp dir).")
-    flags.DEFINE_string(
-        "link",
-        None,
-        "MB_PER_S[,LATENCY_MS]: this link for every worker instead of the "
-        "measured ones (e.g. 50,1).",
-    )
+    )  # fmt: skip
+    p.add_argument("--jobs", type=int, default=1, help="Runs at once.")
+    p.add_argument("--workdir", help="Where the runs go (default: a temp dir).")
+    p.add_argument(
+        "--link", default=None, metavar="MB_PER_S[,LATENCY_MS]",
+        help="This link for every worker instead of the measured ones (e.g. 50,1).",
+    )  # fmt: skip
+    return p
 
 
 def _cluster(values: Any) -> Sequence[Any] | Twin:
@@ -1021,52 +1023,49 @@ def _cluster(values: Any) -> Sequence[Any] | Twin:
     return twin_from_telemetry(values.telemetry)
 
 
-def main(argv):
-    if len(argv) > 1:
-        _cli.fail(_PROG, f"unexpected arguments: {' '.join(argv[1:])}")
+def main(argv: Sequence[str] | None = None) -> None:
     from hpsjax._logs import quiet_backend_probe
 
-    quiet_backend_probe()
-    values = flags.FLAGS
+    args = parser().parse(argv)
     with _cli.usage_errors(_PROG):
-        try:
-            factors = [float(f) for f in values.factors]
-        except ValueError:
-            raise ValueError(
-                f"--factors: expected numbers, got {values.factors}"
-            ) from None
-        if values.jobs < 1:
-            raise ValueError(f"--jobs must be >= 1, got {values.jobs}")
-        seeds = parse_seeds(values.seeds)
-        link = None if values.link is None else parse_link(values.link)
-        cluster = _cluster(values)
+        factors = args.factors
+        if not factors or min(factors) <= 0:
+            raise ValueError(f"--factors must be numbers > 0, got {factors}")
+        if args.jobs < 1:
+            raise ValueError(f"--jobs must be >= 1, got {args.jobs}")
+        _cli.positive_budget(_PROG, args.budget)
+        seeds = parse_seeds(args.seeds)
+        link = None if args.link is None else parse_link(args.link)
+        cluster = _cluster(args)
         options = {
-            "setting": values.setting,
-            "model": values.model,
-            "dataset": values.dataset,
-            "data_path": values.data_path,
-            "target": values.target,
-            "budget": values.budget,
-            "jitter": values.jitter,
-            "service_time": values.service_time,
+            "setting": args.setting,
+            "model": args.model,
+            "dataset": args.dataset,
+            "data_path": args.data_path,
+            "target": args.target,
+            "budget": args.budget,
+            "jitter": args.jitter,
+            "service_time": args.service_time,
             "link": link,
         }
         # Every config is checked before anything runs.
-        for s in values.schemes or registry.SCHEMES:
+        for s in args.schemes or registry.SCHEMES:
             cluster_config(s, cluster, **options)
+    quiet_backend_probe()
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
+    with _cli.usage_errors(_PROG):
         rows = advise(
             cluster,
-            schemes=values.schemes,
+            schemes=args.schemes,
             factors=factors,
             seeds=seeds,
-            jobs=values.jobs,
-            workdir=values.workdir,
+            jobs=args.jobs,
+            workdir=args.workdir,
             **options,
         )
     print(format_advice(rows, cluster, link), end="")
-    logging.info("runs in %s", values.workdir or "a temporary directory")
+    logging.info("runs in %s", args.workdir or "a temporary directory")
 
 
 if __name__ == "__main__":
-    _define_flags()
-    app.run(main, flags_parser=_cli.flags_parser(_PROG))
+    main()

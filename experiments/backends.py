@@ -27,10 +27,10 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import jax
-import ml_collections
 import numpy as np
 
 from experiments import build, registry
+from experiments.configs.schema import ExperimentConfig
 from hpsjax import telemetry
 from hpsjax._config_flags import argv_of
 from hpsjax.config import RunConfig, WorkerSettings
@@ -82,9 +82,7 @@ def _evaluate(setup: build.Setup, params: Any, batch_size: int) -> dict[str, flo
     return setup.summarize({key: value / count for key, value in totals.items()})
 
 
-def _push_compression(
-    config: ml_collections.ConfigDict, params: Any
-) -> tuple[Any, Any, int]:
+def _push_compression(config: ExperimentConfig, params: Any) -> tuple[Any, Any, int]:
     """How the workers compress pushes: ``(transform, codec, push_bytes)``.
 
     The transform (with ``worker.error_feedback``) is quantization for
@@ -106,21 +104,21 @@ def _push_compression(
 
 
 def _make_push_compression(
-    config: ml_collections.ConfigDict, params: Any
+    config: ExperimentConfig, params: Any
 ) -> tuple[Any, Any, int]:
     from hpsjax.profiling import tree_wire_nbytes
     from hpsjax.transforms import Codec, power_sgd, quantize
 
     worker = config.worker
     error_feedback = bool(worker.error_feedback)
-    if worker.get("compression", "none") == "sparseloco":
+    if worker.compression == "sparseloco":
         from hpsjax.transforms import sparseloco, sparseloco_nbytes
 
         ratio, bits = float(worker.compress_ratio), int(worker.sparseloco_bits)
         decay = float(worker.sparseloco_decay)
-        transform = sparseloco(ratio, bits=bits, decay=decay, seed=int(config.seed))
+        transform = sparseloco(ratio, bits=bits, decay=decay)
         return transform, None, sparseloco_nbytes(params, ratio, bits)
-    if worker.get("compression", "none") == "streaming":
+    if worker.compression == "streaming":
         from hpsjax.transforms import last_streaming_nbytes, streaming_push
 
         transform = streaming_push(
@@ -128,16 +126,16 @@ def _make_push_compression(
             _streaming_bits(worker),
             error_feedback=error_feedback,
             seed=int(config.seed),
-            layout=str(worker.get("streaming_layout", "contiguous")),
+            layout=str(worker.streaming_layout),
         )
         return transform, None, last_streaming_nbytes(transform.init(params))
-    if worker.get("compression", "none") == "demo":
+    if worker.compression == "demo":
         from hpsjax.transforms import demo, demo_nbytes
 
         topk, chunk = int(worker.demo_topk), int(worker.demo_chunk)
         transform = demo(float(worker.demo_decay), topk, chunk)
         return transform, None, demo_nbytes(params, topk, chunk)
-    if worker.get("compression", "none") == "power_sgd":
+    if worker.compression == "power_sgd":
         rank = int(worker.powersgd_rank)
         transform = power_sgd(
             rank, error_feedback=error_feedback, seed=int(config.seed)
@@ -160,7 +158,7 @@ def _make_push_compression(
 
 
 def _replanner(
-    config: ml_collections.ConfigDict,
+    config: ExperimentConfig,
     work_plan: Any,
     on_revision: Callable[[float, Any], None],
 ) -> Any:
@@ -204,13 +202,28 @@ def _replanner(
         str(config.plan.scheme),
         tolerance=float(config.plan.pilot_tolerance),
         max_rounds=int(config.plan.pilot_rounds),
+        batch_sizes=_pilot_grid(config),
         plan_options=options,
         **settings,
     )
 
 
+def _pilot_grid(config: ExperimentConfig) -> tuple[int, ...] | None:
+    """The batch sizes a pilot plans on and its workers compile before
+    joining (``plan.pilot_grid`` a doubling, up to the global batch), or
+    ``None`` without a pilot or a grid."""
+    from hpsjax.planning import batch_grid
+
+    per_doubling = int(config.plan.pilot_grid)
+    if not config.plan.pilot or per_doubling <= 0:
+        return None
+    return batch_grid(
+        int(config.batch_size) * len(config.workers.slowdowns), per_doubling
+    )
+
+
 def run_sim(
-    config: ml_collections.ConfigDict,
+    config: ExperimentConfig,
     setup: build.Setup,
     *,
     workdir: pathlib.Path,
@@ -293,11 +306,11 @@ def run_sim(
             **{"compress_from_stage": None, **_worker_side(config, work_plan)}
         ),
         duration=duration,
-        max_updates=config.get("max_updates"),
+        max_updates=config.max_updates,
         eval_every=float(config.eval.every_seconds),
         eval_batch_size=int(config.eval.batch_size),
         core_kwargs=build.core_kwargs(config, work_plan),
-        server_service_time=float(config.server.get("service_time", 0.0)),
+        server_service_time=float(config.server.service_time),
         # Streaming DiLoCo's merge step takes no gradient: not billed.
         merge_steps=int(config.worker.local_optimizer == "streaming_local"),
         seed=int(config.seed),
@@ -425,22 +438,22 @@ def _eval_metrics(record: Mapping[str, Any]) -> dict[str, float]:
     return {k: float(v) for k, v in record.items() if k not in _SIM_COLUMNS}
 
 
-def _overlap(config: ml_collections.ConfigDict, work_plan: Any) -> str:
+def _overlap(config: ExperimentConfig, work_plan: Any) -> str:
     """The workers' overlap: ``worker.overlap``, or where
     ``plan.overlap_link_share`` is set and there is a plan, the plan's choice
     (:func:`hpsjax.profiling.choose_overlap`)."""
     from hpsjax.profiling import choose_overlap
 
-    share = config.plan.get("overlap_link_share")
+    share = config.plan.overlap_link_share
     if share is None or work_plan is None:
         return registry.lookup("overlap", config.worker.overlap)
     return choose_overlap(work_plan, float(share))
 
 
-def _with_startup(config: ml_collections.ConfigDict, specs: list[Any]) -> list[Any]:
+def _with_startup(config: ExperimentConfig, specs: list[Any]) -> list[Any]:
     """``specs`` with ``config.workers.startup_times`` as their start-up times
     (after the profiling pass, which measures warm workers)."""
-    times = tuple(config.workers.get("startup_times", ()) or ())
+    times = tuple(config.workers.startup_times or ())
     if not times:
         return specs
     if len(times) != len(specs):
@@ -454,7 +467,7 @@ def _with_startup(config: ml_collections.ConfigDict, specs: list[Any]) -> list[A
     ]
 
 
-def _worker_side(config: ml_collections.ConfigDict, work_plan: Any) -> dict[str, Any]:
+def _worker_side(config: ExperimentConfig, work_plan: Any) -> dict[str, Any]:
     """The :class:`~hpsjax.worker.WorkerOptions` fields that ``config`` sets on
     every worker, simulated or real: the overlap, eager pulls, PS+'s staleness
     step rule and, with a plan to give the ratios, top-k from a stage on."""
@@ -466,7 +479,7 @@ def _worker_side(config: ml_collections.ConfigDict, work_plan: Any) -> dict[str,
     if side["overlap"] == "eager":
         side["eager_pulls"] = int(worker.eager_pulls)
     if work_plan is not None:
-        value = config.stages.get("compress_from_stage")
+        value = config.stages.compress_from_stage
         side["compress_from_stage"] = None if value is None else int(value)
     return side
 
@@ -490,7 +503,7 @@ def _progress_bar(enabled: bool, total: float, unit: str) -> Any:
 
 
 def run_config(
-    config: ml_collections.ConfigDict, *, plan_file: pathlib.Path | None = None
+    config: ExperimentConfig, *, plan_file: pathlib.Path | None = None
 ) -> RunConfig:
     """The experiment's real processes as a :class:`hpsjax.config.RunConfig`:
     one worker per ``workers.slowdowns`` entry, worker ``i`` with id and data
@@ -513,14 +526,14 @@ def run_config(
 
 
 def _worker_flags(
-    config: ml_collections.ConfigDict, index: int, *, plan_file: pathlib.Path | None
+    config: ExperimentConfig, index: int, *, plan_file: pathlib.Path | None
 ) -> list[str]:
     """The ``hpsjax-worker`` flags of worker ``index`` (without server flags)."""
     return run_config(config, plan_file=plan_file).worker_argv(index)
 
 
 def _worker_settings(
-    config: ml_collections.ConfigDict, index: int, *, plan_file: pathlib.Path | None
+    config: ExperimentConfig, index: int, *, plan_file: pathlib.Path | None
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """Worker ``index``'s :class:`WorkerCommand` and :class:`WorkerConfig`
     fields set by ``config`` (its identity and server address left out)."""
@@ -547,9 +560,9 @@ def _worker_settings(
         command.update(
             local_optimizer=_local_optimizer(worker),
             local_learning_rate=float(worker.local_learning_rate),
-            local_optimizer_arg=dict(worker.get("local_optimizer_args") or {}),
+            local_optimizer_arg=dict(worker.local_optimizer_args or {}),
         )
-    power_sgd = worker.get("compression", "none") == "power_sgd"
+    power_sgd = worker.compression == "power_sgd"
     if worker.bits is not None:
         settings["bits"] = int(worker.bits)
     if power_sgd:
@@ -558,6 +571,8 @@ def _worker_settings(
         settings["error_feedback"] = bool(worker.error_feedback)
     plan = None if plan_file is None else WorkPlan.from_json(plan_file.read_text())
     settings.update(_worker_side(config, plan))
+    if (grid := _pilot_grid(config)) is not None:
+        settings["precompile"] = ",".join(str(b) for b in grid)
     if plan_file is not None:
         command["work_plan"] = str(plan_file)
     schedule = slowdown_schedule(config, index)
@@ -568,7 +583,7 @@ def _worker_settings(
     return command, settings
 
 
-def _local_optimizer(worker: ml_collections.ConfigDict) -> str:
+def _local_optimizer(worker: ExperimentConfig) -> str:
     """``hpsjax-worker --local_optimizer``'s name for ``worker``'s."""
     registry.lookup("optimizer", worker.local_optimizer)
     if worker.local_optimizer != "sgd" or float(worker.local_momentum) <= 0:
@@ -582,18 +597,18 @@ def _local_optimizer(worker: ml_collections.ConfigDict) -> str:
     return "momentum"
 
 
-def _streaming_bits(worker: ml_collections.ConfigDict) -> int | str | None:
+def _streaming_bits(worker: ExperimentConfig) -> int | str | None:
     """``worker.streaming_bits``: an int, ``"e2m1"`` (4-bit floats) or None."""
     bits = worker.streaming_bits
     return bits if bits is None or isinstance(bits, str) else int(bits)
 
 
-def _push_transform_spec(config: ml_collections.ConfigDict, index: int) -> str | None:
+def _push_transform_spec(config: ExperimentConfig, index: int) -> str | None:
     """``hpsjax-worker --push_transform``'s JSON for SparseLoCo's, DeMo's and
     Streaming DiLoCo's pushes (the transforms ``_push_compression`` gives the
     simulator) of worker ``index``, or ``None``."""
     worker = config.worker
-    compression = worker.get("compression", "none")
+    compression = worker.compression
     if compression == "sparseloco":
         fields = {
             "name": "sparseloco",
@@ -601,6 +616,7 @@ def _push_transform_spec(config: ml_collections.ConfigDict, index: int) -> str |
             "bits": int(worker.sparseloco_bits),
             "decay": float(worker.sparseloco_decay),
         }
+        return json.dumps(fields)  # deterministic: no seed
     elif compression == "demo":
         fields = {
             "name": "demo",
@@ -615,7 +631,7 @@ def _push_transform_spec(config: ml_collections.ConfigDict, index: int) -> str |
             "fragments": int(worker.streaming_fragments),
             "bits": _streaming_bits(worker),
             "error_feedback": bool(worker.error_feedback),
-            "layout": str(worker.get("streaming_layout", "contiguous")),
+            "layout": str(worker.streaming_layout),
         }
     else:
         return None
@@ -630,14 +646,14 @@ def _plain(value: Any) -> Any:
 
 
 def _placements(
-    config: ml_collections.ConfigDict,
+    config: ExperimentConfig,
 ) -> tuple[list[Any] | None, tuple[int, ...], list[str]]:
     """Each worker's device and core set (``workers.devices``, see
     :mod:`experiments.placement`), the server's cores and what is not as
     asked; ``None`` for the workers when the config places none."""
     from experiments.placement import place
 
-    devices = tuple(config.workers.get("devices", ()))
+    devices = tuple(config.workers.devices)
     if not devices:
         return None, (), []
     n = len(config.workers.slowdowns)
@@ -645,11 +661,11 @@ def _placements(
         raise ValueError(
             f"workers.devices names {len(devices)} devices for {n} workers"
         )
-    return place(devices, server_cores=int(config.server.get("cores", 0)))
+    return place(devices, server_cores=int(config.server.cores))
 
 
 def _job(
-    config: ml_collections.ConfigDict,
+    config: ExperimentConfig,
     *,
     plan_file: pathlib.Path | None,
     steps: int | None = None,
@@ -673,7 +689,7 @@ def _job(
     )
 
 
-def _worker_places(config: ml_collections.ConfigDict) -> Any:
+def _worker_places(config: ExperimentConfig) -> Any:
     """Each worker's :data:`hpsjax.launch.WorkerPlaces` entry (its device and
     core set, ``workers.devices``), or ``None`` where the config places none."""
     placements, _, _ = _placements(config)
@@ -695,7 +711,7 @@ def _run_env(workdir: pathlib.Path) -> dict[str, str]:
 
 
 def _server(
-    config: ml_collections.ConfigDict,
+    config: ExperimentConfig,
     setup: build.Setup,
     secret: bytes,
     policy: Any = "asp",
@@ -750,7 +766,7 @@ def _serving_on_a_thread(make: Callable[[], Any], timeout: float) -> Any:
 
 
 def _profile_in_place(
-    config: ml_collections.ConfigDict,
+    config: ExperimentConfig,
     setup: build.Setup,
     workdir: pathlib.Path,
     env: Mapping[str, str],
@@ -829,7 +845,7 @@ async def _ended(workers: Sequence[Any], timeout: float) -> bool:
 
 
 async def _serve_and_train(
-    config: ml_collections.ConfigDict,
+    config: ExperimentConfig,
     setup: build.Setup,
     *,
     policy: Any,
@@ -912,7 +928,7 @@ async def _serve_and_train(
         t0 = time.monotonic()
         bar = _progress_bar(progress, offset + duration, "s")
         every = float(config.eval.every_seconds)
-        max_updates = config.get("max_updates")
+        max_updates = config.max_updates
         snapshots.append((0.0, server.core.version, server.core.params))
         next_eval = every
         while True:
@@ -958,6 +974,15 @@ async def _serve_and_train(
                 "time": max(0.0, at - t0),
                 "revision": revised.revision,
                 "predicted_round_s": revised.round_time,
+                "workers": [
+                    {
+                        "worker": w.worker_id,
+                        "batch_size": w.batch_size,
+                        "step_time": w.step_time,
+                        "transfer_seconds": w.transfer_seconds,
+                    }
+                    for w in revised.workers
+                ],
             }
             for at, revised in replanned
         ]
@@ -982,7 +1007,7 @@ async def _serve_and_train(
 
 
 async def _warm_up(
-    config: ml_collections.ConfigDict,
+    config: ExperimentConfig,
     setup: build.Setup,
     plan_file: pathlib.Path | None,
     secret: bytes,
@@ -1115,7 +1140,7 @@ def _worker_timeline(
 
 
 def run_processes(
-    config: ml_collections.ConfigDict,
+    config: ExperimentConfig,
     setup: build.Setup,
     *,
     workdir: pathlib.Path,
@@ -1191,7 +1216,7 @@ def run_processes(
 
 
 def _run_processes(
-    config: ml_collections.ConfigDict,
+    config: ExperimentConfig,
     setup: build.Setup,
     *,
     workdir: pathlib.Path,
@@ -1208,7 +1233,7 @@ def _run_processes(
     plans: list[Any] = []
     (workdir / "workers").mkdir(parents=True, exist_ok=True)
     secret, secret_file = write_secret(workdir)
-    pilot = plan_scheme != "none" and bool(config.plan.get("pilot"))
+    pilot = plan_scheme != "none" and bool(config.plan.pilot)
     if pilot:
         info["pilot"] = True
     elif plan_scheme != "none":

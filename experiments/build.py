@@ -27,11 +27,11 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import jax
-import ml_collections
 import numpy as np
 import optax
 
 from experiments import registry
+from experiments.configs.schema import Args, ExperimentConfig, Section
 from experiments.target import Target, target, task_of
 from hpsjax._lru import LruCache
 from hpsjax.ps import Hybrid, HybridStage, PlannedHybrid
@@ -110,14 +110,14 @@ def reused(kind: str, settings: Any, make: Callable[[], Any]) -> Any:
 
 
 def _plain(settings: Any) -> Any:
-    if isinstance(settings, ml_collections.ConfigDict):
+    if isinstance(settings, Section | Args):
         return settings.to_dict()
     if isinstance(settings, tuple | list):
         return [_plain(s) for s in settings]
     return settings
 
 
-def dataset_kwargs(config: ml_collections.ConfigDict) -> dict[str, Any]:
+def dataset_kwargs(config: ExperimentConfig) -> dict[str, Any]:
     """Keyword arguments of ``hpsjax.data.get_dataset`` for the config's data:
     its own fields for ``npz`` and the generated datasets, then ``data.args``."""
     data = config.data
@@ -128,19 +128,19 @@ def dataset_kwargs(config: ml_collections.ConfigDict) -> dict[str, Any]:
         kwargs = {"num_examples": int(data.num_examples), "seed": int(data.seed)}
         if data.name == "synthetic_digits":
             kwargs["image_size"] = int(data.image_size)
-    return {**kwargs, **_plain(data.get("args") or {})}
+    return {**kwargs, **_plain(data.args or {})}
 
 
-def model_kwargs(config: ml_collections.ConfigDict) -> dict[str, Any]:
+def model_kwargs(config: ExperimentConfig) -> dict[str, Any]:
     """Keyword arguments of ``hpsjax.models.get_model`` beyond shapes and seed:
     the MLP's ``model.hidden``, then ``model.args``."""
     kwargs: dict[str, Any] = {}
     if config.model.name == "mlp":
         kwargs = {"hidden": tuple(int(h) for h in config.model.hidden)}
-    return {**kwargs, **_plain(config.model.get("args") or {})}
+    return {**kwargs, **_plain(config.model.args or {})}
 
 
-def setup(config: ml_collections.ConfigDict) -> Setup:
+def setup(config: ExperimentConfig) -> Setup:
     """Loads the data and builds the model and the task of ``config``.
 
     The train/test split uses seed 0, as the worker command line does, so both
@@ -186,7 +186,7 @@ def _task_functions(task: Any, graphdef: Any) -> tuple[Callable, Callable]:
     return loss_fn, eval_fn
 
 
-def server_optimizer(config: ml_collections.ConfigDict) -> optax.GradientTransformation:
+def server_optimizer(config: ExperimentConfig) -> optax.GradientTransformation:
     r"""The server's optax chain for ``config.server``.
 
     ``[clip_by_global_norm(c)] + [scale_by_staleness(policy)] +
@@ -202,14 +202,14 @@ def server_optimizer(config: ml_collections.ConfigDict) -> optax.GradientTransfo
 
 
 def _server_optimizer(
-    config: ml_collections.ConfigDict,
+    config: ExperimentConfig,
 ) -> optax.GradientTransformation:
     from hpsjax.transforms import delay_compensation, scale_by_staleness
 
     server = config.server
     make = registry.lookup("optimizer", server.optimizer)
     chain = []
-    clip = server.get("clip_norm")
+    clip = server.clip_norm
     if clip is not None:
         # Clipped ASGD: each arriving update clipped to this global norm.
         if isinstance(clip, bool) or not (isinstance(clip, int | float) and clip > 0):
@@ -226,9 +226,9 @@ def _server_optimizer(
     if server.optimizer == "delayed_nesterov":
         # Liu et al. 2024 update the outer momentum once per N arrivals, N the
         # number of workers, unless the config names another delay.
-        delay = server.get("outer_delay") or len(config.workers.slowdowns)
+        delay = server.outer_delay or len(config.workers.slowdowns)
         extra["delay"] = int(delay)
-    extra.update(server.get("optimizer_args") or {})
+    extra.update(server.optimizer_args or {})
     # A momentum of 0 means "not given": each optimizer keeps its own default.
     chain.append(
         make(
@@ -249,9 +249,7 @@ def push_weights(work_plan: Any) -> dict[Any, float] | None:
     return None if all(v == 1.0 for v in weights.values()) else weights
 
 
-def core_kwargs(
-    config: ml_collections.ConfigDict, work_plan: Any = None
-) -> dict[str, Any]:
+def core_kwargs(config: ExperimentConfig, work_plan: Any = None) -> dict[str, Any]:
     """Keyword arguments of ``hpsjax.ps.ServerCore`` for the config and, where
     it gives push weights, the work plan."""
     kwargs: dict[str, Any] = {"deadline_factor": float(config.server.deadline_factor)}
@@ -265,7 +263,7 @@ def core_kwargs(
 
 
 def local_optimizer(
-    config: ml_collections.ConfigDict,
+    config: ExperimentConfig,
 ) -> optax.GradientTransformation | None:
     """The workers' optimizer of local steps, or ``None`` (push gradients)."""
     worker = config.worker
@@ -278,12 +276,12 @@ def local_optimizer(
         lambda: make(
             float(worker.local_learning_rate),
             momentum=float(worker.local_momentum) or None,
-            **(worker.get("local_optimizer_args") or {}),
+            **(worker.local_optimizer_args or {}),
         ),
     )
 
 
-def stage_list(config: ml_collections.ConfigDict, *, until_version: bool):
+def stage_list(config: ExperimentConfig, *, until_version: bool):
     """ASHL's two stages as ``hpsjax.ps.HybridStage`` (server side)."""
     stages = config.stages
     return [
@@ -301,7 +299,7 @@ def stage_list(config: ml_collections.ConfigDict, *, until_version: bool):
     ]
 
 
-def hybrid_stages(config: ml_collections.ConfigDict) -> optax.GradientTransformation:
+def hybrid_stages(config: ExperimentConfig) -> optax.GradientTransformation:
     """The workers' staged optimizer for ASHL's plateau switch.
 
     Both stages step with the local optimizer; the first ends when the smoothed
@@ -426,7 +424,7 @@ class LossSwitchedHybrid(PlannedHybrid):
 
 
 def policy(
-    config: ml_collections.ConfigDict,
+    config: ExperimentConfig,
     plans: Sequence[Any] = (),
     *,
     until_version: bool = True,
@@ -476,7 +474,7 @@ def stage_steps(plans: Sequence[Any], num_stages: int) -> list[dict[Any, int]]:
 
 
 def slowdown_schedule(
-    config: ml_collections.ConfigDict, index: int
+    config: ExperimentConfig, index: int
 ) -> tuple[tuple[float, float], ...]:
     """Worker ``index``'s slowdown over time: ``((0, k), (t, k * f), ...)``."""
     k = float(config.workers.slowdowns[index])
@@ -489,7 +487,7 @@ def slowdown_schedule(
     return tuple(schedule)
 
 
-def _check_speed_changes(config: ml_collections.ConfigDict) -> None:
+def _check_speed_changes(config: ExperimentConfig) -> None:
     n = len(config.workers.slowdowns)
     for change in config.workers.speed_changes:
         if len(change) != 3:
@@ -507,7 +505,7 @@ def _check_speed_changes(config: ml_collections.ConfigDict) -> None:
             )
 
 
-def worker_specs(config: ml_collections.ConfigDict) -> list[Any]:
+def worker_specs(config: ExperimentConfig) -> list[Any]:
     """The simulated workers of ``config.workers`` (ids ``0 .. n-1``)."""
     from hpsjax.sim import ComputeModel, WorkerSpec
     from hpsjax.worker import Heterogeneity
@@ -562,7 +560,7 @@ def transfer_profile(
 
 
 def simulated_profiles(
-    config: ml_collections.ConfigDict,
+    config: ExperimentConfig,
     specs: Sequence[Any],
     *,
     push_bytes: int,
@@ -625,7 +623,7 @@ def simulated_profiles(
 
 
 def work_plan(
-    config: ml_collections.ConfigDict,
+    config: ExperimentConfig,
     profiles: Sequence[Any],
     *,
     local_steps: int | None = None,
@@ -649,7 +647,7 @@ def work_plan(
     steps = int(config.plan.local_steps if local_steps is None else local_steps)
     extra: dict[str, Any] = {}
     if scheme == "ashl_reference":
-        extra["compress_ratio"] = float(config.plan.get("compress_ratio", 1.0))
+        extra["compress_ratio"] = float(config.plan.compress_ratio)
         extra["stage_multipliers"] = (
             int(config.stages.ahl_local_steps),
             int(config.stages.shl_local_steps),
@@ -666,7 +664,7 @@ def work_plan(
     return with_push_compression(config, made)
 
 
-def with_push_compression(config: ml_collections.ConfigDict, work_plan: Any) -> Any:
+def with_push_compression(config: ExperimentConfig, work_plan: Any) -> Any:
     """``work_plan`` with ``worker.compression`` applied to its workers.
 
     ``top_k``: every worker's ``compress_ratio`` is ``worker.compress_ratio``,
@@ -679,9 +677,7 @@ def with_push_compression(config: ml_collections.ConfigDict, work_plan: Any) -> 
     """
     import dataclasses
 
-    compression = registry.lookup(
-        "compression", config.worker.get("compression", "none")
-    )
+    compression = registry.lookup("compression", config.worker.compression)
     if compression != "top_k":
         return work_plan
     ratio = float(config.worker.compress_ratio)
@@ -691,9 +687,7 @@ def with_push_compression(config: ml_collections.ConfigDict, work_plan: Any) -> 
     return dataclasses.replace(work_plan, workers=workers)
 
 
-def plans(
-    config: ml_collections.ConfigDict, profiles: Sequence[Any]
-) -> tuple[Any, list[Any]]:
+def plans(config: ExperimentConfig, profiles: Sequence[Any]) -> tuple[Any, list[Any]]:
     """The work plan to start with, and for ASHL one plan per stage.
 
     Returns:

@@ -47,6 +47,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
+import logging
 import math
 import pathlib
 import time
@@ -54,9 +55,9 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
-from absl import app, flags, logging
 
 from experiments import _cli, registry, train
+from hpsjax._checks import check_number
 
 __all__ = [
     "MISSING_TERMS",
@@ -438,7 +439,7 @@ def simulated_config(
     by worker; ``workers.startup_times``). Re-planning is off, as on
     processes.
     """
-    sim = config.copy_and_resolve_references()
+    sim = config.copy()
     b0 = int(config.batch_size)
     times = {w: fits[w].mean_step_time(b0) for w in sorted(fits)}
     fastest = min(times.values())
@@ -847,54 +848,67 @@ def calibrate(
 _PROG = "experiments.calibrate"
 
 
-def _define_flags() -> None:
-    flags.DEFINE_string("setting", "proc4", "Setting to run on processes.")
-    flags.DEFINE_list("schemes", list(DEFAULT_SCHEMES), "Schemes to calibrate.")
-    flags.DEFINE_list("seeds", ["1"], "Seeds (comma-separated ints).")
-    flags.DEFINE_string("workdir", None, "Directory for every output.")
-    flags.DEFINE_string("label", None, "Name of the outputs (default: the setting).")
-    flags.DEFINE_list("slowdowns", None, "Override the workers' slowdowns.")
-    flags.DEFINE_float("bandwidth", None, "Override the link cap (bytes/s).")
-    flags.DEFINE_float("latency", None, "Override the link latency (s).")
-    flags.DEFINE_float(
-        "budget_seconds", None, "Every run's budget instead of the setting's."
-    )
-    flags.mark_flags_as_required(["workdir"])
+def parser() -> _cli.Parser:
+    """The command's flags."""
+    p = _cli.Parser(_PROG, description=__doc__.split("\n\n", 1)[0])
+    _cli.add_setting_flag(p, "proc4", "Setting to run on processes.")
+    p.add_argument(
+        "--schemes", type=_cli.scheme_list, default=list(DEFAULT_SCHEMES),
+        metavar="A,B", help="Schemes to calibrate (comma-separated; default "
+        f"{','.join(DEFAULT_SCHEMES)}).",
+    )  # fmt: skip
+    p.add_argument(
+        "--seeds", type=_cli.int_list, default=[1], metavar="1,2",
+        help="Seeds (comma-separated ints; default 1).",
+    )  # fmt: skip
+    p.add_argument("--workdir", required=True, help="Directory for every output.")
+    p.add_argument("--label", help="Name of the outputs (default: the setting).")
+    p.add_argument(
+        "--slowdowns", type=_cli.float_list, default=None, metavar="S,S",
+        help="The workers' slowdowns instead of the setting's.",
+    )  # fmt: skip
+    p.add_argument(
+        "--bandwidth", type=float, default=None,
+        help="The link cap (bytes/s) instead of the setting's.",
+    )  # fmt: skip
+    p.add_argument(
+        "--latency", type=float, default=None,
+        help="The link latency (s) instead of the setting's.",
+    )  # fmt: skip
+    _cli.add_budget_flag(p, "Every run's budget")
+    return p
 
 
-def main(argv):
+def main(argv: Sequence[str] | None = None) -> None:
     from hpsjax._logs import quiet_backend_probe
 
-    if len(argv) > 1:
-        _cli.fail(_PROG, f"unexpected arguments: {' '.join(argv[1:])}")
-    quiet_backend_probe()
-    logging.set_verbosity(logging.INFO)
-    values = flags.FLAGS
+    args = parser().parse(argv)
     with _cli.usage_errors(_PROG):
-        for scheme in values.schemes:
-            registry.lookup("scheme", scheme)
-        seeds = [int(s) for s in values.seeds]
-        if values.budget_seconds is not None and not values.budget_seconds > 0:
-            raise ValueError(
-                f"--budget_seconds must be > 0, got {values.budget_seconds}"
-            )
-        slowdowns = (
-            None
-            if values.slowdowns is None
-            else tuple(float(s) for s in values.slowdowns)
+        check_number(
+            "--budget", args.budget, low=0, low_inclusive=False, allow_none=True
         )
+        check_number(
+            "--bandwidth", args.bandwidth, low=0, low_inclusive=False, allow_none=True
+        )
+        check_number("--latency", args.latency, low=0, allow_none=True)
+        if args.slowdowns is not None and (
+            not args.slowdowns or min(args.slowdowns) <= 0
+        ):
+            raise ValueError(f"--slowdowns must be numbers > 0, got {args.slowdowns}")
+    quiet_backend_probe()
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
     result = calibrate(
-        values.workdir,
-        setting=values.setting,
-        schemes=values.schemes,
-        seeds=seeds,
-        label=values.label,
+        args.workdir,
+        setting=args.setting,
+        schemes=args.schemes,
+        seeds=args.seeds,
+        label=args.label,
         overrides={
-            "slowdowns": slowdowns,
-            "bandwidth": values.bandwidth,
-            "latency": values.latency,
+            "slowdowns": None if args.slowdowns is None else tuple(args.slowdowns),
+            "bandwidth": args.bandwidth,
+            "latency": args.latency,
         },
-        budget_seconds=values.budget_seconds,
+        budget_seconds=args.budget,
     )
     print(result["table"])
     print(
@@ -906,5 +920,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    _define_flags()
-    app.run(main, flags_parser=_cli.flags_parser(_PROG))
+    main()

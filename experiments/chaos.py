@@ -29,7 +29,6 @@ seed noise) and whether every disturbed run ended within it.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import dataclasses
 import json
@@ -42,6 +41,8 @@ import threading
 import time
 from collections.abc import Sequence
 
+from experiments import _cli
+from hpsjax._checks import check_int, check_number
 from hpsjax._config_flags import argv_of
 from hpsjax.launch import launch
 from hpsjax.ps._options import ServerOptions
@@ -297,9 +298,11 @@ def run(
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m experiments.chaos``; 0 when every disturbed run completed
     within the seed noise of the undisturbed ones."""
-    p = argparse.ArgumentParser(prog="python -m experiments.chaos")
-    p.add_argument("--workdir", default="workdirs/chaos")
-    p.add_argument("--seeds", default="0,1,2", help="comma-separated seeds")
+    p = _cli.Parser("experiments.chaos", description=__doc__.split("\n\n", 1)[0])
+    p.add_argument("--workdir", default="workdirs/chaos", help="where the runs go")
+    p.add_argument(
+        "--seeds", type=_cli.int_list, default=[0, 1, 2], help="comma-separated seeds"
+    )
     p.add_argument("--kills", type=int, default=6, help="SIGKILLs per run")
     p.add_argument("--server_kills", type=int, default=2, help="of them on the server")
     p.add_argument(
@@ -314,9 +317,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument(
         "--eval_every", type=float, help="seconds between evaluations (the curve)"
     )
-    p.add_argument("--timeout", type=float, default=600.0, help="seconds per run")
+    p.add_argument(
+        "--run_timeout", "--timeout", dest="run_timeout", type=float, default=600.0,
+        action=_cli.Renamed, metavar="SECONDS",
+        help="wall seconds each run may take before it is stopped (the "
+        "launcher's --run_timeout); formerly --timeout",
+    )  # fmt: skip
     args = p.parse_args(argv)
-    seeds = [int(s) for s in args.seeds.split(",")]
+    with _cli.usage_errors("experiments.chaos"):
+        if not args.seeds:
+            raise ValueError("--seeds: give at least one seed")
+        check_int("--kills", args.kills, low=0)
+        check_int("--server_kills", args.server_kills, low=0, high=args.kills)
+        check_int("--until_version", args.until_version, low=1)
+        check_number("--hold", args.hold, low=0)
+        check_number(
+            "--eval_every", args.eval_every, low=0, low_inclusive=False,
+            allow_none=True,
+        )  # fmt: skip
+        check_number("--run_timeout", args.run_timeout, low=0, low_inclusive=False)
+    seeds = args.seeds
     rows = []
     for seed in seeds:
         for kills in (0, args.kills):
@@ -331,7 +351,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     server_kills=args.server_kills,
                     hold=args.hold,
                     eval_every=args.eval_every,
-                    timeout=args.timeout,
+                    timeout=args.run_timeout,
                     log=log,
                 )
             rows.append(r)

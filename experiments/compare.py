@@ -31,9 +31,11 @@ Example::
 
 from __future__ import annotations
 
+import argparse
 import ast
 import concurrent.futures
 import json
+import logging
 import multiprocessing
 import os
 import pathlib
@@ -41,9 +43,9 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
-from absl import app, flags, logging
 
 from experiments import _cli, plots, registry, train
+from experiments.configs.schema import UnknownField
 from experiments.configs.suites import Suite
 from experiments.target import Target, metric_label
 from hpsjax._checks import check_int, check_number
@@ -288,11 +290,6 @@ def run_finished(workdir: str | pathlib.Path) -> bool:
         return any('"event": "summary"' in line for line in f)
 
 
-def _config_text(config) -> str:
-    # What train.train_and_evaluate writes to config.json.
-    return config.to_json_best_effort(indent=2) + "\n"
-
-
 def _keep_finished(config, where: pathlib.Path, label: str) -> bool:
     """True: ``where`` already holds this run; False: it must run.
 
@@ -301,7 +298,7 @@ def _keep_finished(config, where: pathlib.Path, label: str) -> bool:
     if not run_finished(where):
         return False
     saved = where / "config.json"
-    if saved.is_file() and saved.read_text(encoding="utf-8") == _config_text(config):
+    if saved.is_file() and config.matches(json.loads(saved.read_text("utf-8"))):
         return True
     raise ValueError(
         f"{where} holds a finished run ({label}) of a different config; pass "
@@ -351,15 +348,13 @@ def _apply_settings(config, scheme: str, settings) -> None:
             raise ValueError(f"--set: unknown scheme {only!r} in {only}:{key}")
         if only is not None and only != scheme:
             continue
-        *path, leaf = key.split(".")
-        node = config
-        for part in path:
-            node = node.get(part) if hasattr(node, "get") else None
-        if node is None or not hasattr(node, "keys") or leaf not in node:
-            raise ValueError(f"--set: {scheme}'s config has no field {key!r}")
         try:
-            node[leaf] = value
-        except (TypeError, ValueError) as e:
+            config.set_path(key, value)
+        except UnknownField as e:
+            raise ValueError(
+                f"--set: {scheme}'s config has no field {key!r} ({e})"
+            ) from None
+        except ValueError as e:
             raise ValueError(f"--set: {key}={value!r}: {e}") from None
 
 
@@ -628,122 +623,124 @@ def _run_all(
         logging.info("%s: done (%d/%d runs)", label, done, len(todo))
 
 
-def _define_flags() -> None:
-    # Defined only when run as a program, so that importing this module (for
-    # run_suite) never clashes with experiments.run's --workdir.
+def parser() -> _cli.Parser:
+    """The command's flags."""
     from experiments.configs.suites import SUITES
 
     suites = "; ".join(
         f"{name} ({suite.description or suite.setting})"
         for name, suite in SUITES.items()
     )
-    flags.DEFINE_string("suite", None, f"The suite to run: {suites}.")
-    flags.DEFINE_string(
-        "workdir", None, "Directory for all outputs: <workdir>/<scheme> per run."
-    )
-    flags.DEFINE_list(
-        "schemes",
-        None,
-        "Run only these schemes of the suite (comma-separated; default: all of "
-        f"{', '.join(registry.SCHEMES)}).",
-    )
-    flags.DEFINE_list(
-        "seeds",
-        None,
-        "Run every scheme once per seed (comma-separated ints) and report means.",
-    )
-    flags.DEFINE_bool(
-        "render_only", False, "Rebuild table and plot from existing outputs."
-    )
-    flags.DEFINE_integer(
-        "jobs", 1, "Simulated runs at once, one process each (at most the cores)."
-    )
-    flags.DEFINE_bool(
-        "overwrite", False, "Run again the runs already finished in --workdir."
-    )
-    flags.DEFINE_float(
-        "budget_seconds", None, "Every run's budget instead of the setting's."
-    )
-    flags.DEFINE_string(
-        "devices",
-        None,
-        "The workers' devices instead of the setting's (real processes), e.g. "
-        "'gpu:0, cpu:4, cpu:2, cpu:1': a GPU, or a set of CPU cores, per worker.",
-    )
-    flags.DEFINE_list(
-        "formats",
-        list(plots.FORMATS),
-        "The figures' file formats, comma-separated: some of "
+    p = _cli.Parser(_PROG, description=__doc__.split("\n\n", 1)[0])
+    p.add_argument(
+        "--suite", required=True, choices=list(SUITES), metavar="SUITE",
+        help=f"The suite to run: {suites}.".replace("%", "%%"),
+    )  # fmt: skip
+    p.add_argument(
+        "--workdir", required=True,
+        help="Directory for all outputs: <workdir>/<scheme> per run.",
+    )  # fmt: skip
+    p.add_argument(
+        "--schemes", type=_cli.scheme_list, default=None, metavar="A,B",
+        help="Run only these schemes of the suite (comma-separated; default: "
+        f"all of {', '.join(registry.SCHEMES)}).",
+    )  # fmt: skip
+    p.add_argument(
+        "--seeds", type=_cli.int_list, default=None, metavar="1,2,3",
+        help="Run every scheme once per seed (comma-separated ints) and report "
+        "means.",
+    )  # fmt: skip
+    p.add_argument(
+        "--render_only", action="store_true",
+        help="Rebuild table and plot from existing outputs.",
+    )  # fmt: skip
+    p.add_argument(
+        "--jobs", type=int, default=1,
+        help="Simulated runs at once, one process each (at most the cores).",
+    )  # fmt: skip
+    p.add_argument(
+        "--overwrite", action="store_true",
+        help="Run again the runs already finished in --workdir.",
+    )  # fmt: skip
+    _cli.add_budget_flag(p, "Every run's budget")
+    p.add_argument(
+        "--devices", default=None,
+        help="The workers' devices instead of the setting's (real processes), "
+        "e.g. 'gpu:0, cpu:4, cpu:2, cpu:1': a GPU, or a set of CPU cores, per "
+        "worker.",
+    )  # fmt: skip
+    p.add_argument(
+        "--formats", type=_cli.comma_list, default=list(plots.FORMATS), metavar="F,G",
+        help="The figures' file formats, comma-separated: some of "
         f"{', '.join(plots.FORMATS)} (each run's and the comparison's).",
-    )
-    flags.DEFINE_multi_string(
-        "set",
-        [],
-        "[SCHEME:]KEY=VALUE: set a config field on every run, or on that "
-        "scheme's runs (repeatable), e.g. --set=hps:plan.pilot=True.",
-    )
-    flags.mark_flags_as_required(["suite", "workdir"])
+    )  # fmt: skip
+    p.add_argument(
+        "--set", action="append", default=[], metavar="[SCHEME:]KEY=VALUE",
+        help="Set a config field on every run, or on that scheme's runs "
+        "(repeatable), e.g. --set=hps:plan.pilot=True.",
+    )  # fmt: skip
+    return p
 
 
 _PROG = "experiments.compare"
 
 
-def _check_flags(values: flags.FlagValues) -> list[int] | None:
-    """Checks --suite, --schemes, --seeds, --devices, --budget_seconds and
-    --formats; returns the seeds as ints."""
-    suite = registry.lookup("suite", values.suite)
-    for scheme in values.schemes or ():
-        registry.lookup("scheme", scheme)
+def _check_flags(args: argparse.Namespace) -> None:
+    """Checks --schemes, --jobs, --devices, --budget, --formats and --set
+    against the suite, before anything runs."""
+    suite = registry.lookup("suite", args.suite)
+    for scheme in args.schemes or ():
+        try:
+            registry.lookup("scheme", scheme)
+        except ValueError as e:
+            raise ValueError(f"--schemes: {e}") from None
         if scheme not in suite.schemes:
             raise ValueError(
-                f"--schemes: {scheme!r} is not in suite {values.suite!r}; its "
+                f"--schemes: {scheme!r} is not in suite {args.suite!r}; its "
                 f"schemes: {', '.join(suite.schemes)}"
             )
-    if values.devices is not None:
+    check_int("--jobs", args.jobs, low=1)
+    if args.seeds is not None and (
+        not args.seeds or min(args.seeds) < 0 or len(set(args.seeds)) != len(args.seeds)
+    ):
+        raise ValueError(f"--seeds must be distinct ints >= 0, got {args.seeds}")
+    if args.devices is not None:
         from experiments.placement import parse_spec
 
-        parse_spec(values.devices)
-    check_number(
-        "--budget_seconds", values.budget_seconds, low=0, low_inclusive=False,
-        allow_none=True,
-    )  # fmt: skip
+        try:
+            parse_spec(args.devices)
+        except ValueError as e:
+            raise ValueError(f"--devices: {e}") from None
+    check_number("--budget", args.budget, low=0, low_inclusive=False, allow_none=True)
     try:
-        plots.check_formats(values.formats)
+        plots.check_formats(args.formats)
     except ValueError as e:
         raise ValueError(f"--formats: {e}") from None
-    settings = parse_settings(values.set)
-    for scheme in values.schemes or suite.schemes:
+    settings = parse_settings(args.set)
+    for scheme in args.schemes or suite.schemes:
         config = registry.load_config(scheme, suite.setting)
         _apply_settings(config, scheme, settings)
         registry.check_config(config)
-    if values.seeds is None:
-        return None
-    try:
-        return [int(s) for s in values.seeds]
-    except ValueError:
-        raise ValueError(f"--seeds: expected ints, got {values.seeds}") from None
 
 
-def main(argv):
-    if len(argv) > 1:
-        _cli.fail(_PROG, f"unexpected arguments: {' '.join(argv[1:])}")
-    quiet_backend_probe()
-    logging.set_verbosity(logging.INFO)
-    values = flags.FLAGS
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parser().parse(argv)
     with _cli.usage_errors(_PROG):
-        seeds = _check_flags(values)
+        _check_flags(args)
+    quiet_backend_probe()
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
     result = run_suite(
-        values.suite,
-        values.workdir,
-        schemes=values.schemes,
-        seeds=seeds,
-        render_only=values.render_only,
-        jobs=values.jobs,
-        overwrite=values.overwrite,
-        budget_seconds=values.budget_seconds,
-        devices=values.devices,
-        formats=values.formats,
-        settings=values.set,
+        args.suite,
+        args.workdir,
+        schemes=args.schemes,
+        seeds=args.seeds,
+        render_only=args.render_only,
+        jobs=args.jobs,
+        overwrite=args.overwrite,
+        budget_seconds=args.budget,
+        devices=args.devices,
+        formats=args.formats,
+        settings=args.set,
     )
     print(result["table"])
     print(f"table: {result['table_path']}")
@@ -751,5 +748,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    _define_flags()
-    app.run(main, flags_parser=_cli.flags_parser(_PROG))
+    main()

@@ -26,7 +26,6 @@ draws a comparison again from the ``results.json`` that
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import pathlib
@@ -41,7 +40,9 @@ from matplotlib import patches
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
+from experiments import _cli
 from experiments.target import Target, metric_label, with_initial_evaluation
+from hpsjax._checks import check_int
 
 __all__ = [
     "FORMATS",
@@ -713,8 +714,8 @@ def _runs_of_results(
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m experiments.plots``: a comparison drawn again from its
     ``results.json``; returns the exit status."""
-    p = argparse.ArgumentParser(
-        prog="python -m experiments.plots",
+    p = _cli.Parser(
+        "experiments.plots",
         description="Draws a comparison again from the results.json that "
         "experiments.compare wrote: the target's metric against time and updates.",
     )
@@ -729,14 +730,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--caption",
         help="the caption file's text (default: the suite's description)",
     )
-    p.add_argument("--schemes", help="the schemes to draw, comma-separated")
-    p.add_argument("--max_lines", type=int, default=MAX_LINES)
+    p.add_argument(
+        "--schemes", type=_cli.comma_list, help="the schemes to draw, comma-separated"
+    )
+    p.add_argument(
+        "--max_lines", type=int, default=MAX_LINES, help="the most lines drawn"
+    )
     p.add_argument(
         "--formats",
-        default=",".join(FORMATS),
+        type=_cli.comma_list,
+        default=list(FORMATS),
         help=f"the files written, some of {','.join(FORMATS)}",
     )
     args = p.parse_args(argv)
+    with _cli.usage_errors("experiments.plots"):
+        try:
+            check_formats(args.formats)
+        except ValueError as e:
+            raise ValueError(f"--formats: {e}") from None
+        check_int("--max_lines", args.max_lines, low=1)
     try:
         pathlib.Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         results = json.loads(pathlib.Path(args.results).read_text())
@@ -744,7 +756,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise ValueError(f"{args.results} is not a results object")
         runs = _runs_of_results(results, args.results)
         if args.schemes:
-            chosen = args.schemes.split(",")
+            chosen = args.schemes
             unknown = [s for s in chosen if s not in runs]
             if unknown:
                 raise ValueError(f"no scheme {unknown[0]!r}; it has {list(runs)}")
@@ -768,10 +780,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             time_unit="virtual s" if backend == "sim" else "s",
             max_lines=args.max_lines,
             caption=description,
-            formats=tuple(args.formats.split(",")),
+            formats=tuple(args.formats),
         )
     except (OSError, ValueError) as e:
-        print(f"experiments.plots: {e}", file=sys.stderr)
+        print(f"experiments.plots: error: {e}", file=sys.stderr)
         return 2
     print(f"wrote {path}")
     return 0

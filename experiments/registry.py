@@ -25,10 +25,10 @@ import pathlib
 from collections.abc import Callable, Mapping
 from typing import Any
 
-import ml_collections
 import optax
 
 from experiments.configs import SCHEMES, SIM_ONLY_SCHEMES
+from experiments.configs.schema import ExperimentConfig
 from experiments.target import target
 from hpsjax._checks import check_choice, check_fraction, check_int, check_number
 from hpsjax._optimizers import OptimizerRegistry
@@ -190,7 +190,7 @@ def lookup(kind: str, name: Any) -> Any:
     return name
 
 
-def load_config(scheme: str, variant: str | None = None) -> ml_collections.ConfigDict:
+def load_config(scheme: str, variant: str | None = None) -> ExperimentConfig:
     """The config of ``experiments/configs/<scheme>.py`` for ``variant``.
 
     Args:
@@ -199,7 +199,8 @@ def load_config(scheme: str, variant: str | None = None) -> ml_collections.Confi
         ``"sim8"``, ...), or ``None`` for the default.
 
     Returns:
-      The scheme's ``ConfigDict`` (unlocked).
+      The scheme's :class:`~experiments.configs.schema.ExperimentConfig`
+      (not frozen: a caller may change it before :func:`check_config`).
 
     Raises:
       ValueError: an unknown scheme or variant (the message lists the valid
@@ -210,7 +211,7 @@ def load_config(scheme: str, variant: str | None = None) -> ml_collections.Confi
     return module.get_config(variant)
 
 
-def check_config(config: ml_collections.ConfigDict) -> None:
+def check_config(config: ExperimentConfig) -> None:
     """Checks every registry name in a config, before anything runs.
 
     Raises:
@@ -229,12 +230,12 @@ def check_config(config: ml_collections.ConfigDict) -> None:
     lookup("overlap", config.worker.overlap)
     lookup("plan scheme", config.plan.scheme)
     lookup("lr scaling", config.plan.lr_scaling)
-    if config.plan.get("pilot"):
+    if config.plan.pilot:
         if config.plan.scheme == "none":
             raise ValueError("plan.pilot needs a plan.scheme")
         if config.backend != "processes":
             raise ValueError("plan.pilot runs on real processes (backend='processes')")
-    if config.plan.get("overlap_link_share") is not None:
+    if config.plan.overlap_link_share is not None:
         check_fraction("plan.overlap_link_share", config.plan.overlap_link_share)
         if config.plan.scheme == "none":
             raise ValueError("plan.overlap_link_share needs a plan.scheme")
@@ -261,7 +262,7 @@ def check_config(config: ml_collections.ConfigDict) -> None:
         raise ValueError("data.name='npz' needs data.path (the .npz file)")
     if config.data.name == "npz" and not pathlib.Path(config.data.path).is_file():
         raise FileNotFoundError(f"data.path: no .npz file at {config.data.path!r}")
-    check_int("max_updates", config.get("max_updates"), low=1, allow_none=True)
+    check_int("max_updates", config.max_updates, low=1, allow_none=True)
     speeds = tuple(config.workers.slowdowns)
     if not speeds or any(not s >= 1 for s in speeds):
         raise ValueError(
@@ -269,10 +270,10 @@ def check_config(config: ml_collections.ConfigDict) -> None:
         )
 
 
-def _check_compression(config: ml_collections.ConfigDict) -> None:
+def _check_compression(config: ExperimentConfig) -> None:
     """``worker.compression`` and what it needs (one-line errors)."""
     worker = config.worker
-    compression = lookup("compression", worker.get("compression", "none"))
+    compression = lookup("compression", worker.compression)
     if compression == "none":
         return
     if worker.bits is not None:
@@ -304,38 +305,36 @@ def _check_compression(config: ml_collections.ConfigDict) -> None:
             "worker.compression='top_k' needs plan.replan=False (a re-plan "
             "resets the workers' compress_ratio)"
         )
-    if config.stages.get("compress_from_stage") != 0:
+    if config.stages.compress_from_stage != 0:
         raise ValueError(
             "worker.compression='top_k' needs stages.compress_from_stage=0 "
             "(every push sparsified from the start)"
         )
 
 
-def _check_sparseloco(config: ml_collections.ConfigDict) -> None:
+def _check_sparseloco(config: ExperimentConfig) -> None:
     """What ``worker.compression='sparseloco'`` needs (one-line errors)."""
     worker = config.worker
     check_fraction("worker.compress_ratio", worker.compress_ratio)
-    check_choice("worker.sparseloco_bits", worker.get("sparseloco_bits"), _BITS)
-    check_number(
-        "worker.sparseloco_decay", worker.get("sparseloco_decay"), low=0, high=1
-    )
-    if config.stages.get("compress_from_stage") is not None:
+    check_choice("worker.sparseloco_bits", worker.sparseloco_bits, _BITS)
+    check_number("worker.sparseloco_decay", worker.sparseloco_decay, low=0, high=1)
+    if config.stages.compress_from_stage is not None:
         raise ValueError(
             "worker.compression='sparseloco' compresses every push: set "
             "stages.compress_from_stage=None"
         )
 
 
-def _check_streaming(config: ml_collections.ConfigDict) -> None:
+def _check_streaming(config: ExperimentConfig) -> None:
     """What ``worker.compression='streaming'`` needs (one-line errors)."""
     worker = config.worker
-    fragments = worker.get("streaming_fragments")
+    fragments = worker.streaming_fragments
     check_int("worker.streaming_fragments", fragments, low=1)
-    bits = worker.get("streaming_bits")
+    bits = worker.streaming_bits
     check_choice("worker.streaming_bits", bits, (*_BITS, "e2m1"), allow_none=True)
-    layout = worker.get("streaming_layout", "contiguous")
+    layout = worker.streaming_layout
     check_choice("worker.streaming_layout", layout, ("contiguous", "strided"))
-    server_args = config.server.get("optimizer_args") or {}
+    server_args = config.server.optimizer_args or {}
     server_layout = server_args.get("layout", "contiguous")
     if server_layout != layout:
         raise ValueError(
@@ -353,12 +352,12 @@ def _check_streaming(config: ml_collections.ConfigDict) -> None:
             "worker.compression='streaming' needs plan.scheme='none' (a plan's "
             "step-size scale hides the workers' own parameters from them)"
         )
-    if config.stages.get("compress_from_stage") is not None:
+    if config.stages.compress_from_stage is not None:
         raise ValueError(
             "worker.compression='streaming' compresses every push: set "
             "stages.compress_from_stage=None"
         )
-    args = worker.get("local_optimizer_args") or {}
+    args = worker.local_optimizer_args or {}
     delay = check_int("worker.local_optimizer_args.delay", args.get("delay", 0), low=0)
     if delay and delay >= int(worker.local_steps) - 1:
         raise ValueError(
@@ -380,19 +379,19 @@ def _check_streaming(config: ml_collections.ConfigDict) -> None:
                 )
 
 
-def _check_demo(config: ml_collections.ConfigDict) -> None:
+def _check_demo(config: ExperimentConfig) -> None:
     """What ``worker.compression='demo'`` needs (one-line errors)."""
     worker = config.worker
-    check_int("worker.demo_topk", worker.get("demo_topk"), low=1)
-    chunk = check_int("worker.demo_chunk", worker.get("demo_chunk"), low=1)
-    check_number("worker.demo_decay", worker.get("demo_decay"), low=0, high=1,
+    check_int("worker.demo_topk", worker.demo_topk, low=1)
+    chunk = check_int("worker.demo_chunk", worker.demo_chunk, low=1)
+    check_number("worker.demo_decay", worker.demo_decay, low=0, high=1,
                  high_inclusive=False)  # fmt: skip
-    if config.stages.get("compress_from_stage") is not None:
+    if config.stages.compress_from_stage is not None:
         raise ValueError(
             "worker.compression='demo' compresses every push: set "
             "stages.compress_from_stage=None"
         )
-    args = config.server.get("optimizer_args") or {}
+    args = config.server.optimizer_args or {}
     if config.server.optimizer != "demo_outer" or args.get("chunk") != chunk:
         raise ValueError(
             "worker.compression='demo' needs server.optimizer='demo_outer' with "
@@ -401,10 +400,10 @@ def _check_demo(config: ml_collections.ConfigDict) -> None:
         )
 
 
-def _check_power_sgd(config: ml_collections.ConfigDict) -> None:
+def _check_power_sgd(config: ExperimentConfig) -> None:
     """What ``worker.compression='power_sgd'`` needs (one-line errors)."""
     check_int("worker.powersgd_rank", config.worker.powersgd_rank, low=1)
-    if config.stages.get("compress_from_stage") is not None:
+    if config.stages.compress_from_stage is not None:
         raise ValueError(
             "worker.compression='power_sgd' compresses every push: set "
             "stages.compress_from_stage=None (it top-k sparsifies pushes instead "

@@ -32,7 +32,6 @@ A worker whose run diverged (a ``"diverged"`` record, or an experiment's
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import pathlib
@@ -42,6 +41,7 @@ from typing import Any
 
 import numpy as np
 
+from experiments import _cli
 from experiments.target import Target, metric_label
 from hpsjax.metrics import read_jsonl
 
@@ -301,11 +301,10 @@ def evaluated_metric(records: Sequence[Mapping[str, Any]]) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m experiments.summary``; returns the exit status."""
-    p = argparse.ArgumentParser(
-        prog="python -m experiments.summary",
+    p = _cli.Parser(
+        "experiments.summary",
         description="Per-worker table (rounds, idle, staleness, throughput) and "
         "plots of a run's metrics files.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument(
         "--workdir",
@@ -316,7 +315,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         result = write_summary(args.workdir)
     except (FileNotFoundError, ValueError) as e:
-        print(f"experiments.summary: {e}", file=sys.stderr)
+        print(f"experiments.summary: error: {e}", file=sys.stderr)
         return 2
     print(format_table(result["table"]))
     for line in result["diverged"]:

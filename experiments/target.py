@@ -34,7 +34,7 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
-import ml_collections
+from experiments.configs.schema import ExperimentConfig
 
 __all__ = [
     "Target",
@@ -128,7 +128,7 @@ class Target(NamedTuple):
         )
 
     @classmethod
-    def of_config(cls, config: ml_collections.ConfigDict, task: Any) -> Target:
+    def of_config(cls, config: ExperimentConfig, task: Any) -> Target:
         """The target of ``config.eval`` for ``task`` (a :class:`hpsjax.tasks.Task`).
 
         Raises:
@@ -138,15 +138,15 @@ class Target(NamedTuple):
         from hpsjax.tasks import higher_is_better
 
         ev = config.eval
-        metric = ev.get("target_metric") or task.target_metric
+        metric = ev.target_metric or task.target_metric
         if not isinstance(metric, str):
             raise ValueError(
                 f"eval.target_metric must be a metric name, got {metric!r}"
             )
         higher = higher_is_better(task, metric)
-        value = ev.get("target_value")
+        value = ev.target_value
         if value is None and metric == "accuracy":
-            value = ev.get("target_accuracy")
+            value = ev.target_accuracy
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise ValueError(
                 f"eval.target_value must be a number for the target on "
@@ -178,7 +178,7 @@ def task_of(spec: str) -> Any:
     return get_task(spec)
 
 
-def target(config: ml_collections.ConfigDict) -> Target:
+def target(config: ExperimentConfig) -> Target:
     """The run's target for its task (:meth:`Target.of_config`).
 
     Raises:

@@ -45,9 +45,8 @@ import shutil
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import ml_collections
-
 from experiments import backends, build, plots, registry
+from experiments.configs.schema import ExperimentConfig
 from experiments.target import Target, with_initial_evaluation
 from hpsjax.metrics import MetricsWriter
 
@@ -80,9 +79,7 @@ def time_to_target(evals: list[dict[str, Any]], target: float | Target) -> float
     return target.time_to(evals)
 
 
-def summarize(
-    config: ml_collections.ConfigDict, output: backends.RunOutput
-) -> dict[str, Any]:
+def summarize(config: ExperimentConfig, output: backends.RunOutput) -> dict[str, Any]:
     r"""The figures a comparison table shows, from a backend's output.
 
     ``idle_fraction`` is the share of all workers' time not spent on compute
@@ -167,9 +164,7 @@ def _dump(record: dict[str, Any]) -> str:
     return json.dumps(_jsonable(record), allow_nan=False)
 
 
-def tensorboard_dir(
-    config: ml_collections.ConfigDict, workdir: pathlib.Path
-) -> pathlib.Path:
+def tensorboard_dir(config: ExperimentConfig, workdir: pathlib.Path) -> pathlib.Path:
     """The TensorBoard run of ``config`` under ``workdir``: one per scheme and
     seed, so ``tensorboard --logdir`` over several work directories overlays
     them."""
@@ -211,7 +206,7 @@ def _version_time(output: backends.RunOutput, version: int) -> float | None:
 
 
 def timeline_marks(
-    config: ml_collections.ConfigDict, output: backends.RunOutput
+    config: ExperimentConfig, output: backends.RunOutput
 ) -> list[tuple[float, str]]:
     """The stage switch and the re-plans of a run, as ``(time, label)`` marks.
 
@@ -245,7 +240,7 @@ def timeline_marks(
 
 
 def write_outputs(
-    config: ml_collections.ConfigDict,
+    config: ExperimentConfig,
     output: backends.RunOutput,
     summary: dict[str, Any],
     workdir: pathlib.Path,
@@ -329,7 +324,7 @@ def _check_formats(formats: Sequence[str]) -> tuple[str, ...]:
 
 
 def train_and_evaluate(
-    config: ml_collections.ConfigDict,
+    config: ExperimentConfig,
     workdir: str | pathlib.Path,
     *,
     progress: bool = True,

@@ -127,7 +127,8 @@ def test_cli_bad_link_is_one_line_and_runs_nothing(tmp_path):
     result = _cli(f"--profiles={pattern}", "--link=fast", f"--workdir={tmp_path}/w")
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
-        "advise: error: --link: expected MB_PER_S[,LATENCY_MS] with MB_PER_S > 0, "
+        "experiments.advise: error: --link: expected MB_PER_S[,LATENCY_MS] with "
+        "MB_PER_S > 0, "
         "got 'fast'"
     ]
     assert not (tmp_path / "w").exists()
@@ -212,7 +213,7 @@ def test_cli_no_profiles_is_one_line(tmp_path):
     result = _cli(f"--profiles={tmp_path}/none_*.json")
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
-        f"advise: error: no profile files match '{tmp_path}/none_*.json'"
+        f"experiments.advise: error: no profile files match '{tmp_path}/none_*.json'"
     ]
 
 

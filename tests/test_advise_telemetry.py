@@ -202,7 +202,7 @@ def test_launch_command_carries_the_optimizers_arguments(tmp_path):
     ]
     if schemes:
         config = advise.cluster_config(schemes[0], twin, setting="quick")
-        delay = config.server.get("outer_delay") or 3
+        delay = config.server.outer_delay or 3
         assert (
             f"--optimizer_arg delay={delay}" in advise.launch_command(config, twin)[0]
         )

@@ -35,8 +35,7 @@ def test_experiment_plans_scale_every_worker_alike(lr_scaling):
     from experiments.configs import hps
 
     config = hps.get_config("quick")
-    with config.unlocked():
-        config.plan.lr_scaling = lr_scaling
+    config.plan.lr_scaling = lr_scaling
     specs = build.worker_specs(config)
     profiles, _ = build.simulated_profiles(
         config, specs, push_bytes=1000, pull_bytes=1000

@@ -56,8 +56,14 @@ from __future__ import annotations
 
 from typing import Any
 
-import ml_collections
-from ml_collections import config_dict
+from experiments.configs.schema import (
+    Data,
+    Eval,
+    ExperimentConfig,
+    Model,
+    Server,
+    Workers,
+)
 
 __all__ = ["SETTINGS", "SIM32_THROUGHPUTS", "get_config", "pick"]
 
@@ -215,7 +221,7 @@ SETTINGS["lm_proc4"] = _lm(
 DEFAULT_SETTING = "sim8"
 
 
-def pick(config: ml_collections.ConfigDict, values: dict[str, Any]) -> Any:
+def pick(config: ExperimentConfig, values: dict[str, Any]) -> Any:
     """The value of ``values`` for the config's setting, else for the setting
     it is tuned as (its ``tuned_as``), else ``values["default"]``: per-setting
     tuning in scheme files."""
@@ -223,15 +229,16 @@ def pick(config: ml_collections.ConfigDict, values: dict[str, Any]) -> Any:
     return values.get(config.setting, values.get(like, values.get("default")))
 
 
-def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
+def get_config(arg: str | None = None) -> ExperimentConfig:
     """The shared part of every scheme's config, for setting ``arg``.
 
     Args:
       arg: a name of :data:`SETTINGS`, or ``None`` for ``"sim8"``.
 
     Returns:
-      An unlocked ``ConfigDict``; the scheme's file fills ``scheme`` and changes
-      the server, worker, plan and stage fields.
+      An :class:`~experiments.configs.schema.ExperimentConfig` (not frozen);
+      the scheme's file fills ``scheme`` and changes the server, worker, plan
+      and stage fields.
 
     Raises:
       ValueError: an unknown setting (the message lists the valid names).
@@ -242,147 +249,55 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
             f"unknown setting {setting!r}; valid names: {', '.join(sorted(SETTINGS))}"
         )
     s = SETTINGS[setting]
-    config = ml_collections.ConfigDict()
-    config.scheme = ""
-    config.setting = setting
-    config.backend = s["backend"]
-    # What is learned (hpsjax.tasks): "classification", "lm", "regression",
-    # or a factory "package.module:make_task"; it sets the workers' loss, the
-    # evaluation's metrics and the direction of the target.
-    config.task = s.get("task", "classification")
-    config.seed = 0
-    # Virtual seconds (sim) or wall seconds after every worker joined
-    # (processes); the same budget for every scheme of a setting.
-    config.budget_seconds = s["budget_seconds"]
-    # End the run sooner, once the server made this many versions (None: the
-    # budget alone ends it).
-    config.max_updates = config_dict.placeholder(int)
-    # Samples per local step of each worker; a work plan re-divides
-    # batch_size * num_workers among the workers.
-    config.batch_size = s.get("batch_size", 32)
-
-    config.data = ml_collections.ConfigDict()
-    config.data.name = s.get("dataset", "synthetic_digits")
-    config.data.num_examples = s.get("num_examples", 6000)
-    config.data.image_size = s.get("image_size", 8)
-    config.data.path = ""
-    config.data.x_key = "x"
-    config.data.y_key = "y"
-    config.data.test_fraction = s.get("test_fraction", 0.2)
-    # Seed of the generated examples; config.seed varies the run, not the data.
-    config.data.seed = 0
-    # Further keyword arguments of the dataset (hpsjax.data.get_dataset), e.g.
-    # the text's seq_len.
-    config.data.args = ml_collections.ConfigDict(dict(s.get("data_args", {})))
-
-    config.model = ml_collections.ConfigDict()
-    config.model.name = s.get("model", "mlp")
-    config.model.hidden = s.get("hidden", (64, 64))
-    config.model.seed = 0
-    # Further keyword arguments of the model's factory (hpsjax.models), e.g.
-    # the transformer's d_model, num_layers and num_heads.
-    config.model.args = ml_collections.ConfigDict(dict(s.get("model_args", {})))
-
-    config.eval = ml_collections.ConfigDict()
-    config.eval.every_seconds = s["eval_every"]
-    # The target a run is timed to (experiments/target.py): the metric (None:
-    # the task's own, a classifier's accuracy, a language model's loss) and
-    # the value; the direction is the task's. An accuracy target without
-    # target_value takes target_accuracy.
-    config.eval.target_metric = config_dict.placeholder(str)
-    config.eval.target_value = config_dict.placeholder(float)
-    config.eval.target_accuracy = config_dict.placeholder(float)
-    if s.get("target_value") is not None:
-        config.eval.target_value = float(s["target_value"])
-    if s.get("target_accuracy") is not None:
-        config.eval.target_accuracy = float(s["target_accuracy"])
-    config.eval.batch_size = s.get("eval_batch_size", 2048)
-
-    config.workers = ml_collections.ConfigDict()
-    config.workers.slowdowns = s["slowdowns"]
-    # Simulator only: seconds per local step of a slowdown-1 worker at
-    # batch_size samples, and the part of it that does not grow with the batch.
-    config.workers.step_time = 0.05
-    config.workers.step_overhead = 0.01
-    config.workers.jitter = s["jitter"]
-    config.workers.straggle_probability = s["straggle_probability"]
-    config.workers.straggle_slowdown = 4.0
-    config.workers.bandwidth = s["bandwidth"]
-    config.workers.latency = s["latency"]
-    # (worker index, seconds, factor): from then on that worker's slowdown is
-    # multiplied by the factor.
-    config.workers.speed_changes = s["speed_changes"]
-    # Processes only: each worker's device, "gpu:INDEX" or "cpu:CORES"
-    # (experiments/placement.py), or () to leave them where the OS puts them.
-    config.workers.devices = tuple(s.get("devices", ()))
-    # Simulator only: seconds each worker's first round takes beyond its
-    # compute model (a real worker loads its compiled step and runs it slowed
-    # down first), one per worker, or () for none (workers start hot).
-    config.workers.startup_times = ()
-
-    config.server = ml_collections.ConfigDict()
-    config.server.policy = "bsp"
-    config.server.policy_kwargs = ml_collections.ConfigDict()
-    config.server.optimizer = "sgd"
-    config.server.learning_rate = 0.1
-    config.server.momentum = 0.0
-    # scale_by_staleness on the server (staleness-aware ASP), or None.
-    config.server.staleness_lr = config_dict.placeholder(str)
-    # delay_compensation's lambda on the server (DC-ASGD), or None.
-    config.server.dc_lambda = config_dict.placeholder(float)
-    config.server.dc_adaptive = False
-    # delayed_nesterov's N (outer momentum updated every N pushes), or None for
-    # the number of workers (Liu et al. 2024).
-    config.server.outer_delay = config_dict.placeholder(int)
-    # Deadlines drop workers that stopped making progress; far above a round so
-    # that a transient straggler is never taken for a dead worker.
-    config.server.deadline_factor = 10.0
-    # Simulator only: seconds the server spends on each push, handling one
-    # message at a time (hpsjax.sim.SimConfig's server_service_time); 0: none.
-    config.server.service_time = 0.0
-    # Processes only: CPU cores the server (this process) is pinned to when
-    # workers.devices places the workers; 0 leaves it unpinned.
-    config.server.cores = int(s.get("server_cores", 0))
-
-    config.worker = ml_collections.ConfigDict()
-    # "none" pushes gradients; an optimizer name runs local steps with it and
-    # pushes pseudo-gradients (the server then applies them with sgd(1.0)).
-    config.worker.local_optimizer = "none"
-    config.worker.local_learning_rate = 0.1
-    config.worker.local_momentum = 0.0
-    config.worker.local_steps = 1
-    config.worker.bits = config_dict.placeholder(int)
-    config.worker.error_feedback = True
-    # The push compressor besides quantization (worker.bits): "none", "top_k"
-    # (every push sparsified to worker.compress_ratio of its values, error
-    # feedback, counted by the top-k codec; needs a plan scheme and
-    # stages.compress_from_stage=0) or "power_sgd" (every push as the rank
-    # worker.powersgd_rank factors of hpsjax.power_sgd, warm-started, error
-    # feedback; the wire's PowerSGD codec; needs worker.bits=None).
-    config.worker.compression = "none"
-    config.worker.compress_ratio = 0.01
-    config.worker.powersgd_rank = 4
-    config.worker.overlap = "none"
-    config.worker.eager_pulls = 1
-    # PS+: scale each push by f(staleness) on the worker, or None.
-    config.worker.staleness_lr = config_dict.placeholder(str)
-
-    config.plan = ml_collections.ConfigDict()
-    config.plan.scheme = "none"
-    config.plan.lr_scaling = "none"
-    config.plan.local_steps = 1
-    config.plan.max_local_steps = 64
-    config.plan.replan = False
-    # Real processes: plan from the run's own first rounds (the server's
-    # hpsjax.profiling.Pilot) instead of a profiling pass before it.
-    config.plan.pilot = False
-    # The pilot's stopping rule: the relative standard error of each worker's
-    # fitted step, and the most rounds of a worker before it plans anyway.
-    config.plan.pilot_tolerance = 0.05
-    config.plan.pilot_rounds = 60
-    config.plan.replan_threshold = 0.2
-    config.plan.replan_cooldown = 5.0
-    config.plan.replan_window = 10
+    config = ExperimentConfig(
+        setting=setting,
+        backend=s["backend"],
+        # What is learned (hpsjax.tasks): "classification", "lm", "regression",
+        # or a factory "package.module:make_task"; it sets the workers' loss,
+        # the evaluation's metrics and the direction of the target.
+        task=s.get("task", "classification"),
+        # Virtual seconds (sim) or wall seconds after every worker joined
+        # (processes); the same budget for every scheme of a setting.
+        budget_seconds=s["budget_seconds"],
+        # Samples per local step of each worker; a work plan re-divides
+        # batch_size * num_workers among the workers.
+        batch_size=s.get("batch_size", 32),
+        data=Data(
+            name=s.get("dataset", "synthetic_digits"),
+            num_examples=s.get("num_examples", 6000),
+            image_size=s.get("image_size", 8),
+            test_fraction=s.get("test_fraction", 0.2),
+            args=dict(s.get("data_args", {})),
+        ),
+        model=Model(
+            name=s.get("model", "mlp"),
+            hidden=s.get("hidden", (64, 64)),
+            args=dict(s.get("model_args", {})),
+        ),
+        # The target a run is timed to (experiments/target.py): the metric
+        # (None: the task's own, a classifier's accuracy, a language model's
+        # loss) and the value; the direction is the task's. An accuracy target
+        # without target_value takes target_accuracy.
+        eval=Eval(
+            every_seconds=s["eval_every"],
+            target_value=s.get("target_value"),
+            target_accuracy=s.get("target_accuracy"),
+            batch_size=s.get("eval_batch_size", 2048),
+        ),
+        workers=Workers(
+            slowdowns=s["slowdowns"],
+            jitter=s["jitter"],
+            straggle_probability=s["straggle_probability"],
+            bandwidth=s["bandwidth"],
+            latency=s["latency"],
+            speed_changes=s["speed_changes"],
+            devices=tuple(s.get("devices", ())),
+        ),
+        # Deadlines (server.deadline_factor) drop workers that stopped making
+        # progress; far above a round so that a transient straggler is never
+        # taken for a dead worker.
+        server=Server(cores=int(s.get("server_cores", 0))),
+    )
     # proc4: its slow workers' planned batches (8 to 16) measured, not
     # extrapolated, and enough timed steps for each step's spread
     # (hpsjax.profiling.MIN_SPREAD_SAMPLES), which a barrier round's predicted
@@ -392,29 +307,4 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
         config, {"proc4": (8, 32), "default": (16, 48)}
     )
     config.plan.profile_repeats = pick(config, {"proc4": 6, "default": 2})
-    # ashl_reference: the SHL top-k ratio of the worker with the longest round.
-    config.plan.compress_ratio = 1.0
-
-    config.stages = ml_collections.ConfigDict()
-    config.stages.enabled = False
-    config.stages.switch = "version"
-    config.stages.switch_version = 100
-    config.stages.plateau_window = 20
-    config.stages.plateau_threshold = 0.01
-    # switch="loss": the server's training loss below which it switches.
-    config.stages.switch_loss = 0.3
-    config.stages.ahl_local_steps = 8
-    config.stages.ahl_max_staleness = 32
-    config.stages.shl_local_steps = 2
-    config.stages.shl_max_staleness = 4
-    # Pushes are top-k sparsified at each worker's plan.compress_ratio once the
-    # server's stage is at least this (ASHL's reference: 1, its SHL), or None.
-    config.stages.compress_from_stage = config_dict.placeholder(int)
-
-    config.processes = ml_collections.ConfigDict()
-    config.processes.start_timeout = 300.0
-    config.processes.shutdown_timeout = 30.0
-    # Run every worker for two rounds first, so that the timed run loads its
-    # compiled train step from the persistent cache instead of compiling it.
-    config.processes.warmup = True
     return config

@@ -40,8 +40,6 @@ References:
   https://arxiv.org/abs/2411.19870
 """
 
-import ml_collections
-
 from experiments.configs import common
 
 CHUNK = 64  # the reference's compression_chunk
@@ -53,7 +51,7 @@ def get_config(arg=None):
     config.scheme = "demo"
     config.server.policy = "bsp"
     config.server.optimizer = "demo_outer"
-    config.server.optimizer_args = ml_collections.ConfigDict({"chunk": CHUNK})
+    config.server.optimizer_args = {"chunk": CHUNK}
     # Tuned on sim8, seed 0, among 0.003, 0.01, 0.03 (see the docstring).
     config.server.learning_rate = common.pick(config, {"default": 0.01})
     config.worker.local_steps = 1

@@ -18,8 +18,6 @@ References:
   with Optimal Time Complexity", ICML 2025, https://arxiv.org/abs/2501.16168
 """
 
-from ml_collections import config_dict
-
 from experiments.configs import common
 
 
@@ -29,7 +27,7 @@ def get_config(arg=None):
     config.scheme = "ringmaster"
     config.server.policy = "ringmaster"
     # None: R = the number of live workers (not tuned).
-    config.server.policy_kwargs.delay_threshold = config_dict.placeholder(int)
+    config.server.policy_kwargs.delay_threshold = None
     config.server.optimizer = "sgd"
     # ASP's step sizes (not tuned for this scheme).
     config.server.learning_rate = common.pick(config, {"default": 0.1})

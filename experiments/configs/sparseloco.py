@@ -22,8 +22,6 @@ References:
   with SparseLoCo", 2025, https://arxiv.org/abs/2508.15706
 """
 
-import ml_collections
-
 from experiments.configs import common
 
 
@@ -36,9 +34,7 @@ def get_config(arg=None):
     # The outer step on the averaged sparse pushes (not tuned).
     config.server.learning_rate = common.pick(config, {"default": 1.0})
     config.worker.local_optimizer = "adamw"
-    config.worker.local_optimizer_args = ml_collections.ConfigDict(
-        {"weight_decay": 1e-4}
-    )
+    config.worker.local_optimizer_args = {"weight_decay": 1e-4}
     # lm_sim8 (and the settings tuned as it): tuned at 0.005, 0.01, 0.02 on
     # seed 0 (RESULTS.md, "LM"); 0.02, the grid's edge, was not extended.
     config.worker.local_learning_rate = common.pick(

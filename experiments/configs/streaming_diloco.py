@@ -59,8 +59,6 @@ References:
   https://arxiv.org/abs/2501.18512
 """
 
-import ml_collections
-
 from experiments.configs import common
 
 FRAGMENTS = 2
@@ -79,13 +77,13 @@ def get_config(arg=None):
     config.server.optimizer = "streaming_nesterov"
     config.server.learning_rate = common.pick(config, {"default": 0.7})
     config.server.momentum = 0.9
-    config.server.optimizer_args = ml_collections.ConfigDict(
-        {"fragments": FRAGMENTS, "layout": LAYOUT}
-    )
+    config.server.optimizer_args = {"fragments": FRAGMENTS, "layout": LAYOUT}
     config.worker.local_optimizer = "streaming_local"
-    config.worker.local_optimizer_args = ml_collections.ConfigDict(
-        {"inner": "adam", "mixing": ALPHA, "delay": TAU or 0}
-    )
+    config.worker.local_optimizer_args = {
+        "inner": "adam",
+        "mixing": ALPHA,
+        "delay": TAU or 0,
+    }
     # lm_sim8 (and the settings tuned as it): tuned at 0.005, 0.01, 0.02 on
     # seed 0 (RESULTS.md, "LM"); 0.02, the grid's edge, was not extended.
     config.worker.local_learning_rate = common.pick(
