@@ -698,7 +698,7 @@ def test_deadline_bookkeeping_stays_bounded():
         w = step % 3
         core.push(w, upd(0.0), version=core.pulled_version(w), now=1.0 + step)
         core.pull(w, 1.0 + step)
-    assert len(core._heap) <= 4 * 3 + 64 + 1
+    assert core._members.heap_size <= 4 * 3 + 64 + 1
 
 
 @pytest.mark.parametrize(

@@ -28,6 +28,7 @@ from hpsjax.decisions._core import (
     Wait,
 )
 from hpsjax.decisions._events import (
+    PushBegun,
     SpeedMeasured,
     StageSet,
     Tick,
@@ -145,9 +146,13 @@ def upd(x):
     return {"w": np.full(3, x)}
 
 
-def test_the_core_module_computes_nothing_itself():
+@pytest.mark.parametrize(
+    "module", sorted(p.name for p in CORE.parent.glob("*.py")), ids=str
+)
+def test_the_core_and_its_parts_compute_nothing_themselves(module):
     imported = set()
-    for node in ast.walk(ast.parse(CORE.read_text(encoding="utf-8"))):
+    source = (CORE.parent / module).read_text(encoding="utf-8")
+    for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.Import):
             imported.update(alias.name.split(".")[0] for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module:
@@ -311,19 +316,21 @@ def test_a_refused_push_changes_nothing(worker, version, update, error):
     np.testing.assert_array_equal(after[3]["w"], before[3]["w"])
 
 
-def test_check_push_refuses_what_push_refuses_before_the_update_is_read():
+def test_a_push_is_checked_once_where_it_enters_the_core():
+    # No separate check before the update is read: the push's one way in
+    # refuses it, and a push begun says nothing about whether it is valid.
     core = numpy_core("asp")
     core.join("a", 0.0)
-    core.check_push("a", 0)
+    assert not hasattr(core, "check_push")
     with pytest.raises(InvalidUpdate, match=r"\[0, 0\]"):
-        core.check_push("a", 1)
+        core.handle(WorkerPushed("a", upd(1.0), PushMeta(version=1), 0.5))
     with pytest.raises(UnexpectedMessage):
-        core.check_push("b", 0)
+        core.handle(WorkerPushed("b", upd(1.0), PushMeta(version=0), 0.5))
+    assert core.handle(PushBegun("b", 0, None, 0.5)) == []
     core.leave("a", 1.0)
     with pytest.raises(WorkerDropped):
-        core.check_push("a", 0)
-    with pytest.raises(WorkerDropped):
         core.push_message("a", upd(1.0), PushMeta(version=0), now=2.0)
+    assert core.version == 0
 
 
 def test_policies_see_a_view_of_the_core_not_the_core():

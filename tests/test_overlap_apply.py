@@ -1,7 +1,8 @@
 """Applies overlapped with receipt: a push applied leaf by leaf as it arrives.
 
 The core decides when a push's apply may be started before the push is whole
-(``ServerCore.completing_push``), the server's aggregator starts it
+(a ``StartApply`` action answering a ``PushBegun`` event), the server's
+aggregator starts it
 (``OverlapAggregator.start``) and takes its result only where it is still that
 push's apply; the server feeds it each leaf as the leaf's bytes arrive.
 Either way the parameters are those of the whole-tree apply.
@@ -20,6 +21,7 @@ import pytest
 
 from hpsjax import ps
 from hpsjax.apply._overlap import OverlapAggregator
+from hpsjax.decisions import PushBegun, StartApply
 from hpsjax.decisions._core import ServerCore
 from hpsjax.wire._errors import NonFiniteUpdate
 from hpsjax.wire._messages import PushMeta
@@ -50,7 +52,9 @@ def _core(params, optimizer, policy, **kwargs):
 
 
 def _start(core, worker_id, version, num_samples=None):
-    return core.aggregator.start(core.completing_push(worker_id, version, num_samples))
+    actions = core.handle(PushBegun(worker_id, version, num_samples, 0.0))
+    assert all(isinstance(a, StartApply) for a in actions)
+    return core.aggregator.start(actions[0].plan if actions else None)
 
 
 def _push(core, worker_id, update, meta, *, now, prepared=None):

@@ -5,7 +5,8 @@ staleness, who waits and until when, what is applied, refused or dropped, the
 stages and the re-planning) and does no I/O: the asyncio server
 (:mod:`hpsjax.net`) and the virtual-clock simulator (:mod:`hpsjax.sim`) both hand
 it typed events (:class:`WorkerJoined`, :class:`WorkerPushed`, :class:`Tick`, ...)
-through :meth:`ServerCore.handle` and carry out the actions it returns. The
+through :meth:`ServerCore.handle` and carry out the actions it returns through
+one :class:`ActionInterpreter`. The
 arithmetic sits behind an aggregator (:mod:`hpsjax.apply`). A :class:`Policy`
 (BSP, ASP, SSP, SaPS, ADSP, Ringmaster, semi-async, hybrid; :data:`POLICIES`,
 :func:`get_policy`) answers the core's questions through a narrow
@@ -25,10 +26,12 @@ from hpsjax.decisions._core import (
     SendParams,
     ServerCore,
     StageChanged,
+    StartApply,
     Wait,
     WorkerInfo,
 )
 from hpsjax.decisions._events import (
+    PushBegun,
     ServerEvent,
     SpeedMeasured,
     StageSet,
@@ -38,6 +41,7 @@ from hpsjax.decisions._events import (
     WorkerPulled,
     WorkerPushed,
 )
+from hpsjax.decisions._interpreter import ActionInterpreter
 from hpsjax.decisions._policies import (
     ADSP,
     ASP,
@@ -68,6 +72,7 @@ __all__ = [
     "POLICIES",
     "SSP",
     "Action",
+    "ActionInterpreter",
     "Applied",
     "Drop",
     "ForcePull",
@@ -78,6 +83,7 @@ __all__ = [
     "Policy",
     "PolicyView",
     "PushAck",
+    "PushBegun",
     "Release",
     "ReplannerProtocol",
     "Ringmaster",
@@ -90,6 +96,7 @@ __all__ = [
     "SpeedMeasured",
     "StageChanged",
     "StageSet",
+    "StartApply",
     "Tick",
     "Verdict",
     "Wait",

@@ -18,6 +18,7 @@ from typing import Any
 from hpsjax.wire import PushMeta
 
 __all__ = [
+    "PushBegun",
     "ServerEvent",
     "SpeedMeasured",
     "StageSet",
@@ -72,6 +73,28 @@ class WorkerPushed:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class PushBegun:
+    """A push's metadata arrived and its leaves are coming (not yet checked).
+
+    The driver may apply the push as its leaves arrive; the core answers with
+    a :class:`~hpsjax.decisions.StartApply` where the policy applies that push
+    at once, else with nothing. It checks nothing and changes nothing: the
+    push is checked once, when it arrives whole (:class:`WorkerPushed`).
+
+    Attributes:
+      worker_id: the pushing worker.
+      version: the version the push says it was computed on, as received.
+      num_samples: the samples it says it holds, as received, or ``None``.
+      now: the driver's time.
+    """
+
+    worker_id: Hashable
+    version: Any
+    num_samples: Any
+    now: float
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class Tick:
     """Time passed: held starts end, workers past their deadline are dropped."""
 
@@ -102,6 +125,7 @@ ServerEvent = (
     | WorkerLeft
     | WorkerPulled
     | WorkerPushed
+    | PushBegun
     | Tick
     | StageSet
     | SpeedMeasured

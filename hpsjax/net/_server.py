@@ -58,18 +58,23 @@ from hpsjax._progress import Progress
 from hpsjax.apply import LeafApply, OverlapAggregator
 from hpsjax.decisions import (
     DEFAULT_POLICY,
+    ActionInterpreter,
     Applied,
     Drop,
     ForcePull,
     PlanChanged,
     PushAck,
+    PushBegun,
+    Release,
     ReplannerProtocol,
     SaveCheckpoint,
     SendParams,
     ServerCore,
     StageChanged,
     StageSet,
+    StartApply,
     Tick,
+    Wait,
     WorkerJoined,
     WorkerLeft,
     WorkerPulled,
@@ -463,25 +468,7 @@ class Server:
         self._pull_started: dict[tuple[int, int], float] = {}
         self._checkpoint_lines = Every(_CHECKPOINT_LOG_EVERY_S)
         self._nonfinite_lines = Every(_NONFINITE_LOG_EVERY_S)
-        meta, _, self._model = tree_to_wire(self._core.params, limits=limits)
-        # Shapes and dtypes never change, so the parameters' description is
-        # packed once; each version adds only its number.
-        self._params_description = pack_fields(meta)
-        # Received leaves are put back into the parameters' own tree type, so
-        # the wire's leaf order must be JAX's.
-        _, wire_leaves = flatten_tree(self._core.params, limits=limits)
-        jax_leaves, self._treedef = jax.tree.flatten(self._core.params)
-        if len(wire_leaves) != len(jax_leaves) or any(
-            a is not b for a, b in zip(wire_leaves, jax_leaves, strict=False)
-        ):
-            raise ValueError(
-                "params must be a pytree of dicts (str keys), lists, tuples and "
-                "arrays whose leaf order is JAX's"
-            )
-        self._spec_meta = {
-            "tree": self._model.structure,
-            "leaves": [[s.dtype.name, list(s.shape)] for s in self._model.leaves],
-        }
+        self._describe_model(limits)
         # Pushes are received into reused blocks (PHub's pre-registered
         # buffers); a block returns once the core and JAX let go of it.
         self._pool = BufferPool(max_blocks=8)
@@ -514,6 +501,38 @@ class Server:
         self._checkpoint_error: BaseException | None = None
         self._checkpoint_futures: list[concurrent.futures.Future] = []
         self._port: int | None = None
+        # The call of _carry_out under way: the push its actions answer, when
+        # that push arrived, and whether to publish and to save after them.
+        self._pusher: Any = None
+        self._arrived: float | None = None
+        self._applied = self._save_due = False
+        self._interpret = self._interpreter()
+
+    def _describe_model(self, limits: WireLimits) -> None:
+        """The model's wire description, packed once.
+
+        Raises:
+          ValueError: the parameters' leaf order is not JAX's.
+        """
+        meta, _, self._model = tree_to_wire(self._core.params, limits=limits)
+        # Shapes and dtypes never change, so the parameters' description is
+        # packed once; each version adds only its number.
+        self._params_description = pack_fields(meta)
+        # Received leaves are put back into the parameters' own tree type, so
+        # the wire's leaf order must be JAX's.
+        _, wire_leaves = flatten_tree(self._core.params, limits=limits)
+        jax_leaves, self._treedef = jax.tree.flatten(self._core.params)
+        if len(wire_leaves) != len(jax_leaves) or any(
+            a is not b for a, b in zip(wire_leaves, jax_leaves, strict=False)
+        ):
+            raise ValueError(
+                "params must be a pytree of dicts (str keys), lists, tuples and "
+                "arrays whose leaf order is JAX's"
+            )
+        self._spec_meta = {
+            "tree": self._model.structure,
+            "leaves": [[s.dtype.name, list(s.shape)] for s in self._model.leaves],
+        }
 
     # ---------------------------------------------------------- properties
 
@@ -945,12 +964,16 @@ class Server:
             # other's parameters, and all but the first be done again.
             and (owner is None or owner.overlap is None or owner.closed)
         ):
-            session.overlap = self._core.aggregator.start(
-                self._core.completing_push(
-                    session.worker_id, meta.get("version"), meta.get("num_samples")
+            self._carry_out(
+                self._core.handle(
+                    PushBegun(
+                        session.worker_id,
+                        meta.get("version"),
+                        meta.get("num_samples"),
+                        self._now(),
+                    )
                 )
             )
-            self._overlap_owner = session
         return buffers, WireTree(layout, arrays)
 
     @_on_device
@@ -1147,7 +1170,6 @@ class Server:
         arrived = self._loop.time()
         # The one place a push's fields are validated.
         meta = PushMeta.from_wire(frame.metadata)
-        self._check_pusher(session, meta.version)
         prepared, session.overlap = session.overlap, None
         codec = frame.payload.layout.wire
         if codec is not None and self._decoders.worth_compiling(codec):
@@ -1206,15 +1228,6 @@ class Server:
                 if entry in session.pulls:
                     session.pulls.remove(entry)
                 raise type(e)(f"update applied, pull failed: {e.message}") from e
-
-    def _check_pusher(self, session: _Session, version: int) -> None:
-        """Refuses a push the core would refuse, before anything is decoded."""
-        if not session.joined:
-            raise UnexpectedMessage("push before pull: pull first to join")
-        # A connection that joined stays joined when the policy drops its
-        # worker: the core says why it is not live (42), and its next pull
-        # joins it again.
-        self._core.check_push(session.worker_id, version)
 
     def _compile_decoder(self, codec) -> None:
         """Compiles ``codec``'s decoder off the loop, once; keeps it when done.
@@ -1296,69 +1309,103 @@ class Server:
 
     # ---------------------------------------------------------- actions
 
+    def _interpreter(self) -> ActionInterpreter:
+        """The server's handler of every action the core returns."""
+        ignore = ActionInterpreter.ignore
+        return ActionInterpreter(
+            {
+                SendParams: self._on_send_params,
+                # The push's own answer is sent by _push; a held pull waits
+                # for its SendParams.
+                PushAck: ignore,
+                Wait: ignore,
+                Release: ignore,
+                ForcePull: self._on_force_pull,
+                Drop: self._on_drop,
+                Applied: self._on_applied,
+                SaveCheckpoint: self._on_save,
+                StartApply: self._on_start_apply,
+                StageChanged: self._on_stage_changed,
+                PlanChanged: self._send_plans,
+            }
+        )
+
     def _carry_out(
         self, actions, *, pusher: Any = None, arrived: float | None = None
     ) -> None:
         """Carries out the core's actions; ``pusher``, the worker whose push
         they answer, learns a forced pull and a stage change from its
         acknowledgement instead; ``arrived``: when that push arrived (a pull
-        held before it waited for the others: ``barrier_s``)."""
-        applied = save = False
-        for action in actions:
-            if isinstance(action, SendParams):
-                session = self._sessions.get(action.worker_id)
-                if session is None or not session.pulls:
-                    continue
-                request_id, ack_meta = session.pulls.popleft()
-                extra = {"local_steps": action.local_steps}
-                started = self._pull_started.pop((id(session), request_id), None)
-                if started is not None:
-                    held = self._loop.time() - started
-                    if self._metrics is not None:
-                        self._metrics.barrier_wait(held)
-                    # An answer at once keeps the version's cached frame.
-                    if held >= _HELD_REPORTED_S:
-                        extra["held_s"] = held
-                        waited = held if arrived is None else arrived - started
-                        if waited >= _HELD_REPORTED_S:
-                            extra["barrier_s"] = min(waited, held)
-                if ack_meta is not None:
-                    extra["ack"] = ack_meta
-                self._send_params(session, request_id, extra)
-            elif isinstance(action, ForcePull):
-                if action.worker_id == pusher:
-                    continue
-                session = self._sessions.get(action.worker_id)
-                if session is not None:
-                    self._notify(session, ForcePullNotice(action.reason))
-            elif isinstance(action, Drop):
-                session = self._sessions.get(action.worker_id)
-                logger.info(
-                    "dropped worker %r: %s (%d live)",
-                    action.worker_id,
-                    action.reason,
-                    len(self._core.live),
-                )
-                if self._metrics is not None:
-                    self._metrics.worker_left("dropped")
-                if session is not None:
-                    error = WorkerDropped(action.reason)
-                    self._fail_pulls(session, error)
-                    self._notify_error(session, error)
-            elif isinstance(action, Applied):
-                applied = True
-            elif isinstance(action, SaveCheckpoint):
-                save = True
-            elif isinstance(action, StageChanged):
-                self._announce(
-                    StageNotice(action.stage), skip=self._sessions.get(pusher)
-                )
-            elif isinstance(action, PlanChanged):
-                self._send_plans(action)
-        if applied:
+        held before it waited for the others: ``barrier_s``). Subscribers get
+        the newest version, and a checkpoint is handed on, once per call."""
+        self._pusher, self._arrived = pusher, arrived
+        self._applied = self._save_due = False
+        self._interpret(actions)
+        if self._applied:
             self._publish()
-        if save:
+        if self._save_due:
             self._save_async()
+
+    def _on_send_params(self, action: SendParams) -> None:
+        session = self._sessions.get(action.worker_id)
+        if session is None or not session.pulls:
+            return
+        request_id, ack_meta = session.pulls.popleft()
+        extra = {"local_steps": action.local_steps}
+        started = self._pull_started.pop((id(session), request_id), None)
+        if started is not None:
+            held = self._loop.time() - started
+            if self._metrics is not None:
+                self._metrics.barrier_wait(held)
+            # An answer at once keeps the version's cached frame.
+            if held >= _HELD_REPORTED_S:
+                extra["held_s"] = held
+                arrived = self._arrived
+                waited = held if arrived is None else arrived - started
+                if waited >= _HELD_REPORTED_S:
+                    extra["barrier_s"] = min(waited, held)
+        if ack_meta is not None:
+            extra["ack"] = ack_meta
+        self._send_params(session, request_id, extra)
+
+    def _on_force_pull(self, action: ForcePull) -> None:
+        if action.worker_id == self._pusher:
+            return
+        session = self._sessions.get(action.worker_id)
+        if session is not None:
+            self._notify(session, ForcePullNotice(action.reason))
+
+    def _on_drop(self, action: Drop) -> None:
+        session = self._sessions.get(action.worker_id)
+        logger.info(
+            "dropped worker %r: %s (%d live)",
+            action.worker_id,
+            action.reason,
+            len(self._core.live),
+        )
+        if self._metrics is not None:
+            self._metrics.worker_left("dropped")
+        if session is not None:
+            error = WorkerDropped(action.reason)
+            self._fail_pulls(session, error)
+            self._notify_error(session, error)
+
+    def _on_applied(self, action: Applied) -> None:
+        del action
+        self._applied = True
+
+    def _on_save(self, action: SaveCheckpoint) -> None:
+        del action
+        self._save_due = True
+
+    def _on_start_apply(self, action: StartApply) -> None:
+        session = self._sessions.get(action.worker_id)
+        if session is not None:
+            session.overlap = self._core.aggregator.start(action.plan)
+            self._overlap_owner = session
+
+    def _on_stage_changed(self, action: StageChanged) -> None:
+        self._announce(StageNotice(action.stage), skip=self._sessions.get(self._pusher))
 
     def _notify(self, session: _Session, notice: Notice) -> None:
         if not session.protocol.closed:

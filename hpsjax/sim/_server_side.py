@@ -4,9 +4,10 @@
 server core that the asyncio server drives too (``ServerCore``, with the
 deferring aggregator where rounds are evaluated in batches), delivers each
 message to it through a queue of service time, and carries out the core's
-actions (:meth:`_ServerSide._carry_out`, the simulator's action loop: sends,
-applies, waits, releases, forced pulls, drops, stages and plans) as events on
-the clock of the simulation it is part of.
+actions (through the :class:`~hpsjax.decisions.ActionInterpreter` the asyncio
+server shares, one handler per action: sends, applies, waits, releases, forced
+pulls, drops, stages and plans) as events on the clock of the simulation it is
+part of.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from hpsjax import worker as wc
 from hpsjax.apply import DeferredAggregator
 from hpsjax.decisions import (
     BSP,
+    ActionInterpreter,
     Applied,
     Drop,
     ForcePull,
@@ -109,6 +111,7 @@ class _ServerSide:
         )
         engine.sums = engine.sums and self.deferring is not None
         self.policy = self.core.policy
+        self._interpret = self._interpreter()
         # The server's stage as announced (StageChanged); acknowledgements
         # carry it to workers whose pushes it compresses.
         self.stage = self.core.stage
@@ -301,79 +304,30 @@ class _ServerSide:
         self.ticked_at = self.now
         self._carry_out(self.core.handle(Tick(self.now)))
 
+    def _interpreter(self) -> ActionInterpreter:
+        """The simulator's handler of every action the core returns (it
+        saves no checkpoint and starts no apply before a push is whole)."""
+        return ActionInterpreter(
+            {
+                SendParams: self._on_send_params,
+                # The push's answer is carried by _server_push (_acknowledge).
+                PushAck: ActionInterpreter.ignore,
+                Applied: self._on_applied,
+                Wait: self._on_wait,
+                Release: lambda a: self._close_server_wait(self.by_id[a.worker_id]),
+                ForcePull: self._on_force_pull,
+                Drop: self._on_drop,
+                StageChanged: self._on_stage_changed,
+                PlanChanged: lambda a: self._apply_plan(a.plan),
+            }
+        )
+
     def _carry_out(self, actions: list) -> None:
+        """Carries out the core's actions as events on the clock, then ticks
+        the core at its next deadline."""
+        self._interpret(actions)
         now = self.now
-        core = self.core
-        for action in actions:
-            kind = type(action)
-            if kind is SendParams:
-                w = self.by_id[action.worker_id]
-                if self.leaves_version != action.version:
-                    if self.deferring and self.deferring.deferred_applies:
-                        self.version_leaves = self.deferred[action.version] = (
-                            DeferredLeaves(action.version)
-                        )
-                    else:
-                        self.version_leaves = self.engine.version_leaves(core.params)
-                    self.leaves_version = action.version
-                self.sends.append(
-                    SendRecord(
-                        now, w.id, action.version, core.clock(w.id), core.min_clock
-                    )
-                )
-                arrival = self._send_down(w, self.pull_bytes)
-                self.schedule(
-                    arrival,
-                    self._params_arrive,
-                    w,
-                    w.session,
-                    self.version_leaves,
-                    action.version,
-                    action.local_steps,
-                )
-            elif kind is Applied:
-                self.applies.append(
-                    ApplyRecord(
-                        now,
-                        action.version,
-                        action.num_updates,
-                        action.staleness,
-                        action.contributors,
-                    )
-                )
-                every = self.config.eval_every_updates
-                if (
-                    every is not None
-                    and self.eval_sets is not None
-                    and action.version % every == 0
-                ):
-                    self._evaluate()
-                if (
-                    self.config.max_updates is not None
-                    and action.version >= self.config.max_updates
-                ):
-                    self.stop = True
-            elif kind is Wait:
-                w = self.by_id[action.worker_id]
-                if w.server_wait_since is None:
-                    w.server_wait_since = now
-            elif kind is Release:
-                self._close_server_wait(self.by_id[action.worker_id])
-            elif kind is ForcePull:
-                w = self.by_id[action.worker_id]
-                self.schedule(now + w.latency, self._force_arrive, w, w.session)
-            elif kind is Drop:
-                w = self.by_id[action.worker_id]
-                self._close_server_wait(w)
-                self.errors.append(f"worker {w.id!r} dropped: {action.reason}")
-                self.schedule(now + w.latency, self._dropped_arrive, w, w.session)
-            elif kind is StageChanged:
-                self.stage = action.stage
-            elif kind is PlanChanged:
-                self._apply_plan(action.plan)
-            elif kind is not PushAck:
-                raise TypeError(f"unexpected action {action!r}")
-        deadline = core.next_deadline()
+        deadline = self.core.next_deadline()
         if (
             deadline is not None
             and deadline > self.ticked_at
@@ -381,6 +335,72 @@ class _ServerSide:
         ):
             self.tick_at = deadline
             self.schedule(max(deadline, now), self._tick)
+
+    def _on_send_params(self, action: SendParams) -> None:
+        now, core = self.now, self.core
+        w = self.by_id[action.worker_id]
+        if self.leaves_version != action.version:
+            if self.deferring and self.deferring.deferred_applies:
+                self.version_leaves = self.deferred[action.version] = DeferredLeaves(
+                    action.version
+                )
+            else:
+                self.version_leaves = self.engine.version_leaves(core.params)
+            self.leaves_version = action.version
+        self.sends.append(
+            SendRecord(now, w.id, action.version, core.clock(w.id), core.min_clock)
+        )
+        arrival = self._send_down(w, self.pull_bytes)
+        self.schedule(
+            arrival,
+            self._params_arrive,
+            w,
+            w.session,
+            self.version_leaves,
+            action.version,
+            action.local_steps,
+        )
+
+    def _on_applied(self, action: Applied) -> None:
+        self.applies.append(
+            ApplyRecord(
+                self.now,
+                action.version,
+                action.num_updates,
+                action.staleness,
+                action.contributors,
+            )
+        )
+        every = self.config.eval_every_updates
+        if (
+            every is not None
+            and self.eval_sets is not None
+            and action.version % every == 0
+        ):
+            self._evaluate()
+        if (
+            self.config.max_updates is not None
+            and action.version >= self.config.max_updates
+        ):
+            self.stop = True
+
+    def _on_wait(self, action: Wait) -> None:
+        w = self.by_id[action.worker_id]
+        if w.server_wait_since is None:
+            w.server_wait_since = self.now
+
+    def _on_force_pull(self, action: ForcePull) -> None:
+        w = self.by_id[action.worker_id]
+        self.schedule(self.now + w.latency, self._force_arrive, w, w.session)
+
+    def _on_drop(self, action: Drop) -> None:
+        w = self.by_id[action.worker_id]
+        self._close_server_wait(w)
+        self.errors.append(f"worker {w.id!r} dropped: {action.reason}")
+        self.schedule(self.now + w.latency, self._dropped_arrive, w, w.session)
+
+    def _on_stage_changed(self, action: StageChanged) -> None:
+        self.stage = action.stage
 
     def _close_server_wait(self, w: _Worker) -> None:
         if w.server_wait_since is not None:
