@@ -5,7 +5,8 @@ flags: a field whose metadata has a ``help`` is a flag of that name, its type
 read from the field's annotation (``int | None`` is an ``int`` flag), its
 default the field's. The metadata may also give:
 
-* ``flag``: the flag's name, where it is not ``--<field>``; a ``bool`` field
+* ``flag``: the flag's name, where it is not ``--<field>`` (a name without
+  dashes is a positional argument, required); a ``bool`` field
   whose default is ``True`` is turned off by its flag (``--ignore_hints``,
   ``--no_error_feedback``), and needs one (``--no_<field>``, the one
   negation style of hpsjax's commands), unless its ``action`` is
@@ -56,6 +57,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import re
 import sys
 import types
 import typing
@@ -64,7 +66,14 @@ from typing import Any
 
 from hpsjax._flags import add_key_value_flag
 
-__all__ = ["add_flags", "argv_of", "config_kwargs", "flag_fields", "to_argv"]
+__all__ = [
+    "add_flags",
+    "argv_of",
+    "config_kwargs",
+    "flag_fields",
+    "flag_message",
+    "to_argv",
+]
 
 _SCALARS = (bool, int, float, str)
 
@@ -138,6 +147,9 @@ def _add_flag(
         )
         return
     kind = meta.get("type") or _scalar(annotation)
+    if not flag.startswith("-"):
+        target.add_argument(flag, type=kind, help=meta["help"], **extra)
+        return
     if kind is bool:
         if field.default is True and "flag" not in meta:
             raise TypeError(f"{cls.__name__}.{field.name}: a flag that turns it off")
@@ -191,6 +203,39 @@ def config_kwargs(cls: type, args: argparse.Namespace) -> dict[str, Any]:
             value = dict(value)  # NAME=VALUE pairs, the last of a name kept
         kwargs[field.name] = value
     return kwargs
+
+
+# A check's message names a field where a clause opens: "bits must be ...".
+_FIELD_NAMED = re.compile(r"(^|: |; )([a-z_][a-z0-9_]*)(?= must | needs |: )")
+
+
+def flag_message(
+    message: str, *classes: type, names: Mapping[str, str] | None = None
+) -> str:
+    """A configuration check's ``message`` as a command's user reads it: each
+    field it names (``bits must be ...``) written as its flag (``--bits``),
+    ``names`` adding others (``{"num_workers": "--workers"}``), and Python's
+    ``None`` left out of the valid values.
+
+    Examples:
+      >>> import dataclasses
+      >>> @dataclasses.dataclass(frozen=True)
+      ... class Config:
+      ...     max_steps: int | None = dataclasses.field(
+      ...         default=None, metadata={"help": "rounds", "flag": "--steps"})
+      >>> flag_message("max_steps must be an int >= 1 or None, got 0.", Config)
+      '--steps must be an int >= 1, got 0.'
+    """
+    flags = {}
+    for cls in classes:
+        for field, flag, _ in flag_fields(cls):
+            flags.setdefault(field.name, flag)
+    flags.update(names or {})
+
+    def named(match: re.Match) -> str:
+        return match.group(1) + flags.get(match.group(2), match.group(2))
+
+    return _FIELD_NAMED.sub(named, message).replace(" or None", "")
 
 
 def _turns_off(field: dataclasses.Field) -> bool:
@@ -257,6 +302,8 @@ def _field_argv(field: dataclasses.Field, flag: str, value: Any) -> list[str]:
         # turning the field off).
         negated = "action" in field.metadata and not value
         return ["--no-" + flag.removeprefix("--") if negated else flag]
+    if not flag.startswith("-"):
+        return [field.metadata.get("format", str)(value)]  # positional
     if field.metadata.get("action") == "append":
         argv = []
         for item in value:

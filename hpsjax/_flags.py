@@ -8,7 +8,21 @@ import json
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-__all__ = ["HelpFormatter", "add_key_value_flag", "check_kwargs", "key_value"]
+__all__ = [
+    "ArgumentParser",
+    "HelpFormatter",
+    "add_key_value_flag",
+    "check_kwargs",
+    "key_value",
+]
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse's parser whose mistakes are one line on stderr, exit status 2:
+    ``PROG: argument --port: invalid int value: 'abc' (see PROG --help)``."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):

@@ -25,7 +25,7 @@ module's own in place.
 
 from __future__ import annotations
 
-import argparse
+import dataclasses
 import os
 import pathlib
 import re
@@ -38,6 +38,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from hpsjax._config_flags import add_flags, config_kwargs
+from hpsjax._flags import ArgumentParser
 from hpsjax.models import load_params_npz, save_params_npz
 from hpsjax.storage import (
     SERVER_CHECKPOINT_FORMAT,
@@ -244,20 +246,33 @@ def load_params(model: Any, params: str | os.PathLike | Mapping[str, Any]) -> An
     return model
 
 
+@dataclasses.dataclass(frozen=True)
+class ExportOptions:
+    """``python -m hpsjax.export``'s arguments, one field each."""
+
+    checkpoint_dir: str = dataclasses.field(
+        default="",
+        metadata={"help": "the server's --checkpoint_dir", "flag": "checkpoint_dir"},
+    )
+    out: str = dataclasses.field(
+        default="", metadata={"help": "the .npz file to write", "flag": "out"}
+    )
+    step: int | None = dataclasses.field(
+        default=None,
+        metadata={"help": "the checkpoint to export (default: the newest)"},
+    )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m hpsjax.export CKPT_DIR OUT.npz``; returns the exit status."""
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="python -m hpsjax.export",
         description="Write the parameters of an hpsjax server's checkpoint "
         "directory to an .npz file (the --init format; load them into your "
         "flax module with hpsjax.export.load_params).",
     )
-    parser.add_argument("checkpoint_dir", help="the server's --checkpoint_dir")
-    parser.add_argument("out", help="the .npz file to write")
-    parser.add_argument(
-        "--step", type=int, help="the checkpoint to export (default: the newest)"
-    )
-    args = parser.parse_args(argv)
+    add_flags(parser, ExportOptions)
+    args = ExportOptions(**config_kwargs(ExportOptions, parser.parse_args(argv)))
     try:
         check_export_path(args.out)
         params, steps = checkpoint_params(args.checkpoint_dir, step=args.step)

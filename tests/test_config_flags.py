@@ -65,7 +65,7 @@ def test_a_bad_flag_value_is_one_line_from_the_configuration(capsys):
     argv = ["--port", "1", "--reconnect_timeout", "-1"]
     assert worker_cli.main(argv) == 2
     lines = capsys.readouterr().err.strip().splitlines()
-    assert lines == ["hpsjax-worker: reconnect_timeout must be >= 0, got -1.0."]
+    assert lines == ["hpsjax-worker: --reconnect_timeout must be >= 0, got -1.0."]
 
 
 def test_every_server_flag_is_a_field_of_its_options():

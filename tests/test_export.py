@@ -221,3 +221,15 @@ def test_load_params_names_the_first_misfit():
     shifted = jax.tree.map(lambda x: x + 1, params)
     export.load_params(model, shifted)
     _assert_equal_trees(jax.tree.map(np.asarray, models.split_model(model)[1]), shifted)
+
+
+def test_the_export_command_line_is_made_from_its_options():
+    from hpsjax._config_flags import to_argv
+    from hpsjax.export import ExportOptions
+
+    argv = to_argv(ExportOptions("ckpt", "out.npz", step=3))
+    assert argv == ["ckpt", "out.npz", "--step", "3"]
+    # The command refuses a missing argument in one line, exit 2.
+    with pytest.raises(SystemExit) as info:
+        export.main(["ckpt"])
+    assert info.value.code == 2

@@ -99,7 +99,9 @@ def get_dataset(name: str, **kwargs: Any) -> Dataset:
       ValueError: dataset 'npz' needs path=...: the .npz file to read
     """
     if name not in DATASETS:
-        raise ValueError(f"unknown dataset {name!r}; valid names: {sorted(DATASETS)}")
+        raise ValueError(
+            f"unknown dataset {name!r}; valid names: {', '.join(sorted(DATASETS))}"
+        )
     loader = DATASETS[name]
     params = inspect.signature(loader).parameters
     valid = [

@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import shlex
 import signal
 import sys
 from collections.abc import Sequence
 
-from hpsjax._config_flags import add_flags, argv_of
-from hpsjax._flags import HelpFormatter
+from hpsjax._config_flags import add_flags, argv_of, flag_message
+from hpsjax._flags import ArgumentParser, HelpFormatter
 from hpsjax._logs import quiet_backend_probe
 from hpsjax.config import get_scheme
 from hpsjax.launch import _ray
@@ -26,6 +27,36 @@ _GROUPS = {
     "run": "run",
     "backend": "backend",
 }
+
+
+# The names launch() checks its arguments under, as the flags that give them.
+_CHECKED_AS = {
+    "num_workers": "--workers",
+    "worker_args": "--",
+    "server_args": "--server",
+}
+
+
+# Seconds between worker 0's evaluations when the launcher turns them on.
+EVAL_EVERY_S = 60.0
+
+
+def default_eval(
+    evaluate: bool, worker_args: Sequence[str], per_worker: dict[int, list[str]]
+) -> bool:
+    """Turns on worker 0's evaluation (``--eval_every``) where the run holds
+    test data out and no flag says otherwise; returns whether it did."""
+    given = [*worker_args, *(a for flags in per_worker.values() for a in flags)]
+    if not evaluate or any(a.startswith("--eval_every") for a in given):
+        return False
+    for i, arg in enumerate(given):
+        if arg.startswith("--test_fraction"):
+            value = arg.partition("=")[2] or "".join(given[i + 1 : i + 2])
+            with contextlib.suppress(ValueError):
+                if float(value) == 0:
+                    return False  # no test data
+    per_worker.setdefault(0, []).extend(argv_of(WorkerCommand, eval_every=EVAL_EVERY_S))
+    return True
 
 
 def _split_argv(argv: Sequence[str]) -> tuple[list[str], list[str], list[str]]:
@@ -44,7 +75,7 @@ def _split_argv(argv: Sequence[str]) -> tuple[list[str], list[str], list[str]]:
 
 def parse_args(own: Sequence[str]) -> argparse.Namespace:
     """Parses the launcher's own flags, made from :class:`LaunchOptions`."""
-    p = argparse.ArgumentParser(
+    p = ArgumentParser(
         prog="hpsjax-launch",
         formatter_class=HelpFormatter,
         description="Run a parameter server and N workers on this machine.",
@@ -78,11 +109,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         scheme = get_scheme(args.policy)
         plan = args.plan if args.plan is not None else scheme.plan
         if scheme.policy != args.policy.lower() or scheme.worker_flags:
-            print(f"hpsjax.launch: {scheme.describe(args.policy)}", flush=True)
+            print(f"hpsjax-launch: {scheme.describe(args.policy)}", flush=True)
         given = {k: v for k, v in (("task", args.task), ("model", args.model)) if v}
         worker_args = [*argv_of(WorkerCommand, **given), *worker_args]
         for index, text in args.worker_flags:
             per_worker.setdefault(int(index), []).extend(shlex.split(text))
+        if default_eval(not args.no_eval, worker_args, per_worker):
+            print(
+                f"hpsjax-launch: worker 0 evaluates every {EVAL_EVERY_S:g} s and "
+                "at its end (--no_eval: no evaluation)",
+                flush=True,
+            )
         backend = _ray.backend_from_flags(args) or functools.partial(
             launch, max_restarts=args.max_restarts or 0
         )
@@ -104,7 +141,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             progress=not args.no_progress,
         )
     except (LaunchError, ValueError) as e:
-        print(f"hpsjax.launch: {e}", file=sys.stderr)
+        message = flag_message(str(e), LaunchOptions, names=_CHECKED_AS)
+        print(f"hpsjax-launch: {message}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130

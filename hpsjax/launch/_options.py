@@ -101,6 +101,14 @@ class LaunchOptions:
         aliases=("--timeout",),
     )
     progress: bool = _flag(True, "no progress bar", "run", flag="--no_progress")
+    evaluate: bool = _flag(
+        True,
+        "no evaluation: by default worker 0 evaluates the pulled parameters on "
+        "the held-out split (--test_fraction) every 60 s and at its end, "
+        "unless the worker flags give --eval_every",
+        "run",
+        flag="--no_eval",
+    )
     backend: str = _flag(
         "local",
         "local: processes on this machine; ray: actors placed by Ray",

@@ -3,17 +3,21 @@ directory (secret, initial parameters) and the profiling pass with its plan."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import io
 import os
 import pathlib
 import secrets
+import sys
+import tempfile
 import time
 from collections.abc import Mapping, Sequence
 
 from hpsjax import profiling
 from hpsjax._checks import check_int, check_positive
 from hpsjax._compile_cache import cache_dir_for, cache_env
-from hpsjax._config_flags import argv_of
+from hpsjax._config_flags import argv_of, flag_message
 from hpsjax.config import RunConfig, get_scheme, parse_server, parse_worker
 from hpsjax.decisions import DEFAULT_POLICY
 from hpsjax.launch._job import (
@@ -57,7 +61,7 @@ def check_launch(
     if plan is not None and plan not in profiling.SCHEMES:
         raise LaunchError(f"unknown plan scheme {plan!r}; valid: {profiling.SCHEMES}")
     if replan is not None and (plan is None or not replan > 0):
-        raise LaunchError(f"replan needs a plan and a threshold > 0, got {replan!r}")
+        raise LaunchError(f"replan needs --plan and a value > 0, got {replan!r}")
     if split_leaves and server_shards == 1:
         raise LaunchError("split_leaves needs server_shards > 1")
     try:
@@ -79,6 +83,34 @@ def check_launch(
     return flags, shared
 
 
+def with_export(
+    server_args: Sequence[str], kept: bool, server_shards: int
+) -> tuple[list[str], pathlib.Path | None]:
+    """Without a work directory that is kept, the server exports its final
+    parameters (``--export_params``) to a file of the system's temporary
+    directory, unless its flags name one (or it is sharded); returns the
+    server's flags and that file (or ``None``)."""
+    server_args = [str(a) for a in server_args]
+    named = any(a.startswith("--export_params") for a in server_args)
+    if kept or server_shards > 1 or named:
+        return server_args, None
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    path = (
+        pathlib.Path(tempfile.gettempdir()) / f"hpsjax-params-{stamp}-{os.getpid()}.npz"
+    )
+    return [*server_args, *argv_of(ServerOptions, export_params=str(path))], path
+
+
+def not_kept(params: pathlib.Path | None) -> str:
+    """What a launch without a work directory kept, for its last line."""
+    if params is not None and params.is_file():
+        return (
+            f"no --workdir: final parameters in {params} "
+            "(hpsjax.export.load_params reads them)"
+        )
+    return "no --workdir: metrics not kept"
+
+
 def _check_flags(
     num_workers: int,
     shared: list[str],
@@ -90,6 +122,33 @@ def _check_flags(
     """Reads the workers' and the server's flags as the processes will, the
     launcher's own added, so that a bad one stops the launch before anything
     starts."""
+    said = io.StringIO()  # the parsers' lines: a refusal, deprecated names
+    try:
+        with contextlib.redirect_stderr(said):
+            _parse_flags(
+                num_workers, shared, flags, server_args, server_shards, split_leaves
+            )
+    except SystemExit:
+        refusal = "".join(said.getvalue().strip().splitlines()[-1:])
+        what = "server" if refusal.startswith("hpsjax-server") else "worker"
+        raise LaunchError(f"bad {what} flags: {refusal}") from None
+    sys.stderr.write(said.getvalue())
+
+
+def _parse_flags(
+    num_workers: int,
+    shared: list[str],
+    flags: list[list[str]],
+    server_args: Sequence[str],
+    server_shards: int,
+    split_leaves: bool,
+) -> None:
+    """Parses every process's flags (see :func:`_check_flags`).
+
+    Raises:
+      LaunchError: a bad setting, in one line naming its flag.
+      SystemExit: a flag a command does not take (the parser said which).
+    """
     workers = []
     what = "worker"
     try:
@@ -115,10 +174,13 @@ def _check_flags(
         )
         what = "worker"
         RunConfig(workers=tuple(workers), server=server)
-    except SystemExit:
-        raise LaunchError(f"bad {what} flags (see the message above)") from None
     except ValueError as e:
-        raise LaunchError(f"bad {what} flags: {e}") from None
+        classes = (
+            (ServerOptions,) if what == "server" else (WorkerCommand, WorkerConfig)
+        )
+        raise LaunchError(
+            f"bad {what} flags: {flag_message(str(e), *classes)}"
+        ) from None
 
 
 def _worker_flags(

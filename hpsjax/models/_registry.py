@@ -129,7 +129,9 @@ def get_model(
         arguments.
     """
     if name not in MODELS:
-        raise ValueError(f"unknown model {name!r}; valid names: {sorted(MODELS)}")
+        raise ValueError(
+            f"unknown model {name!r}; valid names: {', '.join(sorted(MODELS))}"
+        )
     return MODELS[name](tuple(input_shape), num_classes, rngs=nnx.Rngs(seed), **kwargs)
 
 
@@ -214,7 +216,7 @@ def resolve_model(
     if ":" not in spec:
         if spec not in MODELS:
             raise ValueError(
-                f"unknown model {spec!r}; valid names: {sorted(MODELS)} or "
+                f"unknown model {spec!r}; valid names: {', '.join(sorted(MODELS))} or "
                 "'package.module:factory'"
             )
         if input_shape is None or num_classes is None:

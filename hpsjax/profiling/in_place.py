@@ -16,12 +16,14 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
+from hpsjax._config_flags import config_kwargs, flag_message
 from hpsjax._logs import quiet_backend_probe
 from hpsjax.profiling._worker_profile import (
     add_link,
     profile_in_place,
     write_worker_profile,
 )
+from hpsjax.worker import WorkerConfig
 from hpsjax.worker._build import JoinError
 from hpsjax.worker._cli import parse_args
 
@@ -30,18 +32,19 @@ __all__ = ["add_link", "main", "profile_in_place"]
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m hpsjax.profiling.in_place``; returns the exit status."""
-    args = parse_args(argv)
+    args = parse_args(argv, prog="python -m hpsjax.profiling.in_place")
     quiet_backend_probe()
     if args.profile_out is None:
         print("hpsjax-profile: --profile_out is required", file=sys.stderr)
         return 2
     try:
+        WorkerConfig(**config_kwargs(WorkerConfig, args))  # checked before measuring
         line = write_worker_profile(args)
     except JoinError as e:
         print(f"hpsjax-profile: {e}", file=sys.stderr)
         return 1
     except (ValueError, OSError) as e:
-        print(f"hpsjax-profile: {e}", file=sys.stderr)
+        print(f"hpsjax-profile: {flag_message(str(e), WorkerConfig)}", file=sys.stderr)
         return 2
     print(f"hpsjax-profile: {line}", flush=True)
     return 0

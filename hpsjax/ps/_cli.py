@@ -85,8 +85,9 @@ import numpy as np
 import numpy.lib.format as npy_format
 
 from hpsjax import data, models
-from hpsjax._config_flags import add_flags, config_kwargs
+from hpsjax._config_flags import add_flags, config_kwargs, flag_message
 from hpsjax._devices import resolve_device
+from hpsjax._flags import ArgumentParser
 from hpsjax._logs import setup_logging
 from hpsjax._npz import check_params_file, nest_named_arrays
 from hpsjax._optimizers import make_optimizer
@@ -311,7 +312,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     (:mod:`hpsjax._config_flags`); :func:`server_options` checks the result
     and makes it the configuration.
     """
-    p = argparse.ArgumentParser(
+    p = ArgumentParser(
         prog="hpsjax-server",
         description="Run an hpsjax parameter server.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
@@ -611,7 +612,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         options = server_options(parse_args(argv))
     except ValueError as e:
-        print(f"hpsjax-server: {e}", file=sys.stderr)
+        print(f"hpsjax-server: {flag_message(str(e), ServerOptions)}", file=sys.stderr)
         return 2
     if options.malloc_tuning:
         keep_freed_memory()
@@ -633,7 +634,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         runner(serve(options))
     except (ValueError, OSError) as e:
-        print(f"hpsjax-server: {e}", file=sys.stderr)
+        print(f"hpsjax-server: {flag_message(str(e), ServerOptions)}", file=sys.stderr)
         return 2
     return 0
 

@@ -77,8 +77,8 @@ import jax
 from hpsjax import tasks
 from hpsjax._checks import check_int
 from hpsjax._compile_cache import use_compile_cache
-from hpsjax._config_flags import add_flags
-from hpsjax._flags import HelpFormatter
+from hpsjax._config_flags import add_flags, flag_message
+from hpsjax._flags import ArgumentParser, HelpFormatter
 from hpsjax._logs import setup_logging
 from hpsjax.metrics import MetricsWriter, RoundMetrics
 from hpsjax.profiling._worker_profile import (
@@ -141,16 +141,19 @@ _GROUPS = {
 }
 
 
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    """Parses the command line (see the module docstring).
+def parse_args(
+    argv: Sequence[str] | None = None, *, prog: str = "hpsjax-worker"
+) -> argparse.Namespace:
+    """Parses the command line (see the module docstring); ``prog`` is the
+    command's name in its help and messages.
 
     The flags are made from the fields of :class:`~hpsjax.worker.WorkerConfig`
     (``--local_steps``, ``--overlap``, ``--ignore_hints``, ...) and of
     :class:`WorkerCommand` (the command's own: ``--port``, ``--model``, ...),
     by :mod:`hpsjax._config_flags`.
     """
-    p = argparse.ArgumentParser(
-        prog="hpsjax-worker",
+    p = ArgumentParser(
+        prog=prog,
         description="Run an hpsjax training worker.",
         formatter_class=HelpFormatter,
     )
@@ -451,7 +454,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if opens_later is not None:
             opens_later.sink = sink
     except (ValueError, OSError) as e:
-        print(f"hpsjax-worker: {e}", file=sys.stderr)
+        message = flag_message(str(e), WorkerCommand, WorkerConfig)
+        print(f"hpsjax-worker: {message}", file=sys.stderr)
         return 2
     runner = asyncio.run
     if args.loop in ("auto", "uvloop"):

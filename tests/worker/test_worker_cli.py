@@ -399,7 +399,7 @@ def test_an_unknown_overlap_is_one_line_naming_the_modes(capsys):
             "--bits encodes whole arrays, but with --split_leaves the shards cut "
             "some by rows: drop one of the two",
         ),
-        (["--port", "1", "--powersgd_rank", "0"], "powersgd_rank must be"),
+        (["--port", "1", "--powersgd_rank", "0"], "--powersgd_rank must be"),
         (
             ["--servers", "127.0.0.1:1,127.0.0.1:2", "--split_leaves",
              "--work_plan", "{plan}", "--compress_from_stage", "1"],
