@@ -31,7 +31,6 @@ KNOWN = {
     ("hpsjax/launch/_cli.py", "main"): 114,
     ("hpsjax/launch/_local.py", "launch"): 98,
     ("hpsjax/transforms/_stages.py", "hybrid_stages.update_fn"): 86,
-    ("hpsjax/decisions/_core.py", "ServerCore.push_message"): 82,
 }
 
 

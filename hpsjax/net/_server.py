@@ -6,8 +6,12 @@ validated request into an event of :class:`~hpsjax.ps.ServerCore`: the first
 ``PULL`` of a connection joins its worker, ``PULL`` pulls, ``PUSH`` pushes, a
 closed connection leaves, and a timer ticks the core at ``core.next_deadline()``.
 It then carries out the actions the core returns (send parameters, acknowledge,
-notify, drop) on the right connections. All decisions (versions, staleness, who
-waits, what is applied, deadlines) are the core's.
+notify, drop, start an apply, save) on the right connections, through the
+:class:`~hpsjax.decisions.ActionInterpreter` the simulator shares. All decisions
+(versions, staleness, who waits, what is applied, deadlines) are the core's.
+:class:`Server` is composed of its parts, each its own module: connections
+(:mod:`~hpsjax.net._session`), pushes (``_server_pushes``), actions
+(``_server_actions``) and checkpoints (``_server_checkpoints``).
 
 Guarantees:
 
@@ -33,97 +37,68 @@ TLS is available through ``ssl=ssl.SSLContext(...)``.
 from __future__ import annotations
 
 import asyncio
-import collections
 import concurrent.futures
 import contextlib
-import dataclasses
-import functools
-import ipaddress
 import logging
 import math
 import os
 import ssl as ssl_lib
-import time
 from collections.abc import Mapping
 from typing import Any
 
 import jax
-import numpy as np
 import optax
 
 from hpsjax._checks import check_int, check_number, check_positive
 from hpsjax._devices import describe_device, resolve_device
 from hpsjax._logs import Every
 from hpsjax._progress import Progress
-from hpsjax.apply import LeafApply, OverlapAggregator
+from hpsjax.apply import OverlapAggregator
 from hpsjax.decisions import (
     DEFAULT_POLICY,
-    ActionInterpreter,
-    Applied,
-    Drop,
-    ForcePull,
-    PlanChanged,
-    PushAck,
-    PushBegun,
-    Release,
     ReplannerProtocol,
-    SaveCheckpoint,
-    SendParams,
     ServerCore,
-    StageChanged,
     StageSet,
-    StartApply,
     Tick,
-    Wait,
     WorkerJoined,
-    WorkerLeft,
     WorkerPulled,
-    WorkerPushed,
 )
 from hpsjax.net import _auth
-from hpsjax.net._connection import FrameProtocol, error_frame
-from hpsjax.storage import (
-    SERVER_CHECKPOINT_FORMAT,
-    SERVER_CHECKPOINT_FORMAT_VERSION,
-    CheckpointManager,
+from hpsjax.net._connection import error_frame
+from hpsjax.net._server_actions import ServerActions
+from hpsjax.net._server_checkpoints import ServerCheckpoints
+from hpsjax.net._server_pushes import ServerPushes
+from hpsjax.net._session import (
+    ServerSessions,
+    Session,
+    describe_plan,
+    is_loopback,
+    live_workers,
+    on_device,
+    plan_hint,
 )
+from hpsjax.storage import CheckpointManager
 from hpsjax.wire import (
     DEFAULT_LIMITS,
-    AuthError,
     BufferPool,
     DecoderCache,
-    ForcePullNotice,
     Frame,
     FrameError,
-    Header,
     HpsError,
-    InfoMessage,
     LayoutCache,
-    MalformedMetadata,
     MsgType,
-    NonFiniteUpdate,
-    Notice,
-    PackedFields,
     PlanNotice,
     PreparedFrame,
     ProtocolError,
-    PushMeta,
-    ServerError,
     ShuttingDown,
-    StageNotice,
     Subscribe,
     Subscribed,
     UnexpectedMessage,
     WireLimits,
-    WireTree,
-    WorkerDropped,
     check_same_spec,
     encode_frame,
     flatten_tree,
-    leaf_buffers,
-    notice_to_wire,
     pack_fields,
-    prepare_frame,
     tree_to_wire,
 )
 
@@ -131,119 +106,17 @@ __all__ = ["Server", "is_loopback"]
 
 logger = logging.getLogger(__name__)
 
-# Until a connection has authenticated, its frames are small handshake messages:
-# nothing larger is read, so a stranger cannot make the server allocate much.
-_HANDSHAKE_LIMITS = WireLimits(max_message_bytes=4096, max_metadata_bytes=4096)
 
 # Least seconds between two "checkpoint written" lines at INFO (the others
 # at DEBUG), and between two lines about refused non-finite updates.
 _CHECKPOINT_LOG_EVERY_S = 60.0
 _NONFINITE_LOG_EVERY_S = 10.0
-# A pull answered within this many seconds is not said to have been held: its
-# answer is the version's cached frame (workers count it as 0).
-_HELD_REPORTED_S = 1e-3
 
 # What a client's BYE says when it simply ends its run.
 _CLEAN_BYE = "client closing"
 
 # Frames a client may send under request id 0: they expect no reply.
 _NOTICE_TYPES = frozenset({MsgType.ERROR, MsgType.BYE})
-
-# Fields of a PUSH besides the tree, with the types the core accepts.
-# Decoders of quantized pushes of big models are compiled here, one at a time,
-# while numpy decodes the pushes that arrive meanwhile (see DecoderCache).
-_COMPILER = concurrent.futures.ThreadPoolExecutor(
-    max_workers=1, thread_name_prefix="hpsjax-server-compile"
-)
-
-
-def is_loopback(host: str | None) -> bool:
-    if host in (None, ""):
-        return False
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
-def _on_device(method):
-    """Runs a method of :class:`Server` with the server's device as JAX's
-    default, so arrays the core makes there (buffers, scalars, a resumed
-    state) and the steps it compiles stay on that device whatever the
-    process's default is (JAX's default device is set per thread and
-    context, so each entry from the event loop or a thread sets it). Where the
-    server's device is the process's default (``hpsjax-server`` on the host),
-    nothing needs setting: a microsecond saved on every frame."""
-
-    @functools.wraps(method)
-    def placed(self, *args, **kwargs):
-        if self._device_is_default:
-            return method(self, *args, **kwargs)
-        with jax.default_device(self._device):
-            return method(self, *args, **kwargs)
-
-    return placed
-
-
-def _live_workers(count: int) -> str:
-    return f"{count} live worker" + ("" if count == 1 else "s")
-
-
-def _describe_plan(plan: PlanNotice) -> str:
-    """A plan notice in words, for the log (its fields that are set)."""
-    parts = [
-        f"{name} {value:g}" if isinstance(value, float) else f"{name} {value}"
-        for name, value in (
-            ("batch", plan.batch_size),
-            ("local steps", plan.local_steps),
-            ("step-size scale", plan.lr_scale),
-        )
-        if value is not None
-    ]
-    return f"plan revision {plan.revision}: {', '.join(parts) or 'no change'}"
-
-
-def _plan_hint(entry: Any, revision: int) -> PlanNotice:
-    """A ``WorkerPlan`` as the plan a worker receives (see :meth:`send_plan`)."""
-    return PlanNotice(
-        revision=int(revision),
-        batch_size=int(entry.batch_size),
-        device_batches=tuple(int(d.batch_size) for d in entry.devices),
-        local_steps=int(entry.local_steps),
-        lr_scale=float(entry.lr_scale),
-    )
-
-
-@dataclasses.dataclass(eq=False)
-class _Session:
-    """One connection: its handshake state and its requests waiting on the core."""
-
-    protocol: FrameProtocol
-    peer: str
-    handshake: _auth.Handshake
-    closed: bool = False
-    joined: bool = False
-    # Requests answered by the core's next SendParams for this worker, in
-    # order: (request id, push acknowledgement to embed or None).
-    pulls: collections.deque = dataclasses.field(default_factory=collections.deque)
-    subscribed: bool = False
-    sub_dirty: bool = False
-    sub_task: asyncio.Task | None = None
-    handshake_timer: asyncio.TimerHandle | None = None
-    # The apply of the push being received, fed leaf by leaf (or None).
-    overlap: LeafApply | None = None
-
-    @property
-    def state(self) -> str:
-        """hello -> auth -> ready -> closed."""
-        return "closed" if self.closed else self.handshake.state.value
-
-    @property
-    def worker_id(self) -> Any:
-        """The worker's id, once its HELLO is in (else ``None``)."""
-        return self.handshake.worker_id
 
 
 def _check_server_args(
@@ -281,7 +154,7 @@ def _check_server_args(
         )
 
 
-class Server:
+class Server(ServerSessions, ServerPushes, ServerActions, ServerCheckpoints):
     r"""An asyncio TCP parameter server for one model.
 
     Args:
@@ -449,7 +322,7 @@ class Server:
         self._handshake_timeout = handshake_timeout
         self._check_finite = bool(check_finite)
         # The session whose push is being applied as it arrives, if any.
-        self._overlap_owner: _Session | None = None
+        self._overlap_owner: Session | None = None
         # Pushes at least this big are applied as they arrive (math.inf: none).
         self._overlap_min_bytes = (
             math.inf if overlap_apply_bytes is None else overlap_apply_bytes
@@ -479,13 +352,13 @@ class Server:
             [(s.shape, s.dtype.name) for s in self._model.leaves], size=8
         )
         self._compiling: set[Any] = set()  # codecs whose decoder is compiling
-        self._sessions: dict[Any, _Session] = {}
+        self._sessions: dict[Any, Session] = {}
         self._plans: dict[Any, PlanNotice] = {}
         if replanner is not None:
             work_plan = replanner.plan
             for entry in work_plan.workers:
-                self._plans[entry.worker_id] = _plan_hint(entry, work_plan.revision)
-        self._connections: set[_Session] = set()
+                self._plans[entry.worker_id] = plan_hint(entry, work_plan.revision)
+        self._connections: set[Session] = set()
         self._server: asyncio.AbstractServer | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._timer: asyncio.TimerHandle | None = None
@@ -563,7 +436,7 @@ class Server:
         """The device holding the parameters and optimizer state."""
         return self._device
 
-    @_on_device
+    @on_device
     def _call_on_device(self, fn, *args):
         """``fn(*args)`` with the server's device as the default (for threads)."""
         return fn(*args)
@@ -626,32 +499,6 @@ class Server:
             self._port,
             self._core.version,
         )
-
-    async def _decide_overlap(self) -> None:
-        """Whether pushes can be applied as they arrive, decided and logged once
-        (the separability test compiles, so off the event loop)."""
-        if self._model.nbytes < self._overlap_min_bytes:
-            return
-        aggregator = self._core.aggregator
-        if not aggregator.can_overlap:
-            self._overlap_min_bytes = math.inf
-            logger.info("applies: whole-tree (this core setup applies no push alone)")
-            return
-        steps = await self._loop.run_in_executor(
-            _COMPILER, self._call_on_device, lambda: aggregator.leaf_steps
-        )
-        if steps is None:
-            self._overlap_min_bytes = math.inf
-            logger.info(
-                "applies: whole-tree after each push's last byte (the optimizer "
-                "is not leaf-separable)"
-            )
-        else:
-            logger.info(
-                "applies: leaf by leaf as pushes of %d bytes or more arrive (the "
-                "optimizer is leaf-separable)",
-                self._overlap_min_bytes,
-            )
 
     async def serve_forever(self) -> None:
         """Waits until :meth:`close` is called (by another task or a signal).
@@ -732,7 +579,7 @@ class Server:
     async def __aexit__(self, *exc_info: Any) -> None:
         await self.close()
 
-    @_on_device
+    @on_device
     def set_stage(self, index: int) -> None:
         """Moves a staged policy (``"hybrid"``) to stage ``index``.
 
@@ -743,13 +590,6 @@ class Server:
         """
         self._carry_out(self._core.handle(StageSet(index, self._now())))
         self._rearm()
-
-    def _announce(self, notice: Notice, *, skip: Any = None) -> None:
-        """Sends ``notice`` to every authenticated worker but ``skip``."""
-        for session in self._connections:
-            if session.state == "ready" and session is not skip:
-                with contextlib.suppress(HpsError):
-                    self._notify(session, notice)
 
     def send_plan(self, worker_id: Any, plan: PlanNotice | Mapping[str, Any]) -> None:
         """Sends a worker a new work plan (H-PS re-planning), now or on joining.
@@ -781,98 +621,7 @@ class Server:
         replanner = self._core.replanner
         return None if replanner is None else replanner.plan
 
-    def _send_plans(self, change: PlanChanged) -> None:
-        """Hands every worker its entry of a revised plan (H-PS re-planning)."""
-        revised = change.plan
-        logger.info(
-            "re-planned (revision %d) after %s: batches %s",
-            revised.revision,
-            change.reason,
-            {entry.worker_id: entry.batch_size for entry in revised.workers},
-        )
-        for entry in revised.workers:
-            self.send_plan(entry.worker_id, _plan_hint(entry, revised.revision))
-
     # ---------------------------------------------------------- checkpoints
-
-    async def _resume(self) -> None:
-        like = (self._core.params, self._core.opt_state)
-        restored = await asyncio.to_thread(
-            self._call_on_device, lambda: self._manager.restore_latest(like=like)
-        )
-        if restored is None:
-            return
-        meta = restored.metadata or {}
-        if meta.get("format") != SERVER_CHECKPOINT_FORMAT:
-            raise ValueError(
-                f"{self._checkpoint_dir} holds checkpoints of another kind"
-            )
-        params, opt_state = restored.tree
-        with jax.default_device(self._device):
-            self._core.load_state_dict(meta["core"], params=params, opt_state=opt_state)
-        self._saved_version = self._core.version
-        self._resumed_from = restored.step
-        logger.info(
-            "resumed from checkpoint %s at version %d",
-            self._manager.directory / f"ckpt_{restored.step}",
-            self._core.version,
-        )
-
-    def _checkpoint_metadata(self) -> dict:
-        return {
-            "format": SERVER_CHECKPOINT_FORMAT,
-            "format_version": SERVER_CHECKPOINT_FORMAT_VERSION,
-            "core": self._core.state_dict(),
-        }
-
-    def _save_async(self) -> None:
-        """Hands a checkpoint of the current version to the manager's thread.
-
-        Parameters and optimizer state are immutable JAX arrays, so handing
-        their references to the thread is a consistent snapshot; the
-        bookkeeping is captured here, at the same moment. A save due while
-        another is written is folded into the next (``save_async``).
-        """
-        version = self._core.version
-        if self._manager is None or version == self._saved_version:
-            return
-        tree = (self._core.params, self._core.opt_state)
-        try:
-            future = self._manager.save_async(
-                version, tree, self._checkpoint_metadata(), snapshot=False
-            )
-        except RuntimeError:  # an earlier save failed: _note_save kept it
-            return
-        self._saved_version = version
-        if future not in self._checkpoint_futures:  # a folded save's is
-            self._checkpoint_futures = [
-                f for f in self._checkpoint_futures if not f.done()
-            ] + [future]
-            future.add_done_callback(self._note_save)
-
-    def _note_save(self, future: concurrent.futures.Future) -> None:
-        error = future.exception()
-        if error is not None:
-            logger.error("checkpoint save failed: %s", error)
-            self._checkpoint_error = error
-        else:
-            # At most one line a minute (every one at DEBUG), and the last.
-            show, held = self._checkpoint_lines.ready()
-            if show or self._closing:
-                more = f" ({held} more since the last line)" if held else ""
-                logger.info("checkpoint written: %s%s", future.result(), more)
-            else:
-                logger.debug("checkpoint written: %s", future.result())
-            if self._metrics is not None:
-                self._metrics.checkpoint_saved()
-
-    async def _finish_checkpoints(self) -> None:
-        self._save_async()
-        for future in self._checkpoint_futures:
-            with contextlib.suppress(Exception):  # recorded by _note_save
-                await asyncio.wrap_future(future)
-        with contextlib.suppress(RuntimeError):  # a failed save, kept above
-            await asyncio.to_thread(self._manager.close)
 
     def _scalar_state(self) -> dict[str, int]:
         return {"version": self._core.version, "live_workers": len(self._core.live)}
@@ -888,7 +637,7 @@ class Server:
             rate = (self._pushes - pushes) / max(now - t, 1e-9)
             shown = progress.update(
                 self._core.version,
-                notes=(f"{rate:.1f} pushes/s", _live_workers(len(self._core.live))),
+                notes=(f"{rate:.1f} pushes/s", live_workers(len(self._core.live))),
             )
             if shown is not None:
                 pushes, t = self._pushes, now
@@ -896,88 +645,13 @@ class Server:
                 scalars_at = now
                 self._metrics.write_scalars(self._scalar_state())
 
-    async def _checkpoint_loop(self) -> None:
-        while True:
-            await asyncio.sleep(self._checkpoint_every_s)
-            self._save_async()
-
     # ---------------------------------------------------------- connections
 
     def _now(self) -> float:
         return self._loop.time()
 
-    def _new_protocol(self) -> FrameProtocol:
-        session: _Session | None = None
-
-        def allocate(header: Header, meta: dict) -> tuple:
-            return self._allocate(session, header, meta)
-
-        protocol = FrameProtocol(
-            lambda event: self._on_event(session, event),
-            lambda error: self._on_lost(session, error),
-            limits=_HANDSHAKE_LIMITS,
-            allocate=allocate,
-            on_made=lambda: self._on_made(session),
-            on_filled=lambda payload, index: self._on_filled(session, payload, index),
-        )
-        session = _Session(
-            protocol=protocol, peer="?", handshake=_auth.Handshake.server(self._secret)
-        )
-        return protocol
-
-    def _on_made(self, session: _Session) -> None:
-        # Only connections that got this far (past TLS) are ever "lost", so
-        # only they are tracked.
-        peer = session.protocol.transport.get_extra_info("peername")
-        session.peer = str(peer)
-        if self._closing:
-            session.protocol.close()
-            return
-        self._connections.add(session)
-        session.handshake_timer = self._loop.call_later(
-            self._handshake_timeout, self._handshake_expired, session
-        )
-
-    def _handshake_expired(self, session: _Session) -> None:
-        if session.state != "ready":
-            session.protocol.fail(AuthError("handshake timed out"))
-
-    @_on_device
-    def _allocate(self, session: _Session, header: Header, meta: dict):
-        if session.state != "ready":
-            raise UnexpectedMessage(f"{header.msg_type.name} before authentication")
-        if header.msg_type not in (MsgType.PUSH, MsgType.PUSH_PULL):
-            raise UnexpectedMessage(f"clients do not send {header.msg_type.name}")
-        layout = self._layouts.get(meta)
-        if layout.nbytes != header.payload_length:
-            raise MalformedMetadata(
-                f"leaves hold {layout.nbytes} bytes, header says "
-                f"{header.payload_length}"
-            )
-        arrays, buffers = layout.receive_buffers(self._pool)
-        session.overlap = None
-        owner = self._overlap_owner
-        if (
-            layout.codec is None
-            and layout.nbytes >= self._overlap_min_bytes
-            # One at a time: pushes received side by side would apply on each
-            # other's parameters, and all but the first be done again.
-            and (owner is None or owner.overlap is None or owner.closed)
-        ):
-            self._carry_out(
-                self._core.handle(
-                    PushBegun(
-                        session.worker_id,
-                        meta.get("version"),
-                        meta.get("num_samples"),
-                        self._now(),
-                    )
-                )
-            )
-        return buffers, WireTree(layout, arrays)
-
-    @_on_device
-    def _on_event(self, session: _Session, event: Frame | FrameError) -> None:
+    @on_device
+    def _on_event(self, session: Session, event: Frame | FrameError) -> None:
         if self._closing:
             return
         request_id = event.request_id
@@ -1011,96 +685,11 @@ class Server:
         finally:
             self._rearm()
 
-    def _note_refused(self, session: _Session, error: BaseException) -> None:
-        """Says, in one line at most every few seconds, that a worker sent a
-        non-finite update (a diverging run), and counts it."""
-        if not isinstance(error, NonFiniteUpdate):
-            return
-        if self._metrics is not None:
-            self._metrics.nonfinite_update()
-        show, held = self._nonfinite_lines.ready()
-        if show:
-            more = f"; {held} more refused since the last line" if held else ""
-            logger.warning(
-                "worker %r sent a non-finite update at version %d (refused: %s%s)",
-                session.worker_id,
-                self._core.version,
-                error.message if isinstance(error, HpsError) else error,
-                more,
-            )
-
     # ---------------------------------------------------------- handshake
-
-    def _handshake(self, session: _Session, frame: Frame) -> None:
-        try:
-            msg_type, meta = session.handshake.receive(frame.msg_type, frame.metadata)
-        except HpsError as e:
-            if isinstance(e, AuthError):
-                logger.warning(
-                    "authentication failed for %r from %s",
-                    session.worker_id,
-                    session.peer,
-                )
-            session.protocol.fail(e, request_id=frame.request_id)
-            return
-        if session.handshake.ready:
-            session.protocol.decoder.limits = self._limits
-            if session.handshake_timer is not None:
-                session.handshake_timer.cancel()
-            old = self._sessions.get(session.worker_id)
-            if old is not None and old is not session:
-                if old.joined and not old.closed and old.worker_id in self._core.live:
-                    # Two workers under one id: refused, not taken for a
-                    # reconnect (a dead connection's worker is dropped first).
-                    session.protocol.fail(
-                        ServerError(
-                            f"worker id {session.worker_id!r} belongs to a live "
-                            "connected worker: give each worker its own --worker_id"
-                        ),
-                        request_id=frame.request_id,
-                    )
-                    return
-                self._replace(old)
-            self._sessions[session.worker_id] = session
-            meta = {**meta, "info": self._info()}
-            plan = self._plans.get(session.worker_id)
-            if plan is not None:
-                # Before the welcome, so the worker can compile its planned
-                # step before it joins a round.
-                self._notify(session, plan)
-        session.protocol.send(encode_frame(msg_type, frame.request_id, meta))
-
-    def _replace(self, old: _Session) -> None:
-        error = WorkerDropped("replaced by a newer connection of the same worker")
-        self._fail_pulls(old, error)
-        with contextlib.suppress(HpsError):
-            old.protocol.send(error_frame(0, error))
-        self._leave(old, "replaced", "by a newer connection of the same worker")
-        old.protocol.close()
-
-    def _info(self) -> dict[str, Any]:
-        policy = self._core.policy
-        limits = self._limits
-        return InfoMessage(
-            policy=getattr(policy, "name", type(policy).__name__),
-            version=self._core.version,
-            stage=int(self._core.stage or 0),
-            synchronous=bool(getattr(policy, "synchronous", False)),
-            spec=self._spec_meta,
-            limits={
-                "max_message_bytes": limits.max_message_bytes,
-                "max_metadata_bytes": limits.max_metadata_bytes,
-                "max_leaves": limits.max_leaves,
-                "max_depth": limits.max_depth,
-                "max_rank": limits.max_rank,
-                "dtypes": sorted(limits.dtypes),
-            },
-            workers=len(self._core.live),
-        ).to_wire()
 
     # ---------------------------------------------------------- requests
 
-    def _request(self, session: _Session, frame: Frame) -> None:
+    def _request(self, session: Session, frame: Frame) -> None:
         t = frame.msg_type
         rid = frame.request_id
         if t in (MsgType.PULL, MsgType.PUSH_PULL):
@@ -1144,7 +733,7 @@ class Server:
         else:
             raise UnexpectedMessage(f"clients do not send {t.name}")
 
-    def _pull(self, session: _Session) -> None:
+    def _pull(self, session: Session) -> None:
         now = self._now()
         if session.joined and session.worker_id in self._core.live:
             actions = self._core.handle(WorkerPulled(session.worker_id, now))
@@ -1162,398 +751,13 @@ class Server:
                 session.peer,
                 self._core.version,
                 len(self._core.live),
-                "" if plan is None else f"; sent its {_describe_plan(plan)}",
+                "" if plan is None else f"; sent its {describe_plan(plan)}",
             )
         self._carry_out(actions)
 
-    def _push(self, session: _Session, frame: Frame) -> None:
-        arrived = self._loop.time()
-        # The one place a push's fields are validated.
-        meta = PushMeta.from_wire(frame.metadata)
-        prepared, session.overlap = session.overlap, None
-        codec = frame.payload.layout.wire
-        if codec is not None and self._decoders.worth_compiling(codec):
-            self._compile_decoder(codec)
-        leaves = self._decode_update(frame.payload)
-        if self._check_finite and codec is not None and codec.finite_decoded:
-            # Raw leaves were checked as they arrived (_check_received), and
-            # compressed parts, but decoding them may still overflow.
-            self._require_finite(leaves)
-        update = jax.tree.unflatten(self._treedef, leaves)
-        # The layout was checked against the model before the payload was read
-        # (a compressed one decodes to the model's shapes and dtypes), and the
-        # values as they arrived: the core need not check them again.
-        started = self._loop.time() if self._metrics is not None else 0.0
-        aggregator = self._core.aggregator
-        # The apply started as the push arrived serves this push only.
-        aggregator.prepare(prepared)
-        try:
-            actions = self._core.handle(
-                WorkerPushed(session.worker_id, update, meta, self._now())
-            )
-        finally:
-            aggregator.prepare(None)
-        self._pushes += 1
-        if self._metrics is not None and any(isinstance(a, Applied) for a in actions):
-            self._metrics.apply(self._loop.time() - started, version=self._core.version)
-        ack = None
-        for action in actions:
-            if isinstance(action, PushAck) and action.worker_id == session.worker_id:
-                ack = action
-                break
-        if ack is None:
-            raise ServerError("the policy did not acknowledge the push")
-        if self._metrics is not None:
-            self._metrics.push(staleness=ack.staleness, received_bytes=frame.nbytes)
-        if self._progress is not None:
-            self._progress.observe(loss=meta.loss, staleness=ack.staleness)
-        ack_meta = ack.to_wire()
-        if frame.msg_type == MsgType.PUSH:
-            held = self._loop.time() - arrived
-            if held >= _HELD_REPORTED_S:
-                # The acknowledgement says how long decoding and applying took.
-                ack_meta = {**ack_meta, "held_s": held}
-            session.protocol.send(
-                encode_frame(MsgType.PUSH_ACK, frame.request_id, ack_meta)
-            )
-            self._carry_out(actions, pusher=session.worker_id, arrived=arrived)
-        else:
-            self._carry_out(actions, pusher=session.worker_id, arrived=arrived)
-            entry = (frame.request_id, ack_meta)
-            session.pulls.append(entry)
-            try:
-                self._pull(session)
-            except HpsError as e:
-                # The push stands; only the pull half failed: report that.
-                if entry in session.pulls:
-                    session.pulls.remove(entry)
-                raise type(e)(f"update applied, pull failed: {e.message}") from e
-
-    def _compile_decoder(self, codec) -> None:
-        """Compiles ``codec``'s decoder off the loop, once; keeps it when done.
-
-        Pushes are not held meanwhile: numpy decodes them (same values).
-        """
-        if codec in self._compiling:
-            return
-        self._compiling.add(codec)
-        future = self._loop.run_in_executor(
-            _COMPILER, self._call_on_device, self._decoders.compile, codec
-        )
-        future.add_done_callback(functools.partial(self._compiled, codec))
-
-    def _compiled(self, codec, future) -> None:
-        self._compiling.discard(codec)
-        if self._closing or future.cancelled():
-            return
-        if future.exception() is None:
-            self._decoders.put(codec, future.result())
-        else:
-            # Numpy keeps decoding this codec's pushes.
-            logger.warning(
-                "cannot compile a decoder for %s: %s", codec, future.exception()
-            )
-
-    def _decode_update(self, payload: WireTree) -> list[Any]:
-        """The update's leaves, in the parameters' leaf order."""
-        layout = payload.layout
-        if layout.codec is None:
-            # Received 64-byte aligned, so JAX takes them without a copy when the
-            # core's compiled steps are called on them (cheaper than device_put
-            # for small leaves, as fast for big ones).
-            return payload.arrays
-        return self._decoders.decoder(layout.wire)(payload.arrays)
-
-    @_on_device
-    def _on_filled(self, session: _Session, payload: WireTree, index: int) -> None:
-        """Leaf ``index`` of a push is in: checked, and its apply started."""
-        self._check_received(payload, index)
-        if session.overlap is not None:
-            session.overlap.add(index, payload.arrays[index])
-
-    def _check_received(self, payload: WireTree, index: int) -> None:
-        """Refuses a raw push as soon as a leaf holding NaN or infinity is in
-        (a compressed one as soon as its codec refuses a part: see
-        ``check_part`` of :class:`~hpsjax.wire._codecs.WireCodec`).
-
-        Called by the decoder for each buffer once its bytes have arrived, so
-        the check overlaps the transfer of the following ones.
-        """
-        layout = payload.layout
-        if layout.wire is None:
-            leaf, array = index, payload.arrays[index]
-        else:
-            # Every compressed leaf sends two arrays.
-            leaf, part = divmod(index, 2)
-            size = math.prod(layout.leaves[leaf].shape)
-            array = layout.wire.check_part(
-                payload.arrays[leaf], part, size, finite=self._check_finite
-            )
-            if array is None:
-                return
-        if not self._check_finite:
-            return
-        if array.dtype.kind not in "biu" and not np.isfinite(array).all():
-            raise NonFiniteUpdate(
-                f"leaf {self._model.paths()[leaf]} holds NaN or infinity"
-            )
-
-    def _require_finite(self, leaves: list[Any]) -> None:
-        paths = None
-        for i, (leaf, spec) in enumerate(zip(leaves, self._model.leaves, strict=True)):
-            if spec.dtype.kind in "biu":
-                continue
-            if not np.isfinite(np.asarray(leaf)).all():
-                paths = paths or self._model.paths()
-                raise NonFiniteUpdate(f"leaf {paths[i]} holds NaN or infinity")
-
     # ---------------------------------------------------------- actions
 
-    def _interpreter(self) -> ActionInterpreter:
-        """The server's handler of every action the core returns."""
-        ignore = ActionInterpreter.ignore
-        return ActionInterpreter(
-            {
-                SendParams: self._on_send_params,
-                # The push's own answer is sent by _push; a held pull waits
-                # for its SendParams.
-                PushAck: ignore,
-                Wait: ignore,
-                Release: ignore,
-                ForcePull: self._on_force_pull,
-                Drop: self._on_drop,
-                Applied: self._on_applied,
-                SaveCheckpoint: self._on_save,
-                StartApply: self._on_start_apply,
-                StageChanged: self._on_stage_changed,
-                PlanChanged: self._send_plans,
-            }
-        )
-
-    def _carry_out(
-        self, actions, *, pusher: Any = None, arrived: float | None = None
-    ) -> None:
-        """Carries out the core's actions; ``pusher``, the worker whose push
-        they answer, learns a forced pull and a stage change from its
-        acknowledgement instead; ``arrived``: when that push arrived (a pull
-        held before it waited for the others: ``barrier_s``). Subscribers get
-        the newest version, and a checkpoint is handed on, once per call."""
-        self._pusher, self._arrived = pusher, arrived
-        self._applied = self._save_due = False
-        self._interpret(actions)
-        if self._applied:
-            self._publish()
-        if self._save_due:
-            self._save_async()
-
-    def _on_send_params(self, action: SendParams) -> None:
-        session = self._sessions.get(action.worker_id)
-        if session is None or not session.pulls:
-            return
-        request_id, ack_meta = session.pulls.popleft()
-        extra = {"local_steps": action.local_steps}
-        started = self._pull_started.pop((id(session), request_id), None)
-        if started is not None:
-            held = self._loop.time() - started
-            if self._metrics is not None:
-                self._metrics.barrier_wait(held)
-            # An answer at once keeps the version's cached frame.
-            if held >= _HELD_REPORTED_S:
-                extra["held_s"] = held
-                arrived = self._arrived
-                waited = held if arrived is None else arrived - started
-                if waited >= _HELD_REPORTED_S:
-                    extra["barrier_s"] = min(waited, held)
-        if ack_meta is not None:
-            extra["ack"] = ack_meta
-        self._send_params(session, request_id, extra)
-
-    def _on_force_pull(self, action: ForcePull) -> None:
-        if action.worker_id == self._pusher:
-            return
-        session = self._sessions.get(action.worker_id)
-        if session is not None:
-            self._notify(session, ForcePullNotice(action.reason))
-
-    def _on_drop(self, action: Drop) -> None:
-        session = self._sessions.get(action.worker_id)
-        logger.info(
-            "dropped worker %r: %s (%d live)",
-            action.worker_id,
-            action.reason,
-            len(self._core.live),
-        )
-        if self._metrics is not None:
-            self._metrics.worker_left("dropped")
-        if session is not None:
-            error = WorkerDropped(action.reason)
-            self._fail_pulls(session, error)
-            self._notify_error(session, error)
-
-    def _on_applied(self, action: Applied) -> None:
-        del action
-        self._applied = True
-
-    def _on_save(self, action: SaveCheckpoint) -> None:
-        del action
-        self._save_due = True
-
-    def _on_start_apply(self, action: StartApply) -> None:
-        session = self._sessions.get(action.worker_id)
-        if session is not None:
-            session.overlap = self._core.aggregator.start(action.plan)
-            self._overlap_owner = session
-
-    def _on_stage_changed(self, action: StageChanged) -> None:
-        self._announce(StageNotice(action.stage), skip=self._sessions.get(self._pusher))
-
-    def _notify(self, session: _Session, notice: Notice) -> None:
-        if not session.protocol.closed:
-            session.protocol.send(
-                encode_frame(MsgType.NOTICE, 0, notice_to_wire(notice))
-            )
-
-    def _notify_error(self, session: _Session, error: HpsError) -> None:
-        if not session.protocol.closed:
-            session.protocol.send(error_frame(0, error))
-
-    def _fail_pulls(self, session: _Session, error: HpsError) -> None:
-        while session.pulls:
-            request_id, _ = session.pulls.popleft()
-            if not session.protocol.closed:
-                session.protocol.send(error_frame(request_id, error))
-
-    def _params_parts(self) -> tuple[list[PackedFields], list[memoryview]]:
-        version = self._core.version
-        if self._params_cache is None or self._params_cache[0] != version:
-            # The model's description was checked once; its leaves are the
-            # wire's in order, little-endian and contiguous (numpy views of
-            # JAX's CPU buffers, no copy).
-            buffers = leaf_buffers(
-                [np.asarray(leaf) for leaf in jax.tree.leaves(self._core.params)]
-            )
-            fields = [
-                self._params_description,
-                pack_fields({"version": version}),
-            ]
-            self._params_cache = (version, fields, buffers)
-        return self._params_cache[1], self._params_cache[2]
-
-    def _params_frame(self, extra: dict[str, Any] | None) -> PreparedFrame:
-        """The PARAMS frame of the current version with ``extra`` fields.
-
-        A pull's answer adds nothing or only the policy's local-steps hint,
-        which takes few values: each such frame is encoded once per version
-        and every reply packs only its header.
-        """
-        fields, buffers = self._params_parts()
-        steps = None if extra is None else extra.get("local_steps")
-        if extra is not None and (
-            len(extra) != 1
-            or "local_steps" not in extra
-            or not (steps is None or type(steps) is int)
-        ):
-            return prepare_frame(MsgType.PARAMS, [*fields, pack_fields(extra)], buffers)
-        key = (extra is not None, steps)
-        frames = self._params_frames
-        if frames[0] != self._params_cache[0]:
-            frames = self._params_frames = (self._params_cache[0], {})
-        frame = frames[1].get(key)
-        if frame is None:
-            if extra is not None:
-                fields = [*fields, pack_fields(extra)]
-            if len(frames[1]) >= 256:
-                frames[1].clear()
-            frame = frames[1][key] = prepare_frame(MsgType.PARAMS, fields, buffers)
-        return frame
-
-    def _send_params(self, session: _Session, request_id: int, extra=None) -> None:
-        if session.protocol.closed:
-            return
-        started = time.perf_counter()
-        frame = self._params_frame(extra)
-        session.protocol.send(frame.parts(request_id), frame.nbytes)
-        if self._metrics is not None:
-            self._metrics.served(
-                time.perf_counter() - started,
-                version=self._core.version,
-                pull=bool(request_id),
-            )
-            if request_id:
-                self._metrics.pull(sent_bytes=frame.nbytes)
-            else:  # a subscriber's parameters
-                self._metrics.transfer(sent_bytes=frame.nbytes)
-
-    def _publish(self) -> None:
-        for session in self._connections:
-            if not session.subscribed or session.protocol.closed:
-                continue
-            if not session.protocol.paused:
-                self._send_params(session, 0)
-            else:
-                # The worker is still reading earlier bytes: send it only the
-                # newest parameters once it has caught up, never a backlog.
-                session.sub_dirty = True
-                if session.sub_task is None:
-                    session.sub_task = self._loop.create_task(self._flush_sub(session))
-
-    async def _flush_sub(self, session: _Session) -> None:
-        try:
-            while session.sub_dirty and not session.protocol.closed:
-                await session.protocol.drain()
-                session.sub_dirty = False
-                if session.subscribed:
-                    self._send_params(session, 0)
-        except HpsError:
-            pass
-        finally:
-            session.sub_task = None
-
     # ---------------------------------------------------------- leaving
-
-    def _leave(self, session: _Session, why: str, detail: str = "") -> None:
-        """The worker of ``session`` leaves, ``why`` being ``"done"`` (it said
-        goodbye), ``"crashed"`` (its connection ended without one) or
-        ``"replaced"`` (it connected again): logged with ``detail``, counted."""
-        if (
-            session.joined
-            and self._sessions.get(session.worker_id) is session
-            and session.worker_id in self._core.live  # not already dropped
-        ):
-            session.joined = False
-            try:
-                actions = self._core.handle(WorkerLeft(session.worker_id, self._now()))
-            except HpsError:
-                return
-            logger.info(
-                "worker %r left: %s%s (%d live)",
-                session.worker_id,
-                why,
-                f", {detail}" if detail else "",
-                len(self._core.live),
-            )
-            if self._metrics is not None:
-                self._metrics.worker_left(why)
-            self._carry_out(actions)
-
-    @_on_device
-    def _on_lost(self, session: _Session, error: HpsError) -> None:
-        self._connections.discard(session)
-        if session.handshake_timer is not None:
-            session.handshake_timer.cancel()
-        if session.sub_task is not None:
-            session.sub_task.cancel()
-        session.pulls.clear()
-        if self._closing:
-            return
-        logger.debug("connection of %r ended: %s", session.worker_id, error)
-        self._leave(
-            session, "crashed", f"its connection ended without a goodbye ({error})"
-        )
-        if self._sessions.get(session.worker_id) is session:
-            del self._sessions[session.worker_id]
-        session.closed = True
-        self._rearm()
 
     # ---------------------------------------------------------- timer
 
@@ -1571,7 +775,7 @@ class Server:
                 deadline = max(deadline, self._loop.time() + 1e-3)
             self._timer = self._loop.call_at(deadline, self._on_tick)
 
-    @_on_device
+    @on_device
     def _on_tick(self) -> None:
         self._timer = None
         self._last_tick_deadline = self._core.next_deadline()
