@@ -72,9 +72,12 @@ KNOBS: dict[str, tuple[str, ...]] = {
     "ringmaster": (_LR, _R),
     "clipped_asgd": (_LR, "server.clip_norm"),
     "ormo": (_LR,),
+    "ormo_da": (_LR,),
     "diloco": (_LOCAL_LR, _LR),
     "sparseloco": (_LOCAL_LR, _LR),
     "muloco": (_LOCAL_LR, _LR),
+    "diloco_ef4": (_LOCAL_LR, _LR),
+    "muloco_f32": (_LOCAL_LR, _LR),
     "streaming_diloco": (_LOCAL_LR, _LR),
     "asgd_momentum": (_LR,),
     "streaming_diloco_eager": (_LOCAL_LR, _LR),
@@ -156,6 +159,14 @@ CLAIMS: tuple[Claim, ...] = (
         "arrival order; both step sizes tuned",
     ),
     Claim(
+        "ormo_da",
+        "asgd_momentum",
+        "OrMo-DA, Shi et al., NeurIPS 2024",
+        "ordered momentum with a delay-adaptive step beats naive momentum in ASGD",
+        "faster",
+        "OrMo-DA's step rule is our reading (min(1, D/d), D = 1 iteration)",
+    ),
+    Claim(
         "streaming_diloco",
         "diloco",
         "Streaming DiLoCo, Douillard et al. 2025",
@@ -193,6 +204,23 @@ CLAIMS: tuple[Claim, ...] = (
         "Muon's gain is shown on LLMs; on a (64, 64) MLP its orthogonalised "
         "steps touch three small matrices; bytes both ways, so the dense "
         "pulls count",
+    ),
+    Claim(
+        "muloco",
+        "diloco_ef4",
+        "MuLoCo, arXiv 2505.23725 (ablation)",
+        "Muon beats AdamW as DiLoCo's inner optimizer under the same 4-bit "
+        "error-feedback compression",
+        "faster",
+        "separates Muon from the compression: both push alike",
+    ),
+    Claim(
+        "muloco_f32",
+        "diloco",
+        "MuLoCo, arXiv 2505.23725 (ablation)",
+        "Muon beats AdamW as DiLoCo's inner optimizer, neither compressed",
+        "faster",
+        "separates Muon from the compression: both push float32",
     ),
     Claim(
         "demo",

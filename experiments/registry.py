@@ -316,7 +316,8 @@ def _check_sparseloco(config: ExperimentConfig) -> None:
     """What ``worker.compression='sparseloco'`` needs (one-line errors)."""
     worker = config.worker
     check_fraction("worker.compress_ratio", worker.compress_ratio)
-    check_choice("worker.sparseloco_bits", worker.sparseloco_bits, _BITS)
+    check_choice("worker.sparseloco_bits", worker.sparseloco_bits, (1, 2, 4, 8, 32))
+    check_int("worker.sparseloco_chunk", worker.sparseloco_chunk, low=1)
     check_number("worker.sparseloco_decay", worker.sparseloco_decay, low=0, high=1)
     if config.stages.compress_from_stage is not None:
         raise ValueError(

@@ -450,6 +450,52 @@ def test_muloco_runs_muon_inside_diloco():
     assert config.server.optimizer == "nesterov" and config.worker.bits == 4
 
 
+def test_mulocos_ablations_change_only_the_pushes_or_the_inner_optimizer():
+    def fields(config):
+        out = config.to_dict()
+        out.pop("scheme")
+        return out
+
+    diloco, muloco = _quick("diloco"), _quick("muloco")
+    ef4, f32 = _quick("diloco_ef4"), _quick("muloco_f32")
+    assert (ef4.worker.bits, ef4.worker.error_feedback) == (4, True)
+    assert (muloco.worker.bits, muloco.worker.error_feedback) == (4, True)
+    assert f32.worker.bits is None and diloco.worker.bits is None
+    ef4.worker.bits = None
+    assert fields(ef4) == fields(diloco)
+    f32.worker.bits = 4
+    assert fields(f32) == fields(muloco)
+
+
+def test_ormo_configs_take_k_as_the_workers_and_ormo_da_its_delay_rule():
+    ormo, da = _quick("ormo"), _quick("ormo_da")
+    n = len(ormo.workers.slowdowns)
+    assert ormo.server.optimizer_args == {"gradients_per_iteration": n}
+    assert da.server.optimizer_args == {
+        "gradients_per_iteration": n,
+        "delay_adaptive": 1.0,
+    }
+    tx = build.server_optimizer(da)
+    state = tx.init({"w": jnp.zeros(2)})
+    # A gradient 2 iterations late (2n versions) weighs 1/2.
+    step, _ = tx.update({"w": jnp.ones(2)}, state, staleness=2 * n)
+    lr = da.server.learning_rate
+    beta = da.server.momentum
+    expected = -lr * 0.5 * (1 - beta**3) / (1 - beta)
+    np.testing.assert_allclose(step["w"], [expected] * 2, rtol=1e-5)
+
+
+def test_sparseloco_config_runs_templars_chunks_and_bits():
+    config = _quick("sparseloco")
+    assert config.worker.compress_ratio == 1 / 64
+    assert config.worker.sparseloco_chunk == 64
+    config.worker.sparseloco_bits = 16
+    with pytest.raises(ValueError, match="sparseloco_bits"):
+        registry.check_config(config)
+    config.worker.sparseloco_bits = 32
+    registry.check_config(config)
+
+
 # ---------------------------------------------------------------------------
 # Streaming DiLoCo (transforms).
 # ---------------------------------------------------------------------------

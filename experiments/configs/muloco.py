@@ -6,7 +6,9 @@ through the optimizer registry: orthogonalised momentum on the weight
 matrices, Adam on the rest) and pushes its pseudo-gradient quantized to 4 bits
 with error feedback (``worker.bits``). The server waits for all (BSP),
 averages the pushes and takes DiLoCo's outer Nesterov step (outer learning
-rate 0.7, momentum 0.9).
+rate 0.7, momentum 0.9). The two ablations that tell Muon's share from the
+4-bit compression's are ``diloco_ef4.py`` (DiLoCo with these same 4-bit
+error-feedback pushes) and ``muloco_f32.py`` (MuLoCo with float32 pushes).
 
 Launch::
 

@@ -6,7 +6,13 @@ makes its worker pull, so that its next gradient is computed at the current
 point (``hpsjax.ps.Ringmaster``). R defaults to the number of live workers:
 a steady ASP push is about n - 1 versions stale, so only the slower workers'
 gradients are cut. The paper's optimal R = max(1, ceil(sigma^2 / epsilon))
-needs the gradient noise and the target, which a run does not know.
+needs the gradient noise and the target, which a run does not know, so
+``experiments.frontier`` tunes R (``server.policy_kwargs.delay_threshold``,
+from n/2, n and 2n, extended off the grid's edges) with the step size; R =
+infinity is ASP. The paper's second form, which stops a worker's computation
+as soon as its gradient can no longer arrive within R versions, is not built:
+here the worker finishes it, pushes, and learns from the dropped push's
+forced pull (the same iterates; only its wasted time differs).
 
 Launch::
 
@@ -26,9 +32,9 @@ def get_config(arg=None):
     config = common.get_config(arg)
     config.scheme = "ringmaster"
     config.server.policy = "ringmaster"
-    # None: R = the number of live workers (not tuned).
+    # None: R = the number of live workers (experiments.frontier tunes it).
     config.server.policy_kwargs.delay_threshold = None
     config.server.optimizer = "sgd"
-    # ASP's step sizes (not tuned for this scheme).
+    # ASP's step sizes (experiments.frontier tunes it with R).
     config.server.learning_rate = common.pick(config, {"default": 0.1})
     return config

@@ -394,6 +394,7 @@ class Worker(Section):
     )
     sparseloco_bits: int = _field(2, "sparseloco: bits per kept value")
     sparseloco_decay: float = _field(0.95, "sparseloco: error feedback's decay")
+    sparseloco_chunk: int = _field(64, "sparseloco: the chunks' side (templar: 64)")
     streaming_fragments: int = _field(1, "streaming: fragments of the parameters")
     streaming_layout: str = _field("contiguous", "streaming: strided or contiguous")
     streaming_bits: int | str | None = _field(None, "streaming: bits, 'e2m1' or None")

@@ -2,13 +2,17 @@
 
 Each round every worker starts from the global parameters, takes
 ``worker.local_steps`` inner AdamW steps and adds its pseudo-gradient (global
-minus local) to an error-feedback accumulator decayed by beta, of which it
-pushes the largest ``worker.compress_ratio`` of entries per leaf with their
-values on 2 bits; the rest stays in the accumulator
-(``hpsjax.transforms.sparseloco``). The server waits for all (BSP), averages
-the pushes and takes a plain SGD step on them: the accumulator stands in for
-DiLoCo's outer momentum. The simulator counts ``sparseloco_nbytes`` a push
-(k indices and k 2-bit values a leaf); real workers
+minus local) to an error-feedback accumulator decayed by beta (0.95), of
+which it pushes, as templar does, the largest ``worker.compress_ratio *
+64**2`` entries of every 64 x 64 chunk (``worker.sparseloco_chunk``; templar's
+64 of 4096, 1/64) with their values on 2 bits, 4 bins decoded to their
+centroids; the rest stays in the accumulator (``hpsjax.transforms.sparseloco``,
+whose docstring says what differs from templar). The server waits for all
+(BSP), averages the pushes and takes a plain SGD step on them at the outer
+step ``server.learning_rate`` (templar's 1.0, tuned with the inner step by
+``experiments.frontier``): the accumulator stands in for DiLoCo's outer
+momentum. The simulator counts ``sparseloco_nbytes`` a push (12-bit indices,
+2-bit codes and the bins' table a leaf); real workers
 (``hpsjax-worker --push_transform``) send the same values as top-k leaves at
 float32, as the wire has no few-bit sparse codec yet.
 
@@ -31,7 +35,8 @@ def get_config(arg=None):
     config.scheme = "sparseloco"
     config.server.policy = "bsp"
     config.server.optimizer = "sgd"
-    # The outer step on the averaged sparse pushes (not tuned).
+    # The outer step on the averaged sparse pushes (templar's
+    # outer_learning_rate; experiments.frontier tunes it).
     config.server.learning_rate = common.pick(config, {"default": 1.0})
     config.worker.local_optimizer = "adamw"
     config.worker.local_optimizer_args = {"weight_decay": 1e-4}
@@ -42,7 +47,9 @@ def get_config(arg=None):
     )
     config.worker.local_steps = common.pick(config, {"default": 8})
     config.worker.compression = "sparseloco"
-    config.worker.compress_ratio = 0.02  # the paper's 1-3% density
+    # templar's topk_compression 64 of a target_chunk 64 x 64 chunk: 1.6%.
+    config.worker.compress_ratio = 1 / 64
+    config.worker.sparseloco_chunk = 64
     config.worker.sparseloco_bits = 2
     config.worker.sparseloco_decay = 0.95
     return config
