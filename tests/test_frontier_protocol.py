@@ -2,9 +2,15 @@
 extended off their edges, the bootstrap interval of the ratio of times, bytes
 both ways."""
 
+import doctest
+
 import pytest
 
 from experiments import frontier, protocol, registry
+
+
+def test_module_doctests():
+    assert doctest.testmod(frontier).failed == 0
 
 
 def _summary(t, *, sent=1000, received=3000, end=60.0, pushes=10, acc=0.9):
