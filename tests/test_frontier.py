@@ -289,6 +289,8 @@ def test_centroid_quantize_uses_four_bins_and_their_means():
     # Each value is decoded to the mean of its bin: the bins keep the sum.
     np.testing.assert_allclose(decoded.sum(), float(values.sum()), rtol=1e-5)
     assert decoded[0] == decoded[1] and decoded[-1] > decoded[5]
+    with pytest.raises(ValueError, match="bits"):
+        centroid_quantize(values, bits=0)
 
 
 def test_sparseloco_loses_nothing_without_decay():

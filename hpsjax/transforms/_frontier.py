@@ -260,9 +260,11 @@ def _chunk_topk(shape: tuple[int, ...], ratio: float, chunk: int) -> tuple[int, 
 def centroid_quantize(
     values: jax.Array, bits: int = 2, range_in_sigmas: float = 6.0
 ) -> jax.Array:
-    r"""SparseLoCo's value quantizer as templar runs it: ``2**bits`` bins over
-    :math:`\pm` ``range_in_sigmas / 2`` standard deviations about the mean,
-    each value decoded to the mean of the values in its bin.
+    r"""SparseLoCo's value quantizer as templar runs it: ``2**bits`` bins, each
+    ``range_in_sigmas / 2**bits`` standard deviations wide, centred on
+    :math:`-2^{b-1}, \dots, 2^{b-1} - 1` bin widths about the mean (the ends
+    take what lies beyond), each value decoded to the mean of the values in
+    its bin.
 
     .. math::
 
@@ -275,6 +277,9 @@ def centroid_quantize(
     centroids are. What is sent per leaf: a ``bits``-bit code per value, the
     mean and the ``2**bits`` centroids (float32).
 
+    Raises:
+      ValueError: ``bits`` is not an int in [1, 16].
+
     Examples:
       >>> import jax.numpy as jnp
       >>> from hpsjax.transforms import centroid_quantize
@@ -285,7 +290,7 @@ def centroid_quantize(
       templar, ``src/tplr/compress.py``, ``TopKCompressor._quantize_values``
       (``quantization_bins`` 4, ``quantization_range`` 6 in its hparams).
     """
-    bins = 2**bits
+    bins = 2 ** check_int("bits", bits, low=1, high=16)
     v = values.astype(_F32).reshape(-1)
     shift = jnp.mean(v)
     centred = v - shift
