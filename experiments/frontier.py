@@ -726,6 +726,20 @@ def _schemes_by_setting(values, settings) -> dict[str, list[str]] | None:
     return {s: per.get(s, plain) for s in settings}
 
 
+def _ints(name: str, values: Sequence[str]) -> list[int]:
+    try:
+        return [int(v) for v in values]
+    except ValueError:
+        raise ValueError(f"{name} must be ints, got {list(values)}") from None
+
+
+def _floats(name: str, values: Sequence[str]) -> list[float]:
+    try:
+        return [float(v) for v in values]
+    except ValueError:
+        raise ValueError(f"{name} must be numbers, got {list(values)}") from None
+
+
 _PROG = "frontier"
 
 
@@ -739,9 +753,9 @@ def main(argv):
         result = run_frontier(
             values.workdir,
             settings=values.settings,
-            seeds=[int(s) for s in values.seeds],
+            seeds=_ints("seeds", values.seeds),
             tune_seed=values.tune_seed,
-            factors=[float(f) for f in values.factors],
+            factors=_floats("factors", values.factors),
             tune_budget=values.tune_budget,
             schemes_by_setting=_schemes_by_setting(values.schemes, values.settings),
             jobs=values.jobs,

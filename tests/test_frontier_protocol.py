@@ -119,6 +119,29 @@ def test_bad_arguments_are_one_line_errors(tmp_path):
             frontier.run_frontier(tmp_path, **kwargs)
 
 
+@pytest.mark.parametrize(
+    ("flag", "message"),
+    [
+        ("--tune_budget=0", "tune_budget must be an int >= 1"),
+        ("--seeds=a", "seeds must be ints"),
+        ("--factors=x", "factors must be numbers"),
+    ],
+)
+def test_the_cli_refuses_bad_flags_in_one_line(tmp_path, flag, message):
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-m", "experiments.frontier", f"--workdir={tmp_path}", flag],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    lines = [line for line in out.stderr.splitlines() if line.strip()]
+    assert out.returncode == 2 and len(lines) == 1 and message in lines[0]
+    assert not any(tmp_path.iterdir())
+
+
 @pytest.mark.slow
 def test_frontier_tunes_with_equal_budgets_and_judges_a_claim(tmp_path):
     claim = CLAIM["ringmaster"]
