@@ -63,3 +63,14 @@ def test_readme_links_every_tutorial():
     assert tutorials
     missing = [t for t in tutorials if f"(colab/{t})" not in readme]
     assert not missing, f"README.md does not link {missing}"
+
+
+def test_results_lists_every_scheme_with_a_config():
+    from experiments.configs import SCHEMES
+
+    text = (ROOT / "experiments" / "RESULTS.md").read_text()
+    table = text[text.index("**Every scheme with a config**") :]
+    table = table[table.index("| scheme |") :]
+    table = table[: table.index("\n\n")]
+    listed = re.findall(r"\| `(\w+)\.py` \|$", table, re.M)
+    assert sorted(listed) == sorted(SCHEMES)
