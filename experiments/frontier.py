@@ -18,8 +18,10 @@ r"""The frontier table: each recent method's claim against its baseline.
 3. **the verdict** (:func:`verdict`): the ratio of mean times to the target,
    method over baseline, with its percentile bootstrap interval at
    :data:`experiments.protocol.LEVEL` (a run that never reached the target
-   counts as its budget, a lower bound); bytes are counted both ways, pushed
-   and pulled (:func:`experiments.protocol.total_bytes`).
+   counts as its budget, a lower bound; mean times within one evaluation
+   period of each other are level, as the evaluations cannot resolve them);
+   bytes are counted both ways, pushed and pulled
+   (:func:`experiments.protocol.total_bytes`).
 
 Then it writes ``DIR/frontier.md`` (per claim and setting: the times, the
 ratio and its interval, the megabytes moved both ways, the values chosen and
@@ -333,10 +335,13 @@ def _bytes_to_target(summary: dict[str, Any]) -> float:
     return moved * t / end if t is not None and end > 0 else float(moved)
 
 
-def scheme_stats(summaries: Sequence[dict[str, Any]], budget: float) -> dict[str, Any]:
+def scheme_stats(
+    summaries: Sequence[dict[str, Any]], budget: float, eval_every: float = 0.0
+) -> dict[str, Any]:
     """A scheme's figures over its seeds: times (censored at ``budget``),
     reached count, megabytes both ways in the budget and to the target, bytes
-    per push, best accuracy, divergences."""
+    per push, best accuracy, divergences, and the runs' evaluation period
+    ``eval_every`` (the resolution of their times)."""
     times = [s["time_to_target"] for s in summaries]
     reached = [t for t in times if t is not None]
     n = len(summaries)
@@ -347,6 +352,7 @@ def scheme_stats(summaries: Sequence[dict[str, Any]], budget: float) -> dict[str
         "times": times,
         "censored": _censored(summaries, budget),
         "budget": budget,
+        "eval_every": float(eval_every),
         "mean": sum(reached) / len(reached) if reached else None,
         "mb": sum(protocol.total_bytes(s) for s in summaries) / n / 1e6,
         "mb_to_target": sum(_bytes_to_target(s) for s in summaries) / n / 1e6,
@@ -354,6 +360,14 @@ def scheme_stats(summaries: Sequence[dict[str, Any]], budget: float) -> dict[str
         "best_accuracy": sum(s["best_accuracy"] for s in summaries) / n,
         "diverged": sum(s.get("diverged_at") is not None for s in summaries),
     }
+
+
+def _within_resolution(method: dict[str, Any], base: dict[str, Any]) -> bool:
+    """Whether both schemes' times are within one evaluation period."""
+    if method["reached"] < method["runs"] or base["reached"] < base["runs"]:
+        return False
+    every = max(method.get("eval_every", 0.0), base.get("eval_every", 0.0))
+    return abs(method["mean"] - base["mean"]) <= every
 
 
 def verdict(
@@ -369,11 +383,15 @@ def verdict(
     below ``1 - X``, refuted when above, level otherwise. ``fewer_bytes:X``:
     at least X times fewer bytes, both ways, to the target (a run that never
     reached it counts its whole run's bytes, a lower bound) and not slower.
-    ``not_slower_fewer_bytes``: fewer bytes per push and not slower. With
-    one seed of either scheme there is no spread to test: ``"too few
-    seeds"``.
+    ``not_slower_fewer_bytes``: fewer bytes per push and not slower. Where
+    every run of both reached the target and their mean times differ by no
+    more than one evaluation period, the times cannot tell them apart: level,
+    whatever the interval. With one seed of either scheme there is no spread
+    to test: ``"too few seeds"``.
     """
     speed, interval = protocol.time_verdict(method["censored"], base["censored"])
+    if _within_resolution(method, base):
+        speed = "level"
     if min(method["runs"], base["runs"]) < 2:
         return "too few seeds", interval  # one seed has no spread to test
     _, low, high = interval
@@ -666,7 +684,8 @@ def _seed_runs(scheme, setting, seeds, chosen, config_of, runner, workdir, jobs)
         records = list(ex.map(runner.run, configs, wheres))
     summaries = [r["summary"] for r in records]
     budget = float(configs[0].budget_seconds)
-    return {"stats": scheme_stats(summaries, budget), "summaries": summaries}
+    every = float(configs[0].eval.every_seconds)
+    return {"stats": scheme_stats(summaries, budget, every), "summaries": summaries}
 
 
 def _judge(claims, settings, table, tuning) -> list[dict[str, Any]]:

@@ -42,6 +42,20 @@ def test_a_claim_is_read_from_the_interval_of_the_ratio_of_times():
     assert frontier.verdict(CLAIM["ringmaster"], a, b)[0] == "level"
 
 
+def test_times_one_evaluation_apart_are_level():
+    # Every seed 0.5 s apart, evaluated every 0.5 s: the interval is tight
+    # and below 1, but the evaluations cannot resolve the gap.
+    method = frontier.scheme_stats([_summary(t) for t in [18.0] * 5], 60, 0.5)
+    base = frontier.scheme_stats([_summary(t) for t in [18.5] * 5], 60, 0.5)
+    word, (_, _, high) = frontier.verdict(CLAIM["ringmaster"], method, base)
+    assert high < 1 and word == "level"
+    finer = frontier.scheme_stats([_summary(t) for t in [18.5] * 5], 60, 0.25)
+    finer_method = {**method, "eval_every": 0.25}
+    assert frontier.verdict(CLAIM["ringmaster"], finer_method, finer)[0] == (
+        "reproduced"
+    )
+
+
 def test_one_seed_gives_no_verdict():
     word, (ratio, _, _) = frontier.verdict(
         CLAIM["ringmaster"], _stats([10]), _stats([20, 21, 19])
