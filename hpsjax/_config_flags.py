@@ -155,6 +155,9 @@ def _add_flag(
             raise TypeError(f"{cls.__name__}.{field.name}: a flag that turns it off")
         target.add_argument(flag, dest=dest, action="store_true", help=meta["help"])
         return
+    if "dest" in meta:
+        # The flag's name, not the attribute's, in the help.
+        extra.setdefault("metavar", flag.removeprefix("--").upper())
     target.add_argument(
         flag, dest=dest, type=kind, default=default, help=meta["help"], **extra
     )

@@ -79,7 +79,7 @@ def launch(
     Args:
       num_workers: how many worker processes, >= 1.
       policy: the server's synchronisation policy.
-      steps: rounds per worker (``--max_steps``), ``None`` to leave it to
+      steps: rounds per worker (the workers' ``--steps``), ``None`` to leave it to
         ``worker_args``.
       worker_args: flags for every ``hpsjax-worker``.
       per_worker_args: more flags for some workers, by index (a mapping or a

@@ -23,8 +23,12 @@ SIGINT or SIGTERM, writing a final checkpoint. With ``--checkpoint_dir`` it
 resumes from the newest checkpoint there, so a restarted server continues where
 the last committed checkpoint left off.
 
-Policy options are ``--policy_arg KEY=JSON``, one keyword argument of the policy
-each. The hybrid policy takes its stages as a JSON list of objects with ``mode``
+``--policy`` takes a policy or a scheme (:data:`hpsjax.config.RUN_SCHEMES`:
+``hps`` is ``bsp`` with workers pushing 8 bits, ``ashl`` is ``hybrid`` with
+ASHL's stages, ...); the server prints the policy and the worker flags a
+scheme stands for. Policy options are ``--policy_arg KEY=JSON``, one keyword
+argument of the policy each (given with a scheme, they replace its own). The
+hybrid policy takes its stages as a JSON list of objects with ``mode``
 (``async``, ``semi_async`` or ``sync``) and optional ``local_steps``,
 ``max_staleness`` and ``until_version`` (:class:`hpsjax.ps.HybridStage`)::
 

@@ -1,7 +1,7 @@
 """``hpsjax-worker``: run one training worker from the command line.
 
 The worker builds its model and its shard of the data from flags, pulls the
-parameters from an ``hpsjax-server``, and trains until ``--max_steps``,
+parameters from an ``hpsjax-server``, and trains until ``--steps``,
 ``--max_seconds`` or ``--until_version`` (or SIGINT/SIGTERM, after which it
 finishes its round and pushes it). The server's initial parameters must be the
 same model: ``--write_init`` writes them for ``hpsjax-server --init``::
@@ -10,7 +10,7 @@ same model: ``--write_init`` writes them for ``hpsjax-server --init``::
     hpsjax-server --init init.npz --secret_file secret.txt --policy bsp --port 5555
     hpsjax-worker --host 127.0.0.1 --port 5555 --secret_file secret.txt \\
         --worker_id 0 --shard_index 0 --shard_count 2 --batch_size 64 \\
-        --max_steps 300 --metrics w0.jsonl
+        --steps 300 --metrics w0.jsonl
 
 A model split over several server shards (``hpsjax-server --server_shard I
 --server_shards N``) takes every shard's address, in shard order, instead of
@@ -87,6 +87,7 @@ from hpsjax.profiling._worker_profile import (
     write_profile,
     write_worker_profile,
 )
+from hpsjax.wire import ServerError
 from hpsjax.worker._build import (
     JoinError,
     build,
@@ -337,12 +338,16 @@ async def _serve(
     target=None,
 ) -> Any:
     loop = asyncio.get_running_loop()
-    await connect(
-        client,
-        params,
-        connect_timeout=args.connect_timeout,
-        where=server_address(args),
-    )
+    try:
+        await connect(
+            client,
+            params,
+            connect_timeout=args.connect_timeout,
+            where=server_address(args),
+        )
+    except ServerError as e:
+        # Refused on joining (another live worker's id): said in one line.
+        raise JoinError(f"the server refused this worker: {e.message}") from None
     for sig in (signal.SIGINT, signal.SIGTERM):
         with contextlib.suppress(NotImplementedError):
             loop.add_signal_handler(sig, worker.stop)
@@ -406,7 +411,7 @@ def _metrics_sink(args: argparse.Namespace):
 
 
 def _compile_cache(args: argparse.Namespace, log: logging.Logger) -> None:
-    """Points JAX at ``--compile_cache_dir`` (or the inherited one), logged."""
+    """Points JAX at ``--compile_cache`` (or the inherited one), logged."""
     path = args.compile_cache_dir
     if path is not None and path.lower() == "none":
         return

@@ -515,3 +515,34 @@ def test_a_bad_metrics_port_is_one_line(capsys):
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1
     assert err.startswith("hpsjax-worker: --metrics_port must be an int")
+
+
+def test_a_worker_claiming_a_live_workers_id_is_refused_in_one_line(tmp_path, capsys):
+    model = ["--model_arg", "hidden=[16]"]
+    thread = _ServerThread(_server_params(tmp_path, *model))
+    with thread as server:
+
+        async def join_as_0():
+            first = ps.Client(
+                "127.0.0.1", server.port, worker_id=0, secret=None, timeout=30
+            )
+            await first.connect()
+            await first.pull()
+            return first
+
+        loop = thread._loop
+        first = asyncio.run_coroutine_threadsafe(join_as_0(), loop).result(30)
+        try:
+            code = worker_cli.main(
+                [*SMALL, *model, "--port", str(server.port), "--steps", "2",
+                 "--tensorboard_dir", "none", "--loop", "asyncio",
+                 "--status_interval", "0", "--log_level", "WARNING"]
+            )  # fmt: skip
+        finally:
+            asyncio.run_coroutine_threadsafe(first.close(), loop).result(30)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 1
+    assert err == [
+        "hpsjax-worker: the server refused this worker: worker id 0 belongs to a "
+        "live connected worker: give each worker its own --worker_id"
+    ]

@@ -476,7 +476,7 @@ def test_your_npz_data_from_the_command_line(tmp_path, capsys):
         ("--data_path", str(tmp_path / "bad.npz")): "bad.npz",
     }
     for extra, message in cases.items():
-        argv = ["--dataset", "npz", *extra, "--port", "1", "--max_steps", "1"]
+        argv = ["--dataset", "npz", *extra, "--port", "1", "--steps", "1"]
         assert _cli.main(argv) == 2
         lines = capsys.readouterr().err.strip().splitlines()
         assert len(lines) == 1 and message in lines[0], lines
