@@ -192,3 +192,36 @@ def test_config_overrides_set_typed_values():
     assert config.server.learning_rate == 0.2
     assert config.data.path == "1e-3"  # a string field keeps the text
     assert config.plan.replan is True and config.processes.warmup is False
+
+
+def test_no_experiments_module_uses_ml_collections():
+    import pathlib
+
+    root = pathlib.Path(__file__).resolve().parents[1] / "experiments"
+    users = [
+        str(path.relative_to(root))
+        for path in sorted(root.rglob("*.py"))
+        if "import ml_collections" in path.read_text(encoding="utf-8")
+        or "from ml_collections" in path.read_text(encoding="utf-8")
+    ]
+    assert users == []
+
+
+def test_sweep_choose_stats_and_compare_times():
+    import doctest
+
+    from experiments import sweep
+
+    assert doctest.testmod(sweep).failed == 0
+
+    def summary(time, best, diverged=None):
+        return {"time_to_target": time, "best_accuracy": best, "diverged_at": diverged,
+                "bytes_sent": 1e6, "end_time": 10.0, "pushes": 10}  # fmt: skip
+
+    tried = {0.1: summary(None, 0.8), 0.2: summary(5.0, 0.9), 0.4: summary(2.0, 0.9, 1)}
+    assert sweep.choose(tried) == 0.2  # the diverged run is not chosen
+    stats = sweep.seed_stats([summary(4.0, 0.9), summary(6.0, 0.92)])
+    assert (stats["reached"], stats["mean"], stats["std"]) == (2, 5.0, 1.0)
+    assert stats["mb_to_target"] == 0.5
+    never = sweep.seed_stats([summary(None, 0.5), summary(None, 0.5)])
+    assert sweep.compare_times(stats, never) == "faster"

@@ -1,0 +1,276 @@
+"""What both backends share: the run's output and the pieces both drivers use.
+
+:class:`RunOutput` is what a backend reports; the helpers evaluate the model,
+build the push compression, the re-planner and the pilot's batch grid, and
+derive the worker-side settings of a work plan, for the simulator
+(:mod:`experiments.sim_backend`) and the real processes
+(:mod:`experiments.process_backend`) alike.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple
+
+import jax
+import numpy as np
+
+from experiments import build, registry
+from experiments.configs.schema import ExperimentConfig
+
+__all__ = ["TIMELINE_KINDS", "RunOutput"]
+
+
+TIMELINE_KINDS = ("profile", "compile", "compute", "transfer", "wait", "discarded")
+"""Kinds of time in a worker's timeline (everything but compute is idle)."""
+
+
+class RunOutput(NamedTuple):
+    """What a backend reports.
+
+    Attributes:
+      evals: one dict per evaluation, in time order: ``time`` (seconds since
+        the start, profiling included), ``version``, the task's metrics on
+        the test set (``loss``, and ``accuracy``, ``perplexity``, ... as the
+        task reports them), and where known ``train_loss`` and ``gradients``.
+      workers: per worker id, totals: ``compute_s``, ``transfer_s``,
+        ``wait_s``, ``discarded_s``, ``idle_fraction``, ``bytes_sent``,
+        ``bytes_received``, ``pushes``, ``local_steps``.
+      timelines: per worker id, ``(start, end, kind)`` spans in time order,
+        ``kind`` one of :data:`TIMELINE_KINDS`.
+      records: raw per-push (sim) or per-round (processes) records.
+      info: anything else worth keeping (plans, wall seconds, errors, ...).
+    """
+
+    evals: list[dict[str, Any]]
+    workers: dict[Any, dict[str, Any]]
+    timelines: dict[Any, list[tuple[float, float, str]]]
+    records: list[dict[str, Any]]
+    info: dict[str, Any]
+
+
+def _evaluate(setup: build.Setup, params: Any, batch_size: int) -> dict[str, float]:
+    """The task's metrics of ``params`` on the test set, averaged over examples
+    and summarized (:meth:`experiments.build.Setup.summarize`)."""
+    totals: dict[str, float] = {}
+    count = 0
+    for batch in setup.test.eval_batches(batch_size):
+        values = jax.device_get(setup.eval_fn(params, batch))
+        n = len(batch.y)
+        for key, value in values.items():
+            totals[key] = totals.get(key, 0.0) + float(value) * n
+        count += n
+    return setup.summarize({key: value / count for key, value in totals.items()})
+
+
+def _push_compression(config: ExperimentConfig, params: Any) -> tuple[Any, Any, int]:
+    """How the workers compress pushes: ``(transform, codec, push_bytes)``.
+
+    The transform (with ``worker.error_feedback``) is quantization for
+    ``worker.bits``, with its codec, or PowerSGD for
+    ``worker.compression='power_sgd'`` (its factors on the wire, no codec);
+    ``None`` for float32 pushes or top-k, which the worker core applies;
+    SparseLoCo's push (``worker.compression='sparseloco'``), DeMo's
+    (``'demo'``) or Streaming DiLoCo's (``'streaming'``: the fragments' mean
+    bytes a push), which real workers get as ``--push_transform``.
+    ``push_bytes`` is one push's payload, what the profiling pass's link
+    estimate uses: ``powersgd_nbytes`` per leaf for PowerSGD.
+    """
+    layout = str(jax.tree.map(lambda x: f"{np.shape(x)} {np.dtype(x.dtype)}", params))
+    return build.reused(
+        "push compression",
+        (config.worker, int(config.seed), layout),
+        lambda: _make_push_compression(config, params),
+    )
+
+
+def _make_push_compression(
+    config: ExperimentConfig, params: Any
+) -> tuple[Any, Any, int]:
+    from hpsjax.profiling import tree_wire_nbytes
+    from hpsjax.transforms import Codec, power_sgd, quantize
+
+    worker = config.worker
+    error_feedback = bool(worker.error_feedback)
+    if worker.compression == "sparseloco":
+        from hpsjax.transforms import sparseloco, sparseloco_nbytes
+
+        ratio, bits = float(worker.compress_ratio), int(worker.sparseloco_bits)
+        decay = float(worker.sparseloco_decay)
+        chunk = int(worker.sparseloco_chunk)
+        transform = sparseloco(ratio, bits=bits, decay=decay, chunk=chunk)
+        return transform, None, sparseloco_nbytes(params, ratio, bits, chunk=chunk)
+    if worker.compression == "streaming":
+        from hpsjax.transforms import last_streaming_nbytes, streaming_push
+
+        transform = streaming_push(
+            int(worker.streaming_fragments),
+            _streaming_bits(worker),
+            error_feedback=error_feedback,
+            seed=int(config.seed),
+            layout=str(worker.streaming_layout),
+        )
+        return transform, None, last_streaming_nbytes(transform.init(params))
+    if worker.compression == "demo":
+        from hpsjax.transforms import demo, demo_nbytes
+
+        topk, chunk = int(worker.demo_topk), int(worker.demo_chunk)
+        transform = demo(float(worker.demo_decay), topk, chunk)
+        return transform, None, demo_nbytes(params, topk, chunk)
+    if worker.compression == "power_sgd":
+        rank = int(worker.powersgd_rank)
+        transform = power_sgd(
+            rank, error_feedback=error_feedback, seed=int(config.seed)
+        )
+        return transform, None, tree_wire_nbytes(params, powersgd_rank=rank)
+    bits = worker.bits
+    if bits is None:
+        return None, None, tree_wire_nbytes(params)
+    scheme = "sign" if bits == 1 else "uniform"
+    codec = Codec(scheme, bits)
+    transform = quantize(
+        bits, scheme=scheme, error_feedback=error_feedback, seed=int(config.seed)
+    )
+    return transform, codec, tree_wire_nbytes(params, codec)
+
+
+def _replanner(
+    config: ExperimentConfig,
+    work_plan: Any,
+    on_revision: Callable[[float, Any], None],
+) -> Any:
+    """The run's :class:`~hpsjax.profiling.Replanner` (``config.plan.replan_*``),
+    or with ``work_plan=None`` its :class:`~hpsjax.profiling.Pilot`
+    (``config.plan.pilot``), telling ``on_revision(now, plan)`` of every
+    revision it makes."""
+    from hpsjax.profiling import Pilot, Replanner
+
+    base = Replanner if work_plan is not None else Pilot
+
+    # A pilot without plan.replan plans once, from its fit, and keeps it.
+    keep = work_plan is None and not config.plan.replan
+
+    class Recorded(base):
+        def observe(self, worker_id, batch_size, step_time, now):
+            if keep and self.done:
+                return None
+            revised = super().observe(worker_id, batch_size, step_time, now)
+            if revised is not None:
+                on_revision(now, revised)
+            return revised
+
+    settings = {
+        "threshold": float(config.plan.replan_threshold),
+        "window": int(config.plan.replan_window),
+        "cooldown": float(config.plan.replan_cooldown),
+    }
+    if work_plan is not None:
+        return Recorded(work_plan, **settings)
+    n = len(config.workers.slowdowns)
+    # The pilot's plans scale the step size as build.work_plan's plan does.
+    options = {
+        "lr_scaling": registry.lookup("lr scaling", config.plan.lr_scaling),
+        "local_steps": int(config.plan.local_steps),
+        "max_local_steps": int(config.plan.max_local_steps),
+    }
+    return Recorded(
+        range(n),
+        int(config.batch_size) * n,
+        str(config.plan.scheme),
+        tolerance=float(config.plan.pilot_tolerance),
+        max_rounds=int(config.plan.pilot_rounds),
+        batch_sizes=_pilot_grid(config),
+        plan_options=options,
+        **settings,
+    )
+
+
+def _pilot_grid(config: ExperimentConfig) -> tuple[int, ...] | None:
+    """The batch sizes a pilot plans on and its workers compile before
+    joining (``plan.pilot_grid`` a doubling, up to the global batch), or
+    ``None`` without a pilot or a grid."""
+    from hpsjax.planning import batch_grid
+
+    per_doubling = int(config.plan.pilot_grid)
+    if not config.plan.pilot or per_doubling <= 0:
+        return None
+    return batch_grid(
+        int(config.batch_size) * len(config.workers.slowdowns), per_doubling
+    )
+
+
+# What the simulator records beside the evaluation's metrics.
+_SIM_COLUMNS = ("time", "version", "gradients", "train_loss")
+
+
+def _eval_metrics(record: Mapping[str, Any]) -> dict[str, float]:
+    """The task's metrics of a simulator's evaluation record (its columns
+    ``time``, ``version``, ``gradients`` and ``train_loss`` left out)."""
+    return {k: float(v) for k, v in record.items() if k not in _SIM_COLUMNS}
+
+
+def _overlap(config: ExperimentConfig, work_plan: Any) -> str:
+    """The workers' overlap: ``worker.overlap``, or where
+    ``plan.overlap_link_share`` is set and there is a plan, the plan's choice
+    (:func:`hpsjax.profiling.choose_overlap`)."""
+    from hpsjax.profiling import choose_overlap
+
+    share = config.plan.overlap_link_share
+    if share is None or work_plan is None:
+        return registry.lookup("overlap", config.worker.overlap)
+    return choose_overlap(work_plan, float(share))
+
+
+def _with_startup(config: ExperimentConfig, specs: list[Any]) -> list[Any]:
+    """``specs`` with ``config.workers.startup_times`` as their start-up times
+    (after the profiling pass, which measures warm workers)."""
+    times = tuple(config.workers.startup_times or ())
+    if not times:
+        return specs
+    if len(times) != len(specs):
+        raise ValueError(
+            f"workers.startup_times has {len(times)} entries for {len(specs)} "
+            "workers; give one per worker or ()"
+        )
+    return [
+        dataclasses.replace(spec, startup_time=float(t))
+        for spec, t in zip(specs, times, strict=True)
+    ]
+
+
+def _worker_side(config: ExperimentConfig, work_plan: Any) -> dict[str, Any]:
+    """The :class:`~hpsjax.worker.WorkerOptions` fields that ``config`` sets on
+    every worker, simulated or real: the overlap, eager pulls, PS+'s staleness
+    step rule and, with a plan to give the ratios, top-k from a stage on."""
+    worker = config.worker
+    side: dict[str, Any] = {"overlap": _overlap(config, work_plan)}
+    if worker.staleness_lr is not None:
+        registry.lookup("staleness policy", worker.staleness_lr)
+        side["staleness_lr"] = worker.staleness_lr
+    if side["overlap"] == "eager":
+        side["eager_pulls"] = int(worker.eager_pulls)
+    if work_plan is not None:
+        value = config.stages.compress_from_stage
+        side["compress_from_stage"] = None if value is None else int(value)
+    return side
+
+
+def _progress_bar(enabled: bool, total: float, unit: str) -> Any:
+    if not enabled:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(
+        total=total,
+        unit=unit,
+        bar_format="{l_bar}{bar}| {n:.1f}/{total:.1f} {unit} [{elapsed}{postfix}]",
+        file=sys.stderr,
+    )
+
+
+def _streaming_bits(worker: ExperimentConfig) -> int | str | None:
+    """``worker.streaming_bits``: an int, ``"e2m1"`` (4-bit floats) or None."""
+    bits = worker.streaming_bits
+    return bits if bits is None or isinstance(bits, str) else int(bits)
