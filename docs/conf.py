@@ -154,10 +154,14 @@ def _imported_data(module_name: str) -> str:
     """``py:data`` entries for the data of ``__all__`` that automodule skips.
 
     automodule documents the classes and functions a package imports from its
-    private modules, but not imported data (tuples, dicts, type aliases).
+    private modules, but not imported data (tuples, dicts, type aliases), nor
+    data the module defines itself without a docstring under it.
     """
+    from sphinx.pycode import ModuleAnalyzer
+
     module = importlib.import_module(module_name)
     own = (pathlib.Path(module.__file__)).read_text(encoding="utf-8")
+    documented = ModuleAnalyzer.for_module(module_name).find_attr_docs()
     entries = []
     for name in module.__all__:
         value = getattr(module, name)
@@ -167,8 +171,13 @@ def _imported_data(module_name: str) -> str:
         ):
             continue
         if re.search(rf"^{name}\s*[:=]", own, re.MULTILINE):
-            continue  # defined in the package itself: automodule has it
-        doc = _attribute_doc(module, name) if hasattr(module, "__path__") else ""
+            if ("", name) in documented:
+                continue  # defined here with its docstring: automodule has it
+            doc = f"   ``{name} = {value!r}``"
+        elif hasattr(module, "__path__"):
+            doc = _attribute_doc(module, name)
+        else:
+            doc = ""
         entries.append(f".. py:data:: {name}\n   :module: {module_name}\n\n{doc}\n")
     return "\n".join(entries)
 
