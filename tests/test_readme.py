@@ -1,16 +1,15 @@
-"""README.md runs as written: every code block, and a length a newcomer reads.
+"""README.md runs as written, every code block, and stays short to read.
 
 Each fenced block of the README is claimed by one runner below, found by a line
 only that block holds (:data:`RUNNERS`); a block no runner claims fails
 :func:`test_every_readme_block_is_run_or_checked`. The Python blocks are
-executed; the recipe for three hosts runs on this machine as separate
-processes on loopback (``HOST_A=127.0.0.1``, ``PORT`` a free port); the demo
-runs with two of its schemes and prints the README's rows for them; the
-install block is checked against the project's address and extras, and the
-test command is CI's (``tests/test_docs.py``).
-
-The length is the README's words as ``wc -w`` counts them: every
-whitespace-separated token of the file, code blocks and tables included.
+executed; the recipe for three hosts runs on this machine as separate processes
+on loopback (``HOST_A=127.0.0.1``; ``PORT=0`` for the server, then the port it
+picked for the workers); the demo runs with two of its schemes and prints the
+README's rows for them; the install block is checked against the project's
+address and extras, and the test command is CI's (``tests/test_docs.py``). The
+length is the README's words as ``wc -w`` counts them: every whitespace-separated
+token of the file, code blocks and tables included.
 """
 
 from __future__ import annotations
@@ -19,7 +18,6 @@ import os
 import pathlib
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -152,12 +150,6 @@ def test_demo_prints_the_readmes_rows(tmp_path):
     assert any(line.startswith("plot: ") for line in printed)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _wait_for(path: pathlib.Path, text: str, proc, seconds: float) -> None:
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline and proc.poll() is None:
@@ -189,6 +181,9 @@ def _run_recipe(tmp_path: pathlib.Path, env: dict) -> str:
                 script = f"{setup}\n{command.replace('0.0.0.0', '127.0.0.1')}"
                 server = _start(script, tmp_path / "server.log", env, tmp_path)
                 _wait_for(tmp_path / "server.log", "listening on", server, 120)
+                # PORT=0: the system picked the port; the workers take it.
+                log = (tmp_path / "server.log").read_text()
+                env["PORT"] = re.search(r"listening on [\d.]+:(\d+)", log).group(1)
             elif "hpsjax-worker" in command and "--worker_id" in command:
                 log = tmp_path / f"worker{len(workers)}.log"
                 workers.append(_start(f"{setup}\n{command}", log, env, tmp_path))
@@ -223,7 +218,7 @@ def test_recipe_trains_on_three_processes_and_exports(tmp_path, monkeypatch):
         **os.environ,
         "PATH": f"{scripts}{os.pathsep}{os.environ['PATH']}",
         "HOST_A": "127.0.0.1",
-        "PORT": str(_free_port()),
+        "PORT": "0",
         "PYTHONUNBUFFERED": "1",
     }
     log = _run_recipe(tmp_path, env)
