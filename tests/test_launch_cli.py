@@ -9,7 +9,7 @@ import tempfile
 import hpsjax.launch as launch_module
 from hpsjax.config import parse_server
 from hpsjax.launch import _cli as launch_cli
-from hpsjax.launch._prepare import check_launch, not_kept, with_export
+from hpsjax.launch._prepare import check_launch, kept_params, with_export
 
 
 def _fake(monkeypatch) -> dict:
@@ -85,9 +85,23 @@ def test_without_a_workdir_the_server_exports_its_final_parameters(tmp_path):
     assert with_export(mine, kept=False, server_shards=1) == (mine, None)
     # The last line names the file once it is there.
     file = tmp_path / "p.npz"
-    assert not_kept(file) == "no --workdir: metrics not kept"
+    assert kept_params(file).startswith("no final parameters at")
     file.write_bytes(b"")
-    assert not_kept(file) == (
-        f"no --workdir: final parameters in {file} (hpsjax.export.load_params "
-        "reads them)"
+    assert kept_params(file) == (
+        f"final parameters in {file} (hpsjax.export.load_params reads them)"
     )
+
+
+def test_hpsjax_launch_says_where_the_final_parameters_are(
+    monkeypatch, capsys, tmp_path
+):
+    seen = _fake(monkeypatch)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    assert launch_module.main(["--workers", "1", "--no_eval"]) == 0
+    flag, path = seen["server_args"][-2:]
+    assert flag == "--export_params" and path.startswith(str(tmp_path))
+    assert f"no final parameters at {path}" in capsys.readouterr().out
+    # A work directory keeps everything: no export is added.
+    argv = ["--workers", "1", "--no_eval", "--workdir", str(tmp_path / "run")]
+    assert launch_module.main(argv) == 0
+    assert seen["server_args"] == []

@@ -18,6 +18,7 @@ from hpsjax.launch import _ray
 from hpsjax.launch._job import LaunchError
 from hpsjax.launch._local import launch
 from hpsjax.launch._options import LaunchOptions
+from hpsjax.launch._prepare import kept_params, with_export
 from hpsjax.worker._command import WorkerCommand
 
 _GROUPS = {
@@ -123,6 +124,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         backend = _ray.backend_from_flags(args) or functools.partial(
             launch, max_restarts=args.max_restarts or 0
         )
+        # Without a work directory, the final parameters are kept (locally).
+        kept = args.workdir is not None or args.backend != "local"
+        server_args, params = with_export(server_args, kept, args.server_shards)
         result = backend(
             args.workers,
             policy=args.policy,
@@ -146,4 +150,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+    if params is not None:
+        print(f"hpsjax-launch: {kept_params(params)}", flush=True)
     return result.returncode

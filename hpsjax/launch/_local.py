@@ -30,13 +30,7 @@ from hpsjax.launch._job import (
     worker_ended,
 )
 from hpsjax.launch._monitor import Monitor
-from hpsjax.launch._prepare import (
-    check_launch,
-    not_kept,
-    prepare_workdir,
-    run_env,
-    with_export,
-)
+from hpsjax.launch._prepare import check_launch, prepare_workdir, run_env
 from hpsjax.ps._options import ServerOptions
 
 # Seconds between the server's checkpoints when the launcher may restart it
@@ -110,11 +104,10 @@ def launch(
         Workers that lose their server end and are restarted too, which
         counts against their own restarts. 0: the first crash ends the run.
       workdir: where to keep the secret, initial parameters, plan and metrics;
-        by default a temporary directory, removed when the run ends (the
-        result's ``workdir`` is ``None``), the server's final parameters then
-        exported to ``hpsjax-params-<time>-<pid>.npz`` in the system's
-        temporary directory (unless ``server_args`` name an
-        ``--export_params``), named in the last line.
+        by default a temporary directory, removed when the run ends (nothing
+        is kept: the result's ``workdir`` is ``None``; ``hpsjax-launch``
+        then has the server export its final parameters, see
+        :func:`~hpsjax.launch._prepare.with_export`).
       compile_cache: the JAX compilation cache every process of the run
         shares (``JAX_COMPILATION_CACHE_DIR``); by default ``jax_cache`` in
         ``workdir``.
@@ -148,7 +141,6 @@ def launch(
         with tempfile.TemporaryDirectory(prefix="hpsjax-launch-") as tmp:
             return launch(**{**arguments, "workdir": _Temporary(tmp)})
     kept = not isinstance(workdir, _Temporary)
-    server_args, params = with_export(server_args, kept, server_shards)
     flags, shared = check_launch(
         num_workers, steps=steps, worker_args=worker_args,
         per_worker_args=per_worker_args, server_args=server_args, timeout=timeout,
@@ -196,7 +188,7 @@ def launch(
         )
     server_codes = tuple(s.poll() for s in run.servers)
     reason = final_reason(reason, [s.name for s in run.servers], server_codes)
-    where = f"workdir {work}" if kept else not_kept(params)
+    where = f"workdir {work}" if kept else "no --workdir: metrics not kept"
     console.emit(f"[launch] {reason} in {time.monotonic() - start:.1f}s; {where}")
     return LaunchResult(
         returncode=launch_returncode(reason),

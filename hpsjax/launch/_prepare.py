@@ -101,14 +101,12 @@ def with_export(
     return [*server_args, *argv_of(ServerOptions, export_params=str(path))], path
 
 
-def not_kept(params: pathlib.Path | None) -> str:
-    """What a launch without a work directory kept, for its last line."""
-    if params is not None and params.is_file():
-        return (
-            f"no --workdir: final parameters in {params} "
-            "(hpsjax.export.load_params reads them)"
-        )
-    return "no --workdir: metrics not kept"
+def kept_params(params: pathlib.Path) -> str:
+    """Where a launch without a work directory kept its final parameters
+    (:func:`with_export`), for its last line."""
+    if params.is_file():
+        return f"final parameters in {params} (hpsjax.export.load_params reads them)"
+    return f"no final parameters at {params}: the server did not write them"
 
 
 def _check_flags(
