@@ -200,8 +200,16 @@ def positive_budget(prog: str, budget: float | None) -> float | None:
 
 def add_config_flag(parser: argparse.ArgumentParser) -> None:
     """``--config=experiments/configs/<scheme>.py[:SETTING]`` (required), whose
-    fields ``--config.KEY=VALUE`` overrides."""
+    fields ``--config.KEY=VALUE`` overrides (listed in ``--help``, from the
+    fields' declarations)."""
     from experiments.configs.common import SETTINGS
+    from experiments.configs.schema import field_help
+
+    rows = field_help()
+    width = max(len(name) for name, _, _ in rows) + 10
+    parser.epilog = "config fields (--config.KEY=VALUE):\n" + "\n".join(
+        f"  {'--config.' + name:<{width}} {kind}: {text}" for name, kind, text in rows
+    ).replace("%", "%%")
 
     parser.add_argument(
         "--config",

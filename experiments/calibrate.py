@@ -686,6 +686,7 @@ def _measured_config(
         if value is not None:
             config.workers[key] = value
     registry.check_config(config)
+    config.freeze()  # checked: the run reads it as it is
     return config
 
 

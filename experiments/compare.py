@@ -492,6 +492,7 @@ def run_suite(
                 config.model.seed = seed
                 where = where / f"seed_{seed}"
             registry.check_config(config)
+            config.freeze()  # checked: the run reads it as it is
             label = _progress_label(scheme, seed, chosen, seeds)
             planned.append((scheme, config, where, label))
     if not render_only:

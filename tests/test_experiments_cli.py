@@ -37,6 +37,11 @@ def test_help_exits_0_and_names_every_flag_with_help(command, capsys):
     text = capsys.readouterr().out
     assert text.startswith(f"usage: experiments.{command}")
     assert "(default: " in text
+    if command == "run":  # every config field, from its declaration
+        from experiments.configs.schema import field_help
+
+        for name, _, _ in field_help():
+            assert f"--config.{name} " in text, name
 
 
 BAD = [

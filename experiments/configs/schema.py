@@ -41,6 +41,7 @@ __all__ = [
     "Stages",
     "Worker",
     "Workers",
+    "field_help",
     "field_names",
 ]
 
@@ -211,6 +212,21 @@ def _hints(cls: type) -> dict[str, Any]:
 def field_names(cls: type) -> list[str]:
     """The field names of a section class, in declaration order."""
     return [f.name for f in dataclasses.fields(cls)]
+
+
+def field_help(cls: type | None = None, prefix: str = "") -> list[tuple[str, str, str]]:
+    """``(dotted name, type, help)`` of every field of the config (sections
+    walked), from the fields' declarations: the ``--config.KEY`` flags."""
+    cls = ExperimentConfig if cls is None else cls
+    rows = []
+    hints = _hints(cls)
+    for field in dataclasses.fields(cls):
+        kind = hints[field.name]
+        if isinstance(kind, type) and issubclass(kind, Section):
+            rows += field_help(kind, f"{prefix}{field.name}.")
+        else:
+            rows.append((prefix + field.name, _describe(kind), field.metadata["help"]))
+    return rows
 
 
 def _unknown(section: Section, name: str) -> str:
