@@ -80,7 +80,7 @@ def segments(rounds: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     """
     cut: list[dict[str, Any]] = []
     for r in rounds:
-        key = (r.get("plan_revision", 0), r["batch_size"])
+        key = (r.get("plan_revision") or 0, r["batch_size"])
         if not cut or cut[-1]["key"] != key:
             before = cut[-1] if cut else None
             compiling = bool(

@@ -89,3 +89,15 @@ def test_a_workdir_without_rounds_is_a_one_line_error(tmp_path, capsys):
     assert rb.main([str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert err.startswith("round_breakdown: no round records") and err.count("\n") == 1
+
+
+def test_rounds_without_a_plan_are_one_segment():
+    # A scheme without a plan (BSP) writes plan_revision None.
+    rounds = [
+        {"step": i, "time": 0.2 * i, "version": i, "batch_size": 32,
+         "plan_revision": None, "round_s": 0.2}
+        for i in range(4)
+    ]  # fmt: skip
+    (only,) = rb.segments(rounds)
+    assert (only["revision"], only["batch"], only["rounds"]) == (0, 32, 4)
+    assert only["end"] == pytest.approx(0.8)
