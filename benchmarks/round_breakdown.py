@@ -73,8 +73,8 @@ def segments(rounds: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     """A worker's rounds cut where the plan revision or the batch changes.
 
     Each segment: ``revision``, ``batch``, ``compiling`` (true for rounds of a
-    revision still at the batch of the revision before: its new step compiled
-    beside them), ``start`` and ``end`` (the worker's clock: the first round's
+    revision before its new batch came: the same revision at another batch
+    follows, and its step compiled beside them), ``start`` and ``end`` (the worker's clock: the first round's
     start, the last round's end), ``rounds``, ``first_version`` and
     ``last_version``, and the records themselves (``records``).
     """
@@ -82,23 +82,12 @@ def segments(rounds: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     for r in rounds:
         key = (r.get("plan_revision") or 0, r["batch_size"])
         if not cut or cut[-1]["key"] != key:
-            before = cut[-1] if cut else None
-            compiling = bool(
-                before is not None
-                and key[0] != before["revision"]
-                and key[1] == before["batch"]
-            )
-            cut.append(
-                {
-                    "key": key,
-                    "revision": key[0],
-                    "batch": key[1],
-                    "compiling": compiling,
-                    "records": [],
-                }
-            )
+            cut.append({"key": key, "revision": key[0], "batch": key[1], "records": []})
         cut[-1]["records"].append(r)
-    for s in cut:
+    for s, after in itertools.zip_longest(cut, cut[1:]):
+        # A revision's rounds before its new batch came (the same revision at
+        # another batch next) computed at the last batch while it compiled.
+        s["compiling"] = after is not None and after["revision"] == s["revision"]
         rs = s.pop("records")
         s.pop("key")
         s.update(
