@@ -1,77 +1,24 @@
 r"""The scheme advisor: which scheme to run on your own cluster.
 
-``python -m experiments.advise --telemetry RUN_DIR`` takes the cluster from a
-short pilot run on it: the per-round telemetry every worker records
-(:mod:`hpsjax.telemetry`; a run's workdir, or its metrics files). Per worker,
-its step time at the batch sizes it ran (:func:`experiments.calibrate.fit_compute`:
-fixed and per-sample cost where it ran two or more sizes; with one size all
-of it per sample, as the output notes), plus its encode, decode and the gap
-between its rounds as fixed cost, and its first round's extra compute as its
-start-up; the link, ``latency + bytes / bandwidth`` fitted to the rounds' wire
-seconds (push and pull less the server's hold) and bytes (:func:`fit_wire`);
-the server's seconds per push from its version records (apply and serve)
-where the files hold them, else the least of the workers' median holds. Each
-scheme's prediction runs over ``--seeds`` (two or more, default 1 and 2): the
-table gives the mean and spread (standard deviation) of the time to the
-target and marks the schemes whose mean is within the spread of the
-winner's ("tied with"). Example::
+``python -m experiments.advise`` simulates every scheme (``--schemes``) on a
+twin of your cluster fitted from what its workers measured, either a short
+pilot run's telemetry (``--telemetry RUN_DIR``: :func:`twin_from_telemetry`)
+or the workers' profiles (``--profiles 'profile_*.json'``, as
+``hpsjax-worker --profile_out`` writes them: :func:`load_profiles`), tunes
+each scheme's step size on the first seed (``--factors``, times its config's
+value), runs the chosen one over ``--seeds`` and prints a table ranked by the
+predicted time to the setting's target (``--setting``, or ``--model``,
+``--dataset``, ``--target``, ``--budget``), the schemes within the winner's
+spread marked tied, followed by the ``hpsjax-launch`` command of the winner.
+How the twin is made: :func:`cluster_config`. A prediction is a simulation:
+the calibration (RESULTS.md) found the simulator's updates/s and idle
+fraction within 15% of real processes for BSP, ASP and SSP, H-PS off by 32%
+on proc4; read the ranking as a shortlist to try, not as a result. Examples::
 
   python -m experiments.run --config=experiments/configs/bsp.py:proc4 \
       --config.budget_seconds=8 --workdir=runs/pilot
   python -m experiments.advise --telemetry=runs/pilot --setting=proc4 \
       --schemes=bsp,asp,hps,ssp,ps_plus,adsp --factors=1
-
-``python -m experiments.advise --profiles 'profile_*.json'`` reads the
-profiles of your workers (the files ``hpsjax-worker --profile_out`` or
-``python -m hpsjax.profiling.in_place --profile_out`` write, one per worker,
-each with the worker's measured step times and, where it reached a server,
-its measured push and pull), builds the calibrated simulator's twin of that
-cluster, runs every scheme on it (``--schemes``, all by default) with a short
-tuning of each scheme's step size (``--factors``: 0.5, 1 and 2 times its
-config's value, on the first seed; the chosen one on every seed), and prints
-a table ranked by the predicted time to the target (the setting's task's:
-test accuracy, a language model's validation loss), with the bytes moved
-(pushed and pulled), the updates per second and the workers' idle fraction,
-followed by the command that launches the winner (the server optimizer's
-arguments as ``--optimizer_arg``; the fields ``hpsjax-launch`` cannot carry
-are named).
-
-The twin is :func:`experiments.calibrate.simulated_config`, the mapping the
-calibration measured against real processes, fed from the profiles instead
-of a run's round records:
-
-* **compute**, per worker: the profile's fitted step time
-  :math:`t_i(b) = a_i + c_i b` (its first device; a worker with several
-  devices splits its batch evenly over them) at the config's batch size; the
-  fastest worker sets the simulator's step time, the others their slowdowns,
-  :math:`a_i / t_i` the fixed share; the jitter is ``--jitter`` (a profile
-  keeps medians only);
-* **link**: one push and one pull of the profile, ``latency + bytes /
-  bandwidth``; two messages of different sizes give both terms, two of the
-  same size cannot tell them apart and are charged by the byte (latency 0).
-  The simulator has one link model for all workers: the workers' median is
-  used, and the table says so when their links differ by more than 2x.
-  ``--link=MB_PER_S[,LATENCY_MS]`` replaces every profile's link by that one
-  (a profile's link measured on a loaded machine can be off by 10x: see
-  RESULTS.md), e.g. ``--link=50,1`` for 50 MB/s and 1 ms;
-* **server**: ``--service_time`` seconds per push at one server (a measured
-  push already holds the server's answer; default 0 with profiles, the
-  measured share with ``--telemetry``).
-
-The task, model, data, target and budget come from ``--setting`` (a name of
-``experiments.configs.common.SETTINGS``; the simulated workers replace its
-own; ``lm_sim8`` trains the language model), or from ``--model``,
-``--dataset`` (``--data_path`` for ``npz``), ``--target`` (a value of the
-task's target metric) and ``--budget``. Schemes that plan (H-PS, ADSP, ASHL) plan in
-the simulator from the twin's workers, as on the real cluster they would from
-these profiles.
-
-A prediction is a simulation: the calibration (RESULTS.md) found the
-simulator's updates/s and idle fraction within 15% of real processes for BSP,
-ASP and SSP, H-PS off by 32% on proc4, and the time to the target of one seed
-within the noise of a second evaluation. Read the ranking as a shortlist to
-try, not as a result. Example::
-
   python -m experiments.advise \
       --profiles 'experiments/results/proc4_profiles/profile_*.json' \
       --setting=proc4 --schemes=bsp,asp,hps --factors=1
@@ -199,6 +146,28 @@ def cluster_config(
     bandwidth)``, :func:`parse_link`) replaces the measured link,
     ``service_time`` (seconds per push) the measured server share (0 with
     profiles, which hold none); ``jitter`` applies to profiles only.
+
+    The twin is :func:`experiments.calibrate.simulated_config`, the mapping the
+    calibration measured against real processes, fed from the profiles instead
+    of a run's round records:
+
+    * **compute**, per worker: the profile's fitted step time
+      :math:`t_i(b) = a_i + c_i b` (its first device; a worker with several
+      devices splits its batch evenly over them) at the config's batch size; the
+      fastest worker sets the simulator's step time, the others their slowdowns,
+      :math:`a_i / t_i` the fixed share; the jitter is ``--jitter`` (a profile
+      keeps medians only);
+    * **link**: one push and one pull of the profile, ``latency + bytes /
+      bandwidth``; two messages of different sizes give both terms, two of the
+      same size cannot tell them apart and are charged by the byte (latency 0).
+      The simulator has one link model for all workers: the workers' median is
+      used, and the table says so when their links differ by more than 2x.
+      ``--link=MB_PER_S[,LATENCY_MS]`` replaces every profile's link by that one
+      (a profile's link measured on a loaded machine can be off by 10x: see
+      RESULTS.md), e.g. ``--link=50,1`` for 50 MB/s and 1 ms;
+    * **server**: ``--service_time`` seconds per push at one server (a measured
+      push already holds the server's answer; default 0 with profiles, the
+      measured share with ``--telemetry``).
 
     Raises:
       ValueError: an unknown scheme or setting (the message lists valid
