@@ -3,8 +3,12 @@ and the final parameters kept without a work directory."""
 
 from __future__ import annotations
 
+import json
 import pathlib
+import re
 import tempfile
+
+import pytest
 
 import hpsjax.launch as launch_module
 from hpsjax.config import parse_server
@@ -105,3 +109,26 @@ def test_hpsjax_launch_says_where_the_final_parameters_are(
     argv = ["--workers", "1", "--no_eval", "--workdir", str(tmp_path / "run")]
     assert launch_module.main(argv) == 0
     assert seen["server_args"] == []
+
+
+@pytest.mark.slow
+def test_hpsjax_launch_runs_ashl_by_its_scheme_name(
+    tmp_path, capsys, monkeypatch, session_compile_cache
+):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    argv = [
+        "--workers", "2", "--policy", "ashl", "--steps", "3", "--no_progress",
+        "--run_timeout", "240", "--compile_cache", session_compile_cache, "--",
+        "--model_arg", "hidden=[16]", "--dataset_arg", "num_examples=64",
+        "--status_interval", "0",
+    ]  # fmt: skip
+    assert launch_module.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "scheme ashl: server --policy hybrid" in out, out
+    assert "workers --bits 8 --local_optimizer sgd" in out, out
+    # The first stage's four local steps a round, and worker 0's last eval.
+    done = re.findall(r"hpsjax-worker done: (\{.*\})", out)
+    assert [json.loads(d)["local_steps"] for d in done] == [12, 12], out
+    assert "[worker 0] hpsjax-worker eval: version" in out, out
+    (params,) = tmp_path.glob("hpsjax-params-*.npz")
+    assert f"hpsjax-launch: final parameters in {params}" in out
