@@ -131,7 +131,14 @@ class WorkerConfig(WorkerOptions):
     max_steps: int | None = _renamed("max_steps", "--steps")
     host: str = _option("127.0.0.1", "server address", group="server")
     port: int = 0
-    worker_id: str | int = _option(0, "unique id", type=_worker_id, group="server")
+    worker_id: str | int = _option(
+        0,
+        "this worker's id, its own among the run's workers (hpsjax-launch "
+        "gives each one; the server refuses a second worker under a live "
+        "worker's id)",
+        type=_worker_id,
+        group="server",
+    )
     secret: str | bytes | None = None
     batch_size: int = _option(32, "samples per step", group="work")
     work_plan: Any = None
