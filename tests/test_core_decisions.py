@@ -269,6 +269,31 @@ def test_a_checkpoint_is_asked_for_every_so_many_versions():
         numpy_core("asp", checkpoint_every_updates=0)
 
 
+def test_a_checkpoint_is_asked_for_every_so_many_seconds_when_the_version_moved():
+    core = numpy_core("asp", checkpoint_every_s=10.0)
+    assert core.next_deadline() is None  # the clock starts with the first event
+    assert core.join("a", 5.0) == [SendParams("a", 0, None)]
+    assert core.next_deadline() == 15.0
+    # A waiting worker's Wait names its own deadline, never the save's.
+    core.push("a", upd(1.0), version=0, now=6.0)
+    assert core.handle(Tick(14.0)) == []
+    assert core.handle(Tick(15.0)) == [SaveCheckpoint(1)]
+    assert core.next_deadline() == 25.0
+    # Nothing new: no save, and the next one is due ten seconds on.
+    assert core.handle(Tick(25.0)) == []
+    assert core.next_deadline() == 35.0
+    core.push("a", upd(1.0), version=1, now=30.0)
+    assert core.handle(Tick(36.0)) == [SaveCheckpoint(2)]
+    held = numpy_core("bsp", checkpoint_every_s=100.0, initial_timeout=10.0)
+    held.join("a", 0.0)
+    held.join("b", 0.0)
+    held.push("a", upd(1.0), version=0, now=1.0)
+    wait = held.pull("a", 1.0)[0]
+    assert isinstance(wait, Wait) and wait.until == 10.0
+    with pytest.raises(ValueError, match="checkpoint_every_s"):
+        numpy_core("asp", checkpoint_every_s=0)
+
+
 def test_a_worker_past_its_deadline_is_dropped_and_the_round_goes_on():
     core = numpy_core("bsp", initial_timeout=10.0)
     core.join("a", 0.0)

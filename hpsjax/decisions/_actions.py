@@ -59,8 +59,9 @@ class Wait:
 
     Attributes:
       worker_id: the worker.
-      until: the earliest deadline now pending (``core.next_deadline()``): when
-        a worker that has not made progress by then is dropped and the wait is
+      until: the earliest deadline now pending of a held start or a live
+        worker (``core.next_deadline()`` but a timed checkpoint): when a
+        worker that has not made progress by then is dropped and the wait is
         examined again; it moves later as workers make progress. ``None`` when no
         deadline applies.
       reason: what it waits for.
@@ -136,8 +137,10 @@ class SaveCheckpoint:
     state and :meth:`~hpsjax.decisions.ServerCore.state_dict` as they are now.
 
     Returned after the :class:`Applied` of every ``checkpoint_every_updates``
-    new versions; the driver saves (the asyncio server, on its checkpoint
-    thread) and the simulator, which keeps none, never asks for it.
+    new versions, and by the tick every ``checkpoint_every_s`` seconds when
+    the version changed; the driver saves (the asyncio server, on its
+    checkpoint thread) and the simulator, which keeps none, never asks for
+    it.
     """
 
     version: int

@@ -152,6 +152,11 @@ class ServerCore:
       checkpoint_every_updates: return a :class:`SaveCheckpoint` after the
         :class:`Applied` of every this many new versions (counted from the last
         one asked for, or the version restored); ``None`` for never.
+      checkpoint_every_s: also return a :class:`SaveCheckpoint` every this many
+        seconds (of the times the driver passes, counted from the first event)
+        when the version changed since the last one asked for by time, from
+        the :meth:`tick` at that time (:meth:`next_deadline` includes it);
+        ``None`` for never.
 
     Aggregation. Updates accepted by the policy are buffered with a weight
     :math:`n_j d_j`, :math:`n_j` the ``num_samples`` of the push (1 when not
@@ -229,6 +234,7 @@ class ServerCore:
         replanner: Any = None,
         replan_from_pushes: bool = True,
         checkpoint_every_updates: int | None = None,
+        checkpoint_every_s: float | None = None,
     ):
         check_int(
             "checkpoint_every_updates", checkpoint_every_updates, low=1, allow_none=True
@@ -265,6 +271,7 @@ class ServerCore:
             self._agg,
             keep_stale_params=keep_stale_params,
             checkpoint_every_updates=checkpoint_every_updates,
+            checkpoint_every_s=checkpoint_every_s,
             push_weights=push_weights,
         )
         self._stages = Stages(
@@ -391,6 +398,14 @@ class ServerCore:
 
     def next_deadline(self) -> float | None:
         """When :meth:`tick` should be called next, or ``None`` for never."""
+        deadline = self._wait_deadline()
+        save_at = self._versions.save_at
+        if save_at is None or deadline is None:
+            return deadline if save_at is None else save_at
+        return min(save_at, deadline)
+
+    def _wait_deadline(self) -> float | None:
+        """The earliest deadline of a held start or a live worker, or ``None``."""
         start = self._admission.start_deadline()
         deadline = self._members.next_deadline()
         if start is None or deadline is None:
@@ -429,6 +444,7 @@ class ServerCore:
     def _begin(self, now: float) -> None:
         self._now = now
         self._epoch += 1
+        self._versions.clock(now)
 
     def join(self, worker_id: WorkerId, now: float) -> list[Action]:
         """A worker joins, or joins again; it is answered like a pull.
@@ -740,7 +756,8 @@ class ServerCore:
           now: the time (s).
 
         Returns:
-          ``Drop`` actions, then the applies and releases they allow.
+          ``Drop`` actions, then the applies and releases they allow, then a
+          :class:`SaveCheckpoint` due by time.
         """
         now = self._check_now(now)
         self._begin(now)
@@ -754,6 +771,7 @@ class ServerCore:
             self._remove(rec, reason=reason)
             actions.append(Drop(rec.worker_id, reason))
         self._settle(now, actions)
+        self._versions.timed_save(now, actions)
         return actions
 
     def set_stage(self, index: int, now: float) -> list[Action]:
@@ -806,7 +824,7 @@ class ServerCore:
 
     def _pull(self, rec: WorkerRecord, now: float, actions: list[Action]) -> None:
         self._admission.pull(
-            rec, now, self._versions.version, self.next_deadline, actions
+            rec, now, self._versions.version, self._wait_deadline, actions
         )
 
     def _send(self, rec: WorkerRecord, now: float, actions: list[Action]) -> None:

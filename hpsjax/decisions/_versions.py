@@ -19,7 +19,7 @@ import math
 from collections.abc import Hashable, Mapping
 from typing import Any
 
-from hpsjax._checks import is_number
+from hpsjax._checks import check_positive, is_number
 from hpsjax.decisions._actions import Action, Applied, SaveCheckpoint, StartApply
 from hpsjax.decisions._membership import WorkerRecord
 from hpsjax.decisions._policy import Verdict
@@ -39,6 +39,8 @@ class Versions:
         against.
       checkpoint_every_updates: ask for a checkpoint every this many new
         versions, or ``None``.
+      checkpoint_every_s: ask for a checkpoint of a version not yet saved
+        every this many seconds of the driver's clock, or ``None``.
       push_weights: a factor per worker id on every push of that worker, or
         ``None``.
 
@@ -57,8 +59,11 @@ class Versions:
         *,
         keep_stale_params: bool,
         checkpoint_every_updates: int | None,
-        push_weights: Mapping[Any, float] | None,
+        checkpoint_every_s: float | None = None,
+        push_weights: Mapping[Any, float] | None = None,
     ):
+        check_positive("checkpoint_every_s", checkpoint_every_s, allow_none=True)
+        self._checkpoint_every_s = checkpoint_every_s
         if push_weights is not None and (
             not isinstance(push_weights, Mapping)
             or not all(
@@ -78,7 +83,9 @@ class Versions:
 
     def reset(self, version: int) -> None:
         """At ``version`` (the last checkpointed), no buffer, no copies referred to."""
-        self.version = self._checkpointed_version = version
+        self.version = self._checkpointed_version = self._timed_version = version
+        # When the next timed checkpoint is due (set by the first event).
+        self.save_at: float | None = None
         # Live references to each version kept for stale_params.
         self._refcount: dict[int, int] = {}
         self.reset_buffer()
@@ -181,6 +188,21 @@ class Versions:
         else:
             self._refcount.pop(version, None)
             self.agg.drop_copy(version)
+
+    def clock(self, now: float) -> None:
+        """The driver's time: the timed checkpoints start from the first event."""
+        if self.save_at is None and self._checkpoint_every_s is not None:
+            self.save_at = now + self._checkpoint_every_s
+
+    def timed_save(self, now: float, actions: list[Action]) -> None:
+        """A :class:`SaveCheckpoint` where one is due by time and the version
+        changed since the last one due by time."""
+        if self.save_at is None or now < self.save_at:
+            return
+        self.save_at = now + self._checkpoint_every_s
+        if self.version != self._timed_version:
+            self._timed_version = self.version
+            actions.append(SaveCheckpoint(self.version))
 
     def apply(
         self, workers: dict[WorkerId, WorkerRecord], actions: list[Action]

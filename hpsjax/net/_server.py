@@ -313,6 +313,7 @@ class Server(ServerSessions, ServerPushes, ServerActions, ServerCheckpoints):
                 aggregator=OverlapAggregator,
                 replanner=replanner,
                 checkpoint_every_updates=checkpoint_every_updates,
+                checkpoint_every_s=checkpoint_every_s,
                 **({"check_result": bool(check_finite)} | dict(core_kwargs or {})),
             )
         self._host = host
@@ -328,7 +329,6 @@ class Server(ServerSessions, ServerPushes, ServerActions, ServerCheckpoints):
             math.inf if overlap_apply_bytes is None else overlap_apply_bytes
         )
         self._checkpoint_dir = checkpoint_dir
-        self._checkpoint_every_s = checkpoint_every_s
         self._checkpoint_keep = checkpoint_keep
         self._status_interval = float(status_interval)
         self._status_bar = status_bar
@@ -370,7 +370,6 @@ class Server(ServerSessions, ServerPushes, ServerActions, ServerCheckpoints):
         self._params_frames: tuple[int, dict[tuple, PreparedFrame]] = (-1, {})
         self._manager: CheckpointManager | None = None
         self._saved_version: int | None = None
-        self._checkpoint_task: asyncio.Task | None = None
         self._checkpoint_error: BaseException | None = None
         self._checkpoint_futures: list[concurrent.futures.Future] = []
         self._port: int | None = None
@@ -478,8 +477,6 @@ class Server(ServerSessions, ServerPushes, ServerActions, ServerCheckpoints):
         )
         self._port = self._server.sockets[0].getsockname()[1]
         await self._decide_overlap()
-        if self._checkpoint_every_s is not None:
-            self._checkpoint_task = self._loop.create_task(self._checkpoint_loop())
         if self._status_interval > 0:
             self._progress = Progress(
                 "server",
@@ -534,8 +531,6 @@ class Server(ServerSessions, ServerPushes, ServerActions, ServerCheckpoints):
         self._closing = True
         if self._timer is not None:
             self._timer.cancel()
-        if self._checkpoint_task is not None:
-            self._checkpoint_task.cancel()
         if self._status_task is not None:
             self._status_task.cancel()
         if self._progress is not None:

@@ -3,8 +3,8 @@
 :class:`ServerCheckpoints` is the part of :class:`~hpsjax.net.Server` that
 resumes from the newest orbax checkpoint, hands a checkpoint of the current
 version to the manager's thread when the core returns a
-:class:`~hpsjax.decisions.SaveCheckpoint` (and every ``checkpoint_every_s``
-seconds), and waits for the last one at close.
+:class:`~hpsjax.decisions.SaveCheckpoint` (the core keeps both cadences, by
+versions and by seconds), and waits for the last one at close.
 """
 
 from __future__ import annotations
@@ -106,8 +106,3 @@ class ServerCheckpoints:
                 await asyncio.wrap_future(future)
         with contextlib.suppress(RuntimeError):  # a failed save, kept above
             await asyncio.to_thread(self._manager.close)
-
-    async def _checkpoint_loop(self) -> None:
-        while True:
-            await asyncio.sleep(self._checkpoint_every_s)
-            self._save_async()
