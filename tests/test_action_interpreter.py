@@ -15,6 +15,7 @@ from hpsjax.decisions import (
     Applied,
     PushAck,
     PushBegun,
+    SaveCheckpoint,
     SendParams,
     ServerCore,
     StartApply,
@@ -24,6 +25,8 @@ from hpsjax.decisions import (
     _interpreter,
 )
 from hpsjax.decisions._actions import ACTIONS
+from hpsjax.net import Server
+from hpsjax.sim._server_side import _ServerSide
 from hpsjax.wire import PushMeta
 
 
@@ -78,3 +81,14 @@ def test_a_push_begun_is_answered_with_the_apply_to_start_where_it_completes():
     assert core.handle(PushBegun("z", 0, None, 1.5)) == []
     assert core.handle(PushBegun("b", 0, None, 1.5))[0].plan == (1.0, 1, 0)
     assert core.buffered == 1 and core.version == 0
+
+
+def test_the_asyncio_server_has_a_handler_for_every_action():
+    server = Server({"w": np.zeros(2, np.float32)}, optax.sgd(1.0), "asp", secret=None)
+    assert server._interpret.handled == frozenset(ACTIONS)
+
+
+def test_the_simulator_has_a_handler_for_every_action_but_saves_and_early_applies():
+    side = _ServerSide.__new__(_ServerSide)
+    handled = side._interpreter().handled
+    assert handled == frozenset(ACTIONS) - {SaveCheckpoint, StartApply}
