@@ -74,9 +74,10 @@ def segments(rounds: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
 
     Each segment: ``revision``, ``batch``, ``compiling`` (true for rounds of a
     revision before its new batch came: the same revision at another batch
-    follows, and its step compiled beside them), ``start`` and ``end`` (the worker's clock: the first round's
-    start, the last round's end), ``rounds``, ``first_version`` and
-    ``last_version``, and the records themselves (``records``).
+    follows, and its step compiled beside them), ``start`` and ``end`` (the
+    worker's clock: the first round's start, the last round's end),
+    ``rounds``, ``first_version`` and ``last_version``, and the records
+    themselves (``records``).
     """
     cut: list[dict[str, Any]] = []
     for r in rounds:
@@ -243,10 +244,12 @@ def _cost_lines(run: Mapping[str, Any]) -> list[str]:
     crossing = target_crossing(run)
     if crossing is not None and rate > 0:
         t, version = crossing
-        ideal = start + version / rate
+        # The evaluations' clock starts when every worker has joined, at
+        # the first round (the workers' clocks count their start-up too).
+        ideal = version / rate
         lines.append(
             f"  target {run['target']} at {t:.1f} s (version {version}); at the after "
-            f"rate from the first round: {ideal:.1f} s, so the pilot cost about "
+            f"rate from the run's start: {ideal:.1f} s, so the pilot cost about "
             f"{t - ideal:.1f} s (the evaluations are {_eval_step(run):.1f} s apart)"
         )
     return lines

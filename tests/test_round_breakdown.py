@@ -76,7 +76,7 @@ def test_the_breakdown_prints_the_pilots_cost_and_the_prediction(tmp_path):
     assert "before: 1.70 s for 5 versions (2.9/s); after: 10.0 versions/s" in text
     assert "2 spans, 0.80-0.80 s each" in text
     # Version 8 at 10 a second from 0 s: 0.8 s, reached at 2.0 s.
-    assert "at the after rate from the first round: 0.8 s" in text
+    assert "at the after rate from the run's start: 0.8 s" in text
     assert "the pilot cost about 1.2 s" in text
     # Predicted 90 ms against the final rounds' 100 ms.
     assert "round: predicted 90 ms, measured mean 100 (median 100): -10%" in text
