@@ -13,6 +13,7 @@ import pytest
 from hpsjax.decisions import (
     ActionInterpreter,
     Applied,
+    Joined,
     PushAck,
     PushBegun,
     SaveCheckpoint,
@@ -21,13 +22,14 @@ from hpsjax.decisions import (
     StartApply,
     Wait,
     WorkerJoined,
+    WorkerPulled,
     WorkerPushed,
     _interpreter,
 )
 from hpsjax.decisions._actions import ACTIONS
 from hpsjax.net import Server
 from hpsjax.sim._server_side import _ServerSide
-from hpsjax.wire import PushMeta
+from hpsjax.wire import PushMeta, WorkerDropped
 
 
 def test_the_module_doctest():
@@ -88,7 +90,24 @@ def test_the_asyncio_server_has_a_handler_for_every_action():
     assert server._interpret.handled == frozenset(ACTIONS)
 
 
-def test_the_simulator_has_a_handler_for_every_action_but_saves_and_early_applies():
+def test_the_simulator_handles_every_action_but_saves_early_applies_and_rejoins():
     side = _ServerSide.__new__(_ServerSide)
     handled = side._interpreter().handled
-    assert handled == frozenset(ACTIONS) - {SaveCheckpoint, StartApply}
+    assert handled == frozenset(ACTIONS) - {SaveCheckpoint, StartApply, Joined}
+
+
+def test_a_pull_that_may_rejoin_joins_a_worker_that_is_not_live():
+    core = ServerCore({"w": np.zeros(2, np.float32)}, optax.sgd(1.0), "asp")
+    assert core.handle(WorkerPulled("a", 0.0, rejoin=True)) == [
+        Joined("a", 0),
+        SendParams("a", 0, None),
+    ]
+    # A live worker's pull is a pull, with or without rejoin.
+    assert core.handle(WorkerPulled("a", 1.0, rejoin=True)) == [SendParams("a", 0)]
+    core.leave("a", 2.0)
+    with pytest.raises(WorkerDropped):
+        core.handle(WorkerPulled("a", 3.0))
+    assert core.handle(WorkerPulled("a", 3.0, rejoin=True))[0] == Joined("a", 0)
+    assert core.worker("a").joins == 2
+    with pytest.raises(ValueError, match="worker_id"):
+        core.handle(WorkerPulled(["not", "hashable"], 4.0, rejoin=True))

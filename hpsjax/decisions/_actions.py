@@ -3,10 +3,10 @@
 :class:`~hpsjax.decisions.ServerCore` answers every event with a list of these,
 in the order a driver (the asyncio server, the simulator) carries them out,
 through one :class:`~hpsjax.decisions.ActionInterpreter` that hands each to the
-driver's handler for its type: send parameters, answer a push
-(:class:`~hpsjax.wire.PushAck`), hold or release a pull, force a pull, drop a
-worker, note a new version, save a checkpoint, start an apply as a push
-arrives, announce a stage or a revised plan.
+driver's handler for its type: note a worker a pull joined, send parameters,
+answer a push (:class:`~hpsjax.wire.PushAck`), hold or release a pull, force
+a pull, drop a worker, note a new version, save a checkpoint, start an apply
+as a push arrives, announce a stage or a revised plan.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ __all__ = [
     "Applied",
     "Drop",
     "ForcePull",
+    "Joined",
     "PlanChanged",
     "PushAck",
     "Release",
@@ -51,6 +52,25 @@ class SendParams:
     worker_id: WorkerId
     version: int
     local_steps: int | None = None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Joined:
+    """A worker's pull joined it: it never joined, or it is no longer live.
+
+    Returned first, before the :class:`SendParams` or :class:`Wait` that
+    answers the pull, by a :class:`~hpsjax.decisions.WorkerPulled` with
+    ``rejoin`` (the asyncio server's: a connection's first pull, or the pull
+    of a worker that was dropped, joins it), so that the driver can hand the
+    worker what it needs before its parameters (its work plan).
+
+    Attributes:
+      worker_id: the worker.
+      version: the server version after it joined.
+    """
+
+    worker_id: WorkerId
+    version: int
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -215,6 +235,7 @@ class StartApply:
 Action = (
     SendParams
     | PushAck
+    | Joined
     | Wait
     | Release
     | ForcePull
@@ -230,6 +251,7 @@ Action = (
 ACTIONS: tuple[type, ...] = (
     SendParams,
     PushAck,
+    Joined,
     Wait,
     Release,
     ForcePull,

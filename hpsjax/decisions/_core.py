@@ -33,6 +33,7 @@ from hpsjax.decisions._actions import (
     Applied,
     Drop,
     ForcePull,
+    Joined,
     PlanChanged,
     PushAck,
     Release,
@@ -71,6 +72,7 @@ __all__ = [
     "Applied",
     "Drop",
     "ForcePull",
+    "Joined",
     "PlanChanged",
     "PushAck",
     "Release",
@@ -431,6 +433,12 @@ class ServerCore:
             raise TypeError(f"not a server event: {event!r}")
         return handler(self, event)
 
+    def _is_live(self, worker_id: WorkerId) -> bool:
+        try:
+            return worker_id in self._members.live
+        except TypeError:  # unhashable: join refuses it
+            return False
+
     def _check_now(self, now: Any) -> float:
         if not is_number(now) or not math.isfinite(now):
             raise ValueError(f"now must be a finite number of seconds, got {now!r}.")
@@ -506,12 +514,16 @@ class ServerCore:
         self._settle(now, actions)
         return actions
 
-    def pull(self, worker_id: WorkerId, now: float) -> list[Action]:
+    def pull(
+        self, worker_id: WorkerId, now: float, *, rejoin: bool = False
+    ) -> list[Action]:
         """A worker asks for parameters.
 
         Args:
           worker_id: a live worker.
           now: the time (s).
+          rejoin: a worker that never joined or is no longer live joins
+            (:meth:`join`), its answer preceded by a :class:`Joined`.
 
         Returns:
           ``[SendParams]`` if the policy admits it now, else ``[Wait]`` (and a
@@ -521,9 +533,14 @@ class ServerCore:
           a worker already waiting is examined again like a new one.
 
         Raises:
-          UnexpectedMessage: for a worker that never joined.
-          WorkerDropped: for a worker that left or was dropped.
+          UnexpectedMessage: for a worker that never joined (without
+            ``rejoin``).
+          WorkerDropped: for a worker that left or was dropped (without
+            ``rejoin``).
         """
+        if rejoin and not self._is_live(worker_id):
+            actions = self.join(worker_id, now)
+            return [Joined(worker_id, self._versions.version), *actions]
         now = self._check_now(now)
         rec = self._members.live_record(worker_id)
         self._begin(now)
@@ -919,7 +936,7 @@ class ServerCore:
 _HANDLERS: dict[type, Callable[[ServerCore, Any], list[Action]]] = {
     WorkerJoined: lambda core, e: core.join(e.worker_id, e.now),
     WorkerLeft: lambda core, e: core.leave(e.worker_id, e.now),
-    WorkerPulled: lambda core, e: core.pull(e.worker_id, e.now),
+    WorkerPulled: lambda core, e: core.pull(e.worker_id, e.now, rejoin=e.rejoin),
     PushBegun: lambda core, e: core.push_begun(
         e.worker_id, e.version, e.num_samples, e.now
     ),

@@ -48,10 +48,19 @@ class WorkerLeft:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class WorkerPulled:
-    """A worker asked for parameters."""
+    """A worker asked for parameters.
+
+    Attributes:
+      worker_id: the worker.
+      now: the driver's time.
+      rejoin: a pull of a worker that never joined, or is no longer live,
+        joins it (answered with a :class:`~hpsjax.decisions.Joined` first)
+        instead of being refused.
+    """
 
     worker_id: Hashable
     now: float
+    rejoin: bool = False
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

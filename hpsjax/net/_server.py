@@ -60,7 +60,6 @@ from hpsjax.decisions import (
     ServerCore,
     StageSet,
     Tick,
-    WorkerJoined,
     WorkerPulled,
 )
 from hpsjax.net import _auth
@@ -71,7 +70,6 @@ from hpsjax.net._server_pushes import ServerPushes
 from hpsjax.net._session import (
     ServerSessions,
     Session,
-    describe_plan,
     is_loopback,
     live_workers,
     on_device,
@@ -729,26 +727,11 @@ class Server(ServerSessions, ServerPushes, ServerActions, ServerCheckpoints):
             raise UnexpectedMessage(f"clients do not send {t.name}")
 
     def _pull(self, session: Session) -> None:
-        now = self._now()
-        if session.joined and session.worker_id in self._core.live:
-            actions = self._core.handle(WorkerPulled(session.worker_id, now))
-        else:
-            plan = self._plans.get(session.worker_id)
-            if plan is not None:
-                # Before the answer to the join, so the plan is in force for
-                # the worker's first round.
-                self._notify(session, plan)
-            actions = self._core.handle(WorkerJoined(session.worker_id, now))
-            session.joined = True
-            logger.info(
-                "worker %r joined from %s at version %d (%d live)%s",
-                session.worker_id,
-                session.peer,
-                self._core.version,
-                len(self._core.live),
-                "" if plan is None else f"; sent its {describe_plan(plan)}",
-            )
-        self._carry_out(actions)
+        # A connection's first pull, or a dropped worker's, joins it: the
+        # core says so (Joined, carried out by _on_joined).
+        self._carry_out(
+            self._core.handle(WorkerPulled(session.worker_id, self._now(), True))
+        )
 
     # ---------------------------------------------------------- actions
 

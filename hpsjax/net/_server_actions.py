@@ -23,6 +23,7 @@ from hpsjax.decisions import (
     Applied,
     Drop,
     ForcePull,
+    Joined,
     PlanChanged,
     PushAck,
     Release,
@@ -65,6 +66,7 @@ class ServerActions:
         ignore = ActionInterpreter.ignore
         return ActionInterpreter(
             {
+                Joined: self._on_joined,
                 SendParams: self._on_send_params,
                 # The push's own answer is sent by _push; a held pull waits
                 # for its SendParams.

@@ -23,7 +23,7 @@ from typing import Any
 import jax
 
 from hpsjax.apply import LeafApply
-from hpsjax.decisions import WorkerLeft
+from hpsjax.decisions import Joined, WorkerLeft
 from hpsjax.net import _auth
 from hpsjax.net._connection import FrameProtocol, error_frame
 from hpsjax.wire import (
@@ -230,6 +230,26 @@ class ServerSessions:
                 # step before it joins a round.
                 self._notify(session, plan)
         session.protocol.send(encode_frame(msg_type, frame.request_id, meta))
+
+    def _on_joined(self, action: Joined) -> None:
+        """A worker's pull joined it: its connection is joined, and a planned
+        worker gets its plan before the answer (in force for its first
+        round)."""
+        session = self._sessions.get(action.worker_id)
+        if session is None:
+            return
+        session.joined = True
+        plan = self._plans.get(action.worker_id)
+        if plan is not None:
+            self._notify(session, plan)
+        logger.info(
+            "worker %r joined from %s at version %d (%d live)%s",
+            action.worker_id,
+            session.peer,
+            action.version,
+            len(self._core.live),
+            "" if plan is None else f"; sent its {describe_plan(plan)}",
+        )
 
     def _replace(self, old: Session) -> None:
         error = WorkerDropped("replaced by a newer connection of the same worker")
