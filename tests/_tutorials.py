@@ -42,7 +42,8 @@ CLAIMS = {
         " 'resumed_equal': bool(equal)}"
     ),
     "03_heterogeneity.ipynb": (
-        "{'balanced': bool(balanced),"
+        "{'balanced': bool(balanced), 'unbalanced': bool(unbalanced),"
+        " 'quarter': float(quarter),"
         " 'planned_idle': {k: p.idle_fraction for k, p in plans.items()},"
         " 'results': {k: {'versions': r.num_updates,"
         " 'idle': r.idle_fraction(),"
