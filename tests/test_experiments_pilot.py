@@ -71,3 +71,28 @@ def test_pilot_rounds_compares_the_last_plan_with_the_rounds_after_it():
     assert info["predicted_round_s"] == 0.2
     assert info["measured_mean_round_s"] == pytest.approx(0.25)
     assert info["pilot_seconds"] == 5.0
+
+
+def test_a_pilot_plans_on_the_grid_its_workers_compile_before_joining():
+    from hpsjax.planning import batch_grid
+
+    config = registry.load_config("hps", "proc4")
+    config.plan.pilot = True
+    grid = batch_grid(128)  # 4 workers of 32; plan.pilot_grid 4 by default
+    argv = backends.run_config(config).worker_argv(0)
+    assert argv[argv.index("--precompile") + 1] == ",".join(map(str, grid))
+    pilot = backends._replanner(config, None, lambda now, p: None)
+    now, steps = 0.0, {0: 0.1, 1: 0.1, 2: 0.05, 3: 0.025}
+    while not pilot.done and now < 500:
+        pushes = []
+        for w in pilot.plan.workers:
+            t = steps[w.worker_id] * (1 + w.batch_size / 32)
+            pushes.append((now + t + 0.01, w.worker_id, w.batch_size, t))
+        for at, worker, batch, t in sorted(pushes):
+            pilot.observe(worker, batch, t, at)
+        now = max(p[0] for p in pushes)
+    assert pilot.done
+    assert all(w.batch_size in grid for w in pilot.plan.workers)
+    # plan.pilot_grid 0: any batch, nothing compiled ahead.
+    config.plan.pilot_grid = 0
+    assert "--precompile" not in backends.run_config(config).worker_argv(0)
