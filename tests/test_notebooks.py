@@ -210,7 +210,7 @@ def _heterogeneity_claims(v):
     # The notebook says which case its profile is in: from what a quarter of
     # the batch costs the simulated workers, and (balanced) the plan.
     halves = planned["hps"] < planned["equal"] / 2
-    assert v["balanced"] == (halves and v["quarter"] < 0.4), v
+    assert v["balanced"] == (halves and v["quarter"] < 0.5), v
     assert v["unbalanced"] == (v["quarter"] > 0.8), v
     if v["balanced"]:
         # "in the same time it applies two to three times as many versions, its
