@@ -736,14 +736,14 @@ def test_the_documented_hybrid_stages_form_is_what_the_server_takes():
     import re
 
     from hpsjax.ps import Hybrid, get_policy
-    from hpsjax.ps._cli import _policy_kwargs, parse_args
+    from hpsjax.ps._cli import _policy_kwargs, parse_args, server_options
 
     launch = pathlib.Path(__file__).resolve().parents[1] / "LAUNCH.md"
     (value,) = re.findall(r"--policy hybrid --policy_arg '([^']*)'", launch.read_text())
     args = parse_args(
         ["--init", "init.npz", "--policy", "hybrid", "--policy_arg", value]
     )
-    policy = get_policy("hybrid", **_policy_kwargs(args))
+    policy = get_policy("hybrid", **_policy_kwargs(server_options(args)))
     assert isinstance(policy, Hybrid)
     stages = [
         (s.mode, s.local_steps, s.max_staleness, s.until_version) for s in policy.stages

@@ -683,6 +683,30 @@ def test_a_second_worker_claiming_a_live_workers_id_is_refused():
     _run(main)
 
 
+def test_a_reconnect_is_taken_while_the_old_connection_still_looks_live():
+    # A worker whose old connection the server has not yet seen close (no FIN
+    # yet: a cable pulled, a crash of the host) comes back on a new one: the
+    # same HELLO instance says it is the same worker, so the new connection
+    # replaces the old, where another worker's would be refused.
+    async def main():
+        async with _server("asp") as server:
+            first = _client(server, "w")
+            await first.connect()
+            await first.pull()
+            again = _client(server, "w")
+            again._instance = first._instance
+            await again.connect()
+            _, v = await again.pull()
+            assert (await again.push(_update(1), version=v)).applied
+            other = _client(server, "w")
+            with pytest.raises(ServerError, match="live connected worker"):
+                await other.connect()
+            for c in (first, again, other):
+                await c.close()
+
+    _run(main)
+
+
 def test_handshake_timeout_closes_silent_connections():
     async def main():
         async with _server("asp", handshake_timeout=0.2) as server:

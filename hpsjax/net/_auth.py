@@ -179,21 +179,32 @@ class Handshake:
       (None, True, 'w0')
     """
 
-    def __init__(self, role: str, secret: bytes | None, worker_id: Any = None):
+    def __init__(
+        self,
+        role: str,
+        secret: bytes | None,
+        worker_id: Any = None,
+        instance: bytes | None = None,
+    ):
         if role not in _PROOF_LABELS:
             raise ValueError(f"role must be 'client' or 'server', got {role!r}")
         self._role = role
         self._secret = secret
         self.worker_id = worker_id
+        # The client's connections' common token (HELLO's ``instance``).
+        self.instance = instance
         self.state = HandshakeState.HELLO
         self._client_nonce = b""
         self._server_nonce = b""
 
     @classmethod
-    def client(cls, secret: bytes | None, worker_id: Any) -> Handshake:
-        """The client's end: ``worker_id`` introduces itself, ``secret`` or none."""
+    def client(
+        cls, secret: bytes | None, worker_id: Any, instance: bytes | None = None
+    ) -> Handshake:
+        """The client's end: ``worker_id`` introduces itself, ``secret`` or
+        none; ``instance`` is the token all of this client's connections send."""
         check_worker_id(worker_id)
-        return cls("client", secret, worker_id)
+        return cls("client", secret, worker_id, instance)
 
     @classmethod
     def server(cls, secret: bytes | None) -> Handshake:
@@ -218,7 +229,9 @@ class Handshake:
             raise RuntimeError("only a client that has not started sends HELLO")
         self._client_nonce = os.urandom(NONCE_BYTES)
         self.state = HandshakeState.CHALLENGE
-        hello = Hello(self.worker_id, self._client_nonce, client="hpsjax")
+        hello = Hello(
+            self.worker_id, self._client_nonce, client="hpsjax", instance=self.instance
+        )
         return MsgType.HELLO, hello.to_wire()
 
     def receive(self, msg_type: MsgType, metadata: Mapping[str, Any]) -> Reply | None:
@@ -262,6 +275,7 @@ class Handshake:
         except ValueError as e:
             raise MalformedMetadata(str(e)) from None
         self.worker_id = hello.worker_id
+        self.instance = hello.instance
         self._client_nonce = hello.nonce
         self._server_nonce = os.urandom(NONCE_BYTES)
         self.state = HandshakeState.AUTH

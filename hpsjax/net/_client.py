@@ -26,6 +26,7 @@ import asyncio
 import dataclasses
 import functools
 import math
+import os
 import ssl as ssl_lib
 import zlib
 from collections.abc import AsyncIterator, Mapping
@@ -317,6 +318,9 @@ class Client:
         self._port = port
         self._worker_id = worker_id
         self._secret = _auth.secret_bytes(secret)
+        # Sent on every connection: the server takes a new one under this id
+        # for a reconnect, not for a second worker.
+        self._instance = os.urandom(16)
         self._ssl = ssl
         self._server_hostname = server_hostname
         self._timeout = timeout
@@ -474,7 +478,9 @@ class Client:
         self._force_pull = None
 
     async def _handshake(self) -> ServerInfo:
-        handshake = _auth.Handshake.client(self._secret, self._worker_id)
+        handshake = _auth.Handshake.client(
+            self._secret, self._worker_id, self._instance
+        )
         step = handshake.hello()
         while step is not None:
             reply = await self._request(*step, timeout=None, expect=handshake.expects)

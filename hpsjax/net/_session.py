@@ -192,6 +192,14 @@ class ServerSessions:
         if session.state != "ready":
             session.protocol.fail(AuthError("handshake timed out"))
 
+    def _another_worker(self, old: Session, new: Session) -> bool:
+        """Whether ``new``, under ``old``'s worker id, is another worker: ``old``
+        is joined, connected and live, and both sent HELLO instances that
+        differ (a client that sends none is taken for a reconnect)."""
+        live = old.joined and not old.closed and old.worker_id in self._core.live
+        theirs, mine = old.handshake.instance, new.handshake.instance
+        return live and None not in (theirs, mine) and theirs != mine
+
     def _handshake(self, session: Session, frame: Frame) -> None:
         try:
             msg_type, meta = session.handshake.receive(frame.msg_type, frame.metadata)
@@ -210,7 +218,7 @@ class ServerSessions:
                 session.handshake_timer.cancel()
             old = self._sessions.get(session.worker_id)
             if old is not None and old is not session:
-                if old.joined and not old.closed and old.worker_id in self._core.live:
+                if self._another_worker(old, session):
                     # Two workers under one id: refused, not taken for a
                     # reconnect (a dead connection's worker is dropped first).
                     session.protocol.fail(

@@ -271,6 +271,9 @@ class Hello(msgspec.Struct, frozen=True):
       worker_id: the worker's name, a ``str`` or an ``int``.
       nonce: the client's 32 random bytes for the proofs.
       client: the client's software (informative).
+      instance: 8 to 64 bytes the client draws once and sends on each of its
+        connections, so that the server tells its reconnect from another
+        worker under the same id (``None``: not told apart).
     """
 
     worker_id: str | int
@@ -278,6 +281,7 @@ class Hello(msgspec.Struct, frozen=True):
         bytes, msgspec.Meta(min_length=NONCE_BYTES, max_length=NONCE_BYTES)
     ]
     client: str | None = None
+    instance: Annotated[bytes, msgspec.Meta(min_length=8, max_length=64)] | None = None
 
     @classmethod
     def from_wire(cls, meta: Any, error: type = MalformedMetadata) -> Hello:
