@@ -39,7 +39,6 @@ __all__ = [
     "config_of",
     "diagnose_config_flag",
     "fail",
-    "flags_parser",
     "float_list",
     "int_list",
     "literal",
@@ -332,20 +331,3 @@ def diagnose_config_flag(argv: Sequence[str]) -> str | None:
         return str(e)
     return None
 
-
-def flags_parser(prog: str):
-    """An absl ``app.run(flags_parser=...)`` that fails in one line (exit 2),
-    for a command still on absl flags."""
-    from absl import flags
-
-    def parse(argv: list[str]) -> list[str]:
-        try:
-            return flags.FLAGS(argv)
-        except Exception as e:  # a config file may raise anything
-            message = diagnose_config_flag(argv[1:])
-            if message is None:
-                text = str(e) if isinstance(e, flags.Error) else f"{e!r}"
-                message = text.split("\n", 1)[0]
-            fail(prog, message)
-
-    return parse

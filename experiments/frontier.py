@@ -40,19 +40,19 @@ note, which the table prints beside the verdict.
 
 from __future__ import annotations
 
+import argparse
 import concurrent.futures
 import dataclasses
 import json
+import logging
 import multiprocessing
 import pathlib
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from absl import app, flags, logging
-
 from experiments import _cli, protocol, registry
-from hpsjax._checks import check_int, check_positive
+from hpsjax._checks import check_int, check_number, check_positive
 from hpsjax._logs import quiet_backend_probe
 
 __all__ = [
@@ -529,22 +529,27 @@ def _tune_scheme(scheme, setting, config_of, runner, workdir, factors, budget):
     return protocol.tune(evaluate, knobs, budget=budget)
 
 
-def _check_args(settings, seeds, tune_seed, factors, tune_budget) -> None:
+def _check_args(settings, seeds, tune_seed, factors, tune_budget, dashes="") -> None:
+    """Checks :func:`run_frontier`'s arguments; ``dashes="--"`` names them as
+    the command's flags in the messages."""
     from experiments.configs import common
 
     if not seeds or len(set(seeds)) != len(seeds) or min(seeds) < 0:
-        raise ValueError(f"seeds must be distinct ints >= 0, got {list(seeds)}")
+        raise ValueError(f"{dashes}seeds must be distinct ints >= 0, got {list(seeds)}")
     if tune_seed in seeds:
-        raise ValueError(f"the tuning seed {tune_seed} must not be a table seed")
+        raise ValueError(
+            f"the tuning seed {tune_seed} ({dashes}tune_seed) must not be one of "
+            f"the table's {dashes}seeds"
+        )
     if not factors:
-        raise ValueError("factors must hold at least one value, got none")
+        raise ValueError(f"{dashes}factors must hold at least one value, got none")
     for f in factors:
-        check_positive("factors", f)
-    check_int("tune_budget", tune_budget, low=1)
+        check_positive(f"{dashes}factors", f)
+    check_int(f"{dashes}tune_budget", tune_budget, low=1)
     for s in settings:
         if s not in common.SETTINGS:
             raise ValueError(
-                f"unknown setting {s!r}; valid names: "
+                f"{dashes}settings: unknown setting {s!r}; valid names: "
                 f"{', '.join(sorted(common.SETTINGS))}"
             )
 
@@ -709,28 +714,108 @@ def _judge(claims, settings, table, tuning) -> list[dict[str, Any]]:
     return out
 
 
-def _define_flags() -> None:
-    flags.DEFINE_string("workdir", None, "Where the runs go (kept between calls).")
-    flags.DEFINE_list("settings", ["sim8", "sim8_slowlink", "sim32"], "Settings.")
-    flags.DEFINE_list("seeds", [str(s) for s in protocol.SEEDS], "Seeds of the table.")
-    flags.DEFINE_integer("tune_seed", 0, "Seed of the tuning runs.")
-    flags.DEFINE_list(
-        "factors", ["0.5", "1", "2"], "Each knob's first grid (x config's value)."
+_PROG = "experiments.frontier"
+
+
+def _scheme_entries(text: str) -> list[str]:
+    """``--schemes``: scheme names, and ``SETTING=a+b+c`` entries naming one
+    setting's schemes, each checked."""
+    from experiments.configs import common
+
+    entries = _cli.comma_list(text)
+    for entry in entries:
+        setting, _, names = entry.rpartition("=")
+        if "=" in entry and setting not in common.SETTINGS:
+            raise argparse.ArgumentTypeError(
+                f"unknown setting {setting!r} in {entry!r}; valid names: "
+                f"{', '.join(common.SETTINGS)}"
+            )
+        _cli.scheme_list(names.replace("+", ","))
+    return entries
+
+
+def _setting_list(text: str) -> list[str]:
+    """``--settings``: comma-separated names of the settings."""
+    from experiments.configs import common
+
+    names = _cli.comma_list(text)
+    for name in names:
+        if name not in common.SETTINGS:
+            raise argparse.ArgumentTypeError(
+                f"unknown setting {name!r}; valid names: {', '.join(common.SETTINGS)}"
+            )
+    return names
+
+
+def parser() -> _cli.Parser:
+    """The command's flags."""
+    from experiments.configs import common
+
+    p = _cli.Parser(_PROG, description=__doc__.split("\n\n", 1)[0])
+    p.add_argument(
+        "--workdir", required=True, help="Where the runs go (kept between calls)."
     )
-    flags.DEFINE_integer(
-        "tune_budget", 8, "Tuning runs per scheme and setting (the same for all)."
+    p.add_argument(
+        "--settings",
+        type=_setting_list,
+        default=["sim8", "sim8_slowlink", "sim32"],
+        metavar="A,B",
+        help=f"Settings, comma-separated: some of {', '.join(common.SETTINGS)}.",
     )
-    flags.DEFINE_list(
-        "schemes",
-        None,
-        "Schemes to run (claims missing one are left out); all by default. "
+    p.add_argument(
+        "--seeds",
+        type=_cli.int_list,
+        default=list(protocol.SEEDS),
+        metavar="1,2",
+        help="Seeds of the table (comma-separated distinct ints >= 0).",
+    )
+    p.add_argument(
+        "--tune_seed",
+        type=int,
+        default=0,
+        help="Seed of the tuning runs (not a table seed).",
+    )
+    p.add_argument(
+        "--factors",
+        type=_cli.float_list,
+        default=[0.5, 1.0, 2.0],
+        metavar="X,Y",
+        help="Each knob's first grid, as multiples of its config's value (> 0).",
+    )
+    p.add_argument(
+        "--tune_budget",
+        type=int,
+        default=8,
+        help="Tuning runs per scheme and setting (the same for all).",
+    )
+    p.add_argument(
+        "--schemes",
+        type=_scheme_entries,
+        default=None,
+        metavar="A,B|SETTING=A+B",
+        help="Schemes to run (claims missing one are left out); all by default. "
         "SETTING=a+b+c entries restrict one setting.",
     )
-    flags.DEFINE_integer("jobs", 1, "Runs at once.")
-    flags.DEFINE_float("budget", None, "Every run's budget instead of the setting's.")
-    flags.DEFINE_bool("render_only", False, "Rebuild the table from finished runs.")
-    flags.DEFINE_string("out", None, "Also write the JSON result here.")
-    flags.mark_flag_as_required("workdir")
+    p.add_argument(
+        "--jobs", type=int, default=1, help="Runs at once, one process each."
+    )
+    _cli.add_budget_flag(p, "Every run's budget")
+    p.add_argument(
+        "--render_only",
+        action="store_true",
+        help="Rebuild the table from finished runs.",
+    )
+    p.add_argument("--out", default=None, help="Also write the JSON result here.")
+    return p
+
+
+def _check_flags(args: argparse.Namespace) -> None:
+    """Checks the flags, naming them, before anything runs."""
+    _check_args(
+        args.settings, args.seeds, args.tune_seed, args.factors, args.tune_budget, "--"
+    )
+    check_int("--jobs", args.jobs, low=1)
+    check_number("--budget", args.budget, low=0, low_inclusive=False, allow_none=True)
 
 
 def _schemes_by_setting(values, settings) -> dict[str, list[str]] | None:
@@ -745,54 +830,34 @@ def _schemes_by_setting(values, settings) -> dict[str, list[str]] | None:
     return {s: per.get(s, plain) for s in settings}
 
 
-def _ints(name: str, values: Sequence[str]) -> list[int]:
-    try:
-        return [int(v) for v in values]
-    except ValueError:
-        raise ValueError(f"{name} must be ints, got {list(values)}") from None
-
-
-def _floats(name: str, values: Sequence[str]) -> list[float]:
-    try:
-        return [float(v) for v in values]
-    except ValueError:
-        raise ValueError(f"{name} must be numbers, got {list(values)}") from None
-
-
-_PROG = "frontier"
-
-
-def main(argv):
-    if len(argv) > 1:
-        _cli.fail(_PROG, f"unexpected arguments: {' '.join(argv[1:])}")
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parser().parse(argv)
+    with _cli.usage_errors(_PROG):
+        _check_flags(args)
     quiet_backend_probe()
-    logging.set_verbosity(logging.INFO)
-    values = flags.FLAGS
-    try:
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
+    with _cli.usage_errors(_PROG):
         result = run_frontier(
-            values.workdir,
-            settings=values.settings,
-            seeds=_ints("seeds", values.seeds),
-            tune_seed=values.tune_seed,
-            factors=_floats("factors", values.factors),
-            tune_budget=values.tune_budget,
-            schemes_by_setting=_schemes_by_setting(values.schemes, values.settings),
-            jobs=values.jobs,
-            budget_seconds=values.budget,
-            render_only=values.render_only,
+            args.workdir,
+            settings=args.settings,
+            seeds=args.seeds,
+            tune_seed=args.tune_seed,
+            factors=args.factors,
+            tune_budget=args.tune_budget,
+            schemes_by_setting=_schemes_by_setting(args.schemes, args.settings),
+            jobs=args.jobs,
+            budget_seconds=args.budget,
+            render_only=args.render_only,
         )
-    except ValueError as e:
-        _cli.fail(_PROG, str(e))
     text = format_frontier(result)
-    workdir = pathlib.Path(values.workdir)
+    workdir = pathlib.Path(args.workdir)
     (workdir / "frontier.md").write_text(text)
     payload = json.dumps(result, indent=1) + "\n"
     (workdir / "frontier.json").write_text(payload)
-    if values.out:
-        pathlib.Path(values.out).write_text(payload)
+    if args.out:
+        pathlib.Path(args.out).write_text(payload)
     print(text)
 
 
 if __name__ == "__main__":
-    _define_flags()
-    app.run(main, flags_parser=_cli.flags_parser(_PROG))
+    main()

@@ -19,7 +19,9 @@ from experiments.configs import SCHEMES
 from experiments.configs.common import SETTINGS
 from experiments.configs.schema import ExperimentConfig, UnknownField
 
-COMMANDS = ("run", "compare", "calibrate", "advise", "plots", "summary", "chaos")
+COMMANDS = (
+    "run", "compare", "calibrate", "advise", "plots", "summary", "chaos", "frontier",
+)  # fmt: skip
 
 
 def _main(command: str, argv: list[str]) -> int:
@@ -78,6 +80,25 @@ BAD = [
     ("chaos", ["--kills=-1"], "--kills"),
     ("chaos", ["--run_timeout=0"], "--run_timeout"),
     ("chaos", ["--timeout=0"], "--run_timeout"),
+    ("frontier", ["--settings=nope"], "--settings"),
+    ("frontier", ["--settings=sim8,nope"], "--settings"),
+    ("frontier", ["--seeds=a"], "--seeds"),
+    ("frontier", ["--seeds=1,1"], "--seeds"),
+    ("frontier", ["--seeds=-1"], "--seeds"),
+    ("frontier", ["--tune_seed=x"], "--tune_seed"),
+    ("frontier", ["--seeds=1,2", "--tune_seed=2"], "--tune_seed"),
+    ("frontier", ["--factors=x"], "--factors"),
+    ("frontier", ["--factors=0,1"], "--factors"),
+    ("frontier", ["--factors=,"], "--factors"),
+    ("frontier", ["--tune_budget=0"], "--tune_budget"),
+    ("frontier", ["--tune_budget=1.5"], "--tune_budget"),
+    ("frontier", ["--schemes=nope"], "--schemes"),
+    ("frontier", ["--schemes=sim8=asp+nope"], "--schemes"),
+    ("frontier", ["--schemes=nowhere=asp"], "--schemes"),
+    ("frontier", ["--jobs=0"], "--jobs"),
+    ("frontier", ["--budget=-1"], "--budget"),
+    ("frontier", ["--budget_seconds=0"], "--budget"),
+    ("frontier", ["--render_onl"], "--render_onl"),
 ]  # fmt: skip
 
 
@@ -95,6 +116,7 @@ def test_a_bad_value_is_one_line_naming_the_flag_and_starts_nothing(
         "advise": [f"--workdir={workdir}"],
         "plots": [f"--out={workdir / 'plot.png'}"],
         "chaos": [f"--workdir={workdir}"],
+        "frontier": [f"--workdir={workdir}"],
     }.get(command, [])
     assert _main(command, argv + extra) == 2
     err = capsys.readouterr().err.strip().splitlines()
@@ -103,6 +125,42 @@ def test_a_bad_value_is_one_line_naming_the_flag_and_starts_nothing(
     assert errors[0].startswith(f"experiments.{command}: error: "), err
     assert flag in errors[0], err
     assert not workdir.exists()
+
+
+def test_frontier_without_workdir_is_one_line_naming_it(capsys):
+    assert _main("frontier", ["--settings=sim8"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("experiments.frontier: error: ")
+    assert "--workdir" in err[0]
+
+
+def test_the_frontier_command_lines_of_results_md_still_parse():
+    from experiments import frontier
+
+    args = frontier.parser().parse(
+        ["--workdir=D", "--settings=sim8_slowlink", "--jobs=2", "--seeds=1,2",
+         "--schemes=ormo,asgd_momentum", "--factors=0.25,0.5,1,2",
+         "--tune_budget=6", "--budget=30", "--render_only"]
+    )  # fmt: skip
+    frontier._check_flags(args)
+    assert (args.settings, args.seeds, args.factors) == (
+        ["sim8_slowlink"],
+        [1, 2],
+        [0.25, 0.5, 1.0, 2.0],
+    )
+    assert (args.schemes, args.tune_budget, args.budget, args.jobs) == (
+        ["ormo", "asgd_momentum"],
+        6,
+        30.0,
+        2,
+    )
+    assert args.render_only and args.tune_seed == 0
+    per = frontier.parser().parse(
+        ["--workdir=D", "--schemes=asp,sim32=adsp+ashl_reference"]
+    )
+    assert frontier._schemes_by_setting(per.schemes, ["sim8", "sim32"]) == {
+        "sim8": ["asp"], "sim32": ["adsp", "ashl_reference"]
+    }  # fmt: skip
 
 
 def test_budget_seconds_is_a_deprecated_alias_of_budget(capsys):

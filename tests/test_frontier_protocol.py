@@ -136,9 +136,9 @@ def test_bad_arguments_are_one_line_errors(tmp_path):
 @pytest.mark.parametrize(
     ("flag", "message"),
     [
-        ("--tune_budget=0", "tune_budget must be an int >= 1"),
-        ("--seeds=a", "seeds must be ints"),
-        ("--factors=x", "factors must be numbers"),
+        ("--tune_budget=0", "--tune_budget must be an int >= 1"),
+        ("--seeds=a", "argument --seeds: expected comma-separated ints"),
+        ("--factors=x", "argument --factors: expected comma-separated numbers"),
     ],
 )
 def test_the_cli_refuses_bad_flags_in_one_line(tmp_path, flag, message):
@@ -152,8 +152,27 @@ def test_the_cli_refuses_bad_flags_in_one_line(tmp_path, flag, message):
         timeout=120,
     )
     lines = [line for line in out.stderr.splitlines() if line.strip()]
-    assert out.returncode == 2 and len(lines) == 1 and message in lines[0]
+    assert out.returncode == 2 and len(lines) == 1 and message in lines[0], lines
+    assert lines[0].startswith("experiments.frontier: error: ")
     assert not any(tmp_path.iterdir())
+
+
+def test_the_cli_answers_help_with_exit_0():
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-m", "experiments.frontier", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("usage: experiments.frontier")
+    for flag in ("--workdir", "--settings", "--seeds", "--tune_seed", "--factors",
+                 "--tune_budget", "--schemes", "--jobs", "--budget", "--render_only",
+                 "--out"):  # fmt: skip
+        assert flag in out.stdout, flag
 
 
 @pytest.mark.slow
