@@ -339,10 +339,35 @@ def _draw_metric(
         )
     if metric == "accuracy":
         ax.set_ylim(0.0, 1.0)
+    elif metric in _FALLING:
+        _leave_divergence_out(ax, lines)
     ax.grid(True, alpha=0.3)
     if x == "version":
         _updates_scale(ax, runs)
     return lines
+
+
+# Metrics a run starts high on and lowers: a diverged run leaves upwards.
+_FALLING = ("loss", "perplexity")
+
+
+def _leave_divergence_out(ax, lines) -> None:
+    """Axes that stop a little above the highest starting value when a run
+    went past it (a diverged run's 1e13 would flatten every other curve)."""
+    firsts, finite = [], []
+    for line in lines:
+        ys = np.asarray(line.get_ydata(), dtype=float)
+        ys = ys[np.isfinite(ys)]
+        if ys.size:
+            firsts.append(ys[0])
+            finite.append(ys)
+    if not finite:
+        return
+    values = np.concatenate(finite)
+    top, low = max(firsts), float(values.min())
+    if values.max() > top + 0.05 * (top - low):
+        pad = 0.05 * (top - low) or 0.05
+        ax.set_ylim(low - pad, top + pad)
 
 
 def _updates_scale(ax, runs) -> None:

@@ -144,3 +144,35 @@ def test_short_timeline_is_one_panel_and_window_is_honoured(tmp_path, monkeypatc
         plots.plot_timeline(_rounds(2, 10), tmp_path / "tl.png", window=(3.0, 3.0))
     with pytest.raises(ValueError, match="unknown timeline kind 'nap'"):
         plots.plot_timeline({0: [(0.0, 1.0, "nap")]}, tmp_path / "tl.png")
+
+
+def _loss_run(losses) -> list[dict]:
+    return [
+        {"time": float(t), "version": 3 * t, "loss": v} for t, v in enumerate(losses)
+    ]
+
+
+def test_a_diverged_loss_leaves_the_scale_to_the_others(tmp_path, monkeypatch):
+    saved = _figure_of(monkeypatch)
+    plots.plot_comparison(
+        {
+            "bsp": [_loss_run([5.5, 4.0, 3.2, 2.9, 2.7])],
+            "ssp": [_loss_run([5.5, 4.5, 9.0, 2.5e13, float("nan")])],
+        },
+        tmp_path / "cmp.png",
+        formats=("png",),
+        metric="loss",
+        target=3.0,
+    )
+    by_time, _ = saved[-1][0].axes
+    low, high = by_time.get_ylim()
+    # Up to a little above the start (5.5), down to the lowest loss (2.7).
+    assert 5.5 < high < 6.0 and 2.5 < low < 2.7
+    # Without a diverged run, matplotlib's own scale is kept.
+    plots.plot_comparison(
+        {"bsp": [_loss_run([5.5, 4.0, 3.2, 2.9, 2.7])]},
+        tmp_path / "one.png",
+        formats=("png",),
+        metric="loss",
+    )
+    assert saved[-1][0].axes[0].get_ylim()[1] < 6.0
