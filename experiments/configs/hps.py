@@ -1,4 +1,4 @@
-"""H-PS: per-worker batches from a profiling pass, pipelined and quantized pushes.
+"""H-PS: per-worker batches from a profiling pass or a pilot, quantized pushes.
 
 Every worker is profiled first (time per step at a few batch sizes, transfer
 time of its link); ``hpsjax.profiling.plan(scheme="hps")`` gives each worker the
