@@ -47,11 +47,10 @@ import json
 import logging
 import multiprocessing
 import pathlib
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from experiments import _cli, protocol, registry
+from experiments import _cli, protocol, registry, sweep
 from hpsjax._checks import check_int, check_number, check_positive
 from hpsjax._logs import quiet_backend_probe
 
@@ -260,48 +259,6 @@ def _set(config: Any, path: str, value: Any) -> None:
     node[leaf] = value
 
 
-def _config_text(config: Any) -> str:
-    return config.to_json_best_effort(indent=2) + "\n"
-
-
-def _run(config: Any, where: str) -> dict[str, Any]:
-    """One run: its summary and evaluations in ``where/run.json``.
-
-    The body of a worker process; only what the table needs is written.
-    """
-    from experiments import backends, build, train
-
-    registry.check_config(config)
-    setup = build.setup(config)
-    out = pathlib.Path(where)
-    out.mkdir(parents=True, exist_ok=True)
-    start = time.perf_counter()
-    output = backends.BACKENDS[config.backend](
-        config, setup, workdir=out, progress=False
-    )
-    output = output._replace(evals=train.with_initial_evaluation(output.evals))
-    summary = train.summarize(config, output)
-    record = {
-        "config": _config_text(config),
-        "summary": train._jsonable(summary),
-        "evals": [[e["time"], e[setup.target.metric]] for e in output.evals],
-        "compute_s": time.perf_counter() - start,
-    }
-    (out / "run.json").write_text(json.dumps(record) + "\n")
-    return record
-
-
-def _finished(config: Any, where: pathlib.Path) -> dict[str, Any] | None:
-    path = where / "run.json"
-    if not path.is_file():
-        return None
-    try:
-        record = json.loads(path.read_text())
-    except json.JSONDecodeError:
-        return None
-    return record if record.get("config") == _config_text(config) else None
-
-
 def start_grid(config: Any, path: str, factors: Sequence[float]) -> list[Any]:
     """A knob's first grid: ``factors`` times its config's value (an int knob
     stays int, at least 1; Ringmaster's R, ``None`` in its config, starts from
@@ -494,14 +451,14 @@ class _Runner:
             self.pool.shutdown()
 
     def run(self, config: Any, where: pathlib.Path) -> dict[str, Any]:
-        record = _finished(config, where)
+        record = sweep.finished(config, where)
         if record is not None:
             return record
         if self.render_only:
             raise ValueError(f"no finished run of this config in {where}")
         if self.pool is None:
-            return _run(config, str(where))
-        record = self.pool.submit(_run, config, str(where)).result()
+            return sweep.run_one(config, str(where))
+        record = self.pool.submit(sweep.run_one, config, str(where)).result()
         logging.info(
             "%s: time to target %s, %.0f s of compute",
             where,

@@ -22,13 +22,14 @@ from typing import Any
 from experiments import registry
 from experiments.target import Target
 
-__all__ = ["choose", "compare_times", "run_many", "seed_stats"]
+__all__ = ["choose", "compare_times", "finished", "run_many", "run_one", "seed_stats"]
 
 
-def _run(config: Any, where: str) -> dict[str, Any]:
+def run_one(config: Any, where: str) -> dict[str, Any]:
     """One run: its summary and evaluations in ``where/run.json``.
 
-    The body of a worker process; only what a ranking needs is written.
+    The body of a worker process; only what a ranking or a table needs is
+    written.
     """
     from experiments import backends, build, train
 
@@ -52,7 +53,7 @@ def _run(config: Any, where: str) -> dict[str, Any]:
     return record
 
 
-def _finished(config: Any, where: pathlib.Path) -> dict[str, Any] | None:
+def finished(config: Any, where: pathlib.Path) -> dict[str, Any] | None:
     """The record of ``where``'s finished run of ``config``, or ``None``."""
     path = where / "run.json"
     if not path.is_file():
@@ -77,7 +78,7 @@ def run_many(
     """
     done, missing = {}, []
     for config, where in todo:
-        record = _finished(config, where)
+        record = finished(config, where)
         if record is None:
             missing.append((config, where))
         else:
@@ -87,11 +88,11 @@ def run_many(
     logging.info("%d runs (%d kept), %d at a time", len(missing), len(done), jobs)
     if jobs == 1:
         for config, where in missing:
-            done[where] = _run(config, str(where))
+            done[where] = run_one(config, str(where))
         return done
     context = multiprocessing.get_context("spawn")  # jax is not fork-safe
     with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=context) as pool:
-        futures = {pool.submit(_run, c, str(w)): w for c, w in missing}
+        futures = {pool.submit(run_one, c, str(w)): w for c, w in missing}
         for future in concurrent.futures.as_completed(futures):
             where = futures[future]
             done[where] = future.result()
