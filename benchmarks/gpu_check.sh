@@ -19,13 +19,13 @@
 # (default: python3), DEVICES the suite's worker spec, DEVICE_BUDGET its
 # seconds per run (default 20), WHEELS the wheel directory below.
 #
-# The packages the GPU image may lack (msgspec, ml_collections, tensorboardX,
+# The packages the GPU image may lack (msgspec, tensorboardX,
 # ...) are installed first from wheels carried in a local directory, never
 # from the network: WHEELS (default: wheels/ in the repository). Fill it on a
 # machine with the internet:
 #
 #   pip download --only-binary=:all: --python-version 3.12 \
-#       --platform manylinux2014_x86_64 -d wheels msgspec ml_collections \
+#       --platform manylinux2014_x86_64 -d wheels msgspec \
 #       tensorboardX
 #
 # Without a GPU the script says so, measures nothing and exits with status 1:
@@ -49,7 +49,7 @@ say() { echo "gpu_check: $*"; }
 
 # --- 0. Dependencies: installed from local wheels only. ---------------------
 # module:package pairs hpsjax, its tests and the suite import.
-NEEDED="msgspec:msgspec ml_collections:ml_collections tensorboardX:tensorboardX
+NEEDED="msgspec:msgspec tensorboardX:tensorboardX
 msgpack:msgpack absl:absl-py prometheus_client:prometheus-client pytest:pytest
 matplotlib:matplotlib optax:optax flax:flax tensorstore:tensorstore"
 missing=()
