@@ -193,20 +193,13 @@ until when. An entry the code no longer needs fails the test: remove it."""
 PRIVATE_IMPORTS_LEFT: frozenset[str] = frozenset(
     {
         # The run configuration and the launchers build the server's and the
-        # worker's command lines from their private parsers and options.
+        # worker's command lines from their private parsers, the launcher its
+        # in-place profile from the worker's build.
         "hpsjax.config._run -> hpsjax.ps._cli",
         "hpsjax.config._run -> hpsjax.ps._options",
         "hpsjax.config._run -> hpsjax.worker._cli",
-        "hpsjax.config._run -> hpsjax.worker._command",
-        "hpsjax.launch._cli -> hpsjax.worker._command",
-        "hpsjax.launch._job -> hpsjax.ps._options",
-        "hpsjax.launch._job -> hpsjax.worker._command",
-        "hpsjax.launch._local -> hpsjax.ps._options",
-        "hpsjax.launch._prepare -> hpsjax.ps._options",
         "hpsjax.launch._prepare -> hpsjax.worker._build",
         "hpsjax.launch._prepare -> hpsjax.worker._cli",
-        "hpsjax.launch._prepare -> hpsjax.worker._command",
-        "hpsjax.launch._ray -> hpsjax.worker._command",
         # The in-place profile builds a worker from its command line, and the
         # worker's command line runs it (--profile_out).
         "hpsjax.profiling._worker_profile -> hpsjax.worker._build",

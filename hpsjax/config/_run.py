@@ -7,12 +7,12 @@ from collections.abc import Sequence
 
 from hpsjax._checks import check_int
 from hpsjax._config_flags import config_kwargs, to_argv
+from hpsjax.ps import ServerOptions
 from hpsjax.ps._cli import parse_args as _parse_server_args
 from hpsjax.ps._cli import server_options
-from hpsjax.ps._options import RUN_SCHEMES, Scheme, ServerOptions, get_scheme
-from hpsjax.worker import WorkerConfig
+from hpsjax.ps._options import RUN_SCHEMES, Scheme, get_scheme
+from hpsjax.worker import WorkerCommand, WorkerConfig
 from hpsjax.worker._cli import parse_args as _parse_worker_args
-from hpsjax.worker._command import WorkerCommand
 
 __all__ = [
     "RUN_SCHEMES",

@@ -19,7 +19,7 @@ from hpsjax.launch._job import LaunchError
 from hpsjax.launch._local import launch
 from hpsjax.launch._options import LaunchOptions
 from hpsjax.launch._prepare import kept_params, with_export
-from hpsjax.worker._command import WorkerCommand
+from hpsjax.worker import WorkerCommand
 
 _GROUPS = {
     "workers": "workers and model",

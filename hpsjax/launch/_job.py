@@ -21,9 +21,9 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, TextIO
 
 from hpsjax._config_flags import argv_of
-from hpsjax.ps._options import ServerOptions, get_scheme
-from hpsjax.worker import WorkerConfig
-from hpsjax.worker._command import WorkerCommand
+from hpsjax.config import get_scheme
+from hpsjax.ps import ServerOptions
+from hpsjax.worker import WorkerCommand, WorkerConfig
 
 if TYPE_CHECKING:
     from hpsjax.launch._monitor import Monitor

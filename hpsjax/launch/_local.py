@@ -31,7 +31,7 @@ from hpsjax.launch._job import (
 )
 from hpsjax.launch._monitor import Monitor
 from hpsjax.launch._prepare import check_launch, prepare_workdir, run_env
-from hpsjax.ps._options import ServerOptions
+from hpsjax.ps import ServerOptions
 
 # Seconds between the server's checkpoints when the launcher may restart it
 # (``max_restarts``) and the server flags name no interval of their own.

@@ -30,12 +30,11 @@ from hpsjax.launch._job import (
     shutdown,
     start_server,
 )
-from hpsjax.ps._options import ServerOptions
+from hpsjax.ps import ServerOptions
 from hpsjax.tasks import get_task
-from hpsjax.worker import WorkerConfig
+from hpsjax.worker import WorkerCommand, WorkerConfig
 from hpsjax.worker._build import make_heterogeneity, write_init
 from hpsjax.worker._cli import parse_args, worker_target
-from hpsjax.worker._command import WorkerCommand
 
 
 def check_launch(

@@ -74,7 +74,7 @@ from hpsjax.launch._prepare import (
     with_plan,
     write_plan,
 )
-from hpsjax.worker._command import WorkerCommand
+from hpsjax.worker import WorkerCommand
 
 __all__ = ["launch_ray", "parse_resources", "worker_resources_from_flags"]
 

@@ -52,6 +52,7 @@ from hpsjax.net import (
     ShardedVersion,
     Subscription,
 )
+from hpsjax.ps._options import ServerOptions
 from hpsjax.storage import Checkpoint, CheckpointError, CheckpointManager
 from hpsjax.wire import (
     AuthError,
@@ -122,6 +123,7 @@ __all__ = [
     "SendParams",
     "Server",
     "ServerCore",
+    "ServerOptions",
     "ServerError",
     "ServerInfo",
     "ShardedClient",

@@ -11,6 +11,7 @@ stand for a mixed cluster (slower compute, narrower links, changing over
 time); ``hpsjax-worker`` is the command line.
 """
 
+from hpsjax.worker._command import WorkerCommand
 from hpsjax.worker._config import WorkerConfig
 from hpsjax.worker._core import (
     NONFINITE_ACTIONS,
@@ -68,6 +69,7 @@ __all__ = [
     "Stop",
     "StopRequested",
     "Worker",
+    "WorkerCommand",
     "WorkerConfig",
     "WorkerCore",
     "WorkerOptions",
