@@ -95,10 +95,9 @@ def test_close_writes_one_save_however_many_were_due(tmp_path, monkeypatch):
     manager = CheckpointManager(tmp_path)
     for step in range(1, 30):
         manager.save_async(step, {"w": np.full(8, step)})
-    written_before_close = len(slow.started)
     manager.close()
-    # The save being written when close came, and one of the newest state.
-    assert len(slow.started) - written_before_close <= 1
+    # At most the save being written when close came (under load its thread
+    # may not have begun it yet) and one of the newest state.
     assert len(slow.started) <= 2
     assert manager.latest_step() == 29
 
