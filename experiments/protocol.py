@@ -281,9 +281,12 @@ def tune(
 
 def _best_on_grid(run, point, name, grid) -> Any:
     """The grid's value whose run (``point`` with knob ``name`` at it) ranks
-    best, among those the budget let run."""
+    best, among those the budget let run. The knob's current value runs
+    first (at the start, the config's: the middle of its grid), so that a
+    budget spent within the grid has run the value the config holds."""
     ranked = []
-    for value in grid:
+    current = [v for v in grid if v == point[name]]
+    for value in current + [v for v in grid if v != point[name]]:
         summary = run({**point, name: value})
         if summary is not None:
             ranked.append((rank_key(summary), value))

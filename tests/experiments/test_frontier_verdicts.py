@@ -1,0 +1,45 @@
+"""The verdict protocol's tuning order: a budget smaller than a grid runs the
+config's value first."""
+
+from experiments.protocol import tune
+
+
+def _recorder(times):
+    """A tuning run that records the points it is asked for and reaches the
+    target at ``times[lr]`` (``None``: never)."""
+    asked = []
+
+    def run(point):
+        asked.append(point["lr"])
+        return {"time_to_target": times.get(point["lr"]), "best_metric": 0.5}
+
+    return run, asked
+
+
+def test_a_budget_of_one_runs_the_configs_value_not_the_grids_lowest():
+    run, asked = _recorder({0.5: 30.0, 1.0: 20.0, 2.0: 25.0})
+    chosen, trials = tune(run, {"lr": [0.5, 1.0, 2.0]}, budget=1)
+    assert asked == [1.0] and chosen == {"lr": 1.0} and len(trials) == 1
+
+
+def test_the_current_value_runs_first_then_the_grid_in_order():
+    run, asked = _recorder({0.5: 30.0, 1.0: 20.0, 2.0: 25.0})
+    chosen, _ = tune(run, {"lr": [0.5, 1.0, 2.0]}, budget=10)
+    assert asked == [1.0, 0.5, 2.0] and chosen == {"lr": 1.0}
+
+
+def test_a_second_knob_starts_from_the_first_knobs_best():
+    def run(point):
+        t = 10 + abs(point["lr"] - 2.0) + abs(point["outer"] - 0.7)
+        return {"time_to_target": t, "best_metric": -t}
+
+    chosen, trials = tune(
+        run, {"lr": [0.5, 1.0, 2.0], "outer": [0.35, 0.7, 1.4]}, budget=3
+    )
+    # The budget is spent on the first knob's grid, starting at its middle.
+    assert [p for p, _ in trials] == [
+        {"lr": 1.0, "outer": 0.7},
+        {"lr": 0.5, "outer": 0.7},
+        {"lr": 2.0, "outer": 0.7},
+    ]
+    assert chosen == {"lr": 2.0, "outer": 0.7}
