@@ -6,9 +6,9 @@ also an ``--init`` for a new run):
 
 * ``hpsjax-server ... --export_params params.npz`` writes the parameters when
   the server stops (SIGINT or SIGTERM);
-* ``python -m hpsjax.export CKPT_DIR params.npz`` writes those of the newest
-  checkpoint in a server's ``--checkpoint_dir`` (or of ``--step N``), at any
-  time, also while the server runs. For a model split over server shards,
+* ``hpsjax-export CKPT_DIR params.npz`` (or ``python -m hpsjax.export``)
+  writes those of the newest checkpoint in a server's ``--checkpoint_dir`` (or
+  of ``--step N``), at any time, also while the server runs. For a model split over server shards,
   ``CKPT_DIR`` is the directory that holds the ``shard_<i>_of_<n>``
   directories; the shards' newest checkpoints are joined into one model.
 
@@ -203,7 +203,7 @@ def load_params(model: Any, params: str | os.PathLike | Mapping[str, Any]) -> An
     Args:
       model: the ``nnx.Module`` the workers trained, built as they built it.
       params: an ``.npz`` file of :func:`hpsjax.models.save_params_npz`'s format
-        (``--export_params``, ``python -m hpsjax.export``), or such a dict.
+        (``--export_params``, ``hpsjax-export``), or such a dict.
 
     Returns:
       ``model``.
@@ -248,7 +248,7 @@ def load_params(model: Any, params: str | os.PathLike | Mapping[str, Any]) -> An
 
 @dataclasses.dataclass(frozen=True)
 class ExportOptions:
-    """``python -m hpsjax.export``'s arguments, one field each."""
+    """``hpsjax-export``'s arguments, one field each."""
 
     checkpoint_dir: str = dataclasses.field(
         default="",
@@ -263,10 +263,19 @@ class ExportOptions:
     )
 
 
+def _prog() -> str:
+    """The command's name as its user typed it: the console script
+    ``hpsjax-export``, else ``python -m hpsjax.export``."""
+    invoked = pathlib.Path(sys.argv[0] if sys.argv else "").name
+    return "hpsjax-export" if invoked == "hpsjax-export" else "python -m hpsjax.export"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m hpsjax.export CKPT_DIR OUT.npz``; returns the exit status."""
+    """Console entry point ``hpsjax-export CKPT_DIR OUT.npz`` (also ``python
+    -m hpsjax.export``); returns the exit status."""
+    prog = _prog()
     parser = ArgumentParser(
-        prog="python -m hpsjax.export",
+        prog=prog,
         description="Write the parameters of an hpsjax server's checkpoint "
         "directory to an .npz file (the --init format; load them into your "
         "flax module with hpsjax.export.load_params).",
@@ -278,7 +287,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         params, steps = checkpoint_params(args.checkpoint_dir, step=args.step)
         export_params(args.out, params)
     except (ValueError, OSError) as e:
-        print(f"python -m hpsjax.export: {e}", file=sys.stderr)
+        print(f"{prog}: {e}", file=sys.stderr)
         return 2
     count = sum(int(np.size(leaf)) for leaf in _leaves(params))
     which = f"step {steps[0]}" if len(steps) == 1 else f"shard steps {steps}"
