@@ -57,8 +57,10 @@ from hpsjax._logs import quiet_backend_probe
 __all__ = [
     "CLAIMS",
     "KNOBS",
+    "TIES",
     "Claim",
     "format_frontier",
+    "point_config",
     "run_frontier",
     "scheme_stats",
     "start_grid",
@@ -91,6 +93,15 @@ KNOBS: dict[str, tuple[str, ...]] = {
 sizes its paper tunes (inner and outer for DiLoCo's family, SparseLoCo's outer
 step among them), Ringmaster's delay threshold R and Clipped ASGD's clip
 norm."""
+
+TIES: dict[str, dict[str, tuple[str, ...]]] = {
+    "streaming_diloco_eager": {
+        _LR: ("worker.local_optimizer_args.outer_learning_rate",)
+    },
+}
+"""Config paths that must follow a tuned knob (per scheme: knob -> paths set
+to its value): eager updates mirror the server's outer step on the workers,
+and the registry refuses a config where the two differ."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -278,6 +289,35 @@ def start_grid(config: Any, path: str, factors: Sequence[float]) -> list[Any]:
     if isinstance(value, int) and not isinstance(value, bool):
         return sorted({max(1, round(value * f)) for f in factors})
     return sorted({float(value) * f for f in factors})
+
+
+def point_config(
+    scheme: str,
+    setting: str,
+    seed: int,
+    point: dict[str, Any],
+    budget_seconds: float | None = None,
+) -> Any:
+    """The config of ``scheme`` in ``setting`` at ``seed`` with the knobs of
+    ``point`` set (and the paths :data:`TIES` binds to them), and every run's
+    budget ``budget_seconds`` where given.
+
+    Examples:
+      >>> c = point_config("streaming_diloco_eager", "sim8", 1,
+      ...                  {"server.learning_rate": 0.35})
+      >>> c.worker.local_optimizer_args.outer_learning_rate
+      0.35
+    """
+    config = registry.load_config(scheme, setting)
+    config.seed = seed
+    config.model.seed = seed
+    if budget_seconds is not None:
+        config.budget_seconds = float(budget_seconds)
+    for path, value in point.items():
+        _set(config, path, value)
+        for tied in TIES.get(scheme, {}).get(path, ()):
+            _set(config, tied, value)
+    return config
 
 
 def _censored(summaries: Sequence[dict[str, Any]], budget: float) -> list[float]:
@@ -565,14 +605,9 @@ def run_frontier(
     workdir = pathlib.Path(workdir)
 
     def config_of(scheme, setting, seed, point):
-        config = registry.load_config(scheme, setting)
-        config.seed = tune_seed if seed is None else seed
-        config.model.seed = config.seed
-        if budget_seconds is not None:
-            config.budget_seconds = float(budget_seconds)
-        for path, value in point.items():
-            _set(config, path, value)
-        return config
+        return point_config(
+            scheme, setting, tune_seed if seed is None else seed, point, budget_seconds
+        )
 
     runner = _Runner(jobs, render_only)
     tuning: dict[str, dict[str, Any]] = {}

@@ -43,3 +43,17 @@ def test_a_second_knob_starts_from_the_first_knobs_best():
         {"lr": 2.0, "outer": 0.7},
     ]
     assert chosen == {"lr": 2.0, "outer": 0.7}
+
+
+def test_a_tuned_outer_step_of_eager_updates_moves_the_workers_copy_too():
+    from experiments import frontier, registry
+
+    point = {"server.learning_rate": 0.35, "worker.local_learning_rate": 0.01}
+    config = frontier.point_config("streaming_diloco_eager", "sim8", 3, point, 20.0)
+    assert config.worker.local_optimizer_args.outer_learning_rate == 0.35
+    assert config.seed == 3 and config.model.seed == 3 and config.budget_seconds == 20.0
+    registry.check_config(config)  # refused when the two steps differ
+    # Schemes without ties set the knob alone.
+    plain = frontier.point_config("streaming_diloco", "sim8", 1, point)
+    assert plain.server.learning_rate == 0.35
+    assert "outer_learning_rate" not in plain.worker.local_optimizer_args
