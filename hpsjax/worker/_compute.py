@@ -153,6 +153,9 @@ class RoundCompute:
         self._compressor_state = None
         self._codec = None
         self._topk = None  # (ratio, jitted top_k update, its state)
+        # The shapes the compressor was made for, and its update once warmed.
+        self._compressor_spec = None
+        self._compressor_warm = None
         self._spec_like = None
         self._compiled: dict[tuple, Any] = {}
         # Batch shapes compiling in the background, and the last batch size
@@ -341,8 +344,9 @@ class RoundCompute:
         """Compiles the step for the first round's batch, before joining.
 
         Runs in the compute thread on parameters of the server's shapes (zeros)
-        and a batch drawn for the first round (kept for it), so that no round,
-        and no barrier of the server's, waits on this compile. Returns the
+        and a batch drawn for the first round (kept for it), and executes the
+        step once there, so that no round, and no barrier of the server's,
+        waits on this compile or the step's first execution. Returns the
         seconds it took (0 when the step was compiled already, or with several
         devices, whose step is compiled at its first call).
         """
@@ -358,17 +362,19 @@ class RoundCompute:
             jnp.asarray(1.0, jnp.float32),
             jnp.asarray(1, jnp.int32),
         )
-        _, seconds = self._compiled_step(args, batch)
+        step, seconds = self._compiled_step(args, batch)
+        self._first_execution(step, args, tuple(device_batches))
         self._last_batch = tuple(device_batches)
         _all_finite(jax.device_put(zeros, home))  # compiled here too
         return seconds
 
     def precompile(self, spec: Any, sizes: tuple[int, ...]) -> tuple[int, float]:
         """Compiles the step for each batch size of ``sizes`` not compiled yet,
-        before joining (after :meth:`compile_first`): a plan's later batch
-        (a pilot's, on :func:`~hpsjax.planning.batch_grid`) then compiles
-        nothing beside the rounds. With a persistent compilation cache that
-        holds them, each is a load. Returns how many it compiled and the
+        before joining (after :meth:`compile_first`), and runs it once: a
+        plan's later batch (a pilot's, on :func:`~hpsjax.planning.batch_grid`)
+        then compiles nothing beside the rounds and its first round holds no
+        first execution. With a persistent compilation cache that holds them,
+        each compile is a load. Returns how many it compiled and the
         seconds it took (none with several devices, whose step compiles at
         its first call)."""
         if len(self._devices) > 1:
@@ -385,9 +391,20 @@ class RoundCompute:
             args = self._step_args(
                 zeros, batch, jnp.asarray(1.0, jnp.float32), jnp.asarray(1, jnp.int32)
             )
-            _, spent = self._compiled_step(args, batch)
+            step, spent = self._compiled_step(args, batch)
+            self._first_execution(step, args, (int(size),))
             count, seconds = count + 1, seconds + spent
         return count, seconds
+
+    def _first_execution(self, step: Any, args: tuple, key: tuple) -> None:
+        """Runs a compiled ``step`` once before joining, its results dropped,
+        and counts it as the shape's first execution with the injector (not
+        slowed, not in its median): on proc4's CPU workers a step's first
+        execution takes 2-8 times a step, which a round would otherwise hold
+        (the first round, and the first at each of a pilot's batches)."""
+        t = time.perf_counter()
+        jax.block_until_ready(step(*args))
+        self._injector.after_compute(time.perf_counter() - t, key=key)
 
     def _next_batches(self, settings: Compute) -> list[Any]:
         total = sum(settings.device_batches)
@@ -552,7 +569,11 @@ class RoundCompute:
             or config.powersgd_rank is not None
             or config.push_transform is not None
         ):
-            self._make_compressor()
+            if self._compressor is None or self._compressor_spec != self._spec_like:
+                # Kept for the same shapes: its update stays compiled (a
+                # warm-up before joining on zeros of the server's shapes).
+                self._make_compressor()
+                self._compressor_spec = self._spec_like
             self._compressor_state = jax.device_put(
                 self._compressor.init(device_params), home
             )
@@ -561,10 +582,14 @@ class RoundCompute:
         """Traces and compiles the compressor's update on zeros, its state
         untouched: in the encoding thread while the first round computes, so the
         first compressed push does not (1.3 to 1.8 s on proc4's loaded cores for
-        the quantizer)."""
+        the quantizer); the worker runs it before joining where it can, and
+        then again it does nothing."""
+        if self._compressor_warm is self._compress_update:
+            return
         home = self._devices[0]
         zeros = jax.tree.map(
             lambda s: jax.device_put(np.zeros(s.shape, s.dtype), home),
             self._spec_like,
         )
         jax.block_until_ready(self._compress_update(zeros, self._compressor_state))
+        self._compressor_warm = self._compress_update

@@ -348,8 +348,9 @@ class Worker:
 
     async def _before_joining(self, client: Any, computer: Any) -> None:
         """Compiles the step for the batch of the first round (the server's
-        plan for this worker, which it sends on connecting, else the config's)
-        before the first pull joins a round: a slow compile keeps no barrier
+        plan for this worker, which it sends on connecting, else the config's),
+        runs it once, and warms the push's compressor, before the first pull
+        joins a round: a slow compile keeps no barrier
         of the server's waiting, and the worker joins at the version the
         server reached meanwhile. A client that does not know the server's
         model (a stand-in) leaves the compile to the first round."""
@@ -366,6 +367,9 @@ class Worker:
         seconds = await loop.run_in_executor(
             computer, self._compute.compile_first, spec, device_batches
         )
+        if self._compute.compresses:
+            # Else the first push waits for it (0.7-1 s of proc4's first round).
+            await loop.run_in_executor(computer, self._compute.warm_compressor)
         if self._config.precompile_sizes:
             count, more = await loop.run_in_executor(
                 computer,
