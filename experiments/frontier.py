@@ -63,6 +63,7 @@ __all__ = [
     "point_config",
     "run_frontier",
     "scheme_stats",
+    "searched_grids",
     "start_grid",
     "verdict",
 ]
@@ -427,6 +428,36 @@ def _point_text(point: dict[str, Any]) -> str:
     return ", ".join(f"{k.rsplit('.', 1)[-1]}={v:g}" for k, v in sorted(point.items()))
 
 
+def searched_grids(tuning: dict[str, Any]) -> dict[str, list[Any]]:
+    """Each knob's values that a scheme's tuning ran (``tuning``: one entry
+    of :func:`run_frontier`'s ``"tuning"``), sorted.
+
+    Examples:
+      >>> searched_grids({"trials": [{"point": {"lr": 0.2, "m": 4}},
+      ...                            {"point": {"lr": 0.1, "m": 4}}]})
+      {'lr': [0.1, 0.2], 'm': [4]}
+    """
+    grids: dict[str, set] = {}
+    for trial in tuning["trials"]:
+        for knob, value in trial["point"].items():
+            grids.setdefault(knob, set()).add(value)
+    return {knob: sorted(values) for knob, values in sorted(grids.items())}
+
+
+def _grid_text(tuning: dict[str, Any]) -> str:
+    """``knob: a, b, c`` per knob; a chosen value at an edge of a grid of two
+    or more values is marked (the budget ran out before the grid passed it)."""
+    parts = []
+    for knob, grid in searched_grids(tuning).items():
+        chosen = tuning["chosen"].get(knob)
+        edge = len(grid) > 1 and protocol.on_edge(grid, chosen) is not None
+        values = ", ".join(f"{v:g}" for v in grid)
+        parts.append(
+            f"{knob.rsplit('.', 1)[-1]}: {values}" + (" (edge)" if edge else "")
+        )
+    return "; ".join(parts)
+
+
 def format_frontier(result: dict[str, Any]) -> str:
     """The markdown tables of :func:`run_frontier`'s result."""
     level = result.get("level", protocol.LEVEL)
@@ -452,9 +483,9 @@ def format_frontier(result: dict[str, Any]) -> str:
                 f"{_point_text(cell['chosen_baseline'])} | {cell['verdict']} |"
             )
     tuning = [
-        "| setting | scheme | tried (knobs: time to target on the tuning seed, s) "
-        "| chosen |",
-        "|---|---|---|---|",
+        "| setting | scheme | grid searched per knob | tried (knobs: time to "
+        "target on the tuning seed, s) | chosen |",
+        "|---|---|---|---|---|",
     ]
     for setting in result["settings"]:
         for scheme, t in result["tuning"].get(setting, {}).items():
@@ -470,7 +501,8 @@ def format_frontier(result: dict[str, Any]) -> str:
                 for trial in t["trials"]
             )
             tuning.append(
-                f"| {setting} | {scheme} | {tried} | {_point_text(t['chosen'])} |"
+                f"| {setting} | {scheme} | {_grid_text(t)} | {tried} | "
+                f"{_point_text(t['chosen'])} |"
             )
     return "\n".join(lines) + "\n\n" + "\n".join(tuning) + "\n"
 

@@ -57,3 +57,41 @@ def test_a_tuned_outer_step_of_eager_updates_moves_the_workers_copy_too():
     plain = frontier.point_config("streaming_diloco", "sim8", 1, point)
     assert plain.server.learning_rate == 0.35
     assert "outer_learning_rate" not in plain.worker.local_optimizer_args
+
+
+def test_the_tuning_table_names_each_knobs_grid_and_marks_an_edge():
+    from experiments import frontier
+
+    trial = {"time": 20.0, "best_accuracy": 0.9, "diverged": False}
+    result = {
+        "settings": ["sim8"],
+        "claims": [],
+        "tuning": {
+            "sim8": {
+                "diloco": {
+                    "chosen": {
+                        "worker.local_learning_rate": 0.04,
+                        "server.learning_rate": 0.7,
+                    },
+                    "trials": [
+                        {
+                            **trial,
+                            "point": {
+                                "worker.local_learning_rate": lr,
+                                "server.learning_rate": 0.7,
+                            },
+                        }
+                        for lr in (0.02, 0.01, 0.04)
+                    ],
+                }
+            }
+        },
+    }
+    assert frontier.searched_grids(result["tuning"]["sim8"]["diloco"]) == {
+        "server.learning_rate": [0.7],
+        "worker.local_learning_rate": [0.01, 0.02, 0.04],
+    }
+    text = frontier.format_frontier(result)
+    assert (
+        "| learning_rate: 0.7; local_learning_rate: 0.01, 0.02, 0.04 (edge) |" in text
+    )
