@@ -49,7 +49,7 @@ import optax
 from flax import nnx
 
 from hpsjax._factory import import_factory
-from hpsjax.models import Params, _stringify_keys, merge_model
+from hpsjax.models import Params, batch_stats_of, merge_model
 
 __all__ = [
     "TASKS",
@@ -347,7 +347,7 @@ def per_example_loss_with_stats(
     model = merge_model(graphdef, params, batch_stats=batch_stats)
     model.train()
     outputs = model(batch[0])
-    stats = _stringify_keys(nnx.to_pure_dict(nnx.state(model, nnx.BatchStat)))
+    stats = batch_stats_of(model)
     return task.loss(outputs, batch), stats
 
 

@@ -195,8 +195,6 @@ PRIVATE_IMPORTS_LEFT: frozenset[str] = frozenset(
         # The run configuration and the launchers build the server's and the
         # worker's command lines from their private parsers, the launcher its
         # in-place profile from the worker's build.
-        "hpsjax.config._run -> hpsjax.ps._cli",
-        "hpsjax.config._run -> hpsjax.ps._options",
         "hpsjax.config._run -> hpsjax.worker._cli",
         "hpsjax.launch._prepare -> hpsjax.worker._build",
         "hpsjax.launch._prepare -> hpsjax.worker._cli",
@@ -206,13 +204,6 @@ PRIVATE_IMPORTS_LEFT: frozenset[str] = frozenset(
         "hpsjax.profiling.in_place -> hpsjax.worker._build",
         "hpsjax.profiling.in_place -> hpsjax.worker._cli",
         "hpsjax.worker._cli -> hpsjax.profiling._worker_profile",
-        # The wire's codecs share the transforms' encoders (one quantizer code
-        # for the optax transform and the wire).
-        "hpsjax.wire._codecs -> hpsjax.transforms._quantize",
-        "hpsjax.wire._codecs._powersgd -> hpsjax.transforms._powersgd",
-        "hpsjax.wire._codecs._quantized -> hpsjax.transforms._quantize",
-        "hpsjax.wire._codecs._topk -> hpsjax.transforms._topk",
-        "hpsjax.tasks -> hpsjax.models._stringify_keys",
     }
 )
 """The private names still imported across packages (importer -> private module

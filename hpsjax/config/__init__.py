@@ -1,7 +1,7 @@
 """One run's configuration: the servers' and the workers' settings, checked once.
 
 A :class:`RunConfig` nests the frozen settings every process of a run is made
-from (:class:`~hpsjax.ps._options.ServerOptions` for the server,
+from (:class:`~hpsjax.ps.ServerOptions` for the server,
 :class:`WorkerSettings` for each worker: the worker command's own flags and
 its :class:`~hpsjax.worker.WorkerConfig`), checks what concerns the run as a
 whole (workers that cannot be told apart, shards), and writes each process's

@@ -7,12 +7,9 @@ from collections.abc import Sequence
 
 from hpsjax._checks import check_int
 from hpsjax._config_flags import config_kwargs, to_argv
-from hpsjax.ps import ServerOptions
-from hpsjax.ps._cli import parse_args as _parse_server_args
-from hpsjax.ps._cli import server_options
-from hpsjax.ps._options import RUN_SCHEMES, Scheme, get_scheme
+from hpsjax.ps import RUN_SCHEMES, Scheme, ServerOptions, get_scheme, parse_server
 from hpsjax.worker import WorkerCommand, WorkerConfig
-from hpsjax.worker._cli import parse_args as _parse_worker_args
+from hpsjax.worker._cli import parse_args as parse_worker_args
 
 __all__ = [
     "RUN_SCHEMES",
@@ -65,7 +62,7 @@ class RunConfig:
 
     Attributes:
       workers: each worker's :class:`WorkerSettings`, in order.
-      server: the server's :class:`~hpsjax.ps._options.ServerOptions`, or
+      server: the server's :class:`~hpsjax.ps.ServerOptions`, or
         ``None`` where the caller runs the server itself (in its own process).
 
     Raises:
@@ -150,18 +147,8 @@ def parse_worker(argv: Sequence[str]) -> WorkerSettings:
       SystemExit: a flag the command does not take (argparse's message).
       ValueError: a bad setting, in one line.
     """
-    args = _parse_worker_args(list(argv))
+    args = parse_worker_args(list(argv))
     return WorkerSettings(
         WorkerCommand(**config_kwargs(WorkerCommand, args)),
         WorkerConfig(**config_kwargs(WorkerConfig, args)),
     )
-
-
-def parse_server(argv: Sequence[str]) -> ServerOptions:
-    """A server's settings from its ``hpsjax-server`` flags (checked).
-
-    Raises:
-      SystemExit: a flag the command does not take (argparse's message).
-      ValueError: a bad setting, in one line.
-    """
-    return server_options(_parse_server_args(list(argv)))

@@ -51,8 +51,8 @@ from hpsjax.models._functional import (
     Params,  # noqa: F401  (hpsjax.models.Params, a type alias)
     StatefulTrainFunctions,
     TrainFunctions,
-    _stringify_keys,  # noqa: F401  (imported by hpsjax.tasks)
     accuracy,
+    batch_stats_of,
     load_params_npz,
     loss_fn,
     make_stateful_train_functions,
@@ -85,6 +85,7 @@ __all__ = [
     "TrainFunctions",
     "Transformer",
     "accuracy",
+    "batch_stats_of",
     "get_model",
     "load_params_npz",
     "loss_fn",

@@ -25,6 +25,13 @@ def _stringify_keys(tree: Any) -> Any:
     return tree
 
 
+def batch_stats_of(model: nnx.Module) -> Params:
+    """A model's running batch statistics (its ``nnx.BatchStat`` state) as a
+    plain dict with ``str`` keys, as :func:`split_with_batch_stats` gives
+    them (empty for a model without)."""
+    return _stringify_keys(nnx.to_pure_dict(nnx.state(model, nnx.BatchStat)))
+
+
 def split_model(model: nnx.Module) -> tuple[nnx.GraphDef, Params]:
     """Splits a model into its static graph and a plain dict of parameters.
 
@@ -227,7 +234,7 @@ def per_example_loss_with_stats(
     model = merge_model(graphdef, params, batch_stats=batch_stats)
     model.train()
     logits = model(x).astype(jnp.float32)
-    stats = _stringify_keys(nnx.to_pure_dict(nnx.state(model, nnx.BatchStat)))
+    stats = batch_stats_of(model)
     return optax.softmax_cross_entropy_with_integer_labels(logits, y), stats
 
 
@@ -339,7 +346,7 @@ def make_stateful_train_functions(graphdef: nnx.GraphDef) -> StatefulTrainFuncti
         else:
             model.eval()
         logits = model(x).astype(jnp.float32)
-        stats = _stringify_keys(nnx.to_pure_dict(nnx.state(model, nnx.BatchStat)))
+        stats = batch_stats_of(model)
         return logits, stats
 
     def train_loss(params, batch_stats, batch):

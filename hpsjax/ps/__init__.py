@@ -13,6 +13,10 @@
 * :class:`CheckpointManager` writes orbax checkpoints, committed atomically.
 * :class:`KeyRangePartition` splits a model by key range over several server
   shards (ps-lite, PHub); :class:`ShardedClient` talks to all of them at once.
+* :class:`ServerOptions` holds one ``hpsjax-server``'s settings (its flags,
+  checked once; :func:`parse_server` reads them from a command line), and
+  :data:`RUN_SCHEMES` names each scheme with the policy and worker flags it
+  stands for.
 """
 
 from hpsjax.decisions import (
@@ -52,7 +56,14 @@ from hpsjax.net import (
     ShardedVersion,
     Subscription,
 )
-from hpsjax.ps._options import ServerOptions
+from hpsjax.ps._options import (
+    RUN_SCHEMES,
+    Scheme,
+    ServerOptions,
+    get_scheme,
+    parse_server,
+    server_options,
+)
 from hpsjax.storage import Checkpoint, CheckpointError, CheckpointManager
 from hpsjax.wire import (
     AuthError,
@@ -82,6 +93,7 @@ from hpsjax.wire import (
 )
 
 __all__ = [
+    "RUN_SCHEMES",
     "ADSP",
     "ASP",
     "BSP",
@@ -119,6 +131,7 @@ __all__ = [
     "Release",
     "Ringmaster",
     "SaPS",
+    "Scheme",
     "SemiAsync",
     "SendParams",
     "Server",
@@ -143,4 +156,7 @@ __all__ = [
     "WorkerDropped",
     "WorkerInfo",
     "get_policy",
+    "get_scheme",
+    "parse_server",
+    "server_options",
 ]

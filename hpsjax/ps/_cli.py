@@ -89,9 +89,8 @@ import numpy as np
 import numpy.lib.format as npy_format
 
 from hpsjax import data, models
-from hpsjax._config_flags import add_flags, config_kwargs, flag_message
+from hpsjax._config_flags import flag_message
 from hpsjax._devices import resolve_device
-from hpsjax._flags import ArgumentParser
 from hpsjax._logs import setup_logging
 from hpsjax._npz import check_params_file, nest_named_arrays
 from hpsjax._optimizers import make_optimizer
@@ -100,7 +99,7 @@ from hpsjax.export import check_export_path, export_params
 from hpsjax.metrics import ServerMetrics
 from hpsjax.net import KeyRangePartition, Server, read_secret
 from hpsjax.profiling import Pilot, Replanner, WorkPlan
-from hpsjax.ps._options import ServerOptions
+from hpsjax.ps._options import ServerOptions, parse_args, server_options
 
 __all__ = [
     "keep_freed_memory",
@@ -294,48 +293,6 @@ def initial_params(
     )
     _, params, _ = models.split_trainable(resolved.model)
     return jax.tree.map(np.asarray, params)
-
-
-# The argument groups of --help, by the key the options' fields give.
-_GROUPS = {
-    "model": "model",
-    "shards": "shards",
-    "network": "network and security",
-    "policy": "policy and optimizer",
-    "plan": "work plan",
-    "checkpoints": "checkpoints",
-    "metrics": "metrics",
-    "process": "process",
-}
-
-
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    """Parses the command line (see the module docstring).
-
-    The flags are :class:`~hpsjax.ps._options.ServerOptions`'s fields
-    (:mod:`hpsjax._config_flags`); :func:`server_options` checks the result
-    and makes it the configuration.
-    """
-    p = ArgumentParser(
-        prog="hpsjax-server",
-        description="Run an hpsjax parameter server.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
-    groups = {key: p.add_argument_group(title) for key, title in _GROUPS.items()}
-    groups["init"] = groups["model"].add_mutually_exclusive_group(required=True)
-    add_flags(p, ServerOptions, groups)
-    return p.parse_args(argv)
-
-
-def server_options(args: argparse.Namespace | ServerOptions) -> ServerOptions:
-    """The configuration of parsed flags (checked), or ``args`` if it is one.
-
-    Raises:
-      ValueError: a bad or inconsistent setting, in one line.
-    """
-    if isinstance(args, ServerOptions):
-        return args
-    return ServerOptions(**config_kwargs(ServerOptions, args))
 
 
 # mallopt parameters of glibc (malloc.h).

@@ -2,24 +2,22 @@
 
 One frozen dataclass holds every setting of a server process, checked once,
 here; ``hpsjax-server``'s flags are made from its fields
-(:mod:`hpsjax._config_flags`), and :func:`hpsjax._config_flags.to_argv`
-writes a configuration back as the flags that make it, for a launcher that
-starts the server in another process.
-
-It lives apart from :mod:`hpsjax.ps`'s public names: the flags' help lists the
-built-in models and data sets, and importing :mod:`hpsjax.ps` should not load
-the model library.
+(:mod:`hpsjax._config_flags`), :func:`parse_server` reads them back into one,
+and :func:`hpsjax._config_flags.to_argv` writes a configuration back as the
+flags that make it, for a launcher that starts the server in another process.
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from hpsjax import data, models
 from hpsjax._checks import check_int, check_positive, is_int
-from hpsjax._flags import check_kwargs
+from hpsjax._config_flags import add_flags, config_kwargs
+from hpsjax._flags import ArgumentParser, check_kwargs
 from hpsjax._logs import LOG_LEVELS, check_log_level
 from hpsjax._optimizers import OPTIMIZERS
 from hpsjax.decisions import DEFAULT_POLICY, POLICIES, ServerCore
@@ -27,7 +25,15 @@ from hpsjax.net import is_loopback
 from hpsjax.planning import SCHEMES
 from hpsjax.ps._schemes import RUN_SCHEMES, Scheme, get_scheme
 
-__all__ = ["RUN_SCHEMES", "Scheme", "ServerOptions", "get_scheme"]
+__all__ = [
+    "RUN_SCHEMES",
+    "Scheme",
+    "ServerOptions",
+    "get_scheme",
+    "parse_args",
+    "parse_server",
+    "server_options",
+]
 
 # What the server builds its core with itself: not ``--core_arg``'s to give.
 _CORE_OWN = (
@@ -73,8 +79,9 @@ class ServerOptions:
 
     Examples:
       >>> from hpsjax._config_flags import to_argv
-      >>> to_argv(ServerOptions(init="init.npz", policy_arg={"staleness_bound": 2}))
-      ['--init', 'init.npz', '--policy_arg', 'staleness_bound=2']
+      >>> to_argv(ServerOptions(init="init.npz", policy="ssp",
+      ...                       policy_arg={"staleness_bound": 2}))
+      ['--init', 'init.npz', '--policy', 'ssp', '--policy_arg', 'staleness_bound=2']
       >>> ServerOptions(init="init.npz", server_shards=2)
       Traceback (most recent call last):
       ...
@@ -418,3 +425,55 @@ class ServerOptions:
         if not 0 <= shard < count:
             raise ValueError(f"--server_shard must be in [0, {count}), got {shard}")
         return shard, count
+
+
+# The argument groups of --help, by the key the options' fields give.
+_GROUPS = {
+    "model": "model",
+    "shards": "shards",
+    "network": "network and security",
+    "policy": "policy and optimizer",
+    "plan": "work plan",
+    "checkpoints": "checkpoints",
+    "metrics": "metrics",
+    "process": "process",
+}
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """Parses ``hpsjax-server``'s command line (see :mod:`hpsjax.ps._cli`).
+
+    The flags are :class:`ServerOptions`'s fields
+    (:mod:`hpsjax._config_flags`); :func:`server_options` checks the result
+    and makes it the configuration.
+    """
+    p = ArgumentParser(
+        prog="hpsjax-server",
+        description="Run an hpsjax parameter server.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    groups = {key: p.add_argument_group(title) for key, title in _GROUPS.items()}
+    groups["init"] = groups["model"].add_mutually_exclusive_group(required=True)
+    add_flags(p, ServerOptions, groups)
+    return p.parse_args(argv)
+
+
+def server_options(args: argparse.Namespace | ServerOptions) -> ServerOptions:
+    """The configuration of parsed flags (checked), or ``args`` if it is one.
+
+    Raises:
+      ValueError: a bad or inconsistent setting, in one line.
+    """
+    if isinstance(args, ServerOptions):
+        return args
+    return ServerOptions(**config_kwargs(ServerOptions, args))
+
+
+def parse_server(argv: Sequence[str]) -> ServerOptions:
+    """A server's settings from its ``hpsjax-server`` flags (checked).
+
+    Raises:
+      SystemExit: a flag the command does not take (argparse's message).
+      ValueError: a bad setting, in one line.
+    """
+    return server_options(parse_args(list(argv)))

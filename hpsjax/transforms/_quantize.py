@@ -216,6 +216,14 @@ class Codec:
         )
         object.__setattr__(self, "stochastic", stochastic)
 
+    @property
+    def half_range(self) -> int:
+        """The largest code magnitude L: codes span [-L, L] before the offset
+        (``sign`` and ``none`` have no offset and do not use it)."""
+        if self.scheme == "qsgd":
+            return self.levels
+        return 2 ** (self.bits - 1) - 1
+
     def to_dict(self) -> dict[str, Any]:
         """Returns the codec as a plain dict (str, int, bool, None values).
 
@@ -327,13 +335,6 @@ def encoded_nbytes(shape: Sequence[int], codec: Codec) -> int:
     return n_codes + 4 * n_scales
 
 
-def _half_range(codec: Codec) -> int:
-    """The largest code magnitude L: codes span [-L, L] before the offset."""
-    if codec.scheme == "qsgd":
-        return codec.levels
-    return 2 ** (codec.bits - 1) - 1
-
-
 def _mix32(h: jax.Array) -> jax.Array:
     """A bijective avalanche mix of uint32 values (the 'lowbias32' constants).
 
@@ -377,7 +378,7 @@ def _index(shape: tuple[int, int], offset: int) -> jax.Array:
 def _block_stats(flat: jax.Array, codec: Codec) -> jax.Array:
     """Returns the float32 step of each block (or of the whole array)."""
     size = flat.shape[0]
-    scheme, levels = codec.scheme, _half_range(codec)
+    scheme, levels = codec.scheme, codec.half_range
     stat = {
         "uniform": "max",
         "qsgd": "l2",
@@ -448,7 +449,7 @@ def _block_codes(
     # compilations. (levels + 1) 2^frac must fit in int32.
     frac = min(24, 32 - codec.bits) if codec.stochastic else 0
     # The stochastic sign's y is (x / max|x|) 2^(frac - 1), in [-top, top].
-    top = 2 ** (frac - 1) if sign else _half_range(codec) * 2**frac
+    top = 2 ** (frac - 1) if sign else codec.half_range * 2**frac
     scale = top if sign else 2**frac
     inv = jnp.minimum(jnp.where(step > 0, _F32(scale) / step, 0), _F32_MAX)
     y = jnp.clip(jnp.round(x * inv), -top, top)
@@ -460,7 +461,7 @@ def _block_codes(
         # P(code = 1) = (top + y) / 2^frac = (1 + x / max|x|) / 2, so that
         # E[(2 code - 1) max|x|] = x.
         return (r < y + top).astype(jnp.int32)
-    return ((y + r) >> frac) + _half_range(codec)
+    return ((y + r) >> frac) + codec.half_range
 
 
 def _codes(flat, steps, codec, seeds):
@@ -692,7 +693,7 @@ def decode(
     def values(q, step):
         if codec.scheme == "sign":
             return (2 * q - 1).astype(_F32) * step
-        return (q - _half_range(codec)).astype(_F32) * step
+        return (q - codec.half_range).astype(_F32) * step
 
     if codec.block_size is None:
         flat = values(q, scales[0])

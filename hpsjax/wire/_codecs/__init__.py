@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from hpsjax.transforms import _quantize as q
+from hpsjax import transforms
 from hpsjax.wire._codecs._base import FLOAT_NAMES, LikeLeaf, WireCodec, as_leaf
 from hpsjax.wire._codecs._powersgd import PowerSGDCodec
 from hpsjax.wire._codecs._quantized import QuantizedCodec
@@ -72,7 +72,7 @@ def codec_class(codec: Any) -> type[WireCodec]:
         cls = _BY_SCHEME.get(codec)
         if cls is not None and cls is not QuantizedCodec:
             return cls
-    elif isinstance(codec, q.Codec):
+    elif isinstance(codec, transforms.Codec):
         return QuantizedCodec
     elif type(codec) in CODECS:
         return type(codec)
@@ -86,7 +86,7 @@ def codec_class(codec: Any) -> type[WireCodec]:
 
 def as_wire_codec(codec: Any) -> WireCodec:
     """``codec`` as a wire codec object (a ``Codec`` wrapped in its class)."""
-    return QuantizedCodec(codec) if isinstance(codec, q.Codec) else codec
+    return QuantizedCodec(codec) if isinstance(codec, transforms.Codec) else codec
 
 
 def from_wire(codec: Any, count: int) -> WireCodec | None:

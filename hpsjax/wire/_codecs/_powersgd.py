@@ -15,7 +15,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from hpsjax.transforms import _powersgd
+from hpsjax import transforms
 from hpsjax.wire._codecs._base import (
     LikeLeaf,
     Shape,
@@ -89,7 +89,7 @@ def _factor_shapes(i: int, shape: Shape, rank: int) -> tuple[Shape, Shape]:
     """
     if rank == 0:
         return (math.prod(shape),), (0,)
-    matrix = _powersgd.powersgd_matrix_shape(shape, rank)
+    matrix = transforms.powersgd_matrix_shape(shape, rank)
     if matrix is None:
         raise MalformedMetadata(
             f"leaf {i}: rank-{rank} factors are no smaller than shape "
@@ -119,7 +119,7 @@ class PowerSGDCodec(NamedTuple):
     # Finite factors may still overflow (in the product, or in the cast to a
     # narrower dtype).
     finite_decoded = True
-    last_encoded = staticmethod(_powersgd.last_powersgd_encoded)
+    last_encoded = staticmethod(transforms.last_powersgd_encoded)
 
     @classmethod
     def from_wire(cls, codec: dict[str, Any], count: int | None) -> PowerSGDCodec:
@@ -162,7 +162,7 @@ class PowerSGDCodec(NamedTuple):
         leaves of ``shapes`` (rank 0 for a leaf it sends whole)."""
         return cls(
             tuple(
-                0 if _powersgd.powersgd_matrix_shape(s, rank) is None else rank
+                0 if transforms.powersgd_matrix_shape(s, rank) is None else rank
                 for s in shapes
             )
         )

@@ -16,7 +16,7 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-from hpsjax.transforms import _quantize as q
+from hpsjax import transforms
 from hpsjax.wire._codecs._base import LikeLeaf, Shape, as_leaf, require_float
 from hpsjax.wire._errors import InvalidUpdate, MalformedMetadata, SpecMismatch
 from hpsjax.wire._frames import DTYPES
@@ -26,7 +26,7 @@ __all__ = ["QuantizedCodec", "check_encoded_leaf", "compressed_sizes"]
 _CODEC_KEYS = ("scheme", "bits", "block_size", "stochastic", "levels")
 
 
-def _codec_from_dict(codec: Any) -> q.Codec:
+def _codec_from_dict(codec: Any) -> transforms.Codec:
     if not isinstance(codec, dict):
         raise MalformedMetadata("'codec' must be a map or nil")
     missing = [key for key in _CODEC_KEYS if key not in codec]
@@ -34,7 +34,7 @@ def _codec_from_dict(codec: Any) -> q.Codec:
         # Every key is sent (nil where unused): no default is ever guessed.
         raise MalformedMetadata(f"codec misses {', '.join(map(repr, missing))}")
     try:
-        return q.Codec.from_dict(codec)
+        return transforms.Codec.from_dict(codec)
     except (ValueError, TypeError, KeyError) as e:
         raise MalformedMetadata(f"bad codec {codec!r}: {e}") from None
 
@@ -56,7 +56,7 @@ def compressed_sizes(shape: Sequence[int], codec: Any) -> tuple[int, int]:
     Raises:
       MalformedMetadata: the codec dict is invalid.
     """
-    if not isinstance(codec, q.Codec):
+    if not isinstance(codec, transforms.Codec):
         codec = _codec_from_dict(codec)
     size = math.prod(shape)
     if codec.scheme == "none":
@@ -65,7 +65,7 @@ def compressed_sizes(shape: Sequence[int], codec: Any) -> tuple[int, int]:
         n_scales = 1
     else:
         n_scales = -(-size // codec.block_size)
-    return q.encoded_nbytes(tuple(shape), codec) - 4 * n_scales, n_scales
+    return transforms.encoded_nbytes(tuple(shape), codec) - 4 * n_scales, n_scales
 
 
 def check_encoded_leaf(codes: np.ndarray, scales: np.ndarray, size: int, codec) -> None:
@@ -108,7 +108,7 @@ def check_encoded_leaf(codes: np.ndarray, scales: np.ndarray, size: int, codec) 
 
 
 def _host_codes(codes: np.ndarray, bits: int, size: int) -> np.ndarray:
-    """:func:`~hpsjax.transforms._quantize._unpack` in numpy (int32 codes)."""
+    """The quantizer's code unpacking in numpy (int32 codes)."""
     if bits == 8:
         return codes.astype(np.int32)
     if bits == 16:
@@ -119,8 +119,8 @@ def _host_codes(codes: np.ndarray, bits: int, size: int) -> np.ndarray:
     return q_.reshape(-1)[:size].astype(np.int32)
 
 
-def _host_leaf(enc: Any, codec: q.Codec, shape: Shape, dtype: str):
-    """:func:`~hpsjax.transforms._quantize.decode` in numpy, bit for bit.
+def _host_leaf(enc: Any, codec: transforms.Codec, shape: Shape, dtype: str):
+    """:func:`~hpsjax.transforms.decode` in numpy, bit for bit.
 
     The codes and scales have the sizes the codec implies (the wire layout
     was checked against the model before the payload was read).
@@ -138,7 +138,7 @@ def _host_leaf(enc: Any, codec: q.Codec, shape: Shape, dtype: str):
     if codec.scheme == "sign":
         q_ = 2 * q_ - 1
     else:
-        q_ -= q._half_range(codec)
+        q_ -= codec.half_range
     values = q_.astype(np.float32)
     scales = np.asarray(scales, np.float32)
     if codec.block_size is None:
@@ -161,11 +161,11 @@ class QuantizedCodec(NamedTuple):
     code serves the optax transform and the wire).
 
     Examples:
-      >>> QuantizedCodec(q.Codec("sign", 1)).to_wire()["scheme"]
+      >>> QuantizedCodec(transforms.Codec("sign", 1)).to_wire()["scheme"]
       'sign'
     """
 
-    codec: q.Codec
+    codec: transforms.Codec
 
     schemes = ("none", "uniform", "qsgd", "sign")
     name = "quantized"
@@ -173,7 +173,7 @@ class QuantizedCodec(NamedTuple):
     # "none" sends float32 values, and a product of a code and a finite scale
     # may still overflow a narrower dtype.
     finite_decoded = True
-    last_encoded = staticmethod(q.last_encoded)
+    last_encoded = staticmethod(transforms.last_encoded)
 
     @classmethod
     def from_wire(cls, codec: dict[str, Any], count: int | None) -> QuantizedCodec:
@@ -188,7 +188,7 @@ class QuantizedCodec(NamedTuple):
         codec_dict = wire.codec.to_dict()
         pairs = []
         for enc, like in zip(encoded, likes, strict=True):
-            if not isinstance(enc, q.Encoded):
+            if not isinstance(enc, transforms.Encoded):
                 raise SpecMismatch("every encoded leaf must be an Encoded")
             codes = as_leaf(enc.codes).reshape(-1)
             scales = as_leaf(enc.scales).reshape(-1)
@@ -242,7 +242,7 @@ class QuantizedCodec(NamedTuple):
         for shape, _ in specs:
             n_codes, n_scales = compressed_sizes(shape, codec)
             args.append(
-                q.Encoded(
+                transforms.Encoded(
                     jax.ShapeDtypeStruct((n_codes,), np.uint8),
                     jax.ShapeDtypeStruct((n_scales,), np.float32),
                 )
@@ -252,13 +252,13 @@ class QuantizedCodec(NamedTuple):
         # decoder the server forgets leaves nothing behind.
         def decode_leaves(encoded):
             return [
-                q.decode(enc, codec, shape, dtype)
+                transforms.decode(enc, codec, shape, dtype)
                 for enc, (shape, dtype) in zip(encoded, specs, strict=True)
             ]
 
         compiled = jax.jit(decode_leaves).lower(args).compile()
 
         def run(encoded):
-            return compiled([q.Encoded(*enc) for enc in encoded])
+            return compiled([transforms.Encoded(*enc) for enc in encoded])
 
         return run

@@ -14,7 +14,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from hpsjax.transforms import _topk
+from hpsjax import transforms
 from hpsjax.wire._codecs._base import (
     LikeLeaf,
     Shape,
@@ -45,7 +45,7 @@ def topk_index_dtype(size: int) -> np.dtype:
       MalformedMetadata: the leaf has more than 2**32 elements.
     """
     try:
-        dtype = _topk.topk_index_dtype(size)
+        dtype = transforms.topk_index_dtype(size)
     except ValueError:
         raise MalformedMetadata(
             f"top-k leaves hold at most 2**32 elements, not {size}"
@@ -90,7 +90,7 @@ class TopKCodec(NamedTuple):
     compiles = False
     # Values are checked as they arrive, and scattering adds nothing to them.
     finite_decoded = False
-    last_encoded = staticmethod(_topk.last_topk_encoded)
+    last_encoded = staticmethod(transforms.last_topk_encoded)
 
     @classmethod
     def from_wire(cls, codec: dict[str, Any], count: int | None) -> TopKCodec:
@@ -133,7 +133,7 @@ class TopKCodec(NamedTuple):
     def at_ratio(cls, shapes: Sequence[Shape], ratio: float) -> TopKCodec:
         """The codec of ``hpsjax.transforms.top_k(ratio)``'s pushes of leaves
         of ``shapes``."""
-        return cls(tuple(_topk.topk_count(math.prod(s), ratio) for s in shapes))
+        return cls(tuple(transforms.topk_count(math.prod(s), ratio) for s in shapes))
 
     def to_wire(self) -> dict[str, Any]:
         return {"scheme": TOPK_SCHEME, "k": list(self.ks)}
