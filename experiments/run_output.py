@@ -182,6 +182,7 @@ def _replanner(
         tolerance=float(config.plan.pilot_tolerance),
         max_rounds=int(config.plan.pilot_rounds),
         batch_sizes=_pilot_grid(config),
+        balance_rounds=int(config.plan.pilot_balance),
         plan_options=options,
         **settings,
     )

@@ -435,6 +435,9 @@ class Plan(Section):
     pilot_grid: int = _field(
         4, "the pilot's batches on a grid of this many sizes a doubling (0: any)"
     )
+    pilot_balance: int = _field(
+        0, "rounds between the pilot's balancing checks after its fit (0: none)"
+    )
     replan_threshold: float = _field(0.2, "drift that re-plans")
     replan_cooldown: float = _field(5.0, "seconds between two re-plans")
     replan_window: int = _field(10, "rounds a re-plan looks back on")

@@ -45,6 +45,16 @@ re-plans as the ordinary :class:`~hpsjax.planning.Replanner` does. Given
 and the final plan's batches are put on them, so that no new batch compiles
 beside the rounds.
 
+Given ``balance_rounds``, the pilot then balances its plan on the steps the
+workers take at their planned batches, under the run's own contention then:
+once every worker has that many kept reports there, each worker's fitted line
+is scaled to pass through its median step, and the plan made again from the
+scaled lines replaces the one in force where its predicted round takes at
+least 5% less time a sample (on proc4, steps at the planned batch came out 34%
+faster to 22% slower than the fits, and two workers of four waited 29-37% of
+each round at the barrier); after a check that gains less, or
+``max_balances`` of them, the pilot is over.
+
 The link: under a scheme whose rounds end at a barrier (``hps``, ``equal``)
 the pilot replays the barrier from its reports' times: a round ends at the
 push that completes it, and a worker's next push comes its round trip after
@@ -109,6 +119,9 @@ _KEEP = 0.03
 # fitted too flat would hand the worker samples it cannot take).
 _LINE_SPAN = 1.15
 _MEDIAN_EFFICIENCY = math.sqrt(math.pi / 2)
+# The least gain in the predicted round's seconds per sample for which a
+# balancing check moves any batch.
+_BALANCE_GAIN = 0.05
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,6 +149,17 @@ class WorkerFit:
     def step_time(self, batch_size: float) -> float:
         """The fitted seconds per step at ``batch_size``."""
         return self.intercept + self.slope * batch_size
+
+    def scaled_to(self, batch_size: float, seconds: float) -> WorkerFit:
+        """The fit's line scaled to pass through ``seconds`` at ``batch_size``
+        (both terms by the same factor: the worker as fast relative to its
+        fit at every batch)."""
+        k = seconds / self.step_time(batch_size)
+        covariance = None if self._covariance is None else self._covariance * k * k
+        return dataclasses.replace(
+            self, intercept=self.intercept * k, slope=self.slope * k,
+            _covariance=covariance,
+        )  # fmt: skip
 
     def relative_error(self, batch_size: float) -> float:
         """The relative standard error of :meth:`step_time` at ``batch_size``."""
@@ -242,6 +266,10 @@ class Pilot(Replanner):
         the shapes the workers compiled ahead); each planned batch is put on
         them at or below it (:func:`~hpsjax.planning.on_grid`), the plan's
         round predicted at those batches. ``None``: any size.
+      balance_rounds: kept reports of each worker at its planned batch
+        between two balancing checks after the fit's plan (see the module
+        docstring); 0: none, the pilot is over with the fit's plan.
+      max_balances: the most balancing checks.
       plan_options: further arguments of :func:`plan` (``lr_scaling``,
         ``reference_batch``, ``local_steps``, ``min_device_batch``,
         ``min_batch``, ``max_local_steps``, ``server_seconds``).
@@ -280,6 +308,8 @@ class Pilot(Replanner):
         max_rounds: int = 60,
         min_reports: int = 5,
         batch_sizes: Sequence[int] | None = None,
+        balance_rounds: int = 0,
+        max_balances: int = 4,
         plan_options: Mapping[str, Any] | None = None,
         threshold: float = 0.2,
         window: int = 10,
@@ -297,6 +327,12 @@ class Pilot(Replanner):
         self._min_reports = check_int("min_reports", min_reports, low=1)
         self._options = _checked_options(plan_options)
         self._grid = _checked_sizes(batch_sizes)
+        self._balance_rounds = check_int("balance_rounds", balance_rounds, low=0)
+        self._max_balances = check_int("max_balances", max_balances, low=1)
+        # Reports at the planned batches since the plan in force, and the
+        # balancing checks made; None until the fit's plan is installed.
+        self._balance: dict | None = None
+        self._balances = 0
         check_int("warmup", warmup, low=1)
         self._ids = ids
         self._phase = 0
@@ -366,6 +402,8 @@ class Pilot(Replanner):
             return super().observe(worker_id, batch_size, step_time, now)
         planned = self._plan.worker(worker_id)
         batch_size, step_time = check_report(batch_size, step_time, now)
+        if self._balance is not None:
+            return self._balancing(worker_id, batch_size, step_time, now)
         link = None
         if self._barrier is not None:
             link = self._barrier.push(worker_id, now, planned.local_steps * step_time)
@@ -414,7 +452,9 @@ class Pilot(Replanner):
         if not (sure or self._rounds >= self._max_rounds):
             return None
         kept = self._keeping(final)
-        self._done = True
+        self._done = self._balance_rounds == 0
+        if not self._done:
+            self._balance = {w: [] for w in self._ids}
         self.reason = f"the pilot's fit after {self._rounds} rounds"
         if kept is not final:
             self.reason += (
@@ -425,6 +465,53 @@ class Pilot(Replanner):
             final = kept
         self._install(final, now)
         return final
+
+    def _balancing(
+        self, worker_id: int | str, batch_size: int, step_time: float, now: float
+    ) -> WorkPlan | None:
+        """A report after the fit's plan: kept at the worker's planned batch
+        past its warm-up; once every worker has ``balance_rounds`` of them,
+        a balancing check (:meth:`_balanced`)."""
+        warming = self._warming(worker_id, batch_size)
+        if warming or batch_size != self._plan.worker(worker_id).batch_size:
+            return None
+        self._balance[worker_id].append(step_time)
+        if any(len(r) < self._balance_rounds for r in self._balance.values()):
+            return None
+        return self._balanced(now)
+
+    def _balanced(self, now: float) -> WorkPlan | None:
+        """Each worker's fit scaled to its median step at its planned batch;
+        the plan made again from them, installed where its predicted round
+        takes at least :data:`_BALANCE_GAIN` less time a sample than the
+        batches in force (both on the scaled fits), else the pilot is over."""
+        batches = [w.batch_size for w in self._plan.workers]
+        self.fits = {
+            w: self.fits[w].scaled_to(b, statistics.median(self._balance[w]))
+            for w, b in zip(self._ids, batches, strict=True)
+        }
+        self._balance = {w: [] for w in self._ids}
+        self._balances += 1
+        revision = self._plan.revision + 1
+        made = self._gridded(
+            self._final_plan([self.fits[w] for w in self._ids], revision)
+        )
+        planned = [w.batch_size for w in made.workers]
+        # Seconds per sample: a worker that waited at the barrier takes more
+        # samples in the same round, or the round's slowest fewer.
+        here = self._pilot_plan(batches, revision).round_time / sum(batches)
+        there = self._pilot_plan(planned, revision).round_time / sum(planned)
+        gains = planned != batches and there <= (1 - _BALANCE_GAIN) * here
+        if not gains or self._balances >= self._max_balances:
+            self._done, self._balance = True, None
+        if not gains:
+            return None
+        self.reason = (
+            f"the pilot's balance {self._balances}: steps at the planned batches "
+            f"({1e6 * here:.0f} us a sample at {batches}, {1e6 * there:.0f} here)"
+        )
+        self._install(made, now)
+        return made
 
     def _keeping(self, final: WorkPlan) -> WorkPlan:
         """``final``, or under a barrier scheme the batches the pilot runs

@@ -396,6 +396,8 @@ def _replanner(options: ServerOptions) -> Replanner | None:
             options.global_batch,
             options.pilot,
             tolerance=options.pilot_tolerance,
+            batch_sizes=options.pilot_sizes(),
+            balance_rounds=options.pilot_balance,
             threshold=options.replan_threshold,
             window=options.replan_window,
             cooldown=options.replan_cooldown,

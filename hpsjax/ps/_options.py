@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -240,6 +241,20 @@ class ServerOptions:
         "step at its planned batch before the plan is made",
         group="plan",
     )
+    pilot_grid: str | None = _option(
+        None,
+        "--pilot: the only batch sizes it plans (comma-separated, ascending), "
+        "the ones the workers compile before joining with --precompile",
+        metavar="SIZES",
+        group="plan",
+    )
+    pilot_balance: int = _option(
+        0,
+        "--pilot: after its fit's plan, rounds of each worker at its planned "
+        "batch between two checks that balance the plan on those steps (0: none)",
+        metavar="ROUNDS",
+        group="plan",
+    )
 
     checkpoint_dir: str | None = _option(
         None, "checkpoint (and resume) directory", group="checkpoints"
@@ -384,9 +399,11 @@ class ServerOptions:
     def _check_pilot(self) -> None:
         """``--pilot`` and the flags it needs, or none of them."""
         if self.pilot is None:
-            for name in ("global_batch", "expected_workers"):
+            for name in ("global_batch", "expected_workers", "pilot_grid"):
                 if getattr(self, name) is not None:
                     raise ValueError(f"--{name} needs --pilot")
+            if self.pilot_balance != 0:
+                raise ValueError("--pilot_balance needs --pilot")
             return
         if self.pilot not in SCHEMES:
             raise ValueError(
@@ -406,11 +423,33 @@ class ServerOptions:
                 f"({self.expected_workers}), got {self.global_batch!r}"
             )
         check_positive("--pilot_tolerance", self.pilot_tolerance)
+        check_int("--pilot_balance", self.pilot_balance, low=0)
+        self.pilot_sizes()
         if "expected_workers" in self.core_arg:
             raise ValueError(
                 "give the workers once: --expected_workers, not --core_arg "
                 "expected_workers"
             )
+
+    def pilot_sizes(self) -> tuple[int, ...] | None:
+        """``--pilot_grid`` as batch sizes (``None``: any size).
+
+        Raises:
+          ValueError: not ascending sizes >= 1, comma-separated, in one line.
+        """
+        if self.pilot_grid is None:
+            return None
+        try:
+            sizes = tuple(int(x) for x in str(self.pilot_grid).split(","))
+        except ValueError:
+            sizes = ()
+        ascending = all(b < c for b, c in itertools.pairwise(sizes))
+        if not (sizes and sizes[0] >= 1 and ascending):
+            raise ValueError(
+                "--pilot_grid must be batch sizes >= 1, ascending, comma-separated "
+                f"(the workers' --precompile), got {self.pilot_grid!r}"
+            )
+        return sizes
 
     def shard(self) -> tuple[int, int]:
         """``(shard, num_shards)`` this server serves (``(0, 1)``: the whole
