@@ -11,7 +11,8 @@ where each worker's rounds at the final batch went (the barrier's wait by
 worker), the plan's predicted round (and, where the replan records carry
 them, each worker's predicted step and round) against the measured ones, and
 what the pilot cost: the target's version reached at the after-pilot rate
-from the first round, against when it was reached. A server ``--metrics``
+from the first round, against when it was reached, and each segment's
+seconds over the after-pilot round (and the first push's wait). A server ``--metrics``
 file (``"version"`` records) adds the server's apply and serve seconds::
 
     .venv/bin/python benchmarks/round_breakdown.py WORKDIR [--server_metrics PATH]
@@ -255,6 +256,64 @@ def _cost_lines(run: Mapping[str, Any]) -> list[str]:
     return lines
 
 
+def revision_costs(run: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """What each segment of the first worker's rounds before its last cost:
+    per segment (a plan revision at a batch), ``revision``, ``batch``,
+    ``rounds``, ``seconds`` and ``extra`` (its seconds less as many rounds at
+    the mean round after the final plan, :func:`final_rounds`'s); empty
+    without rounds after it. Under a barrier every worker's rounds are the
+    same rounds, so the first worker's say what the run spent."""
+    first = next(iter(run["rounds"].values()))
+    after = [float(r["round_s"]) for r in final_rounds(first)]
+    if not after:
+        return []
+    mean = statistics.fmean(after)
+    costs = []
+    for s in segments(first)[:-1]:
+        seconds = sum(float(r["round_s"]) for r in s["records"])
+        costs.append(
+            {
+                "revision": s["revision"],
+                "batch": s["batch"],
+                "rounds": s["rounds"],
+                "seconds": seconds,
+                "extra": seconds - s["rounds"] * mean,
+            }
+        )
+    return costs
+
+
+def first_push_waits(run: Mapping[str, Any]) -> list[float]:
+    """Per worker, the seconds from its first round's compute end to its
+    first push going out (its encoding, and what the encoder waited for),
+    where the records say both."""
+    waits = []
+    for rs in run["rounds"].values():
+        r = rs[0]
+        if r.get("compute_end") is not None and r.get("pull_start") is not None:
+            waits.append(float(r["pull_start"]) - float(r["compute_end"]))
+    return waits
+
+
+def _revision_lines(run: Mapping[str, Any]) -> list[str]:
+    lines = [
+        f"  rev {c['revision']:>2} b={c['batch']:>4}: {c['rounds']:>3} rounds "
+        f"{c['seconds']:5.2f} s, {c['extra']:+.2f} s over the after-plan round"
+        for c in revision_costs(run)
+    ]
+    first = next(iter(run["rounds"].values()))
+    if len(first) >= 2:
+        two = float(first[0]["round_s"]) + float(first[1]["round_s"])
+        lines.append(f"  its first two rounds: {two:.2f} s")
+    waits = first_push_waits(run)
+    if waits:
+        lines.append(
+            f"  first round's compute end to first push: {min(waits):.2f}-"
+            f"{max(waits):.2f} s (per worker)"
+        )
+    return lines
+
+
 def _eval_step(run: Mapping[str, Any]) -> float:
     times = [float(e["time"]) for e in run["evals"]]
     if len(times) < 2:
@@ -277,6 +336,8 @@ def breakdown(run: Mapping[str, Any], server_versions: Sequence[Any] = ()) -> st
     )
     lines.append("the pilot's time against after:")
     lines += _cost_lines(run)
+    lines.append("before the final plan, by segment (the first worker's rounds):")
+    lines += _revision_lines(run)
     lines += _after_lines(run)
     lines.append("plan against measured (the last revision):")
     lines += _prediction_lines(run)
