@@ -226,6 +226,11 @@ def check_config(config: ExperimentConfig) -> None:
     if ":" not in config.model.name:  # else a factory, "package.module:make"
         lookup("model", config.model.name)
     lookup("policy", config.server.policy)
+    if config.server.policy == "halos" and config.backend != "sim":
+        raise ValueError(
+            "server.policy='halos' (local servers per region under a global "
+            "one) runs in the simulator only: backend='sim'"
+        )
     lookup("optimizer", config.server.optimizer)
     lookup("overlap", config.worker.overlap)
     lookup("plan scheme", config.plan.scheme)

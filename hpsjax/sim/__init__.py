@@ -17,6 +17,7 @@ from hpsjax.sim._simulate import (
     SimResult,
     simulate,
 )
+from hpsjax.sim._halos import HalosCore
 from hpsjax.sim._workers import ComputeModel, WorkerSpec, make_workers
 
 __all__ = [
@@ -24,6 +25,7 @@ __all__ = [
     "ApplyRecord",
     "ComputeModel",
     "Divergence",
+    "HalosCore",
     "Interval",
     "PushRecord",
     "SendRecord",
