@@ -79,6 +79,8 @@ SCHEME_NAMES: Mapping[str, str] = {
     "diloco": "DiLoCo",
     "async_diloco": "Async DiLoCo",
     "ringmaster": "Ringmaster ASGD",
+    "ringmaster_stop": "Ringmaster ASGD, stops",
+    "naive_optimal": "naive optimal (m fastest)",
     "clipped_asgd": "Clipped ASGD",
     "ormo": "OrMo",
     "ormo_da": "OrMo-DA",
@@ -90,8 +92,6 @@ SCHEME_NAMES: Mapping[str, str] = {
     "asgd_momentum": "ASGD, naive momentum",
     "streaming_diloco_eager": "Streaming DiLoCo, eager",
     "demo": "DeMo",
-    "diloco_delayed": "DiLoCo, delayed outer step",
-    "halos": "HALoS",
 }
 """The name a figure or table shows for each scheme of ``experiments.registry``."""
 

@@ -22,7 +22,9 @@ SCHEMES: tuple[str, ...] = (
     "diloco",
     "async_diloco",
     "ringmaster",
+    "ringmaster_stop",
     "clipped_asgd",
+    "naive_optimal",
     "ormo",
     "ormo_da",
     "sparseloco",
@@ -33,11 +35,8 @@ SCHEMES: tuple[str, ...] = (
     "asgd_momentum",
     "streaming_diloco_eager",
     "demo",
-    "diloco_delayed",
-    "halos",
 )
 """Schemes with a config file ``experiments/configs/<scheme>.py``, in table order."""
 
-SIM_ONLY_SCHEMES: tuple[str, ...] = ("halos",)
-"""Schemes left out of the processes suites and smoke runs: ``halos``, whose
-local servers per region under a global one the simulator builds."""
+SIM_ONLY_SCHEMES: tuple[str, ...] = ()
+"""Schemes left out of the processes suites and smoke runs (none today)."""

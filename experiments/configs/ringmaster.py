@@ -9,10 +9,11 @@ gradients are cut. The paper's optimal R = max(1, ceil(sigma^2 / epsilon))
 needs the gradient noise and the target, which a run does not know, so
 ``experiments.frontier`` tunes R (``server.policy_kwargs.delay_threshold``,
 from n/2, n and 2n, extended off the grid's edges) with the step size; R =
-infinity is ASP. The paper's second form, which stops a worker's computation
-as soon as its gradient can no longer arrive within R versions, is not built:
-here the worker finishes it, pushes, and learns from the dropped push's
-forced pull (the same iterates; only its wasted time differs).
+infinity is ASP. The paper's second form (Ringmaster ASGD with calculation
+stops) is the knob ``server.policy_kwargs.stop_stale`` (``ringmaster_stop.py``
+sets it): every new version also stops the workers still computing on a
+version R or more behind, which start again on the new one instead of
+finishing a gradient that could only be ignored.
 
 Launch::
 
@@ -34,6 +35,8 @@ def get_config(arg=None):
     config.server.policy = "ringmaster"
     # None: R = the number of live workers (experiments.frontier tunes it).
     config.server.policy_kwargs.delay_threshold = None
+    # The paper's first form: a late gradient is computed, then ignored.
+    config.server.policy_kwargs.stop_stale = False
     config.server.optimizer = "sgd"
     # ASP's step sizes (experiments.frontier tunes it with R).
     config.server.learning_rate = common.pick(config, {"default": 0.1})

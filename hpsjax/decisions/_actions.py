@@ -114,10 +114,13 @@ class ForcePull:
     Attributes:
       worker_id: the worker.
       reason: why (for example its update was too stale).
+      stop: the worker is told while it computes, to stop that computation
+        (:meth:`~hpsjax.decisions.Policy.stops`), not in answer to its push.
     """
 
     worker_id: WorkerId
     reason: str
+    stop: bool = False
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -584,8 +584,8 @@ class ServerCore:
             hybrid policy a stage beyond the server's moves the server to it.
 
         Returns:
-          ``[PushAck, ForcePull?, Applied?, SaveCheckpoint?, StageChanged?,
-          Release/SendParams..., PlanChanged?]``.
+          ``[PushAck, ForcePull?, Applied?, ForcePull (stops)...,
+          SaveCheckpoint?, StageChanged?, Release/SendParams..., PlanChanged?]``.
 
         Raises:
           UnexpectedMessage: for a worker that never joined.
@@ -654,8 +654,8 @@ class ServerCore:
         against the policy's stages.
 
         Returns:
-          ``[PushAck, ForcePull?, Applied?, SaveCheckpoint?, StageChanged?,
-          Release/SendParams..., PlanChanged?]``.
+          ``[PushAck, ForcePull?, Applied?, ForcePull (stops)...,
+          SaveCheckpoint?, StageChanged?, Release/SendParams..., PlanChanged?]``.
 
         Raises:
           UnexpectedMessage: for a worker that never joined.
@@ -873,6 +873,9 @@ class ServerCore:
         self._versions.apply(self._members.workers, actions)
         policy = self._policy
         policy.on_apply(self._view, now)
+        actions.extend(
+            ForcePull(w, why, stop=True) for w, why in policy.stops(self._view)
+        )
         if policy.stage != self._stages.stage:
             self._stages.note(self._versions.version, actions)
 

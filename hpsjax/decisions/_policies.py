@@ -29,7 +29,7 @@ Built-in policies, by name (:data:`POLICIES`, :func:`get_policy`):
 ``"semi_async"`` bounded version staleness, stale pushes damped or dropped
 ``"hybrid"``    a sequence of stages, each async, semi-async or sync
 ``"ringmaster"`` ASP that ignores pushes delayed :math:`R` versions or more
-``"halos"``     ASP local servers per region under a global one (simulator)
+``"naive_optimal"`` SGD over only the :math:`m` fastest workers
 =============== =============================================================
 
 Each family has its own module (:mod:`~hpsjax.decisions._policy` the base and
@@ -42,7 +42,7 @@ from __future__ import annotations
 from typing import Any
 
 from hpsjax.decisions._policies_async import ASP, Ringmaster, SaPS, SemiAsync
-from hpsjax.decisions._policies_halos import HALoS
+from hpsjax.decisions._policies_delay import NaiveOptimal
 from hpsjax.decisions._policies_staged import (
     HYBRID_MODES,
     Hybrid,
@@ -63,12 +63,12 @@ __all__ = [
     "BSP",
     "DEFAULT_POLICY",
     "HYBRID_MODES",
-    "HALoS",
     "POLICIES",
     "SSP",
     "STALE_ACTIONS",
     "Hybrid",
     "HybridStage",
+    "NaiveOptimal",
     "PlannedHybrid",
     "Policy",
     "PolicyView",
@@ -89,7 +89,7 @@ POLICIES: dict[str, type[Policy]] = {
     "semi_async": SemiAsync,
     "hybrid": Hybrid,
     "ringmaster": Ringmaster,
-    "halos": HALoS,
+    "naive_optimal": NaiveOptimal,
 }
 """Built-in policies by name."""
 
@@ -122,8 +122,8 @@ def get_policy(name_or_obj: str | Policy | type[Policy], **kwargs: Any) -> Polic
       >>> get_policy("nope")
       Traceback (most recent call last):
       ...
-      ValueError: Unknown policy 'nope'; valid names are adsp, asp, bsp, halos, \
-hybrid, ringmaster, saps, semi_async, ssp.
+      ValueError: Unknown policy 'nope'; valid names are adsp, asp, bsp, hybrid, \
+naive_optimal, ringmaster, saps, semi_async, ssp.
     """
     if isinstance(name_or_obj, Policy):
         if kwargs:

@@ -13,7 +13,8 @@ all the bookkeeping and asks them at the right moments:
   next push (a hint sent with each answer)?
 
 and may keep state of its own through :meth:`Policy.on_push` and
-:meth:`Policy.on_apply`. Notation: worker :math:`i` pushes an update computed on
+:meth:`Policy.on_apply`, and stop running computations after a new version
+(:meth:`Policy.stops`). Notation: worker :math:`i` pushes an update computed on
 parameters of version :math:`v_i` while the server is at version :math:`V`; its
 staleness is :math:`\tau = V - v_i`; its clock :math:`c_i` counts its pushes.
 
@@ -267,6 +268,20 @@ class Policy:
     def on_apply(self, core: PolicyView, now: float) -> None:
         """Sees every new version right after it was applied."""
         del core, now
+
+    def stops(self, core: PolicyView) -> tuple:
+        """Workers whose running computation is stopped, asked after every new
+        version (after :meth:`on_apply`).
+
+        Each named worker gets a :class:`~hpsjax.ps.ForcePull`: it drops the
+        round it computes and pulls the new version (Ringmaster ASGD's
+        stopping form). The default stops nobody.
+
+        Returns:
+          ``(worker_id, reason)`` pairs, in a fixed order.
+        """
+        del core
+        return ()
 
     def set_stage(self, core: PolicyView, index: int) -> None:
         """Moves to stage ``index``; only staged policies have stages."""

@@ -12,7 +12,6 @@ part of.
 
 from __future__ import annotations
 
-import functools
 import math
 from typing import TYPE_CHECKING, Any
 
@@ -46,7 +45,6 @@ from hpsjax.planning import WorkPlan
 from hpsjax.profiling import tree_wire_nbytes
 from hpsjax.sim._config import SimConfig
 from hpsjax.sim._engine import DeferredLeaves, SummedRow
-from hpsjax.sim._halos import HalosCore
 from hpsjax.sim._results import ApplyRecord, Divergence, PushRecord, SendRecord
 from hpsjax.transforms import (
     last_demo_nbytes,
@@ -97,13 +95,7 @@ class _ServerSide:
             and not core_kwargs.get("keep_stale_params", False)
         ):
             core_kwargs.setdefault("aggregator", DeferredAggregator)
-        make: Any = ServerCore
-        if getattr(policy, "name", None) == "halos":
-            # Local servers per region under a global one (hpsjax.sim._halos).
-            make = functools.partial(
-                HalosCore, worker_ids=[w.id for w in self.workers]
-            )
-        self.core = make(
+        self.core = ServerCore(
             params,
             server_optimizer,
             policy,
@@ -347,19 +339,14 @@ class _ServerSide:
     def _on_send_params(self, action: SendParams) -> None:
         now, core = self.now, self.core
         w = self.by_id[action.worker_id]
-        key, params = action.version, None
-        if isinstance(core, HalosCore):  # the worker's local server's model
-            key, params = core.sent_params(action)
-        if self.leaves_version != key:
+        if self.leaves_version != action.version:
             if self.deferring and self.deferring.deferred_applies:
                 self.version_leaves = self.deferred[action.version] = DeferredLeaves(
                     action.version
                 )
             else:
-                self.version_leaves = self.engine.version_leaves(
-                    core.params if params is None else params
-                )
-            self.leaves_version = key
+                self.version_leaves = self.engine.version_leaves(core.params)
+            self.leaves_version = action.version
         self.sends.append(
             SendRecord(now, w.id, action.version, core.clock(w.id), core.min_clock)
         )
@@ -404,7 +391,8 @@ class _ServerSide:
 
     def _on_force_pull(self, action: ForcePull) -> None:
         w = self.by_id[action.worker_id]
-        self.schedule(self.now + w.latency, self._force_arrive, w, w.session)
+        arrive = self._stop_arrive if action.stop else self._force_arrive
+        self.schedule(self.now + w.latency, arrive, w, w.session)
 
     def _on_drop(self, action: Drop) -> None:
         w = self.by_id[action.worker_id]

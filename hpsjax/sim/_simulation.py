@@ -389,7 +389,10 @@ class _Simulation(_ServerSide):
                 w.params = leaves
             elif kind is wc.Discard:
                 self.engine.cancel(w.rounds.pop(action.round))
-                w.spans.pop(action.round)[2] = "discarded"
+                span = w.spans.pop(action.round)
+                if span[1] > self.now:  # stopped while computing
+                    span[1], w.blocked_since = self.now, self.now
+                span[2] = "discarded"
             elif kind is wc.Report:
                 self._report(w, action)
             elif kind is wc.Join:
@@ -511,6 +514,9 @@ class _Simulation(_ServerSide):
 
     def _force_arrive(self, w, session) -> None:
         self._carry_out_worker(w, w.core.handle(wc.ForcePulled(session)))
+
+    def _stop_arrive(self, w, session) -> None:
+        self._carry_out_worker(w, w.core.handle(wc.StopComputing(session, self.now)))
 
     def _dropped_arrive(self, w, session) -> None:
         self._carry_out_worker(w, w.core.handle(wc.Dropped(session, self.now)))

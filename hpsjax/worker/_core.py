@@ -45,6 +45,7 @@ __all__ = [
     "Reported",
     "StepsHinted",
     "Stop",
+    "StopComputing",
     "StopRequested",
     "WorkerCore",
     "WorkerOptions",
@@ -149,6 +150,14 @@ class ForcePulled(NamedTuple):
     """The server asks the worker to give up its local work (SaPS)."""
 
     session: int
+
+
+class StopComputing(NamedTuple):
+    """The server stops the round being computed (Ringmaster ASGD's stopping
+    form: its result could only be ignored); fresh parameters are pulled."""
+
+    session: int
+    now: float
 
 
 class Dropped(NamedTuple):
@@ -679,6 +688,16 @@ class WorkerCore:
             return []
         return self._discard_current()
 
+    def _stop_computing(self, event: StopComputing) -> list:
+        if event.session != self.session or self.state is not _State.COMPUTING:
+            return []  # pushed meanwhile: the pull that follows is fresh
+        if self.pipeline:
+            return self._drop_current()
+        round_, self.current = self.current.round, None
+        self.discard = False
+        self.state = _State.BLOCKED
+        return [Discard(round_), self._pull(event.now)]
+
     def _dropped(self, event: Dropped) -> list:
         if event.session != self.session:
             return []
@@ -712,6 +731,7 @@ class WorkerCore:
         PlanChanged: _plan_changed,
         StepsHinted: _steps_hinted,
         ForcePulled: _force_pulled,
+        StopComputing: _stop_computing,
         Dropped: _dropped,
         Left: _left,
         Reported: _reported,

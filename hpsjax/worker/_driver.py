@@ -37,6 +37,7 @@ from hpsjax.worker._core import (
     Report,
     Reported,
     Stop,
+    StopComputing,
     StopRequested,
     WorkerCore,
 )
@@ -212,6 +213,10 @@ class _Run:
             computed.batch_size,
             computed.finite,
         )
+        if not self.core.pipeline and self.client.force_pull is not None:
+            # Told to stop while computing (Ringmaster's stopping form); a
+            # compiled step cannot be interrupted, so its result is dropped.
+            return [(StopComputing(self.core.session, event.now), None), (event, None)]
         return [(event, None)]
 
     def diverged(self, compute: Compute, computed: _Computed) -> None:
