@@ -90,6 +90,8 @@ KNOBS: dict[str, tuple[str, ...]] = {
     "adsp": (_LOCAL_LR,),
     "ashl_reference": (_LOCAL_LR,),
     "demo": (_LR,),
+    "diloco_delayed": (_LOCAL_LR, _LR),
+    "halos": (_LOCAL_LR, _LR, "server.policy_kwargs.global_learning_rate"),
     "bsp": (_LR,),
 }
 """The knobs tuned per scheme and setting (dotted config paths): the step
@@ -246,6 +248,26 @@ CLAIMS: tuple[Claim, ...] = (
         "the paper's claim is on LLM loss against AdamW with all-reduce; here "
         "time to an accuracy against BSP's momentum SGD (a server's average "
         "for the all-reduce) on a small MLP",
+    ),
+    Claim(
+        "diloco_delayed",
+        "diloco",
+        "async DiLoCo as PCCL runs it, Keiblinger et al., arXiv 2505.14065",
+        "one-step-delayed outer updates hide the outer all-reduce",
+        "faster",
+        "PCCL states no convergence figure; what runs here is the consequence "
+        "of hiding the link, reaching the target before DiLoCo",
+    ),
+    Claim(
+        "halos",
+        "diloco",
+        "HALoS, Kim et al., ICML 2025, arXiv 2506.04531",
+        "local servers per region and a global server reach the loss sooner "
+        "than synchronous DiLoCo over slow inter-region links",
+        "faster",
+        "regions of the setting's workers behind a 100x faster intra-region "
+        "link (the paper's premise); the paper times a 70M-parameter language "
+        "model over measured inter-region bandwidths",
     ),
     Claim(
         "ashl_reference",

@@ -92,6 +92,8 @@ SCHEME_NAMES: Mapping[str, str] = {
     "asgd_momentum": "ASGD, naive momentum",
     "streaming_diloco_eager": "Streaming DiLoCo, eager",
     "demo": "DeMo",
+    "diloco_delayed": "DiLoCo, delayed outer step",
+    "halos": "HALoS",
 }
 """The name a figure or table shows for each scheme of ``experiments.registry``."""
 

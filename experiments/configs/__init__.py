@@ -35,8 +35,11 @@ SCHEMES: tuple[str, ...] = (
     "asgd_momentum",
     "streaming_diloco_eager",
     "demo",
+    "diloco_delayed",
+    "halos",
 )
 """Schemes with a config file ``experiments/configs/<scheme>.py``, in table order."""
 
-SIM_ONLY_SCHEMES: tuple[str, ...] = ()
-"""Schemes left out of the processes suites and smoke runs (none today)."""
+SIM_ONLY_SCHEMES: tuple[str, ...] = ("halos",)
+"""Schemes left out of the processes suites and smoke runs: ``halos``, whose
+local servers per region under a global one the simulator builds."""

@@ -30,6 +30,7 @@ Built-in policies, by name (:data:`POLICIES`, :func:`get_policy`):
 ``"hybrid"``    a sequence of stages, each async, semi-async or sync
 ``"ringmaster"`` ASP that ignores pushes delayed :math:`R` versions or more
 ``"naive_optimal"`` SGD over only the :math:`m` fastest workers
+``"halos"``     ASP local servers per region under a global one (simulator)
 =============== =============================================================
 
 Each family has its own module (:mod:`~hpsjax.decisions._policy` the base and
@@ -43,6 +44,7 @@ from typing import Any
 
 from hpsjax.decisions._policies_async import ASP, Ringmaster, SaPS, SemiAsync
 from hpsjax.decisions._policies_delay import NaiveOptimal
+from hpsjax.decisions._policies_halos import HALoS
 from hpsjax.decisions._policies_staged import (
     HYBRID_MODES,
     Hybrid,
@@ -63,6 +65,7 @@ __all__ = [
     "BSP",
     "DEFAULT_POLICY",
     "HYBRID_MODES",
+    "HALoS",
     "POLICIES",
     "SSP",
     "STALE_ACTIONS",
@@ -90,6 +93,7 @@ POLICIES: dict[str, type[Policy]] = {
     "hybrid": Hybrid,
     "ringmaster": Ringmaster,
     "naive_optimal": NaiveOptimal,
+    "halos": HALoS,
 }
 """Built-in policies by name."""
 
@@ -122,8 +126,8 @@ def get_policy(name_or_obj: str | Policy | type[Policy], **kwargs: Any) -> Polic
       >>> get_policy("nope")
       Traceback (most recent call last):
       ...
-      ValueError: Unknown policy 'nope'; valid names are adsp, asp, bsp, hybrid, \
-naive_optimal, ringmaster, saps, semi_async, ssp.
+      ValueError: Unknown policy 'nope'; valid names are adsp, asp, bsp, halos, \
+hybrid, naive_optimal, ringmaster, saps, semi_async, ssp.
     """
     if isinstance(name_or_obj, Policy):
         if kwargs:

@@ -12,6 +12,7 @@ part of.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import TYPE_CHECKING, Any
 
@@ -45,6 +46,7 @@ from hpsjax.planning import WorkPlan
 from hpsjax.profiling import tree_wire_nbytes
 from hpsjax.sim._config import SimConfig
 from hpsjax.sim._engine import DeferredLeaves, SummedRow
+from hpsjax.sim._halos import HalosCore
 from hpsjax.sim._results import ApplyRecord, Divergence, PushRecord, SendRecord
 from hpsjax.transforms import (
     last_demo_nbytes,
@@ -95,7 +97,13 @@ class _ServerSide:
             and not core_kwargs.get("keep_stale_params", False)
         ):
             core_kwargs.setdefault("aggregator", DeferredAggregator)
-        self.core = ServerCore(
+        make: Any = ServerCore
+        if getattr(policy, "name", None) == "halos":
+            # Local servers per region under a global one (hpsjax.sim._halos).
+            make = functools.partial(
+                HalosCore, worker_ids=[w.id for w in self.workers]
+            )
+        self.core = make(
             params,
             server_optimizer,
             policy,
@@ -339,14 +347,19 @@ class _ServerSide:
     def _on_send_params(self, action: SendParams) -> None:
         now, core = self.now, self.core
         w = self.by_id[action.worker_id]
-        if self.leaves_version != action.version:
+        key, params = action.version, None
+        if isinstance(core, HalosCore):  # the worker's local server's model
+            key, params = core.sent_params(action)
+        if self.leaves_version != key:
             if self.deferring and self.deferring.deferred_applies:
                 self.version_leaves = self.deferred[action.version] = DeferredLeaves(
                     action.version
                 )
             else:
-                self.version_leaves = self.engine.version_leaves(core.params)
-            self.leaves_version = action.version
+                self.version_leaves = self.engine.version_leaves(
+                    core.params if params is None else params
+                )
+            self.leaves_version = key
         self.sends.append(
             SendRecord(now, w.id, action.version, core.clock(w.id), core.min_clock)
         )
