@@ -8,15 +8,18 @@ gradient, so clipping it on arrival is the same update, it holds for every
 worker whatever it runs (a process, the simulator, a worker of someone else's),
 and the one server optimizer chain keeps it in one place for both backends.
 
-What was read: the paper's abstract and public summaries (ClippedASGD clips
+What was read: the abstract and the start of the introduction of arXiv
+2606.13287v1 (its HTML version) and three summaries of it (ClippedASGD clips
 each arriving stochastic gradient at a threshold and takes a constant step;
-its bounds, under sub-Weibull noise, depend on the average delay, not the
-maximum; the threshold and the step are tuned to the problem). Their exact
-rules (the theorem's threshold and step in terms of the smoothness, the
-noise and the delays) were not readable here, and the constants they need
-are unknown to a run, so ``experiments.frontier`` tunes both the clip norm
-and the step size, from 0.5, 1 and 2 times the values below, extended off
-the grid's edges, under the same budget as ASP's step.
+under sub-Weibull noise its bounds, in expectation and with high
+probability, depend on the average delay, not the maximum). The theorem
+that fixes the threshold and the step (in terms of the smoothness, the
+noise's sub-Weibull parameters, the delays and the number of workers) was
+not in what could be read, so no rule of the paper is built: the rule here
+is the clipped ASGD step above, and ``experiments.frontier`` tunes the clip
+norm and the step size together, from 0.5, 1 and 2 times the values below,
+extended off the grid's edges, under the same budget as ASP's step. What
+differs from the paper: those two constants are tuned, not derived.
 
 Launch::
 
