@@ -204,6 +204,17 @@ CLAIMS: tuple[Claim, ...] = (
         "eager step our reading of an abstract",
     ),
     Claim(
+        "streaming_diloco_eager",
+        "diloco",
+        "Eager updates, Kale, Douillard & Donchev 2025",
+        "overlapped outer gradients with eager updates match DiLoCo's quality "
+        "(with Streaming DiLoCo's fewer bytes per push)",
+        "not_slower_fewer_bytes",
+        "the paper compares with DiLoCo on LLMs; here Streaming DiLoCo's two "
+        "4-bit fragments with a server, read as no slower than DiLoCo with "
+        "fewer bytes per push",
+    ),
+    Claim(
         "sparseloco",
         "diloco",
         "SparseLoCo, arXiv 2508.15706",
