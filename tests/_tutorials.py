@@ -1,7 +1,7 @@
 """The Colab tutorials executed once per test session (imported as ``_tutorials``).
 
-``tests/test_notebooks.py`` checks what each tutorial computes, and
-``tests/test_docs_site.py`` renders the same executed tutorials into the docs
+``tests/docs/test_notebooks.py`` checks what each tutorial computes, and
+``tests/docs/test_docs_site.py`` renders the same executed tutorials into the docs
 site: :func:`executed` runs a tutorial the first time a test of the session
 asks for it and hands every later test, in any test process, the notebook it
 wrote then. A file lock per tutorial makes a second test process wait for the

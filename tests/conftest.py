@@ -79,13 +79,13 @@ def session_compile_cache(monkeypatch):
 # The tests that run longest (a minute or more on 2 cores), started before any
 # other; then the other slow tests, then the fast ones, each in collection order.
 _LONGEST = (
-    "tests/test_docs_site.py::test_docs_build",
-    "tests/test_devices_suite.py::test_the_devices_suite",
+    "tests/docs/test_docs_site.py::test_docs_build",
+    "tests/experiments/e2e/test_devices_suite.py::test_the_devices_suite",
     "tests/test_ray_launch.py::test_the_ray_backend",
-    "tests/test_experiments.py::test_processes_",
-    "tests/test_calibrate.py::test_calibrate_end_to_end",
-    "tests/test_chaos.py::test_a_run_with_killed",
-    "tests/test_research_schemes.py::test_ashl_reference_on_processes",
+    "tests/experiments/test_experiments.py::test_processes_",
+    "tests/experiments/test_calibrate.py::test_calibrate_end_to_end",
+    "tests/experiments/e2e/test_chaos.py::test_a_run_with_killed",
+    "tests/experiments/test_research_schemes.py::test_ashl_reference_on_processes",
 )
 
 

@@ -16,7 +16,7 @@ from hpsjax import models, ps
 from hpsjax.ps import _cli as server_cli
 from hpsjax.worker import _build as worker_build
 from hpsjax.worker import _cli as worker_cli
-from tests.test_powersgd_wire import _promised, _RecordingClient
+from tests.wire.e2e.test_powersgd_wire import _promised, _RecordingClient
 
 SMALL = ["--dataset_arg", "num_examples=64"]
 MAIN = "import sys; from hpsjax.worker._cli import main; sys.exit(main())"

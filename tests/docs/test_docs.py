@@ -1,0 +1,76 @@
+"""The docs stay true to the repository: CI's command, links, tutorials."""
+
+import pathlib
+import re
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+DOCS = [
+    "README.md",
+    "CONTRIBUTING.md",
+    "PROTOCOL.md",
+    "LAUNCH.md",
+    "BENCHMARKS.md",
+    "experiments/RESULTS.md",
+    "colab/README.md",
+]
+# [text](target) and ![alt](target); targets without a scheme are files here.
+LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)")
+
+
+def _readme_test_command() -> str:
+    """The README's command that runs the tests (its one line with ``-m pytest``)."""
+    text = (ROOT / "README.md").read_text()
+    blocks = re.findall(r"^```sh\n(.*?)^```", text, re.S | re.M)
+    lines = [
+        line.strip()
+        for block in blocks
+        for line in block.splitlines()
+        if "-m pytest" in line and not line.lstrip().startswith("#")
+    ]
+    assert len(lines) == 1, f"README.md must give one test command: {lines}"
+    return lines[0]
+
+
+def test_readme_test_command_runs_every_test():
+    assert _readme_test_command().endswith("-m pytest -m 'slow or not slow'")
+
+
+def test_ci_runs_the_readme_test_command_verbatim():
+    test_command = _readme_test_command()
+    ci = (ROOT / ".ci" / "run").read_text().splitlines()
+    assert test_command in [line.strip() for line in ci], (
+        f".ci/run must run README's test command as written: {test_command!r}"
+    )
+
+
+@pytest.mark.parametrize("doc", DOCS)
+def test_relative_links_point_at_files_that_exist(doc):
+    path = ROOT / doc
+    broken = []
+    for target in LINK.findall(path.read_text()):
+        if re.match(r"[a-z]+:", target) or target.startswith("#"):
+            continue
+        if not (path.parent / target.split("#")[0]).exists():
+            broken.append(target)
+    assert not broken, f"{doc} links to missing files: {broken}"
+
+
+def test_readme_links_every_tutorial():
+    readme = (ROOT / "README.md").read_text()
+    tutorials = sorted(p.name for p in (ROOT / "colab").glob("*.ipynb"))
+    assert tutorials
+    missing = [t for t in tutorials if f"(colab/{t})" not in readme]
+    assert not missing, f"README.md does not link {missing}"
+
+
+def test_results_lists_every_scheme_with_a_config():
+    from experiments.configs import SCHEMES
+
+    text = (ROOT / "experiments" / "RESULTS.md").read_text()
+    table = text[text.index("**Every scheme with a config**") :]
+    table = table[table.index("| scheme |") :]
+    table = table[: table.index("\n\n")]
+    listed = re.findall(r"\| `(\w+)\.py` \|$", table, re.M)
+    assert sorted(listed) == sorted(SCHEMES)
