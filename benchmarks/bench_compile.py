@@ -64,7 +64,7 @@ def _server(tmp: pathlib.Path, args: argparse.Namespace):
 def _first_compile(tmp, port, cache, i, args) -> float:
     metrics = tmp / f"m{i}.jsonl"
     command = [
-        *_command("hpsjax.worker._cli"), *_model(args), "--host", "127.0.0.1",
+        *_command("hpsjax.cli.worker"), *_model(args), "--host", "127.0.0.1",
         "--port", str(port), "--secret_file", str(tmp / "secret.txt"),
         "--worker_id", str(i), "--shard_index", "0",
         "--batch_size", str(args.batch_size),
@@ -91,7 +91,7 @@ def main() -> None:
         tmp = pathlib.Path(name)
         (tmp / "secret.txt").write_bytes(SECRET)
         subprocess.run(
-            [*_command("hpsjax.worker._cli"), *_model(args), "--write_init",
+            [*_command("hpsjax.cli.worker"), *_model(args), "--write_init",
              str(tmp / "init.npz")],
             check=True, capture_output=True, timeout=600,
         )  # fmt: skip

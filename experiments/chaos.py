@@ -183,7 +183,7 @@ def _find(target: str | int) -> int | None:
             return pid
         if (
             target != "server"
-            and "hpsjax.worker._cli" in argv
+            and "hpsjax.cli.worker" in argv
             and f"--worker_id {target} " in argv
         ):
             return pid

@@ -476,7 +476,7 @@ def run_processes(
 
     The server (:class:`hpsjax.ps.Server`, so that any optax chain and policy
     object can be served) runs in this process on loopback; each worker is an
-    ``hpsjax-worker`` process (``python -m hpsjax.worker._cli``) with its
+    ``hpsjax-worker`` process (``python -m hpsjax.cli.worker``) with its
     slowdown and link cap injected. The server holds every pull until all
     workers joined; time 0 is that moment. The parameters are snapshot every
     ``eval.every_seconds`` and evaluated on the test set after the run, so

@@ -13,10 +13,10 @@ import subprocess
 import pytest
 
 from hpsjax import export
+from hpsjax.cli import worker as worker_cli
 from hpsjax.launch import _cli as launch_cli
 from hpsjax.profiling import in_place
 from hpsjax.ps import _cli as server_cli
-from hpsjax.worker import _cli as worker_cli
 
 SERVER = ["--init_from", "mlp", "--loop", "asyncio", "--no_malloc_tuning"]
 WORKER = ["--port", "1"]

@@ -10,9 +10,9 @@ import sys
 import pytest
 
 from hpsjax import data, launch, models
+from hpsjax.cli import worker as worker_cli
 from hpsjax.ps import POLICIES
 from hpsjax.ps import _cli as server_cli
-from hpsjax.worker import _cli as worker_cli
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 

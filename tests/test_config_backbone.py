@@ -23,7 +23,7 @@ from hpsjax.ps._cli import parse_args as server_parse_args
 from hpsjax.ps._cli import server_options
 from hpsjax.ps._options import ServerOptions
 from hpsjax.worker import WorkerConfig
-from hpsjax.worker._cli import parse_args as worker_parse_args
+from hpsjax.worker import parse_worker_args as worker_parse_args
 from hpsjax.worker._command import WorkerCommand, worker_argv
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]

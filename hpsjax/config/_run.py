@@ -8,8 +8,7 @@ from collections.abc import Sequence
 from hpsjax._checks import check_int
 from hpsjax._config_flags import config_kwargs, to_argv
 from hpsjax.ps import RUN_SCHEMES, Scheme, ServerOptions, get_scheme, parse_server
-from hpsjax.worker import WorkerCommand, WorkerConfig
-from hpsjax.worker._cli import parse_args as parse_worker_args
+from hpsjax.worker import WorkerCommand, WorkerConfig, parse_worker_args
 
 __all__ = [
     "RUN_SCHEMES",

@@ -327,7 +327,7 @@ class Job:
         secret_file: str,
         metrics: str | None,
         *,
-        module: str = "hpsjax.worker._cli",
+        module: str = "hpsjax.cli.worker",
     ) -> list[str]:
         """Worker ``i``'s command line (``module`` takes a worker's flags)."""
         command = argv_of(

@@ -32,9 +32,14 @@ from hpsjax.launch._job import (
 )
 from hpsjax.ps import ServerOptions
 from hpsjax.tasks import get_task
-from hpsjax.worker import WorkerCommand, WorkerConfig
-from hpsjax.worker._build import make_heterogeneity, write_init
-from hpsjax.worker._cli import parse_args, worker_target
+from hpsjax.worker import (
+    WorkerCommand,
+    WorkerConfig,
+    make_heterogeneity,
+    worker_target,
+    write_init,
+)
+from hpsjax.worker import parse_worker_args as parse_args
 
 
 def check_launch(

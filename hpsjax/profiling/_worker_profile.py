@@ -30,7 +30,7 @@ from hpsjax._compile_cache import use_compile_cache
 from hpsjax.planning import Link, TransferProfile
 from hpsjax.profiling._profile import measure_transfer, tree_wire_nbytes
 from hpsjax.transforms import Codec
-from hpsjax.worker._build import (
+from hpsjax.worker import (
     check_task_fits,
     connect,
     data_shard,

@@ -20,14 +20,24 @@ from hpsjax._config_flags import config_kwargs, flag_message
 from hpsjax._logs import quiet_backend_probe
 from hpsjax.profiling._worker_profile import (
     add_link,
+    measure_step,
     profile_in_place,
+    with_injection,
+    write_profile,
     write_worker_profile,
 )
-from hpsjax.worker import WorkerConfig
-from hpsjax.worker._build import JoinError
-from hpsjax.worker._cli import parse_args
+from hpsjax.worker import JoinError, WorkerConfig
+from hpsjax.worker import parse_worker_args as parse_args
 
-__all__ = ["add_link", "main", "profile_in_place"]
+__all__ = [
+    "add_link",
+    "main",
+    "measure_step",
+    "profile_in_place",
+    "with_injection",
+    "write_profile",
+    "write_worker_profile",
+]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -8,9 +8,33 @@ push) with the transfers overlapped with compute, and records per-round
 metrics (:class:`JsonLinesSink`, :func:`summarize`); :func:`run_worker` runs
 one to the end. :class:`Heterogeneity` and :class:`Injector` make one machine
 stand for a mixed cluster (slower compute, narrower links, changing over
-time); ``hpsjax-worker`` is the command line.
+time). A worker's command line is read by :func:`parse_worker_args` (the
+flags of :class:`WorkerCommand` and :class:`WorkerConfig`), and its parts are
+built from the parsed flags by :func:`build` and the ``make_*`` functions, so a
+flag means the same to ``hpsjax-worker`` (:mod:`hpsjax.cli.worker`), the
+launcher and the in-place profile.
 """
 
+from hpsjax.worker._build import (
+    JoinError,
+    build,
+    build_worker,
+    check_task_fits,
+    connect,
+    data_shard,
+    load_dataset,
+    make_client,
+    make_heterogeneity,
+    make_local_optimizer,
+    make_model,
+    make_sharded_client,
+    make_task,
+    server_address,
+    task_loss,
+    write_init,
+)
+from hpsjax.worker._cli import Target, worker_target
+from hpsjax.worker._cli import parse_args as parse_worker_args
 from hpsjax.worker._command import WorkerCommand
 from hpsjax.worker._config import WorkerConfig
 from hpsjax.worker._core import (
@@ -56,6 +80,7 @@ __all__ = [
     "Heterogeneity",
     "Injector",
     "Join",
+    "JoinError",
     "Joined",
     "JsonLinesSink",
     "KeepParams",
@@ -70,14 +95,32 @@ __all__ = [
     "Stop",
     "StopComputing",
     "StopRequested",
+    "Target",
     "Worker",
     "WorkerCommand",
     "WorkerConfig",
     "WorkerCore",
     "WorkerOptions",
     "WorkerSummary",
+    "build",
+    "build_worker",
     "check_overlap",
+    "check_task_fits",
+    "connect",
+    "data_shard",
+    "load_dataset",
+    "make_client",
+    "make_heterogeneity",
+    "make_local_optimizer",
+    "make_model",
+    "make_sharded_client",
+    "make_task",
     "parse_schedule",
+    "parse_worker_args",
     "run_worker",
+    "server_address",
     "summarize",
+    "task_loss",
+    "worker_target",
+    "write_init",
 ]

@@ -4,7 +4,7 @@ One place turns the flags into what a worker is made of: its data set and
 shard, its model (a built-in name or a factory), its local optimizer, its
 injected heterogeneity, its client (one server or several shards, TLS and
 secret included) and the :class:`~hpsjax.worker.Worker` itself.
-``hpsjax-worker`` (:mod:`hpsjax.worker._cli`),
+``hpsjax-worker`` (:mod:`hpsjax.cli.worker`),
 the launcher's checks and work directory (:mod:`hpsjax.launch`) and the
 in-place profiler (:mod:`hpsjax.profiling.in_place`) all build from here, so
 a flag means the same to each of them.

@@ -59,7 +59,7 @@ class WorkerCommand:
 
     Each field is the flag of its name; the ``*_arg`` fields are the repeatable
     ``NAME=VALUE`` flags, as mappings. ``model`` and ``dataset`` left at
-    ``None`` are the task's (:func:`hpsjax.worker._cli.parse_args` fills them).
+    ``None`` are the task's (:func:`hpsjax.worker.parse_worker_args` fills them).
     """
 
     port: int | None = _flag(None, "server port", "server")

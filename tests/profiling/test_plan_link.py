@@ -122,9 +122,9 @@ def test_a_planned_launch_profiles_in_place_with_the_link_and_one_cache(tmp_path
     modules = sorted(w[w.index("-m") + 1] for w in words)
     # Profile server, two profilers, server, two workers: all with the cache.
     assert modules == [
+        "hpsjax.cli.worker", "hpsjax.cli.worker",
         "hpsjax.profiling.in_place", "hpsjax.profiling.in_place",
         "hpsjax.ps._cli", "hpsjax.ps._cli",
-        "hpsjax.worker._cli", "hpsjax.worker._cli",
     ]  # fmt: skip
     assert all(where == cache for _, where in children)
     # The profiling pass left its compiled programs there.
@@ -152,7 +152,7 @@ def test_a_diverged_worker_ends_the_launch_in_one_line(tmp_path):
     # diverged status after a moment; worker 0 would train on.
     python = _interpreter(
         tmp_path,
-        'case "$*" in *"hpsjax.worker._cli"*"--worker_id 1 "*) '
+        'case "$*" in *"hpsjax.cli.worker"*"--worker_id 1 "*) '
         'echo "worker 1 diverged at step 4 (loss nan)"; sleep 1; exit 3;; esac',
     )
     log = io.StringIO()
@@ -208,6 +208,6 @@ def test_pace_runs_after_each_step_outside_the_timing():
 
 
 def test_the_launcher_and_the_worker_agree_on_the_diverged_status():
-    from hpsjax.worker import _cli
+    from hpsjax.cli import worker as _cli
 
     assert DIVERGED == _cli.DIVERGED == 3

@@ -13,13 +13,14 @@ import optax
 import pytest
 
 from hpsjax import models, ps
+from hpsjax.cli import worker as worker_cli
+from hpsjax.profiling import in_place
 from hpsjax.ps import _cli as server_cli
 from hpsjax.worker import _build as worker_build
-from hpsjax.worker import _cli as worker_cli
 from tests.wire.e2e.test_powersgd_wire import _promised, _RecordingClient
 
 SMALL = ["--dataset_arg", "num_examples=64"]
-MAIN = "import sys; from hpsjax.worker._cli import main; sys.exit(main())"
+MAIN = "import sys; from hpsjax.cli.worker import main; sys.exit(main())"
 
 
 def _args(*argv: str, port: int = 1):
@@ -429,7 +430,7 @@ def test_a_profile_with_powersgd_rank_counts_its_factors():
     spec = {"b": jax.ShapeDtypeStruct((16,), "float32"),
             "w": jax.ShapeDtypeStruct((64, 16), "float32")}  # fmt: skip
     args = _args("--powersgd_rank", "2", "--bandwidth", "1e6")
-    profile = worker_cli.with_injection(WorkerProfile.synthetic(0, 100.0), args, spec)
+    profile = in_place.with_injection(WorkerProfile.synthetic(0, 100.0), args, spec)
     assert profile.transfer.push_bytes == _promised(spec, 2) == (16 + 2 * 80) * 4
     assert profile.transfer.pull_bytes == (16 + 64 * 16) * 4
 
@@ -477,8 +478,8 @@ def test_a_profile_is_slowed_as_the_worker_will_be():
 
     spec = {"w": jax.ShapeDtypeStruct((4,), "float32")}
     measured = WorkerProfile.synthetic(0, 100.0)
-    plain = worker_cli.with_injection(measured, _args(), spec)
-    slowed = worker_cli.with_injection(measured, _args("--slowdown", "3"), spec)
+    plain = in_place.with_injection(measured, _args(), spec)
+    slowed = in_place.with_injection(measured, _args("--slowdown", "3"), spec)
     times = [np.asarray(p.devices[0].step_times) for p in (plain, slowed)]
     np.testing.assert_allclose(times[1], 3 * times[0], rtol=1e-12)
 

@@ -15,10 +15,10 @@ import pytest
 from _models import SMALL_MODEL
 
 from hpsjax import ps
+from hpsjax.cli import worker as worker_cli
 from hpsjax.profiling import Link, WorkerProfile
 from hpsjax.profiling._worker_profile import parse_profile_link
 from hpsjax.ps import _cli as server_cli
-from hpsjax.worker import _cli as worker_cli
 
 FLAGS = [*SMALL_MODEL, "--profile_batch_sizes", "4,8", "--profile_repeats", "2"]
 

@@ -277,7 +277,7 @@ def test_a_round_that_is_not_finite_is_never_pushed(setup, on_nonfinite, caplog)
 
 def test_the_diverged_status_is_the_launchers():
     from hpsjax import launch
-    from hpsjax.worker import _cli
+    from hpsjax.cli import worker as _cli
 
     assert _cli.DIVERGED == launch.DIVERGED != 0
 
@@ -307,7 +307,7 @@ def workdir(tmp_path, session_compile_cache):
     secret.write_bytes(PROCESS_SECRET)
     os.chmod(secret, 0o600)
     subprocess.run(
-        [*_command("hpsjax.worker._cli"), *MODEL, "--write_init",
+        [*_command("hpsjax.cli.worker"), *MODEL, "--write_init",
          str(tmp_path / "init.npz")],
         check=True, timeout=120, capture_output=True, env=_env(),
     )  # fmt: skip
@@ -356,7 +356,7 @@ class _Server:
 
 def _worker_args(tmp, port, worker_id, *extra):
     return [
-        *_command("hpsjax.worker._cli"), *MODEL, "--host", "127.0.0.1",
+        *_command("hpsjax.cli.worker"), *MODEL, "--host", "127.0.0.1",
         "--port", str(port), "--secret_file", str(tmp / "secret.txt"),
         "--worker_id", str(worker_id), "--shard_index", "0",
         "--batch_size", "16", "--loop", "asyncio", *extra,
@@ -436,7 +436,7 @@ def test_the_plan_received_on_connecting_sets_the_first_compile(setup, caplog):
 
 
 def _cli_args(*extra):
-    from hpsjax.worker import _cli
+    from hpsjax.cli import worker as _cli
 
     return _cli.parse_args(
         ["--model", "mlp", "--model_arg", "hidden=[8]", "--port", "1", *extra]
@@ -444,7 +444,7 @@ def _cli_args(*extra):
 
 
 def test_help_says_each_default_once(capsys):
-    from hpsjax.worker import _cli
+    from hpsjax.cli import worker as _cli
 
     with pytest.raises(SystemExit):
         _cli.parse_args(["--help"])

@@ -266,7 +266,7 @@ def test_workers_outlive_a_server_stopped_and_killed(tmp_path, session_compile_c
     (tmp / "secret.txt").write_bytes(PROCESS_SECRET)
     os.chmod(tmp / "secret.txt", 0o600)
     subprocess.run(
-        [*_command("hpsjax.worker._cli"), *MODEL, "--write_init",
+        [*_command("hpsjax.cli.worker"), *MODEL, "--write_init",
          str(tmp / "init.npz")],
         check=True, timeout=120, capture_output=True,
         env={**os.environ, "JAX_PLATFORMS": "cpu"},
@@ -277,7 +277,7 @@ def test_workers_outlive_a_server_stopped_and_killed(tmp_path, session_compile_c
     workers = [
         _Proc(
             [
-                *_command("hpsjax.worker._cli"),
+                *_command("hpsjax.cli.worker"),
                 *MODEL,
                 "--host",
                 "127.0.0.1",
