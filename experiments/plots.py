@@ -81,6 +81,7 @@ SCHEME_NAMES: Mapping[str, str] = {
     "ringmaster": "Ringmaster ASGD",
     "ringmaster_stop": "Ringmaster ASGD, stops",
     "naive_optimal": "naive optimal (m fastest)",
+    "ringleader": "Ringleader ASGD",
     "clipped_asgd": "Clipped ASGD",
     "ormo": "OrMo",
     "ormo_da": "OrMo-DA",

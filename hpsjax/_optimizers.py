@@ -23,9 +23,9 @@ Examples:
   Traceback (most recent call last):
   ...
   ValueError: unknown optimizer 'adamm'; valid names: adam, delayed_nesterov, \
-demo_outer, lookahead_momentum, momentum, nesterov, ordered_momentum, sgd, \
-streaming_local, streaming_nesterov or any optimizer of optax or optax.contrib \
-(closest: adam, radam, nadam)
+demo_outer, gradient_table, lookahead_momentum, momentum, nesterov, \
+ordered_momentum, sgd, streaming_local, streaming_nesterov or any optimizer of \
+optax or optax.contrib (closest: adam, radam, nadam)
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ from hpsjax.transforms import (
     delayed_nesterov,
     demo_outer,
     diloco_outer,
+    gradient_table,
     lookahead_momentum,
     ordered_momentum,
     streaming_local,
@@ -95,6 +96,11 @@ def _lookahead_momentum(learning_rate, *, momentum=None, **kwargs):
     )
 
 
+def _gradient_table(learning_rate, *, momentum=None, num_slots):
+    del momentum  # Ringleader ASGD's step is plain SGD on the table's average.
+    return gradient_table(learning_rate, num_slots)
+
+
 def _ordered_momentum(learning_rate, *, momentum=None, **kwargs):
     return ordered_momentum(
         learning_rate, momentum=0.9 if momentum is None else momentum, **kwargs
@@ -143,6 +149,7 @@ OPTIMIZERS: Mapping[str, Callable[..., optax.GradientTransformation]] = {
     "nesterov": _nesterov,
     "delayed_nesterov": _delayed_nesterov,
     "demo_outer": _demo_outer,
+    "gradient_table": _gradient_table,
     "lookahead_momentum": _lookahead_momentum,
     "ordered_momentum": _ordered_momentum,
     "streaming_local": _streaming_local,
@@ -161,7 +168,10 @@ SGD; keywords ``chunk``, the workers' ``demo`` chunk, and ``sign``; no
 momentum, the workers keep it), ``lookahead_momentum`` heavy-ball momentum whose
 parameters run ahead by each update's staleness
 (``hpsjax.transforms.lookahead_momentum``, momentum 0.9 unless given, keyword
-``gamma``: the step's factor per version of staleness), ``ordered_momentum``
+``gamma``: the step's factor per version of staleness), ``gradient_table``
+Ringleader ASGD's step on its table of the workers' gradients
+(``hpsjax.transforms.gradient_table``, keyword ``num_slots``: the workers),
+``ordered_momentum``
 OrMo's server momentum
 (``hpsjax.transforms.ordered_momentum``, momentum 0.9 unless given);
 ``streaming_local`` Streaming DiLoCo's inner optimizer

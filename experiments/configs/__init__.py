@@ -25,6 +25,7 @@ SCHEMES: tuple[str, ...] = (
     "ringmaster_stop",
     "clipped_asgd",
     "naive_optimal",
+    "ringleader",
     "ormo",
     "ormo_da",
     "sparseloco",

@@ -85,13 +85,16 @@ def accumulate(total: Any, update: Any, keep: Any, weight: Any) -> Any:
 
 def optimizer_apply(optimizer: optax.GradientTransformation):
     """The pure apply of ``optimizer``: ``(params, opt_state, update,
-    staleness, stale_params) -> (params, opt_state)``."""
+    staleness, stale_params, args=None) -> (params, opt_state)``, ``args``
+    the policy's keyword arguments for the optimizer (a dict, or ``None``)."""
     opt = optax.with_extra_args_support(optimizer)
 
-    def apply(params, opt_state, update, staleness, stale_params):
+    def apply(params, opt_state, update, staleness, stale_params, args=None):
         extra = {"staleness": staleness}
         if stale_params is not None:
             extra["stale_params"] = stale_params
+        if args:
+            extra.update(args)
         deltas, opt_state = opt.update(update, opt_state, params, **extra)
         return optax.apply_updates(params, deltas), opt_state
 
@@ -134,10 +137,12 @@ def _make_steps(optimizer: optax.GradientTransformation) -> _Steps:
     """
     apply = optimizer_apply(optimizer)
 
-    def checked_apply(params, opt_state, update, staleness, stale_params):
+    def checked_apply(params, opt_state, update, staleness, stale_params, args=None):
         """``apply``, and per parameter leaf (then the optimizer state) whether
         the result is finite."""
-        params, opt_state = apply(params, opt_state, update, staleness, stale_params)
+        params, opt_state = apply(
+            params, opt_state, update, staleness, stale_params, args
+        )
         flags = [finite(x) for x in jax.tree.leaves(params)]
         flags.append(all_finite(jax.tree.leaves(opt_state)))
         return params, opt_state, jnp.stack(flags)
@@ -171,6 +176,7 @@ class Pending(NamedTuple):
     version: int  # the oldest version the buffered updates were computed on
     stale: Any  # that version's parameters (keep_stale_params), or None
     result: tuple[Any, Any] | None  # (params, opt_state) the buffer applies to
+    args: Any = None  # the optimizer's keyword arguments (device scalars)
 
 
 class Aggregator:
@@ -256,6 +262,7 @@ class Aggregator:
         self._buffer_samples = 0
         self._buffer_version: int | None = None
         self._buffer_stale = None
+        self._buffer_args = None
 
     # Updates.
 
@@ -373,6 +380,7 @@ class Aggregator:
         stale: Any,
         *,
         completes: bool | None,
+        args: Any = None,
     ) -> Pending:
         """The buffer with one more update, and (``check_result``) its apply.
 
@@ -391,6 +399,8 @@ class Aggregator:
           stale: the parameters of ``version`` (:meth:`copy_of`) where stale
             copies are kept, else ``None``.
           completes: whether the push makes the core apply the buffer.
+          args: the policy's int keyword arguments for the optimizer's update
+            (:attr:`~hpsjax.decisions.Verdict.args`), or ``None``.
 
         Raises:
           NonFiniteUpdate: the buffer, or the apply of a completed buffer,
@@ -417,16 +427,26 @@ class Aggregator:
                 "(NaN or infinity); nothing changed"
             )
         first_version, first_stale = self._oldest(version, stale)
+        args = self.device_args(args)
         result = None
         if trial:
-            params, opt_state, bad = self._trial_apply(buffer, staleness, first_stale)
+            params, opt_state, bad = self._trial_apply(
+                buffer, staleness, first_stale, args
+            )
             if bad is not None:
                 raise NonFiniteUpdate(
                     f"update refused: applied, it would make {bad} non-finite "
                     "(NaN or infinity); nothing changed"
                 )
             result = (params, opt_state)
-        return Pending(buffer, samples, first_version, first_stale, result)
+        return Pending(buffer, samples, first_version, first_stale, result, args)
+
+    def device_args(self, args: Any) -> dict[str, jax.Array] | None:
+        """The policy's int optimizer arguments as device scalars (``None``:
+        none)."""
+        if not args:
+            return None
+        return {k: self.device_scalar(int(v), np.int32) for k, v in args.items()}
 
     def _oldest(self, version: int, stale: Any) -> tuple[int, Any]:
         """The oldest version of the buffer with a push on ``version``, and
@@ -442,6 +462,7 @@ class Aggregator:
         self._buffer_samples += pending.samples
         self._buffer_version = pending.version
         self._buffer_stale = pending.stale
+        self._buffer_args = pending.args
 
     def apply(self, version: int, staleness: int) -> None:
         """Applies the buffer with ``staleness``, making ``version``; empties it.
@@ -455,7 +476,7 @@ class Aggregator:
             self._params, self._opt_state = self._buffer_result
         elif self._check_result:
             params, opt_state, bad = self._trial_apply(
-                self._buffer, staleness, self._buffer_stale
+                self._buffer, staleness, self._buffer_stale, self._buffer_args
             )
             if bad is None:
                 self._params, self._opt_state = params, opt_state
@@ -466,11 +487,12 @@ class Aggregator:
                 self._buffer,
                 self.device_scalar(staleness, np.int32),
                 self._buffer_stale,
+                self._buffer_args,
             )
         self.reset()
 
     def _trial_apply(
-        self, buffer: Any, staleness: int, stale: Any
+        self, buffer: Any, staleness: int, stale: Any, args: Any = None
     ) -> tuple[Any, Any, str | None]:
         """``buffer`` applied, and what it would make non-finite (or ``None``)."""
         params, opt_state, flags = self._steps.checked_apply(
@@ -479,6 +501,7 @@ class Aggregator:
             buffer,
             self.device_scalar(staleness, np.int32),
             stale,
+            args,
         )
         return params, opt_state, self.non_finite(flags)
 

@@ -93,13 +93,14 @@ def _make_chain(optimizer: optax.GradientTransformation):
     apply = optimizer_apply(optimizer)
 
     def apply_chain(
-        params, opt_state, updates, keeps, weights, first, close, staleness
+        params, opt_state, updates, keeps, weights, first, close, staleness, args
     ):
         """Deferred pushes, in order: buffer each; apply where a buffer closes.
 
         Row ``j`` of ``updates`` is buffered with ``keeps[j]`` and
         ``weights[j]`` (a new buffer where ``first[j]``), and where ``close[j]``
-        the buffer is applied with ``staleness[j]``: the operations of the
+        the buffer is applied with ``staleness[j]`` (and the optimizer
+        arguments ``args[key][j]``): the operations of the
         server aggregator's ``scale``, ``accumulate`` and ``apply`` in the same
         order, selected rather than branched. Returns the parameters after
         every row (a version where ``close``).
@@ -107,7 +108,7 @@ def _make_chain(optimizer: optax.GradientTransformation):
 
         def step(carry, row):
             params, opt_state, total = carry
-            u, k, w, is_first, is_close, tau = row
+            u, k, w, is_first, is_close, tau, a = row
             # The barriers keep XLA from fusing across the boundaries of the
             # separate steps, which would round differently.
             u, k, w, tau = jax.lax.optimization_barrier((u, k, w, tau))
@@ -117,7 +118,7 @@ def _make_chain(optimizer: optax.GradientTransformation):
                 accumulate(total, u, k, w),
             )
             total = jax.lax.optimization_barrier(total)
-            new_params, new_state = apply(params, opt_state, total, tau, None)
+            new_params, new_state = apply(params, opt_state, total, tau, None, a)
             params, opt_state = jax.tree.map(
                 lambda n, o: jnp.where(is_close, n, o),
                 (new_params, new_state),
@@ -129,7 +130,7 @@ def _make_chain(optimizer: optax.GradientTransformation):
         (params, opt_state, _), history = jax.lax.scan(
             step,
             (params, opt_state, total),
-            (updates, keeps, weights, first, close, staleness),
+            (updates, keeps, weights, first, close, staleness, args),
         )
         return params, opt_state, history
 
@@ -195,16 +196,26 @@ class DeferredAggregator(Aggregator):
         return len(self._deferred)
 
     def candidate(
-        self, update, weight, samples, staleness, version, stale, *, completes
+        self,
+        update,
+        weight,
+        samples,
+        staleness,
+        version,
+        stale,
+        *,
+        completes,
+        args=None,
     ):
         del staleness, completes
         keep, w = self.mean_weights(weight, samples)
         buffer = [*(self._buffer or []), (update, keep, w)]
         first_version, first_stale = self._oldest(version, stale)
-        return Pending(buffer, samples, first_version, first_stale, None)
+        args = None if not args else {k: int(v) for k, v in args.items()}
+        return Pending(buffer, samples, first_version, first_stale, None, args)
 
     def apply(self, version: int, staleness: int) -> None:
-        self._deferred.append((self._buffer, staleness, version))
+        self._deferred.append((self._buffer, staleness, version, self._buffer_args))
         self.reset()
 
     def restore(self, params: Any, opt_state: Any) -> None:
@@ -230,8 +241,10 @@ class DeferredAggregator(Aggregator):
             return {}, []
         self._deferred = []
         updates, keeps, weights, first, close, staleness = [], [], [], [], [], []
+        keys = sorted({k for *_, args in deferred if args for k in args})
+        args_rows: dict[str, list[int]] = {k: [] for k in keys}
         rows = {}
-        for items, tau, version in deferred:
+        for items, tau, version, args in deferred:
             items = _folded(items)
             for j, (update, k, w) in enumerate(items):
                 updates.append(jax.tree.leaves(update))
@@ -240,6 +253,8 @@ class DeferredAggregator(Aggregator):
                 first.append(j == 0)
                 close.append(j == len(items) - 1)
                 staleness.append(tau)
+                for key in keys:
+                    args_rows[key].append((args or {}).get(key, 0))
             rows[version] = len(updates) - 1
         n = len(updates)
         # A power-of-two number of rows (at least 8), so few shapes compile;
@@ -269,5 +284,6 @@ class DeferredAggregator(Aggregator):
             flags[0],
             flags[1],
             np.asarray(staleness + [0] * pad, np.int32),
+            {k: np.asarray(v + [0] * pad, np.int32) for k, v in args_rows.items()},
         )
         return rows, jax.tree.leaves(history)

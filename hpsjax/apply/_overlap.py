@@ -106,7 +106,16 @@ class OverlapAggregator(Aggregator):
         self._prepared = apply
 
     def candidate(
-        self, update, weight, samples, staleness, version, stale, *, completes
+        self,
+        update,
+        weight,
+        samples,
+        staleness,
+        version,
+        stale,
+        *,
+        completes,
+        args=None,
     ):
         prepared, self._prepared = self._prepared, None
         if (
@@ -114,6 +123,7 @@ class OverlapAggregator(Aggregator):
             and self._check_result
             and completes is not False
             and stale is None
+            and not args
         ):
             keep, w = self.mean_weights(weight, samples)
             if prepared.matches(
@@ -133,5 +143,12 @@ class OverlapAggregator(Aggregator):
                     buffer, samples, first_version, None, (params, opt_state)
                 )
         return super().candidate(
-            update, weight, samples, staleness, version, stale, completes=completes
+            update,
+            weight,
+            samples,
+            staleness,
+            version,
+            stale,
+            completes=completes,
+            args=args,
         )

@@ -675,7 +675,7 @@ class ServerCore:
         switch = self._stages.switch(meta)
         stage_before = self._policy.stage
         staleness = versions.version - version
-        weight, force_pull, reason, stale = versions.judge(
+        weight, force_pull, reason, stale, args = versions.judge(
             self._policy, self._view, worker_id, version
         )
         pending = None
@@ -689,6 +689,7 @@ class ServerCore:
                 version,
                 stale,
                 completes=self._policy.completes(self._view, worker_id),
+                args=args,
             )
         # Nothing raises past this point: the push is taken.
         self._begin(now)

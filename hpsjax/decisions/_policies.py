@@ -30,6 +30,7 @@ Built-in policies, by name (:data:`POLICIES`, :func:`get_policy`):
 ``"hybrid"``    a sequence of stages, each async, semi-async or sync
 ``"ringmaster"`` ASP that ignores pushes delayed :math:`R` versions or more
 ``"naive_optimal"`` SGD over only the :math:`m` fastest workers
+``"ringleader"`` rounds of updates over a table of every worker's gradients
 ``"halos"``     ASP local servers per region under a global one (simulator)
 =============== =============================================================
 
@@ -43,7 +44,7 @@ from __future__ import annotations
 from typing import Any
 
 from hpsjax.decisions._policies_async import ASP, Ringmaster, SaPS, SemiAsync
-from hpsjax.decisions._policies_delay import NaiveOptimal
+from hpsjax.decisions._policies_delay import NaiveOptimal, Ringleader
 from hpsjax.decisions._policies_halos import HALoS
 from hpsjax.decisions._policies_staged import (
     HYBRID_MODES,
@@ -75,6 +76,7 @@ __all__ = [
     "PlannedHybrid",
     "Policy",
     "PolicyView",
+    "Ringleader",
     "Ringmaster",
     "SaPS",
     "SemiAsync",
@@ -93,6 +95,7 @@ POLICIES: dict[str, type[Policy]] = {
     "hybrid": Hybrid,
     "ringmaster": Ringmaster,
     "naive_optimal": NaiveOptimal,
+    "ringleader": Ringleader,
     "halos": HALoS,
 }
 """Built-in policies by name."""
@@ -127,7 +130,7 @@ def get_policy(name_or_obj: str | Policy | type[Policy], **kwargs: Any) -> Polic
       Traceback (most recent call last):
       ...
       ValueError: Unknown policy 'nope'; valid names are adsp, asp, bsp, halos, \
-hybrid, naive_optimal, ringmaster, saps, semi_async, ssp.
+hybrid, naive_optimal, ringleader, ringmaster, saps, semi_async, ssp.
     """
     if isinstance(name_or_obj, Policy):
         if kwargs:

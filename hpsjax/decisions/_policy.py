@@ -68,11 +68,16 @@ class Verdict(NamedTuple):
         it.
       force_pull: tell the worker to discard its local work and pull.
       reason: why it was damped, dropped or force-pulled (reported to the worker).
+      args: int keyword arguments the server optimizer's update takes when
+        the buffer with this push is applied (the last push's, for a buffer
+        of several: a policy that gives them applies each push alone), or
+        ``None``; Ringleader ASGD's table slot and operation.
     """
 
     weight: float = 1.0
     force_pull: bool = False
     reason: str | None = None
+    args: Mapping[str, int] | None = None
 
 
 _ACCEPT = Verdict()

@@ -117,9 +117,9 @@ class Versions:
 
     def judge(
         self, policy: Any, view: Any, worker_id: WorkerId, version: int
-    ) -> tuple[float, bool, str | None, Any]:
+    ) -> tuple[float, bool, str | None, Any, Any]:
         """The verdict on a push on ``version``: ``(weight, force_pull, reason,
-        stale)``.
+        stale, args)`` (``args``: the verdict's optimizer arguments).
 
         ``weight`` is the policy's times the worker's ``push_weights`` entry;
         ``stale`` is the kept copy of ``version`` (``keep_stale_params``), and
@@ -132,7 +132,8 @@ class Versions:
         if self.keep_stale:
             stale = self.agg.copy_of(version, self.version)
             if stale is None:
-                return 0.0, True, f"no stale copy of version {version} is kept", None
+                reason = f"no stale copy of version {version} is kept"
+                return 0.0, True, reason, None, None
         verdict = policy.judge(view, worker_id, self.version - version)
         if not isinstance(verdict, Verdict):
             raise ValueError(
@@ -147,7 +148,7 @@ class Versions:
             )
         if self._push_weights is not None:
             weight *= self._weight(worker_id)
-        return weight, bool(verdict.force_pull), verdict.reason, stale
+        return weight, bool(verdict.force_pull), verdict.reason, stale, verdict.args
 
     def start_apply(
         self, worker_id: WorkerId, version: int, num_samples: Any

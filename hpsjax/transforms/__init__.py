@@ -24,6 +24,8 @@ any optax optimizer.
   server's step on pseudo-gradients (async local SGD, DiLoCo).
 * :func:`ordered_momentum`: OrMo, momentum for asynchronous SGD ordered by the
   iteration each gradient was computed at (extra argument ``staleness``).
+* :func:`gradient_table`: Ringleader ASGD's server step on the average of every
+  worker's gradients in a table (extra arguments ``slot`` and ``op``).
 * :func:`sparseloco`: SparseLoCo's push (decayed error feedback, top-k per
   chunk, values on 2 bits decoded to their bins' centroids,
   :func:`centroid_quantize`); :func:`sparseloco_nbytes` its bytes.
@@ -138,6 +140,7 @@ from hpsjax.transforms._streaming import (
     streaming_outer,
     streaming_push,
 )
+from hpsjax.transforms._table import TABLE_OPS, GradientTableState, gradient_table
 from hpsjax.transforms._topk import (
     TopKEncoded,
     TopKState,
@@ -157,11 +160,13 @@ __all__ = [
     "SPARSE_PUSHES",
     "STAGE_MODES",
     "STALENESS_POLICIES",
+    "TABLE_OPS",
     "Codec",
     "DelayCompensationState",
     "DeMoState",
     "DelayedNesterovState",
     "Encoded",
+    "GradientTableState",
     "HybridStagesState",
     "LocalStepsState",
     "LookaheadMomentumState",
@@ -201,6 +206,7 @@ __all__ = [
     "encode_tree",
     "encoded_nbytes",
     "fragment_bounds",
+    "gradient_table",
     "hybrid_stages",
     "last_demo_nbytes",
     "last_encoded",

@@ -2,6 +2,8 @@
 ASGD with calculation stops, the naive optimal baseline (and Ringleader
 ASGD): each trains, and does what its rule says."""
 
+import pytest
+
 from experiments import registry, train
 
 
@@ -49,3 +51,18 @@ def test_naive_optimal_trains_on_the_fastest_workers_only(tmp_path):
     # the fastest one computes.
     assert summary["final_loss"] < 0.8 * 2.3
     assert info["num_gradients"] <= info["num_updates"] + 3
+
+
+@pytest.mark.slow  # about 30 s on two loaded cores: an apply per push
+def test_ringleader_trains_with_a_step_in_every_round(tmp_path):
+    summary = train.train_and_evaluate(
+        _quick("ringleader", **{"server.learning_rate": 0.4}),
+        tmp_path,
+        progress=False,
+        formats=(),
+    )
+    info = summary["info"]
+    # Every push is applied alone (a version each, with or without a step),
+    # none is discarded.
+    assert info["num_gradients"] - info["num_updates"] <= 1
+    assert summary["final_loss"] < 0.8 * 2.3
