@@ -49,8 +49,9 @@ Given ``balance_rounds``, the pilot then balances its plan on the steps the
 workers take at their planned batches, under the run's own contention then:
 once every worker has that many kept reports there, each worker's fitted line
 is scaled to pass through its median step, and the plan made again from the
-scaled lines replaces the one in force where its predicted round takes at
-least 5% less time a sample (on proc4, steps at the planned batch came out 34%
+scaled lines replaces the one in force where its predicted round takes less
+time a sample by at least 5% and by twice the largest relative standard
+error of the medians (on proc4, steps at the planned batch came out 34%
 faster to 22% slower than the fits, and two workers of four waited 29-37% of
 each round at the barrier); after a check that gains less, or
 ``max_balances`` of them, the pilot is over.
@@ -483,13 +484,18 @@ class Pilot(Replanner):
     def _balanced(self, now: float) -> WorkPlan | None:
         """Each worker's fit scaled to its median step at its planned batch;
         the plan made again from them, installed where its predicted round
-        takes at least :data:`_BALANCE_GAIN` less time a sample than the
-        batches in force (both on the scaled fits), else the pilot is over."""
+        takes less time a sample than the batches in force (both on the
+        scaled fits) by at least :data:`_BALANCE_GAIN` and twice the largest
+        relative standard error of the medians, else the pilot is over."""
         batches = [w.batch_size for w in self._plan.workers]
         self.fits = {
             w: self.fits[w].scaled_to(b, statistics.median(self._balance[w]))
             for w, b in zip(self._ids, batches, strict=True)
         }
+        # The medians' own noise: a gain within twice the largest relative
+        # standard error of a median is not one (under load, with steps
+        # spread 40%, six rounds moved the batches back and forth).
+        need = max(_BALANCE_GAIN, 2 * max(map(_median_error, self._balance.values())))
         self._balance = {w: [] for w in self._ids}
         self._balances += 1
         revision = self._plan.revision + 1
@@ -501,7 +507,7 @@ class Pilot(Replanner):
         # samples in the same round, or the round's slowest fewer.
         here = self._pilot_plan(batches, revision).round_time / sum(batches)
         there = self._pilot_plan(planned, revision).round_time / sum(planned)
-        gains = planned != batches and there <= (1 - _BALANCE_GAIN) * here
+        gains = planned != batches and there <= (1 - need) * here
         if not gains or self._balances >= self._max_balances:
             self._done, self._balance = True, None
         if not gains:
@@ -655,6 +661,15 @@ def _on_grid(
             b = grid[k]
         out.append(int(b))
     return out
+
+
+def _median_error(times: Sequence[float]) -> float:
+    """The relative standard error of the median of ``times``: their robust
+    relative spread (1.4826 times the median absolute relative deviation)
+    times 1.2533, over the square root of their count."""
+    median = statistics.median(times)
+    spread = _MAD_TO_SIGMA * statistics.median(abs(t / median - 1) for t in times)
+    return _MEDIAN_EFFICIENCY * spread / math.sqrt(len(times))
 
 
 def _pooled(speeds: Sequence[float], errors: Sequence[float]) -> list[float]:
