@@ -7,9 +7,9 @@ default the field's. The metadata may also give:
 
 * ``flag``: the flag's name, where it is not ``--<field>`` (a name without
   dashes is a positional argument, required); a ``bool`` field
-  whose default is ``True`` is turned off by its flag (``--ignore_hints``,
-  ``--no_error_feedback``), and needs one (``--no_<field>``, the one
-  negation style of hpsjax's commands), unless its ``action`` is
+  whose default is ``True`` is turned off by its flag, and needs one:
+  ``--no_<field>`` (``--no_follow_hints``, ``--no_error_feedback``), the one
+  negation style of hpsjax's commands, unless its ``action`` is
   ``argparse.BooleanOptionalAction``;
 * ``choices``, ``metavar``, ``type`` (a parser of the flag's text), ``action``,
   ``nargs`` and ``required`` (argparse's); a field whose ``action`` is
@@ -18,6 +18,12 @@ default the field's. The metadata may also give:
 * ``format``: the inverse of ``type``, a value as the flag's text (a list of
   addresses as ``host:port,host:port``), where ``str`` is not;
 * ``group``: the key of the argument group the flag is listed under;
+* ``flag_default``: the flag's default where the command line's is not the
+  field's (``--worker_id``: none, for the server to assign one, while a
+  ``WorkerConfig`` made in Python is worker 0); :func:`argv_of` then leaves a
+  value out only where it is the flag's default, and :func:`config_kwargs`
+  gives a flag left at it the field's own default (the command decides what
+  a flag not given means before it makes its configuration);
 * ``aliases``: former names of the flag, still taken: the first use of one
   says once, on stderr, which name replaced it (a rename is one edit);
 * ``dest``: the name the parsed value has in the namespace, where it is not
@@ -42,14 +48,14 @@ Examples:
   ...     steps: int | None = dataclasses.field(
   ...         default=None, metadata={"help": "rounds to run"})
   ...     hints: bool = dataclasses.field(
-  ...         default=True, metadata={"help": "ignore hints", "flag": "--ignore_hints"})
+  ...         default=True, metadata={"help": "ignore hints", "flag": "--no_hints"})
   >>> parser = argparse.ArgumentParser()
   >>> add_flags(parser, Config)
-  >>> args = parser.parse_args(["--steps", "3", "--ignore_hints"])
+  >>> args = parser.parse_args(["--steps", "3", "--no_hints"])
   >>> Config(**config_kwargs(Config, args))
   Config(steps=3, hints=False)
   >>> to_argv(Config(steps=3, hints=False))
-  ['--steps', '3', '--ignore_hints']
+  ['--steps', '3', '--no_hints']
 """
 
 from __future__ import annotations
@@ -111,7 +117,7 @@ def add_flags(
 ) -> None:
     """Adds ``cls``'s flags to ``parser``, or to ``groups[metadata["group"]]``.
 
-    The namespace holds each under its flag's name (``args.ignore_hints``).
+    The namespace holds each under its flag's name (``args.no_follow_hints``).
     """
     hints = typing.get_type_hints(cls)
     for field, flag, dest in flag_fields(cls):
@@ -136,7 +142,7 @@ def _add_flag(
     if _is_mapping(annotation):
         add_key_value_flag(target, flag, meta["help"])
         return
-    default = _default(field)
+    default = _flag_default(field)
     if meta.get("action") == "append":
         default = list(default)  # argparse appends to it
     extra = {k: meta[k] for k in _PASSED if k in meta}
@@ -198,7 +204,9 @@ def config_kwargs(cls: type, args: argparse.Namespace) -> dict[str, Any]:
     kwargs = {}
     for field, _, dest in flag_fields(cls):
         value = getattr(args, dest)
-        if _turns_off(field):
+        if "flag_default" in field.metadata and value == _flag_default(field):
+            value = _default(field)  # not given
+        elif _turns_off(field):
             value = not value
         elif field.metadata.get("action") == "append":
             value = tuple(tuple(v) if isinstance(v, list) else v for v in value)
@@ -287,7 +295,7 @@ def argv_of(cls: type, /, *, always: Sequence[str] = (), **values: Any) -> list[
     flags = {field.name: flag for field, flag, _ in flag_fields(cls)}
     argv: list[str] = []
     for name, field in fields.items():
-        at_default = name not in always and values.get(name) == _default(field)
+        at_default = name not in always and values.get(name) == _flag_default(field)
         if name not in values or at_default:
             continue
         if name not in flags:
@@ -338,3 +346,10 @@ def _default(field: dataclasses.Field) -> Any:
     if field.default_factory is not dataclasses.MISSING:
         return field.default_factory()
     return field.default
+
+
+def _flag_default(field: dataclasses.Field) -> Any:
+    """The default of the field's flag (``flag_default``, else the field's)."""
+    if "flag_default" in field.metadata:
+        return field.metadata["flag_default"]
+    return _default(field)

@@ -97,8 +97,10 @@ def test_a_worker_command_line_parses_back_to_its_settings():
 
 
 def test_argv_of_writes_only_fields_away_from_their_defaults():
-    assert argv_of(WorkerConfig, worker_id=0, max_steps=None) == []
-    assert argv_of(WorkerConfig, follow_hints=False) == ["--ignore_hints"]
+    assert argv_of(WorkerConfig, worker_id=None, max_steps=None) == []
+    # --worker_id's default is none (the server assigns one): 0 is written.
+    assert argv_of(WorkerConfig, worker_id=0) == ["--worker_id", "0"]
+    assert argv_of(WorkerConfig, follow_hints=False) == ["--no_follow_hints"]
     with pytest.raises(ValueError, match="WorkerConfig has no field 'steps'"):
         argv_of(WorkerConfig, steps=3)
     with pytest.raises(ValueError, match="has no command-line flag"):

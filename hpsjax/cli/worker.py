@@ -88,6 +88,7 @@ from hpsjax.worker import (
     WorkerConfig,
     build,
     connect,
+    given_or_assigned_id,
     load_dataset,
     server_address,
     worker_target,
@@ -350,6 +351,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         wanted = args.metrics is not None or _tensorboard_dir(args) is not None
         wanted = wanted or args.metrics_port is not None
         opens_later = _OpensLater() if wanted else None
+        args.worker_id = given_or_assigned_id(args)  # asks the server if not given
         worker, client, params, graphdef = build(args, metrics=opens_later, task=task)
         evaluator = None
         if args.eval_every is not None:
@@ -358,6 +360,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         sink = _metrics_sink(args)
         if opens_later is not None:
             opens_later.sink = sink
+    except JoinError as e:  # no server to assign an id
+        print(f"hpsjax-worker: {e}", file=sys.stderr)
+        return 1
     except (ValueError, OSError) as e:
         message = flag_message(str(e), WorkerCommand, WorkerConfig)
         print(f"hpsjax-worker: {message}", file=sys.stderr)

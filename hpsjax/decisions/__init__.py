@@ -43,6 +43,7 @@ from hpsjax.decisions._events import (
     WorkerPushed,
 )
 from hpsjax.decisions._interpreter import ActionInterpreter
+from hpsjax.decisions._membership import free_worker_id
 from hpsjax.decisions._policies import (
     ADSP,
     ASP,
@@ -111,5 +112,6 @@ __all__ = [
     "WorkerLeft",
     "WorkerPulled",
     "WorkerPushed",
+    "free_worker_id",
     "get_policy",
 ]

@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 import heapq
 import math
-from collections.abc import Hashable, Mapping
+from collections.abc import Hashable, Iterable, Mapping
 from typing import Any
 
 import numpy as np
@@ -37,7 +37,7 @@ from hpsjax._checks import (
 from hpsjax._ewma import ewma
 from hpsjax.wire import PushMeta, UnexpectedMessage, WorkerDropped
 
-__all__ = ["Membership", "WorkerInfo", "WorkerRecord"]
+__all__ = ["Membership", "WorkerInfo", "WorkerRecord", "free_worker_id"]
 
 WorkerId = Hashable
 
@@ -165,6 +165,25 @@ class WorkerRecord:
         return {"worker_id": self.worker_id} | {
             name: getattr(self, name) for name in SAVED_FIELDS
         }
+
+
+def free_worker_id(*taken: Iterable[WorkerId]) -> int:
+    """The id a server assigns to a worker that asks for one: the lowest int
+    >= 0 in none of ``taken`` (the ids of every worker it has seen, of its
+    connections, and those it assigned before: an id is never handed out twice,
+    so a worker that asked can connect again under it).
+
+    Examples:
+      >>> free_worker_id({0: "seen", "gpu0": "seen"}, [2], {1})
+      3
+      >>> free_worker_id()
+      0
+    """
+    used = set().union(*taken)
+    worker_id = 0
+    while worker_id in used:
+        worker_id += 1
+    return worker_id
 
 
 STATE_FORMAT = 1

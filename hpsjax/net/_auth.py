@@ -6,7 +6,10 @@ A connection starts with three exchanges (PROTOCOL.md)::
     HELLO {worker_id, nonce, client}  ->
                                       <-  CHALLENGE {nonce, auth}
     AUTH {proof}                      ->
-                                      <-  AUTH_OK {proof, info}
+                                      <-  AUTH_OK {proof, info[, worker_id]}
+
+A HELLO without a ``worker_id`` asks the server for one: the AUTH_OK names
+the id it assigned (the proofs are over the id HELLO sent, ``nil``).
 
 Each side proves it knows the shared secret (:func:`auth_proof`); the secret
 never crosses the wire. :class:`Handshake` holds the rules of both ends as one
@@ -61,7 +64,7 @@ def auth_proof(
     role: str,
     server_nonce: bytes,
     client_nonce: bytes,
-    worker_id: str | int,
+    worker_id: str | int | None,
 ) -> bytes:
     r"""The handshake proof of knowing ``secret``.
 
@@ -81,7 +84,7 @@ def auth_proof(
       role: ``"client"`` or ``"server"``: who proves.
       server_nonce: the server's nonce.
       client_nonce: the client's nonce.
-      worker_id: the worker id sent in HELLO.
+      worker_id: the worker id sent in HELLO (``None`` where it sent none).
 
     Returns:
       The 32-byte proof.
@@ -201,9 +204,11 @@ class Handshake:
     def client(
         cls, secret: bytes | None, worker_id: Any, instance: bytes | None = None
     ) -> Handshake:
-        """The client's end: ``worker_id`` introduces itself, ``secret`` or
+        """The client's end: ``worker_id`` introduces itself (``None`` asks
+        the server for an id, :attr:`worker_id` once ready), ``secret`` or
         none; ``instance`` is the token all of this client's connections send."""
-        check_worker_id(worker_id)
+        if worker_id is not None:
+            check_worker_id(worker_id)
         return cls("client", secret, worker_id, instance)
 
     @classmethod
@@ -271,7 +276,8 @@ class Handshake:
     def _server_hello(self, meta: Mapping[str, Any]) -> Reply:
         hello = Hello.from_wire(meta)
         try:
-            check_worker_id(hello.worker_id)
+            if hello.worker_id is not None:  # else the server assigns one
+                check_worker_id(hello.worker_id)
         except ValueError as e:
             raise MalformedMetadata(str(e)) from None
         self.worker_id = hello.worker_id
@@ -311,6 +317,16 @@ class Handshake:
             got = Proof.from_wire(meta, AuthError).proof
             if not hmac.compare_digest(got, self._proof("server")):
                 raise AuthError("server failed to prove it knows the secret")
+        if self.worker_id is None:
+            assigned = meta.get("worker_id")
+            try:
+                check_worker_id(assigned)
+            except ValueError:
+                raise ProtocolError(
+                    f"asked the server for a worker id and got {assigned!r} "
+                    "(a server that assigns none needs one given)"
+                ) from None
+            self.worker_id = assigned
         self.state = HandshakeState.READY
 
     _STEPS: ClassVar[dict[tuple[str, HandshakeState], Callable]] = {

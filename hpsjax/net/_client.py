@@ -265,6 +265,8 @@ class Client:
       port: server port.
       worker_id: this worker's name (``str`` or ``int``), unique among workers;
         connecting again under the same id replaces the old connection.
+        ``None`` asks the server for one on the first connection (the lowest
+        id free there, :attr:`worker_id` from then on), kept for reconnecting.
       secret: the shared secret (bytes or str), or ``None`` for a server that
         runs without authentication; it never crosses the wire.
       ssl: an ``ssl.SSLContext`` for TLS, or ``None``.
@@ -299,7 +301,7 @@ class Client:
         host: str,
         port: int,
         *,
-        worker_id: str | int,
+        worker_id: str | int | None,
         secret: bytes | str | None,
         ssl: ssl_lib.SSLContext | None = None,
         server_hostname: str | None = None,
@@ -307,7 +309,8 @@ class Client:
         limits: WireLimits = DEFAULT_LIMITS,
         seed: int | None = None,
     ):
-        _auth.check_worker_id(worker_id)
+        if worker_id is not None:
+            _auth.check_worker_id(worker_id)
         if ssl is not None and not isinstance(ssl, ssl_lib.SSLContext):
             raise ValueError("ssl must be an ssl.SSLContext or None")
         if timeout is not None and not timeout > 0:
@@ -347,8 +350,9 @@ class Client:
     # ----------------------------------------------------------- properties
 
     @property
-    def worker_id(self) -> str | int:
-        """This worker's id."""
+    def worker_id(self) -> str | int | None:
+        """This worker's id (``None`` until the server assigned the one asked
+        for)."""
         return self._worker_id
 
     @property
@@ -485,6 +489,8 @@ class Client:
         while step is not None:
             reply = await self._request(*step, timeout=None, expect=handshake.expects)
             step = handshake.receive(reply.msg_type, reply.metadata)
+        # An id the server assigned (none asked for) is this client's from now on.
+        self._worker_id = handshake.worker_id
         return _server_info(reply.metadata.get("info", {}))
 
     async def close(self, *, timeout: float | None = 5.0) -> None:

@@ -351,6 +351,8 @@ class Server(ServerSessions, ServerPushes, ServerActions, ServerCheckpoints):
         )
         self._compiling: set[Any] = set()  # codecs whose decoder is compiling
         self._sessions: dict[Any, Session] = {}
+        # Ids assigned to workers that asked for one: never handed out again.
+        self._assigned_ids: set[int] = set()
         self._plans: dict[Any, PlanNotice] = {}
         if replanner is not None:
             work_plan = replanner.plan

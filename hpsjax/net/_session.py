@@ -3,10 +3,11 @@
 A :class:`Session` is one connection's state (handshake, joined, pulls waiting
 on the core, subscription, the apply of the push it is receiving);
 :class:`ServerSessions` is the part of :class:`~hpsjax.net.Server` that makes
-them, authenticates them, welcomes them (INFO, a planned worker's plan),
-refuses a second worker under a live worker's id, replaces a worker's older
-connection, and turns a goodbye or a lost connection into the core's
-:class:`~hpsjax.decisions.WorkerLeft`.
+them, authenticates them, assigns an id to a worker that asks for one (the
+lowest free, :func:`~hpsjax.decisions.free_worker_id`), welcomes them (INFO,
+a planned worker's plan), refuses a second worker under a live worker's id,
+replaces a worker's older connection, and turns a goodbye or a lost connection
+into the core's :class:`~hpsjax.decisions.WorkerLeft`.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from typing import Any
 import jax
 
 from hpsjax.apply import LeafApply
-from hpsjax.decisions import Joined, WorkerLeft
+from hpsjax.decisions import Joined, WorkerLeft, free_worker_id
 from hpsjax.net import _auth
 from hpsjax.net._connection import FrameProtocol, error_frame
 from hpsjax.wire import (
@@ -216,6 +217,8 @@ class ServerSessions:
             session.protocol.decoder.limits = self._limits
             if session.handshake_timer is not None:
                 session.handshake_timer.cancel()
+            if session.worker_id is None:
+                meta = {**meta, "worker_id": self._assign_id(session)}
             old = self._sessions.get(session.worker_id)
             if old is not None and old is not session:
                 if self._another_worker(old, session):
@@ -224,7 +227,8 @@ class ServerSessions:
                     session.protocol.fail(
                         ServerError(
                             f"worker id {session.worker_id!r} belongs to a live "
-                            "connected worker: give each worker its own --worker_id"
+                            "connected worker: give each worker its own "
+                            "--worker_id, or none (the server assigns one)"
                         ),
                         request_id=frame.request_id,
                     )
@@ -238,6 +242,17 @@ class ServerSessions:
                 # step before it joins a round.
                 self._notify(session, plan)
         session.protocol.send(encode_frame(msg_type, frame.request_id, meta))
+
+    def _assign_id(self, session: Session) -> int:
+        """Gives ``session``, whose HELLO named no worker, the lowest id no
+        worker seen, no connection and no earlier assignment has."""
+        worker_id = free_worker_id(
+            self._core.workers(), self._sessions, self._assigned_ids
+        )
+        self._assigned_ids.add(worker_id)
+        session.handshake.worker_id = worker_id
+        logger.info("assigned worker id %d to %s", worker_id, session.peer)
+        return worker_id
 
     def _on_joined(self, action: Joined) -> None:
         """A worker's pull joined it: its connection is joined, and a planned

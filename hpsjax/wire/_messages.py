@@ -268,7 +268,9 @@ class Hello(msgspec.Struct, frozen=True):
     """A client's HELLO, which opens the handshake (PROTOCOL.md, section 3).
 
     Attributes:
-      worker_id: the worker's name, a ``str`` or an ``int``.
+      worker_id: the worker's name, a ``str`` or an ``int``; ``None`` (left
+        out on the wire, never ``nil``) asks the server to assign one, which
+        its AUTH_OK names.
       nonce: the client's 32 random bytes for the proofs.
       client: the client's software (informative).
       instance: 8 to 64 bytes the client draws once and sends on each of its
@@ -276,7 +278,7 @@ class Hello(msgspec.Struct, frozen=True):
         worker under the same id (``None``: not told apart).
     """
 
-    worker_id: str | int
+    worker_id: str | int | None
     nonce: Annotated[
         bytes, msgspec.Meta(min_length=NONCE_BYTES, max_length=NONCE_BYTES)
     ]
@@ -285,7 +287,12 @@ class Hello(msgspec.Struct, frozen=True):
 
     @classmethod
     def from_wire(cls, meta: Any, error: type = MalformedMetadata) -> Hello:
-        """Validates a HELLO; ``error`` names a bad field."""
+        """Validates a HELLO (one without a ``worker_id`` asks for one; a
+        ``nil`` one is malformed); ``error`` names a bad field."""
+        if isinstance(meta, Mapping):
+            if "worker_id" in meta and meta["worker_id"] is None:
+                raise error("malformed HELLO: worker_id is nil (leave it out to ask)")
+            meta = {"worker_id": None, **meta}
         return _convert(meta, cls, "HELLO", error)
 
     def to_wire(self) -> dict[str, Any]:

@@ -67,6 +67,7 @@ from hpsjax.worker._core import (
 from hpsjax.worker._hetero import Heterogeneity, Injector, parse_schedule
 from hpsjax.worker._records import JsonLinesSink, WorkerSummary, summarize
 from hpsjax.worker._runtime import Worker, run_worker
+from hpsjax.worker._worker_id import given_or_assigned_id
 
 __all__ = [
     "NONFINITE_ACTIONS",
@@ -108,6 +109,7 @@ __all__ = [
     "check_task_fits",
     "connect",
     "data_shard",
+    "given_or_assigned_id",
     "load_dataset",
     "make_client",
     "make_heterogeneity",

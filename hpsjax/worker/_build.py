@@ -502,7 +502,8 @@ async def connect(client, params, *, connect_timeout: float, where: str) -> None
 
     Args:
       client: a :class:`~hpsjax.net.Client` or :class:`~hpsjax.net.ShardedClient`.
-      params: this worker's own parameters, to compare with the server's model.
+      params: this worker's own parameters, to compare with the server's
+        model (``None``: not compared).
       connect_timeout: seconds to keep retrying.
       where: the server's address, for messages.
 
@@ -535,7 +536,8 @@ async def connect(client, params, *, connect_timeout: float, where: str) -> None
                 ) from None
             await asyncio.sleep(delay)
             delay = min(2 * delay, 2.0)
-    if hasattr(info, "spec"):  # a ShardedClient checks each shard itself
+    # A ShardedClient checks each shard itself.
+    if params is not None and hasattr(info, "spec"):
         problem = spec_mismatch(params, info.spec)
         if problem is not None:
             await client.close()

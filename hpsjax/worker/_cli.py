@@ -46,7 +46,7 @@ def parse_args(
     ``prog`` is the command's name in its help and messages.
 
     The flags are made from the fields of :class:`~hpsjax.worker.WorkerConfig`
-    (``--local_steps``, ``--overlap``, ``--ignore_hints``, ...) and of
+    (``--local_steps``, ``--overlap``, ``--no_follow_hints``, ...) and of
     :class:`WorkerCommand` (the command's own: ``--port``, ``--model``, ...),
     by :mod:`hpsjax._config_flags`.
     """
@@ -62,6 +62,8 @@ def parse_args(
     dataset, model = _TASK_DEFAULTS.get(args.task, _TASK_DEFAULTS["classification"])
     args.dataset = dataset if args.dataset is None else args.dataset
     args.model = model if args.model is None else args.model
+    if args.worker_id is None and args.profile_out is not None:
+        args.worker_id = 0  # no server assigns a profile's id: worker 0's
     return args
 
 

@@ -84,7 +84,9 @@ class WorkerConfig(WorkerOptions):
     Args:
       host: the parameter server's address.
       port: its port.
-      worker_id: this worker's name (``str`` or ``int``), unique among workers.
+      worker_id: this worker's name (``str`` or ``int``), unique among workers
+        (``hpsjax-worker`` without ``--worker_id`` asks its server for one
+        before it makes this; made from flags without it, 0).
       secret: the shared secret (``str`` or ``bytes``), ``None`` for a server
         without authentication.
       batch_size: samples per local step, over all local devices; ignored when
@@ -135,8 +137,10 @@ class WorkerConfig(WorkerOptions):
         0,
         "this worker's id, its own among the run's workers (hpsjax-launch "
         "gives each one; the server refuses a second worker under a live "
-        "worker's id)",
+        "worker's id); by default the server assigns the lowest free one "
+        "(needed for --work_plan and --profile_out)",
         type=_worker_id,
+        flag_default=None,
         group="server",
     )
     secret: str | bytes | None = None

@@ -368,7 +368,8 @@ class WorkerOptions:
     follow_hints: bool = _option(
         True,
         "ignore the server's local-step and plan hints",
-        flag="--ignore_hints",
+        flag="--no_follow_hints",
+        aliases=("--ignore_hints",),
         group="work",
     )
     max_steps: int | None = _option(None, "rounds to run", group="work")

@@ -50,7 +50,7 @@ def test_a_configuration_travels_as_flags_and_back():
         reconnect_timeout=0.0,
     )
     argv = to_argv(config)
-    assert "--ignore_hints" in argv and "--no_pull_with_push" in argv
+    assert "--no_follow_hints" in argv and "--no_pull_with_push" in argv
     back = WorkerConfig(**config_kwargs(WorkerConfig, worker_cli.parse_args(argv)))
     assert back == config
 
@@ -58,7 +58,11 @@ def test_a_configuration_travels_as_flags_and_back():
 def test_a_field_without_a_flag_cannot_travel_as_one():
     with pytest.raises(ValueError, match=r"WorkerConfig.compress_ratio = 0.5 has no"):
         to_argv(WorkerConfig(compress_ratio=0.5))
-    assert to_argv(WorkerConfig(compress_ratio=0.5), skip=("compress_ratio",)) == []
+    # Worker 0 is written: the command line's default is none (the server's).
+    assert to_argv(WorkerConfig(compress_ratio=0.5), skip=("compress_ratio",)) == [
+        "--worker_id",
+        "0",
+    ]
 
 
 def test_a_bad_flag_value_is_one_line_from_the_configuration(capsys):
