@@ -38,9 +38,7 @@ SMALL_MODEL = [
     "--batch_size", "16", "--log_level", "WARNING",
 ]  # fmt: skip
 
-_ACTOR_SECRET = re.compile(
-    r"/hpsjax-(profile-)?(server|worker|\d+)-[^ /]*/secret\.txt"
-)
+_ACTOR_SECRET = re.compile(r"/hpsjax-(profile-)?(server|worker|\d+)-[^ /]*/secret\.txt")
 
 
 def _hpsjax_processes() -> dict[int, str]:
@@ -170,12 +168,14 @@ def test_a_planned_run_survives_a_killed_worker(ray_cluster, tmp_path, monkeypat
 
 @pytest.mark.slow
 def test_a_worker_that_cannot_be_placed_stops_the_run(ray_cluster, tmp_path):
+    # Each worker asks for both of the cluster's slots: feasible, but worker 1
+    # waits for worker 0's, which waits (BSP's held start) for worker 1.
     log = io.StringIO()
     result = _ray_launch.launch_ray(
         2,
         steps=5,
         worker_args=SMALL_MODEL,
-        worker_resources={1: {"accelerator_type:H100": 1}},
+        worker_resources=[{"hpsjax_test_slot": 2}, {"hpsjax_test_slot": 2}],
         workdir=tmp_path,
         # The server too must be placed and listen within it: beside two busy
         # processes Ray took over 15 s to start the server's actor.
@@ -186,14 +186,15 @@ def test_a_worker_that_cannot_be_placed_stops_the_run(ray_cluster, tmp_path):
     )
     assert result.returncode == 1
     assert result.reason.startswith("worker 1 was not placed within 40")
-    assert "'accelerator_type:H100': 1.0" in result.reason
+    assert "'hpsjax_test_slot': 2.0" in result.reason
     assert result.pids and not _gone(result.pids)
 
 
 @pytest.mark.slow
 def test_a_worker_is_profiled_with_its_own_resources(ray_cluster, tmp_path):
-    # The profiling actor asks for the worker's resources: one the cluster
-    # lacks leaves it unplaced, and the launch ends before any run starts.
+    # The profiling actor asks for the worker's resources: both of the
+    # cluster's slots, held by worker 0's profiling actor until the pass ends,
+    # leave it unplaced, and the launch ends before any run starts.
     log = io.StringIO()
     with pytest.raises(_ray_launch.LaunchError) as e:
         _ray_launch.launch_ray(
@@ -201,7 +202,7 @@ def test_a_worker_is_profiled_with_its_own_resources(ray_cluster, tmp_path):
             steps=5,
             plan="hps",
             worker_args=SMALL_MODEL,
-            worker_resources={1: {"accelerator_type:H100": 1}},
+            worker_resources=[{"hpsjax_test_slot": 2}, {"hpsjax_test_slot": 2}],
             workdir=tmp_path,
             start_timeout=40,  # the profile server's actor, under load
             timeout=120,
@@ -210,7 +211,55 @@ def test_a_worker_is_profiled_with_its_own_resources(ray_cluster, tmp_path):
         )
     message = str(e.value)
     assert message.startswith("profiling worker 1 was not placed"), message
-    assert "'accelerator_type:H100': 1.0" in message and "\n" not in message
+    assert "'hpsjax_test_slot': 2.0" in message and "\n" not in message
     assert not (tmp_path / "plan.json").exists()
     assert not (tmp_path / "metrics_0.jsonl").exists()
     assert not _gone(_hpsjax_processes())
+
+
+@pytest.mark.slow
+def test_a_request_no_node_could_hold_is_refused_at_once(ray_cluster, tmp_path):
+    # More GPUs than the cluster's node has (none), a resource none offers:
+    # refused before anything is prepared or placed, not after start_timeout.
+    for resources, asked in [
+        ({1: {"num_gpus": 1}}, "'num_gpus': 1.0"),
+        ({0: {"accelerator_type:H100": 1}}, "'accelerator_type:H100': 1.0"),
+    ]:
+        start = time.monotonic()
+        with pytest.raises(_ray_launch.LaunchError) as e:
+            _ray_launch.launch_ray(
+                2, steps=5, worker_args=SMALL_MODEL, worker_resources=resources,
+                workdir=tmp_path, start_timeout=40, progress=False, log=io.StringIO(),
+            )  # fmt: skip
+        message = str(e.value)
+        assert re.match(r"worker \d asks for .* more than any node of the Ray", message)
+        assert asked in message and "\n" not in message, message
+        assert time.monotonic() - start < 30
+        assert not (tmp_path / "init.npz").exists()  # nothing prepared
+    assert not _hpsjax_processes()
+    assert ray_cluster.is_initialized()  # a cluster it did not start stays
+
+
+@pytest.mark.slow
+def test_a_ray_run_without_workdir_keeps_its_final_parameters(ray_cluster, capsys):
+    # As with the local backend: the server exports its final parameters,
+    # which come back from its actor to the file the last line names.
+    import jax
+
+    from hpsjax.launch import main
+    from hpsjax.models import load_params_npz
+
+    code = main(
+        ["--backend", "ray", "--workers", "1", "--steps", "4", "--policy", "asp",
+         "--no_progress", "--no_eval", "--", *SMALL_MODEL]
+    )  # fmt: skip
+    out = capsys.readouterr().out
+    assert code == 0, out
+    found = re.search(r"hpsjax-launch: final parameters in (\S+\.npz)", out)
+    assert found, out
+    path = pathlib.Path(found.group(1))
+    try:
+        params = load_params_npz(path)
+        assert params and all(leaf.size for leaf in jax.tree.leaves(params))
+    finally:
+        path.unlink(missing_ok=True)

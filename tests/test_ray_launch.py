@@ -135,4 +135,4 @@ def test_the_ray_backend_on_a_local_ray_cluster(tmp_path):
     except subprocess.TimeoutExpired as e:
         pytest.fail(f"the Ray cases did not end in 900 s:\n{e.stdout}")
     assert child.returncode == 0, child.stdout[-6000:] + child.stderr[-3000:]
-    assert re.search(r"^3 passed", child.stdout, re.M), child.stdout[-3000:]
+    assert re.search(r"^5 passed", child.stdout, re.M), child.stdout[-3000:]

@@ -166,8 +166,11 @@ class ProcessActor:
         except FileNotFoundError:
             return None
 
-    def stop(self, timeout: float) -> dict[str, Any]:
-        """SIGTERM to the process group, SIGKILL after ``timeout``; final poll."""
+    def stop(self, timeout: float, fetch: tuple[str, ...] = ()) -> dict[str, Any]:
+        """SIGTERM to the process group, SIGKILL after ``timeout``; final poll,
+        with ``files``: the bytes of each file named in ``fetch`` that the
+        process wrote into the actor's directory (a server's final parameters),
+        ``None`` for one it did not, read before the directory goes."""
         with self._lock:
             self._stopping = True
         self._drained.set()
@@ -181,5 +184,6 @@ class ProcessActor:
             if self._returncode is None:
                 self._returncode = self._popen.poll()
         state = self.poll()
+        state["files"] = {name: self.read(name) for name in fetch}
         shutil.rmtree(self._dir, ignore_errors=True)
         return state

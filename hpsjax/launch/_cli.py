@@ -124,8 +124,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         backend = _ray.backend_from_flags(args) or functools.partial(
             launch, max_restarts=args.max_restarts or 0
         )
-        # Without a work directory, the final parameters are kept (locally).
-        kept = args.workdir is not None or args.backend != "local"
+        # Without a work directory, the final parameters are kept on this host
+        # (the Ray backend brings them back from the server's node).
+        kept = args.workdir is not None
         server_args, params = with_export(server_args, kept, args.server_shards)
         result = backend(
             args.workers,

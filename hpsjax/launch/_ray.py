@@ -30,7 +30,12 @@ against a throwaway server actor placed as the run's server is, so a plan for
 unequal nodes sees each node's own devices and link (never the launcher's
 host). Workers' metrics are streamed back into ``workdir`` as
 ``metrics_<i>.jsonl``, whatever node the worker ran on (a restarted worker's
-rounds are appended).
+rounds are appended), and the server's final parameters (its
+``--export_params FILE``, which ``hpsjax-launch`` adds without ``--workdir``
+as the local backend does) come back into ``FILE`` on the launcher's host when
+the server stops. A resource request that no node of the cluster could ever
+hold (more GPUs or CPUs than any node has, a custom resource none offers) is
+refused at once, before anything is placed or prepared.
 """
 
 from __future__ import annotations
@@ -74,6 +79,7 @@ from hpsjax.launch._prepare import (
     with_plan,
     write_plan,
 )
+from hpsjax.ps import ServerOptions
 from hpsjax.worker import WorkerCommand
 
 __all__ = ["launch_ray", "parse_resources", "worker_resources_from_flags"]
@@ -85,6 +91,10 @@ PerWorkerResources = Mapping[int, Resources] | Sequence[Resources]
 # resource (``accelerator_type:A100``, ``TPU``, a label of the cluster's own).
 _OPTION_RESOURCES = ("num_cpus", "num_gpus", "memory")
 _DEFAULT_RESOURCES = {"num_cpus": 1.0}
+# The names Ray's nodes give the actor options' resources.
+_NODE_NAMES = {"num_cpus": "CPU", "num_gpus": "GPU", "memory": "memory"}
+# The server's final parameters (--export_params), in its actor's directory.
+_EXPORTED = "params.npz"
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.:\-/]*")
 
 
@@ -213,8 +223,13 @@ class _Member:
     host: str | None = None
     restarts: int = 0
     died: str | None = None
+    # Files the process wrote that its actor's last answer brought back.
+    files: dict[str, bytes] = dataclasses.field(default_factory=dict)
 
     def take(self, state: Mapping[str, Any]) -> None:
+        for file_name, data in state.get("files", {}).items():
+            if data is not None:
+                self.files[file_name] = data
         for line in state["lines"]:
             self.emit(f"[{self.name}] {line}")
         if state["metrics"] and self.metrics is not None:
@@ -268,7 +283,9 @@ def _stop_all(members: Sequence[_Member], timeout: float) -> None:
     known, unknown = {}, {}
     for m in members:
         if m.died is None:
-            (known if m.pids else unknown)[m.actor.stop.remote(timeout)] = m
+            (known if m.pids else unknown)[
+                m.actor.stop.remote(timeout, (_EXPORTED,))
+            ] = m
     refs = {**known, **unknown}
     ready = []
     if known:
@@ -305,6 +322,77 @@ def _connect(
     else:
         ray.init(address=ray_address, runtime_env=runtime_env)
     return True
+
+
+def _infeasible(
+    requests: Mapping[str, Mapping[str, float]], nodes: Sequence[Mapping[str, Any]]
+) -> str | None:
+    """Why the first of ``requests`` (by what asks) can never be placed on
+    ``nodes`` (``ray.nodes()``): no live node has all it asks for, even idle;
+    ``None`` when every request fits some node."""
+    totals = [node.get("Resources", {}) for node in nodes if node.get("Alive")]
+    for what, request in requests.items():
+        wanted = {_NODE_NAMES.get(k, k): v for k, v in request.items() if v > 0}
+        if any(all(t.get(k, 0) >= v for k, v in wanted.items()) for t in totals):
+            continue
+        most = {
+            name: max([t.get(_NODE_NAMES.get(name, name), 0) for t in totals] or [0])
+            for name in request
+        }
+        return (
+            f"{what} asks for {dict(request)}, more than any node of the Ray "
+            f"cluster has (the most one node has: {most})"
+        )
+    return None
+
+
+def _refuse_infeasible(
+    server_request: dict[str, float],
+    server_shards: int,
+    resources: Sequence[dict[str, float]],
+) -> None:
+    """Raises :class:`LaunchError` (:func:`_infeasible`'s line) for a server
+    shard's or a worker's request that no node of the cluster could hold."""
+    import ray
+
+    requests = {
+        **{f"server shard {i}": server_request for i in range(server_shards)},
+        **{f"worker {i}": r for i, r in enumerate(resources)},
+    }
+    refusal = _infeasible(requests, ray.nodes())
+    if refusal is not None:
+        raise LaunchError(refusal)
+
+
+def _export_in_actor(job: Job) -> tuple[Job, pathlib.Path | None]:
+    """``job`` with the server's ``--export_params FILE`` (a file on the
+    launcher's host, as with the local backend) written into its actor's
+    directory instead, and that ``FILE`` (``None`` where there is none)."""
+    args, path = list(job.server_args), None
+    for i, arg in enumerate(args):
+        name, equals, value = arg.partition("=")
+        if name != "--export_params":
+            continue
+        if not equals:
+            value = args[i + 1] if i + 1 < len(args) else ""
+            del args[i + 1 : i + 2]
+        inside = argv_of(ServerOptions, export_params=f"{ACTOR_DIR}/{_EXPORTED}")
+        args[i : i + 1] = inside
+        path = pathlib.Path(value)
+        break
+    return dataclasses.replace(job, server_args=args), path
+
+
+def _bring_back(server: Any, path: pathlib.Path | None) -> None:
+    """Writes the final parameters the server's actor brought back to
+    ``path`` (whole or not at all); nothing when it wrote none."""
+    data = None if server is None else server.files.get(_EXPORTED)
+    if path is None or data is None:
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
+    partial.write_bytes(data)
+    os.replace(partial, path)
 
 
 def launch_ray(
@@ -391,21 +479,27 @@ def launch_ray(
     console = Console(log)
     start = time.monotonic()
     work = pathlib.Path(workdir)
-    work.mkdir(parents=True, exist_ok=True)
-    env = run_env(work, compile_cache)
-    job = Job(
-        num_workers, policy, steps, [str(a) for a in server_args], shared, flags,
-        [], server_shards, split_leaves,
-    )  # fmt: skip
-    secret, _, init, job, _ = prepare_workdir(
-        work, job, None, None, global_batch, console, python=sys.executable,
-        env=env, start_timeout=start_timeout, shutdown_timeout=shutdown_timeout,
-    )  # fmt: skip
-    actor_env = run_cache_env(work, compile_cache)
     cpus = server_request.get("num_cpus", 0) * server_shards + sum(
         r.get("num_cpus", 0) for r in resources
     )
     started_ray = _connect_keeping_sigterm(ray_address, cpus, runtime_env)
+    try:
+        _refuse_infeasible(server_request, server_shards, resources)
+        work.mkdir(parents=True, exist_ok=True)
+        env = run_env(work, compile_cache)
+        job, exported = _export_in_actor(Job(
+            num_workers, policy, steps, [str(a) for a in server_args], shared,
+            flags, [], server_shards, split_leaves,
+        ))  # fmt: skip
+        secret, _, init, job, _ = prepare_workdir(
+            work, job, None, None, global_batch, console, python=sys.executable,
+            env=env, start_timeout=start_timeout, shutdown_timeout=shutdown_timeout,
+        )  # fmt: skip
+    except BaseException:
+        if started_ray:
+            ray.shutdown()
+        raise
+    actor_env = run_cache_env(work, compile_cache)
     run = _RayRun(job, console, {}, max_restarts, start_timeout, actor_env)
     profile_seconds = None
     reason = "completed"
@@ -455,6 +549,7 @@ def launch_ray(
             stop_all,
         )
     servers, workers = run.servers, run.workers
+    _bring_back(servers[0] if servers else None, exported)
     server_codes = tuple(s.returncode for s in servers)
     reason = final_reason(reason, [s.name for s in servers], server_codes)
     console.emit(
