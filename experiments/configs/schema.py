@@ -13,7 +13,10 @@ list. What the values mean together (registry names, local steps without a
 local optimizer, ...) is checked once, by :func:`experiments.registry.check_config`;
 :meth:`Section.freeze` then fixes the config for the run. The free-form keyword
 arguments of a registry entry (``server.policy_kwargs``, ``model.args``, ...)
-are :class:`Args`, a dict whose keys read as attributes.
+are :class:`Args`, a dict whose keys read as attributes. A field that is a
+setting of the run configuration (:mod:`hpsjax.config`; ``worker.local_steps``
+is ``WorkerConfig.local_steps``) names that setting (:func:`run_fields`), and
+:func:`run_settings` gives the config's values of them, by the run's classes.
 """
 
 from __future__ import annotations
@@ -27,6 +30,9 @@ import typing
 from collections.abc import Iterator, Mapping
 from typing import Any
 
+from hpsjax.ps import ServerOptions
+from hpsjax.worker import WorkerCommand, WorkerConfig
+
 __all__ = [
     "Args",
     "Data",
@@ -35,6 +41,7 @@ __all__ = [
     "Model",
     "Plan",
     "Processes",
+    "RUN_CLASSES",
     "Section",
     "Server",
     "UnknownField",
@@ -43,6 +50,8 @@ __all__ = [
     "Workers",
     "field_help",
     "field_names",
+    "run_fields",
+    "run_settings",
 ]
 
 
@@ -80,6 +89,26 @@ def _field(default: Any, help: str) -> Any:
     if isinstance(default, type) and issubclass(default, Section):
         return dataclasses.field(default_factory=default, metadata={"help": help})
     return dataclasses.field(default=default, metadata={"help": help})
+
+
+# The run configuration's classes (hpsjax.config) that a field may be.
+RUN_CLASSES: dict[str, type] = {
+    "ServerOptions": ServerOptions,
+    "WorkerCommand": WorkerCommand,
+    "WorkerConfig": WorkerConfig,
+}
+
+
+def _run_field(default: Any, help: str, run: str) -> Any:
+    """A field that is a setting of the run configuration (:mod:`hpsjax.config`),
+    ``run`` naming it (``"WorkerConfig.local_steps"``): the experiment's name
+    and default for it, the setting's meaning and rule (:func:`run_settings`)."""
+    owner, _, name = run.partition(".")
+    if name not in {f.name for f in dataclasses.fields(RUN_CLASSES[owner])}:
+        raise ValueError(f"{run} is no setting of the run configuration")
+    field = _field(default, help)
+    field.metadata = types.MappingProxyType({**field.metadata, "run": run})
+    return field
 
 
 class Section:
@@ -229,6 +258,37 @@ def field_help(cls: type | None = None, prefix: str = "") -> list[tuple[str, str
     return rows
 
 
+def run_fields(cls: type | None = None, prefix: str = "") -> dict[str, str]:
+    """The config's fields that are settings of the run configuration:
+    dotted name -> setting (``{"worker.local_steps":
+    "WorkerConfig.local_steps", ...}``), sections walked."""
+    cls = ExperimentConfig if cls is None else cls
+    found = {}
+    hints = _hints(cls)
+    for field in dataclasses.fields(cls):
+        kind = hints[field.name]
+        if isinstance(kind, type) and issubclass(kind, Section):
+            found.update(run_fields(kind, f"{prefix}{field.name}."))
+        elif "run" in field.metadata:
+            found[prefix + field.name] = field.metadata["run"]
+    return found
+
+
+def run_settings(config: ExperimentConfig) -> dict[str, dict[str, Any]]:
+    """The run configuration's settings that ``config`` gives, by class:
+    ``{"WorkerConfig": {"local_steps": 4, ...}, "WorkerCommand": {...},
+    "ServerOptions": {...}}`` (an experiment's ``"none"`` overlap is the
+    run's ``None``)."""
+    settings: dict[str, dict[str, Any]] = {name: {} for name in RUN_CLASSES}
+    for path, run in run_fields().items():
+        owner, _, name = run.partition(".")
+        value = config.get_path(path)
+        if run == "WorkerConfig.overlap" and value == "none":
+            value = None
+        settings[owner][name] = _plain(value)
+    return settings
+
+
 def _unknown(section: Section, name: str) -> str:
     names = field_names(type(section))
     close = difflib.get_close_matches(name, names, n=1)
@@ -311,13 +371,19 @@ class Data(Section):
     """What the workers train on (``hpsjax.data``)."""
 
     PREFIX: typing.ClassVar[str] = "data."
-    name: str = _field("synthetic_digits", "a dataset of hpsjax.data, or 'npz'")
+    name: str = _run_field(
+        "synthetic_digits",
+        "a dataset of hpsjax.data, or 'npz'",
+        "WorkerCommand.dataset",
+    )
     num_examples: int = _field(6000, "examples generated (generated datasets)")
     image_size: int = _field(8, "side of a generated image")
     path: str = _field("", "the .npz file of name='npz'")
     x_key: str = _field("x", "the inputs' key in the .npz file")
     y_key: str = _field("y", "the labels' key in the .npz file")
-    test_fraction: float = _field(0.2, "share of the examples held out")
+    test_fraction: float = _run_field(
+        0.2, "share of the examples held out", "WorkerCommand.test_fraction"
+    )
     seed: int = _field(0, "seed of the generated examples (not of the run)")
     args: dict[str, Any] = _field({}, "further keyword arguments of the dataset")  # noqa: RUF009 (a default_factory)
 
@@ -329,7 +395,9 @@ class Model(Section):
     PREFIX: typing.ClassVar[str] = "model."
     name: str = _field("mlp", "a model of hpsjax.models or package.module:make")
     hidden: tuple[int, ...] = _field((64, 64), "an MLP's hidden widths")
-    seed: int = _field(0, "seed of the initial parameters")
+    seed: int = _run_field(
+        0, "seed of the initial parameters", "WorkerCommand.model_seed"
+    )
     args: dict[str, Any] = _field({}, "further keyword arguments of the model")  # noqa: RUF009 (a default_factory)
 
 
@@ -338,11 +406,19 @@ class Eval(Section):
     """Evaluation and the target a run is timed to (experiments/target.py)."""
 
     PREFIX: typing.ClassVar[str] = "eval."
-    every_seconds: float = _field(0.5, "seconds between two evaluations")
-    target_metric: str | None = _field(None, "the target's metric (None: the task's)")
-    target_value: float | None = _field(None, "the target's value")
+    every_seconds: float = _run_field(
+        0.5, "seconds between two evaluations", "WorkerCommand.eval_every"
+    )
+    target_metric: str | None = _run_field(
+        None, "the target's metric (None: the task's)", "WorkerCommand.target_metric"
+    )
+    target_value: float | None = _run_field(
+        None, "the target's value", "WorkerCommand.target_value"
+    )
     target_accuracy: float | None = _field(None, "an accuracy target's value")
-    batch_size: int = _field(2048, "examples per evaluation batch")
+    batch_size: int = _run_field(
+        2048, "examples per evaluation batch", "WorkerCommand.eval_batch_size"
+    )
 
 
 @dataclasses.dataclass(eq=True)
@@ -372,11 +448,17 @@ class Server(Section):
     """The server: its policy, optimizer and deadlines."""
 
     PREFIX: typing.ClassVar[str] = "server."
-    policy: str = _field("bsp", "the server's policy (hpsjax.ps.POLICIES)")
+    policy: str = _run_field(
+        "bsp", "the server's policy (hpsjax.ps.POLICIES)", "ServerOptions.policy"
+    )
     policy_kwargs: dict[str, Any] = _field({}, "the policy's keyword arguments")  # noqa: RUF009 (a default_factory)
     optimizer: str = _field("sgd", "the server's optimizer (experiments.registry)")
-    learning_rate: float = _field(0.1, "the server's step size")
-    momentum: float = _field(0.0, "the server optimizer's momentum")
+    learning_rate: float = _run_field(
+        0.1, "the server's step size", "ServerOptions.learning_rate"
+    )
+    momentum: float = _run_field(
+        0.0, "the server optimizer's momentum", "ServerOptions.momentum"
+    )
     staleness_lr: str | None = _field(None, "scale_by_staleness policy, or None")
     dc_lambda: float | None = _field(None, "delay compensation's lambda, or None")
     dc_adaptive: bool = _field(False, "adaptive delay compensation")
@@ -394,17 +476,31 @@ class Worker(Section):
 
     PREFIX: typing.ClassVar[str] = "worker."
     local_optimizer: str = _field("none", "'none' (gradients) or a local optimizer")
-    local_learning_rate: float = _field(0.1, "the local optimizer's step size")
+    local_learning_rate: float = _run_field(
+        0.1, "the local optimizer's step size", "WorkerCommand.local_learning_rate"
+    )
     local_momentum: float = _field(0.0, "the local optimizer's momentum")
-    local_steps: int = _field(1, "local steps per round")
-    bits: int | None = _field(None, "push quantization bits, or None")
-    error_feedback: bool = _field(True, "error feedback of compressed pushes")
+    local_steps: int = _run_field(
+        1, "local steps per round", "WorkerConfig.local_steps"
+    )
+    bits: int | None = _run_field(
+        None, "push quantization bits, or None", "WorkerConfig.bits"
+    )
+    error_feedback: bool = _run_field(
+        True, "error feedback of compressed pushes", "WorkerConfig.error_feedback"
+    )
     compression: str = _field("none", "push compressor (registry.COMPRESSIONS)")
     compress_ratio: float = _field(0.01, "top_k/sparseloco share of values kept")
     powersgd_rank: int = _field(4, "power_sgd's rank")
-    overlap: str = _field("none", "overlap of communication (registry.OVERLAPS)")
-    eager_pulls: int = _field(1, "pulls ahead of a round (PS+)")
-    staleness_lr: str | None = _field(None, "PS+: worker-side staleness scaling")
+    overlap: str = _run_field(
+        "none", "overlap of communication (registry.OVERLAPS)", "WorkerConfig.overlap"
+    )
+    eager_pulls: int = _run_field(
+        1, "pulls ahead of a round (PS+)", "WorkerConfig.eager_pulls"
+    )
+    staleness_lr: str | None = _run_field(
+        None, "PS+: worker-side staleness scaling", "WorkerConfig.staleness_lr"
+    )
     local_optimizer_args: dict[str, Any] = _field(  # noqa: RUF009 (a default_factory)
         {}, "the local optimizer's keyword arguments"
     )
@@ -430,7 +526,9 @@ class Plan(Section):
     max_local_steps: int = _field(64, "most local steps a plan gives")
     replan: bool = _field(False, "re-plan as measured speeds drift")
     pilot: bool = _field(False, "processes: plan from the run's first rounds")
-    pilot_tolerance: float = _field(0.05, "the pilot's relative standard error")
+    pilot_tolerance: float = _run_field(
+        0.05, "the pilot's relative standard error", "ServerOptions.pilot_tolerance"
+    )
     pilot_rounds: int = _field(60, "the pilot's most rounds of a worker")
     pilot_grid: int = _field(
         4, "the pilot's batches on a grid of this many sizes a doubling (0: any)"
@@ -438,11 +536,19 @@ class Plan(Section):
     pilot_balance: int = _field(
         0, "rounds between the pilot's balancing checks after its fit (0: none)"
     )
-    replan_threshold: float = _field(0.2, "drift that re-plans")
-    replan_cooldown: float = _field(5.0, "seconds between two re-plans")
-    replan_window: int = _field(10, "rounds a re-plan looks back on")
+    replan_threshold: float = _run_field(
+        0.2, "drift that re-plans", "ServerOptions.replan_threshold"
+    )
+    replan_cooldown: float = _run_field(
+        5.0, "seconds between two re-plans", "ServerOptions.replan_cooldown"
+    )
+    replan_window: int = _run_field(
+        10, "rounds a re-plan looks back on", "ServerOptions.replan_window"
+    )
     profile_batch_sizes: tuple[int, ...] = _field((16, 48), "batches profiled")
-    profile_repeats: int = _field(2, "timed steps per profiled batch")
+    profile_repeats: int = _run_field(
+        2, "timed steps per profiled batch", "WorkerCommand.profile_repeats"
+    )
     compress_ratio: float = _field(1.0, "ashl_reference: SHL top-k ratio")
     overlap_link_share: float | None = _field(
         None, "link share of a round above which the plan pipelines, or None"
@@ -464,8 +570,10 @@ class Stages(Section):
     ahl_max_staleness: int = _field(32, "AHL's staleness bound")
     shl_local_steps: int = _field(2, "SHL's local steps")
     shl_max_staleness: int = _field(4, "SHL's staleness bound")
-    compress_from_stage: int | None = _field(
-        None, "top-k pushes from this stage on, or None"
+    compress_from_stage: int | None = _run_field(
+        None,
+        "top-k pushes from this stage on, or None",
+        "WorkerConfig.compress_from_stage",
     )
 
 
@@ -503,11 +611,15 @@ service_time, cores, optimizer_args, clip_norm
     scheme: str = _field("", "the scheme (experiments/configs/<scheme>.py)")
     setting: str = _field("sim8", "the setting (experiments.configs.common.SETTINGS)")
     backend: str = _field("sim", "'sim' (simulator) or 'processes' (real ones)")
-    task: str = _field("classification", "what is learned (hpsjax.tasks)")
+    task: str = _run_field(
+        "classification", "what is learned (hpsjax.tasks)", "WorkerCommand.task"
+    )
     seed: int = _field(0, "the run's seed")
     budget_seconds: float = _field(60.0, "virtual or wall seconds of the run")
     max_updates: int | None = _field(None, "end after this many versions, or None")
-    batch_size: int = _field(32, "samples per local step of each worker")
+    batch_size: int = _run_field(
+        32, "samples per local step of each worker", "WorkerConfig.batch_size"
+    )
     data: Data = _field(Data, "the data")  # noqa: RUF009 (a default_factory)
     model: Model = _field(Model, "the model")  # noqa: RUF009 (a default_factory)
     eval: Eval = _field(Eval, "evaluation and target")  # noqa: RUF009 (a default_factory)
