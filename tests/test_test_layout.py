@@ -9,6 +9,7 @@ fails here with where it should go.
 
 from __future__ import annotations
 
+import ast
 import pathlib
 
 TESTS = pathlib.Path(__file__).resolve().parent
@@ -72,6 +73,36 @@ def test_base_names_are_unique():
     for path in _test_files():
         seen.setdefault(path.name, []).append(str(path.relative_to(TESTS)))
     assert not {name: where for name, where in seen.items() if len(where) > 1}
+
+
+def cross_folder_imports(files) -> list[str]:
+    """Test modules imported by base name from another folder.
+
+    pytest puts each test file's own folder on ``sys.path``: ``from test_x
+    import ...`` finds a ``test_x.py`` of another folder only when pytest
+    happened to collect that folder first, so such a test fails when run
+    alone. Shared helpers go to ``tests/_*.py``.
+    """
+    wrong = []
+    for path in files:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module]
+            elif isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            else:
+                continue
+            for name in names:
+                if (
+                    name.startswith("test_")
+                    and not (path.parent / f"{name}.py").exists()
+                ):
+                    wrong.append(f"{path.relative_to(TESTS)} imports {name}")
+    return wrong
+
+
+def test_tests_import_test_modules_only_from_their_own_folder():
+    assert not cross_folder_imports(_test_files())
 
 
 def test_the_rule_catches_a_file_out_of_place():

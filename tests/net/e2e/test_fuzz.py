@@ -12,7 +12,7 @@ import weakref
 import numpy as np
 import optax
 import pytest
-from test_server import SECRET, Raw, _client, _params, _run, _server, _update
+from _servers import SECRET, Raw, _client, _params, _run, _server, _update
 
 from hpsjax.decisions._core import ServerCore
 from hpsjax.net import _auth

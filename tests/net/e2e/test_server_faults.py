@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import msgpack
 import numpy as np
 import pytest
-from test_server import SECRET, Raw, _client, _run, _server, _server_params, _update
+from _servers import SECRET, Raw, _client, _run, _server, _server_params, _update
 
 from hpsjax.models import save_params_npz
 from hpsjax.wire import _errors as errors

@@ -13,7 +13,7 @@ import jax
 import numpy as np
 import optax
 import pytest
-from test_server import SECRET, _params, _run, _update
+from _servers import SECRET, _params, _run, _update
 
 from hpsjax._devices import describe_device
 from hpsjax.metrics import ServerMetrics, read_tensorboard

@@ -8,7 +8,7 @@ import sys
 import numpy as np
 import optax
 import pytest
-from test_server import SECRET, _run, _update
+from _servers import SECRET, _run, _update
 
 from hpsjax._npz import PARAMS_MARKER, params_marker
 from hpsjax.net._client import Client

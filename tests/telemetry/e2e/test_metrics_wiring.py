@@ -8,8 +8,8 @@ import urllib.request
 
 import numpy as np
 import pytest
+from _servers import SECRET, _run, _update
 from prometheus_client.parser import text_string_to_metric_families
-from test_server import SECRET, _run, _update
 
 from hpsjax.models import save_params_npz
 from hpsjax.net._client import Client
