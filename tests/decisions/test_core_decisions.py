@@ -100,8 +100,9 @@ class NumpyAggregator:
         return self._params if version == current else self.copies[version]
 
     def candidate(self, update, weight, samples, staleness, version, stale, *,
-                  completes):  # fmt: skip
+                  completes, args=None):  # fmt: skip
         del staleness, version, stale
+        assert not args, "these tests' policies give the optimizer no arguments"
         self.completes.append(completes)
         total = self.samples + samples
         keep, w = self.samples / total, weight * samples / total

@@ -158,7 +158,7 @@ def test_versions_weigh_pushes_by_worker_and_refuse_bad_weights():
         checkpoint_every_updates=None,
         push_weights={"a": 0.5},
     )
-    assert versions.judge(ASP(), None, "a", 0) == (0.5, False, None, None)
+    assert versions.judge(ASP(), None, "a", 0) == (0.5, False, None, None, None)
     assert versions.start_apply("a", 0, None).plan == (0.5, 1, 0)
     assert versions.start_apply("b", 0, 8).plan == (1.0, 8, 0)
     with pytest.raises(ValueError, match="push_weights"):

@@ -80,7 +80,11 @@ def test_registry_names_and_objects():
 @pytest.mark.parametrize(
     ("args", "kwargs", "match"),
     [
-        (("nope",), {}, "valid names are adsp, asp, bsp, hybrid, ringmaster, saps"),
+        (
+            ("nope",),
+            {},
+            "valid names are adsp, asp, bsp, halos, hybrid, naive_optimal, ringleader, ringmaster, saps",
+        ),
         (("ssp",), {"staleness_bound": -1}, "staleness_bound must be an int >= 0"),
         (("ssp",), {"staleness_bound": 1.5}, "staleness_bound"),
         (("ssp",), {"bound": 1}, "Bad arguments for policy 'ssp'"),

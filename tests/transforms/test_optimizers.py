@@ -6,9 +6,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from test_server_cli import MARKER
 
 from experiments import build, registry
+from hpsjax._npz import PARAMS_MARKER, params_marker
 from hpsjax._optimizers import (
     OPTIMIZERS,
     make_optimizer,
@@ -88,7 +88,8 @@ def test_momentum_reaches_optax_only_where_it_is_an_argument():
         (
             lambda: make_optimizer("adamm", 0.1),
             "unknown optimizer 'adamm'; valid names: adam, delayed_nesterov, "
-            "demo_outer, lookahead_momentum, momentum, nesterov, ordered_momentum, sgd, "
+            "demo_outer, gradient_table, lookahead_momentum, momentum, nesterov, "
+            "ordered_momentum, sgd, "
             "streaming_local, streaming_nesterov or any optimizer of optax or "
             "optax.contrib "
             "(closest: adam, radam, nadam)",
@@ -132,7 +133,7 @@ def test_server_cli_takes_any_optimizer_and_its_arguments():
 
 def test_server_cli_bad_optimizer_is_one_line_and_exit_2(tmp_path, capsys):
     path = tmp_path / "p.npz"
-    np.savez(path, w=np.zeros(2, np.float32), **MARKER)
+    np.savez(path, w=np.zeros(2, np.float32), **{PARAMS_MARKER: params_marker()})
     for argv, message in [
         (["--optimizer", "lionn"], "unknown optimizer 'lionn'"),
         (["--optimizer", "lion", "--optimizer_arg", "beta1=0.9"],
