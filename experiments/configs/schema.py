@@ -595,13 +595,12 @@ class ExperimentConfig(Section):
       >>> config = ExperimentConfig(budget_seconds=8)
       >>> config.budget_seconds, config.server.policy
       (8.0, 'bsp')
-      >>> config.server.learning_rat = 0.2
+      >>> config.server.learning_rat = 0.2  # an UnknownField, a ValueError
       Traceback (most recent call last):
       ...
-      ValueError: config.server has no field 'learning_rat'; did you mean \
-'learning_rate'? its fields: policy, policy_kwargs, optimizer, learning_rate, \
-momentum, staleness_lr, dc_lambda, dc_adaptive, outer_delay, deadline_factor, \
-service_time, cores, optimizer_args, clip_norm
+      experiments.configs.schema.UnknownField: config.server has no field \
+'learning_rat'; did you mean \
+'learning_rate'? its fields: ...
       >>> config.worker.bits = "8"
       Traceback (most recent call last):
       ...

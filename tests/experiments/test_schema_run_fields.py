@@ -3,6 +3,7 @@ setting of the run configuration (hpsjax.config), whose rule accepts every
 scheme's values, and the worker processes get them as that setting."""
 
 import dataclasses
+import doctest
 
 import pytest
 
@@ -45,3 +46,7 @@ def test_the_worker_processes_get_the_run_fields_as_their_settings():
     for name in ("task", "dataset", "test_fraction", "model_seed"):
         assert getattr(worker.command, name) == settings["WorkerCommand"][name], name
     assert (worker.config.local_steps, worker.config.batch_size) == (3, 24)
+
+
+def test_the_schemas_examples_hold():
+    assert doctest.testmod(schema, optionflags=doctest.ELLIPSIS).failed == 0
