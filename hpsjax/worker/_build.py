@@ -62,6 +62,7 @@ __all__ = [
     "task_loss",
     "tls_context",
     "train_shard",
+    "training_servers",
     "write_init",
 ]
 
@@ -318,13 +319,15 @@ class Watched:
         return result, params, version
 
 
-def build(args: argparse.Namespace, *, metrics=None, task=None):
-    """``(worker, client, params, graphdef)``: :func:`build_worker`, its client
-    (which keeps the last pulled parameters with ``--eval_every``) and model
-    (``params`` as :func:`model_structure` gives them: shapes, unless the model
-    has batch statistics). ``task`` is ``--task``'s, resolved when not given."""
-    task = make_task(args) if task is None else task
+def training_servers(args: argparse.Namespace) -> list[tuple[str, int]]:
+    """The servers a training worker joins, its flags' combinations checked
+    (those :func:`build` and an id request share: a mistake is reported
+    before any server is asked).
 
+    Raises:
+      ValueError: no server, both ``--servers`` and ``--port``, or a flag
+        that needs another.
+    """
     servers = args.servers
     if servers is not None and args.port is not None:
         raise ValueError("give --servers or --host/--port, not both")
@@ -338,6 +341,18 @@ def build(args: argparse.Namespace, *, metrics=None, task=None):
         raise ValueError("--eager_pulls needs --overlap eager")
     if args.split_leaves and len(servers) == 1:
         raise ValueError("--split_leaves needs several --servers")
+    if args.eval_every is not None and not args.eval_every > 0:
+        raise ValueError(f"--eval_every must be > 0, got {args.eval_every}")
+    return list(servers)
+
+
+def build(args: argparse.Namespace, *, metrics=None, task=None):
+    """``(worker, client, params, graphdef)``: :func:`build_worker`, its client
+    (which keeps the last pulled parameters with ``--eval_every``) and model
+    (``params`` as :func:`model_structure` gives them: shapes, unless the model
+    has batch statistics). ``task`` is ``--task``'s, resolved when not given."""
+    task = make_task(args) if task is None else task
+    servers = training_servers(args)
     index, count = data_shard(args)
     work_plan = None
     if args.work_plan is not None:
@@ -351,8 +366,6 @@ def build(args: argparse.Namespace, *, metrics=None, task=None):
     else:
         client = make_client(args, servers[0])
     if args.eval_every is not None:
-        if not args.eval_every > 0:
-            raise ValueError(f"--eval_every must be > 0, got {args.eval_every}")
         client = Watched(client)
     config = WorkerConfig(
         **{

@@ -14,29 +14,26 @@ import argparse
 import asyncio
 import logging
 
-from hpsjax._config_flags import config_kwargs
 from hpsjax.worker._build import (
+    build,
     connect,
-    load_dataset,
     make_client,
-    model_structure,
     server_address,
+    training_servers,
 )
-from hpsjax.worker._command import WorkerCommand
-from hpsjax.worker._config import WorkerConfig
 
 __all__ = ["given_or_assigned_id"]
 
 logger = logging.getLogger("hpsjax.worker")
 
 
-def given_or_assigned_id(args: argparse.Namespace) -> str | int | None:
+def given_or_assigned_id(args: argparse.Namespace) -> str | int:
     """``--worker_id``, else the id the server assigns (see the module
-    docstring); ``None`` without a server address (building then says so).
+    docstring), asked only once every flag the build checks has passed.
 
     Raises:
-      ValueError: a bad flag value, or ``--work_plan`` without
-        ``--worker_id`` (a plan is a given worker's).
+      ValueError: a bad flag value, no server to join, or ``--work_plan``
+        without ``--worker_id`` (a plan is a given worker's).
       JoinError: no server answered within ``--connect_timeout``, or it
         refused the secret.
     """
@@ -44,18 +41,11 @@ def given_or_assigned_id(args: argparse.Namespace) -> str | int | None:
         return args.worker_id
     if args.work_plan is not None:
         raise ValueError("--work_plan needs --worker_id: it is a given worker's")
-    # The flags are checked before the server is asked: their values, the
-    # data and the model (built again once the id is known).
-    WorkerCommand(**config_kwargs(WorkerCommand, args))
-    WorkerConfig(**config_kwargs(WorkerConfig, args))
-    model_structure(args, load_dataset(args))
-    if args.servers is not None:
-        address = args.servers[0]
-    elif args.port is not None:
-        address = (args.host, args.port)
-    else:
-        return None
-    client = make_client(args, address)
+    # Every flag is checked before the server is asked: the worker is built
+    # once under a provisional id (nothing connects while building) and built
+    # again once the id is known.
+    build(argparse.Namespace(**{**vars(args), "worker_id": 0}))
+    client = make_client(args, training_servers(args)[0])
     where = server_address(args)
 
     async def ask() -> None:

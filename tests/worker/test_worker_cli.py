@@ -24,7 +24,9 @@ MAIN = "import sys; from hpsjax.cli.worker import main; sys.exit(main())"
 
 
 def _args(*argv: str, port: int = 1):
-    return worker_cli.parse_args([*SMALL, "--port", str(port), *argv])
+    """The worker's flags as worker 0 (``--worker_id`` unless ``argv`` has one)."""
+    given = [] if "--worker_id" in argv else ["--worker_id", "0"]
+    return worker_cli.parse_args([*SMALL, "--port", str(port), *given, *argv])
 
 
 def _server_params(tmp_path, *argv: str):
@@ -403,7 +405,8 @@ def test_an_unknown_overlap_is_one_line_naming_the_modes(capsys):
         (["--port", "1", "--powersgd_rank", "0"], "--powersgd_rank must be"),
         (
             ["--servers", "127.0.0.1:1,127.0.0.1:2", "--split_leaves",
-             "--work_plan", "{plan}", "--compress_from_stage", "1"],
+             "--work_plan", "{plan}", "--compress_from_stage", "1",
+             "--worker_id", "0"],
             "--compress_from_stage encodes whole arrays, but with --split_leaves "
             "the shards cut some by rows: drop one of the two",
         ),
@@ -449,6 +452,7 @@ def test_a_worker_with_powersgd_rank_pushes_its_factors(tmp_path, monkeypatch):
     with _ServerThread(server_params) as server:
         code = worker_cli.main(
             [*SMALL, *model, "--port", str(server.port), "--max_steps", "3",
+             "--worker_id", "0",
              "--batch_size", "8", "--powersgd_rank", "2", "--overlap", "none",
              "--tensorboard_dir", "none", "--loop", "asyncio",
              "--log_level", "WARNING"]
@@ -536,6 +540,7 @@ def test_a_worker_claiming_a_live_workers_id_is_refused_in_one_line(tmp_path, ca
         try:
             code = worker_cli.main(
                 [*SMALL, *model, "--port", str(server.port), "--steps", "2",
+                 "--worker_id", "0",
                  "--tensorboard_dir", "none", "--loop", "asyncio",
                  "--status_interval", "0", "--log_level", "WARNING"]
             )  # fmt: skip
@@ -545,5 +550,6 @@ def test_a_worker_claiming_a_live_workers_id_is_refused_in_one_line(tmp_path, ca
     assert code == 1
     assert err == [
         "hpsjax-worker: the server refused this worker: worker id 0 belongs to a "
-        "live connected worker: give each worker its own --worker_id"
+        "live connected worker: give each worker its own --worker_id, or none "
+        "(the server assigns one)"
     ]
