@@ -307,7 +307,7 @@ def measure_step(args: argparse.Namespace, *, pace=None):
         lambda b: jax.tree.map(jnp.asarray, stream.next(b)),
         batch_sizes=sizes,
         repeats=args.profile_repeats,
-        worker_id=args.worker_id,
+        worker_id=0 if args.worker_id is None else args.worker_id,
         pace=pace,
     )
     spec = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
@@ -329,7 +329,7 @@ def with_injection(measured, args: argparse.Namespace, spec):
       spec: the parameters' shapes and dtypes.
 
     Returns:
-      The profile, with ``worker_id`` from the flags.
+      The profile, with ``worker_id`` from the flags (0 without one).
     """
 
     het = make_heterogeneity(args)
@@ -356,7 +356,7 @@ def with_injection(measured, args: argparse.Namespace, spec):
         transfer = None
     return dataclasses.replace(
         measured.with_slowdown(het.slowdown_at(0.0)),
-        worker_id=args.worker_id,
+        worker_id=0 if args.worker_id is None else args.worker_id,
         transfer=transfer,
     )
 

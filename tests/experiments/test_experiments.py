@@ -117,7 +117,11 @@ def _check_outputs(workdir: pathlib.Path, config, summary: dict) -> None:
     assert evals[-1]["loss"] < evals[0]["loss"]
     assert summary["updates"] > 0
     for w in workers:
-        assert w["compute_s"] > 0 and w["bytes_sent"] > 0 and w["pushes"] > 0
+        assert w["compute_s"] > 0
+        # Ringmaster's calculation stops may stop every round of a slow worker
+        # before it pushes (the stops are what that scheme is for).
+        stops = (config.server.policy_kwargs or {}).get("stop_stale", False)
+        assert (w["bytes_sent"] > 0 and w["pushes"] > 0) or stops
         assert 0.0 <= w["idle_fraction"] <= 1.0
 
     timeline = json.loads((workdir / "timeline.json").read_text())
@@ -451,7 +455,9 @@ def test_format_table_speedups_and_missing_targets():
     lines = table.strip().splitlines()
     assert len(lines) == 5
     assert "time to 0.9 accuracy (virtual s)" in lines[0]
-    assert lines[2].startswith("| bsp | 8.0 | 1.00x | 0.910 | 0.920 | 2.0 | 0.25 | - | 7 |")
+    assert lines[2].startswith(
+        "| bsp | 8.0 | 1.00x | 0.910 | 0.920 | 2.0 | 0.25 | - | 7 |"
+    )
     assert lines[3].startswith("| hps | 4.0 | 2.00x |")
     assert lines[4].startswith("| asp | not reached | - |")
     no_base = compare.format_table([summary("bsp", None), summary("hps", 4.0)])

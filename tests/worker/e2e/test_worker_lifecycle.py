@@ -457,7 +457,8 @@ def test_help_says_each_default_once(capsys):
 
 
 def test_your_npz_data_from_the_command_line(tmp_path, capsys):
-    from hpsjax.worker import _build, _cli
+    from hpsjax.cli import worker as _cli
+    from hpsjax.worker import _build
 
     rng = np.random.default_rng(0)
     path = tmp_path / "mine.npz"
