@@ -135,7 +135,6 @@ __all__ = [
     "Ringleader",
     "Ringmaster",
     "SaPS",
-    "Scheme",
     "SemiAsync",
     "SendParams",
     "Server",
