@@ -330,4 +330,3 @@ def diagnose_config_flag(argv: Sequence[str]) -> str | None:
     except ValueError as e:
         return str(e)
     return None
-

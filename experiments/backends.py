@@ -21,9 +21,9 @@ from experiments.process_backend import _worker_timeline as _worker_timeline
 from experiments.process_backend import measured_round, run_processes
 from experiments.run_output import TIMELINE_KINDS, RunOutput
 from experiments.run_output import _overlap as _overlap
-from experiments.run_output import _push_compression as _push_compression
 from experiments.run_output import _replanner as _replanner
 from experiments.sim_backend import run_sim
+from experiments.worker_flags import _push_compression as _push_compression
 from experiments.worker_flags import _worker_flags as _worker_flags
 from experiments.worker_flags import run_config
 

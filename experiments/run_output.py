@@ -15,7 +15,6 @@ from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
 import jax
-import numpy as np
 
 from experiments import build, registry
 from experiments.configs.schema import ExperimentConfig
@@ -63,77 +62,6 @@ def _evaluate(setup: build.Setup, params: Any, batch_size: int) -> dict[str, flo
             totals[key] = totals.get(key, 0.0) + float(value) * n
         count += n
     return setup.summarize({key: value / count for key, value in totals.items()})
-
-
-def _push_compression(config: ExperimentConfig, params: Any) -> tuple[Any, Any, int]:
-    """How the workers compress pushes: ``(transform, codec, push_bytes)``.
-
-    The transform (with ``worker.error_feedback``) is quantization for
-    ``worker.bits``, with its codec, or PowerSGD for
-    ``worker.compression='power_sgd'`` (its factors on the wire, no codec);
-    ``None`` for float32 pushes or top-k, which the worker core applies;
-    SparseLoCo's push (``worker.compression='sparseloco'``), DeMo's
-    (``'demo'``) or Streaming DiLoCo's (``'streaming'``: the fragments' mean
-    bytes a push), which real workers get as ``--push_transform``.
-    ``push_bytes`` is one push's payload, what the profiling pass's link
-    estimate uses: ``powersgd_nbytes`` per leaf for PowerSGD.
-    """
-    layout = str(jax.tree.map(lambda x: f"{np.shape(x)} {np.dtype(x.dtype)}", params))
-    return build.reused(
-        "push compression",
-        (config.worker, int(config.seed), layout),
-        lambda: _make_push_compression(config, params),
-    )
-
-
-def _make_push_compression(
-    config: ExperimentConfig, params: Any
-) -> tuple[Any, Any, int]:
-    from hpsjax.profiling import tree_wire_nbytes
-    from hpsjax.transforms import Codec, power_sgd, quantize
-
-    worker = config.worker
-    error_feedback = bool(worker.error_feedback)
-    if worker.compression == "sparseloco":
-        from hpsjax.transforms import sparseloco, sparseloco_nbytes
-
-        ratio, bits = float(worker.compress_ratio), int(worker.sparseloco_bits)
-        decay = float(worker.sparseloco_decay)
-        chunk = int(worker.sparseloco_chunk)
-        transform = sparseloco(ratio, bits=bits, decay=decay, chunk=chunk)
-        return transform, None, sparseloco_nbytes(params, ratio, bits, chunk=chunk)
-    if worker.compression == "streaming":
-        from hpsjax.transforms import last_streaming_nbytes, streaming_push
-
-        transform = streaming_push(
-            int(worker.streaming_fragments),
-            _streaming_bits(worker),
-            error_feedback=error_feedback,
-            seed=int(config.seed),
-            layout=str(worker.streaming_layout),
-        )
-        return transform, None, last_streaming_nbytes(transform.init(params))
-    if worker.compression == "demo":
-        from hpsjax.transforms import demo, demo_nbytes
-
-        topk, chunk = int(worker.demo_topk), int(worker.demo_chunk)
-        transform = demo(float(worker.demo_decay), topk, chunk)
-        return transform, None, demo_nbytes(params, topk, chunk)
-    if worker.compression == "power_sgd":
-        rank = int(worker.powersgd_rank)
-        transform = power_sgd(
-            rank, error_feedback=error_feedback, seed=int(config.seed)
-        )
-        return transform, None, tree_wire_nbytes(params, powersgd_rank=rank)
-    bits = worker.bits
-    if bits is None:
-        return None, None, tree_wire_nbytes(params)
-    scheme = "sign" if bits == 1 else "uniform"
-    codec = Codec(scheme, bits)
-    transform = quantize(
-        bits, scheme=scheme, error_feedback=error_feedback, seed=int(config.seed)
-    )
-    return transform, codec, tree_wire_nbytes(params, codec)
 
 
 def _replanner(

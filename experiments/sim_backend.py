@@ -17,13 +17,11 @@ from experiments.run_output import (
     _eval_metrics,
     _overlap,
     _progress_bar,
-    _push_compression,
     _replanner,
     _with_startup,
-    _worker_side,
 )
+from experiments.worker_flags import _push_compression, worker_config
 from hpsjax import telemetry
-from hpsjax.worker import WorkerOptions
 
 __all__ = ["run_sim"]
 
@@ -100,7 +98,8 @@ def run_sim(
             ),
         )
     info["overlap"] = _overlap(config, work_plan)
-    # The workers' side as the processes backend gives it (_worker_settings).
+    # The workers' side is the real workers' WorkerConfig (worker 0's: the
+    # simulator gives each worker its own key and index itself).
     sim_config = SimConfig(
         policy=policy,
         policy_kwargs=policy_kwargs or None,
@@ -108,9 +107,7 @@ def run_sim(
         local_optimizer=local_optimizer,
         push_transform=push_transform,
         codec=codec,
-        worker=WorkerOptions(
-            **{"compress_from_stage": None, **_worker_side(config, work_plan)}
-        ),
+        worker=worker_config(config, 0, plan=work_plan),
         duration=duration,
         max_updates=config.max_updates,
         eval_every=float(config.eval.every_seconds),

@@ -7,6 +7,7 @@ worker process is placed (devices, CPU cores) and with what environment.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import pathlib
@@ -14,14 +15,19 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from experiments import registry
+import jax
+import numpy as np
+
+from experiments import build, registry
+from experiments.build import dataset_kwargs, model_kwargs, slowdown_schedule
 from experiments.configs.schema import ExperimentConfig
 from experiments.run_output import _pilot_grid, _streaming_bits, _worker_side
 from hpsjax.config import RunConfig, WorkerSettings
-from hpsjax.worker import WorkerConfig
-from hpsjax.worker._command import WorkerCommand
+from hpsjax.profiling import WorkPlan
+from hpsjax.wire import QuantizedCodec
+from hpsjax.worker import WorkerCommand, WorkerConfig, push_compression
 
-__all__ = ["run_config"]
+__all__ = ["run_config", "worker_config"]
 
 
 def run_config(
@@ -32,16 +38,18 @@ def run_config(
     shard ``i`` (the server runs in this process: no server settings).
 
     The one place an experiment's config becomes the workers' settings; the
-    workers' command lines are written from it.
+    workers' command lines are written from it, and the simulator's workers
+    take the same :func:`worker_config`.
     """
     n = len(config.workers.slowdowns)
+    plan = None if plan_file is None else WorkPlan.from_json(plan_file.read_text())
     workers = []
     for index in range(n):
-        command, settings = _worker_settings(config, index, plan_file=plan_file)
+        command = _worker_command(config, index, plan_file=plan_file)
         workers.append(
             WorkerSettings(
                 WorkerCommand(**command, shard_index=index, shard_count=n),
-                WorkerConfig(**settings, worker_id=index),
+                worker_config(config, index, plan=plan),
             )
         )
     return RunConfig(workers=tuple(workers))
@@ -54,14 +62,40 @@ def _worker_flags(
     return run_config(config, plan_file=plan_file).worker_argv(index)
 
 
-def _worker_settings(
-    config: ExperimentConfig, index: int, *, plan_file: pathlib.Path | None
-) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Worker ``index``'s :class:`WorkerCommand` and :class:`WorkerConfig`
-    fields set by ``config`` (its identity and server address left out)."""
-    from experiments.build import dataset_kwargs, model_kwargs, slowdown_schedule
-    from hpsjax.profiling import WorkPlan
+def worker_config(
+    config: ExperimentConfig, index: int, *, plan: WorkPlan | None = None
+) -> WorkerConfig:
+    """Worker ``index``'s :class:`~hpsjax.worker.WorkerConfig`: its id, batch,
+    local steps, seed, push compression (:func:`hpsjax.worker.push_compression`
+    reads it), overlap, PS+'s step rule and, with ``plan``, top-k from a
+    stage on; what the real worker runs with and the simulator's workers take
+    (``SimConfig.worker``)."""
+    worker = config.worker
+    settings: dict[str, Any] = dict(
+        worker_id=index,
+        batch_size=int(config.batch_size),
+        local_steps=int(worker.local_steps),
+        seed=int(config.seed) * 1000 + index,
+        push_transform=_push_transform_spec(config, index),
+    )
+    power_sgd = worker.compression == "power_sgd"
+    if worker.bits is not None:
+        settings["bits"] = int(worker.bits)
+    if power_sgd:
+        settings["powersgd_rank"] = int(worker.powersgd_rank)
+    if worker.bits is not None or power_sgd:
+        settings["error_feedback"] = bool(worker.error_feedback)
+    settings.update(_worker_side(config, plan))
+    if (grid := _pilot_grid(config)) is not None:
+        settings["precompile"] = ",".join(str(b) for b in grid)
+    return WorkerConfig(**settings)
 
+
+def _worker_command(
+    config: ExperimentConfig, index: int, *, plan_file: pathlib.Path | None
+) -> dict[str, Any]:
+    """Worker ``index``'s :class:`WorkerCommand` fields set by ``config`` (its
+    data shard and server address left out)."""
     worker = config.worker
     command: dict[str, Any] = dict(
         task=str(config.task),
@@ -72,29 +106,12 @@ def _worker_settings(
         model_arg={k: _plain(v) for k, v in model_kwargs(config).items()},
         dataset_arg={k: _plain(v) for k, v in dataset_kwargs(config).items()},
     )
-    settings: dict[str, Any] = dict(
-        batch_size=int(config.batch_size),
-        local_steps=int(worker.local_steps),
-        seed=int(config.seed) * 1000 + index,
-        push_transform=_push_transform_spec(config, index),
-    )
     if worker.local_optimizer != "none":
         command.update(
             local_optimizer=_local_optimizer(worker),
             local_learning_rate=float(worker.local_learning_rate),
             local_optimizer_arg=dict(worker.local_optimizer_args or {}),
         )
-    power_sgd = worker.compression == "power_sgd"
-    if worker.bits is not None:
-        settings["bits"] = int(worker.bits)
-    if power_sgd:
-        settings["powersgd_rank"] = int(worker.powersgd_rank)
-    if worker.bits is not None or power_sgd:
-        settings["error_feedback"] = bool(worker.error_feedback)
-    plan = None if plan_file is None else WorkPlan.from_json(plan_file.read_text())
-    settings.update(_worker_side(config, plan))
-    if (grid := _pilot_grid(config)) is not None:
-        settings["precompile"] = ",".join(str(b) for b in grid)
     if plan_file is not None:
         command["work_plan"] = str(plan_file)
     schedule = slowdown_schedule(config, index)
@@ -102,7 +119,60 @@ def _worker_settings(
     if config.workers.bandwidth is not None:
         command["bandwidth"] = repr(float(config.workers.bandwidth))
     command["latency"] = float(config.workers.latency)
-    return command, settings
+    return command
+
+
+def _push_compression(config: ExperimentConfig, params: Any) -> tuple[Any, Any, int]:
+    """How the simulated workers compress pushes: ``(transform, codec,
+    push_bytes)``, the transform and codec those of the real workers
+    (:func:`hpsjax.worker.push_compression` of :func:`worker_config`).
+
+    The codec is the quantizer's ``hpsjax.transforms.Codec`` (``None`` for
+    PowerSGD, SparseLoCo, DeMo and Streaming DiLoCo, whose bytes the
+    simulator reads from the transform's state); ``None`` everywhere for
+    float32 pushes. ``push_bytes`` is one push's payload, what the profiling
+    pass's link estimate uses: ``powersgd_nbytes`` per leaf for PowerSGD,
+    the fragments' mean for Streaming DiLoCo.
+    """
+    layout = str(jax.tree.map(lambda x: f"{np.shape(x)} {np.dtype(x.dtype)}", params))
+    return build.reused(
+        "push compression",
+        (config.worker, int(config.seed), layout),
+        lambda: _make_push_compression(config, params),
+    )
+
+
+def _make_push_compression(
+    config: ExperimentConfig, params: Any
+) -> tuple[Any, Any, int]:
+    from hpsjax.profiling import tree_wire_nbytes
+    from hpsjax.transforms import (
+        demo_nbytes,
+        last_streaming_nbytes,
+        sparseloco_nbytes,
+    )
+
+    # The simulator keys its workers' rounding from the run's seed, folding
+    # in each worker's index itself.
+    settings = dataclasses.replace(worker_config(config, 0), seed=int(config.seed))
+    made = push_compression(settings)
+    if made is None:
+        return None, None, tree_wire_nbytes(params)
+    wire, transform = made
+    worker = config.worker
+    if isinstance(wire, QuantizedCodec):
+        return transform, wire.codec, tree_wire_nbytes(params, wire.codec)
+    if worker.compression == "power_sgd":
+        rank = int(worker.powersgd_rank)
+        return transform, None, tree_wire_nbytes(params, powersgd_rank=rank)
+    if worker.compression == "sparseloco":
+        ratio, bits = float(worker.compress_ratio), int(worker.sparseloco_bits)
+        chunk = int(worker.sparseloco_chunk)
+        return transform, None, sparseloco_nbytes(params, ratio, bits, chunk=chunk)
+    if worker.compression == "streaming":
+        return transform, None, last_streaming_nbytes(transform.init(params))
+    topk, chunk = int(worker.demo_topk), int(worker.demo_chunk)
+    return transform, None, demo_nbytes(params, topk, chunk)
 
 
 def _local_optimizer(worker: ExperimentConfig) -> str:

@@ -36,6 +36,7 @@ from hpsjax.worker._build import (
 from hpsjax.worker._cli import Target, worker_target
 from hpsjax.worker._cli import parse_args as parse_worker_args
 from hpsjax.worker._command import WorkerCommand
+from hpsjax.worker._compute import push_compression
 from hpsjax.worker._config import WorkerConfig
 from hpsjax.worker._core import (
     NONFINITE_ACTIONS,
@@ -119,6 +120,7 @@ __all__ = [
     "make_task",
     "parse_schedule",
     "parse_worker_args",
+    "push_compression",
     "run_worker",
     "server_address",
     "summarize",

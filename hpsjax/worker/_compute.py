@@ -45,11 +45,44 @@ from hpsjax.worker._core import (
 )
 from hpsjax.worker._hetero import Injector
 
-__all__ = ["RoundCompute"]
+__all__ = ["RoundCompute", "push_compression"]
 
 
 def _shapes_key(batch: Any) -> tuple:
     return tuple((tuple(x.shape), str(x.dtype)) for x in jax.tree.leaves(batch))
+
+
+def push_compression(config: Any) -> tuple[Any, optax.GradientTransformation] | None:
+    """How a worker of ``config`` (a :class:`~hpsjax.worker.WorkerOptions`)
+    compresses its pushes: ``(wire codec, transform)``, or ``None`` for
+    float32 pushes (top-k from a stage on is the worker core's).
+
+    The one rule for real workers and the simulator (which takes the run's
+    worker settings, :mod:`hpsjax.config`): ``push_transform`` (SparseLoCo's,
+    DeMo's or Streaming DiLoCo's, whose nonzero entries go out as top-k
+    leaves), else PowerSGD at ``powersgd_rank``, else ``bits``-bit
+    quantization (sign for 1 bit); each with ``error_feedback``, seeded by
+    ``seed``. The codec describes to the wire the bytes the transform kept.
+    """
+    if config.push_transform is not None:
+        return TopKCodec, sparse_push_transform(config.push_transform)
+    if config.powersgd_rank is not None:
+        # The wire reads each leaf's rank from the factors.
+        return PowerSGDCodec, power_sgd(
+            config.powersgd_rank, error_feedback=config.error_feedback, seed=config.seed
+        )
+    if config.bits is None:
+        return None
+    scheme = "sign" if config.bits == 1 else "uniform"
+    # The transform builds its codec from the same arguments.
+    codec = QuantizedCodec(Codec(scheme, config.bits, stochastic=config.stochastic))
+    return codec, quantize(
+        config.bits,
+        scheme=scheme,
+        stochastic=config.stochastic,
+        error_feedback=config.error_feedback,
+        seed=config.seed,
+    )
 
 
 # Compiles a worker's step for a batch size new to it, beside its rounds.
@@ -194,34 +227,7 @@ class RoundCompute:
         return optax.chain(local_optimizer, _scale_by_lr_scale(), local_steps(1))
 
     def _make_compressor(self):
-        config = self._config
-        if config.push_transform is not None:
-            # SparseLoCo's or Streaming DiLoCo's: its output's nonzero entries
-            # go out as top-k leaves (hpsjax.transforms.sparse_encoded).
-            self._codec = TopKCodec
-            self._compressor = sparse_push_transform(config.push_transform)
-        elif config.powersgd_rank is not None:
-            # The wire reads each leaf's rank from the factors.
-            self._codec = PowerSGDCodec
-            self._compressor = power_sgd(
-                config.powersgd_rank,
-                error_feedback=config.error_feedback,
-                seed=config.seed,
-            )
-        else:
-            scheme = "sign" if config.bits == 1 else "uniform"
-            # The transform builds its codec from the same arguments; the wire
-            # needs it to describe the bytes the transform kept.
-            self._codec = QuantizedCodec(
-                Codec(scheme, config.bits, stochastic=config.stochastic)
-            )
-            self._compressor = quantize(
-                config.bits,
-                scheme=scheme,
-                stochastic=config.stochastic,
-                error_feedback=config.error_feedback,
-                seed=config.seed,
-            )
+        self._codec, self._compressor = push_compression(self._config)
         self._compress_update = jax.jit(self._compressor.update)
 
     @property

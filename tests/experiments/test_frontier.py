@@ -501,12 +501,12 @@ def test_sparseloco_config_runs_templars_chunks_and_bits():
 def test_sparseloco_chunk_reaches_the_simulator_and_the_workers_flags():
     import json
 
-    from experiments import run_output, worker_flags
+    from experiments import worker_flags
 
     config = _quick("sparseloco")
     config.worker.sparseloco_chunk = 8
     params = build.setup(config).params
-    _, _, nbytes = run_output._make_push_compression(config, params)
+    _, _, nbytes = worker_flags._make_push_compression(config, params)
     assert nbytes == sparseloco_nbytes(params, 1 / 64, 2, chunk=8)
     assert nbytes != sparseloco_nbytes(params, 1 / 64, 2)
     spec = json.loads(worker_flags._push_transform_spec(config, 0))

@@ -50,3 +50,64 @@ def test_the_worker_processes_get_the_run_fields_as_their_settings():
 
 def test_the_schemas_examples_hold():
     assert doctest.testmod(schema, optionflags=doctest.ELLIPSIS).failed == 0
+
+
+class _Stop(Exception):
+    pass
+
+
+def _sim_config(monkeypatch, scheme: str):
+    """The :class:`hpsjax.sim.SimConfig` the sim backend gives the simulator
+    for ``scheme``'s quick setting (the simulation itself not run)."""
+    import hpsjax.sim
+    from experiments import backends, build
+
+    seen = []
+
+    def simulate(*args, **kwargs):
+        seen.append(args[4])
+        raise _Stop
+
+    monkeypatch.setattr(hpsjax.sim, "simulate", simulate)
+    config = registry.load_config(scheme, "quick")
+    config.backend = "sim"
+    with pytest.raises(_Stop):
+        backends.run_sim(config, build.setup(config), workdir=None, progress=False)
+    return config, seen[0]
+
+
+@pytest.mark.parametrize("scheme", ["ps_plus", "hps", "streaming_diloco"])
+def test_the_simulated_workers_take_the_real_workers_settings(monkeypatch, scheme):
+    import jax
+    import numpy as np
+
+    from experiments import build
+    from experiments.worker_flags import worker_config
+    from hpsjax.config import parse_worker
+    from hpsjax.worker import push_compression
+
+    config, sim = _sim_config(monkeypatch, scheme)
+    real = parse_worker(run_config(config).worker_argv(0)).config
+    # What the processes get, read back from worker 0's command line, minus
+    # the plan (a file for the processes, an object in the simulator).
+    options = sim.worker
+    assert options == worker_config(config, 0, plan=None).core_options(
+        compress_from_stage=options.compress_from_stage
+    )
+    assert options.overlap == real.overlap
+    assert options.staleness_lr == real.staleness_lr
+    made = push_compression(dataclasses.replace(real, seed=int(config.seed)))
+    if made is None:
+        assert sim.push_transform is None
+        return
+    # The same compression, the worker's own seed aside (the simulator keys
+    # each worker itself): equal pushes of one update.
+    params = build.setup(config).params
+    update = jax.tree.map(
+        lambda p: np.random.default_rng(0).normal(size=p.shape).astype(p.dtype),
+        params,
+    )
+    ours, _ = made[1].update(update, made[1].init(params))
+    theirs, _ = sim.push_transform.update(update, sim.push_transform.init(params))
+    for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(theirs), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
