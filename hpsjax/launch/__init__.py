@@ -54,6 +54,10 @@ a server on the same port from its checkpoint directory (the launcher gives
 it ``--checkpoint_dir`` and ``--checkpoint_every_s`` unless ``--server``
 flags do). The Ray backend's flag of the same name restarts workers only.
 
+:func:`launch_run` launches a :class:`hpsjax.config.RunConfig` as it is:
+its server's settings and each worker's, each process's command line written
+from them.
+
 For several hosts, see LAUNCH.md.
 
 The package, one layer per module: ``_job`` (what a launch starts and watches,
@@ -93,6 +97,7 @@ __all__ = [
     "WorkerPlaces",
     "launch",
     "launch_ray",
+    "launch_run",
     "main",
     "profile_in_place",
     "run_cache_env",
@@ -106,7 +111,7 @@ def __getattr__(name: str):
     # every Ray actor imports this package on its node for ``_actor`` alone, and
     # the launchers would add the server package, profiling and the worker's
     # command line (seconds) to each actor's start, within ``start_timeout``.
-    if name in ("launch", "LocalRun"):
+    if name in ("launch", "launch_run", "LocalRun"):
         from hpsjax.launch import _local
 
         return getattr(_local, name)

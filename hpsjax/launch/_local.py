@@ -3,6 +3,7 @@ on :class:`LocalRun`)."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import pathlib
 import shutil
@@ -10,9 +11,10 @@ import sys
 import tempfile
 import time
 from collections.abc import Mapping, Sequence
-from typing import TextIO
+from typing import Any, TextIO
 
-from hpsjax._config_flags import argv_of
+from hpsjax._config_flags import argv_of, to_argv
+from hpsjax.config import RunConfig
 from hpsjax.launch._job import (
     Console,
     Job,
@@ -32,6 +34,7 @@ from hpsjax.launch._job import (
 from hpsjax.launch._monitor import Monitor
 from hpsjax.launch._prepare import check_launch, prepare_workdir, run_env
 from hpsjax.ps import ServerOptions
+from hpsjax.worker import WorkerCommand, WorkerConfig
 
 # Seconds between the server's checkpoints when the launcher may restart it
 # (``max_restarts``) and the server flags name no interval of their own.
@@ -206,6 +209,100 @@ def launch(
         worker_restarts=tuple(run.worker_restarts),
         server_restarts=tuple(run.server_restarts),
     )
+
+
+# What the launcher gives each process itself, by settings class: a run that
+# sets any of them is refused (worker i's id and shard are i, checked apart).
+_LAUNCHERS_OWN = {
+    ServerOptions: ("host", "port", "init_from", "secret_file", "server_shard",
+                    "server_shards"),
+    WorkerCommand: ("port", "servers", "secret_file", "metrics"),
+    WorkerConfig: ("host", "port", "secret"),
+}  # fmt: skip
+_NOT_WITH_A_RUN = ("num_workers", "policy", "steps", "worker_args",
+                   "per_worker_args", "server_args")  # fmt: skip
+
+
+def launch_run(run: RunConfig, **options: Any) -> LaunchResult:
+    """Runs a :class:`hpsjax.config.RunConfig` on this machine: its server's
+    settings and each worker's, as they are.
+
+    :func:`launch` starts ``hpsjax-server`` with the run's server settings
+    (its defaults where ``run.server`` is ``None``; its policy is the run's
+    scheme; its ``init`` is the launcher's, the initial parameters it writes
+    from the workers' model) and one ``hpsjax-worker`` per worker with that
+    worker's, each a command line written from the settings that parses back
+    to exactly them
+    (:func:`hpsjax.config.parse_worker`). The launcher gives each process what
+    only it knows: worker ``i``'s id and data shard (``i`` of ``n``), the
+    servers' addresses, the secret and the initial parameters; a run that
+    sets one of these otherwise is refused.
+
+    Args:
+      run: the run.
+      **options: :func:`launch`'s other arguments (``workdir``, ``plan``,
+        ``timeout``, ``max_restarts``, ``progress``, ...); the run gives the
+        workers, policy, steps and flags.
+
+    Raises:
+      LaunchError: in one line, before anything starts: an option the run
+        gives, a launcher's setting in the run, or what :func:`launch`
+        refuses.
+
+    Examples:
+      >>> from hpsjax.config import parse_worker
+      >>> worker = parse_worker(["--batch_size", "16", "--steps", "4"])
+      >>> launch_run(RunConfig(workers=(worker,)), workdir="run")  # doctest: +SKIP
+    """
+    if not isinstance(run, RunConfig):
+        raise LaunchError(f"run must be a hpsjax.config.RunConfig, got {run!r}")
+    given = sorted(set(options) & set(_NOT_WITH_A_RUN))
+    if given:
+        raise LaunchError(
+            f"launch_run takes {', '.join(given)} from the run, not as an option"
+        )
+    n = len(run.workers)
+    server = ServerOptions(init="init.npz") if run.server is None else run.server
+    _refuse_launchers_own("the run's server", server)
+    for i, worker in enumerate(run.workers):
+        _refuse_launchers_own(f"worker {i}", worker.command, worker.config)
+        own = (
+            ("worker_id", worker.config.worker_id, i),
+            ("shard_index", worker.command.shard_index, i),
+        )
+        if worker.command.shard_index is not None:
+            own += (("shard_count", worker.command.shard_count, n),)
+        for name, value, launchers in own:
+            if value is not None and value != launchers:
+                raise LaunchError(
+                    f"worker {i} has {name} {value!r}: the launcher gives "
+                    f"worker {i} {name} {launchers}"
+                )
+    return launch(
+        n,
+        policy=server.policy,
+        steps=None,
+        per_worker_args=[worker.argv() for worker in run.workers],
+        # The launcher writes the initial parameters from the workers' model.
+        server_args=to_argv(server, skip=("init",)),
+        **options,
+    )
+
+
+def _refuse_launchers_own(what: str, *settings: Any) -> None:
+    for part in settings:
+        fields = {f.name: f for f in dataclasses.fields(part)}
+        for name in _LAUNCHERS_OWN[type(part)]:
+            field = fields[name]
+            default = (
+                field.default_factory()
+                if field.default is dataclasses.MISSING
+                else field.default
+            )
+            if getattr(part, name) != default:
+                raise LaunchError(
+                    f"{what} sets {name}, which the launcher gives: leave it out"
+                )
 
 
 class LocalRun:

@@ -233,7 +233,8 @@ def prepare_workdir(
     secret, secret_file = write_secret(work)
     init = work / "init.npz"
     try:
-        write_init(parse_args(job.shared), init)
+        # Worker 0's model (the workers check theirs against it as they join).
+        write_init(parse_args([*job.shared, *job.flags[0]]), init)
     except ValueError as e:
         raise LaunchError(f"cannot build the model from the worker flags: {e}") from e
     profile_seconds = None

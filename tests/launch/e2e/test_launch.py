@@ -578,3 +578,32 @@ def test_a_local_run_trains_against_the_callers_server_in_its_places(
         assert [r["step"] for r in rounds] == [0, 1, 2]
     assert len(run.processes) == 2
     assert not any(alive(p.pid) for p in run.processes)
+
+
+def test_a_run_config_launches_as_it_is(tmp_path, session_compile_cache):
+    from hpsjax.config import RunConfig, parse_server, parse_worker
+    from hpsjax.launch import launch_run
+
+    shared = [*SMALL_MODEL, "--steps", "3"]
+    run = RunConfig(
+        workers=(
+            parse_worker([*shared, "--slowdown", "2"]),
+            parse_worker([*shared, "--batch_size", "8", "--worker_id", "1"]),
+        ),
+        server=parse_server(["--init", "unused.npz", "--policy", "asp"]),
+    )
+    log = io.StringIO()
+    result = launch_run(
+        run,
+        compile_cache=session_compile_cache,
+        workdir=tmp_path,
+        progress=False,
+        log=log,
+        timeout=240,
+    )
+    assert result.returncode == 0, log.getvalue()
+    assert result.worker_returncodes == (0, 0)
+    for i, batch in enumerate((16, 8)):
+        rounds = _rounds(tmp_path / f"metrics_{i}.jsonl")
+        assert [r["step"] for r in rounds] == [0, 1, 2]
+        assert {r["batch_size"] for r in rounds} == {batch}
