@@ -211,6 +211,25 @@ def load_config(scheme: str, variant: str | None = None) -> ExperimentConfig:
     return module.get_config(variant)
 
 
+def _check_worker_count(config: ExperimentConfig) -> None:
+    """A policy's ``num_workers`` and an optimizer's ``num_slots`` (Ringleader's
+    table) are the run's number of workers: a table waiting on workers that do
+    not exist never steps."""
+    n = len(config.workers.slowdowns)
+    given = (
+        ("server.policy_kwargs.num_workers", config.server.policy_kwargs or {},
+         "num_workers"),
+        ("server.optimizer_args.num_slots", config.server.optimizer_args or {},
+         "num_slots"),
+    )  # fmt: skip
+    for name, kwargs, key in given:
+        if key in kwargs and kwargs[key] != n:
+            raise ValueError(
+                f"{name}={kwargs[key]} but the run has {n} workers "
+                "(workers.slowdowns): set it to the number of workers"
+            )
+
+
 def check_config(config: ExperimentConfig) -> None:
     """Checks every registry name in a config, before anything runs.
 
@@ -232,6 +251,7 @@ def check_config(config: ExperimentConfig) -> None:
             "one) runs in the simulator only: backend='sim'"
         )
     lookup("optimizer", config.server.optimizer)
+    _check_worker_count(config)
     lookup("overlap", config.worker.overlap)
     lookup("plan scheme", config.plan.scheme)
     lookup("lr scaling", config.plan.lr_scaling)

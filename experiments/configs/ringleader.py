@@ -42,5 +42,7 @@ def get_config(arg=None):
     config.server.optimizer_args = {"num_slots": workers}
     # Each step averages n workers' gradients: ASP's step size to start from
     # (tuned by experiments.frontier).
-    config.server.learning_rate = common.pick(config, {"default": 0.1})
+    config.server.learning_rate = common.pick(
+        config, {"lm_sim8": 0.2, "lm_sim32": 0.025, "default": 0.1}
+    )
     return config

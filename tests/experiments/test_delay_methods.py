@@ -66,3 +66,20 @@ def test_ringleader_trains_with_a_step_in_every_round(tmp_path):
     # none is discarded.
     assert info["num_gradients"] - info["num_updates"] <= 1
     assert summary["final_loss"] < 0.8 * 2.3
+
+
+def test_ringleaders_table_must_have_a_slot_a_worker():
+    # A table waiting on workers that do not exist would never step.
+    config = registry.load_config("ringleader", "sim8")
+    config.workers.slowdowns = (1.0, 2.0, 4.0)
+    with pytest.raises(ValueError) as err:
+        registry.check_config(config)
+    assert str(err.value) == (
+        "server.policy_kwargs.num_workers=8 but the run has 3 workers "
+        "(workers.slowdowns): set it to the number of workers"
+    )
+    config.server.policy_kwargs = {"num_workers": 3}
+    with pytest.raises(ValueError, match=r"^server\.optimizer_args\.num_slots=8 "):
+        registry.check_config(config)
+    config.server.optimizer_args = {"num_slots": 3}
+    registry.check_config(config)
