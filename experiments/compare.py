@@ -496,9 +496,12 @@ def run_suite(
             label = _progress_label(scheme, seed, chosen, seeds)
             planned.append((scheme, config, where, label))
     if not render_only:
+        # Seed by seed, every scheme once each: a machine whose speed drifts
+        # during the comparison (another tenant, a warming cache) then slows
+        # every scheme alike, not the schemes that happen to run last.
         todo = [
             (config, where, label)
-            for _, config, where, label in planned
+            for _, config, where, label in _interleaved(planned, len(chosen))
             if overwrite or not _keep_finished(config, where, label)
         ]
         workdir.mkdir(parents=True, exist_ok=True)
@@ -586,6 +589,20 @@ def _curves(
 
 def _rounded(value: float | None) -> float | None:
     return None if value is None else round(value, 5)
+
+
+def _interleaved(planned: Sequence[Any], schemes: int) -> list[Any]:
+    """``planned`` (each scheme's runs in turn, seed by seed) in the order
+    they run: each seed's run of every scheme, then the next seed's.
+
+    Examples:
+      >>> _interleaved(["a1", "a2", "b1", "b2"], 2)
+      ['a1', 'b1', 'a2', 'b2']
+    """
+    per_scheme = len(planned) // schemes
+    return [
+        planned[i * per_scheme + j] for j in range(per_scheme) for i in range(schemes)
+    ]
 
 
 def _run_all(

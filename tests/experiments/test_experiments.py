@@ -701,8 +701,15 @@ def test_processes_refuse_a_plateau_stage_switch(tmp_path):
         train.train_and_evaluate(config, tmp_path, progress=False)
 
 
-def test_compare_writes_a_row_per_scheme(tmp_path):
+def test_compare_writes_a_row_per_scheme(tmp_path, monkeypatch):
     suite = Suite("quick", schemes=("bsp", "asp", "local_sgd"))
+    run_all, order = compare._run_all, []
+
+    def recorded(todo, **kwargs):
+        order.extend(where.relative_to(tmp_path).parts for _, where, _ in todo)
+        return run_all(todo, **kwargs)
+
+    monkeypatch.setattr(compare, "_run_all", recorded)
     result = compare.run_suite(
         suite, tmp_path, seeds=[0, 1], progress=False, formats=PNG
     )
@@ -712,6 +719,11 @@ def test_compare_writes_a_row_per_scheme(tmp_path):
     assert [r.split("|")[1].strip() for r in rows[1:]] == ["bsp", "asp", "local_sgd"]
     assert rows[1].split("|")[3].strip() in ("1.00x", "-")
     assert "--seeds=0,1" in text
+    # Seed by seed, so that a drifting machine slows every scheme alike.
+    assert order == [
+        ("bsp", "seed_0"), ("asp", "seed_0"), ("local_sgd", "seed_0"),
+        ("bsp", "seed_1"), ("asp", "seed_1"), ("local_sgd", "seed_1"),
+    ]  # fmt: skip
     for scheme in suite.schemes:
         for seed in (0, 1):
             config = json.loads(
