@@ -239,6 +239,10 @@ async def _serve_and_train(
             Console(log), sys.executable, 0, start_timeout, env,
             _worker_places(config),
         )  # fmt: skip
+        # The evaluation at t = 0 is of the parameters before any push: a fast
+        # worker's first push can be applied before the loop below sees the
+        # run start (ASP once evaluated version 1 there).
+        initial = (server.core.version, server.core.params)
         run.start_workers(str(secret_file), logs, ports=[server.port])
         start_deadline = time.monotonic() + start_timeout
         while not server.core.started:
@@ -255,7 +259,7 @@ async def _serve_and_train(
         bar = _progress_bar(progress, offset + duration, "s")
         every = float(config.eval.every_seconds)
         max_updates = config.max_updates
-        snapshots.append((0.0, server.core.version, server.core.params))
+        snapshots.append((0.0, *initial))
         next_eval = every
         while True:
             elapsed = time.monotonic() - t0
