@@ -204,3 +204,17 @@ def test_frontier_tunes_with_equal_budgets_and_judges_a_claim(tmp_path):
     again = frontier.run_frontier(tmp_path, render_only=True, **kwargs)
     assert frontier.format_frontier(again) == text
     assert protocol.SEEDS == (1, 2, 3, 4, 5)
+
+
+def test_every_seed_paper_has_a_claim_with_tunable_knobs():
+    # H-PS, ASHL, PS+, SaPS and ADSP are judged under the same protocol as
+    # the newer methods: each a claim against its paper's baseline.
+    methods = {c.method: c for c in frontier.CLAIMS}
+    for scheme in ("hps", "ashl_reference", "ps_plus", "saps", "adsp"):
+        assert scheme in methods, scheme
+        assert scheme in frontier.KNOBS, scheme
+    baselines = {(c.method, c.baseline) for c in frontier.CLAIMS}
+    assert {("saps", "bsp"), ("saps", "asp"), ("adsp", "bsp")} <= baselines
+    # 1.4x less time: the whole interval below 1 / 1.4.
+    assert methods["hps"].rule == "faster_by:0.286"
+    assert 1.0 - 0.286 == pytest.approx(1 / 1.4, abs=1e-3)
