@@ -489,11 +489,15 @@ async def _solo(config: WorkerConfig, **kwargs):
 def test_bsp_makes_the_fast_worker_wait_for_the_slow_one():
     slow = WorkerConfig(batch_size=256, heterogeneity=Heterogeneity(slowdown=4))
     fast = WorkerConfig(batch_size=256)
-    records, version = _run(_heavy_run([slow, fast], policy="bsp", steps=8))
-    # Eight barriers, and one more where a worker that compiled faster took
-    # version 0 alone (the other joined at the next version).
-    first = {r["worker"] for r in _rounds(records) if r["version"] == 0}
-    assert version == (8 if len(first) == 2 else 9)
+    # The start held until both joined: on a loaded machine their compiles
+    # end seconds apart, and the first would train alone meanwhile.
+    held = {"core_kwargs": {"expected_workers": 2, "start_timeout": 600.0}}
+    records, version = _run(
+        _heavy_run([slow, fast], policy="bsp", steps=8, server_kwargs=held)
+    )
+    # Eight barriers, both workers in each.
+    assert version == 8
+    assert {r["worker"] for r in _rounds(records) if r["version"] == 0} == {"w0", "w1"}
     # Round 0 includes compiling; from round 2 on the barrier is steady.
     slow_idle = summarize(_rounds(records, "w0")[2:])["idle_fraction"]
     fast_idle = summarize(_rounds(records, "w1")[2:])["idle_fraction"]
@@ -608,13 +612,14 @@ def test_bandwidth_cap_delays_transfers():
         )
     )
     for r in capped:
-        # One push and one pull of the model: 0.05 s each.
+        # One push and one pull of the model: 0.05 s each, spent in the
+        # transfer (its wall time holds the delay).
         assert r["link_delay_s"] == pytest.approx(0.1, rel=0.05)
         assert r["transfer_s"] >= r["link_delay_s"]
-    extra = statistics.median(r["transfer_s"] for r in capped) - statistics.median(
-        r["transfer_s"] for r in base
-    )
-    assert extra > 0.08
+    # Without the cap no delay is added. (The two runs' transfer times are not
+    # compared: on a loaded machine an uncapped run's transfers alone varied
+    # by more than 0.1 s.)
+    assert all(r["link_delay_s"] == 0 for r in base)
 
 
 def _two_worker_plan(global_batch: int = 256):

@@ -477,7 +477,11 @@ def test_cancelled_pull_leaves_the_connection_usable():
 
 def test_graceful_close_fails_waiting_requests_and_checkpoints(tmp_path):
     async def main():
-        server = _server("bsp", checkpoint_dir=tmp_path / "ckpt")
+        # b idles on purpose: a loaded machine must not make the server drop
+        # it for want of progress (1 s by default) before the close.
+        server = _server(
+            "bsp", checkpoint_dir=tmp_path / "ckpt", core_kwargs={"min_timeout": 120.0}
+        )
         await server.start()
         a, b = _client(server, "a"), _client(server, "b")
         await a.connect()
