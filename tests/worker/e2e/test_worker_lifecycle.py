@@ -105,10 +105,10 @@ def test_under_bsp_every_push_of_default_workers_has_staleness_0(setup, caplog):
 def test_asked_for_pipelining_under_bsp_it_pipelines_and_says_so(setup, caplog):
     caplog.set_level(logging.INFO, "hpsjax.worker")
     config = WorkerConfig(max_steps=20, overlap="pipeline")
-    records, _ = _run(_train(setup, [config] * 2, policy="bsp"))
+    records, _ = _run(_train(setup, [config] * 2, policy="bsp", hold=True))
     pushed = [r for r in _pushed(records) if r["event"] == "round"]
     # Each push travels during the next round: one version stale (but the
-    # first ones, before both workers are in: each joins once compiled).
+    # first).
     stale = [r["staleness"] for r in pushed]
     assert set(stale) <= {0, 1} and stale.count(1) > len(stale) / 2, stale
     warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
@@ -419,7 +419,12 @@ def test_the_summary_says_the_version_the_server_ended_at(setup, policy, overlap
     _, params, _ = setup
 
     async def go():
-        async with Server(params, optax.sgd(0.1), policy, secret=SECRET) as server:
+        # The start held until all n joined: alone, the first would end its six
+        # rounds before the other's compile ended (a loaded machine's).
+        core = {"expected_workers": n, "start_timeout": 600.0}
+        async with Server(
+            params, optax.sgd(0.1), policy, secret=SECRET, core_kwargs=core
+        ) as server:
             configs = [WorkerConfig(max_steps=6, overlap=overlap)] * n
             workers = _workers(setup, server.port, configs, [])
             summaries = await asyncio.gather(*(w.run() for w in workers))
