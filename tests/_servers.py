@@ -61,6 +61,13 @@ def _client(server, worker_id, **kwargs):
     return Client("127.0.0.1", server.port, worker_id=worker_id, **kwargs)
 
 
+def held_start(workers):
+    """A ``Server``'s ``core_kwargs`` that hold its start until ``workers``
+    have joined: on a loaded machine in-process workers' compiles end seconds
+    apart, and the first would otherwise train alone meanwhile."""
+    return {"expected_workers": workers, "start_timeout": 600.0}
+
+
 def _server_params(server):
     return {k: np.asarray(v) for k, v in server.params.items()}
 

@@ -25,6 +25,7 @@ import numpy as np
 import optax
 import pytest
 from _models import digits_mlp
+from _servers import held_start
 
 from hpsjax.ps import PlanNotice, ProtocolError, PushAck, Server, WorkerDropped
 from hpsjax.transforms import staleness_factor
@@ -491,7 +492,7 @@ def test_bsp_makes_the_fast_worker_wait_for_the_slow_one():
     fast = WorkerConfig(batch_size=256)
     # The start held until both joined: on a loaded machine their compiles
     # end seconds apart, and the first would train alone meanwhile.
-    held = {"core_kwargs": {"expected_workers": 2, "start_timeout": 600.0}}
+    held = {"core_kwargs": held_start(2)}
     records, version = _run(
         _heavy_run([slow, fast], policy="bsp", steps=8, server_kwargs=held)
     )

@@ -25,6 +25,7 @@ import numpy as np
 import optax
 import pytest
 from _models import digits_mlp
+from _servers import held_start
 
 from hpsjax.ps import Server
 from hpsjax.worker import NONFINITE_ACTIONS, Worker, WorkerConfig
@@ -64,11 +65,10 @@ def _workers(setup, port, configs, records, *, cls=Worker, first=0):
 
 
 async def _train(setup, configs, *, policy, hold=False):
-    """``hold``: the server's start waits for every worker to join (on a loaded
-    machine their compiles end seconds apart)."""
+    """``hold``: the server's start waits for every worker to join."""
     _, params, _ = setup
     records: list[dict] = []
-    core = dict(expected_workers=len(configs), start_timeout=600.0) if hold else None
+    core = held_start(len(configs)) if hold else None
     async with Server(
         params, optax.sgd(0.1), policy, secret=SECRET, core_kwargs=core
     ) as server:
@@ -421,9 +421,8 @@ def test_the_summary_says_the_version_the_server_ended_at(setup, policy, overlap
     async def go():
         # The start held until all n joined: alone, the first would end its six
         # rounds before the other's compile ended (a loaded machine's).
-        core = {"expected_workers": n, "start_timeout": 600.0}
         async with Server(
-            params, optax.sgd(0.1), policy, secret=SECRET, core_kwargs=core
+            params, optax.sgd(0.1), policy, secret=SECRET, core_kwargs=held_start(n)
         ) as server:
             configs = [WorkerConfig(max_steps=6, overlap=overlap)] * n
             workers = _workers(setup, server.port, configs, [])
