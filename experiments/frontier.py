@@ -483,8 +483,22 @@ def scheme_stats(
         "mb_to_target": sum(_bytes_to_target(s) for s in summaries) / n / 1e6,
         "bytes_per_push": sum(s["bytes_sent"] for s in summaries) / max(pushes, 1),
         "best_accuracy": sum(s["best_accuracy"] for s in summaries) / n,
+        "target_metric": _target_metric(summaries),
+        "best_metric": sum(_best_metric(s) for s in summaries) / n,
         "diverged": sum(s.get("diverged_at") is not None for s in summaries),
     }
+
+
+def _target_metric(summaries: Sequence[dict[str, Any]]) -> str:
+    """The name of the metric the runs' target is on (``accuracy`` by default)."""
+    return (summaries[0].get("target_metric") or "accuracy") if summaries else "accuracy"
+
+
+def _best_metric(summary: dict[str, Any]) -> float:
+    """A run's best value of its target's metric (its best accuracy where the
+    summary names no other)."""
+    best = summary.get("best_metric")
+    return summary["best_accuracy"] if best is None else best
 
 
 def _within_resolution(method: dict[str, Any], base: dict[str, Any]) -> bool:
@@ -543,7 +557,9 @@ def verdict(
 
 def _time_text(st: dict[str, Any]) -> str:
     if st["reached"] == 0:
-        return f"not reached (0/{st['runs']}; best {st['best_accuracy']:.3f})"
+        metric = st.get("target_metric", "accuracy")
+        best = st.get("best_metric", st["best_accuracy"])
+        return f"not reached (0/{st['runs']}; best {metric} {best:.3f})"
     reached = [t for t in st["times"] if t is not None]
     spread = f"{min(reached):.1f}-{max(reached):.1f}"
     if st["reached"] < st["runs"]:

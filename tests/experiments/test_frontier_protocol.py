@@ -73,6 +73,18 @@ def test_a_run_that_misses_the_target_counts_as_its_budget():
     assert both_never == ("level", (1.0, 1.0, 1.0))
 
 
+
+def test_a_scheme_that_never_reaches_the_target_shows_its_best_target_metric():
+    # An accuracy target shows the best accuracy; a loss target the best loss,
+    # not the accuracy the language model's summary also carries.
+    assert "best accuracy 0.850" in frontier._time_text(_stats([None] * 2, acc=0.85))
+    lm = [
+        dict(_summary(None, acc=0.2), target_metric="loss", best_metric=b)
+        for b in (3.0, 3.2)
+    ]
+    text = frontier._time_text(frontier.scheme_stats(lm, 45.0))
+    assert text == "not reached (0/2; best loss 3.100)"
+
 def test_faster_by_needs_the_whole_interval_below_the_cut():
     claim = CLAIM["ashl_reference"]  # 35% less time than ADSP
     base = _stats([20, 20.2, 19.8, 20.1, 19.9])
