@@ -526,9 +526,15 @@ async def _fuzz_session(rng, port, worker_id, seeds, tally):
     return len(sent)
 
 
+# A healthy worker's round (a pull and a push) beside the fuzzing lanes: at most
+# this much of the test process's CPU time, and answered within HANG_S.
+HEALTHY_CPU_S = 2.0
+HANG_S = 120.0
+
+
 async def _fuzz(server, rng, connections, tally, *, lanes=4, check_every=50):
     seeds = _request_seeds(rng)
-    good = _client(server, "good")
+    good = _client(server, "good", timeout=HANG_S)
     await good.connect()
     await good.pull()
     lane_rngs = rng.spawn(lanes)
@@ -549,15 +555,21 @@ async def _fuzz(server, rng, connections, tally, *, lanes=4, check_every=50):
                 await asyncio.sleep(0)
 
     async def healthy():
-        # A healthy worker pulls and pushes throughout; each answer within 2 s.
+        # A healthy worker pulls and pushes throughout, each round answered
+        # within HEALTHY_CPU_S of this process's CPU time: the server, the
+        # fuzzing lanes and this worker share one loop, so the wall time of a
+        # round stretches with the machine's load while its CPU time does not.
+        # HANG_S on the wall clock catches a request that is never answered.
         i = 0
         while not done.is_set():
-            t0 = time.perf_counter()
-            async with asyncio.timeout(2.0):
+            t0, cpu0 = time.perf_counter(), time.process_time()
+            async with asyncio.timeout(HANG_S):
                 _, v = await good.pull()
                 update = _update(float(i % 7 - 3) / 8)
                 ack = await good.push(update, version=v)
             latencies.append(time.perf_counter() - t0)
+            cpu = time.process_time() - cpu0
+            assert cpu < HEALTHY_CPU_S, f"a healthy round took {cpu:.2f} s of CPU"
             assert ack.applied
             tally.acked.append((ack.version, update))
             i += 1
@@ -571,7 +583,7 @@ async def _fuzz(server, rng, connections, tally, *, lanes=4, check_every=50):
     finally:
         done.set()
         await checker
-    async with asyncio.timeout(2.0):
+    async with asyncio.timeout(HANG_S):
         _, v = await good.pull()
     assert v == server.version
     await good.close()
