@@ -491,7 +491,9 @@ def scheme_stats(
 
 def _target_metric(summaries: Sequence[dict[str, Any]]) -> str:
     """The name of the metric the runs' target is on (``accuracy`` by default)."""
-    return (summaries[0].get("target_metric") or "accuracy") if summaries else "accuracy"
+    if not summaries:
+        return "accuracy"
+    return summaries[0].get("target_metric") or "accuracy"
 
 
 def _best_metric(summary: dict[str, Any]) -> float:
@@ -513,9 +515,10 @@ def verdict(
     claim: Claim, method: dict[str, Any], base: dict[str, Any]
 ) -> tuple[str, tuple[float, float, float]]:
     """The claim's verdict in one setting and the interval it was read from:
-    ``("reproduced" | "refuted" | "level", (ratio, low, high))``, the ratio of
-    mean times to the target (method over baseline, censored at the budget)
-    and its bootstrap interval at :data:`~experiments.protocol.LEVEL`.
+    ``("reproduced" | "refuted" | "level" | "undecided", (ratio, low,
+    high))``, the ratio of mean times to the target (method over baseline,
+    censored at the budget) and its bootstrap interval at
+    :data:`~experiments.protocol.LEVEL`.
 
     ``faster``: reproduced when the whole interval is below 1, refuted when
     above, level otherwise. ``faster_by:X``: reproduced when the interval is
@@ -527,7 +530,37 @@ def verdict(
     more than one evaluation period, the times cannot tell them apart: level,
     whatever the interval. With one seed of either scheme there is no spread
     to test: ``"too few seeds"``.
+
+    A run cut at the budget counts its budget, less than its true time (and
+    its whole run's bytes, fewer than to the target), so the budget, not the
+    runs, would decide some readings: ``"undecided"`` when runs of both
+    schemes were cut, when a method with cut runs would be reproduced (its
+    counted time is a lower bound: it may be slower than it reads), and when
+    a baseline with cut runs would refute the claim on time or bytes to the
+    target (the baseline may be slower than it reads).
     """
+    word, interval = _reading(claim, method, base)
+    if word in ("too few seeds", "undecided"):
+        return word, interval
+    method_cut = method["reached"] < method["runs"]
+    base_cut = base["reached"] < base["runs"]
+    if method_cut and base_cut:
+        return "undecided", interval
+    if word == "reproduced" and method_cut:
+        return "undecided", interval
+    per_push = claim.rule == "not_slower_fewer_bytes" and not (
+        method["bytes_per_push"] < base["bytes_per_push"]
+    )  # a refutation by bytes per push, which no cut run changes
+    if word == "refuted" and base_cut and not per_push:
+        return "undecided", interval
+    return word, interval
+
+
+def _reading(
+    claim: Claim, method: dict[str, Any], base: dict[str, Any]
+) -> tuple[str, tuple[float, float, float]]:
+    """:func:`verdict`'s reading of the counted times and bytes, before the
+    check of runs cut at the budget."""
     speed, interval = protocol.time_verdict(method["censored"], base["censored"])
     if _within_resolution(method, base):
         speed = "level"

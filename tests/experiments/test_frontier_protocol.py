@@ -70,8 +70,31 @@ def test_a_run_that_misses_the_target_counts_as_its_budget():
     assert never["censored"] == [60.0] * 5 and never["reached"] == 0
     assert frontier.verdict(CLAIM["ringmaster"], never, base)[0] == "refuted"
     both_never = frontier.verdict(CLAIM["ringmaster"], never, _stats([None] * 5))
-    assert both_never == ("level", (1.0, 1.0, 1.0))
+    assert both_never == ("undecided", (1.0, 1.0, 1.0))
 
+
+def test_a_reading_the_budget_could_reverse_is_undecided():
+    claim = CLAIM["ringmaster"]
+    fast, slow = [10, 11, 10.5, 10.2, 10.8], [20, 21, 19, 20, 22]
+    # Runs of both cut at the budget: the counted ratio bounds nothing.
+    some_cut = _stats([None, None, 30, None, None], budget=40.0)
+    other_cut = _stats([39, None, None, None, None], budget=40.0)
+    assert frontier.verdict(claim, some_cut, other_cut)[0] == "undecided"
+    # A method with a cut run reads faster: its true time may be longer.
+    method_cut = _stats([10, 11, None, 10, 11], budget=60.0)
+    base = _stats([50, 52, 51, 49, 50])
+    reading = frontier._reading(claim, method_cut, base)[0]
+    assert reading == "reproduced"
+    assert frontier.verdict(claim, method_cut, base)[0] == "undecided"
+    # A baseline with a cut run reads faster than the method: undecided; the
+    # same baseline against a faster method proves the method faster.
+    base_cut = _stats([10, 11, None, 10, 11], budget=60.0)
+    assert frontier._reading(claim, base, base_cut)[0] == "refuted"
+    assert frontier.verdict(claim, base, base_cut)[0] == "undecided"
+    faster = frontier.verdict(claim, _stats(fast), _stats([20, 21, None, 20, 22]))
+    assert faster[0] == "reproduced"
+    # Every run reached: the reading stands.
+    assert frontier.verdict(claim, _stats(slow), _stats(fast))[0] == "refuted"
 
 
 def test_a_scheme_that_never_reaches_the_target_shows_its_best_target_metric():
@@ -84,6 +107,7 @@ def test_a_scheme_that_never_reaches_the_target_shows_its_best_target_metric():
     ]
     text = frontier._time_text(frontier.scheme_stats(lm, 45.0))
     assert text == "not reached (0/2; best loss 3.100)"
+
 
 def test_faster_by_needs_the_whole_interval_below_the_cut():
     claim = CLAIM["ashl_reference"]  # 35% less time than ADSP
