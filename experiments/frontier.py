@@ -484,7 +484,7 @@ def scheme_stats(
         "bytes_per_push": sum(s["bytes_sent"] for s in summaries) / max(pushes, 1),
         "best_accuracy": sum(s["best_accuracy"] for s in summaries) / n,
         "target_metric": _target_metric(summaries),
-        "best_metric": sum(_best_metric(s) for s in summaries) / n,
+        "best_metric": _mean_best(summaries),
         "diverged": sum(s.get("diverged_at") is not None for s in summaries),
     }
 
@@ -496,11 +496,11 @@ def _target_metric(summaries: Sequence[dict[str, Any]]) -> str:
     return summaries[0].get("target_metric") or "accuracy"
 
 
-def _best_metric(summary: dict[str, Any]) -> float:
-    """A run's best value of its target's metric (its best accuracy where the
-    summary names no other)."""
-    best = summary.get("best_metric")
-    return summary["best_accuracy"] if best is None else best
+def _mean_best(summaries: Sequence[dict[str, Any]]) -> float | None:
+    """The mean over runs of their best value of the target's metric (runs
+    without a finite one left out; ``None`` if none has one)."""
+    bests = [b for b in map(protocol.best_metric, summaries) if b is not None]
+    return sum(bests) / len(bests) if bests else None
 
 
 def _within_resolution(method: dict[str, Any], base: dict[str, Any]) -> bool:
@@ -592,7 +592,8 @@ def _time_text(st: dict[str, Any]) -> str:
     if st["reached"] == 0:
         metric = st.get("target_metric", "accuracy")
         best = st.get("best_metric", st["best_accuracy"])
-        return f"not reached (0/{st['runs']}; best {metric} {best:.3f})"
+        shown = "-" if best is None else f"{best:.3f}"
+        return f"not reached (0/{st['runs']}; best {metric} {shown})"
     reached = [t for t in st["times"] if t is not None]
     spread = f"{min(reached):.1f}-{max(reached):.1f}"
     if st["reached"] < st["runs"]:

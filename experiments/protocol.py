@@ -151,18 +151,29 @@ def time_verdict(
     return "level", interval
 
 
+def best_metric(summary: Mapping[str, Any]) -> float | None:
+    """A run's best value of its target's metric (its best accuracy where the
+    summary names no metric), or ``None`` where it has none that is finite.
+
+    Examples:
+      >>> best_metric({"best_metric": 2.9, "best_accuracy": 0.3})
+      2.9
+      >>> best_metric({"best_accuracy": 0.8}), best_metric({"best_metric": None})
+      (0.8, None)
+    """
+    best = summary.get("best_metric", summary.get("best_accuracy"))
+    return best if best is not None and math.isfinite(best) else None
+
+
 def rank_key(summary: Mapping[str, Any]) -> tuple:
     """Sorts tuning runs, best first: a diverged run last, then sooner to the
     target, then a better best value of the target's metric (its direction
     from the summary's ``higher_is_better``; accuracy up by default)."""
     diverged = summary.get("diverged_at") is not None
     t = summary.get("time_to_target")
-    best = summary.get("best_metric", summary.get("best_accuracy"))
+    best = best_metric(summary)
     higher = summary.get("higher_is_better", True)
-    if best is None or not math.isfinite(best):
-        best_key = math.inf
-    else:
-        best_key = -best if higher else best
+    best_key = math.inf if best is None else (-best if higher else best)
     return (diverged, t is None, t if t is not None else 0.0, best_key)
 
 

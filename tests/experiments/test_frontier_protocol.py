@@ -107,6 +107,12 @@ def test_a_scheme_that_never_reaches_the_target_shows_its_best_target_metric():
     ]
     text = frontier._time_text(frontier.scheme_stats(lm, 45.0))
     assert text == "not reached (0/2; best loss 3.100)"
+    # A diverged run has no finite best: left out of the mean, and shown as
+    # "-" when no run has one.
+    nan = dict(lm[0], best_metric=float("nan"))
+    assert frontier.scheme_stats([*lm, nan], 45.0)["best_metric"] == 3.1
+    text = frontier._time_text(frontier.scheme_stats([nan, nan], 45.0))
+    assert text == "not reached (0/2; best loss -)"
 
 
 def test_faster_by_needs_the_whole_interval_below_the_cut():
