@@ -1,12 +1,17 @@
 #!/usr/bin/env bash
-# hpsjax on a GPU machine, in one command and one table (about 8 minutes):
+# hpsjax on a GPU machine, in one command and one table (about 9 minutes):
 #
-#   1. the fast test suite with JAX on the GPU (pytest -m 'not slow');
-#   2. the real-device suite: BSP, H-PS, ASP and ASHL (the reference's) with
+#   1. the real-device suite: BSP, H-PS, ASP and ASHL (the reference's) with
 #      workers on gpu:0, cpu:4, cpu:2, cpu:1 and the server on 3 cores
-#      (python -m experiments.compare --suite=devices);
-#   3. the codec benchmark on the GPU (benchmarks/bench_quantize.py, 256 MiB);
-#   4. the server benchmark (benchmarks/bench_ps.py --only small,fan_in) with
+#      (python -m experiments.compare --suite=devices), the MLP of digits;
+#   2. the same on the language model (--suite=lm_devices);
+#   3. the 30M-parameter language model's train step on the GPU and on 8 CPU
+#      cores, and the H-PS plan of one GPU and two CPU workers
+#      (benchmarks/bench_lm_devices.py);
+#   4. the fast test suite with JAX on the GPU (pytest -m 'not slow'; the
+#      docs' tests, which need the docs' tools and no GPU, left out);
+#   5. the codec benchmark on the GPU (benchmarks/bench_quantize.py, 64 MiB);
+#   6. the server benchmark (benchmarks/bench_ps.py --only small,fan_in) with
 #      the server's state on the host CPU and on the GPU (hpsjax-server
 #      --device cpu / gpu), side by side.
 #
@@ -15,9 +20,12 @@
 #   benchmarks/gpu_check.sh [OUTDIR]
 #
 # OUTDIR (default: a new directory under /tmp) keeps every step's log, the
-# suite's table and the benchmarks' JSON. PYTHON picks the interpreter
-# (default: python3), DEVICES the suite's worker spec, DEVICE_BUDGET its
-# seconds per run (default 20), WHEELS the wheel directory below.
+# suites' tables and the benchmarks' JSON. PYTHON picks the interpreter
+# (default: python3), DEVICES the suites' worker spec, DEVICE_BUDGET their
+# seconds per run (default 20), WHEELS the wheel directory below, DEADLINE
+# the seconds the whole check may take (default: no limit): a step is cut to
+# the time left, and steps that would start with less than 20 s left are
+# skipped, each marked in the table.
 #
 # The packages the GPU image may lack (msgspec, tensorboardX,
 # ...) are installed first from wheels carried in a local directory, never
@@ -29,8 +37,8 @@
 #       tensorboardX
 #
 # Without a GPU the script says so, measures nothing and exits with status 1:
-# there are no GPU figures to report. A step that fails or runs past its time
-# limit is marked in the table; the exit status is then 1 too.
+# there are no GPU figures to report. A step that fails, runs past its time
+# limit or is skipped is marked in the table; the exit status is then 1 too.
 
 set -uo pipefail
 
@@ -41,6 +49,7 @@ OUT="${1:-$(mktemp -d /tmp/hpsjax-gpu-check.XXXXXX)}"
 WHEELS="${WHEELS:-$REPO/wheels}"
 DEVICES="${DEVICES:-gpu:0, cpu:4, cpu:2, cpu:1}"
 DEVICE_BUDGET="${DEVICE_BUDGET:-20}"
+DEADLINE="${DEADLINE:-0}"
 mkdir -p "$OUT" || exit 2
 export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
 START=$(date +%s)
@@ -87,6 +96,15 @@ if [ -z "$GPU" ]; then
     exit 1
 fi
 say "GPU: $GPU; outputs in $OUT"
+# hpsjax's commands (hpsjax-server, hpsjax-worker, ...), which some tests run:
+# an editable install of this checkout, nothing fetched.
+if ! command -v hpsjax-worker >/dev/null 2>&1; then
+    "$PY" -m pip install --quiet --no-deps --no-index --no-build-isolation \
+        -e "$REPO" >"$OUT/install.log" 2>&1 ||
+        say "hpsjax's commands not installed; see $OUT/install.log"
+fi
+# Each process takes the GPU memory it uses, not 75% of it at its start.
+export XLA_PYTHON_CLIENT_PREALLOCATE=false
 XDIST=()
 if "$PY" -c "import xdist" >/dev/null 2>&1; then
     XDIST=(-n 8)
@@ -96,10 +114,20 @@ status=0
 rows=()
 row() { rows+=("| $1 | $2 |"); }
 
-# Runs "$@" with a time limit of $1 seconds, its output in $OUT/$2.log.
+# Runs "$@" with a time limit of $1 seconds (cut to what DEADLINE leaves),
+# its output in $OUT/$2.log; status 125 when too little time is left to start.
 step() {
     local limit=$1 name=$2
     shift 2
+    if [ "$DEADLINE" -gt 0 ]; then
+        local left=$((DEADLINE - ($(date +%s) - START) - 10))
+        if [ "$left" -lt 20 ]; then
+            say "$name skipped: the check's DEADLINE (${DEADLINE}s) is near"
+            echo "skipped" >"$OUT/$name.time"
+            return 125
+        fi
+        [ "$left" -lt "$limit" ] && limit=$left
+    fi
     local t0=$SECONDS
     timeout --kill-after=10 "$limit" "$@" >"$OUT/$name.log" 2>&1
     local rc=$?
@@ -112,29 +140,17 @@ step() {
     return $rc
 }
 
-# --- 2. The fast suite on the GPU. ------------------------------------------
-# The project's addopts may ask for pytest-xdist, which the image may lack.
-step 200 tests "$PY" -m pytest -q -o "addopts=-ra --strict-markers" -m "not slow" \
-    -p no:cacheprovider "${XDIST[@]}" tests
-rc=$?
-summary="$(grep -E '(passed|failed|error)' "$OUT/tests.log" | tail -1 | sed 's/=//g; s/^ *//')"
-row "fast tests on $GPU" "${summary:-no summary (status $rc)} ($(cat "$OUT/tests.time"))"
-[ "$rc" -eq 0 ] || status=1
-
-# --- 3. The real-device suite. ----------------------------------------------
-step 190 devices "$PY" -m experiments.compare --suite=devices \
-    --workdir="$OUT/devices" --devices="$DEVICES" \
-    --budget_seconds="$DEVICE_BUDGET" --overwrite
-rc=$?
-[ "$rc" -eq 0 ] || status=1
-if [ -f "$OUT/devices/results.json" ]; then
-    while IFS= read -r line; do rows+=("$line"); done < <("$PY" - "$OUT/devices/results.json" <<'EOF'
+# The rows of a real-device suite's table, from its results.json.
+suite_rows() {
+    "$PY" - "$1" "$2" <<'EOF'
 import json, sys
 from experiments.compare import diverged_at
+from experiments.target import Target
 data = json.load(open(sys.argv[1]))
 for s in data["summaries"]:
     info = s["info"]
     when = diverged_at(s)
+    target = Target.of_summary(s)
     reached = (
         f"diverged at t = {when:.1f} s" if when is not None
         else "not reached" if s["time_to_target"] is None
@@ -144,35 +160,85 @@ for s in data["summaries"]:
     if info.get("predicted_round_s") and info.get("measured_round_s"):
         rnd = (f", round predicted {info['predicted_round_s'] * 1e3:.0f} ms, "
                f"measured {info['measured_round_s'] * 1e3:.0f} ms")
-    print(f"| devices suite: {s['scheme']} ({', '.join(info.get('placement', []))}) | "
-          f"to {s['target_accuracy']:g}: {reached}, {s['updates']} versions, idle "
-          f"{s['idle_fraction']:.2f}{rnd} |")
+    print(f"| {sys.argv[2]}: {s['scheme']} ({', '.join(info.get('placement', []))}) | "
+          f"to {target.metric} {target.value:g}: {reached}, {s['updates']} versions, "
+          f"idle {s['idle_fraction']:.2f}{rnd} |")
+EOF
+}
+
+# One real-device suite (devices or lm_devices) and its rows.
+run_suite() {
+    local suite=$1
+    step 170 "$suite" "$PY" -m experiments.compare --suite="$suite" \
+        --workdir="$OUT/$suite" --devices="$DEVICES" \
+        --budget="$DEVICE_BUDGET" --overwrite --formats=png
+    local rc=$?
+    [ "$rc" -eq 0 ] || status=1
+    if [ -f "$OUT/$suite/results.json" ]; then
+        while IFS= read -r line; do rows+=("$line"); done \
+            < <(suite_rows "$OUT/$suite/results.json" "$suite suite")
+    else
+        row "$suite suite" "no results ($(cat "$OUT/$suite.time"), status $rc)"
+    fi
+}
+
+# --- 2. The real-device suites. ---------------------------------------------
+run_suite devices
+run_suite lm_devices
+
+# --- 3. The language model's step on the GPU and on CPU cores. --------------
+step 150 lm_step "$PY" benchmarks/bench_lm_devices.py --json "$OUT/lm_step.json"
+rc=$?
+[ "$rc" -eq 0 ] || status=1
+if [ -f "$OUT/lm_step.json" ]; then
+    while IFS= read -r line; do rows+=("$line"); done < <("$PY" - "$OUT/lm_step.json" <<'EOF'
+import json, sys
+r = json.load(open(sys.argv[1]))
+for x in r["rows"]:
+    print(f"| {r['model']} step, {x['platform']} ({x['device_kind']}), batch "
+          f"{x['batch']} x {r['seq_len']} | {x['step_ms']:.1f} ms, "
+          f"{x['tokens_per_s']:.0f} tokens/s, {x['tflops']:.2f} TFLOP/s (6N) |")
+if "gpu_over_cpu" in r:
+    print(f"| {r['model']}: GPU over 8 CPU cores; H-PS plan of 1 GPU + 2 CPU "
+          f"workers | {r['gpu_over_cpu']:.1f}x tokens/s at a common batch "
+          f"({r['gpu_over_cpu_best']:.1f}x at each one's best); batches "
+          f"{r['hps_batches']}, round {r['hps_round_s'] * 1e3:.0f} ms, idle "
+          f"{r['hps_idle']:.2f} |")
 EOF
 )
 else
-    row "devices suite" "no results (status $rc)"
+    row "language model step" "no results ($(cat "$OUT/lm_step.time"), status $rc)"
 fi
 
-# --- 4. The codec benchmark on the GPU. -------------------------------------
-step 90 codecs "$PY" benchmarks/bench_quantize.py --size $((64 * 2**20)) --repeats 5
+# --- 4. The fast suite on the GPU. ------------------------------------------
+# The project's addopts may ask for pytest-xdist, which the image may lack.
+step 150 tests "$PY" -m pytest -q -o "addopts=-ra --strict-markers" -m "not slow" \
+    -p no:cacheprovider "${XDIST[@]}" --ignore=tests/docs tests
+rc=$?
+summary="$(grep -E '(passed|failed|error)' "$OUT/tests.log" | tail -1 | sed 's/=//g; s/^ *//')"
+row "fast tests on $GPU" "${summary:-no summary (status $rc)} ($(cat "$OUT/tests.time"))"
+[ "$rc" -eq 0 ] || status=1
+
+# --- 5. The codec benchmark on the GPU. -------------------------------------
+step 60 codecs "$PY" benchmarks/bench_quantize.py --size $((64 * 2**20)) --repeats 5
 rc=$?
 [ "$rc" -eq 0 ] || status=1
 while IFS= read -r line; do rows+=("$line"); done < <("$PY" - "$OUT/codecs.log" <<'EOF'
 import re, sys
-# Encode then decode, against a jitted copy of the same 256 MiB.
+# Encode then decode, against a jitted copy of the same 64 MiB.
 names = r"uniform\s+8b stoch leaf|top-k 1%|powersgd rank 4 \(\S+\)"
 for line in open(sys.argv[1]):
     m = re.match(rf"^({names})\s+(.*)$", line.strip())
     if m:
         cols = m.group(2).split()
-        print(f"| codec {' '.join(m.group(1).split())}, 256 MiB | encode+decode "
+        print(f"| codec {' '.join(m.group(1).split())}, 64 MiB | encode+decode "
               f"{cols[5]}x a jitted copy, {cols[6]}x fewer bytes |")
 EOF
 )
 
-# --- 5. The server benchmark, its state on the CPU and on the GPU. ----------
+# --- 6. The server benchmark, its state on the CPU and on the GPU. ----------
 for where in cpu gpu; do
-    step 90 "ps_$where" "$PY" benchmarks/bench_ps.py --only small,fan_in --quick \
+    step 60 "ps_$where" "$PY" benchmarks/bench_ps.py --only small,fan_in --quick \
         --json "$OUT/ps_$where.json" --server_args "--device $where"
     rc=$?
     [ "$rc" -eq 0 ] || status=1

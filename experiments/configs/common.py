@@ -34,6 +34,9 @@ line picks one of :data:`SETTINGS`:
   per byte) that BSP reaches within the budget: 2.9 in 45 virtual s, 3.0 in
   60 and 2.5 in 40 wall s. Step sizes are tuned on ``lm_sim8``
   (``tuned_as``).
+* ``lm_devices``: the language model of the ``lm_*`` settings on the
+  ``devices`` setting's real devices and server cores, to a validation loss
+  of 2.5 in 60 s (``lm_proc4``'s target).
 
 A simulated worker :math:`i` with slowdown :math:`k_i(t)` takes
 :math:`k_i(t)\,(o + (T - o)\,b / b_0)` virtual seconds per local step of
@@ -216,6 +219,9 @@ SETTINGS["lm_sim32"] = _lm(
 )
 SETTINGS["lm_proc4"] = _lm(
     "proc4", budget_seconds=40.0, target_value=2.5, tuned_as="lm_sim8"
+)
+SETTINGS["lm_devices"] = _lm(
+    "devices", budget_seconds=60.0, target_value=2.5, tuned_as="lm_sim8"
 )
 
 DEFAULT_SETTING = "sim8"

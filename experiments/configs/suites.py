@@ -147,5 +147,13 @@ SUITES: dict[str, Suite] = {
             "without a GPU), the server on 3 cores of its own"
         ),
     ),
+    "lm_devices": Suite(
+        "lm_devices",
+        schemes=("bsp", "hps", "asp", "ashl_reference"),
+        description=(
+            "the byte-level transformer language model on the devices suite's "
+            "4 worker processes (gpu:0, cpu:4, cpu:2, cpu:1) and server cores"
+        ),
+    ),
 }
 """Suites by name."""

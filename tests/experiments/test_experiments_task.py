@@ -26,7 +26,7 @@ from experiments.target import Target
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
-LM_SETTINGS = ("lm_sim8", "lm_sim32", "lm_proc4")
+LM_SETTINGS = ("lm_sim8", "lm_sim32", "lm_proc4", "lm_devices")
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -119,9 +119,13 @@ def test_every_scheme_has_a_config_on_the_lm_settings(setting):
 
 
 def test_the_lm_settings_keep_their_workers_and_links():
-    for lm, base in zip(LM_SETTINGS, ("sim8", "sim32", "proc4"), strict=True):
+    bases = ("sim8", "sim32", "proc4", "devices")
+    for lm, base in zip(LM_SETTINGS, bases, strict=True):
         for key in ("backend", "slowdowns", "bandwidth", "latency", "speed_changes"):
             assert common.SETTINGS[lm][key] == common.SETTINGS[base][key], key
+    # The real devices' placement too: the same processes, the same cores.
+    for key in ("devices", "server_cores"):
+        assert common.SETTINGS["lm_devices"][key] == common.SETTINGS["devices"][key]
 
 
 # ---------------------------------------------------------------------------

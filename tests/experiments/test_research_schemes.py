@@ -210,11 +210,13 @@ def test_diloco_is_synchronous_with_an_outer_nesterov_step():
 def test_new_schemes_are_in_every_suite(scheme):
     from experiments.configs.suites import SUITES
 
-    # The devices suite runs the four schemes of a real-device comparison
+    # The devices suites run the four schemes of a real-device comparison
     # (BSP, H-PS, ASP, ASHL), whatever the registry holds.
-    suites = [suite for name, suite in SUITES.items() if name != "devices"]
+    real = ("devices", "lm_devices")
+    suites = [suite for name, suite in SUITES.items() if name not in real]
     assert suites and all(scheme in suite.schemes for suite in suites)
-    assert SUITES["devices"].schemes == ("bsp", "hps", "asp", "ashl_reference")
+    for name in real:
+        assert SUITES[name].schemes == ("bsp", "hps", "asp", "ashl_reference")
 
 
 def test_processes_accept_the_loss_switch_but_not_the_plateau(tmp_path):
