@@ -10,7 +10,7 @@
 #      (benchmarks/bench_lm_devices.py);
 #   4. the fast test suite with JAX on the GPU (pytest -m 'not slow'; the
 #      docs' tests, which need the docs' tools and no GPU, left out);
-#   5. the codec benchmark on the GPU (benchmarks/bench_quantize.py, 64 MiB);
+#   5. the codec benchmark on the GPU (benchmarks/bench_quantize.py, 256 MiB);
 #   6. the server benchmark (benchmarks/bench_ps.py --only small,fan_in) with
 #      the server's state on the host CPU and on the GPU (hpsjax-server
 #      --device cpu / gpu), side by side.
@@ -212,8 +212,8 @@ fi
 
 # --- 4. The fast suite on the GPU. ------------------------------------------
 # The project's addopts may ask for pytest-xdist, which the image may lack.
-step 150 tests "$PY" -m pytest -q -o "addopts=-ra --strict-markers" -m "not slow" \
-    -p no:cacheprovider "${XDIST[@]}" --ignore=tests/docs tests
+step 150 tests "$PY" -m pytest -q -o "addopts=-ra --strict-markers" -m "not slow" -rf \
+    -p no:cacheprovider -p no:benchmark "${XDIST[@]}" --ignore=tests/docs tests
 rc=$?
 summary="$(grep -E '(passed|failed|error)' "$OUT/tests.log" | tail -1 | sed 's/=//g; s/^ *//')"
 row "fast tests on $GPU" "${summary:-no summary (status $rc)} ($(cat "$OUT/tests.time"))"
@@ -225,13 +225,13 @@ rc=$?
 [ "$rc" -eq 0 ] || status=1
 while IFS= read -r line; do rows+=("$line"); done < <("$PY" - "$OUT/codecs.log" <<'EOF'
 import re, sys
-# Encode then decode, against a jitted copy of the same 64 MiB.
+# Encode then decode, against a jitted copy of the same 256 MiB.
 names = r"uniform\s+8b stoch leaf|top-k 1%|powersgd rank 4 \(\S+\)"
 for line in open(sys.argv[1]):
     m = re.match(rf"^({names})\s+(.*)$", line.strip())
     if m:
         cols = m.group(2).split()
-        print(f"| codec {' '.join(m.group(1).split())}, 64 MiB | encode+decode "
+        print(f"| codec {' '.join(m.group(1).split())}, 256 MiB | encode+decode "
               f"{cols[5]}x a jitted copy, {cols[6]}x fewer bytes |")
 EOF
 )
