@@ -14,7 +14,12 @@ from typing import Any
 
 from hpsjax._checks import check_int, check_positive, is_number
 from hpsjax._ewma import ewma
-from hpsjax.planning._solve import _model_from_worker_plan, _solve, _WorkerModel
+from hpsjax.planning._solve import (
+    _model_from_worker_plan,
+    _round_and_queue,
+    _solve,
+    _WorkerModel,
+)
 from hpsjax.planning._workplan import WorkerPlan, WorkPlan
 
 __all__ = ["Replanner", "check_report"]
@@ -137,6 +142,17 @@ class Replanner:
     kept, so a batch-1 worker whose fixed cost was overestimated is not taken to
     be fast per sample and handed the biggest batch.
 
+    Under ``hps`` new batches must also be worth their change: the revised
+    plan's round, predicted with the refitted models, must be at least
+    ``min_gain`` shorter than the round of the batches in force under the same
+    models; otherwise the revision keeps the batches in force and only its
+    predicted times are refitted. Where push and pull are most of the round
+    and the steps are a few milliseconds, a step's noise can read as a drift
+    whose revised batches gain nothing: on one H200 and three CPU core sets
+    (BENCHMARKS.md, "On a GPU") a revision moved 108 of 128 samples off the
+    GPU for a predicted round 2.6% shorter (40.0 to 39.0 ms; the run's
+    reports replayed).
+
     A worker's first ``warmup`` reports, and its first ``warmup`` at each batch
     it has not reported just before (a revised plan's), are left out of both the
     average and the fit: a worker's first rounds on real processes take many
@@ -154,6 +170,8 @@ class Replanner:
       cooldown: least seconds between two revisions.
       min_observations: reports from a worker before its drift counts.
       warmup: reports left out after a worker starts or changes batch.
+      min_gain: under ``hps``, the least share of the round that new batches
+        must save, as predicted, to replace those in force (0: always).
 
     Examples:
       >>> workers = [WorkerProfile.synthetic(i, 100.0) for i in range(2)]
@@ -179,6 +197,7 @@ class Replanner:
         cooldown: float = 30.0,
         min_observations: int = 3,
         warmup: int = 2,
+        min_gain: float = 0.05,
     ):
         if not isinstance(plan, WorkPlan):
             raise ValueError(f"plan must be a WorkPlan, got {type(plan).__name__}")
@@ -189,6 +208,9 @@ class Replanner:
         self._cooldown = float(cooldown)
         self._min_observations = check_int("min_observations", min_observations, low=1)
         self._warmup = check_int("warmup", warmup, low=0)
+        if not is_number(min_gain) or not 0.0 <= min_gain < 1.0:
+            raise ValueError(f"min_gain must be a number in [0, 1), got {min_gain!r}")
+        self._min_gain = float(min_gain)
         # Per worker: the batch of its last report, and its reports since that
         # batch began.
         self._run: dict = {}
@@ -289,9 +311,7 @@ class Replanner:
             for w in self._plan.workers
         ]
         old = self._plan
-        revised = _solve(
-            models,
-            old.scheme,
+        settings = dict(
             global_batch=old.global_batch,
             lr_scaling=old.lr_scaling,
             reference_batch=old.reference_batch,
@@ -306,8 +326,30 @@ class Replanner:
             base_compress_ratio=old.base_compress_ratio,
             server_seconds=old.server_seconds,
         )
+        revised = _solve(models, old.scheme, **settings)
+        if not self._worth_it(models, revised):
+            # The batches stay; the times predicted for them are refitted.
+            revised = _solve(
+                models, old.scheme, **settings,
+                device_batches=[[d.batch_size for d in w.devices] for w in old.workers],
+            )  # fmt: skip
         self._install(revised, now)
         return self._plan
+
+    def _worth_it(self, models: list[_WorkerModel], revised: WorkPlan) -> bool:
+        """Whether ``revised`` saves at least ``min_gain`` of the round that the
+        batches in force would take under the same refitted ``models``."""
+        old = self._plan
+        if old.scheme != "hps" or self._min_gain == 0.0:
+            return True
+        kept, _ = _round_and_queue(
+            models,
+            [[d.batch_size for d in w.devices] for w in old.workers],
+            [w.local_steps for w in old.workers],
+            old.server_seconds,
+            old.scheme,
+        )
+        return revised.round_time <= (1.0 - self._min_gain) * kept
 
     def _install(self, revised: WorkPlan, now: float) -> None:
         """Puts ``revised`` in force at ``now``; the averages restart."""

@@ -387,14 +387,22 @@ def _solve(
     stage_multipliers: tuple[int, ...] = (),
     base_compress_ratio: float = 1.0,
     server_seconds: float = 0.0,
+    device_batches: Sequence[Sequence[int]] | None = None,
 ) -> WorkPlan:
     """The plan of ``models`` under ``scheme``: :func:`hpsjax.planning.plan`'s
-    arguments, checked, with the workers as time models."""
+    arguments, checked, with the workers as time models; ``device_batches``,
+    where given, are kept (each worker's per device) and the rest is planned
+    around them."""
     limits = _checked_limits(models, global_batch, min_device_batch, min_batch)
-    device_batches = _device_batches(
-        models, limits, scheme, global_batch, local_steps, min_device_batch, min_batch
-    )
-    if scheme == "hps" and server_seconds > 0 and len(models) > 1:
+    kept = device_batches is not None
+    if kept:
+        device_batches = [list(b) for b in device_batches]
+    else:
+        device_batches = _device_batches(
+            models, limits, scheme, global_batch, local_steps, min_device_batch,
+            min_batch,
+        )  # fmt: skip
+    if not kept and scheme == "hps" and server_seconds > 0 and len(models) > 1:
         device_batches = _staggered_if_shorter(
             models, limits, device_batches, global_batch, local_steps, server_seconds
         )

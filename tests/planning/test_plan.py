@@ -414,7 +414,10 @@ def test_profile_json_round_trip():
         ({"memory_fraction": 0.0}, r"memory_fraction must be in \(0, 1\]"),
         ({"memory_fraction": 1.5}, r"memory_fraction must be in \(0, 1\]"),
         ({"check_period": 1.0}, "apply to 'adsp' only"),
-        ({"scheme": "adsp", "check_period": 0.0}, "check_period must be a finite number > 0"),
+        (
+            {"scheme": "adsp", "check_period": 0.0},
+            "check_period must be a finite number > 0",
+        ),
         ({"scheme": "adsp", "commits_per_period": 0}, "commits_per_period must"),
     ],
 )
@@ -431,9 +434,13 @@ def test_plan_bad_profiles():
         plan([W(0, 1.0), W(0, 2.0)], global_batch=8)
     with pytest.raises(ValueError, match="WorkerProfile objects"):
         plan([{"worker_id": 0}], global_batch=8)
-    with pytest.raises(ValueError, match="samples_per_second must be a finite number > 0"):
+    with pytest.raises(
+        ValueError, match="samples_per_second must be a finite number > 0"
+    ):
         plan([W(0, 1.0), W(1, 0.0)], global_batch=8)
-    with pytest.raises(ValueError, match="samples_per_second must be a finite number > 0"):
+    with pytest.raises(
+        ValueError, match="samples_per_second must be a finite number > 0"
+    ):
         W(1, [1.0, -2.0])
     with pytest.raises(ValueError, match="step time must be a finite number > 0"):
         DeviceProfile(0, "cpu", "cpu", (8, 16), (0.1, 0.0))
@@ -549,7 +556,9 @@ def test_replanner_keeps_a_batch_one_worker_from_the_biggest_batch():
     # and 3, with the same cost per sample. Its reports all come at batch 1.
     p = plan(_fixed_cost_workers(), global_batch=256, min_batch=1)
     assert _batches(p) == [1, 127, 1, 127]
-    replanner = Replanner(p, cooldown=0.0, min_observations=3, warmup=0)
+    # Worker 2's fixed cost sets the round with either batches: min_gain 0
+    # lets the revision show the refit's reading.
+    replanner = Replanner(p, cooldown=0.0, min_observations=3, warmup=0, min_gain=0.0)
     revised = None
     for k in range(3):
         revised = replanner.observe(0, 1, 0.05 + 1e-4, now=float(k))
@@ -560,6 +569,43 @@ def test_replanner_keeps_a_batch_one_worker_from_the_biggest_batch():
     # Now as fast as workers 1 and 3, not twice as fast per sample.
     b = _batches(revised)
     assert b[2] == 1 and max(b) - min(b[0], b[1], b[3]) <= 1
+
+
+def test_replanner_keeps_batches_that_new_ones_would_not_beat():
+    # As on one H200 beside CPU workers: rounds of 10-14 ms of push and pull,
+    # steps of a millisecond. Worker 0's steps read 4x the profile's; new
+    # batches would save under 5% of the round, so the batches stay and only
+    # the predicted times are refitted (min_gain 0: the batches move).
+    profiles = [
+        W(0, 1.2e5, transfer_seconds=0.010),
+        W(1, 2.5e4, overhead=3e-4, transfer_seconds=0.013),
+        W(2, 5e4, overhead=1.4e-3, transfer_seconds=0.014),
+        W(3, 6e3, transfer_seconds=0.011),
+    ]
+    p = plan(profiles, global_batch=128, min_batch=4)
+    moved = {}
+    for gain in (0.05, 0.0):
+        replanner = Replanner(
+            p, cooldown=0.0, min_observations=3, warmup=0, min_gain=gain
+        )
+        revised = None
+        for k in range(3):
+            for w in p.workers:
+                t = w.step_time * (4.0 if w.worker_id == 0 else 1.0)
+                revised = (
+                    replanner.observe(w.worker_id, w.batch_size, t, float(k)) or revised
+                )
+        assert revised is not None and revised.revision == 1
+        slope = revised.worker(0).devices[0].time_slope
+        assert slope == pytest.approx(4 * p.worker(0).devices[0].time_slope)
+        moved[gain] = _batches(revised) != _batches(p)
+        kept = max(w.step_time + w.transfer_seconds for w in revised.workers)
+        if not moved[gain]:
+            # The batches in force, their round predicted from the refit.
+            assert revised.round_time == pytest.approx(kept, rel=0.01)
+    assert moved == {0.05: False, 0.0: True}
+    with pytest.raises(ValueError, match="min_gain must be a number in"):
+        Replanner(p, min_gain=1.0)
 
 
 def _proc4_like(run_factor=1.0):
