@@ -749,7 +749,22 @@ def test_a_worker_made_slow_mid_run_gets_less_work():
     assert replanner.plan.revision >= 1
     assert sum(w.batch_size for w in replanner.plan.workers) == 256
     moved = [r for r in w0 if less_work_after_the_slowdown(r)]
-    assert moved, [(r["time"], r["plan_revision"], r["batch_size"]) for r in w0]
+    if not moved:  # what each worker ran, revision by revision, to read why
+
+        def runs(rounds):
+            spans = {}
+            for r in rounds:
+                key = (r["plan_revision"], r["batch_size"])
+                first, _, n = spans.get(key, (r["time"], r["time"], 0))
+                spans[key] = (first, r["time"], n + 1)
+            return [(k, f"{a:.1f}-{b:.1f} s", n) for k, (a, b, n) in spans.items()]
+
+        pytest.fail(
+            f"w0 never ran on less work after the slowdown at {switch:.1f} s; "
+            f"(revision, batch): span, rounds: w0 {runs(w0)}; w1 {runs(w1)}; "
+            f"the plan in force: revision {replanner.plan.revision}, batches "
+            f"{[w.batch_size for w in replanner.plan.workers]}"
+        )
     assert all(r["lr_scale"] == 1.0 for r in moved)
 
 
