@@ -14,12 +14,7 @@ from typing import Any
 
 from hpsjax._checks import check_int, check_positive, is_number
 from hpsjax._ewma import ewma
-from hpsjax.planning._solve import (
-    _model_from_worker_plan,
-    _round_and_queue,
-    _solve,
-    _WorkerModel,
-)
+from hpsjax.planning._solve import _model_from_worker_plan, _solve, _WorkerModel
 from hpsjax.planning._workplan import WorkerPlan, WorkPlan
 
 __all__ = ["Replanner", "check_report"]
@@ -327,29 +322,17 @@ class Replanner:
             server_seconds=old.server_seconds,
         )
         revised = _solve(models, old.scheme, **settings)
-        if not self._worth_it(models, revised):
-            # The batches stay; the times predicted for them are refitted.
-            revised = _solve(
+        if old.scheme == "hps" and self._min_gain > 0.0:
+            # The batches in force, their times refitted: kept unless the new
+            # batches save min_gain of its predicted round.
+            kept = _solve(
                 models, old.scheme, **settings,
                 device_batches=[[d.batch_size for d in w.devices] for w in old.workers],
             )  # fmt: skip
+            if revised.round_time > (1.0 - self._min_gain) * kept.round_time:
+                revised = kept
         self._install(revised, now)
         return self._plan
-
-    def _worth_it(self, models: list[_WorkerModel], revised: WorkPlan) -> bool:
-        """Whether ``revised`` saves at least ``min_gain`` of the round that the
-        batches in force would take under the same refitted ``models``."""
-        old = self._plan
-        if old.scheme != "hps" or self._min_gain == 0.0:
-            return True
-        kept, _ = _round_and_queue(
-            models,
-            [[d.batch_size for d in w.devices] for w in old.workers],
-            [w.local_steps for w in old.workers],
-            old.server_seconds,
-            old.scheme,
-        )
-        return revised.round_time <= (1.0 - self._min_gain) * kept
 
     def _install(self, revised: WorkPlan, now: float) -> None:
         """Puts ``revised`` in force at ``now``; the averages restart."""
