@@ -352,7 +352,9 @@ def bench_big(shapes, workdir, loop_name, repeats, link_rate=None, detail=False)
                     _, _, version = await c.push_pull(update, version=version)
                     t4 = time.perf_counter()
                     assert ack.applied
-                    for key, dt in zip(t, (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
+                    for key, dt in zip(
+                        t, (t1 - t0, t2 - t1, t3 - t2, t4 - t3), strict=True
+                    ):
                         t[key].append(dt)
                 _, peak = server.memory()
                 apply = None

@@ -25,7 +25,10 @@
 # seconds per run (default 20), WHEELS the wheel directory below, DEADLINE
 # the seconds the whole check may take (default: no limit): a step is cut to
 # the time left, and steps that would start with less than 20 s left are
-# skipped, each marked in the table.
+# skipped, each marked in the table. STEPS picks the steps, by name and in the
+# order below (default: all of them: devices lm_devices lm_step tests codecs
+# ps); TESTS the fast suite's pytest selection (default: tests, the docs'
+# tests left out) and TESTS_LIMIT its seconds (default 150).
 #
 # The packages the GPU image may lack (msgspec, tensorboardX,
 # ...) are installed first from wheels carried in a local directory, never
@@ -50,6 +53,9 @@ WHEELS="${WHEELS:-$REPO/wheels}"
 DEVICES="${DEVICES:-gpu:0, cpu:4, cpu:2, cpu:1}"
 DEVICE_BUDGET="${DEVICE_BUDGET:-20}"
 DEADLINE="${DEADLINE:-0}"
+STEPS=" ${STEPS:-devices lm_devices lm_step tests codecs ps} "
+TESTS="${TESTS:-tests}"
+TESTS_LIMIT="${TESTS_LIMIT:-150}"
 mkdir -p "$OUT" || exit 2
 export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
 START=$(date +%s)
@@ -113,6 +119,12 @@ fi
 status=0
 rows=()
 row() { rows+=("| $1 | $2 |"); }
+want() { [[ "$STEPS" == *" $1 "* ]]; }
+for s in $STEPS; do
+    case $s in devices | lm_devices | lm_step | tests | codecs | ps) ;;
+    *) say "STEPS: unknown step '$s'; valid: devices lm_devices lm_step tests codecs ps"; exit 2 ;;
+    esac
+done
 
 # Runs "$@" with a time limit of $1 seconds (cut to what DEADLINE leaves),
 # its output in $OUT/$2.log; status 125 when too little time is left to start.
@@ -191,10 +203,11 @@ run_suite() {
 }
 
 # --- 2. The real-device suites. ---------------------------------------------
-run_suite devices
-run_suite lm_devices
+want devices && run_suite devices
+want lm_devices && run_suite lm_devices
 
 # --- 3. The language model's step on the GPU and on CPU cores. --------------
+if want lm_step; then
 step 150 lm_step "$PY" benchmarks/bench_lm_devices.py --json "$OUT/lm_step.json"
 rc=$?
 [ "$rc" -eq 0 ] || status=1
@@ -217,17 +230,25 @@ EOF
 else
     row "language model step" "no results ($(cat "$OUT/lm_step.time"), status $rc)"
 fi
+fi
 
 # --- 4. The fast suite on the GPU. ------------------------------------------
 # The project's addopts may ask for pytest-xdist, which the image may lack.
-step 150 tests "$PY" -m pytest -q -o "addopts=-ra --strict-markers" -m "not slow" -rf \
-    -p no:cacheprovider -p no:benchmark "${XDIST[@]}" --ignore=tests/docs tests
+if want tests; then
+# shellcheck disable=SC2086  # TESTS is a list of pytest arguments
+step "$TESTS_LIMIT" tests "$PY" -m pytest -q -o "addopts=-ra --strict-markers" \
+    -m "not slow" -rf -p no:cacheprovider -p no:benchmark "${XDIST[@]}" \
+    --ignore=tests/docs $TESTS
 rc=$?
 summary="$(grep -E '(passed|failed|error)' "$OUT/tests.log" | tail -1 | sed 's/=//g; s/^ *//')"
 row "fast tests on $GPU" "${summary:-no summary (status $rc)} ($(cat "$OUT/tests.time"))"
+while IFS= read -r line; do row "fast test failed on $GPU" "${line#FAILED }"; done \
+    < <(grep -E '^(FAILED|ERROR) ' "$OUT/tests.log")
 [ "$rc" -eq 0 ] || status=1
+fi
 
 # --- 5. The codec benchmark on the GPU. -------------------------------------
+if want codecs; then
 step 60 codecs "$PY" benchmarks/bench_quantize.py --size $((64 * 2**20)) --repeats 5
 rc=$?
 [ "$rc" -eq 0 ] || status=1
@@ -243,9 +264,10 @@ for line in open(sys.argv[1]):
               f"{cols[5]}x a jitted copy, {cols[6]}x fewer bytes |")
 EOF
 )
+fi
 
 # --- 6. The server benchmark, its state on the CPU and on the GPU. ----------
-for where in cpu gpu; do
+want ps && for where in cpu gpu; do
     step 60 "ps_$where" "$PY" benchmarks/bench_ps.py --only small,fan_in --quick \
         --json "$OUT/ps_$where.json" --server_args "--device $where"
     rc=$?

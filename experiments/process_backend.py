@@ -25,7 +25,13 @@ import numpy as np
 
 from experiments import build, registry
 from experiments.configs.schema import ExperimentConfig
-from experiments.run_output import RunOutput, _evaluate, _progress_bar, _replanner
+from experiments.run_output import (
+    RunOutput,
+    _advance,
+    _evaluate,
+    _progress_bar,
+    _replanner,
+)
 from experiments.worker_flags import _job, _placements, _run_env, _worker_places
 from hpsjax import telemetry
 from hpsjax._config_flags import argv_of
@@ -274,7 +280,7 @@ async def _serve_and_train(
                 )
                 next_eval += every
                 if bar is not None:
-                    bar.update(round(offset + min(elapsed, duration) - bar.n, 6))
+                    _advance(bar, offset + min(elapsed, duration))
                     bar.set_postfix(v=server.core.version)
             if end:
                 break

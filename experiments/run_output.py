@@ -199,6 +199,13 @@ def _progress_bar(enabled: bool, total: float, unit: str) -> Any:
     )
 
 
+def _advance(bar: Any, value: float) -> None:
+    """Moves ``bar`` to ``value`` (at most its total: rounded sums of the
+    steps could pass it, which tqdm warns of)."""
+    bar.n = min(float(bar.total), float(value))
+    bar.refresh()
+
+
 def _streaming_bits(worker: ExperimentConfig) -> int | str | None:
     """``worker.streaming_bits``: an int, ``"e2m1"`` (4-bit floats) or None."""
     bits = worker.streaming_bits

@@ -14,6 +14,7 @@ from experiments import build, registry
 from experiments.configs.schema import ExperimentConfig
 from experiments.run_output import (
     RunOutput,
+    _advance,
     _eval_metrics,
     _overlap,
     _progress_bar,
@@ -125,7 +126,7 @@ def run_sim(
 
     def callback(record: dict) -> None:
         if bar is not None:
-            bar.update(round(profile_seconds + record["time"] - bar.n, 6))
+            _advance(bar, profile_seconds + record["time"])
             value = setup.summarize(_eval_metrics(record)).get(metric, math.nan)
             bar.set_postfix({metric: f"{value:.3f}", "v": record["version"]})
 

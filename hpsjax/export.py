@@ -8,7 +8,8 @@ also an ``--init`` for a new run):
   the server stops (SIGINT or SIGTERM);
 * ``hpsjax-export CKPT_DIR params.npz`` (or ``python -m hpsjax.export``)
   writes those of the newest checkpoint in a server's ``--checkpoint_dir`` (or
-  of ``--step N``), at any time, also while the server runs. For a model split over server shards,
+  of ``--step N``), at any time, also while the server runs. For a model
+  split over server shards,
   ``CKPT_DIR`` is the directory that holds the ``shard_<i>_of_<n>``
   directories; the shards' newest checkpoints are joined into one model.
 

@@ -102,6 +102,7 @@ __all__ = [
     "DEFAULT_POLICY",
     "POLICIES",
     "SSP",
+    "Scheme",
     "Action",
     "Applied",
     "AuthError",

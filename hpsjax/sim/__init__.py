@@ -6,6 +6,7 @@ simulated workers that compute real gradients: a scheme can be studied on 4 or
 400 workers of any mix of speeds and links, reproducibly, on one machine.
 """
 
+from hpsjax.sim._halos import HalosCore
 from hpsjax.sim._simulate import (
     OVERLAP_MODES,
     ApplyRecord,
@@ -17,7 +18,6 @@ from hpsjax.sim._simulate import (
     SimResult,
     simulate,
 )
-from hpsjax.sim._halos import HalosCore
 from hpsjax.sim._workers import ComputeModel, WorkerSpec, make_workers
 
 __all__ = [

@@ -100,9 +100,7 @@ class _ServerSide:
         make: Any = ServerCore
         if getattr(policy, "name", None) == "halos":
             # Local servers per region under a global one (hpsjax.sim._halos).
-            make = functools.partial(
-                HalosCore, worker_ids=[w.id for w in self.workers]
-            )
+            make = functools.partial(HalosCore, worker_ids=[w.id for w in self.workers])
         self.core = make(
             params,
             server_optimizer,

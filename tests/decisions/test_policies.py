@@ -83,7 +83,8 @@ def test_registry_names_and_objects():
         (
             ("nope",),
             {},
-            "valid names are adsp, asp, bsp, halos, hybrid, naive_optimal, ringleader, ringmaster, saps",
+            "valid names are adsp, asp, bsp, halos, hybrid, naive_optimal, "
+            "ringleader, ringmaster, saps",
         ),
         (("ssp",), {"staleness_bound": -1}, "staleness_bound must be an int >= 0"),
         (("ssp",), {"staleness_bound": 1.5}, "staleness_bound"),

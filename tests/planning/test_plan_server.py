@@ -15,6 +15,7 @@ import time
 import numpy as np
 import pytest
 
+from hpsjax.planning._solve import _queue_seconds
 from hpsjax.profiling import (
     Replanner,
     TransferProfile,
@@ -23,7 +24,6 @@ from hpsjax.profiling import (
     measure_transfer,
     plan,
 )
-from hpsjax.planning._solve import _queue_seconds
 
 SPEEDS = [100.0, 100.0, 200.0, 400.0]  # samples per second
 

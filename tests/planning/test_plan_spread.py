@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from hpsjax.planning._solve import _expected_slowest
 from hpsjax.profiling import (
     DeviceProfile,
     Replanner,
@@ -24,7 +25,6 @@ from hpsjax.profiling import (
     plan,
     profile,
 )
-from hpsjax.planning._solve import _expected_slowest
 from hpsjax.profiling._profile import _filled_spread
 
 SPEEDS = [100.0, 100.0, 200.0, 400.0]  # samples per second

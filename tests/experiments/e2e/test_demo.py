@@ -137,7 +137,8 @@ def test_four_workers_train_a_least_squares_model():
 def test_a_spec_names_demo():
     tx = sparse_push_transform('{"name": "demo", "topk": 2, "chunk": 8}')
     q, _ = tx.update(jnp.ones(16), tx.init(jnp.ones(16)))
-    assert int(jnp.count_nonzero(q)) == 2  # a constant chunk has one coefficient
+    # A constant chunk has one coefficient (the others round to about 1e-8).
+    assert int(jnp.sum(jnp.abs(q) > 1e-6)) == 2
 
 
 @pytest.mark.parametrize(

@@ -17,9 +17,7 @@ REPO = pathlib.Path(__file__).resolve().parents[3]
 def _script(tmp_path: pathlib.Path) -> pathlib.Path:
     """``hpsjax-export`` as pip writes a console script: a file of that name
     that imports the entry point pyproject.toml declares and exits with it."""
-    scripts = tomllib.loads((REPO / "pyproject.toml").read_text())["project"][
-        "scripts"
-    ]
+    scripts = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
     module, _, function = scripts["hpsjax-export"].partition(":")
     path = tmp_path / "hpsjax-export"
     path.write_text(

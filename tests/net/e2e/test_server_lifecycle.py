@@ -35,8 +35,9 @@ def _devices_of(tree):
 
 @pytest.mark.parametrize("process_default", [None, "cpu"])
 def test_the_server_state_is_on_the_host_cpu_by_default(process_default):
-    # With a default device set for the process, the server sets its own on
-    # every entry (the path a GPU host's server takes); without, it need not.
+    # With a default device set for the process, or where the process's first
+    # device is not the host CPU (a GPU host), the server sets its own on every
+    # entry; with neither, it need not.
     context = (
         contextlib.nullcontext()
         if process_default is None
@@ -46,7 +47,9 @@ def test_the_server_state_is_on_the_host_cpu_by_default(process_default):
     async def main():
         with context:
             server = Server(_params(), optax.sgd(0.1, momentum=0.9), secret=SECRET)
-        assert server._device_is_default is (process_default is None)
+        assert server._device_is_default is (
+            process_default is None and jax.devices()[0].platform == "cpu"
+        )
         async with server:
             assert describe_device(server.device) == "cpu:0"
             async with Client(

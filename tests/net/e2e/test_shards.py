@@ -619,7 +619,7 @@ def test_server_cli_loads_only_its_shard(tmp_path):
         server_cli.load_npz_shard(compressed, s, 2, split_leaves=True) for s in range(2)
     ]
     _assert_trees_equal(loaded[0][1].merge([part for part, _ in loaded]), whole)
-    with pytest.raises(ValueError, match="shard must be (an int )?in"):
+    with pytest.raises(ValueError, match=r"shard must be (an int )?in"):
         server_cli.load_npz_shard(path, 3, 3)
     with pytest.raises(ValueError, match="at most 3"):
         server_cli.load_npz_shard(path, 0, 4)
