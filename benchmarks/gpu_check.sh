@@ -56,11 +56,18 @@ DEADLINE="${DEADLINE:-0}"
 STEPS=" ${STEPS:-devices lm_devices lm_step tests codecs ps} "
 TESTS="${TESTS:-tests}"
 TESTS_LIMIT="${TESTS_LIMIT:-150}"
-mkdir -p "$OUT" || exit 2
 export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
 START=$(date +%s)
 
 say() { echo "gpu_check: $*"; }
+
+for step_name in $STEPS; do
+    case $step_name in devices | lm_devices | lm_step | tests | codecs | ps) ;;
+    *) say "STEPS: unknown step '$step_name'; valid: devices lm_devices" \
+        "lm_step tests codecs ps"; exit 2 ;;
+    esac
+done
+mkdir -p "$OUT" || exit 2
 
 # --- 0. Dependencies: installed from local wheels only. ---------------------
 # module:package pairs hpsjax, its tests and the suite import.
@@ -120,11 +127,6 @@ status=0
 rows=()
 row() { rows+=("| $1 | $2 |"); }
 want() { [[ "$STEPS" == *" $1 "* ]]; }
-for s in $STEPS; do
-    case $s in devices | lm_devices | lm_step | tests | codecs | ps) ;;
-    *) say "STEPS: unknown step '$s'; valid: devices lm_devices lm_step tests codecs ps"; exit 2 ;;
-    esac
-done
 
 # Runs "$@" with a time limit of $1 seconds (cut to what DEADLINE leaves),
 # its output in $OUT/$2.log; status 125 when too little time is left to start.

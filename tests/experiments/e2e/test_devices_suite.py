@@ -215,3 +215,13 @@ def test_a_diverging_processes_run_says_when_in_the_table(
     assert 3 in summary["info"]["worker_returncodes"]
     row = compare.format_table([summary]).splitlines()[-1]
     assert f"diverged at t = {diverged['time']:.1f} s" in row
+
+
+def test_gpu_check_refuses_an_unknown_step_before_anything(tmp_path):
+    out = _gpu_check({"PYTHON": sys.executable, "STEPS": "tests bogus"}, tmp_path)
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert out.stdout.strip().splitlines() == [
+        "gpu_check: STEPS: unknown step 'bogus'; valid: devices lm_devices "
+        "lm_step tests codecs ps"
+    ]
+    assert not (tmp_path / "out").exists()
