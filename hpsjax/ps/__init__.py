@@ -60,11 +60,13 @@ from hpsjax.net import (
 )
 from hpsjax.ps._options import (
     RUN_SCHEMES,
-    Scheme,
     ServerOptions,
     get_scheme,
     parse_server,
     server_options,
+)
+from hpsjax.ps._options import (
+    Scheme as Scheme,  # documented with hpsjax.config
 )
 from hpsjax.storage import Checkpoint, CheckpointError, CheckpointManager
 from hpsjax.wire import (
@@ -102,7 +104,6 @@ __all__ = [
     "DEFAULT_POLICY",
     "POLICIES",
     "SSP",
-    "Scheme",
     "Action",
     "Applied",
     "AuthError",
