@@ -53,7 +53,8 @@ WHEELS="${WHEELS:-$REPO/wheels}"
 DEVICES="${DEVICES:-gpu:0, cpu:4, cpu:2, cpu:1}"
 DEVICE_BUDGET="${DEVICE_BUDGET:-20}"
 DEADLINE="${DEADLINE:-0}"
-STEPS=" ${STEPS:-devices lm_devices lm_step tests codecs ps} "
+ALL_STEPS="devices lm_devices lm_step tests codecs ps"
+STEPS=" ${STEPS:-$ALL_STEPS} "
 TESTS="${TESTS:-tests}"
 TESTS_LIMIT="${TESTS_LIMIT:-150}"
 export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
@@ -62,10 +63,10 @@ START=$(date +%s)
 say() { echo "gpu_check: $*"; }
 
 for step_name in $STEPS; do
-    case $step_name in devices | lm_devices | lm_step | tests | codecs | ps) ;;
-    *) say "STEPS: unknown step '$step_name'; valid: devices lm_devices" \
-        "lm_step tests codecs ps"; exit 2 ;;
-    esac
+    if [[ " $ALL_STEPS " != *" $step_name "* ]]; then
+        say "STEPS: unknown step '$step_name'; valid: $ALL_STEPS"
+        exit 2
+    fi
 done
 mkdir -p "$OUT" || exit 2
 
